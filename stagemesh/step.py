@@ -1,4 +1,4 @@
-"""What a stage is told each step: plain dataclasses, no protobuf.
+"""A pipeline step as the scheduler sends it to every stage: plain dataclasses, no protobuf.
 
 The scheduler sends a sequence's prompt and sampling parameters once
 (NewSequence), then per step only the chunk of new tokens and any newly
