@@ -1,0 +1,9 @@
+"""Kernels: Triton on CUDA, torch references on CPU, behind one dispatch."""
+from kernels.dispatch import (  # noqa: F401
+    apply_rotary,
+    build_cos_sin_cache,
+    paged_attention,
+    rms_norm,
+    silu_and_mul,
+    write_kv_cache,
+)

@@ -59,11 +59,13 @@ class ModelConfig:
         return 2 * layers * self.num_key_value_heads * self.head_dim * dtype_bytes
 
     def valid_tp_sizes(self, limit: int = 64) -> list[int]:
-        """TP sizes that divide the attention heads (KV heads get replicated)."""
-        return [tp for tp in range(1, limit + 1) if self.num_attention_heads % tp == 0]
+        """TP sizes that divide the attention heads and split or replicate the KV heads evenly."""
+        kv = self.num_key_value_heads
+        return [tp for tp in range(1, limit + 1)
+                if self.num_attention_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)]
 
     def check_tp_size(self, tp_size: int) -> None:
-        if tp_size < 1 or self.num_attention_heads % tp_size:
+        if tp_size not in self.valid_tp_sizes(max(tp_size, 1)):
             valid = ", ".join(str(t) for t in self.valid_tp_sizes())
             raise StagemeshError(
                 f"--tensor-parallel-size {tp_size} does not divide the model's "

@@ -1,0 +1,62 @@
+"""One entry point per kernel: Triton on CUDA tensors, the torch reference elsewhere.
+
+STAGEMESH_KERNELS=torch|triton forces one (Triton on CPU needs TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels import reference
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    forced = os.environ.get("STAGEMESH_KERNELS", "").lower()
+    if forced == "torch":
+        return False
+    if forced == "triton":
+        return True
+    return t.is_cuda
+
+
+def _triton():
+    # imported lazily: CPU-only serving never needs triton
+    from kernels import triton_ops
+
+    return triton_ops
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    impl = _triton() if _use_triton(k) and _has("write_kv_cache") else reference
+    impl.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+    impl = _triton() if _use_triton(q) and _has("paged_attention") else reference
+    return impl.paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    impl = _triton() if _use_triton(x) and _has("rms_norm") else reference
+    return impl.rms_norm(x, weight, eps, residual)
+
+
+def apply_rotary(q, k, positions, cos_sin_cache):
+    impl = _triton() if _use_triton(q) and _has("apply_rotary") else reference
+    return impl.apply_rotary(q, k, positions, cos_sin_cache)
+
+
+def silu_and_mul(x):
+    impl = _triton() if _use_triton(x) and _has("silu_and_mul") else reference
+    return impl.silu_and_mul(x)
+
+
+build_cos_sin_cache = reference.build_cos_sin_cache
+
+
+def _has(name: str) -> bool:
+    try:
+        return hasattr(_triton(), name)
+    except ImportError:
+        return False
