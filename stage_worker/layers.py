@@ -1,0 +1,112 @@
+"""Plain layers whose parameters know which checkpoint slices fill them.
+
+Tensor parallelism lives here, not in the model's forward: each parameter
+carries `shards`, a list of (checkpoint name, dim, start, length, dest offset)
+that the weight loader reads with safetensors slices. A column-parallel layer
+takes rows, a row-parallel layer takes columns and all-reduces its output.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stage_worker.parallel import TPGroup, vocab_range
+
+
+class Shard(NamedTuple):
+    name: str  # tensor name in the checkpoint
+    dim: int  # dimension sliced in the checkpoint tensor (and the parameter)
+    start: int  # first index taken from the checkpoint tensor
+    length: int  # how many indices
+    dest: int  # where they go in the parameter along dim
+
+
+def new_param(shape: tuple[int, ...], dtype: torch.dtype, device, shards: list[Shard]) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+    param.shards = shards
+    return param
+
+
+def full(name: str, rows: int) -> list[Shard]:
+    """A replicated tensor: the whole of it, sliced along dim 0 from 0."""
+    return [Shard(name, 0, 0, rows, 0)]
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b); W is already this rank's shard. Row-parallel ones all-reduce."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None, reduce: TPGroup | None = None):
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return self.reduce.all_reduce(y) if self.reduce is not None else y
+
+
+def column_parallel(parts: list[tuple[str, int, int]], in_features: int, dtype, device,
+                    bias: bool = False) -> Linear:
+    """Merged column-parallel linear: parts are (checkpoint prefix, row start, rows) stacked in order."""
+    rows = sum(n for _, _, n in parts)
+    offsets = [sum(n for _, _, n in parts[:i]) for i in range(len(parts))]
+    weight = new_param((rows, in_features), dtype, device,
+                       [Shard(f"{p}.weight", 0, s, n, o) for (p, s, n), o in zip(parts, offsets)])
+    b = None
+    if bias:
+        b = new_param((rows,), dtype, device, [Shard(f"{p}.bias", 0, s, n, o) for (p, s, n), o in zip(parts, offsets)])
+    return Linear(weight, b)
+
+
+def row_parallel(prefix: str, out_features: int, start: int, cols: int, tp: TPGroup, dtype, device) -> Linear:
+    weight = new_param((out_features, cols), dtype, device, [Shard(f"{prefix}.weight", 1, start, cols, 0)])
+    return Linear(weight, reduce=tp)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a slice of the vocabulary; lookups outside it give zeros, summed over ranks."""
+
+    def __init__(self, name: str, vocab_size: int, hidden: int, tp: TPGroup, dtype, device):
+        super().__init__()
+        self.tp = tp
+        self.start, self.stop, per = vocab_range(vocab_size, tp)
+        self.weight = new_param((per, hidden), dtype, device, [Shard(name, 0, self.start, self.stop - self.start, 0)])
+        if self.stop - self.start < per:
+            self.weight.data[self.stop - self.start:].zero_()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (ids < self.start) | (ids >= self.stop)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Vocab-parallel LM head: local logits, all-gathered into the full vocabulary."""
+
+    def __init__(self, name: str, vocab_size: int, hidden: int, tp: TPGroup, dtype, device):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        start, stop, per = vocab_range(vocab_size, tp)
+        self.weight = new_param((per, hidden), dtype, device, [Shard(name, 0, start, stop - start, 0)])
+        if stop - start < per:
+            self.weight.data[stop - start:].zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.weight)
+        return self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, name: str, size: int, eps: float, dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = new_param((size,), dtype, device, full(name, size))

@@ -1,0 +1,138 @@
+"""A contiguous slice of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3).
+
+The forward is the plain model; tensor parallelism comes from the layers'
+shard-aware parameters (stage_worker.layers). Attention runs over the paged
+KV cache through kernels.dispatch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import kernels
+from stagemesh.model_config import ModelConfig
+from stage_worker.layers import (RMSNorm, ParallelLMHead, VocabParallelEmbedding, column_parallel,
+                                 row_parallel)
+from stage_worker.parallel import HeadShard, TPGroup, shard_range
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens sit in the paged cache (kernel API in kernels.dispatch)."""
+
+    positions: torch.Tensor  # [tokens] int64
+    slot_mapping: torch.Tensor  # [tokens] int64
+    block_tables: torch.Tensor  # [seqs, max_blocks] int32
+    context_lens: torch.Tensor  # [seqs] int32, after this step
+    query_start_loc: torch.Tensor  # [seqs + 1] int32
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str, tp: TPGroup, dtype, device):
+        super().__init__()
+        shard = HeadShard.for_rank(cfg, tp)
+        d = self.head_dim = cfg.head_dim
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
+        self.scale = d ** -0.5
+        self.qkv_proj = column_parallel([
+            (f"{prefix}.q_proj", shard.q_start * d, shard.num_heads * d),
+            (f"{prefix}.k_proj", shard.kv_start * d, shard.num_kv_heads * d),
+            (f"{prefix}.v_proj", shard.kv_start * d, shard.num_kv_heads * d),
+        ], cfg.hidden_size, dtype, device, bias=cfg.attention_bias)
+        self.o_proj = row_parallel(f"{prefix}.o_proj", cfg.hidden_size, shard.q_start * d, shard.num_heads * d,
+                                   tp, dtype, device)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(f"{prefix}.q_norm.weight", d, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(f"{prefix}.k_norm.weight", d, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                cos_sin: torch.Tensor) -> torch.Tensor:
+        tokens, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
+        q, k, v = q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)
+        if self.q_norm is not None:
+            q = kernels.rms_norm(q, self.q_norm.weight, self.q_norm.eps)[0]
+            k = kernels.rms_norm(k, self.k_norm.weight, self.k_norm.eps)[0]
+        q, k = kernels.apply_rotary(q, k, meta.positions, cos_sin)
+        k_cache, v_cache = kv_cache
+        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                      meta.query_start_loc, self.scale)
+        return self.o_proj(out.reshape(tokens, self.num_heads * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str, tp: TPGroup, dtype, device):
+        super().__init__()
+        start, per = shard_range(cfg.intermediate_size, tp, "intermediate_size")
+        self.gate_up_proj = column_parallel([(f"{prefix}.gate_proj", start, per), (f"{prefix}.up_proj", start, per)],
+                                            cfg.hidden_size, dtype, device)
+        self.down_proj = row_parallel(f"{prefix}.down_proj", cfg.hidden_size, start, per, tp, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup, dtype, device):
+        super().__init__()
+        prefix = f"model.layers.{index}"
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", cfg.hidden_size, eps, dtype, device)
+        self.self_attn = Attention(cfg, f"{prefix}.self_attn", tp, dtype, device)
+        self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size, eps,
+                                                dtype, device)
+        self.mlp = MLP(cfg, f"{prefix}.mlp", tp, dtype, device)
+
+    def forward(self, x, residual, meta, kv_cache, cos_sin):
+        x, residual = kernels.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
+        x = self.self_attn(x, meta, kv_cache, cos_sin)
+        x, residual = kernels.rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
+                                       residual)
+        return self.mlp(x), residual
+
+
+class StageModel(nn.Module):
+    """Layers [layer_start, layer_end) of one TP rank, plus embeddings (first) or norm + LM head (last)."""
+
+    def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, tp: TPGroup,
+                 dtype: torch.dtype, device: str | torch.device, max_positions: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.layer_start, self.layer_end = layer_start, layer_end
+        self.is_first = layer_start == 0
+        self.is_last = layer_end == cfg.num_hidden_layers
+        self.embed_tokens = self.norm = self.lm_head = None
+        if self.is_first:
+            self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", cfg.vocab_size, cfg.hidden_size,
+                                                       tp, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype, device) for i in range(layer_start, layer_end))
+        if self.is_last:
+            self.norm = RMSNorm("model.norm.weight", cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+            head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+            self.lm_head = ParallelLMHead(head, cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
+        positions = max_positions or cfg.max_position_embeddings
+        self.register_buffer("cos_sin", kernels.build_cos_sin_cache(
+            cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling, dtype=torch.float32, device=device),
+            persistent=False)
+
+    def forward(self, input_ids: torch.Tensor | None, hidden: torch.Tensor | None, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Embeds (first stage) or continues from `hidden`; returns the residual stream
+        (non-last stages) or the final normed hidden states (last stage)."""
+        x = self.embed_tokens(input_ids) if self.is_first else hidden
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, meta, kv_cache, self.cos_sin)
+        if self.is_last:
+            return kernels.rms_norm(x, self.norm.weight, self.norm.eps, residual)[0]
+        return x + residual if residual is not None else x  # one tensor crosses to the next stage
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def num_parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -1,0 +1,141 @@
+"""Run one pipeline step of one stage: StepBatch in, hidden states or sampled tokens out.
+
+The runner keeps each sequence's block table (steps carry only new blocks),
+builds the attention metadata, runs the model slice and, on the last stage,
+computes the logits of the sequences to sample and samples them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from stagemesh.errors import StagemeshError
+from stagemesh.model_config import ModelConfig
+from stagemesh.step import SampledToken, StepBatch
+from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from stage_worker.model import AttentionMetadata, StageModel
+from stage_worker.parallel import HeadShard, TPGroup
+from stage_worker.sampler import Sampler
+from stage_worker.weights import load_weights
+
+
+@dataclass
+class StageOutput:
+    hidden_states: torch.Tensor | None = None  # non-last stages: [num_tokens, hidden]
+    sampled: list[SampledToken] = field(default_factory=list)  # last stage, TP rank 0
+    logits: torch.Tensor | None = None  # [num_sampled, vocab] fp32, when asked
+
+
+def check_layer_range(cfg: ModelConfig, layer_start: int, layer_end: int) -> None:
+    if not 0 <= layer_start < layer_end <= cfg.num_hidden_layers:
+        raise StagemeshError(
+            f"layer range {layer_start}:{layer_end} is outside the model's {cfg.num_hidden_layers} layers "
+            f"(use A:B with 0 <= A < B <= {cfg.num_hidden_layers})"
+        )
+
+
+def resolve_dtype(cfg: ModelConfig, dtype: torch.dtype | str | None, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype or "auto"
+    if name == "auto":
+        name = cfg.torch_dtype if str(device).startswith("cuda") else "float32"
+    aliases = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+    name = aliases.get(name, name)
+    if name not in ("float32", "float16", "bfloat16"):
+        raise StagemeshError(f"--dtype {dtype} is not supported (auto, float32, float16, bfloat16)")
+    return getattr(torch, name)
+
+
+class StageRunner:
+    def __init__(self, model_dir: str | Path, layer_start: int, layer_end: int, *, tp_rank: int = 0,
+                 tp_size: int = 1, tp_group=None, device: str = "cpu", dtype: torch.dtype | str | None = None,
+                 block_size: int = 16, load: bool = True, config: ModelConfig | None = None):
+        self.config = cfg = config or ModelConfig.from_path(model_dir)
+        check_layer_range(cfg, layer_start, layer_end)
+        self.tp = TPGroup(tp_rank, tp_size, tp_group)
+        cfg.check_tp_size(tp_size)
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(cfg, dtype, device)
+        self.block_size = block_size
+        self.model = StageModel(cfg, layer_start, layer_end, self.tp, self.dtype, self.device)
+        if load:
+            load_weights(self.model, model_dir)
+        self.num_kv_heads = HeadShard.for_rank(cfg, self.tp).num_kv_heads
+        self.kv_bytes_per_block = kv_bytes_per_block(layer_end - layer_start, self.num_kv_heads, cfg.head_dim,
+                                                     block_size, self.dtype)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_tables: dict[int, list[int]] = {}
+        self.sampler = Sampler(device=self.device) if self.is_last_stage else None
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.model.is_first
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.model.is_last
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_cache(len(self.model.layers), num_blocks, self.block_size, self.num_kv_heads,
+                                           self.config.head_dim, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch, hidden_states: torch.Tensor | None = None,
+                return_logits: bool = False) -> StageOutput:
+        self._update_state(batch)
+        if not batch.chunks:
+            return StageOutput()
+        input_ids, meta, sample_rows, sample_ids = self._prepare(batch)
+        hidden = self.model(input_ids, hidden_states, meta, self.kv_caches)
+        if not self.is_last_stage:
+            return StageOutput(hidden_states=hidden)
+        if not sample_rows:
+            return StageOutput()
+        logits = self.model.compute_logits(hidden[sample_rows])
+        sampled = self.sampler.sample(logits, sample_ids) if self.tp.rank == 0 else []
+        return StageOutput(sampled=sampled, logits=logits if return_logits else None)
+
+    def _update_state(self, batch: StepBatch) -> None:
+        for seq_id in batch.finished_seq_ids:
+            self.block_tables.pop(seq_id, None)
+            if self.sampler is not None:
+                self.sampler.remove_sequence(seq_id)
+        for seq in batch.new_sequences:
+            self.block_tables[seq.seq_id] = []
+            if self.sampler is not None:
+                self.sampler.add_sequence(seq)
+        for chunk in batch.chunks:
+            self.block_tables[chunk.seq_id].extend(chunk.new_block_ids)
+
+    def _prepare(self, batch: StepBatch):
+        bs = self.block_size
+        ids, positions, slots, context_lens, starts = [], [], [], [], [0]
+        sample_rows, sample_ids = [], []
+        tables = [self.block_tables[c.seq_id] for c in batch.chunks]
+        for chunk, table in zip(batch.chunks, tables):
+            n, p0 = len(chunk.token_ids), chunk.start_position
+            if -(-(p0 + n) // bs) > len(table):
+                raise StagemeshError(f"sequence {chunk.seq_id} has {len(table)} KV blocks for {p0 + n} tokens")
+            ids.extend(chunk.token_ids)
+            pos = range(p0, p0 + n)
+            positions.extend(pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            context_lens.append(p0 + n)
+            starts.append(starts[-1] + n)
+            if chunk.sample:
+                sample_rows.append(starts[-1] - 1)
+                sample_ids.append(chunk.seq_id)
+        width = max(len(t) for t in tables)
+        dev = self.device
+        meta = AttentionMetadata(
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev) if self.is_first_stage else None
+        return input_ids, meta, sample_rows, sample_ids

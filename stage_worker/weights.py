@@ -1,0 +1,78 @@
+"""Read a stage's own tensors, and only its TP shard of each, from safetensors.
+
+Single files and sharded checkpoints (model.safetensors.index.json) alike;
+every read is a safetensors slice, so no process materialises a tensor it
+does not keep.
+"""
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from stagemesh.errors import StagemeshError
+
+
+class CheckpointReader:
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        self.files = self._index()
+        self._stack = ExitStack()
+        self._handles: dict[str, object] = {}
+
+    def _index(self) -> dict[str, Path]:
+        index = self.model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: self.model_dir / file for name, file in weight_map.items()}
+        files = sorted(self.model_dir.glob("*.safetensors"))
+        if not files:
+            raise StagemeshError(f"{self.model_dir} has no *.safetensors weights (only safetensors are loaded)")
+        names: dict[str, Path] = {}
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                names.update({name: file for name in f.keys()})
+        return names
+
+    def _handle(self, file: Path):
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt"))
+        return self._handles[file]
+
+    def read_slice(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        if name not in self.files:
+            raise StagemeshError(f"the checkpoint in {self.model_dir} has no tensor {name}")
+        tensor = self._handle(self.files[name]).get_slice(name)
+        index = [slice(None)] * len(tensor.get_shape())
+        index[dim] = slice(start, start + length)
+        return tensor[tuple(index)]
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+
+def load_weights(model: nn.Module, model_dir: str | Path) -> None:
+    """Fill every parameter of `model` from its `shards` (see stage_worker.layers)."""
+    reader = CheckpointReader(model_dir)
+    try:
+        for param in model.parameters():
+            for shard in param.shards:
+                data = reader.read_slice(shard.name, shard.dim, shard.start, shard.length)
+                param.data.narrow(shard.dim, shard.dest, shard.length).copy_(data)
+    finally:
+        reader.close()
+
+
+def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights made where the model lives (benchmarks on a GPU without a checkpoint)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, std, generator=gen)

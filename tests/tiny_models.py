@@ -1,0 +1,72 @@
+"""Tiny random-weight models of every supported architecture, for tests.
+
+Built from transformers configs and saved as safetensors, so that the
+reference (transformers) and stagemesh read the very same weights.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+
+
+def tiny_config(arch: str = "llama", **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=384, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "llama":
+        cls, extra = LlamaConfig, {}
+    elif arch == "llama3":
+        cls, extra = LlamaConfig, dict(rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+    elif arch == "mistral":
+        cls, extra = MistralConfig, dict(sliding_window=None)
+    elif arch == "qwen2":
+        cls, extra = Qwen2Config, dict(use_sliding_window=False)
+    elif arch == "qwen3":
+        cls, extra = Qwen3Config, dict(head_dim=32, use_sliding_window=False)
+    else:
+        raise ValueError(arch)
+    return cls(**{**common, **extra, **overrides})
+
+
+def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, sharded: bool = False,
+                    **overrides) -> Path:
+    """Save a tiny random model of `arch` in `path` and return the path."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    config = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init, so layers matter
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.08)
+            else:
+                p.uniform_(0.8, 1.2)
+    model.save_pretrained(path, safe_serialization=True, max_shard_size="100KB" if sharded else "10GB")
+    return path
+
+
+def reference_model(path: str | Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and the logits of each generated position (no cache: exact)."""
+    ids = list(prompt)
+    logits = []
+    for _ in range(max_new_tokens):
+        out = model(torch.tensor([ids])).logits[0, -1]
+        logits.append(out)
+        ids.append(int(out.argmax()))
+    return ids[len(prompt):], torch.stack(logits)
