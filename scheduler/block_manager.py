@@ -1,0 +1,122 @@
+"""KV block manager: a fixed pool of blocks, reference counts, and hash-chained
+full blocks so that a prompt prefix already in the cache is reused.
+
+Pure Python; knows nothing of torch. Freed blocks keep their hash and stay
+findable until the pool hands them out again (least recently freed first).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.tables: dict[str, list[int]] = {}  # request id -> its block ids
+        self.hashes: dict[str, list[int]] = {}  # request id -> hashes of its full blocks
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / len(self.blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """Cached blocks holding a prefix of token_ids; at least one token is left to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        found, parent = [], None
+        usable = (len(token_ids) - 1) // self.block_size
+        for i in range(usable):
+            parent = chain_hash(parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            block_id = self.cached.get(parent)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def allocate(self, request_id: str, num_tokens: int, cached_blocks: list[int] | None = None) -> list[int] | None:
+        """Grow the request's table to hold num_tokens; returns the block ids appended, or None if the
+        pool is short (nothing changes then)."""
+        table = self.tables.get(request_id, [])
+        cached_blocks = cached_blocks or []
+        reuse_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        need = self.blocks_needed(num_tokens) - len(table) - len(cached_blocks)
+        if need + reuse_free > len(self.free):
+            return None
+        added = []
+        for block_id in cached_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+            added.append(block_id)
+        for _ in range(max(need, 0)):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self.cached.pop(block.block_hash, None)
+                block.block_hash = None
+            block.ref_count = 1
+            added.append(block_id)
+        self.tables[request_id] = table + added
+        if cached_blocks:
+            self.hashes[request_id] = [self.blocks[b].block_hash for b in cached_blocks]
+        return added
+
+    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Register the hashes of the request's blocks that are now full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.hashes.setdefault(request_id, [])
+        table = self.tables.get(request_id, [])
+        full = min(num_computed_tokens // self.block_size, len(table))
+        bs = self.block_size
+        for i in range(len(hashes), full):
+            parent = hashes[-1] if hashes else None
+            block_hash = chain_hash(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(block_hash)
+            block = self.blocks[table[i]]
+            if block.block_hash is None and block_hash not in self.cached:
+                block.block_hash = block_hash
+                self.cached[block_hash] = block.block_id
+
+    def free_request(self, request_id: str) -> None:
+        # tail blocks first, so a shared prefix outlives the request's own suffix in the cache
+        for block_id in reversed(self.tables.pop(request_id, [])):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        self.hashes.pop(request_id, None)

@@ -1,0 +1,54 @@
+"""A request as the scheduler tracks it, and what it reports back to callers."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from stagemesh.sampling_params import SamplingParams
+from stagemesh.step import SampledToken
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    seq_id: int = -1  # the stages' id of its current admission (new on every re-admission)
+    status: Status = Status.WAITING
+    in_flight: bool = False
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[SampledToken] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_token_id: int | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

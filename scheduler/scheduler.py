@@ -1,0 +1,238 @@
+"""Continuous batching in vLLM v1's style: no prefill or decode phase.
+
+Each request has its tokens (prompt + output) and num_computed_tokens;
+schedule() hands out tokens under a per-step budget, running requests first,
+then waiting ones, so chunked prefill, decodes and prefix-cache hits follow
+one rule. Requests in flight (scheduled, result not yet back) are skipped, so
+a pipeline can keep several micro-batches in flight on disjoint sequences.
+Preemption is by recompute: the victim frees its blocks and waits again.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler.block_manager import BlockManager
+from scheduler.config import SchedulerConfig
+from scheduler.request import Request, RequestOutput, Status
+from stagemesh.errors import StagemeshError
+from stagemesh.sampling_params import SamplingParams
+from stagemesh.step import NewSequence, SampledToken, ScheduledChunk, StepBatch
+
+
+@dataclass
+class SchedulerOutput:
+    step_batch: StepBatch
+    request_ids: list[str]  # in chunk order
+    num_preempted: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_kv_blocks: int
+    num_preemptions: int = 0
+
+
+@dataclass
+class _Budget:
+    tokens: int
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    new_sequences: list[NewSequence] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.kv = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_seq_ids: list[int] = []
+        self._seq_ids = itertools.count()
+        self._step_ids = itertools.count()
+        self.num_preemptions = 0
+
+    # -- requests in and out ------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        cfg = self.config
+        if request_id in self.requests:
+            raise StagemeshError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise StagemeshError("the prompt is empty")
+        total = len(prompt_token_ids) + sampling.max_tokens
+        if total > cfg.max_model_len:
+            raise StagemeshError(
+                f"this model's maximum context length is {cfg.max_model_len} tokens, but the request asks for "
+                f"{total} ({len(prompt_token_ids)} in the prompt + {sampling.max_tokens} max_tokens)"
+            )
+        if self.kv.blocks_needed(total) > cfg.num_kv_blocks:
+            raise StagemeshError(f"a request of {total} tokens can never fit the KV cache of {cfg.kv_cache_tokens} tokens")
+        if cfg.max_waiting_requests and len(self.waiting) >= cfg.max_waiting_requests:
+            raise QueueFull(f"the waiting queue is full ({cfg.max_waiting_requests} requests)")
+        request = Request(request_id, list(prompt_token_ids), sampling)
+        self.requests[request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_ids) -> list[RequestOutput]:
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                outputs.append(self._finish(request, "abort"))
+        return outputs
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """The pipeline broke: every request ends with `error` (their KV is gone with the epoch)."""
+        outputs = [self._finish(r, "error", error=error) for r in list(self.requests.values())]
+        self._finished_seq_ids.clear()
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.kv.prefix_queries,
+                              self.kv.prefix_hits, self.kv.num_blocks, self.num_preemptions)
+
+    # -- one step -------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput | None:
+        budget = _Budget(self.config.max_num_batched_tokens)
+        preempted = self._schedule_running(budget)
+        if not preempted:
+            self._schedule_waiting(budget)
+        if not budget.chunks:
+            return None
+        for request_id in budget.request_ids:
+            self.requests[request_id].in_flight = True
+        batch = StepBatch(next(self._step_ids), 0, budget.new_sequences, budget.chunks, self._finished_seq_ids)
+        self._finished_seq_ids = []
+        return SchedulerOutput(batch, budget.request_ids, preempted)
+
+    def _schedule_running(self, budget: _Budget) -> int:
+        preempted = 0
+        for request in list(self.running):
+            if budget.tokens <= 0:
+                break
+            if request.in_flight or request.status is not Status.RUNNING:
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget.tokens)
+            new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + num_new)
+            while new_blocks is None:
+                victim = self._pick_victim()
+                if victim is None:
+                    break
+                self._preempt(victim)
+                preempted += 1
+                if victim is request:
+                    break
+                new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + num_new)
+            if new_blocks is None or request.status is not Status.RUNNING:
+                continue
+            self._add_chunk(budget, request, num_new, new_blocks)
+        return preempted
+
+    def _schedule_waiting(self, budget: _Budget) -> None:
+        while self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv.find_cached_prefix(request.all_token_ids)
+            num_cached = len(cached) * self.config.block_size
+            num_new = min(request.num_tokens - num_cached, budget.tokens)
+            new_blocks = self.kv.allocate(request.request_id, num_cached + num_new, cached)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            if self.config.enable_prefix_caching:
+                self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+            request.status = Status.RUNNING
+            request.seq_id = next(self._seq_ids)
+            request.num_computed_tokens = num_cached
+            if not request.output_token_ids:
+                request.num_cached_tokens = num_cached
+            self.running.append(request)
+            budget.new_sequences.append(NewSequence(request.seq_id, list(request.prompt_token_ids), request.sampling,
+                                                    list(request.output_token_ids)))
+            self._add_chunk(budget, request, num_new, new_blocks)
+
+    def _add_chunk(self, budget: _Budget, request: Request, num_new: int, new_blocks: list[int]) -> None:
+        start = request.num_computed_tokens
+        tokens = request.all_token_ids[start:start + num_new]
+        request.num_computed_tokens += num_new
+        sample = request.num_computed_tokens == request.num_tokens
+        budget.chunks.append(ScheduledChunk(request.seq_id, tokens, start, new_blocks, sample))
+        budget.request_ids.append(request.request_id)
+        budget.tokens -= num_new
+
+    def _pick_victim(self) -> Request | None:
+        """The newest running request that is not in flight (its blocks are not in use)."""
+        for request in reversed(self.running):
+            if not request.in_flight:
+                return request
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free_request(request.request_id)
+        self._finished_seq_ids.append(request.seq_id)
+        request.status = Status.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, output: SchedulerOutput, sampled: list[SampledToken]) -> list[RequestOutput]:
+        by_seq = {s.seq_id: s for s in sampled}
+        results = []
+        for request_id, chunk in zip(output.request_ids, output.step_batch.chunks):
+            request = self.requests.get(request_id)
+            if request is None or request.seq_id != chunk.seq_id:
+                continue  # aborted or preempted meanwhile
+            request.in_flight = False
+            self.kv.cache_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
+            token = by_seq.get(chunk.seq_id)
+            if not chunk.sample or token is None:
+                continue
+            request.output_token_ids.append(token.token_id)
+            result = RequestOutput(request_id, [token.token_id], [token] if token.logprob is not None else [],
+                                   num_prompt_tokens=len(request.prompt_token_ids),
+                                   num_cached_tokens=request.num_cached_tokens)
+            reason, stop_id = self._stop_reason(request, token.token_id)
+            if reason is not None:
+                self._finish(request, reason)
+                result.finish_reason, result.stop_token_id = reason, stop_id
+            results.append(result)
+        return results
+
+    def _stop_reason(self, request: Request, token_id: int) -> tuple[str | None, int | None]:
+        p = request.sampling
+        enough = len(request.output_token_ids) >= p.min_tokens
+        if enough and not p.ignore_eos and token_id in self.config.eos_token_ids:
+            return "stop", token_id
+        if enough and token_id in p.stop_token_ids:
+            return "stop", token_id
+        if len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return "length", None
+        return None, None
+
+    def _finish(self, request: Request, reason: str, error: str | None = None) -> RequestOutput:
+        self.requests.pop(request.request_id, None)
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+            self._finished_seq_ids.append(request.seq_id)
+        elif request.status is Status.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+        request.status = Status.FINISHED
+        self.kv.free_request(request.request_id)
+        return RequestOutput(request.request_id, finish_reason=reason, error=error,
+                             num_prompt_tokens=len(request.prompt_token_ids),
+                             num_cached_tokens=request.num_cached_tokens)
+
+
+class QueueFull(StagemeshError):
+    """The waiting queue is at --max-waiting-requests."""
