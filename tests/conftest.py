@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny models built once per session, offline hub, few threads."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(1)
+
+from tiny_models import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: tiny_model_dir(arch, **overrides) -> Path, cached per session."""
+    cache = {}
+
+    def make(arch: str = "llama", **overrides):
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in cache:
+            name = "-".join([arch] + [f"{k}{v}" for k, v in sorted(overrides.items())])
+            cache[key] = make_tiny_model(tmp_path_factory.mktemp(name), arch, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    from stagemesh.default_model import default_model_dir as resolve
+
+    return resolve()

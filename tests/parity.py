@@ -1,0 +1,41 @@
+"""Helpers for parity tests: chained stage slices driven step by step."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from stagemesh.model_config import layer_ranges
+from stagemesh.sampling_params import SamplingParams
+from stagemesh.step import NewSequence, ScheduledChunk, StepBatch
+from stage_worker.runner import StageRunner
+
+
+def prompts(vocab: int, lengths=(5, 40, 17, 70, 3, 33), seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def chained_logits(model_dir, split, prompt, new_tokens, chunk=16, tp_rank=0, tp_size=1, tp_group=None):
+    """Run the slices by hand: the prompt in chunks of `chunk`, then greedy decode; logits per token."""
+    runners = [StageRunner(model_dir, a, b, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+               for a, b in layer_ranges(split)]
+    for r in runners:
+        r.allocate_kv_cache(64)
+    seq = NewSequence(0, prompt, SamplingParams(max_tokens=new_tokens))
+    tokens, logits, step, pos, table = list(prompt), [], 0, 0, 0
+    while len(logits) < new_tokens:
+        n = min(chunk, len(tokens) - pos)
+        need = -(-(pos + n) // 16)
+        batch = StepBatch(step, 0, [seq] if step == 0 else [],
+                          [ScheduledChunk(0, tokens[pos:pos + n], pos, list(range(table, need)), pos + n == len(tokens))])
+        table = max(table, need)
+        hidden = None
+        for r in runners:
+            out = r.execute(batch, hidden, return_logits=True)
+            hidden = out.hidden_states
+        pos, step = pos + n, step + 1
+        if out.logits is not None:  # every TP rank has the gathered logits; greedy is argmax
+            tokens.append(int(out.logits[0].argmax()))
+            logits.append(out.logits[0])
+    return tokens[len(prompt):], torch.stack(logits)

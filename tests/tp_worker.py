@@ -1,0 +1,40 @@
+"""One TP rank of a parity run (started by test_tp_parity as a real process).
+
+Joins a gloo group on loopback, runs the chained slices at this rank, and
+rank 0 writes the greedy tokens and logits as JSON (nothing is pickled).
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from parity import chained_logits  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model"), p.add_argument("--rank", type=int), p.add_argument("--world", type=int)
+    p.add_argument("--port", type=int), p.add_argument("--split"), p.add_argument("--prompt")
+    p.add_argument("--new-tokens", type=int), p.add_argument("--out")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world)
+    try:
+        split = [int(x) for x in a.split.split(",")]
+        prompt = [int(x) for x in a.prompt.split(",")]
+        tokens, logits = chained_logits(a.model, split, prompt, a.new_tokens, tp_rank=a.rank, tp_size=a.world,
+                                        tp_group=dist.group.WORLD)
+        if a.rank == 0:
+            with open(a.out, "w") as f:
+                json.dump({"tokens": tokens, "logits": logits.tolist()}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
