@@ -58,17 +58,42 @@ def _one_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out.transpose(0, 1)
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    block_size = k_cache.shape[1]
+# Every layer of a step sees the same metadata tensors: derive what the torch path
+# needs from them once per step, not once per layer (the CPU path is overhead-bound).
+_step_memo: dict[str, tuple] = {}
+
+
+def _memo(name: str, keys: tuple, compute):
+    hit = _step_memo.get(name)
+    if hit is not None and len(hit[0]) == len(keys) and all(a is b for a, b in zip(hit[0], keys)):
+        return hit[1]
+    value = compute()
+    _step_memo[name] = (keys, value)
+    return value
+
+
+def _decode_layout(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int):
     max_len = int(context_lens.max())
     max_blocks = math.ceil(max_len / block_size)
-    tables = block_tables[:, :max_blocks].long()
-    k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [seqs, kv_heads, L, d]
-    v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
-    mask = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None].to(q.device)
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k.to(q.dtype), v.to(q.dtype),
-                                         attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    blocks = block_tables[:, :max_blocks].reshape(-1).long()
+    mask = None
+    if int(context_lens.min()) != max_len:
+        mask = (torch.arange(max_len, device=context_lens.device)[None, :] < context_lens[:, None])[:, None, None, :]
+    return blocks, max_blocks, max_len, mask
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    seqs, block_size, heads, dim = q.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    blocks, max_blocks, max_len, mask = _memo("decode", (block_tables, context_lens),
+                                              lambda: _decode_layout(block_tables, context_lens, block_size))
+
+    def gather(cache):  # [seqs, kv_heads, L, d]
+        rows = cache.view(cache.shape[0], -1).index_select(0, blocks)
+        return rows.view(seqs, max_blocks * block_size, heads, dim)[:, :max_len].transpose(1, 2).to(q.dtype)
+
+    out = F.scaled_dot_product_attention(q[:, :, None, :], gather(k_cache), gather(v_cache), attn_mask=mask,
+                                         scale=scale, enable_gqa=True)
     return out[:, :, 0, :]
 
 
@@ -77,6 +102,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """(Fused residual add +) RMSNorm, computed in fp32 as transformers does."""
     if residual is not None:
         x = x + residual
+    if x.dtype == torch.float32:  # one fused op, same arithmetic
+        return F.rms_norm(x, (x.shape[-1],), weight, eps), x
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype), x
@@ -85,16 +112,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding in the rotate-half (NeoX / transformers Llama) layout."""
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [tokens, dim/2] each
-    cos = torch.cat((cos, cos), dim=-1)[:, None, :]
-    sin = torch.cat((sin, sin), dim=-1)[:, None, :]
+    cos, sin = _memo("rotary", (positions, cos_sin_cache), lambda: _cos_sin(positions, cos_sin_cache, q.dtype))
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype):
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [tokens, dim/2] each
+    return (torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype), torch.cat((sin, sin), dim=-1)[:, None, :].to(dtype))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos.to(x.dtype)) + (rotated * sin.to(x.dtype))
+    return (x * cos) + (rotated * sin)
 
 
 def build_cos_sin_cache(head_dim: int, max_positions: int, rope_theta: float, rope_scaling: dict | None,

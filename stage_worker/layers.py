@@ -35,6 +35,22 @@ def full(name: str, rows: int) -> list[Shard]:
     return [Shard(name, 0, 0, rows, 0)]
 
 
+def transpose_weights(model: nn.Module) -> None:
+    """Store linear weights as [in, out] after loading: on CPU (MKL) x @ W runs a batch-1
+    GEMV about twice as fast as x @ W^T, and batch-1 decode is GEMV-bound."""
+    for module in model.modules():
+        if isinstance(module, (Linear, ParallelLMHead)) and not module.transposed:
+            module.weight = nn.Parameter(module.weight.data.t().contiguous(), requires_grad=False)
+            module.transposed = True
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor, transposed: bool, bias=None) -> torch.Tensor:
+    if not transposed:
+        return F.linear(x, weight, bias)
+    y = x @ weight
+    return y + bias if bias is not None else y
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b); W is already this rank's shard. Row-parallel ones all-reduce."""
 
@@ -43,9 +59,10 @@ class Linear(nn.Module):
         self.weight = weight
         self.bias = bias
         self.reduce = reduce
+        self.transposed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = _matmul(x, self.weight, self.transposed, self.bias)
         return self.reduce.all_reduce(y) if self.reduce is not None else y
 
 
@@ -95,13 +112,14 @@ class ParallelLMHead(nn.Module):
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
+        self.transposed = False
         start, stop, per = vocab_range(vocab_size, tp)
         self.weight = new_param((per, hidden), dtype, device, [Shard(name, 0, start, stop - start, 0)])
         if stop - start < per:
             self.weight.data[stop - start:].zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.weight)
+        logits = _matmul(x, self.weight, self.transposed)
         return self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]
 
 

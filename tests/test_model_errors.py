@@ -1,0 +1,46 @@
+"""Bad model input gets one clear line, never a traceback."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from stagemesh.errors import StagemeshError
+from stage_worker.runner import StageRunner
+
+
+def stagemesh(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stagemesh", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_directory_that_is_not_a_model(tmp_path):
+    result = stagemesh("generate", str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"stagemesh generate: error: {tmp_path} is not a model: it has no config.json"
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    result = stagemesh("generate", str(tmp_path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "unsupported architecture GPT2LMHeadModel (model_type 'gpt2'); supported: llama, mistral, qwen2, qwen3" in result.stderr
+
+
+def test_layer_range_outside_the_model(tiny_model_dir):
+    with pytest.raises(StagemeshError, match=r"layer range 2:9 is outside the model's 4 layers"):
+        StageRunner(tiny_model_dir("llama"), 2, 9)
+
+
+def test_missing_weights(tmp_path, tiny_model_dir):
+    (tmp_path / "config.json").write_text((tiny_model_dir("llama") / "config.json").read_text())
+    with pytest.raises(StagemeshError, match="has no \\*.safetensors weights"):
+        StageRunner(tmp_path, 0, 4)
+
+
+@pytest.mark.slow
+def test_default_model_names_paris():
+    result = stagemesh("generate", "--prompt", "What is the capital of France?", "--max-tokens", "24")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout

@@ -1,0 +1,96 @@
+"""Sampling options change the distribution the way their definitions say."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stagemesh.sampling_params import SamplingParams
+from stagemesh.step import NewSequence
+from stage_worker.sampler import Sampler
+
+VOCAB = 8
+
+
+def sampler_with(*params: SamplingParams, prompts=None, outputs=None) -> Sampler:
+    s = Sampler()
+    for i, p in enumerate(params):
+        s.add_sequence(NewSequence(i, (prompts or {}).get(i, [0]), p, list((outputs or {}).get(i, []))))
+    return s
+
+
+def logits_row(*values: float) -> torch.Tensor:
+    return torch.tensor([list(values)], dtype=torch.float32)
+
+
+def draw(p: SamplingParams, logits: torch.Tensor, n: int = 400) -> set[int]:
+    s = sampler_with(p)
+    seen = set()
+    for _ in range(n):
+        seen.add(s.sample(logits, [0])[0].token_id)
+    return seen
+
+
+def test_greedy_takes_the_argmax():
+    s = sampler_with(SamplingParams(), SamplingParams())
+    out = s.sample(torch.tensor([[0.1, 3.0, 0.2], [5.0, 1.0, 0.0]]), [0, 1])
+    assert [t.token_id for t in out] == [1, 0]
+
+
+def test_top_k_one_is_greedy_and_top_k_limits_support():
+    logits = logits_row(1.0, 1.1, 0.9, 1.05)
+    assert draw(SamplingParams(temperature=1.0, top_k=1), logits) == {1}
+    assert draw(SamplingParams(temperature=1.0, top_k=2), logits) == {1, 3}
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()[None]
+    assert draw(SamplingParams(temperature=1.0, top_p=0.75), logits) == {0, 1}
+    assert draw(SamplingParams(temperature=1.0, top_p=0.5), logits) == {0}
+
+
+def test_min_p_drops_tokens_below_fraction_of_the_best():
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()[None]
+    assert draw(SamplingParams(temperature=1.0, min_p=0.6), logits) == {0, 1}
+
+
+def test_temperature_sampling_covers_the_support():
+    assert draw(SamplingParams(temperature=1.0), torch.zeros(1, 4)) == {0, 1, 2, 3}
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    s = sampler_with(SamplingParams(repetition_penalty=2.0), prompts={0: [0, 1]})
+    logits = logits_row(2.0, -1.0, 1.5, 0.0)
+    out = s._apply_penalties(logits.clone(), [s.seqs[0]])
+    assert out.tolist() == [[1.0, -2.0, 1.5, 0.0]]
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    s = sampler_with(p, prompts={0: [3]}, outputs={0: [1, 1, 2]})
+    out = s._apply_penalties(torch.zeros(1, 4), [s.seqs[0]])
+    assert out.tolist() == [[0.0, -1.0, -0.75, 0.0]]
+
+
+def test_seed_gives_same_tokens_whatever_the_batch():
+    p = SamplingParams(temperature=1.0, seed=1234)
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    alone = sampler_with(p)
+    alone_tokens = [alone.sample(logits, [0])[0].token_id for _ in range(10)]
+    others = SamplingParams(temperature=1.0)
+    crowd = sampler_with(others, p, others)
+    batch = torch.cat([torch.randn(1, 50), logits, torch.randn(1, 50)])
+    crowd_tokens = [crowd.sample(batch, [0, 1, 2])[1].token_id for _ in range(10)]
+    assert alone_tokens == crowd_tokens
+    assert len(set(alone_tokens)) > 1  # it is sampling, not argmax
+
+
+def test_logprobs_of_sampled_and_top_tokens():
+    s = sampler_with(SamplingParams(logprobs=2))
+    logits = logits_row(1.0, 3.0, 2.0, 0.0)
+    tok = s.sample(logits, [0])[0]
+    expect = torch.log_softmax(logits[0], -1)
+    assert tok.token_id == 1
+    assert tok.logprob == pytest.approx(float(expect[1]))
+    assert tok.top_token_ids == [1, 2]
+    assert tok.top_logprobs == pytest.approx([float(expect[1]), float(expect[2])])
