@@ -85,6 +85,15 @@ class StageRunner:
         self.kv_caches = allocate_kv_cache(len(self.model.layers), num_blocks, self.block_size, self.num_kv_heads,
                                            self.config.head_dim, self.dtype, self.device)
 
+    def reset(self, num_kv_blocks: int) -> None:
+        """A new pipeline epoch: forget every sequence; (re)allocate the cache if its size changed."""
+        self.block_tables.clear()
+        if self.sampler is not None:
+            self.sampler.seqs.clear()
+        if not self.kv_caches or self.kv_caches[0][0].shape[0] != num_kv_blocks:
+            self.kv_caches = []
+            self.allocate_kv_cache(num_kv_blocks)
+
     @torch.inference_mode()
     def execute(self, batch: StepBatch, hidden_states: torch.Tensor | None = None,
                 return_logits: bool = False) -> StageOutput:

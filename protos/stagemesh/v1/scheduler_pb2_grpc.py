@@ -59,6 +59,11 @@ class SchedulerStub:
                 request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.RegisterStage = channel.unary_unary(
+                '/stagemesh.v1.Scheduler/RegisterStage',
+                request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.RegisterStageRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.RegisterStageResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -103,6 +108,16 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterStage(self, request, context):
+        """A stage announces itself. Refused (INVALID_ARGUMENT or
+        FAILED_PRECONDITION, with the reason) when its layer range overlaps or
+        leaves a gap, its model or block size differs, or its index is out of
+        range. When the stages cover the model, the pipeline forms.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +145,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.GetModelInfoRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_scheduler__pb2.ModelInfo.SerializeToString,
+            ),
+            'RegisterStage': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterStage,
+                    request_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.RegisterStageRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_scheduler__pb2.RegisterStageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +287,33 @@ class Scheduler:
             '/stagemesh.v1.Scheduler/GetModelInfo',
             stagemesh_dot_v1_dot_scheduler__pb2.GetModelInfoRequest.SerializeToString,
             stagemesh_dot_v1_dot_scheduler__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterStage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.Scheduler/RegisterStage',
+            stagemesh_dot_v1_dot_scheduler__pb2.RegisterStageRequest.SerializeToString,
+            stagemesh_dot_v1_dot_scheduler__pb2.RegisterStageResponse.FromString,
             options,
             channel_credentials,
             insecure,

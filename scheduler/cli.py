@@ -1,0 +1,81 @@
+"""`stagemesh scheduler`: one data-parallel replica's scheduler."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from stagemesh.errors import StagemeshError
+
+log = logging.getLogger("stagemesh.scheduler")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    p.add_argument("--advertise-host", default=None, help="address stages use to reach this host")
+    p.add_argument("--dist-port", type=int, default=0, help="torch.distributed store port (0: any free port)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max-waiting-requests", type=int, default=0, help="0: unbounded")
+    p.add_argument("--forward-timeout", type=float, default=120.0, help="deadline of one step on a stage, seconds")
+    p.add_argument("--port-file", default=None, help="write the bound port here (for supervisors)")
+    p.add_argument("--log-level", default="info")
+
+
+def run(args: argparse.Namespace) -> int:
+    from stagemesh.cli import setup_logging
+
+    setup_logging(args.log_level)
+    return asyncio.run(_main(args))
+
+
+async def _main(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from scheduler.driver import Driver, DriverConfig
+    from scheduler.rendezvous import ModelIdentity, Rendezvous
+    from scheduler.service import SchedulerServicer, serve
+    from stagemesh.default_model import DEFAULT_MODEL_NAME, resolve_model
+    from stagemesh.model_config import ModelConfig
+
+    model_dir = resolve_model(args.model)
+    cfg = ModelConfig.from_path(model_dir)
+    if args.max_model_len is not None and args.max_model_len > cfg.max_position_embeddings:
+        raise StagemeshError(f"--max-model-len {args.max_model_len} exceeds the model's "
+                             f"{cfg.max_position_embeddings} positions")
+    if args.pipeline_parallel_size < 1 or args.pipeline_parallel_size > cfg.num_hidden_layers:
+        raise StagemeshError(f"--pipeline-parallel-size must be between 1 and the model's {cfg.num_hidden_layers} layers")
+    advertise = args.advertise_host or args.host
+    store = dist.TCPStore(args.host, args.dist_port, is_master=True, wait_for_workers=False)
+    identity = ModelIdentity(cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size,
+                             cfg.num_attention_heads, cfg.num_key_value_heads)
+    driver = Driver(DriverConfig(
+        max_model_len=args.max_model_len, model_max_len=cfg.max_position_embeddings, eos_token_ids=cfg.eos_token_ids,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching, max_waiting_requests=args.max_waiting_requests,
+        forward_timeout_s=args.forward_timeout),
+        Rendezvous(args.pipeline_parallel_size, args.block_size, identity), advertise, store.port)
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else str(args.model))
+    server, port = await serve(SchedulerServicer(driver, name, str(model_dir), cfg.vocab_size), args.host, args.port)
+    if args.port_file:
+        with open(args.port_file, "w") as f:
+            f.write(f"{port}\n")
+    log.info("scheduler for %s listening on %s:%d (store on port %d), waiting for %d stage(s)", name, args.host, port,
+             store.port, args.pipeline_parallel_size)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    runner = asyncio.create_task(driver.run())
+    await stop.wait()
+    runner.cancel()
+    await server.stop(grace=1)
+    return 0

@@ -1,0 +1,227 @@
+"""The replica's step loop: continuous batching over the pipeline of stage services.
+
+Up to one micro-batch per stage is in flight, on disjoint sequences (the core
+scheduler never schedules a request twice before its result is back), so no
+stage idles while requests wait. A stage that fails ends the epoch: every
+request fails with an error naming the stage, the replica turns unhealthy,
+and a new epoch forms once every stage answers again.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from scheduler.config import SchedulerConfig
+from scheduler.rendezvous import PipelinePlan, Rendezvous, StageInfo
+from scheduler.request import RequestOutput
+from scheduler.scheduler import Scheduler, SchedulerOutput
+from stagemesh.errors import StagemeshError
+from stagemesh.sampling_params import SamplingParams
+from stagemesh.step_wire import sampled_from_pb, step_to_pb
+from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+
+log = logging.getLogger("stagemesh.scheduler")
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    max_model_len: int | None  # None: the model's, capped by the KV cache
+    model_max_len: int
+    eos_token_ids: tuple[int, ...]
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int = 0
+    forward_timeout_s: float = 120.0
+    join_timeout_s: float = 300.0
+    probe_interval_s: float = 2.0
+
+
+class StageFailure(Exception):
+    def __init__(self, stage: StageInfo, detail: str):
+        super().__init__(f"stage {stage.stage_index} ({stage.address}, layers {stage.layer_start}:{stage.layer_end}) "
+                         f"failed: {detail}")
+
+
+class Driver:
+    def __init__(self, cfg: DriverConfig, rendezvous: Rendezvous, store_host: str, store_port: int):
+        self.cfg = cfg
+        self.rendezvous = rendezvous
+        self.store_host, self.store_port = store_host, store_port
+        self.scheduler: Scheduler | None = None
+        self.plan: PipelinePlan | None = None
+        self.epoch = 0
+        self.healthy = False
+        self.reason = "waiting for stages to register"
+        self.streams: dict[str, asyncio.Queue] = {}
+        self._stubs: dict[str, stage_pb2_grpc.StageStub] = {}
+        self._wake = asyncio.Event()
+        self._forming = asyncio.Lock()
+
+    # -- requests -----------------------------------------------------------------
+    async def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if not self.healthy or self.scheduler is None:
+            raise Unavailable(f"the replica cannot serve: {self.reason}")
+        queue: asyncio.Queue = asyncio.Queue()
+        self.scheduler.add_request(request_id, prompt, sampling)
+        self.streams[request_id] = queue
+        self._wake.set()
+        try:
+            while True:
+                out: RequestOutput = await queue.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if self.streams.pop(request_id, None) is not None and self.scheduler is not None:
+                self.scheduler.abort([request_id])  # the caller went away: free its blocks now
+
+    def abort(self, request_ids: list[str]) -> int:
+        if self.scheduler is None:
+            return 0
+        outputs = self.scheduler.abort(request_ids)
+        self._dispatch(outputs)
+        return len(outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self.streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    # -- the step loop --------------------------------------------------------------
+    async def run(self) -> None:
+        asyncio.create_task(self._probe_loop())
+        in_flight: set[asyncio.Task] = set()
+        while True:
+            while self.healthy and len(in_flight) < len(self.plan.stages):
+                output = self.scheduler.schedule()
+                if output is None:
+                    break
+                in_flight.add(asyncio.create_task(self._step(self.epoch, self.scheduler, output)))
+            if not in_flight:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                try:
+                    task.result()
+                except StageFailure as err:
+                    self._fail(str(err))
+
+    async def _step(self, epoch: int, scheduler: Scheduler, output: SchedulerOutput) -> None:
+        request = stage_pb2.ForwardRequest(epoch=epoch, step=step_to_pb(output.step_batch))
+        calls = [self._forward(stage, request) for stage in self.plan.stages]
+        replies = await asyncio.gather(*calls)
+        if epoch == self.epoch and scheduler is self.scheduler:
+            sampled = [sampled_from_pb(t) for t in replies[-1].sampled]
+            self._dispatch(scheduler.update_from_output(output, sampled))
+
+    async def _forward(self, stage: StageInfo, request) -> stage_pb2.ForwardResponse:
+        try:
+            return await self._stub(stage).Forward(request, timeout=self.cfg.forward_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise StageFailure(stage, f"{err.code().name}: {err.details()}") from None
+
+    def _fail(self, reason: str) -> None:
+        if not self.healthy:
+            return
+        log.error("pipeline broken: %s", reason)
+        self.healthy, self.reason = False, reason
+        self.epoch += 1  # results of the broken epoch are ignored
+        if self.scheduler is not None:
+            self._dispatch(self.scheduler.fail_all(reason))
+        self.scheduler = None
+
+    # -- forming the pipeline ---------------------------------------------------------
+    def _stub(self, stage: StageInfo) -> stage_pb2_grpc.StageStub:
+        if stage.address not in self._stubs:
+            channel = grpc.aio.insecure_channel(stage.address, options=[("grpc.max_receive_message_length", 1 << 30)])
+            self._stubs[stage.address] = stage_pb2_grpc.StageStub(channel)
+        return self._stubs[stage.address]
+
+    def stage_registered(self) -> None:
+        if self.rendezvous.complete:
+            self._fail("a stage re-registered")
+            asyncio.create_task(self.form())
+
+    async def form(self) -> None:
+        async with self._forming:
+            if self.healthy or not self.rendezvous.complete:
+                return
+            plan = self.rendezvous.plan()
+            epoch = self.epoch = self.epoch + 1
+            try:
+                await asyncio.gather(*[self._join(plan, i, epoch) for i in range(len(plan.stages))])
+            except StageFailure as err:
+                self.reason = f"pipeline did not form: {err}"
+                log.error("%s", self.reason)
+                return
+            self._start_epoch(plan)
+
+    async def _join(self, plan: PipelinePlan, index: int, epoch: int) -> None:
+        stage = plan.stages[index]
+        request = stage_pb2.JoinPipelineRequest(
+            epoch=epoch, store_host=self.store_host, store_port=self.store_port, world_size=plan.world_size,
+            rank_offset=plan.rank_offsets[index], tp_sizes=plan.tp_sizes, num_kv_blocks=plan.num_kv_blocks,
+            next_stage_address=plan.stages[index + 1].address if index + 1 < len(plan.stages) else "",
+            first_step_id=0)
+        try:
+            await self._stub(stage).JoinPipeline(request, timeout=self.cfg.join_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise StageFailure(stage, f"{err.code().name}: {err.details()}") from None
+
+    def _start_epoch(self, plan: PipelinePlan) -> None:
+        cfg, block_size = self.cfg, self.rendezvous.block_size
+        kv_tokens = plan.num_kv_blocks * block_size
+        max_len = cfg.max_model_len or min(cfg.model_max_len, kv_tokens)
+        if max_len > kv_tokens:
+            self.reason = (f"--max-model-len {max_len} does not fit the KV cache of {kv_tokens:,} tokens; "
+                           "lower it or give the stages more KV memory")
+            log.error("%s", self.reason)
+            return
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_kv_blocks=plan.num_kv_blocks, max_model_len=max_len, block_size=block_size,
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            enable_prefix_caching=cfg.enable_prefix_caching, eos_token_ids=cfg.eos_token_ids,
+            max_waiting_requests=cfg.max_waiting_requests))
+        self.plan, self.max_model_len = plan, max_len
+        for s in plan.stages:
+            log.info("stage %d: layers %d:%d, TP=%d, %s, %s handoff, at %s", s.stage_index, s.layer_start,
+                     s.layer_end, s.tp_size, s.device, s.handoff, s.address)
+        log.info("KV cache size: %s tokens", f"{kv_tokens:,}")
+        log.info("Maximum concurrency for %s tokens per request: %.2fx", f"{max_len:,}", kv_tokens / max_len)
+        self.healthy, self.reason = True, ""
+        log.info("pipeline formed (epoch %d): %d stage(s), world size %d", self.epoch, len(plan.stages),
+                 plan.world_size)
+        self._wake.set()
+
+    async def _probe_loop(self) -> None:
+        """Find dead stages while idle; re-form the pipeline once every stage answers again."""
+        while True:
+            await asyncio.sleep(self.cfg.probe_interval_s)
+            if not self.rendezvous.complete:
+                continue
+            stages = [self.rendezvous.stages[i] for i in range(self.rendezvous.pp)]
+            results = await asyncio.gather(*[self._probe(s) for s in stages])
+            failed = next((r for r in results if r is not None), None)
+            if failed is not None:
+                self._fail(failed)
+            elif not self.healthy and not self._forming.locked():
+                await self.form()
+
+    async def _probe(self, stage: StageInfo) -> str | None:
+        try:
+            await self._stub(stage).Describe(stage_pb2.DescribeRequest(), timeout=2.0)
+            return None
+        except grpc.aio.AioRpcError as err:
+            return str(StageFailure(stage, f"{err.code().name}: {err.details()}"))
+
+
+class Unavailable(StagemeshError):
+    """The replica's pipeline is not formed."""

@@ -1,0 +1,103 @@
+"""Which stages make up the replica's pipeline, and whether they fit together.
+
+Stages register with their layer range; a stage whose range overlaps a
+neighbour's or leaves a gap, that serves another model, or uses another block
+size or handoff is refused with the reason. When the ranges tile the model,
+the pipeline can form.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stagemesh.errors import StagemeshError
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    model_type: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    stage_index: int
+    layer_start: int
+    layer_end: int
+    tp_size: int
+    device: str
+    num_kv_blocks: int
+    block_size: int
+    model: ModelIdentity
+    address: str
+    handoff: str
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    stages: list[StageInfo]
+    world_size: int
+    rank_offsets: list[int]
+    tp_sizes: list[int]
+    num_kv_blocks: int
+
+
+class Rendezvous:
+    def __init__(self, pipeline_parallel_size: int, block_size: int, model: ModelIdentity):
+        self.pp = pipeline_parallel_size
+        self.block_size = block_size
+        self.model = model
+        self.stages: dict[int, StageInfo] = {}
+
+    def register(self, stage: StageInfo) -> int:
+        """Accept the stage (replacing an earlier one of the same index); returns stages still missing."""
+        self._check(stage)
+        self.stages[stage.stage_index] = stage
+        return self.pp - len(self.stages)
+
+    def _check(self, s: StageInfo) -> None:
+        where = f"stage {s.stage_index} (layers {s.layer_start}:{s.layer_end}, at {s.address})"
+        if not 0 <= s.stage_index < self.pp:
+            raise StagemeshError(f"{where}: stage index out of range for --pipeline-parallel-size {self.pp}")
+        if s.model != self.model:
+            raise StagemeshError(f"{where} serves another model ({_describe(s.model)}); this replica serves "
+                                 f"{_describe(self.model)}")
+        if s.block_size != self.block_size:
+            raise StagemeshError(f"{where} uses --block-size {s.block_size}; the scheduler uses {self.block_size}")
+        others = [o for i, o in self.stages.items() if i != s.stage_index]
+        if others and others[0].handoff != s.handoff:
+            raise StagemeshError(f"{where} uses --handoff {s.handoff}; the other stages use {others[0].handoff}")
+        if s.stage_index == 0 and s.layer_start != 0:
+            raise StagemeshError(f"{where}: the first stage must start at layer 0")
+        if s.stage_index == self.pp - 1 and s.layer_end != self.model.num_hidden_layers:
+            raise StagemeshError(f"{where}: the last stage must end at layer {self.model.num_hidden_layers}")
+        for o in others:
+            if o.layer_start < s.layer_end and s.layer_start < o.layer_end:
+                raise StagemeshError(f"{where} overlaps stage {o.stage_index} (layers {o.layer_start}:{o.layer_end})")
+            if o.stage_index == s.stage_index - 1 and o.layer_end != s.layer_start:
+                raise StagemeshError(f"{where} leaves a gap after stage {o.stage_index}, which ends at layer "
+                                     f"{o.layer_end}")
+            if o.stage_index == s.stage_index + 1 and s.layer_end != o.layer_start:
+                raise StagemeshError(f"{where} leaves a gap before stage {o.stage_index}, which starts at layer "
+                                     f"{o.layer_start}")
+            if (o.stage_index < s.stage_index) != (o.layer_start < s.layer_start):
+                raise StagemeshError(f"{where} is out of order with stage {o.stage_index} "
+                                     f"(layers {o.layer_start}:{o.layer_end})")
+
+    @property
+    def complete(self) -> bool:
+        return len(self.stages) == self.pp
+
+    def plan(self) -> PipelinePlan:
+        stages = [self.stages[i] for i in range(self.pp)]
+        sizes = [s.tp_size for s in stages]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        return PipelinePlan(stages, sum(sizes), offsets, sizes, min(s.num_kv_blocks for s in stages))
+
+
+def _describe(m: ModelIdentity) -> str:
+    return (f"{m.model_type}, {m.num_hidden_layers} layers, hidden {m.hidden_size}, vocab {m.vocab_size}, "
+            f"{m.num_attention_heads}/{m.num_key_value_heads} heads")

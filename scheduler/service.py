@@ -1,0 +1,131 @@
+"""The scheduler's gRPC service (asyncio): decode, hand off to the Driver, encode."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from scheduler.driver import Driver, Unavailable
+from scheduler.rendezvous import ModelIdentity, StageInfo
+from scheduler.scheduler import QueueFull
+from stagemesh.errors import StagemeshError
+from stagemesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from stagemesh.wire import sampling_from_pb
+
+log = logging.getLogger("stagemesh.scheduler")
+FINISH = {"stop": scheduler_pb2.FINISH_REASON_STOP, "length": scheduler_pb2.FINISH_REASON_LENGTH,
+          "abort": scheduler_pb2.FINISH_REASON_ABORT}
+SERVICE = "stagemesh.v1.Scheduler"
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, driver: Driver, served_model_name: str, model_path: str, vocab_size: int):
+        self.driver = driver
+        self.served_model_name, self.model_path, self.vocab_size = served_model_name, model_path, vocab_size
+
+    async def Submit(self, request, context):
+        try:
+            stream = self.driver.submit(request.request_id, list(request.prompt_token_ids),
+                                        sampling_from_pb(request.sampling))
+            first = True
+            async for out in stream:
+                if out.finish_reason == "error":
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
+                reply = scheduler_pb2.SubmitResponse(token_ids=out.new_token_ids)
+                for t in out.new_logprobs:
+                    reply.logprobs.append(common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob,
+                                                                  top_token_ids=t.top_token_ids,
+                                                                  top_logprobs=t.top_logprobs))
+                if first:
+                    reply.num_prompt_tokens, reply.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
+                    first = False
+                if out.finish_reason:
+                    reply.finish_reason = FINISH[out.finish_reason]
+                    if out.stop_token_id is not None:
+                        reply.stop_token_id = out.stop_token_id
+                yield reply
+        except QueueFull as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        except Unavailable as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        except StagemeshError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
+    async def Abort(self, request, context):
+        return scheduler_pb2.AbortResponse(num_aborted=self.driver.abort(list(request.request_ids)))
+
+    def _stats(self) -> scheduler_pb2.Stats:
+        d = self.driver
+        stats = scheduler_pb2.Stats(healthy=d.healthy, unhealthy_reason=d.reason,
+                                    max_waiting_requests=d.cfg.max_waiting_requests)
+        if d.scheduler is not None:
+            s = d.scheduler.stats()
+            stats.num_running, stats.num_waiting, stats.kv_cache_usage = s.num_running, s.num_waiting, s.kv_cache_usage
+            stats.prefix_cache_queries, stats.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
+            stats.num_kv_blocks = s.num_kv_blocks
+        return stats
+
+    async def GetStats(self, request, context):
+        return self._stats()
+
+    async def WatchStats(self, request, context):
+        interval = max(request.interval_ms, 50) / 1000
+        while True:
+            yield self._stats()
+            await asyncio.sleep(interval)
+
+    async def GetModelInfo(self, request, context):
+        d = self.driver
+        info = scheduler_pb2.ModelInfo(served_model_name=self.served_model_name, model_path=self.model_path,
+                                       vocab_size=self.vocab_size, eos_token_ids=d.cfg.eos_token_ids,
+                                       block_size=d.rendezvous.block_size,
+                                       pipeline_parallel_size=d.rendezvous.pp)
+        if d.plan is not None and d.healthy:
+            info.max_model_len = d.max_model_len
+            info.tensor_parallel_sizes.extend(d.plan.tp_sizes)
+            info.kv_cache_tokens = d.plan.num_kv_blocks * d.rendezvous.block_size
+        return info
+
+    async def RegisterStage(self, request, context):
+        s = request.stage
+        m = s.model
+        info = StageInfo(s.stage_index, s.layer_start, s.layer_end, s.tensor_parallel_size, s.device, s.num_kv_blocks,
+                         s.block_size, ModelIdentity(m.model_type, m.num_hidden_layers, m.hidden_size, m.vocab_size,
+                                                     m.num_attention_heads, m.num_key_value_heads), s.address,
+                         s.handoff)
+        try:
+            missing = self.driver.rendezvous.register(info)
+        except StagemeshError as err:
+            log.error("refused a stage: %s", err)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        log.info("stage %d registered: layers %d:%d, TP=%d, at %s (%d missing)", s.stage_index, s.layer_start,
+                 s.layer_end, s.tensor_parallel_size, s.address, missing)
+        self.driver.stage_registered()
+        return scheduler_pb2.RegisterStageResponse(num_missing_stages=missing)
+
+
+async def health_loop(driver: Driver, health_servicer: health.aio.HealthServicer) -> None:
+    """grpc.health.v1 says SERVING only while the pipeline is formed."""
+    last = None
+    while True:
+        status = health_pb2.HealthCheckResponse.SERVING if driver.healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+        if status != last:
+            await health_servicer.set("", status)
+            await health_servicer.set(SERVICE, status)
+            last = status
+        await asyncio.sleep(0.2)
+
+
+async def serve(servicer: SchedulerServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 1 << 30)])
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise StagemeshError(f"cannot listen on {host}:{port}")
+    await server.start()
+    asyncio.create_task(health_loop(servicer.driver, health_servicer))
+    return server, bound

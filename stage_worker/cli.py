@@ -1,0 +1,103 @@
+"""`stagemesh stage`: one pipeline stage worker (TP rank 0 + its followers)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+import time
+
+import grpc
+
+from stagemesh.errors import StagemeshError
+
+log = logging.getLogger("stagemesh.stage")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("--scheduler", required=True, metavar="HOST:PORT", help="the replica's scheduler")
+    p.add_argument("--stage-index", type=int, required=True)
+    p.add_argument("--layers", required=True, metavar="A:B", help="this stage's layers [A, B)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--handoff", choices=("nccl", "grpc"), default="grpc", help="activation transport to the next stage")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    p.add_argument("--advertise-host", default=None, help="address other services use to reach this stage")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
+    p.add_argument("--log-level", default="info")
+
+
+def parse_layers(text: str) -> tuple[int, int]:
+    try:
+        start, end = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise StagemeshError(f"--layers {text!r} must be A:B, e.g. 0:15") from None
+    return start, end
+
+
+def run(args: argparse.Namespace) -> int:
+    from stagemesh.cli import setup_logging
+    from stagemesh.default_model import resolve_model
+    from stagemesh.model_config import ModelConfig
+    from stage_worker.runner import check_layer_range
+
+    setup_logging(args.log_level)
+    model_dir = resolve_model(args.model)
+    cfg = ModelConfig.from_path(model_dir)
+    start, end = parse_layers(args.layers)
+    check_layer_range(cfg, start, end)
+    cfg.check_tp_size(args.tensor_parallel_size)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from stage_worker.service import StageServicer, start_server
+    from stage_worker.worker import StageConfig, StageWorker
+
+    worker = StageWorker(StageConfig(str(model_dir), args.stage_index, start, end, args.tensor_parallel_size,
+                                     args.device, args.dtype, args.block_size, args.handoff, args.kv_cache_memory,
+                                     args.gpu_memory_utilization, args.threads))
+    servicer = StageServicer(worker, "")
+    server, port, _ = start_server(servicer, args.host, args.port)
+    servicer.address = f"{args.advertise_host or args.host}:{port}"
+    log.info("stage %d serving layers %d:%d at %s (TP=%d, %s, %s handoff, %d KV blocks of %d tokens)",
+             args.stage_index, start, end, servicer.address, args.tensor_parallel_size, args.device, args.handoff,
+             worker.num_kv_blocks, args.block_size)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        register(args.scheduler, servicer, stop)
+        stop.wait()
+    finally:
+        server.stop(grace=1)
+        worker.close()
+    return 0
+
+
+def register(scheduler: str, servicer, stop: threading.Event, timeout_s: float = 600) -> None:
+    """Announce this stage to the scheduler, retrying while it is not up yet."""
+    from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    deadline, delay = time.monotonic() + timeout_s, 0.2
+    with grpc.insecure_channel(scheduler) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        while not stop.is_set():
+            try:
+                reply = stub.RegisterStage(scheduler_pb2.RegisterStageRequest(stage=servicer.describe()), timeout=10)
+                log.info("registered with the scheduler at %s (%d stage(s) still missing)", scheduler,
+                         reply.num_missing_stages)
+                return
+            except grpc.RpcError as err:
+                if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                    raise StagemeshError(f"the scheduler refused this stage: {err.details()}") from None
+                if time.monotonic() > deadline:
+                    raise StagemeshError(f"no scheduler answered at {scheduler} for {timeout_s:.0f}s") from None
+            stop.wait(delay)
+            delay = min(delay * 2, 2.0)

@@ -1,0 +1,92 @@
+"""A TP follower of a stage: rank t > 0 of its TP group, one device.
+
+Started by the stage's rank 0 (stage_worker.worker). Control before a world
+exists comes on stdin as length-prefixed JoinPipelineRequest protobufs; inside
+an epoch, steps come as protobuf bytes broadcast over the TP group.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import signal
+import struct
+import sys
+
+import torch
+
+from stagemesh.step_wire import step_from_pb
+from stagemesh.v1 import stage_pb2
+from stage_worker import dist as sdist
+from stage_worker.runner import StageRunner
+
+log = logging.getLogger("stagemesh.follower")
+
+
+def die_with_parent() -> None:
+    try:  # Linux: SIGKILL us when the stage's rank 0 goes, so no orphan keeps a device
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def read_message(stream) -> bytes | None:
+    head = stream.read(4)
+    if len(head) < 4:
+        return None
+    (size,) = struct.unpack("<I", head)
+    return stream.read(size)
+
+
+def serve_epoch(runner: StageRunner, join: stage_pb2.JoinPipelineRequest, tp_rank: int) -> None:
+    _, group = sdist.join_world(join, tp_rank, runner.device)
+    runner.tp.group = group
+    runner.reset(join.num_kv_blocks)
+    src = join.rank_offset
+    hidden_size = runner.config.hidden_size
+    try:
+        while True:
+            kind, payload = sdist.recv_control(src, group)
+            if kind == sdist.LEAVE:
+                return
+            step = step_from_pb(stage_pb2.ForwardRequest.FromString(payload).step)
+            hidden = None
+            if not runner.is_first_stage:
+                buf = torch.empty((step.num_tokens, hidden_size), dtype=runner.dtype, device=runner.device)
+                hidden = sdist.broadcast_hidden(buf, src, group)
+            runner.execute(step, hidden)
+    finally:
+        sdist.leave_world()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="TP follower of a stagemesh stage (started by the stage)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--layers", required=True)
+    p.add_argument("--tp-rank", type=int, required=True)
+    p.add_argument("--tp-size", type=int, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=0)
+    args = p.parse_args()
+    die_with_parent()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s follower tp{args.tp_rank} %(levelname)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    start, end = (int(x) for x in args.layers.split(":"))
+    device = args.device if args.device != "cuda" else f"cuda:{args.tp_rank}"
+    runner = StageRunner(args.model, start, end, tp_rank=args.tp_rank, tp_size=args.tp_size, device=device,
+                         dtype=args.dtype, block_size=args.block_size)
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    while (raw := read_message(sys.stdin.buffer)) is not None:
+        join = stage_pb2.JoinPipelineRequest.FromString(raw)
+        try:
+            serve_epoch(runner, join, args.tp_rank)
+        except Exception as err:  # the epoch broke (a peer died): wait for the next one
+            log.warning("epoch %d ended: %s", join.epoch, err)
+
+
+if __name__ == "__main__":
+    main()

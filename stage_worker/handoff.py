@@ -1,0 +1,93 @@
+"""Activation handoff between consecutive stages, behind one small interface.
+
+`nccl`: torch.distributed send/recv between the stages' TP-rank-0s in the
+epoch's world (NCCL on CUDA, gloo on CPU). `grpc`: the sender calls the next
+stage's PushActivations; the receiver waits in a mailbox keyed by step id.
+Stages process steps in order, so both match steps by id.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import torch
+import torch.distributed as dist
+
+from stagemesh.errors import StagemeshError
+from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh.wire import tensor_from_pb, tensor_to_pb
+
+PUSH_DEADLINE_S = 30.0
+
+
+class HandoffAborted(Exception):
+    """The epoch ended while a stage waited for activations."""
+
+
+class DistHandoff:
+    def __init__(self, prev_rank: int | None, next_rank: int | None, device: torch.device):
+        self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device
+
+    def send(self, epoch: int, step_id: int, hidden: torch.Tensor) -> int:
+        dist.send(hidden.contiguous(), dst=self.next_rank)
+        return hidden.numel() * hidden.element_size()
+
+    def recv(self, epoch: int, step_id: int, shape: tuple[int, ...], dtype: torch.dtype,
+             timeout: float) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(buf, src=self.prev_rank)
+        return buf
+
+    def abort(self) -> None:
+        pass  # a dead peer breaks the gloo/NCCL connection, which raises in recv
+
+
+class GrpcHandoff:
+    def __init__(self, next_address: str | None, device: torch.device):
+        self.device = device
+        self._stub = None
+        if next_address:
+            self._channel = grpc.insecure_channel(next_address)
+            self._stub = stage_pb2_grpc.StageStub(self._channel)
+        self._mailbox: dict[tuple[int, int], stage_pb2.PushActivationsRequest] = {}
+        self._cond = threading.Condition()
+        self._aborted = False
+
+    def send(self, epoch: int, step_id: int, hidden: torch.Tensor) -> int:
+        msg = tensor_to_pb(hidden)
+        self._stub.PushActivations(stage_pb2.PushActivationsRequest(epoch=epoch, step_id=step_id, hidden_states=msg),
+                                   timeout=PUSH_DEADLINE_S)
+        return len(msg.data)
+
+    def deliver(self, request: stage_pb2.PushActivationsRequest) -> None:
+        with self._cond:
+            self._mailbox[(request.epoch, request.step_id)] = request
+            self._cond.notify_all()
+
+    def recv(self, epoch: int, step_id: int, shape: tuple[int, ...], dtype: torch.dtype,
+             timeout: float) -> torch.Tensor:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (epoch, step_id) not in self._mailbox:
+                left = deadline - time.monotonic()
+                if self._aborted:
+                    raise HandoffAborted("the pipeline epoch ended")
+                if left <= 0:
+                    raise StagemeshError(f"no activations from the previous stage for step {step_id} in {timeout:.0f}s")
+                self._cond.wait(left)
+            request = self._mailbox.pop((epoch, step_id))
+        hidden = tensor_from_pb(request.hidden_states, self.device)
+        if tuple(hidden.shape) != tuple(shape):
+            raise StagemeshError(f"activations of step {step_id} have shape {tuple(hidden.shape)}, expected {shape}")
+        return hidden.to(dtype)
+
+    def abort(self) -> None:
+        with self._cond:
+            self._aborted = True
+            self._mailbox.clear()
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        if self._stub is not None:
+            self._channel.close()

@@ -1,0 +1,179 @@
+"""A stage's TP rank 0: owns the model slice, the TP followers and the handoff.
+
+The gRPC servicer (stage_worker.service) only decodes and calls this class.
+Forward calls for different micro-batches may arrive together; they run one
+at a time in step order, as every stage sees every step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from stagemesh.errors import StagemeshError
+from stagemesh.step_wire import sampled_to_pb, step_from_pb
+from stagemesh.v1 import stage_pb2
+from stage_worker import dist as sdist
+from stage_worker.handoff import DistHandoff, GrpcHandoff
+from stage_worker.kv_cache import num_kv_blocks_for_budget
+from stage_worker.runner import StageRunner
+
+log = logging.getLogger("stagemesh.stage")
+HANDOFF_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    model_dir: str
+    stage_index: int
+    layer_start: int
+    layer_end: int
+    tp_size: int = 1
+    device: str = "cpu"
+    dtype: str | None = None
+    block_size: int = 16
+    handoff: str = "grpc"
+    kv_cache_memory: int | None = None  # bytes; None: from gpu_memory_utilization (CUDA) or 512 MiB (CPU)
+    gpu_memory_utilization: float = 0.9
+    threads: int = 0
+
+
+class StageWorker:
+    def __init__(self, cfg: StageConfig):
+        if cfg.handoff not in ("nccl", "grpc"):
+            raise StagemeshError(f"--handoff {cfg.handoff!r} must be nccl or grpc")
+        self.cfg = cfg
+        device = "cuda:0" if cfg.device == "cuda" else cfg.device
+        self.runner = StageRunner(cfg.model_dir, cfg.layer_start, cfg.layer_end, tp_rank=0, tp_size=cfg.tp_size,
+                                  device=device, dtype=cfg.dtype, block_size=cfg.block_size)
+        self.followers = [self._start_follower(t) for t in range(1, cfg.tp_size)]
+        for t, proc in enumerate(self.followers, start=1):
+            if proc.stdout.readline().strip() != b"ready":
+                raise StagemeshError(f"TP follower {t} failed to load its shard (exit code {proc.wait()})")
+        self.num_kv_blocks = num_kv_blocks_for_budget(self._kv_budget(), self.runner.kv_bytes_per_block)
+        self.epoch = -1
+        self.handoff = None
+        self.group = None
+        self.tp_src = 0
+        self._next_step = 0
+        self._turn = threading.Condition()
+
+    # -- start-up ---------------------------------------------------------------
+    def _start_follower(self, tp_rank: int) -> subprocess.Popen:
+        c = self.cfg
+        cmd = [sys.executable, "-m", "stage_worker.follower", "--model", str(c.model_dir),
+               "--layers", f"{c.layer_start}:{c.layer_end}", "--tp-rank", str(tp_rank), "--tp-size", str(c.tp_size),
+               "--device", c.device, "--block-size", str(c.block_size), "--threads", str(c.threads)]
+        if c.dtype:
+            cmd += ["--dtype", c.dtype]
+        return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=os.environ.copy())
+
+    def _kv_budget(self) -> int:
+        if self.cfg.kv_cache_memory:
+            return self.cfg.kv_cache_memory
+        if self.runner.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.runner.device)
+            used = total - free
+            return max(int(total * self.cfg.gpu_memory_utilization) - used, 0)
+        return 512 * 2**20
+
+    def free_memory_bytes(self) -> int:
+        if self.runner.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.runner.device)[0]
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+    # -- epochs -------------------------------------------------------------------
+    def join(self, req: stage_pb2.JoinPipelineRequest) -> None:
+        """Leave the old epoch (waking anything blocked in it) and join the new one."""
+        self._leave()
+        payload = req.SerializeToString()
+        for proc in self.followers:
+            proc.stdin.write(struct.pack("<I", len(payload)) + payload)
+            proc.stdin.flush()
+        rank, self.group = sdist.join_world(req, 0, self.runner.device)
+        self.tp_src = rank
+        self.runner.tp.group = self.group
+        self.runner.reset(req.num_kv_blocks)
+        index, sizes = self.cfg.stage_index, list(req.tp_sizes)
+        if self.cfg.handoff == "nccl":
+            prev_rank = sum(sizes[:index - 1]) if index > 0 else None
+            next_rank = rank + sizes[index] if index + 1 < len(sizes) else None
+            self.handoff = DistHandoff(prev_rank, next_rank, self.runner.device)
+        else:
+            self.handoff = GrpcHandoff(req.next_stage_address or None, self.runner.device)
+        with self._turn:
+            self.epoch, self._next_step = req.epoch, req.first_step_id
+            self._turn.notify_all()
+        log.info("joined epoch %d as rank %d of %d (layers %d:%d, TP=%d, %s handoff, %d KV blocks)", req.epoch, rank,
+                 req.world_size, self.cfg.layer_start, self.cfg.layer_end, self.cfg.tp_size, self.cfg.handoff,
+                 req.num_kv_blocks)
+
+    def _leave(self) -> None:
+        if self.handoff is not None:
+            self.handoff.abort()
+        if self.group is not None and self.followers:
+            try:
+                sdist.send_control(sdist.LEAVE, b"", self.tp_src, self.group)
+            except Exception as err:
+                log.warning("could not tell followers to leave: %s", err)
+        with self._turn:
+            self.epoch = -1
+            self._turn.notify_all()
+        sdist.leave_world()
+        self.group = None
+
+    # -- steps --------------------------------------------------------------------
+    def forward(self, req: stage_pb2.ForwardRequest) -> stage_pb2.ForwardResponse:
+        step_id = req.step.step_id
+        with self._turn:
+            while self.epoch == req.epoch and self._next_step != step_id:
+                self._turn.wait()
+            if self.epoch != req.epoch:
+                raise StagemeshError(f"step {step_id} belongs to epoch {req.epoch}, the stage is in {self.epoch}")
+        try:
+            return self._run(req)
+        finally:
+            with self._turn:
+                if self.epoch == req.epoch:
+                    self._next_step = step_id + 1
+                self._turn.notify_all()
+
+    def _run(self, req: stage_pb2.ForwardRequest) -> stage_pb2.ForwardResponse:
+        batch = step_from_pb(req.step)
+        runner, reply = self.runner, stage_pb2.ForwardResponse()
+        hidden = None
+        if not runner.is_first_stage and batch.chunks:
+            start = time.perf_counter()
+            shape = (batch.num_tokens, runner.config.hidden_size)
+            hidden = self.handoff.recv(req.epoch, batch.step_id, shape, runner.dtype, HANDOFF_TIMEOUT_S)
+            reply.handoff_wait_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        if self.followers:
+            sdist.send_control(sdist.FORWARD, req.SerializeToString(), self.tp_src, self.group)
+            if hidden is not None:
+                sdist.broadcast_hidden(hidden, self.tp_src, self.group)
+        out = runner.execute(batch, hidden)
+        reply.compute_seconds = time.perf_counter() - start
+        if out.hidden_states is not None:
+            reply.handoff_bytes = self.handoff.send(req.epoch, batch.step_id, out.hidden_states)
+        reply.sampled.extend(sampled_to_pb(t) for t in out.sampled)
+        return reply
+
+    def deliver(self, req: stage_pb2.PushActivationsRequest) -> None:
+        if not isinstance(self.handoff, GrpcHandoff) or req.epoch != self.epoch:
+            raise StagemeshError(f"activations for epoch {req.epoch} arrived; the stage is in epoch {self.epoch}")
+        self.handoff.deliver(req)
+
+    def close(self) -> None:
+        if self.handoff is not None:
+            self.handoff.abort()
+        for proc in self.followers:
+            proc.kill()
+            proc.wait()

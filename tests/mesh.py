@@ -1,0 +1,118 @@
+"""Start a real replica (scheduler + stage processes on loopback) for tests, and talk to it."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from stagemesh.model_config import layer_ranges
+from stagemesh.sampling_params import SamplingParams
+from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from stagemesh.wire import sampling_to_pb
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Mesh:
+    """A scheduler and its stages as real processes; every one is stopped on exit."""
+
+    def __init__(self, model_dir: Path, split: list[int], tp: list[int] | None = None, handoff: str = "grpc",
+                 scheduler_args: tuple[str, ...] = (), stage_args: tuple[str, ...] = (), log_dir: Path | None = None):
+        self.model_dir, self.split, self.handoff = str(model_dir), split, handoff
+        self.tp = tp or [1] * len(split)
+        self.scheduler_args, self.stage_args = list(scheduler_args), list(stage_args)
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_dir = log_dir
+        self.scheduler: subprocess.Popen | None = None
+        self.stages: list[subprocess.Popen | None] = []
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def _spawn(self, args: list[str], name: str) -> subprocess.Popen:
+        out = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else subprocess.DEVNULL
+        return subprocess.Popen([sys.executable, "-m", "stagemesh", *args], stdout=out, stderr=subprocess.STDOUT,
+                                env=self.env)
+
+    def start_stage(self, index: int) -> None:
+        a, b = layer_ranges(self.split)[index]
+        proc = self._spawn(["stage", self.model_dir, "--scheduler", self.address, "--stage-index", str(index),
+                            "--layers", f"{a}:{b}", "--tensor-parallel-size", str(self.tp[index]),
+                            "--handoff", self.handoff, "--threads", "1", *self.stage_args], f"stage{index}")
+        if index < len(self.stages):
+            self.stages[index] = proc
+        else:
+            self.stages.append(proc)
+
+    def kill_stage(self, index: int) -> None:
+        proc = self.stages[index]
+        proc.kill()
+        proc.wait()
+
+    def __enter__(self) -> "Mesh":
+        self.scheduler = self._spawn(["scheduler", self.model_dir, "--port", str(self.port),
+                                      "--pipeline-parallel-size", str(len(self.split)), *self.scheduler_args],
+                                     "scheduler")
+        for i in range(len(self.split)):
+            self.start_stage(i)
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.wait_healthy()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.channel.close()
+        for proc in [*self.stages, self.scheduler]:
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+        for proc in [*self.stages, self.scheduler]:
+            if proc is not None:
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+    def health(self) -> int:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        try:
+            return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+        except grpc.RpcError:
+            return health_pb2.HealthCheckResponse.UNKNOWN
+
+    def wait_healthy(self, timeout: float = 180, healthy: bool = True) -> None:
+        want = health_pb2.HealthCheckResponse.SERVING
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (self.health() == want) == healthy:
+                return
+            for proc in [self.scheduler, *self.stages]:
+                if proc is not None and proc.poll() is not None and healthy:
+                    raise RuntimeError(f"a mesh process exited with {proc.returncode} (see logs in {self.log_dir})")
+            time.sleep(0.2)
+        raise TimeoutError(f"mesh not {'healthy' if healthy else 'unhealthy'} after {timeout}s")
+
+    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams, timeout: float = 120):
+        """(token ids, finish reason) of one request; raises grpc.RpcError on failure."""
+        request = scheduler_pb2.SubmitRequest(request_id=request_id, prompt_token_ids=prompt,
+                                              sampling=sampling_to_pb(sampling))
+        tokens, reason = [], None
+        for reply in self.stub.Submit(request, timeout=timeout):
+            tokens.extend(reply.token_ids)
+            reason = reply.finish_reason or reason
+        return tokens, reason
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(self.submit, f"r{i}", p, sampling) for i, p in enumerate(prompts)]
+            return [f.result()[0] for f in futures]
