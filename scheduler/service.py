@@ -64,7 +64,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             s = d.scheduler.stats()
             stats.num_running, stats.num_waiting, stats.kv_cache_usage = s.num_running, s.num_waiting, s.kv_cache_usage
             stats.prefix_cache_queries, stats.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
-            stats.num_kv_blocks = s.num_kv_blocks
+            stats.num_kv_blocks, stats.num_preemptions = s.num_kv_blocks, s.num_preemptions
         return stats
 
     async def GetStats(self, request, context):

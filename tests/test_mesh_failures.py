@@ -1,0 +1,43 @@
+"""A stage that dies fails its requests with a clear error, and the replica recovers."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from mesh import Mesh
+from stagemesh.sampling_params import SamplingParams
+from stagemesh.v1 import scheduler_pb2
+
+pytestmark = pytest.mark.slow
+
+
+def test_stage_killed_mid_generation_fails_requests_then_recovers(tiny_model_dir, tmp_path):
+    model_dir = tiny_model_dir("llama")
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    with Mesh(model_dir, [2, 2], handoff="nccl", log_dir=tmp_path) as mesh:
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(mesh.submit, f"r{i}", [5 + i] * 20, long, 60) for i in range(4)]
+            while mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5).num_running < 4:
+                time.sleep(0.05)
+            mesh.kill_stage(1)
+            errors = []
+            for f in futures:
+                with pytest.raises(grpc.RpcError) as info:
+                    f.result(timeout=60)  # bounded: a hang fails the test
+                errors.append(info.value)
+        for err in errors:
+            assert err.code() == grpc.StatusCode.UNAVAILABLE
+            assert "stage 1 (127.0.0.1:" in err.details() and "layers 2:4) failed" in err.details()
+        mesh.wait_healthy(timeout=30, healthy=False)
+        stats = mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+        assert not stats.healthy and "stage 1" in stats.unhealthy_reason
+        with pytest.raises(grpc.RpcError) as info:
+            mesh.submit("while-down", [5, 6, 7], SamplingParams(max_tokens=4), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        mesh.start_stage(1)
+        mesh.wait_healthy(timeout=120)
+        tokens, reason = mesh.submit("after", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+        assert len(tokens) == 8 and reason == scheduler_pb2.FINISH_REASON_LENGTH
