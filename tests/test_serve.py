@@ -1,0 +1,94 @@
+"""`stagemesh serve` starts a whole replica and SIGTERM stops every child."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def start_serve(model_dir, log_path):
+    with open(log_path, "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model_dir),
+                                 "--pipeline-parallel-size", "2", "--handoff", "grpc", "--port", "0",
+                                 "--threads", "1"], stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_for(log_path, pattern: str, timeout: float = 120) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        match = re.search(pattern, log_path.read_text())
+        if match:
+            return match
+        time.sleep(0.2)
+    pytest.fail(f"{pattern!r} never appeared:\n{log_path.read_text()}")
+
+
+def test_a_child_that_dies_is_reported_and_the_rest_stopped(tiny_model_dir, tmp_path):
+    log_path = tmp_path / "serve.log"
+    proc = start_serve(tiny_model_dir("llama"), log_path)
+    try:
+        stage_pid = int(wait_for(log_path, r"started stage\[0\.1\] \(pid (\d+)\)").group(1))
+        wait_for(log_path, r"joined epoch 1")
+        pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", log_path.read_text())]
+        os.kill(stage_pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == 1
+        assert f"stage[0.1] (pid {stage_pid}) exited with code -9; stopping the mesh" in log_path.read_text()
+        assert [p for p in pids if alive(p)] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_starts_the_replica_and_sigterm_stops_every_child(tiny_model_dir, tmp_path):
+    log_path = tmp_path / "serve.log"
+    proc = start_serve(tiny_model_dir("llama"), log_path)
+    try:
+        deadline = time.monotonic() + 120
+        address = None
+        while time.monotonic() < deadline and address is None:
+            match = re.search(r"started scheduler\[0\] .*--port (\d+)", log_path.read_text())
+            address = f"127.0.0.1:{match.group(1)}" if match else None
+            time.sleep(0.2)
+        assert address, log_path.read_text()
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.3)
+            else:
+                pytest.fail("the replica did not become healthy:\n" + log_path.read_text())
+        pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", log_path.read_text())]
+        assert len(pids) >= 3  # a scheduler and two stages (and the router once it exists)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert [p for p in pids if alive(p)] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
