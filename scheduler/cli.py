@@ -43,7 +43,7 @@ async def _main(args: argparse.Namespace) -> int:
     from scheduler.driver import Driver, DriverConfig
     from scheduler.rendezvous import ModelIdentity, Rendezvous
     from scheduler.service import SchedulerServicer, serve
-    from stagemesh.default_model import DEFAULT_MODEL_NAME, resolve_model
+    from stagemesh.default_model import resolve_model, served_model_name
     from stagemesh.model_config import ModelConfig
 
     model_dir = resolve_model(args.model)
@@ -63,7 +63,7 @@ async def _main(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.enable_prefix_caching, max_waiting_requests=args.max_waiting_requests,
         forward_timeout_s=args.forward_timeout),
         Rendezvous(args.pipeline_parallel_size, args.block_size, identity), advertise, store.port)
-    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else str(args.model))
+    name = args.served_model_name or served_model_name(args.model, model_dir)
     server, port = await serve(SchedulerServicer(driver, name, str(model_dir), cfg.vocab_size), args.host, args.port)
     if args.port_file:
         with open(args.port_file, "w") as f:

@@ -102,3 +102,10 @@ def resolve_model(model: str | None) -> Path:
     if not (path / "config.json").is_file():
         raise StagemeshError(f"{model} is not a model: it has no config.json")
     return path
+
+
+def served_model_name(model: str | None, model_dir: Path) -> str:
+    """The name clients use: the embedded model's own name, else the model argument as given (as vLLM)."""
+    if model is None or Path(model_dir).resolve() == (cache_root() / "models" / DEFAULT_MODEL_NAME).resolve():
+        return DEFAULT_MODEL_NAME
+    return str(model)

@@ -1,0 +1,144 @@
+"""The OpenAI-compatible HTTP gateway (aiohttp)."""
+from __future__ import annotations
+
+import json
+import time
+
+from aiohttp import web
+
+from router import responses
+from router.errors import APIError, bad_request
+from router.generation import Generation, fit_max_tokens, generate, new_request_id, prompt_ids_for
+from router.openai_protocol import parse_request
+from router.replicas import ReplicaSet
+from router.tokenization import Tokenizer
+
+REPLICAS = web.AppKey("replicas", ReplicaSet)
+TOKENIZER = web.AppKey("tokenizer", Tokenizer)
+CONFIG = web.AppKey("config", dict)
+
+
+@web.middleware
+async def errors_and_auth(request: web.Request, handler):
+    key = request.app[CONFIG].get("api_key")
+    if key and request.path.startswith("/v1") and request.headers.get("Authorization", "") != f"Bearer {key}":
+        return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                        code="invalid_api_key").response()
+    try:
+        return await handler(request)
+    except APIError as err:
+        return err.response()
+    except web.HTTPNotFound:
+        return APIError(404, f"no route {request.method} {request.path}", code="not_found").response()
+    except web.HTTPMethodNotAllowed:
+        return APIError(405, f"{request.method} is not allowed on {request.path}", code="method_not_allowed").response()
+
+
+async def _json(request: web.Request):
+    try:
+        return await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise bad_request(f"the request body is not valid JSON: {err}") from None
+
+
+def _check_model(request: web.Request, model: str) -> None:
+    served = request.app[CONFIG]["served_model_name"]
+    if model != served:
+        raise APIError(404, f"the model '{model}' does not exist; this server serves '{served}'", "model",
+                       "model_not_found")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    req = parse_request(await _json(request), chat)
+    _check_model(request, req.model)
+    replicas, tokenizer = request.app[REPLICAS], request.app[TOKENIZER]
+    if not replicas.healthy():
+        raise APIError(503, "no healthy replica: " + "; ".join(f"{r.address}: {r.reason}" for r in replicas.replicas),
+                       code="unavailable", retry_after=2)
+    max_len = min(filter(None, (replicas.max_model_len, request.app[CONFIG].get("max_model_len"))))
+    prompt_ids = prompt_ids_for(req, tokenizer)
+    fit_max_tokens(req, len(prompt_ids), max_len)
+    gen = Generation(new_request_id(chat), prompt_ids)
+    created = int(time.time())
+    deltas = generate(req, gen, replicas, tokenizer)
+    if not req.stream:
+        return web.json_response(await responses.collect(req, gen, deltas, created, tokenizer))
+    return await _stream(request, req, gen, deltas, created, tokenizer)
+
+
+async def _stream(request, req, gen, deltas, created, tokenizer) -> web.StreamResponse:
+    first = await anext(deltas, None)  # errors before the first token still get an HTTP status
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    try:
+        for chunk in responses.stream_head(req, gen, created):
+            await resp.write(responses.sse(chunk))
+        delta = first
+        while delta is not None:
+            await resp.write(responses.sse(responses.stream_chunk(req, gen, created, delta, tokenizer)))
+            delta = await anext(deltas, None)
+        if req.include_usage:
+            await resp.write(responses.sse(responses.usage_chunk(req, gen, created)))
+    except APIError as err:
+        await resp.write(responses.sse(err.body()))
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+async def models(request: web.Request) -> web.Response:
+    name = request.app[CONFIG]["served_model_name"]
+    return web.json_response({"object": "list", "data": [
+        {"id": name, "object": "model", "created": 0, "owned_by": "stagemesh", "root": name,
+         "max_model_len": request.app[REPLICAS].max_model_len or None}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    replicas = request.app[REPLICAS]
+    body = {"replicas": [{"address": r.address, "healthy": r.healthy, "reason": r.reason or None,
+                          "running": r.num_running, "waiting": r.num_waiting} for r in replicas.replicas]}
+    return web.json_response(body, status=200 if replicas.healthy() else 503)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    body = await _json(request)
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    tokenizer = request.app[TOKENIZER]
+    if "messages" in body:
+        ids = prompt_ids_for(parse_request({**body, "model": body.get("model", "")}, chat=True), tokenizer)
+    elif isinstance(body.get("prompt"), str):
+        ids = tokenizer.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+    else:
+        raise bad_request("'prompt' (a string) or 'messages' is required", "prompt")
+    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": request.app[REPLICAS].max_model_len})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    body = await _json(request)
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise bad_request("'tokens' must be an array of integers", "tokens")
+    tokenizer = request.app[TOKENIZER]
+    if any(not 0 <= t < tokenizer.vocab_size for t in tokens):
+        raise bad_request(f"token ids must be in [0, {tokenizer.vocab_size})", "tokens")
+    return web.json_response({"prompt": tokenizer.decode(tokens, skip_special_tokens=False)})
+
+
+def build_app(replicas: ReplicaSet, tokenizer: Tokenizer, config: dict) -> web.Application:
+    app = web.Application(middlewares=[errors_and_auth], client_max_size=32 * 2**20)
+    app[REPLICAS], app[TOKENIZER], app[CONFIG] = replicas, tokenizer, config
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    return app

@@ -1,0 +1,66 @@
+"""`stagemesh router`: the OpenAI HTTP gateway over one or more replicas."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+log = logging.getLogger("stagemesh.router")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="model directory, for the tokenizer and chat template "
+                                                          "(default: the embedded model)")
+    p.add_argument("--replica", action="append", required=True, metavar="HOST:PORT",
+                   help="a replica's scheduler (repeat for data parallelism)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the replicas')")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument("--max-model-len", type=int, default=None, help="cap below the replicas' own limit")
+    p.add_argument("--policy", choices=("least-load", "cache-aware", "round-robin"), default="least-load")
+    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between replica checks")
+    p.add_argument("--log-level", default="info")
+
+
+def run(args: argparse.Namespace) -> int:
+    from stagemesh.cli import setup_logging
+
+    setup_logging(args.log_level)
+    return asyncio.run(_main(args))
+
+
+async def _main(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from router.app import build_app
+    from router.balancing import POLICIES
+    from router.replicas import ReplicaSet
+    from router.tokenization import Tokenizer
+    from stagemesh.default_model import resolve_model, served_model_name
+
+    model_dir = resolve_model(args.model)
+    tokenizer = Tokenizer(model_dir)
+    replicas = ReplicaSet(args.replica, POLICIES[args.policy](), args.health_interval)
+    await replicas.refresh()
+    name = args.served_model_name or next((r.served_model_name for r in replicas.replicas if r.served_model_name),
+                                          None) or served_model_name(args.model, model_dir)
+    app = build_app(replicas, tokenizer, {"served_model_name": name, "api_key": args.api_key,
+                                          "max_model_len": args.max_model_len})
+    checker = asyncio.create_task(replicas.health_loop())
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    log.info("router serving %s on http://%s:%d over %d replica(s) (%s); OpenAI API at /v1", name, args.host, port,
+             len(replicas.replicas), args.policy)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    checker.cancel()
+    await runner.cleanup()
+    return 0

@@ -1,0 +1,26 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+from __future__ import annotations
+
+from aiohttp import web
+
+TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
+         429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": TYPES.get(self.status, "APIError"), "param": self.param,
+                          "code": self.code or self.status}}
+
+    def response(self) -> web.Response:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after else None
+        return web.json_response(self.body(), status=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param, "invalid_request_error")
