@@ -54,7 +54,8 @@ def fit_max_tokens(req: GenerateRequest, prompt_len: int, max_model_len: int) ->
         room = max_model_len - prompt_len
         if room < 1:
             raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
-                              f"has {prompt_len} tokens, which leaves no room for a completion.", "messages")
+                              f"has {prompt_len} tokens, which leaves no room for a completion.",
+                              "messages" if req.chat else "prompt")
         from dataclasses import replace
 
         req.sampling = replace(req.sampling, max_tokens=room)

@@ -70,3 +70,21 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[lis
         logits.append(out)
         ids.append(int(out.argmax()))
     return ids[len(prompt):], torch.stack(logits)
+
+
+def with_word_tokenizer(model_dir: str | Path, target: str | Path, vocab_size: int = 384) -> Path:
+    """A copy of a tiny model directory plus a word-level tokenizer ("w5 w6" -> [5, 6]) and a chat template."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    target = Path(target)
+    shutil.copytree(model_dir, target, dirs_exist_ok=True)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(target)
+    return target

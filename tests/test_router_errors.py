@@ -1,0 +1,131 @@
+"""A table of bad requests: each gets OpenAI's error shape, the right status and a
+message naming the problem; the server still serves afterwards."""
+from __future__ import annotations
+
+import pytest
+import requests
+
+from mesh import Mesh, Router
+from tiny_models import with_word_tokenizer
+
+pytestmark = pytest.mark.slow
+M = "llama-tiny"
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+# (path, body or raw bytes, status, words expected in the message, param)
+CASES = [
+    (CHAT, b"{not json", 400, "not valid JSON", None),
+    (CHAT, b"[1, 2]", 400, "must be a JSON object", None),
+    (CHAT, {"messages": MSG}, 400, "'model' is required", "model"),
+    (CHAT, {"model": 5, "messages": MSG}, 400, "'model' must be a string", "model"),
+    (CHAT, {"model": "gpt-4", "messages": MSG}, 404, "the model 'gpt-4' does not exist", "model"),
+    (CHAT, {"model": M}, 400, "'messages' is required", "messages"),
+    (CHAT, {"model": M, "messages": []}, 400, "'messages' must be a non-empty array", "messages"),
+    (CHAT, {"model": M, "messages": "hi"}, 400, "'messages' must be a non-empty array", "messages"),
+    (CHAT, {"model": M, "messages": [5]}, 400, "'messages[0]' must be an object", "messages[0]"),
+    (CHAT, {"model": M, "messages": [{"role": "wizard", "content": "x"}]}, 400, "'messages[0].role' must be one of",
+     "messages[0].role"),
+    (CHAT, {"model": M, "messages": [{"role": "user"}]}, 400, "'messages[0].content' must be a string",
+     "messages[0].content"),
+    (CHAT, {"model": M, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "parts must be text parts", "messages[0].content"),
+    (CHAT, {"model": M, "messages": MSG, "temperature": "hot"}, 400, "'temperature' must be a number", "temperature"),
+    (CHAT, {"model": M, "messages": MSG, "temperature": 3}, 400, "'temperature' must be a number in [0, 2]",
+     "temperature"),
+    (CHAT, {"model": M, "messages": MSG, "top_p": 0}, 400, "'top_p' must be a number in (0, 1]", "top_p"),
+    (CHAT, {"model": M, "messages": MSG, "top_k": -5}, 400, "'top_k' must be -1 or an integer >= 0", "top_k"),
+    (CHAT, {"model": M, "messages": MSG, "min_p": 1.5}, 400, "'min_p' must be a number in [0, 1]", "min_p"),
+    (CHAT, {"model": M, "messages": MSG, "max_tokens": 0}, 400, "'max_tokens' must be an integer >= 1", "max_tokens"),
+    (CHAT, {"model": M, "messages": MSG, "max_tokens": "10"}, 400, "'max_tokens' must be an integer", "max_tokens"),
+    (CHAT, {"model": M, "messages": MSG, "max_completion_tokens": -1}, 400, "'max_completion_tokens' must be",
+     "max_completion_tokens"),
+    (CHAT, {"model": M, "messages": MSG, "max_tokens": 100000}, 400, "maximum context length is 512 tokens", "max_tokens"),
+    (CHAT, {"model": M, "messages": MSG, "n": 3}, 400, "'n' must be 1", "n"),
+    (CHAT, {"model": M, "messages": MSG, "stream": "yes"}, 400, "'stream' must be a boolean", "stream"),
+    (CHAT, {"model": M, "messages": MSG, "stream_options": {"include_usage": True}}, 400,
+     "'stream_options' is only allowed with 'stream': true", "stream_options"),
+    (CHAT, {"model": M, "messages": MSG, "stop": 5}, 400, "'stop' must be a string or an array", "stop"),
+    (CHAT, {"model": M, "messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4 strings", "stop"),
+    (CHAT, {"model": M, "messages": MSG, "presence_penalty": 3}, 400, "'presence_penalty' must be a number in [-2, 2]",
+     "presence_penalty"),
+    (CHAT, {"model": M, "messages": MSG, "frequency_penalty": -2.5}, 400, "'frequency_penalty' must be",
+     "frequency_penalty"),
+    (CHAT, {"model": M, "messages": MSG, "repetition_penalty": 0}, 400, "'repetition_penalty' must be",
+     "repetition_penalty"),
+    (CHAT, {"model": M, "messages": MSG, "seed": 1.5}, 400, "'seed' must be", "seed"),
+    (CHAT, {"model": M, "messages": MSG, "logprobs": 1}, 400, "'logprobs' must be a boolean", "logprobs"),
+    (CHAT, {"model": M, "messages": MSG, "logprobs": True, "top_logprobs": 50}, 400,
+     "'top_logprobs' must be an integer in [0, 20]", "top_logprobs"),
+    (CHAT, {"model": M, "messages": MSG, "top_logprobs": 2}, 400, "'top_logprobs' needs 'logprobs': true",
+     "top_logprobs"),
+    (CHAT, {"model": M, "messages": MSG, "stop_token_ids": ["x"]}, 400, "'stop_token_ids' must be an array of integers",
+     "stop_token_ids"),
+    (CHAT, {"model": M, "messages": MSG, "ignore_eos": "no"}, 400, "'ignore_eos' must be a boolean", "ignore_eos"),
+    (CHAT, {"model": M, "messages": MSG, "min_tokens": 50, "max_tokens": 10}, 400,
+     "min_tokens must be in [0, max_tokens]", None),
+    (COMP, {"model": M}, 400, "'prompt' is required", "prompt"),
+    (COMP, {"model": M, "prompt": ""}, 400, "'prompt' must not be empty", "prompt"),
+    (COMP, {"model": M, "prompt": [1, "a"]}, 400, "'prompt' must be", "prompt"),
+    (COMP, {"model": M, "prompt": ["a", "b"]}, 400, "batches are not supported", "prompt"),
+    (COMP, {"model": M, "prompt": [5, 999999]}, 400, "token id 999999 is outside the vocabulary", "prompt"),
+    (COMP, {"model": M, "prompt": [5] * 600}, 400, "maximum context length is 512 tokens", "prompt"),
+    (COMP, {"model": M, "prompt": "hi", "logprobs": 30}, 400, "'logprobs' must be an integer in [0, 20]", "logprobs"),
+    ("/v1/embeddings", {"model": M, "input": "x"}, 404, "no route POST /v1/embeddings", None),
+    ("/tokenize", {"nothing": 1}, 400, "'prompt' (a string) or 'messages' is required", "prompt"),
+    ("/detokenize", {"tokens": "abc"}, 400, "'tokens' must be an array of integers", "tokens"),
+]
+
+
+@pytest.fixture(scope="module")
+def router(tiny_model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("router-errors")
+    model_dir = tiny_model_dir("llama")
+    with Mesh(model_dir, [4], log_dir=logs) as mesh:
+        with Router(with_word_tokenizer(model_dir, logs / "tok"), [mesh.address],
+                    ("--served-model-name", M, "--api-key", "sekret"), log_dir=logs) as r:
+            yield r
+
+
+@pytest.mark.parametrize("path,body,status,words,param", CASES, ids=[f"{i}-{c[2]}" for i, c in enumerate(CASES)])
+def test_bad_request(router, path, body, status, words, param):
+    headers = {"Authorization": "Bearer sekret", "Content-Type": "application/json"}
+    kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
+    resp = requests.post(router.base_url + path, headers=headers, timeout=30, **kwargs)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert words in error["message"] and set(error) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_missing_or_wrong_api_key_is_401(router):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        resp = requests.post(router.base_url + CHAT, json={"model": M, "messages": MSG}, headers=headers, timeout=10)
+        assert resp.status_code == 401 and "API key" in resp.json()["error"]["message"]
+
+
+def test_server_still_serves_after_the_bad_requests(router):
+    client = router.client(api_key="sekret")
+    out = client.completions.create(model=M, prompt=[5, 6, 7], max_tokens=4, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 4
+
+
+def test_full_queue_is_429_with_retry_after(tiny_model_dir, tmp_path):
+    # covered by the scheduler's RESOURCE_EXHAUSTED mapping: a replica whose waiting queue holds one request
+    model_dir = tiny_model_dir("llama")
+    with Mesh(model_dir, [4], scheduler_args=("--max-waiting-requests", "1", "--max-num-seqs", "1"),
+              log_dir=tmp_path) as mesh:
+        with Router(with_word_tokenizer(model_dir, tmp_path / "tok"), [mesh.address],
+                    ("--served-model-name", M), log_dir=tmp_path) as r:
+            from concurrent.futures import ThreadPoolExecutor
+
+            body = {"model": M, "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True}
+            with ThreadPoolExecutor(6) as pool:
+                answers = list(pool.map(lambda _: requests.post(r.base_url + COMP, json=body, timeout=120), range(6)))
+    busy = [a for a in answers if a.status_code == 429]
+    assert busy and all(a.headers.get("Retry-After") for a in busy)
+    assert "waiting queue is full" in busy[0].json()["error"]["message"]
+    assert any(a.status_code == 200 for a in answers)
+
