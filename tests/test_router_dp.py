@@ -1,0 +1,134 @@
+"""Data parallelism: `serve --data-parallel-size`, replica failure under load, nginx in front of routers."""
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from mesh import Mesh, Router, free_port
+from parity import prompts
+from stagemesh.v1 import scheduler_pb2
+from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+
+pytestmark = pytest.mark.slow
+M = "llama-tiny"
+TEMPLATE = Path(__file__).parents[1] / "deploy" / "nginx" / "stagemesh-lb.conf.template"
+
+
+def completion_ids(base_url: str, prompt: list[int], max_tokens: int) -> list[int]:
+    body = {"model": M, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    resp = requests.post(f"{base_url}/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["token_ids"]
+
+
+def test_serve_tp2_pp2_dp2_matches_transformers(tiny_model_dir, tmp_path):
+    model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
+    port = free_port()
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model_dir), "-tp", "2", "-pp", "2",
+                             "-dp", "2", "--port", str(port), "--served-model-name", M, "--threads", "1"],
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait(lambda: requests.get(f"{base}/health", timeout=2).json()["replicas"], log,
+              ok=lambda reps: len(reps) == 2 and all(r["healthy"] for r in reps))
+        batch = prompts(384, (5, 40, 17, 33, 9, 51))
+        ref = reference_model(model_dir)
+        want = [reference_greedy(ref, p, 12)[0] for p in batch]
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda p: completion_ids(base, p, 12), batch))
+        assert got == want
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def _wait(probe, log, ok, timeout=180):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if ok(probe()):
+                return
+        except (requests.RequestException, KeyError, ValueError):
+            pass
+        time.sleep(0.3)
+    pytest.fail("not ready:\n" + log.read_text()[-3000:])
+
+
+def test_killed_replica_gets_no_new_requests_and_waiting_ones_move(tiny_model_dir, tmp_path):
+    model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
+    args = ("--max-num-seqs", "1")
+    with Mesh(model_dir, [4], scheduler_args=args, log_dir=tmp_path) as a, \
+            Mesh(model_dir, [4], scheduler_args=args, log_dir=tmp_path) as b:
+        with Router(model_dir, [a.address, b.address], ("--served-model-name", M, "--policy", "round-robin"),
+                    log_dir=tmp_path) as router:
+            body = {"model": M, "prompt": [5, 6, 7], "max_tokens": 150, "ignore_eos": True}
+            with ThreadPoolExecutor(6) as pool:
+                futures = [pool.submit(requests.post, f"{router.base_url}/v1/completions", json=body, timeout=120)
+                           for _ in range(6)]
+                time.sleep(1.0)  # one running and two waiting on each replica
+                b.kill_stage(0)
+                answers = [f.result() for f in futures]
+            ok = [r for r in answers if r.status_code == 200]
+            failed = [r for r in answers if r.status_code != 200]
+            # only a request already streaming on b may fail; those waiting for a first token moved to a
+            assert len(ok) >= 4, [r.text for r in failed]
+            assert all("stage 0" in r.json()["error"]["message"] for r in failed)
+            _wait(lambda: requests.get(f"{router.base_url}/health", timeout=2).json()["replicas"],
+                  tmp_path / f"router-{router.port}.log", ok=lambda reps: [r["healthy"] for r in reps] == [True, False],
+                  timeout=30)
+            before = a.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5).prefix_cache_queries
+            for _ in range(4):
+                assert len(completion_ids(router.base_url, [5, 6], 4)) == 4
+            # every new request ran on the healthy replica: 4 prompts of 2 tokens looked up there
+            assert a.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5).prefix_cache_queries == before + 8
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed (make install installs nginx-light)")
+@pytest.mark.parametrize("replicas_per_router", [1, 2], ids=["external", "hybrid"])
+def test_nginx_in_front_of_routers(tiny_model_dir, tmp_path, replicas_per_router):
+    model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
+    meshes = [Mesh(model_dir, [4], log_dir=tmp_path) for _ in range(2 * replicas_per_router)]
+    port = free_port()
+    try:
+        for m in meshes:
+            m.__enter__()
+        groups = [meshes[i:i + replicas_per_router] for i in range(0, len(meshes), replicas_per_router)]
+        routers = [Router(model_dir, [m.address for m in g], ("--served-model-name", M), log_dir=tmp_path)
+                   for g in groups]
+        for r in routers:
+            r.__enter__()
+        conf = TEMPLATE.read_text().replace("{{PREFIX}}", str(tmp_path)).replace("{{LISTEN}}", f"127.0.0.1:{port}")
+        conf = conf.replace("{{UPSTREAMS}}", " ".join(f"server 127.0.0.1:{r.port};" for r in routers))
+        (tmp_path / "nginx.conf").write_text(conf)
+        nginx = subprocess.Popen(["nginx", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-g",
+                                  "daemon off;"], stderr=open(tmp_path / "nginx.out", "wb"))
+        try:
+            base = f"http://127.0.0.1:{port}"
+            _wait(lambda: requests.get(f"{base}/health", timeout=2).status_code, tmp_path / "nginx.out",
+                  ok=lambda code: code == 200, timeout=30)
+            ref = reference_model(model_dir)
+            batch = prompts(384, (5, 12, 30, 8, 21, 3, 17, 9))
+            with ThreadPoolExecutor(8) as pool:
+                got = list(pool.map(lambda p: completion_ids(base, p, 6), batch))
+            assert got == [reference_greedy(ref, p, 6)[0] for p in batch]
+            # both routers and every replica took part
+            for m in meshes:
+                assert m.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5).prefix_cache_queries > 0
+        finally:
+            nginx.terminate()
+            nginx.wait(timeout=10)
+        for r in routers:
+            r.__exit__(None, None, None)
+    finally:
+        for m in meshes:
+            m.__exit__(None, None, None)
