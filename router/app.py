@@ -69,9 +69,12 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     gen = Generation(new_request_id(chat), prompt_ids)
     created = int(time.time())
     deltas = generate(req, gen, replicas, tokenizer)
-    if not req.stream:
-        return web.json_response(await responses.collect(req, gen, deltas, created, tokenizer))
-    return await _stream(request, req, gen, deltas, created, tokenizer)
+    try:  # closing the generator cancels the call, so the scheduler aborts the request and frees its blocks
+        if not req.stream:
+            return web.json_response(await responses.collect(req, gen, deltas, created, tokenizer))
+        return await _stream(request, req, gen, deltas, created, tokenizer)
+    finally:
+        await deltas.aclose()
 
 
 async def _stream(request, req, gen, deltas, created, tokenizer) -> web.StreamResponse:

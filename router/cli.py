@@ -16,6 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a replica's scheduler (repeat for data parallelism)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    p.add_argument("--grpc-port", type=int, default=None, help="serve the gRPC frontend on this port (0: any free "
+                                                               "port; default: off)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the replicas')")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     p.add_argument("--max-model-len", type=int, default=None, help="cap below the replicas' own limit")
@@ -46,10 +48,18 @@ async def _main(args: argparse.Namespace) -> int:
     await replicas.refresh()
     name = args.served_model_name or next((r.served_model_name for r in replicas.replicas if r.served_model_name),
                                           None) or served_model_name(args.model, model_dir)
-    app = build_app(replicas, tokenizer, {"served_model_name": name, "api_key": args.api_key,
-                                          "max_model_len": args.max_model_len})
+    config = {"served_model_name": name, "api_key": args.api_key, "max_model_len": args.max_model_len}
+    app = build_app(replicas, tokenizer, config)
+    grpc_server = None
+    if args.grpc_port is not None:
+        from router.frontend import FrontendServicer, serve_frontend
+
+        grpc_server, grpc_port = await serve_frontend(FrontendServicer(replicas, tokenizer, config), args.host,
+                                                      args.grpc_port)
+        log.info("gRPC frontend (stagemesh.v1.Frontend) on %s:%d", args.host, grpc_port)
     checker = asyncio.create_task(replicas.health_loop())
-    runner = web.AppRunner(app, access_log=None)
+    # a client that disconnects cancels its handler, which aborts the request in the scheduler
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
@@ -62,5 +72,7 @@ async def _main(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     checker.cancel()
+    if grpc_server is not None:
+        await grpc_server.stop(grace=1)
     await runner.cleanup()
     return 0

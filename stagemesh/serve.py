@@ -35,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--host", default="127.0.0.1", help="the router's HTTP address")
     p.add_argument("--port", type=int, default=8000, help="the router's HTTP port")
+    p.add_argument("--grpc-port", type=int, default=50050, help="the router's gRPC frontend port")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -100,7 +101,8 @@ def plan_commands(args: argparse.Namespace, model_dir: str, num_layers: int, cud
         router = ["router", model_dir, "--host", args.host, "--port", str(args.port), "--log-level", args.log_level]
         for replica in replicas:
             router += ["--replica", replica]
-        children.append(("router", router + _flags(args, ("served_model_name", "api_key", "max_model_len")), {}))
+        children.append(("router", router + _flags(args, ("grpc_port", "served_model_name", "api_key",
+                                                           "max_model_len")), {}))
     return children
 
 

@@ -121,9 +121,13 @@ class Mesh:
 class Router:
     """A `stagemesh router` process over the given replicas; stopped on exit."""
 
-    def __init__(self, model_dir, replicas: list[str], extra: tuple[str, ...] = (), log_dir: Path | None = None):
+    def __init__(self, model_dir, replicas: list[str], extra: tuple[str, ...] = (), log_dir: Path | None = None,
+                 grpc_frontend: bool = False):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        self.grpc_port = free_port() if grpc_frontend else None
+        if grpc_frontend:
+            extra = (*extra, "--grpc-port", str(self.grpc_port))
         out = open(log_dir / f"router-{self.port}.log", "ab") if log_dir else subprocess.DEVNULL
         argv = ["router", str(model_dir), "--port", str(self.port), "--health-interval", "0.5", *extra]
         for r in replicas:

@@ -1,10 +1,14 @@
 """The official openai client against the gateway, over a real PP=2 mesh of the default model."""
 from __future__ import annotations
 
-import requests
+import asyncio
+import time
+
 import pytest
+import requests
 
 from mesh import Mesh, Router
+from stagemesh.v1 import scheduler_pb2
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -15,7 +19,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def router(default_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("router-openai")
     with Mesh(default_model_dir, [15, 15], handoff="nccl", log_dir=logs) as mesh:
-        with Router(default_model_dir, [mesh.address], log_dir=logs) as r:
+        with Router(default_model_dir, [mesh.address], log_dir=logs, grpc_frontend=True) as r:
+            r.mesh = mesh
             yield r
 
 
@@ -72,3 +77,55 @@ def test_models_health_and_tokenize(router):
     assert [m.id for m in client.models.list()] == [MODEL]
     health = requests.get(f"{router.base_url}/health", timeout=5)
     assert health.status_code == 200 and health.json()["replicas"][0]["healthy"] is True
+
+
+def test_client_that_disconnects_aborts_its_request(router):
+    body = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 2000, "ignore_eos": True,
+            "stream": True}
+    with requests.post(f"{router.base_url}/v1/completions", json=body, stream=True, timeout=30) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line).startswith(b"data: ")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        stats = router.mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+        if stats.num_running == 0 and stats.kv_cache_usage == 0.0:
+            break
+        time.sleep(0.1)
+    assert stats.num_running == 0 and stats.kv_cache_usage == 0.0  # aborted, its blocks freed
+
+
+def test_grpc_client_sync_and_async(router):
+    from stagemesh.client import AsyncClient, Client
+
+    with Client(f"127.0.0.1:{router.grpc_port}") as client:
+        assert client.models() == [MODEL]
+        answer = client.chat(QUESTION, max_tokens=30)
+        assert "Paris" in answer.text and answer.finish_reason == "stop"
+        deltas = list(client.chat(QUESTION, max_tokens=30, stream=True))
+        assert "".join(d.text for d in deltas) == answer.text
+        ids = client.tokenize("The capital of France is")
+        by_text = client.generate("The capital of France is", max_tokens=6)
+        assert client.generate(ids, max_tokens=6).token_ids == by_text.token_ids and len(by_text.token_ids) == 6
+
+    async def run():
+        async with AsyncClient(f"127.0.0.1:{router.grpc_port}") as client:
+            whole = await client.generate("The capital of France is", max_tokens=6)
+            parts = [d.text async for d in client.generate("The capital of France is", max_tokens=6, stream=True)]
+            return whole, parts
+
+    whole, parts = asyncio.run(run())
+    assert whole.text == by_text.text == "".join(parts)
+
+
+def test_grpc_reflection_and_health(router):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        names = {s.name for r in replies for s in r.list_services_response.service}
+    assert "stagemesh.v1.Frontend" in names and "grpc.health.v1.Health" in names

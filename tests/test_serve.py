@@ -30,7 +30,7 @@ def alive(pid: int) -> bool:
 def start_serve(model_dir, log_path):
     with open(log_path, "wb") as log:
         return subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model_dir),
-                                 "--pipeline-parallel-size", "2", "--handoff", "grpc", "--port", "0",
+                                 "--pipeline-parallel-size", "2", "--handoff", "grpc", "--port", "0", "--grpc-port", "0",
                                  "--threads", "1"], stdout=log, stderr=subprocess.STDOUT)
 
 

@@ -1,0 +1,119 @@
+"""The router's gRPC frontend (grpc.aio): the same generation path as HTTP, with
+generated stubs on the client side; grpc.health.v1 and reflection included."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from router.errors import APIError
+from router.generation import Generation, fit_max_tokens, generate, new_request_id, prompt_ids_for
+from router.openai_protocol import GenerateRequest
+from router.replicas import ReplicaSet
+from router.tokenization import Tokenizer
+from stagemesh.errors import StagemeshError
+from stagemesh.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
+from stagemesh.wire import sampling_from_pb
+
+STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
+          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
+
+
+class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
+    def __init__(self, replicas: ReplicaSet, tokenizer: Tokenizer, config: dict):
+        self.replicas, self.tokenizer, self.config = replicas, tokenizer, config
+
+    def _request(self, model: str, sampling, stop, chat: bool) -> GenerateRequest:
+        served = self.config["served_model_name"]
+        if model and model != served:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{served}'")
+        try:
+            params = sampling_from_pb(sampling)
+        except StagemeshError as err:
+            raise APIError(400, str(err)) from None
+        return GenerateRequest(model=served, chat=chat, sampling=params, max_tokens_given=sampling.max_tokens > 0,
+                               stop=list(stop), logprobs=params.logprobs is not None)
+
+    async def Generate(self, request, context):
+        req = self._request(request.model, request.sampling, request.stop, chat=False)
+        if request.WhichOneof("prompt") == "token_ids":
+            req.prompt_ids = list(request.token_ids.ids)
+        else:
+            req.prompt_text = request.text
+        async for reply in self._run(req, context):
+            yield reply
+
+    async def Chat(self, request, context):
+        req = self._request(request.model, request.sampling, request.stop, chat=True)
+        req.messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        async for reply in self._run(req, context):
+            yield reply
+
+    async def _run(self, req: GenerateRequest, context):
+        try:
+            if not req.chat and not (req.prompt_text or req.prompt_ids):
+                raise APIError(400, "the prompt is empty")
+            prompt_ids = prompt_ids_for(req, self.tokenizer)
+            fit_max_tokens(req, len(prompt_ids), self._max_len())
+            gen = Generation(new_request_id(req.chat), prompt_ids)
+            async for d in generate(req, gen, self.replicas, self.tokenizer):
+                reply = frontend_pb2.GenerateResponse(text=d.text, token_ids=d.token_ids,
+                                                      finish_reason=d.finish_reason or "")
+                reply.logprobs.extend(common_pb2.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
+                                                              top_token_ids=e.top_token_ids,
+                                                              top_logprobs=e.top_logprobs) for e in d.logprobs)
+                if d.finish_reason:
+                    reply.usage.CopyFrom(frontend_pb2.Usage(prompt_tokens=len(prompt_ids),
+                                                            completion_tokens=gen.completion_tokens,
+                                                            cached_tokens=gen.cached_tokens))
+                yield reply
+        except APIError as err:
+            await context.abort(STATUS.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+
+    def _max_len(self) -> int:
+        if not self.replicas.healthy():
+            raise APIError(503, "no healthy replica")
+        return min(filter(None, (self.replicas.max_model_len, self.config.get("max_model_len"))))
+
+    async def Tokenize(self, request, context):
+        if request.WhichOneof("input") == "chat":
+            req = GenerateRequest(model="", chat=True,
+                                  messages=[{"role": m.role, "content": m.content} for m in request.chat.messages])
+            ids = prompt_ids_for(req, self.tokenizer)
+        else:
+            ids = self.tokenizer.encode(request.text)
+        return frontend_pb2.TokenizeResponse(token_ids=ids, max_model_len=self.replicas.max_model_len)
+
+    async def ListModels(self, request, context):
+        return frontend_pb2.ListModelsResponse(models=[self.config["served_model_name"]],
+                                               max_model_len=self.replicas.max_model_len)
+
+
+async def serve_frontend(servicer: FrontendServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    frontend_pb2_grpc.add_FrontendServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (frontend_pb2.DESCRIPTOR.services_by_name["Frontend"].full_name, health.SERVICE_NAME,
+             reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise StagemeshError(f"cannot listen on {host}:{port} for the gRPC frontend")
+    await server.start()
+    asyncio.create_task(_health(servicer.replicas, health_servicer))
+    return server, bound
+
+
+async def _health(replicas: ReplicaSet, servicer) -> None:
+    last = None
+    while True:
+        status = (health_pb2.HealthCheckResponse.SERVING if replicas.healthy()
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        if status != last:
+            await servicer.set("", status)
+            await servicer.set("stagemesh.v1.Frontend", status)
+            last = status
+        await asyncio.sleep(0.5)
