@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -59,6 +60,9 @@ class Driver:
         self.reason = "waiting for stages to register"
         self.streams: dict[str, asyncio.Queue] = {}
         self._stubs: dict[str, stage_pb2_grpc.StageStub] = {}
+        self.num_steps = 0
+        self.step_seconds = 0.0
+        self.compute_seconds = 0.0
         self._wake = asyncio.Event()
         self._forming = asyncio.Lock()
 
@@ -115,10 +119,14 @@ class Driver:
                     self._fail(str(err))
 
     async def _step(self, epoch: int, scheduler: Scheduler, output: SchedulerOutput) -> None:
+        start = time.perf_counter()
         request = stage_pb2.ForwardRequest(epoch=epoch, step=step_to_pb(output.step_batch))
         calls = [self._forward(stage, request) for stage in self.plan.stages]
         replies = await asyncio.gather(*calls)
         if epoch == self.epoch and scheduler is self.scheduler:
+            self.num_steps += 1
+            self.step_seconds += time.perf_counter() - start
+            self.compute_seconds += sum(r.compute_seconds for r in replies)
             sampled = [sampled_from_pb(t) for t in replies[-1].sampled]
             self._dispatch(scheduler.update_from_output(output, sampled))
 

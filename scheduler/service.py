@@ -59,7 +59,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def _stats(self) -> scheduler_pb2.Stats:
         d = self.driver
         stats = scheduler_pb2.Stats(healthy=d.healthy, unhealthy_reason=d.reason,
-                                    max_waiting_requests=d.cfg.max_waiting_requests)
+                                    max_waiting_requests=d.cfg.max_waiting_requests, num_steps=d.num_steps,
+                                    step_seconds_total=d.step_seconds, stage_compute_seconds_total=d.compute_seconds)
         if d.scheduler is not None:
             s = d.scheduler.stats()
             stats.num_running, stats.num_waiting, stats.kv_cache_usage = s.num_running, s.num_waiting, s.kv_cache_usage

@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16")
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
+    p.add_argument("--cpu-affinity", default=None, metavar="CPUS", help="pin the stage (and followers) to these "
+                                                                        "cores, e.g. 0 or 0,1")
     p.add_argument("--log-level", default="info")
 
 
@@ -53,6 +55,13 @@ def run(args: argparse.Namespace) -> int:
     start, end = parse_layers(args.layers)
     check_layer_range(cfg, start, end)
     cfg.check_tp_size(args.tensor_parallel_size)
+    if args.cpu_affinity:
+        import os
+
+        try:
+            os.sched_setaffinity(0, {int(c) for c in args.cpu_affinity.split(",")})
+        except (ValueError, OSError) as err:
+            raise StagemeshError(f"--cpu-affinity {args.cpu_affinity!r}: {err}") from None
     if args.threads:
         import torch
 

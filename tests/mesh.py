@@ -28,10 +28,12 @@ class Mesh:
     """A scheduler and its stages as real processes; every one is stopped on exit."""
 
     def __init__(self, model_dir: Path, split: list[int], tp: list[int] | None = None, handoff: str = "grpc",
-                 scheduler_args: tuple[str, ...] = (), stage_args: tuple[str, ...] = (), log_dir: Path | None = None):
+                 scheduler_args: tuple[str, ...] = (), stage_args: tuple[str, ...] = (), log_dir: Path | None = None,
+                 per_stage_args: dict[int, list[str]] | None = None):
         self.model_dir, self.split, self.handoff = str(model_dir), split, handoff
         self.tp = tp or [1] * len(split)
         self.scheduler_args, self.stage_args = list(scheduler_args), list(stage_args)
+        self.per_stage_args = per_stage_args or {}
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_dir = log_dir
@@ -48,7 +50,8 @@ class Mesh:
         a, b = layer_ranges(self.split)[index]
         proc = self._spawn(["stage", self.model_dir, "--scheduler", self.address, "--stage-index", str(index),
                             "--layers", f"{a}:{b}", "--tensor-parallel-size", str(self.tp[index]),
-                            "--handoff", self.handoff, "--threads", "1", *self.stage_args], f"stage{index}")
+                            "--handoff", self.handoff, "--threads", "1", *self.stage_args,
+                            *self.per_stage_args.get(index, [])], f"stage{index}")
         if index < len(self.stages):
             self.stages[index] = proc
         else:

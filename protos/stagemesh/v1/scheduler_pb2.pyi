@@ -253,6 +253,9 @@ class Stats(_message.Message):
     NUM_KV_BLOCKS_FIELD_NUMBER: _builtins.int
     MAX_WAITING_REQUESTS_FIELD_NUMBER: _builtins.int
     NUM_PREEMPTIONS_FIELD_NUMBER: _builtins.int
+    NUM_STEPS_FIELD_NUMBER: _builtins.int
+    STEP_SECONDS_TOTAL_FIELD_NUMBER: _builtins.int
+    STAGE_COMPUTE_SECONDS_TOTAL_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     kv_cache_usage: _builtins.float
@@ -267,8 +270,15 @@ class Stats(_message.Message):
     num_kv_blocks: _builtins.int
     max_waiting_requests: _builtins.int
     num_preemptions: _builtins.int
-    """Requests preempted (and later recomputed) since the pipeline formed.
-    Block hashes of cached prompt prefixes are not exported; the router's
+    """Requests preempted (and later recomputed) since the pipeline formed."""
+    num_steps: _builtins.int
+    """Pipeline steps run, their wall time (Forward sent to reply back), and the
+    model compute the stages reported for them (summed over stages): the
+    difference is the scheduler, RPC and handoff overhead.
+    """
+    step_seconds_total: _builtins.float
+    stage_compute_seconds_total: _builtins.float
+    """Block hashes of cached prompt prefixes are not exported; the router's
     cache-aware policy keeps its own approximate prefix tree.
     """
     def __init__(
@@ -284,10 +294,13 @@ class Stats(_message.Message):
         num_kv_blocks: _builtins.int = ...,
         max_waiting_requests: _builtins.int = ...,
         num_preemptions: _builtins.int = ...,
+        num_steps: _builtins.int = ...,
+        step_seconds_total: _builtins.float = ...,
+        stage_compute_seconds_total: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["healthy", b"healthy", "kv_cache_usage", b"kv_cache_usage", "max_waiting_requests", b"max_waiting_requests", "num_kv_blocks", b"num_kv_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "unhealthy_reason", b"unhealthy_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["healthy", b"healthy", "kv_cache_usage", b"kv_cache_usage", "max_waiting_requests", b"max_waiting_requests", "num_kv_blocks", b"num_kv_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "stage_compute_seconds_total", b"stage_compute_seconds_total", "step_seconds_total", b"step_seconds_total", "unhealthy_reason", b"unhealthy_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
