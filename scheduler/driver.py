@@ -103,7 +103,9 @@ class Driver:
         in_flight: set[asyncio.Task] = set()
         while True:
             while self.healthy and len(in_flight) < len(self.plan.stages):
-                output = self.scheduler.schedule()
+                # split the requests over the micro-batches, so that every stage has work
+                share = -(-self.scheduler.num_unfinished // len(self.plan.stages))
+                output = self.scheduler.schedule(max_seqs=max(share, 1))
                 if output is None:
                     break
                 in_flight.add(asyncio.create_task(self._step(self.epoch, self.scheduler, output)))

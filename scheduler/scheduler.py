@@ -42,6 +42,7 @@ class SchedulerStats:
 @dataclass
 class _Budget:
     tokens: int
+    seqs: int
     chunks: list[ScheduledChunk] = field(default_factory=list)
     new_sequences: list[NewSequence] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)
@@ -97,13 +98,19 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.kv.prefix_queries,
                               self.kv.prefix_hits, self.kv.num_blocks, self.num_preemptions)
 
     # -- one step -------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput | None:
-        budget = _Budget(self.config.max_num_batched_tokens)
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput | None:
+        """One step's micro-batch; max_seqs caps its sequences (a pipeline splits the running ones
+        over its micro-batches so that every stage has work)."""
+        budget = _Budget(self.config.max_num_batched_tokens, max_seqs or self.config.max_num_seqs)
         preempted = self._schedule_running(budget)
         if not preempted:
             self._schedule_waiting(budget)
@@ -118,7 +125,7 @@ class Scheduler:
     def _schedule_running(self, budget: _Budget) -> int:
         preempted = 0
         for request in list(self.running):
-            if budget.tokens <= 0:
+            if budget.tokens <= 0 or len(budget.chunks) >= budget.seqs:
                 break
             if request.in_flight or request.status is not Status.RUNNING:
                 continue
@@ -139,7 +146,8 @@ class Scheduler:
         return preempted
 
     def _schedule_waiting(self, budget: _Budget) -> None:
-        while self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs
+               and len(budget.chunks) < budget.seqs):
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request.all_token_ids)
             num_cached = len(cached) * self.config.block_size

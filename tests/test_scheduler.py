@@ -125,3 +125,11 @@ def test_fail_all_ends_every_request_with_the_error():
     results = s.fail_all("stage 1 at 127.0.0.1:5 failed")
     assert {r.finish_reason for r in results} == {"error"} and not s.has_unfinished()
     assert s.kv.num_free_blocks == 64
+
+
+def test_max_seqs_caps_a_micro_batch_so_the_next_one_has_work():
+    s = make()
+    for i in range(4):
+        s.add_request(f"r{i}", [3, 4, 5], SamplingParams(max_tokens=4))
+    first, second = s.schedule(max_seqs=2), s.schedule(max_seqs=2)
+    assert first.request_ids == ["r0", "r1"] and second.request_ids == ["r2", "r3"]

@@ -1,0 +1,1 @@
+"""`stagemesh plan`: choose tensor / pipeline / data parallel sizes and show their memory math."""

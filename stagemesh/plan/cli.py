@@ -1,0 +1,65 @@
+"""`stagemesh plan MODEL_OR_CONFIG --gpus-per-node N --nodes M --gpu-memory 80GiB ...`."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from stagemesh.errors import StagemeshError
+
+REFERENCE = Path(__file__).with_name("reference_configs")
+UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+         "tib": 2**40}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    names = ", ".join(sorted(f.stem for f in REFERENCE.glob("*.json")))
+    p.add_argument("model", help=f"a model directory, a config.json, or a reference config: {names}")
+    p.add_argument("--gpus-per-node", type=int, default=1)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (or, with --device cpu, of one process)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp8", "int4"), default="bf16")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's, at most 32768")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--no-nvlink", action="store_true", help="GPUs talk over PCIe: prefer pipeline parallelism")
+    p.add_argument("--target-concurrency", type=float, default=None, help="requests at max-model-len to hold at once")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="evaluate this TP size")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, help="evaluate this PP size")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the device the printed commands use")
+    p.add_argument("--json", action="store_true", help="print the plan as a JSON object")
+
+
+def parse_bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in UNITS:
+        raise StagemeshError(f"--gpu-memory {text!r} must be a size like 80GiB, 80GB or 24e9")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+def load_config(model: str):
+    from stagemesh.model_config import ModelConfig
+
+    reference = REFERENCE / f"{model}.json"
+    if reference.is_file():
+        return ModelConfig.from_path(reference), f"<path to {model}>"
+    return ModelConfig.from_path(model), model
+
+
+def run(args: argparse.Namespace) -> int:
+    from stagemesh.plan.render import as_json, as_text
+    from stagemesh.plan.tree import PlanRequest, make_plan
+
+    cfg, model = load_config(args.model)
+    if args.gpus_per_node < 1 or args.nodes < 1:
+        raise StagemeshError("--gpus-per-node and --nodes must be >= 1")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise StagemeshError("--gpu-memory-utilization must be in (0, 1]")
+    max_len = args.max_model_len or min(cfg.max_position_embeddings, 32768)
+    req = PlanRequest(cfg, args.gpus_per_node, args.nodes, parse_bytes(args.gpu_memory), args.dtype, max_len,
+                      args.gpu_memory_utilization, not args.no_nvlink, args.target_concurrency,
+                      args.tensor_parallel_size, args.pipeline_parallel_size)
+    plan = make_plan(req)
+    print(json.dumps(as_json(req, plan, model, args.device), indent=2) if args.json
+          else as_text(req, plan, model, args.device))
+    return 0

@@ -1,0 +1,100 @@
+"""The memory math of a parallel layout: weights and KV cache per GPU, KV capacity,
+maximum concurrency, and a layer split that evens memory across stages."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stagemesh.model_config import ModelConfig, layer_ranges
+
+DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int4": 0.5}
+KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2, "int4": 2}  # KV stays 16-bit when weights are quantized
+# What a GPU keeps besides weights and KV: activations of a step, CUDA graphs and
+# the allocator's slack. vLLM measures it by profiling; a plan without the weights
+# has to assume it.
+ACTIVATION_RESERVE = 2 * 2**30
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    embedding: int  # the input embedding
+    lm_head: int  # the output head (0 when tied: the embedding serves)
+    per_layer: int
+    final_norm: int
+
+    def total(self, num_layers: int) -> int:
+        return self.embedding + self.lm_head + self.per_layer * num_layers + self.final_norm
+
+
+def param_counts(cfg: ModelConfig) -> ParamCounts:
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if cfg.attention_bias else 0) + (2 * d if cfg.qk_norm else 0)
+    if cfg.is_moe:
+        mlp = cfg.num_experts * 3 * h * cfg.moe_intermediate_size + h * cfg.num_experts  # experts + router
+    else:
+        mlp = 3 * h * cfg.intermediate_size
+    embedding = cfg.vocab_size * h
+    return ParamCounts(embedding, 0 if cfg.tie_word_embeddings else embedding, attention + mlp + 2 * h, h)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, num_layers: int, tp: int, dtype: str) -> int:
+    """Per GPU: layers x KV heads on this GPU x head dim x 2 (K and V) x bytes; KV heads replicate past TP = KV."""
+    kv_heads = max(1, cfg.num_key_value_heads // tp)
+    return num_layers * kv_heads * cfg.head_dim * 2 * KV_DTYPE_BYTES[dtype]
+
+
+def balanced_split(cfg: ModelConfig, pp: int) -> list[int]:
+    """Contiguous layer counts that even out weights: the first stage also holds the
+    embedding and the last the LM head, so they may take fewer layers."""
+    counts = param_counts(cfg)
+    head = (counts.lm_head or counts.embedding) + counts.final_norm  # tied: the last stage reads a copy
+    first, last = counts.embedding / counts.per_layer, head / counts.per_layer
+    layers = cfg.num_hidden_layers
+    if pp == 1:
+        return [layers]
+    share = (layers + first + last) / pp
+    bounds, start = [], 0
+    for i in range(1, pp):
+        end = round(i * share - first)
+        end = min(max(end, start + 1), layers - (pp - i))
+        bounds.append(end)
+        start = end
+    edges = [0, *bounds, layers]
+    return [b - a for a, b in zip(edges, edges[1:])]
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    layer_split: list[int]
+    weight_bytes_per_gpu: int  # the heaviest GPU
+    kv_bytes_per_gpu: int  # what is left for the KV cache on the tightest stage
+    kv_cache_tokens: int  # per replica: the minimum over stages
+    max_concurrency: float  # kv_cache_tokens / max_model_len
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+def evaluate(cfg: ModelConfig, tp: int, pp: int, gpu_bytes: int, utilization: float, dtype: str, max_model_len: int,
+             split: list[int] | None = None, dp: int = 1) -> Layout:
+    counts = param_counts(cfg)
+    split = split or balanced_split(cfg, pp)
+    budget = int(gpu_bytes * utilization) - ACTIVATION_RESERVE
+    weights, kv_free, tokens = 0, None, None
+    for i, (a, b) in enumerate(layer_ranges(split)):
+        params = counts.per_layer * (b - a)
+        if a == 0:
+            params += counts.embedding
+        if b == cfg.num_hidden_layers:
+            params += (counts.lm_head or counts.embedding) + counts.final_norm
+        stage_weights = int(params * DTYPE_BYTES[dtype] / tp)
+        free = budget - stage_weights
+        stage_tokens = max(free, 0) // kv_bytes_per_token(cfg, b - a, tp, dtype)
+        weights = max(weights, stage_weights)
+        kv_free = free if kv_free is None else min(kv_free, free)
+        tokens = stage_tokens if tokens is None else min(tokens, stage_tokens)
+    return Layout(tp, pp, dp, split, weights, kv_free, tokens, tokens / max_model_len)

@@ -1,0 +1,74 @@
+"""The plan as text (path, memory table, commands) or as a JSON object."""
+from __future__ import annotations
+
+from stagemesh.model_config import layer_ranges
+from stagemesh.plan.tree import GB, Plan, PlanRequest
+
+
+def commands(req: PlanRequest, plan: Plan, model: str, device: str) -> dict:
+    lay = plan.layout
+    split = ",".join(map(str, lay.layer_split))
+    common = f"--max-model-len {req.max_model_len}"
+    if device == "cuda":
+        common += f" --gpu-memory-utilization {req.utilization}"
+    if plan.nodes_used <= 1:
+        cmd = (f"stagemesh serve {model} --tensor-parallel-size {lay.tp} --pipeline-parallel-size {lay.pp}"
+               + (f" --data-parallel-size {lay.dp}" if lay.dp > 1 else "")
+               + (f" --layer-split {split}" if lay.pp > 1 else "") + f" --device {device} {common}")
+        return {"serve": cmd}
+    head = [f"stagemesh scheduler {model} --host 0.0.0.0 --advertise-host $HEAD_NODE_IP --port 50051 "
+            f"--dist-port 29500 --pipeline-parallel-size {lay.pp} {common.split(' --gpu')[0]}",
+            f"stagemesh router {model} --replica $HEAD_NODE_IP:50051 --host 0.0.0.0 --port 8000"]
+    stages_per_node = max(1, req.gpus_per_node // lay.tp)
+    workers: dict[str, list[str]] = {}
+    for i, (a, b) in enumerate(layer_ranges(lay.layer_split)):
+        node = i // stages_per_node
+        host = "$HEAD_NODE_IP" if node == 0 else "$NODE_IP"
+        cmd = (f"stagemesh stage {model} --scheduler $HEAD_NODE_IP:50051 --stage-index {i} --layers {a}:{b} "
+               f"--tensor-parallel-size {lay.tp} --device {device} --handoff nccl --host 0.0.0.0 "
+               f"--advertise-host {host}" + (f" --gpu-memory-utilization {req.utilization}" if device == "cuda" else ""))
+        (head if node == 0 else workers.setdefault(f"node {node}", [])).append(cmd)
+    env = {"HEAD_NODE_IP": "<address of node 0>", "NODE_IP": "<this node's address>", "NCCL_SOCKET_IFNAME": "<nic>"}
+    return {"head": head, "workers": workers, "environment": env}
+
+
+def as_json(req: PlanRequest, plan: Plan, model: str, device: str) -> dict:
+    lay = plan.layout
+    return {
+        "model_type": req.cfg.model_type, "dtype": req.dtype, "max_model_len": req.max_model_len,
+        "tensor_parallel_size": lay.tp, "pipeline_parallel_size": lay.pp, "data_parallel_size": lay.dp,
+        "layer_split": lay.layer_split, "nodes": plan.nodes_used, "gpus": lay.gpus,
+        "weight_bytes_per_gpu": lay.weight_bytes_per_gpu, "kv_cache_bytes_per_gpu": max(lay.kv_bytes_per_gpu, 0),
+        "kv_cache_tokens": lay.kv_cache_tokens, "max_concurrency": round(lay.max_concurrency, 2),
+        "tight": plan.tight(req.gpu_bytes), "path": plan.path, "suggestion": plan.suggestion,
+        "commands": commands(req, plan, model, device),
+    }
+
+
+def as_text(req: PlanRequest, plan: Plan, model: str, device: str) -> str:
+    lay = plan.layout
+    lines = [f"Plan for {model} ({req.cfg.model_type}, {req.dtype}) on {req.nodes} node(s) x {req.gpus_per_node} "
+             f"GPU(s) of {req.gpu_bytes / GB:.0f} GB" + ("" if req.nvlink else ", no NVLink"), "", "Decision path:"]
+    lines += [f"  {i}. {step}" for i, step in enumerate(plan.path, 1)]
+    lines += ["", f"  {'layout':<14}{'weights/GPU':>13}{'KV tokens':>14}{'max concurrency':>17}"]
+    for cand in plan.considered + ([lay] if lay not in plan.considered else []):
+        mark = " <- chosen" if (cand.tp, cand.pp) == (lay.tp, lay.pp) else ""
+        lines.append(f"  {f'TP={cand.tp} PP={cand.pp}':<14}{cand.weight_bytes_per_gpu / GB:>10.1f} GB"
+                     f"{cand.kv_cache_tokens:>14,}{cand.max_concurrency:>16.2f}x{mark}")
+    lines += ["", f"KV cache size: {lay.kv_cache_tokens:,} tokens",
+              f"Maximum concurrency for {req.max_model_len:,} tokens per request: {lay.max_concurrency:.2f}x"]
+    if plan.tight(req.gpu_bytes):
+        lines.append("This layout is TIGHT: little or no memory is left for the KV cache.")
+    cmds = commands(req, plan, model, device)
+    lines += ["", "Run it:"]
+    if "serve" in cmds:
+        lines.append(f"  {cmds['serve']}")
+    else:
+        lines.append("  # on the head node (node 0)")
+        lines += [f"  {c}" for c in cmds["head"]]
+        for node, cs in cmds["workers"].items():
+            lines.append(f"  # on {node}")
+            lines += [f"  {c}" for c in cs]
+        lines.append("  # compose / shell environment on every node")
+        lines += [f"  {k}={v}" for k, v in cmds["environment"].items()]
+    return "\n".join(lines)

@@ -1,0 +1,159 @@
+"""vLLM's decision tree for TP / PP / DP, as a function that records its path.
+
+One GPU if the model fits; else quantization as a suggestion; else TP over the
+GPUs of a node; TP within nodes and PP across nodes; PP alone (TP=1) when the
+GPU count does not divide the heads or there is no NVLink; DP replicas when a
+concurrency target needs them. Invalid TP sizes are never proposed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from stagemesh.errors import StagemeshError
+from stagemesh.model_config import ModelConfig
+from stagemesh.plan.memory import DTYPE_BYTES, Layout, evaluate
+
+GB = 1e9
+TIGHT = 0.8  # weights above this share of a GPU leave little for the KV cache and activations
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    cfg: ModelConfig
+    gpus_per_node: int
+    nodes: int
+    gpu_bytes: int
+    dtype: str = "bf16"
+    max_model_len: int = 8192
+    utilization: float = 0.9
+    nvlink: bool = True
+    target_concurrency: float | None = None
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    nodes_used: int
+    path: list[str] = field(default_factory=list)
+    considered: list[Layout] = field(default_factory=list)
+    suggestion: str | None = None
+
+    def tight(self, gpu_bytes: int) -> bool:
+        return self.layout.weight_bytes_per_gpu > TIGHT * gpu_bytes or self.layout.max_concurrency < 1
+
+
+def make_plan(req: PlanRequest) -> Plan:
+    if req.tensor_parallel_size or req.pipeline_parallel_size:
+        plan = _forced(req)
+    else:
+        plan = _tree(req)
+    return _data_parallel(req, plan)
+
+
+def _eval(req: PlanRequest, tp: int, pp: int, dtype: str | None = None) -> Layout:
+    return evaluate(req.cfg, tp, pp, req.gpu_bytes, req.utilization, dtype or req.dtype, req.max_model_len)
+
+
+def _fits(req: PlanRequest, layout: Layout) -> bool:
+    return layout.kv_cache_tokens >= req.max_model_len
+
+
+def _describe(layout: Layout) -> str:
+    return (f"TP={layout.tp} x PP={layout.pp}: {layout.weight_bytes_per_gpu / GB:.1f} GB of weights per GPU, "
+            f"KV cache {layout.kv_cache_tokens:,} tokens")
+
+
+def _tree(req: PlanRequest) -> Plan:
+    path, considered = [], []
+    one = _eval(req, 1, 1)
+    considered.append(one)
+    if _fits(req, one):
+        path.append(f"fits on one GPU ({_describe(one)}): no distributed inference needed")
+        return Plan(one, 1, path, considered)
+    path.append(f"does not fit one GPU ({_describe(one)}, needs {req.max_model_len:,} tokens of KV)")
+    suggestion = _quantization_hint(req, path)
+    node_tp, node_pp = _node_layout(req, path)
+    for nodes in range(1, req.nodes + 1):
+        layout = _eval(req, node_tp, node_pp * nodes)
+        considered.append(layout)
+        if _fits(req, layout):
+            where = "one node" if nodes == 1 else f"{nodes} nodes: TP within each node, PP across nodes"
+            path.append(f"fits on {where} ({_describe(layout)})")
+            return Plan(layout, nodes, path, considered, suggestion)
+        path.append(f"does not fit on {nodes} node(s) ({_describe(layout)})")
+    total = req.gpus_per_node * req.nodes
+    raise StagemeshError(f"{req.cfg.model_type} with {_weights_gb(req):.0f} GB of {req.dtype} weights does not fit "
+                         f"{total} GPUs of {req.gpu_bytes / GB:.0f} GB with {req.max_model_len:,}-token requests; "
+                         f"add nodes, use bigger GPUs, lower --max-model-len or quantize" +
+                         (f" ({suggestion})" if suggestion else ""))
+
+
+def _weights_gb(req: PlanRequest) -> float:
+    from stagemesh.plan.memory import param_counts
+
+    return param_counts(req.cfg).total(req.cfg.num_hidden_layers) * DTYPE_BYTES[req.dtype] / GB
+
+
+def _quantization_hint(req: PlanRequest, path: list[str]) -> str | None:
+    for dtype in ("fp8", "int4"):
+        if DTYPE_BYTES[dtype] < DTYPE_BYTES[req.dtype] and _fits(req, layout := _eval(req, 1, 1, dtype)):
+            hint = (f"quantized to {dtype} it would fit one GPU ({layout.weight_bytes_per_gpu / GB:.1f} GB of "
+                    f"weights); stagemesh does not quantize yet, so the plan stays at {req.dtype}")
+            path.append(f"suggestion: {hint}")
+            return hint
+    return None
+
+
+def _node_layout(req: PlanRequest, path: list[str]) -> tuple[int, int]:
+    """(TP, PP) over the GPUs of one node."""
+    n, heads = req.gpus_per_node, req.cfg.num_attention_heads
+    valid = req.cfg.valid_tp_sizes(n)
+    if not req.nvlink:
+        path.append(f"no NVLink: pipeline parallel over the node's {n} GPUs (TP=1), since TP's two all-reduces per "
+                    "layer would cross PCIe")
+        return 1, n
+    if n in valid:
+        path.append(f"tensor parallel over the node's {n} GPUs (TP={n} divides the {heads} attention heads)")
+        return n, 1
+    tp = max(t for t in valid if n % t == 0)
+    path.append(f"TP={n} does not divide the {heads} attention heads (valid: {', '.join(map(str, valid))}): "
+                f"TP={tp} x PP={n // tp} over the node's {n} GPUs" + (" (pipeline only)" if tp == 1 else ""))
+    return tp, n // tp
+
+
+def _forced(req: PlanRequest) -> Plan:
+    cfg = req.cfg
+    tp = req.tensor_parallel_size or 1
+    cfg.check_tp_size(tp)
+    pp = req.pipeline_parallel_size or 1
+    if not 1 <= pp <= cfg.num_hidden_layers:
+        raise StagemeshError(f"--pipeline-parallel-size {pp} must be between 1 and the model's {cfg.num_hidden_layers} layers")
+    if tp > req.gpus_per_node:
+        raise StagemeshError(f"--tensor-parallel-size {tp} exceeds the {req.gpus_per_node} GPUs of a node")
+    if tp * pp > req.gpus_per_node * req.nodes:
+        raise StagemeshError(f"TP={tp} x PP={pp} needs {tp * pp} GPUs; {req.nodes} node(s) of {req.gpus_per_node} "
+                             f"have {req.gpus_per_node * req.nodes}")
+    layout = _eval(req, tp, pp)
+    verdict = "fits" if _fits(req, layout) else "does NOT fit (no room for one request's KV cache)"
+    path = [f"layout as asked: {_describe(layout)}: {verdict}"]
+    if layout.weight_bytes_per_gpu > TIGHT * req.gpu_bytes:
+        path.append(f"tight: weights take {layout.weight_bytes_per_gpu / req.gpu_bytes:.0%} of each GPU, leaving "
+                    f"little for the KV cache and activations")
+    return Plan(layout, math.ceil(tp * pp / req.gpus_per_node), path, [layout])
+
+
+def _data_parallel(req: PlanRequest, plan: Plan) -> Plan:
+    per_replica = plan.layout.tp * plan.layout.pp
+    available = (req.gpus_per_node * req.nodes) // per_replica
+    if not req.target_concurrency:
+        return plan
+    need = math.ceil(req.target_concurrency / max(plan.layout.max_concurrency, 1e-9))
+    dp = max(1, min(need, available))
+    plan.path.append(f"target concurrency {req.target_concurrency:g}: one replica holds "
+                     f"{plan.layout.max_concurrency:.2f}x; {need} replica(s) needed, {available} fit the GPUs: DP={dp}")
+    plan.layout = replace(plan.layout, dp=dp)
+    plan.nodes_used = math.ceil(dp * per_replica / req.gpus_per_node)
+    return plan

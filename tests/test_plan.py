@@ -1,0 +1,144 @@
+"""`stagemesh plan` reproduces the distributed-serving guides' figures and its commands run."""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from mesh import free_port
+from stagemesh.errors import StagemeshError
+from stagemesh.plan.cli import load_config
+from stagemesh.plan.tree import GB, PlanRequest, make_plan
+from tiny_models import with_word_tokenizer
+
+
+def plan(model="Llama-3.1-70B", gpus=8, nodes=1, mem=80e9, dtype="fp16", max_len=8192, **kw):
+    cfg, _ = load_config(model)
+    return make_plan(PlanRequest(cfg, gpus, nodes, int(mem), dtype, max_len, **kw))
+
+
+def stagemesh_plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stagemesh", "plan", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_llama_70b_fp16_weights_about_140_gb():
+    one = plan(gpus=8).considered[0]  # the first step of the tree: the whole model on one GPU
+    assert (one.tp, one.pp) == (1, 1) and 138 * GB < one.weight_bytes_per_gpu < 143 * GB
+
+
+def test_llama_70b_tp4_about_35_gb_per_gpu_and_tp2_is_tight():
+    tp4 = plan(tensor_parallel_size=4)
+    assert 34 * GB < tp4.layout.weight_bytes_per_gpu < 36.5 * GB and not tp4.tight(int(80e9))
+    tp2 = plan(tensor_parallel_size=2)
+    assert 69 * GB < tp2.layout.weight_bytes_per_gpu < 72 * GB
+    assert tp2.tight(int(80e9)) and any(step.startswith("tight") for step in tp2.path)
+
+
+def test_llama_8b_fits_one_gpu():
+    p = plan("Llama-3.1-8B", dtype="bf16")
+    assert (p.layout.tp, p.layout.pp, p.nodes_used) == (1, 1, 1) and "fits on one GPU" in p.path[0]
+
+
+def test_llama_405b_needs_two_nodes_tp8_pp2():
+    with pytest.raises(StagemeshError, match="does not fit 8 GPUs"):
+        plan("Llama-3.1-405B")
+    p = plan("Llama-3.1-405B", nodes=2)
+    assert (p.layout.tp, p.layout.pp, p.nodes_used) == (8, 2, 2)
+    assert 800 * GB < p.considered[0].weight_bytes_per_gpu < 820 * GB
+
+
+def test_six_gpus_never_get_tp6_or_tp3_for_64_heads():
+    p = plan(gpus=6)
+    assert p.layout.tp not in (3, 6) and 64 % p.layout.tp == 0 and p.layout.tp * p.layout.pp == 6
+    no_nvlink = plan(gpus=6, nvlink=False)
+    assert (no_nvlink.layout.tp, no_nvlink.layout.pp) == (1, 6)
+
+
+def test_no_nvlink_prefers_pipeline_parallel():
+    p = plan(nvlink=False)
+    assert (p.layout.tp, p.layout.pp) == (1, 8) and "no NVLink" in " ".join(p.path)
+
+
+def test_quantization_is_suggested_when_it_would_fit_one_gpu():
+    p = plan(gpus=8)
+    assert p.suggestion and "int4" in p.suggestion and (p.layout.tp, p.layout.pp) == (8, 1)
+
+
+def test_target_concurrency_adds_data_parallel_replicas():
+    base = plan("Llama-3.1-8B", dtype="bf16", gpus=8, max_len=32768)
+    need = int(base.layout.max_concurrency * 3) + 1
+    p = plan("Llama-3.1-8B", dtype="bf16", gpus=8, max_len=32768, target_concurrency=need)
+    assert p.layout.dp == 4
+
+
+def test_uneven_split_gives_end_stages_fewer_layers():
+    p = plan(tensor_parallel_size=2, pipeline_parallel_size=4)
+    split = p.layout.layer_split
+    assert sum(split) == 80 and split[0] < split[1] and split[-1] < split[-2]
+
+
+def test_invalid_tp_is_refused_with_the_valid_sizes():
+    result = stagemesh_plan("Llama-3.1-70B", "--gpus-per-node", "8", "--tensor-parallel-size", "6")
+    assert result.returncode == 2
+    assert "--tensor-parallel-size 6 does not divide the model's 64 attention heads; sizes that work: 1, 2, 4, 8" \
+        in result.stderr
+
+
+def test_json_has_the_fields_and_kv_math():
+    result = stagemesh_plan("Llama-3.1-70B", "--gpus-per-node", "8", "--gpu-memory", "80GB", "--json",
+                            "--max-model-len", "8192")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "layer_split",
+                "weight_bytes_per_gpu", "kv_cache_tokens", "max_concurrency", "commands"):
+        assert key in out
+    # KV bytes per token per GPU at TP=8: 80 layers x 1 KV head x 128 x 2 x 2 bytes
+    per_token = 80 * 1 * 128 * 2 * 2
+    assert out["kv_cache_tokens"] == out["kv_cache_bytes_per_gpu"] // per_token
+    assert out["max_concurrency"] == round(out["kv_cache_tokens"] / 8192, 2)
+
+
+def test_text_output_prints_the_vllm_lines():
+    result = stagemesh_plan("Llama-3.1-405B", "--gpus-per-node", "8", "--nodes", "2", "--gpu-memory", "80GB",
+                            "--dtype", "fp16")
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"KV cache size: [\d,]+ tokens", result.stdout)
+    assert re.search(r"Maximum concurrency for 32,768 tokens per request: [\d.]+x", result.stdout)
+    assert "# on node 1" in result.stdout and "--stage-index 1 --layers 63:126" in result.stdout
+
+
+@pytest.mark.slow
+def test_printed_serve_command_starts_the_mesh(tiny_model_dir, tmp_path):
+    model = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
+    result = stagemesh_plan(str(model), "--gpus-per-node", "2", "--gpu-memory", "1GiB", "--device", "cpu",
+                            "--pipeline-parallel-size", "2", "--max-model-len", "256", "--json")
+    assert result.returncode == 0, result.stderr
+    command = json.loads(result.stdout)["commands"]["serve"].split()
+    assert command[:2] == ["stagemesh", "serve"] and "--layer-split" in command
+    port = free_port()
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", *command, "--port", str(port), "--grpc-port", "0",
+                             "--threads", "1"], stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(0.3)
+        else:
+            pytest.fail(log.read_text())
+        body = {"model": str(model), "prompt": [5, 6, 7], "max_tokens": 4}
+        assert requests.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
