@@ -4,9 +4,12 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
+import torch  # noqa: E402  (imported before triton on purpose)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Without a GPU the Triton kernels run in Triton's interpreter; it must be chosen before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 

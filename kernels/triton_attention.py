@@ -1,0 +1,138 @@
+"""Triton attention over the paged KV cache: decode and prefill-chunk kernels.
+
+Cache layout: [num_blocks, block_size, num_kv_heads, head_dim]. Both kernels
+gather a tile of keys through the block table (several blocks per tile) and
+keep an online softmax in fp32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from stagemesh.errors import StagemeshError
+
+
+@triton.jit
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, scale, stride_qt, stride_qh, stride_cb,
+                   stride_cs, stride_ch, stride_bt, stride_ot, stride_oh, GROUP: tl.constexpr,
+                   GROUP_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr,
+                   D_PAD: tl.constexpr, PRECISION: tl.constexpr):
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    ctx = tl.load(ctx_ptr + s)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    dmask = d < D
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + s * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=(g < GROUP)[:, None] & dmask[None, :], other=0.0)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    for start in range(0, ctx, TILE):
+        n = start + tl.arange(0, TILE)
+        valid = n < ctx
+        block = tl.load(bt_ptr + s * stride_bt + n // BS, mask=valid, other=0).to(tl.int64)
+        offs = block[:, None] * stride_cb + (n % BS)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+        k = tl.load(kc_ptr + offs, mask=valid[:, None] & dmask[None, :], other=0.0)
+        v = tl.load(vc_ptr + offs, mask=valid[:, None] & dmask[None, :], other=0.0)
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(out_ptr + s * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(g < GROUP)[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, scale, stride_qt, stride_qh,
+                    stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh, GROUP: tl.constexpr,
+                    BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                    D_PAD: tl.constexpr, PRECISION: tl.constexpr):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    mblock = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + s)
+    q_len = tl.load(qsl_ptr + s + 1) - q_start
+    if mblock * BLOCK_M < q_len:
+        ctx = tl.load(ctx_ptr + s)
+        offset = ctx - q_len  # position of the chunk's first token
+        kvh = h // GROUP
+        rows = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        d = tl.arange(0, D_PAD)
+        dmask = d < D
+        q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & dmask[None, :], other=0.0)
+        q_pos = offset + rows
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        last = tl.minimum(ctx, offset + (mblock + 1) * BLOCK_M)  # causal: no key past the tile's last query
+        for start in range(0, last, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            valid = n < last
+            block = tl.load(bt_ptr + s * stride_bt + n // BS, mask=valid, other=0).to(tl.int64)
+            offs = block[:, None] * stride_cb + (n % BS)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+            k = tl.load(kc_ptr + offs, mask=valid[:, None] & dmask[None, :], other=0.0)
+            v = tl.load(vc_ptr + offs, mask=valid[:, None] & dmask[None, :], other=0.0)
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
+            keep = (n[None, :] <= q_pos[:, None]) & valid[None, :]
+            scores = tl.where(keep, scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+            m = m_new
+        out = acc / l[:, None]
+        tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
+
+
+def _checks(q, k_cache, block_tables, context_lens, query_start_loc) -> tuple[int, int, int]:
+    tokens, heads, d = q.shape
+    num_blocks, bs, kv_heads, kd = k_cache.shape
+    problems = [
+        (d % 16 == 0 and 16 <= d <= 256, f"head_dim {d} must be a multiple of 16 up to 256"),
+        (kd == d, f"cache head_dim {kd} != query head_dim {d}"),
+        (heads % kv_heads == 0, f"{heads} query heads are not a multiple of {kv_heads} KV heads"),
+        (bs >= 1 and bs & (bs - 1) == 0, f"block size {bs} must be a power of two"),
+        (k_cache.is_contiguous(), "the KV cache must be contiguous"),
+        (q.stride(-1) == 1, "q must be contiguous in the last dim"),
+        (block_tables.dim() == 2 and block_tables.shape[0] == context_lens.shape[0], "one block-table row per sequence"),
+        (query_start_loc.shape[0] == context_lens.shape[0] + 1, "query_start_loc needs num_seqs + 1 entries"),
+    ]
+    for ok, message in problems:
+        if not ok:
+            raise StagemeshError(f"paged_attention input: {message}")
+    return heads // kv_heads, bs, d
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+    group, bs, d = _checks(q, k_cache, block_tables, context_lens, query_start_loc)
+    num_seqs, kv_heads = context_lens.shape[0], k_cache.shape[2]
+    out = torch.empty_like(q)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    common = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0),
+              out.stride(1))
+    if q.shape[0] == num_seqs:  # all decode
+        tile = max(16, bs) if q.device.type == "cpu" else max(64, bs)
+        _decode_kernel[(num_seqs, kv_heads)](q, k_cache, v_cache, block_tables, context_lens, out, scale,
+                                             q.stride(0), q.stride(1), *common, GROUP=group,
+                                             GROUP_PAD=max(16, triton.next_power_of_2(group)), BS=bs, TILE=tile, D=d,
+                                             D_PAD=triton.next_power_of_2(d), PRECISION=precision)
+        return out
+    max_q = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    block_m = 16 if max_q <= 16 else 64
+    grid = (num_seqs, q.shape[1], triton.cdiv(max_q, block_m))
+    _prefill_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, scale, q.stride(0),
+                          q.stride(1), *common, GROUP=group, BS=bs, BLOCK_M=block_m, BLOCK_N=max(16, min(64, bs * 4)),
+                          D=d, D_PAD=triton.next_power_of_2(d), PRECISION=precision)
+    return out
