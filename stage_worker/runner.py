@@ -51,7 +51,7 @@ def resolve_dtype(cfg: ModelConfig, dtype: torch.dtype | str | None, device: str
 
 
 class StageRunner:
-    def __init__(self, model_dir: str | Path, layer_start: int, layer_end: int, *, tp_rank: int = 0,
+    def __init__(self, model_dir: str | Path | None, layer_start: int, layer_end: int, *, tp_rank: int = 0,
                  tp_size: int = 1, tp_group=None, device: str = "cpu", dtype: torch.dtype | str | None = None,
                  block_size: int = 16, load: bool = True, config: ModelConfig | None = None):
         self.config = cfg = config or ModelConfig.from_path(model_dir)

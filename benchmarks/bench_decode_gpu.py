@@ -1,0 +1,109 @@
+"""End-to-end decode of a Llama-3.1-8B-shaped model with random bf16 weights made on the GPU:
+stagemesh's stage runner (all 32 layers, Triton kernels) against transformers on the same GPU,
+and against the memory roofline (weight bytes per step / measured copy bandwidth).
+
+    python benchmarks/bench_decode_gpu.py [--batch 1 16 64 256] [--prompt 128] [--tokens 64]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from stagemesh.model_config import ModelConfig
+from stagemesh.sampling_params import SamplingParams
+from stagemesh.step import NewSequence, ScheduledChunk, StepBatch
+from stage_worker.runner import StageRunner
+from stage_worker.weights import init_random_weights
+
+CONFIG = Path(__file__).parents[1] / "stagemesh" / "plan" / "reference_configs" / "Llama-3.1-8B.json"
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 20 / (time.perf_counter() - start)
+
+
+def stagemesh_decode(runner: StageRunner, batch: int, prompt: int, tokens: int) -> float:
+    """Seconds per decode step for `batch` sequences after a prefill of `prompt` tokens each."""
+    bs = runner.block_size
+    per_seq = -(-(prompt + tokens + 1) // bs)
+    runner.reset(batch * per_seq)
+    seqs = [NewSequence(i, [100 + i] * prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
+            for i in range(batch)]
+    chunks = [ScheduledChunk(i, s.prompt_token_ids, 0, list(range(i * per_seq, (i + 1) * per_seq)), True)
+              for i, s in enumerate(seqs)]
+    out = runner.execute(StepBatch(0, 0, seqs, chunks))
+    last = {t.seq_id: t.token_id for t in out.sampled}
+    torch.cuda.synchronize()
+    start = None
+    for step in range(tokens):
+        if step == 3:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        decode = [ScheduledChunk(i, [last[i]], prompt + step, [], True) for i in range(batch)]
+        out = runner.execute(StepBatch(step + 1, 0, [], decode))
+        last = {t.seq_id: t.token_id for t in out.sampled}
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / (tokens - 3)
+
+
+def transformers_decode(model, batch: int, prompt: int, tokens: int) -> float:
+    ids = torch.full((batch, prompt), 100, device="cuda")
+    timings = []
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        for n in (4, tokens):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            torch.cuda.synchronize()
+            timings.append(time.perf_counter() - start)
+    return (timings[1] - timings[0]) / (tokens - 4)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--no-transformers", action="store_true")
+    a = p.parse_args()
+    cfg = ModelConfig.from_path(CONFIG)
+    runner = StageRunner(None, 0, cfg.num_hidden_layers, config=cfg, load=False, device="cuda",
+                         dtype=torch.bfloat16)
+    init_random_weights(runner.model)
+    weight_bytes = runner.model.num_parameter_bytes() - cfg.vocab_size * cfg.hidden_size * 2  # embedding: 1 row/token
+    bw = copy_bandwidth()
+    roofline = weight_bytes / (bw / 2)  # a step must read every weight once; copy bw counts read + write
+    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s (read + write); Llama-3.1-8B shape, "
+          f"bf16, {weight_bytes / 1e9:.1f} GB read per step: roofline {roofline * 1e3:.2f} ms/step")
+    ours = {b: stagemesh_decode(runner, b, a.prompt, a.tokens) for b in a.batch}
+    theirs = {}
+    if not a.no_transformers:
+        del runner
+        torch.cuda.empty_cache()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        hf = LlamaForCausalLM(LlamaConfig.from_json_file(str(CONFIG))).to(device="cuda", dtype=torch.bfloat16).eval()
+        theirs = {b: transformers_decode(hf, b, a.prompt, a.tokens) for b in a.batch}
+    print(f"{'batch':>6} {'stagemesh ms/step':>18} {'tok/s':>9} {'transformers ms/step':>21} {'ratio':>6} "
+          f"{'of roofline':>12}")
+    for b in a.batch:
+        t = theirs.get(b)
+        print(f"{b:>6} {ours[b] * 1e3:>18.2f} {b / ours[b]:>9.0f} {(t or 0) * 1e3:>21.2f} "
+              f"{(t / ours[b]) if t else 0:>6.2f} {roofline / ours[b]:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()
