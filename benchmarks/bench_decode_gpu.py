@@ -85,7 +85,7 @@ def main() -> None:
     init_random_weights(runner.model)
     weight_bytes = runner.model.num_parameter_bytes() - cfg.vocab_size * cfg.hidden_size * 2  # embedding: 1 row/token
     bw = copy_bandwidth()
-    roofline = weight_bytes / (bw / 2)  # a step must read every weight once; copy bw counts read + write
+    roofline = weight_bytes / bw  # a step reads every weight once; copy bandwidth counts bytes read + written
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s (read + write); Llama-3.1-8B shape, "
           f"bf16, {weight_bytes / 1e9:.1f} GB read per step: roofline {roofline * 1e3:.2f} ms/step")
     ours = {b: stagemesh_decode(runner, b, a.prompt, a.tokens) for b in a.batch}
