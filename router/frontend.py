@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from router.errors import APIError
@@ -14,6 +14,7 @@ from router.openai_protocol import GenerateRequest
 from router.replicas import ReplicaSet
 from router.tokenization import Tokenizer
 from stagemesh.errors import StagemeshError
+from stagemesh.health import follow
 from stagemesh.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 from stagemesh.wire import sampling_from_pb
 
@@ -103,17 +104,7 @@ async def serve_frontend(servicer: FrontendServicer, host: str, port: int) -> tu
     if bound == 0:
         raise StagemeshError(f"cannot listen on {host}:{port} for the gRPC frontend")
     await server.start()
-    asyncio.create_task(_health(servicer.replicas, health_servicer))
+    asyncio.create_task(follow(health_servicer, ("stagemesh.v1.Frontend",), lambda: bool(servicer.replicas.healthy()),
+                               interval_s=0.5))
     return server, bound
 
-
-async def _health(replicas: ReplicaSet, servicer) -> None:
-    last = None
-    while True:
-        status = (health_pb2.HealthCheckResponse.SERVING if replicas.healthy()
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-        if status != last:
-            await servicer.set("", status)
-            await servicer.set("stagemesh.v1.Frontend", status)
-            last = status
-        await asyncio.sleep(0.5)

@@ -5,12 +5,13 @@ import asyncio
 import logging
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from scheduler.driver import Driver, Unavailable
 from scheduler.rendezvous import ModelIdentity, StageInfo
 from scheduler.scheduler import QueueFull
 from stagemesh.errors import StagemeshError
+from stagemesh.health import follow
 from stagemesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from stagemesh.wire import sampling_from_pb
 
@@ -107,18 +108,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.RegisterStageResponse(num_missing_stages=missing)
 
 
-async def health_loop(driver: Driver, health_servicer: health.aio.HealthServicer) -> None:
-    """grpc.health.v1 says SERVING only while the pipeline is formed."""
-    last = None
-    while True:
-        status = health_pb2.HealthCheckResponse.SERVING if driver.healthy else health_pb2.HealthCheckResponse.NOT_SERVING
-        if status != last:
-            await health_servicer.set("", status)
-            await health_servicer.set(SERVICE, status)
-            last = status
-        await asyncio.sleep(0.2)
-
-
 async def serve(servicer: SchedulerServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 1 << 30)])
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
@@ -128,5 +117,5 @@ async def serve(servicer: SchedulerServicer, host: str, port: int) -> tuple[grpc
     if bound == 0:
         raise StagemeshError(f"cannot listen on {host}:{port}")
     await server.start()
-    asyncio.create_task(health_loop(servicer.driver, health_servicer))
+    asyncio.create_task(follow(health_servicer, (SERVICE,), lambda: servicer.driver.healthy))
     return server, bound
