@@ -65,8 +65,7 @@ def parse_request(body: Any, chat: bool) -> GenerateRequest:
         req.messages = _messages(body)
     else:
         _prompt(body, req)
-    n = _get(body, "n", int, 1, lambda v: v == 1, "1 (only one choice per request is supported)")
-    del n
+    _get(body, "n", int, 1, lambda v: v == 1, "1 (only one choice per request is supported)")
     req.stream = _get(body, "stream", bool, False)
     options = _get(body, "stream_options", dict, {})
     if options and not req.stream:
