@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from stagemesh.errors import StagemeshError
-from stagemesh.model_config import ModelConfig
+from stagemesh.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 from stagemesh.step import SampledToken, StepBatch
 from stage_worker.layers import transpose_weights
 from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
@@ -55,6 +55,10 @@ class StageRunner:
                  tp_size: int = 1, tp_group=None, device: str = "cpu", dtype: torch.dtype | str | None = None,
                  block_size: int = 16, load: bool = True, config: ModelConfig | None = None):
         self.config = cfg = config or ModelConfig.from_path(model_dir)
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise StagemeshError(f"{cfg.model_type} is a mixture-of-experts model, which the stage workers do not "
+                                 f"serve yet (expert parallelism is not built); supported: "
+                                 f"{', '.join(SUPPORTED_MODEL_TYPES)}")
         check_layer_range(cfg, layer_start, layer_end)
         self.tp = TPGroup(tp_rank, tp_size, tp_group)
         cfg.check_tp_size(tp_size)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,13 @@ def test_unsupported_architecture(tmp_path):
     result = stagemesh("generate", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "unsupported architecture GPT2LMHeadModel (model_type 'gpt2'); supported: llama, mistral, qwen2, qwen3" in result.stderr
+
+
+def test_mixture_of_experts_is_refused_until_expert_parallelism_exists(tmp_path):
+    config = (Path(__file__).parents[1] / "stagemesh" / "plan" / "reference_configs" / "Mixtral-8x7B.json")
+    (tmp_path / "config.json").write_text(config.read_text())
+    with pytest.raises(StagemeshError, match="mixtral is a mixture-of-experts model, which the stage workers do not"):
+        StageRunner(tmp_path, 0, 4)
 
 
 def test_layer_range_outside_the_model(tiny_model_dir):
