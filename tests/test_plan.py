@@ -114,6 +114,24 @@ def test_text_output_prints_the_vllm_lines():
     assert "# on node 1" in result.stdout and "--stage-index 1 --layers 63:126" in result.stdout
 
 
+def test_replicas_over_several_nodes_each_get_commands_and_a_router_entry():
+    result = stagemesh_plan("Llama-3.1-70B", "--gpus-per-node", "8", "--nodes", "2", "--gpu-memory", "80GB",
+                            "--tensor-parallel-size", "4", "--target-concurrency", "1000", "--json")
+    out = json.loads(result.stdout)
+    assert out["data_parallel_size"] == 4 and out["nodes"] == 2
+    head, workers = out["commands"]["head"], out["commands"]["workers"]
+    assert sum(c.startswith("stagemesh scheduler") for c in head) == 4
+    assert sum(c.startswith("stagemesh stage") for c in head + workers["node 1"]) == 4
+    assert head[-1].count("--replica") == 4
+    text = stagemesh_plan("Llama-3.1-70B", "--gpus-per-node", "8", "--nodes", "2", "--gpu-memory", "80GB",
+                          "--tensor-parallel-size", "4", "--target-concurrency", "1000").stdout
+    assert text.count("<- chosen") == 1
+
+
+def test_moe_plans_say_the_stage_workers_do_not_serve_them_yet():
+    assert "do not serve MoE checkpoints yet" in " ".join(plan("Mixtral-8x7B", dtype="bf16").path)
+
+
 @pytest.mark.slow
 def test_printed_serve_command_starts_the_mesh(tiny_model_dir, tmp_path):
     model = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")

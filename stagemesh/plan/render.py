@@ -16,18 +16,23 @@ def commands(req: PlanRequest, plan: Plan, model: str, device: str) -> dict:
                + (f" --data-parallel-size {lay.dp}" if lay.dp > 1 else "")
                + (f" --layer-split {split}" if lay.pp > 1 else "") + f" --device {device} {common}")
         return {"serve": cmd}
-    head = [f"stagemesh scheduler {model} --host 0.0.0.0 --advertise-host $HEAD_NODE_IP --port 50051 "
-            f"--dist-port 29500 --pipeline-parallel-size {lay.pp} {common.split(' --gpu')[0]}",
-            f"stagemesh router {model} --replica $HEAD_NODE_IP:50051 --host 0.0.0.0 --port 8000"]
+    # every scheduler and the router on the head node (they are light); replicas' stages fill the GPUs in order
     stages_per_node = max(1, req.gpus_per_node // lay.tp)
-    workers: dict[str, list[str]] = {}
-    for i, (a, b) in enumerate(layer_ranges(lay.layer_split)):
-        node = i // stages_per_node
-        host = "$HEAD_NODE_IP" if node == 0 else "$NODE_IP"
-        cmd = (f"stagemesh stage {model} --scheduler $HEAD_NODE_IP:50051 --stage-index {i} --layers {a}:{b} "
-               f"--tensor-parallel-size {lay.tp} --device {device} --handoff nccl --host 0.0.0.0 "
-               f"--advertise-host {host}" + (f" --gpu-memory-utilization {req.utilization}" if device == "cuda" else ""))
-        (head if node == 0 else workers.setdefault(f"node {node}", [])).append(cmd)
+    head, workers, replicas = [], {}, []
+    for r in range(lay.dp):
+        port = 50051 + r
+        replicas.append(f"$HEAD_NODE_IP:{port}")
+        head.append(f"stagemesh scheduler {model} --host 0.0.0.0 --advertise-host $HEAD_NODE_IP --port {port} "
+                    f"--dist-port {29500 + r} --pipeline-parallel-size {lay.pp} --max-model-len {req.max_model_len}")
+        for i, (a, b) in enumerate(layer_ranges(lay.layer_split)):
+            node = (r * lay.pp + i) // stages_per_node
+            cmd = (f"stagemesh stage {model} --scheduler $HEAD_NODE_IP:{port} --stage-index {i} --layers {a}:{b} "
+                   f"--tensor-parallel-size {lay.tp} --device {device} --handoff nccl --host 0.0.0.0 "
+                   f"--advertise-host {'$HEAD_NODE_IP' if node == 0 else '$NODE_IP'}"
+                   + (f" --gpu-memory-utilization {req.utilization}" if device == "cuda" else ""))
+            (head if node == 0 else workers.setdefault(f"node {node}", [])).append(cmd)
+    head.append(f"stagemesh router {model} " + " ".join(f"--replica {x}" for x in replicas) +
+                " --host 0.0.0.0 --port 8000")
     env = {"HEAD_NODE_IP": "<address of node 0>", "NODE_IP": "<this node's address>", "NCCL_SOCKET_IFNAME": "<nic>"}
     return {"head": head, "workers": workers, "environment": env}
 
@@ -51,7 +56,8 @@ def as_text(req: PlanRequest, plan: Plan, model: str, device: str) -> str:
              f"GPU(s) of {req.gpu_bytes / GB:.0f} GB" + ("" if req.nvlink else ", no NVLink"), "", "Decision path:"]
     lines += [f"  {i}. {step}" for i, step in enumerate(plan.path, 1)]
     lines += ["", f"  {'layout':<14}{'weights/GPU':>13}{'KV tokens':>14}{'max concurrency':>17}"]
-    for cand in plan.considered + ([lay] if lay not in plan.considered else []):
+    shown = [(c.tp, c.pp) for c in plan.considered]
+    for cand in plan.considered + ([lay] if (lay.tp, lay.pp) not in shown else []):
         mark = " <- chosen" if (cand.tp, cand.pp) == (lay.tp, lay.pp) else ""
         lines.append(f"  {f'TP={cand.tp} PP={cand.pp}':<14}{cand.weight_bytes_per_gpu / GB:>10.1f} GB"
                      f"{cand.kv_cache_tokens:>14,}{cand.max_concurrency:>16.2f}x{mark}")

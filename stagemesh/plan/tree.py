@@ -50,6 +50,9 @@ def make_plan(req: PlanRequest) -> Plan:
         plan = _forced(req)
     else:
         plan = _tree(req)
+    if req.cfg.is_moe:
+        plan.path.append(f"note: {req.cfg.model_type} is a mixture-of-experts model: this memory math holds, but "
+                         "stagemesh's stage workers do not serve MoE checkpoints yet (expert parallelism is not built)")
     return _data_parallel(req, plan)
 
 
