@@ -12,6 +12,8 @@ log = logging.getLogger("stagemesh.router")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="model directory, for the tokenizer and chat template "
                                                           "(default: the embedded model)")
+    p.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                   help="the same as the positional MODEL (vLLM's spelling)")
     p.add_argument("--replica", action="append", required=True, metavar="HOST:PORT",
                    help="a replica's scheduler (repeat for data parallelism)")
     p.add_argument("--host", default="127.0.0.1")
@@ -22,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     p.add_argument("--max-model-len", type=int, default=None, help="cap below the replicas' own limit")
     p.add_argument("--policy", choices=("least-load", "cache-aware", "round-robin"), default="least-load")
+    p.add_argument("--max-waiting-requests", type=int, default=0,
+                   help="answer 429 (with Retry-After) once this many requests wait for their first token "
+                        "(0: unbounded; the schedulers' own queue limits also give 429)")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between replica checks")
     p.add_argument("--log-level", default="info")
 
@@ -41,13 +46,19 @@ async def _main(args: argparse.Namespace) -> int:
     from router.replicas import ReplicaSet
     from router.tokenization import Tokenizer
     from stagemesh.default_model import resolve_model, served_model_name
+    from stagemesh.errors import StagemeshError
 
-    model_dir = resolve_model(args.model)
+    if args.model and args.model_option and args.model != args.model_option:
+        raise StagemeshError(f"two models given: '{args.model}' and --model '{args.model_option}'")
+    model = args.model_option or args.model
+    if args.max_waiting_requests < 0 or args.health_interval <= 0:
+        raise StagemeshError("--max-waiting-requests must be >= 0 and --health-interval > 0")
+    model_dir = resolve_model(model)
     tokenizer = Tokenizer(model_dir)
-    replicas = ReplicaSet(args.replica, POLICIES[args.policy](), args.health_interval)
+    replicas = ReplicaSet(args.replica, POLICIES[args.policy](), args.health_interval, args.max_waiting_requests)
     await replicas.refresh()
     name = args.served_model_name or next((r.served_model_name for r in replicas.replicas if r.served_model_name),
-                                          None) or served_model_name(args.model, model_dir)
+                                          None) or served_model_name(model, model_dir)
     config = {"served_model_name": name, "api_key": args.api_key, "max_model_len": args.max_model_len}
     app = build_app(replicas, tokenizer, config)
     grpc_server = None

@@ -16,6 +16,7 @@ from stagemesh.v1 import scheduler_pb2
 
 REASONS = {scheduler_pb2.FINISH_REASON_STOP: "stop", scheduler_pb2.FINISH_REASON_LENGTH: "length",
            scheduler_pb2.FINISH_REASON_ABORT: "abort"}
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 @dataclass
@@ -89,28 +90,44 @@ async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
 
 
 async def _stream(req: GenerateRequest, gen: Generation, replicas: ReplicaSet):
+    if replicas.queue_full():
+        raise APIError(429, f"the server is busy: {replicas.num_waiting} requests are already waiting for their "
+                            f"first token (--max-waiting-requests {replicas.max_waiting_requests})",
+                       code="rate_limit_exceeded", retry_after=1)
+    replicas.num_waiting += 1
+    waiting = True
     tried: set[str] = set()
-    while True:
-        replica = replicas.pick(gen.prompt_ids, tried)
-        if replica is None:
-            reasons = "; ".join(f"{r.address}: {r.reason}" for r in replicas.replicas) or "no replicas configured"
-            raise APIError(503, f"no replica can serve this request right now ({reasons})", code="unavailable",
-                           retry_after=2)
-        tried.add(replica.address)
-        call = replica.submit(gen.request_id, gen.prompt_ids, req.sampling)
-        started = False
-        try:
-            async for reply in call:
-                started = True
-                yield reply
-            return
-        except grpc.aio.AioRpcError as err:
-            code = err.code()
-            if not started and code == grpc.StatusCode.UNAVAILABLE and len(tried) < 2:
-                continue  # failed before its first token: once more, elsewhere
-            raise _api_error(err) from None
-        finally:
-            call.cancel()
+    last_error: grpc.aio.AioRpcError | None = None
+    try:
+        while True:
+            replica = replicas.pick(gen.prompt_ids, tried)
+            if replica is None and last_error is not None:
+                raise _api_error(last_error)  # nowhere else to try
+            if replica is None:
+                reasons = "; ".join(f"{r.address}: {r.reason}" for r in replicas.replicas) or "no replicas configured"
+                raise APIError(503, f"no replica can serve this request right now ({reasons})", code="unavailable",
+                               retry_after=2)
+            tried.add(replica.address)
+            call = replica.submit(gen.request_id, gen.prompt_ids, req.sampling)
+            try:
+                async for reply in call:
+                    if waiting:
+                        replicas.num_waiting, waiting = replicas.num_waiting - 1, False
+                    yield reply
+                return
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    replica.mark_failed(f"a request failed there: {err.details()}")
+                if code in RETRYABLE and waiting and len(tried) < 2:
+                    last_error = err
+                    continue  # failed (or its queue was full) before its first token: once more, elsewhere
+                raise _api_error(err) from None
+            finally:
+                call.cancel()
+    finally:
+        if waiting:
+            replicas.num_waiting -= 1
 
 
 def _api_error(err: grpc.aio.AioRpcError) -> APIError:

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stagemesh.sampling_params import SamplingParams
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -13,6 +14,8 @@ from stagemesh.wire import sampling_to_pb
 
 log = logging.getLogger("stagemesh.router")
 STATS_DEADLINE_S = 2.0
+WATCH_WINDOW_S = 60.0  # a WatchStats stream is re-opened this often (every call has a deadline)
+SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 @dataclass
@@ -31,27 +34,54 @@ class Replica:
     def __post_init__(self) -> None:
         self.channel = grpc.aio.insecure_channel(self.address)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
     @property
     def load(self) -> int:
         return self.num_running + 4 * self.num_waiting + self.dispatched
 
     async def refresh(self) -> None:
+        """The health check: grpc.health.v1 and the scheduler's own stats must both say it can serve."""
         try:
+            check = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=STATS_DEADLINE_S)
             stats = await self.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=STATS_DEADLINE_S)
             if stats.healthy and not self.max_model_len:
                 info = await self.stub.GetModelInfo(scheduler_pb2.GetModelInfoRequest(), timeout=STATS_DEADLINE_S)
                 self.max_model_len, self.eos_token_ids = info.max_model_len, tuple(info.eos_token_ids)
                 self.served_model_name = info.served_model_name
-            was = self.healthy
-            self.healthy, self.reason = stats.healthy, stats.unhealthy_reason
-            self.num_running, self.num_waiting, self.dispatched = stats.num_running, stats.num_waiting, 0
+            serving = check.status == SERVING and stats.healthy
+            reason = stats.unhealthy_reason or ("" if serving else "grpc.health.v1 reports NOT_SERVING")
+            self._set_health(serving and bool(self.max_model_len), reason)
+            self._set_load(stats)
         except grpc.aio.AioRpcError as err:
-            was = self.healthy
-            self.healthy, self.reason = False, f"{err.code().name}: {err.details()}"
-        if was != self.healthy:
-            log.log(logging.INFO if self.healthy else logging.WARNING, "replica %s is now %s%s", self.address, "healthy" if self.healthy else "UNHEALTHY",
-                        "" if self.healthy else f": {self.reason}")
+            self._set_health(False, f"{err.code().name}: {err.details()}")
+
+    async def watch(self, interval_ms: int) -> None:
+        """Follow the scheduler's WatchStats stream for fresh load figures between health checks."""
+        while True:
+            try:
+                call = self.stub.WatchStats(scheduler_pb2.WatchStatsRequest(interval_ms=interval_ms),
+                                            timeout=WATCH_WINDOW_S)
+                async for stats in call:
+                    self._set_load(stats)
+                    if not stats.healthy:  # taken out at once; only the health check puts it back
+                        self._set_health(False, stats.unhealthy_reason or "the scheduler reports unhealthy")
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    await asyncio.sleep(interval_ms / 1000)
+
+    def mark_failed(self, reason: str) -> None:
+        """A request saw the replica fail: stop sending it work until a health check passes."""
+        self._set_health(False, reason)
+
+    def _set_load(self, stats) -> None:
+        self.num_running, self.num_waiting, self.dispatched = stats.num_running, stats.num_waiting, 0
+
+    def _set_health(self, healthy: bool, reason: str) -> None:
+        was, self.healthy, self.reason = self.healthy, healthy, reason
+        if was != healthy:
+            log.log(logging.INFO if healthy else logging.WARNING, "replica %s is now %s%s", self.address,
+                    "healthy" if healthy else "UNHEALTHY", "" if healthy else f": {reason}")
 
     def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams):
         self.dispatched += 1
@@ -64,18 +94,29 @@ class Replica:
 
 
 class ReplicaSet:
-    def __init__(self, addresses: list[str], policy, interval_s: float = 1.0):
+    def __init__(self, addresses: list[str], policy, interval_s: float = 1.0, max_waiting_requests: int = 0):
         self.replicas = [Replica(a) for a in addresses]
         self.policy = policy
         self.interval_s = interval_s
+        self.max_waiting_requests = max_waiting_requests  # 0: unbounded
+        self.num_waiting = 0  # requests in this router still waiting for their first token
 
     async def refresh(self) -> None:
         await asyncio.gather(*(r.refresh() for r in self.replicas))
 
     async def health_loop(self) -> None:
-        while True:
-            await self.refresh()
-            await asyncio.sleep(self.interval_s)
+        watch_ms = max(int(self.interval_s * 250), 50)  # load figures a few times per health check
+        watchers = [asyncio.create_task(r.watch(watch_ms)) for r in self.replicas]
+        try:
+            while True:
+                await self.refresh()
+                await asyncio.sleep(self.interval_s)
+        finally:
+            for w in watchers:
+                w.cancel()
+
+    def queue_full(self) -> bool:
+        return bool(self.max_waiting_requests) and self.num_waiting >= self.max_waiting_requests
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]

@@ -112,20 +112,31 @@ def test_server_still_serves_after_the_bad_requests(router):
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 4
 
 
-def test_full_queue_is_429_with_retry_after(tiny_model_dir, tmp_path):
-    # covered by the scheduler's RESOURCE_EXHAUSTED mapping: a replica whose waiting queue holds one request
-    model_dir = tiny_model_dir("llama")
-    with Mesh(model_dir, [4], scheduler_args=("--max-waiting-requests", "1", "--max-num-seqs", "1"),
-              log_dir=tmp_path) as mesh:
-        with Router(with_word_tokenizer(model_dir, tmp_path / "tok"), [mesh.address],
-                    ("--served-model-name", M), log_dir=tmp_path) as r:
-            from concurrent.futures import ThreadPoolExecutor
+def _concurrent(url: str, body: dict, n: int) -> list[requests.Response]:
+    from concurrent.futures import ThreadPoolExecutor
 
-            body = {"model": M, "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True}
-            with ThreadPoolExecutor(6) as pool:
-                answers = list(pool.map(lambda _: requests.post(r.base_url + COMP, json=body, timeout=120), range(6)))
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda _: requests.post(url, json=body, timeout=120), range(n)))
+
+
+def _busy(answers: list[requests.Response], words: str) -> None:
     busy = [a for a in answers if a.status_code == 429]
-    assert busy and all(a.headers.get("Retry-After") for a in busy)
-    assert "waiting queue is full" in busy[0].json()["error"]["message"]
+    assert busy and all(a.headers.get("Retry-After") for a in busy), [a.status_code for a in answers]
+    assert words in busy[0].json()["error"]["message"]
     assert any(a.status_code == 200 for a in answers)
 
+
+def test_full_queue_is_429_with_retry_after(tiny_model_dir, tmp_path):
+    # the scheduler's queue (RESOURCE_EXHAUSTED), then the router's own --max-waiting-requests; prefill in
+    # chunks of 16 tokens keeps a long prompt waiting for its first token for many steps
+    model_dir = tiny_model_dir("llama")
+    tok_dir = with_word_tokenizer(model_dir, tmp_path / "tok")
+    with Mesh(model_dir, [4], scheduler_args=("--max-waiting-requests", "1", "--max-num-seqs", "1",
+                                              "--max-num-batched-tokens", "16"), log_dir=tmp_path) as mesh:
+        with Router(tok_dir, [mesh.address], ("--served-model-name", M), log_dir=tmp_path) as r:
+            body = {"model": M, "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True}
+            _busy(_concurrent(r.base_url + COMP, body, 6), "waiting queue is full")
+        with Router(tok_dir, [mesh.address], ("--served-model-name", M, "--max-waiting-requests", "1"),
+                    log_dir=tmp_path) as r:
+            body = {"model": M, "prompt": [5, 6, 7] * 100, "max_tokens": 8, "ignore_eos": True}
+            _busy(_concurrent(r.base_url + COMP, body, 4), "--max-waiting-requests 1")
