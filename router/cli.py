@@ -6,6 +6,8 @@ import asyncio
 import logging
 import signal
 
+from stagemesh.service_options import add_service_arguments, setup_service
+
 log = logging.getLogger("stagemesh.router")
 
 
@@ -28,13 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="answer 429 (with Retry-After) once this many requests wait for their first token "
                         "(0: unbounded; the schedulers' own queue limits also give 429)")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between replica checks")
-    p.add_argument("--log-level", default="info")
+    add_service_arguments(p, metrics_port=False)
 
 
 def run(args: argparse.Namespace) -> int:
-    from stagemesh.cli import setup_logging
-
-    setup_logging(args.log_level)
+    setup_service(args, "stagemesh-router")
     return asyncio.run(_main(args))
 
 

@@ -15,6 +15,7 @@ from router.replicas import ReplicaSet
 from router.tokenization import Tokenizer
 from stagemesh.errors import StagemeshError
 from stagemesh.health import follow
+from stagemesh.service_options import add_port
 from stagemesh.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 from stagemesh.wire import sampling_from_pb
 
@@ -100,7 +101,7 @@ async def serve_frontend(servicer: FrontendServicer, host: str, port: int) -> tu
     names = (frontend_pb2.DESCRIPTOR.services_by_name["Frontend"].full_name, health.SERVICE_NAME,
              reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}")
     if bound == 0:
         raise StagemeshError(f"cannot listen on {host}:{port} for the gRPC frontend")
     await server.start()

@@ -9,6 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stagemesh.sampling_params import SamplingParams
+from stagemesh.service_options import aio_channel
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from stagemesh.wire import sampling_to_pb
 
@@ -32,7 +33,7 @@ class Replica:
     stub: scheduler_pb2_grpc.SchedulerStub | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self.channel = grpc.aio.insecure_channel(self.address)
+        self.channel = aio_channel(self.address)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 

@@ -7,6 +7,7 @@ import logging
 import signal
 
 from stagemesh.errors import StagemeshError
+from stagemesh.service_options import add_service_arguments, setup_service
 
 log = logging.getLogger("stagemesh.scheduler")
 
@@ -27,13 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=0, help="0: unbounded")
     p.add_argument("--forward-timeout", type=float, default=120.0, help="deadline of one step on a stage, seconds")
     p.add_argument("--port-file", default=None, help="write the bound port here (for supervisors)")
-    p.add_argument("--log-level", default="info")
+    add_service_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from stagemesh.cli import setup_logging
-
-    setup_logging(args.log_level)
+    setup_service(args, "stagemesh-scheduler")
     return asyncio.run(_main(args))
 
 

@@ -22,6 +22,7 @@ from scheduler.request import RequestOutput
 from scheduler.scheduler import Scheduler, SchedulerOutput
 from stagemesh.errors import StagemeshError
 from stagemesh.sampling_params import SamplingParams
+from stagemesh.service_options import aio_channel
 from stagemesh.step_wire import sampled_from_pb, step_to_pb
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
@@ -151,7 +152,7 @@ class Driver:
     # -- forming the pipeline ---------------------------------------------------------
     def _stub(self, stage: StageInfo) -> stage_pb2_grpc.StageStub:
         if stage.address not in self._stubs:
-            channel = grpc.aio.insecure_channel(stage.address, options=[("grpc.max_receive_message_length", 1 << 30)])
+            channel = aio_channel(stage.address, options=[("grpc.max_receive_message_length", 1 << 30)])
             self._stubs[stage.address] = stage_pb2_grpc.StageStub(channel)
         return self._stubs[stage.address]
 

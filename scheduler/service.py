@@ -12,6 +12,7 @@ from scheduler.rendezvous import ModelIdentity, StageInfo
 from scheduler.scheduler import QueueFull
 from stagemesh.errors import StagemeshError
 from stagemesh.health import follow
+from stagemesh.service_options import add_port
 from stagemesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from stagemesh.wire import sampling_from_pb
 
@@ -113,7 +114,7 @@ async def serve(servicer: SchedulerServicer, host: str, port: int) -> tuple[grpc
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}")
     if bound == 0:
         raise StagemeshError(f"cannot listen on {host}:{port}")
     await server.start()

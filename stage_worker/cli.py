@@ -10,6 +10,7 @@ import time
 import grpc
 
 from stagemesh.errors import StagemeshError
+from stagemesh.service_options import add_service_arguments, channel, setup_service
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -32,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     p.add_argument("--cpu-affinity", default=None, metavar="CPUS", help="pin the stage (and followers) to these "
                                                                         "cores, e.g. 0 or 0,1")
-    p.add_argument("--log-level", default="info")
+    add_service_arguments(p)
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -44,12 +45,11 @@ def parse_layers(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stagemesh.cli import setup_logging
     from stagemesh.default_model import resolve_model
     from stagemesh.model_config import ModelConfig
     from stage_worker.runner import check_layer_range
 
-    setup_logging(args.log_level)
+    setup_service(args, f"stagemesh-stage-{args.stage_index}")
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_path(model_dir)
     start, end = parse_layers(args.layers)
@@ -95,8 +95,8 @@ def register(scheduler: str, servicer, stop: threading.Event, timeout_s: float =
     from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     deadline, delay = time.monotonic() + timeout_s, 0.2
-    with grpc.insecure_channel(scheduler) as channel:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    with channel(scheduler) as chan:
+        stub = scheduler_pb2_grpc.SchedulerStub(chan)
         while not stop.is_set():
             try:
                 reply = stub.RegisterStage(scheduler_pb2.RegisterStageRequest(stage=servicer.describe()), timeout=10)

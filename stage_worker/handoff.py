@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from stagemesh.errors import StagemeshError
+from stagemesh.service_options import channel
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 from stagemesh.wire import tensor_from_pb, tensor_to_pb
 
@@ -48,7 +49,7 @@ class GrpcHandoff:
         self.device = device
         self._stub = None
         if next_address:
-            self._channel = grpc.insecure_channel(next_address)
+            self._channel = channel(next_address)
             self._stub = stage_pb2_grpc.StageStub(self._channel)
         self._mailbox: dict[tuple[int, int], stage_pb2.PushActivationsRequest] = {}
         self._cond = threading.Condition()

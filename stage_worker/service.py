@@ -8,6 +8,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stagemesh.errors import StagemeshError
+from stagemesh.service_options import add_port
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 from stage_worker.worker import StageWorker
 
@@ -62,7 +63,7 @@ def start_server(servicer: StageServicer, host: str, port: int) -> tuple[grpc.Se
     stage_pb2_grpc.add_StageServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}")
     if bound == 0:
         raise StagemeshError(f"cannot listen on {host}:{port}")
     server.start()

@@ -69,13 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def setup_logging(level: str = "info") -> None:
-    """Plain one-line logs; observability may replace this with JSON."""
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+def setup_logging(level: str = "info", fmt: str = "text") -> None:
+    from stagemesh.logs import setup_logging as setup
+
+    setup(level, fmt)
 
 
 if __name__ == "__main__":

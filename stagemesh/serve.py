@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 
 from stagemesh.errors import StagemeshError
+from stagemesh.logs import setup_logging
+from stagemesh.service_options import add_service_arguments, service_argv
 
 log = logging.getLogger("stagemesh.serve")
 
@@ -46,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per stage")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--threads", type=int, default=0, help="torch threads per stage process (0: cores / processes)")
-    p.add_argument("--log-level", default="info")
+    add_service_arguments(p)  # --metrics-port P: scheduler of replica r on P + r*(PP+1), its stages next
 
 
 @dataclass
@@ -86,7 +88,7 @@ def plan_commands(args: argparse.Namespace, model_dir: str, num_layers: int, cud
         port = free_port()
         replicas.append(f"127.0.0.1:{port}")
         children.append((f"scheduler[{r}]", ["scheduler", model_dir, "--port", str(port), "--pipeline-parallel-size",
-                                              str(pp), "--log-level", args.log_level, *common_sched], {}))
+                                              str(pp), *common_sched, *_service(args, r * (pp + 1))], {}))
         for i, (a, b) in enumerate(layer_ranges(split)):
             env = {}
             if cuda:
@@ -94,16 +96,25 @@ def plan_commands(args: argparse.Namespace, model_dir: str, num_layers: int, cud
                 gpu += tp
             argv = ["stage", model_dir, "--scheduler", replicas[-1], "--stage-index", str(i), "--layers", f"{a}:{b}",
                     "--tensor-parallel-size", str(tp), "--handoff", args.handoff, "--device", device,
-                    "--threads", str(threads), "--log-level", args.log_level,
+                    "--threads", str(threads), *_service(args, r * (pp + 1) + 1 + i),
                     *_flags(args, ("dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization"))]
             children.append((f"stage[{r}.{i}]", argv, env))
     if importlib.util.find_spec("router.cli") is not None:
-        router = ["router", model_dir, "--host", args.host, "--port", str(args.port), "--log-level", args.log_level]
+        router = ["router", model_dir, "--host", args.host, "--port", str(args.port), *_service(args, None)]
         for replica in replicas:
             router += ["--replica", replica]
         children.append(("router", router + _flags(args, ("grpc_port", "served_model_name", "api_key",
                                                            "max_model_len")), {}))
     return children
+
+
+def _service(args: argparse.Namespace, metrics_offset: int | None) -> list[str]:
+    """Logs, traces, TLS for a child; a metrics port when --metrics-port is given (not for the router,
+    whose metrics are on its HTTP port)."""
+    argv = service_argv(args)
+    if metrics_offset is not None and args.metrics_port is not None:
+        argv += ["--metrics-port", str(args.metrics_port + metrics_offset)]
+    return argv
 
 
 def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
@@ -116,11 +127,10 @@ def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stagemesh.cli import setup_logging
     from stagemesh.default_model import resolve_model
     from stagemesh.model_config import ModelConfig
 
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_path(model_dir)
     cfg.check_tp_size(args.tensor_parallel_size)

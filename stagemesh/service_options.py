@@ -1,0 +1,140 @@
+"""Options every long-running service shares: logs, traces, metrics and TLS.
+
+Each service's ``add_arguments`` calls :func:`add_service_arguments`; its
+``run`` calls :func:`setup_service` once, before it opens any port. TLS is kept
+per process (one service per process), so every place that opens a gRPC
+channel or port goes through :func:`channel`, :func:`aio_channel` and
+:func:`add_port` and honours the flags without threading them through.
+
+TLS: ``--tls-cert``/``--tls-key`` make the service's own ports TLS; with
+``--tls-ca`` as well the service checks its peers against that CA both ways
+(mutual TLS: a service presents its own certificate when it calls another).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from stagemesh.errors import StagemeshError
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_service_arguments(p: argparse.ArgumentParser, *, metrics_port: bool = True) -> None:
+    g = p.add_argument_group("logs, traces, metrics and TLS")
+    g.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    g.add_argument("--log-format", choices=("text", "json"), default="text", help="json: one JSON object per line")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces here (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; "
+                        "neither set: tracing off)")
+    if metrics_port:
+        g.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus metrics on this port at /metrics (default: off)")
+    g.add_argument("--tls-cert", default=None, metavar="PEM", help="this service's certificate (gRPC over TLS)")
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
+    g.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="CA that signs the other services' certificates: verify peers with it (mutual TLS "
+                        "when --tls-cert is given too)")
+
+
+def service_argv(args: argparse.Namespace, *, metrics_port: int | None = None) -> list[str]:
+    """These options as command-line flags, for a supervisor that starts children."""
+    argv = ["--log-level", args.log_level, "--log-format", args.log_format]
+    for flag, value in (("--otlp-traces-endpoint", args.otlp_traces_endpoint), ("--tls-cert", args.tls_cert),
+                        ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
+        if value:
+            argv += [flag, str(value)]
+    if metrics_port is not None:
+        argv += ["--metrics-port", str(metrics_port)]
+    return argv
+
+
+def setup_service(args: argparse.Namespace, service_name: str) -> None:
+    """Logging, TLS, tracing and the metrics endpoint of one service process."""
+    from stagemesh.logs import setup_logging
+    from stagemesh.telemetry import setup_tracing
+
+    setup_logging(args.log_level, args.log_format)
+    configure_tls(args.tls_cert, args.tls_key, args.tls_ca)
+    setup_tracing(service_name, args.otlp_traces_endpoint)
+    port = getattr(args, "metrics_port", None)
+    if port is not None:
+        from prometheus_client import start_http_server
+
+        try:
+            start_http_server(port, addr=getattr(args, "host", "127.0.0.1"))
+        except OSError as err:
+            raise StagemeshError(f"--metrics-port {port}: {err.strerror or err}") from None
+        logging.getLogger("stagemesh").info("Prometheus metrics on port %d at /metrics", port)
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    cert: bytes | None = None
+    key: bytes | None = None
+    ca: bytes | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert is not None or self.ca is not None
+
+
+_tls = TLSConfig()
+
+
+def configure_tls(cert: str | None, key: str | None, ca: str | None) -> TLSConfig:
+    global _tls
+    if (cert is None) != (key is None):
+        raise StagemeshError("--tls-cert and --tls-key go together: give both or neither")
+
+    def read(flag: str, path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            data = Path(path).read_bytes()
+        except OSError as err:
+            raise StagemeshError(f"{flag} {path}: {err.strerror}") from None
+        if b"-----BEGIN" not in data:
+            raise StagemeshError(f"{flag} {path}: not a PEM file")
+        return data
+
+    _tls = TLSConfig(read("--tls-cert", cert), read("--tls-key", key), read("--tls-ca", ca))
+    return _tls
+
+
+def tls_config() -> TLSConfig:
+    return _tls
+
+
+def channel_credentials(tls: TLSConfig | None = None) -> grpc.ChannelCredentials | None:
+    tls = tls or _tls
+    if not tls.enabled:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert)
+
+
+def channel(target: str, options: list | None = None) -> grpc.Channel:
+    creds = channel_credentials()
+    if creds is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, creds, options=options)
+
+
+def aio_channel(target: str, options: list | None = None) -> grpc.aio.Channel:
+    creds = channel_credentials()
+    if creds is None:
+        return grpc.aio.insecure_channel(target, options=options)
+    return grpc.aio.secure_channel(target, creds, options=options)
+
+
+def add_port(server, address: str) -> int:
+    """Bind ``address`` on a grpc or grpc.aio server, with TLS when configured."""
+    if _tls.cert is not None:
+        creds = grpc.ssl_server_credentials([(_tls.key, _tls.cert)], root_certificates=_tls.ca,
+                                            require_client_auth=_tls.ca is not None)
+        return server.add_secure_port(address, creds)
+    return server.add_insecure_port(address)
