@@ -35,6 +35,15 @@ $(STAMP): pyproject.toml Makefile
 	   (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq nginx-light >/dev/null 2>&1)) || \
 	  echo "could not install nginx: its tests will be skipped"; \
 	fi
+	@# docker-compose checks the files in deploy/compose (`docker-compose config`); no daemon needed
+	@if ! command -v docker-compose >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing docker-compose (Debian) for the deployment tests"; \
+	  (apt-get install -y -qq --no-install-recommends docker-compose >/dev/null 2>&1 || \
+	   (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends docker-compose >/dev/null 2>&1)) || \
+	  echo "could not install docker-compose: its tests will be skipped"; \
+	elif ! command -v docker-compose >/dev/null 2>&1; then \
+	  echo "docker-compose is missing and cannot be installed here (needs root and apt-get): its tests will be skipped"; \
+	fi
 	touch $(STAMP)
 
 protos: install

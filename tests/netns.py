@@ -1,0 +1,137 @@
+"""Two network namespaces joined by a veth pair: two "hosts" on one machine, for multi-node tests.
+
+Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2's `ip`; :class:`NetnsUnavailable`
+says why when they are missing, so that a test can skip. Every process started through
+:meth:`Host.spawn` is stopped, and both namespaces are deleted, on exit, even after a failure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Variables that would send traffic somewhere else than the namespaces' own addresses.
+_DROPPED_ENV = ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy", "no_proxy")
+
+
+class NetnsUnavailable(RuntimeError):
+    """Network namespaces cannot be made here (not root, no `ip`, EPERM...)."""
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k.lower() not in _DROPPED_ENV and not k.startswith("OTEL_")}
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Host:
+    """One namespace: its name, its veth interface and its address."""
+    netns: str
+    ifname: str
+    address: str
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def argv(self, *argv: str) -> list[str]:
+        return ["ip", "netns", "exec", self.netns, *argv]
+
+    def spawn(self, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+        """Start argv inside the namespace (`ip netns exec` execs it: the pid is the program's own)."""
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(self.argv(*argv), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    stdin=subprocess.DEVNULL)
+        self.procs.append(proc)
+        return proc
+
+    def http(self, method: str, url: str, body: dict | None = None, timeout: float = 10) -> tuple[int, object]:
+        """(status, JSON body or text) of one HTTP request made from inside the namespace; status 0: no answer."""
+        code = (
+            "import json, sys, urllib.request, urllib.error\n"
+            "method, url, body, timeout = json.loads(sys.argv[1])\n"
+            "opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))\n"
+            "data = None if body is None else json.dumps(body).encode()\n"
+            "req = urllib.request.Request(url, data=data, method=method, headers={'Content-Type': 'application/json'})\n"
+            "try:\n"
+            "    resp = opener.open(req, timeout=timeout); status, text = resp.status, resp.read().decode()\n"
+            "except urllib.error.HTTPError as err:\n"
+            "    status, text = err.code, err.read().decode()\n"
+            "except OSError as err:\n"
+            "    status, text = 0, repr(err)\n"
+            "print(json.dumps([status, text]))\n"
+        )
+        args = json.dumps([method, url, body, timeout])
+        try:
+            done = subprocess.run(self.argv(sys.executable, "-c", code, args), capture_output=True, text=True,
+                                  timeout=timeout + 15, env=clean_env())
+        except subprocess.TimeoutExpired:
+            return 0, f"no answer from {url} in {timeout}s"
+        if done.returncode != 0:
+            return 0, done.stderr.strip()[-2000:]
+        status, text = json.loads(done.stdout.strip().splitlines()[-1])
+        try:
+            return status, json.loads(text)
+        except ValueError:
+            return status, text
+
+    def stop_all(self, timeout: float = 10) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise NetnsUnavailable(f"`ip {' '.join(args)}` failed: {done.stderr.strip() or done.returncode}")
+
+
+class NetnsPair:
+    """Namespaces A and B, A's veth at 10.77.0.1/24 and B's at 10.77.0.2/24 (names unique per pid)."""
+
+    def __init__(self, subnet: str = "10.77.0", tag: str | None = None):
+        tag = tag or str(os.getpid())
+        self.a = Host(f"smA{tag}", f"smva{tag}"[:15], f"{subnet}.1")
+        self.b = Host(f"smB{tag}", f"smvb{tag}"[:15], f"{subnet}.2")
+        self._made: list[str] = []
+
+    def __enter__(self) -> "NetnsPair":
+        if shutil.which("ip") is None:
+            raise NetnsUnavailable("iproute2's `ip` command is missing (apt-get install iproute2)")
+        if os.geteuid() != 0:
+            raise NetnsUnavailable(f"network namespaces need root; running as uid {os.geteuid()}")
+        try:
+            for host in (self.a, self.b):
+                _ip("netns", "add", host.netns)
+                self._made.append(host.netns)
+            _ip("link", "add", self.a.ifname, "type", "veth", "peer", "name", self.b.ifname)
+            for host in (self.a, self.b):
+                _ip("link", "set", host.ifname, "netns", host.netns)
+                _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", host.ifname)
+                _ip("-n", host.netns, "link", "set", host.ifname, "up")
+                _ip("-n", host.netns, "link", "set", "lo", "up")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for host in (self.a, self.b):
+            host.stop_all()
+        for name in self._made:  # deleting a namespace deletes the veth end inside it, and so the pair
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+        self._made.clear()
+        # a veth pair that never reached its namespaces is still in ours
+        subprocess.run(["ip", "link", "del", self.a.ifname], capture_output=True, timeout=30)
