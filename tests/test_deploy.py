@@ -169,6 +169,17 @@ def _wait(what: str, probe, timeout: float, procs, logs: Path):
     pytest.fail(f"{what}: not after {timeout:.0f}s; last answer: {last}\n" + _tails(logs))
 
 
+def _healthcheck(host, svc: dict) -> int:
+    """Exit status of a service's compose healthcheck, run inside the host's namespace with our python."""
+    kind, *argv = svc["healthcheck"]["test"]
+    assert kind == "CMD" and argv[0] == "python", svc["healthcheck"]
+    try:
+        return subprocess.run(host.argv(sys.executable, *argv[1:]), capture_output=True, timeout=20,
+                              env=clean_env()).returncode
+    except subprocess.TimeoutExpired:
+        return -1
+
+
 def _tails(logs: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(logs.glob("*.log")))
 
@@ -212,10 +223,12 @@ def test_head_and_worker_files_serve_across_two_namespaces(default_model_dir, tm
         chat = {"model": DEFAULT_MODEL_NAME, "temperature": 0, "max_tokens": 20,
                 "messages": [{"role": "user", "content": "What is the capital of France?"}]}
         status, body = a.http("POST", f"http://{a.address}:{port}/v1/chat/completions", chat, timeout=60)
-        assert status == 200, body
+        assert status == 200, f"{body}\n{_tails(tmp_path)}"
         answer = body["choices"][0]["message"]["content"]
         assert "Paris" in answer, answer
         print(f"answer across the two namespaces: {answer!r}")
+        checks = {**{name: _healthcheck(a, svc) for name, svc in head.items()}, "worker": _healthcheck(b, worker)}
+        assert checks == {"scheduler": 0, "stage0": 0, "router": 0, "worker": 0}, f"healthchecks: {checks}"
 
         stage1.kill()
         stage1.wait(timeout=10)
@@ -233,5 +246,8 @@ def test_head_and_worker_files_serve_across_two_namespaces(default_model_dir, tm
         assert "stage 1" in reason and stage_address in reason, f"the reason does not name the stage: {body}"
         status, err = a.http("POST", f"http://{a.address}:{port}/v1/chat/completions", chat, timeout=30)
         assert status == 503 and "stage 1" in str(err), (status, err)
+        # the compose healthchecks of the scheduler and the router now fail; stage 0 itself is fine
+        checks = {name: _healthcheck(a, svc) for name, svc in head.items()}
+        assert checks["stage0"] == 0 and checks["scheduler"] != 0 and checks["router"] != 0, checks
     finally:
         pair.__exit__()
