@@ -9,6 +9,7 @@ from aiohttp import web
 from router import responses
 from router.errors import APIError, bad_request
 from router.generation import Generation, fit_max_tokens, generate, new_request_id, prompt_ids_for
+from router.observe import metrics_handler
 from router.openai_protocol import parse_request
 from router.replicas import ReplicaSet
 from router.tokenization import Tokenizer
@@ -142,6 +143,7 @@ def build_app(replicas: ReplicaSet, tokenizer: Tokenizer, config: dict) -> web.A
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_handler)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     return app

@@ -60,6 +60,13 @@ async def _main(args: argparse.Namespace) -> int:
     name = args.served_model_name or next((r.served_model_name for r in replicas.replicas if r.served_model_name),
                                           None) or served_model_name(model, model_dir)
     config = {"served_model_name": name, "api_key": args.api_key, "max_model_len": args.max_model_len}
+    from stagemesh import telemetry
+
+    if telemetry.enabled():  # a span per HTTP request, its context carried on to the scheduler
+        from opentelemetry import trace
+        from opentelemetry.instrumentation.aiohttp_server import AioHttpServerInstrumentor
+
+        AioHttpServerInstrumentor().instrument(tracer_provider=trace.get_tracer_provider())
     app = build_app(replicas, tokenizer, config)
     grpc_server = None
     if args.grpc_port is not None:

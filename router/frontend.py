@@ -13,6 +13,7 @@ from router.generation import Generation, fit_max_tokens, generate, new_request_
 from router.openai_protocol import GenerateRequest
 from router.replicas import ReplicaSet
 from router.tokenization import Tokenizer
+from stagemesh import telemetry
 from stagemesh.errors import StagemeshError
 from stagemesh.health import follow
 from stagemesh.service_options import add_port
@@ -93,8 +94,40 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                                                max_model_len=self.replicas.max_model_len)
 
 
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """--api-key on the gRPC frontend: 'authorization: Bearer KEY' metadata, as on the HTTP API."""
+
+    def __init__(self, api_key: str):
+        self.expected = f"Bearer {api_key}"
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith("/stagemesh.v1.Frontend/"):
+            return handler  # health and reflection stay open
+        if dict(details.invocation_metadata or ()).get("authorization") == self.expected:
+            return handler
+        message = "a valid API key is required: send metadata 'authorization: Bearer KEY'"
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        async def deny_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # pragma: no cover - abort raises
+
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(deny_stream, handler.request_deserializer,
+                                                        handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+
+
 async def serve_frontend(servicer: FrontendServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server()
+    interceptors: list = [ApiKeyInterceptor(servicer.config["api_key"])] if servicer.config.get("api_key") else []
+    if telemetry.enabled():
+        from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+        interceptors.append(aio_server_interceptor())
+    server = grpc.aio.server(interceptors=interceptors)
     frontend_pb2_grpc.add_FrontendServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -9,6 +9,7 @@ from typing import AsyncIterator
 import grpc
 
 from router.errors import APIError, bad_request
+from router.observe import RequestRecord
 from router.openai_protocol import GenerateRequest
 from router.replicas import ReplicaSet
 from router.tokenization import IncrementalDetokenizer, StopStrings, Tokenizer
@@ -33,6 +34,7 @@ class Generation:
     prompt_ids: list[int]
     completion_tokens: int = 0
     cached_tokens: int = 0
+    record: RequestRecord | None = None
 
 
 def prompt_ids_for(req: GenerateRequest, tokenizer: Tokenizer) -> list[int]:
@@ -73,20 +75,34 @@ async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
     """Deltas of text (and ids, logprobs) until the request finishes."""
     detok = IncrementalDetokenizer(tokenizer, req.skip_special_tokens)
     stops = StopStrings(req.stop)
-    async for reply in _stream(req, gen, replicas):
-        if reply.num_prompt_tokens:
-            gen.cached_tokens = reply.num_cached_tokens
-        gen.completion_tokens += len(reply.token_ids)
-        text = stops.feed(detok.add(list(reply.token_ids)))
-        reason = REASONS.get(reply.finish_reason)
-        if stops.stopped is not None:
-            yield Delta(text, list(reply.token_ids), list(reply.logprobs), "stop")
-            return  # leaving the stream cancels the call: the scheduler aborts the request
-        if reason is not None:
-            text += stops.flush()
-        yield Delta(text, list(reply.token_ids), list(reply.logprobs), reason)
-        if reason is not None:
-            return
+    gen.record = record = RequestRecord(gen.request_id, len(gen.prompt_ids))
+    outcome: str | None = "abort"  # until recorded: the client went away (or the handler was cancelled)
+    try:
+        async for reply in _stream(req, gen, replicas):
+            if reply.num_prompt_tokens:
+                gen.cached_tokens = reply.num_cached_tokens
+            gen.completion_tokens += len(reply.token_ids)
+            record.tokens(len(reply.token_ids))
+            text = stops.feed(detok.add(list(reply.token_ids)))
+            reason = REASONS.get(reply.finish_reason)
+            if stops.stopped is not None:
+                record.done(gen.completion_tokens, "stop")  # before the last delta: callers stop reading there
+                outcome = None
+                yield Delta(text, list(reply.token_ids), list(reply.logprobs), "stop")
+                return  # leaving the stream cancels the call: the scheduler aborts the request
+            if reason is not None:
+                text += stops.flush()
+                record.done(gen.completion_tokens, reason)
+                outcome = None
+            yield Delta(text, list(reply.token_ids), list(reply.logprobs), reason)
+            if reason is not None:
+                return
+    except APIError as err:
+        outcome = "error" if err.status >= 500 else "rejected"
+        raise
+    finally:
+        if outcome is not None:
+            record.done(gen.completion_tokens, outcome)
 
 
 async def _stream(req: GenerateRequest, gen: Generation, replicas: ReplicaSet):
@@ -108,6 +124,8 @@ async def _stream(req: GenerateRequest, gen: Generation, replicas: ReplicaSet):
                 raise APIError(503, f"no replica can serve this request right now ({reasons})", code="unavailable",
                                retry_after=2)
             tried.add(replica.address)
+            if gen.record is not None:
+                gen.record.replica = replica.address
             call = replica.submit(gen.request_id, gen.prompt_ids, req.sampling)
             try:
                 async for reply in call:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router.observe import replica_state
+from stagemesh import telemetry
 from stagemesh.sampling_params import SamplingParams
 from stagemesh.service_options import aio_channel
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -77,9 +79,11 @@ class Replica:
 
     def _set_load(self, stats) -> None:
         self.num_running, self.num_waiting, self.dispatched = stats.num_running, stats.num_waiting, 0
+        replica_state(self.address, self.healthy, self.num_running, self.num_waiting)
 
     def _set_health(self, healthy: bool, reason: str) -> None:
         was, self.healthy, self.reason = self.healthy, healthy, reason
+        replica_state(self.address, healthy, self.num_running, self.num_waiting)
         if was != healthy:
             log.log(logging.INFO if healthy else logging.WARNING, "replica %s is now %s%s", self.address,
                     "healthy" if healthy else "UNHEALTHY", "" if healthy else f": {reason}")
@@ -88,7 +92,8 @@ class Replica:
         self.dispatched += 1
         request = scheduler_pb2.SubmitRequest(request_id=request_id, prompt_token_ids=prompt,
                                               sampling=sampling_to_pb(sampling))
-        return self.stub.Submit(request)  # streams as long as generation runs: no fixed deadline
+        # streams as long as generation runs: no fixed deadline; the trace context rides in the metadata
+        return self.stub.Submit(request, metadata=telemetry.inject() or None)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -64,6 +64,7 @@ async def _main(args: argparse.Namespace) -> int:
         Rendezvous(args.pipeline_parallel_size, args.block_size, identity), advertise, store.port)
     name = args.served_model_name or served_model_name(args.model, model_dir)
     server, port = await serve(SchedulerServicer(driver, name, str(model_dir), cfg.vocab_size), args.host, args.port)
+    driver.observer.replica = f"{advertise}:{port}"
     if args.port_file:
         with open(args.port_file, "w") as f:
             f.write(f"{port}\n")

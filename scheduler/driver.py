@@ -16,10 +16,14 @@ from typing import AsyncIterator
 
 import grpc
 
+from opentelemetry import trace
+
 from scheduler.config import SchedulerConfig
+from scheduler.observe import Observer
 from scheduler.rendezvous import PipelinePlan, Rendezvous, StageInfo
 from scheduler.request import RequestOutput
 from scheduler.scheduler import Scheduler, SchedulerOutput
+from stagemesh import telemetry
 from stagemesh.errors import StagemeshError
 from stagemesh.sampling_params import SamplingParams
 from stagemesh.service_options import aio_channel
@@ -58,6 +62,7 @@ class Driver:
         self.plan: PipelinePlan | None = None
         self.epoch = 0
         self.healthy = False
+        self.observer = Observer()
         self.reason = "waiting for stages to register"
         self.streams: dict[str, asyncio.Queue] = {}
         self._stubs: dict[str, stage_pb2_grpc.StageStub] = {}
@@ -68,11 +73,13 @@ class Driver:
         self._forming = asyncio.Lock()
 
     # -- requests -----------------------------------------------------------------
-    async def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
+                     trace_context=None) -> AsyncIterator[RequestOutput]:
         if not self.healthy or self.scheduler is None:
             raise Unavailable(f"the replica cannot serve: {self.reason}")
         queue: asyncio.Queue = asyncio.Queue()
         self.scheduler.add_request(request_id, prompt, sampling)
+        self.observer.submitted(request_id, len(prompt), trace_context)
         self.streams[request_id] = queue
         self._wake.set()
         try:
@@ -84,6 +91,7 @@ class Driver:
         finally:
             if self.streams.pop(request_id, None) is not None and self.scheduler is not None:
                 self.scheduler.abort([request_id])  # the caller went away: free its blocks now
+            self.observer.gone(request_id)
 
     def abort(self, request_ids: list[str]) -> int:
         if self.scheduler is None:
@@ -93,6 +101,7 @@ class Driver:
         return len(outputs)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        self.observer.outputs(outputs)
         for out in outputs:
             queue = self.streams.get(out.request_id)
             if queue is not None:
@@ -109,6 +118,9 @@ class Driver:
                 output = self.scheduler.schedule(max_seqs=max(share, 1))
                 if output is None:
                     break
+                preempted = list(self.scheduler.recent_preemptions)
+                self.scheduler.recent_preemptions.clear()
+                self.observer.scheduled(output.request_ids, preempted)
                 in_flight.add(asyncio.create_task(self._step(self.epoch, self.scheduler, output)))
             if not in_flight:
                 self._wake.clear()
@@ -123,19 +135,32 @@ class Driver:
 
     async def _step(self, epoch: int, scheduler: Scheduler, output: SchedulerOutput) -> None:
         start = time.perf_counter()
-        request = stage_pb2.ForwardRequest(epoch=epoch, step=step_to_pb(output.step_batch))
-        calls = [self._forward(stage, request) for stage in self.plan.stages]
-        replies = await asyncio.gather(*calls)
+        batch = output.step_batch
+        span, links = self.observer.start_step(batch.step_id, output.request_ids, batch.num_tokens)
+        request = stage_pb2.ForwardRequest(epoch=epoch, step=step_to_pb(batch), trace_links=links)
+        metadata = telemetry.inject(trace.set_span_in_context(span)) if span is not None else None
+        calls = [self._forward(stage, request, metadata) for stage in self.plan.stages]
+        try:
+            replies = await asyncio.gather(*calls)
+        except StageFailure as err:
+            if span is not None:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)))
+                span.end()
+            raise
         if epoch == self.epoch and scheduler is self.scheduler:
             self.num_steps += 1
-            self.step_seconds += time.perf_counter() - start
-            self.compute_seconds += sum(r.compute_seconds for r in replies)
+            seconds, compute = time.perf_counter() - start, sum(r.compute_seconds for r in replies)
+            self.step_seconds += seconds
+            self.compute_seconds += compute
             sampled = [sampled_from_pb(t) for t in replies[-1].sampled]
             self._dispatch(scheduler.update_from_output(output, sampled))
+            self.observer.end_step(span, seconds, compute, scheduler.stats())
+        elif span is not None:
+            span.end()
 
-    async def _forward(self, stage: StageInfo, request) -> stage_pb2.ForwardResponse:
+    async def _forward(self, stage: StageInfo, request, metadata=None) -> stage_pb2.ForwardResponse:
         try:
-            return await self._stub(stage).Forward(request, timeout=self.cfg.forward_timeout_s)
+            return await self._stub(stage).Forward(request, timeout=self.cfg.forward_timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as err:
             raise StageFailure(stage, f"{err.code().name}: {err.details()}") from None
 

@@ -58,6 +58,8 @@ class Scheduler:
         self._finished_seq_ids: list[int] = []
         self._seq_ids = itertools.count()
         self._step_ids = itertools.count()
+        # ids of preempted requests, for tracing; the driver drains it
+        self.recent_preemptions: deque[str] = deque(maxlen=4096)
         self.num_preemptions = 0
 
     # -- requests in and out ------------------------------------------------
@@ -192,6 +194,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.recent_preemptions.append(request.request_id)
         self.waiting.appendleft(request)
 
     def update_from_output(self, output: SchedulerOutput, sampled: list[SampledToken]) -> list[RequestOutput]:

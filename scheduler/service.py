@@ -10,6 +10,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from scheduler.driver import Driver, Unavailable
 from scheduler.rendezvous import ModelIdentity, StageInfo
 from scheduler.scheduler import QueueFull
+from stagemesh import telemetry
 from stagemesh.errors import StagemeshError
 from stagemesh.health import follow
 from stagemesh.service_options import add_port
@@ -30,7 +31,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Submit(self, request, context):
         try:
             stream = self.driver.submit(request.request_id, list(request.prompt_token_ids),
-                                        sampling_from_pb(request.sampling))
+                                        sampling_from_pb(request.sampling),
+                                        telemetry.extract(context.invocation_metadata()))
             first = True
             async for out in stream:
                 if out.finish_reason == "error":

@@ -10,6 +10,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from stagemesh.errors import StagemeshError
 from stagemesh.service_options import add_port
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+from stage_worker.observe import ForwardObserver
 from stage_worker.worker import StageWorker
 
 log = logging.getLogger("stagemesh.stage")
@@ -19,6 +20,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     def __init__(self, worker: StageWorker, address: str):
         self.worker = worker
         self.address = address
+        c = worker.cfg
+        self.observer = ForwardObserver(c.stage_index, c.layer_start, c.layer_end, c.tp_size, c.handoff)
 
     def describe(self) -> stage_pb2.StageDescription:
         w, c, cfg = self.worker, self.worker.cfg, self.worker.runner.config
@@ -39,7 +42,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return _call(context, lambda: self.worker.join(request), stage_pb2.JoinPipelineResponse())
 
     def Forward(self, request, context):
-        return _call(context, lambda: self.worker.forward(request))
+        span, start = self.observer.start(request, context.invocation_metadata())
+        reply, error = None, "failed"
+        try:
+            reply = _call(context, lambda: self.worker.forward(request))
+            error = None
+            return reply
+        finally:
+            self.observer.end(span, start, request, reply, error)
 
     def PushActivations(self, request, context):
         return _call(context, lambda: self.worker.deliver(request), stage_pb2.PushActivationsResponse())

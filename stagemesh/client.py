@@ -53,6 +53,18 @@ def _chat_request(messages: list[dict], model: str, stop, max_tokens, kw) -> fro
     return msg
 
 
+def _credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials | None:
+    """TLS to a router started with --tls-cert/--tls-key: verify it with ``ca``; ``cert``/``key`` for mutual TLS."""
+    if ca is None and cert is None:
+        return None
+    from stagemesh.service_options import TLSConfig, channel_credentials
+
+    def read(path: str | None) -> bytes | None:
+        return None if path is None else open(path, "rb").read()
+
+    return channel_credentials(TLSConfig(read(cert), read(key), read(ca)))
+
+
 def _fold(done: Completion, reply: frontend_pb2.GenerateResponse) -> Completion:
     done.text += reply.text
     done.token_ids.extend(reply.token_ids)
@@ -65,27 +77,32 @@ def _fold(done: Completion, reply: frontend_pb2.GenerateResponse) -> Completion:
 class Client:
     """Blocking client. generate()/chat() return a Completion, or with stream=True an iterator of deltas."""
 
-    def __init__(self, target: str = "127.0.0.1:50050", model: str = "", timeout: float | None = 300.0):
-        self.channel = grpc.insecure_channel(target)
+    def __init__(self, target: str = "127.0.0.1:50050", model: str = "", timeout: float | None = 300.0,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 api_key: str | None = None):
+        creds = _credentials(tls_ca, tls_cert, tls_key)
+        self.channel = grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)
         self.stub = frontend_pb2_grpc.FrontendStub(self.channel)
         self.model, self.timeout = model, timeout
+        metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        self._long, self._short = {"timeout": timeout, "metadata": metadata}, {"timeout": 30, "metadata": metadata}
 
     def generate(self, prompt: str | list[int], *, max_tokens: int | None = None, stop=None, stream: bool = False,
                  **sampling) -> Completion | Iterator[frontend_pb2.GenerateResponse]:
         replies = self.stub.Generate(_generate_request(prompt, self.model, stop, max_tokens, sampling),
-                                     timeout=self.timeout)
+                                     **self._long)
         return replies if stream else _collect(replies)
 
     def chat(self, messages: list[dict], *, max_tokens: int | None = None, stop=None, stream: bool = False,
              **sampling) -> Completion | Iterator[frontend_pb2.GenerateResponse]:
-        replies = self.stub.Chat(_chat_request(messages, self.model, stop, max_tokens, sampling), timeout=self.timeout)
+        replies = self.stub.Chat(_chat_request(messages, self.model, stop, max_tokens, sampling), **self._long)
         return replies if stream else _collect(replies)
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self.stub.Tokenize(frontend_pb2.TokenizeRequest(text=text), timeout=30).token_ids)
+        return list(self.stub.Tokenize(frontend_pb2.TokenizeRequest(text=text), **self._short).token_ids)
 
     def models(self) -> list[str]:
-        return list(self.stub.ListModels(frontend_pb2.ListModelsRequest(), timeout=30).models)
+        return list(self.stub.ListModels(frontend_pb2.ListModelsRequest(), **self._short).models)
 
     def close(self) -> None:
         self.channel.close()
@@ -107,25 +124,30 @@ def _collect(replies) -> Completion:
 class AsyncClient:
     """asyncio client with the same methods as Client (awaitable, or async iterators with stream=True)."""
 
-    def __init__(self, target: str = "127.0.0.1:50050", model: str = "", timeout: float | None = 300.0):
-        self.channel = grpc.aio.insecure_channel(target)
+    def __init__(self, target: str = "127.0.0.1:50050", model: str = "", timeout: float | None = 300.0,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 api_key: str | None = None):
+        creds = _credentials(tls_ca, tls_cert, tls_key)
+        self.channel = grpc.aio.secure_channel(target, creds) if creds else grpc.aio.insecure_channel(target)
         self.stub = frontend_pb2_grpc.FrontendStub(self.channel)
         self.model, self.timeout = model, timeout
+        metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        self._long, self._short = {"timeout": timeout, "metadata": metadata}, {"timeout": 30, "metadata": metadata}
 
     def generate(self, prompt, *, max_tokens=None, stop=None, stream=False, **sampling):
         call = self.stub.Generate(_generate_request(prompt, self.model, stop, max_tokens, sampling),
-                                  timeout=self.timeout)
+                                  **self._long)
         return call if stream else _acollect(call)
 
     def chat(self, messages, *, max_tokens=None, stop=None, stream=False, **sampling):
-        call = self.stub.Chat(_chat_request(messages, self.model, stop, max_tokens, sampling), timeout=self.timeout)
+        call = self.stub.Chat(_chat_request(messages, self.model, stop, max_tokens, sampling), **self._long)
         return call if stream else _acollect(call)
 
     async def tokenize(self, text: str) -> list[int]:
-        return list((await self.stub.Tokenize(frontend_pb2.TokenizeRequest(text=text), timeout=30)).token_ids)
+        return list((await self.stub.Tokenize(frontend_pb2.TokenizeRequest(text=text), **self._short)).token_ids)
 
     async def models(self) -> list[str]:
-        return list((await self.stub.ListModels(frontend_pb2.ListModelsRequest(), timeout=30)).models)
+        return list((await self.stub.ListModels(frontend_pb2.ListModelsRequest(), **self._short)).models)
 
     async def close(self) -> None:
         await self.channel.close()

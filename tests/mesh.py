@@ -29,11 +29,12 @@ class Mesh:
 
     def __init__(self, model_dir: Path, split: list[int], tp: list[int] | None = None, handoff: str = "grpc",
                  scheduler_args: tuple[str, ...] = (), stage_args: tuple[str, ...] = (), log_dir: Path | None = None,
-                 per_stage_args: dict[int, list[str]] | None = None):
+                 per_stage_args: dict[int, list[str]] | None = None, credentials=None):
         self.model_dir, self.split, self.handoff = str(model_dir), split, handoff
         self.tp = tp or [1] * len(split)
         self.scheduler_args, self.stage_args = list(scheduler_args), list(stage_args)
         self.per_stage_args = per_stage_args or {}
+        self.credentials = credentials  # grpc.ChannelCredentials when the services run with TLS
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_dir = log_dir
@@ -68,7 +69,8 @@ class Mesh:
                                      "scheduler")
         for i in range(len(self.split)):
             self.start_stage(i)
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = (grpc.secure_channel(self.address, self.credentials) if self.credentials
+                        else grpc.insecure_channel(self.address))
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.wait_healthy()
         return self

@@ -318,18 +318,26 @@ class ForwardRequest(_message.Message):
 
     EPOCH_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
+    TRACE_LINKS_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     @_builtins.property
     def step(self) -> Global___StepBatch: ...
+    @_builtins.property
+    def trace_links(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """W3C traceparent of each request in the step, for the links of the stage's
+        forward span; empty when tracing is off.
+        """
+
     def __init__(
         self,
         *,
         epoch: _builtins.int = ...,
         step: Global___StepBatch | None = ...,
+        trace_links: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "step", b"step", "trace_links", b"trace_links"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

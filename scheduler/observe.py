@@ -1,0 +1,178 @@
+"""What the scheduler tells the outside: Prometheus metrics, request and step spans, request logs.
+
+The driver calls the hooks; the core scheduler stays free of them. Metric
+names follow vLLM's with a ``stagemesh:`` prefix. Each request gets a span
+(child of the router's, from the gRPC metadata) with events queued /
+scheduled / first_token / preempted / finished. Each step gets a span whose
+parent is the span of the first request in it and which links to the rest,
+so a request's trace holds the steps that served it (OpenTelemetry's pattern
+for batches).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+from prometheus_client import Counter, Gauge, Histogram
+
+from scheduler.request import RequestOutput
+from stagemesh import telemetry
+
+log = logging.getLogger("stagemesh.scheduler")
+
+_LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+RUNNING = Gauge("stagemesh:num_requests_running", "Requests in the running batch")
+WAITING = Gauge("stagemesh:num_requests_waiting", "Requests waiting to be scheduled")
+KV_USAGE = Gauge("stagemesh:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%)")
+PREFIX_QUERIES = Counter("stagemesh:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+PREFIX_HITS = Counter("stagemesh:prefix_cache_hits", "Prompt tokens found in the prefix cache")
+PREEMPTIONS = Counter("stagemesh:num_preemptions", "Requests preempted (recomputed later)")
+PROMPT_TOKENS = Counter("stagemesh:prompt_tokens", "Prompt tokens of finished requests")
+GENERATION_TOKENS = Counter("stagemesh:generation_tokens", "Generated tokens")
+SUCCESS = Counter("stagemesh:request_success", "Finished requests", ["finished_reason"])
+TTFT = Histogram("stagemesh:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY)
+ITL = Histogram("stagemesh:inter_token_latency_seconds", "Time between two output tokens", buckets=_ITL)
+E2E = Histogram("stagemesh:e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY)
+QUEUE = Histogram("stagemesh:request_queue_time_seconds", "Arrival to first scheduling", buckets=_LATENCY)
+STEP = Histogram("stagemesh:scheduler_step_seconds", "One micro-batch through every stage", buckets=_ITL)
+STEP_COMPUTE = Histogram("stagemesh:stage_compute_seconds", "Model time of one micro-batch, summed over stages",
+                         buckets=_ITL)
+
+
+@dataclass
+class _Tracked:
+    arrival: float
+    num_prompt: int
+    span: trace.Span | None
+    traceparent: str = ""
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    num_output: int = 0
+    num_cached: int = 0
+    preemptions: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Observer:
+    def __init__(self, replica: str = ""):
+        self.replica = replica
+        self.requests: dict[str, _Tracked] = {}
+        self._prefix = (0, 0)
+
+    # -- requests -------------------------------------------------------------
+    def submitted(self, request_id: str, num_prompt: int, parent_ctx=None) -> None:
+        span = None
+        if telemetry.enabled():
+            span = telemetry.tracer().start_span(
+                "stagemesh.request", context=parent_ctx, kind=trace.SpanKind.SERVER,
+                attributes={"stagemesh.request_id": request_id, "gen_ai.usage.input_tokens": num_prompt,
+                            "stagemesh.replica": self.replica})
+            span.add_event("queued")
+        tracked = _Tracked(time.monotonic(), num_prompt, span)
+        tracked.traceparent = telemetry.traceparent(span)
+        self.requests[request_id] = tracked
+
+    def scheduled(self, request_ids: list[str], preempted: list[str]) -> None:
+        now = time.monotonic()
+        if preempted:
+            PREEMPTIONS.inc(len(preempted))
+        for request_id in preempted:
+            t = self.requests.get(request_id)
+            if t is not None:
+                t.preemptions += 1
+                if t.span is not None:
+                    t.span.add_event("preempted")
+        for request_id in request_ids:
+            t = self.requests.get(request_id)
+            if t is not None and t.scheduled is None:
+                t.scheduled = now
+                QUEUE.observe(now - t.arrival)
+                if t.span is not None:
+                    t.span.add_event("scheduled")
+
+    def outputs(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            t = self.requests.get(out.request_id)
+            if t is None:
+                continue
+            if out.new_token_ids:
+                GENERATION_TOKENS.inc(len(out.new_token_ids))
+                t.num_output += len(out.new_token_ids)
+                if t.first_token is None:
+                    t.first_token, t.num_cached = now, out.num_cached_tokens
+                    TTFT.observe(now - t.arrival)
+                    if t.span is not None:
+                        t.span.add_event("first_token")
+                else:
+                    ITL.observe(now - t.last_token)
+                t.last_token = now
+            if out.finished:
+                self._finish(out, t, now)
+
+    def _finish(self, out: RequestOutput, t: _Tracked, now: float) -> None:
+        del self.requests[out.request_id]
+        reason = out.finish_reason
+        PROMPT_TOKENS.inc(t.num_prompt)
+        SUCCESS.labels(reason).inc()
+        E2E.observe(now - t.arrival)
+        ttft = (t.first_token - t.arrival) if t.first_token is not None else None
+        fields = {"request_id": out.request_id, "replica": self.replica, "prompt_tokens": t.num_prompt,
+                  "output_tokens": t.num_output, "cached_tokens": t.num_cached,
+                  "ttft_s": round(ttft, 4) if ttft is not None else None, "total_s": round(now - t.arrival, 4),
+                  "finish_reason": reason, "preemptions": t.preemptions}
+        if t.span is not None:
+            t.span.add_event("finished", {"finish_reason": reason})
+            t.span.set_attributes({"gen_ai.usage.output_tokens": t.num_output, "stagemesh.finish_reason": reason,
+                                   "stagemesh.cached_tokens": t.num_cached, "stagemesh.preemptions": t.preemptions})
+            if reason == "error":
+                t.span.set_status(trace.Status(trace.StatusCode.ERROR, out.error or "error"))
+            t.span.end()
+        log.info("request %s finished: %s, %d prompt + %d output tokens, TTFT %s, total %.3fs",
+                 out.request_id, reason, t.num_prompt, t.num_output, f"{ttft:.3f}s" if ttft is not None else "-",
+                 now - t.arrival, extra={"fields": fields})
+
+    def gone(self, request_id: str) -> None:
+        """The caller went away without a finished output (the stream was cancelled)."""
+        t = self.requests.pop(request_id, None)
+        if t is not None and t.span is not None:
+            t.span.add_event("finished", {"finish_reason": "abort"})
+            t.span.end()
+
+    # -- steps ------------------------------------------------------------------
+    def start_step(self, step_id: int, request_ids: list[str], num_tokens: int):
+        """A span for one micro-batch (None when tracing is off) and the request links for the stages."""
+        if not telemetry.enabled():
+            return None, []
+        parents = [self.requests[r].traceparent for r in request_ids if r in self.requests]
+        parents = [p for p in parents if p]
+        if not parents:
+            return None, []
+        links = [link for link in map(telemetry.link_from, parents[1:]) if link is not None]
+        span = telemetry.tracer().start_span(
+            "stagemesh.scheduler.step", context=telemetry.context_from(parents[0]), links=links,
+            attributes={"stagemesh.step_id": step_id, "stagemesh.num_sequences": len(request_ids),
+                        "stagemesh.num_tokens": num_tokens})
+        return span, parents
+
+    def end_step(self, span, seconds: float, compute_seconds: float, stats) -> None:
+        STEP.observe(seconds)
+        STEP_COMPUTE.observe(compute_seconds)
+        if span is not None:
+            span.end()
+        if stats is not None:
+            RUNNING.set(stats.num_running)
+            WAITING.set(stats.num_waiting)
+            KV_USAGE.set(stats.kv_cache_usage)
+            queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+            if queries < self._prefix[0]:  # a new epoch's scheduler counts from zero
+                self._prefix = (0, 0)
+            PREFIX_QUERIES.inc(queries - self._prefix[0])
+            PREFIX_HITS.inc(max(hits - self._prefix[1], 0))
+            self._prefix = (queries, hits)
+

@@ -1,0 +1,70 @@
+"""A stage's metrics and its span per forward of a micro-batch.
+
+The span's parent is the scheduler's step span (W3C context in the gRPC
+metadata) and it links to the span of every request in the micro-batch
+(``ForwardRequest.trace_links``).
+"""
+from __future__ import annotations
+
+import time
+
+from opentelemetry import trace
+from prometheus_client import Counter, Histogram
+
+from stagemesh import telemetry
+
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+FORWARD = Histogram("stagemesh:stage_forward_seconds", "One micro-batch through this stage (RPC to reply)",
+                    ["stage"], buckets=_SECONDS)
+COMPUTE = Histogram("stagemesh:stage_compute_seconds", "Model time of one micro-batch in this stage", ["stage"],
+                    buckets=_SECONDS)
+HANDOFF_WAIT = Histogram("stagemesh:stage_handoff_wait_seconds", "Waiting for the previous stage's activations",
+                         ["stage"], buckets=_SECONDS)
+HANDOFF_BYTES = Counter("stagemesh:stage_handoff_bytes", "Activation bytes sent to the next stage", ["stage"])
+TOKENS = Counter("stagemesh:stage_tokens", "Tokens through this stage", ["stage"])
+STEPS = Counter("stagemesh:stage_steps", "Micro-batches through this stage", ["stage"])
+
+
+class ForwardObserver:
+    def __init__(self, stage_index: int, layer_start: int, layer_end: int, tp_size: int, handoff: str):
+        label = str(stage_index)
+        self._metrics = (FORWARD.labels(label), COMPUTE.labels(label), HANDOFF_WAIT.labels(label),
+                         HANDOFF_BYTES.labels(label), TOKENS.labels(label), STEPS.labels(label))
+        self._attributes = {"stagemesh.stage.index": stage_index, "stagemesh.stage.layer_start": layer_start,
+                            "stagemesh.stage.layer_end": layer_end, "stagemesh.stage.tp_size": tp_size,
+                            "stagemesh.stage.handoff": handoff}
+
+    def start(self, request, metadata):
+        """(span or None, start time) for one Forward."""
+        span = None
+        if telemetry.enabled():
+            parent = telemetry.extract(metadata)
+            if parent is not None:
+                links = [link for link in map(telemetry.link_from, request.trace_links) if link is not None]
+                step = request.step
+                span = telemetry.tracer().start_span(
+                    "stagemesh.stage.forward", context=parent, links=links, kind=trace.SpanKind.SERVER,
+                    attributes={**self._attributes, "stagemesh.step_id": step.step_id,
+                                "stagemesh.num_sequences": len(step.chunks),
+                                "stagemesh.num_tokens": sum(len(c.token_ids) for c in step.chunks)})
+        return span, time.perf_counter()
+
+    def end(self, span, start: float, request, reply, error: str | None = None) -> None:
+        forward, compute, wait, sent, tokens, steps = self._metrics
+        forward.observe(time.perf_counter() - start)
+        if reply is not None:
+            compute.observe(reply.compute_seconds)
+            wait.observe(reply.handoff_wait_seconds)
+            sent.inc(reply.handoff_bytes)
+            tokens.inc(sum(len(c.token_ids) for c in request.step.chunks))
+            steps.inc()
+        if span is None:
+            return
+        if reply is not None:
+            span.set_attributes({"stagemesh.handoff.bytes": reply.handoff_bytes,
+                                 "stagemesh.handoff.wait_seconds": reply.handoff_wait_seconds,
+                                 "stagemesh.compute_seconds": reply.compute_seconds})
+        if error is not None:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+        span.end()
