@@ -3,6 +3,8 @@ stagemesh's stage runner (all 32 layers, Triton kernels) against transformers on
 and against the memory roofline (weight bytes per step / measured copy bandwidth).
 
     python benchmarks/bench_decode_gpu.py [--batch 1 16 64 256] [--prompt 128] [--tokens 64]
+
+Decode steps replay CUDA graphs; the same steps run eagerly (--enforce-eager) are printed beside them.
 """
 from __future__ import annotations
 
@@ -89,6 +91,9 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s (read + write); Llama-3.1-8B shape, "
           f"bf16, {weight_bytes / 1e9:.1f} GB read per step: roofline {roofline * 1e3:.2f} ms/step")
     ours = {b: stagemesh_decode(runner, b, a.prompt, a.tokens) for b in a.batch}
+    runner.use_cuda_graphs, runner.graphs = False, None
+    runner.kv_caches = []  # reallocate without graphs
+    eager = {b: stagemesh_decode(runner, b, a.prompt, a.tokens) for b in a.batch}
     theirs = {}
     if not a.no_transformers:
         del runner
@@ -97,11 +102,11 @@ def main() -> None:
 
         hf = LlamaForCausalLM(LlamaConfig.from_json_file(str(CONFIG))).to(device="cuda", dtype=torch.bfloat16).eval()
         theirs = {b: transformers_decode(hf, b, a.prompt, a.tokens) for b in a.batch}
-    print(f"{'batch':>6} {'stagemesh ms/step':>18} {'tok/s':>9} {'transformers ms/step':>21} {'ratio':>6} "
-          f"{'of roofline':>12}")
+    print(f"{'batch':>6} {'stagemesh ms/step':>18} {'tok/s':>9} {'eager ms/step':>14} {'transformers ms/step':>21} "
+          f"{'ratio':>6} {'of roofline':>12}")
     for b in a.batch:
         t = theirs.get(b)
-        print(f"{b:>6} {ours[b] * 1e3:>18.2f} {b / ours[b]:>9.0f} {(t or 0) * 1e3:>21.2f} "
+        print(f"{b:>6} {ours[b] * 1e3:>18.2f} {b / ours[b]:>9.0f} {eager[b] * 1e3:>14.2f} {(t or 0) * 1e3:>21.2f} "
               f"{(t / ours[b]) if t else 0:>6.2f} {roofline / ours[b]:>12.2f}")
 
 

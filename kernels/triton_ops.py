@@ -34,10 +34,11 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_k
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs = tl.arange(0, D_PAD)
     mask = offs < D
-    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs, mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs, mask=mask)
-    tl.store(kc_ptr + slot * stride_slot + h * stride_ch + offs, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc_ptr + slot * stride_slot + h * stride_ch + offs, v.to(vc_ptr.dtype.element_ty), mask=mask)
+    if slot >= 0:  # slot -1: a padding row (CUDA-graph batches), nothing to write
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs, mask=mask)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs, mask=mask)
+        tl.store(kc_ptr + slot * stride_slot + h * stride_ch + offs, k.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_ptr + slot * stride_slot + h * stride_ch + offs, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -92,39 +93,43 @@ def rms_norm(x, weight, eps, residual=None):
 
 # -- rotary embedding (rotate-half layout) ----------------------------------------------------------------
 @triton.jit
-def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cs_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_cs,
-                   HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cs_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                   stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs, QH, HALF: tl.constexpr,
+                   HALF_PAD: tl.constexpr):
+    """One program per (token, head) over q's heads and then k's: both in one launch."""
     t = tl.program_id(0)
     h = tl.program_id(1)
+    if h < QH:
+        base = q_ptr + t * stride_qt + h * stride_qh
+        out = qo_ptr + t * stride_qot + h * stride_qoh
+    else:
+        base = k_ptr + t * stride_kt + (h - QH) * stride_kh
+        out = ko_ptr + t * stride_kot + (h - QH) * stride_koh
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs = tl.arange(0, HALF_PAD)
     mask = offs < HALF
     cos = tl.load(cs_ptr + pos * stride_cs + offs, mask=mask)
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs, mask=mask)
-    base = x_ptr + t * stride_xt + h * stride_xh
     x1 = tl.load(base + offs, mask=mask).to(tl.float32)
     x2 = tl.load(base + HALF + offs, mask=mask).to(tl.float32)
-    out = out_ptr + t * stride_ot + h * stride_oh
-    tl.store(out + offs, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out + HALF + offs, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _rotate(x, positions, cos_sin_cache):
-    tokens, heads, d = x.shape
-    out = torch.empty((tokens, heads, d), dtype=x.dtype, device=x.device)
-    if tokens:
-        _rotary_kernel[(tokens, heads)](x, out, positions, cos_sin_cache, x.stride(0), x.stride(1), out.stride(0),
-                                        out.stride(1), cos_sin_cache.stride(0), HALF=d // 2,
-                                        HALF_PAD=triton.next_power_of_2(d // 2))
-    return out
+    tl.store(out + offs, (x1 * cos - x2 * sin).to(out.dtype.element_ty), mask=mask)
+    tl.store(out + HALF + offs, (x2 * cos + x1 * sin).to(out.dtype.element_ty), mask=mask)
 
 
 def apply_rotary(q, k, positions, cos_sin_cache):
-    d = q.shape[-1]
+    tokens, q_heads, d = q.shape
     _check_head_dim(d)
+    _check(k.shape[0] == tokens and k.shape[2] == d, "q and k must have the same tokens and head_dim")
     _check(cos_sin_cache.shape[-1] == d and cos_sin_cache.is_contiguous(), "cos_sin_cache must be [positions, head_dim]")
     _check(q.stride(-1) == 1 and k.stride(-1) == 1, "q and k must be contiguous in the last dim")
-    return _rotate(q, positions, cos_sin_cache), _rotate(k, positions, cos_sin_cache)
+    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
+                                                                                      device=k.device)
+    if tokens:
+        _rotary_kernel[(tokens, q_heads + k.shape[1])](
+            q, k, q_out, k_out, positions, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0), q_heads,
+            HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2))
+    return q_out, k_out
 
 
 # -- SiLU and mul ---------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (as vLLM)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     p.add_argument("--cpu-affinity", default=None, metavar="CPUS", help="pin the stage (and followers) to these "
                                                                         "cores, e.g. 0 or 0,1")
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     worker = StageWorker(StageConfig(str(model_dir), args.stage_index, start, end, args.tensor_parallel_size,
                                      args.device, args.dtype, args.block_size, args.handoff, args.kv_cache_memory,
-                                     args.gpu_memory_utilization, args.threads))
+                                     args.gpu_memory_utilization, args.threads, args.enforce_eager))
     servicer = StageServicer(worker, "")
     server, port, _ = start_server(servicer, args.host, args.port)
     servicer.address = f"{args.advertise_host or args.host}:{port}"

@@ -53,7 +53,8 @@ def resolve_dtype(cfg: ModelConfig, dtype: torch.dtype | str | None, device: str
 class StageRunner:
     def __init__(self, model_dir: str | Path | None, layer_start: int, layer_end: int, *, tp_rank: int = 0,
                  tp_size: int = 1, tp_group=None, device: str = "cpu", dtype: torch.dtype | str | None = None,
-                 block_size: int = 16, load: bool = True, config: ModelConfig | None = None):
+                 block_size: int = 16, load: bool = True, config: ModelConfig | None = None,
+                 cuda_graphs: bool = True, max_graph_batch: int = 256):
         self.config = cfg = config or ModelConfig.from_path(model_dir)
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise StagemeshError(f"{cfg.model_type} is a mixture-of-experts model, which the stage workers do not "
@@ -76,6 +77,10 @@ class StageRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables: dict[int, list[int]] = {}
         self.sampler = Sampler(device=self.device) if self.is_last_stage else None
+        # decode steps replay CUDA graphs (TP=1 on CUDA; TP>1 and CPU run eagerly: see stage_worker/cuda_graphs.py)
+        self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and tp_size == 1
+        self.max_graph_batch = max_graph_batch
+        self.graphs = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -86,8 +91,13 @@ class StageRunner:
         return self.model.is_last
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.graphs = None
         self.kv_caches = allocate_kv_cache(len(self.model.layers), num_blocks, self.block_size, self.num_kv_heads,
                                            self.config.head_dim, self.dtype, self.device)
+        if self.use_cuda_graphs:
+            from stage_worker.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, num_blocks, self.block_size, self.max_graph_batch)
 
     def reset(self, num_kv_blocks: int) -> None:
         """A new pipeline epoch: forget every sequence; (re)allocate the cache if its size changed."""
@@ -105,12 +115,21 @@ class StageRunner:
         if not batch.chunks:
             return StageOutput()
         input_ids, meta, sample_rows, sample_ids = self._prepare(batch)
-        hidden = self.model(input_ids, hidden_states, meta, self.kv_caches)
-        if not self.is_last_stage:
-            return StageOutput(hidden_states=hidden)
+        graphs, num_tokens = self.graphs, meta.positions.shape[0]
+        if graphs is not None and graphs.can_run(len(batch.chunks), num_tokens, meta.block_tables.shape[1]):
+            out = graphs.run(input_ids, hidden_states, meta)  # the next replay reuses this buffer: copy what is kept
+            if not self.is_last_stage:
+                return StageOutput(hidden_states=out.clone())
+            logits = out if len(sample_rows) == num_tokens else out[sample_rows]
+            if return_logits:
+                logits = logits.clone()
+        else:
+            hidden = self.model(input_ids, hidden_states, meta, self.kv_caches)
+            if not self.is_last_stage:
+                return StageOutput(hidden_states=hidden)
+            logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None
         if not sample_rows:
             return StageOutput()
-        logits = self.model.compute_logits(hidden[sample_rows])
         sampled = self.sampler.sample(logits, sample_ids) if self.tp.rank == 0 else []
         return StageOutput(sampled=sampled, logits=logits if return_logits else None)
 

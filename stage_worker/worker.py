@@ -43,6 +43,7 @@ class StageConfig:
     kv_cache_memory: int | None = None  # bytes; None: from gpu_memory_utilization (CUDA) or 512 MiB (CPU)
     gpu_memory_utilization: float = 0.9
     threads: int = 0
+    enforce_eager: bool = False  # no CUDA graphs
 
 
 class StageWorker:
@@ -52,7 +53,8 @@ class StageWorker:
         self.cfg = cfg
         device = "cuda:0" if cfg.device == "cuda" else cfg.device
         self.runner = StageRunner(cfg.model_dir, cfg.layer_start, cfg.layer_end, tp_rank=0, tp_size=cfg.tp_size,
-                                  device=device, dtype=cfg.dtype, block_size=cfg.block_size)
+                                  device=device, dtype=cfg.dtype, block_size=cfg.block_size,
+                                  cuda_graphs=not cfg.enforce_eager)
         self.followers = [self._start_follower(t) for t in range(1, cfg.tp_size)]
         for t, proc in enumerate(self.followers, start=1):
             if proc.stdout.readline().strip() != b"ready":

@@ -47,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per stage")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true", help="stages run decode steps without CUDA graphs")
     p.add_argument("--threads", type=int, default=0, help="torch threads per stage process (0: cores / processes)")
     add_service_arguments(p)  # --metrics-port P: scheduler of replica r on P + r*(PP+1), its stages next
 
@@ -97,6 +98,7 @@ def plan_commands(args: argparse.Namespace, model_dir: str, num_layers: int, cud
             argv = ["stage", model_dir, "--scheduler", replicas[-1], "--stage-index", str(i), "--layers", f"{a}:{b}",
                     "--tensor-parallel-size", str(tp), "--handoff", args.handoff, "--device", device,
                     "--threads", str(threads), *_service(args, r * (pp + 1) + 1 + i),
+                    *(["--enforce-eager"] if args.enforce_eager else []),
                     *_flags(args, ("dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization"))]
             children.append((f"stage[{r}.{i}]", argv, env))
     if importlib.util.find_spec("router.cli") is not None:

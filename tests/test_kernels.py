@@ -82,6 +82,12 @@ def test_write_kv_cache_by_slot_mapping():
     triton_ops.write_kv_cache(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert torch.equal(caches[0].view(-1, 2, 64)[47], k[3])
+    # slot -1 marks a padding row (CUDA-graph batches): nothing is written for it
+    padded = torch.tensor([5, -1, -1, 20, -1], dtype=torch.int64, device=DEVICE)
+    kc, vc = torch.zeros(3, 16, 2, 64, device=DEVICE), torch.zeros(3, 16, 2, 64, device=DEVICE)
+    triton_ops.write_kv_cache(k, v, kc, vc, padded)
+    assert torch.equal(kc.view(-1, 2, 64)[5], k[0]) and torch.equal(vc.view(-1, 2, 64)[20], v[3])
+    assert int((kc.view(-1, 2, 64).abs().sum((1, 2)) > 0).sum()) == 2
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
