@@ -1,0 +1,1 @@
+"""`stagemesh bench`: a serving benchmark client (workload, load, backends, report, transformers baseline)."""

@@ -1,0 +1,161 @@
+"""`stagemesh bench`: drive a running router with a workload and report what it measured.
+
+    stagemesh bench --num-prompts 32 --input-len-range 16:256 --output-len-range 16:128 [--baseline transformers]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+
+from stagemesh.errors import StagemeshError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=("openai", "grpc"), default="openai", help="HTTP gateway or gRPC frontend")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the router's HTTP address")
+    p.add_argument("--grpc-target", default="127.0.0.1:50050", help="the router's gRPC frontend")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's)")
+    p.add_argument("--model-path", default=None, help="model directory for the tokenizer and the baseline "
+                                                      "(default: the embedded model)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--dataset", default=None, metavar="FILE.jsonl", help="requests from a file instead of "
+                                                                          "synthetic prompts")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len-range", default="16:256", metavar="A:B", help="prompt tokens (synthetic)")
+    p.add_argument("--output-len-range", default="16:128", metavar="A:B", help="output tokens (ignore_eos)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson arrivals "
+                                                                        "(default inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--baseline", choices=("transformers",), default=None,
+                   help="also run the workload through transformers' generate and print the ratio")
+    p.add_argument("--baseline-batch-size", type=int, default=16)
+    p.add_argument("--baseline-only", action="store_true", help="measure the baseline alone (no server)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON ('-': stdout)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--timeout", type=float, default=600, help="deadline of one request, seconds")
+
+
+def build_workload(args: argparse.Namespace, model_dir) -> list:
+    from stagemesh.bench.workload import load_jsonl, parse_range, synthetic
+
+    if args.dataset:
+        return load_jsonl(args.dataset, parse_range(args.output_len_range, "--output-len-range")[1])[:args.num_prompts]
+    if args.num_prompts < 1:
+        raise StagemeshError("--num-prompts must be at least 1")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return synthetic(len(tokenizer), set(tokenizer.all_special_ids), args.num_prompts,
+                     parse_range(args.input_len_range, "--input-len-range"),
+                     parse_range(args.output_len_range, "--output-len-range"), args.seed)
+
+
+async def drive(backend, requests: list, rate: float, max_concurrency: int | None, seed: int,
+                progress: bool) -> tuple[list, float]:
+    """Send every request (Poisson arrivals at `rate`, at most `max_concurrency` at once); results in order."""
+    from tqdm import tqdm
+
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress, file=sys.stderr)
+
+    async def one(req):
+        if limit is None:
+            result = await backend.send(req)
+        else:
+            async with limit:
+                result = await backend.send(req)
+        bar.update(1)
+        return result
+
+    start = time.perf_counter()
+    tasks = []
+    for req in requests:
+        tasks.append(asyncio.create_task(one(req)))
+        if rate != math.inf:
+            await asyncio.sleep(rng.expovariate(rate))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    bar.close()
+    return list(results), duration
+
+
+async def _server_model(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    if args.backend == "grpc":
+        from stagemesh.client import AsyncClient
+
+        client = AsyncClient(args.grpc_target, api_key=args.api_key)
+        try:
+            return (await client.models())[0]
+        except Exception as err:  # noqa: BLE001
+            raise StagemeshError(f"no gRPC frontend answered at {args.grpc_target}: {err}") from None
+        finally:
+            await client.channel.close()
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+            async with s.get(f"{args.base_url.rstrip('/')}/v1/models", headers=headers) as resp:
+                resp.raise_for_status()
+                return (await resp.json())["data"][0]["id"]
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as err:
+        raise StagemeshError(f"no server answered at {args.base_url}: {err}") from None
+
+
+async def _serve_bench(args: argparse.Namespace, requests: list) -> tuple[list, float]:
+    from stagemesh.bench.backends import GrpcBackend, OpenAIBackend
+
+    model = await _server_model(args)
+    if args.backend == "grpc":
+        backend = GrpcBackend(args.grpc_target, model, args.api_key, args.timeout)
+    else:
+        backend = OpenAIBackend(args.base_url, model, args.api_key, args.timeout)
+    try:
+        return await drive(backend, requests, args.request_rate, args.max_concurrency, args.seed,
+                           not args.no_progress)
+    finally:
+        await backend.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    from stagemesh.bench.report import summarize, table
+    from stagemesh.default_model import resolve_model
+
+    if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
+        raise StagemeshError("--request-rate must be > 0 and --max-concurrency at least 1")
+    model_dir = resolve_model(args.model_path)
+    requests = build_workload(args, model_dir)
+    summary: dict = {"backend": args.backend, "num_prompts": len(requests)}
+    if not args.baseline_only:
+        results, duration = asyncio.run(_serve_bench(args, requests))
+        summary.update(summarize(results, duration))
+    if args.baseline or args.baseline_only:
+        from stagemesh.bench.baseline import transformers_static
+
+        base = transformers_static(str(model_dir), requests, args.baseline_batch_size, not args.no_progress)
+        summary["baseline"] = base
+        if not args.baseline_only:
+            summary["ratio_to_baseline"] = summary["output_throughput"] / base["output_throughput"]
+    if args.baseline_only:
+        b = summary["baseline"]
+        print(f"{b['name']}: {b['total_output_tokens']} tokens in {b['duration_s']:.2f}s = "
+              f"{b['output_throughput']:.2f} tok/s")
+    else:
+        print(table(summary))
+    if args.json:
+        text = json.dumps(summary, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    return 0 if args.baseline_only or summary["failed_requests"] == 0 else 1

@@ -1,0 +1,74 @@
+"""Benchmark workloads: seeded synthetic prompts of exact token lengths, or a JSONL file."""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from stagemesh.errors import StagemeshError
+
+
+@dataclass
+class BenchRequest:
+    max_tokens: int
+    prompt_ids: list[int] | None = None  # synthetic prompts travel as token ids: exact lengths
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    input_len: int = 0  # known for token-id prompts; from the usage otherwise
+
+
+def parse_range(text: str, flag: str) -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in str(text).split(":")) if ":" in str(text) else (int(text), int(text))
+    except ValueError:
+        raise StagemeshError(f"{flag} {text!r} must be A:B (or one number), e.g. 16:256") from None
+    if not 1 <= low <= high:
+        raise StagemeshError(f"{flag} {text!r}: need 1 <= A <= B")
+    return low, high
+
+
+def synthetic(vocab_size: int, special_ids: set[int], num: int, input_len: tuple[int, int],
+              output_len: tuple[int, int], seed: int = 0) -> list[BenchRequest]:
+    """`num` prompts of random (non-special) token ids; lengths uniform in the ranges; same seed, same workload."""
+    rng = random.Random(seed)
+    pool = [t for t in range(vocab_size) if t not in special_ids]
+    out = []
+    for _ in range(num):
+        n = rng.randint(*input_len)
+        out.append(BenchRequest(max_tokens=rng.randint(*output_len), prompt_ids=[rng.choice(pool) for _ in range(n)],
+                                input_len=n))
+    return out
+
+
+def load_jsonl(path: str | Path, default_max_tokens: int = 128) -> list[BenchRequest]:
+    """Lines of {"prompt": str | [ids], "max_tokens": N} or {"messages": [...], "max_tokens": N}."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as err:
+        raise StagemeshError(f"--dataset {path}: {err.strerror}") from None
+    out = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise StagemeshError(f"--dataset {path}, line {number}: not JSON ({err.msg})") from None
+        if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
+            raise StagemeshError(f"--dataset {path}, line {number}: need an object with 'prompt' or 'messages'")
+        max_tokens = item.get("max_tokens", default_max_tokens)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise StagemeshError(f"--dataset {path}, line {number}: max_tokens must be a positive integer")
+        prompt = item.get("prompt")
+        if isinstance(prompt, list):
+            out.append(BenchRequest(max_tokens, prompt_ids=prompt, input_len=len(prompt)))
+        elif isinstance(prompt, str):
+            out.append(BenchRequest(max_tokens, prompt=prompt))
+        elif isinstance(item.get("messages"), list):
+            out.append(BenchRequest(max_tokens, messages=item["messages"]))
+        else:
+            raise StagemeshError(f"--dataset {path}, line {number}: 'prompt' must be a string or a list of token ids")
+    if not out:
+        raise StagemeshError(f"--dataset {path}: no requests in it")
+    return out

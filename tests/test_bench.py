@@ -1,0 +1,105 @@
+"""`stagemesh bench`: workloads, report math, and real runs against a mesh over HTTP and gRPC."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mesh import Mesh, Router
+from stagemesh.bench.report import Result, percentile, summarize
+from stagemesh.bench.workload import load_jsonl, parse_range, synthetic
+from stagemesh.cli import main
+from stagemesh.errors import StagemeshError
+from tiny_models import with_word_tokenizer
+
+
+def test_synthetic_workload_is_seeded_with_exact_lengths():
+    a = synthetic(384, {0, 1, 2}, 20, (4, 9), (2, 5), seed=7)
+    assert a == synthetic(384, {0, 1, 2}, 20, (4, 9), (2, 5), seed=7)
+    assert a != synthetic(384, {0, 1, 2}, 20, (4, 9), (2, 5), seed=8)
+    for r in a:
+        assert 4 <= len(r.prompt_ids) == r.input_len <= 9 and 2 <= r.max_tokens <= 5
+        assert not {0, 1, 2} & set(r.prompt_ids)
+    assert {len(r.prompt_ids) for r in a} > {4} and parse_range("16", "--x") == (16, 16)
+    for bad in ("a:b", "5:2", "0:3"):
+        with pytest.raises(StagemeshError, match="--input-len-range"):
+            parse_range(bad, "--input-len-range")
+
+
+def test_jsonl_dataset_and_its_errors(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "hello", "max_tokens": 3}\n\n{"prompt": [5, 6, 7]}\n'
+                    '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}\n')
+    reqs = load_jsonl(good, default_max_tokens=9)
+    assert [(r.prompt, r.prompt_ids, r.max_tokens) for r in reqs[:2]] == [("hello", None, 3), (None, [5, 6, 7], 9)]
+    assert reqs[2].messages[0]["content"] == "hi"
+    for text, message in (('{"prompt": "x"}\nnot json\n', "line 2: not JSON"),
+                          ('{"max_tokens": 3}\n', "line 1: need an object with 'prompt' or 'messages'"),
+                          ('{"prompt": "x", "max_tokens": -1}\n', "max_tokens must be a positive integer")):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(text)
+        with pytest.raises(StagemeshError, match=message):
+            load_jsonl(bad)
+
+
+def test_report_math():
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)
+    results = [Result(True, "", 10, 5, ttft=0.1, latency=0.5, itl=[0.1] * 4),
+               Result(True, "", 20, 3, ttft=0.3, latency=0.5, itl=[0.1, 0.1]),
+               Result(False, "HTTP 503: busy")]
+    s = summarize(results, duration=2.0)
+    assert (s["successful_requests"], s["failed_requests"], s["total_output_tokens"]) == (2, 1, 8)
+    assert s["output_throughput"] == 4.0 and s["request_throughput"] == 1.0 and s["total_token_throughput"] == 19.0
+    assert s["mean_ttft_ms"] == pytest.approx(200) and s["p50_tpot_ms"] == pytest.approx(100)
+    assert s["errors"] == ["HTTP 503: busy"]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("bench")
+    model = with_word_tokenizer(tiny_model_dir("llama"), logs / "model")
+    with Mesh(model, [2, 2], handoff="grpc", log_dir=logs, scheduler_args=("--served-model-name", "m")) as mesh:
+        with Router(model, [mesh.address], log_dir=logs, grpc_frontend=True) as router:
+            router.model, router.logs = model, logs
+            yield router
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["openai", "grpc"])
+def test_bench_against_a_real_mesh(served, backend, capsys):
+    out = served.logs / f"{backend}.json"
+    code = main(["bench", "--backend", backend, "--base-url", served.base_url,
+                 "--grpc-target", f"127.0.0.1:{served.grpc_port}", "--model-path", str(served.model),
+                 "--num-prompts", "8", "--input-len-range", "3:12", "--output-len-range", "2:9", "--seed", "3",
+                 "--max-concurrency", "4", "--no-progress", "--json", str(out)])
+    assert code == 0
+    s = json.loads(out.read_text())
+    assert s["successful_requests"] == 8 and s["failed_requests"] == 0
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(served.model))
+    reqs = synthetic(len(tok), set(tok.all_special_ids), 8, (3, 12), (2, 9), 3)
+    assert s["total_output_tokens"] == sum(r.max_tokens for r in reqs)  # ignore_eos: exactly what was asked
+    assert s["total_input_tokens"] == sum(r.input_len for r in reqs)
+    assert s["output_throughput"] > 0 and 0 < s["p50_ttft_ms"] <= s["p99_ttft_ms"]
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_with_the_transformers_baseline(served, capsys):
+    code = main(["bench", "--base-url", served.base_url, "--model-path", str(served.model), "--num-prompts", "6",
+                 "--input-len-range", "3:8", "--output-len-range", "4:6", "--request-rate", "50",
+                 "--baseline", "transformers", "--baseline-batch-size", "4", "--no-progress", "--json", "-"])
+    assert code == 0
+    text = capsys.readouterr().out
+    s = json.loads(text[text.index("{"):])
+    assert s["baseline"]["total_output_tokens"] == s["total_output_tokens"]
+    assert s["ratio_to_baseline"] == pytest.approx(s["output_throughput"] / s["baseline"]["output_throughput"])
+    assert "Ratio (serving / baseline)" in text
+
+
+def test_bench_says_when_no_server_answers(tiny_model_dir, tmp_path, capsys):
+    model = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
+    assert main(["bench", "--model-path", str(model), "--base-url", "http://127.0.0.1:9", "--num-prompts", "1",
+                 "--no-progress"]) == 2
+    assert "no server answered at http://127.0.0.1:9" in capsys.readouterr().err
