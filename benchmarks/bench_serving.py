@@ -1,0 +1,133 @@
+"""Serving throughput of `stagemesh serve` layouts on this machine, over HTTP, with `stagemesh bench`'s
+client: the standard CPU workload against transformers' static batches, and tracing on against off.
+
+    python benchmarks/bench_serving.py --layouts "" "-pp 2" --baseline          # vs transformers
+    python benchmarks/bench_serving.py --layouts "-pp 2" --tracing             # 100% sampled traces vs none
+
+Each layout is a fresh `stagemesh serve` (default model) started and stopped here; the workload is the
+same seeded one for every run: 32 requests, prompts of 16-256 tokens, outputs of 16-128 (ignore_eos),
+all sent at once.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import requests
+
+from stagemesh.bench.backends import OpenAIBackend
+from stagemesh.bench.baseline import transformers_static
+from stagemesh.bench.cli import drive
+from stagemesh.bench.report import summarize
+from stagemesh.bench.workload import synthetic
+from stagemesh.default_model import resolve_model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def otlp_sink() -> tuple[grpc.Server, int, list]:
+    """An OTLP/gRPC receiver that counts the spans it gets (the traces' real destination cost)."""
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    count = [0]
+    lock = threading.Lock()
+
+    class Sink(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):
+            with lock:
+                count[0] += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Sink(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port, count
+
+
+def serve_and_bench(layout: str, workload: list, extra: list[str]) -> dict:
+    port = free_port()
+    argv = [sys.executable, "-m", "stagemesh", "serve", "--port", str(port), "--grpc-port", str(free_port()),
+            "--log-level", "warning", *shlex.split(layout), *extra]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"`stagemesh serve {layout}` did not come up")
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+
+        async def go():
+            backend = OpenAIBackend(f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct")
+            try:
+                await drive(backend, workload[:2], float("inf"), None, 0, False)  # warm up
+                return await drive(backend, workload, float("inf"), None, 0, False)
+            finally:
+                await backend.close()
+
+        results, duration = asyncio.run(go())
+        return summarize(results, duration)
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=30)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layouts", nargs="+", default=["", "-pp 2"], help="`stagemesh serve` flags per layout")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--baseline", action="store_true", help="transformers' static batches of 16, same workload")
+    p.add_argument("--tracing", action="store_true", help="run each layout again with every request traced")
+    a = p.parse_args()
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model(None)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    workload = synthetic(len(tok), set(tok.all_special_ids), a.num_prompts, (16, 256), (16, 128), seed=0)
+    print(f"workload: {len(workload)} requests, {sum(r.input_len for r in workload)} prompt tokens, "
+          f"{sum(r.max_tokens for r in workload)} output tokens; {os.cpu_count()} cores")
+    base = None
+    if a.baseline:
+        base = transformers_static(str(model_dir), workload, 16, progress=False)
+        print(f"{base['name']}: {base['output_throughput']:.1f} output tok/s")
+    for layout in a.layouts:
+        off = serve_and_bench(layout, workload, [])
+        line = (f"serve {layout or '(TP1 PP1 DP1)'}: {off['output_throughput']:.1f} output tok/s, "
+                f"TTFT p50 {off['p50_ttft_ms']:.0f} ms, TPOT p50 {off['p50_tpot_ms']:.1f} ms, "
+                f"{off['failed_requests']} failed")
+        if base:
+            line += f"; {off['output_throughput'] / base['output_throughput']:.2f}x transformers"
+        print(line)
+        if a.tracing:
+            server, port, spans = otlp_sink()
+            try:
+                env_sampler = {"OTEL_TRACES_SAMPLER": "always_on"}
+                os.environ.update(env_sampler)
+                on = serve_and_bench(layout, workload, ["--otlp-traces-endpoint", f"http://127.0.0.1:{port}"])
+            finally:
+                server.stop(grace=2)
+            print(f"serve {layout or '(TP1 PP1 DP1)'} with tracing (100% sampled, {spans[0]} spans received): "
+                  f"{on['output_throughput']:.1f} output tok/s = {on['output_throughput'] / off['output_throughput']:.3f}"
+                  f" of tracing off")
+
+
+if __name__ == "__main__":
+    main()
