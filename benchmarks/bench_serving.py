@@ -3,6 +3,7 @@ client: the standard CPU workload against transformers' static batches, and trac
 
     python benchmarks/bench_serving.py --layouts "" "-pp 2" --baseline          # vs transformers
     python benchmarks/bench_serving.py --layouts "-pp 2" --tracing             # 100% sampled traces vs none
+    python benchmarks/bench_serving.py --layouts "-pp 2 --threads 2" --batch1  # mesh TPOT vs in-process
 
 Each layout is a fresh `stagemesh serve` (default model) started and stopped here; the workload is the
 same seeded one for every run: 32 requests, prompts of 16-256 tokens, outputs of 16-128 (ignore_eos),
@@ -58,7 +59,7 @@ def otlp_sink() -> tuple[grpc.Server, int, list]:
     return server, port, count
 
 
-def serve_and_bench(layout: str, workload: list, extra: list[str]) -> dict:
+def serve_and_bench(layout: str, workload: list, extra: list[str], max_concurrency: int | None = None) -> dict:
     port = free_port()
     argv = [sys.executable, "-m", "stagemesh", "serve", "--port", str(port), "--grpc-port", str(free_port()),
             "--log-level", "warning", *shlex.split(layout), *extra]
@@ -79,7 +80,7 @@ def serve_and_bench(layout: str, workload: list, extra: list[str]) -> dict:
             backend = OpenAIBackend(f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct")
             try:
                 await drive(backend, workload[:2], float("inf"), None, 0, False)  # warm up
-                return await drive(backend, workload, float("inf"), None, 0, False)
+                return await drive(backend, workload, float("inf"), max_concurrency, 0, False)
             finally:
                 await backend.close()
 
@@ -96,7 +97,11 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--baseline", action="store_true", help="transformers' static batches of 16, same workload")
     p.add_argument("--tracing", action="store_true", help="run each layout again with every request traced")
+    p.add_argument("--batch1", action="store_true", help="one request at a time: time per output token through "
+                                                        "the mesh against the same model in-process")
     a = p.parse_args()
+    if a.batch1:
+        return batch1(a.layouts)
     from transformers import AutoTokenizer
 
     model_dir = resolve_model(None)
@@ -127,6 +132,23 @@ def main() -> None:
             print(f"serve {layout or '(TP1 PP1 DP1)'} with tracing (100% sampled, {spans[0]} spans received): "
                   f"{on['output_throughput']:.1f} output tok/s = {on['output_throughput'] / off['output_throughput']:.3f}"
                   f" of tracing off")
+
+
+def batch1(layouts: list[str], tokens: int = 128) -> None:
+    """TPOT of one request at a time through HTTP, router, scheduler and the stages, against the engine
+    in-process (same prompt length, same number of greedy tokens, same machine, same run)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from bench_decode_inprocess import bench_stagemesh
+
+    model_dir = resolve_model(None)
+    workload = synthetic(49152, set(), 4, (24, 24), (tokens, tokens), seed=1)
+    inproc = 1 / bench_stagemesh(model_dir, workload[0].prompt_ids, tokens)
+    print(f"in-process engine ({__import__('torch').get_num_threads()} threads): TPOT {inproc * 1e3:.1f} ms")
+    for layout in layouts:
+        mesh = serve_and_bench(layout, workload, [], max_concurrency=1)
+        tpot = mesh["mean_tpot_ms"] / 1e3
+        print(f"serve {layout}: TPOT {tpot * 1e3:.1f} ms (p50 {mesh['p50_tpot_ms']:.1f}), "
+              f"{tpot / inproc:.3f}x in-process")
 
 
 if __name__ == "__main__":

@@ -79,8 +79,12 @@ def test_bench_against_a_real_mesh(served, backend, capsys):
 
     tok = AutoTokenizer.from_pretrained(str(served.model))
     reqs = synthetic(len(tok), set(tok.all_special_ids), 8, (3, 12), (2, 9), 3)
-    assert s["total_output_tokens"] == sum(r.max_tokens for r in reqs)  # ignore_eos: exactly what was asked
+    assert s["output_lens"] == [r.max_tokens for r in reqs]  # ignore_eos: exactly what was asked, per request
+    assert s["input_lens"] == [r.input_len for r in reqs]  # token-id prompts: exact lengths
+    assert s["total_output_tokens"] == sum(r.max_tokens for r in reqs)
     assert s["total_input_tokens"] == sum(r.input_len for r in reqs)
+    assert s["duration_s"] > 0 and s["request_throughput"] == pytest.approx(8 / s["duration_s"])
+    assert all(t > 0 for t in s["ttfts_ms"]) and s["mean_itl_ms"] > 0 and s["p50_tpot_ms"] > 0
     assert s["output_throughput"] > 0 and 0 < s["p50_ttft_ms"] <= s["p99_ttft_ms"]
     assert "Serving Benchmark Result" in capsys.readouterr().out
 
@@ -100,6 +104,26 @@ def test_bench_with_the_transformers_baseline(served, capsys):
 
 def test_bench_says_when_no_server_answers(tiny_model_dir, tmp_path, capsys):
     model = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
-    assert main(["bench", "--model-path", str(model), "--base-url", "http://127.0.0.1:9", "--num-prompts", "1",
-                 "--no-progress"]) == 2
+    common = ["bench", "--model-path", str(model), "--num-prompts", "1", "--no-progress"]
+    assert main([*common, "--base-url", "http://127.0.0.1:9", "--model", "m"]) == 2
     assert "no server answered at http://127.0.0.1:9" in capsys.readouterr().err
+    assert main([*common, "--backend", "grpc", "--grpc-target", "127.0.0.1:9"]) == 2
+    assert "no gRPC frontend answered at 127.0.0.1:9" in capsys.readouterr().err
+    assert main([*common, "--output-len-range", "9:3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--output-len-range '9:3': need 1 <= A <= B" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n")
+    assert main([*common, "--dataset", str(bad)]) == 2
+    assert f"--dataset {bad}, line 1: not JSON" in capsys.readouterr().err
+
+
+def test_bench_baseline_only_needs_no_server(tiny_model_dir, tmp_path, capsys):
+    model = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
+    assert main(["bench", "--baseline-only", "--model-path", str(model), "--num-prompts", "5", "--input-len-range",
+                 "2:6", "--output-len-range", "3:3", "--baseline-batch-size", "2", "--no-progress",
+                 "--json", "-"]) == 0
+    text = capsys.readouterr().out
+    s = json.loads(text[text.index("{"):])
+    assert s["baseline"]["total_output_tokens"] == 15 and s["baseline"]["output_throughput"] > 0
+    assert "static batches of 2" in text.splitlines()[0]

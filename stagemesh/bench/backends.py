@@ -43,6 +43,9 @@ class OpenAIBackend:
                     if not line.startswith("data:") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[5:])
+                    if isinstance(chunk.get("error"), dict):  # the router's mid-stream error event
+                        result.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
+                        return result
                     if chunk.get("usage"):
                         result.input_len = chunk["usage"]["prompt_tokens"]
                         result.output_len = chunk["usage"]["completion_tokens"]
@@ -98,8 +101,12 @@ class GrpcBackend:
                     result.output_len = reply.usage.completion_tokens
             result.latency = time.perf_counter() - start
             result.ok = result.output_len > 0
+            if not result.ok:
+                result.error = "the stream ended without a finish reason"
         except grpc.aio.AioRpcError as err:
             result.error = f"{err.code().name}: {err.details()}"
+        except Exception as err:  # noqa: BLE001 - a failed request is counted, the run goes on
+            result.error = f"{type(err).__name__}: {err}"
         return result
 
     async def close(self) -> None:

@@ -87,18 +87,19 @@ async def drive(backend, requests: list, rate: float, max_concurrency: int | Non
 
 
 async def _server_model(args: argparse.Namespace) -> str:
-    if args.model:
-        return args.model
+    """The served model's name (or --model); asking first also tells at once when no server answers."""
     if args.backend == "grpc":
         from stagemesh.client import AsyncClient
 
         client = AsyncClient(args.grpc_target, api_key=args.api_key)
         try:
-            return (await client.models())[0]
+            names = await client.models()
         except Exception as err:  # noqa: BLE001
-            raise StagemeshError(f"no gRPC frontend answered at {args.grpc_target}: {err}") from None
+            detail = err.details() if hasattr(err, "details") else err
+            raise StagemeshError(f"no gRPC frontend answered at {args.grpc_target}: {detail}") from None
         finally:
             await client.channel.close()
+        return _pick(args.model, names, args.grpc_target)
     import aiohttp
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -106,9 +107,22 @@ async def _server_model(args: argparse.Namespace) -> str:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
             async with s.get(f"{args.base_url.rstrip('/')}/v1/models", headers=headers) as resp:
                 resp.raise_for_status()
-                return (await resp.json())["data"][0]["id"]
+                names = [m["id"] for m in (await resp.json())["data"]]
+    except aiohttp.ClientResponseError as err:
+        raise StagemeshError(f"{args.base_url}/v1/models answered HTTP {err.status} {err.message}") from None
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as err:
-        raise StagemeshError(f"no server answered at {args.base_url}: {err}") from None
+        raise StagemeshError(f"no server answered at {args.base_url}: {err or type(err).__name__}") from None
+    except (ValueError, KeyError, TypeError, IndexError):
+        raise StagemeshError(f"{args.base_url}/v1/models is not an OpenAI model list") from None
+    return _pick(args.model, names, args.base_url)
+
+
+def _pick(wanted: str | None, names: list[str], where: str) -> str:
+    if wanted:
+        return wanted
+    if not names:
+        raise StagemeshError(f"the server at {where} lists no model; pass --model")
+    return names[0]
 
 
 async def _serve_bench(args: argparse.Namespace, requests: list) -> tuple[list, float]:

@@ -49,6 +49,10 @@ def summarize(results: list[Result], duration: float) -> dict:
     summary.update(_stats("ttft", [r.ttft for r in done]))
     summary.update(_stats("tpot", tpot))
     summary.update(_stats("itl", [x for r in done for x in r.itl]))
+    # per request, in workload order (vLLM's saved results carry the same lists)
+    summary["input_lens"] = [r.input_len for r in results]
+    summary["output_lens"] = [r.output_len for r in results]
+    summary["ttfts_ms"] = [round(r.ttft * 1000, 3) for r in results]
     errors = sorted({r.error for r in results if not r.ok})
     if errors:
         summary["errors"] = errors[:10]
