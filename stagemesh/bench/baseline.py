@@ -13,9 +13,12 @@ def transformers_static(model_dir: str, requests: list[BenchRequest], batch_size
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from stagemesh.errors import StagemeshError
 
+    if not progress:
+        hf_logging.disable_progress_bar()  # "Loading weights" too
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -77,7 +77,8 @@ def table(summary: dict, title: str = "Serving Benchmark Result") -> str:
             lines.append(f"{f'P{q} ' + name.upper() + ' (ms):':<44}{summary[f'p{q}_{name}_ms']:>16.2f}")
     if "baseline" in summary:
         b = summary["baseline"]
-        lines.append(f"{' Baseline: ' + b['name'] + ' ':-^60}")
+        lines.append(f"{'Baseline':-^60}")
+        lines.append(b["name"])
         lines.append(f"{'Output token throughput (tok/s):':<44}{b['output_throughput']:>16.2f}")
         lines.append(f"{'Ratio (serving / baseline):':<44}{summary['ratio_to_baseline']:>16.2f}")
     lines.append("=" * 60)
