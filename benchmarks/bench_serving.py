@@ -87,7 +87,8 @@ def serve_and_bench(layout: str, workload: list, extra: list[str], max_concurren
         results, duration = asyncio.run(go())
         return summarize(results, duration)
     finally:
-        os.killpg(proc.pid, 15)
+        if proc.poll() is None:
+            os.killpg(proc.pid, 15)
         proc.wait(timeout=30)
 
 
