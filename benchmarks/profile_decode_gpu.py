@@ -53,6 +53,34 @@ def profile(runner: StageRunner, batch: int, steps: int, prompt: int = 128) -> d
     return {**{k: v / n for k, v in parts.items()}, "total": total / n}
 
 
+def gemv_floor(runner: StageRunner, batch: int, repeats: int = 20) -> float:
+    """Seconds for the step's matrix products alone (F.linear over every layer's weights and the LM head, as
+    the model calls them), replayed from one CUDA graph: what cuBLAS gives before any other kernel."""
+    import torch.nn.functional as F
+
+    weights = [m.weight for m in runner.model.modules() if hasattr(m, "weight") and m.weight is not None
+               and m.weight.dim() == 2 and m is not runner.model.embed_tokens]
+    x = {w.shape[1]: torch.randn(batch, w.shape[1], device="cuda", dtype=w.dtype) for w in weights}
+
+    def products():
+        return [F.linear(x[w.shape[1]], w) for w in weights]
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        products()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            products()
+    torch.cuda.synchronize()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
@@ -64,6 +92,7 @@ def main() -> None:
     for b in a.batch:
         r = profile(runner, b, a.steps)
         print(f"batch {b}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in r.items()))
+        print(f"batch {b}: the matrix products alone (one CUDA graph): {gemv_floor(runner, b) * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":
