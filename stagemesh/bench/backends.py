@@ -8,6 +8,16 @@ from stagemesh.bench.report import Result
 from stagemesh.bench.workload import BenchRequest
 
 
+def _tokens_arrived(result: Result, start: float, last: float) -> float:
+    """Record a chunk of tokens arriving now: the first one is the TTFT, later ones inter-token latencies."""
+    now = time.perf_counter()
+    if result.ttft == 0.0:
+        result.ttft = now - start
+    else:
+        result.itl.append(now - last)
+    return now
+
+
 class OpenAIBackend:
     """Streaming /v1/completions (or /v1/chat/completions for messages) with aiohttp."""
 
@@ -51,12 +61,7 @@ class OpenAIBackend:
                         result.output_len = chunk["usage"]["completion_tokens"]
                     n = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
                     if n:
-                        now = time.perf_counter()
-                        if result.ttft == 0.0:
-                            result.ttft = now - start
-                        else:
-                            result.itl.append(now - last)
-                        last = now
+                        last = _tokens_arrived(result, start, last)
             result.latency = time.perf_counter() - start
             result.ok = result.output_len > 0
             if not result.ok:
@@ -90,12 +95,7 @@ class GrpcBackend:
                 stream = self.client.generate(prompt, max_tokens=req.max_tokens, ignore_eos=True, stream=True)
             async for reply in stream:
                 if reply.token_ids:
-                    now = time.perf_counter()
-                    if result.ttft == 0.0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
+                    last = _tokens_arrived(result, start, last)
                 if reply.finish_reason:
                     result.input_len = reply.usage.prompt_tokens
                     result.output_len = reply.usage.completion_tokens
