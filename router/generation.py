@@ -76,7 +76,7 @@ async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
     detok = IncrementalDetokenizer(tokenizer, req.skip_special_tokens)
     stops = StopStrings(req.stop)
     gen.record = record = RequestRecord(gen.request_id, len(gen.prompt_ids))
-    outcome: str | None = "abort"  # until recorded: the client went away (or the handler was cancelled)
+    outcome = "abort"  # unless the request finished: the client went away (or the handler was cancelled)
     try:
         async for reply in _stream(req, gen, replicas):
             if reply.num_prompt_tokens:
@@ -87,13 +87,11 @@ async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
             reason = REASONS.get(reply.finish_reason)
             if stops.stopped is not None:
                 record.done(gen.completion_tokens, "stop")  # before the last delta: callers stop reading there
-                outcome = None
                 yield Delta(text, list(reply.token_ids), list(reply.logprobs), "stop")
                 return  # leaving the stream cancels the call: the scheduler aborts the request
             if reason is not None:
                 text += stops.flush()
                 record.done(gen.completion_tokens, reason)
-                outcome = None
             yield Delta(text, list(reply.token_ids), list(reply.logprobs), reason)
             if reason is not None:
                 return
@@ -101,8 +99,7 @@ async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
         outcome = "error" if err.status >= 500 else "rejected"
         raise
     finally:
-        if outcome is not None:
-            record.done(gen.completion_tokens, outcome)
+        record.done(gen.completion_tokens, outcome)  # no-op when the request finished above
 
 
 async def _stream(req: GenerateRequest, gen: Generation, replicas: ReplicaSet):

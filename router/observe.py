@@ -45,6 +45,7 @@ class RequestRecord:
         self.start = time.monotonic()
         self.first_token: float | None = None
         self.replica = ""
+        self.finished = False
         IN_FLIGHT.inc()
 
     def tokens(self, count: int) -> None:
@@ -53,7 +54,10 @@ class RequestRecord:
             TTFT.observe(self.first_token - self.start)
 
     def done(self, num_output: int, reason: str) -> None:
-        """Count and log the request (once)."""
+        """Count and log the request; later calls do nothing."""
+        if self.finished:
+            return
+        self.finished = True
         IN_FLIGHT.dec()
         total = time.monotonic() - self.start
         replica = self.replica or "none"

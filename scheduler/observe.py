@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
@@ -55,7 +55,6 @@ class _Tracked:
     num_output: int = 0
     num_cached: int = 0
     preemptions: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class Observer:

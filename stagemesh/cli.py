@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 
 from stagemesh.errors import StagemeshError
@@ -67,12 +66,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-
-
-def setup_logging(level: str = "info", fmt: str = "text") -> None:
-    from stagemesh.logs import setup_logging as setup
-
-    setup(level, fmt)
 
 
 if __name__ == "__main__":
