@@ -14,7 +14,7 @@ import torch
 from stagemesh.errors import StagemeshError
 from stagemesh.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 from stagemesh.step import SampledToken, StepBatch
-from stage_worker.layers import transpose_weights
+from stage_worker.layers import pack_weights_for_cpu
 from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from stage_worker.model import AttentionMetadata, StageModel
 from stage_worker.parallel import HeadShard, TPGroup
@@ -70,7 +70,7 @@ class StageRunner:
         if load:
             load_weights(self.model, model_dir)
         if self.device.type == "cpu":
-            transpose_weights(self.model)
+            pack_weights_for_cpu(self.model)
         self.num_kv_heads = HeadShard.for_rank(cfg, self.tp).num_kv_heads
         self.kv_bytes_per_block = kv_bytes_per_block(layer_end - layer_start, self.num_kv_heads, cfg.head_dim,
                                                      block_size, self.dtype)
