@@ -1,4 +1,5 @@
-"""One entry point per kernel: Triton on CUDA tensors, the torch reference elsewhere.
+"""One entry point per kernel: Triton on CUDA tensors, the fused C++ kernels on fp32 CPU
+tensors (where they could be built), the torch reference elsewhere.
 
 STAGEMESH_KERNELS=torch|triton forces one (Triton on CPU needs TRITON_INTERPRET=1).
 """
@@ -8,7 +9,7 @@ import os
 
 import torch
 
-from kernels import reference
+from kernels import cpu_ops, reference
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -20,6 +21,13 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
+def _cpu_impl(t: torch.Tensor):
+    """The fused CPU kernels for fp32 CPU tensors when they are built, else the reference."""
+    if t.device.type == "cpu" and t.dtype == torch.float32 and cpu_ops.load() is not None:
+        return cpu_ops
+    return reference
+
+
 def _triton():
     # imported lazily: CPU-only serving never needs triton
     from kernels import triton_ops
@@ -28,27 +36,27 @@ def _triton():
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
-    impl = _triton() if _use_triton(k) and _has("write_kv_cache") else reference
+    impl = _triton() if _use_triton(k) and _has("write_kv_cache") else _cpu_impl(k)
     impl.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
-    impl = _triton() if _use_triton(q) and _has("paged_attention") else reference
+    impl = _triton() if _use_triton(q) and _has("paged_attention") else _cpu_impl(q)
     return impl.paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
 
 
 def rms_norm(x, weight, eps, residual=None):
-    impl = _triton() if _use_triton(x) and _has("rms_norm") else reference
+    impl = _triton() if _use_triton(x) and _has("rms_norm") else _cpu_impl(x)
     return impl.rms_norm(x, weight, eps, residual)
 
 
 def apply_rotary(q, k, positions, cos_sin_cache):
-    impl = _triton() if _use_triton(q) and _has("apply_rotary") else reference
+    impl = _triton() if _use_triton(q) and _has("apply_rotary") else _cpu_impl(q)
     return impl.apply_rotary(q, k, positions, cos_sin_cache)
 
 
 def silu_and_mul(x):
-    impl = _triton() if _use_triton(x) and _has("silu_and_mul") else reference
+    impl = _triton() if _use_triton(x) and _has("silu_and_mul") else _cpu_impl(x)
     return impl.silu_and_mul(x)
 
 

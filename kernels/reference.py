@@ -21,19 +21,91 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of a mixed batch (prefill chunks and decode tokens) over the paged cache."""
-    num_seqs = context_lens.shape[0]
-    if q.shape[0] == num_seqs:  # every query length is 1: one batched decode
-        return _decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+                    context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                    decode=None) -> torch.Tensor:
+    """Causal attention of a mixed batch (prefill chunks and decode tokens) over the paged cache.
+
+    Decode rows (query length 1) run as one batch through `decode` (this module's torch
+    version unless a kernel is given), prefill chunks one sequence at a time."""
+    plan = _memo("attention", (block_tables, context_lens, query_start_loc),
+                 lambda: AttentionPlan(context_lens, query_start_loc))
+    decode = decode or _decode
+    if plan.decode_rows is None:
+        return decode(q, k_cache, v_cache, block_tables, plan, scale)
     out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    lens = context_lens.tolist()
-    for s in range(num_seqs):
-        lo, hi = starts[s], starts[s + 1]
-        if hi > lo:
-            out[lo:hi] = _one_sequence(q[lo:hi], k_cache, v_cache, block_tables[s], lens[s], scale)
+    if plan.decode_rows.numel():
+        out[plan.decode_rows] = decode(q[plan.decode_rows], k_cache, v_cache, block_tables, plan, scale)
+    for seq, lo, hi, context_len in plan.prefills:
+        out[lo:hi] = _one_sequence(q[lo:hi], k_cache, v_cache, block_tables[seq], context_len, scale)
     return out
+
+
+class AttentionPlan:
+    """One step's split of the batch: decode rows (batched) and prefill chunks (one by one).
+
+    decode_rows is None when every row decodes (row i is sequence i); decode_seqs and
+    decode_lens give each decode row's sequence and context length."""
+
+    def __init__(self, context_lens: torch.Tensor, query_start_loc: torch.Tensor):
+        num_seqs, device = context_lens.shape[0], context_lens.device
+        self.prefills: list[tuple[int, int, int, int]] = []  # (sequence, first row, end row, context length)
+        self.decode_rows = None
+        self._layout = None
+        if int(query_start_loc[-1]) == num_seqs:  # every query length is 1
+            self.decode_seqs, self.decode_lens = torch.arange(num_seqs, device=device), context_lens
+            return
+        starts, lens = query_start_loc.tolist(), context_lens.tolist()
+        seqs, rows = [], []
+        for s in range(num_seqs):
+            lo, hi = starts[s], starts[s + 1]
+            if hi - lo == 1:
+                seqs.append(s)
+                rows.append(lo)
+            elif hi > lo:
+                self.prefills.append((s, lo, hi, lens[s]))
+        self.decode_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.decode_seqs = torch.tensor(seqs, dtype=torch.int64, device=device)
+        self.decode_lens = context_lens[self.decode_seqs]
+
+    def gather_layout(self, block_tables: torch.Tensor, cache_shape: torch.Size) -> "_GatherLayout":
+        if self._layout is None:
+            self._layout = _GatherLayout(block_tables[self.decode_seqs], self.decode_lens, cache_shape)
+        return self._layout
+
+
+class _GatherLayout:
+    """Where the decode rows find their keys: one row index per (sequence, KV head, position)
+    into the cache viewed as [slots * kv_heads, head_dim], so that one index_select gathers
+    each head's keys contiguously; positions past a sequence's length are masked."""
+
+    def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor, cache_shape: torch.Size):
+        _, block_size, kv_heads, _ = cache_shape
+        device = context_lens.device
+        self.max_len = max_len = int(context_lens.max())
+        pos = torch.arange(max_len, device=device)
+        slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size  # [seqs, L]
+        heads = torch.arange(kv_heads, device=device)
+        self.rows = (slots[:, None, :] * kv_heads + heads[None, :, None]).reshape(-1)  # [seqs * kv_heads * L]
+        self.bias = None  # added to the scores: -inf past each sequence's end
+        if int(context_lens.min()) != max_len:
+            past_end = pos[None, :] >= context_lens[:, None].long()
+            self.bias = torch.zeros(past_end.shape, device=device).masked_fill_(past_end, float("-inf"))[:, None, None]
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            plan: AttentionPlan, scale: float) -> torch.Tensor:
+    seqs, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    layout = plan.gather_layout(block_tables, k_cache.shape)
+
+    def gather(cache):  # [seqs, kv_heads, L, dim], contiguous
+        return cache.view(-1, dim).index_select(0, layout.rows).view(seqs, kv_heads, layout.max_len, dim).to(q.dtype)
+
+    # the query heads that share a KV head form the rows of one small matrix product
+    scores = torch.matmul(q.view(seqs, kv_heads, heads // kv_heads, dim) * scale, gather(k_cache).transpose(-1, -2))
+    if layout.bias is not None:
+        scores += layout.bias
+    return torch.matmul(scores.softmax(-1), gather(v_cache)).view(seqs, heads, dim)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -72,31 +144,6 @@ def _memo(name: str, keys: tuple, compute):
     return value
 
 
-def _decode_layout(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int):
-    max_len = int(context_lens.max())
-    max_blocks = math.ceil(max_len / block_size)
-    blocks = block_tables[:, :max_blocks].reshape(-1).long()
-    mask = None
-    if int(context_lens.min()) != max_len:
-        mask = (torch.arange(max_len, device=context_lens.device)[None, :] < context_lens[:, None])[:, None, None, :]
-    return blocks, max_blocks, max_len, mask
-
-
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    seqs, block_size, heads, dim = q.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    blocks, max_blocks, max_len, mask = _memo("decode", (block_tables, context_lens),
-                                              lambda: _decode_layout(block_tables, context_lens, block_size))
-
-    def gather(cache):  # [seqs, kv_heads, L, d]
-        rows = cache.view(cache.shape[0], -1).index_select(0, blocks)
-        return rows.view(seqs, max_blocks * block_size, heads, dim)[:, :max_len].transpose(1, 2).to(q.dtype)
-
-    out = F.scaled_dot_product_attention(q[:, :, None, :], gather(k_cache), gather(v_cache), attn_mask=mask,
-                                         scale=scale, enable_gqa=True)
-    return out[:, :, 0, :]
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(Fused residual add +) RMSNorm, computed in fp32 as transformers does."""
@@ -118,13 +165,12 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype):
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [tokens, dim/2] each
-    return (torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype), torch.cat((sin, sin), dim=-1)[:, None, :].to(dtype))
+    # rotate_half(x) * sin == roll(x, dim/2) * cat(-sin, sin): the sign lives in the cached sin
+    return (torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype), torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos) + (rotated * sin)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 def build_cos_sin_cache(head_dim: int, max_positions: int, rope_theta: float, rope_scaling: dict | None,

@@ -1,0 +1,110 @@
+"""The fused CPU kernels (kernels/csrc/cpu_ops.cpp): built once per machine, loaded on demand.
+
+`make install` builds them (`python -m kernels`); a process that finds no
+build compiles it on first use (about half a minute, logged) into the stagemesh cache,
+keyed by the source, so an edit rebuilds.
+Without a C++ compiler, or with STAGEMESH_KERNELS=torch, the CPU path stays on the
+torch reference. Every entry point keeps the reference's signature.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from kernels import reference
+
+log = logging.getLogger("stagemesh.kernels")
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+
+
+def _capability() -> str:
+    cap = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
+    return cap.lower() if cap in ("AVX2", "AVX512") else "generic"
+
+
+def _flags(capability: str) -> list[str]:
+    # x86-64-v3 (AVX2 + FMA) rather than -march=native: a build may serve other machines of its level
+    isa = {"avx2": ["-march=x86-64-v3"], "avx512": ["-march=x86-64-v4"]}.get(capability, [])
+    return ["-O3", "-fopenmp", *isa]
+
+
+def _build_dir(name: str) -> Path:
+    """$STAGEMESH_KERNEL_CACHE (a container image sets it to a folder built into the image),
+    else the stagemesh cache; one folder per torch, Python, CPU level and source version."""
+    root = os.environ.get("STAGEMESH_KERNEL_CACHE")
+    if not root:
+        from stagemesh.default_model import cache_root
+
+        root = cache_root() / "kernels"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return Path(root) / f"torch{torch.__version__.replace('+', '_')}-{python}" / name
+
+
+def _module_name(capability: str) -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_flags(capability)).encode()).hexdigest()[:10]
+    return f"stagemesh_cpu_ops_{capability}_{digest}"
+
+
+def _import(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def load(verbose: bool = False):
+    """The compiled module, or None where it cannot be built (the reason is logged once)."""
+    if os.environ.get("STAGEMESH_KERNELS", "").lower() == "torch":
+        return None
+    capability = _capability()
+    name = _module_name(capability)
+    build_dir = _build_dir(name)
+    built = build_dir / f"{name}.so"
+    try:
+        if built.is_file():  # built before (by `make install`, an image build or another process)
+            return _import(name, built)
+        from torch.utils import cpp_extension
+
+        build_dir.mkdir(parents=True, exist_ok=True)
+        log.info("compiling the CPU kernels for %s (once per machine, about a minute) into %s", capability, build_dir)
+        return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=_flags(capability),
+                                  extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=verbose)
+    except Exception as err:  # noqa: BLE001 - no compiler, no ninja, read-only cache: the torch reference serves
+        log.warning("CPU kernels unavailable, the CPU path uses the torch reference (slower): %s",
+                    (str(err).strip().splitlines() or [type(err).__name__])[0])
+        return None
+
+
+# -- the kernel API (kernels.dispatch), on fp32 CPU tensors -----------------------------------
+
+def rms_norm(x, weight, eps, residual=None):
+    return tuple(load().rms_norm(x, weight, eps, residual))
+
+
+def apply_rotary(q, k, positions, cos_sin_cache):
+    return tuple(load().apply_rotary(q, k, positions, cos_sin_cache))
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    load().write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+    return reference.paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                                     decode=_decode)
+
+
+def _decode(q, k_cache, v_cache, block_tables, plan, scale):
+    return load().decode_attention(q, k_cache, v_cache, block_tables, plan.decode_seqs, plan.decode_lens, scale)
+
+
+def silu_and_mul(x):
+    return load().silu_and_mul(x)

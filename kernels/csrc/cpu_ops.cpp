@@ -1,0 +1,232 @@
+// Fused CPU kernels for the serving path (fp32): one call where the torch
+// reference takes five to ten small ops. On a CPU, small ops cost more in
+// dispatch and thread hand-off than in arithmetic, and the decode attention of
+// the reference copies every key and value it reads; these read them once.
+// Semantics are those of kernels/reference.py, which the tests compare against.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Below this many floats of work a kernel runs on the calling thread: waking
+// the other threads costs more than the work.
+constexpr int64_t kGrainFloats = 1 << 15;
+
+void check_f32_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
+}
+
+int64_t grain_rows(int64_t floats_per_row) {
+  return std::max<int64_t>(1, kGrainFloats / std::max<int64_t>(floats_per_row, 1));
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+}  // namespace
+
+// (x + residual) normalised: returns (normed, x + residual); residual may be undefined.
+std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                 const c10::optional<at::Tensor>& residual) {
+  check_f32_cpu(x, "x");
+  check_f32_cpu(weight, "weight");
+  const int64_t hidden = x.size(-1);
+  TORCH_CHECK(weight.numel() == hidden, "weight has ", weight.numel(), " elements, rows have ", hidden);
+  at::Tensor in = x.contiguous();
+  at::Tensor sum = in;
+  if (residual.has_value() && residual->defined()) {
+    check_f32_cpu(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "residual and x differ in shape");
+    sum = at::empty_like(in);
+    const at::Tensor res = residual->contiguous();
+    const float *a = in.data_ptr<float>(), *b = res.data_ptr<float>();
+    float* s = sum.data_ptr<float>();
+    at::parallel_for(0, in.numel(), kGrainFloats, [&](int64_t lo, int64_t hi) {
+#pragma omp simd
+      for (int64_t i = lo; i < hi; ++i) s[i] = a[i] + b[i];
+    });
+  }
+  at::Tensor out = at::empty_like(sum);
+  const int64_t rows = sum.numel() / hidden;
+  const float *src = sum.data_ptr<float>(), *w = weight.contiguous().data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(hidden), [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* h = src + r * hidden;
+      float* o = dst + r * hidden;
+      const float inv = 1.f / std::sqrt(dot(h, h, hidden) / static_cast<float>(hidden) + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) o[i] = (h[i] * inv) * w[i];
+    }
+  });
+  return {out, sum};
+}
+
+// Rotary embedding (rotate-half layout) of q [tokens, heads, dim] and k [tokens, kv_heads, dim],
+// which may be strided views of a fused QKV output; returns contiguous rotated copies.
+std::vector<at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                                     const at::Tensor& cos_sin_cache) {
+  check_f32_cpu(q, "q");
+  check_f32_cpu(k, "k");
+  check_f32_cpu(cos_sin_cache, "cos_sin_cache");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3, "q and k must be [tokens, heads, head_dim]");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "q and k must have contiguous head_dim");
+  const int64_t tokens = q.size(0), dim = q.size(2), half = dim / 2;
+  TORCH_CHECK(cos_sin_cache.size(1) == dim, "cos_sin_cache rows must be head_dim wide");
+  const at::Tensor pos = positions.to(at::kLong).contiguous();
+  const at::Tensor cache = cos_sin_cache.contiguous();
+  at::Tensor q_out = at::empty({tokens, q.size(1), dim}, q.options());
+  at::Tensor k_out = at::empty({tokens, k.size(1), dim}, k.options());
+  const int64_t* p = pos.data_ptr<int64_t>();
+  const float* cs = cache.data_ptr<float>();
+  auto rotate = [&](const at::Tensor& x, at::Tensor& y, int64_t t) {
+    const float* cos = cs + p[t] * dim;
+    const float* sin = cos + half;
+    const int64_t heads = x.size(1);
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* a = x.data_ptr<float>() + t * x.stride(0) + h * x.stride(1);
+      float* b = y.data_ptr<float>() + (t * heads + h) * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        b[i] = a[i] * cos[i] - a[i + half] * sin[i];
+        b[i + half] = a[i + half] * cos[i] + a[i] * sin[i];
+      }
+    }
+  };
+  at::parallel_for(0, tokens, grain_rows((q.size(1) + k.size(1)) * dim), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      rotate(q, q_out, t);
+      rotate(k, k_out, t);
+    }
+  });
+  return {q_out, k_out};
+}
+
+// Keys and values of this step's tokens into their slots of the paged cache
+// [num_blocks, block_size, kv_heads, dim], in place.
+void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& slot_mapping) {
+  check_f32_cpu(k_cache, "k_cache");
+  check_f32_cpu(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous();
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t row = k_cache.size(2) * k_cache.size(3);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(kc.numel() == slots.numel() * row && vc.numel() == kc.numel(), "k/v do not match the slot mapping");
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, "slot ", s[t], " is outside the KV cache");
+  const float *ks = kc.data_ptr<float>(), *vs = vc.data_ptr<float>();
+  float *kd = k_cache.data_ptr<float>(), *vd = v_cache.data_ptr<float>();
+  at::parallel_for(0, slots.numel(), grain_rows(2 * row), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      std::copy(ks + t * row, ks + (t + 1) * row, kd + s[t] * row);
+      std::copy(vs + t * row, vs + (t + 1) * row, vd + s[t] * row);
+    }
+  });
+}
+
+// Attention of single query rows over the paged cache. Row r belongs to sequence seq[r]
+// and sees its first visible[r] positions. One task per (row, KV head): the query heads
+// sharing that KV head read each key and value once, with a two-pass softmax in fp32.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& visible,
+                            double scale) {
+  check_f32_cpu(q, "q");
+  check_f32_cpu(k_cache, "k_cache");
+  check_f32_cpu(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor tables = block_tables.to(at::kInt).contiguous();
+  const at::Tensor seqs = seq.to(at::kInt).contiguous(), lens = visible.to(at::kInt).contiguous();
+  const int64_t rows = qc.size(0), heads = qc.size(1), dim = qc.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), num_blocks = k_cache.size(0);
+  TORCH_CHECK(heads % kv_heads == 0, heads, " query heads do not share ", kv_heads, " KV heads evenly");
+  TORCH_CHECK(k_cache.size(3) == dim, "q and the KV cache differ in head_dim");
+  const int64_t group = heads / kv_heads, width = tables.size(1);
+  const int32_t *bt = tables.data_ptr<int32_t>(), *sq = seqs.data_ptr<int32_t>(), *ln = lens.data_ptr<int32_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(ln[r] > 0 && ln[r] <= width * block_size, "row ", r, " sees ", ln[r], " positions; its block table holds ",
+                width * block_size);
+  at::Tensor out = at::empty_like(qc);
+  const float *qp = qc.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t max_len = lens.max().item<int32_t>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, rows * kv_heads, grain_rows(2 * max_len * dim), [&](int64_t lo, int64_t hi) {
+    std::vector<float> scores(group * max_len);
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t r = task / kv_heads, h = task % kv_heads, len = ln[r];
+      const int32_t* table = bt + static_cast<int64_t>(sq[r]) * width;
+      const float* qh = qp + (r * heads + h * group) * dim;
+      float* oh = op + (r * heads + h * group) * dim;
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t block = table[t / block_size];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " is outside the KV cache");
+        const float* key = kp + ((block * block_size + t % block_size) * kv_heads + h) * dim;
+        for (int64_t g = 0; g < group; ++g) scores[g * max_len + t] = dot(qh + g * dim, key, dim) * fscale;
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * max_len;
+        const float m = *std::max_element(s, s + len);
+        float total = 0.f;
+        for (int64_t t = 0; t < len; ++t) total += (s[t] = std::exp(s[t] - m));
+        const float inv = 1.f / total;
+        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+        std::fill(oh + g * dim, oh + (g + 1) * dim, 0.f);
+      }
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t block = table[t / block_size];
+        const float* value = vp + ((block * block_size + t % block_size) * kv_heads + h) * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * max_len + t];
+          float* o = oh + g * dim;
+#pragma omp simd
+          for (int64_t i = 0; i < dim; ++i) o[i] += p * value[i];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// SiLU(gate) * up of x = cat(gate, up) along the last dimension.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_f32_cpu(x, "x");
+  const at::Tensor xc = x.contiguous();
+  const int64_t width = xc.size(-1) / 2, rows = xc.numel() / xc.size(-1);
+  auto sizes = xc.sizes().vec();
+  sizes.back() = width;
+  at::Tensor out = at::empty(sizes, xc.options());
+  const float* src = xc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(2 * width), [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float *gate = src + r * 2 * width, *up = gate + width;
+      float* o = dst + r * width;
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "(x + residual) RMSNorm");
+  m.def("apply_rotary", &apply_rotary, "rotary embedding of q and k");
+  m.def("write_kv_cache", &write_kv_cache, "write k and v into the paged cache");
+  m.def("decode_attention", &decode_attention, "single-query attention over the paged cache");
+  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
+}
