@@ -141,9 +141,14 @@ def batch1(layouts: list[str], tokens: int = 128) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from bench_decode_inprocess import bench_stagemesh
 
+    from scheduler.local_engine import LocalEngine
+    from stagemesh.sampling_params import SamplingParams
+
     model_dir = resolve_model(None)
     workload = synthetic(49152, set(), 4, (24, 24), (tokens, tokens), seed=1)
-    inproc = 1 / bench_stagemesh(model_dir, workload[0].prompt_ids, tokens)
+    engine = LocalEngine(model_dir)
+    engine.generate([workload[0].prompt_ids], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    inproc = 1 / bench_stagemesh(engine, workload[0].prompt_ids, tokens)
     print(f"in-process engine ({__import__('torch').get_num_threads()} threads): TPOT {inproc * 1e3:.1f} ms")
     for layout in layouts:
         mesh = serve_and_bench(layout, workload, [], max_concurrency=1)
