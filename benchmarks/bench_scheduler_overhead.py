@@ -34,11 +34,12 @@ def core_only(seqs: int, steps: int = 200) -> float:
     for i in range(seqs):
         s.add_request(f"r{i}", list(range(3, 35)), SamplingParams(max_tokens=steps + 10, ignore_eos=True))
     out = s.schedule()
-    s.update_from_output(out, [SampledToken(c.seq_id, 7) for c in out.step_batch.chunks if c.sample])
+    chunks = out.step_batch.chunks
+    s.update_from_output(out, [SampledToken(i, 7) for i, sample in zip(chunks.seq_ids, chunks.sample) if sample])
     start = time.perf_counter()
     for _ in range(steps):
         out = s.schedule()
-        s.update_from_output(out, [SampledToken(c.seq_id, 7) for c in out.step_batch.chunks])
+        s.update_from_output(out, [SampledToken(i, 7) for i in out.step_batch.chunks.seq_ids])
     return (time.perf_counter() - start) / steps
 
 

@@ -152,7 +152,7 @@ class Driver:
             seconds, compute = time.perf_counter() - start, sum(r.compute_seconds for r in replies)
             self.step_seconds += seconds
             self.compute_seconds += compute
-            sampled = [sampled_from_pb(t) for t in replies[-1].sampled]
+            sampled = sampled_from_pb(replies[-1].sampled)
             self._dispatch(scheduler.update_from_output(output, sampled))
             self.observer.end_step(span, seconds, compute, scheduler.stats())
         elif span is not None:
