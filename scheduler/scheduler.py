@@ -199,17 +199,19 @@ class Scheduler:
 
     def update_from_output(self, output: SchedulerOutput, sampled: list[SampledToken]) -> list[RequestOutput]:
         by_seq = {s.seq_id: s for s in sampled}
-        results, c = [], output.step_batch.chunks
-        for request_id, seq_id, sample in zip(output.request_ids, c.seq_ids, c.sample):
+        results, bs, c = [], self.config.block_size, output.step_batch.chunks
+        for request_id, seq_id, start, n, sample in zip(output.request_ids, c.seq_ids, c.start_positions,
+                                                        c.num_tokens, c.sample):
             request = self.requests.get(request_id)
             if request is None or request.seq_id != seq_id:
                 continue  # aborted or preempted meanwhile
             request.in_flight = False
-            self.kv.cache_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
+            if (start + n) // bs > start // bs:  # the chunk filled a block: it may serve as a cached prefix
+                self.kv.cache_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
             token = by_seq.get(seq_id)
             if not sample or token is None:
                 continue
-            request.output_token_ids.append(token.token_id)
+            request.append_output(token.token_id)
             result = RequestOutput(request_id, [token.token_id], [token] if token.logprob is not None else [],
                                    num_prompt_tokens=len(request.prompt_token_ids),
                                    num_cached_tokens=request.num_cached_tokens)
