@@ -71,8 +71,10 @@ class BlockManager:
         pool is short (nothing changes then)."""
         table = self.tables.get(request_id, [])
         cached_blocks = cached_blocks or []
-        reuse_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
         need = self.blocks_needed(num_tokens) - len(table) - len(cached_blocks)
+        if need <= 0 and not cached_blocks:
+            return []  # the common decode step: the last block still has room
+        reuse_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
         if need + reuse_free > len(self.free):
             return None
         added = []

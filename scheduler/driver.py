@@ -2,9 +2,12 @@
 
 Up to one micro-batch per stage is in flight, on disjoint sequences (the core
 scheduler never schedules a request twice before its result is back), so no
-stage idles while requests wait. A stage that fails ends the epoch: every
-request fails with an error naming the stage, the replica turns unhealthy,
-and a new epoch forms once every stage answers again.
+stage idles while requests wait. When a micro-batch's replies arrive, the
+critical path is short: update the scheduler, send the next micro-batch, and
+only then hand the outputs to the request streams, whose writes overlap the
+stages' compute. A stage that fails ends the epoch: every request fails with
+an error naming the stage, the replica turns unhealthy, and a new epoch forms
+once every stage answers again.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from opentelemetry import trace
 
 from scheduler.config import SchedulerConfig
 from scheduler.observe import Observer
+from scheduler.output_stream import OutputStream
 from scheduler.rendezvous import PipelinePlan, Rendezvous, StageInfo
 from scheduler.request import RequestOutput
 from scheduler.scheduler import Scheduler, SchedulerOutput
@@ -47,6 +51,14 @@ class DriverConfig:
     probe_interval_s: float = 2.0
 
 
+@dataclass
+class _Sent:
+    """A micro-batch's Forward calls, in flight to every stage."""
+    start: float  # perf_counter when the step was sent
+    span: trace.Span | None
+    calls: list[tuple[StageInfo, grpc.aio.UnaryUnaryCall]]
+
+
 class StageFailure(Exception):
     def __init__(self, stage: StageInfo, detail: str):
         super().__init__(f"stage {stage.stage_index} ({stage.address}, layers {stage.layer_start}:{stage.layer_end}) "
@@ -64,7 +76,8 @@ class Driver:
         self.healthy = False
         self.observer = Observer()
         self.reason = "waiting for stages to register"
-        self.streams: dict[str, asyncio.Queue] = {}
+        self.streams: dict[str, OutputStream] = {}
+        self._in_flight: set[asyncio.Task] = set()
         self._stubs: dict[str, stage_pb2_grpc.StageStub] = {}
         self.num_steps = 0
         self.step_seconds = 0.0
@@ -77,14 +90,14 @@ class Driver:
                      trace_context=None) -> AsyncIterator[RequestOutput]:
         if not self.healthy or self.scheduler is None:
             raise Unavailable(f"the replica cannot serve: {self.reason}")
-        queue: asyncio.Queue = asyncio.Queue()
+        stream = OutputStream()
         self.scheduler.add_request(request_id, prompt, sampling)
         self.observer.submitted(request_id, len(prompt), trace_context)
-        self.streams[request_id] = queue
+        self.streams[request_id] = stream
         self._wake.set()
         try:
             while True:
-                out: RequestOutput = await queue.get()
+                out = await stream.get()
                 yield out
                 if out.finished:
                     return
@@ -103,64 +116,80 @@ class Driver:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         self.observer.outputs(outputs)
         for out in outputs:
-            queue = self.streams.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
+            stream = self.streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
 
     # -- the step loop --------------------------------------------------------------
     async def run(self) -> None:
         asyncio.create_task(self._probe_loop())
-        in_flight: set[asyncio.Task] = set()
         while True:
-            while self.healthy and len(in_flight) < len(self.plan.stages):
-                # split the requests over the micro-batches, so that every stage has work
-                share = -(-self.scheduler.num_unfinished // len(self.plan.stages))
-                output = self.scheduler.schedule(max_seqs=max(share, 1))
-                if output is None:
-                    break
-                preempted = list(self.scheduler.recent_preemptions)
-                self.scheduler.recent_preemptions.clear()
-                self.observer.scheduled(output.request_ids, preempted)
-                in_flight.add(asyncio.create_task(self._step(self.epoch, self.scheduler, output)))
-            if not in_flight:
+            self._launch()
+            if not self._in_flight:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(set(self._in_flight), return_when=asyncio.FIRST_COMPLETED)
             for task in done:
+                self._in_flight.discard(task)
                 try:
                     task.result()
                 except StageFailure as err:
                     self._fail(str(err))
 
-    async def _step(self, epoch: int, scheduler: Scheduler, output: SchedulerOutput) -> None:
+    def _launch(self) -> None:
+        """Fill the pipeline: schedule micro-batches until every stage has one."""
+        while self.healthy and len(self._in_flight) < len(self.plan.stages):
+            # split the requests over the micro-batches, so that every stage has work
+            share = -(-self.scheduler.num_unfinished // len(self.plan.stages))
+            output = self.scheduler.schedule(max_seqs=max(share, 1))
+            if output is None:
+                return
+            preempted = list(self.scheduler.recent_preemptions)
+            self.scheduler.recent_preemptions.clear()
+            self.observer.scheduled(output.request_ids, preempted)
+            sent = self._send(output)
+            self._in_flight.add(asyncio.create_task(self._step(self.epoch, self.scheduler, output, sent)))
+
+    def _send(self, output: SchedulerOutput) -> _Sent:
+        """Start the micro-batch's Forward calls now (not when its task first runs), so that they go out
+        ahead of the stream writes queued behind them."""
         start = time.perf_counter()
         batch = output.step_batch
         span, links = self.observer.start_step(batch.step_id, output.request_ids, batch.num_tokens)
-        request = stage_pb2.ForwardRequest(epoch=epoch, step=step_to_pb(batch), trace_links=links)
+        request = stage_pb2.ForwardRequest(epoch=self.epoch, step=step_to_pb(batch), trace_links=links)
         metadata = telemetry.inject(trace.set_span_in_context(span)) if span is not None else None
-        calls = [self._forward(stage, request, metadata) for stage in self.plan.stages]
+        calls = [(stage, self._stub(stage).Forward(request, timeout=self.cfg.forward_timeout_s, metadata=metadata))
+                 for stage in self.plan.stages]
+        return _Sent(start, span, calls)
+
+    async def _step(self, epoch: int, scheduler: Scheduler, output: SchedulerOutput, sent: _Sent) -> None:
+        span = sent.span
         try:
-            replies = await asyncio.gather(*calls)
+            replies = await asyncio.gather(*[self._reply(stage, call) for stage, call in sent.calls])
         except StageFailure as err:
             if span is not None:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)))
                 span.end()
             raise
-        if epoch == self.epoch and scheduler is self.scheduler:
-            self.num_steps += 1
-            seconds, compute = time.perf_counter() - start, sum(r.compute_seconds for r in replies)
-            self.step_seconds += seconds
-            self.compute_seconds += compute
-            sampled = [sampled_from_pb(t) for t in replies[-1].sampled]
-            self._dispatch(scheduler.update_from_output(output, sampled))
-            self.observer.end_step(span, seconds, compute, scheduler.stats())
-        elif span is not None:
-            span.end()
+        if epoch != self.epoch or scheduler is not self.scheduler:
+            if span is not None:
+                span.end()
+            return
+        self.num_steps += 1
+        seconds, compute = time.perf_counter() - sent.start, sum(r.compute_seconds for r in replies)
+        self.step_seconds += seconds
+        self.compute_seconds += compute
+        outputs = scheduler.update_from_output(output, sampled_from_pb(replies[-1].sampled))
+        self._in_flight.discard(asyncio.current_task())
+        self._launch()  # the next micro-batch first: the streams are served while the stages compute it
+        self._dispatch(outputs)
+        self.observer.end_step(span, seconds, compute, scheduler.stats())
 
-    async def _forward(self, stage: StageInfo, request, metadata=None) -> stage_pb2.ForwardResponse:
+    @staticmethod
+    async def _reply(stage: StageInfo, call) -> stage_pb2.ForwardResponse:
         try:
-            return await self._stub(stage).Forward(request, timeout=self.cfg.forward_timeout_s, metadata=metadata)
+            return await call
         except grpc.aio.AioRpcError as err:
             raise StageFailure(stage, f"{err.code().name}: {err.details()}") from None
 

@@ -28,14 +28,19 @@ class Request:
     in_flight: bool = False
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    # prompt + output, kept up to date by append_output (the scheduler reads it every step)
+    all_token_ids: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return len(self.all_token_ids)
 
 
 @dataclass

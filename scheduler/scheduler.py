@@ -18,7 +18,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.request import Request, RequestOutput, Status
 from stagemesh.errors import StagemeshError
 from stagemesh.sampling_params import SamplingParams
-from stagemesh.step import NewSequence, SampledToken, ScheduledChunk, StepBatch
+from stagemesh.step import NewSequence, SampledToken, ScheduledChunks, StepBatch
 
 
 @dataclass
@@ -43,7 +43,7 @@ class SchedulerStats:
 class _Budget:
     tokens: int
     seqs: int
-    chunks: list[ScheduledChunk] = field(default_factory=list)
+    chunks: ScheduledChunks = field(default_factory=ScheduledChunks)
     new_sequences: list[NewSequence] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)
 
@@ -175,7 +175,7 @@ class Scheduler:
         tokens = request.all_token_ids[start:start + num_new]
         request.num_computed_tokens += num_new
         sample = request.num_computed_tokens == request.num_tokens
-        budget.chunks.append(ScheduledChunk(request.seq_id, tokens, start, new_blocks, sample))
+        budget.chunks.append(request.seq_id, tokens, start, new_blocks, sample)
         budget.request_ids.append(request.request_id)
         budget.tokens -= num_new
 
@@ -199,17 +199,19 @@ class Scheduler:
 
     def update_from_output(self, output: SchedulerOutput, sampled: list[SampledToken]) -> list[RequestOutput]:
         by_seq = {s.seq_id: s for s in sampled}
-        results = []
-        for request_id, chunk in zip(output.request_ids, output.step_batch.chunks):
+        results, bs, c = [], self.config.block_size, output.step_batch.chunks
+        for request_id, seq_id, start, n, sample in zip(output.request_ids, c.seq_ids, c.start_positions,
+                                                        c.num_tokens, c.sample):
             request = self.requests.get(request_id)
-            if request is None or request.seq_id != chunk.seq_id:
+            if request is None or request.seq_id != seq_id:
                 continue  # aborted or preempted meanwhile
             request.in_flight = False
-            self.kv.cache_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
-            token = by_seq.get(chunk.seq_id)
-            if not chunk.sample or token is None:
+            if (start + n) // bs > start // bs:  # the chunk filled a block: it may serve as a cached prefix
+                self.kv.cache_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
+            token = by_seq.get(seq_id)
+            if not sample or token is None:
                 continue
-            request.output_token_ids.append(token.token_id)
+            request.append_output(token.token_id)
             result = RequestOutput(request_id, [token.token_id], [token] if token.logprob is not None else [],
                                    num_prompt_tokens=len(request.prompt_token_ids),
                                    num_cached_tokens=request.num_cached_tokens)

@@ -46,8 +46,8 @@ class ForwardObserver:
                 span = telemetry.tracer().start_span(
                     "stagemesh.stage.forward", context=parent, links=links, kind=trace.SpanKind.SERVER,
                     attributes={**self._attributes, "stagemesh.step_id": step.step_id,
-                                "stagemesh.num_sequences": len(step.chunks),
-                                "stagemesh.num_tokens": sum(len(c.token_ids) for c in step.chunks)})
+                                "stagemesh.num_sequences": len(step.chunks.seq_ids),
+                                "stagemesh.num_tokens": len(step.chunks.token_ids)})
         return span, time.perf_counter()
 
     def end(self, span, start: float, request, reply, error: str | None = None) -> None:
@@ -57,7 +57,7 @@ class ForwardObserver:
             compute.observe(reply.compute_seconds)
             wait.observe(reply.handoff_wait_seconds)
             sent.inc(reply.handoff_bytes)
-            tokens.inc(sum(len(c.token_ids) for c in request.step.chunks))
+            tokens.inc(len(request.step.chunks.token_ids))
             steps.inc()
         if span is None:
             return

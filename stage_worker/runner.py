@@ -142,27 +142,28 @@ class StageRunner:
             self.block_tables[seq.seq_id] = []
             if self.sampler is not None:
                 self.sampler.add_sequence(seq)
-        for chunk in batch.chunks:
-            self.block_tables[chunk.seq_id].extend(chunk.new_block_ids)
+        c, tables, b = batch.chunks, self.block_tables, 0
+        for seq_id, n in zip(c.seq_ids, c.num_new_blocks):
+            if n:
+                tables[seq_id].extend(c.new_block_ids[b:b + n])
+                b += n
 
     def _prepare(self, batch: StepBatch):
-        bs = self.block_size
-        ids, positions, slots, context_lens, starts = [], [], [], [], [0]
+        bs, c = self.block_size, batch.chunks
+        positions, slots, context_lens, starts = [], [], [], [0]
         sample_rows, sample_ids = [], []
-        tables = [self.block_tables[c.seq_id] for c in batch.chunks]
-        for chunk, table in zip(batch.chunks, tables):
-            n, p0 = len(chunk.token_ids), chunk.start_position
+        tables = [self.block_tables[s] for s in c.seq_ids]
+        for seq_id, table, n, p0, sample in zip(c.seq_ids, tables, c.num_tokens, c.start_positions, c.sample):
             if -(-(p0 + n) // bs) > len(table):
-                raise StagemeshError(f"sequence {chunk.seq_id} has {len(table)} KV blocks for {p0 + n} tokens")
-            ids.extend(chunk.token_ids)
+                raise StagemeshError(f"sequence {seq_id} has {len(table)} KV blocks for {p0 + n} tokens")
             pos = range(p0, p0 + n)
             positions.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             context_lens.append(p0 + n)
             starts.append(starts[-1] + n)
-            if chunk.sample:
+            if sample:
                 sample_rows.append(starts[-1] - 1)
-                sample_ids.append(chunk.seq_id)
+                sample_ids.append(seq_id)
         width = max(len(t) for t in tables)
         dev = self.device
         meta = AttentionMetadata(
@@ -172,5 +173,5 @@ class StageRunner:
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev) if self.is_first_stage else None
+        input_ids = torch.tensor(c.token_ids, dtype=torch.int64, device=dev) if self.is_first_stage else None
         return input_ids, meta, sample_rows, sample_ids

@@ -165,7 +165,8 @@ class StageWorker:
         reply.compute_seconds = time.perf_counter() - start
         if out.hidden_states is not None:
             reply.handoff_bytes = self.handoff.send(req.epoch, batch.step_id, out.hidden_states)
-        reply.sampled.extend(sampled_to_pb(t) for t in out.sampled)
+        if out.sampled:
+            reply.sampled.CopyFrom(sampled_to_pb(out.sampled))
         return reply
 
     def deliver(self, req: stage_pb2.PushActivationsRequest) -> None:

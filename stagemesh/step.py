@@ -1,14 +1,18 @@
-"""A pipeline step as the scheduler sends it to every stage: plain dataclasses, no protobuf.
+"""A pipeline step as the scheduler sends it to every stage: plain Python, no protobuf.
 
 The scheduler sends a sequence's prompt and sampling parameters once
 (NewSequence), then per step only the chunk of new tokens and any newly
 allocated KV blocks (ScheduledChunk): vLLM v1's NewRequestData /
 CachedRequestData idea. A preempted sequence is freed and later sent again
 as new, with the tokens it had generated in output_token_ids.
+
+A step's chunks are kept as columns (ScheduledChunks), the shape they have
+on the wire, so that neither end loops over them in Python to convert.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable, Iterator
 
 from stagemesh.sampling_params import SamplingParams
 
@@ -24,6 +28,7 @@ class NewSequence:
 
 @dataclass
 class ScheduledChunk:
+    """One sequence's part of a step; a view of one row of ScheduledChunks."""
     seq_id: int
     # the tokens whose KV this step computes (prompt chunk, or the last sampled token)
     token_ids: list[int]
@@ -36,20 +41,68 @@ class ScheduledChunk:
 
 
 @dataclass
+class ScheduledChunks:
+    """A step's chunks as parallel columns: chunk i is seq_ids[i], num_tokens[i] tokens of token_ids (back
+    to back), start_positions[i], num_new_blocks[i] block ids of new_block_ids (back to back), sample[i]."""
+    seq_ids: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    start_positions: list[int] = field(default_factory=list)
+    num_new_blocks: list[int] = field(default_factory=list)
+    new_block_ids: list[int] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, chunks: Iterable[ScheduledChunk]) -> ScheduledChunks:
+        columns = cls()
+        for c in chunks:
+            columns.append(c.seq_id, c.token_ids, c.start_position, c.new_block_ids, c.sample)
+        return columns
+
+    def append(self, seq_id: int, token_ids: list[int], start_position: int, new_block_ids: list[int],
+               sample: bool) -> None:
+        self.seq_ids.append(seq_id)
+        self.num_tokens.append(len(token_ids))
+        self.token_ids += token_ids
+        self.start_positions.append(start_position)
+        self.num_new_blocks.append(len(new_block_ids))
+        self.new_block_ids += new_block_ids
+        self.sample.append(sample)
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+    def __iter__(self) -> Iterator[ScheduledChunk]:
+        tok = blk = 0
+        for seq_id, n, start, b, sample in zip(self.seq_ids, self.num_tokens, self.start_positions,
+                                               self.num_new_blocks, self.sample):
+            yield ScheduledChunk(seq_id, self.token_ids[tok:tok + n], start, self.new_block_ids[blk:blk + b], sample)
+            tok, blk = tok + n, blk + b
+
+    def __getitem__(self, index: int) -> ScheduledChunk:
+        return list(self)[index]
+
+
+@dataclass
 class StepBatch:
     step_id: int
     micro_batch: int
     new_sequences: list[NewSequence] = field(default_factory=list)
-    chunks: list[ScheduledChunk] = field(default_factory=list)
+    # a list of ScheduledChunk is taken too (tests and benchmarks build steps chunk by chunk)
+    chunks: ScheduledChunks = field(default_factory=ScheduledChunks)
     # sequences whose state (block table, history) the stage must drop
     finished_seq_ids: list[int] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunks, ScheduledChunks):
+            self.chunks = ScheduledChunks.of(self.chunks)
+
     @property
     def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
+        return len(self.chunks.token_ids)
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledToken:
     seq_id: int
     token_id: int

@@ -1,42 +1,55 @@
-"""StepBatch and SampledToken <-> protobuf: the scheduler encodes, stages decode."""
+"""StepBatch and sampled tokens <-> protobuf: the scheduler encodes steps, stages decode them, and back.
+
+Chunks and sampled tokens travel as packed columns, so a step costs a few
+list copies however many sequences it holds; only new sequences and logprobs
+are messages per item.
+"""
 from __future__ import annotations
 
-from stagemesh.step import NewSequence, SampledToken, ScheduledChunk, StepBatch
+from stagemesh.step import NewSequence, SampledToken, ScheduledChunks, StepBatch
 from stagemesh.v1 import common_pb2, stage_pb2
 from stagemesh.wire import sampling_from_pb, sampling_to_pb
 
 
 def step_to_pb(batch: StepBatch) -> stage_pb2.StepBatch:
+    c = batch.chunks
     return stage_pb2.StepBatch(
         step_id=batch.step_id, micro_batch=batch.micro_batch,
         new_sequences=[stage_pb2.NewSequence(seq_id=s.seq_id, prompt_token_ids=s.prompt_token_ids,
                                              sampling=sampling_to_pb(s.sampling), output_token_ids=s.output_token_ids)
                        for s in batch.new_sequences],
-        chunks=[stage_pb2.ScheduledChunk(seq_id=c.seq_id, token_ids=c.token_ids, start_position=c.start_position,
-                                         new_block_ids=c.new_block_ids, sample=c.sample) for c in batch.chunks],
+        chunks=stage_pb2.ScheduledChunks(seq_ids=c.seq_ids, num_tokens=c.num_tokens, token_ids=c.token_ids,
+                                         start_positions=c.start_positions, num_new_blocks=c.num_new_blocks,
+                                         new_block_ids=c.new_block_ids, sample=c.sample),
         finished_seq_ids=batch.finished_seq_ids,
     )
 
 
 def step_from_pb(msg: stage_pb2.StepBatch) -> StepBatch:
+    c = msg.chunks
     return StepBatch(
         step_id=msg.step_id, micro_batch=msg.micro_batch,
         new_sequences=[NewSequence(s.seq_id, list(s.prompt_token_ids), sampling_from_pb(s.sampling),
                                    list(s.output_token_ids)) for s in msg.new_sequences],
-        chunks=[ScheduledChunk(c.seq_id, list(c.token_ids), c.start_position, list(c.new_block_ids), c.sample)
-                for c in msg.chunks],
+        chunks=ScheduledChunks(list(c.seq_ids), list(c.num_tokens), list(c.token_ids), list(c.start_positions),
+                               list(c.num_new_blocks), list(c.new_block_ids), list(c.sample)),
         finished_seq_ids=list(msg.finished_seq_ids),
     )
 
 
-def sampled_to_pb(tok: SampledToken) -> stage_pb2.SampledToken:
-    return stage_pb2.SampledToken(
-        seq_id=tok.seq_id, has_logprob=tok.logprob is not None,
-        token=common_pb2.TokenLogprob(token_id=tok.token_id, logprob=tok.logprob or 0.0,
-                                      top_token_ids=tok.top_token_ids, top_logprobs=tok.top_logprobs))
+def sampled_to_pb(sampled: list[SampledToken]) -> stage_pb2.SampledTokens:
+    msg = stage_pb2.SampledTokens(seq_ids=[t.seq_id for t in sampled], token_ids=[t.token_id for t in sampled])
+    for row, t in enumerate(sampled):
+        if t.logprob is not None:
+            msg.logprob_rows.append(row)
+            msg.logprobs.append(common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob,
+                                                        top_token_ids=t.top_token_ids, top_logprobs=t.top_logprobs))
+    return msg
 
 
-def sampled_from_pb(msg: stage_pb2.SampledToken) -> SampledToken:
-    t = msg.token
-    return SampledToken(msg.seq_id, t.token_id, t.logprob if msg.has_logprob else None,
-                        list(t.top_token_ids), list(t.top_logprobs))
+def sampled_from_pb(msg: stage_pb2.SampledTokens) -> list[SampledToken]:
+    sampled = list(map(SampledToken, msg.seq_ids, msg.token_ids))
+    for row, lp in zip(msg.logprob_rows, msg.logprobs):
+        t = sampled[row]
+        t.logprob, t.top_token_ids, t.top_logprobs = lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs)
+    return sampled

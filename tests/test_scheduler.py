@@ -133,3 +133,16 @@ def test_max_seqs_caps_a_micro_batch_so_the_next_one_has_work():
         s.add_request(f"r{i}", [3, 4, 5], SamplingParams(max_tokens=4))
     first, second = s.schedule(max_seqs=2), s.schedule(max_seqs=2)
     assert first.request_ids == ["r0", "r1"] and second.request_ids == ["r2", "r3"]
+
+
+def test_blocks_filled_by_decoding_serve_as_a_cached_prefix():
+    s = make(block_size=4, max_num_batched_tokens=3)  # the prompt comes in chunks of 3: they straddle blocks
+    s.add_request("a", [3, 4, 5, 6, 8], SamplingParams(max_tokens=6, ignore_eos=True))
+    generated = []
+    while s.has_unfinished():
+        generated += [t for r in run_step(s, token=9)[1] for t in r.new_token_ids]
+    assert generated == [9] * 6
+    # a's 11 tokens filled two blocks (the second one while decoding)
+    s.add_request("b", [3, 4, 5, 6, 8, 9, 9, 9, 1, 1], SamplingParams(max_tokens=1))
+    out, _ = run_step(s)
+    assert out.step_batch.chunks[0].start_position == 8 and out.step_batch.chunks[0].token_ids == [1, 1]

@@ -236,43 +236,68 @@ class NewSequence(_message.Message):
 Global___NewSequence: _TypeAlias = NewSequence  # noqa: Y015
 
 @_typing.final
-class ScheduledChunk(_message.Message):
+class ScheduledChunks(_message.Message):
+    """A step's chunks as parallel columns, one row per sequence in the step:
+    chunk i computes num_tokens[i] tokens of token_ids (the chunks' tokens back
+    to back) for sequence seq_ids[i], from position start_positions[i]. Packed
+    columns keep a decode step of many sequences one small message.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
-    SEQ_ID_FIELD_NUMBER: _builtins.int
+    SEQ_IDS_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
-    START_POSITION_FIELD_NUMBER: _builtins.int
+    START_POSITIONS_FIELD_NUMBER: _builtins.int
+    NUM_NEW_BLOCKS_FIELD_NUMBER: _builtins.int
     NEW_BLOCK_IDS_FIELD_NUMBER: _builtins.int
     SAMPLE_FIELD_NUMBER: _builtins.int
-    seq_id: _builtins.int
-    start_position: _builtins.int
-    """Position of token_ids[0]."""
-    sample: _builtins.bool
-    """Sample a token after this chunk."""
+    @_builtins.property
+    def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The sequence of each chunk."""
+
+    @_builtins.property
+    def num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """How many tokens each chunk computes (its prompt part, or 1 when decoding)."""
+
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Tokens whose KV this step computes."""
+        """The tokens whose KV this step computes, chunk after chunk."""
+
+    @_builtins.property
+    def start_positions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Position of each chunk's first token (the sequence's tokens computed so far)."""
+
+    @_builtins.property
+    def num_new_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """How many KV blocks each chunk appends to its sequence's block table."""
 
     @_builtins.property
     def new_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """KV blocks appended to the sequence's block table in this step."""
+        """The appended block ids, chunk after chunk."""
+
+    @_builtins.property
+    def sample(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """Whether to sample a token after each chunk (its prompt is complete)."""
 
     def __init__(
         self,
         *,
-        seq_id: _builtins.int = ...,
+        seq_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_tokens: _abc.Iterable[_builtins.int] | None = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
-        start_position: _builtins.int = ...,
+        start_positions: _abc.Iterable[_builtins.int] | None = ...,
+        num_new_blocks: _abc.Iterable[_builtins.int] | None = ...,
         new_block_ids: _abc.Iterable[_builtins.int] | None = ...,
-        sample: _builtins.bool = ...,
+        sample: _abc.Iterable[_builtins.bool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["new_block_ids", b"new_block_ids", "sample", b"sample", "seq_id", b"seq_id", "start_position", b"start_position", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["new_block_ids", b"new_block_ids", "num_new_blocks", b"num_new_blocks", "num_tokens", b"num_tokens", "sample", b"sample", "seq_ids", b"seq_ids", "start_positions", b"start_positions", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___ScheduledChunk: _TypeAlias = ScheduledChunk  # noqa: Y015
+Global___ScheduledChunks: _TypeAlias = ScheduledChunks  # noqa: Y015
 
 @_typing.final
 class StepBatch(_message.Message):
@@ -281,8 +306,8 @@ class StepBatch(_message.Message):
     STEP_ID_FIELD_NUMBER: _builtins.int
     MICRO_BATCH_FIELD_NUMBER: _builtins.int
     NEW_SEQUENCES_FIELD_NUMBER: _builtins.int
-    CHUNKS_FIELD_NUMBER: _builtins.int
     FINISHED_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    CHUNKS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     micro_batch: _builtins.int
     @_builtins.property
@@ -290,21 +315,21 @@ class StepBatch(_message.Message):
         """Sequences sent for the first time (or again after a preemption)."""
 
     @_builtins.property
-    def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScheduledChunk]: ...
-    @_builtins.property
     def finished_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Sequences whose state the stage drops."""
 
+    @_builtins.property
+    def chunks(self) -> Global___ScheduledChunks: ...
     def __init__(
         self,
         *,
         step_id: _builtins.int = ...,
         micro_batch: _builtins.int = ...,
         new_sequences: _abc.Iterable[Global___NewSequence] | None = ...,
-        chunks: _abc.Iterable[Global___ScheduledChunk] | None = ...,
         finished_seq_ids: _abc.Iterable[_builtins.int] | None = ...,
+        chunks: Global___ScheduledChunks | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
     _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "finished_seq_ids", b"finished_seq_ids", "micro_batch", b"micro_batch", "new_sequences", b"new_sequences", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
@@ -344,31 +369,44 @@ class ForwardRequest(_message.Message):
 Global___ForwardRequest: _TypeAlias = ForwardRequest  # noqa: Y015
 
 @_typing.final
-class SampledToken(_message.Message):
+class SampledTokens(_message.Message):
+    """The tokens the last stage sampled in one step, as columns: one row per
+    chunk with sample set, in chunk order.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
-    SEQ_ID_FIELD_NUMBER: _builtins.int
-    TOKEN_FIELD_NUMBER: _builtins.int
-    HAS_LOGPROB_FIELD_NUMBER: _builtins.int
-    seq_id: _builtins.int
-    has_logprob: _builtins.bool
-    """Whether token.logprob is set (the request asked for logprobs)."""
+    SEQ_IDS_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LOGPROB_ROWS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def token(self) -> _common_pb2.TokenLogprob: ...
+    def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def logprob_rows(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Rows (indices into seq_ids) of the sequences that asked for logprobs,
+        in order; logprobs holds one entry for each.
+        """
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]: ...
     def __init__(
         self,
         *,
-        seq_id: _builtins.int = ...,
-        token: _common_pb2.TokenLogprob | None = ...,
-        has_logprob: _builtins.bool = ...,
+        seq_ids: _abc.Iterable[_builtins.int] | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        logprob_rows: _abc.Iterable[_builtins.int] | None = ...,
+        logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_logprob", b"has_logprob", "seq_id", b"seq_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob_rows", b"logprob_rows", "logprobs", b"logprobs", "seq_ids", b"seq_ids", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___SampledToken: _TypeAlias = SampledToken  # noqa: Y015
+Global___SampledTokens: _TypeAlias = SampledTokens  # noqa: Y015
 
 @_typing.final
 class ForwardResponse(_message.Message):
@@ -384,18 +422,18 @@ class ForwardResponse(_message.Message):
     handoff_bytes: _builtins.int
     """Bytes of activations sent to the next stage."""
     @_builtins.property
-    def sampled(self) -> _containers.RepeatedCompositeFieldContainer[Global___SampledToken]:
-        """Last stage only: one per chunk with sample set."""
+    def sampled(self) -> Global___SampledTokens:
+        """Last stage only: the sampled tokens."""
 
     def __init__(
         self,
         *,
-        sampled: _abc.Iterable[Global___SampledToken] | None = ...,
+        sampled: Global___SampledTokens | None = ...,
         compute_seconds: _builtins.float = ...,
         handoff_wait_seconds: _builtins.float = ...,
         handoff_bytes: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampled", b"sampled"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
     _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_seconds", b"compute_seconds", "handoff_bytes", b"handoff_bytes", "handoff_wait_seconds", b"handoff_wait_seconds", "sampled", b"sampled"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
