@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 
 import grpc
 import torch
@@ -27,11 +28,20 @@ class HandoffAborted(Exception):
 
 
 class DistHandoff:
+    # Sends in flight before the oldest is waited for. A blocking send would hold this stage
+    # until the next one posts its receive, i.e. until it finishes its current micro-batch:
+    # gloo's send completes only then, and the pipeline would run in lock step.
+    MAX_PENDING_SENDS = 4
+
     def __init__(self, prev_rank: int | None, next_rank: int | None, device: torch.device):
         self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device
+        self._pending: deque[tuple[dist.Work, torch.Tensor]] = deque()  # the tensor lives until its send is done
 
     def send(self, epoch: int, step_id: int, hidden: torch.Tensor) -> int:
-        dist.send(hidden.contiguous(), dst=self.next_rank)
+        hidden = hidden.contiguous()
+        self._pending.append((dist.isend(hidden, dst=self.next_rank), hidden))
+        while self._pending and (len(self._pending) > self.MAX_PENDING_SENDS or self._pending[0][0].is_completed()):
+            self._pending.popleft()[0].wait()
         return hidden.numel() * hidden.element_size()
 
     def recv(self, epoch: int, step_id: int, shape: tuple[int, ...], dtype: torch.dtype,
@@ -41,7 +51,7 @@ class DistHandoff:
         return buf
 
     def abort(self) -> None:
-        pass  # a dead peer breaks the gloo/NCCL connection, which raises in recv
+        self._pending.clear()  # a dead peer breaks the gloo/NCCL connection, which raises in recv
 
 
 class GrpcHandoff:
