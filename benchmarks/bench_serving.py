@@ -4,6 +4,7 @@ client: the standard CPU workload against transformers' static batches, and trac
     python benchmarks/bench_serving.py --layouts "" "-pp 2" --baseline          # vs transformers
     python benchmarks/bench_serving.py --layouts "-pp 2" --tracing             # 100% sampled traces vs none
     python benchmarks/bench_serving.py --layouts "-pp 2 --threads 2" --batch1  # mesh TPOT vs in-process
+    python benchmarks/bench_serving.py --eight-heads --layouts "--threads 1" "-tp 2 --threads 1"  # TP scaling
 
 Each layout is a fresh `stagemesh serve` (default model) started and stopped here; the workload is the
 same seeded one for every run: 32 requests, prompts of 16-256 tokens, outputs of 16-128 (ignore_eos),
@@ -59,10 +60,11 @@ def otlp_sink() -> tuple[grpc.Server, int, list]:
     return server, port, count
 
 
-def serve_and_bench(layout: str, workload: list, extra: list[str], max_concurrency: int | None = None) -> dict:
+def serve_and_bench(layout: str, workload: list, extra: list[str], max_concurrency: int | None = None,
+                    model: str | None = None) -> dict:
     port = free_port()
-    argv = [sys.executable, "-m", "stagemesh", "serve", "--port", str(port), "--grpc-port", str(free_port()),
-            "--log-level", "warning", *shlex.split(layout), *extra]
+    argv = [sys.executable, "-m", "stagemesh", "serve", *([model] if model else []), "--port", str(port),
+            "--grpc-port", str(free_port()), "--log-level", "warning", *shlex.split(layout), *extra]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
@@ -77,7 +79,8 @@ def serve_and_bench(layout: str, workload: list, extra: list[str], max_concurren
             time.sleep(0.5)
 
         async def go():
-            backend = OpenAIBackend(f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct")
+            name = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"][0]["id"]
+            backend = OpenAIBackend(f"http://127.0.0.1:{port}", name)
             try:
                 await drive(backend, workload[:2], float("inf"), None, 0, False)  # warm up
                 return await drive(backend, workload, float("inf"), max_concurrency, 0, False)
@@ -100,12 +103,20 @@ def main() -> None:
     p.add_argument("--tracing", action="store_true", help="run each layout again with every request traced")
     p.add_argument("--batch1", action="store_true", help="one request at a time: time per output token through "
                                                         "the mesh against the same model in-process")
+    p.add_argument("--eight-heads", action="store_true", help="serve the SmolLM2-shaped model with 8 heads "
+                                                              "(benchmarks/eight_head_model.py), which TP=2 can split")
     a = p.parse_args()
     if a.batch1:
         return batch1(a.layouts)
     from transformers import AutoTokenizer
 
-    model_dir = resolve_model(None)
+    model = None
+    if a.eight_heads:
+        sys.path.insert(0, os.path.dirname(__file__))
+        from eight_head_model import eight_head_model_dir
+
+        model = str(eight_head_model_dir())
+    model_dir = resolve_model(model)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     workload = synthetic(len(tok), set(tok.all_special_ids), a.num_prompts, (16, 256), (16, 128), seed=0)
     print(f"workload: {len(workload)} requests, {sum(r.input_len for r in workload)} prompt tokens, "
@@ -115,7 +126,7 @@ def main() -> None:
         base = transformers_static(str(model_dir), workload, 16, progress=False)
         print(f"{base['name']}: {base['output_throughput']:.1f} output tok/s")
     for layout in a.layouts:
-        off = serve_and_bench(layout, workload, [])
+        off = serve_and_bench(layout, workload, [], model=model)
         line = (f"serve {layout or '(TP1 PP1 DP1)'}: {off['output_throughput']:.1f} output tok/s, "
                 f"TTFT p50 {off['p50_ttft_ms']:.0f} ms, TPOT p50 {off['p50_tpot_ms']:.1f} ms, "
                 f"{off['failed_requests']} failed")
@@ -127,7 +138,8 @@ def main() -> None:
             try:
                 env_sampler = {"OTEL_TRACES_SAMPLER": "always_on"}
                 os.environ.update(env_sampler)
-                on = serve_and_bench(layout, workload, ["--otlp-traces-endpoint", f"http://127.0.0.1:{port}"])
+                on = serve_and_bench(layout, workload, ["--otlp-traces-endpoint", f"http://127.0.0.1:{port}"],
+                                     model=model)
             finally:
                 server.stop(grace=2)
             print(f"serve {layout or '(TP1 PP1 DP1)'} with tracing (100% sampled, {spans[0]} spans received): "
