@@ -1,4 +1,5 @@
-"""The fused CPU kernels (kernels/csrc/cpu_ops.cpp): built once per machine, loaded on demand.
+"""The fused CPU kernels (kernels/csrc/cpu_ops.cpp) and the shared-memory collectives of CPU
+tensor parallelism (kernels/csrc/shm_comm.cpp): built once per machine, loaded on demand.
 
 `make install` builds them (`python -m kernels`); a process that finds no
 build compiles it on first use (about half a minute, logged) into the stagemesh cache,
@@ -21,7 +22,8 @@ import torch
 from kernels import reference
 
 log = logging.getLogger("stagemesh.kernels")
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "shm_comm.cpp"]
 
 
 def _capability() -> str:
@@ -48,7 +50,8 @@ def _build_dir(name: str) -> Path:
 
 
 def _module_name(capability: str) -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_flags(capability)).encode()).hexdigest()[:10]
+    code = b"".join(p.read_bytes() for p in sorted(CSRC.iterdir()))
+    digest = hashlib.sha256(code + " ".join(_flags(capability)).encode()).hexdigest()[:10]
     return f"stagemesh_cpu_ops_{capability}_{digest}"
 
 
@@ -75,7 +78,7 @@ def load(verbose: bool = False):
 
         build_dir.mkdir(parents=True, exist_ok=True)
         log.info("compiling the CPU kernels for %s (once per machine, about a minute) into %s", capability, build_dir)
-        return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=_flags(capability),
+        return cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=_flags(capability),
                                   extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=verbose)
     except Exception as err:  # noqa: BLE001 - no compiler, no ninja, read-only cache: the torch reference serves
         log.warning("CPU kernels unavailable, the CPU path uses the torch reference (slower): %s",

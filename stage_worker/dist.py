@@ -6,39 +6,83 @@ followers as protobuf bytes broadcast over the TP group (never pickled).
 """
 from __future__ import annotations
 
+import os
+import tempfile
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from stagemesh.v1 import stage_pb2
+from stage_worker.parallel import TPGroup
 
 FORWARD, LEAVE = 1, 2
 STORE_TIMEOUT = timedelta(seconds=60)
 GROUP_TIMEOUT = timedelta(seconds=120)
+SHM_DIR = "/dev/shm"
+SHM_SLOT_BYTES = 16 * 2**20  # the largest tensor a shared-memory collective carries; larger ones take gloo
 
 
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def join_world(req: stage_pb2.JoinPipelineRequest, tp_rank: int, device: torch.device):
-    """Join the epoch's world; returns (global rank, this stage's TP group)."""
-    leave_world()
-    store = dist.TCPStore(req.store_host, req.store_port, is_master=False, timeout=STORE_TIMEOUT)
-    rank = req.rank_offset + tp_rank
-    dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"epoch-{req.epoch}/", store), rank=rank,
-                            world_size=req.world_size, timeout=GROUP_TIMEOUT)
-    mine, start = None, 0
+def join_world(req: stage_pb2.JoinPipelineRequest, tp: TPGroup, device: torch.device) -> int:
+    """Join the epoch's world and set up `tp`'s collectives in place (the model's layers hold
+    that object); returns this process's global rank."""
+    leave_world(tp)
+    store = dist.PrefixStore(f"epoch-{req.epoch}/",
+                             dist.TCPStore(req.store_host, req.store_port, is_master=False, timeout=STORE_TIMEOUT))
+    rank = req.rank_offset + tp.rank
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=req.world_size,
+                            timeout=GROUP_TIMEOUT)
+    start = 0
     for size in req.tp_sizes:  # every rank creates every group, in the same order
         group = dist.new_group(list(range(start, start + size)))
         if start <= rank < start + size:
-            mine = group
+            tp.group, tp.src = group, start
         start += size
-    return rank, mine
+    if tp.size > 1 and device.type == "cpu":
+        tp.shm = attach_shm(store, f"tp-shm-{tp.src}", tp)
+    return rank
 
 
-def leave_world() -> None:
+def attach_shm(store, key: str, tp: TPGroup):
+    """Shared-memory collectives for a CPU TP group (one host: the followers are the stage's
+    children). TP rank 0 makes the file in /dev/shm and names it in the store; it is unlinked
+    once every rank has mapped it. None (gloo then) without the CPU kernels or room in /dev/shm."""
+    from kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    slot_bytes = SHM_SLOT_BYTES
+    try:  # /dev/shm may be small (64 MiB in a container by default): slots must fit it
+        free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
+        slot_bytes = min(slot_bytes, free // (4 * tp.size))
+    except OSError:
+        slot_bytes = 0
+    usable = torch.tensor([int(ops is not None and slot_bytes >= 2**20), slot_bytes], dtype=torch.int64)
+    dist.all_reduce(usable[:1], op=dist.ReduceOp.MIN, group=tp.group)  # every rank agrees, or none uses it
+    dist.all_reduce(usable[1:], op=dist.ReduceOp.MIN, group=tp.group)
+    if not usable[0]:
+        return None
+    slot_bytes = int(usable[1])
+    if tp.rank == 0:
+        fd, path = tempfile.mkstemp(prefix="stagemesh-tp-", dir=SHM_DIR)
+        os.ftruncate(fd, ops.ShmComm.file_bytes(tp.size, slot_bytes))
+        os.close(fd)
+        store.set(key, path)
+    else:
+        path = store.get(key).decode()
+    comm = ops.ShmComm(path, tp.rank, tp.size, slot_bytes, GROUP_TIMEOUT.total_seconds())
+    dist.barrier(group=tp.group)
+    if tp.rank == 0:
+        os.unlink(path)
+    return comm
+
+
+def leave_world(tp: TPGroup | None = None) -> None:
+    if tp is not None:
+        tp.group = tp.shm = None
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -46,25 +90,19 @@ def leave_world() -> None:
             pass
 
 
-def send_control(kind: int, payload: bytes, src: int, group) -> None:
-    header = torch.tensor([kind, len(payload)], dtype=torch.int64)
-    dist.broadcast(header, src=src, group=group)
+def send_control(kind: int, payload: bytes, tp: TPGroup) -> None:
+    tp.broadcast(torch.tensor([kind, len(payload)], dtype=torch.int64))
     if payload:
-        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=src, group=group)
+        tp.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
 
 
-def recv_control(src: int, group) -> tuple[int, bytes]:
-    header = torch.empty(2, dtype=torch.int64)
-    dist.broadcast(header, src=src, group=group)
-    kind, size = header.tolist()
+def recv_control(tp: TPGroup) -> tuple[int, bytes]:
+    kind, size = tp.broadcast(torch.empty(2, dtype=torch.int64)).tolist()
     if not size:
         return kind, b""
-    payload = torch.empty(size, dtype=torch.uint8)
-    dist.broadcast(payload, src=src, group=group)
-    return kind, payload.numpy().tobytes()
+    return kind, tp.broadcast(torch.empty(size, dtype=torch.uint8)).numpy().tobytes()
 
 
-def broadcast_hidden(hidden: torch.Tensor, src: int, group) -> torch.Tensor:
-    # collectives move device tensors on NCCL, CPU tensors on gloo: hidden already lives on the stage's device
-    dist.broadcast(hidden, src=src, group=group)
-    return hidden
+def broadcast_hidden(hidden: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    # collectives move device tensors on NCCL, CPU tensors on gloo or shared memory: hidden lives on the stage's device
+    return tp.broadcast(hidden)

@@ -38,25 +38,24 @@ def read_message(stream) -> bytes | None:
     return stream.read(size)
 
 
-def serve_epoch(runner: StageRunner, join: stage_pb2.JoinPipelineRequest, tp_rank: int) -> None:
-    _, group = sdist.join_world(join, tp_rank, runner.device)
-    runner.tp.group = group
+def serve_epoch(runner: StageRunner, join: stage_pb2.JoinPipelineRequest) -> None:
+    tp = runner.tp
+    sdist.join_world(join, tp, runner.device)
     runner.reset(join.num_kv_blocks)
-    src = join.rank_offset
     hidden_size = runner.config.hidden_size
     try:
         while True:
-            kind, payload = sdist.recv_control(src, group)
+            kind, payload = sdist.recv_control(tp)
             if kind == sdist.LEAVE:
                 return
             step = step_from_pb(stage_pb2.ForwardRequest.FromString(payload).step)
             hidden = None
             if not runner.is_first_stage:
                 buf = torch.empty((step.num_tokens, hidden_size), dtype=runner.dtype, device=runner.device)
-                hidden = sdist.broadcast_hidden(buf, src, group)
+                hidden = sdist.broadcast_hidden(buf, tp)
             runner.execute(step, hidden)
     finally:
-        sdist.leave_world()
+        sdist.leave_world(tp)
 
 
 def main() -> None:
@@ -83,7 +82,7 @@ def main() -> None:
     while (raw := read_message(sys.stdin.buffer)) is not None:
         join = stage_pb2.JoinPipelineRequest.FromString(raw)
         try:
-            serve_epoch(runner, join, args.tp_rank)
+            serve_epoch(runner, join)
         except Exception as err:  # the epoch broke (a peer died): wait for the next one
             log.warning("epoch %d ended: %s", join.epoch, err)
 

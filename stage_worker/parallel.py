@@ -13,23 +13,48 @@ from stagemesh.model_config import ModelConfig
 
 @dataclass
 class TPGroup:
-    """This process's place in its stage's TP group; size 1 needs no torch.distributed."""
+    """This process's place in its stage's TP group; size 1 needs no torch.distributed.
+
+    A CPU group on one host moves its collectives through shared memory (`shm`, see
+    stage_worker.dist.attach_shm), gloo being a loopback-TCP round trip per collective;
+    tensors too large for its slots, and GPU groups (NCCL), go through `group`. Every rank
+    takes the same path for a collective: it depends only on the tensor's size and layout."""
 
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup when size > 1
+    shm: Any = None  # kernels' ShmComm of this group, or None
+    src: int = 0  # global rank of TP rank 0, the source of broadcasts
+
+    def _fits_shm(self, x: torch.Tensor) -> bool:
+        return (self.shm is not None and x.device.type == "cpu" and x.is_contiguous()
+                and x.numel() * x.element_size() <= self.shm.slot_bytes())
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            if x.dtype == torch.float32 and self._fits_shm(x):
+                self.shm.all_reduce(x)
+            else:
+                dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
+        x = x.contiguous()
+        if self._fits_shm(x):
+            return torch.cat(self.shm.all_gather(x).unbind(0), dim=-1)
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """x from TP rank 0 to every rank, in place."""
+        if self._fits_shm(x):
+            self.shm.broadcast(x, 0)
+        else:
+            dist.broadcast(x, src=self.src, group=self.group)
+        return x
 
 
 @dataclass(frozen=True)

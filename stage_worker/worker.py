@@ -62,8 +62,6 @@ class StageWorker:
         self.num_kv_blocks = num_kv_blocks_for_budget(self._kv_budget(), self.runner.kv_bytes_per_block)
         self.epoch = -1
         self.handoff = None
-        self.group = None
-        self.tp_src = 0
         self._next_step = 0
         self._turn = threading.Condition()
 
@@ -99,9 +97,7 @@ class StageWorker:
         for proc in self.followers:
             proc.stdin.write(struct.pack("<I", len(payload)) + payload)
             proc.stdin.flush()
-        rank, self.group = sdist.join_world(req, 0, self.runner.device)
-        self.tp_src = rank
-        self.runner.tp.group = self.group
+        rank = sdist.join_world(req, self.runner.tp, self.runner.device)
         self.runner.reset(req.num_kv_blocks)
         index, sizes = self.cfg.stage_index, list(req.tp_sizes)
         if self.cfg.handoff == "nccl":
@@ -120,16 +116,15 @@ class StageWorker:
     def _leave(self) -> None:
         if self.handoff is not None:
             self.handoff.abort()
-        if self.group is not None and self.followers:
+        if self.runner.tp.group is not None and self.followers:
             try:
-                sdist.send_control(sdist.LEAVE, b"", self.tp_src, self.group)
+                sdist.send_control(sdist.LEAVE, b"", self.runner.tp)
             except Exception as err:
                 log.warning("could not tell followers to leave: %s", err)
         with self._turn:
             self.epoch = -1
             self._turn.notify_all()
-        sdist.leave_world()
-        self.group = None
+        sdist.leave_world(self.runner.tp)
 
     # -- steps --------------------------------------------------------------------
     def forward(self, req: stage_pb2.ForwardRequest) -> stage_pb2.ForwardResponse:
@@ -158,9 +153,9 @@ class StageWorker:
             reply.handoff_wait_seconds = time.perf_counter() - start
         start = time.perf_counter()
         if self.followers:
-            sdist.send_control(sdist.FORWARD, req.SerializeToString(), self.tp_src, self.group)
+            sdist.send_control(sdist.FORWARD, req.SerializeToString(), runner.tp)
             if hidden is not None:
-                sdist.broadcast_hidden(hidden, self.tp_src, self.group)
+                sdist.broadcast_hidden(hidden, runner.tp)
         out = runner.execute(batch, hidden)
         reply.compute_seconds = time.perf_counter() - start
         if out.hidden_states is not None:

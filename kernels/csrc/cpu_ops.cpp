@@ -7,8 +7,12 @@
 
 #include <ATen/Parallel.h>
 
+#include "shm_comm.h"
+
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -25,6 +29,26 @@ void check_f32_cpu(const at::Tensor& t, const char* name) {
 
 int64_t grain_rows(int64_t floats_per_row) {
   return std::max<int64_t>(1, kGrainFloats / std::max<int64_t>(floats_per_row, 1));
+}
+
+// expf after Cephes (about 1 ulp on [-87, 88]), branch- and call-free so that the loops of
+// softmax and SiLU vectorize: a libm call per element would cost more than the rest of them.
+inline float exp_poly(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  x -= n * 0.693359375f;
+  x -= n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * (x * x) + x + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -139,8 +163,9 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
 }
 
 // Attention of single query rows over the paged cache. Row r belongs to sequence seq[r]
-// and sees its first visible[r] positions. One task per (row, KV head): the query heads
-// sharing that KV head read each key and value once, with a two-pass softmax in fp32.
+// and sees its first visible[r] positions. One task per row: it walks the row's blocks in
+// order and reads each position's keys (then values) of all KV heads as one contiguous
+// run, which the hardware prefetcher follows; softmax in fp32, two passes.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& visible,
                             double scale) {
@@ -155,46 +180,56 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), num_blocks = k_cache.size(0);
   TORCH_CHECK(heads % kv_heads == 0, heads, " query heads do not share ", kv_heads, " KV heads evenly");
   TORCH_CHECK(k_cache.size(3) == dim, "q and the KV cache differ in head_dim");
-  const int64_t group = heads / kv_heads, width = tables.size(1);
+  const int64_t group = heads / kv_heads, width = tables.size(1), row_floats = kv_heads * dim;
   const int32_t *bt = tables.data_ptr<int32_t>(), *sq = seqs.data_ptr<int32_t>(), *ln = lens.data_ptr<int32_t>();
-  for (int64_t r = 0; r < rows; ++r)
+  int64_t max_len = 0;
+  for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(ln[r] > 0 && ln[r] <= width * block_size, "row ", r, " sees ", ln[r], " positions; its block table holds ",
                 width * block_size);
+    for (int64_t b = 0; b < (ln[r] + block_size - 1) / block_size; ++b) {
+      const int32_t block = bt[static_cast<int64_t>(sq[r]) * width + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " is outside the KV cache");
+    }
+    max_len = std::max<int64_t>(max_len, ln[r]);
+  }
   at::Tensor out = at::empty_like(qc);
   const float *qp = qc.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t max_len = lens.max().item<int32_t>();
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, rows * kv_heads, grain_rows(2 * max_len * dim), [&](int64_t lo, int64_t hi) {
-    std::vector<float> scores(group * max_len);
-    for (int64_t task = lo; task < hi; ++task) {
-      const int64_t r = task / kv_heads, h = task % kv_heads, len = ln[r];
+  at::parallel_for(0, rows, grain_rows(2 * max_len * row_floats), [&](int64_t lo, int64_t hi) {
+    std::vector<float> scores(heads * max_len);  // [head][position]
+    for (int64_t r = lo; r < hi; ++r) {
+      const int64_t len = ln[r];
       const int32_t* table = bt + static_cast<int64_t>(sq[r]) * width;
-      const float* qh = qp + (r * heads + h * group) * dim;
-      float* oh = op + (r * heads + h * group) * dim;
+      const float* qr = qp + r * heads * dim;
+      float* orow = op + r * heads * dim;
       for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = table[t / block_size];
-        TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " is outside the KV cache");
-        const float* key = kp + ((block * block_size + t % block_size) * kv_heads + h) * dim;
-        for (int64_t g = 0; g < group; ++g) scores[g * max_len + t] = dot(qh + g * dim, key, dim) * fscale;
+        const float* key = kp + (table[t / block_size] * block_size + t % block_size) * row_floats;
+        for (int64_t h = 0; h < heads; ++h)
+          scores[h * max_len + t] = dot(qr + h * dim, key + (h / group) * dim, dim) * fscale;
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * max_len;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* s = scores.data() + h * max_len;
         const float m = *std::max_element(s, s + len);
         float total = 0.f;
-        for (int64_t t = 0; t < len; ++t) total += (s[t] = std::exp(s[t] - m));
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = exp_poly(s[t] - m);
+          total += s[t];
+        }
         const float inv = 1.f / total;
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-        std::fill(oh + g * dim, oh + (g + 1) * dim, 0.f);
-      }
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = table[t / block_size];
-        const float* value = vp + ((block * block_size + t % block_size) * kv_heads + h) * dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * max_len + t];
-          float* o = oh + g * dim;
 #pragma omp simd
-          for (int64_t i = 0; i < dim; ++i) o[i] += p * value[i];
+        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+      }
+      std::fill(orow, orow + heads * dim, 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const float* value = vp + (table[t / block_size] * block_size + t % block_size) * row_floats;
+        for (int64_t h = 0; h < heads; ++h) {
+          const float p = scores[h * max_len + t];
+          const float* v = value + (h / group) * dim;
+          float* o = orow + h * dim;
+#pragma omp simd
+          for (int64_t i = 0; i < dim; ++i) o[i] += p * v[i];
         }
       }
     }
@@ -217,7 +252,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
       const float *gate = src + r * 2 * width, *up = gate + width;
       float* o = dst + r * width;
 #pragma omp simd
-      for (int64_t i = 0; i < width; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+      for (int64_t i = 0; i < width; ++i) o[i] = gate[i] / (1.f + exp_poly(-gate[i])) * up[i];
     }
   });
   return out;
@@ -229,4 +264,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_cache", &write_kv_cache, "write k and v into the paged cache");
   m.def("decode_attention", &decode_attention, "single-query attention over the paged cache");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
+  pybind11::class_<ShmComm>(m, "ShmComm")
+      .def(pybind11::init<const std::string&, int64_t, int64_t, int64_t, double>())
+      .def_static("file_bytes", &ShmComm::file_bytes)
+      .def("slot_bytes", &ShmComm::slot_bytes)
+      .def("all_reduce", &ShmComm::all_reduce, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("broadcast", &ShmComm::broadcast, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("all_gather", &ShmComm::all_gather, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
