@@ -125,9 +125,10 @@ def _one_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if q_len > 1:
         rows = torch.arange(q_len, device=q.device)[:, None] + offset
         mask = torch.arange(context_len, device=q.device)[None, :] <= rows
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                         scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    # 4-d (a batch of one): torch's CPU flash kernel takes it, 3-d inputs fall back to the slower math path
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.to(q.dtype)[None], v.to(q.dtype)[None],
+                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 # Every layer of a step sees the same metadata tensors: derive what the torch path
