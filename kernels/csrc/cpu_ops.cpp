@@ -13,7 +13,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 namespace {
@@ -83,7 +82,8 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, 
   }
   at::Tensor out = at::empty_like(sum);
   const int64_t rows = sum.numel() / hidden;
-  const float *src = sum.data_ptr<float>(), *w = weight.contiguous().data_ptr<float>();
+  const at::Tensor w_c = weight.contiguous();  // held: a temporary's pointer would dangle
+  const float *src = sum.data_ptr<float>(), *w = w_c.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, rows, grain_rows(hidden), [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
