@@ -1,6 +1,11 @@
 """Pipeline efficiency on this machine's cores: PP=2 with each stage pinned to one core
 against PP=1 on one core, 32 concurrent sequences of the default model. Same run.
 
+Also prints the ratio a perfect pipeline would reach here (no bubbles, no scheduler): PP=2
+runs each stage on half the sequences (two micro-batches), and a 16-row decode step of a
+stage's layers costs more than half a 32-row one (its weights are read once per step);
+measured in-process on one thread with the same split.
+
     .venv/bin/python benchmarks/bench_pipeline.py [--seqs 32] [--prompt 32] [--tokens 64]
 """
 from __future__ import annotations
@@ -30,6 +35,42 @@ def throughput(split: list[int], cores: list[str], prompts, tokens: int, handoff
     return sum(len(o) for o in out) / elapsed
 
 
+def stage_step_seconds(split: list[int], batch: int, prompt: int, steps: int = 8) -> list[float]:
+    """Median decode-step time of each stage of `split` at `batch` sequences, in-process, one thread."""
+    import statistics
+
+    import torch
+
+    from scheduler.local_engine import LocalEngine
+
+    torch.set_num_threads(1)
+    engine = LocalEngine(default_model_dir(), split=split)
+    rng = random.Random(batch)
+    for _ in range(batch):
+        engine.add_request([rng.randrange(100, 40000) for _ in range(prompt)],
+                           SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+    times: list[list[float]] = [[] for _ in split]
+    for step in range(steps + 2):
+        output = engine.scheduler.schedule()
+        hidden, result = None, None
+        for i, runner in enumerate(engine.runners):
+            start = time.perf_counter()
+            result = runner.execute(output.step_batch, hidden)
+            if step >= 2:  # the prefill and the first decode step are not decode-step figures
+                times[i].append(time.perf_counter() - start)
+            hidden = result.hidden_states
+        engine.scheduler.update_from_output(output, result.sampled)
+    return [statistics.median(t) for t in times]
+
+
+def ideal_ratio(split: list[int], seqs: int, prompt: int) -> float:
+    """PP=1 does a round of `seqs` tokens in one step of all layers; PP=2 in two micro-batches of
+    half the sequences, each stage busy 2 x its half-batch time, the slower stage setting the pace."""
+    full = stage_step_seconds(split, seqs, prompt)
+    half = stage_step_seconds(split, seqs // 2, prompt)
+    return sum(full) / (2 * max(half))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seqs", type=int, default=32)
@@ -47,6 +88,9 @@ def main() -> None:
     print(f"PP=1, one core      : {one:7.1f} output tokens/s")
     print(f"PP=2, a core a stage: {two:7.1f} output tokens/s (layer split {args.layer_split})")
     print(f"ratio               : {two / one:7.2f}x (target >= 1.7)")
+    split = [int(x) for x in args.layer_split.split(",")]
+    print(f"a perfect pipeline  : {ideal_ratio(split, args.seqs, args.prompt):7.2f}x (decode steps of each stage "
+          f"at {args.seqs // 2} vs {args.seqs} rows, in-process)")
 
 
 if __name__ == "__main__":
