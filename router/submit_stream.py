@@ -114,6 +114,9 @@ class SubmitStream:
             detail = f"{err.code().name}: {err.details()}"
         except asyncio.CancelledError:  # close(), or the channel closed under it
             detail = "the stream was cancelled"
+        except Exception as err:  # a bug here must not leave the requests waiting forever
+            log.exception("reading the stream to replica %s failed", self.address)
+            detail = f"{type(err).__name__}: {err}"
         self._break(detail)
 
     def _hand_out(self, updates) -> None:
