@@ -7,7 +7,7 @@ the mesh adds per step. The run's duration over its steps shows as well what
 happens between steps (while no micro-batch is in flight, the stage idles).
 Also times the pure-Python scheduler core alone.
 
-    .venv/bin/python benchmarks/bench_scheduler_overhead.py [--seqs 64] [--tokens 128]
+    .venv/bin/python benchmarks/bench_scheduler_overhead.py [--seqs 64] [--tokens 128] [--client stream|submit]
 """
 from __future__ import annotations
 
@@ -45,7 +45,21 @@ def core_only(seqs: int, steps: int = 200) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def mesh_overhead(seqs: int, tokens: int) -> tuple[float, float, float, int]:
+def drive(mesh: Mesh, client: str, seqs: int, sampling: SamplingParams) -> None:
+    """`seqs` requests at once: over one SubmitStream (as the router sends them), or one Submit call each
+    from a thread of its own (those threads cost the client several ms of CPU per step)."""
+    requests = [(f"b{i}", [5 + i % 300, 6, 7], sampling) for i in range(seqs)]
+    if client == "stream":
+        results = mesh.submit_stream(requests)
+        failed = [r for r in results.values() if not isinstance(r, tuple)]
+        if failed:
+            raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0]}")
+        return
+    with ThreadPoolExecutor(seqs) as pool:
+        list(pool.map(lambda r: mesh.submit(*r), requests))
+
+
+def mesh_overhead(seqs: int, tokens: int, client: str) -> tuple[float, float, float, int]:
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "m", "llama", num_hidden_layers=2)
         with Mesh(model, [2], scheduler_args=("--max-num-seqs", str(seqs))) as mesh:
@@ -53,8 +67,7 @@ def mesh_overhead(seqs: int, tokens: int) -> tuple[float, float, float, int]:
             mesh.generate([[5, 6, 7]], SamplingParams(max_tokens=4))  # warm-up
             before = mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
             start = time.perf_counter()
-            with ThreadPoolExecutor(seqs) as pool:
-                list(pool.map(lambda i: mesh.submit(f"b{i}", [5 + i % 300, 6, 7], sampling), range(seqs)))
+            drive(mesh, client, seqs, sampling)
             elapsed = time.perf_counter() - start
             after = mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
     steps = after.num_steps - before.num_steps
@@ -67,10 +80,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--client", choices=("stream", "submit"), default="stream",
+                        help="stream: every request over one multiplexed SubmitStream, as the router sends them; "
+                             "submit: one Submit call per request, each from its own thread")
     args = parser.parse_args()
     core = core_only(args.seqs)
-    wall, compute, interval, steps = mesh_overhead(args.seqs, args.tokens)
-    print(f"{args.seqs} running sequences, {steps} steps")
+    wall, compute, interval, steps = mesh_overhead(args.seqs, args.tokens, args.client)
+    print(f"{args.seqs} running sequences, {steps} steps, client: {args.client}")
     print(f"scheduler core (schedule + update), in-process : {core * 1e3:7.3f} ms/step")
     print(f"step wall time through the mesh               : {wall * 1e3:7.3f} ms/step")
     print(f"model compute reported by the stage           : {compute * 1e3:7.3f} ms/step")

@@ -3,6 +3,7 @@ token), detokenize incrementally, apply stop strings, collect logprobs."""
 from __future__ import annotations
 
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -12,6 +13,7 @@ from router.errors import APIError, bad_request
 from router.observe import RequestRecord
 from router.openai_protocol import GenerateRequest
 from router.replicas import ReplicaSet
+from router.submit_stream import RequestFailed
 from router.tokenization import IncrementalDetokenizer, StopStrings, Tokenizer
 from stagemesh.v1 import scheduler_pb2
 
@@ -78,23 +80,25 @@ async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
     gen.record = record = RequestRecord(gen.request_id, len(gen.prompt_ids))
     outcome = "abort"  # unless the request finished: the client went away (or the handler was cancelled)
     try:
-        async for reply in _stream(req, gen, replicas):
-            if reply.num_prompt_tokens:
-                gen.cached_tokens = reply.num_cached_tokens
-            gen.completion_tokens += len(reply.token_ids)
-            record.tokens(len(reply.token_ids))
-            text = stops.feed(detok.add(list(reply.token_ids)))
-            reason = REASONS.get(reply.finish_reason)
-            if stops.stopped is not None:
-                record.done(gen.completion_tokens, "stop")  # before the last delta: callers stop reading there
-                yield Delta(text, list(reply.token_ids), list(reply.logprobs), "stop")
-                return  # leaving the stream cancels the call: the scheduler aborts the request
-            if reason is not None:
-                text += stops.flush()
-                record.done(gen.completion_tokens, reason)
-            yield Delta(text, list(reply.token_ids), list(reply.logprobs), reason)
-            if reason is not None:
-                return
+        # closed as soon as this generator ends, so that a request left unfinished is aborted at once
+        async with aclosing(_stream(req, gen, replicas)) as replies:
+            async for reply in replies:
+                if reply.num_prompt_tokens:
+                    gen.cached_tokens = reply.num_cached_tokens
+                gen.completion_tokens += len(reply.token_ids)
+                record.tokens(len(reply.token_ids))
+                text = stops.feed(detok.add(list(reply.token_ids)))
+                reason = REASONS.get(reply.finish_reason)
+                if stops.stopped is not None:
+                    record.done(gen.completion_tokens, "stop")  # before the last delta: callers stop reading there
+                    yield Delta(text, list(reply.token_ids), list(reply.logprobs), "stop")
+                    return  # the scheduler aborts the request
+                if reason is not None:
+                    text += stops.flush()
+                    record.done(gen.completion_tokens, reason)
+                yield Delta(text, list(reply.token_ids), list(reply.logprobs), reason)
+                if reason is not None:
+                    return
     except APIError as err:
         outcome = "error" if err.status >= 500 else "rejected"
         raise
@@ -110,7 +114,7 @@ async def _stream(req: GenerateRequest, gen: Generation, replicas: ReplicaSet):
     replicas.num_waiting += 1
     waiting = True
     tried: set[str] = set()
-    last_error: grpc.aio.AioRpcError | None = None
+    last_error: RequestFailed | None = None
     try:
         while True:
             replica = replicas.pick(gen.prompt_ids, tried)
@@ -123,30 +127,29 @@ async def _stream(req: GenerateRequest, gen: Generation, replicas: ReplicaSet):
             tried.add(replica.address)
             if gen.record is not None:
                 gen.record.replica = replica.address
-            call = replica.submit(gen.request_id, gen.prompt_ids, req.sampling)
+            stream = replica.submit(gen.request_id, gen.prompt_ids, req.sampling)
             try:
-                async for reply in call:
+                async for reply in stream:
                     if waiting:
                         replicas.num_waiting, waiting = replicas.num_waiting - 1, False
                     yield reply
                 return
-            except grpc.aio.AioRpcError as err:
-                code = err.code()
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    replica.mark_failed(f"a request failed there: {err.details()}")
-                if code in RETRYABLE and waiting and len(tried) < 2:
+            except RequestFailed as err:
+                if err.code == grpc.StatusCode.UNAVAILABLE:
+                    replica.mark_failed(f"a request failed there: {err.details}")
+                if err.code in RETRYABLE and waiting and len(tried) < 2:
                     last_error = err
                     continue  # failed (or its queue was full) before its first token: once more, elsewhere
                 raise _api_error(err) from None
             finally:
-                call.cancel()
+                stream.close()  # unfinished (client gone, stop string): the scheduler aborts it
     finally:
         if waiting:
             replicas.num_waiting -= 1
 
 
-def _api_error(err: grpc.aio.AioRpcError) -> APIError:
-    code, details = err.code(), err.details()
+def _api_error(err: RequestFailed) -> APIError:
+    code, details = err.code, err.details
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return bad_request(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -9,11 +9,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.observe import replica_state
-from stagemesh import telemetry
+from router.submit_stream import RequestStream, SubmitStream
 from stagemesh.sampling_params import SamplingParams
 from stagemesh.service_options import aio_channel
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
-from stagemesh.wire import sampling_to_pb
 
 log = logging.getLogger("stagemesh.router")
 STATS_DEADLINE_S = 2.0
@@ -38,6 +37,7 @@ class Replica:
         self.channel = aio_channel(self.address)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self._stream: SubmitStream | None = None
 
     @property
     def load(self) -> int:
@@ -88,14 +88,16 @@ class Replica:
             log.log(logging.INFO if healthy else logging.WARNING, "replica %s is now %s%s", self.address,
                     "healthy" if healthy else "UNHEALTHY", "" if healthy else f": {reason}")
 
-    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams):
+    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> RequestStream:
+        """Send a request over the replica's SubmitStream (opened on first use, and again after it broke)."""
         self.dispatched += 1
-        request = scheduler_pb2.SubmitRequest(request_id=request_id, prompt_token_ids=prompt,
-                                              sampling=sampling_to_pb(sampling))
-        # streams as long as generation runs: no fixed deadline; the trace context rides in the metadata
-        return self.stub.Submit(request, metadata=telemetry.inject() or None)
+        if self._stream is None or self._stream.closed:
+            self._stream = SubmitStream(self.stub, self.address)
+        return self._stream.submit(request_id, prompt, sampling)
 
     async def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
         await self.channel.close()
 
 

@@ -4,10 +4,11 @@ Up to one micro-batch per stage is in flight, on disjoint sequences (the core
 scheduler never schedules a request twice before its result is back), so no
 stage idles while requests wait. When a micro-batch's replies arrive, the
 critical path is short: update the scheduler, send the next micro-batch, and
-only then hand the outputs to the request streams, whose writes overlap the
-stages' compute. A stage that fails ends the epoch: every request fails with
-an error naming the stage, the replica turns unhealthy, and a new epoch forms
-once every stage answers again.
+only then hand the outputs to their sinks (a request's own stream, or the
+multiplexed stream of a router's connection), whose writes overlap the stages'
+compute. A stage that fails ends the epoch: every request fails with an error
+naming the stage, the replica turns unhealthy, and a new epoch forms once every
+stage answers again.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Protocol
 
 import grpc
 
@@ -59,6 +60,12 @@ class _Sent:
     calls: list[tuple[StageInfo, grpc.aio.UnaryUnaryCall]]
 
 
+class OutputSink(Protocol):
+    """Takes a request's outputs without waiting: a request's own stream, or a connection's."""
+
+    def put(self, out: RequestOutput) -> None: ...
+
+
 class StageFailure(Exception):
     def __init__(self, stage: StageInfo, detail: str):
         super().__init__(f"stage {stage.stage_index} ({stage.address}, layers {stage.layer_start}:{stage.layer_end}) "
@@ -76,7 +83,7 @@ class Driver:
         self.healthy = False
         self.observer = Observer()
         self.reason = "waiting for stages to register"
-        self.streams: dict[str, OutputStream] = {}
+        self.sinks: dict[str, OutputSink] = {}  # where each request's outputs go
         self._in_flight: set[asyncio.Task] = set()
         self._stubs: dict[str, stage_pb2_grpc.StageStub] = {}
         self.num_steps = 0
@@ -86,15 +93,28 @@ class Driver:
         self._forming = asyncio.Lock()
 
     # -- requests -----------------------------------------------------------------
-    async def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-                     trace_context=None) -> AsyncIterator[RequestOutput]:
+    def add(self, request_id: str, prompt: list[int], sampling: SamplingParams, sink: OutputSink,
+            trace_context=None) -> None:
+        """Queue a request whose outputs go to `sink` until it finishes. Raises Unavailable, QueueFull or
+        StagemeshError (bad input) when it cannot be queued; the caller must release() it when it goes away."""
         if not self.healthy or self.scheduler is None:
             raise Unavailable(f"the replica cannot serve: {self.reason}")
-        stream = OutputStream()
         self.scheduler.add_request(request_id, prompt, sampling)
         self.observer.submitted(request_id, len(prompt), trace_context)
-        self.streams[request_id] = stream
+        self.sinks[request_id] = sink
         self._wake.set()
+
+    def release(self, request_id: str) -> None:
+        """The caller is done with the request: one still running stops and frees its blocks now."""
+        if self.sinks.pop(request_id, None) is not None and self.scheduler is not None:
+            self.scheduler.abort([request_id])  # the caller went away
+        self.observer.gone(request_id)
+
+    async def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
+                     trace_context=None) -> AsyncIterator[RequestOutput]:
+        """One request's outputs, for a caller that reads them as a stream of its own."""
+        stream = OutputStream()
+        self.add(request_id, prompt, sampling, stream, trace_context)
         try:
             while True:
                 out = await stream.get()
@@ -102,9 +122,7 @@ class Driver:
                 if out.finished:
                     return
         finally:
-            if self.streams.pop(request_id, None) is not None and self.scheduler is not None:
-                self.scheduler.abort([request_id])  # the caller went away: free its blocks now
-            self.observer.gone(request_id)
+            self.release(request_id)
 
     def abort(self, request_ids: list[str]) -> int:
         if self.scheduler is None:
@@ -115,10 +133,11 @@ class Driver:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         self.observer.outputs(outputs)
+        sinks = self.sinks
         for out in outputs:
-            stream = self.streams.get(out.request_id)
-            if stream is not None:
-                stream.put(out)
+            sink = sinks.pop(out.request_id, None) if out.finished else sinks.get(out.request_id)
+            if sink is not None:
+                sink.put(out)
 
     # -- the step loop --------------------------------------------------------------
     async def run(self) -> None:

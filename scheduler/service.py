@@ -7,14 +7,16 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
+from scheduler.connection import Connection, Rejected, Update
 from scheduler.driver import Driver, Unavailable
 from scheduler.rendezvous import ModelIdentity, StageInfo
+from scheduler.request import RequestOutput
 from scheduler.scheduler import QueueFull
 from stagemesh import telemetry
 from stagemesh.errors import StagemeshError
 from stagemesh.health import follow
 from stagemesh.service_options import add_port
-from stagemesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from stagemesh.wire import sampling_from_pb
 
 log = logging.getLogger("stagemesh.scheduler")
@@ -37,25 +39,57 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             async for out in stream:
                 if out.finish_reason == "error":
                     await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
-                reply = scheduler_pb2.SubmitResponse(token_ids=out.new_token_ids)
-                for t in out.new_logprobs:
-                    reply.logprobs.append(common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob,
-                                                                  top_token_ids=t.top_token_ids,
-                                                                  top_logprobs=t.top_logprobs))
-                if first:
-                    reply.num_prompt_tokens, reply.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
-                    first = False
-                if out.finish_reason:
-                    reply.finish_reason = FINISH[out.finish_reason]
-                    if out.stop_token_id is not None:
-                        reply.stop_token_id = out.stop_token_id
+                reply = scheduler_pb2.SubmitResponse()
+                _fill_output(reply, out, first)
+                first = False
                 yield reply
-        except QueueFull as err:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
-        except Unavailable as err:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         except StagemeshError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            await context.abort(*status_of(err))
+
+    async def SubmitStream(self, request_iterator, context):
+        """The writer: one message per take of everything pending; a task of its own reads the actions."""
+        connection = Connection()
+        reader = asyncio.create_task(self._read_actions(request_iterator, connection))
+        try:
+            while not connection.closed:
+                updates = await connection.take()
+                if updates:
+                    reply = scheduler_pb2.SubmitStreamResponse()
+                    for update in updates:
+                        _fill_update(reply.updates.add(), update)
+                    yield reply
+        finally:
+            reader.cancel()
+            for request_id in list(connection.running):  # the client went away: free their blocks now
+                self.driver.release(request_id)
+
+    async def _read_actions(self, request_iterator, connection: Connection) -> None:
+        try:
+            async for request in request_iterator:
+                for submit in request.submits:
+                    self._add(submit, connection)
+                for request_id in request.abort_request_ids:
+                    if request_id in connection.running:
+                        connection.forget(request_id)
+                        self.driver.release(request_id)
+        except grpc.aio.AioRpcError as err:
+            log.debug("a submit stream broke: %s", err)
+        except Exception:  # a bug, or a client that breaks the protocol: end the stream, freeing its requests
+            log.exception("reading a submit stream failed")
+        finally:
+            connection.close()
+
+    def _add(self, submit, connection: Connection) -> None:
+        r = submit.request
+        trace_context = telemetry.extract([("traceparent", submit.traceparent), ("tracestate", submit.tracestate)]
+                                          if submit.traceparent else None)
+        try:
+            self.driver.add(r.request_id, list(r.prompt_token_ids), sampling_from_pb(r.sampling), connection,
+                            trace_context)
+        except StagemeshError as err:
+            connection.reject(r.request_id, err)
+            return
+        connection.added(r.request_id)
 
     async def Abort(self, request, context):
         return scheduler_pb2.AbortResponse(num_aborted=self.driver.abort(list(request.request_ids)))
@@ -109,6 +143,42 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                  s.layer_end, s.tensor_parallel_size, s.address, missing)
         self.driver.stage_registered()
         return scheduler_pb2.RegisterStageResponse(num_missing_stages=missing)
+
+
+def status_of(err: StagemeshError) -> tuple[grpc.StatusCode, str]:
+    """The status a request refused with `err` gets, on a Submit stream or as a SubmitStream update."""
+    if isinstance(err, QueueFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
+    if isinstance(err, Unavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(err)
+    return grpc.StatusCode.INVALID_ARGUMENT, str(err)
+
+
+def _fill_output(reply: scheduler_pb2.SubmitResponse, out: RequestOutput, first: bool) -> None:
+    reply.token_ids.extend(out.new_token_ids)
+    for t in out.new_logprobs:
+        reply.logprobs.add(token_id=t.token_id, logprob=t.logprob, top_token_ids=t.top_token_ids,
+                           top_logprobs=t.top_logprobs)
+    if first:
+        reply.num_prompt_tokens, reply.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
+    if out.finish_reason:
+        reply.finish_reason = FINISH[out.finish_reason]
+        if out.stop_token_id is not None:
+            reply.stop_token_id = out.stop_token_id
+
+
+def _fill_update(msg: scheduler_pb2.RequestUpdate, update: Update) -> None:
+    item = update.item
+    msg.request_id = item.request_id
+    if isinstance(item, Rejected):
+        code, message = status_of(item.error)
+    elif item.finish_reason == "error":  # the pipeline broke under it
+        code, message = grpc.StatusCode.UNAVAILABLE, item.error or "the pipeline failed"
+    else:
+        msg.output.SetInParent()
+        _fill_output(msg.output, item, update.first)
+        return
+    msg.error.code, msg.error.message = code.value[0], message
 
 
 async def serve(servicer: SchedulerServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:

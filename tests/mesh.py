@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -116,6 +117,41 @@ class Mesh:
             tokens.extend(reply.token_ids)
             reason = reply.finish_reason or reason
         return tokens, reason
+
+    def submit_stream(self, requests: list[tuple[str, list[int], SamplingParams]], timeout: float = 300) -> dict:
+        """Requests sent together over one SubmitStream, read until each has finished or failed:
+        request id -> (token ids, finish reason), or the RequestError of a request that failed."""
+        message = scheduler_pb2.SubmitStreamRequest()
+        for request_id, prompt, sampling in requests:
+            message.submits.add(request=scheduler_pb2.SubmitRequest(
+                request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_pb(sampling)))
+        finished = threading.Event()
+
+        def actions():
+            yield message
+            finished.wait(timeout)  # ending the client's side would abort the requests
+
+        results: dict = {request_id: ([], None) for request_id, _, _ in requests}
+        remaining = set(results)
+        call = self.stub.SubmitStream(actions(), timeout=timeout)
+        try:
+            for reply in call:
+                for update in reply.updates:
+                    if update.HasField("error"):
+                        results[update.request_id] = update.error
+                        remaining.discard(update.request_id)
+                        continue
+                    tokens, _ = results[update.request_id]
+                    tokens.extend(update.output.token_ids)
+                    if update.output.finish_reason:
+                        results[update.request_id] = (tokens, update.output.finish_reason)
+                        remaining.discard(update.request_id)
+                if not remaining:
+                    break
+        finally:
+            finished.set()
+            call.cancel()
+        return results
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
         with ThreadPoolExecutor(len(prompts)) as pool:

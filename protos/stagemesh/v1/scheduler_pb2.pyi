@@ -166,6 +166,167 @@ class SubmitResponse(_message.Message):
 Global___SubmitResponse: _TypeAlias = SubmitResponse  # noqa: Y015
 
 @_typing.final
+class SubmitStreamRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBMITS_FIELD_NUMBER: _builtins.int
+    ABORT_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def submits(self) -> _containers.RepeatedCompositeFieldContainer[Global___StreamSubmit]:
+        """Requests to queue, in order; each is answered by updates (or one error)
+        carrying its request_id. Applied before abort_request_ids.
+        """
+
+    @_builtins.property
+    def abort_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Requests of this stream to stop, their KV blocks freed at once, as when a
+        Submit caller goes away: no further update comes for them. Ids not
+        running on this stream are ignored.
+        """
+
+    def __init__(
+        self,
+        *,
+        submits: _abc.Iterable[Global___StreamSubmit] | None = ...,
+        abort_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_request_ids", b"abort_request_ids", "submits", b"submits"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubmitStreamRequest: _TypeAlias = SubmitStreamRequest  # noqa: Y015
+
+@_typing.final
+class StreamSubmit(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    TRACESTATE_FIELD_NUMBER: _builtins.int
+    traceparent: _builtins.str
+    """The request's W3C traceparent (the stream is shared, so its gRPC metadata
+    cannot carry one per request); empty when tracing is off.
+    """
+    tracestate: _builtins.str
+    """The W3C tracestate that goes with traceparent; usually empty."""
+    @_builtins.property
+    def request(self) -> Global___SubmitRequest:
+        """What a Submit call carries: the request id (unique per replica), the
+        prompt and the sampling parameters.
+        """
+
+    def __init__(
+        self,
+        *,
+        request: Global___SubmitRequest | None = ...,
+        traceparent: _builtins.str = ...,
+        tracestate: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamSubmit: _TypeAlias = StreamSubmit  # noqa: Y015
+
+@_typing.final
+class SubmitStreamResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    UPDATES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def updates(self) -> _containers.RepeatedCompositeFieldContainer[Global___RequestUpdate]:
+        """The updates of any number of requests: one output per request with
+        everything produced for it since the previous message, merged. A request
+        whose tokens were followed by a failure has its output, then its error.
+        """
+
+    def __init__(
+        self,
+        *,
+        updates: _abc.Iterable[Global___RequestUpdate] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["updates", b"updates"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubmitStreamResponse: _TypeAlias = SubmitStreamResponse  # noqa: Y015
+
+@_typing.final
+class RequestUpdate(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The request (StreamSubmit.request.request_id) this update belongs to."""
+    @_builtins.property
+    def output(self) -> Global___SubmitResponse:
+        """New tokens and, on the last update, the finish reason: what Submit
+        would stream, num_prompt_tokens / num_cached_tokens on the first update
+        only.
+        """
+
+    @_builtins.property
+    def error(self) -> Global___RequestError:
+        """The request failed and ends here; tokens sampled before the failure
+        came in earlier updates.
+        """
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        output: Global___SubmitResponse | None = ...,
+        error: Global___RequestError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "output", b"output", "update", b"update"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "output", b"output", "request_id", b"request_id", "update", b"update"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_update: _TypeAlias = _typing.Literal["output", "error"]  # noqa: Y015
+    _WhichOneofArgType_update: _TypeAlias = _typing.Literal["update", b"update"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_update) -> _WhichOneofReturnType_update | None: ...
+
+Global___RequestUpdate: _TypeAlias = RequestUpdate  # noqa: Y015
+
+@_typing.final
+class RequestError(_message.Message):
+    """Why a request failed, in the terms Submit's stream status would use."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """A gRPC status code (grpc.StatusCode's value): 3 INVALID_ARGUMENT (bad
+    input, e.g. prompt + max_tokens over max_model_len, or an id already in
+    use), 8 RESOURCE_EXHAUSTED (waiting queue full), 14 UNAVAILABLE (the
+    replica's pipeline is broken; the message names the stage that failed).
+    """
+    message: _builtins.str
+    """What went wrong, for people: the message Submit's status would carry."""
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequestError: _TypeAlias = RequestError  # noqa: Y015
+
+@_typing.final
 class AbortRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

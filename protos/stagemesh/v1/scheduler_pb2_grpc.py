@@ -39,6 +39,11 @@ class SchedulerStub:
                 request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.SubmitResponse.FromString,
                 _registered_method=True)
+        self.SubmitStream = channel.stream_stream(
+                '/stagemesh.v1.Scheduler/SubmitStream',
+                request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.SubmitStreamRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.SubmitStreamResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/stagemesh.v1.Scheduler/Abort',
                 request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.AbortRequest.SerializeToString,
@@ -75,6 +80,20 @@ class SchedulerServicer:
         e.g. prompt + max_tokens over max_model_len), RESOURCE_EXHAUSTED (waiting
         queue full), UNAVAILABLE (the replica's pipeline is broken; the message
         names the stage that failed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitStream(self, request_iterator, context):
+        """Many requests over one stream, for a client (the router) that keeps one
+        connection per replica: it sends submits and aborts, the scheduler sends
+        the updates of all the stream's requests that one step produced as one
+        message, so a step costs one stream write rather than one per request.
+        A request's failure comes as an update of that request (with the status
+        Submit would end its stream with); the others go on. When the client's
+        side of the stream ends or breaks, every request still running on it is
+        aborted and its KV blocks freed, as for a Submit whose caller went away.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -125,6 +144,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.SubmitRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_scheduler__pb2.SubmitResponse.SerializeToString,
+            ),
+            'SubmitStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.SubmitStream,
+                    request_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.SubmitStreamRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_scheduler__pb2.SubmitStreamResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -179,6 +203,33 @@ class Scheduler:
             '/stagemesh.v1.Scheduler/Submit',
             stagemesh_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
             stagemesh_dot_v1_dot_scheduler__pb2.SubmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/stagemesh.v1.Scheduler/SubmitStream',
+            stagemesh_dot_v1_dot_scheduler__pb2.SubmitStreamRequest.SerializeToString,
+            stagemesh_dot_v1_dot_scheduler__pb2.SubmitStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

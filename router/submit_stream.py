@@ -1,0 +1,140 @@
+"""The router's end of one Scheduler.SubmitStream call: all of its requests to one replica share it.
+
+Submits and aborts go out on the stream (those queued while a message was
+being written travel together in the next one); the updates that come back,
+all of a step's in one message, are handed to each request's queue. When the
+stream breaks, every request on it fails with UNAVAILABLE naming the replica,
+and the replica opens a new stream for the next request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from stagemesh import telemetry
+from stagemesh.sampling_params import SamplingParams
+from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from stagemesh.wire import sampling_to_pb
+
+log = logging.getLogger("stagemesh.router")
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class RequestFailed(Exception):
+    """A request failed on its replica, with the status a Submit call would have ended with."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+
+class RequestStream:
+    """One request's outputs (SubmitResponse messages) as they arrive; close() aborts it if unfinished."""
+
+    def __init__(self, stream: SubmitStream, request_id: str):
+        self._stream, self.request_id = stream, request_id
+        self._queue: asyncio.Queue = asyncio.Queue()  # RequestUpdate, or RequestFailed when the stream broke
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> scheduler_pb2.SubmitResponse:
+        if self._done:
+            raise StopAsyncIteration
+        update = await self._queue.get()
+        if isinstance(update, RequestFailed):
+            self._done = True
+            raise update
+        if update.HasField("error"):
+            self._done = True
+            raise RequestFailed(_CODES.get(update.error.code, grpc.StatusCode.UNKNOWN), update.error.message)
+        self._done = bool(update.output.finish_reason)
+        return update.output
+
+    def put(self, update) -> None:
+        self._queue.put_nowait(update)
+
+    def close(self) -> None:
+        """The caller stops reading: a request still running is aborted in the scheduler."""
+        if not self._done:
+            self._done = True
+            self._stream.abort(self.request_id)
+
+
+class SubmitStream:
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, address: str):
+        self.address = address
+        self.closed = False
+        self._requests: dict[str, RequestStream] = {}  # submitted, not finished
+        self._outbox = scheduler_pb2.SubmitStreamRequest()
+        self._ready = asyncio.Event()
+        # lives as long as the connection: no deadline (each request's own time is bounded by max_tokens)
+        self._call = stub.SubmitStream(self._actions())
+        self._reader = asyncio.create_task(self._read())
+
+    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> RequestStream:
+        """Queue a request; its trace context is the caller's current one."""
+        stream = self._requests[request_id] = RequestStream(self, request_id)
+        submit = self._outbox.submits.add()
+        submit.request.request_id = request_id
+        submit.request.prompt_token_ids.extend(prompt)
+        submit.request.sampling.CopyFrom(sampling_to_pb(sampling))
+        carrier = dict(telemetry.inject())
+        submit.traceparent, submit.tracestate = carrier.get("traceparent", ""), carrier.get("tracestate", "")
+        self._ready.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        if self._requests.pop(request_id, None) is not None and not self.closed:
+            self._outbox.abort_request_ids.append(request_id)
+            self._ready.set()
+
+    def close(self) -> None:
+        """End the stream: the scheduler aborts every request still running on it."""
+        self.closed = True
+        self._call.cancel()
+
+    async def _actions(self):
+        """What the call writes: everything queued since the previous message, as one message."""
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            message, self._outbox = self._outbox, scheduler_pb2.SubmitStreamRequest()
+            yield message
+
+    async def _read(self) -> None:
+        try:
+            async for reply in self._call:
+                self._hand_out(reply.updates)
+            detail = "the scheduler ended the stream"
+        except grpc.aio.AioRpcError as err:
+            detail = f"{err.code().name}: {err.details()}"
+        except asyncio.CancelledError:  # close(), or the channel closed under it
+            detail = "the stream was cancelled"
+        except Exception as err:  # a bug here must not leave the requests waiting forever
+            log.exception("reading the stream to replica %s failed", self.address)
+            detail = f"{type(err).__name__}: {err}"
+        self._break(detail)
+
+    def _hand_out(self, updates) -> None:
+        requests = self._requests
+        for update in updates:
+            stream = requests.get(update.request_id)
+            if stream is None:
+                continue  # aborted here meanwhile
+            if update.HasField("error") or update.output.finish_reason:
+                del requests[update.request_id]
+            stream.put(update)
+
+    def _break(self, detail: str) -> None:
+        self.closed = True
+        requests, self._requests = self._requests, {}
+        if requests:
+            log.warning("the stream to replica %s broke (%s): %d request(s) fail", self.address, detail,
+                        len(requests))
+        message = f"the stream to replica {self.address} broke: {detail}"
+        for stream in requests.values():
+            stream.put(RequestFailed(grpc.StatusCode.UNAVAILABLE, message))
