@@ -190,6 +190,8 @@ class Driver:
             if span is not None:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)))
                 span.end()
+            if epoch != self.epoch:
+                return  # a late failure of a step of a broken epoch must not fail the one formed since
             raise
         if epoch != self.epoch or scheduler is not self.scheduler:
             if span is not None:
