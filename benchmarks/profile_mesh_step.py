@@ -1,7 +1,7 @@
 """Where a decode step's time goes in the mesh (CPU): scheduler, RPC, handoff, model.
 
 A real PP=2 replica of the default model (scheduler + two stage processes on loopback,
-one torch thread each, nccl handoff = gloo on CPU). For batch 1 and 32 it runs greedy
+one torch thread each (--threads; GOMP_SPINCOUNT as `stagemesh serve` sets it), nccl handoff = gloo on CPU). For batch 1 and 32 it runs greedy
 decodes and reads, per micro-batch step: the scheduler's step wall time (Forward sent ->
 reply handled, from Stats) and each stage's Prometheus histograms (time in its Forward
 handler, model compute, waiting for the previous stage's activations). Derived:
@@ -17,6 +17,7 @@ handler, model compute, waiting for the previous stage's activations). Derived:
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from mesh import Mesh, free_port  # noqa: E402
 
 from stagemesh.default_model import default_model_dir  # noqa: E402
+from stagemesh.serve import CPU_STAGE_SPIN_COUNT  # noqa: E402
 from stagemesh.sampling_params import SamplingParams  # noqa: E402
 from stagemesh.v1 import scheduler_pb2  # noqa: E402
 
@@ -64,12 +66,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per stage process")
+    parser.add_argument("--log-dir", type=Path, default=None, help="keep each process's log here")
     args = parser.parse_args()
+    if not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys():
+        os.environ["GOMP_SPINCOUNT"] = CPU_STAGE_SPIN_COUNT  # as `stagemesh serve` sets it for its stages
     ports = [free_port(), free_port()]
     per_stage = {i: ["--metrics-port", str(p)] for i, p in enumerate(ports)}
-    with Mesh(default_model_dir(), [15, 15], handoff="nccl", per_stage_args=per_stage) as mesh:
+    with Mesh(default_model_dir(), [15, 15], handoff="nccl", per_stage_args=per_stage,
+              stage_args=("--threads", str(args.threads)), log_dir=args.log_dir) as mesh:
         mesh.generate([[5, 6, 7]], SamplingParams(max_tokens=4))  # warm-up
-        print(f"default model, PP=2 (15+15 layers), 1 thread per stage, {args.tokens} greedy tokens per request; "
+        print(f"default model, PP=2 (15+15 layers), {args.threads} thread(s) per stage, {args.tokens} greedy tokens per request; "
               "ms per micro-batch step")
         print(f"{'batch':>5} {'steps':>5} {'wall':>7} | {'s0 model':>8} {'s0 queue+books':>14} | {'s1 wait':>7} "
               f"{'s1 model':>8} {'s1 queue+books':>14} | {'handoff':>7} {'sched+RPC':>9}")

@@ -82,9 +82,21 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    failed: list[BaseException] = []
+
+    def announce() -> None:
+        try:
+            register(args.scheduler, servicer, stop)
+        except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
+            failed.append(err)
+            stop.set()
+
     try:
-        register(args.scheduler, servicer, stop)
-        stop.wait()
+        worker.main_loop.start()  # from here on the model's work waits for the loop below
+        threading.Thread(target=announce, name="register", daemon=True).start()
+        worker.main_loop.run_until(stop)  # the model's work runs here, on the thread that loaded it
+        if failed:
+            raise failed[0]
     finally:
         server.stop(grace=1)
         worker.close()

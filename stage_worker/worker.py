@@ -23,6 +23,7 @@ from stagemesh.v1 import stage_pb2
 from stage_worker import dist as sdist
 from stage_worker.handoff import DistHandoff, GrpcHandoff
 from stage_worker.kv_cache import num_kv_blocks_for_budget
+from stage_worker.main_loop import MainLoop
 from stage_worker.runner import StageRunner
 
 log = logging.getLogger("stagemesh.stage")
@@ -64,6 +65,7 @@ class StageWorker:
         self.handoff = None
         self._next_step = 0
         self._turn = threading.Condition()
+        self.main_loop = MainLoop()  # steps and KV allocation run on the main thread once it serves the loop
 
     # -- start-up ---------------------------------------------------------------
     def _start_follower(self, tp_rank: int) -> subprocess.Popen:
@@ -98,7 +100,7 @@ class StageWorker:
             proc.stdin.write(struct.pack("<I", len(payload)) + payload)
             proc.stdin.flush()
         rank = sdist.join_world(req, self.runner.tp, self.runner.device)
-        self.runner.reset(req.num_kv_blocks)
+        self.main_loop.call(self.runner.reset, req.num_kv_blocks)
         index, sizes = self.cfg.stage_index, list(req.tp_sizes)
         if self.cfg.handoff == "nccl":
             prev_rank = sum(sizes[:index - 1]) if index > 0 else None
@@ -135,7 +137,7 @@ class StageWorker:
             if self.epoch != req.epoch:
                 raise StagemeshError(f"step {step_id} belongs to epoch {req.epoch}, the stage is in {self.epoch}")
         try:
-            return self._run(req)
+            return self.main_loop.call(self._run, req)
         finally:
             with self._turn:
                 if self.epoch == req.epoch:

@@ -85,6 +85,12 @@ def test_serve_starts_the_replica_and_sigterm_stops_every_child(tiny_model_dir, 
                 pytest.fail("the replica did not become healthy:\n" + log_path.read_text())
         pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", log_path.read_text())]
         assert len(pids) >= 3  # a scheduler and two stages (and the router once it exists)
+        stage_pids = [int(p) for p in re.findall(r"started stage\[\S+\] \(pid (\d+)\)", log_path.read_text())]
+        assert len(stage_pids) == 2
+        if not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys():  # CPU stages share the cores: short spins
+            for pid in stage_pids:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    assert b"GOMP_SPINCOUNT=20000" in f.read().split(b"\0")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         assert [p for p in pids if alive(p)] == []

@@ -1,0 +1,65 @@
+"""The stage's torch work on the process's main thread.
+
+gRPC calls arrive on the server's pool threads, but on CPU every thread that enters an OpenMP
+parallel region keeps its own team of worker threads, and once a process has more such threads
+than cores, libgomp stops spinning between regions (each of the ~250 parallel ops of a decode step
+then pays a futex wake-up). Measured on 2 cores, batch-1 decode of the default model at 2 threads:
+35 ms per token on the main thread, 50-60 ms on any other thread, 73-88 ms on the main thread while
+another thread that ran one parallel op stays alive. So every step, and the KV cache allocation,
+runs here, on the one thread that loaded the model.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Callable, TypeVar
+
+from stagemesh.errors import StagemeshError
+
+T = TypeVar("T")
+
+
+class MainLoop:
+    """Runs submitted calls on the thread that calls `run_until`. Before `start` (or after the loop ends) a
+    call runs on the caller's thread; between `start` and `run_until` calls wait for the loop."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._running = False
+
+    def call(self, fn: Callable[..., T], *args) -> T:
+        with self._lock:
+            if not self._running:
+                future = None
+            else:
+                future = Future()
+                self._queue.put((future, fn, args))
+        return fn(*args) if future is None else future.result()
+
+    def start(self) -> None:
+        with self._lock:
+            self._running = True
+
+    def run_until(self, stop: threading.Event, poll_s: float = 0.2) -> None:
+        self.start()
+        try:
+            while not stop.is_set():
+                try:
+                    future, fn, args = self._queue.get(timeout=poll_s)
+                except queue.Empty:
+                    continue
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as err:  # noqa: BLE001 - handed to the caller, which reports it
+                    future.set_exception(err)
+        finally:
+            with self._lock:
+                self._running = False
+            while True:
+                try:
+                    future, _, _ = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                future.set_exception(StagemeshError("the stage is stopping"))

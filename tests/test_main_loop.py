@@ -1,0 +1,51 @@
+"""The stage's main loop: model work handed over from gRPC threads runs on the loop's thread."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from stage_worker.main_loop import MainLoop
+from stagemesh.errors import StagemeshError
+
+
+def test_calls_from_other_threads_run_on_the_loop_thread_and_errors_reach_the_caller():
+    loop, stop = MainLoop(), threading.Event()
+    results, errors = [], []
+
+    def client(i: int) -> None:
+        try:
+            results.append((i, loop.call(threading.get_ident)))
+            loop.call(lambda: 1 / 0)
+        except ZeroDivisionError as err:
+            errors.append(err)
+
+    loop.start()
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in clients:
+        t.start()
+    runner = threading.Thread(target=loop.run_until, args=(stop, 0.01))
+    runner.start()
+    for t in clients:
+        t.join(timeout=30)
+    stop.set()
+    runner.join(timeout=30)
+    assert sorted(i for i, _ in results) == [0, 1, 2, 3]
+    assert {ident for _, ident in results} == {runner.ident}
+    assert len(errors) == 4
+
+
+def test_before_start_a_call_runs_inline_and_a_stopped_loop_fails_what_waits():
+    loop, stop = MainLoop(), threading.Event()
+    assert loop.call(threading.get_ident) == threading.get_ident()
+    loop.start()
+    outcome = []
+    waiter = threading.Thread(target=lambda: outcome.append(pytest.raises(StagemeshError, loop.call, int)))
+    waiter.start()
+    while loop._queue.empty():  # the call is queued
+        time.sleep(0.001)
+    stop.set()
+    loop.run_until(stop)  # stops at once: the waiting call is failed, not left hanging
+    waiter.join(timeout=30)
+    assert not waiter.is_alive() and "stopping" in str(outcome[0].value)
