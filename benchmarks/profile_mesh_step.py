@@ -1,10 +1,11 @@
 """Where a decode step's time goes in the mesh (CPU): scheduler, RPC, handoff, model.
 
 A real PP=2 replica of the default model (scheduler + two stage processes on loopback,
-one torch thread each (--threads; GOMP_SPINCOUNT as `stagemesh serve` sets it), nccl handoff = gloo on CPU). For batch 1 and 32 it runs greedy
-decodes and reads, per micro-batch step: the scheduler's step wall time (Forward sent ->
-reply handled, from Stats) and each stage's Prometheus histograms (time in its Forward
-handler, model compute, waiting for the previous stage's activations). Derived:
+--threads torch threads each, GOMP_SPINCOUNT as `stagemesh serve` sets it, nccl handoff =
+gloo on CPU). For batch 1 and 32 it runs greedy decodes and reads, per micro-batch step:
+the scheduler's step wall time (Forward sent -> reply handled, from Stats) and each stage's
+Prometheus histograms (time in its Forward handler, model compute, waiting for the previous
+stage's activations). Derived:
 
   scheduler + RPC = step wall - last stage's Forward time (transit both ways + the scheduler's work)
   queue + books   = a stage's Forward time - its compute - its handoff wait: decoding the step and
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from mesh import Mesh, free_port  # noqa: E402
 
 from stagemesh.default_model import default_model_dir  # noqa: E402
-from stagemesh.serve import CPU_STAGE_SPIN_COUNT  # noqa: E402
+from stagemesh.serve import cpu_stage_env  # noqa: E402
 from stagemesh.sampling_params import SamplingParams  # noqa: E402
 from stagemesh.v1 import scheduler_pb2  # noqa: E402
 
@@ -69,8 +70,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per stage process")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep each process's log here")
     args = parser.parse_args()
-    if not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys():
-        os.environ["GOMP_SPINCOUNT"] = CPU_STAGE_SPIN_COUNT  # as `stagemesh serve` sets it for its stages
+    os.environ.update(cpu_stage_env())  # as `stagemesh serve` sets it for its stages
     ports = [free_port(), free_port()]
     per_stage = {i: ["--metrics-port", str(p)] for i, p in enumerate(ports)}
     with Mesh(default_model_dir(), [15, 15], handoff="nccl", per_stage_args=per_stage,

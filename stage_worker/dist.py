@@ -56,13 +56,12 @@ def attach_shm(store, key: str, tp: TPGroup):
     ops = cpu_ops.load()
     slot_bytes = SHM_SLOT_BYTES
     try:  # /dev/shm may be small (64 MiB in a container by default): slots must fit it
-        free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
-        slot_bytes = min(slot_bytes, free // (4 * tp.size))
+        fs = os.statvfs(SHM_DIR)
+        slot_bytes = min(slot_bytes, fs.f_bavail * fs.f_frsize // (4 * tp.size))
     except OSError:
         slot_bytes = 0
     usable = torch.tensor([int(ops is not None and slot_bytes >= 2**20), slot_bytes], dtype=torch.int64)
-    dist.all_reduce(usable[:1], op=dist.ReduceOp.MIN, group=tp.group)  # every rank agrees, or none uses it
-    dist.all_reduce(usable[1:], op=dist.ReduceOp.MIN, group=tp.group)
+    dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=tp.group)  # every rank agrees, or none uses it
     if not usable[0]:
         return None
     slot_bytes = int(usable[1])

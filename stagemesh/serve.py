@@ -34,6 +34,13 @@ log = logging.getLogger("stagemesh.serve")
 CPU_STAGE_SPIN_COUNT = "20000"
 
 
+def cpu_stage_env() -> dict[str, str]:
+    """What a CPU stage process of this host gets added to its environment."""
+    if {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys():
+        return {}
+    return {"GOMP_SPINCOUNT": CPU_STAGE_SPIN_COUNT}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded model)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -99,12 +106,11 @@ def plan_commands(args: argparse.Namespace, model_dir: str, num_layers: int, cud
         children.append((f"scheduler[{r}]", ["scheduler", model_dir, "--port", str(port), "--pipeline-parallel-size",
                                               str(pp), *common_sched, *_service(args, r * (pp + 1))], {}))
         for i, (a, b) in enumerate(layer_ranges(split)):
-            env = {}
             if cuda:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu + t) for t in range(tp))
+                env = {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu + t) for t in range(tp))}
                 gpu += tp
-            elif not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys():
-                env["GOMP_SPINCOUNT"] = CPU_STAGE_SPIN_COUNT
+            else:
+                env = cpu_stage_env()
             argv = ["stage", model_dir, "--scheduler", replicas[-1], "--stage-index", str(i), "--layers", f"{a}:{b}",
                     "--tensor-parallel-size", str(tp), "--handoff", args.handoff, "--device", device,
                     "--threads", str(threads), *_service(args, r * (pp + 1) + 1 + i),
