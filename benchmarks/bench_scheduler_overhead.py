@@ -1,17 +1,22 @@
 """Scheduler + RPC overhead per step, excluding model compute, at 64 running sequences.
 
 A real replica (scheduler and one stage process on loopback) of a tiny model, so
-compute is small; the scheduler's counters give each step's wall time (Forward
-sent -> reply back) and the compute the stage reported; the difference is what
-the mesh adds per step. The run's duration over its steps shows as well what
-happens between steps (while no micro-batch is in flight, the stage idles).
-Also times the pure-Python scheduler core alone.
+compute is small. The figure is what each step costs beyond the model: the run's
+duration over its steps, less the compute the stage reported per step, i.e. how
+long the stage waits per step for the scheduler and the RPCs. Measured with async
+scheduling (the default at one stage: the next step is on the stage before the
+current one ends) and without it (the scheduler waits for each step's tokens
+before it schedules the next), alternating, in the same run. Also prints each
+step's latency (Forward sent -> reply back; with async scheduling it includes
+the wait behind the step ahead) and times the pure-Python scheduler core alone.
 
-    .venv/bin/python benchmarks/bench_scheduler_overhead.py [--seqs 64] [--tokens 128] [--client stream|submit]
+    .venv/bin/python benchmarks/bench_scheduler_overhead.py [--seqs 64] [--tokens 128] [--rounds 2]
+        [--client stream|submit]
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -59,17 +64,17 @@ def drive(mesh: Mesh, client: str, seqs: int, sampling: SamplingParams) -> None:
         list(pool.map(lambda r: mesh.submit(*r), requests))
 
 
-def mesh_overhead(seqs: int, tokens: int, client: str) -> tuple[float, float, float, int]:
-    with tempfile.TemporaryDirectory() as tmp:
-        model = make_tiny_model(Path(tmp) / "m", "llama", num_hidden_layers=2)
-        with Mesh(model, [2], scheduler_args=("--max-num-seqs", str(seqs))) as mesh:
-            sampling = SamplingParams(max_tokens=tokens, ignore_eos=True)
-            mesh.generate([[5, 6, 7]], SamplingParams(max_tokens=4))  # warm-up
-            before = mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
-            start = time.perf_counter()
-            drive(mesh, client, seqs, sampling)
-            elapsed = time.perf_counter() - start
-            after = mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+def mesh_overhead(model: Path, seqs: int, tokens: int, client: str, async_scheduling: bool
+                  ) -> tuple[float, float, float, int]:
+    flag = "--async-scheduling" if async_scheduling else "--no-async-scheduling"
+    with Mesh(model, [2], scheduler_args=("--max-num-seqs", str(seqs), flag)) as mesh:
+        sampling = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        mesh.generate([[5, 6, 7]], SamplingParams(max_tokens=4))  # warm-up
+        before = mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+        start = time.perf_counter()
+        drive(mesh, client, seqs, sampling)
+        elapsed = time.perf_counter() - start
+        after = mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
     steps = after.num_steps - before.num_steps
     wall = (after.step_seconds_total - before.step_seconds_total) / steps
     compute = (after.stage_compute_seconds_total - before.stage_compute_seconds_total) / steps
@@ -77,21 +82,33 @@ def mesh_overhead(seqs: int, tokens: int, client: str) -> tuple[float, float, fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each mode, alternating; medians are printed")
     parser.add_argument("--client", choices=("stream", "submit"), default="stream",
                         help="stream: every request over one multiplexed SubmitStream, as the router sends them; "
                              "submit: one Submit call per request, each from its own thread")
     args = parser.parse_args()
     core = core_only(args.seqs)
-    wall, compute, interval, steps = mesh_overhead(args.seqs, args.tokens, args.client)
-    print(f"{args.seqs} running sequences, {steps} steps, client: {args.client}")
-    print(f"scheduler core (schedule + update), in-process : {core * 1e3:7.3f} ms/step")
-    print(f"step wall time through the mesh               : {wall * 1e3:7.3f} ms/step")
-    print(f"model compute reported by the stage           : {compute * 1e3:7.3f} ms/step")
-    print(f"overhead (wall - compute: scheduler, RPC)     : {(wall - compute) * 1e3:7.3f} ms/step (target < 1 ms)")
-    print(f"run time / steps (includes between steps)     : {interval * 1e3:7.3f} ms/step")
+    print(f"{args.seqs} running sequences, {args.tokens} tokens each, client: {args.client}, {args.rounds} round(s)")
+    print(f"scheduler core (schedule + update), in-process: {core * 1e3:.3f} ms/step")
+    runs: dict[str, list[tuple[float, float, float, int]]] = {"sync": [], "async": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny_model(Path(tmp) / "m", "llama", num_hidden_layers=2)
+        for _ in range(args.rounds):
+            for mode in runs:
+                runs[mode].append(mesh_overhead(model, args.seqs, args.tokens, args.client, mode == "async"))
+    print(f"{'scheduling':<10} {'steps':>6} {'run time/step':>14} {'compute/step':>13} {'OVERHEAD/step':>14} "
+          f"{'step latency':>13}  (ms, medians)")
+    overhead = {}
+    for mode, results in runs.items():
+        wall, compute, interval = (statistics.median(r[i] for r in results) for i in range(3))
+        overhead[mode] = statistics.median(r[2] - r[1] for r in results)
+        print(f"{mode:<10} {results[0][3]:>6} {interval * 1e3:>14.3f} {compute * 1e3:>13.3f} "
+              f"{overhead[mode] * 1e3:>14.3f} {wall * 1e3:>13.3f}")
+    print(f"overhead per step (run time/step - compute/step), async scheduling: {overhead['async'] * 1e3:.3f} ms "
+          f"(target < 1 ms); without: {overhead['sync'] * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-waiting-requests", type=int, default=0, help="0: unbounded")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule each step before the previous one's tokens are back, so the stage never waits "
+                        "for the scheduler (default: on with one pipeline stage; needs one stage)")
     p.add_argument("--forward-timeout", type=float, default=120.0, help="deadline of one step on a stage, seconds")
     p.add_argument("--port-file", default=None, help="write the bound port here (for supervisors)")
     add_service_arguments(p)
@@ -39,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
 async def _main(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
+    from scheduler.config import check_async_scheduling
     from scheduler.driver import Driver, DriverConfig
     from scheduler.rendezvous import ModelIdentity, Rendezvous
     from scheduler.service import SchedulerServicer, serve
@@ -52,6 +56,7 @@ async def _main(args: argparse.Namespace) -> int:
                              f"{cfg.max_position_embeddings} positions")
     if args.pipeline_parallel_size < 1 or args.pipeline_parallel_size > cfg.num_hidden_layers:
         raise StagemeshError(f"--pipeline-parallel-size must be between 1 and the model's {cfg.num_hidden_layers} layers")
+    check_async_scheduling(args.async_scheduling, args.pipeline_parallel_size)
     advertise = args.advertise_host or args.host
     store = dist.TCPStore(args.host, args.dist_port, is_master=True, wait_for_workers=False)
     identity = ModelIdentity(cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size,
@@ -60,7 +65,7 @@ async def _main(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, model_max_len=cfg.max_position_embeddings, eos_token_ids=cfg.eos_token_ids,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, max_waiting_requests=args.max_waiting_requests,
-        forward_timeout_s=args.forward_timeout),
+        forward_timeout_s=args.forward_timeout, async_scheduling=args.async_scheduling),
         Rendezvous(args.pipeline_parallel_size, args.block_size, identity), advertise, store.port)
     name = args.served_model_name or served_model_name(args.model, model_dir)
     server, port = await serve(SchedulerServicer(driver, name, str(model_dir), cfg.vocab_size), args.host, args.port)

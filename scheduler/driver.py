@@ -2,7 +2,10 @@
 
 Up to one micro-batch per stage is in flight, on disjoint sequences (the core
 scheduler never schedules a request twice before its result is back), so no
-stage idles while requests wait. When a micro-batch's replies arrive, the
+stage idles while requests wait. A single-stage pipeline instead schedules a
+step ahead (async scheduling: two steps in flight on the same sequences, the
+second filled in by the stage), so its stage does not idle while the
+scheduler and the RPCs work between two steps. Results are taken in step order. When a micro-batch's replies arrive, the
 critical path is short: update the scheduler, send the next micro-batch, and
 only then hand the outputs to their sinks (a request's own stream, or the
 multiplexed stream of a router's connection), whose writes overlap the stages'
@@ -50,6 +53,7 @@ class DriverConfig:
     forward_timeout_s: float = 120.0
     join_timeout_s: float = 300.0
     probe_interval_s: float = 2.0
+    async_scheduling: bool | None = None  # None: on for a single-stage pipeline
 
 
 @dataclass
@@ -58,6 +62,8 @@ class _Sent:
     start: float  # perf_counter when the step was sent
     span: trace.Span | None
     calls: list[tuple[StageInfo, grpc.aio.UnaryUnaryCall]]
+    after: asyncio.Future | None  # done when the step before has been taken in
+    taken: asyncio.Future  # done when this step has been taken in (or failed)
 
 
 class OutputSink(Protocol):
@@ -86,6 +92,8 @@ class Driver:
         self.sinks: dict[str, OutputSink] = {}  # where each request's outputs go
         self._in_flight: set[asyncio.Task] = set()
         self._stubs: dict[str, stage_pb2_grpc.StageStub] = {}
+        self._last_sent: asyncio.Future | None = None
+        self._depth = 1  # steps in flight at most
         self.num_steps = 0
         self.step_seconds = 0.0
         self.compute_seconds = 0.0
@@ -158,7 +166,7 @@ class Driver:
 
     def _launch(self) -> None:
         """Fill the pipeline: schedule micro-batches until every stage has one."""
-        while self.healthy and len(self._in_flight) < len(self.plan.stages):
+        while self.healthy and len(self._in_flight) < self._depth:
             # split the requests over the micro-batches, so that every stage has work
             share = -(-self.scheduler.num_unfinished // len(self.plan.stages))
             output = self.scheduler.schedule(max_seqs=max(share, 1))
@@ -180,12 +188,23 @@ class Driver:
         metadata = telemetry.inject(trace.set_span_in_context(span)) if span is not None else None
         calls = [(stage, self._stub(stage).Forward(request, timeout=self.cfg.forward_timeout_s, metadata=metadata))
                  for stage in self.plan.stages]
-        return _Sent(start, span, calls)
+        sent = _Sent(start, span, calls, self._last_sent, asyncio.get_running_loop().create_future())
+        self._last_sent = sent.taken
+        return sent
 
     async def _step(self, epoch: int, scheduler: Scheduler, output: SchedulerOutput, sent: _Sent) -> None:
+        try:
+            await self._take(epoch, scheduler, output, sent)
+        finally:
+            if not sent.taken.done():
+                sent.taken.set_result(None)
+
+    async def _take(self, epoch: int, scheduler: Scheduler, output: SchedulerOutput, sent: _Sent) -> None:
         span = sent.span
         try:
             replies = await asyncio.gather(*[self._reply(stage, call) for stage, call in sent.calls])
+            if sent.after is not None:
+                await sent.after  # replies may overtake each other on the wire; results go in step order
         except StageFailure as err:
             if span is not None:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)))
@@ -264,6 +283,8 @@ class Driver:
 
     def _start_epoch(self, plan: PipelinePlan) -> None:
         cfg, block_size = self.cfg, self.rendezvous.block_size
+        # (the command line refuses --async-scheduling with more than one stage)
+        async_scheduling = len(plan.stages) == 1 and cfg.async_scheduling is not False
         kv_tokens = plan.num_kv_blocks * block_size
         max_len = cfg.max_model_len or min(cfg.model_max_len, kv_tokens)
         if max_len > kv_tokens:
@@ -275,16 +296,18 @@ class Driver:
             num_kv_blocks=plan.num_kv_blocks, max_model_len=max_len, block_size=block_size,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             enable_prefix_caching=cfg.enable_prefix_caching, eos_token_ids=cfg.eos_token_ids,
-            max_waiting_requests=cfg.max_waiting_requests))
+            max_waiting_requests=cfg.max_waiting_requests, async_scheduling=async_scheduling))
         self.plan, self.max_model_len = plan, max_len
+        self._depth = 2 if async_scheduling else len(plan.stages)
+        self._last_sent = None
         for s in plan.stages:
             log.info("stage %d: layers %d:%d, TP=%d, %s, %s handoff, at %s", s.stage_index, s.layer_start,
                      s.layer_end, s.tp_size, s.device, s.handoff, s.address)
         log.info("KV cache size: %s tokens", f"{kv_tokens:,}")
         log.info("Maximum concurrency for %s tokens per request: %.2fx", f"{max_len:,}", kv_tokens / max_len)
         self.healthy, self.reason = True, ""
-        log.info("pipeline formed (epoch %d): %d stage(s), world size %d", self.epoch, len(plan.stages),
-                 plan.world_size)
+        log.info("pipeline formed (epoch %d): %d stage(s), world size %d%s", self.epoch, len(plan.stages),
+                 plan.world_size, ", async scheduling" if async_scheduling else "")
         self._wake.set()
 
     async def _probe_loop(self) -> None:

@@ -25,7 +25,8 @@ class Request:
     num_cached_tokens: int = 0
     seq_id: int = -1  # the stages' id of its current admission (new on every re-admission)
     status: Status = Status.WAITING
-    in_flight: bool = False
+    in_flight: int = 0  # steps scheduled whose results are not back
+    num_pending: int = 0  # of those, steps that sample a token (its id is not known yet)
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     # prompt + output, kept up to date by append_output (the scheduler reads it every step)

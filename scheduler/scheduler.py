@@ -6,6 +6,15 @@ then waiting ones, so chunked prefill, decodes and prefix-cache hits follow
 one rule. Requests in flight (scheduled, result not yet back) are skipped, so
 a pipeline can keep several micro-batches in flight on disjoint sequences.
 Preemption is by recompute: the victim frees its blocks and waits again.
+
+Asynchronous scheduling (vLLM's --async-scheduling, for a single-stage
+pipeline): a request whose step in flight samples a token may be scheduled
+once more before that token is back, as a decode of PLACEHOLDER, which the
+stage replaces with the token it sampled for the sequence in its previous
+step (it runs steps in order). So the next step is on the stage before the
+current one ends, and the scheduler's work and both RPCs overlap the model.
+A request that turns out to have finished (EOS, stop token) wastes the one
+token computed ahead; its result is dropped.
 """
 from __future__ import annotations
 
@@ -18,7 +27,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.request import Request, RequestOutput, Status
 from stagemesh.errors import StagemeshError
 from stagemesh.sampling_params import SamplingParams
-from stagemesh.step import NewSequence, SampledToken, ScheduledChunks, StepBatch
+from stagemesh.step import PLACEHOLDER, NewSequence, SampledToken, ScheduledChunks, StepBatch
 
 
 @dataclass
@@ -119,7 +128,7 @@ class Scheduler:
         if not budget.chunks:
             return None
         for request_id in budget.request_ids:
-            self.requests[request_id].in_flight = True
+            self.requests[request_id].in_flight += 1
         batch = StepBatch(next(self._step_ids), 0, budget.new_sequences, budget.chunks, self._finished_seq_ids)
         self._finished_seq_ids = []
         return SchedulerOutput(batch, budget.request_ids, preempted)
@@ -129,10 +138,14 @@ class Scheduler:
         for request in list(self.running):
             if budget.tokens <= 0 or len(budget.chunks) >= budget.seqs:
                 break
-            if request.in_flight or request.status is not Status.RUNNING:
+            if request.status is not Status.RUNNING:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget.tokens)
+            if request.in_flight and not self._can_run_ahead(request):
+                continue
+            num_new = min(request.num_tokens + request.num_pending - request.num_computed_tokens, budget.tokens)
             new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + num_new)
+            if new_blocks is None and request.in_flight:
+                continue  # a step ahead never preempts: the request waits for its result instead
             while new_blocks is None:
                 victim = self._pick_victim()
                 if victim is None:
@@ -170,11 +183,23 @@ class Scheduler:
                                                     list(request.output_token_ids)))
             self._add_chunk(budget, request, num_new, new_blocks)
 
+    def _can_run_ahead(self, request: Request) -> bool:
+        """Async scheduling: one step ahead of a request whose step in flight samples, unless that
+        token is sure to be its last."""
+        p = request.sampling
+        return (self.config.async_scheduling and request.in_flight == 1 and request.num_pending == 1
+                and len(request.output_token_ids) + 1 < p.max_tokens
+                and request.num_tokens + 1 < self.config.max_model_len)
+
     def _add_chunk(self, budget: _Budget, request: Request, num_new: int, new_blocks: list[int]) -> None:
         start = request.num_computed_tokens
         tokens = request.all_token_ids[start:start + num_new]
+        if len(tokens) < num_new:  # the token sampled by the step in flight: the stage fills it in
+            tokens.append(PLACEHOLDER)
         request.num_computed_tokens += num_new
-        sample = request.num_computed_tokens == request.num_tokens
+        sample = request.num_computed_tokens == request.num_tokens + request.num_pending
+        if sample:
+            request.num_pending += 1
         budget.chunks.append(request.seq_id, tokens, start, new_blocks, sample)
         budget.request_ids.append(request.request_id)
         budget.tokens -= num_new
@@ -205,11 +230,16 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.seq_id != seq_id:
                 continue  # aborted or preempted meanwhile
-            request.in_flight = False
+            request.in_flight -= 1
             if (start + n) // bs > start // bs:  # the chunk filled a block: it may serve as a cached prefix
-                self.kv.cache_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
+                # (only tokens whose ids are known: a step ahead may be computing the next one)
+                self.kv.cache_full_blocks(request_id, request.all_token_ids,
+                                          min(request.num_computed_tokens, request.num_tokens))
+            if not sample:
+                continue
+            request.num_pending -= 1
             token = by_seq.get(seq_id)
-            if not sample or token is None:
+            if token is None:
                 continue
             request.append_output(token.token_id)
             result = RequestOutput(request_id, [token.token_id], [token] if token.logprob is not None else [],

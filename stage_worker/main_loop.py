@@ -30,13 +30,20 @@ class MainLoop:
         self._running = False
 
     def call(self, fn: Callable[..., T], *args) -> T:
+        return self.submit(fn, *args).result()
+
+    def submit(self, fn: Callable[..., T], *args) -> Future:
+        """Queue the call (calls run in the order they were submitted); before `start`, run it now."""
+        future: Future = Future()
         with self._lock:
-            if not self._running:
-                future = None
-            else:
-                future = Future()
+            if self._running:
                 self._queue.put((future, fn, args))
-        return fn(*args) if future is None else future.result()
+                return future
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 - raised by result(), as from the loop
+            future.set_exception(err)
+        return future
 
     def start(self) -> None:
         with self._lock:

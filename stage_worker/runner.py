@@ -13,7 +13,7 @@ import torch
 
 from stagemesh.errors import StagemeshError
 from stagemesh.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
-from stagemesh.step import SampledToken, StepBatch
+from stagemesh.step import PLACEHOLDER, SampledToken, StepBatch
 from stage_worker.layers import pack_weights_for_cpu
 from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from stage_worker.model import AttentionMetadata, StageModel
@@ -132,6 +132,26 @@ class StageRunner:
             return StageOutput()
         sampled = self.sampler.sample(logits, sample_ids) if self.tp.rank == 0 else []
         return StageOutput(sampled=sampled, logits=logits if return_logits else None)
+
+    def fill_placeholders(self, batch: StepBatch) -> bool:
+        """Async scheduling: put each sequence's last sampled token where the step has PLACEHOLDER (the
+        step was scheduled before the previous one's tokens were back). Only a stage that both embeds and
+        samples can; TP rank 0 fills them before the step goes to its followers. True if any were filled."""
+        c = batch.chunks
+        if PLACEHOLDER not in c.token_ids:
+            return False
+        if self.sampler is None or not self.is_first_stage or self.tp.rank != 0:
+            raise StagemeshError("a step ahead of its sampled tokens (async scheduling) reached a stage that does "
+                                 "not both embed and sample; async scheduling needs a single-stage pipeline")
+        seqs, tokens, at = self.sampler.seqs, c.token_ids, 0
+        for seq_id, n in zip(c.seq_ids, c.num_tokens):
+            at += n
+            if tokens[at - 1] == PLACEHOLDER:
+                state = seqs.get(seq_id)
+                if state is None or not state.output:
+                    raise StagemeshError(f"sequence {seq_id} has no sampled token to fill a step ahead with")
+                tokens[at - 1] = state.output[-1]
+        return True
 
     def _update_state(self, batch: StepBatch) -> None:
         for seq_id in batch.finished_seq_ids:

@@ -1,8 +1,9 @@
 """A stage's TP rank 0: owns the model slice, the TP followers and the handoff.
 
 The gRPC servicer (stage_worker.service) only decodes and calls this class.
-Forward calls for different micro-batches may arrive together; they run one
-at a time in step order, as every stage sees every step.
+Forward calls for different micro-batches (or a step sent ahead by async
+scheduling) may arrive together; they run one at a time in step order, as
+every stage sees every step.
 """
 from __future__ import annotations
 
@@ -130,22 +131,24 @@ class StageWorker:
 
     # -- steps --------------------------------------------------------------------
     def forward(self, req: stage_pb2.ForwardRequest) -> stage_pb2.ForwardResponse:
+        """Queue the step on the main loop as soon as the step before it is queued (steps run in step order,
+        and a step sent ahead waits there, decoded, for the one before to end), then wait for it."""
         step_id = req.step.step_id
+        batch = step_from_pb(req.step)  # on this gRPC thread, while the main loop runs the step before
         with self._turn:
             while self.epoch == req.epoch and self._next_step != step_id:
                 self._turn.wait()
             if self.epoch != req.epoch:
                 raise StagemeshError(f"step {step_id} belongs to epoch {req.epoch}, the stage is in {self.epoch}")
-        try:
-            return self.main_loop.call(self._run, req)
-        finally:
-            with self._turn:
-                if self.epoch == req.epoch:
-                    self._next_step = step_id + 1
-                self._turn.notify_all()
+            done = self.main_loop.submit(self._run, req, batch)
+            self._next_step = step_id + 1
+            self._turn.notify_all()
+        reply, sampled = done.result()
+        if sampled:
+            reply.sampled.CopyFrom(sampled_to_pb(sampled))
+        return reply
 
-    def _run(self, req: stage_pb2.ForwardRequest) -> stage_pb2.ForwardResponse:
-        batch = step_from_pb(req.step)
+    def _run(self, req: stage_pb2.ForwardRequest, batch) -> tuple[stage_pb2.ForwardResponse, list]:
         runner, reply = self.runner, stage_pb2.ForwardResponse()
         hidden = None
         if not runner.is_first_stage and batch.chunks:
@@ -154,6 +157,8 @@ class StageWorker:
             hidden = self.handoff.recv(req.epoch, batch.step_id, shape, runner.dtype, HANDOFF_TIMEOUT_S)
             reply.handoff_wait_seconds = time.perf_counter() - start
         start = time.perf_counter()
+        if runner.fill_placeholders(batch) and self.followers:
+            req.step.chunks.token_ids[:] = batch.chunks.token_ids  # the followers embed the same tokens
         if self.followers:
             sdist.send_control(sdist.FORWARD, req.SerializeToString(), runner.tp)
             if hidden is not None:
@@ -162,9 +167,7 @@ class StageWorker:
         reply.compute_seconds = time.perf_counter() - start
         if out.hidden_states is not None:
             reply.handoff_bytes = self.handoff.send(req.epoch, batch.step_id, out.hidden_states)
-        if out.sampled:
-            reply.sampled.CopyFrom(sampled_to_pb(out.sampled))
-        return reply
+        return reply, out.sampled
 
     def deliver(self, req: stage_pb2.PushActivationsRequest) -> None:
         if not isinstance(self.handoff, GrpcHandoff) or req.epoch != self.epoch:

@@ -16,6 +16,10 @@ from typing import Iterable, Iterator
 
 from stagemesh.sampling_params import SamplingParams
 
+# A token id in a step that stands for the token its sequence sampled in the previous step, which
+# was still in flight when this one was scheduled (async scheduling); the sampling stage fills it in.
+PLACEHOLDER = -1
+
 
 @dataclass
 class NewSequence:

@@ -17,6 +17,11 @@ CASES = {
     "tp2-pp2-nccl": dict(split=[2, 2], tp=[2, 2], handoff="nccl"),
     "tp1-pp3-uneven-grpc": dict(split=[1, 2, 1], tp=[1, 1, 1], handoff="grpc"),
     "tp2-then-tp1-nccl": dict(split=[3, 1], tp=[2, 1], handoff="nccl"),
+    # a single stage schedules a step ahead (async scheduling, the default there): rank 0 fills in the
+    # sampled tokens before the step goes to its TP follower, and preemption must not touch a step ahead
+    "tp2-pp1-nccl-async-preemption": dict(split=[4], tp=[2], handoff="nccl",
+                                          stage_args=("--kv-cache-memory", "90112"),
+                                          scheduler_args=("--max-num-batched-tokens", "64")),
     "tp1-pp2-grpc-preemption": dict(split=[2, 2], tp=[1, 1], handoff="grpc",
                                     stage_args=("--kv-cache-memory", "90112"),
                                     scheduler_args=("--max-num-batched-tokens", "64")),
@@ -39,7 +44,35 @@ def test_mesh_greedy_tokens_match_transformers(expected, tmp_path, case):
         got = mesh.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
         stats = mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
     assert got == want
+    log = (tmp_path / "scheduler.log").read_text()
+    assert ("async scheduling" in log) == (len(CASES[case]["split"]) == 1)
     if case.endswith("preemption"):
-        log = (tmp_path / "scheduler.log").read_text()
-        assert "KV cache size: 176 tokens" in log  # 90112 bytes hold 11 blocks of 2 layers x 16 tokens
+        # 90112 bytes hold 11 blocks of 16 tokens: of 2 layers, or of 4 layers with the KV heads over 2 ranks
+        assert "KV cache size: 176 tokens" in log
         assert stats.num_kv_blocks == 11 and stats.num_preemptions > 0
+
+
+@pytest.mark.slow
+def test_async_scheduling_stops_and_samples_as_without_it(expected, tmp_path):
+    """Steps sent ahead of their tokens: a request that stops (stop token) has its step ahead dropped, and
+    seeded sampling with penalties (which read the tokens filled in) draws the same tokens either way."""
+    model_dir, batch, want = expected
+    requests, stops = [], {}
+    for i, prompt in enumerate(batch):
+        if i % 2 == 0:  # greedy, stopping at the token transformers makes 6th
+            stops[f"r{i}"] = want[i][:want[i].index(want[i][5]) + 1]
+            sampling = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, stop_token_ids=(want[i][5],))
+        else:
+            sampling = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.0, seed=i,
+                                      repetition_penalty=1.3, frequency_penalty=0.5)
+        requests.append((f"r{i}", prompt, sampling))
+    results = {}
+    for flag in ("--async-scheduling", "--no-async-scheduling"):
+        (tmp_path / flag).mkdir()
+        with Mesh(model_dir, [4], log_dir=tmp_path / flag, scheduler_args=(flag,)) as mesh:
+            results[flag] = mesh.submit_stream(requests)
+    got = results["--async-scheduling"]
+    stop = scheduler_pb2.FINISH_REASON_STOP
+    assert {r: got[r] for r in stops} == {r: (tokens, stop) for r, tokens in stops.items()}
+    assert got == results["--no-async-scheduling"]
+    assert "async scheduling" in (tmp_path / "--async-scheduling" / "scheduler.log").read_text()

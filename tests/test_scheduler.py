@@ -7,7 +7,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.scheduler import QueueFull, Scheduler
 from stagemesh.errors import StagemeshError
 from stagemesh.sampling_params import SamplingParams
-from stagemesh.step import SampledToken
+from stagemesh.step import PLACEHOLDER, SampledToken
 
 
 def make(num_kv_blocks=64, **kw) -> Scheduler:
@@ -146,3 +146,64 @@ def test_blocks_filled_by_decoding_serve_as_a_cached_prefix():
     s.add_request("b", [3, 4, 5, 6, 8, 9, 9, 9, 1, 1], SamplingParams(max_tokens=1))
     out, _ = run_step(s)
     assert out.step_batch.chunks[0].start_position == 8 and out.step_batch.chunks[0].token_ids == [1, 1]
+
+
+def test_async_scheduling_runs_one_step_ahead_with_placeholders():
+    s = make(async_scheduling=True)
+    s.add_request("a", [3, 4, 5, 6], SamplingParams(max_tokens=3))
+    first = s.schedule()  # the prompt, sampling its first token
+    ahead = s.schedule()  # before that token is back: a decode of the placeholder
+    assert [(c.token_ids, c.start_position, c.sample) for c in ahead.step_batch.chunks] == [([PLACEHOLDER], 4, True)]
+    assert s.schedule() is None  # one step ahead at most
+    assert ahead.step_batch.chunks.new_block_ids == [s.kv.tables["a"][1]]  # position 4 opens the second block
+    [r] = s.update_from_output(first, [SampledToken(first.step_batch.chunks.seq_ids[0], 10)])
+    assert r.new_token_ids == [10] and not r.finished
+    # its third token would be the last one (max_tokens=3): no step ahead of that
+    last = s.schedule()
+    assert [(c.token_ids, c.start_position) for c in last.step_batch.chunks] == [([PLACEHOLDER], 5)]
+    s.update_from_output(ahead, [SampledToken(ahead.step_batch.chunks.seq_ids[0], 11)])
+    assert s.schedule() is None
+    [r] = s.update_from_output(last, [SampledToken(last.step_batch.chunks.seq_ids[0], 12)])
+    assert r.finish_reason == "length" and s.requests == {}
+
+
+def test_async_scheduling_drops_the_step_ahead_of_a_request_that_stopped():
+    s = make(async_scheduling=True)
+    s.add_request("a", [3, 4, 5], SamplingParams(max_tokens=9))
+    s.add_request("b", [3, 4], SamplingParams(max_tokens=9))
+    first, ahead = s.schedule(), s.schedule()
+    seq = dict(zip(first.request_ids, first.step_batch.chunks.seq_ids))
+    outs = s.update_from_output(first, [SampledToken(seq["a"], 2), SampledToken(seq["b"], 7)])  # a hits EOS
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", "stop"), ("b", None)]
+    nxt = s.schedule()  # b again, ahead of its step in flight; the stages drop a
+    assert nxt.request_ids == ["b"] and nxt.step_batch.finished_seq_ids == [seq["a"]]
+    outs = s.update_from_output(ahead, [SampledToken(seq["a"], 9), SampledToken(seq["b"], 8)])
+    assert [(o.request_id, o.new_token_ids) for o in outs] == [("b", [8])]  # a's token computed ahead is dropped
+    assert s.requests["b"].output_token_ids == [7, 8] and "a" not in s.kv.tables
+
+
+def test_async_scheduling_caches_only_blocks_whose_tokens_are_known():
+    s = make(async_scheduling=True, block_size=4)
+    s.add_request("a", [3, 4, 5], SamplingParams(max_tokens=9, ignore_eos=True))
+    first, ahead = s.schedule(), s.schedule()  # prompt (positions 0-2), then position 3 ahead
+    seq = first.step_batch.chunks.seq_ids[0]
+    s.update_from_output(first, [SampledToken(seq, 6)])
+    assert s.kv.cached == {}  # block 0 is full only once position 3's step, in flight, is taken in
+    s.schedule()
+    s.update_from_output(ahead, [SampledToken(seq, 7)])
+    assert s.kv.find_cached_prefix([3, 4, 5, 6, 99]) == [s.kv.tables["a"][0]]
+
+
+def test_a_step_ahead_never_preempts():
+    s = make(num_kv_blocks=2, block_size=2, max_num_batched_tokens=2, async_scheduling=True,
+             enable_prefix_caching=False)
+    s.add_request("a", [3], SamplingParams(max_tokens=3, ignore_eos=True))
+    s.add_request("c", [4, 5], SamplingParams(max_tokens=2, ignore_eos=True))
+    first = s.schedule()  # a's prompt, and the first of c's two prompt tokens (the budget is 2 tokens)
+    assert first.request_ids == ["a", "c"] and first.step_batch.chunks.sample == [True, False]
+    ahead = s.schedule()
+    assert ahead.request_ids == ["a"]  # c's prompt is not done: nothing to run ahead of
+    s.update_from_output(first, [SampledToken(first.step_batch.chunks.seq_ids[0], 7)])
+    # a's next step ahead needs a third block: c, not in flight, holds the other one; c goes on instead
+    third = s.schedule()
+    assert third.request_ids == ["c"] and s.num_preemptions == 0
