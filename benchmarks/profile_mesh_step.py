@@ -12,8 +12,14 @@ stage's activations). Derived:
                     encoding the reply, plus (batch 32: two micro-batches in flight) waiting for the
                     stage to finish the other micro-batch
   handoff         = last stage's handoff wait - first stage's compute (the transfer; batch 1 only)
+  run/step        = the run's time over its steps (what a token costs at batch 1)
 
-    .venv/bin/python benchmarks/profile_mesh_step.py [--batch 1 32] [--tokens 64]
+The breakdown reads the synchronous path, so the scheduler runs with --no-async-scheduling unless
+--async-scheduling is given (then steps wait on the stages behind the step ahead, and only s0 model,
+s1 model and run/step keep their meaning; s0 wait is then its wait for the last stage's tokens).
+
+    .venv/bin/python benchmarks/profile_mesh_step.py [--batch 1 32] [--tokens 64] [--threads N]
+        [--async-scheduling] [--log-dir D]
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import argparse
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 import requests
@@ -52,10 +59,13 @@ def profile(mesh: Mesh, ports: list[int], batch: int, tokens: int) -> dict[str, 
     rng = random.Random(batch)
     prompts = [[rng.randrange(100, 40000) for _ in range(16)] for _ in range(batch)]
     before = [scrape(p) for p in ports], mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+    start = time.perf_counter()
     mesh.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    elapsed = time.perf_counter() - start
     after = [scrape(p) for p in ports], mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
     steps = after[1].num_steps - before[1].num_steps
-    per_step = {"wall": (after[1].step_seconds_total - before[1].step_seconds_total) / steps}
+    per_step = {"wall": (after[1].step_seconds_total - before[1].step_seconds_total) / steps,
+                "run": elapsed / steps}
     for i in range(len(ports)):
         for name in SERIES:
             per_step[f"{name}{i}"] = (after[0][i][name] - before[0][i][name]) / steps
@@ -69,17 +79,19 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per stage process")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep each process's log here")
+    parser.add_argument("--async-scheduling", action="store_true", help="as `serve` runs (see above)")
     args = parser.parse_args()
     os.environ.update(cpu_stage_env())  # as `stagemesh serve` sets it for its stages
     ports = [free_port(), free_port()]
     per_stage = {i: ["--metrics-port", str(p)] for i, p in enumerate(ports)}
     with Mesh(default_model_dir(), [15, 15], handoff="nccl", per_stage_args=per_stage,
-              stage_args=("--threads", str(args.threads)), log_dir=args.log_dir) as mesh:
+              stage_args=("--threads", str(args.threads)), log_dir=args.log_dir,
+              scheduler_args=() if args.async_scheduling else ("--no-async-scheduling",)) as mesh:
         mesh.generate([[5, 6, 7]], SamplingParams(max_tokens=4))  # warm-up
-        print(f"default model, PP=2 (15+15 layers), {args.threads} thread(s) per stage, {args.tokens} greedy tokens per request; "
-              "ms per micro-batch step")
+        print(f"default model, PP=2 (15+15 layers), {args.threads} thread(s) per stage, {args.tokens} greedy tokens per "
+              f"request, {'async' if args.async_scheduling else 'synchronous'} scheduling; ms per micro-batch step")
         print(f"{'batch':>5} {'steps':>5} {'wall':>7} | {'s0 model':>8} {'s0 queue+books':>14} | {'s1 wait':>7} "
-              f"{'s1 model':>8} {'s1 queue+books':>14} | {'handoff':>7} {'sched+RPC':>9}")
+              f"{'s1 model':>8} {'s1 queue+books':>14} | {'handoff':>7} {'sched+RPC':>9} | {'run/step':>8}")
         for batch in args.batch:
             p = profile(mesh, ports, batch, args.tokens)
             ms = {k: v * 1e3 for k, v in p.items() if k != "steps"}
@@ -88,7 +100,7 @@ def main() -> None:
             handoff = ms["wait1"] - ms["compute0"] if batch == 1 else float("nan")
             print(f"{batch:>5} {p['steps']:>5} {ms['wall']:>7.1f} | {ms['compute0']:>8.1f} {books0:>14.2f} | "
                   f"{ms['wait1']:>7.1f} {ms['compute1']:>8.1f} {books1:>14.2f} | {handoff:>7.2f} "
-                  f"{ms['wall'] - ms['forward1']:>9.2f}")
+                  f"{ms['wall'] - ms['forward1']:>9.2f} | {ms['run']:>8.1f}")
 
 
 if __name__ == "__main__":

@@ -26,9 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-waiting-requests", type=int, default=0, help="0: unbounded")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule each step before the previous one's tokens are back, so the stage never waits "
-                        "for the scheduler (default: on with one pipeline stage; needs one stage)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule a step before the previous one's tokens are back, so the stages do not wait for "
+                        "the scheduler: always with one stage, with more where a micro-batch would be empty")
     p.add_argument("--forward-timeout", type=float, default=120.0, help="deadline of one step on a stage, seconds")
     p.add_argument("--port-file", default=None, help="write the bound port here (for supervisors)")
     add_service_arguments(p)
@@ -42,7 +42,6 @@ def run(args: argparse.Namespace) -> int:
 async def _main(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from scheduler.config import check_async_scheduling
     from scheduler.driver import Driver, DriverConfig
     from scheduler.rendezvous import ModelIdentity, Rendezvous
     from scheduler.service import SchedulerServicer, serve
@@ -56,7 +55,6 @@ async def _main(args: argparse.Namespace) -> int:
                              f"{cfg.max_position_embeddings} positions")
     if args.pipeline_parallel_size < 1 or args.pipeline_parallel_size > cfg.num_hidden_layers:
         raise StagemeshError(f"--pipeline-parallel-size must be between 1 and the model's {cfg.num_hidden_layers} layers")
-    check_async_scheduling(args.async_scheduling, args.pipeline_parallel_size)
     advertise = args.advertise_host or args.host
     store = dist.TCPStore(args.host, args.dist_port, is_master=True, wait_for_workers=False)
     identity = ModelIdentity(cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size,

@@ -16,7 +16,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     eos_token_ids: tuple[int, ...] = ()
     max_waiting_requests: int = 0  # 0: unbounded
-    async_scheduling: bool = False  # schedule a step ahead (single-stage pipelines only: see Scheduler)
+    async_scheduling: bool = False  # may schedule a step ahead of a request's tokens (see Scheduler)
 
     def __post_init__(self) -> None:
         for name in ("num_kv_blocks", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -27,9 +27,3 @@ class SchedulerConfig:
     def kv_cache_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
 
-
-def check_async_scheduling(async_scheduling: bool | None, pipeline_parallel_size: int) -> None:
-    """--async-scheduling asks for a single-stage pipeline (None: on there, off with more stages)."""
-    if async_scheduling and pipeline_parallel_size > 1:
-        raise StagemeshError("--async-scheduling needs --pipeline-parallel-size 1: with more stages the pipeline "
-                             "keeps them busy with micro-batches of different requests instead")

@@ -2,10 +2,13 @@
 
 Up to one micro-batch per stage is in flight, on disjoint sequences (the core
 scheduler never schedules a request twice before its result is back), so no
-stage idles while requests wait. A single-stage pipeline instead schedules a
-step ahead (async scheduling: two steps in flight on the same sequences, the
-second filled in by the stage), so its stage does not idle while the
-scheduler and the RPCs work between two steps. Results are taken in step order. When a micro-batch's replies arrive, the
+stage idles while requests wait. With async scheduling (the default) a
+single-stage pipeline keeps a second step in flight on the same sequences,
+scheduled ahead of the first one's tokens (the stage fills them in), so its
+stage does not idle while the scheduler and the RPCs work between two steps;
+a longer pipeline runs a step ahead where a micro-batch would otherwise be
+empty (fewer requests than stages: batch 1), its first stage taking the
+tokens from the last one. Results are taken in step order. When a micro-batch's replies arrive, the
 critical path is short: update the scheduler, send the next micro-batch, and
 only then hand the outputs to their sinks (a request's own stream, or the
 multiplexed stream of a router's connection), whose writes overlap the stages'
@@ -53,7 +56,7 @@ class DriverConfig:
     forward_timeout_s: float = 120.0
     join_timeout_s: float = 300.0
     probe_interval_s: float = 2.0
-    async_scheduling: bool | None = None  # None: on for a single-stage pipeline
+    async_scheduling: bool = True
 
 
 @dataclass
@@ -169,7 +172,10 @@ class Driver:
         while self.healthy and len(self._in_flight) < self._depth:
             # split the requests over the micro-batches, so that every stage has work
             share = -(-self.scheduler.num_unfinished // len(self.plan.stages))
-            output = self.scheduler.schedule(max_seqs=max(share, 1))
+            single = len(self.plan.stages) == 1
+            output = self.scheduler.schedule(max_seqs=max(share, 1), run_ahead=single)
+            if output is None and not single:  # no request left for this micro-batch: run one ahead
+                output = self.scheduler.schedule(max_seqs=max(share, 1), run_ahead=True)
             if output is None:
                 return
             preempted = list(self.scheduler.recent_preemptions)
@@ -283,8 +289,7 @@ class Driver:
 
     def _start_epoch(self, plan: PipelinePlan) -> None:
         cfg, block_size = self.cfg, self.rendezvous.block_size
-        # (the command line refuses --async-scheduling with more than one stage)
-        async_scheduling = len(plan.stages) == 1 and cfg.async_scheduling is not False
+        async_scheduling = cfg.async_scheduling
         kv_tokens = plan.num_kv_blocks * block_size
         max_len = cfg.max_model_len or min(cfg.model_max_len, kv_tokens)
         if max_len > kv_tokens:
@@ -298,7 +303,7 @@ class Driver:
             enable_prefix_caching=cfg.enable_prefix_caching, eos_token_ids=cfg.eos_token_ids,
             max_waiting_requests=cfg.max_waiting_requests, async_scheduling=async_scheduling))
         self.plan, self.max_model_len = plan, max_len
-        self._depth = 2 if async_scheduling else len(plan.stages)
+        self._depth = 2 if async_scheduling and len(plan.stages) == 1 else len(plan.stages)
         self._last_sent = None
         for s in plan.stages:
             log.info("stage %d: layers %d:%d, TP=%d, %s, %s handoff, at %s", s.stage_index, s.layer_start,

@@ -7,14 +7,15 @@ one rule. Requests in flight (scheduled, result not yet back) are skipped, so
 a pipeline can keep several micro-batches in flight on disjoint sequences.
 Preemption is by recompute: the victim frees its blocks and waits again.
 
-Asynchronous scheduling (vLLM's --async-scheduling, for a single-stage
-pipeline): a request whose step in flight samples a token may be scheduled
-once more before that token is back, as a decode of PLACEHOLDER, which the
-stage replaces with the token it sampled for the sequence in its previous
-step (it runs steps in order). So the next step is on the stage before the
-current one ends, and the scheduler's work and both RPCs overlap the model.
-A request that turns out to have finished (EOS, stop token) wastes the one
-token computed ahead; its result is dropped.
+Asynchronous scheduling (vLLM's --async-scheduling): a request whose step
+in flight samples a token may be scheduled once more before that token is
+back, as a decode of PLACEHOLDER, which the first stage replaces with the
+token the last stage sampled for the sequence in the step before (stages run
+steps in order). So the next step is on the stages before the current one
+ends, and the scheduler's work and both RPCs overlap the model. A request
+that turns out to have finished (EOS, stop token) wastes the one token
+computed ahead; its result is dropped. schedule(run_ahead=False) leaves such
+requests out (a pipeline runs ahead only where a micro-batch would be empty).
 """
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ class Scheduler:
         # ids of preempted requests, for tracing; the driver drains it
         self.recent_preemptions: deque[str] = deque(maxlen=4096)
         self.num_preemptions = 0
+        self._run_ahead = False  # this schedule() call may run a step ahead
 
     # -- requests in and out ------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
@@ -118,10 +120,12 @@ class Scheduler:
                               self.kv.prefix_hits, self.kv.num_blocks, self.num_preemptions)
 
     # -- one step -------------------------------------------------------------
-    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput | None:
+    def schedule(self, max_seqs: int | None = None, run_ahead: bool = True) -> SchedulerOutput | None:
         """One step's micro-batch; max_seqs caps its sequences (a pipeline splits the running ones
-        over its micro-batches so that every stage has work)."""
+        over its micro-batches so that every stage has work); run_ahead=False: no step ahead of a
+        request's step in flight, even with async scheduling."""
         budget = _Budget(self.config.max_num_batched_tokens, max_seqs or self.config.max_num_seqs)
+        self._run_ahead = run_ahead and self.config.async_scheduling
         preempted = self._schedule_running(budget)
         if not preempted:
             self._schedule_waiting(budget)
@@ -187,7 +191,7 @@ class Scheduler:
         """Async scheduling: one step ahead of a request whose step in flight samples, unless that
         token is sure to be its last."""
         p = request.sampling
-        return (self.config.async_scheduling and request.in_flight == 1 and request.num_pending == 1
+        return (self._run_ahead and request.in_flight == 1 and request.num_pending == 1
                 and len(request.output_token_ids) + 1 < p.max_tokens
                 and request.num_tokens + 1 < self.config.max_model_len)
 

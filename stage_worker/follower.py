@@ -40,7 +40,7 @@ def read_message(stream) -> bytes | None:
 
 def serve_epoch(runner: StageRunner, join: stage_pb2.JoinPipelineRequest) -> None:
     tp = runner.tp
-    sdist.join_world(join, tp, runner.device)
+    sdist.join_world(join, tp, runner.device)  # (the first stage's rank 0 fills in steps run ahead)
     runner.reset(join.num_kv_blocks)
     hidden_size = runner.config.hidden_size
     try:

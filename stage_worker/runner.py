@@ -133,25 +133,34 @@ class StageRunner:
         sampled = self.sampler.sample(logits, sample_ids) if self.tp.rank == 0 else []
         return StageOutput(sampled=sampled, logits=logits if return_logits else None)
 
-    def fill_placeholders(self, batch: StepBatch) -> bool:
-        """Async scheduling: put each sequence's last sampled token where the step has PLACEHOLDER (the
-        step was scheduled before the previous one's tokens were back). Only a stage that both embeds and
-        samples can; TP rank 0 fills them before the step goes to its followers. True if any were filled."""
-        c = batch.chunks
-        if PLACEHOLDER not in c.token_ids:
-            return False
-        if self.sampler is None or not self.is_first_stage or self.tp.rank != 0:
-            raise StagemeshError("a step ahead of its sampled tokens (async scheduling) reached a stage that does "
-                                 "not both embed and sample; async scheduling needs a single-stage pipeline")
-        seqs, tokens, at = self.sampler.seqs, c.token_ids, 0
+    def fill_placeholders(self, batch: StepBatch, tokens: list[int] | None = None) -> None:
+        """Async scheduling: put each sequence's last sampled token where the step has PLACEHOLDER (it was
+        scheduled before the previous step's tokens were back): `tokens`, in the order of the placeholders
+        (from the last stage), or this stage's own samples when it is the last stage too."""
+        c, at, filled = batch.chunks, 0, 0
+        if tokens is None:
+            tokens = self.placeholder_tokens(batch)
+        for n in c.num_tokens:
+            at += n
+            if c.token_ids[at - 1] == PLACEHOLDER:
+                c.token_ids[at - 1] = tokens[filled]
+                filled += 1
+        if filled != len(tokens):
+            raise StagemeshError(f"step {batch.step_id} has {filled} tokens scheduled ahead, got {len(tokens)}")
+
+    def placeholder_tokens(self, batch: StepBatch) -> list[int]:
+        """On the last stage: the tokens the step's placeholders stand for (each sequence's last sample)."""
+        if self.sampler is None or self.tp.rank != 0:
+            raise StagemeshError("only the last stage's TP rank 0 knows the sampled tokens a step ahead needs")
+        c, seqs, out, at = batch.chunks, self.sampler.seqs, [], 0
         for seq_id, n in zip(c.seq_ids, c.num_tokens):
             at += n
-            if tokens[at - 1] == PLACEHOLDER:
+            if c.token_ids[at - 1] == PLACEHOLDER:
                 state = seqs.get(seq_id)
                 if state is None or not state.output:
                     raise StagemeshError(f"sequence {seq_id} has no sampled token to fill a step ahead with")
-                tokens[at - 1] = state.output[-1]
-        return True
+                out.append(state.output[-1])
+        return out
 
     def _update_state(self, batch: StepBatch) -> None:
         for seq_id in batch.finished_seq_ids:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from stagemesh.errors import StagemeshError
+from stagemesh.step import PLACEHOLDER
 from stagemesh.step_wire import sampled_to_pb, step_from_pb
 from stagemesh.v1 import stage_pb2
 from stage_worker import dist as sdist
@@ -66,6 +67,8 @@ class StageWorker:
         self.handoff = None
         self._next_step = 0
         self._turn = threading.Condition()
+        self._store = None  # the epoch's store: sampled tokens for steps run ahead cross it
+        self._told_ahead = False
         self.main_loop = MainLoop()  # steps and KV allocation run on the main thread once it serves the loop
 
     # -- start-up ---------------------------------------------------------------
@@ -100,7 +103,8 @@ class StageWorker:
         for proc in self.followers:
             proc.stdin.write(struct.pack("<I", len(payload)) + payload)
             proc.stdin.flush()
-        rank = sdist.join_world(req, self.runner.tp, self.runner.device)
+        rank, self._store = sdist.join_world(req, self.runner.tp, self.runner.device)
+        self._told_ahead = False
         self.main_loop.call(self.runner.reset, req.num_kv_blocks)
         index, sizes = self.cfg.stage_index, list(req.tp_sizes)
         if self.cfg.handoff == "nccl":
@@ -135,12 +139,16 @@ class StageWorker:
         and a step sent ahead waits there, decoded, for the one before to end), then wait for it."""
         step_id = req.step.step_id
         batch = step_from_pb(req.step)  # on this gRPC thread, while the main loop runs the step before
+        runner, published = self.runner, None
         with self._turn:
             while self.epoch == req.epoch and self._next_step != step_id:
                 self._turn.wait()
             if self.epoch != req.epoch:
                 raise StagemeshError(f"step {step_id} belongs to epoch {req.epoch}, the stage is in {self.epoch}")
-            done = self.main_loop.submit(self._run, req, batch)
+            if PLACEHOLDER in batch.chunks.token_ids and runner.is_last_stage and not runner.is_first_stage:
+                # a step run ahead: once the step before has sampled, the first stage gets its tokens
+                published = self.main_loop.submit(self._publish_tokens, batch)
+            done = self.main_loop.submit(self._run, req, batch, published)
             self._next_step = step_id + 1
             self._turn.notify_all()
         reply, sampled = done.result()
@@ -148,17 +156,24 @@ class StageWorker:
             reply.sampled.CopyFrom(sampled_to_pb(sampled))
         return reply
 
-    def _run(self, req: stage_pb2.ForwardRequest, batch) -> tuple[stage_pb2.ForwardResponse, list]:
+    def _publish_tokens(self, batch) -> None:
+        sdist.put_tokens(self._store, batch.step_id, self.runner.placeholder_tokens(batch))
+
+    def _run(self, req: stage_pb2.ForwardRequest, batch, published) -> tuple[stage_pb2.ForwardResponse, list]:
         runner, reply = self.runner, stage_pb2.ForwardResponse()
+        if published is not None:
+            published.result()  # done (it ran just before): raises if the tokens could not be handed over
         hidden = None
         if not runner.is_first_stage and batch.chunks:
             start = time.perf_counter()
             shape = (batch.num_tokens, runner.config.hidden_size)
             hidden = self.handoff.recv(req.epoch, batch.step_id, shape, runner.dtype, HANDOFF_TIMEOUT_S)
             reply.handoff_wait_seconds = time.perf_counter() - start
+        if runner.is_first_stage and PLACEHOLDER in batch.chunks.token_ids:
+            start = time.perf_counter()
+            self._fill_ahead(req, batch)
+            reply.handoff_wait_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        if runner.fill_placeholders(batch) and self.followers:
-            req.step.chunks.token_ids[:] = batch.chunks.token_ids  # the followers embed the same tokens
         if self.followers:
             sdist.send_control(sdist.FORWARD, req.SerializeToString(), runner.tp)
             if hidden is not None:
@@ -168,6 +183,21 @@ class StageWorker:
         if out.hidden_states is not None:
             reply.handoff_bytes = self.handoff.send(req.epoch, batch.step_id, out.hidden_states)
         return reply, out.sampled
+
+    def _fill_ahead(self, req: stage_pb2.ForwardRequest, batch) -> None:
+        """A step scheduled before the previous one's tokens were back: fill them in, from this stage's own
+        samples (one stage) or the last stage's (through the store), before the followers get the step."""
+        runner = self.runner
+        if runner.is_last_stage:
+            runner.fill_placeholders(batch)
+        else:
+            if not self._told_ahead:
+                self._told_ahead = True
+                log.info("steps scheduled ahead take their sampled tokens from the last stage (epoch %d)", req.epoch)
+            tokens = sdist.take_tokens(self._store, batch.step_id, HANDOFF_TIMEOUT_S, lambda: self.epoch == req.epoch)
+            runner.fill_placeholders(batch, tokens)
+        if self.followers:
+            req.step.chunks.token_ids[:] = batch.chunks.token_ids  # the followers embed the same tokens
 
     def deliver(self, req: stage_pb2.PushActivationsRequest) -> None:
         if not isinstance(self.handoff, GrpcHandoff) or req.epoch != self.epoch:
