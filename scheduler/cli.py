@@ -26,9 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-waiting-requests", type=int, default=0, help="0: unbounded")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule a step before the previous one's tokens are back, so the stages do not wait for "
-                        "the scheduler: always with one stage, with more where a micro-batch would be empty")
+                        "the scheduler: always with one stage, with more where a micro-batch would be empty "
+                        "(default: on when the stages run on GPUs, off on CPU)")
     p.add_argument("--forward-timeout", type=float, default=120.0, help="deadline of one step on a stage, seconds")
     p.add_argument("--port-file", default=None, help="write the bound port here (for supervisors)")
     add_service_arguments(p)

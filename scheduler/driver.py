@@ -2,7 +2,7 @@
 
 Up to one micro-batch per stage is in flight, on disjoint sequences (the core
 scheduler never schedules a request twice before its result is back), so no
-stage idles while requests wait. With async scheduling (the default) a
+stage idles while requests wait. With async scheduling (the default on GPUs) a
 single-stage pipeline keeps a second step in flight on the same sequences,
 scheduled ahead of the first one's tokens (the stage fills them in), so its
 stage does not idle while the scheduler and the RPCs work between two steps;
@@ -56,7 +56,7 @@ class DriverConfig:
     forward_timeout_s: float = 120.0
     join_timeout_s: float = 300.0
     probe_interval_s: float = 2.0
-    async_scheduling: bool = True
+    async_scheduling: bool | None = None  # None: on when every stage computes on a GPU (see _start_epoch)
 
 
 @dataclass
@@ -289,7 +289,12 @@ class Driver:
 
     def _start_epoch(self, plan: PipelinePlan) -> None:
         cfg, block_size = self.cfg, self.rendezvous.block_size
+        # CPU stages use every core for the model; overlapping the scheduler, router and client work with
+        # it was measured slower there (benchmarks/RESULTS.md, 2026-11-23 async scheduling), so on CPU it
+        # is on only when asked for
         async_scheduling = cfg.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = all(s.device.startswith("cuda") for s in plan.stages)
         kv_tokens = plan.num_kv_blocks * block_size
         max_len = cfg.max_model_len or min(cfg.model_max_len, kv_tokens)
         if max_len > kv_tokens:

@@ -60,8 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="schedule a step before the previous one's tokens are back (see `stagemesh scheduler`)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule a step before the previous one's tokens are back (default: on with GPUs, off on "
+                        "CPU; see `stagemesh scheduler`)")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per stage")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="stages run decode steps without CUDA graphs")
@@ -101,8 +102,8 @@ def plan_commands(args: argparse.Namespace, model_dir: str, num_layers: int, cud
                                  "served_model_name"))
     if not args.enable_prefix_caching:
         common_sched.append("--no-enable-prefix-caching")
-    if not args.async_scheduling:
-        common_sched.append("--no-async-scheduling")
+    if args.async_scheduling is not None:
+        common_sched.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     children, replicas, gpu = [], [], 0
     for r in range(dp):
         port = free_port()

@@ -14,13 +14,16 @@ from stagemesh.v1 import scheduler_pb2
 pytestmark = pytest.mark.slow
 
 
-def test_stage_killed_mid_generation_fails_requests_then_recovers(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("flag,num_requests", [(None, 4), ("--async-scheduling", 1)],
+                         ids=["four-requests-cpu-default", "lone-request-run-ahead"])
+def test_stage_killed_mid_generation_fails_requests_then_recovers(tiny_model_dir, tmp_path, flag, num_requests):
+    # (a lone request runs ahead: stage 0 waits for its tokens from stage 1 when stage 1 dies)
     model_dir = tiny_model_dir("llama")
     long = SamplingParams(max_tokens=400, ignore_eos=True)
-    with Mesh(model_dir, [2, 2], handoff="nccl", log_dir=tmp_path) as mesh:
-        with ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(mesh.submit, f"r{i}", [5 + i] * 20, long, 60) for i in range(4)]
-            while mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5).num_running < 4:
+    with Mesh(model_dir, [2, 2], handoff="nccl", log_dir=tmp_path, scheduler_args=(flag,) if flag else ()) as mesh:
+        with ThreadPoolExecutor(num_requests) as pool:
+            futures = [pool.submit(mesh.submit, f"r{i}", [5 + i] * 20, long, 60) for i in range(num_requests)]
+            while mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5).num_running < num_requests:
                 time.sleep(0.05)
             mesh.kill_stage(1)
             errors = []
@@ -41,3 +44,5 @@ def test_stage_killed_mid_generation_fails_requests_then_recovers(tiny_model_dir
         mesh.wait_healthy(timeout=120)
         tokens, reason = mesh.submit("after", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
         assert len(tokens) == 8 and reason == scheduler_pb2.FINISH_REASON_LENGTH
+    # CPU stages: no steps ahead unless asked for
+    assert ("async scheduling" in (tmp_path / "scheduler.log").read_text()) == (flag == "--async-scheduling")

@@ -28,6 +28,10 @@ CASES = {
 }
 
 
+for _case in CASES.values():  # every layout with steps scheduled ahead (on CPU the default is without)
+    _case["scheduler_args"] = (*_case.get("scheduler_args", ()), "--async-scheduling")
+
+
 @pytest.fixture(scope="module")
 def expected(tiny_model_dir):
     model_dir = tiny_model_dir("llama")
