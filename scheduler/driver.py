@@ -8,13 +8,14 @@ scheduled ahead of the first one's tokens (the stage fills them in), so its
 stage does not idle while the scheduler and the RPCs work between two steps;
 a longer pipeline runs a step ahead where a micro-batch would otherwise be
 empty (fewer requests than stages: batch 1), its first stage taking the
-tokens from the last one. Results are taken in step order. When a micro-batch's replies arrive, the
-critical path is short: update the scheduler, send the next micro-batch, and
-only then hand the outputs to their sinks (a request's own stream, or the
-multiplexed stream of a router's connection), whose writes overlap the stages'
-compute. A stage that fails ends the epoch: every request fails with an error
-naming the stage, the replica turns unhealthy, and a new epoch forms once every
-stage answers again.
+tokens from the last one. Results are taken in step order.
+
+When a micro-batch's replies arrive, the critical path is short: update the
+scheduler, send the next micro-batch, and only then hand the outputs to their
+sinks (a request's own stream, or the multiplexed stream of a router's
+connection), whose writes overlap the stages' compute. A stage that fails
+ends the epoch: every request fails with an error naming the stage, the
+replica turns unhealthy, and a new epoch forms once every stage answers again.
 """
 from __future__ import annotations
 

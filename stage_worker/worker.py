@@ -140,15 +140,16 @@ class StageWorker:
         step_id = req.step.step_id
         batch = step_from_pb(req.step)  # on this gRPC thread, while the main loop runs the step before
         runner, published = self.runner, None
+        ahead = PLACEHOLDER in batch.chunks.token_ids  # scheduled before the step before had sampled
         with self._turn:
             while self.epoch == req.epoch and self._next_step != step_id:
                 self._turn.wait()
             if self.epoch != req.epoch:
                 raise StagemeshError(f"step {step_id} belongs to epoch {req.epoch}, the stage is in {self.epoch}")
-            if PLACEHOLDER in batch.chunks.token_ids and runner.is_last_stage and not runner.is_first_stage:
-                # a step run ahead: once the step before has sampled, the first stage gets its tokens
+            if ahead and runner.is_last_stage and not runner.is_first_stage:
+                # once the step before has sampled, the first stage gets the tokens this one needs
                 published = self.main_loop.submit(self._publish_tokens, batch)
-            done = self.main_loop.submit(self._run, req, batch, published)
+            done = self.main_loop.submit(self._run, req, batch, ahead, published)
             self._next_step = step_id + 1
             self._turn.notify_all()
         reply, sampled = done.result()
@@ -159,7 +160,8 @@ class StageWorker:
     def _publish_tokens(self, batch) -> None:
         sdist.put_tokens(self._store, batch.step_id, self.runner.placeholder_tokens(batch))
 
-    def _run(self, req: stage_pb2.ForwardRequest, batch, published) -> tuple[stage_pb2.ForwardResponse, list]:
+    def _run(self, req: stage_pb2.ForwardRequest, batch, ahead: bool, published
+             ) -> tuple[stage_pb2.ForwardResponse, list]:
         runner, reply = self.runner, stage_pb2.ForwardResponse()
         if published is not None:
             published.result()  # done (it ran just before): raises if the tokens could not be handed over
@@ -169,7 +171,7 @@ class StageWorker:
             shape = (batch.num_tokens, runner.config.hidden_size)
             hidden = self.handoff.recv(req.epoch, batch.step_id, shape, runner.dtype, HANDOFF_TIMEOUT_S)
             reply.handoff_wait_seconds = time.perf_counter() - start
-        if runner.is_first_stage and PLACEHOLDER in batch.chunks.token_ids:
+        if ahead and runner.is_first_stage:
             start = time.perf_counter()
             self._fill_ahead(req, batch)
             reply.handoff_wait_seconds = time.perf_counter() - start
