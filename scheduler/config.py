@@ -26,4 +26,3 @@ class SchedulerConfig:
     @property
     def kv_cache_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
-

@@ -53,6 +53,7 @@ class SchedulerStats:
 class _Budget:
     tokens: int
     seqs: int
+    run_ahead: bool = False  # may schedule a step ahead of a request's step in flight
     chunks: ScheduledChunks = field(default_factory=ScheduledChunks)
     new_sequences: list[NewSequence] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)
@@ -71,7 +72,6 @@ class Scheduler:
         # ids of preempted requests, for tracing; the driver drains it
         self.recent_preemptions: deque[str] = deque(maxlen=4096)
         self.num_preemptions = 0
-        self._run_ahead = False  # this schedule() call may run a step ahead
 
     # -- requests in and out ------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
@@ -124,8 +124,8 @@ class Scheduler:
         """One step's micro-batch; max_seqs caps its sequences (a pipeline splits the running ones
         over its micro-batches so that every stage has work); run_ahead=False: no step ahead of a
         request's step in flight, even with async scheduling."""
-        budget = _Budget(self.config.max_num_batched_tokens, max_seqs or self.config.max_num_seqs)
-        self._run_ahead = run_ahead and self.config.async_scheduling
+        budget = _Budget(self.config.max_num_batched_tokens, max_seqs or self.config.max_num_seqs,
+                         run_ahead and self.config.async_scheduling)
         preempted = self._schedule_running(budget)
         if not preempted:
             self._schedule_waiting(budget)
@@ -144,7 +144,7 @@ class Scheduler:
                 break
             if request.status is not Status.RUNNING:
                 continue
-            if request.in_flight and not self._can_run_ahead(request):
+            if request.in_flight and not (budget.run_ahead and self._can_run_ahead(request)):
                 continue
             num_new = min(request.num_tokens + request.num_pending - request.num_computed_tokens, budget.tokens)
             new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + num_new)
@@ -191,7 +191,7 @@ class Scheduler:
         """Async scheduling: one step ahead of a request whose step in flight samples, unless that
         token is sure to be its last."""
         p = request.sampling
-        return (self._run_ahead and request.in_flight == 1 and request.num_pending == 1
+        return (request.in_flight == 1 and request.num_pending == 1
                 and len(request.output_token_ids) + 1 < p.max_tokens
                 and request.num_tokens + 1 < self.config.max_model_len)
 

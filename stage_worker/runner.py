@@ -13,7 +13,7 @@ import torch
 
 from stagemesh.errors import StagemeshError
 from stagemesh.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
-from stagemesh.step import PLACEHOLDER, SampledToken, StepBatch
+from stagemesh.step import SampledToken, StepBatch
 from stage_worker.layers import pack_weights_for_cpu
 from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from stage_worker.model import AttentionMetadata, StageModel
@@ -137,29 +137,27 @@ class StageRunner:
         """Async scheduling: put each sequence's last sampled token where the step has PLACEHOLDER (it was
         scheduled before the previous step's tokens were back): `tokens`, in the order of the placeholders
         (from the last stage), or this stage's own samples when it is the last stage too."""
-        c, at, filled = batch.chunks, 0, 0
+        found = batch.chunks.placeholders()
         if tokens is None:
-            tokens = self.placeholder_tokens(batch)
-        for n in c.num_tokens:
-            at += n
-            if c.token_ids[at - 1] == PLACEHOLDER:
-                c.token_ids[at - 1] = tokens[filled]
-                filled += 1
-        if filled != len(tokens):
-            raise StagemeshError(f"step {batch.step_id} has {filled} tokens scheduled ahead, got {len(tokens)}")
+            tokens = self._last_samples(found)
+        if len(found) != len(tokens):
+            raise StagemeshError(f"step {batch.step_id} has {len(found)} tokens scheduled ahead, got {len(tokens)}")
+        for (index, _), token in zip(found, tokens):
+            batch.chunks.token_ids[index] = token
 
     def placeholder_tokens(self, batch: StepBatch) -> list[int]:
         """On the last stage: the tokens the step's placeholders stand for (each sequence's last sample)."""
+        return self._last_samples(batch.chunks.placeholders())
+
+    def _last_samples(self, placeholders: list[tuple[int, int]]) -> list[int]:
         if self.sampler is None or self.tp.rank != 0:
             raise StagemeshError("only the last stage's TP rank 0 knows the sampled tokens a step ahead needs")
-        c, seqs, out, at = batch.chunks, self.sampler.seqs, [], 0
-        for seq_id, n in zip(c.seq_ids, c.num_tokens):
-            at += n
-            if c.token_ids[at - 1] == PLACEHOLDER:
-                state = seqs.get(seq_id)
-                if state is None or not state.output:
-                    raise StagemeshError(f"sequence {seq_id} has no sampled token to fill a step ahead with")
-                out.append(state.output[-1])
+        out = []
+        for _, seq_id in placeholders:
+            state = self.sampler.seqs.get(seq_id)
+            if state is None or not state.output:
+                raise StagemeshError(f"sequence {seq_id} has no sampled token to fill a step ahead with")
+            out.append(state.output[-1])
         return out
 
     def _update_state(self, batch: StepBatch) -> None:

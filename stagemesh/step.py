@@ -17,7 +17,7 @@ from typing import Iterable, Iterator
 from stagemesh.sampling_params import SamplingParams
 
 # A token id in a step that stands for the token its sequence sampled in the previous step, which
-# was still in flight when this one was scheduled (async scheduling); the sampling stage fills it in.
+# was still in flight when this one was scheduled (async scheduling); the first stage fills it in.
 PLACEHOLDER = -1
 
 
@@ -75,6 +75,15 @@ class ScheduledChunks:
 
     def __len__(self) -> int:
         return len(self.seq_ids)
+
+    def placeholders(self) -> list[tuple[int, int]]:
+        """(index in token_ids, seq_id) of each chunk that ends in PLACEHOLDER (async scheduling)."""
+        found, at = [], 0
+        for seq_id, n in zip(self.seq_ids, self.num_tokens):
+            at += n
+            if self.token_ids[at - 1] == PLACEHOLDER:
+                found.append((at - 1, seq_id))
+        return found
 
     def __iter__(self) -> Iterator[ScheduledChunk]:
         tok = blk = 0
