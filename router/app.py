@@ -1,13 +1,17 @@
 """The OpenAI-compatible HTTP gateway (aiohttp)."""
 from __future__ import annotations
 
-import json
+import asyncio
+import hmac
+import logging
 import time
+import uuid
 
 from aiohttp import web
 
 from router import responses
 from router.errors import APIError, bad_request
+from router.http_body import read_json
 from router.generation import Generation, fit_max_tokens, generate, new_request_id, prompt_ids_for
 from router.observe import metrics_handler
 from router.openai_protocol import parse_request
@@ -17,29 +21,48 @@ from router.tokenization import Tokenizer
 REPLICAS = web.AppKey("replicas", ReplicaSet)
 TOKENIZER = web.AppKey("tokenizer", Tokenizer)
 CONFIG = web.AppKey("config", dict)
+MAX_BODY_BYTES = 32 * 2**20
+log = logging.getLogger("stagemesh.router")
 
 
 @web.middleware
 async def errors_and_auth(request: web.Request, handler):
-    key = request.app[CONFIG].get("api_key")
-    if key and request.path.startswith("/v1") and request.headers.get("Authorization", "") != f"Bearer {key}":
+    """Every answer but a success is an OpenAI-shaped JSON error, whatever went wrong; every endpoint but
+    /health (and /metrics with --public-metrics) needs the API key when one is set."""
+    config = request.app[CONFIG]
+    key = config.get("api_key")
+    open_paths = ("/health", "/metrics") if config.get("public_metrics") else ("/health",)
+    if key and request.path not in open_paths and not _key_matches(request, key):
         return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                         code="invalid_api_key").response()
     try:
         return await handler(request)
     except APIError as err:
         return err.response()
-    except web.HTTPNotFound:
-        return APIError(404, f"no route {request.method} {request.path}", code="not_found").response()
-    except web.HTTPMethodNotAllowed:
-        return APIError(405, f"{request.method} is not allowed on {request.path}", code="method_not_allowed").response()
+    except web.HTTPException as err:  # aiohttp's own: 404, 405, 413 (body too large), ...
+        if err.status < 400:
+            raise
+        message = {404: f"no route {request.method} {request.path}",
+                   405: f"{request.method} is not allowed on {request.path}"}.get(err.status, err.text or err.reason)
+        return APIError(err.status, message, code=_HTTP_CODES.get(err.status, err.reason)).response()
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # a bug: logged with an id the client sees, never a bare 500 page
+        incident = uuid.uuid4().hex[:12]
+        log.exception("unexpected error serving %s %s (incident %s)", request.method, request.path, incident)
+        return APIError(500, f"internal error (incident {incident}); the server log has the details",
+                        code="internal_error").response()
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def _key_matches(request: web.Request, key: str) -> bool:
+    return hmac.compare_digest(request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode())
 
 
 async def _json(request: web.Request):
-    try:
-        return await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise bad_request(f"the request body is not valid JSON: {err}") from None
+    return await read_json(request)
 
 
 def _check_model(request: web.Request, model: str) -> None:
@@ -65,7 +88,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         raise APIError(503, "no healthy replica: " + "; ".join(f"{r.address}: {r.reason}" for r in replicas.replicas),
                        code="unavailable", retry_after=2)
     max_len = min(filter(None, (replicas.max_model_len, request.app[CONFIG].get("max_model_len"))))
-    prompt_ids = prompt_ids_for(req, tokenizer)
+    prompt_ids = await prompt_ids_for(req, tokenizer)
     fit_max_tokens(req, len(prompt_ids), max_len)
     gen = Generation(new_request_id(chat), prompt_ids)
     created = int(time.time())
@@ -117,9 +140,13 @@ async def tokenize(request: web.Request) -> web.Response:
         raise bad_request("the request body must be a JSON object")
     tokenizer = request.app[TOKENIZER]
     if "messages" in body:
-        ids = prompt_ids_for(parse_request({**body, "model": body.get("model", "")}, chat=True), tokenizer)
+        ids = await prompt_ids_for(parse_request({**body, "model": body.get("model", "")}, chat=True), tokenizer)
     elif isinstance(body.get("prompt"), str):
-        ids = tokenizer.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+        add_special = body.get("add_special_tokens", True)
+        if not isinstance(add_special, bool):
+            raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
+        tokenizer.check_length(len(body["prompt"]), "prompt")
+        ids = await tokenizer.run(tokenizer.encode, body["prompt"], add_special)
     else:
         raise bad_request("'prompt' (a string) or 'messages' is required", "prompt")
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": request.app[REPLICAS].max_model_len})
@@ -133,11 +160,11 @@ async def detokenize(request: web.Request) -> web.Response:
     tokenizer = request.app[TOKENIZER]
     if any(not 0 <= t < tokenizer.vocab_size for t in tokens):
         raise bad_request(f"token ids must be in [0, {tokenizer.vocab_size})", "tokens")
-    return web.json_response({"prompt": tokenizer.decode(tokens, skip_special_tokens=False)})
+    return web.json_response({"prompt": await tokenizer.run(tokenizer.decode, tokens, False)})
 
 
 def build_app(replicas: ReplicaSet, tokenizer: Tokenizer, config: dict) -> web.Application:
-    app = web.Application(middlewares=[errors_and_auth], client_max_size=32 * 2**20)
+    app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
     app[REPLICAS], app[TOKENIZER], app[CONFIG] = replicas, tokenizer, config
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -23,7 +23,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=None, help="serve the gRPC frontend on this port (0: any free "
                                                                "port; default: off)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the replicas')")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                                                   "(and the gRPC frontend's metadata 'authorization')")
+    p.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
+    p.add_argument("--http-timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
+                   help="close a connection that sends no complete request (headers included) for this long, "
+                        "as vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE (default 5)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap below the replicas' own limit")
     p.add_argument("--policy", choices=("least-load", "cache-aware", "round-robin"), default="least-load")
     p.add_argument("--max-waiting-requests", type=int, default=0,
@@ -47,19 +52,21 @@ async def _main(args: argparse.Namespace) -> int:
     from router.tokenization import Tokenizer
     from stagemesh.default_model import resolve_model, served_model_name
     from stagemesh.errors import StagemeshError
+    from stagemesh.model_config import ModelConfig
 
     if args.model and args.model_option and args.model != args.model_option:
         raise StagemeshError(f"two models given: '{args.model}' and --model '{args.model_option}'")
     model = args.model_option or args.model
-    if args.max_waiting_requests < 0 or args.health_interval <= 0:
-        raise StagemeshError("--max-waiting-requests must be >= 0 and --health-interval > 0")
+    if args.max_waiting_requests < 0 or args.health_interval <= 0 or args.http_timeout_keep_alive <= 0:
+        raise StagemeshError("--max-waiting-requests must be >= 0, --health-interval and --http-timeout-keep-alive > 0")
     model_dir = resolve_model(model)
-    tokenizer = Tokenizer(model_dir)
+    tokenizer = Tokenizer(model_dir, ModelConfig.from_path(model_dir).max_position_embeddings)
     replicas = ReplicaSet(args.replica, POLICIES[args.policy](), args.health_interval, args.max_waiting_requests)
     await replicas.refresh()
     name = args.served_model_name or next((r.served_model_name for r in replicas.replicas if r.served_model_name),
                                           None) or served_model_name(model, model_dir)
-    config = {"served_model_name": name, "api_key": args.api_key, "max_model_len": args.max_model_len}
+    config = {"served_model_name": name, "api_key": args.api_key, "max_model_len": args.max_model_len,
+              "public_metrics": args.public_metrics}
     from stagemesh import telemetry
 
     if telemetry.enabled():  # a span per HTTP request, its context carried on to the scheduler
@@ -77,7 +84,8 @@ async def _main(args: argparse.Namespace) -> int:
         log.info("gRPC frontend (stagemesh.v1.Frontend) on %s:%d", args.host, grpc_port)
     checker = asyncio.create_task(replicas.health_loop())
     # a client that disconnects cancels its handler, which aborts the request in the scheduler
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                           keepalive_timeout=args.http_timeout_keep_alive)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()

@@ -20,6 +20,7 @@ from stagemesh.service_options import add_port
 from stagemesh.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 from stagemesh.wire import sampling_from_pb
 
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 4096
 STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
           429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
 
@@ -36,29 +37,35 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             params = sampling_from_pb(sampling)
         except StagemeshError as err:
             raise APIError(400, str(err)) from None
+        if len(stop) > MAX_STOP_STRINGS or sum(map(len, stop)) > MAX_STOP_CHARS:
+            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings of {MAX_STOP_CHARS} characters in all")
         return GenerateRequest(model=served, chat=chat, sampling=params, max_tokens_given=sampling.max_tokens > 0,
                                stop=list(stop), logprobs=params.logprobs is not None)
 
     async def Generate(self, request, context):
-        req = self._request(request.model, request.sampling, request.stop, chat=False)
-        if request.WhichOneof("prompt") == "token_ids":
-            req.prompt_ids = list(request.token_ids.ids)
-        else:
-            req.prompt_text = request.text
-        async for reply in self._run(req, context):
+        async for reply in self._run(request, context, chat=False):
             yield reply
 
     async def Chat(self, request, context):
-        req = self._request(request.model, request.sampling, request.stop, chat=True)
-        req.messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        async for reply in self._run(req, context):
+        async for reply in self._run(request, context, chat=True):
             yield reply
 
-    async def _run(self, req: GenerateRequest, context):
+    def _parse(self, request, chat: bool) -> GenerateRequest:
+        req = self._request(request.model, request.sampling, request.stop, chat)
+        if chat:
+            req.messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        elif request.WhichOneof("prompt") == "token_ids":
+            req.prompt_ids = list(request.token_ids.ids)
+        else:
+            req.prompt_text = request.text
+        if not chat and not (req.prompt_text or req.prompt_ids):
+            raise APIError(400, "the prompt is empty")
+        return req
+
+    async def _run(self, request, context, chat: bool):
         try:
-            if not req.chat and not (req.prompt_text or req.prompt_ids):
-                raise APIError(400, "the prompt is empty")
-            prompt_ids = prompt_ids_for(req, self.tokenizer)
+            req = self._parse(request, chat)
+            prompt_ids = await prompt_ids_for(req, self.tokenizer)
             fit_max_tokens(req, len(prompt_ids), self._max_len())
             gen = Generation(new_request_id(req.chat), prompt_ids)
             async for d in generate(req, gen, self.replicas, self.tokenizer):
@@ -81,12 +88,16 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         return min(filter(None, (self.replicas.max_model_len, self.config.get("max_model_len"))))
 
     async def Tokenize(self, request, context):
-        if request.WhichOneof("input") == "chat":
-            req = GenerateRequest(model="", chat=True,
-                                  messages=[{"role": m.role, "content": m.content} for m in request.chat.messages])
-            ids = prompt_ids_for(req, self.tokenizer)
-        else:
-            ids = self.tokenizer.encode(request.text)
+        try:
+            if request.WhichOneof("input") == "chat":
+                req = GenerateRequest(model="", chat=True,
+                                      messages=[{"role": m.role, "content": m.content} for m in request.chat.messages])
+                ids = await prompt_ids_for(req, self.tokenizer)
+            else:
+                self.tokenizer.check_length(len(request.text), "text")
+                ids = await self.tokenizer.run(self.tokenizer.encode, request.text)
+        except APIError as err:
+            await context.abort(STATUS.get(err.status, grpc.StatusCode.INTERNAL), err.message)
         return frontend_pb2.TokenizeResponse(token_ids=ids, max_model_len=self.replicas.max_model_len)
 
     async def ListModels(self, request, context):

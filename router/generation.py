@@ -15,6 +15,7 @@ from router.openai_protocol import GenerateRequest
 from router.replicas import ReplicaSet
 from router.submit_stream import RequestFailed
 from router.tokenization import IncrementalDetokenizer, StopStrings, Tokenizer
+from stagemesh.sampling_params import InvalidParameter
 from stagemesh.v1 import scheduler_pb2
 
 REASONS = {scheduler_pb2.FINISH_REASON_STOP: "stop", scheduler_pb2.FINISH_REASON_LENGTH: "length",
@@ -39,10 +40,19 @@ class Generation:
     record: RequestRecord | None = None
 
 
-def prompt_ids_for(req: GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+async def prompt_ids_for(req: GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    """The request's prompt as token ids (tokenized off the event loop); its token ids checked against the
+    vocabulary, the prompt's and the stop token ids'."""
+    try:
+        req.sampling.check_vocab(tokenizer.vocab_size)
+    except InvalidParameter as err:
+        raise bad_request(str(err), err.param) from None
     if req.chat:
+        tokenizer.check_length(sum(len(m["content"]) for m in req.messages), "messages")
         try:
-            return tokenizer.apply_chat_template(req.messages)
+            return await tokenizer.run(tokenizer.apply_chat_template, req.messages)
+        except APIError:
+            raise
         except Exception as err:  # a template that rejects the conversation
             raise bad_request(f"the chat template could not render these messages: {err}", "messages") from None
     if req.prompt_ids is not None:
@@ -50,7 +60,8 @@ def prompt_ids_for(req: GenerateRequest, tokenizer: Tokenizer) -> list[int]:
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary of {tokenizer.vocab_size}", "prompt")
         return list(req.prompt_ids)
-    return tokenizer.encode(req.prompt_text)
+    tokenizer.check_length(len(req.prompt_text), "prompt")
+    return await tokenizer.run(tokenizer.encode, req.prompt_text)
 
 
 def fit_max_tokens(req: GenerateRequest, prompt_len: int, max_model_len: int) -> None:

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.errors import bad_request
-from stagemesh.errors import StagemeshError
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.sampling_params import FLOAT_RULES, InvalidParameter, SamplingParams, check_int
 
-NUM = (int, float)
+# request fields that SamplingParams takes as they are (and checks by the rules every service shares)
+SAMPLING_FIELDS = (*FLOAT_RULES, "top_k", "seed", "min_tokens")
 
 
 @dataclass
@@ -76,32 +76,20 @@ def parse_request(body: Any, chat: bool) -> GenerateRequest:
     req.return_token_ids = _get(body, "return_token_ids", bool, False)
     req.skip_special_tokens = _get(body, "skip_special_tokens", bool, True)
     logprobs = _logprobs(body, chat, req)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    if max_tokens is not None:
-        _get({param: max_tokens}, param, int, check=lambda v: v >= 1, why="an integer >= 1")
-        req.max_tokens_given = True
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(param)
+    req.max_tokens_given = max_tokens is not None
+    values = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    values.setdefault("temperature", 1.0)  # OpenAI's default
     try:
-        req.sampling = SamplingParams(
-            temperature=float(_get(body, "temperature", NUM, 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")),
-            top_p=float(_get(body, "top_p", NUM, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")),
-            top_k=_get(body, "top_k", int, -1, lambda v: v == -1 or v >= 0, "-1 or an integer >= 0"),
-            min_p=float(_get(body, "min_p", NUM, 0.0, lambda v: 0 <= v <= 1, "a number in [0, 1]")),
-            repetition_penalty=float(_get(body, "repetition_penalty", NUM, 1.0, lambda v: 0 < v <= 2,
-                                          "a number in (0, 2]")),
-            presence_penalty=float(_get(body, "presence_penalty", NUM, 0.0, lambda v: -2 <= v <= 2,
-                                        "a number in [-2, 2]")),
-            frequency_penalty=float(_get(body, "frequency_penalty", NUM, 0.0, lambda v: -2 <= v <= 2,
-                                         "a number in [-2, 2]")),
-            seed=_get(body, "seed", int, None, lambda v: -(2**63) <= v < 2**63, "a 64-bit integer"),
-            max_tokens=max_tokens or 16,
-            min_tokens=_get(body, "min_tokens", int, 0, lambda v: v >= 0, "an integer >= 0"),
-            stop_token_ids=tuple(_int_list(body, "stop_token_ids")),
-            ignore_eos=_get(body, "ignore_eos", bool, False),
-            logprobs=logprobs,
-        )
-    except StagemeshError as err:
-        raise bad_request(str(err)) from None
+        if req.max_tokens_given:
+            check_int("max_tokens", max_tokens)
+        req.sampling = SamplingParams(**values, max_tokens=max_tokens or 16,
+                                      stop_token_ids=tuple(_int_list(body, "stop_token_ids")),
+                                      ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=logprobs)
+    except InvalidParameter as err:
+        name = param if err.param == "max_tokens" else err.param
+        raise bad_request(str(err).replace("'max_tokens'", f"'{name}'"), name) from None
     return req
 
 

@@ -2,16 +2,49 @@
 detokenizing and stop strings. The scheduler sees token ids only."""
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable, TypeVar
 
+from router.errors import APIError, bad_request
 from stagemesh.errors import StagemeshError
+
+T = TypeVar("T")
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path):
+    """The model's tokenizer; long work (encoding a prompt, a chat template, decoding a long list) goes
+    through run(), on a thread of its own (the fast tokenizer releases the GIL), so that the event loop
+    keeps serving other requests and /health meanwhile."""
+
+    MAX_QUEUED = 256
+
+    def __init__(self, model_dir: str | Path, max_positions: int | None = None):
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(model_dir)
+        # no token is longer than this many characters, so a text longer than max_positions of them can
+        # never fit the model: refused before it costs seconds of tokenizing
+        longest = max((len(t) for t in self.tok.convert_ids_to_tokens(list(range(len(self.tok)))) if t), default=1)
+        self.max_text_chars = (max_positions or 1 << 20) * max(longest, 1)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self._queued = 0
+
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        if self._queued >= self.MAX_QUEUED:
+            raise APIError(503, f"the tokenizer has {self._queued} texts queued; try again shortly",
+                           code="unavailable", retry_after=1)
+        self._queued += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._queued -= 1
+
+    def check_length(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_text_chars:
+            raise bad_request(f"'{param}' has {num_chars:,} characters: more than any prompt this model can take "
+                              f"({self.max_text_chars:,} characters at most)", param)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens)

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 
+from stagemesh import internal_token
 from stagemesh.errors import StagemeshError
 from stagemesh.service_options import add_service_arguments, setup_service
 
@@ -41,8 +42,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _main(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
     from scheduler.driver import Driver, DriverConfig
     from scheduler.rendezvous import ModelIdentity, Rendezvous
     from scheduler.service import SchedulerServicer, serve
@@ -57,14 +56,15 @@ async def _main(args: argparse.Namespace) -> int:
     if args.pipeline_parallel_size < 1 or args.pipeline_parallel_size > cfg.num_hidden_layers:
         raise StagemeshError(f"--pipeline-parallel-size must be between 1 and the model's {cfg.num_hidden_layers} layers")
     advertise = args.advertise_host or args.host
-    store = dist.TCPStore(args.host, args.dist_port, is_master=True, wait_for_workers=False)
+    store = _store(args.host, args.dist_port)
+    internal_token.warn_if_open("scheduler")
     identity = ModelIdentity(cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size,
                              cfg.num_attention_heads, cfg.num_key_value_heads)
     driver = Driver(DriverConfig(
         max_model_len=args.max_model_len, model_max_len=cfg.max_position_embeddings, eos_token_ids=cfg.eos_token_ids,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, max_waiting_requests=args.max_waiting_requests,
-        forward_timeout_s=args.forward_timeout, async_scheduling=args.async_scheduling),
+        forward_timeout_s=args.forward_timeout, async_scheduling=args.async_scheduling, vocab_size=cfg.vocab_size),
         Rendezvous(args.pipeline_parallel_size, args.block_size, identity), advertise, store.port)
     name = args.served_model_name or served_model_name(args.model, model_dir)
     server, port = await serve(SchedulerServicer(driver, name, str(model_dir), cfg.vocab_size), args.host, args.port)
@@ -83,3 +83,25 @@ async def _main(args: argparse.Namespace) -> int:
     runner.cancel()
     await server.stop(grace=1)
     return 0
+
+
+def _store(host: str, port: int):
+    """The replica's torch.distributed store, listening where the gRPC services listen (TCPStore alone
+    binds every interface): on a socket bound here, handed over."""
+    import socket
+
+    import torch.distributed as dist
+
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        raise StagemeshError(f"--dist-port {port}: cannot listen on {host}: {err.strerror}") from None
+    sock.listen(1024)
+    store = dist.TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                          master_listen_fd=sock.detach())
+    return store

@@ -17,6 +17,7 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     max_waiting_requests: int = 0  # 0: unbounded
     async_scheduling: bool = False  # may schedule a step ahead of a request's tokens (see Scheduler)
+    vocab_size: int | None = None  # prompt and stop token ids are checked against it when known
 
     def __post_init__(self) -> None:
         for name in ("num_kv_blocks", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -39,6 +39,7 @@ from stagemesh import telemetry
 from stagemesh.errors import StagemeshError
 from stagemesh.sampling_params import SamplingParams
 from stagemesh.service_options import aio_channel
+from stagemesh.step import SampledToken
 from stagemesh.step_wire import sampled_from_pb, step_to_pb
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
@@ -58,6 +59,7 @@ class DriverConfig:
     join_timeout_s: float = 300.0
     probe_interval_s: float = 2.0
     async_scheduling: bool | None = None  # None: on when every stage computes on a GPU (see _start_epoch)
+    vocab_size: int | None = None  # requests' token ids and the stages' sampled ids are checked against it
 
 
 @dataclass
@@ -78,8 +80,7 @@ class OutputSink(Protocol):
 
 class StageFailure(Exception):
     def __init__(self, stage: StageInfo, detail: str):
-        super().__init__(f"stage {stage.stage_index} ({stage.address}, layers {stage.layer_start}:{stage.layer_end}) "
-                         f"failed: {detail}")
+        super().__init__(f"{stage.name} failed: {detail}")
 
 
 class Driver:
@@ -95,7 +96,8 @@ class Driver:
         self.reason = "waiting for stages to register"
         self.sinks: dict[str, OutputSink] = {}  # where each request's outputs go
         self._in_flight: set[asyncio.Task] = set()
-        self._stubs: dict[str, stage_pb2_grpc.StageStub] = {}
+        self._channels: dict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = {}
+        self._tasks: set[asyncio.Task] = set()  # background tasks, referenced until done
         self._last_sent: asyncio.Future | None = None
         self._depth = 1  # steps in flight at most
         self.num_steps = 0
@@ -153,7 +155,7 @@ class Driver:
 
     # -- the step loop --------------------------------------------------------------
     async def run(self) -> None:
-        asyncio.create_task(self._probe_loop())
+        self.spawn(self._probe_loop())
         while True:
             self._launch()
             if not self._in_flight:
@@ -227,11 +229,31 @@ class Driver:
         seconds, compute = time.perf_counter() - sent.start, sum(r.compute_seconds for r in replies)
         self.step_seconds += seconds
         self.compute_seconds += compute
-        outputs = scheduler.update_from_output(output, sampled_from_pb(replies[-1].sampled))
+        try:
+            sampled = self._sampled(output, replies[-1].sampled)
+        except StagemeshError as err:  # the last stage answered nonsense: it is broken, not the requests
+            raise StageFailure(sent.calls[-1][0], str(err)) from None
+        outputs = scheduler.update_from_output(output, sampled)
         self._in_flight.discard(asyncio.current_task())
         self._launch()  # the next micro-batch first: the streams are served while the stages compute it
         self._dispatch(outputs)
         self.observer.end_step(span, seconds, compute, scheduler.stats())
+
+    def _sampled(self, output: SchedulerOutput, msg: stage_pb2.SampledTokens) -> list[SampledToken]:
+        """The last stage's tokens, checked: one per sampling chunk, in order, each in the vocabulary."""
+        c = output.step_batch.chunks
+        want = [seq_id for seq_id, sample in zip(c.seq_ids, c.sample) if sample]
+        if list(msg.seq_ids) != want:
+            raise StagemeshError(f"the stage sampled sequences {list(msg.seq_ids)[:8]}, the step asked for {want[:8]}")
+        rows = len(want)
+        if (len(msg.token_ids) != rows or len(msg.logprob_rows) != len(msg.logprobs)
+                or len(msg.error_rows) != len(msg.errors)
+                or any(not 0 <= r < rows for r in (*msg.logprob_rows, *msg.error_rows))):
+            raise StagemeshError("the stage's sampled-token columns do not line up")
+        vocab = self.cfg.vocab_size
+        if vocab is not None and msg.token_ids and (min(msg.token_ids) < 0 or max(msg.token_ids) >= vocab):
+            raise StagemeshError(f"the stage sampled a token id outside the vocabulary of {vocab}")
+        return sampled_from_pb(msg)
 
     @staticmethod
     async def _reply(stage: StageInfo, call) -> stage_pb2.ForwardResponse:
@@ -252,43 +274,88 @@ class Driver:
 
     # -- forming the pipeline ---------------------------------------------------------
     def _stub(self, stage: StageInfo) -> stage_pb2_grpc.StageStub:
-        if stage.address not in self._stubs:
+        if stage.address not in self._channels:
             channel = aio_channel(stage.address, options=[("grpc.max_receive_message_length", 1 << 30)])
-            self._stubs[stage.address] = stage_pb2_grpc.StageStub(channel)
-        return self._stubs[stage.address]
+            self._channels[stage.address] = (channel, stage_pb2_grpc.StageStub(channel))
+        return self._channels[stage.address][1]
 
-    def stage_registered(self) -> None:
-        if self.rendezvous.complete:
-            self._fail("a stage re-registered")
-            asyncio.create_task(self.form())
+    def _drop_channel(self, address: str) -> None:
+        """A new process answers at this address: dial it afresh (the old channel may be backing off)."""
+        entry = self._channels.pop(address, None)
+        if entry is not None:
+            self.spawn(entry[0].close())
+
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def register_stage(self, stage: StageInfo) -> tuple[int, bool]:
+        """A stage's registration or heartbeat: (stages still missing, whether this instance is new here).
+        A new instance at a known index replaces the old one (a restarted stage) unless the old one still
+        answers elsewhere; raises StagemeshError (the reason) when the stage does not fit."""
+        r = self.rendezvous
+        if r.knows(stage):
+            return r.missing, False
+        r.check(stage)
+        old = r.stages.get(stage.stage_index)
+        if old is not None and old.address != stage.address and await self._probe(old) is None:
+            raise StagemeshError(f"{old.name} is alive and serves index {stage.stage_index}; stop it first, or "
+                                 f"give this stage another --stage-index")
+        missing = r.register(stage)
+        for address in {stage.address, old.address if old is not None else stage.address}:
+            self._drop_channel(address)
+        if r.complete:
+            self._fail(f"{stage.name} {'restarted' if old is not None else 'registered'}")
+            self.spawn(self.form())
+        return missing, True
 
     async def form(self) -> None:
         async with self._forming:
             if self.healthy or not self.rendezvous.complete:
                 return
             plan = self.rendezvous.plan()
+            limits = self._limits(plan)
+            if limits is None:
+                return
             epoch = self.epoch = self.epoch + 1
             try:
-                await asyncio.gather(*[self._join(plan, i, epoch) for i in range(len(plan.stages))])
+                # every stage answers as the instance registered, before any of them waits in the new world
+                for failed in await asyncio.gather(*[self._probe(s, wait=True) for s in plan.stages]):
+                    if failed is not None:
+                        raise StageFailure(*failed)
+                await asyncio.gather(*[self._join(plan, i, epoch, limits) for i in range(len(plan.stages))])
             except StageFailure as err:
                 self.reason = f"pipeline did not form: {err}"
                 log.error("%s", self.reason)
                 return
-            self._start_epoch(plan)
+            self._start_epoch(plan, limits[0])
 
-    async def _join(self, plan: PipelinePlan, index: int, epoch: int) -> None:
+    def _limits(self, plan: PipelinePlan) -> tuple[int, int] | None:
+        """(max_model_len, max_num_batched_tokens) of the pipeline, or None (the reason set) if none fits."""
+        kv_tokens = plan.num_kv_blocks * self.rendezvous.block_size
+        max_len = self.cfg.max_model_len or min(self.cfg.model_max_len, kv_tokens)
+        if max_len > kv_tokens:
+            self.reason = (f"--max-model-len {max_len} does not fit the KV cache of {kv_tokens:,} tokens; "
+                           "lower it or give the stages more KV memory")
+            log.error("%s", self.reason)
+            return None
+        return max_len, self.cfg.max_num_batched_tokens
+
+    async def _join(self, plan: PipelinePlan, index: int, epoch: int, limits: tuple[int, int]) -> None:
         stage = plan.stages[index]
         request = stage_pb2.JoinPipelineRequest(
             epoch=epoch, store_host=self.store_host, store_port=self.store_port, world_size=plan.world_size,
             rank_offset=plan.rank_offsets[index], tp_sizes=plan.tp_sizes, num_kv_blocks=plan.num_kv_blocks,
             next_stage_address=plan.stages[index + 1].address if index + 1 < len(plan.stages) else "",
-            first_step_id=0)
+            first_step_id=0, max_model_len=limits[0], max_num_batched_tokens=limits[1])
         try:
             await self._stub(stage).JoinPipeline(request, timeout=self.cfg.join_timeout_s)
         except grpc.aio.AioRpcError as err:
             raise StageFailure(stage, f"{err.code().name}: {err.details()}") from None
 
-    def _start_epoch(self, plan: PipelinePlan) -> None:
+    def _start_epoch(self, plan: PipelinePlan, max_len: int) -> None:
         cfg, block_size = self.cfg, self.rendezvous.block_size
         # CPU stages use every core for the model; overlapping the scheduler, router and client work with
         # it was measured slower there (benchmarks/RESULTS.md, 2026-11-23 async scheduling), so on CPU it
@@ -297,17 +364,12 @@ class Driver:
         if async_scheduling is None:
             async_scheduling = all(s.device.startswith("cuda") for s in plan.stages)
         kv_tokens = plan.num_kv_blocks * block_size
-        max_len = cfg.max_model_len or min(cfg.model_max_len, kv_tokens)
-        if max_len > kv_tokens:
-            self.reason = (f"--max-model-len {max_len} does not fit the KV cache of {kv_tokens:,} tokens; "
-                           "lower it or give the stages more KV memory")
-            log.error("%s", self.reason)
-            return
         self.scheduler = Scheduler(SchedulerConfig(
             num_kv_blocks=plan.num_kv_blocks, max_model_len=max_len, block_size=block_size,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             enable_prefix_caching=cfg.enable_prefix_caching, eos_token_ids=cfg.eos_token_ids,
-            max_waiting_requests=cfg.max_waiting_requests, async_scheduling=async_scheduling))
+            max_waiting_requests=cfg.max_waiting_requests, async_scheduling=async_scheduling,
+            vocab_size=cfg.vocab_size))
         self.plan, self.max_model_len = plan, max_len
         self._depth = 2 if async_scheduling and len(plan.stages) == 1 else len(plan.stages)
         self._last_sent = None
@@ -322,7 +384,7 @@ class Driver:
         self._wake.set()
 
     async def _probe_loop(self) -> None:
-        """Find dead stages while idle; re-form the pipeline once every stage answers again."""
+        """Find dead (or replaced) stages while idle; re-form the pipeline once every stage answers again."""
         while True:
             await asyncio.sleep(self.cfg.probe_interval_s)
             if not self.rendezvous.complete:
@@ -331,16 +393,21 @@ class Driver:
             results = await asyncio.gather(*[self._probe(s) for s in stages])
             failed = next((r for r in results if r is not None), None)
             if failed is not None:
-                self._fail(failed)
+                self._fail(str(StageFailure(*failed)))
             elif not self.healthy and not self._forming.locked():
                 await self.form()
 
-    async def _probe(self, stage: StageInfo) -> str | None:
+    async def _probe(self, stage: StageInfo, wait: bool = False) -> tuple[StageInfo, str] | None:
+        """None when the registered instance of `stage` answers; else (stage, what went wrong).
+        wait=True gives a (re)starting stage a few seconds to come up."""
         try:
-            await self._stub(stage).Describe(stage_pb2.DescribeRequest(), timeout=2.0)
-            return None
+            desc = await self._stub(stage).Describe(stage_pb2.DescribeRequest(), timeout=5.0 if wait else 2.0,
+                                                    wait_for_ready=wait)
         except grpc.aio.AioRpcError as err:
-            return str(StageFailure(stage, f"{err.code().name}: {err.details()}"))
+            return stage, f"{err.code().name}: {err.details()}"
+        if desc.instance_id != stage.instance_id:
+            return stage, "another process answers at its address (the stage restarted and has not registered yet)"
+        return None
 
 
 class Unavailable(StagemeshError):

@@ -34,6 +34,11 @@ class StageInfo:
     model: ModelIdentity
     address: str
     handoff: str
+    instance_id: str = ""  # new at every start of the stage process
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.stage_index} ({self.address}, layers {self.layer_start}:{self.layer_end})"
 
 
 @dataclass(frozen=True)
@@ -54,11 +59,20 @@ class Rendezvous:
 
     def register(self, stage: StageInfo) -> int:
         """Accept the stage (replacing an earlier one of the same index); returns stages still missing."""
-        self._check(stage)
+        self.check(stage)
         self.stages[stage.stage_index] = stage
+        return self.missing
+
+    def knows(self, stage: StageInfo) -> bool:
+        """The very stage instance is registered (its registration is a heartbeat)."""
+        return self.stages.get(stage.stage_index) == stage
+
+    @property
+    def missing(self) -> int:
         return self.pp - len(self.stages)
 
-    def _check(self, s: StageInfo) -> None:
+    def check(self, s: StageInfo) -> None:
+        """Raises StagemeshError (the reason) when the stage does not fit the pipeline."""
         where = f"stage {s.stage_index} (layers {s.layer_start}:{s.layer_end}, at {s.address})"
         if not 0 <= s.stage_index < self.pp:
             raise StagemeshError(f"{where}: stage index out of range for --pipeline-parallel-size {self.pp}")

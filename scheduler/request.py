@@ -52,6 +52,9 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_token_id: int | None = None
     error: str | None = None
+    # with finish_reason "error": whether the request's own data failed it (True: an invalid-argument
+    # error, never retried elsewhere) or the pipeline did (False: the replica is unavailable)
+    own_fault: bool = False
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
 

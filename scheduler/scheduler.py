@@ -27,8 +27,11 @@ from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request, RequestOutput, Status
 from stagemesh.errors import StagemeshError
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.sampling_params import SamplingParams, check_token_ids
 from stagemesh.step import PLACEHOLDER, NewSequence, SampledToken, ScheduledChunks, StepBatch
+
+
+MAX_REQUEST_ID_LEN = 256
 
 
 @dataclass
@@ -76,10 +79,15 @@ class Scheduler:
     # -- requests in and out ------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         cfg = self.config
+        if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
+            raise StagemeshError(f"a request id must have 1 to {MAX_REQUEST_ID_LEN} characters")
         if request_id in self.requests:
             raise StagemeshError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise StagemeshError("the prompt is empty")
+        check_token_ids("prompt_token_ids", prompt_token_ids, cfg.vocab_size)
+        if cfg.vocab_size is not None:
+            sampling.check_vocab(cfg.vocab_size)
         total = len(prompt_token_ids) + sampling.max_tokens
         if total > cfg.max_model_len:
             raise StagemeshError(
@@ -245,6 +253,9 @@ class Scheduler:
             token = by_seq.get(seq_id)
             if token is None:
                 continue
+            if token.error is not None:  # this request's row failed to sample: it ends alone
+                results.append(self._finish(request, "error", error=token.error, own_fault=True))
+                continue
             request.append_output(token.token_id)
             result = RequestOutput(request_id, [token.token_id], [token] if token.logprob is not None else [],
                                    num_prompt_tokens=len(request.prompt_token_ids),
@@ -267,7 +278,8 @@ class Scheduler:
             return "length", None
         return None, None
 
-    def _finish(self, request: Request, reason: str, error: str | None = None) -> RequestOutput:
+    def _finish(self, request: Request, reason: str, error: str | None = None, own_fault: bool = False
+                ) -> RequestOutput:
         self.requests.pop(request.request_id, None)
         if request.status is Status.RUNNING:
             self.running.remove(request)
@@ -276,7 +288,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = Status.FINISHED
         self.kv.free_request(request.request_id)
-        return RequestOutput(request.request_id, finish_reason=reason, error=error,
+        return RequestOutput(request.request_id, finish_reason=reason, error=error, own_fault=own_fault,
                              num_prompt_tokens=len(request.prompt_token_ids),
                              num_cached_tokens=request.num_cached_tokens)
 

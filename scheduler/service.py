@@ -15,7 +15,7 @@ from scheduler.scheduler import QueueFull
 from stagemesh import telemetry
 from stagemesh.errors import StagemeshError
 from stagemesh.health import follow
-from stagemesh.service_options import add_port
+from stagemesh.service_options import add_port, aio_server
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from stagemesh.wire import sampling_from_pb
 
@@ -38,7 +38,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             first = True
             async for out in stream:
                 if out.finish_reason == "error":
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
+                    await context.abort(*_error_status(out))
                 reply = scheduler_pb2.SubmitResponse()
                 _fill_output(reply, out, first)
                 first = False
@@ -133,16 +133,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         info = StageInfo(s.stage_index, s.layer_start, s.layer_end, s.tensor_parallel_size, s.device, s.num_kv_blocks,
                          s.block_size, ModelIdentity(m.model_type, m.num_hidden_layers, m.hidden_size, m.vocab_size,
                                                      m.num_attention_heads, m.num_key_value_heads), s.address,
-                         s.handoff)
+                         s.handoff, s.instance_id)
         try:
-            missing = self.driver.rendezvous.register(info)
+            missing, first_seen = await self.driver.register_stage(info)
         except StagemeshError as err:
             log.error("refused a stage: %s", err)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-        log.info("stage %d registered: layers %d:%d, TP=%d, at %s (%d missing)", s.stage_index, s.layer_start,
-                 s.layer_end, s.tensor_parallel_size, s.address, missing)
-        self.driver.stage_registered()
-        return scheduler_pb2.RegisterStageResponse(num_missing_stages=missing)
+        if first_seen:
+            log.info("stage %d registered: layers %d:%d, TP=%d, at %s (%d missing)", s.stage_index, s.layer_start,
+                     s.layer_end, s.tensor_parallel_size, s.address, missing)
+        return scheduler_pb2.RegisterStageResponse(num_missing_stages=missing, first_seen=first_seen)
 
 
 def status_of(err: StagemeshError) -> tuple[grpc.StatusCode, str]:
@@ -152,6 +152,14 @@ def status_of(err: StagemeshError) -> tuple[grpc.StatusCode, str]:
     if isinstance(err, Unavailable):
         return grpc.StatusCode.UNAVAILABLE, str(err)
     return grpc.StatusCode.INVALID_ARGUMENT, str(err)
+
+
+def _error_status(out: RequestOutput) -> tuple[grpc.StatusCode, str]:
+    """A request that failed in the pipeline: INVALID_ARGUMENT when its own data failed it (never retried
+    elsewhere), UNAVAILABLE when the pipeline broke under it."""
+    if out.own_fault:
+        return grpc.StatusCode.INVALID_ARGUMENT, out.error or "the request failed"
+    return grpc.StatusCode.UNAVAILABLE, out.error or "the pipeline failed"
 
 
 def _fill_output(reply: scheduler_pb2.SubmitResponse, out: RequestOutput, first: bool) -> None:
@@ -172,8 +180,8 @@ def _fill_update(msg: scheduler_pb2.RequestUpdate, update: Update) -> None:
     msg.request_id = item.request_id
     if isinstance(item, Rejected):
         code, message = status_of(item.error)
-    elif item.finish_reason == "error":  # the pipeline broke under it
-        code, message = grpc.StatusCode.UNAVAILABLE, item.error or "the pipeline failed"
+    elif item.finish_reason == "error":  # its own data failed it, or the pipeline broke under it
+        code, message = _error_status(item)
     else:
         msg.output.SetInParent()
         _fill_output(msg.output, item, update.first)
@@ -182,7 +190,7 @@ def _fill_update(msg: scheduler_pb2.RequestUpdate, update: Update) -> None:
 
 
 async def serve(servicer: SchedulerServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 1 << 30)])
+    server = aio_server(options=[("grpc.max_receive_message_length", 64 * 2**20)])
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -190,5 +198,5 @@ async def serve(servicer: SchedulerServicer, host: str, port: int) -> tuple[grpc
     if bound == 0:
         raise StagemeshError(f"cannot listen on {host}:{port}")
     await server.start()
-    asyncio.create_task(follow(health_servicer, (SERVICE,), lambda: servicer.driver.healthy))
+    servicer.driver.spawn(follow(health_servicer, (SERVICE,), lambda: servicer.driver.healthy))
     return server, bound

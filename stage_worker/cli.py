@@ -9,6 +9,7 @@ import time
 
 import grpc
 
+from stagemesh import internal_token
 from stagemesh.errors import StagemeshError
 from stagemesh.service_options import add_service_arguments, channel, setup_service
 
@@ -67,33 +68,35 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from stage_worker.service import StageServicer, start_server
+    from stage_worker.service import ServerThread, StageServicer
     from stage_worker.worker import StageConfig, StageWorker
 
     worker = StageWorker(StageConfig(str(model_dir), args.stage_index, start, end, args.tensor_parallel_size,
                                      args.device, args.dtype, args.block_size, args.handoff, args.kv_cache_memory,
                                      args.gpu_memory_utilization, args.threads, args.enforce_eager))
+    internal_token.warn_if_open(f"stage {args.stage_index}")
     servicer = StageServicer(worker, "")
-    server, port, _ = start_server(servicer, args.host, args.port)
-    servicer.address = f"{args.advertise_host or args.host}:{port}"
-    log.info("stage %d serving layers %d:%d at %s (TP=%d, %s, %s handoff, %d KV blocks of %d tokens)",
-             args.stage_index, start, end, servicer.address, args.tensor_parallel_size, args.device, args.handoff,
-             worker.num_kv_blocks, args.block_size)
+    server = ServerThread(servicer, args.host, args.port)
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     failed: list[BaseException] = []
-
-    def announce() -> None:
-        try:
-            register(args.scheduler, servicer, stop)
-        except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
-            failed.append(err)
-            stop.set()
-
     try:
+        port = server.start()
+        servicer.address = f"{args.advertise_host or args.host}:{port}"
+        log.info("stage %d serving layers %d:%d at %s (TP=%d, %s, %s handoff, %d KV blocks of %d tokens)",
+                 args.stage_index, start, end, servicer.address, args.tensor_parallel_size, args.device, args.handoff,
+                 worker.num_kv_blocks, args.block_size)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+
+        def supervise() -> None:
+            try:
+                keep_registered(args.scheduler, servicer, stop)
+            except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
+                failed.append(err)
+                stop.set()
+
         worker.main_loop.start()  # from here on the model's work waits for the loop below
-        threading.Thread(target=announce, name="register", daemon=True).start()
+        threading.Thread(target=supervise, name="register", daemon=True).start()
         worker.main_loop.run_until(stop)  # the model's work runs here, on the thread that loaded it
         if failed:
             raise failed[0]
@@ -103,23 +106,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(scheduler: str, servicer, stop: threading.Event, timeout_s: float = 600) -> None:
-    """Announce this stage to the scheduler, retrying while it is not up yet."""
+def keep_registered(scheduler: str, servicer, stop: threading.Event, interval_s: float = 2.0) -> None:
+    """Register with the scheduler, then again every interval for as long as the stage runs: a heartbeat
+    that a restarted scheduler answers by taking the stage back. Retries an unreachable scheduler
+    forever (with backoff); a refusal ends the stage with the scheduler's reason. A TP follower that
+    died ends it too (the stage cannot serve without it; its supervisor restarts it)."""
     from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    deadline, delay = time.monotonic() + timeout_s, 0.2
+    delay, unreachable_since = 0.2, None
     with channel(scheduler) as chan:
         stub = scheduler_pb2_grpc.SchedulerStub(chan)
         while not stop.is_set():
+            if not servicer.worker.followers_alive():
+                raise StagemeshError("a TP follower of this stage died; the stage stops")
             try:
                 reply = stub.RegisterStage(scheduler_pb2.RegisterStageRequest(stage=servicer.describe()), timeout=10)
-                log.info("registered with the scheduler at %s (%d stage(s) still missing)", scheduler,
-                         reply.num_missing_stages)
-                return
+                if reply.first_seen:
+                    log.info("registered with the scheduler at %s (%d stage(s) still missing)", scheduler,
+                             reply.num_missing_stages)
+                delay, unreachable_since = interval_s, None
             except grpc.RpcError as err:
-                if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                                  grpc.StatusCode.UNAUTHENTICATED):
                     raise StagemeshError(f"the scheduler refused this stage: {err.details()}") from None
-                if time.monotonic() > deadline:
-                    raise StagemeshError(f"no scheduler answered at {scheduler} for {timeout_s:.0f}s") from None
+                if unreachable_since is None:
+                    unreachable_since = time.monotonic()
+                    log.warning("no scheduler answers at %s (%s); retrying", scheduler, err.code().name)
+                delay = min(delay * 2, interval_s)
             stop.wait(delay)
-            delay = min(delay * 2, 2.0)

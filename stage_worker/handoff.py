@@ -53,15 +53,25 @@ class DistHandoff:
     def abort(self) -> None:
         self._pending.clear()  # a dead peer breaks the gloo/NCCL connection, which raises in recv
 
+    def close(self) -> None:
+        self._pending.clear()
+
 
 class GrpcHandoff:
-    def __init__(self, next_address: str | None, device: torch.device):
+    """The receiving end keeps a bounded mailbox: activations for the next WINDOW steps of its epoch only
+    (each checked against the step limits before it gets here), dropped if nobody takes them in TTL_S."""
+
+    WINDOW = 16
+    TTL_S = 60.0
+
+    def __init__(self, next_address: str | None, device: torch.device, epoch: int = 0, first_step_id: int = 0):
         self.device = device
         self._stub = None
         if next_address:
             self._channel = channel(next_address)
             self._stub = stage_pb2_grpc.StageStub(self._channel)
-        self._mailbox: dict[tuple[int, int], stage_pb2.PushActivationsRequest] = {}
+        self._epoch, self._next = epoch, first_step_id  # the next step whose activations recv() takes
+        self._mailbox: dict[int, tuple[float, stage_pb2.PushActivationsRequest]] = {}
         self._cond = threading.Condition()
         self._aborted = False
 
@@ -72,22 +82,33 @@ class GrpcHandoff:
         return len(msg.data)
 
     def deliver(self, request: stage_pb2.PushActivationsRequest) -> None:
+        step, now = request.step_id, time.monotonic()
         with self._cond:
-            self._mailbox[(request.epoch, request.step_id)] = request
+            if self._aborted or request.epoch != self._epoch:
+                raise StagemeshError(f"activations for epoch {request.epoch}: the stage is not in that epoch")
+            if not self._next <= step < self._next + self.WINDOW or step in self._mailbox:
+                raise StagemeshError(f"activations for step {step}: this stage takes steps {self._next} to "
+                                     f"{self._next + self.WINDOW - 1}, each once")
+            for old in [s for s, (t, _) in self._mailbox.items() if now - t > self.TTL_S]:
+                del self._mailbox[old]
+            self._mailbox[step] = (now, request)
             self._cond.notify_all()
 
     def recv(self, epoch: int, step_id: int, shape: tuple[int, ...], dtype: torch.dtype,
              timeout: float) -> torch.Tensor:
         deadline = time.monotonic() + timeout
         with self._cond:
-            while (epoch, step_id) not in self._mailbox:
+            while step_id not in self._mailbox:
                 left = deadline - time.monotonic()
                 if self._aborted:
                     raise HandoffAborted("the pipeline epoch ended")
                 if left <= 0:
                     raise StagemeshError(f"no activations from the previous stage for step {step_id} in {timeout:.0f}s")
                 self._cond.wait(left)
-            request = self._mailbox.pop((epoch, step_id))
+            _, request = self._mailbox.pop(step_id)
+            self._next = max(self._next, step_id + 1)
+            for old in [s for s in self._mailbox if s < self._next]:
+                del self._mailbox[old]
         hidden = tensor_from_pb(request.hidden_states, self.device)
         if tuple(hidden.shape) != tuple(shape):
             raise StagemeshError(f"activations of step {step_id} have shape {tuple(hidden.shape)}, expected {shape}")

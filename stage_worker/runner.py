@@ -19,6 +19,7 @@ from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from stage_worker.model import AttentionMetadata, StageModel
 from stage_worker.parallel import HeadShard, TPGroup
 from stage_worker.sampler import Sampler
+from stage_worker.validate import InvalidStep
 from stage_worker.weights import load_weights
 
 
@@ -76,6 +77,7 @@ class StageRunner:
                                                      block_size, self.dtype)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables: dict[int, list[int]] = {}
+        self.seq_lens: dict[int, int] = {}  # tokens of each sequence whose KV the steps so far compute
         self.sampler = Sampler(device=self.device) if self.is_last_stage else None
         # decode steps replay CUDA graphs (TP=1 on CUDA; TP>1 and CPU run eagerly: see stage_worker/cuda_graphs.py)
         self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and tp_size == 1
@@ -102,6 +104,7 @@ class StageRunner:
     def reset(self, num_kv_blocks: int) -> None:
         """A new pipeline epoch: forget every sequence; (re)allocate the cache if its size changed."""
         self.block_tables.clear()
+        self.seq_lens.clear()
         if self.sampler is not None:
             self.sampler.seqs.clear()
         if not self.kv_caches or self.kv_caches[0][0].shape[0] != num_kv_blocks:
@@ -160,20 +163,45 @@ class StageRunner:
             out.append(state.output[-1])
         return out
 
+    def check_state(self, batch: StepBatch) -> None:
+        """The checks of a step that need the sequences' state (the rest: stage_worker.validate): new ids
+        are new, every other id is known, each chunk continues its sequence where its tokens end and its
+        blocks cover it. Raises InvalidStep and changes nothing."""
+        finished, new = set(batch.finished_seq_ids), {s.seq_id for s in batch.new_sequences}
+        if len(new) != len(batch.new_sequences) or any(s in self.block_tables and s not in finished for s in new):
+            raise InvalidStep("a new sequence's id is already in use")
+        c, bs, lens, tables = batch.chunks, self.block_size, self.seq_lens, self.block_tables
+        for seq_id, n, start, added in zip(c.seq_ids, c.num_tokens, c.start_positions, c.num_new_blocks):
+            if seq_id in new:
+                blocks = added  # a prefix-cache hit starts past the cached blocks it is sent
+                if start > blocks * bs:
+                    raise InvalidStep(f"new sequence {seq_id} starts at {start} with {blocks} KV blocks")
+            elif seq_id in lens and seq_id not in finished:
+                blocks = len(tables[seq_id]) + added
+                if start != lens[seq_id]:
+                    raise InvalidStep(f"sequence {seq_id} continues at position {start}; its tokens end at "
+                                      f"{lens[seq_id]}")
+            else:
+                raise InvalidStep(f"sequence {seq_id} is not known to this stage")
+            if blocks * bs < start + n:
+                raise InvalidStep(f"sequence {seq_id} has {blocks} KV blocks for {start + n} tokens")
+
     def _update_state(self, batch: StepBatch) -> None:
         for seq_id in batch.finished_seq_ids:
             self.block_tables.pop(seq_id, None)
+            self.seq_lens.pop(seq_id, None)
             if self.sampler is not None:
                 self.sampler.remove_sequence(seq_id)
         for seq in batch.new_sequences:
             self.block_tables[seq.seq_id] = []
             if self.sampler is not None:
                 self.sampler.add_sequence(seq)
-        c, tables, b = batch.chunks, self.block_tables, 0
-        for seq_id, n in zip(c.seq_ids, c.num_new_blocks):
-            if n:
-                tables[seq_id].extend(c.new_block_ids[b:b + n])
-                b += n
+        c, tables, lens, b = batch.chunks, self.block_tables, self.seq_lens, 0
+        for seq_id, n, start, count in zip(c.seq_ids, c.num_tokens, c.start_positions, c.num_new_blocks):
+            lens[seq_id] = start + n
+            if count:
+                tables[seq_id].extend(c.new_block_ids[b:b + count])
+                b += count
 
     def _prepare(self, batch: StepBatch):
         bs, c = self.block_size, batch.chunks

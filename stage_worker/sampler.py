@@ -3,6 +3,10 @@
 Penalties, temperature, top-k / top-p / min-p, per-request seeds and logprobs.
 A seeded request draws its n-th token from a generator seeded with (seed, n),
 so its output does not depend on what else is in the batch.
+
+A row that cannot be sampled (non-finite logits, a distribution with no mass)
+fails alone: its SampledToken carries the error and the scheduler ends only that
+request; the rest of the batch is sampled as usual.
 """
 from __future__ import annotations
 
@@ -41,15 +45,25 @@ class Sampler:
         logprobs_raw = None
         if any(s.params.logprobs is not None for s in states):
             logprobs_raw = torch.log_softmax(logits, dim=-1)
-        tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
-        if random_rows:
-            tokens = tokens.clone()
-            for i in random_rows:
-                tokens[i] = self._sample_row(logits[i], states[i])
-        token_list = tokens.tolist()
+        token_list = logits.argmax(dim=-1).tolist()
+        errors: dict[int, str] = {}
+        finite = torch.isfinite(logits.amax(dim=-1)).tolist()  # NaN or inf anywhere in a row shows in its max
+        for i, ok in enumerate(finite):
+            if not ok:
+                errors[i] = "the model's logits for this sequence are not finite"
+        for i, s in enumerate(states):
+            if not s.params.greedy and i not in errors:
+                try:
+                    token_list[i] = self._sample_row(logits[i], s)
+                except (RuntimeError, ValueError) as err:  # this row's distribution only
+                    errors[i] = f"sampling failed: {err}"
         out = []
         for i, (seq_id, state, token) in enumerate(zip(seq_ids, states, token_list)):
+            if i in errors:
+                # a step run ahead may need this row's token: 0 stands in (its request ends here)
+                state.output.append(0)
+                out.append(SampledToken(seq_id, 0, error=errors[i]))
+                continue
             state.output.append(token)
             out.append(_with_logprobs(SampledToken(seq_id, token), state.params, logprobs_raw, i))
         return out
@@ -74,7 +88,7 @@ class Sampler:
         if 0 < p.top_k < logits.shape[-1]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+        probs = torch.softmax(logits, dim=-1)  # stable (max-subtracted); temperature >= SAMPLING_EPS
         if p.min_p > 0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         if p.top_p < 1.0:
@@ -85,7 +99,10 @@ class Sampler:
         gen = self._unseeded
         if p.seed is not None:
             gen = torch.Generator(device="cpu").manual_seed((p.seed * 1_000_003 + len(state.output)) % (2**63))
-        return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+        probs = probs.cpu()
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+            raise ValueError("the distribution after temperature, top-k, top-p and min-p has no finite mass")
+        return int(torch.multinomial(probs, 1, generator=gen))
 
 
 def _has_penalty(p: SamplingParams) -> bool:

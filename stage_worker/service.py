@@ -1,25 +1,38 @@
-"""The stage's gRPC service: decode, hand off to StageWorker, encode."""
+"""The stage's gRPC service (asyncio, on a thread of its own): decode, check, order, hand off, encode.
+
+The model runs on the process's main thread (stage_worker.main_loop); this service
+only waits for it, so a step that arrives early waits as a coroutine (StepOrder),
+never holding a thread. JoinPipeline blocks in torch.distributed and runs on a
+worker thread.
+"""
 from __future__ import annotations
 
+import asyncio
 import logging
-from concurrent import futures
+import threading
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stagemesh.errors import StagemeshError
-from stagemesh.service_options import add_port
+from stagemesh.sampling_params import InvalidParameter
+from stagemesh.service_options import add_port, aio_server
+from stagemesh.step_wire import sampled_to_pb, step_from_pb
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 from stage_worker.observe import ForwardObserver
+from stage_worker.step_order import StepOrder
+from stage_worker.validate import InvalidStep
 from stage_worker.worker import StageWorker
 
 log = logging.getLogger("stagemesh.stage")
+SERVICE = "stagemesh.v1.Stage"
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
     def __init__(self, worker: StageWorker, address: str):
         self.worker = worker
         self.address = address
+        self.order = StepOrder()
         c = worker.cfg
         self.observer = ForwardObserver(c.stage_index, c.layer_start, c.layer_end, c.tp_size, c.handoff)
 
@@ -29,54 +42,100 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             stage_index=c.stage_index, layer_start=c.layer_start, layer_end=c.layer_end, tensor_parallel_size=c.tp_size,
             device=c.device, free_memory_bytes=w.free_memory_bytes(), num_kv_blocks=w.num_kv_blocks,
             block_size=c.block_size, address=self.address, handoff=c.handoff, model_path=str(c.model_dir),
-            weight_bytes=w.runner.model.num_parameter_bytes(),
+            weight_bytes=w.runner.model.num_parameter_bytes(), instance_id=w.instance_id,
             model=stage_pb2.ModelIdentity(model_type=cfg.model_type, num_hidden_layers=cfg.num_hidden_layers,
                                           hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                                           num_attention_heads=cfg.num_attention_heads,
                                           num_key_value_heads=cfg.num_key_value_heads))
 
-    def Describe(self, request, context):
+    async def Describe(self, request, context):
         return self.describe()
 
-    def JoinPipeline(self, request, context):
-        return _call(context, lambda: self.worker.join(request), stage_pb2.JoinPipelineResponse())
+    async def JoinPipeline(self, request, context):
+        self.order.close()  # steps of the old epoch stop waiting
+        try:
+            await asyncio.to_thread(self.worker.join, request)
+        except Exception as err:  # noqa: BLE001 - reported to the caller, the stage stays up
+            await _abort(context, err)
+        self.order.open(request.epoch, request.first_step_id)
+        return stage_pb2.JoinPipelineResponse()
 
-    def Forward(self, request, context):
+    async def Forward(self, request, context):
         span, start = self.observer.start(request, context.invocation_metadata())
         reply, error = None, "failed"
         try:
-            reply = _call(context, lambda: self.worker.forward(request))
+            reply = await self._forward(request)
             error = None
             return reply
+        except Exception as err:  # noqa: BLE001 - a failed step is reported, the service stays up
+            await _abort(context, err)
         finally:
             self.observer.end(span, start, request, reply, error)
 
-    def PushActivations(self, request, context):
-        return _call(context, lambda: self.worker.deliver(request), stage_pb2.PushActivationsResponse())
+    async def _forward(self, request) -> stage_pb2.ForwardResponse:
+        batch = step_from_pb(request.step)
+        self.worker.check(batch)  # before the step takes a place in the order
+        await self.order.turn(request.epoch, batch.step_id)
+        try:
+            done = self.worker.queue_step(request, batch)
+        finally:
+            self.order.advance(batch.step_id)
+        reply, sampled = await asyncio.wrap_future(done)
+        if sampled:
+            reply.sampled.CopyFrom(sampled_to_pb(sampled))
+        return reply
+
+    async def PushActivations(self, request, context):
+        try:
+            self.worker.deliver(request)
+        except Exception as err:  # noqa: BLE001
+            await _abort(context, err)
+        return stage_pb2.PushActivationsResponse()
 
 
-def _call(context, fn, empty=None):
-    try:
-        result = fn()
-        return empty if empty is not None else result
-    except StagemeshError as err:
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-    except Exception as err:  # noqa: BLE001 - a failed step is reported, the service stays up
-        log.exception("stage call failed")
-        context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+async def _abort(context, err: Exception) -> None:
+    if isinstance(err, (InvalidStep, InvalidParameter)):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+    if isinstance(err, StagemeshError):
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+    log.error("stage call failed", exc_info=err)
+    await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
 
 
-def start_server(servicer: StageServicer, host: str, port: int) -> tuple[grpc.Server, int, health.HealthServicer]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32),
-                         options=[("grpc.max_receive_message_length", 1 << 30),
-                                  ("grpc.max_send_message_length", 1 << 30)])
-    stage_pb2_grpc.add_StageServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = add_port(server, f"{host}:{port}")
-    if bound == 0:
-        raise StagemeshError(f"cannot listen on {host}:{port}")
-    server.start()
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_servicer.set("stagemesh.v1.Stage", health_pb2.HealthCheckResponse.SERVING)
-    return server, bound, health_servicer
+class ServerThread:
+    """The stage's asyncio gRPC server on a thread of its own (the main thread runs the model)."""
+
+    def __init__(self, servicer: StageServicer, host: str, port: int):
+        self.servicer, self._host, self._port = servicer, host, port
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self.port = 0
+        self._thread = threading.Thread(target=self._loop.run_forever, name="stage-grpc", daemon=True)
+
+    def start(self) -> int:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(timeout=60)
+        return self.port
+
+    async def _serve(self) -> None:
+        # a step's activations travel in PushActivations: far larger than gRPC's 4 MiB default
+        options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
+        self.server = aio_server(options)
+        stage_pb2_grpc.add_StageServicer_to_server(self.servicer, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = add_port(self.server, f"{self._host}:{self._port}")
+        if self.port == 0:
+            raise StagemeshError(f"cannot listen on {self._host}:{self._port}")
+        await self.server.start()
+        for name in ("", SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self, grace: float = 1.0) -> None:
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(self.server.stop(grace), self._loop).result(timeout=grace + 5)
+            except Exception:  # noqa: BLE001 - stopping anyway
+                pass
+            self._loop.call_soon_threadsafe(self._loop.stop)

@@ -1,9 +1,8 @@
 """A stage's TP rank 0: owns the model slice, the TP followers and the handoff.
 
-The gRPC servicer (stage_worker.service) only decodes and calls this class.
-Forward calls for different micro-batches (or a step sent ahead by async
-scheduling) may arrive together; they run one at a time in step order, as
-every stage sees every step.
+The gRPC servicer (stage_worker.service) decodes, checks, puts steps in order and
+calls this class; steps run one at a time, in step order, on the main loop (every
+stage sees every step).
 """
 from __future__ import annotations
 
@@ -14,7 +13,9 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,6 +28,7 @@ from stage_worker.handoff import DistHandoff, GrpcHandoff
 from stage_worker.kv_cache import num_kv_blocks_for_budget
 from stage_worker.main_loop import MainLoop
 from stage_worker.runner import StageRunner
+from stage_worker.validate import StepLimits, check_activations, check_join, check_step
 
 log = logging.getLogger("stagemesh.stage")
 HANDOFF_TIMEOUT_S = 120.0
@@ -63,10 +65,12 @@ class StageWorker:
             if proc.stdout.readline().strip() != b"ready":
                 raise StagemeshError(f"TP follower {t} failed to load its shard (exit code {proc.wait()})")
         self.num_kv_blocks = num_kv_blocks_for_budget(self._kv_budget(), self.runner.kv_bytes_per_block)
+        self.instance_id = uuid.uuid4().hex  # a restarted stage is another instance to the scheduler
         self.epoch = -1
+        model = self.runner.config
+        self.limits = StepLimits(model.vocab_size, model.hidden_size, cfg.block_size)  # nothing allowed before a join
         self.handoff = None
-        self._next_step = 0
-        self._turn = threading.Condition()
+        self._joining = threading.Lock()  # one join at a time (a second waits for the first to end)
         self._store = None  # the epoch's store: sampled tokens for steps run ahead cross it
         self._told_ahead = False
         self.main_loop = MainLoop()  # steps and KV allocation run on the main thread once it serves the loop
@@ -95,14 +99,26 @@ class StageWorker:
             return torch.cuda.mem_get_info(self.runner.device)[0]
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
+    def followers_alive(self) -> bool:
+        return all(proc.poll() is None for proc in self.followers)
+
     # -- epochs -------------------------------------------------------------------
     def join(self, req: stage_pb2.JoinPipelineRequest) -> None:
         """Leave the old epoch (waking anything blocked in it) and join the new one."""
+        check_join(req.max_model_len, req.max_num_batched_tokens, req.num_kv_blocks,
+                   self.runner.config.max_position_embeddings)
+        with self._joining:
+            self._join(req)
+
+    def _join(self, req: stage_pb2.JoinPipelineRequest) -> None:
         self._leave()
         payload = req.SerializeToString()
-        for proc in self.followers:
-            proc.stdin.write(struct.pack("<I", len(payload)) + payload)
-            proc.stdin.flush()
+        for t, proc in enumerate(self.followers, start=1):
+            try:
+                proc.stdin.write(struct.pack("<I", len(payload)) + payload)
+                proc.stdin.flush()
+            except OSError:
+                raise StagemeshError(f"TP follower {t} is gone (exit code {proc.poll()})") from None
         rank, self._store = sdist.join_world(req, self.runner.tp, self.runner.device)
         self._told_ahead = False
         self.main_loop.call(self.runner.reset, req.num_kv_blocks)
@@ -112,50 +128,42 @@ class StageWorker:
             next_rank = rank + sizes[index] if index + 1 < len(sizes) else None
             self.handoff = DistHandoff(prev_rank, next_rank, self.runner.device)
         else:
-            self.handoff = GrpcHandoff(req.next_stage_address or None, self.runner.device)
-        with self._turn:
-            self.epoch, self._next_step = req.epoch, req.first_step_id
-            self._turn.notify_all()
+            self.handoff = GrpcHandoff(req.next_stage_address or None, self.runner.device, req.epoch, req.first_step_id)
+        self.limits = replace(self.limits, num_kv_blocks=req.num_kv_blocks, max_model_len=req.max_model_len,
+                              max_num_batched_tokens=req.max_num_batched_tokens)
+        self.epoch = req.epoch
         log.info("joined epoch %d as rank %d of %d (layers %d:%d, TP=%d, %s handoff, %d KV blocks)", req.epoch, rank,
                  req.world_size, self.cfg.layer_start, self.cfg.layer_end, self.cfg.tp_size, self.cfg.handoff,
                  req.num_kv_blocks)
 
     def _leave(self) -> None:
+        self.epoch = -1
         if self.handoff is not None:
             self.handoff.abort()
+            self.handoff.close()
         if self.runner.tp.group is not None and self.followers:
             try:
                 sdist.send_control(sdist.LEAVE, b"", self.runner.tp)
             except Exception as err:
                 log.warning("could not tell followers to leave: %s", err)
-        with self._turn:
-            self.epoch = -1
-            self._turn.notify_all()
         sdist.leave_world(self.runner.tp)
 
     # -- steps --------------------------------------------------------------------
-    def forward(self, req: stage_pb2.ForwardRequest) -> stage_pb2.ForwardResponse:
-        """Queue the step on the main loop as soon as the step before it is queued (steps run in step order,
-        and a step sent ahead waits there, decoded, for the one before to end), then wait for it."""
-        step_id = req.step.step_id
-        batch = step_from_pb(req.step)  # on this gRPC thread, while the main loop runs the step before
+    def check(self, batch) -> None:
+        """What can be judged of a step without running the steps before it (raises InvalidStep)."""
+        check_step(batch, self.limits)
+
+    def queue_step(self, req: stage_pb2.ForwardRequest, batch) -> Future:
+        """Queue a step on the main loop; the caller queues steps in step order. The future's result is
+        (reply without its sampled tokens, the sampled tokens)."""
+        if req.epoch != self.epoch:
+            raise StagemeshError(f"step {batch.step_id} belongs to epoch {req.epoch}, the stage is in {self.epoch}")
         runner, published = self.runner, None
         ahead = PLACEHOLDER in batch.chunks.token_ids  # scheduled before the step before had sampled
-        with self._turn:
-            while self.epoch == req.epoch and self._next_step != step_id:
-                self._turn.wait()
-            if self.epoch != req.epoch:
-                raise StagemeshError(f"step {step_id} belongs to epoch {req.epoch}, the stage is in {self.epoch}")
-            if ahead and runner.is_last_stage and not runner.is_first_stage:
-                # once the step before has sampled, the first stage gets the tokens this one needs
-                published = self.main_loop.submit(self._publish_tokens, batch)
-            done = self.main_loop.submit(self._run, req, batch, ahead, published)
-            self._next_step = step_id + 1
-            self._turn.notify_all()
-        reply, sampled = done.result()
-        if sampled:
-            reply.sampled.CopyFrom(sampled_to_pb(sampled))
-        return reply
+        if ahead and runner.is_last_stage and not runner.is_first_stage:
+            # once the step before has sampled, the first stage gets the tokens this one needs
+            published = self.main_loop.submit(self._publish_tokens, batch)
+        return self.main_loop.submit(self._run, req, batch, ahead, published)
 
     def _publish_tokens(self, batch) -> None:
         sdist.put_tokens(self._store, batch.step_id, self.runner.placeholder_tokens(batch))
@@ -165,6 +173,7 @@ class StageWorker:
         runner, reply = self.runner, stage_pb2.ForwardResponse()
         if published is not None:
             published.result()  # done (it ran just before): raises if the tokens could not be handed over
+        runner.check_state(batch)  # before the handoff: a refused step leaves every stage as it was
         hidden = None
         if not runner.is_first_stage and batch.chunks:
             start = time.perf_counter()
@@ -202,9 +211,11 @@ class StageWorker:
             req.step.chunks.token_ids[:] = batch.chunks.token_ids  # the followers embed the same tokens
 
     def deliver(self, req: stage_pb2.PushActivationsRequest) -> None:
-        if not isinstance(self.handoff, GrpcHandoff) or req.epoch != self.epoch:
+        handoff = self.handoff
+        if not isinstance(handoff, GrpcHandoff) or req.epoch != self.epoch:
             raise StagemeshError(f"activations for epoch {req.epoch} arrived; the stage is in epoch {self.epoch}")
-        self.handoff.deliver(req)
+        check_activations(req.hidden_states, str(self.runner.dtype).removeprefix("torch."), self.limits)
+        handoff.deliver(req)
 
     def close(self) -> None:
         if self.handoff is not None:

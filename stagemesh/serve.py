@@ -1,15 +1,18 @@
 """`stagemesh serve`: the whole mesh on this host as supervised child processes.
 
 One scheduler per data-parallel replica, its pipeline stages (balanced layer
-split unless --layer-split), and the router in front when it is built. Ctrl-C
-or SIGTERM stops every child; a child that dies is reported and the rest are
-stopped; children die with this process (PR_SET_PDEATHSIG), so none is orphaned.
+split unless --layer-split), and the router in front. A child that dies is
+restarted with backoff (the others go on serving: the router takes a broken
+replica out until it is back, stages and schedulers find each other again);
+only Ctrl-C or SIGTERM stop the mesh (`--restart-policy never`: the first death
+stops it, for debugging). Children die with this process (PR_SET_PDEATHSIG), so
+none is orphaned. The children share a generated internal token (in their
+environment) unless one is given.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
-import importlib.util
 import logging
 import os
 import signal
@@ -17,8 +20,9 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from stagemesh import internal_token
 from stagemesh.errors import StagemeshError
 from stagemesh.logs import setup_logging
 from stagemesh.service_options import add_service_arguments, service_argv
@@ -32,6 +36,8 @@ log = logging.getLogger("stagemesh.serve")
 # per stage on 2 cores (benchmarks/profile_mesh_step.py --threads 2): 44-45 ms per token against
 # 58-64 ms with the default. A GOMP_SPINCOUNT or OMP_WAIT_POLICY of the user's is left alone.
 CPU_STAGE_SPIN_COUNT = "20000"
+RESTART_BACKOFF_S = (1.0, 30.0)  # first and longest wait before a dead child starts again
+STABLE_AFTER_S = 60.0  # a child that ran this long restarts after the first wait again
 
 
 def cpu_stage_env() -> dict[str, str]:
@@ -67,13 +73,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="stages run decode steps without CUDA graphs")
     p.add_argument("--threads", type=int, default=0, help="torch threads per stage process (0: cores / processes)")
-    add_service_arguments(p)  # --metrics-port P: scheduler of replica r on P + r*(PP+1), its stages next
+    p.add_argument("--restart-policy", choices=("on-failure", "never"), default="on-failure",
+                   help="on-failure: a child that dies is restarted with backoff while the rest serve; never: "
+                        "the first death stops the mesh (debugging)")
+    # --metrics-port P: scheduler of replica r on P + r*(PP+1), its stages next, serve's own after them all
+    add_service_arguments(p)
 
 
 @dataclass
 class Child:
     name: str
-    proc: subprocess.Popen
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    failures: int = 0  # deaths in a row, each within STABLE_AFTER_S of its start
+    restart_at: float | None = None  # a dead child's next start
+    restarts: int = 0
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "stagemesh", *self.argv], env=self.env,
+                                     preexec_fn=_die_with_parent)
+        self.started, self.restart_at = time.monotonic(), None
+        log.info("started %s (pid %d): stagemesh %s", self.name, self.proc.pid, " ".join(self.argv))
 
 
 def _die_with_parent() -> None:
@@ -122,12 +144,11 @@ def plan_commands(args: argparse.Namespace, model_dir: str, num_layers: int, cud
                     *(["--enforce-eager"] if args.enforce_eager else []),
                     *_flags(args, ("dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization"))]
             children.append((f"stage[{r}.{i}]", argv, env))
-    if importlib.util.find_spec("router.cli") is not None:
-        router = ["router", model_dir, "--host", args.host, "--port", str(args.port), *_service(args, None)]
-        for replica in replicas:
-            router += ["--replica", replica]
-        children.append(("router", router + _flags(args, ("grpc_port", "served_model_name", "api_key",
-                                                           "max_model_len")), {}))
+    router = ["router", model_dir, "--host", args.host, "--port", str(args.port), *_service(args, None)]
+    for replica in replicas:
+        router += ["--replica", replica]
+    children.append(("router", router + _flags(args, ("grpc_port", "served_model_name", "api_key", "max_model_len")),
+                     {}))
     return children
 
 
@@ -158,44 +179,66 @@ def run(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_path(model_dir)
     cfg.check_tp_size(args.tensor_parallel_size)
     cuda = args.device == "cuda" or (args.device is None and _cuda_available())
-    commands = plan_commands(args, str(model_dir), cfg.num_hidden_layers, cuda)
-    children: list[Child] = []
+    token = internal_token.configure(args) or internal_token.new_token()
+    base_env = {**os.environ, internal_token.ENV: token}
+    children = [Child(name, argv, {**base_env, **env})
+                for name, argv, env in plan_commands(args, str(model_dir), cfg.num_hidden_layers, cuda)]
+    metrics = _serve_metrics(args, args.data_parallel_size * (args.pipeline_parallel_size + 1))
     stop = {"signal": None}
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: stop.update(signal=signum))
     try:
-        for name, argv, env in commands:
-            proc = subprocess.Popen([sys.executable, "-m", "stagemesh", *argv], env={**os.environ, **env},
-                                    preexec_fn=_die_with_parent)
-            children.append(Child(name, proc))
-            log.info("started %s (pid %d): stagemesh %s", name, proc.pid, " ".join(argv))
-        if not any(c.name == "router" for c in children):
-            log.warning("the router (HTTP gateway) is not built yet: talk to the schedulers over gRPC "
-                        "(stagemesh.v1.Scheduler) at %s",
-                        ", ".join(f"127.0.0.1:{argv[3]}" for name, argv, _ in commands if name.startswith("sched")))
-        return _supervise(children, stop)
+        for child in children:
+            child.start()
+        return _supervise(children, stop, args.restart_policy, metrics)
     finally:
         _stop_all(children)
 
 
-def _supervise(children: list[Child], stop: dict) -> int:
+def _serve_metrics(args: argparse.Namespace, offset: int):
+    """serve's own Prometheus metrics (children up, restarts), on the port after its children's."""
+    from prometheus_client import Counter, Gauge, start_http_server
+
+    up = Gauge("stagemesh:serve_child_up", "1 while the child process runs", ["child"])
+    restarts = Counter("stagemesh:serve_child_restarts", "Times a dead child was started again", ["child"])
+    if args.metrics_port is not None:
+        start_http_server(args.metrics_port + offset, addr="127.0.0.1")
+        log.info("serve's metrics (child restarts) on port %d at /metrics", args.metrics_port + offset)
+    return up, restarts
+
+
+def _supervise(children: list[Child], stop: dict, policy: str, metrics) -> int:
+    up, restarts = metrics
     while stop["signal"] is None:
+        now = time.monotonic()
         for child in children:
-            code = child.proc.poll()
+            code = child.proc.poll() if child.proc is not None else None
             if code is not None:
-                log.error("%s (pid %d) exited with code %d; stopping the mesh", child.name, child.proc.pid, code)
-                return 1
+                child.proc = None
+                if policy == "never":
+                    log.error("%s exited with code %d; stopping the mesh (--restart-policy never)", child.name, code)
+                    return 1
+                child.failures = 1 if now - child.started > STABLE_AFTER_S else child.failures + 1
+                wait = min(RESTART_BACKOFF_S[0] * 2 ** (child.failures - 1), RESTART_BACKOFF_S[1])
+                child.restart_at = now + wait
+                log.error("%s exited with code %d; restarting it in %.0fs (the rest keep serving)", child.name, code,
+                          wait)
+            elif child.proc is None and child.restart_at is not None and now >= child.restart_at:
+                child.start()
+                child.restarts += 1
+                restarts.labels(child.name).inc()
+            up.labels(child.name).set(1 if child.proc is not None else 0)
         time.sleep(0.2)
     log.info("signal %d: stopping every child", stop["signal"])
     return 0
 
 
 def _stop_all(children: list[Child]) -> None:
-    for child in reversed(children):
-        if child.proc.poll() is None:
-            child.proc.terminate()
+    running = [c for c in children if c.proc is not None and c.proc.poll() is None]
+    for child in reversed(running):
+        child.proc.terminate()
     deadline = time.monotonic() + 15
-    for child in children:
+    for child in running:
         try:
             child.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:

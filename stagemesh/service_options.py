@@ -1,10 +1,11 @@
-"""Options every long-running service shares: logs, traces, metrics and TLS.
+"""Options every long-running service shares: logs, traces, metrics, TLS and the internal token.
 
 Each service's ``add_arguments`` calls :func:`add_service_arguments`; its
-``run`` calls :func:`setup_service` once, before it opens any port. TLS is kept
-per process (one service per process), so every place that opens a gRPC
-channel or port goes through :func:`channel`, :func:`aio_channel` and
-:func:`add_port` and honours the flags without threading them through.
+``run`` calls :func:`setup_service` once, before it opens any port. TLS and the
+internal token (stagemesh.internal_token) are kept per process (one service per
+process), so every place that opens a gRPC channel or server goes through
+:func:`channel`, :func:`aio_channel`, :func:`aio_server` and :func:`add_port` and
+honours the flags without threading them through.
 
 TLS: ``--tls-cert``/``--tls-key`` make the service's own ports TLS; with
 ``--tls-ca`` as well the service checks its peers against that CA both ways
@@ -19,9 +20,14 @@ from pathlib import Path
 
 import grpc
 
+from stagemesh import internal_token
 from stagemesh.errors import StagemeshError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# A peer that restarts (same address) must be reachable again within seconds: gRPC's default
+# reconnect backoff grows to 120 s, during which every call on the channel fails at once.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                     ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 def add_service_arguments(p: argparse.ArgumentParser, *, metrics_port: bool = True) -> None:
@@ -39,10 +45,12 @@ def add_service_arguments(p: argparse.ArgumentParser, *, metrics_port: bool = Tr
     g.add_argument("--tls-ca", default=None, metavar="PEM",
                    help="CA that signs the other services' certificates: verify peers with it (mutual TLS "
                         "when --tls-cert is given too)")
+    internal_token.add_arguments(g)
 
 
 def service_argv(args: argparse.Namespace, *, metrics_port: int | None = None) -> list[str]:
-    """These options as command-line flags, for a supervisor that starts children."""
+    """These options as command-line flags, for a supervisor that starts children (the internal token
+    travels in their environment instead: a command line is visible to `ps`)."""
     argv = ["--log-level", args.log_level, "--log-format", args.log_format]
     for flag, value in (("--otlp-traces-endpoint", args.otlp_traces_endpoint), ("--tls-cert", args.tls_cert),
                         ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
@@ -60,6 +68,7 @@ def setup_service(args: argparse.Namespace, service_name: str) -> None:
 
     setup_logging(args.log_level, args.log_format)
     configure_tls(args.tls_cert, args.tls_key, args.tls_ca)
+    internal_token.configure(args)
     setup_tracing(service_name, args.otlp_traces_endpoint)
     port = getattr(args, "metrics_port", None)
     if port is not None:
@@ -118,17 +127,27 @@ def channel_credentials(tls: TLSConfig | None = None) -> grpc.ChannelCredentials
 
 
 def channel(target: str, options: list | None = None) -> grpc.Channel:
-    creds = channel_credentials()
-    if creds is None:
-        return grpc.insecure_channel(target, options=options)
-    return grpc.secure_channel(target, creds, options=options)
+    """A blocking channel to another service of the mesh: TLS and the internal token when configured."""
+    creds, options = channel_credentials(), RECONNECT_OPTIONS + (options or [])
+    chan = grpc.insecure_channel(target, options) if creds is None else grpc.secure_channel(target, creds, options)
+    if internal_token.token() is not None:
+        chan = grpc.intercept_channel(chan, internal_token.SyncClientInterceptor())
+    return chan
 
 
 def aio_channel(target: str, options: list | None = None) -> grpc.aio.Channel:
-    creds = channel_credentials()
+    """An asyncio channel to another service of the mesh: TLS and the internal token when configured."""
+    creds, options = channel_credentials(), RECONNECT_OPTIONS + (options or [])
+    interceptors = internal_token.aio_client_interceptors() if internal_token.token() is not None else None
     if creds is None:
-        return grpc.aio.insecure_channel(target, options=options)
-    return grpc.aio.secure_channel(target, creds, options=options)
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(target, creds, options=options, interceptors=interceptors)
+
+
+def aio_server(options: list | None = None) -> grpc.aio.Server:
+    """An asyncio server of an internal service: every call but health and reflection must carry the
+    internal token when one is configured."""
+    return grpc.aio.server(interceptors=[internal_token.ServerInterceptor()], options=options)
 
 
 def add_port(server, address: str) -> int:

@@ -122,3 +122,5 @@ class SampledToken:
     logprob: float | None = None
     top_token_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+    # set when this sequence's row could not be sampled: its request fails alone (token_id is meaningless)
+    error: str | None = None

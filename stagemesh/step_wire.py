@@ -40,7 +40,10 @@ def step_from_pb(msg: stage_pb2.StepBatch) -> StepBatch:
 def sampled_to_pb(sampled: list[SampledToken]) -> stage_pb2.SampledTokens:
     msg = stage_pb2.SampledTokens(seq_ids=[t.seq_id for t in sampled], token_ids=[t.token_id for t in sampled])
     for row, t in enumerate(sampled):
-        if t.logprob is not None:
+        if t.error is not None:
+            msg.error_rows.append(row)
+            msg.errors.append(t.error)
+        elif t.logprob is not None:
             msg.logprob_rows.append(row)
             msg.logprobs.append(common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob,
                                                         top_token_ids=t.top_token_ids, top_logprobs=t.top_logprobs))
@@ -52,4 +55,6 @@ def sampled_from_pb(msg: stage_pb2.SampledTokens) -> list[SampledToken]:
     for row, lp in zip(msg.logprob_rows, msg.logprobs):
         t = sampled[row]
         t.logprob, t.top_token_ids, t.top_logprobs = lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs)
+    for row, error in zip(msg.error_rows, msg.errors):
+        sampled[row].error = error or "sampling failed"
     return sampled

@@ -11,6 +11,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# every service the tests start checks the internal token, and every test client sends it (tests/mesh.py)
+os.environ.setdefault("STAGEMESH_INTERNAL_TOKEN", "tests-internal-token-3f9c2a7e41")
 torch.set_num_threads(1)
 
 from tiny_models import make_tiny_model  # noqa: E402

@@ -25,6 +25,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def internal_channel(address: str, credentials=None) -> grpc.Channel:
+    """A channel to an internal service that carries the tests' internal token (conftest sets it)."""
+    from stagemesh.internal_token import ENV, SyncClientInterceptor
+
+    chan = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    return grpc.intercept_channel(chan, SyncClientInterceptor(os.environ[ENV]))
+
+
+def internal_aio_channel(address: str) -> grpc.aio.Channel:
+    from stagemesh.internal_token import ENV, aio_client_interceptors
+
+    return grpc.aio.insecure_channel(address, interceptors=aio_client_interceptors(os.environ[ENV]))
+
+
 class Mesh:
     """A scheduler and its stages as real processes; every one is stopped on exit."""
 
@@ -70,8 +84,7 @@ class Mesh:
                                      "scheduler")
         for i in range(len(self.split)):
             self.start_stage(i)
-        self.channel = (grpc.secure_channel(self.address, self.credentials) if self.credentials
-                        else grpc.insecure_channel(self.address))
+        self.channel = internal_channel(self.address, self.credentials)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.wait_healthy()
         return self

@@ -7,7 +7,7 @@ import time
 import grpc
 import pytest
 
-from mesh import Mesh
+from mesh import Mesh, internal_aio_channel
 from parity import prompts
 from router.submit_stream import RequestFailed, SubmitStream
 from stagemesh.sampling_params import SamplingParams
@@ -26,7 +26,7 @@ def mesh(tiny_model_dir, tmp_path_factory):
 def over_one_stream(address: str, body):
     """Run `body(stream, stub)` with a SubmitStream open to `address`."""
     async def run():
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with internal_aio_channel(address) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             stream = SubmitStream(stub, address)
             try:

@@ -128,10 +128,12 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterStage(self, request, context):
-        """A stage announces itself. Refused (INVALID_ARGUMENT or
-        FAILED_PRECONDITION, with the reason) when its layer range overlaps or
-        leaves a gap, its model or block size differs, or its index is out of
-        range. When the stages cover the model, the pipeline forms.
+        """A stage announces itself, and again every few seconds for as long as it
+        runs (a heartbeat, so that a restarted scheduler gets its stages back).
+        Refused (FAILED_PRECONDITION, with the reason) when its layer range
+        overlaps or leaves a gap, its model or block size differs, its index is
+        out of range, or another live stage serves its index. When the stages
+        cover the model, the pipeline forms.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

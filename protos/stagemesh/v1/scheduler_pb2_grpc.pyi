@@ -59,10 +59,12 @@ class SchedulerStub:
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetModelInfoRequest, _scheduler_pb2.ModelInfo]
     """What the replica serves."""
     RegisterStage: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.RegisterStageRequest, _scheduler_pb2.RegisterStageResponse]
-    """A stage announces itself. Refused (INVALID_ARGUMENT or
-    FAILED_PRECONDITION, with the reason) when its layer range overlaps or
-    leaves a gap, its model or block size differs, or its index is out of
-    range. When the stages cover the model, the pipeline forms.
+    """A stage announces itself, and again every few seconds for as long as it
+    runs (a heartbeat, so that a restarted scheduler gets its stages back).
+    Refused (FAILED_PRECONDITION, with the reason) when its layer range
+    overlaps or leaves a gap, its model or block size differs, its index is
+    out of range, or another live stage serves its index. When the stages
+    cover the model, the pipeline forms.
     """
 
 @_typing.type_check_only
@@ -94,10 +96,12 @@ class SchedulerAsyncStub(SchedulerStub):
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetModelInfoRequest, _scheduler_pb2.ModelInfo]  # type: ignore[assignment]
     """What the replica serves."""
     RegisterStage: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.RegisterStageRequest, _scheduler_pb2.RegisterStageResponse]  # type: ignore[assignment]
-    """A stage announces itself. Refused (INVALID_ARGUMENT or
-    FAILED_PRECONDITION, with the reason) when its layer range overlaps or
-    leaves a gap, its model or block size differs, or its index is out of
-    range. When the stages cover the model, the pipeline forms.
+    """A stage announces itself, and again every few seconds for as long as it
+    runs (a heartbeat, so that a restarted scheduler gets its stages back).
+    Refused (FAILED_PRECONDITION, with the reason) when its layer range
+    overlaps or leaves a gap, its model or block size differs, its index is
+    out of range, or another live stage serves its index. When the stages
+    cover the model, the pipeline forms.
     """
 
 class SchedulerServicer(metaclass=_abc_1.ABCMeta):
@@ -168,10 +172,12 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         request: _scheduler_pb2.RegisterStageRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_scheduler_pb2.RegisterStageResponse, _abc.Awaitable[_scheduler_pb2.RegisterStageResponse]]:
-        """A stage announces itself. Refused (INVALID_ARGUMENT or
-        FAILED_PRECONDITION, with the reason) when its layer range overlaps or
-        leaves a gap, its model or block size differs, or its index is out of
-        range. When the stages cover the model, the pipeline forms.
+        """A stage announces itself, and again every few seconds for as long as it
+        runs (a heartbeat, so that a restarted scheduler gets its stages back).
+        Refused (FAILED_PRECONDITION, with the reason) when its layer range
+        overlaps or leaves a gap, its model or block size differs, its index is
+        out of range, or another live stage serves its index. When the stages
+        cover the model, the pipeline forms.
         """
 
 def add_SchedulerServicer_to_server(servicer: SchedulerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

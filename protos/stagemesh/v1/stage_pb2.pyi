@@ -90,6 +90,7 @@ class StageDescription(_message.Message):
     HANDOFF_FIELD_NUMBER: _builtins.int
     MODEL_PATH_FIELD_NUMBER: _builtins.int
     WEIGHT_BYTES_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     stage_index: _builtins.int
     layer_start: _builtins.int
     """Layers [layer_start, layer_end)."""
@@ -110,6 +111,10 @@ class StageDescription(_message.Message):
     """The model directory the stage loaded (for logs)."""
     weight_bytes: _builtins.int
     """Bytes of the weights this stage's TP rank 0 holds."""
+    instance_id: _builtins.str
+    """Random id of this stage process, new at every start: a registration with the id the
+    scheduler knows is a heartbeat; another id at the same index is a restarted stage.
+    """
     @_builtins.property
     def model(self) -> Global___ModelIdentity: ...
     def __init__(
@@ -128,10 +133,11 @@ class StageDescription(_message.Message):
         handoff: _builtins.str = ...,
         model_path: _builtins.str = ...,
         weight_bytes: _builtins.int = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "layer_end", b"layer_end", "layer_start", b"layer_start", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "stage_index", b"stage_index", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "instance_id", b"instance_id", "layer_end", b"layer_end", "layer_start", b"layer_start", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "stage_index", b"stage_index", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -150,6 +156,8 @@ class JoinPipelineRequest(_message.Message):
     NEXT_STAGE_ADDRESS_FIELD_NUMBER: _builtins.int
     NUM_KV_BLOCKS_FIELD_NUMBER: _builtins.int
     FIRST_STEP_ID_FIELD_NUMBER: _builtins.int
+    MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     store_host: _builtins.str
     """The torch.distributed store the scheduler hosts."""
@@ -162,6 +170,11 @@ class JoinPipelineRequest(_message.Message):
     num_kv_blocks: _builtins.int
     first_step_id: _builtins.int
     """The step id of the epoch's first step; steps then come in order."""
+    max_model_len: _builtins.int
+    """Limits the stage checks every step against: no position at or past max_model_len, no
+    step of more than max_num_batched_tokens tokens.
+    """
+    max_num_batched_tokens: _builtins.int
     @_builtins.property
     def tp_sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """TP size of every stage, in stage order (TP groups are formed from them)."""
@@ -178,10 +191,12 @@ class JoinPipelineRequest(_message.Message):
         next_stage_address: _builtins.str = ...,
         num_kv_blocks: _builtins.int = ...,
         first_step_id: _builtins.int = ...,
+        max_model_len: _builtins.int = ...,
+        max_num_batched_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_step_id", b"first_step_id", "next_stage_address", b"next_stage_address", "num_kv_blocks", b"num_kv_blocks", "rank_offset", b"rank_offset", "store_host", b"store_host", "store_port", b"store_port", "tp_sizes", b"tp_sizes", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_step_id", b"first_step_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "next_stage_address", b"next_stage_address", "num_kv_blocks", b"num_kv_blocks", "rank_offset", b"rank_offset", "store_host", b"store_host", "store_port", b"store_port", "tp_sizes", b"tp_sizes", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -380,6 +395,8 @@ class SampledTokens(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     LOGPROB_ROWS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    ERROR_ROWS_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -392,6 +409,14 @@ class SampledTokens(_message.Message):
 
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]: ...
+    @_builtins.property
+    def error_rows(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Rows (indices into seq_ids) whose sequence could not be sampled (non-finite logits, no
+        probability mass): each fails its own request alone; errors holds the reason of each.
+        """
+
+    @_builtins.property
+    def errors(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -399,10 +424,12 @@ class SampledTokens(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         logprob_rows: _abc.Iterable[_builtins.int] | None = ...,
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        error_rows: _abc.Iterable[_builtins.int] | None = ...,
+        errors: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob_rows", b"logprob_rows", "logprobs", b"logprobs", "seq_ids", b"seq_ids", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_rows", b"error_rows", "errors", b"errors", "logprob_rows", b"logprob_rows", "logprobs", b"logprobs", "seq_ids", b"seq_ids", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,106 @@
+"""Checks of what a stage is sent, before any of it reaches its state or a kernel.
+
+A stage trusts no caller: positions and lengths are checked against the epoch's
+max_model_len, block ids against the KV cache, token ids against the vocabulary,
+activations against the hidden size and the step. These checks need only the message
+and the epoch's limits, so they run when the RPC arrives (a refused step costs the
+pipeline nothing); the checks that need the sequences' state (which ids are known,
+where each one's tokens continue) run in StageRunner just before the step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stagemesh.errors import StagemeshError
+from stagemesh.sampling_params import INT32_MAX, check_token_ids
+from stagemesh.step import PLACEHOLDER, StepBatch
+from stagemesh.v1 import common_pb2
+
+
+class InvalidStep(StagemeshError):
+    """A Forward or PushActivations message that breaks the rules (INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """What an epoch allows (from JoinPipeline and the model); before any join, nothing is allowed."""
+    vocab_size: int
+    hidden_size: int
+    block_size: int
+    num_kv_blocks: int = 0
+    max_model_len: int = 0
+    max_num_batched_tokens: int = 0
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+def check_step(batch: StepBatch, limits: StepLimits) -> None:
+    """Everything about a step that can be judged without the sequences' state."""
+    c = batch.chunks
+    n = len(c.seq_ids)
+    if not limits.num_kv_blocks:
+        raise InvalidStep("the stage has not joined a pipeline")
+    _require(len(c.num_tokens) == len(c.start_positions) == len(c.num_new_blocks) == len(c.sample) == n,
+             "the step's chunk columns differ in length")
+    _require(len(set(c.seq_ids)) == n, "a sequence appears twice in the step")
+    _require(not c.num_tokens or min(c.num_tokens) >= 1, "a chunk has no token")
+    _require(sum(c.num_tokens) == len(c.token_ids), "num_tokens does not add up to the token ids sent")
+    _require(len(c.token_ids) <= limits.max_num_batched_tokens,
+             f"the step has {len(c.token_ids)} tokens; the pipeline allows {limits.max_num_batched_tokens}")
+    _require(not c.num_new_blocks or min(c.num_new_blocks) >= 0, "a chunk appends a negative number of blocks")
+    _require(sum(c.num_new_blocks) == len(c.new_block_ids), "num_new_blocks does not add up to the block ids sent")
+    _require(not c.new_block_ids or (min(c.new_block_ids) >= 0 and max(c.new_block_ids) < limits.num_kv_blocks),
+             f"a block id is outside the KV cache of {limits.num_kv_blocks} blocks")
+    _require(not c.num_new_blocks or max(c.num_new_blocks) <= limits.max_blocks_per_seq,
+             f"a chunk appends more blocks than a sequence of {limits.max_model_len} tokens holds")
+    for start, count in zip(c.start_positions, c.num_tokens):
+        _require(0 <= start and start + count <= limits.max_model_len,
+                 f"positions {start}..{start + count - 1} are outside [0, {limits.max_model_len})")
+    _check_tokens(batch, limits.vocab_size)
+    for seq in batch.new_sequences:
+        _require(0 < len(seq.prompt_token_ids) + len(seq.output_token_ids) <= limits.max_model_len,
+                 f"new sequence {seq.seq_id} has no tokens or more than max_model_len {limits.max_model_len}")
+        check_token_ids("prompt_token_ids", seq.prompt_token_ids, limits.vocab_size)
+        check_token_ids("output_token_ids", seq.output_token_ids, limits.vocab_size)
+        seq.sampling.check_vocab(limits.vocab_size)
+
+
+def _check_tokens(batch: StepBatch, vocab_size: int) -> None:
+    """Token ids in the vocabulary; PLACEHOLDER only as a chunk's last token (a step scheduled ahead)."""
+    ids = batch.chunks.token_ids
+    if not ids:
+        return
+    low, high = min(ids), max(ids)
+    if high >= vocab_size or low < PLACEHOLDER:
+        raise InvalidStep(f"token id {high if high >= vocab_size else low} is outside the vocabulary of {vocab_size}")
+    if low == PLACEHOLDER:
+        ends = {index for index, _ in batch.chunks.placeholders()}
+        _require(ids.count(PLACEHOLDER) == len(ends), "a placeholder token stands elsewhere than a chunk's end")
+
+
+def check_activations(msg: common_pb2.Tensor, dtype: str, limits: StepLimits) -> int:
+    """PushActivations' tensor: [tokens, hidden] of the stage's dtype, bytes that match; returns tokens."""
+    shape = list(msg.shape)
+    _require(msg.dtype == dtype, f"activations of dtype {msg.dtype!r}; this pipeline hands over {dtype}")
+    _require(len(shape) == 2 and shape[1] == limits.hidden_size,
+             f"activations of shape {shape}; this model's are [tokens, {limits.hidden_size}]")
+    _require(1 <= shape[0] <= max(limits.max_num_batched_tokens, 1),
+             f"activations of {shape[0]} tokens; a step has 1 to {limits.max_num_batched_tokens}")
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
+    _require(len(msg.data) == shape[0] * shape[1] * itemsize,
+             f"activations of shape {shape} {dtype} need {shape[0] * shape[1] * itemsize} bytes, got {len(msg.data)}")
+    return shape[0]
+
+
+def check_join(max_model_len: int, max_num_batched_tokens: int, num_kv_blocks: int, model_positions: int) -> None:
+    _require(0 < max_model_len <= model_positions,
+             f"max_model_len {max_model_len} is outside the model's {model_positions} positions")
+    _require(0 < max_num_batched_tokens <= INT32_MAX, "max_num_batched_tokens must be positive")
+    _require(0 < num_kv_blocks <= INT32_MAX, "num_kv_blocks must be positive")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidStep(message)
