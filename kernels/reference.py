@@ -86,10 +86,9 @@ class _GatherLayout:
         slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size  # [seqs, L]
         heads = torch.arange(kv_heads, device=device)
         self.rows = (slots[:, None, :] * kv_heads + heads[None, :, None]).reshape(-1)  # [seqs * kv_heads * L]
-        self.bias = None  # added to the scores: -inf past each sequence's end
+        self.past_end = None  # [seqs, 1, 1, L]: positions past each sequence's end
         if int(context_lens.min()) != max_len:
-            past_end = pos[None, :] >= context_lens[:, None].long()
-            self.bias = torch.zeros(past_end.shape, device=device).masked_fill_(past_end, float("-inf"))[:, None, None]
+            self.past_end = (pos[None, :] >= context_lens[:, None].long())[:, None, None]
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -103,9 +102,13 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
 
     # the query heads that share a KV head form the rows of one small matrix product
     scores = torch.matmul(q.view(seqs, kv_heads, heads // kv_heads, dim) * scale, gather(k_cache).transpose(-1, -2))
-    if layout.bias is not None:
-        scores += layout.bias
-    return torch.matmul(scores.softmax(-1), gather(v_cache)).view(seqs, heads, dim)
+    values = gather(v_cache)
+    if layout.past_end is not None:
+        # slots past a sequence's end hold whatever another sequence left there, NaN included: their
+        # scores are replaced (not added to) and their values zeroed, so nothing of them reaches this row
+        scores.masked_fill_(layout.past_end, float("-inf"))
+        values.masked_fill_(layout.past_end.transpose(-1, -2), 0.0)
+    return torch.matmul(scores.softmax(-1), values).view(seqs, heads, dim)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

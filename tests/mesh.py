@@ -78,10 +78,17 @@ class Mesh:
         proc.kill()
         proc.wait()
 
-    def __enter__(self) -> "Mesh":
+    def start_scheduler(self) -> None:
         self.scheduler = self._spawn(["scheduler", self.model_dir, "--port", str(self.port),
                                       "--pipeline-parallel-size", str(len(self.split)), *self.scheduler_args],
                                      "scheduler")
+
+    def kill_scheduler(self) -> None:
+        self.scheduler.kill()
+        self.scheduler.wait()
+
+    def __enter__(self) -> "Mesh":
+        self.start_scheduler()
         for i in range(len(self.split)):
             self.start_stage(i)
         self.channel = internal_channel(self.address, self.credentials)

@@ -24,7 +24,7 @@ from stagemesh.default_model import DEFAULT_MODEL_NAME
 COMPOSE_DIR = Path(__file__).parents[1] / "deploy" / "compose"
 COMPOSE_FILES = sorted(COMPOSE_DIR.glob("compose*.yaml"))
 # sample values for every variable the files read without a default
-SAMPLE_ENV = {"HEAD_NODE_IP": "10.0.0.1", "NODE_IP": "10.0.0.2"}
+SAMPLE_ENV = {"HEAD_NODE_IP": "10.0.0.1", "NODE_IP": "10.0.0.2", "STAGEMESH_INTERNAL_TOKEN": "sample-token-0123456789"}
 VARIABLE = re.compile(r"\$\$|\$\{([A-Za-z_]\w*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_]\w*)")
 
 
@@ -83,10 +83,11 @@ def test_docker_compose_accepts_the_file(path):
     assert done.returncode == 0, f"docker-compose -f {path.name} config:\n{done.stderr}"
     assert "WARNING" not in done.stderr, done.stderr  # e.g. a variable that is neither set nor defaulted
     if "HEAD_NODE_IP" in path.read_text():  # the multi-host files refuse to start without their addresses
-        bare = {k: v for k, v in env.items() if k not in SAMPLE_ENV}
-        done = subprocess.run([binary, "-f", str(path), "config"], capture_output=True, text=True, timeout=60,
-                              env=bare)
-        assert done.returncode != 0 and "HEAD_NODE_IP" in done.stderr, done.stderr
+        for missing in ("HEAD_NODE_IP", "STAGEMESH_INTERNAL_TOKEN"):  # ... or without the internal token
+            bare = {k: v for k, v in {**env, **SAMPLE_ENV}.items() if k != missing}
+            done = subprocess.run([binary, "-f", str(path), "config"], capture_output=True, text=True, timeout=60,
+                                  env=bare)
+            assert done.returncode != 0 and missing in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
@@ -196,11 +197,12 @@ def test_head_and_worker_files_serve_across_two_namespaces(default_model_dir, tm
     try:
         a, b = pair.a, pair.b
         values = {"HEAD_NODE_IP": a.address, "NODE_IP": b.address, "KV_CACHE_MEMORY": str(64 << 20),
-                  "STAGE_THREADS": "1"}
+                  "STAGE_THREADS": "1", "STAGEMESH_INTERNAL_TOKEN": os.environ["STAGEMESH_INTERNAL_TOKEN"]}
         head = stagemesh_services(load(COMPOSE_DIR / "compose.head.yaml", values))
         (worker,) = stagemesh_services(load(COMPOSE_DIR / "compose.worker.yaml", values)).values()
         for svc in [*head.values(), worker]:  # the files pass the interface names through from the node
             assert "GLOO_SOCKET_IFNAME" in svc["environment"] and "NCCL_SOCKET_IFNAME" in svc["environment"]
+            assert f"STAGEMESH_INTERNAL_TOKEN={values['STAGEMESH_INTERNAL_TOKEN']}" in svc["environment"]
         # the converted default model, as the containers' /cache volume holds it
         env = dict(STAGEMESH_CACHE=str(default_model_dir.parents[1]), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")

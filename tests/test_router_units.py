@@ -63,3 +63,43 @@ def test_cache_aware_follows_the_prefix_until_load_is_unbalanced():
     first.load, other.load = 50, 1  # now unbalanced: least-load takes over
     assert policy.pick([a, b], prompt) is other
     assert policy.pick([a, b], [7, 7, 7, 7, 7]) is other  # no match: least loaded
+
+
+def test_json_depth_is_measured_without_recursion_and_ignores_brackets_in_strings():
+    from router.http_body import json_depth
+
+    assert json_depth(b'{"a": [1, {"b": "[[[[{{{{"}]}') == 3
+    assert json_depth(b'"just [a] string"') == 0
+    assert json_depth(b"[" * 100_000 + b"]" * 100_000) == 100_000
+
+
+@pytest.mark.parametrize("body,words", [
+    (b"[" * 100_000 + b"]" * 100_000, "nests JSON deeper than 64 levels"),
+    (b'{"prompt": "\\ud800"}', "'prompt' holds a lone UTF-16 surrogate"),
+    (b'{"messages": [{"content": "x\\udfff"}]}', "'messages[0].content' holds a lone UTF-16 surrogate"),
+    (b'{"a": 1', "not valid JSON"),
+    (b"\xff\xfe", "not valid JSON"),
+])
+def test_bodies_that_cannot_be_text_or_nest_too_deep_are_refused(body, words):
+    from router.errors import APIError
+    from router.http_body import parse
+
+    with pytest.raises(APIError) as err:
+        parse(body)
+    assert err.value.status == 400 and words in err.value.message
+
+
+def test_a_paired_surrogate_escape_is_text():
+    from router.http_body import parse
+
+    assert parse(b'{"prompt": "\\ud83d\\ude80"}') == {"prompt": "\U0001F680"}
+
+
+def test_a_text_longer_than_any_prompt_is_refused_before_tokenizing(default_model_dir):
+    from router.errors import APIError
+
+    limited = Tokenizer(default_model_dir, max_positions=10)  # no token is longer than 81 characters
+    assert limited.max_text_chars == 810
+    limited.check_length(810, "prompt")
+    with pytest.raises(APIError, match="'prompt' has 811 characters: more than any prompt this model can take"):
+        limited.check_length(811, "prompt")

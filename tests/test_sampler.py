@@ -94,3 +94,23 @@ def test_logprobs_of_sampled_and_top_tokens():
     assert tok.logprob == pytest.approx(float(expect[1]))
     assert tok.top_token_ids == [1, 2]
     assert tok.top_logprobs == pytest.approx([float(expect[1]), float(expect[2])])
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone():
+    s = sampler_with(SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=3))
+    logits = torch.tensor([[0.0, 1.0, 0.5], [float("nan"), 1.0, 0.0], [0.2, 0.1, 3.0]])
+    out = s.sample(logits, [0, 1, 2])
+    assert [t.error is None for t in out] == [True, False, True]
+    assert "not finite" in out[1].error
+    assert out[0].token_id == 1 and out[2].token_id in (0, 1, 2)
+    assert s.seqs[1].output == [0]  # a step run ahead of the failed row can still be filled
+
+
+def test_a_denormal_temperature_is_greedy_not_nan():
+    s = sampler_with(SamplingParams(temperature=1e-45), SamplingParams(temperature=1e-45, top_p=1e-45))
+    out = s.sample(torch.tensor([[0.0, 9.0, 3.0], [5.0, 1.0, 0.0]]), [0, 1])
+    assert [(t.token_id, t.error) for t in out] == [(1, None), (0, None)]
+
+
+def test_a_tiny_top_p_keeps_the_most_likely_token():
+    assert draw(SamplingParams(temperature=1.0, top_p=1e-45), logits_row(1.0, 3.0, 2.0), n=50) == {1}

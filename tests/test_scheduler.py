@@ -207,3 +207,32 @@ def test_a_step_ahead_never_preempts():
     # a's next step ahead needs a third block: c, not in flight, holds the other one; c goes on instead
     third = s.schedule()
     assert third.request_ids == ["c"] and s.num_preemptions == 0
+
+
+def test_a_request_whose_row_failed_to_sample_ends_alone_as_its_own_fault():
+    s = make()
+    for r in ("a", "b"):
+        s.add_request(r, [3, 4], SamplingParams(max_tokens=5))
+    out = s.schedule()
+    seq_a, seq_b = out.step_batch.chunks.seq_ids
+    results = {r.request_id: r for r in s.update_from_output(out, [SampledToken(seq_a, 7),
+                                                                   SampledToken(seq_b, 0, error="not finite")])}
+    assert results["b"].finish_reason == "error" and results["b"].own_fault and "not finite" in results["b"].error
+    assert results["a"].new_token_ids == [7] and results["a"].finish_reason is None
+    assert s.num_unfinished == 1
+    out = s.schedule()
+    assert out.request_ids == ["a"] and out.step_batch.finished_seq_ids == [seq_b]  # the stages drop b
+
+
+@pytest.mark.parametrize("request_id,prompt,params,words", [
+    ("x", [3, 384], SamplingParams(), "token id 384 in 'prompt_token_ids' is outside the vocabulary of 384"),
+    ("x", [-1, 3], SamplingParams(), "token id -1"),
+    ("x", [3], SamplingParams(stop_token_ids=(999,)), "token id 999 in 'stop_token_ids'"),
+    ("y" * 300, [3], SamplingParams(), "1 to 256 characters"),
+    ("", [3], SamplingParams(), "1 to 256 characters"),
+])
+def test_requests_with_ids_outside_the_vocabulary_are_refused(request_id, prompt, params, words):
+    s = make(vocab_size=384)
+    with pytest.raises(StagemeshError, match=words):
+        s.add_request(request_id, prompt, params)
+    assert s.num_unfinished == 0

@@ -1,4 +1,4 @@
-"""`stagemesh serve` starts a whole replica and SIGTERM stops every child."""
+"""`stagemesh serve` starts a whole replica and SIGTERM stops every child (healing: tests/test_rejoin.py)."""
 from __future__ import annotations
 
 import os
@@ -27,11 +27,11 @@ def alive(pid: int) -> bool:
         return False
 
 
-def start_serve(model_dir, log_path):
+def start_serve(model_dir, log_path, *extra: str):
     with open(log_path, "wb") as log:
         return subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model_dir),
                                  "--pipeline-parallel-size", "2", "--handoff", "grpc", "--port", "0", "--grpc-port", "0",
-                                 "--threads", "1"], stdout=log, stderr=subprocess.STDOUT)
+                                 "--threads", "1", *extra], stdout=log, stderr=subprocess.STDOUT)
 
 
 def wait_for(log_path, pattern: str, timeout: float = 120) -> re.Match:
@@ -44,16 +44,16 @@ def wait_for(log_path, pattern: str, timeout: float = 120) -> re.Match:
     pytest.fail(f"{pattern!r} never appeared:\n{log_path.read_text()}")
 
 
-def test_a_child_that_dies_is_reported_and_the_rest_stopped(tiny_model_dir, tmp_path):
+def test_with_restart_policy_never_a_child_that_dies_stops_the_mesh(tiny_model_dir, tmp_path):
     log_path = tmp_path / "serve.log"
-    proc = start_serve(tiny_model_dir("llama"), log_path)
+    proc = start_serve(tiny_model_dir("llama"), log_path, "--restart-policy", "never")
     try:
         stage_pid = int(wait_for(log_path, r"started stage\[0\.1\] \(pid (\d+)\)").group(1))
         wait_for(log_path, r"joined epoch 1")
         pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", log_path.read_text())]
         os.kill(stage_pid, signal.SIGKILL)
         assert proc.wait(timeout=30) == 1
-        assert f"stage[0.1] (pid {stage_pid}) exited with code -9; stopping the mesh" in log_path.read_text()
+        assert "stage[0.1] exited with code -9; stopping the mesh (--restart-policy never)" in log_path.read_text()
         assert [p for p in pids if alive(p)] == []
     finally:
         if proc.poll() is None:
