@@ -71,17 +71,19 @@ def _checkpoint_names(cfg: ModelConfig, layer: int) -> tuple[str, tuple[str, str
 def _expert_weights(block: str, names: tuple[str, str, str], p: ExpertPlacement, hidden: int, dtype, device):
     """w13 [experts, 2 * inter, hidden] = cat(gate, up) and w2 [experts, hidden, inter], this rank's part."""
     gate, up, down = names
-    n, cols = p.inter_start, p.inter_size
+    first, cols = p.inter_start, p.inter_size
     local = list(enumerate(range(p.expert_start, p.expert_start + p.num_local_experts)))
     w13 = new_param((p.num_local_experts, 2 * cols, hidden), dtype, device, [
-        shard for i, e in local for shard in (Shard(f"{block}.experts.{e}.{gate}.weight", 0, n, cols, 0, i),
-                                              Shard(f"{block}.experts.{e}.{up}.weight", 0, n, cols, cols, i))])
+        shard for i, e in local for shard in (Shard(f"{block}.experts.{e}.{gate}.weight", 0, first, cols, 0, i),
+                                              Shard(f"{block}.experts.{e}.{up}.weight", 0, first, cols, cols, i))])
     w2 = new_param((p.num_local_experts, hidden, cols), dtype, device,
-                   [Shard(f"{block}.experts.{e}.{down}.weight", 1, n, cols, 0, i) for i, e in local])
+                   [Shard(f"{block}.experts.{e}.{down}.weight", 1, first, cols, 0, i) for i, e in local])
     return w13, w2
 
 
 class SparseMoeBlock(nn.Module):
+    """Router, this rank's experts (and the shared expert): what they add to every token, all-reduced."""
+
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, expert_parallel: bool, dtype, device):
         super().__init__()
         block, names = _checkpoint_names(cfg, layer)
@@ -111,7 +113,7 @@ class SparseMoeBlock(nn.Module):
         return self.tp.all_reduce(out)
 
     def _count(self, topk_ids: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        # two small ops, no host sync (CUDA graphs); padding rows of a graph's batch have slot -1
+        # a few small ops and no host sync (CUDA graphs); padding rows of a graph's batch have slot -1
         real = (slot_mapping >= 0).to(torch.int64).repeat_interleave(self.top_k)
         self.expert_tokens.index_add_(0, topk_ids.reshape(-1), real)
 

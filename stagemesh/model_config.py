@@ -186,7 +186,8 @@ def _attention_bias(cfg: dict[str, Any], model_type: str) -> bool:
 
 
 def _sliding_window(cfg: dict[str, Any]) -> int | None:
-    if cfg.get("model_type") in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+    qwen = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+    if cfg.get("model_type") in qwen and not cfg.get("use_sliding_window", False):
         return None
     window = cfg.get("sliding_window")
     return int(window) if window else None

@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_path(model_dir)
     cfg.check_tp_size(args.tensor_parallel_size)
     if args.enable_expert_parallel:
-        check_expert_parallel(cfg, args.tensor_parallel_size, args.data_parallel_size)
+        _check_expert_parallel(cfg, args.tensor_parallel_size, args.data_parallel_size)
     cuda = args.device == "cuda" or (args.device is None and _cuda_available())
     commands = plan_commands(args, str(model_dir), cfg.num_hidden_layers, cuda)
     children: list[Child] = []
@@ -209,7 +209,7 @@ def _stop_all(children: list[Child]) -> None:
             child.proc.wait()
 
 
-def check_expert_parallel(cfg, tp_size: int, dp_size: int) -> None:
+def _check_expert_parallel(cfg, tp_size: int, dp_size: int) -> None:
     if dp_size > 1:  # vLLM's meaning of the pair: data-parallel attention, one EP group across the replicas
         raise StagemeshError("--enable-expert-parallel with --data-parallel-size > 1 is not supported yet: expert "
                              "parallelism spans one stage's TP ranks for now, not the replicas (data-parallel "

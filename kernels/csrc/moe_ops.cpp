@@ -22,22 +22,30 @@ constexpr int64_t kTile = 4;          // token rows dotted with each weight row 
 constexpr int64_t kRowsPerItem = 16;  // weight rows per work item
 constexpr int64_t kGemmRows = 64;     // an expert with at least this many tokens takes at::mm
 
-// y[r] = <w, x_r> for the four rows of a tile (a short tile repeats its first row).
-inline void dot_tile(const float* w, const float* const* x, int64_t n, float* y) {
-  const float *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3];
+// y[r] = <w, x_r> for the R rows of a tile, each element of w loaded once for all of them.
+template <int R>
+inline void dot_rows(const float* w, const float* const* x, int64_t n, float* y) {
+  const float *x0 = x[0], *x1 = x[R > 1 ? 1 : 0], *x2 = x[R > 2 ? 2 : 0], *x3 = x[R > 3 ? 3 : 0];
   float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma omp simd reduction(+ : a0, a1, a2, a3)
   for (int64_t i = 0; i < n; ++i) {
     const float wi = w[i];
     a0 += x0[i] * wi;
-    a1 += x1[i] * wi;
-    a2 += x2[i] * wi;
-    a3 += x3[i] * wi;
+    if constexpr (R > 1) a1 += x1[i] * wi;
+    if constexpr (R > 2) a2 += x2[i] * wi;
+    if constexpr (R > 3) a3 += x3[i] * wi;
   }
-  y[0] = a0;
-  y[1] = a1;
-  y[2] = a2;
-  y[3] = a3;
+  const float a[4] = {a0, a1, a2, a3};
+  for (int r = 0; r < R; ++r) y[r] = a[r];
+}
+
+inline void dot_tile(const float* w, const float* const* x, int64_t rows, int64_t n, float* y) {
+  switch (rows) {
+    case 1: return dot_rows<1>(w, x, n, y);
+    case 2: return dot_rows<2>(w, x, n, y);
+    case 3: return dot_rows<3>(w, x, n, y);
+    default: return dot_rows<4>(w, x, n, y);
+  }
 }
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
@@ -84,14 +92,12 @@ std::vector<Item> items_for(const Routing& r, int64_t experts, int64_t rows) {
   return items;
 }
 
-// The rows of tile [t, t + kTile) of an expert's sorted rows, as rows of base (through index
-// when given); a tile that passes end repeats its first row.
-void tile_rows(const float* base, int64_t stride, const int64_t* index, int64_t t, int64_t end,
-               const float** x) {
-  for (int64_t r = 0; r < kTile; ++r) {
-    const int64_t i = t + r < end ? t + r : t;
-    x[r] = base + (index != nullptr ? index[i] : i) * stride;
-  }
+// The rows of tile [t, min(t + kTile, end)) of an expert's sorted rows, as rows of base (through
+// index when given); returns how many.
+int64_t tile_rows(const float* base, int64_t stride, const int64_t* index, int64_t t, int64_t end, const float** x) {
+  const int64_t rows = std::min(kTile, end - t);
+  for (int64_t r = 0; r < rows; ++r) x[r] = base + (index != nullptr ? index[t + r] : t + r) * stride;
+  return rows;
 }
 
 }  // namespace
@@ -113,21 +119,16 @@ at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Te
   const float* wts = wts_t.data_ptr<float>();
   float *ap = act.data_ptr<float>(), *dp = down.data_ptr<float>();
 
-  for (int64_t e = 0; e < experts; ++e) {  // experts with many tokens: at::mm on contiguous rows
+  for (int64_t e = 0; e < experts; ++e) {  // experts with many tokens: ATen's GEMM on contiguous rows
     const int64_t lo = r.offsets[e], n = r.offsets[e + 1] - lo;
     if (n < kGemmRows) continue;
-    const at::Tensor index = at::from_blob(token_of.data() + lo, {n}, at::kLong);
-    const at::Tensor h = at::mm(x.index_select(0, index), w13[e].t());
-    const float* hp = h.data_ptr<float>();
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < inter; ++j)
-        ap[(lo + i) * inter + j] = silu(hp[i * 2 * inter + j]) * hp[i * 2 * inter + inter + j];
+    const at::Tensor tokens = at::from_blob(token_of.data() + lo, {n}, at::kLong);
+    const at::Tensor slots = at::from_blob(const_cast<int64_t*>(r.slots.data()) + lo, {n}, at::kLong);
+    const at::Tensor h = at::mm(x.index_select(0, tokens), w13[e].t());
+    act.narrow(0, lo, n).copy_(at::silu(h.narrow(1, 0, inter)) * h.narrow(1, inter, inter));
     at::Tensor out = down.narrow(0, lo, n);
     at::mm_out(out, act.narrow(0, lo, n), w2[e].t());
-    for (int64_t i = 0; i < n; ++i) {
-      const float w = wts[r.slots[lo + i]];
-      for (int64_t j = 0; j < hidden; ++j) dp[(lo + i) * hidden + j] *= w;
-    }
+    out.mul_(wts_t.view(-1).index_select(0, slots).unsqueeze(1));
   }
 
   const std::vector<Item> up_items = items_for(r, experts, inter);
@@ -140,10 +141,10 @@ at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Te
       const float* w = w13p + item.expert * 2 * inter * hidden;
       for (int64_t j = item.first; j < std::min(item.first + kRowsPerItem, inter); ++j) {
         for (int64_t t = lo; t < hi; t += kTile) {
-          tile_rows(xp, hidden, token_of.data(), t, hi, xr);
-          dot_tile(w + j * hidden, xr, hidden, g);
-          dot_tile(w + (inter + j) * hidden, xr, hidden, u);
-          for (int64_t k = 0; k < kTile && t + k < hi; ++k) ap[(t + k) * inter + j] = silu(g[k]) * u[k];
+          const int64_t rows = tile_rows(xp, hidden, token_of.data(), t, hi, xr);
+          dot_tile(w + j * hidden, xr, rows, hidden, g);
+          dot_tile(w + (inter + j) * hidden, xr, rows, hidden, u);
+          for (int64_t k = 0; k < rows; ++k) ap[(t + k) * inter + j] = silu(g[k]) * u[k];
         }
       }
     }
@@ -159,9 +160,9 @@ at::Tensor fused_moe(const at::Tensor& x_in, const at::Tensor& w13, const at::Te
       const float* w = w2p + item.expert * hidden * inter;
       for (int64_t j = item.first; j < std::min(item.first + kRowsPerItem, hidden); ++j) {
         for (int64_t t = lo; t < hi; t += kTile) {
-          tile_rows(ap, inter, nullptr, t, hi, hr);
-          dot_tile(w + j * inter, hr, inter, y);
-          for (int64_t k = 0; k < kTile && t + k < hi; ++k) dp[(t + k) * hidden + j] = y[k] * wts[r.slots[t + k]];
+          const int64_t rows = tile_rows(ap, inter, nullptr, t, hi, hr);
+          dot_tile(w + j * inter, hr, rows, inter, y);
+          for (int64_t k = 0; k < rows; ++k) dp[(t + k) * hidden + j] = y[k] * wts[r.slots[t + k]];
         }
       }
     }
