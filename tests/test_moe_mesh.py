@@ -1,6 +1,6 @@
 """Mixture-of-experts models through the real services: a PP=2 mesh with expert parallelism in one
-stage gives transformers' greedy tokens and its stages count the tokens routed to each expert; layouts
-that cannot work are refused at the command line."""
+stage gives transformers' greedy tokens (Mixtral, Qwen2-MoE, Qwen3-MoE) and its stages count the tokens
+routed to each expert; layouts that cannot work are refused at the command line."""
 from __future__ import annotations
 
 import re
@@ -33,21 +33,24 @@ def expert_tokens(url: str) -> tuple[float, dict[tuple[int, int], float]]:
 
 
 @pytest.mark.slow
-def test_pp2_mesh_with_expert_parallel_in_one_stage_matches_transformers(tiny_model_dir, tmp_path):
-    model_dir = tiny_model_dir("qwen2_moe")  # routed experts and the gated shared expert
+@pytest.mark.parametrize("arch,ep_stage", [("qwen2_moe", 0), ("mixtral", 1), ("qwen3_moe", 0)])
+def test_pp2_mesh_with_expert_parallel_in_one_stage_matches_transformers(tiny_model_dir, tmp_path, arch, ep_stage):
+    model_dir = tiny_model_dir(arch)
     ref = reference_model(model_dir)
     batch = prompts(384, LENGTHS)
     want = [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
     ports = [free_port(), free_port()]
-    stage_args = {0: ["--enable-expert-parallel", "--metrics-port", str(ports[0])],
-                  1: ["--metrics-port", str(ports[1])]}
-    with Mesh(model_dir, [2, 2], tp=[2, 1], handoff="nccl", log_dir=tmp_path, per_stage_args=stage_args) as mesh:
+    stage_args = {i: ["--metrics-port", str(port)] for i, port in enumerate(ports)}
+    stage_args[ep_stage].append("--enable-expert-parallel")
+    tp = [2 if i == ep_stage else 1 for i in (0, 1)]
+    with Mesh(model_dir, [2, 2], tp=tp, handoff="nccl", log_dir=tmp_path, per_stage_args=stage_args) as mesh:
         got = mesh.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
         loads = [expert_tokens(f"http://127.0.0.1:{port}/metrics") for port in ports]
     assert got == want
-    log = (tmp_path / "stage0.log").read_text()
-    assert "expert parallel (EP=2, 4 of 8 experts per rank): rank 0: experts 0-3; rank 1: experts 4-7" in log
-    assert "tensor parallel: each of the 1 rank(s) holds all 8 experts" in (tmp_path / "stage1.log").read_text()
+    layouts = {ep_stage: "expert parallel (EP=2, 4 of 8 experts per rank): rank 0: experts 0-3; rank 1: experts 4-7",
+               1 - ep_stage: "tensor parallel: each of the 1 rank(s) holds all 8 experts"}
+    for stage, layout in layouts.items():
+        assert layout in (tmp_path / f"stage{stage}.log").read_text()
     routed = sum(len(p) + NEW_TOKENS - 1 for p in batch)  # every prompt token and every decode token
     for (tokens, load), layers in zip(loads, ((0, 1), (2, 3))):
         assert tokens == routed
