@@ -45,7 +45,7 @@ def check_moe_inputs(x, w13, w2, topk_weights, topk_ids) -> None:
     need(x.dtype == w13.dtype == w2.dtype, "x, w13 and w2 must have one dtype")
 
 
-def local_slots(topk_ids: torch.Tensor, expert_start: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _local_slots(topk_ids: torch.Tensor, expert_start: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(slots, experts): the flattened (token, k) slots routed to this rank's experts, sorted by
     local expert (stable: by token within an expert), and their local expert ids."""
     local = topk_ids.reshape(-1) - expert_start
@@ -60,7 +60,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     """One batched matmul pair per expert that has tokens, accumulated in fp32."""
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
     top_k = topk_ids.shape[1]
-    slots, experts = local_slots(topk_ids, expert_start, w13.shape[0])
+    slots, experts = _local_slots(topk_ids, expert_start, w13.shape[0])
     counts = torch.bincount(experts, minlength=w13.shape[0]).tolist()
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1)
