@@ -2,8 +2,10 @@
 from kernels.dispatch import (  # noqa: F401
     apply_rotary,
     build_cos_sin_cache,
+    fused_moe,
     paged_attention,
     rms_norm,
+    select_experts,
     silu_and_mul,
     write_kv_cache,
 )

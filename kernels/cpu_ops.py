@@ -1,5 +1,6 @@
-"""The fused CPU kernels (kernels/csrc/cpu_ops.cpp) and the shared-memory collectives of CPU
-tensor parallelism (kernels/csrc/shm_comm.cpp): built once per machine, loaded on demand.
+"""The fused CPU kernels (kernels/csrc/cpu_ops.cpp, the MoE layer in moe_ops.cpp) and the
+shared-memory collectives of CPU tensor parallelism (kernels/csrc/shm_comm.cpp): built once
+per machine, loaded on demand.
 
 `make install` builds them (`python -m kernels`); a process that finds no
 build compiles it on first use (about half a minute, logged) into the stagemesh cache,
@@ -19,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from kernels import reference
+from kernels import moe_reference, reference
 
 log = logging.getLogger("stagemesh.kernels")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "shm_comm.cpp"]
+SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "shm_comm.cpp", CSRC / "moe_ops.cpp"]
 
 
 def _capability() -> str:
@@ -112,3 +113,8 @@ def _decode(q, k_cache, v_cache, block_tables, plan, scale):
 
 def silu_and_mul(x):
     return load().silu_and_mul(x)
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start=0):
+    moe_reference.check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
+    return load().fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start)

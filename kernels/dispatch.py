@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from kernels import cpu_ops, reference
+from kernels import cpu_ops, moe_reference, reference
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -60,7 +60,16 @@ def silu_and_mul(x):
     return impl.silu_and_mul(x)
 
 
+def fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start=0):
+    if _use_triton(x) and _has("silu_and_mul"):  # triton imports: so does kernels.triton_moe
+        from kernels import triton_moe as impl
+    else:
+        impl = cpu_ops if _cpu_impl(x) is cpu_ops else moe_reference
+    return impl.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start)
+
+
 build_cos_sin_cache = reference.build_cos_sin_cache
+select_experts = moe_reference.select_experts  # softmax and top-k: a few small ops on any device
 
 
 def _has(name: str) -> bool:

@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (as vLLM)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: whole experts spread over the stage's TP ranks (EP size = TP size) instead of "
+                        "every expert sharded over them; attention stays TP")
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     p.add_argument("--cpu-affinity", default=None, metavar="CPUS", help="pin the stage (and followers) to these "
                                                                         "cores, e.g. 0 or 0,1")
@@ -57,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     start, end = parse_layers(args.layers)
     check_layer_range(cfg, start, end)
     cfg.check_tp_size(args.tensor_parallel_size)
+    if args.enable_expert_parallel:
+        cfg.check_expert_parallel(args.tensor_parallel_size)
     if args.cpu_affinity:
         import os
 
@@ -73,8 +78,16 @@ def run(args: argparse.Namespace) -> int:
 
     worker = StageWorker(StageConfig(str(model_dir), args.stage_index, start, end, args.tensor_parallel_size,
                                      args.device, args.dtype, args.block_size, args.handoff, args.kv_cache_memory,
-                                     args.gpu_memory_utilization, args.threads, args.enforce_eager))
+                                     args.gpu_memory_utilization, args.threads, args.enforce_eager,
+                                     enable_expert_parallel=args.enable_expert_parallel))
     internal_token.warn_if_open(f"stage {args.stage_index}")
+    if cfg.is_moe:
+        from stage_worker.moe import describe_layout
+        from stage_worker.observe import watch_expert_load
+
+        log.info("stage %d experts: %s", args.stage_index,
+                 describe_layout(cfg, args.tensor_parallel_size, args.enable_expert_parallel))
+        watch_expert_load(args.stage_index, worker.runner.model)
     servicer = StageServicer(worker, "")
     server = ServerThread(servicer, args.host, args.port)
     stop = threading.Event()

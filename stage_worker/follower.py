@@ -68,6 +68,7 @@ def main() -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--enable-expert-parallel", action="store_true")
     args = p.parse_args()
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s follower tp{args.tp_rank} %(levelname)s: %(message)s")
@@ -76,7 +77,7 @@ def main() -> None:
     start, end = (int(x) for x in args.layers.split(":"))
     device = args.device if args.device != "cuda" else f"cuda:{args.tp_rank}"
     runner = StageRunner(args.model, start, end, tp_rank=args.tp_rank, tp_size=args.tp_size, device=device,
-                         dtype=args.dtype, block_size=args.block_size)
+                         dtype=args.dtype, block_size=args.block_size, expert_parallel=args.enable_expert_parallel)
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     while (raw := read_message(sys.stdin.buffer)) is not None:

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stage_worker.parallel import TPGroup, vocab_range
+import kernels
+from stage_worker.parallel import TPGroup, shard_range, vocab_range
 
 
 class Shard(NamedTuple):
@@ -22,6 +23,7 @@ class Shard(NamedTuple):
     start: int  # first index taken from the checkpoint tensor
     length: int  # how many indices
     dest: int  # where they go in the parameter along dim
+    stack: int | None = None  # a stacked parameter (one slice per expert): which slice; None: the parameter
 
 
 def new_param(shape: tuple[int, ...], dtype: torch.dtype, device, shards: list[Shard]) -> nn.Parameter:
@@ -90,9 +92,26 @@ def column_parallel(parts: list[tuple[str, int, int]], in_features: int, dtype, 
     return Linear(weight, b)
 
 
-def row_parallel(prefix: str, out_features: int, start: int, cols: int, tp: TPGroup, dtype, device) -> Linear:
+def row_parallel(prefix: str, out_features: int, start: int, cols: int, tp: TPGroup, dtype, device,
+                 reduce: bool = True) -> Linear:
+    """reduce=False leaves the partial sums to a caller that adds more before one all-reduce."""
     weight = new_param((out_features, cols), dtype, device, [Shard(f"{prefix}.weight", 1, start, cols, 0)])
-    return Linear(weight, reduce=tp)
+    return Linear(weight, reduce=tp if reduce else None)
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: column-parallel gate/up, row-parallel down (all-reduced unless reduce=False)."""
+
+    def __init__(self, prefix: str, hidden_size: int, intermediate_size: int, tp: TPGroup, dtype, device,
+                 reduce: bool = True):
+        super().__init__()
+        start, per = shard_range(intermediate_size, tp, f"the intermediate size of {prefix}")
+        self.gate_up_proj = column_parallel([(f"{prefix}.gate_proj", start, per), (f"{prefix}.up_proj", start, per)],
+                                            hidden_size, dtype, device)
+        self.down_proj = row_parallel(f"{prefix}.down_proj", hidden_size, start, per, tp, dtype, device, reduce)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,4 +1,5 @@
-"""A contiguous slice of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3).
+"""A contiguous slice of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, and the
+mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE: stage_worker.moe).
 
 The forward is the plain model; tensor parallelism comes from the layers'
 shard-aware parameters (stage_worker.layers). Attention runs over the paged
@@ -13,9 +14,10 @@ from torch import nn
 
 import kernels
 from stagemesh.model_config import ModelConfig
-from stage_worker.layers import (RMSNorm, ParallelLMHead, VocabParallelEmbedding, column_parallel,
+from stage_worker.layers import (MLP, RMSNorm, ParallelLMHead, VocabParallelEmbedding, column_parallel,
                                  row_parallel)
-from stage_worker.parallel import HeadShard, TPGroup, shard_range
+from stage_worker.moe import SparseMoeBlock
+from stage_worker.parallel import HeadShard, TPGroup
 
 
 @dataclass
@@ -64,20 +66,8 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.num_heads * d))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, prefix: str, tp: TPGroup, dtype, device):
-        super().__init__()
-        start, per = shard_range(cfg.intermediate_size, tp, "intermediate_size")
-        self.gate_up_proj = column_parallel([(f"{prefix}.gate_proj", start, per), (f"{prefix}.up_proj", start, per)],
-                                            cfg.hidden_size, dtype, device)
-        self.down_proj = row_parallel(f"{prefix}.down_proj", cfg.hidden_size, start, per, tp, dtype, device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup, dtype, device):
+    def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup, dtype, device, expert_parallel: bool = False):
         super().__init__()
         prefix = f"model.layers.{index}"
         eps = cfg.rms_norm_eps
@@ -85,21 +75,26 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, f"{prefix}.self_attn", tp, dtype, device)
         self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size, eps,
                                                 dtype, device)
-        self.mlp = MLP(cfg, f"{prefix}.mlp", tp, dtype, device)
+        self.sparse = cfg.is_sparse_layer(index)
+        if self.sparse:
+            self.mlp = SparseMoeBlock(cfg, index, tp, expert_parallel, dtype, device)
+        else:
+            self.mlp = MLP(f"{prefix}.mlp", cfg.hidden_size, cfg.intermediate_size, tp, dtype, device)
 
     def forward(self, x, residual, meta, kv_cache, cos_sin):
         x, residual = kernels.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
         x = self.self_attn(x, meta, kv_cache, cos_sin)
         x, residual = kernels.rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
                                        residual)
-        return self.mlp(x), residual
+        return (self.mlp(x, meta) if self.sparse else self.mlp(x)), residual
 
 
 class StageModel(nn.Module):
     """Layers [layer_start, layer_end) of one TP rank, plus embeddings (first) or norm + LM head (last)."""
 
     def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, tp: TPGroup,
-                 dtype: torch.dtype, device: str | torch.device, max_positions: int | None = None):
+                 dtype: torch.dtype, device: str | torch.device, max_positions: int | None = None,
+                 expert_parallel: bool = False):
         super().__init__()
         self.cfg = cfg
         self.layer_start, self.layer_end = layer_start, layer_end
@@ -109,7 +104,8 @@ class StageModel(nn.Module):
         if self.is_first:
             self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", cfg.vocab_size, cfg.hidden_size,
                                                        tp, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype, device) for i in range(layer_start, layer_end))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype, device, expert_parallel)
+                                    for i in range(layer_start, layer_end))
         if self.is_last:
             self.norm = RMSNorm("model.norm.weight", cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
             head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"

@@ -9,9 +9,11 @@ from __future__ import annotations
 import time
 
 from opentelemetry import trace
-from prometheus_client import Counter, Histogram
+from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from stagemesh import telemetry
+from stage_worker.moe import expert_load
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -68,3 +70,23 @@ class ForwardObserver:
         if error is not None:
             span.set_status(trace.Status(trace.StatusCode.ERROR, error))
         span.end()
+
+
+class ExpertLoadCollector:
+    """stagemesh:moe_expert_tokens_total{stage, layer, expert}: the tokens routed to each expert of each
+    sparse layer. The forward only adds to a device tensor (stage_worker.moe); it is read when scraped."""
+
+    def __init__(self, stage_index: int, model):
+        self._stage, self._model = str(stage_index), model
+
+    def collect(self):
+        family = CounterMetricFamily("stagemesh:moe_expert_tokens", "Tokens routed to each expert of a sparse layer",
+                                     labels=["stage", "layer", "expert"])
+        for layer, counts in expert_load(self._model).items():
+            for expert, tokens in enumerate(counts):
+                family.add_metric([self._stage, str(layer), str(expert)], tokens)
+        yield family
+
+
+def watch_expert_load(stage_index: int, model) -> None:
+    REGISTRY.register(ExpertLoadCollector(stage_index, model))

@@ -63,7 +63,8 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
         for param in model.parameters():
             for shard in param.shards:
                 data = reader.read_slice(shard.name, shard.dim, shard.start, shard.length)
-                param.data.narrow(shard.dim, shard.dest, shard.length).copy_(data)
+                target = param.data if shard.stack is None else param.data[shard.stack]
+                target.narrow(shard.dim, shard.dest, shard.length).copy_(data)
     finally:
         reader.close()
 

@@ -49,6 +49,7 @@ class StageConfig:
     gpu_memory_utilization: float = 0.9
     threads: int = 0
     enforce_eager: bool = False  # no CUDA graphs
+    enable_expert_parallel: bool = False  # whole experts spread over the TP ranks (stage_worker.moe)
 
 
 class StageWorker:
@@ -59,7 +60,7 @@ class StageWorker:
         device = "cuda:0" if cfg.device == "cuda" else cfg.device
         self.runner = StageRunner(cfg.model_dir, cfg.layer_start, cfg.layer_end, tp_rank=0, tp_size=cfg.tp_size,
                                   device=device, dtype=cfg.dtype, block_size=cfg.block_size,
-                                  cuda_graphs=not cfg.enforce_eager)
+                                  cuda_graphs=not cfg.enforce_eager, expert_parallel=cfg.enable_expert_parallel)
         self.followers = [self._start_follower(t) for t in range(1, cfg.tp_size)]
         for t, proc in enumerate(self.followers, start=1):
             if proc.stdout.readline().strip() != b"ready":
@@ -83,6 +84,8 @@ class StageWorker:
                "--device", c.device, "--block-size", str(c.block_size), "--threads", str(c.threads)]
         if c.dtype:
             cmd += ["--dtype", c.dtype]
+        if c.enable_expert_parallel:
+            cmd.append("--enable-expert-parallel")
         return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=os.environ.copy())
 
     def _kv_budget(self) -> int:

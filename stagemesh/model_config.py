@@ -8,10 +8,9 @@ from typing import Any
 
 from stagemesh.errors import StagemeshError
 
-# Decoder-only Llama-family architectures that the stage workers can run.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# Architectures the planner understands (memory math only) beyond those.
-PLANNABLE_MODEL_TYPES = SUPPORTED_MODEL_TYPES + ("mixtral", "qwen2_moe", "qwen3_moe")
+# Decoder-only Llama-family architectures that the stage workers run (and the planner plans), dense and
+# mixture-of-experts.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -36,15 +35,34 @@ class ModelConfig:
     bos_token_id: int | None
     torch_dtype: str  # as the checkpoint stores it, e.g. "bfloat16"
     sliding_window: int | None = None
-    # MoE (planner only for now)
+    # Mixture of experts: a sparse layer routes each token to num_experts_per_tok of num_experts
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1 (Mixtral always does)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, behind a sigmoid gate
+    mlp_only_layers: tuple[int, ...] = ()  # Qwen-MoE: layers with a dense MLP instead of experts
+    decoder_sparse_step: int = 1  # Qwen-MoE: layer i has experts when (i + 1) % step == 0
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` routes to experts (else it has a dense MLP), as transformers decides."""
+        return (self.is_moe and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
+
+    def check_expert_parallel(self, tp_size: int) -> None:
+        """--enable-expert-parallel spreads whole experts over a stage's TP ranks (EP size = TP size)."""
+        if not self.is_moe:
+            raise StagemeshError(f"--enable-expert-parallel needs a mixture-of-experts model; {self.model_type} "
+                                 "has no experts")
+        if self.num_experts % tp_size:
+            raise StagemeshError(f"--enable-expert-parallel: the model's {self.num_experts} experts do not split "
+                                 f"evenly over --tensor-parallel-size {tp_size} ranks (EP size = TP size); use a "
+                                 f"TP size that divides {self.num_experts}")
 
     @property
     def q_size(self) -> int:
@@ -77,7 +95,7 @@ class ModelConfig:
         model_type = cfg.get("model_type", "")
         if "text_config" in cfg and "num_hidden_layers" not in cfg:
             return cls.from_dict({**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", model_type)})
-        if model_type not in PLANNABLE_MODEL_TYPES:
+        if model_type not in SUPPORTED_MODEL_TYPES:
             archs = ", ".join(cfg.get("architectures") or [model_type or "unknown"])
             raise StagemeshError(
                 f"unsupported architecture {archs} (model_type {model_type!r}); "
@@ -89,7 +107,7 @@ class ModelConfig:
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             theta, scaling = _rope(cfg)
-            return cls(
+            config = cls(
                 model_type=model_type,
                 hidden_size=hidden,
                 intermediate_size=int(cfg.get("intermediate_size") or 0),
@@ -103,7 +121,7 @@ class ModelConfig:
                 rope_scaling=scaling,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+                attention_bias=_attention_bias(cfg, model_type),
                 qk_norm=model_type in ("qwen3", "qwen3_moe"),
                 eos_token_ids=eos_ids,
                 bos_token_id=cfg.get("bos_token_id"),
@@ -112,10 +130,16 @@ class ModelConfig:
                 num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
                 num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
                 moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0),
+                norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+                mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+                decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
                 raw=dict(cfg),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise StagemeshError(f"config.json is missing or has a bad field: {err}") from None
+        _check_mlp(config, cfg)
+        return config
 
     @classmethod
     def from_path(cls, path: str | Path) -> "ModelConfig":
@@ -146,8 +170,24 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
+def _check_mlp(config: "ModelConfig", cfg: dict[str, Any]) -> None:
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise StagemeshError(f"hidden_act {act!r} is not supported (the MLPs and experts are SwiGLU: silu)")
+    if config.is_moe and not 0 < config.num_experts_per_tok <= config.num_experts:
+        raise StagemeshError(f"num_experts_per_tok {config.num_experts_per_tok} must be between 1 and the model's "
+                             f"{config.num_experts} experts")
+
+
+def _attention_bias(cfg: dict[str, Any], model_type: str) -> bool:
+    if model_type == "qwen2_moe":  # its config calls it qkv_bias, on unless said otherwise
+        return bool(cfg.get("qkv_bias", True))
+    return bool(cfg.get("attention_bias", model_type == "qwen2"))
+
+
 def _sliding_window(cfg: dict[str, Any]) -> int | None:
-    if cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    qwen = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+    if cfg.get("model_type") in qwen and not cfg.get("use_sliding_window", False):
         return None
     window = cfg.get("sliding_window")
     return int(window) if window else None

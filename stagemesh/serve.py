@@ -72,6 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per stage")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="stages run decode steps without CUDA graphs")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: whole experts spread over each stage's TP ranks (see `stagemesh stage`)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per stage process (0: cores / processes)")
     p.add_argument("--restart-policy", choices=("on-failure", "never"), default="on-failure",
                    help="on-failure: a child that dies is restarted with backoff while the rest serve; never: "
@@ -142,6 +144,7 @@ def plan_commands(args: argparse.Namespace, model_dir: str, num_layers: int, cud
                     "--tensor-parallel-size", str(tp), "--handoff", args.handoff, "--device", device,
                     "--threads", str(threads), *_service(args, r * (pp + 1) + 1 + i),
                     *(["--enforce-eager"] if args.enforce_eager else []),
+                    *(["--enable-expert-parallel"] if args.enable_expert_parallel else []),
                     *_flags(args, ("dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization"))]
             children.append((f"stage[{r}.{i}]", argv, env))
     router = ["router", model_dir, "--host", args.host, "--port", str(args.port), *_service(args, None)]
@@ -178,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_path(model_dir)
     cfg.check_tp_size(args.tensor_parallel_size)
+    if args.enable_expert_parallel:
+        _check_expert_parallel(cfg, args.tensor_parallel_size, args.data_parallel_size)
     cuda = args.device == "cuda" or (args.device is None and _cuda_available())
     token = internal_token.configure(args) or internal_token.new_token()
     base_env = {**os.environ, internal_token.ENV: token}
@@ -245,6 +250,14 @@ def _stop_all(children: list[Child]) -> None:
             log.warning("%s did not stop in time: killing it", child.name)
             child.proc.kill()
             child.proc.wait()
+
+
+def _check_expert_parallel(cfg, tp_size: int, dp_size: int) -> None:
+    if dp_size > 1:  # vLLM's meaning of the pair: data-parallel attention, one EP group across the replicas
+        raise StagemeshError("--enable-expert-parallel with --data-parallel-size > 1 is not supported yet: expert "
+                             "parallelism spans one stage's TP ranks for now, not the replicas (data-parallel "
+                             "attention with experts across replicas is not built); use one of the two")
+    cfg.check_expert_parallel(tp_size)
 
 
 def _cuda_available() -> bool:

@@ -24,7 +24,7 @@ def tiny_model_dir(tmp_path_factory):
     cache = {}
 
     def make(arch: str = "llama", **overrides):
-        key = (arch, tuple(sorted(overrides.items())))
+        key = (arch, repr(sorted(overrides.items())))  # values may be lists (mlp_only_layers)
         if key not in cache:
             name = "-".join([arch] + [f"{k}{v}" for k, v in sorted(overrides.items())])
             cache[key] = make_tiny_model(tmp_path_factory.mktemp(name), arch, **overrides)

@@ -29,11 +29,16 @@ def test_unsupported_architecture(tmp_path):
     assert "unsupported architecture GPT2LMHeadModel (model_type 'gpt2'); supported: llama, mistral, qwen2, qwen3" in result.stderr
 
 
-def test_mixture_of_experts_is_refused_until_expert_parallelism_exists(tmp_path):
+@pytest.mark.parametrize("change,message", [
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok 9 must be between 1 and the model's 8 experts"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+])
+def test_mixture_of_experts_config_that_cannot_be_served(tmp_path, change, message):
     config = (Path(__file__).parents[1] / "stagemesh" / "plan" / "reference_configs" / "Mixtral-8x7B.json")
-    (tmp_path / "config.json").write_text(config.read_text())
-    with pytest.raises(StagemeshError, match="mixtral is a mixture-of-experts model, which the stage workers do not"):
-        StageRunner(tmp_path, 0, 4)
+    (tmp_path / "config.json").write_text(json.dumps({**json.loads(config.read_text()), **change}))
+    result = stagemesh("generate", str(tmp_path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert message in result.stderr
 
 
 def test_layer_range_outside_the_model(tiny_model_dir):

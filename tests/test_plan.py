@@ -128,18 +128,45 @@ def test_replicas_over_several_nodes_each_get_commands_and_a_router_entry():
     assert text.count("<- chosen") == 1
 
 
-def test_moe_plans_say_the_stage_workers_do_not_serve_them_yet():
-    assert "do not serve MoE checkpoints yet" in " ".join(plan("Mixtral-8x7B", dtype="bf16").path)
+def test_moe_model_gets_tp8_with_expert_parallel_as_the_guides_deploy_deepseek_v3():
+    p = plan("Qwen3-235B-A22B", dtype="bf16")
+    assert (p.layout.tp, p.layout.pp, p.expert_parallel) == (8, 1, True)
+    assert "16 of the 128 experts whole on each GPU" in p.path[-1]
+    out = json.loads(stagemesh_plan("Qwen3-235B-A22B", "--gpus-per-node", "8", "--json").stdout)
+    assert out["expert_parallel_size"] == 8 and "--enable-expert-parallel" in out["commands"]["serve"]
+    two_nodes = json.loads(stagemesh_plan("Mixtral-8x7B", "--gpus-per-node", "8", "--nodes", "2", "-tp", "8", "-pp", "2",
+                                          "--json").stdout)["commands"]
+    stages = [c for c in two_nodes["head"] + two_nodes["workers"]["node 1"] if c.startswith("stagemesh stage")]
+    assert len(stages) == 2 and all("--enable-expert-parallel" in c for c in stages)
+
+
+@pytest.mark.parametrize("model,kw,why", [
+    ("Mixtral-8x7B", dict(gpus=1, mem=200e9, dtype="bf16"), "each stage's one GPU holds all of its experts"),
+    ("Mixtral-8x7B", dict(dtype="bf16", tensor_parallel_size=8, target_concurrency=1000, gpus=16),
+     "expert parallelism spans one stage's TP ranks for now"),
+])
+def test_moe_experts_stay_tp_sharded_where_ep_does_not_apply(model, kw, why):
+    p = plan(model, **kw)
+    assert not p.expert_parallel and why in p.path[-1]
+
+
+def test_dense_models_get_no_expert_parallelism():
+    p = plan("Llama-3.1-70B")
+    assert not p.expert_parallel and not any("expert" in step for step in p.path)
 
 
 @pytest.mark.slow
-def test_printed_serve_command_starts_the_mesh(tiny_model_dir, tmp_path):
-    model = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
+@pytest.mark.parametrize("arch,layout,flag", [
+    ("llama", "--pipeline-parallel-size", "--layer-split"),
+    ("mixtral", "--tensor-parallel-size", "--enable-expert-parallel"),  # TP=2 with EP=2
+])
+def test_printed_serve_command_starts_the_mesh(tiny_model_dir, tmp_path, arch, layout, flag):
+    model = with_word_tokenizer(tiny_model_dir(arch), tmp_path / "model")
     result = stagemesh_plan(str(model), "--gpus-per-node", "2", "--gpu-memory", "1GiB", "--device", "cpu",
-                            "--pipeline-parallel-size", "2", "--max-model-len", "256", "--json")
+                            layout, "2", "--max-model-len", "256", "--json")
     assert result.returncode == 0, result.stderr
     command = json.loads(result.stdout)["commands"]["serve"].split()
-    assert command[:2] == ["stagemesh", "serve"] and "--layer-split" in command
+    assert command[:2] == ["stagemesh", "serve"] and flag in command
     port = free_port()
     log = tmp_path / "serve.log"
     proc = subprocess.Popen([sys.executable, "-m", *command, "--port", str(port), "--grpc-port", "0",

@@ -26,13 +26,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_tp(model_dir, world: int, split: str, prompt: list[int], new_tokens: int, tmp_path) -> dict:
+def run_tp(model_dir, world: int, split: str, prompt: list[int], new_tokens: int, tmp_path,
+           expert_parallel: bool = False) -> dict:
     out = tmp_path / "result.json"
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(WORKER), "--model", str(model_dir), "--rank", str(r),
                                "--world", str(world), "--port", str(port), "--split", split,
                                "--prompt", ",".join(map(str, prompt)), "--new-tokens", str(new_tokens),
-                               "--out", str(out)], env={**os.environ, "OMP_NUM_THREADS": "1"})
+                               "--out", str(out), *(["--expert-parallel"] if expert_parallel else [])],
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
              for r in range(world)]
     try:
         codes = [p.wait(timeout=300) for p in procs]

@@ -10,10 +10,12 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def tiny_config(arch: str = "llama", **overrides):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=384, max_position_embeddings=512, rms_norm_eps=1e-6,
@@ -30,6 +32,17 @@ def tiny_config(arch: str = "llama", **overrides):
         cls, extra = Qwen2Config, dict(use_sliding_window=False)
     elif arch == "qwen3":
         cls, extra = Qwen3Config, dict(head_dim=32, use_sliding_window=False)
+    # mixtures of experts: 8 experts, top-2, each with the model's own routing rule
+    elif arch == "mixtral":  # softmax, top-2, always renormalised
+        cls, extra = MixtralConfig, dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                                         sliding_window=None)
+    elif arch == "qwen2_moe":  # QKV bias, no renormalisation, a shared expert behind a sigmoid gate
+        cls, extra = Qwen2MoeConfig, dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                          use_sliding_window=False)
+    elif arch == "qwen3_moe":  # q/k norm, renormalised top-k
+        cls, extra = Qwen3MoeConfig, dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          norm_topk_prob=True, use_sliding_window=False)
     else:
         raise ValueError(arch)
     return cls(**{**common, **extra, **overrides})

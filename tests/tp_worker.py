@@ -21,6 +21,7 @@ def main() -> None:
     p.add_argument("--model"), p.add_argument("--rank", type=int), p.add_argument("--world", type=int)
     p.add_argument("--port", type=int), p.add_argument("--split"), p.add_argument("--prompt")
     p.add_argument("--new-tokens", type=int), p.add_argument("--out")
+    p.add_argument("--expert-parallel", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world)
@@ -28,7 +29,7 @@ def main() -> None:
         split = [int(x) for x in a.split.split(",")]
         prompt = [int(x) for x in a.prompt.split(",")]
         tokens, logits = chained_logits(a.model, split, prompt, a.new_tokens, tp_rank=a.rank, tp_size=a.world,
-                                        tp_group=dist.group.WORLD)
+                                        tp_group=dist.group.WORLD, expert_parallel=a.expert_parallel)
         if a.rank == 0:
             with open(a.out, "w") as f:
                 json.dump({"tokens": tokens, "logits": logits.tolist()}, f)

@@ -7,6 +7,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "moe_ops.h"
 #include "shm_comm.h"
 
 #include <algorithm>
@@ -264,6 +265,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_cache", &write_kv_cache, "write k and v into the paged cache");
   m.def("decode_attention", &decode_attention, "single-query attention over the paged cache");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
+  m.def("fused_moe", &fused_moe, "the experts of a mixture-of-experts layer (moe_ops.cpp)");
   pybind11::class_<ShmComm>(m, "ShmComm")
       .def(pybind11::init<const std::string&, int64_t, int64_t, int64_t, double>())
       .def_static("file_bytes", &ShmComm::file_bytes)

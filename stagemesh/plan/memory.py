@@ -31,6 +31,8 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if cfg.attention_bias else 0) + (2 * d if cfg.qk_norm else 0)
     if cfg.is_moe:
         mlp = cfg.num_experts * 3 * h * cfg.moe_intermediate_size + h * cfg.num_experts  # experts + router
+        if cfg.shared_expert_intermediate_size:  # Qwen2-MoE: the shared expert and its gate
+            mlp += 3 * h * cfg.shared_expert_intermediate_size + h
     else:
         mlp = 3 * h * cfg.intermediate_size
     embedding = cfg.vocab_size * h

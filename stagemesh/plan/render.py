@@ -11,10 +11,11 @@ def commands(req: PlanRequest, plan: Plan, model: str, device: str) -> dict:
     common = f"--max-model-len {req.max_model_len}"
     if device == "cuda":
         common += f" --gpu-memory-utilization {req.utilization}"
+    experts = " --enable-expert-parallel" if plan.expert_parallel else ""
     if plan.nodes_used <= 1:
         cmd = (f"stagemesh serve {model} --tensor-parallel-size {lay.tp} --pipeline-parallel-size {lay.pp}"
                + (f" --data-parallel-size {lay.dp}" if lay.dp > 1 else "")
-               + (f" --layer-split {split}" if lay.pp > 1 else "") + f" --device {device} {common}")
+               + (f" --layer-split {split}" if lay.pp > 1 else "") + f"{experts} --device {device} {common}")
         return {"serve": cmd}
     # every scheduler and the router on the head node (they are light); replicas' stages fill the GPUs in order
     stages_per_node = max(1, req.gpus_per_node // lay.tp)
@@ -28,7 +29,7 @@ def commands(req: PlanRequest, plan: Plan, model: str, device: str) -> dict:
             node = (r * lay.pp + i) // stages_per_node
             cmd = (f"stagemesh stage {model} --scheduler $HEAD_NODE_IP:{port} --stage-index {i} --layers {a}:{b} "
                    f"--tensor-parallel-size {lay.tp} --device {device} --handoff nccl --host 0.0.0.0 "
-                   f"--advertise-host {'$HEAD_NODE_IP' if node == 0 else '$NODE_IP'}"
+                   f"--advertise-host {'$HEAD_NODE_IP' if node == 0 else '$NODE_IP'}{experts}"
                    + (f" --gpu-memory-utilization {req.utilization}" if device == "cuda" else ""))
             (head if node == 0 else workers.setdefault(f"node {node}", [])).append(cmd)
     head.append(f"stagemesh router {model} " + " ".join(f"--replica {x}" for x in replicas) +
@@ -42,7 +43,8 @@ def as_json(req: PlanRequest, plan: Plan, model: str, device: str) -> dict:
     return {
         "model_type": req.cfg.model_type, "dtype": req.dtype, "max_model_len": req.max_model_len,
         "tensor_parallel_size": lay.tp, "pipeline_parallel_size": lay.pp, "data_parallel_size": lay.dp,
-        "layer_split": lay.layer_split, "nodes": plan.nodes_used, "gpus": lay.gpus,
+        "layer_split": lay.layer_split, "expert_parallel_size": lay.tp if plan.expert_parallel else 1,
+        "nodes": plan.nodes_used, "gpus": lay.gpus,
         "weight_bytes_per_gpu": lay.weight_bytes_per_gpu, "kv_cache_bytes_per_gpu": max(lay.kv_bytes_per_gpu, 0),
         "kv_cache_tokens": lay.kv_cache_tokens, "max_concurrency": round(lay.max_concurrency, 2),
         "tight": plan.tight(req.gpu_bytes), "path": plan.path, "suggestion": plan.suggestion,

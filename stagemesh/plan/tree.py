@@ -3,7 +3,8 @@
 One GPU if the model fits; else quantization as a suggestion; else TP over the
 GPUs of a node; TP within nodes and PP across nodes; PP alone (TP=1) when the
 GPU count does not divide the heads or there is no NVLink; DP replicas when a
-concurrency target needs them. Invalid TP sizes are never proposed.
+concurrency target needs them; expert parallelism over each stage's TP ranks for
+a mixture-of-experts model. Invalid TP sizes are never proposed.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class Plan:
     path: list[str] = field(default_factory=list)
     considered: list[Layout] = field(default_factory=list)
     suggestion: str | None = None
+    expert_parallel: bool = False  # --enable-expert-parallel: whole experts over each stage's TP ranks
 
     def tight(self, gpu_bytes: int) -> bool:
         return self.layout.weight_bytes_per_gpu > TIGHT * gpu_bytes or self.layout.max_concurrency < 1
@@ -50,10 +52,7 @@ def make_plan(req: PlanRequest) -> Plan:
         plan = _forced(req)
     else:
         plan = _tree(req)
-    if req.cfg.is_moe:
-        plan.path.append(f"note: {req.cfg.model_type} is a mixture-of-experts model: this memory math holds, but "
-                         "stagemesh's stage workers do not serve MoE checkpoints yet (expert parallelism is not built)")
-    return _data_parallel(req, plan)
+    return _expert_parallel(req, _data_parallel(req, plan))
 
 
 def _eval(req: PlanRequest, tp: int, pp: int, dtype: str | None = None) -> Layout:
@@ -159,4 +158,29 @@ def _data_parallel(req: PlanRequest, plan: Plan) -> Plan:
                      f"{plan.layout.max_concurrency:.2f}x; {need} replica(s) needed, {available} fit the GPUs: DP={dp}")
     plan.layout = replace(plan.layout, dp=dp)
     plan.nodes_used = math.ceil(dp * per_replica / req.gpus_per_node)
+    return plan
+
+
+def _expert_parallel(req: PlanRequest, plan: Plan) -> Plan:
+    """EP over each stage's TP ranks where the guides use it (DeepSeek-V3: TP=8 with EP=8). Each GPU
+    holds E / TP whole experts instead of 1 / TP of every expert: the same bytes, so the memory math
+    above holds either way, but fewer, larger expert GEMMs."""
+    cfg, tp, dp = req.cfg, plan.layout.tp, plan.layout.dp
+    if not cfg.is_moe:
+        return plan
+    why_not = None
+    if tp == 1:
+        why_not = "each stage's one GPU holds all of its experts"
+    elif dp > 1:
+        why_not = ("expert parallelism spans one stage's TP ranks for now, not the replicas (data-parallel "
+                   "attention with experts across replicas is not built)")
+    elif cfg.num_experts % tp:
+        why_not = f"TP={tp} does not divide the {cfg.num_experts} experts"
+    if why_not:
+        plan.path.append(f"mixture of experts: the experts stay TP-sharded: {why_not}")
+        return plan
+    plan.expert_parallel = True
+    plan.path.append(f"mixture of experts: expert parallel over each stage's TP={tp} GPUs (--enable-expert-parallel, "
+                     f"EP={tp}): {cfg.num_experts // tp} of the {cfg.num_experts} experts whole on each GPU, "
+                     f"attention stays TP, as the guides deploy DeepSeek-V3 (TP=8 with EP)")
     return plan

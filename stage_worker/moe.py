@@ -1,0 +1,124 @@
+"""The mixture-of-experts block of a sparse decoder layer: top-k routing, the experts this TP
+rank holds, and Qwen2-MoE's gated shared expert, ending in the layer's one all-reduce.
+
+Which experts a rank holds is decided by the shard-aware parameters, not in the forward:
+tensor parallel (default) shards every expert's intermediate size like a dense MLP; expert
+parallel (--enable-expert-parallel) gives each rank whole experts, E / TP of them. Either way
+each rank holds every token after attention's all-reduce, computes what its experts add to
+every token routed to them, and one all-reduce sums the ranks (why: below).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import kernels
+from stagemesh.model_config import ModelConfig
+from stage_worker.layers import MLP, Linear, Shard, full, new_param
+from stage_worker.parallel import TPGroup, shard_range
+
+# How tokens reach the ranks that own their experts, and the results come back. Every rank of
+# a stage holds every token once attention's all-reduce is done, so no dispatch is needed: a
+# rank runs its experts on the tokens routed to them, and one all-reduce of [tokens, hidden]
+# both combines the top-k results and returns them to every rank (the next attention is TP).
+# The all_to_all alternative (each token's results sent to one owner rank, summed there, then
+# all-gathered) needs two collectives for the same bytes. Measured with benchmarks/bench_moe.py
+# --collectives-only on the 2-core development VM (2 ranks, fp32 [32, 1024]: decode at batch 32,
+# median of 2000, two runs, the machine shared): the stage's shared-memory all-reduce 0.025-0.065
+# ms; gloo all-reduce 0.77-0.90 ms; gloo all_to_all + all-gather 1.3-2.1 ms; gloo reduce-scatter
+# + all-gather 1.7-1.8 ms. So one all-reduce, through the shared memory the TP group already has.
+# (all_to_all pays where tokens are not replicated: EP across data-parallel replicas, not built.)
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """The experts one TP rank holds and the columns of their intermediate size it keeps."""
+
+    expert_start: int
+    num_local_experts: int
+    inter_start: int
+    inter_size: int
+
+    @classmethod
+    def for_rank(cls, cfg: ModelConfig, tp: TPGroup, expert_parallel: bool) -> "ExpertPlacement":
+        if expert_parallel:  # expert e on rank e // (E / EP), EP size = TP size
+            cfg.check_expert_parallel(tp.size)
+            per = cfg.num_experts // tp.size
+            return cls(tp.rank * per, per, 0, cfg.moe_intermediate_size)
+        start, per = shard_range(cfg.moe_intermediate_size, tp, "moe_intermediate_size")
+        return cls(0, cfg.num_experts, start, per)
+
+
+def describe_layout(cfg: ModelConfig, tp_size: int, expert_parallel: bool) -> str:
+    """Which rank holds which experts, for the start-up log."""
+    if not expert_parallel:
+        return (f"tensor parallel: each of the {tp_size} rank(s) holds all {cfg.num_experts} experts, "
+                f"{cfg.moe_intermediate_size // tp_size} of their {cfg.moe_intermediate_size} intermediate columns")
+    per = cfg.num_experts // tp_size
+    ranks = "; ".join(f"rank {r}: experts {r * per}-{(r + 1) * per - 1}" for r in range(tp_size))
+    return f"expert parallel (EP={tp_size}, {per} of {cfg.num_experts} experts per rank): {ranks}"
+
+
+def _checkpoint_names(cfg: ModelConfig, layer: int) -> tuple[str, tuple[str, str, str]]:
+    """The block's prefix and its experts' (gate, up, down) names, as the checkpoint spells them."""
+    if cfg.model_type == "mixtral":
+        return f"model.layers.{layer}.block_sparse_moe", ("w1", "w3", "w2")
+    return f"model.layers.{layer}.mlp", ("gate_proj", "up_proj", "down_proj")
+
+
+def _expert_weights(block: str, names: tuple[str, str, str], p: ExpertPlacement, hidden: int, dtype, device):
+    """w13 [experts, 2 * inter, hidden] = cat(gate, up) and w2 [experts, hidden, inter], this rank's part."""
+    gate, up, down = names
+    first, cols = p.inter_start, p.inter_size
+    local = list(enumerate(range(p.expert_start, p.expert_start + p.num_local_experts)))
+    w13 = new_param((p.num_local_experts, 2 * cols, hidden), dtype, device, [
+        shard for i, e in local for shard in (Shard(f"{block}.experts.{e}.{gate}.weight", 0, first, cols, 0, i),
+                                              Shard(f"{block}.experts.{e}.{up}.weight", 0, first, cols, cols, i))])
+    w2 = new_param((p.num_local_experts, hidden, cols), dtype, device,
+                   [Shard(f"{block}.experts.{e}.{down}.weight", 1, first, cols, 0, i) for i, e in local])
+    return w13, w2
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, this rank's experts (and the shared expert): what they add to every token, all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, expert_parallel: bool, dtype, device):
+        super().__init__()
+        block, names = _checkpoint_names(cfg, layer)
+        self.layer, self.tp = layer, tp
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.placement = ExpertPlacement.for_rank(cfg, tp, expert_parallel)
+        e, h = cfg.num_experts, cfg.hidden_size
+        self.gate = Linear(new_param((e, h), dtype, device, full(f"{block}.gate.weight", e)))  # the router
+        self.w13, self.w2 = _expert_weights(block, names, self.placement, h, dtype, device)
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:  # TP-sharded in both modes; its partial sums join the one all-reduce
+            self.shared_expert = MLP(f"{block}.shared_expert", h, cfg.shared_expert_intermediate_size, tp, dtype,
+                                     device, reduce=False)
+            self.shared_expert_gate = Linear(new_param((1, h), dtype, device,
+                                                       full(f"{block}.shared_expert_gate.weight", 1)))
+        # tokens routed to each expert (TP rank 0 counts: routing is the same on every rank)
+        counts = torch.zeros(e, dtype=torch.int64, device=device) if tp.rank == 0 else None
+        self.register_buffer("expert_tokens", counts, persistent=False)
+
+    def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
+        topk_weights, topk_ids = kernels.select_experts(self.gate(x), self.top_k, self.renormalize)
+        if self.expert_tokens is not None:
+            self._count(topk_ids, meta.slot_mapping)
+        out = kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.placement.expert_start)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.tp.all_reduce(out)
+
+    def _count(self, topk_ids: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        # a few small ops and no host sync (CUDA graphs); padding rows of a graph's batch have slot -1
+        real = (slot_mapping >= 0).to(torch.int64).repeat_interleave(self.top_k)
+        self.expert_tokens.index_add_(0, topk_ids.reshape(-1), real)
+
+
+def expert_load(model: nn.Module) -> dict[int, list[int]]:
+    """Tokens routed to each expert so far, per sparse layer of the model (TP rank 0's counts)."""
+    return {m.layer: m.expert_tokens.tolist() for m in model.modules()
+            if isinstance(m, SparseMoeBlock) and m.expert_tokens is not None}
