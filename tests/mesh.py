@@ -25,6 +25,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# the processes started here (and the tests' and benchmarks' clients) share one internal token
+os.environ.setdefault("STAGEMESH_INTERNAL_TOKEN", "mesh-" + os.urandom(16).hex())
+
+
 def internal_channel(address: str, credentials=None) -> grpc.Channel:
     """A channel to an internal service that carries the tests' internal token (conftest sets it)."""
     from stagemesh.internal_token import ENV, SyncClientInterceptor
