@@ -116,6 +116,13 @@ async def _stream(request, req, gen, deltas, created, tokenizer) -> web.StreamRe
             await resp.write(responses.sse(responses.usage_chunk(req, gen, created)))
     except APIError as err:
         await resp.write(responses.sse(err.body()))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:  # the status line is sent: the error goes in the stream, as an OpenAI error object
+        incident = uuid.uuid4().hex[:12]
+        log.exception("unexpected error while streaming %s (incident %s)", gen.request_id, incident)
+        await resp.write(responses.sse(APIError(500, f"internal error (incident {incident})",
+                                                code="internal_error").body()))
     await resp.write(b"data: [DONE]\n\n")
     return resp
 

@@ -17,7 +17,7 @@ from router.errors import APIError, bad_request
 MAX_DEPTH = 64
 BODY_TIMEOUT_S = 30.0
 INLINE_BYTES = 64 * 1024  # smaller bodies are parsed on the event loop (a thread hop costs more)
-_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_STRINGS = re.compile(rb'"[^"]*"')  # once escapes are gone: linear, however the quotes fall
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 _BRACKETS = bytes(range(256)).translate(None, b"[]{}")  # everything but brackets, to delete
 
@@ -38,7 +38,7 @@ def parse(body: bytes) -> Any:
         raise bad_request(f"the request body nests JSON deeper than {MAX_DEPTH} levels")
     try:
         value = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError, and integers past 4,300 digits
         raise bad_request(f"the request body is not valid JSON: {err}") from None
     except RecursionError:  # not reached after json_depth; kept as the last line of defence
         raise bad_request(f"the request body nests JSON deeper than {MAX_DEPTH} levels") from None
@@ -48,8 +48,10 @@ def parse(body: bytes) -> Any:
 
 
 def json_depth(body: bytes) -> int:
-    """The deepest bracket nesting of a JSON text, at C speed: strings removed, brackets kept, summed."""
-    brackets = _STRINGS.sub(b"", body).translate(None, _BRACKETS)
+    """The deepest bracket nesting of a JSON text, at C speed and linear in its length: escaped backslashes
+    and quotes removed (left to right, as JSON reads them), then strings, then all but brackets, summed."""
+    unescaped = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    brackets = _STRINGS.sub(b"", unescaped).translate(None, _BRACKETS)
     if not brackets:
         return 0
     steps = np.frombuffer(brackets, dtype=np.uint8)

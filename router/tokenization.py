@@ -35,11 +35,15 @@ class Tokenizer:
         if self._queued >= self.MAX_QUEUED:
             raise APIError(503, f"the tokenizer has {self._queued} texts queued; try again shortly",
                            code="unavailable", retry_after=1)
+        loop = asyncio.get_running_loop()
         self._queued += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-        finally:
-            self._queued -= 1
+        work = self._pool.submit(fn, *args)
+        # counted until the work itself ends (or is cancelled before it starts), not until its caller goes
+        work.add_done_callback(lambda _: loop.call_soon_threadsafe(self._done))
+        return await asyncio.wrap_future(work)
+
+    def _done(self) -> None:
+        self._queued -= 1
 
     def check_length(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_text_chars:

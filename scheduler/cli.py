@@ -79,10 +79,16 @@ async def _main(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     runner = asyncio.create_task(driver.run())
-    await stop.wait()
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({runner, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if runner.done():  # the step loop must never end: exit so that a supervisor restarts the scheduler
+        log.error("the step loop ended: %r", runner.exception() if not runner.cancelled() else "cancelled")
+        code = 1
     runner.cancel()
+    stopping.cancel()
     await server.stop(grace=1)
-    return 0
+    return code
 
 
 def _store(host: str, port: int):

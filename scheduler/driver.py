@@ -169,6 +169,9 @@ class Driver:
                     task.result()
                 except StageFailure as err:
                     self._fail(str(err))
+                except Exception as err:  # a bug: the epoch ends (its requests fail) but the loop goes on
+                    log.exception("a step failed unexpectedly")
+                    self._fail(f"internal error in the scheduler: {type(err).__name__}: {err}")
 
     def _launch(self) -> None:
         """Fill the pipeline: schedule micro-batches until every stage has one."""
@@ -253,6 +256,9 @@ class Driver:
         vocab = self.cfg.vocab_size
         if vocab is not None and msg.token_ids and (min(msg.token_ids) < 0 or max(msg.token_ids) >= vocab):
             raise StagemeshError(f"the stage sampled a token id outside the vocabulary of {vocab}")
+        if len(msg.error_rows) == rows > 1:  # not one request's data: the model itself is failing
+            raise StagemeshError(f"every one of the {rows} sequences of the step failed to sample "
+                                 f"({msg.errors[0]})")
         return sampled_from_pb(msg)
 
     @staticmethod
@@ -261,6 +267,10 @@ class Driver:
             return await call
         except grpc.aio.AioRpcError as err:
             raise StageFailure(stage, f"{err.code().name}: {err.details()}") from None
+        except asyncio.CancelledError:
+            if _cancelling():
+                raise
+            raise StageFailure(stage, "the call was cancelled") from None
 
     def _fail(self, reason: str) -> None:
         if not self.healthy:
@@ -280,10 +290,16 @@ class Driver:
         return self._channels[stage.address][1]
 
     def _drop_channel(self, address: str) -> None:
-        """A new process answers at this address: dial it afresh (the old channel may be backing off)."""
+        """A new process answers at this address: dial it afresh (the old channel may be backing off).
+        The old one closes once every call on it is past its deadline (closing cancels its calls)."""
         entry = self._channels.pop(address, None)
         if entry is not None:
-            self.spawn(entry[0].close())
+            self.spawn(self._close_later(entry[0], max(self.cfg.forward_timeout_s, self.cfg.join_timeout_s) + 5))
+
+    @staticmethod
+    async def _close_later(channel: grpc.aio.Channel, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        await channel.close()
 
     def spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -304,8 +320,9 @@ class Driver:
             raise StagemeshError(f"{old.name} is alive and serves index {stage.stage_index}; stop it first, or "
                                  f"give this stage another --stage-index")
         missing = r.register(stage)
-        for address in {stage.address, old.address if old is not None else stage.address}:
-            self._drop_channel(address)
+        self._drop_channel(stage.address)  # whatever answered there before is gone
+        if old is not None:
+            self._drop_channel(old.address)
         if r.complete:
             self._fail(f"{stage.name} {'restarted' if old is not None else 'registered'}")
             self.spawn(self.form())
@@ -354,6 +371,10 @@ class Driver:
             await self._stub(stage).JoinPipeline(request, timeout=self.cfg.join_timeout_s)
         except grpc.aio.AioRpcError as err:
             raise StageFailure(stage, f"{err.code().name}: {err.details()}") from None
+        except asyncio.CancelledError:
+            if _cancelling():
+                raise
+            raise StageFailure(stage, "the call was cancelled") from None
 
     def _start_epoch(self, plan: PipelinePlan, max_len: int) -> None:
         cfg, block_size = self.cfg, self.rendezvous.block_size
@@ -387,15 +408,21 @@ class Driver:
         """Find dead (or replaced) stages while idle; re-form the pipeline once every stage answers again."""
         while True:
             await asyncio.sleep(self.cfg.probe_interval_s)
-            if not self.rendezvous.complete:
-                continue
-            stages = [self.rendezvous.stages[i] for i in range(self.rendezvous.pp)]
-            results = await asyncio.gather(*[self._probe(s) for s in stages])
-            failed = next((r for r in results if r is not None), None)
-            if failed is not None:
-                self._fail(str(StageFailure(*failed)))
-            elif not self.healthy and not self._forming.locked():
-                await self.form()
+            try:
+                await self._probe_round()
+            except Exception:  # noqa: BLE001 - a bug must not end the probing: the next round tries again
+                log.exception("probing the stages failed")
+
+    async def _probe_round(self) -> None:
+        if not self.rendezvous.complete:
+            return
+        stages = [self.rendezvous.stages[i] for i in range(self.rendezvous.pp)]
+        results = await asyncio.gather(*[self._probe(s) for s in stages])
+        failed = next((r for r in results if r is not None), None)
+        if failed is not None:
+            self._fail(str(StageFailure(*failed)))
+        elif not self.healthy and not self._forming.locked():
+            await self.form()
 
     async def _probe(self, stage: StageInfo, wait: bool = False) -> tuple[StageInfo, str] | None:
         """None when the registered instance of `stage` answers; else (stage, what went wrong).
@@ -405,9 +432,19 @@ class Driver:
                                                     wait_for_ready=wait)
         except grpc.aio.AioRpcError as err:
             return stage, f"{err.code().name}: {err.details()}"
+        except asyncio.CancelledError:
+            if _cancelling():
+                raise
+            return stage, "the call was cancelled"
         if desc.instance_id != stage.instance_id:
             return stage, "another process answers at its address (the stage restarted and has not registered yet)"
         return None
+
+
+def _cancelling() -> bool:
+    """Whether this task is being cancelled (a call's CancelledError without it: the channel closed under it)."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 class Unavailable(StagemeshError):

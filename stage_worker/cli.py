@@ -5,7 +5,6 @@ import argparse
 import logging
 import signal
 import threading
-import time
 
 import grpc
 
@@ -126,7 +125,7 @@ def keep_registered(scheduler: str, servicer, stop: threading.Event, interval_s:
     died ends it too (the stage cannot serve without it; its supervisor restarts it)."""
     from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    delay, unreachable_since = 0.2, None
+    delay, warned = 0.2, False
     with channel(scheduler) as chan:
         stub = scheduler_pb2_grpc.SchedulerStub(chan)
         while not stop.is_set():
@@ -137,13 +136,13 @@ def keep_registered(scheduler: str, servicer, stop: threading.Event, interval_s:
                 if reply.first_seen:
                     log.info("registered with the scheduler at %s (%d stage(s) still missing)", scheduler,
                              reply.num_missing_stages)
-                delay, unreachable_since = interval_s, None
+                delay, warned = interval_s, False
             except grpc.RpcError as err:
                 if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                                   grpc.StatusCode.UNAUTHENTICATED):
                     raise StagemeshError(f"the scheduler refused this stage: {err.details()}") from None
-                if unreachable_since is None:
-                    unreachable_since = time.monotonic()
+                if not warned:
+                    warned = True
                     log.warning("no scheduler answers at %s (%s); retrying", scheduler, err.code().name)
                 delay = min(delay * 2, interval_s)
             stop.wait(delay)

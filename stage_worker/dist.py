@@ -22,7 +22,9 @@ from stagemesh.v1 import stage_pb2
 from stage_worker.parallel import TPGroup
 
 FORWARD, LEAVE = 1, 2
-STORE_TIMEOUT = timedelta(seconds=60)
+# a join whose peers never come (the scheduler gave up on a stage mid-form) gives up this soon, so that the
+# next JoinPipeline, which waits behind it, is not held up for long
+STORE_TIMEOUT = timedelta(seconds=20)
 GROUP_TIMEOUT = timedelta(seconds=120)
 SHM_DIR = "/dev/shm"
 SHM_SLOT_BYTES = 16 * 2**20  # the largest tensor a shared-memory collective carries; larger ones take gloo

@@ -11,7 +11,6 @@ import threading
 import time
 from collections import deque
 
-import grpc
 import torch
 import torch.distributed as dist
 
@@ -23,7 +22,7 @@ from stagemesh.wire import tensor_from_pb, tensor_to_pb
 PUSH_DEADLINE_S = 30.0
 
 
-class HandoffAborted(Exception):
+class HandoffAborted(StagemeshError):
     """The epoch ended while a stage waited for activations."""
 
 
@@ -53,25 +52,24 @@ class DistHandoff:
     def abort(self) -> None:
         self._pending.clear()  # a dead peer breaks the gloo/NCCL connection, which raises in recv
 
-    def close(self) -> None:
-        self._pending.clear()
+    close = abort
 
 
 class GrpcHandoff:
-    """The receiving end keeps a bounded mailbox: activations for the next WINDOW steps of its epoch only
-    (each checked against the step limits before it gets here), dropped if nobody takes them in TTL_S."""
+    """The receiving end keeps a bounded mailbox: activations for the next `window` steps of its epoch only
+    (each checked against the step limits before it gets here), so what it holds is bounded by the window
+    times the largest step; they go when their step is taken, a later step is, or the epoch ends."""
 
-    WINDOW = 16
-    TTL_S = 60.0
-
-    def __init__(self, next_address: str | None, device: torch.device, epoch: int = 0, first_step_id: int = 0):
+    def __init__(self, next_address: str | None, device: torch.device, epoch: int = 0, first_step_id: int = 0,
+                 window: int = 16):
         self.device = device
         self._stub = None
         if next_address:
             self._channel = channel(next_address)
             self._stub = stage_pb2_grpc.StageStub(self._channel)
         self._epoch, self._next = epoch, first_step_id  # the next step whose activations recv() takes
-        self._mailbox: dict[int, tuple[float, stage_pb2.PushActivationsRequest]] = {}
+        self._window = window
+        self._mailbox: dict[int, stage_pb2.PushActivationsRequest] = {}
         self._cond = threading.Condition()
         self._aborted = False
 
@@ -82,16 +80,14 @@ class GrpcHandoff:
         return len(msg.data)
 
     def deliver(self, request: stage_pb2.PushActivationsRequest) -> None:
-        step, now = request.step_id, time.monotonic()
+        step = request.step_id
         with self._cond:
             if self._aborted or request.epoch != self._epoch:
                 raise StagemeshError(f"activations for epoch {request.epoch}: the stage is not in that epoch")
-            if not self._next <= step < self._next + self.WINDOW or step in self._mailbox:
+            if not self._next <= step < self._next + self._window or step in self._mailbox:
                 raise StagemeshError(f"activations for step {step}: this stage takes steps {self._next} to "
-                                     f"{self._next + self.WINDOW - 1}, each once")
-            for old in [s for s, (t, _) in self._mailbox.items() if now - t > self.TTL_S]:
-                del self._mailbox[old]
-            self._mailbox[step] = (now, request)
+                                     f"{self._next + self._window - 1}, each once")
+            self._mailbox[step] = request
             self._cond.notify_all()
 
     def recv(self, epoch: int, step_id: int, shape: tuple[int, ...], dtype: torch.dtype,
@@ -105,7 +101,7 @@ class GrpcHandoff:
                 if left <= 0:
                     raise StagemeshError(f"no activations from the previous stage for step {step_id} in {timeout:.0f}s")
                 self._cond.wait(left)
-            _, request = self._mailbox.pop(step_id)
+            request = self._mailbox.pop(step_id)
             self._next = max(self._next, step_id + 1)
             for old in [s for s in self._mailbox if s < self._next]:
                 del self._mailbox[old]

@@ -57,10 +57,17 @@ class MainLoop:
                     future, fn, args = self._queue.get(timeout=poll_s)
                 except queue.Empty:
                     continue
+                # a call runs even if its caller gave up waiting (a cancelled RPC): a step that took its
+                # place in the order must run, or the stages' states would part
+                future.set_running_or_notify_cancel()
                 try:
-                    future.set_result(fn(*args))
+                    result = fn(*args)
                 except BaseException as err:  # noqa: BLE001 - handed to the caller, which reports it
-                    future.set_exception(err)
+                    if not future.cancelled():
+                        future.set_exception(err)
+                else:
+                    if not future.cancelled():
+                        future.set_result(result)
         finally:
             with self._lock:
                 self._running = False
@@ -69,4 +76,5 @@ class MainLoop:
                     future, _, _ = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                future.set_exception(StagemeshError("the stage is stopping"))
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(StagemeshError("the stage is stopping"))

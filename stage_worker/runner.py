@@ -162,14 +162,17 @@ class StageRunner:
             out.append(state.output[-1])
         return out
 
-    def check_state(self, batch: StepBatch) -> None:
+    def check_state(self, batch: StepBatch, max_model_len: int) -> None:
         """The checks of a step that need the sequences' state (the rest: stage_worker.validate): new ids
         are new, every other id is known, each chunk continues its sequence where its tokens end and its
         blocks cover it. Raises InvalidStep and changes nothing."""
         finished, new = set(batch.finished_seq_ids), {s.seq_id for s in batch.new_sequences}
         if len(new) != len(batch.new_sequences) or any(s in self.block_tables and s not in finished for s in new):
             raise InvalidStep("a new sequence's id is already in use")
+        if not new <= set(batch.chunks.seq_ids):
+            raise InvalidStep("a new sequence comes without a chunk")
         c, bs, lens, tables = batch.chunks, self.block_size, self.seq_lens, self.block_tables
+        max_blocks = -(-max_model_len // bs)
         for seq_id, n, start, added in zip(c.seq_ids, c.num_tokens, c.start_positions, c.num_new_blocks):
             if seq_id in new:
                 blocks = added  # a prefix-cache hit starts past the cached blocks it is sent
@@ -184,6 +187,8 @@ class StageRunner:
                 raise InvalidStep(f"sequence {seq_id} is not known to this stage")
             if blocks * bs < start + n:
                 raise InvalidStep(f"sequence {seq_id} has {blocks} KV blocks for {start + n} tokens")
+            if blocks > max_blocks:
+                raise InvalidStep(f"sequence {seq_id} would hold {blocks} KV blocks; {max_blocks} hold max_model_len")
 
     def _update_state(self, batch: StepBatch) -> None:
         for seq_id in batch.finished_seq_ids:
@@ -208,9 +213,7 @@ class StageRunner:
         sample_rows, sample_ids = [], []
         tables = [self.block_tables[s] for s in c.seq_ids]
         for seq_id, table, n, p0, sample in zip(c.seq_ids, tables, c.num_tokens, c.start_positions, c.sample):
-            if -(-(p0 + n) // bs) > len(table):
-                raise StagemeshError(f"sequence {seq_id} has {len(table)} KV blocks for {p0 + n} tokens")
-            pos = range(p0, p0 + n)
+            pos = range(p0, p0 + n)  # covered by the sequence's blocks (check_state, for steps from outside)
             positions.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             context_lens.append(p0 + n)

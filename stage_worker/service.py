@@ -20,7 +20,7 @@ from stagemesh.service_options import add_port, aio_server
 from stagemesh.step_wire import sampled_to_pb, step_from_pb
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 from stage_worker.observe import ForwardObserver
-from stage_worker.step_order import StepOrder
+from stage_worker.step_order import StepOrder, window_for
 from stage_worker.validate import InvalidStep
 from stage_worker.worker import StageWorker
 
@@ -52,12 +52,16 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return self.describe()
 
     async def JoinPipeline(self, request, context):
+        try:
+            self.worker.check_join(request)  # a refused join leaves the epoch as it was
+        except StagemeshError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         self.order.close()  # steps of the old epoch stop waiting
         try:
             await asyncio.to_thread(self.worker.join, request)
         except Exception as err:  # noqa: BLE001 - reported to the caller, the stage stays up
             await _abort(context, err)
-        self.order.open(request.epoch, request.first_step_id)
+        self.order.open(request.epoch, request.first_step_id, window_for(len(request.tp_sizes)))
         return stage_pb2.JoinPipelineResponse()
 
     async def Forward(self, request, context):
@@ -80,7 +84,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             done = self.worker.queue_step(request, batch)
         finally:
             self.order.advance(batch.step_id)
-        reply, sampled = await asyncio.wrap_future(done)
+        # shielded: a cancelled RPC (the scheduler went away) must not cancel a step already queued
+        reply, sampled = await asyncio.shield(asyncio.wrap_future(done))
         if sampled:
             reply.sampled.CopyFrom(sampled_to_pb(sampled))
         return reply
@@ -119,8 +124,9 @@ class ServerThread:
         return self.port
 
     async def _serve(self) -> None:
-        # a step's activations travel in PushActivations: far larger than gRPC's 4 MiB default
-        options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
+        # a step's activations travel in PushActivations: far larger than gRPC's 4 MiB default (256 MiB holds
+        # 8,192 tokens of a hidden size of 8,192 in fp32)
+        options = [("grpc.max_receive_message_length", 256 * 2**20), ("grpc.max_send_message_length", 256 * 2**20)]
         self.server = aio_server(options)
         stage_pb2_grpc.add_StageServicer_to_server(self.servicer, self.server)
         self.health = health.aio.HealthServicer()

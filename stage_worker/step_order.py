@@ -17,6 +17,11 @@ class OutOfOrder(StagemeshError):
     """A step that is not this stage's to take (FAILED_PRECONDITION)."""
 
 
+def window_for(num_stages: int) -> int:
+    """Steps a stage accepts ahead of the next: a pipeline keeps one in flight per stage, plus one run ahead."""
+    return 16 + 2 * num_stages
+
+
 class StepOrder:
     def __init__(self, window: int = 16, timeout_s: float = 30.0):
         self.window, self.timeout_s = window, timeout_s
@@ -24,9 +29,10 @@ class StepOrder:
         self.next_step = 0
         self._waiting: dict[int, asyncio.Future] = {}
 
-    def open(self, epoch: int, first_step_id: int) -> None:
+    def open(self, epoch: int, first_step_id: int, window: int | None = None) -> None:
         self.close()
         self.epoch, self.next_step = epoch, first_step_id
+        self.window = window or self.window
 
     def close(self) -> None:
         """The epoch ends: steps waiting in it are refused."""

@@ -80,25 +80,46 @@ def _check_tokens(batch: StepBatch, vocab_size: int) -> None:
         _require(ids.count(PLACEHOLDER) == len(ends), "a placeholder token stands elsewhere than a chunk's end")
 
 
-def check_activations(msg: common_pb2.Tensor, dtype: str, limits: StepLimits) -> int:
-    """PushActivations' tensor: [tokens, hidden] of the stage's dtype, bytes that match; returns tokens."""
+ACTIVATION_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}  # stages may compute in different dtypes
+
+
+def check_activations(msg: common_pb2.Tensor, limits: StepLimits) -> int:
+    """PushActivations' tensor: [tokens, hidden] of a float dtype, bytes that match; returns tokens."""
     shape = list(msg.shape)
-    _require(msg.dtype == dtype, f"activations of dtype {msg.dtype!r}; this pipeline hands over {dtype}")
+    _require(msg.dtype in ACTIVATION_ITEMSIZE,
+             f"activations of dtype {msg.dtype!r}; they travel as {', '.join(ACTIVATION_ITEMSIZE)}")
     _require(len(shape) == 2 and shape[1] == limits.hidden_size,
              f"activations of shape {shape}; this model's are [tokens, {limits.hidden_size}]")
     _require(1 <= shape[0] <= max(limits.max_num_batched_tokens, 1),
              f"activations of {shape[0]} tokens; a step has 1 to {limits.max_num_batched_tokens}")
-    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
+    itemsize = ACTIVATION_ITEMSIZE[msg.dtype]
     _require(len(msg.data) == shape[0] * shape[1] * itemsize,
-             f"activations of shape {shape} {dtype} need {shape[0] * shape[1] * itemsize} bytes, got {len(msg.data)}")
+             f"activations of shape {shape} {msg.dtype} need {shape[0] * shape[1] * itemsize} bytes, "
+             f"got {len(msg.data)}")
     return shape[0]
 
 
-def check_join(max_model_len: int, max_num_batched_tokens: int, num_kv_blocks: int, model_positions: int) -> None:
-    _require(0 < max_model_len <= model_positions,
-             f"max_model_len {max_model_len} is outside the model's {model_positions} positions")
-    _require(0 < max_num_batched_tokens <= INT32_MAX, "max_num_batched_tokens must be positive")
-    _require(0 < num_kv_blocks <= INT32_MAX, "num_kv_blocks must be positive")
+def check_join(req, stage_index: int, tp_size: int, num_kv_blocks: int, model_positions: int, last: bool,
+               needs_next_address: bool) -> None:
+    """A JoinPipeline against what the stage knows of itself: its index and TP size in the world's layout,
+    no more KV blocks than it offered, limits the model can take."""
+    sizes = list(req.tp_sizes)
+    _require(0 <= stage_index < len(sizes) <= 4096 and all(1 <= n <= 4096 for n in sizes),
+             f"tp_sizes {sizes[:16]} do not give stage {stage_index} a place")
+    _require(sizes[stage_index] == tp_size, f"tp_sizes gives stage {stage_index} TP={sizes[stage_index]}; it has "
+                                            f"TP={tp_size}")
+    _require(req.world_size == sum(sizes) and req.rank_offset == sum(sizes[:stage_index]),
+             "world_size and rank_offset do not match tp_sizes")
+    _require(0 < req.num_kv_blocks <= num_kv_blocks,
+             f"num_kv_blocks {req.num_kv_blocks}: this stage holds 1 to {num_kv_blocks}")
+    _require(0 < req.max_model_len <= model_positions,
+             f"max_model_len {req.max_model_len} is outside the model's {model_positions} positions")
+    _require(0 < req.max_num_batched_tokens <= INT32_MAX, "max_num_batched_tokens must be positive")
+    _require(bool(req.store_host) and 0 < req.store_port < 65536, "the store's host and port are required")
+    _require(req.epoch >= 0 and req.first_step_id >= 0, "epoch and first_step_id must be >= 0")
+    _require(last == (stage_index == len(sizes) - 1), f"stage {stage_index} is {'' if last else 'not '}the last "
+                                                      f"stage of its model, unlike in this pipeline of {len(sizes)}")
+    _require(not needs_next_address or bool(req.next_stage_address), "the next stage's address is required")
 
 
 def _require(ok: bool, message: str) -> None:

@@ -21,13 +21,13 @@ import torch
 
 from stagemesh.errors import StagemeshError
 from stagemesh.step import PLACEHOLDER
-from stagemesh.step_wire import sampled_to_pb, step_from_pb
 from stagemesh.v1 import stage_pb2
 from stage_worker import dist as sdist
 from stage_worker.handoff import DistHandoff, GrpcHandoff
 from stage_worker.kv_cache import num_kv_blocks_for_budget
 from stage_worker.main_loop import MainLoop
 from stage_worker.runner import StageRunner
+from stage_worker.step_order import window_for
 from stage_worker.validate import StepLimits, check_activations, check_join, check_step
 
 log = logging.getLogger("stagemesh.stage")
@@ -106,10 +106,14 @@ class StageWorker:
         return all(proc.poll() is None for proc in self.followers)
 
     # -- epochs -------------------------------------------------------------------
+    def check_join(self, req: stage_pb2.JoinPipelineRequest) -> None:
+        """A JoinPipeline that does not fit this stage is refused before the stage leaves its epoch."""
+        c = self.cfg
+        check_join(req, c.stage_index, c.tp_size, self.num_kv_blocks, self.runner.config.max_position_embeddings,
+                   self.runner.is_last_stage, c.handoff == "grpc" and not self.runner.is_last_stage)
+
     def join(self, req: stage_pb2.JoinPipelineRequest) -> None:
         """Leave the old epoch (waking anything blocked in it) and join the new one."""
-        check_join(req.max_model_len, req.max_num_batched_tokens, req.num_kv_blocks,
-                   self.runner.config.max_position_embeddings)
         with self._joining:
             self._join(req)
 
@@ -131,7 +135,8 @@ class StageWorker:
             next_rank = rank + sizes[index] if index + 1 < len(sizes) else None
             self.handoff = DistHandoff(prev_rank, next_rank, self.runner.device)
         else:
-            self.handoff = GrpcHandoff(req.next_stage_address or None, self.runner.device, req.epoch, req.first_step_id)
+            self.handoff = GrpcHandoff(req.next_stage_address or None, self.runner.device, req.epoch, req.first_step_id,
+                                       window_for(len(sizes)))
         self.limits = replace(self.limits, num_kv_blocks=req.num_kv_blocks, max_model_len=req.max_model_len,
                               max_num_batched_tokens=req.max_num_batched_tokens)
         self.epoch = req.epoch
@@ -176,7 +181,8 @@ class StageWorker:
         runner, reply = self.runner, stage_pb2.ForwardResponse()
         if published is not None:
             published.result()  # done (it ran just before): raises if the tokens could not be handed over
-        runner.check_state(batch)  # before the handoff: a refused step leaves every stage as it was
+        runner.check_state(batch, self.limits.max_model_len)  # before the handoff: a refused step leaves every
+        # stage as it was
         hidden = None
         if not runner.is_first_stage and batch.chunks:
             start = time.perf_counter()
@@ -217,7 +223,7 @@ class StageWorker:
         handoff = self.handoff
         if not isinstance(handoff, GrpcHandoff) or req.epoch != self.epoch:
             raise StagemeshError(f"activations for epoch {req.epoch} arrived; the stage is in epoch {self.epoch}")
-        check_activations(req.hidden_states, str(self.runner.dtype).removeprefix("torch."), self.limits)
+        check_activations(req.hidden_states, self.limits)
         handoff.deliver(req)
 
     def close(self) -> None:

@@ -57,7 +57,10 @@ def check_float(name: str, value) -> float:
     test, what = FLOAT_RULES[name]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidParameter(name, f"'{name}' must be {what}, got {type(value).__name__}")
-    rounded = as_float32(float(value))
+    try:
+        rounded = as_float32(float(value))
+    except OverflowError:  # an integer past the largest double
+        rounded = float("inf")
     if not test(rounded):  # NaN fails every test, inf every bounded range
         raise InvalidParameter(name, f"'{name}' must be {what}, got {value!r}")
     return rounded

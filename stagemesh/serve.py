@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from stagemesh import internal_token
 from stagemesh.errors import StagemeshError
@@ -36,7 +36,8 @@ log = logging.getLogger("stagemesh.serve")
 # per stage on 2 cores (benchmarks/profile_mesh_step.py --threads 2): 44-45 ms per token against
 # 58-64 ms with the default. A GOMP_SPINCOUNT or OMP_WAIT_POLICY of the user's is left alone.
 CPU_STAGE_SPIN_COUNT = "20000"
-RESTART_BACKOFF_S = (1.0, 30.0)  # first and longest wait before a dead child starts again
+RESTART_BACKOFF_S = (1.0, 30.0)  # first and longest wait before a dead child starts again (exit code 2, a
+# configuration the child refuses, stops the mesh instead: no restart can fix it)
 STABLE_AFTER_S = 60.0  # a child that ran this long restarts after the first wait again
 
 
@@ -222,6 +223,10 @@ def _supervise(children: list[Child], stop: dict, policy: str, metrics) -> int:
                 child.proc = None
                 if policy == "never":
                     log.error("%s exited with code %d; stopping the mesh (--restart-policy never)", child.name, code)
+                    return 1
+                if code == 2:  # a bad flag, model or port: starting it again cannot help
+                    log.error("%s exited with code 2 (its configuration is refused: see its error above); "
+                              "stopping the mesh", child.name)
                     return 1
                 child.failures = 1 if now - child.started > STABLE_AFTER_S else child.failures + 1
                 wait = min(RESTART_BACKOFF_S[0] * 2 ** (child.failures - 1), RESTART_BACKOFF_S[1])

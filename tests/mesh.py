@@ -34,13 +34,14 @@ def internal_channel(address: str, credentials=None) -> grpc.Channel:
     from stagemesh.internal_token import ENV, SyncClientInterceptor
 
     chan = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
-    return grpc.intercept_channel(chan, SyncClientInterceptor(os.environ[ENV]))
+    return grpc.intercept_channel(chan, SyncClientInterceptor(os.environ[ENV])) if os.environ[ENV] else chan
 
 
 def internal_aio_channel(address: str) -> grpc.aio.Channel:
     from stagemesh.internal_token import ENV, aio_client_interceptors
 
-    return grpc.aio.insecure_channel(address, interceptors=aio_client_interceptors(os.environ[ENV]))
+    interceptors = aio_client_interceptors(os.environ[ENV]) if os.environ[ENV] else None
+    return grpc.aio.insecure_channel(address, interceptors=interceptors)
 
 
 class Mesh:

@@ -51,6 +51,21 @@ def test_rotary_of_strided_qkv_views():
     positions = torch.tensor([0, 3, 64, 300, 511])
     for got, want in zip(cpu_ops.apply_rotary(q, k, positions, cache), reference.apply_rotary(q, k, positions, cache)):
         torch.testing.assert_close(got, want, **TOL)
+    for bad in (512, 10**6, -16):  # a wrong index is an error, never a read outside the cache
+        with pytest.raises(RuntimeError, match=f"position {bad} is outside the rotary cache of 512"):
+            cpu_ops.apply_rotary(q, k, torch.tensor([0, 3, 64, 300, bad]), cache)
+
+
+def test_decode_attention_refuses_rows_outside_the_tables():
+    q = torch.randn(2, 4, 64)
+    k_cache = v_cache = torch.zeros(4, 16, 2, 64)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    ok = cpu_ops.load().decode_attention(q, k_cache, v_cache, tables, torch.tensor([0, 1]), torch.tensor([5, 20]), 0.1)
+    assert ok.shape == q.shape
+    for seqs, lens, words in [([0, 2], [5, 5], "names sequence 2 of 2"), ([0, -1], [5, 5], "names sequence -1"),
+                              ([0, 1], [5, 33], "sees 33 positions"), ([0], [5], "one sequence and one length")]:
+        with pytest.raises(RuntimeError, match=words):
+            cpu_ops.load().decode_attention(q, k_cache, v_cache, tables, torch.tensor(seqs), torch.tensor(lens), 0.1)
 
 
 def test_write_kv_cache_and_bad_slot():

@@ -7,7 +7,6 @@ for that sequence: a failure that no validation can catch, which the sampler mus
 from __future__ import annotations
 
 import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import requests
 import torch
 from safetensors.torch import load_file, save_file
 
-from mesh import Mesh, Router, internal_channel
+from mesh import Mesh, Router
 from parity import prompts
 from stagemesh.sampling_params import SamplingParams
 from stagemesh.v1 import frontend_pb2, frontend_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc

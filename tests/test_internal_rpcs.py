@@ -48,7 +48,7 @@ CASES = [
     ("bytes that do not match the shape", "PushActivations", push(nbytes=10), INVALID, "need 768 bytes"),
     ("a wrong hidden size", "PushActivations", push(shape=(3, 32)), INVALID, "this model's are [tokens, 64]"),
     ("a huge tensor", "PushActivations", push(shape=(1 << 20, 64), nbytes=16), INVALID, "a step has 1 to"),
-    ("a wrong dtype", "PushActivations", push(dtype="int64"), INVALID, "dtype 'int64'"),
+    ("a dtype that is not a float", "PushActivations", push(dtype="int64"), INVALID, "dtype 'int64'"),
     ("a step far ahead", "PushActivations", push(step_id=10**6), PRECONDITION, "each once"),
 ]
 
@@ -78,6 +78,31 @@ def test_crafted_internal_calls_are_refused_and_the_replica_still_serves(mesh, n
             getattr(stage_pb2_grpc.StageStub(channel), method)(request_, timeout=10)
     assert err.value.code() == code and words in err.value.details(), err.value.details()
     tokens, _ = mesh.submit(f"after-{name}", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), timeout=60)
+    assert len(tokens) == 4
+
+
+def join(**fields) -> stage_pb2.JoinPipelineRequest:
+    base = dict(epoch=99, store_host="127.0.0.1", store_port=1, world_size=2, rank_offset=1, tp_sizes=[1, 1],
+                num_kv_blocks=10, max_model_len=64, max_num_batched_tokens=64)
+    return stage_pb2.JoinPipelineRequest(**{**base, **fields})
+
+
+@pytest.mark.parametrize("request_,words", [
+    (join(num_kv_blocks=2**31 - 1), "num_kv_blocks 2147483647: this stage holds 1 to"),
+    (join(tp_sizes=[1, 2], world_size=3), "gives stage 1 TP=2; it has TP=1"),
+    (join(world_size=5), "world_size and rank_offset do not match"),
+    (join(rank_offset=0), "world_size and rank_offset do not match"),
+    (join(tp_sizes=[1]), "do not give stage 1 a place"),
+    (join(tp_sizes=[1, 1, 1], world_size=3), "is the last stage of its model, unlike in this pipeline of 3"),
+    (join(max_model_len=10**6), "outside the model's 512 positions"),
+    (join(store_host=""), "the store's host and port are required"),
+], ids=["kv-blocks", "tp-size", "world-size", "rank-offset", "no-place", "not-last", "max-model-len", "no-store"])
+def test_a_join_that_does_not_fit_the_stage_is_refused_and_the_epoch_goes_on(mesh, request_, words):
+    with internal_channel(mesh.stage_address) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            stage_pb2_grpc.StageStub(channel).JoinPipeline(request_, timeout=10)
+    assert err.value.code() == INVALID and words in err.value.details(), err.value.details()
+    tokens, _ = mesh.submit(f"after-join-{words[:10]}", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(tokens) == 4
 
 

@@ -49,3 +49,22 @@ def test_before_start_a_call_runs_inline_and_a_stopped_loop_fails_what_waits():
     loop.run_until(stop)  # stops at once: the waiting call is failed, not left hanging
     waiter.join(timeout=30)
     assert not waiter.is_alive() and "stopping" in str(outcome[0].value)
+
+
+def test_a_call_whose_caller_gave_up_still_runs_and_the_loop_goes_on():
+    loop, stop = MainLoop(), threading.Event()
+    loop.start()
+    ran = []
+    slow = loop.submit(lambda: (time.sleep(0.2), ran.append("slow")))
+    cancelled = loop.submit(lambda: ran.append("cancelled call"))
+    assert cancelled.cancel()  # its caller went away before it ran (a cancelled RPC)
+    slow_running = threading.Thread(target=loop.run_until, args=(stop, 0.01))
+    slow_running.start()
+    try:
+        slow.result(timeout=5)
+        assert loop.call(threading.get_ident) == slow_running.ident  # the loop thread still serves
+        assert ran == ["slow", "cancelled call"]  # it ran anyway: its place in the order was taken
+    finally:
+        stop.set()
+        slow_running.join(timeout=5)
+    assert not slow_running.is_alive()

@@ -10,11 +10,15 @@ import subprocess
 import sys
 import time
 
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
 import pytest
 import requests
 
 from mesh import Mesh, free_port
 from stagemesh.sampling_params import SamplingParams
+from stagemesh.v1 import scheduler_pb2
 from tiny_models import with_word_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -41,11 +45,19 @@ def test_a_stage_killed_and_restarted_on_its_port_rejoins(tiny_model_dir, tmp_pa
         assert serves_within(mesh, 30, "after") < 30
 
 
-def test_a_restarted_scheduler_gets_its_running_stages_back(tiny_model_dir, tmp_path):
-    with Mesh(tiny_model_dir("llama"), [2, 2], handoff="nccl", log_dir=tmp_path) as mesh:
-        assert len(mesh.submit("before", [5, 6, 7], ASK)[0]) == 6
+@pytest.mark.parametrize("handoff", ["nccl", "grpc"])
+def test_a_scheduler_killed_mid_stream_gets_its_running_stages_back(tiny_model_dir, tmp_path, handoff):
+    with Mesh(tiny_model_dir("llama"), [2, 2], handoff=handoff, log_dir=tmp_path) as mesh:
         stages = [proc.pid for proc in mesh.stages]
-        mesh.kill_scheduler()
+        long = SamplingParams(max_tokens=400, ignore_eos=True)
+        with ThreadPoolExecutor(4) as pool:  # steps in flight when it dies: their RPCs are cancelled
+            streams = [pool.submit(mesh.submit, f"r{i}", [5 + i] * 20, long, 60) for i in range(4)]
+            while mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5).num_running < 4:
+                time.sleep(0.05)
+            mesh.kill_scheduler()
+            for s in streams:
+                with pytest.raises(grpc.RpcError):
+                    s.result(timeout=60)
         mesh.start_scheduler()
         assert serves_within(mesh, 30, "after") < 30
         assert [proc.pid for proc in mesh.stages] == stages and all(p.poll() is None for p in mesh.stages)

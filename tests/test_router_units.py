@@ -78,6 +78,7 @@ def test_json_depth_is_measured_without_recursion_and_ignores_brackets_in_string
     (b'{"prompt": "\\ud800"}', "'prompt' holds a lone UTF-16 surrogate"),
     (b'{"messages": [{"content": "x\\udfff"}]}', "'messages[0].content' holds a lone UTF-16 surrogate"),
     (b'{"a": 1', "not valid JSON"),
+    (b'{"temperature": 1' + b"0" * 5000 + b"}", "Exceeds the limit (4300 digits)"),
     (b"\xff\xfe", "not valid JSON"),
 ])
 def test_bodies_that_cannot_be_text_or_nest_too_deep_are_refused(body, words):
@@ -103,3 +104,14 @@ def test_a_text_longer_than_any_prompt_is_refused_before_tokenizing(default_mode
     limited.check_length(810, "prompt")
     with pytest.raises(APIError, match="'prompt' has 811 characters: more than any prompt this model can take"):
         limited.check_length(811, "prompt")
+
+
+def test_json_depth_is_linear_on_bodies_built_to_make_a_regex_backtrack():
+    import time
+
+    from router.http_body import json_depth
+
+    for body in (b'"' + b'\\"' * 500_000, b'"a' * 500_000, b'["' + b"\\\\" * 500_000 + b'"]'):
+        start = time.perf_counter()
+        json_depth(body)
+        assert time.perf_counter() - start < 1.0  # a quadratic scan takes hours on a megabyte

@@ -27,6 +27,7 @@ LIMITS = StepLimits(vocab_size=384, hidden_size=64, block_size=16, num_kv_blocks
     ({"max_tokens": 2**31}, "max_tokens"), ({"seed": 2**63}, "seed"), ({"logprobs": 21}, "logprobs"),
     ({"stop_token_ids": (2**31,)}, "stop_token_ids"), ({"stop_token_ids": (-1,)}, "stop_token_ids"),
     ({"stop_token_ids": ("a",)}, "stop_token_ids"), ({"temperature": "hot"}, "temperature"),
+    ({"temperature": 10**400}, "temperature"), ({"top_k": 10**400}, "top_k"),
 ])
 def test_sampling_values_out_of_range_or_unrepresentable_are_refused_naming_them(kw, param):
     with pytest.raises(InvalidParameter) as err:
@@ -107,13 +108,14 @@ def activations(shape, dtype="float32", nbytes=None):
 @pytest.mark.parametrize("msg,words", [
     (activations([3, 64], nbytes=10), "need 768 bytes, got 10"),
     (activations([3, 32]), "this model's are [tokens, 64]"),
-    (activations([3, 64], dtype="float16"), "dtype 'float16'"),
+    (activations([3, 64], dtype="int64"), "dtype 'int64'"),
+    (activations([3, 64], dtype="float16"), "need 384 bytes, got 768"),  # half the bytes of float32
     (activations([100, 64]), "a step has 1 to 64"),
     (activations([3, 64, 1]), "this model's are"),
 ])
 def test_activations_that_do_not_fit_the_step_limits_are_refused(msg, words):
     with pytest.raises(InvalidStep, match=words.replace("[", r"\[").replace("]", r"\]")):
-        check_activations(msg, "float32", LIMITS)
+        check_activations(msg, LIMITS)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +128,7 @@ def runner(tiny_model_dir):
 def test_state_checks_know_sequences_and_where_each_continues(runner):
     runner.execute(step())  # sequence 0 holds positions 0..2 in block 4
     cont = StepBatch(2, 0, [], ScheduledChunks([0], [1], [9], [3], [0], [], [True]))
-    runner.check_state(cont)
+    runner.check_state(cont, 128)
     for bad, words in [
         (StepBatch(2, 0, [], ScheduledChunks([0], [1], [9], [5], [0], [], [True])), "continues at position 5; its "
                                                                                      "tokens end at 3"),
@@ -136,10 +138,15 @@ def test_state_checks_know_sequences_and_where_each_continues(runner):
                                                                                   [True])), "already in use"),
         (StepBatch(2, 0, [NewSequence(3, [5] * 40, SamplingParams())],
                    ScheduledChunks([3], [1], [5], [32], [1], [6], [True])), "starts at 32 with 1 KV blocks"),
+        (StepBatch(2, 0, [NewSequence(3, [5], SamplingParams())], ScheduledChunks()), "without a chunk"),
+        (StepBatch(2, 0, [], ScheduledChunks([0], [1], [9], [3], [8], list(range(10, 18)), [True])),
+         "would hold 9 KV blocks; 8 hold max_model_len"),
     ]:
+        before = (dict(runner.seq_lens), {s: list(t) for s, t in runner.block_tables.items()})
         with pytest.raises(InvalidStep, match=words):
-            runner.check_state(bad)
-    runner.execute(cont)  # refusals changed nothing: the good step still runs
+            runner.check_state(bad, 128)
+        assert (runner.seq_lens, runner.block_tables) == before  # a refusal changes nothing
+    runner.execute(cont)  # the good step still runs where the sequence ends
     assert runner.seq_lens[0] == 4
 
 

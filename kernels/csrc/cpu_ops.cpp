@@ -109,8 +109,16 @@ std::vector<at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k, c
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "q and k must have contiguous head_dim");
   const int64_t tokens = q.size(0), dim = q.size(2), half = dim / 2;
   TORCH_CHECK(cos_sin_cache.size(1) == dim, "cos_sin_cache rows must be head_dim wide");
+  TORCH_CHECK(k.size(0) == tokens && k.size(2) == dim, "q and k differ in tokens or head_dim");
   const at::Tensor pos = positions.to(at::kLong).contiguous();
   const at::Tensor cache = cos_sin_cache.contiguous();
+  TORCH_CHECK(pos.numel() == tokens, "one position per token: ", pos.numel(), " for ", tokens);
+  const int64_t num_positions = cache.size(0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t at_t = pos.data_ptr<int64_t>()[t];
+    TORCH_CHECK(at_t >= 0 && at_t < num_positions, "position ", at_t, " is outside the rotary cache of ",
+                num_positions);
+  }
   at::Tensor q_out = at::empty({tokens, q.size(1), dim}, q.options());
   at::Tensor k_out = at::empty({tokens, k.size(1), dim}, k.options());
   const int64_t* p = pos.data_ptr<int64_t>();
@@ -181,10 +189,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), num_blocks = k_cache.size(0);
   TORCH_CHECK(heads % kv_heads == 0, heads, " query heads do not share ", kv_heads, " KV heads evenly");
   TORCH_CHECK(k_cache.size(3) == dim, "q and the KV cache differ in head_dim");
+  TORCH_CHECK(tables.dim() == 2 && seqs.numel() == rows && lens.numel() == rows,
+              "one sequence and one length per query row, and a 2-d block table");
   const int64_t group = heads / kv_heads, width = tables.size(1), row_floats = kv_heads * dim;
   const int32_t *bt = tables.data_ptr<int32_t>(), *sq = seqs.data_ptr<int32_t>(), *ln = lens.data_ptr<int32_t>();
   int64_t max_len = 0;
   for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(sq[r] >= 0 && sq[r] < tables.size(0), "row ", r, " names sequence ", sq[r], " of ", tables.size(0));
     TORCH_CHECK(ln[r] > 0 && ln[r] <= width * block_size, "row ", r, " sees ", ln[r], " positions; its block table holds ",
                 width * block_size);
     for (int64_t b = 0; b < (ln[r] + block_size - 1) / block_size; ++b) {
