@@ -9,19 +9,22 @@ import uuid
 
 from aiohttp import web
 
-from router import responses
+from router import choices, responses
 from router.errors import APIError, bad_request
 from router.http_body import read_json
-from router.generation import Generation, fit_max_tokens, generate, new_request_id, prompt_ids_for
 from router.observe import metrics_handler
-from router.openai_protocol import parse_request
+from router.openapi import openapi_document
+from router.prompts import prepare, render
+from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, validate
 from router.replicas import ReplicaSet
+from router.request import GenerateRequest, chat_options, chat_request, completion_request
 from router.tokenization import Tokenizer
 
 REPLICAS = web.AppKey("replicas", ReplicaSet)
 TOKENIZER = web.AppKey("tokenizer", Tokenizer)
 CONFIG = web.AppKey("config", dict)
 MAX_BODY_BYTES = 32 * 2**20
+MAX_REQUEST_ID = 200
 log = logging.getLogger("stagemesh.router")
 
 
@@ -61,66 +64,84 @@ def _key_matches(request: web.Request, key: str) -> bool:
     return hmac.compare_digest(request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode())
 
 
-async def _json(request: web.Request):
-    return await read_json(request)
-
-
-def _check_model(request: web.Request, model: str) -> None:
-    served = request.app[CONFIG]["served_model_name"]
-    if model != served:
-        raise APIError(404, f"the model '{model}' does not exist; this server serves '{served}'", "model",
-                       "model_not_found")
-
-
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, chat=False)
+    model = validate(CompletionRequest, await read_json(request))
+    return await _generate(request, completion_request(model, request.app[CONFIG]["served_model_name"]))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, chat=True)
+    model = validate(ChatCompletionRequest, await read_json(request))
+    return await _generate(request, chat_request(model, request.app[CONFIG]["served_model_name"]))
 
 
-async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
-    req = parse_request(await _json(request), chat)
-    _check_model(request, req.model)
+def request_id(request: web.Request, req: GenerateRequest) -> str:
+    """X-Request-Id (or the body's request_id, or a new one), the id the request has in logs, traces and the
+    scheduler; the answer's id is it with OpenAI's prefix."""
+    given = request.headers.get("X-Request-Id") or req.request_id
+    if given is None:
+        return uuid.uuid4().hex
+    if not 0 < len(given) <= MAX_REQUEST_ID or not given.isprintable() or not given.isascii():
+        raise bad_request(f"the request id (X-Request-Id or 'request_id') must be 1 to {MAX_REQUEST_ID} printable "
+                          "ASCII characters", "request_id")
+    return given
+
+
+async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamResponse:
     replicas, tokenizer = request.app[REPLICAS], request.app[TOKENIZER]
     if not replicas.healthy():
         raise APIError(503, "no healthy replica: " + "; ".join(f"{r.address}: {r.reason}" for r in replicas.replicas),
                        code="unavailable", retry_after=2)
     max_len = min(filter(None, (replicas.max_model_len, request.app[CONFIG].get("max_model_len"))))
-    prompt_ids = await prompt_ids_for(req, tokenizer)
-    fit_max_tokens(req, len(prompt_ids), max_len)
-    gen = Generation(new_request_id(chat), prompt_ids)
-    created = int(time.time())
-    deltas = generate(req, gen, replicas, tokenizer)
-    try:  # closing the generator cancels the call, so the scheduler aborts the request and frees its blocks
+    base = request_id(request, req)
+    answer_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{base}"
+    prompts = await prepare(req, tokenizer, max_len)
+    gens = choices.plan(req, prompts, answer_id, max_len)
+    echoes = [await _echo_text(req, p, ids, tokenizer) for p, ids in zip(req.prompts or [None], prompts)]
+    answer = responses.Answer(req, answer_id, int(time.time()), gens, tokenizer, echoes)
+    headers = {"X-Request-Id": base}
+    deltas = choices.run(req, gens, replicas, tokenizer)
+    try:  # closing it cancels every choice, so the scheduler aborts them and frees their blocks
         if not req.stream:
-            return web.json_response(await responses.collect(req, gen, deltas, created, tokenizer))
-        return await _stream(request, req, gen, deltas, created, tokenizer)
+            async for gen, delta in deltas:
+                answer.add(gen, delta)
+            return web.json_response(answer.body(), headers=headers)
+        return await _stream(request, req, answer, deltas, headers)
     finally:
         await deltas.aclose()
 
 
-async def _stream(request, req, gen, deltas, created, tokenizer) -> web.StreamResponse:
-    first = await anext(deltas, None)  # errors before the first token still get an HTTP status
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+async def _echo_text(req: GenerateRequest, prompt, ids: list[int], tokenizer: Tokenizer) -> str:
+    """What echo puts before the answer: the prompt (completions), or the final assistant message that the
+    answer continues (chat, with continue_final_message: vLLM's chat echo)."""
+    if not req.echo:
+        return ""
+    if req.chat:
+        last = req.chat_options.messages[-1]
+        return (last["content"] or "") if last["role"] == "assistant" else ""
+    if prompt.text is not None and req.truncate_prompt_tokens is None:
+        return prompt.text
+    return await tokenizer.run(tokenizer.decode, ids, req.skip_special_tokens)
+
+
+async def _stream(request, req, answer, deltas, headers) -> web.StreamResponse:
+    first = await anext(deltas, None)  # errors before the first output still get an HTTP status
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     await resp.prepare(request)
     try:
-        for chunk in responses.stream_head(req, gen, created):
-            await resp.write(responses.sse(chunk))
-        delta = first
-        while delta is not None:
-            await resp.write(responses.sse(responses.stream_chunk(req, gen, created, delta, tokenizer)))
-            delta = await anext(deltas, None)
+        item = first
+        while item is not None:
+            for chunk in answer.chunks(*item):
+                await resp.write(responses.sse(chunk))
+            item = await anext(deltas, None)
         if req.include_usage:
-            await resp.write(responses.sse(responses.usage_chunk(req, gen, created)))
+            await resp.write(responses.sse(answer.usage_chunk()))
     except APIError as err:
         await resp.write(responses.sse(err.body()))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:  # the status line is sent: the error goes in the stream, as an OpenAI error object
         incident = uuid.uuid4().hex[:12]
-        log.exception("unexpected error while streaming %s (incident %s)", gen.request_id, incident)
+        log.exception("unexpected error while streaming %s (incident %s)", answer.id, incident)
         await resp.write(responses.sse(APIError(500, f"internal error (incident {incident})",
                                                 code="internal_error").body()))
     await resp.write(b"data: [DONE]\n\n")
@@ -142,32 +163,46 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    body = await _json(request)
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    tokenizer = request.app[TOKENIZER]
-    if "messages" in body:
-        ids = await prompt_ids_for(parse_request({**body, "model": body.get("model", "")}, chat=True), tokenizer)
-    elif isinstance(body.get("prompt"), str):
-        add_special = body.get("add_special_tokens", True)
-        if not isinstance(add_special, bool):
-            raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
-        tokenizer.check_length(len(body["prompt"]), "prompt")
-        ids = await tokenizer.run(tokenizer.encode, body["prompt"], add_special)
+    m = validate(TokenizeRequest, await read_json(request))
+    tokenizer, served = request.app[TOKENIZER], request.app[CONFIG]["served_model_name"]
+    if m.model is not None and m.model != served:
+        raise APIError(404, f"the model '{m.model}' does not exist; this server serves '{served}'", "model",
+                       "model_not_found")
+    if m.messages is not None:
+        if m.continue_final_message and m.add_generation_prompt:
+            raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                              "continue_final_message")
+        options = chat_options(m.messages, m.add_generation_prompt, m.continue_final_message, m.chat_template,
+                               m.chat_template_kwargs, m.documents)
+        ids = await render(options, tokenizer, bool(m.add_special_tokens))
+    elif m.prompt is not None:
+        tokenizer.check_length(len(m.prompt), "prompt")
+        add_special = True if m.add_special_tokens is None else m.add_special_tokens
+        ids = await tokenizer.run(tokenizer.encode, m.prompt, add_special)
     else:
         raise bad_request("'prompt' (a string) or 'messages' is required", "prompt")
-    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": request.app[REPLICAS].max_model_len})
+    body = {"tokens": ids, "count": len(ids), "max_model_len": request.app[REPLICAS].max_model_len}
+    if m.return_token_strs:
+        body["token_strs"] = await tokenizer.run(tokenizer.tok.convert_ids_to_tokens, ids)
+    return web.json_response(body)
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    body = await _json(request)
-    tokens = body.get("tokens") if isinstance(body, dict) else None
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise bad_request("'tokens' must be an array of integers", "tokens")
+    m = validate(DetokenizeRequest, await read_json(request))
     tokenizer = request.app[TOKENIZER]
-    if any(not 0 <= t < tokenizer.vocab_size for t in tokens):
+    if any(not 0 <= t < tokenizer.vocab_size for t in m.tokens):
         raise bad_request(f"token ids must be in [0, {tokenizer.vocab_size})", "tokens")
-    return web.json_response({"prompt": await tokenizer.run(tokenizer.decode, tokens, False)})
+    return web.json_response({"prompt": await tokenizer.run(tokenizer.decode, m.tokens, False)})
+
+
+async def version(request: web.Request) -> web.Response:
+    from stagemesh import __version__
+
+    return web.json_response({"version": __version__})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
 
 
 def build_app(replicas: ReplicaSet, tokenizer: Tokenizer, config: dict) -> web.Application:
@@ -180,4 +215,6 @@ def build_app(replicas: ReplicaSet, tokenizer: Tokenizer, config: dict) -> web.A
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
+    app.router.add_get("/openapi.json", openapi)
     return app

@@ -67,6 +67,9 @@ async def _main(args: argparse.Namespace) -> int:
                                           None) or served_model_name(model, model_dir)
     config = {"served_model_name": name, "api_key": args.api_key, "max_model_len": args.max_model_len,
               "public_metrics": args.public_metrics}
+    from router.observe import set_model_name
+
+    set_model_name(name)
     from stagemesh import telemetry
 
     if telemetry.enabled():  # a span per HTTP request, its context carried on to the scheduler

@@ -3,24 +3,27 @@ generated stubs on the client side; grpc.health.v1 and reflection included."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from router import choices
 from router.errors import APIError
-from router.generation import Generation, fit_max_tokens, generate, new_request_id, prompt_ids_for
-from router.openai_protocol import GenerateRequest
+from router.prompts import prepare, render
+from router.protocol import ChatMessage
 from router.replicas import ReplicaSet
+from router.request import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_STRINGS, GenerateRequest, Prompt, chat_options
 from router.tokenization import Tokenizer
 from stagemesh import telemetry
 from stagemesh.errors import StagemeshError
 from stagemesh.health import follow
 from stagemesh.service_options import add_port
-from stagemesh.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
+from stagemesh.step_wire import logprob_to_pb
+from stagemesh.v1 import frontend_pb2, frontend_pb2_grpc
 from stagemesh.wire import sampling_from_pb
 
-MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 4096
 STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
           429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
 
@@ -29,18 +32,34 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     def __init__(self, replicas: ReplicaSet, tokenizer: Tokenizer, config: dict):
         self.replicas, self.tokenizer, self.config = replicas, tokenizer, config
 
-    def _request(self, model: str, sampling, stop, chat: bool) -> GenerateRequest:
+    def _request(self, request, chat: bool) -> GenerateRequest:
         served = self.config["served_model_name"]
-        if model and model != served:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{served}'")
+        if request.model and request.model != served:
+            raise APIError(404, f"the model '{request.model}' does not exist; this server serves '{served}'")
         try:
-            params = sampling_from_pb(sampling)
+            params = sampling_from_pb(request.sampling)
         except StagemeshError as err:
             raise APIError(400, str(err)) from None
+        stop = list(request.stop)
         if len(stop) > MAX_STOP_STRINGS or sum(map(len, stop)) > MAX_STOP_CHARS:
             raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings of {MAX_STOP_CHARS} characters in all")
-        return GenerateRequest(model=served, chat=chat, sampling=params, max_tokens_given=sampling.max_tokens > 0,
-                               stop=list(stop), logprobs=params.logprobs is not None)
+        n = request.n or 1
+        if not 1 <= n <= MAX_CHOICES:
+            raise APIError(400, f"n must be in [1, {MAX_CHOICES}]")
+        req = GenerateRequest(model=served, chat=chat, sampling=params, max_tokens_given=request.sampling.max_tokens > 0,
+                              stop=stop, logprobs=params.logprobs is not None, top_logprobs=params.logprobs or 0, n=n)
+        if chat:
+            messages = [ChatMessage(role=m.role, content=m.content) for m in request.messages]
+            if not messages:
+                raise APIError(400, "the conversation is empty")
+            req.chat_options = chat_options(messages, True, False, None, None, None)
+        elif request.WhichOneof("prompt") == "token_ids" and request.token_ids.ids:
+            req.prompts = [Prompt(token_ids=list(request.token_ids.ids))]
+        elif request.WhichOneof("prompt") == "text" and request.text:
+            req.prompts = [Prompt(text=request.text)]
+        else:
+            raise APIError(400, "the prompt is empty")
+        return req
 
     async def Generate(self, request, context):
         async for reply in self._run(request, context, chat=False):
@@ -50,34 +69,23 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         async for reply in self._run(request, context, chat=True):
             yield reply
 
-    def _parse(self, request, chat: bool) -> GenerateRequest:
-        req = self._request(request.model, request.sampling, request.stop, chat)
-        if chat:
-            req.messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        elif request.WhichOneof("prompt") == "token_ids":
-            req.prompt_ids = list(request.token_ids.ids)
-        else:
-            req.prompt_text = request.text
-        if not chat and not (req.prompt_text or req.prompt_ids):
-            raise APIError(400, "the prompt is empty")
-        return req
-
     async def _run(self, request, context, chat: bool):
         try:
-            req = self._parse(request, chat)
-            prompt_ids = await prompt_ids_for(req, self.tokenizer)
-            fit_max_tokens(req, len(prompt_ids), self._max_len())
-            gen = Generation(new_request_id(req.chat), prompt_ids)
-            async for d in generate(req, gen, self.replicas, self.tokenizer):
-                reply = frontend_pb2.GenerateResponse(text=d.text, token_ids=d.token_ids,
-                                                      finish_reason=d.finish_reason or "")
-                reply.logprobs.extend(common_pb2.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
-                                                              top_token_ids=e.top_token_ids,
-                                                              top_logprobs=e.top_logprobs) for e in d.logprobs)
+            req = self._request(request, chat)
+            max_len = self._max_len()
+            prompts = await prepare(req, self.tokenizer, max_len)
+            gens = choices.plan(req, prompts, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", max_len)
+            usage = frontend_pb2.Usage(prompt_tokens=len(prompts[0]))
+            async for gen, d in choices.run(req, gens, self.replicas, self.tokenizer):
+                reply = frontend_pb2.GenerateResponse(text=d.text, token_ids=d.token_ids, index=gen.index,
+                                                      finish_reason=d.finish_reason or "",
+                                                      prompt_logprobs=[logprob_to_pb(e) for e in d.prompt_logprobs],
+                                                      prompt_logprobs_start=d.prompt_logprobs_start)
+                reply.logprobs.extend(logprob_to_pb(e) for e in d.logprobs)
                 if d.finish_reason:
-                    reply.usage.CopyFrom(frontend_pb2.Usage(prompt_tokens=len(prompt_ids),
-                                                            completion_tokens=gen.completion_tokens,
-                                                            cached_tokens=gen.cached_tokens))
+                    usage.completion_tokens = sum(g.completion_tokens for g in gens)
+                    usage.cached_tokens = sum(g.cached_tokens for g in gens)
+                    reply.usage.CopyFrom(usage)
                 yield reply
         except APIError as err:
             await context.abort(STATUS.get(err.status, grpc.StatusCode.INTERNAL), err.message)
@@ -90,9 +98,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     async def Tokenize(self, request, context):
         try:
             if request.WhichOneof("input") == "chat":
-                req = GenerateRequest(model="", chat=True,
-                                      messages=[{"role": m.role, "content": m.content} for m in request.chat.messages])
-                ids = await prompt_ids_for(req, self.tokenizer)
+                messages = [ChatMessage(role=m.role, content=m.content) for m in request.chat.messages]
+                ids = await render(chat_options(messages, True, False, None, None, None), self.tokenizer)
             else:
                 self.tokenizer.check_length(len(request.text), "text")
                 ids = await self.tokenizer.run(self.tokenizer.encode, request.text)

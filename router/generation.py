@@ -1,21 +1,23 @@
-"""One generation through a replica: dispatch (with one retry before the first
-token), detokenize incrementally, apply stop strings, collect logprobs."""
+"""One sequence's generation through a replica: dispatch (with one retry before the first token),
+detokenize incrementally, apply stop strings, collect logprobs and prompt logprobs."""
 from __future__ import annotations
 
-import uuid
+import asyncio
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 import grpc
 
 from router.errors import APIError, bad_request
 from router.observe import RequestRecord
-from router.openai_protocol import GenerateRequest
 from router.replicas import ReplicaSet
+from router.request import GenerateRequest
 from router.submit_stream import RequestFailed
 from router.tokenization import IncrementalDetokenizer, StopStrings, Tokenizer
-from stagemesh.sampling_params import InvalidParameter
+from stagemesh.sampling_params import SamplingParams
+from stagemesh.step import TokenLogprob
+from stagemesh.step_wire import logprob_from_pb
 from stagemesh.v1 import scheduler_pb2
 
 REASONS = {scheduler_pb2.FINISH_REASON_STOP: "stop", scheduler_pb2.FINISH_REASON_LENGTH: "length",
@@ -27,97 +29,104 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 class Delta:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)  # TokenLogprob messages
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string, or a stop token id other than EOS
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens start, start + 1, ...
+    prompt_logprobs_start: int = 0
 
 
 @dataclass
 class Generation:
+    """One sequence of a request: a choice (prompt x n), its own sampling parameters and replica."""
     request_id: str
     prompt_ids: list[int]
+    sampling: SamplingParams
+    index: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
     record: RequestRecord | None = None
+    pin: str | None = None  # a replica it must run on (a sibling shares its prompt's cached blocks there)
+    replica: str | None = None  # where it runs
+    started: asyncio.Event = field(default_factory=asyncio.Event)  # its prompt is computed (or it ended)
 
 
-async def prompt_ids_for(req: GenerateRequest, tokenizer: Tokenizer) -> list[int]:
-    """The request's prompt as token ids (tokenized off the event loop); its token ids checked against the
-    vocabulary, the prompt's and the stop token ids'."""
-    try:
-        req.sampling.check_vocab(tokenizer.vocab_size)
-    except InvalidParameter as err:
-        raise bad_request(str(err), err.param) from None
-    if req.chat:
-        tokenizer.check_length(sum(len(m["content"]) for m in req.messages), "messages")
-        try:
-            return await tokenizer.run(tokenizer.apply_chat_template, req.messages)
-        except APIError:
-            raise
-        except Exception as err:  # a template that rejects the conversation
-            raise bad_request(f"the chat template could not render these messages: {err}", "messages") from None
-    if req.prompt_ids is not None:
-        bad = [t for t in req.prompt_ids if not 0 <= t < tokenizer.vocab_size]
-        if bad:
-            raise bad_request(f"token id {bad[0]} is outside the vocabulary of {tokenizer.vocab_size}", "prompt")
-        return list(req.prompt_ids)
-    tokenizer.check_length(len(req.prompt_text), "prompt")
-    return await tokenizer.run(tokenizer.encode, req.prompt_text)
-
-
-def fit_max_tokens(req: GenerateRequest, prompt_len: int, max_model_len: int) -> None:
+def fit_max_tokens(req: GenerateRequest, sampling: SamplingParams, prompt_len: int, max_model_len: int
+                   ) -> SamplingParams:
     """Default max_tokens to the room left (as vLLM); refuse what cannot fit, with the numbers."""
+    where = "messages" if req.chat else "prompt"
     if not req.max_tokens_given:
         room = max_model_len - prompt_len
         if room < 1:
             raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
-                              f"has {prompt_len} tokens, which leaves no room for a completion.",
-                              "messages" if req.chat else "prompt")
-        from dataclasses import replace
-
-        req.sampling = replace(req.sampling, max_tokens=room)
-        return
-    total = prompt_len + req.sampling.max_tokens
+                              f"has {prompt_len} tokens, which leaves no room for a completion.", where)
+        return sampling if req.echo_only else replace(sampling, max_tokens=room)
+    total = prompt_len + sampling.max_tokens
     if total > max_model_len:
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                          f"{total} tokens ({prompt_len} in the {'messages' if req.chat else 'prompt'}, "
-                          f"{req.sampling.max_tokens} in the completion). Please reduce the length.", "max_tokens")
+                          f"{total} tokens ({prompt_len} in the {where}, {sampling.max_tokens} in the completion). "
+                          "Please reduce the length.", "max_tokens")
+    return sampling
 
 
 async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
                    tokenizer: Tokenizer) -> AsyncIterator[Delta]:
     """Deltas of text (and ids, logprobs) until the request finishes."""
-    detok = IncrementalDetokenizer(tokenizer, req.skip_special_tokens)
-    stops = StopStrings(req.stop)
+    detok = IncrementalDetokenizer(tokenizer, req.skip_special_tokens, req.spaces_between_special_tokens,
+                                   gen.prompt_ids)
+    stops = StopStrings(req.stop, req.include_stop_str_in_output)
+    eos = replicas.eos_token_ids
     gen.record = record = RequestRecord(gen.request_id, len(gen.prompt_ids))
     outcome = "abort"  # unless the request finished: the client went away (or the handler was cancelled)
     try:
         # closed as soon as this generator ends, so that a request left unfinished is aborted at once
-        async with aclosing(_stream(req, gen, replicas)) as replies:
+        async with aclosing(_stream(gen, replicas)) as replies:
             async for reply in replies:
-                if reply.num_prompt_tokens:
-                    gen.cached_tokens = reply.num_cached_tokens
-                gen.completion_tokens += len(reply.token_ids)
-                record.tokens(len(reply.token_ids))
-                text = stops.feed(detok.add(list(reply.token_ids)))
-                reason = REASONS.get(reply.finish_reason)
+                if reply.token_ids or reply.finish_reason:  # the prompt is computed: siblings may follow
+                    gen.started.set()
+                delta = _delta(reply, req, gen, record, replicas)
+                if not req.echo_only:
+                    gen.completion_tokens += len(reply.token_ids)
+                    delta.text = stops.feed(detok.add(delta.token_ids))
                 if stops.stopped is not None:
+                    delta.finish_reason, delta.stop_reason = "stop", stops.stopped
                     record.done(gen.completion_tokens, "stop")  # before the last delta: callers stop reading there
-                    yield Delta(text, list(reply.token_ids), list(reply.logprobs), "stop")
+                    yield delta
                     return  # the scheduler aborts the request
-                if reason is not None:
-                    text += stops.flush()
-                    record.done(gen.completion_tokens, reason)
-                yield Delta(text, list(reply.token_ids), list(reply.logprobs), reason)
-                if reason is not None:
+                if delta.finish_reason is not None:
+                    delta.text += stops.flush()
+                    if reply.HasField("stop_token_id") and reply.stop_token_id not in eos:
+                        delta.stop_reason = reply.stop_token_id
+                    record.done(gen.completion_tokens, delta.finish_reason)
+                yield delta
+                if delta.finish_reason is not None:
                     return
     except APIError as err:
         outcome = "error" if err.status >= 500 else "rejected"
         raise
     finally:
+        gen.started.set()
         record.done(gen.completion_tokens, outcome)  # no-op when the request finished above
 
 
-async def _stream(req: GenerateRequest, gen: Generation, replicas: ReplicaSet):
+def _delta(reply, req: GenerateRequest, gen: Generation, record: RequestRecord, replicas: ReplicaSet) -> Delta:
+    """A reply's tokens, logprobs and prompt logprobs; the timing figures it carries go to the record."""
+    if reply.num_prompt_tokens:
+        gen.cached_tokens = reply.num_cached_tokens
+    if reply.queue_seconds:
+        record.queued(reply.queue_seconds)
+    echo_only = req.echo_only
+    record.tokens(0 if echo_only else len(reply.token_ids))
+    reason = REASONS.get(reply.finish_reason)
+    if echo_only and reason is not None:
+        reason = "length"  # the one token generated to score the prompt is not part of the answer
+    return Delta("", [] if echo_only else list(reply.token_ids),
+                 [] if echo_only else [logprob_from_pb(e) for e in reply.logprobs], reason,
+                 prompt_logprobs=[logprob_from_pb(e) for e in reply.prompt_logprobs],
+                 prompt_logprobs_start=reply.prompt_logprobs_start)
+
+
+async def _stream(gen: Generation, replicas: ReplicaSet):
     if replicas.queue_full():
         raise APIError(429, f"the server is busy: {replicas.num_waiting} requests are already waiting for their "
                             f"first token (--max-waiting-requests {replicas.max_waiting_requests})",
@@ -128,7 +137,7 @@ async def _stream(req: GenerateRequest, gen: Generation, replicas: ReplicaSet):
     last_error: RequestFailed | None = None
     try:
         while True:
-            replica = replicas.pick(gen.prompt_ids, tried)
+            replica = replicas.pick(gen.prompt_ids, tried, gen.pin)
             if replica is None and last_error is not None:
                 raise _api_error(last_error)  # nowhere else to try
             if replica is None:
@@ -136,9 +145,10 @@ async def _stream(req: GenerateRequest, gen: Generation, replicas: ReplicaSet):
                 raise APIError(503, f"no replica can serve this request right now ({reasons})", code="unavailable",
                                retry_after=2)
             tried.add(replica.address)
+            gen.replica = replica.address
             if gen.record is not None:
                 gen.record.replica = replica.address
-            stream = replica.submit(gen.request_id, gen.prompt_ids, req.sampling)
+            stream = replica.submit(gen.request_id, gen.prompt_ids, gen.sampling)
             try:
                 async for reply in stream:
                     if waiting:
@@ -168,7 +178,3 @@ def _api_error(err: RequestFailed) -> APIError:
     if code == grpc.StatusCode.UNAVAILABLE:
         return APIError(503, f"the replica failed: {details}", code="unavailable", retry_after=2)
     return APIError(500, f"{code.name}: {details}", code="internal_error")
-
-
-def new_request_id(chat: bool) -> str:
-    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

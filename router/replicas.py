@@ -79,11 +79,11 @@ class Replica:
 
     def _set_load(self, stats) -> None:
         self.num_running, self.num_waiting, self.dispatched = stats.num_running, stats.num_waiting, 0
-        replica_state(self.address, self.healthy, self.num_running, self.num_waiting)
+        replica_state(self.address, self.healthy, stats)
 
     def _set_health(self, healthy: bool, reason: str) -> None:
         was, self.healthy, self.reason = self.healthy, healthy, reason
-        replica_state(self.address, healthy, self.num_running, self.num_waiting)
+        replica_state(self.address, healthy)
         if was != healthy:
             log.log(logging.INFO if healthy else logging.WARNING, "replica %s is now %s%s", self.address,
                     "healthy" if healthy else "UNHEALTHY", "" if healthy else f": {reason}")
@@ -129,9 +129,17 @@ class ReplicaSet:
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]
 
-    def pick(self, prompt: list[int], exclude: set[str] = frozenset()) -> Replica | None:
+    def pick(self, prompt: list[int], exclude: set[str] = frozenset(), pin: str | None = None) -> Replica | None:
+        """A healthy replica for the prompt (the pinned one while it is healthy: siblings share its cache)."""
         candidates = [r for r in self.healthy() if r.address not in exclude]
+        pinned = [r for r in candidates if r.address == pin]
+        if pinned:
+            return pinned[0]
         return self.policy.pick(candidates, prompt) if candidates else None
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(t for r in self.replicas for t in r.eos_token_ids)
 
     @property
     def max_model_len(self) -> int:

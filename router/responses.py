@@ -1,96 +1,198 @@
-"""OpenAI response bodies: whole answers, stream chunks, usage, logprobs."""
+"""OpenAI response bodies, whole or streamed, in vLLM's shapes: choices (prompt x n), usage, logprobs,
+prompt logprobs, echo, stop_reason, token ids."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 from router.generation import Delta, Generation
-from router.openai_protocol import GenerateRequest
+from router.request import GenerateRequest
 from router.tokenization import Tokenizer
+from stagemesh.step import TokenLogprob
 
 
 def sse(obj: dict) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
-def usage(gen: Generation) -> dict:
-    out = {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": gen.completion_tokens,
-           "total_tokens": len(gen.prompt_ids) + gen.completion_tokens}
-    if gen.cached_tokens:
-        out["prompt_tokens_details"] = {"cached_tokens": gen.cached_tokens}
-    return out
+@dataclass
+class Choice:
+    """What one choice has said so far, to build its whole answer or its next chunk."""
+    gen: Generation
+    echo: str = ""  # text sent before the generated text (completions echo, chat's continued message)
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    offset: int = 0  # characters of this choice's text already covered by logprobs' text_offset
+    opened: bool = False  # a stream has sent its first chunk
+
+    def add(self, d: Delta) -> None:
+        self.text += d.text
+        self.token_ids += d.token_ids
+        self.logprobs += d.logprobs
+        self.prompt_logprobs += d.prompt_logprobs
+        self.finish_reason = d.finish_reason or self.finish_reason
+        self.stop_reason = d.stop_reason if d.stop_reason is not None else self.stop_reason
 
 
-def _head(req: GenerateRequest, gen: Generation, created: int, chunk: bool) -> dict:
-    kind = ("chat.completion" if req.chat else "text_completion") + (".chunk" if chunk and req.chat else "")
-    return {"id": gen.request_id, "object": kind, "created": created, "model": req.model}
+class Answer:
+    """The response of one request: its choices, usage, and how each piece is written."""
 
+    def __init__(self, req: GenerateRequest, request_id: str, created: int, gens: list[Generation],
+                 tokenizer: Tokenizer, echo_texts: list[str]):
+        self.req, self.id, self.created, self.tokenizer = req, request_id, created, tokenizer
+        self.choices = [Choice(g, echo_texts[g.index // req.n] if req.echo else "") for g in gens]
+        self.by_gen = {id(c.gen): c for c in self.choices}
+        self.firsts = {}  # each prompt's first choice: the one that has its prompt logprobs
+        for c in self.choices:
+            self.firsts.setdefault(c.gen.index // req.n, c)
 
-def _chat_logprobs(entries, tokenizer: Tokenizer) -> dict:
-    def item(token_id: int, logprob: float) -> dict:
-        text = tokenizer.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    # -- whole answers ---------------------------------------------------------------
+    def add(self, gen: Generation, d: Delta) -> Choice:
+        choice = self.by_gen[id(gen)]
+        choice.add(d)
+        return choice
 
-    return {"content": [{**item(e.token_id, e.logprob),
-                         "top_logprobs": [item(t, lp) for t, lp in zip(e.top_token_ids, e.top_logprobs)]}
-                        for e in entries]}
+    def body(self) -> dict:
+        req = self.req
+        out = {**self._head(chunk=False), "choices": [self._choice(c) for c in self.choices], "usage": self.usage()}
+        if req.chat and req.sampling.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self._prompt_logprobs(self.firsts[0])
+        if req.chat and req.return_token_ids:
+            out["prompt_token_ids"] = self.choices[0].gen.prompt_ids
+        return out
 
+    def _choice(self, c: Choice) -> dict:
+        req = self.req
+        choice = {"index": c.gen.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if req.chat:
+            choice["message"] = {"role": "assistant", "content": c.echo + c.text}
+            choice["logprobs"] = self._chat_logprobs(c.logprobs) if req.logprobs else None
+        else:
+            choice["text"] = c.echo + c.text
+            choice["logprobs"] = self._completion_logprobs(c, c.token_ids, c.logprobs, echo=True) \
+                if req.logprobs else None
+            if req.sampling.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._prompt_logprobs(self.firsts[c.gen.index // req.n])
+        if req.return_token_ids:
+            choice["token_ids"] = c.token_ids
+            if not req.chat:
+                choice["prompt_token_ids"] = c.gen.prompt_ids
+        return choice
 
-def _completion_logprobs(entries, tokenizer: Tokenizer, offset: int) -> dict:
-    tokens, offsets = [], []
-    for e in entries:
-        tokens.append(tokenizer.token_text(e.token_id))
-        offsets.append(offset)
-        offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{tokenizer.token_text(t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs)}
-                             for e in entries],
-            "text_offset": offsets}
+    def usage(self) -> dict:
+        prompts = [c.gen for c in self.firsts.values()]
+        prompt = sum(len(g.prompt_ids) for g in prompts)
+        completion = sum(c.gen.completion_tokens for c in self.choices)
+        out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(c.gen.cached_tokens for c in self.choices)
+        if cached:
+            out["prompt_tokens_details"] = {"cached_tokens": cached}
+        return out
 
+    # -- streamed answers ------------------------------------------------------------------
+    def chunks(self, gen: Generation, d: Delta) -> list[dict]:
+        """The stream chunks for a delta of one choice (its opening chunk first, the first time)."""
+        c = self.by_gen[id(gen)]
+        if not d.token_ids and not d.finish_reason and not d.text:  # prompt logprobs only: kept for the echo
+            c.prompt_logprobs += d.prompt_logprobs
+            return []
+        c.prompt_logprobs += d.prompt_logprobs
+        d.prompt_logprobs = []
+        out = []
+        if not c.opened:
+            c.opened = True
+            out += self._opening(c)
+        logprobs = None
+        if self.req.logprobs:
+            logprobs = self._chat_logprobs(d.logprobs) if self.req.chat else \
+                self._completion_logprobs(c, d.token_ids, d.logprobs, echo=False)
+        c.add(d)
+        if self.req.chat:
+            delta = {"content": d.text} if d.text or not d.finish_reason else {}
+            out.append(self._chunk({"index": c.gen.index, "delta": delta, "logprobs": logprobs,
+                                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}, d, c))
+        else:
+            out.append(self._chunk({"index": c.gen.index, "text": d.text, "logprobs": logprobs,
+                                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}, d, c))
+        return out
 
-def _logprobs(req, entries, tokenizer, offset=0):
-    if not req.logprobs:
-        return None
-    return _chat_logprobs(entries, tokenizer) if req.chat else _completion_logprobs(entries, tokenizer, offset)
+    def _opening(self, c: Choice) -> list[dict]:
+        req = self.req
+        if req.chat:
+            return [self._chunk({"index": c.gen.index, "delta": {"role": "assistant", "content": c.echo},
+                                 "logprobs": None, "finish_reason": None}, None, c)]
+        if not c.echo:
+            return []
+        logprobs = self._completion_logprobs(c, [], [], echo=True) if req.logprobs else None
+        return [self._chunk({"index": c.gen.index, "text": c.echo, "logprobs": logprobs, "finish_reason": None},
+                            None, c)]
 
+    def _chunk(self, choice: dict, d: Delta | None, c: Choice) -> dict:
+        req = self.req
+        if req.return_token_ids:
+            choice["token_ids"] = list(d.token_ids) if d is not None else []
+        body = {**self._head(chunk=True), "choices": [choice]}
+        if req.include_usage:
+            body["usage"] = self.usage() if req.continuous_usage else None
+        return body
 
-async def collect(req: GenerateRequest, gen: Generation, deltas, created: int, tokenizer: Tokenizer) -> dict:
-    text, ids, entries, reason = "", [], [], None
-    async for d in deltas:
-        text, reason = text + d.text, d.finish_reason or reason
-        ids.extend(d.token_ids)
-        entries.extend(d.logprobs)
-    if req.echo and not req.chat:
-        text = (req.prompt_text or tokenizer.decode(gen.prompt_ids)) + text
-    choice = {"index": 0, "finish_reason": reason, "logprobs": _logprobs(req, entries, tokenizer)}
-    if req.chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    if req.return_token_ids:
-        choice["token_ids"] = ids
-    return {**_head(req, gen, created, chunk=False), "choices": [choice], "usage": usage(gen)}
+    def usage_chunk(self) -> dict:
+        return {**self._head(chunk=True), "choices": [], "usage": self.usage()}
 
+    def _head(self, chunk: bool) -> dict:
+        kind = ("chat.completion" if self.req.chat else "text_completion") + (".chunk" if chunk and self.req.chat
+                                                                              else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.req.model}
 
-def stream_head(req: GenerateRequest, gen: Generation, created: int) -> list[dict]:
-    if not req.chat:
-        return []
-    return [{**_head(req, gen, created, True),
-             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
+    # -- logprobs ---------------------------------------------------------------------------
+    def _token(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.req.return_tokens_as_token_ids else self.tokenizer.token_text(token_id)
 
+    def _chat_logprobs(self, entries: list[TokenLogprob]) -> dict:
+        def item(token_id: int, logprob: float) -> dict:
+            text = self._token(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-def stream_chunk(req: GenerateRequest, gen: Generation, created: int, d: Delta, tokenizer: Tokenizer) -> dict:
-    choice = {"index": 0, "finish_reason": d.finish_reason, "logprobs": _logprobs(req, d.logprobs, tokenizer)}
-    if req.chat:
-        choice["delta"] = {"content": d.text} if d.text or not d.finish_reason else {}
-    else:
-        choice["text"] = d.text
-    if req.return_token_ids:
-        choice["token_ids"] = d.token_ids
-    body = {**_head(req, gen, created, True), "choices": [choice]}
-    if req.include_usage:
-        body["usage"] = None
-    return body
+        return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [
+            item(t, lp) for t, lp in zip(e.top_token_ids, e.top_logprobs)]} for e in entries]}
 
+    def _completion_logprobs(self, c: Choice, token_ids: list[int], entries: list[TokenLogprob], echo: bool) -> dict:
+        """tokens / token_logprobs / top_logprobs / text_offset; with echo the prompt's tokens first (the very
+        first with no logprob), offsets counted over the choice's whole text."""
+        tokens, values, tops, offsets = [], [], [], []
+        if echo and c.echo:
+            scored = self.firsts[c.gen.index // self.req.n].prompt_logprobs
+            for i, token_id in enumerate(c.gen.prompt_ids):
+                e = scored[i - 1] if 0 < i <= len(scored) else None
+                self._one(tokens, values, tops, offsets, c, token_id, e)
+        for token_id, e in zip(token_ids, entries or [None] * len(token_ids)):
+            self._one(tokens, values, tops, offsets, c, token_id, e)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
-def usage_chunk(req: GenerateRequest, gen: Generation, created: int) -> dict:
-    return {**_head(req, gen, created, True), "choices": [], "usage": usage(gen)}
+    def _one(self, tokens, values, tops, offsets, c: Choice, token_id: int, e: TokenLogprob | None) -> None:
+        text = self._token(token_id)
+        tokens.append(text)
+        offsets.append(c.offset)
+        c.offset += len(self.tokenizer.token_text(token_id))
+        values.append(e.logprob if e is not None else None)
+        if e is None:
+            tops.append(None)
+            return
+        top = {self._token(t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs)}
+        top.setdefault(text, e.logprob)  # the token itself, as vLLM adds it (up to N + 1 entries)
+        tops.append(top)
+
+    def _prompt_logprobs(self, first: Choice) -> list:
+        """vLLM's prompt_logprobs: None for the first prompt token, then {token id: {logprob, rank,
+        decoded_token}} with the token itself and the top N."""
+        out = [None]
+        for e in first.prompt_logprobs:
+            entry = {str(t): {"logprob": lp, "rank": rank, "decoded_token": self._token(t)}
+                     for rank, (t, lp) in enumerate(zip(e.top_token_ids, e.top_logprobs), start=1)}
+            entry[str(e.token_id)] = {"logprob": e.logprob, "rank": e.rank, "decoded_token": self._token(e.token_id)}
+            out.append(entry)
+        return out

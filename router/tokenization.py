@@ -53,15 +53,22 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens)
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+               ) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens,
+                               spaces_between_special_tokens=spaces_between_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template: str | None = None, documents: list | None = None, **kwargs) -> str:
+        """The conversation as the chat template writes it (a request's own template, if it gives one)."""
+        if not (chat_template or self.tok.chat_template):
+            raise StagemeshError("this model has no chat template; give 'chat_template' or use /v1/completions")
+        return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message, chat_template=chat_template,
+                                            documents=documents, tokenize=False, **kwargs)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        if not self.tok.chat_template:
-            raise StagemeshError("this model has no chat template; use /v1/completions")
-        out = self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                           return_dict=True)
-        return list(out["input_ids"])
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
         return self.tok.decode([token_id])
@@ -72,28 +79,34 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Text deltas whose concatenation is exactly decode(all ids).
+    """Text deltas whose concatenation is decode(all ids), in time independent of the output's length.
 
-    Decoding a window of recent ids and emitting only what is past the
-    previously emitted text handles multi-token characters and the
-    tokenizer's spacing rules; an incomplete UTF-8 character ("\ufffd") is
-    held back until the next token completes it.
+    Each step decodes only a window: the tokens from the last emitted boundary on, beside the same
+    window without the new tokens; the difference is the new text (a tokenizer's spacing rules see
+    the tokens before). An incomplete UTF-8 character ("\ufffd") is held back until the next token
+    completes it.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+    CONTEXT = 5  # prompt tokens the first window starts with (vLLM's initial offset)
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True, prompt_ids: list[int] = ()):
         self.tokenizer = tokenizer
-        self.skip = skip_special_tokens
-        self.ids: list[int] = []
-        self.text = ""
+        self.options = {"skip_special_tokens": skip_special_tokens,
+                        "spaces_between_special_tokens": spaces_between_special_tokens}
+        # the prompt's last tokens are the first window's context, so that the first token's text is what
+        # it is after the prompt (a leading space, say), as vLLM's text is
+        self.ids: list[int] = list(prompt_ids[-self.CONTEXT:])
+        self.prefix, self.read = 0, len(self.ids)  # ids[prefix:read] were emitted; the window starts at prefix
 
     def add(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
-        if full.endswith("\ufffd"):
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read], **self.options)
+        after = self.tokenizer.decode(self.ids[self.prefix:], **self.options)
+        if after.endswith("\ufffd") or len(after) <= len(before):
             return ""
-        delta = full[len(self.text):] if full.startswith(self.text) else full
-        self.text = full
-        return delta
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
 
 
 class StopStrings:
@@ -102,8 +115,9 @@ class StopStrings:
     Holds back the tail that could still be the start of a stop string.
     """
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include: bool = False):
         self.stops = [s for s in stops if s]
+        self.include = include  # include_stop_str_in_output: the stop string ends the text
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.pending = ""
         self.stopped: str | None = None
@@ -116,7 +130,7 @@ class StopStrings:
         cut = min(((self.pending.find(s), s) for s in self.stops if s in self.pending), default=None)
         if cut is not None:
             self.stopped = cut[1]
-            out, self.pending = self.pending[:cut[0]], ""
+            out, self.pending = self.pending[:cut[0] + (len(cut[1]) if self.include else 0)], ""
             return out
         if not self.hold:
             out, self.pending = self.pending, ""

@@ -39,8 +39,8 @@ from stagemesh import telemetry
 from stagemesh.errors import StagemeshError
 from stagemesh.sampling_params import SamplingParams
 from stagemesh.service_options import aio_channel
-from stagemesh.step import SampledToken
-from stagemesh.step_wire import sampled_from_pb, step_to_pb
+from stagemesh.step import PromptLogprobs, SampledToken
+from stagemesh.step_wire import prompt_logprobs_from_pb, sampled_from_pb, step_to_pb
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.scheduler")
@@ -234,9 +234,10 @@ class Driver:
         self.compute_seconds += compute
         try:
             sampled = self._sampled(output, replies[-1].sampled)
+            scored = self._prompt_logprobs(output, replies[-1].sampled)
         except StagemeshError as err:  # the last stage answered nonsense: it is broken, not the requests
             raise StageFailure(sent.calls[-1][0], str(err)) from None
-        outputs = scheduler.update_from_output(output, sampled)
+        outputs = scheduler.update_from_output(output, sampled, scored)
         self._in_flight.discard(asyncio.current_task())
         self._launch()  # the next micro-batch first: the streams are served while the stages compute it
         self._dispatch(outputs)
@@ -260,6 +261,20 @@ class Driver:
             raise StagemeshError(f"every one of the {rows} sequences of the step failed to sample "
                                  f"({msg.errors[0]})")
         return sampled_from_pb(msg)
+
+    def _prompt_logprobs(self, output: SchedulerOutput, msg: stage_pb2.SampledTokens) -> list[PromptLogprobs]:
+        """The last stage's prompt logprobs, checked: of sequences in the step, within their chunk."""
+        if not msg.prompt_logprobs:
+            return []
+        c = output.step_batch.chunks
+        spans = {seq_id: (start, start + n) for seq_id, start, n in zip(c.seq_ids, c.start_positions, c.num_tokens)}
+        vocab = self.cfg.vocab_size or (1 << 31)
+        for p in msg.prompt_logprobs:
+            lo, hi = spans.get(p.seq_id, (0, -1))
+            if not lo < p.start <= hi or p.start + len(p.logprobs) - 1 > hi or \
+                    any(not 0 <= e.token_id < vocab for e in p.logprobs):
+                raise StagemeshError(f"the stage scored prompt tokens outside sequence {p.seq_id}'s chunk")
+        return prompt_logprobs_from_pb(msg)
 
     @staticmethod
     async def _reply(stage: StageInfo, call) -> stage_pb2.ForwardResponse:

@@ -52,7 +52,7 @@ class LocalEngine:
         for runner in self.runners:
             result = runner.execute(output.step_batch, hidden)
             hidden = result.hidden_states
-        return self.scheduler.update_from_output(output, result.sampled)
+        return self.scheduler.update_from_output(output, result.sampled, result.prompt_logprobs)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
         """Token ids generated for each prompt, in order."""

@@ -38,4 +38,7 @@ def merged(first: RequestOutput, later: RequestOutput) -> RequestOutput:
     """One output with the tokens of both; the prompt figures of the first, the finish of the later."""
     return RequestOutput(first.request_id, first.new_token_ids + later.new_token_ids,
                          first.new_logprobs + later.new_logprobs, later.finish_reason, later.stop_token_id,
-                         later.error, later.own_fault, first.num_prompt_tokens, first.num_cached_tokens)
+                         later.error, later.own_fault, first.num_prompt_tokens, first.num_cached_tokens,
+                         first.prompt_logprobs + later.prompt_logprobs,
+                         first.prompt_logprobs_start if first.prompt_logprobs else later.prompt_logprobs_start,
+                         first.queue_seconds if first.queue_seconds is not None else later.queue_seconds)

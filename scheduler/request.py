@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from stagemesh.sampling_params import SamplingParams
-from stagemesh.step import SampledToken
+from stagemesh.step import SampledToken, TokenLogprob
 
 
 class Status(enum.Enum):
@@ -28,7 +28,9 @@ class Request:
     in_flight: int = 0  # steps scheduled whose results are not back
     num_pending: int = 0  # of those, steps that sample a token (its id is not known yet)
     num_preemptions: int = 0
+    num_prompt_logprobs: int = 0  # prompt logprobs delivered (positions 1.. of the prompt)
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
     # prompt + output, kept up to date by append_output (the scheduler reads it every step)
     all_token_ids: list[int] = field(init=False, repr=False)
 
@@ -57,6 +59,10 @@ class RequestOutput:
     own_fault: bool = False
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # logprobs of prompt tokens prompt_logprobs_start, ... (in order, before the first token)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_start: int = 0
+    queue_seconds: float | None = None  # arrival to first scheduling, on the request's first output
 
     @property
     def finished(self) -> bool:

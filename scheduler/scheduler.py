@@ -20,6 +20,7 @@ requests out (a pipeline runs ahead only where a micro-batch would be empty).
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -28,7 +29,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.request import Request, RequestOutput, Status
 from stagemesh.errors import StagemeshError
 from stagemesh.sampling_params import SamplingParams, check_token_ids
-from stagemesh.step import PLACEHOLDER, NewSequence, SampledToken, ScheduledChunks, StepBatch
+from stagemesh.step import PLACEHOLDER, NewSequence, PromptLogprobs, SampledToken, ScheduledChunks, StepBatch
 
 
 MAX_REQUEST_ID_LEN = 256
@@ -176,7 +177,9 @@ class Scheduler:
         while (self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs
                and len(budget.chunks) < budget.seqs):
             request = self.waiting[0]
-            cached = self.kv.find_cached_prefix(request.all_token_ids)
+            # a request that scores its prompt needs every position computed: no prefix-cache hit (as vLLM)
+            cached = [] if request.sampling.prompt_logprobs is not None else \
+                self.kv.find_cached_prefix(request.all_token_ids)
             num_cached = len(cached) * self.config.block_size
             num_new = min(request.num_tokens - num_cached, budget.tokens)
             new_blocks = self.kv.allocate(request.request_id, num_cached + num_new, cached)
@@ -187,6 +190,8 @@ class Scheduler:
                 self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             request.status = Status.RUNNING
             request.seq_id = next(self._seq_ids)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.num_computed_tokens = num_cached
             if not request.output_token_ids:
                 request.num_cached_tokens = num_cached
@@ -234,8 +239,10 @@ class Scheduler:
         self.recent_preemptions.append(request.request_id)
         self.waiting.appendleft(request)
 
-    def update_from_output(self, output: SchedulerOutput, sampled: list[SampledToken]) -> list[RequestOutput]:
+    def update_from_output(self, output: SchedulerOutput, sampled: list[SampledToken],
+                           prompt_logprobs: list[PromptLogprobs] = ()) -> list[RequestOutput]:
         by_seq = {s.seq_id: s for s in sampled}
+        scored = {p.seq_id: p for p in prompt_logprobs}
         results, bs, c = [], self.config.block_size, output.step_batch.chunks
         for request_id, seq_id, start, n, sample in zip(output.request_ids, c.seq_ids, c.start_positions,
                                                         c.num_tokens, c.sample):
@@ -247,7 +254,10 @@ class Scheduler:
                 # (only tokens whose ids are known: a step ahead may be computing the next one)
                 self.kv.cache_full_blocks(request_id, request.all_token_ids,
                                           min(request.num_computed_tokens, request.num_tokens))
+            scores = self._new_prompt_logprobs(request, scored.get(seq_id))
             if not sample:
+                if scores is not None:
+                    results.append(scores)
                 continue
             request.num_pending -= 1
             token = by_seq.get(seq_id)
@@ -260,12 +270,31 @@ class Scheduler:
             result = RequestOutput(request_id, [token.token_id], [token] if token.logprob is not None else [],
                                    num_prompt_tokens=len(request.prompt_token_ids),
                                    num_cached_tokens=request.num_cached_tokens)
+            if scores is not None:
+                result.prompt_logprobs, result.prompt_logprobs_start = scores.prompt_logprobs, \
+                    scores.prompt_logprobs_start
+            if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:
+                result.queue_seconds = request.first_scheduled_time - request.arrival_time
             reason, stop_id = self._stop_reason(request, token.token_id)
             if reason is not None:
                 self._finish(request, reason)
                 result.finish_reason, result.stop_token_id = reason, stop_id
             results.append(result)
         return results
+
+    @staticmethod
+    def _new_prompt_logprobs(request: Request, scores: PromptLogprobs | None) -> RequestOutput | None:
+        """The prompt logprobs a chunk brought that the request has not had yet (a preempted request's
+        prompt is scored again when it is recomputed)."""
+        if scores is None:
+            return None
+        skip = request.num_prompt_logprobs + 1 - scores.start  # positions 1.. delivered so far
+        if skip < 0 or skip >= len(scores.entries):
+            return None
+        request.num_prompt_logprobs += len(scores.entries) - skip
+        return RequestOutput(request.request_id, prompt_logprobs=scores.entries[skip:],
+                             prompt_logprobs_start=scores.start + skip,
+                             num_prompt_tokens=len(request.prompt_token_ids))
 
     def _stop_reason(self, request: Request, token_id: int) -> tuple[str | None, int | None]:
         p = request.sampling

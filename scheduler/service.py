@@ -16,6 +16,7 @@ from stagemesh import telemetry
 from stagemesh.errors import StagemeshError
 from stagemesh.health import follow
 from stagemesh.service_options import add_port, aio_server
+from stagemesh.step_wire import logprob_to_pb
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from stagemesh.wire import sampling_from_pb
 
@@ -167,6 +168,11 @@ def _fill_output(reply: scheduler_pb2.SubmitResponse, out: RequestOutput, first:
     for t in out.new_logprobs:
         reply.logprobs.add(token_id=t.token_id, logprob=t.logprob, top_token_ids=t.top_token_ids,
                            top_logprobs=t.top_logprobs)
+    if out.prompt_logprobs:
+        reply.prompt_logprobs.extend(logprob_to_pb(e) for e in out.prompt_logprobs)
+        reply.prompt_logprobs_start = out.prompt_logprobs_start
+    if out.queue_seconds is not None:
+        reply.queue_seconds = out.queue_seconds
     if first:
         reply.num_prompt_tokens, reply.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
     if out.finish_reason:

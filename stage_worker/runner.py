@@ -13,7 +13,8 @@ import torch
 
 from stagemesh.errors import StagemeshError
 from stagemesh.model_config import ModelConfig
-from stagemesh.step import SampledToken, StepBatch
+from stagemesh.step import PromptLogprobs, SampledToken, StepBatch
+from stage_worker import prompt_logprobs
 from stage_worker.layers import pack_weights_for_cpu
 from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from stage_worker.model import AttentionMetadata, StageModel
@@ -28,6 +29,7 @@ class StageOutput:
     hidden_states: torch.Tensor | None = None  # non-last stages: [num_tokens, hidden]
     sampled: list[SampledToken] = field(default_factory=list)  # last stage, TP rank 0
     logits: torch.Tensor | None = None  # [num_sampled, vocab] fp32, when asked
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # last stage, TP rank 0
 
 
 def check_layer_range(cfg: ModelConfig, layer_start: int, layer_end: int) -> None:
@@ -77,7 +79,7 @@ class StageRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables: dict[int, list[int]] = {}
         self.seq_lens: dict[int, int] = {}  # tokens of each sequence whose KV the steps so far compute
-        self.sampler = Sampler(device=self.device) if self.is_last_stage else None
+        self.sampler = Sampler(self.device, cfg.eos_token_ids) if self.is_last_stage else None
         # decode steps replay CUDA graphs (TP=1 on CUDA; TP>1 and CPU run eagerly: see stage_worker/cuda_graphs.py)
         self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and tp_size == 1
         self.max_graph_batch = max_graph_batch
@@ -118,7 +120,9 @@ class StageRunner:
             return StageOutput()
         input_ids, meta, sample_rows, sample_ids = self._prepare(batch)
         graphs, num_tokens = self.graphs, meta.positions.shape[0]
-        if graphs is not None and graphs.can_run(len(batch.chunks), num_tokens, meta.block_tables.shape[1]):
+        scored = prompt_logprobs.pieces_of(batch, self.sampler.seqs) if self.sampler is not None else []
+        if not scored and graphs is not None and graphs.can_run(len(batch.chunks), num_tokens,
+                                                                 meta.block_tables.shape[1]):
             out = graphs.run(input_ids, hidden_states, meta)  # the next replay reuses this buffer: copy what is kept
             if not self.is_last_stage:
                 return StageOutput(hidden_states=out.clone())
@@ -130,10 +134,12 @@ class StageRunner:
             if not self.is_last_stage:
                 return StageOutput(hidden_states=hidden)
             logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None
+            if scored:  # every TP rank takes part (the LM head all-gathers); rank 0 keeps the results
+                scored = prompt_logprobs.compute(scored, hidden, self.model.compute_logits, self.tp.rank == 0)
         if not sample_rows:
-            return StageOutput()
+            return StageOutput(prompt_logprobs=scored)
         sampled = self.sampler.sample(logits, sample_ids) if self.tp.rank == 0 else []
-        return StageOutput(sampled=sampled, logits=logits if return_logits else None)
+        return StageOutput(sampled=sampled, logits=logits if return_logits else None, prompt_logprobs=scored)
 
     def fill_placeholders(self, batch: StepBatch, tokens: list[int] | None = None) -> None:
         """Async scheduling: put each sequence's last sampled token where the step has PLACEHOLDER (it was

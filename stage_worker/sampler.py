@@ -1,6 +1,7 @@
 """Sampling on the last stage: logits in, one token per sequence out.
 
-Penalties, temperature, top-k / top-p / min-p, per-request seeds and logprobs.
+The request's token controls and penalties (stage_worker.logits_processors), temperature, top-k /
+top-p / min-p, per-request seeds and logprobs (of the model's distribution, before any processing).
 A seeded request draws its n-th token from a generator seeded with (seed, n),
 so its output does not depend on what else is in the batch.
 
@@ -10,44 +11,41 @@ request; the rest of the batch is sampled as usual.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from stagemesh.sampling_params import SamplingParams
 from stagemesh.step import NewSequence, SampledToken
-
-
-@dataclass
-class _SeqState:
-    params: SamplingParams
-    prompt: list[int]
-    output: list[int] = field(default_factory=list)
+from stage_worker.logits_processors import SequenceState, needs_processing, process_row
 
 
 class Sampler:
-    def __init__(self, device: str | torch.device = "cpu"):
+    def __init__(self, device: str | torch.device = "cpu", eos_token_ids: tuple[int, ...] = ()):
         self.device = torch.device(device)
-        self.seqs: dict[int, _SeqState] = {}
+        self.eos_token_ids = tuple(eos_token_ids)  # min_tokens keeps them from being sampled early
+        self.seqs: dict[int, SequenceState] = {}
         self._unseeded = torch.Generator(device="cpu").manual_seed(torch.initial_seed() % (2**63))
 
     def add_sequence(self, seq: NewSequence) -> None:
-        self.seqs[seq.seq_id] = _SeqState(seq.sampling, list(seq.prompt_token_ids), list(seq.output_token_ids))
+        self.seqs[seq.seq_id] = SequenceState(seq.sampling, list(seq.prompt_token_ids), list(seq.output_token_ids))
 
     def remove_sequence(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
 
     def sample(self, logits: torch.Tensor, seq_ids: list[int]) -> list[SampledToken]:
         states = [self.seqs[s] for s in seq_ids]
-        logits = logits.float()
-        if any(_has_penalty(s.params) for s in states):
-            logits = self._apply_penalties(logits.clone(), states)
-        logprobs_raw = None
-        if any(s.params.logprobs is not None for s in states):
-            logprobs_raw = torch.log_softmax(logits, dim=-1)
-        # one host sync for both: NaN or inf anywhere in a row shows in its max
-        token_list, finite = torch.stack((logits.argmax(dim=-1), torch.isfinite(logits.amax(dim=-1)))).tolist()
-        errors = {i: "the model's logits for this sequence are not finite" for i, ok in enumerate(finite) if not ok}
+        raw = logits.float()
+        # logprobs of the model's own distribution, before the request's processing (vLLM V1's default)
+        logprobs_raw = torch.log_softmax(raw, dim=-1) if any(s.params.logprobs is not None for s in states) else None
+        processed = [i for i, s in enumerate(states) if needs_processing(s.params)]
+        logits = raw.clone() if processed else raw
+        for i in processed:
+            process_row(logits[i], states[i], self.eos_token_ids)
+        # one host sync for all three: NaN or inf anywhere in a row shows in its max
+        token_list, finite, open_ = torch.stack((logits.argmax(dim=-1), torch.isfinite(raw.amax(dim=-1)),
+                                                 logits.amax(dim=-1) > float("-inf"))).tolist()
+        errors = {i: ("the model's logits for this sequence are not finite" if not ok else
+                      "no token can be sampled: allowed_token_ids, bad_words and min_tokens rule out every one")
+                  for i, (ok, some) in enumerate(zip(finite, open_)) if not (ok and some)}
         for i, s in enumerate(states):
             if not s.params.greedy and i not in errors:
                 try:
@@ -65,21 +63,7 @@ class Sampler:
             out.append(_with_logprobs(SampledToken(seq_id, token), state.params, logprobs_raw, i))
         return out
 
-    def _apply_penalties(self, logits: torch.Tensor, states: list[_SeqState]) -> torch.Tensor:
-        for i, s in enumerate(states):
-            p = s.params
-            if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(s.prompt) | set(s.output)), dtype=torch.int64, device=logits.device)
-                if seen.numel():
-                    vals = logits[i, seen]
-                    logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and s.output:
-                counts = torch.bincount(torch.tensor(s.output, device=logits.device), minlength=logits.shape[1])
-                counts = counts[: logits.shape[1]].to(logits.dtype)
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-        return logits
-
-    def _sample_row(self, logits: torch.Tensor, state: _SeqState) -> int:
+    def _sample_row(self, logits: torch.Tensor, state: SequenceState) -> int:
         p = state.params
         logits = logits / p.temperature
         if 0 < p.top_k < logits.shape[-1]:
@@ -98,10 +82,6 @@ class Sampler:
             gen = torch.Generator(device="cpu").manual_seed((p.seed * 1_000_003 + len(state.output)) % (2**63))
         # a distribution with no finite mass makes multinomial raise: that row fails alone (see sample)
         return int(torch.multinomial(probs.cpu(), 1, generator=gen))
-
-
-def _has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _with_logprobs(tok: SampledToken, p: SamplingParams, logprobs: torch.Tensor | None, row: int) -> SampledToken:

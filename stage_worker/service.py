@@ -85,9 +85,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         finally:
             self.order.advance(batch.step_id)
         # shielded: a cancelled RPC (the scheduler went away) must not cancel a step already queued
-        reply, sampled = await asyncio.shield(asyncio.wrap_future(done))
-        if sampled:
-            reply.sampled.CopyFrom(sampled_to_pb(sampled))
+        reply, out = await asyncio.shield(asyncio.wrap_future(done))
+        if out.sampled or out.prompt_logprobs:
+            reply.sampled.CopyFrom(sampled_to_pb(out.sampled, out.prompt_logprobs))
         return reply
 
     async def PushActivations(self, request, context):

@@ -26,7 +26,7 @@ from stage_worker import dist as sdist
 from stage_worker.handoff import DistHandoff, GrpcHandoff
 from stage_worker.kv_cache import num_kv_blocks_for_budget
 from stage_worker.main_loop import MainLoop
-from stage_worker.runner import StageRunner
+from stage_worker.runner import StageOutput, StageRunner
 from stage_worker.step_order import window_for
 from stage_worker.validate import StepLimits, check_activations, check_join, check_step
 
@@ -163,7 +163,7 @@ class StageWorker:
 
     def queue_step(self, req: stage_pb2.ForwardRequest, batch) -> Future:
         """Queue a step on the main loop; the caller queues steps in step order. The future's result is
-        (reply without its sampled tokens, the sampled tokens)."""
+        (reply without its sampled tokens, the StageOutput that has them)."""
         if req.epoch != self.epoch:
             raise StagemeshError(f"step {batch.step_id} belongs to epoch {req.epoch}, the stage is in {self.epoch}")
         runner, published = self.runner, None
@@ -177,7 +177,7 @@ class StageWorker:
         sdist.put_tokens(self._store, batch.step_id, self.runner.placeholder_tokens(batch))
 
     def _run(self, req: stage_pb2.ForwardRequest, batch, ahead: bool, published
-             ) -> tuple[stage_pb2.ForwardResponse, list]:
+             ) -> tuple[stage_pb2.ForwardResponse, StageOutput]:
         runner, reply = self.runner, stage_pb2.ForwardResponse()
         if published is not None:
             published.result()  # done (it ran just before): raises if the tokens could not be handed over
@@ -202,7 +202,7 @@ class StageWorker:
         reply.compute_seconds = time.perf_counter() - start
         if out.hidden_states is not None:
             reply.handoff_bytes = self.handoff.send(req.epoch, batch.step_id, out.hidden_states)
-        return reply, out.sampled
+        return reply, out
 
     def _fill_ahead(self, req: stage_pb2.ForwardRequest, batch) -> None:
         """A step scheduled before the previous one's tokens were back: fill them in, from this stage's own

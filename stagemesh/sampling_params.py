@@ -37,7 +37,11 @@ INT_RULES: dict[str, tuple[Callable[[int], bool], str]] = {
     "max_tokens": (lambda v: 1 <= v <= INT32_MAX, f"an integer in [1, {INT32_MAX}]"),
     "min_tokens": (lambda v: 0 <= v <= INT32_MAX, f"an integer in [0, {INT32_MAX}]"),
     "logprobs": (lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]"),
+    "prompt_logprobs": (lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]"),
 }
+OPTIONAL = ("seed", "logprobs", "prompt_logprobs")
+MAX_BIAS = 100.0  # OpenAI's logit_bias range
+MAX_BAD_WORD_TOKENS = 1 << 14  # over all bad words of a request
 
 
 class InvalidParameter(StagemeshError):
@@ -103,13 +107,17 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: sampled token only; N: top N too
+    prompt_logprobs: int | None = None  # the prompt's tokens' logprobs: None, 0 (own) or N (top N too)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    allowed_token_ids: tuple[int, ...] = ()  # not empty: only these can be sampled
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never generated
 
     def __post_init__(self) -> None:
         for name in FLOAT_RULES:  # stored as the wire carries them, so every service sees one value
             object.__setattr__(self, name, check_float(name, getattr(self, name)))
         for name in INT_RULES:
             value = getattr(self, name)
-            if value is not None or name not in ("seed", "logprobs"):
+            if value is not None or name not in OPTIONAL:
                 check_int(name, value)
         if self.min_tokens > self.max_tokens:
             raise InvalidParameter("min_tokens", "min_tokens must be in [0, max_tokens]")
@@ -117,6 +125,32 @@ class SamplingParams:
             raise InvalidParameter("stop_token_ids", "'stop_token_ids' must be an array of integers")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         check_token_ids("stop_token_ids", self.stop_token_ids, None)
+        self._check_token_controls()
+
+    def _check_token_controls(self) -> None:
+        bias = []
+        for token_id, value in self.logit_bias:
+            if not isinstance(token_id, (int, np.integer)) or isinstance(token_id, bool):
+                raise InvalidParameter("logit_bias", "'logit_bias' keys must be token ids")
+            rounded = as_float32(float(value)) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                else float("nan")
+            if not -MAX_BIAS <= rounded <= MAX_BIAS:
+                raise InvalidParameter("logit_bias", f"'logit_bias' values must be numbers in [-100, 100], got "
+                                                     f"{value!r} for token {token_id}")
+            bias.append((int(token_id), rounded))
+        object.__setattr__(self, "logit_bias", tuple(bias))
+        check_token_ids("logit_bias", [t for t, _ in bias], None)
+        for name in ("allowed_token_ids", "stop_token_ids"):
+            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in getattr(self, name)):
+                raise InvalidParameter(name, f"'{name}' must be an array of integers")
+        object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
+        check_token_ids("allowed_token_ids", self.allowed_token_ids, None)
+        words = tuple(tuple(int(t) for t in w) for w in self.bad_words_token_ids)
+        if any(not w for w in words) or sum(map(len, words)) > MAX_BAD_WORD_TOKENS:
+            raise InvalidParameter("bad_words", f"'bad_words' must be non-empty words of {MAX_BAD_WORD_TOKENS} "
+                                                "tokens in all at most")
+        object.__setattr__(self, "bad_words_token_ids", words)
+        check_token_ids("bad_words", [t for w in words for t in w], None)
 
     @property
     def greedy(self) -> bool:
@@ -125,3 +159,11 @@ class SamplingParams:
     def check_vocab(self, vocab_size: int) -> None:
         """The token ids these parameters name exist in a vocabulary of `vocab_size`."""
         check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
+        check_token_ids("logit_bias", [t for t, _ in self.logit_bias], vocab_size)
+        check_token_ids("allowed_token_ids", self.allowed_token_ids, vocab_size)
+        check_token_ids("bad_words", [t for w in self.bad_words_token_ids for t in w], vocab_size)
+
+    @property
+    def controls_tokens(self) -> bool:
+        """Whether sampling must change logits beyond temperature and top-k/p (bias, masks, bans)."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids or self.min_tokens)

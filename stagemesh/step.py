@@ -116,6 +116,24 @@ class StepBatch:
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """A token's log-probability given the tokens before it, its rank (1: most likely), the top N."""
+    token_id: int
+    logprob: float
+    rank: int = 0
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """The logprobs of one sequence's prompt tokens start, start + 1, ... computed by one step."""
+    seq_id: int
+    start: int
+    entries: list[TokenLogprob]
+
+
+@dataclass(slots=True)
 class SampledToken:
     seq_id: int
     token_id: int

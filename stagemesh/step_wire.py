@@ -6,7 +6,7 @@ are messages per item.
 """
 from __future__ import annotations
 
-from stagemesh.step import NewSequence, SampledToken, ScheduledChunks, StepBatch
+from stagemesh.step import NewSequence, PromptLogprobs, SampledToken, ScheduledChunks, StepBatch, TokenLogprob
 from stagemesh.v1 import common_pb2, stage_pb2
 from stagemesh.wire import sampling_from_pb, sampling_to_pb
 
@@ -37,8 +37,10 @@ def step_from_pb(msg: stage_pb2.StepBatch) -> StepBatch:
     )
 
 
-def sampled_to_pb(sampled: list[SampledToken]) -> stage_pb2.SampledTokens:
+def sampled_to_pb(sampled: list[SampledToken], prompt_logprobs: list[PromptLogprobs] = ()) -> stage_pb2.SampledTokens:
     msg = stage_pb2.SampledTokens(seq_ids=[t.seq_id for t in sampled], token_ids=[t.token_id for t in sampled])
+    for p in prompt_logprobs:
+        msg.prompt_logprobs.add(seq_id=p.seq_id, start=p.start, logprobs=[logprob_to_pb(e) for e in p.entries])
     for row, t in enumerate(sampled):
         if t.error is not None:
             msg.error_rows.append(row)
@@ -48,6 +50,19 @@ def sampled_to_pb(sampled: list[SampledToken]) -> stage_pb2.SampledTokens:
             msg.logprobs.append(common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob,
                                                         top_token_ids=t.top_token_ids, top_logprobs=t.top_logprobs))
     return msg
+
+
+def logprob_to_pb(e: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token_id=e.token_id, logprob=e.logprob, rank=e.rank, top_token_ids=e.top_token_ids,
+                                   top_logprobs=e.top_logprobs)
+
+
+def logprob_from_pb(m: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(m.token_id, m.logprob, m.rank, list(m.top_token_ids), list(m.top_logprobs))
+
+
+def prompt_logprobs_from_pb(msg: stage_pb2.SampledTokens) -> list[PromptLogprobs]:
+    return [PromptLogprobs(p.seq_id, p.start, [logprob_from_pb(e) for e in p.logprobs]) for p in msg.prompt_logprobs]
 
 
 def sampled_from_pb(msg: stage_pb2.SampledTokens) -> list[SampledToken]:

@@ -48,10 +48,15 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, max_tokens=p.max_tokens, min_tokens=p.min_tokens,
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-        logprobs=-1 if p.logprobs is None else p.logprobs,
+        logprobs=-1 if p.logprobs is None else p.logprobs, allowed_token_ids=list(p.allowed_token_ids),
+        bad_words=[common_pb2.TokenSequence(token_ids=w) for w in p.bad_words_token_ids],
     )
     if p.seed is not None:
         msg.seed = p.seed
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
+    for token_id, bias in p.logit_bias:
+        msg.logit_bias[token_id] = bias
     return msg
 
 
@@ -70,4 +75,8 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=None if msg.logprobs < 0 else msg.logprobs,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        allowed_token_ids=tuple(msg.allowed_token_ids),
+        bad_words_token_ids=tuple(tuple(w.token_ids) for w in msg.bad_words),
     )

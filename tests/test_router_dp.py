@@ -132,3 +132,29 @@ def test_nginx_in_front_of_routers(tiny_model_dir, tmp_path, replicas_per_router
     finally:
         for m in meshes:
             m.__exit__(None, None, None)
+
+
+def test_parallel_sampling_runs_a_prompt_once_on_one_replica(tiny_model_dir, tmp_path):
+    """n=4 over two replicas: the choices share their prompt's blocks on one replica (three prefix-cache hits
+    of its full blocks) and equal four single requests seeded with the request's seed + their index."""
+    model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
+    with Mesh(model_dir, [4], log_dir=tmp_path) as a, Mesh(model_dir, [4], log_dir=tmp_path) as b:
+        with Router(model_dir, [a.address, b.address], ("--served-model-name", M, "--policy", "round-robin"),
+                    log_dir=tmp_path) as router:
+            prompt = list(range(10, 74))  # 4 full blocks of 16
+            body = {"model": M, "prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 21, "ignore_eos": True,
+                    "return_token_ids": True}
+            before = [m.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5) for m in (a, b)]
+            answer = requests.post(f"{router.base_url}/v1/completions", json={**body, "n": 4}, timeout=120).json()
+            after = [m.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5) for m in (a, b)]
+            queried = [y.prefix_cache_queries - x.prefix_cache_queries for x, y in zip(before, after)]
+            hits = [y.prefix_cache_hits - x.prefix_cache_hits for x, y in zip(before, after)]
+            assert sorted(queried) == [0, 4 * 64] and sorted(hits) == [0, 3 * 48]  # the last block is recomputed
+            assert answer["usage"] == {"prompt_tokens": 64, "completion_tokens": 24, "total_tokens": 88,
+                                       "prompt_tokens_details": {"cached_tokens": 3 * 48}}
+            singles = []
+            for i in range(4):
+                single = requests.post(f"{router.base_url}/v1/completions", json={**body, "seed": 21 + i}, timeout=120)
+                singles.append(single.json()["choices"][0]["token_ids"])
+            choices = sorted(answer["choices"], key=lambda c: c["index"])
+            assert [c["token_ids"] for c in choices] == singles

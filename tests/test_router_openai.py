@@ -129,3 +129,42 @@ def test_grpc_reflection_and_health(router):
             iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
         names = {s.name for r in replies for s in r.list_services_response.service}
     assert "stagemesh.v1.Frontend" in names and "grpc.health.v1.Health" in names
+
+
+def test_langchain_chat_invoke_stream_and_batch(router):
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(model=MODEL, base_url=f"{router.base_url}/v1", api_key="none", temperature=0, max_tokens=24,
+                      max_retries=0)
+    question = [HumanMessage("What is the capital of France?")]
+    answer = chat.invoke(question)
+    assert "Paris" in answer.content and answer.usage_metadata["output_tokens"] > 0
+    streamed = "".join(chunk.content for chunk in chat.stream(question))
+    assert streamed == answer.content
+    other = [HumanMessage("Name a fruit.")]
+    batch = chat.batch([question, other])
+    assert [m.content for m in batch] == [answer.content, chat.invoke(other).content]
+
+
+def test_langchain_completions_llm(router):
+    from langchain_openai import OpenAI
+
+    llm = OpenAI(model=MODEL, base_url=f"{router.base_url}/v1", api_key="none", temperature=0, max_tokens=8,
+                 max_retries=0)
+    direct = router.client().completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                                temperature=0).choices[0].text
+    assert llm.invoke("The capital of France is") == direct
+    assert llm.batch(["The capital of France is", "The capital of France is"]) == [direct, direct]
+
+
+def test_openai_client_n_echo_and_prompt_logprobs(router):
+    client = router.client()
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0.8,
+                                    seed=3, n=2, extra_body={"return_token_ids": True})
+    assert sorted(c.index for c in out.choices) == [0, 1] and out.usage.completion_tokens == 12
+    scored = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=0, echo=True,
+                                       logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == "The capital of France is" and choice.logprobs.token_logprobs[0] is None
+    assert all(lp is not None and lp < 0 for lp in choice.logprobs.token_logprobs[1:])

@@ -115,3 +115,41 @@ def test_json_depth_is_linear_on_bodies_built_to_make_a_regex_backtrack():
         start = time.perf_counter()
         json_depth(body)
         assert time.perf_counter() - start < 1.0  # a quadratic scan takes hours on a megabyte
+
+
+def test_detokenizing_after_the_prompt_gives_the_text_that_follows_it(tokenizer):
+    prompt = tokenizer.encode("The capital of France is", add_special_tokens=False)
+    answer = tokenizer.encode("The capital of France is Paris, a city", add_special_tokens=False)[len(prompt):]
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt)
+    text = "".join(detok.add([t]) for t in answer)
+    assert text == tokenizer.decode(prompt + answer)[len(tokenizer.decode(prompt)):] == " Paris, a city"
+
+
+def test_stop_strings_can_end_the_text_they_stop():
+    stops = StopStrings(["STOP"], include=True)
+    assert "".join(stops.feed(d) for d in ["Hello wo", "rld S", "TO", "P and more"]) == "Hello world STOP"
+
+
+def test_choices_are_planned_per_prompt_and_sample_with_the_seed_plus_their_index():
+    from router.choices import plan
+    from router.request import GenerateRequest
+    from stagemesh.sampling_params import SamplingParams
+
+    req = GenerateRequest(model="m", chat=False, n=3, max_tokens_given=True,
+                          sampling=SamplingParams(max_tokens=4, temperature=1.0, seed=7, prompt_logprobs=1))
+    gens = plan(req, [[5, 6], [7]], "cmpl-x", 64)
+    assert [(g.index, g.request_id, g.prompt_ids) for g in gens][:4] == [
+        (0, "cmpl-x-0", [5, 6]), (1, "cmpl-x-1", [5, 6]), (2, "cmpl-x-2", [5, 6]), (3, "cmpl-x-3", [7])]
+    assert [g.sampling.seed for g in gens] == [7, 8, 9, 7, 8, 9]
+    assert [g.sampling.prompt_logprobs for g in gens] == [1, None, None, 1, None, None]  # a prompt is scored once
+    single = plan(GenerateRequest(model="m", chat=False, sampling=SamplingParams()), [[5]], "cmpl-y", 64)
+    assert single[0].request_id == "cmpl-y" and single[0].sampling.max_tokens == 63  # the room left
+
+
+def test_bad_words_are_banned_as_they_start_a_text_and_after_a_space(tokenizer):
+    from router.prompts import bad_words_token_ids
+
+    words = bad_words_token_ids(tokenizer, ["Paris", " London"])
+    assert tuple(tokenizer.encode("Paris", add_special_tokens=False)) in words
+    assert tuple(tokenizer.encode(" Paris", add_special_tokens=False)) in words
+    assert tuple(tokenizer.encode(" London", add_special_tokens=False)) in words

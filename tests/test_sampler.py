@@ -6,6 +6,7 @@ import torch
 
 from stagemesh.sampling_params import SamplingParams
 from stagemesh.step import NewSequence
+from stage_worker.logits_processors import process_row
 from stage_worker.sampler import Sampler
 
 VOCAB = 8
@@ -61,15 +62,17 @@ def test_temperature_sampling_covers_the_support():
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     s = sampler_with(SamplingParams(repetition_penalty=2.0), prompts={0: [0, 1]})
     logits = logits_row(2.0, -1.0, 1.5, 0.0)
-    out = s._apply_penalties(logits.clone(), [s.seqs[0]])
-    assert out.tolist() == [[1.0, -2.0, 1.5, 0.0]]
+    row = logits[0].clone()
+    process_row(row, s.seqs[0], ())
+    assert row.tolist() == [1.0, -2.0, 1.5, 0.0]
 
 
 def test_presence_and_frequency_penalties_count_generated_tokens_only():
     p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
     s = sampler_with(p, prompts={0: [3]}, outputs={0: [1, 1, 2]})
-    out = s._apply_penalties(torch.zeros(1, 4), [s.seqs[0]])
-    assert out.tolist() == [[0.0, -1.0, -0.75, 0.0]]
+    row = torch.zeros(4)
+    process_row(row, s.seqs[0], ())
+    assert row.tolist() == [0.0, -1.0, -0.75, 0.0]
 
 
 def test_seed_gives_same_tokens_whatever_the_batch():
@@ -114,3 +117,41 @@ def test_a_denormal_temperature_is_greedy_not_nan():
 
 def test_a_tiny_top_p_keeps_the_most_likely_token():
     assert draw(SamplingParams(temperature=1.0, top_p=1e-45), logits_row(1.0, 3.0, 2.0), n=50) == {1}
+
+
+def test_logit_bias_forces_and_forbids_tokens_greedy_and_sampled():
+    logits = logits_row(1.0, 5.0, 2.0, 0.0)
+    assert draw(SamplingParams(logit_bias=((3, 100.0),)), logits, n=5) == {3}
+    assert draw(SamplingParams(temperature=1.0, logit_bias=((1, -100.0), (2, -100.0))), logits) == {0, 3}
+
+
+def test_allowed_token_ids_restrict_the_choice():
+    assert draw(SamplingParams(temperature=1.0, allowed_token_ids=(0, 2)), torch.zeros(1, 6)) == {0, 2}
+    assert draw(SamplingParams(allowed_token_ids=(2, 3)), logits_row(9.0, 8.0, 1.0, 3.0), n=3) == {3}
+
+
+def test_bad_words_ban_the_last_token_after_the_rest_of_the_word():
+    s = sampler_with(SamplingParams(bad_words_token_ids=((1, 2), (3,))), outputs={0: [0, 1]})
+    logits = logits_row(0.0, 0.0, 9.0, 8.0, 7.0)
+    assert s.sample(logits, [0])[0].token_id == 4  # 2 follows 1 (banned), 3 is banned everywhere
+    assert s.sample(logits, [0])[0].token_id == 2  # the output now ends with 4: 2 may follow
+
+
+def test_min_tokens_keeps_eos_and_stop_tokens_out_until_reached():
+    s = Sampler(eos_token_ids=(2,))
+    s.add_sequence(NewSequence(0, [0], SamplingParams(min_tokens=2, max_tokens=4, stop_token_ids=(3,))))
+    logits = logits_row(0.0, 1.0, 9.0, 8.0)
+    assert [s.sample(logits, [0])[0].token_id for _ in range(3)] == [1, 1, 2]
+
+
+def test_a_row_with_no_token_left_fails_alone():
+    s = sampler_with(SamplingParams(allowed_token_ids=(1,), bad_words_token_ids=((1,),)), SamplingParams())
+    out = s.sample(logits_row(0.0, 1.0, 2.0).repeat(2, 1), [0, 1])
+    assert "no token can be sampled" in out[0].error and out[1].error is None and out[1].token_id == 2
+
+
+def test_logprobs_are_of_the_model_not_of_the_processed_logits():
+    s = sampler_with(SamplingParams(logprobs=0, logit_bias=((0, 100.0),)))
+    logits = logits_row(1.0, 3.0)
+    tok = s.sample(logits, [0])[0]
+    assert tok.token_id == 0 and tok.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[0]))

@@ -50,9 +50,12 @@ class GenerateRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The served model name; empty means the only one."""
     text: _builtins.str
+    n: _builtins.int
+    """Choices to generate (parallel sampling; 0 means 1); each response message names its choice."""
     @_builtins.property
     def token_ids(self) -> Global___TokenIds: ...
     @_builtins.property
@@ -71,10 +74,11 @@ class GenerateRequest(_message.Message):
         token_ids: Global___TokenIds | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
+        n: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "n", b"n", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
@@ -113,7 +117,10 @@ class ChatRequest(_message.Message):
     MESSAGES_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
     model: _builtins.str
+    n: _builtins.int
+    """Choices to generate (0 means 1)."""
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]: ...
     @_builtins.property
@@ -127,10 +134,11 @@ class ChatRequest(_message.Message):
         messages: _abc.Iterable[Global___ChatMessage] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
+        n: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "model", b"model", "sampling", b"sampling", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "model", b"model", "n", b"n", "sampling", b"sampling", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -171,10 +179,16 @@ class GenerateResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_START_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text decoded since the previous message."""
     finish_reason: _builtins.str
     """"stop" or "length" on the last message; empty before."""
+    index: _builtins.int
+    """The choice (0 .. n - 1) this message belongs to."""
+    prompt_logprobs_start: _builtins.int
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids generated since the previous message."""
@@ -185,7 +199,11 @@ class GenerateResponse(_message.Message):
 
     @_builtins.property
     def usage(self) -> Global___Usage:
-        """On the last message."""
+        """On the last message of each choice: the whole request's usage so far."""
+
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """Logprobs of prompt tokens prompt_logprobs_start, ... when sampling.prompt_logprobs is set."""
 
     def __init__(
         self,
@@ -195,10 +213,13 @@ class GenerateResponse(_message.Message):
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         finish_reason: _builtins.str = ...,
         usage: Global___Usage | None = ...,
+        index: _builtins.int = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        prompt_logprobs_start: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_logprobs_start", b"prompt_logprobs_start", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -134,6 +134,9 @@ class SubmitResponse(_message.Message):
     STOP_TOKEN_ID_FIELD_NUMBER: _builtins.int
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_START_FIELD_NUMBER: _builtins.int
+    QUEUE_SECONDS_FIELD_NUMBER: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     """Set on the last message only."""
     stop_token_id: _builtins.int
@@ -143,6 +146,9 @@ class SubmitResponse(_message.Message):
     the first message.
     """
     num_cached_tokens: _builtins.int
+    prompt_logprobs_start: _builtins.int
+    queue_seconds: _builtins.float
+    """Seconds from arrival to first scheduling; set on the first message."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens generated since the previous message (usually one)."""
@@ -150,6 +156,12 @@ class SubmitResponse(_message.Message):
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
         """One per token in token_ids, when sampling.logprobs >= 0."""
+
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """Logprobs of prompt tokens prompt_logprobs_start, prompt_logprobs_start + 1, ... (sampling's
+        prompt_logprobs): they come in order, over one or more messages, before the first token.
+        """
 
     def __init__(
         self,
@@ -160,10 +172,13 @@ class SubmitResponse(_message.Message):
         stop_token_id: _builtins.int | None = ...,
         num_prompt_tokens: _builtins.int = ...,
         num_cached_tokens: _builtins.int = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        prompt_logprobs_start: _builtins.int = ...,
+        queue_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "stop_token_id", b"stop_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "stop_token_id", b"stop_token_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "prompt_logprobs", b"prompt_logprobs", "prompt_logprobs_start", b"prompt_logprobs_start", "queue_seconds", b"queue_seconds", "stop_token_id", b"stop_token_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__stop_token_id: _TypeAlias = _typing.Literal["stop_token_id"]  # noqa: Y015
     _WhichOneofArgType__stop_token_id: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id"]  # noqa: Y015

@@ -397,6 +397,7 @@ class SampledTokens(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     ERROR_ROWS_FIELD_NUMBER: _builtins.int
     ERRORS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -417,6 +418,10 @@ class SampledTokens(_message.Message):
 
     @_builtins.property
     def errors(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromptLogprobs]:
+        """Logprobs of prompt tokens computed in this step, for the sequences that asked for them."""
+
     def __init__(
         self,
         *,
@@ -426,14 +431,45 @@ class SampledTokens(_message.Message):
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         error_rows: _abc.Iterable[_builtins.int] | None = ...,
         errors: _abc.Iterable[_builtins.str] | None = ...,
+        prompt_logprobs: _abc.Iterable[Global___PromptLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_rows", b"error_rows", "errors", b"errors", "logprob_rows", b"logprob_rows", "logprobs", b"logprobs", "seq_ids", b"seq_ids", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_rows", b"error_rows", "errors", b"errors", "logprob_rows", b"logprob_rows", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "seq_ids", b"seq_ids", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SampledTokens: _TypeAlias = SampledTokens  # noqa: Y015
+
+@_typing.final
+class PromptLogprobs(_message.Message):
+    """The logprobs of prompt tokens start, start + 1, ... of one sequence (each given the tokens before
+    it), computed by one step's chunk of that sequence's prompt.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_ID_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    seq_id: _builtins.int
+    start: _builtins.int
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]: ...
+    def __init__(
+        self,
+        *,
+        seq_id: _builtins.int = ...,
+        start: _builtins.int = ...,
+        logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "seq_id", b"seq_id", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromptLogprobs: _TypeAlias = PromptLogprobs  # noqa: Y015
 
 @_typing.final
 class ForwardResponse(_message.Message):

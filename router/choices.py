@@ -1,0 +1,68 @@
+"""A request's choices (each prompt x n) run as sequences of their own, their deltas merged as they come.
+
+Parallel sampling (n > 1) computes a prompt once: the first sequence of a prompt goes out alone, and
+its siblings follow once its prompt is computed (its first output), pinned to its replica, where the
+prefix cache holds the prompt's full blocks. Sibling i samples with the request's seed + i (as vLLM),
+so choice i equals a single request with that seed. Prompt logprobs are computed by the first only.
+"""
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+from dataclasses import replace
+from typing import AsyncIterator
+
+from router.generation import Delta, Generation, fit_max_tokens, generate
+from router.replicas import ReplicaSet
+from router.request import GenerateRequest
+from router.tokenization import Tokenizer
+
+
+def plan(req: GenerateRequest, prompts: list[list[int]], base_id: str, max_model_len: int) -> list[Generation]:
+    """One Generation per choice, in OpenAI's order: choice index = prompt index x n + i."""
+    gens, single = [], len(prompts) * req.n == 1
+    for p, ids in enumerate(prompts):
+        sampling = fit_max_tokens(req, req.sampling, len(ids), max_model_len)
+        for i in range(req.n):
+            child = sampling if i == 0 else replace(
+                sampling, prompt_logprobs=None, seed=None if sampling.seed is None else sampling.seed + i)
+            index = p * req.n + i
+            gens.append(Generation(base_id if single else f"{base_id}-{index}", ids, child, index))
+    return gens
+
+
+async def run(req: GenerateRequest, gens: list[Generation], replicas: ReplicaSet,
+              tokenizer: Tokenizer) -> AsyncIterator[tuple[Generation, Delta]]:
+    """(choice, delta) as they come, from every choice, until each has finished. The first error ends it
+    all (the other choices are aborted)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    firsts = {}
+    for gen in gens:
+        firsts.setdefault(tuple(gen.prompt_ids), gen)
+
+    async def one(gen: Generation) -> None:
+        first = firsts[tuple(gen.prompt_ids)]
+        if first is not gen:  # a sibling waits for its prompt to be computed, then runs where it was
+            await first.started.wait()
+            gen.pin = first.replica
+        async with aclosing(generate(req, gen, replicas, tokenizer)) as deltas:
+            async for delta in deltas:
+                queue.put_nowait((gen, delta))
+
+    tasks = [asyncio.create_task(one(gen)) for gen in gens]
+    for task in tasks:
+        task.add_done_callback(lambda t: queue.put_nowait(t))
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if isinstance(item, asyncio.Task):
+                running -= 1
+                if not item.cancelled() and item.exception() is not None:
+                    raise item.exception()
+                continue
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()  # closes each generation, which aborts its request in the scheduler
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,37 @@
+"""GET /openapi.json: the gateway's endpoints and their request schemas, from router.protocol's models."""
+from __future__ import annotations
+
+import functools
+
+from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+ENDPOINTS = [
+    ("post", "/v1/completions", "Complete prompts (OpenAI's Completions API, vLLM's extensions)", CompletionRequest),
+    ("post", "/v1/chat/completions", "Answer a conversation (OpenAI's Chat Completions API, vLLM's extensions)",
+     ChatCompletionRequest),
+    ("post", "/tokenize", "Token ids of a prompt or a conversation", TokenizeRequest),
+    ("post", "/detokenize", "Text of token ids", DetokenizeRequest),
+    ("get", "/v1/models", "The served model", None),
+    ("get", "/health", "200 while a replica can serve, 503 with the reasons otherwise", None),
+    ("get", "/version", "The server's version", None),
+    ("get", "/metrics", "Prometheus metrics", None),
+]
+
+
+@functools.cache
+def openapi_document() -> dict:
+    from stagemesh import __version__
+
+    schemas, paths = {}, {}
+    for method, path, summary, model in ENDPOINTS:
+        op = {"summary": summary, "responses": {"200": {"description": "OK"},
+                                                "4XX": {"description": "An OpenAI-shaped error"}}}
+        if model is not None:
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+            op["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        paths.setdefault(path, {})[method] = op
+    return {"openapi": "3.1.0", "info": {"title": "stagemesh", "version": __version__}, "paths": paths,
+            "components": {"schemas": schemas}}

@@ -1,0 +1,83 @@
+"""A request's prompts as token ids: the chat template rendered, texts tokenized (off the event loop),
+prompts truncated as asked, bad words tokenized, every token id checked against the vocabulary."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from router.errors import APIError, bad_request
+from router.request import ChatOptions, GenerateRequest
+from router.tokenization import Tokenizer
+from stagemesh.errors import StagemeshError
+from stagemesh.sampling_params import InvalidParameter
+
+
+async def prepare(req: GenerateRequest, tokenizer: Tokenizer, max_model_len: int) -> list[list[int]]:
+    """Token ids of each prompt (a chat's one rendered prompt); sets req.sampling's bad words."""
+    try:
+        req.sampling.check_vocab(tokenizer.vocab_size)
+    except InvalidParameter as err:
+        raise bad_request(str(err), err.param) from None
+    if req.bad_words:
+        words = await tokenizer.run(bad_words_token_ids, tokenizer, req.bad_words)
+        req.sampling = replace(req.sampling, bad_words_token_ids=words)
+    if req.chat:
+        prompts = [await render(req.chat_options, tokenizer, req.add_special_tokens)]
+    else:
+        prompts = [await _completion_prompt(p, tokenizer, req.add_special_tokens) for p in req.prompts]
+    return [truncate(req, ids, max_model_len) for ids in prompts]
+
+
+async def render(options: ChatOptions, tokenizer: Tokenizer, add_special_tokens: bool = False) -> list[int]:
+    """A conversation through the chat template (the request's own, if it gives one), as token ids."""
+    tokenizer.check_length(sum(len(m["content"] or "") for m in options.messages), "messages")
+
+    def work() -> list[int]:
+        text = tokenizer.render_chat(options.messages, options.add_generation_prompt, options.continue_final_message,
+                                     options.chat_template, options.documents, **options.template_kwargs)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    try:
+        return await tokenizer.run(work)
+    except APIError:
+        raise
+    except StagemeshError as err:
+        raise bad_request(str(err), "messages") from None
+    except Exception as err:  # a template that rejects the conversation, or a request's own broken template
+        raise bad_request(f"the chat template could not render these messages: {type(err).__name__}: {err}",
+                          "messages") from None
+
+
+async def _completion_prompt(prompt, tokenizer: Tokenizer, add_special_tokens: bool) -> list[int]:
+    if prompt.token_ids is not None:
+        bad = [t for t in prompt.token_ids if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary of {tokenizer.vocab_size}", "prompt")
+        return list(prompt.token_ids)
+    tokenizer.check_length(len(prompt.text), "prompt")
+    return await tokenizer.run(tokenizer.encode, prompt.text, add_special_tokens)
+
+
+def truncate(req: GenerateRequest, ids: list[int], max_model_len: int) -> list[int]:
+    """truncate_prompt_tokens: the last k tokens (truncation_side "left", the default) or the first k."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return ids
+    k = max_model_len if k == -1 else k
+    if k > max_model_len:
+        raise bad_request(f"'truncate_prompt_tokens' {k} is more than the model's maximum context length "
+                          f"{max_model_len}", "truncate_prompt_tokens")
+    return ids[-k:] if req.truncation_side == "left" else ids[:k]
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word as tokens, as it would start a text and, where that tokenizes differently, as it
+    would follow a space (vLLM bans both)."""
+    out = []
+    for word in words:
+        word = word.lstrip()
+        if not word:
+            continue
+        alone = tuple(tokenizer.encode(word, add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word, add_special_tokens=False))
+        out += [ids for ids in dict.fromkeys((alone, spaced)) if ids]
+    return tuple(out)

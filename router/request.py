@@ -1,0 +1,244 @@
+"""A validated OpenAI / vLLM request (router.protocol) as the router's own request: prompts, the
+sampling parameters every service checks (stagemesh.sampling_params), and what shapes the answer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.errors import bad_request
+from router.protocol import ChatCompletionRequest, CompletionRequest, ChatMessage
+from stagemesh.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams, check_int
+
+MAX_CHOICES = 256  # prompts x n in one request
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 4096
+MAX_TEMPLATE_CHARS = 64 * 1024
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# what a request's chat_template_kwargs may not set: the router sets these itself
+RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                            "chat_template", "tokenize", "return_dict", "return_tensors", "conversation"}
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed", "min_tokens")
+
+
+@dataclass
+class Prompt:
+    text: str | None = None
+    token_ids: list[int] | None = None
+
+
+@dataclass
+class ChatOptions:
+    messages: list[dict]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    documents: list[dict] | None = None
+
+
+@dataclass
+class GenerateRequest:
+    model: str
+    chat: bool
+    prompts: list[Prompt] = field(default_factory=list)  # completions; a chat renders its one prompt
+    chat_options: ChatOptions | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens_given: bool = False
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    bad_words: list[str] = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    echo: bool = False
+    echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs), nothing generated
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"
+    add_special_tokens: bool = True
+    request_id: str | None = None
+    # messages: list of dicts (chat) kept for the gRPC frontend, which builds requests directly
+    messages: list[dict] | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n if not self.chat else self.n
+
+
+def completion_request(m: CompletionRequest, served: str) -> GenerateRequest:
+    req = _common(m, served, chat=False)
+    req.prompts = _prompts(m.prompt)
+    if m.suffix is not None:
+        raise bad_request("'suffix' is not supported by this server (as in vLLM)", "suffix")
+    if m.best_of is not None and m.best_of > 1:
+        raise bad_request("'best_of' is not supported (vLLM V1 does not support it either)", "best_of")
+    req.echo, req.add_special_tokens = m.echo, m.add_special_tokens
+    if m.logprobs is not None:
+        _in_range("logprobs", m.logprobs)
+        req.logprobs, req.top_logprobs = True, m.logprobs
+    req.echo_only = m.echo and m.max_tokens == 0
+    _finish(req, m, m.max_tokens, "max_tokens", logprobs=m.logprobs,
+            prompt_logprobs=m.prompt_logprobs if m.prompt_logprobs is not None else (m.logprobs if m.echo else None))
+    return _check_size(req)
+
+
+def chat_request(m: ChatCompletionRequest, served: str) -> GenerateRequest:
+    req = _common(m, served, chat=True)
+    if m.tools:
+        raise bad_request("'tools' are not supported yet (tool calling is not built)", "tools")
+    if m.tool_choice not in (None, "none", "auto"):
+        raise bad_request("'tool_choice' is not supported yet (tool calling is not built)", "tool_choice")
+    if m.response_format is not None and m.response_format.get("type", "text") != "text":
+        raise bad_request("'response_format' other than {'type': 'text'} is not supported yet (structured outputs "
+                          "are not built)", "response_format")
+    if m.continue_final_message and m.add_generation_prompt:  # vLLM's rule: set add_generation_prompt false
+        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                          "continue_final_message")
+    req.chat_options = chat_options(m.messages, m.add_generation_prompt, m.continue_final_message, m.chat_template,
+                                    m.chat_template_kwargs, m.documents)
+    req.messages = req.chat_options.messages
+    req.echo, req.add_special_tokens = m.echo, m.add_special_tokens
+    if m.top_logprobs is not None:
+        _in_range("top_logprobs", m.top_logprobs)
+        if m.top_logprobs and not m.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    req.logprobs, req.top_logprobs = m.logprobs, m.top_logprobs or 0
+    param = "max_completion_tokens" if m.max_completion_tokens is not None else "max_tokens"
+    _finish(req, m, m.max_completion_tokens if m.max_completion_tokens is not None else m.max_tokens, param,
+            logprobs=req.top_logprobs if m.logprobs else None, prompt_logprobs=m.prompt_logprobs)
+    return _check_size(req)
+
+
+def chat_options(messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
+                 template: str | None, kwargs: dict | None, documents: list | None) -> ChatOptions:
+    if template is not None and len(template) > MAX_TEMPLATE_CHARS:
+        raise bad_request(f"'chat_template' is longer than {MAX_TEMPLATE_CHARS} characters", "chat_template")
+    kwargs = kwargs or {}
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise bad_request(f"'chat_template_kwargs' may not set {', '.join(reserved)}: use the request's own fields",
+                          "chat_template_kwargs")
+    rendered = [_message(m, i) for i, m in enumerate(messages)]
+    if continue_final_message and rendered[-1]["role"] != "assistant":
+        raise bad_request("'continue_final_message' needs the last message to be the assistant's",
+                          "continue_final_message")
+    return ChatOptions(rendered, add_generation_prompt, continue_final_message, template, dict(kwargs), documents)
+
+
+def _message(m: ChatMessage, i: int) -> dict:
+    where = f"messages[{i}]"
+    if m.role not in ROLES:
+        raise bad_request(f"'{where}.role' must be one of {', '.join(ROLES)}; got {m.role!r}", f"{where}.role")
+    content = m.content
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"'{where}.content' parts must be text parts (other modalities are not "
+                                  "supported)", f"{where}.content")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if content is None and not (m.role == "assistant" and m.tool_calls):
+        raise bad_request(f"'{where}.content' is required (null only for an assistant message with tool_calls)",
+                          f"{where}.content")
+    out = {"role": m.role, "content": content}  # the developer role goes to the template as it is
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if getattr(m, key) is not None:
+            out[key] = getattr(m, key)
+    return out
+
+
+def _common(m, served: str, chat: bool) -> GenerateRequest:
+    if m.model is not None and m.model != served:
+        from router.errors import APIError
+
+        raise APIError(404, f"the model '{m.model}' does not exist; this server serves '{served}'", "model",
+                       "model_not_found")
+    if m.stream_options is not None and not m.stream:
+        raise bad_request("'stream_options' is only allowed with 'stream': true", "stream_options")
+    if m.prompt_logprobs is not None and m.stream and m.prompt_logprobs > 0:
+        raise bad_request("'prompt_logprobs' are not available when streaming (as in vLLM)", "prompt_logprobs")
+    if not 1 <= m.n <= MAX_CHOICES:
+        raise bad_request(f"'n' must be an integer in [1, {MAX_CHOICES}]", "n")
+    options = m.stream_options or None
+    req = GenerateRequest(model=served, chat=chat, n=m.n, stream=m.stream,
+                          include_usage=bool(options and options.include_usage),
+                          continuous_usage=bool(options and options.continuous_usage_stats),
+                          stop=_stop(m.stop), include_stop_str_in_output=m.include_stop_str_in_output,
+                          bad_words=list(m.bad_words or []), return_token_ids=bool(m.return_token_ids),
+                          return_tokens_as_token_ids=bool(m.return_tokens_as_token_ids),
+                          skip_special_tokens=m.skip_special_tokens,
+                          spaces_between_special_tokens=m.spaces_between_special_tokens,
+                          truncation_side=m.truncation_side or "left", request_id=m.request_id)
+    if m.truncate_prompt_tokens is not None:
+        if m.truncate_prompt_tokens < -1 or m.truncate_prompt_tokens == 0:
+            raise bad_request("'truncate_prompt_tokens' must be -1 (the model's length) or an integer >= 1",
+                              "truncate_prompt_tokens")
+        req.truncate_prompt_tokens = m.truncate_prompt_tokens
+    return req
+
+
+def _finish(req: GenerateRequest, m, max_tokens: int | None, param: str, logprobs: int | None,
+            prompt_logprobs: int | None) -> None:
+    """The sampling parameters, checked by the rules every service shares."""
+    req.max_tokens_given = max_tokens is not None and not req.echo_only
+    try:
+        if req.max_tokens_given:
+            check_int("max_tokens", max_tokens)
+        values = {name: getattr(m, name) for name in SAMPLING_FIELDS if getattr(m, name) is not None}
+        values.setdefault("temperature", 1.0)  # OpenAI's default
+        bias = m.logit_bias or {}
+        if any(not k.lstrip("-").isdigit() for k in bias):
+            raise InvalidParameter("logit_bias", "'logit_bias' keys must be token ids (as strings of digits)")
+        req.sampling = SamplingParams(
+            **values, max_tokens=1 if req.echo_only else (max_tokens or 16),
+            stop_token_ids=tuple(m.stop_token_ids or ()), ignore_eos=m.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, logit_bias=tuple(sorted((int(k), v) for k, v in bias.items())),
+            allowed_token_ids=tuple(m.allowed_token_ids or ()))
+    except InvalidParameter as err:
+        name = param if err.param == "max_tokens" else err.param
+        raise bad_request(str(err).replace("'max_tokens'", f"'{name}'"), name) from None
+    if m.allowed_token_ids is not None and not m.allowed_token_ids:
+        raise bad_request("'allowed_token_ids' must not be empty", "allowed_token_ids")
+
+
+def _prompts(prompt) -> list[Prompt]:
+    if isinstance(prompt, str):
+        prompts = [Prompt(text=prompt)]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [Prompt(token_ids=list(prompt))]
+    elif prompt:
+        prompts = [Prompt(text=p) if isinstance(p, str) else Prompt(token_ids=list(p)) for p in prompt]
+    else:
+        prompts = []
+    if not prompts or any(not (p.text or p.token_ids) for p in prompts):
+        raise bad_request("'prompt' must not be empty (nor any prompt in it)", "prompt")
+    return prompts
+
+
+def _stop(stop) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS or sum(map(len, stops)) > MAX_STOP_CHARS:
+        raise bad_request(f"'stop' takes at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all",
+                          "stop")
+    return stops
+
+
+def _in_range(name: str, value: int) -> None:
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"'{name}' must be an integer in [0, {MAX_LOGPROBS}] (vLLM's --max-logprobs "
+                          f"default; -1, the whole vocabulary, is not served)", name)
+
+
+def _check_size(req: GenerateRequest) -> GenerateRequest:
+    if req.num_choices > MAX_CHOICES:
+        raise bad_request(f"the request asks for {req.num_choices} choices (prompts x n); at most {MAX_CHOICES}",
+                          "n")
+    return req
