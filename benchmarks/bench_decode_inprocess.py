@@ -22,13 +22,13 @@ def bench_stagemesh(engine, prompt_ids, tokens: int) -> float:
     from stagemesh.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    engine.add_request(prompt_ids, params)
-    engine.step()  # prefill, not timed
-    start = time.perf_counter()
-    n = 1
-    while engine.scheduler.has_unfinished():
-        n += len(engine.step())
-    return (n - 1) / (time.perf_counter() - start)
+    start, n = None, 0
+    for out in engine.stream(prompt_ids, params):
+        if start is None:
+            start = time.perf_counter()  # the prefill's token is out: decode from here
+        else:
+            n += len(out.new_token_ids)
+    return n / (time.perf_counter() - start)
 
 
 def bench_transformers(model, prompt_ids, tokens: int) -> float:

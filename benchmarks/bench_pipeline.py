@@ -41,25 +41,32 @@ def stage_step_seconds(split: list[int], batch: int, prompt: int, steps: int = 8
 
     import torch
 
-    from scheduler.local_engine import LocalEngine
+    from scheduler.config import SchedulerConfig
+    from scheduler.scheduler import Scheduler
+    from stage_worker.runner import StageRunner
+    from stagemesh.model_config import layer_ranges
 
     torch.set_num_threads(1)
-    engine = LocalEngine(default_model_dir(), split=split)
+    runners = [StageRunner(default_model_dir(), a, b) for a, b in layer_ranges(split)]
+    num_blocks = batch * -(-(prompt + steps + 4) // runners[0].block_size) + 8
+    for runner in runners:
+        runner.allocate_kv_cache(num_blocks)
+    scheduler = Scheduler(SchedulerConfig(num_kv_blocks=num_blocks, max_model_len=prompt + steps + 4))
     rng = random.Random(batch)
-    for _ in range(batch):
-        engine.add_request([rng.randrange(100, 40000) for _ in range(prompt)],
-                           SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+    for i in range(batch):
+        scheduler.add_request(f"r{i}", [rng.randrange(100, 40000) for _ in range(prompt)],
+                              SamplingParams(max_tokens=steps + 4, ignore_eos=True))
     times: list[list[float]] = [[] for _ in split]
     for step in range(steps + 2):
-        output = engine.scheduler.schedule()
+        output = scheduler.schedule()
         hidden, result = None, None
-        for i, runner in enumerate(engine.runners):
+        for i, runner in enumerate(runners):
             start = time.perf_counter()
             result = runner.execute(output.step_batch, hidden)
             if step >= 2:  # the prefill and the first decode step are not decode-step figures
                 times[i].append(time.perf_counter() - start)
             hidden = result.hidden_states
-        engine.scheduler.update_from_output(output, result.sampled)
+        scheduler.update_from_output(output, result.sampled)
     return [statistics.median(t) for t in times]
 
 

@@ -42,7 +42,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _main(args: argparse.Namespace) -> int:
+    from scheduler.config import SchedulerConfig
     from scheduler.driver import Driver, DriverConfig
+    from scheduler.grpc_pipeline import GrpcPipeline
     from scheduler.rendezvous import ModelIdentity, Rendezvous
     from scheduler.service import SchedulerServicer, serve
     from stagemesh.default_model import resolve_model, served_model_name
@@ -60,12 +62,14 @@ async def _main(args: argparse.Namespace) -> int:
     internal_token.warn_if_open("scheduler")
     identity = ModelIdentity(cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size,
                              cfg.num_attention_heads, cfg.num_key_value_heads)
+    rendezvous = Rendezvous(args.pipeline_parallel_size, args.block_size, identity)
     driver = Driver(DriverConfig(
-        max_model_len=args.max_model_len, model_max_len=cfg.max_position_embeddings, eos_token_ids=cfg.eos_token_ids,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching, max_waiting_requests=args.max_waiting_requests,
-        forward_timeout_s=args.forward_timeout, async_scheduling=args.async_scheduling, vocab_size=cfg.vocab_size),
-        Rendezvous(args.pipeline_parallel_size, args.block_size, identity), advertise, store.port)
+        SchedulerConfig(max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        enable_prefix_caching=args.enable_prefix_caching, eos_token_ids=cfg.eos_token_ids,
+                        max_waiting_requests=args.max_waiting_requests, vocab_size=cfg.vocab_size),
+        model_max_len=cfg.max_position_embeddings, async_scheduling=args.async_scheduling),
+        GrpcPipeline(rendezvous, advertise, store.port, forward_timeout_s=args.forward_timeout))
     name = args.served_model_name or served_model_name(args.model, model_dir)
     server, port = await serve(SchedulerServicer(driver, name, str(model_dir), cfg.vocab_size), args.host, args.port)
     driver.observer.replica = f"{advertise}:{port}"

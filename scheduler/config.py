@@ -1,4 +1,9 @@
-"""The scheduler core's settings, validated when built."""
+"""The scheduler core's settings, validated when built.
+
+A replica's driver holds the settings a user gives (DriverConfig.scheduler) and
+fills in what the pipeline decides when it forms (the KV cache's size, the
+context length) with dataclasses.replace.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,8 +13,8 @@ from stagemesh.errors import StagemeshError
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    num_kv_blocks: int
-    max_model_len: int
+    num_kv_blocks: int = 0  # 0: decided when the pipeline forms
+    max_model_len: int | None = None  # None: the model's, capped by the KV cache, when the pipeline forms
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -20,9 +25,15 @@ class SchedulerConfig:
     vocab_size: int | None = None  # prompt and stop token ids are checked against it when known
 
     def __post_init__(self) -> None:
-        for name in ("num_kv_blocks", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise StagemeshError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+
+    def check_formed(self) -> None:
+        """The settings a scheduler runs with: the pipeline's part filled in."""
+        if self.num_kv_blocks < 1 or self.max_model_len is None or self.max_model_len < 1:
+            raise StagemeshError(f"num_kv_blocks ({self.num_kv_blocks}) and max_model_len ({self.max_model_len}) "
+                                 "must be >= 1")
 
     @property
     def kv_cache_tokens(self) -> int:

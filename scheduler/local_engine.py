@@ -1,16 +1,23 @@
-"""The whole replica in one process: the scheduler driving stage runners directly.
+"""The whole replica in one process: the replica's driver over stage slices in this process.
 
-No gRPC, no processes: used by `stagemesh generate`, benchmarks and tests,
-and the reference the mesh must agree with.
+No gRPC, no processes: used by `stagemesh generate`, benchmarks and tests, and the
+reference the mesh must agree with. It runs the same driver (scheduler.driver) as
+a scheduler service, over scheduler.inprocess_pipeline, on an event loop of its
+own that its synchronous methods drive.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 from pathlib import Path
+from typing import Iterator
 
 from scheduler.config import SchedulerConfig
+from scheduler.driver import Driver, DriverConfig
+from scheduler.inprocess_pipeline import InProcessPipeline
+from scheduler.output_stream import OutputStream
 from scheduler.request import RequestOutput
-from scheduler.scheduler import Scheduler
+from stagemesh.errors import StagemeshError
 from stagemesh.model_config import ModelConfig, layer_ranges, layer_split
 from stagemesh.sampling_params import SamplingParams
 from stage_worker.kv_cache import num_kv_blocks_for_budget
@@ -23,43 +30,73 @@ class LocalEngine:
     def __init__(self, model_dir: str | Path, *, split: list[int] | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory: int = DEFAULT_KV_BUDGET,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 max_model_len: int | None = None, device: str = "cpu", dtype: str | None = None):
+                 max_model_len: int | None = None, device: str = "cpu", dtype: str | None = None,
+                 async_scheduling: bool | None = None):
         cfg = ModelConfig.from_path(model_dir)
         split = split or layer_split(cfg.num_hidden_layers, 1)
         self.runners = [StageRunner(model_dir, a, b, device=device, dtype=dtype, block_size=block_size, config=cfg)
                         for a, b in layer_ranges(split)]
         if num_kv_blocks is None:
             num_kv_blocks = min(num_kv_blocks_for_budget(kv_cache_memory, r.kv_bytes_per_block) for r in self.runners)
-        for runner in self.runners:
-            runner.allocate_kv_cache(num_kv_blocks)
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_kv_blocks=num_kv_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            max_model_len=min(max_model_len or cfg.max_position_embeddings, num_kv_blocks * block_size),
-            eos_token_ids=cfg.eos_token_ids))
+        self.pipeline = InProcessPipeline(self.runners, num_kv_blocks)
+        self.driver = Driver(DriverConfig(
+            SchedulerConfig(max_model_len=max_model_len, block_size=block_size, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+                            eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size),
+            model_max_len=cfg.max_position_embeddings, async_scheduling=async_scheduling), self.pipeline)
+        self._loop = asyncio.new_event_loop()
+        self._loop.run_until_complete(self.driver.form())
+        if not self.driver.healthy:
+            raise StagemeshError(self.driver.reason)
+        self._running = self._loop.create_task(self.driver.run())
         self._ids = itertools.count()
 
-    def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None) -> str:
+    def stream(self, prompt_token_ids: list[int], sampling: SamplingParams,
+               request_id: str | None = None) -> Iterator[RequestOutput]:
+        """One request's outputs as the steps produce them; raises StagemeshError if it fails."""
         request_id = request_id or f"req-{next(self._ids)}"
-        self.scheduler.add_request(request_id, prompt_token_ids, sampling)
-        return request_id
-
-    def step(self) -> list[RequestOutput]:
-        output = self.scheduler.schedule()
-        if output is None:
-            return []
-        hidden = None
-        for runner in self.runners:
-            result = runner.execute(output.step_batch, hidden)
-            hidden = result.hidden_states
-        return self.scheduler.update_from_output(output, result.sampled, result.prompt_logprobs)
+        outputs = OutputStream()
+        self.driver.add(request_id, prompt_token_ids, sampling, outputs)
+        try:
+            while True:
+                out = self._loop.run_until_complete(outputs.get())
+                if out.finish_reason == "error":
+                    raise StagemeshError(out.error or "the request failed")
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self.driver.release(request_id)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
-        """Token ids generated for each prompt, in order."""
-        ids = [self.add_request(p, sampling) for p in prompts]
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        while self.scheduler.has_unfinished():
-            for out in self.step():
-                tokens[out.request_id].extend(out.new_token_ids)
-        return [tokens[i] for i in ids]
+        """Token ids generated for each prompt, in order (the prompts run as one continuous batch)."""
+        async def one(prompt: list[int]) -> list[int]:
+            tokens = []
+            async for out in self.driver.submit(f"req-{next(self._ids)}", prompt, sampling):
+                if out.finish_reason == "error":
+                    raise StagemeshError(out.error or "the request failed")
+                tokens += out.new_token_ids
+            return tokens
 
+        async def run_all() -> list[list[int]]:
+            return list(await asyncio.gather(*map(one, prompts)))
+        return self._loop.run_until_complete(run_all())
+
+    def stats(self):
+        """The scheduler's counters (scheduler.scheduler.SchedulerStats)."""
+        return self.driver.scheduler.stats()
+
+    def close(self) -> None:
+        """Stop the driver and its event loop."""
+        if self._loop.is_closed():
+            return
+        self._running.cancel()
+        self._loop.run_until_complete(asyncio.gather(self._running, return_exceptions=True))
+        self._loop.run_until_complete(self.driver.close())
+        self._loop.close()
+
+    def __enter__(self) -> "LocalEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

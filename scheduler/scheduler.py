@@ -65,6 +65,7 @@ class _Budget:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
+        config.check_formed()
         self.config = config
         self.kv = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()

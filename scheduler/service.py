@@ -98,7 +98,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def _stats(self) -> scheduler_pb2.Stats:
         d = self.driver
         stats = scheduler_pb2.Stats(healthy=d.healthy, unhealthy_reason=d.reason,
-                                    max_waiting_requests=d.cfg.max_waiting_requests, num_steps=d.num_steps,
+                                    max_waiting_requests=d.cfg.scheduler.max_waiting_requests, num_steps=d.num_steps,
                                     step_seconds_total=d.step_seconds, stage_compute_seconds_total=d.compute_seconds)
         if d.scheduler is not None:
             s = d.scheduler.stats()
@@ -119,13 +119,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def GetModelInfo(self, request, context):
         d = self.driver
         info = scheduler_pb2.ModelInfo(served_model_name=self.served_model_name, model_path=self.model_path,
-                                       vocab_size=self.vocab_size, eos_token_ids=d.cfg.eos_token_ids,
-                                       block_size=d.rendezvous.block_size,
-                                       pipeline_parallel_size=d.rendezvous.pp)
+                                       vocab_size=self.vocab_size, eos_token_ids=d.cfg.scheduler.eos_token_ids,
+                                       block_size=d.pipeline.block_size,
+                                       pipeline_parallel_size=d.pipeline.num_stages)
         if d.plan is not None and d.healthy:
             info.max_model_len = d.max_model_len
             info.tensor_parallel_sizes.extend(d.plan.tp_sizes)
-            info.kv_cache_tokens = d.plan.num_kv_blocks * d.rendezvous.block_size
+            info.kv_cache_tokens = d.plan.num_kv_blocks * d.pipeline.block_size
         return info
 
     async def RegisterStage(self, request, context):

@@ -42,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                                    add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    engine = LocalEngine(model_dir, split=split)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
-    [tokens] = engine.generate([list(prompt_ids)], sampling)
+    with LocalEngine(model_dir, split=split) as engine:
+        [tokens] = engine.generate([list(prompt_ids)], sampling)
     print(tokenizer.decode(tokens, skip_special_tokens=True))
     return 0

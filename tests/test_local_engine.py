@@ -15,10 +15,10 @@ def test_prefix_cache_hits_and_preemption_keep_greedy_tokens(tiny_model_dir):
     want = [reference_greedy(ref, p, 12)[0] for p in batch]
     sampling = SamplingParams(max_tokens=12, ignore_eos=True)
 
-    cached = LocalEngine(model_dir, max_num_batched_tokens=16)
-    assert cached.generate(batch, sampling) == want
-    assert cached.scheduler.stats().prefix_cache_hits >= 48
+    with LocalEngine(model_dir, max_num_batched_tokens=16) as cached:
+        assert cached.generate(batch, sampling) == want
+        assert cached.stats().prefix_cache_hits >= 48
 
-    tight = LocalEngine(model_dir, split=[1, 3], num_kv_blocks=12, max_num_batched_tokens=32)
-    assert tight.generate(batch, sampling) == want
-    assert tight.scheduler.stats().num_preemptions > 0
+    with LocalEngine(model_dir, split=[1, 3], num_kv_blocks=12, max_num_batched_tokens=32) as tight:
+        assert tight.generate(batch, sampling) == want
+        assert tight.stats().num_preemptions > 0

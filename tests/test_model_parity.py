@@ -37,8 +37,8 @@ def test_batched_greedy_tokens_match_transformers(tiny_model_dir, arch, override
     batch = prompts(384)
     want = [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
     # uneven split, prompts chunked (budget 24 tokens per step) and mixed with decodes
-    engine = LocalEngine(model_dir, split=[1, 3], max_num_batched_tokens=24)
-    assert engine.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)) == want
+    with LocalEngine(model_dir, split=[1, 3], max_num_batched_tokens=24) as engine:
+        assert engine.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)) == want
 
 
 def test_sharded_checkpoint_loads(tmp_path):
@@ -61,5 +61,5 @@ def test_default_model_matches_transformers(default_model_dir):
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village"]
     batch = [tok.encode(t) for t in texts]
     want = [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
-    engine = LocalEngine(default_model_dir, split=[10, 12, 8], max_num_batched_tokens=8)
-    assert engine.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)) == want
+    with LocalEngine(default_model_dir, split=[10, 12, 8], max_num_batched_tokens=8) as engine:
+        assert engine.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)) == want

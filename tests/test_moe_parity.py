@@ -39,8 +39,8 @@ def test_batched_greedy_tokens_match_transformers(tiny_model_dir, arch):
     ref = reference_model(model_dir)
     batch = prompts(384)
     want = [reference_greedy(ref, p, 16)[0] for p in batch]
-    engine = LocalEngine(model_dir, split=[2, 2], max_num_batched_tokens=24)  # chunked prefill mixed with decode
-    assert engine.generate(batch, SamplingParams(max_tokens=16, ignore_eos=True)) == want
+    with LocalEngine(model_dir, split=[2, 2], max_num_batched_tokens=24) as engine:  # chunked prefill, decodes
+        assert engine.generate(batch, SamplingParams(max_tokens=16, ignore_eos=True)) == want
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
@@ -86,10 +86,11 @@ def test_expert_parallel_layouts_that_cannot_work_are_refused(tiny_model_dir):
 
 
 def test_expert_load_counts_every_routed_token(tiny_model_dir):
-    engine = LocalEngine(tiny_model_dir("qwen2_moe", decoder_sparse_step=2), split=[4], max_num_batched_tokens=24)
-    assert expert_load(engine.runners[0].model) == {1: [0] * 8, 3: [0] * 8}  # the sparse layers only
-    engine.generate(prompts(384, lengths=(5, 40)), SamplingParams(max_tokens=6, ignore_eos=True))
-    load = expert_load(engine.runners[0].model)
+    with LocalEngine(tiny_model_dir("qwen2_moe", decoder_sparse_step=2), split=[4],
+                     max_num_batched_tokens=24) as engine:
+        assert expert_load(engine.runners[0].model) == {1: [0] * 8, 3: [0] * 8}  # the sparse layers only
+        engine.generate(prompts(384, lengths=(5, 40)), SamplingParams(max_tokens=6, ignore_eos=True))
+        load = expert_load(engine.runners[0].model)
     tokens = 5 + 40 + 2 * 5  # the prompts, then one decode token per generated token but the last
     assert {layer: sum(counts) for layer, counts in load.items()} == {1: tokens * 2, 3: tokens * 2}  # top-2
     assert all(min(counts) < max(counts) for counts in load.values())  # per expert, not spread evenly

@@ -1,0 +1,161 @@
+"""The pipeline of stage services: registration, joining an epoch, Forward calls and probes over gRPC.
+
+Stages register with the scheduler (scheduler.rendezvous checks that they tile
+the model); once all have, the driver forms an epoch: every stage must answer
+as the instance that registered, then all join one torch.distributed world
+through the replica's store. A step goes to every stage at once (each takes
+its part in step order, scheduling the next before the previous is back); the
+last stage's reply carries the sampled tokens. Protobuf stays in this module.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from opentelemetry import trace
+
+from scheduler.pipeline import StageFailure, StepResult
+from scheduler.rendezvous import PipelinePlan, Rendezvous, StageInfo
+from stagemesh import telemetry
+from stagemesh.errors import StagemeshError
+from stagemesh.service_options import aio_channel
+from stagemesh.step import StepBatch
+from stagemesh.step_wire import prompt_logprobs_from_pb, sampled_from_pb, step_to_pb
+from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+
+log = logging.getLogger("stagemesh.scheduler")
+
+
+class GrpcPipeline:
+    overlaps_stages = True
+
+    def __init__(self, rendezvous: Rendezvous, store_host: str, store_port: int, *, forward_timeout_s: float = 120.0,
+                 join_timeout_s: float = 300.0):
+        self.rendezvous = rendezvous
+        self.block_size, self.num_stages = rendezvous.block_size, rendezvous.pp
+        self.store_host, self.store_port = store_host, store_port
+        self.forward_timeout_s, self.join_timeout_s = forward_timeout_s, join_timeout_s
+        self.plan: PipelinePlan | None = None  # of the epoch joined last
+        self._channels: dict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = {}
+        self._tasks: set[asyncio.Task] = set()  # channels closing later, referenced until done
+
+    # -- membership ----------------------------------------------------------------
+    async def register(self, stage: StageInfo) -> tuple[int, bool, str | None]:
+        """A stage's registration or heartbeat: (stages still missing, whether this instance is new here, and
+        why the pipeline must re-form, or None). A new instance at a known index replaces the old one (a
+        restarted stage) unless the old one still answers elsewhere; raises StagemeshError (the reason) when
+        the stage does not fit."""
+        r = self.rendezvous
+        if r.knows(stage):
+            return r.missing, False, None
+        r.check(stage)
+        old = r.stages.get(stage.stage_index)
+        if old is not None and old.address != stage.address and await self._probe(old) is None:
+            raise StagemeshError(f"{old.name} is alive and serves index {stage.stage_index}; stop it first, or "
+                                 f"give this stage another --stage-index")
+        missing = r.register(stage)
+        self._drop_channel(stage.address)  # whatever answered there before is gone
+        if old is not None:
+            self._drop_channel(old.address)
+        change = f"{stage.name} {'restarted' if old is not None else 'registered'}" if r.complete else None
+        return missing, True, change
+
+    def layout(self) -> PipelinePlan | None:
+        return self.rendezvous.plan() if self.rendezvous.complete else None
+
+    async def join(self, epoch: int, plan: PipelinePlan, max_model_len: int, max_num_batched_tokens: int) -> None:
+        # every stage answers as the instance registered, before any of them waits in the new world
+        for failed in await asyncio.gather(*[self._probe(s, wait=True) for s in plan.stages]):
+            if failed is not None:
+                raise failed
+        await asyncio.gather(*[self._join(plan, i, epoch, max_model_len, max_num_batched_tokens)
+                               for i in range(len(plan.stages))])
+        self.plan = plan
+
+    async def _join(self, plan: PipelinePlan, index: int, epoch: int, max_model_len: int,
+                    max_num_batched_tokens: int) -> None:
+        stage = plan.stages[index]
+        request = stage_pb2.JoinPipelineRequest(
+            epoch=epoch, store_host=self.store_host, store_port=self.store_port, world_size=plan.world_size,
+            rank_offset=plan.rank_offsets[index], tp_sizes=plan.tp_sizes, num_kv_blocks=plan.num_kv_blocks,
+            next_stage_address=plan.stages[index + 1].address if index + 1 < len(plan.stages) else "",
+            first_step_id=0, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
+        await _answer(stage, self._stub(stage).JoinPipeline(request, timeout=self.join_timeout_s))
+
+    # -- steps ---------------------------------------------------------------------------
+    def forward(self, epoch: int, batch: StepBatch, span: trace.Span | None, trace_links: list[str]):
+        """Start the step's Forward calls now (not when the result is first awaited), so that they go out
+        ahead of the stream writes queued behind them."""
+        request = stage_pb2.ForwardRequest(epoch=epoch, step=step_to_pb(batch), trace_links=trace_links)
+        metadata = telemetry.inject(trace.set_span_in_context(span)) if span is not None else None
+        calls = [(stage, self._stub(stage).Forward(request, timeout=self.forward_timeout_s, metadata=metadata))
+                 for stage in self.plan.stages]
+        return self._result(calls)
+
+    @staticmethod
+    async def _result(calls) -> StepResult:
+        replies = await asyncio.gather(*[_answer(stage, call) for stage, call in calls])
+        msg = replies[-1].sampled
+        rows = len(msg.seq_ids)
+        if (len(msg.token_ids) != rows or len(msg.logprob_rows) != len(msg.logprobs)
+                or len(msg.error_rows) != len(msg.errors)
+                or any(not 0 <= r < rows for r in (*msg.logprob_rows, *msg.error_rows))):
+            raise StageFailure(calls[-1][0], "the stage's sampled-token columns do not line up")
+        return StepResult(sampled_from_pb(msg), prompt_logprobs_from_pb(msg), sum(r.compute_seconds for r in replies))
+
+    # -- probing -------------------------------------------------------------------------
+    async def probe(self) -> StageFailure | None:
+        if not self.rendezvous.complete:
+            return None
+        stages = [self.rendezvous.stages[i] for i in range(self.rendezvous.pp)]
+        results = await asyncio.gather(*[self._probe(s) for s in stages])
+        return next((r for r in results if r is not None), None)
+
+    async def _probe(self, stage: StageInfo, wait: bool = False) -> StageFailure | None:
+        """None when the registered instance of `stage` answers; else what went wrong.
+        wait=True gives a (re)starting stage a few seconds to come up."""
+        try:
+            desc = await _answer(stage, self._stub(stage).Describe(stage_pb2.DescribeRequest(),
+                                                                  timeout=5.0 if wait else 2.0, wait_for_ready=wait))
+        except StageFailure as err:
+            return err
+        if desc.instance_id != stage.instance_id:
+            return StageFailure(stage, "another process answers at its address (the stage restarted and has not "
+                                       "registered yet)")
+        return None
+
+    # -- channels ------------------------------------------------------------------------
+    def _stub(self, stage: StageInfo) -> stage_pb2_grpc.StageStub:
+        if stage.address not in self._channels:
+            channel = aio_channel(stage.address, options=[("grpc.max_receive_message_length", 1 << 30)])
+            self._channels[stage.address] = (channel, stage_pb2_grpc.StageStub(channel))
+        return self._channels[stage.address][1]
+
+    def _drop_channel(self, address: str) -> None:
+        """A new process answers at this address: dial it afresh (the old channel may be backing off).
+        The old one closes once every call on it is past its deadline (closing cancels its calls)."""
+        entry = self._channels.pop(address, None)
+        if entry is not None:
+            task = asyncio.create_task(_close_later(entry[0], max(self.forward_timeout_s, self.join_timeout_s) + 5))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+
+async def _answer(stage: StageInfo, call):
+    """The call's reply, or StageFailure naming the stage."""
+    try:
+        return await call
+    except grpc.aio.AioRpcError as err:
+        raise StageFailure(stage, f"{err.code().name}: {err.details()}") from None
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is None or task.cancelling() > 0:  # this task is being cancelled
+            raise
+        raise StageFailure(stage, "the call was cancelled") from None  # the channel closed under the call
+
+
+async def _close_later(channel: grpc.aio.Channel, delay_s: float) -> None:
+    await asyncio.sleep(delay_s)
+    await channel.close()

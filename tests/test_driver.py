@@ -1,0 +1,268 @@
+"""The replica's driver as a unit: epochs, run-ahead, replies out of order, stages that fail or answer
+nonsense. A fake pipeline answers when the test says (its "model" samples, at each position, a token
+that is a function of the position), and the in-process pipeline runs a tiny model against transformers.
+No processes, no gRPC: seconds."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from scheduler.config import SchedulerConfig
+from scheduler.driver import Driver, DriverConfig, Unavailable
+from scheduler.output_stream import OutputStream
+from scheduler.pipeline import StageFailure, StepResult
+from scheduler.rendezvous import ModelIdentity, PipelinePlan, StageInfo
+from stagemesh.sampling_params import SamplingParams
+from stagemesh.step import PLACEHOLDER, SampledToken, StepBatch
+
+VOCAB = 100
+MODEL = ModelIdentity("fake", 4, 8, VOCAB, 2, 2)
+
+
+def token_at(position: int) -> int:
+    """The fake model's token at `position` of a sequence."""
+    return position % 89 + 3
+
+
+def want(prompt_len: int, n: int) -> list[int]:
+    return [token_at(prompt_len + k) for k in range(n)]
+
+
+class FakePipeline:
+    """Computes each step when it is sent, in step order as a stage does; answers at once (auto) or when
+    the test calls answer(), in any order, as replies on the wire may come."""
+    block_size = 4
+
+    def __init__(self, num_stages: int = 1, overlaps: bool = True, auto: bool = True, num_kv_blocks: int = 64):
+        self.num_stages, self.overlaps_stages, self.auto = num_stages, overlaps, auto
+        stages = [StageInfo(i, i, i + 1, 1, "cpu", num_kv_blocks, 4, MODEL, f"fake:{i}", "fake")
+                  for i in range(num_stages)]
+        self.plan = PipelinePlan(stages, num_stages, list(range(num_stages)), [1] * num_stages, num_kv_blocks)
+        self.sent: list[tuple[int, StepBatch, asyncio.Future]] = []
+        self.results: list[StepResult] = []
+        self.joined: list[int] = []
+        self.probe_result: StageFailure | None = None
+        self.fail_join: StageFailure | None = None
+        self.lengths: dict[int, int] = {}  # seq_id -> tokens computed, as a stage tracks them
+
+    def layout(self) -> PipelinePlan:
+        return self.plan
+
+    async def join(self, epoch, plan, max_model_len, max_num_batched_tokens) -> None:
+        if self.fail_join is not None:
+            raise self.fail_join
+        self.joined.append(epoch)
+        self.lengths.clear()
+
+    def forward(self, epoch, batch, span, trace_links) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        self.sent.append((epoch, batch, future))
+        self.results.append(self.result(batch))
+        if self.auto:
+            self.answer(len(self.sent) - 1)
+        return future
+
+    def result(self, batch: StepBatch) -> StepResult:
+        c = batch.chunks
+        for seq_id in batch.finished_seq_ids:
+            self.lengths.pop(seq_id, None)
+        sampled = []
+        for seq_id, start, n, sample in zip(c.seq_ids, c.start_positions, c.num_tokens, c.sample):
+            assert start == self.lengths.get(seq_id, 0), "a chunk does not continue its sequence"
+            self.lengths[seq_id] = start + n
+            if sample:
+                sampled.append(SampledToken(seq_id, token_at(start + n)))
+        return StepResult(sampled, compute_seconds=0.001)
+
+    def answer(self, index: int, failure: StageFailure | None = None, result: StepResult | None = None) -> None:
+        future = self.sent[index][2]
+        if failure is not None:
+            future.set_exception(failure)
+        else:
+            future.set_result(result or self.results[index])
+
+    async def probe(self) -> StageFailure | None:
+        return self.probe_result
+
+
+def make_driver(pipeline, **scheduler) -> Driver:
+    scheduler.setdefault("block_size", 4)
+    return Driver(DriverConfig(SchedulerConfig(vocab_size=VOCAB, **scheduler), model_max_len=256,
+                               probe_interval_s=0.01), pipeline)
+
+
+async def collect(stream: OutputStream) -> tuple[list[int], str | None, str | None]:
+    tokens = []
+    while True:
+        out = await stream.get()
+        tokens += out.new_token_ids
+        if out.finished:
+            return tokens, out.finish_reason, out.error
+
+
+def start(driver: Driver, name: str, prompt: list[int], n: int, **sampling) -> asyncio.Task:
+    stream = OutputStream()
+    driver.add(name, prompt, SamplingParams(max_tokens=n, ignore_eos=True, **sampling), stream)
+    return asyncio.create_task(collect(stream))
+
+
+async def with_driver(driver: Driver, body):
+    await driver.form()
+    loop = asyncio.create_task(driver.run())
+    try:
+        return await asyncio.wait_for(body(), 20)
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await driver.close()
+
+
+def test_steps_flow_and_tokens_reach_their_requests():
+    pipeline = FakePipeline(num_stages=2)
+    driver = make_driver(pipeline)
+
+    async def body():
+        a, b, c = (start(driver, f"r{i}", list(range(5, 5 + n)), 6) for i, n in enumerate((3, 10, 7)))
+        return await asyncio.gather(a, b, c)
+
+    results = asyncio.run(with_driver(driver, body))
+    assert results == [(want(3, 6), "length", None), (want(10, 6), "length", None), (want(7, 6), "length", None)]
+    assert pipeline.joined == [1]
+    # two stages in separate processes: two micro-batches share the requests
+    assert max(len(b.chunks) for _, b, _ in pipeline.sent) < 3
+
+
+def test_replies_out_of_order_are_taken_in_step_order():
+    # one stage with async scheduling: a step runs ahead on the sequences of the step before it, so the
+    # later reply overtaking the earlier one must not put its tokens first
+    pipeline = FakePipeline(num_stages=1, auto=False)
+    driver = Driver(DriverConfig(SchedulerConfig(vocab_size=VOCAB, block_size=4), model_max_len=256,
+                                 async_scheduling=True), pipeline)
+
+    async def body():
+        tasks = [start(driver, f"r{i}", [7] * (4 + i), 6) for i in range(2)]
+        overtaken = 0
+        while not all(t.done() for t in tasks):
+            await asyncio.sleep(0.005)
+            pending = [i for i, (_, _, f) in enumerate(pipeline.sent) if not f.done()]
+            if len(pending) >= 2:
+                pipeline.answer(pending[1])
+                overtaken += 1
+            if pending:
+                pipeline.answer(pending[0])
+        return overtaken, await asyncio.gather(*tasks)
+
+    overtaken, results = asyncio.run(with_driver(driver, body))
+    assert overtaken > 0
+    assert results == [(want(4 + i, 6), "length", None) for i in range(2)]
+
+
+def test_run_ahead_keeps_two_steps_in_flight_with_placeholders():
+    pipeline = FakePipeline(num_stages=1)
+    driver = Driver(DriverConfig(SchedulerConfig(vocab_size=VOCAB, block_size=4), model_max_len=256,
+                                 async_scheduling=True), pipeline)
+
+    async def body():
+        return await start(driver, "r", [9] * 6, 8)
+
+    assert asyncio.run(with_driver(driver, body)) == (want(6, 8), "length", None)
+    ahead = [b for _, b, _ in pipeline.sent if PLACEHOLDER in b.chunks.token_ids]
+    assert ahead, "no step was scheduled ahead of its sequence's last token"
+
+
+def test_a_failed_stage_fails_the_epoch_and_a_late_reply_is_ignored():
+    pipeline = FakePipeline(num_stages=2, auto=False)
+    driver = make_driver(pipeline)
+
+    async def body():
+        tasks = [start(driver, f"r{i}", [5] * 6, 4) for i in range(2)]
+        while len(pipeline.sent) < 2:
+            await asyncio.sleep(0.001)
+        pipeline.answer(1, failure=StageFailure(pipeline.plan.stages[1], "UNAVAILABLE: gone"))
+        results = await asyncio.gather(*tasks)
+        assert not driver.healthy and "stage 1" in driver.reason
+        with pytest.raises(Unavailable):
+            driver.add("late", [1, 2], SamplingParams(max_tokens=1), OutputStream())
+        pipeline.auto = True
+        while not driver.healthy:  # the probe finds every stage answering: a new epoch forms
+            await asyncio.sleep(0.01)
+        # the request comes again (as a router's retry would, with its id); the broken epoch's other step
+        # answers late: its tokens must not reach the new request
+        again = start(driver, "r0", [5] * 9, 4)
+        pipeline.answer(0)
+        return results, await again
+
+    results, again = asyncio.run(with_driver(driver, body))
+    for tokens, reason, error in results:
+        assert reason == "error" and "stage 1" in error and "failed" in error
+    assert again == (want(9, 4), "length", None)
+    assert pipeline.joined == [1, 3]  # epoch 2 was the broken one's end
+
+
+def test_a_stage_that_answers_nonsense_is_a_failed_stage():
+    for bad in ("seq_ids", "vocab"):
+        pipeline = FakePipeline(num_stages=1, auto=False)
+        driver = make_driver(pipeline)
+
+        async def body():
+            task = start(driver, "r", [5] * 6, 4)
+            while not pipeline.sent:
+                await asyncio.sleep(0.001)
+            result = pipeline.results[0]
+            if bad == "seq_ids":
+                result.sampled[0].seq_id += 1
+            else:
+                result.sampled[0].token_id = VOCAB
+            pipeline.answer(0, result=result)
+            return await task
+
+        tokens, reason, error = asyncio.run(with_driver(driver, body))
+        assert reason == "error" and error.startswith("stage 0 (fake:0, layers 0:1) failed:")
+        assert ("sampled sequences" if bad == "seq_ids" else "outside the vocabulary") in error
+
+
+def test_a_row_that_cannot_be_sampled_fails_its_request_alone():
+    pipeline = FakePipeline(num_stages=1, auto=False)
+    driver = make_driver(pipeline)
+
+    async def body():
+        tasks = [start(driver, f"r{i}", [5] * 6, 4) for i in range(2)]
+        while not pipeline.sent:
+            await asyncio.sleep(0.001)
+        result = pipeline.results[0]
+        result.sampled[0].error = "probability tensor contains nan"
+        pipeline.answer(0, result=result)
+        pipeline.auto = True
+        while len(pipeline.sent) < 2:
+            await asyncio.sleep(0.001)
+        for i in range(1, len(pipeline.sent)):
+            if not pipeline.sent[i][2].done():
+                pipeline.answer(i)
+        return await asyncio.gather(*tasks)
+
+    (t0, r0, e0), (t1, r1, e1) = asyncio.run(with_driver(driver, body))
+    assert r0 == "error" and "nan" in e0
+    assert (t1, r1) == (want(6, 4), "length") and driver.healthy
+
+
+def test_a_pipeline_that_cannot_join_stays_unhealthy_with_the_reason():
+    pipeline = FakePipeline()
+    pipeline.fail_join = StageFailure(pipeline.plan.stages[0], "DEADLINE_EXCEEDED: join")
+    driver = make_driver(pipeline)
+    asyncio.run(driver.form())
+    assert not driver.healthy and "did not form" in driver.reason and "DEADLINE_EXCEEDED" in driver.reason
+
+
+def test_in_process_pipeline_matches_transformers_with_run_ahead(tiny_model_dir):
+    from parity import prompts
+    from scheduler.local_engine import LocalEngine
+    from tiny_models import reference_greedy, reference_model
+
+    model_dir = tiny_model_dir("llama")
+    ref = reference_model(model_dir)
+    batch = prompts(384, (5, 40, 17))
+    expected = [reference_greedy(ref, p, 10)[0] for p in batch]
+    for split in ([4], [1, 3]):  # the last runner's tokens fill the first one's placeholders
+        with LocalEngine(model_dir, split=split, max_num_batched_tokens=16, async_scheduling=True) as engine:
+            assert engine.generate(batch, SamplingParams(max_tokens=10, ignore_eos=True)) == expected
