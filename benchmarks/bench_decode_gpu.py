@@ -45,7 +45,7 @@ def stagemesh_decode(runner: StageRunner, batch: int, prompt: int, tokens: int) 
             for i in range(batch)]
     chunks = [ScheduledChunk(i, s.prompt_token_ids, 0, list(range(i * per_seq, (i + 1) * per_seq)), True)
               for i, s in enumerate(seqs)]
-    out = runner.execute(StepBatch(0, 0, seqs, chunks))
+    out = runner.execute(StepBatch(0, seqs, chunks))
     last = {t.seq_id: t.token_id for t in out.sampled}
     torch.cuda.synchronize()
     start = None
@@ -54,7 +54,7 @@ def stagemesh_decode(runner: StageRunner, batch: int, prompt: int, tokens: int) 
             torch.cuda.synchronize()
             start = time.perf_counter()
         decode = [ScheduledChunk(i, [last[i]], prompt + step, [], True) for i in range(batch)]
-        out = runner.execute(StepBatch(step + 1, 0, [], decode))
+        out = runner.execute(StepBatch(step + 1, [], decode))
         last = {t.seq_id: t.token_id for t in out.sampled}
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / (tokens - 3)

@@ -98,17 +98,17 @@ def decode_workload(runner, prompts: list[list[int]], steps: int) -> tuple[list[
     seqs = [NewSequence(i, p, SamplingParams(max_tokens=steps + 1, ignore_eos=True)) for i, p in enumerate(prompts)]
     per_seq = runner.kv_caches[0][0].shape[0] // batch
     chunks = [ScheduledChunk(i, p, 0, list(range(i * per_seq, (i + 1) * per_seq)), True) for i, p in enumerate(prompts)]
-    out = runner.execute(StepBatch(0, 0, seqs, ScheduledChunks.of(chunks)), return_logits=True)
+    out = runner.execute(StepBatch(0, seqs, ScheduledChunks.of(chunks)), return_logits=True)
     tokens = [[t] for t in out.logits.argmax(-1).tolist()]  # every rank has the gathered logits
     times = []
     for step in range(1, steps + 1):
         chunks = [ScheduledChunk(i, [tokens[i][-1]], len(p) + step - 1, [], True) for i, p in enumerate(prompts)]
         start = time.perf_counter()
-        out = runner.execute(StepBatch(step, 0, [], ScheduledChunks.of(chunks)), return_logits=True)
+        out = runner.execute(StepBatch(step, [], ScheduledChunks.of(chunks)), return_logits=True)
         times.append((time.perf_counter() - start) * 1e3)
         for seq, t in zip(tokens, out.logits.argmax(-1).tolist()):
             seq.append(t)
-    runner.execute(StepBatch(steps + 1, 0, [], finished_seq_ids=list(range(batch))))
+    runner.execute(StepBatch(steps + 1, [], finished_seq_ids=list(range(batch))))
     return times, tokens
 
 

@@ -27,12 +27,12 @@ def profile(runner: StageRunner, batch: int, steps: int, prompt: int = 128) -> d
             for i in range(batch)]
     chunks = [ScheduledChunk(i, s.prompt_token_ids, 0, list(range(i * per_seq, (i + 1) * per_seq)), True)
               for i, s in enumerate(seqs)]
-    last = {t.seq_id: t.token_id for t in runner.execute(StepBatch(0, 0, seqs, chunks)).sampled}
+    last = {t.seq_id: t.token_id for t in runner.execute(StepBatch(0, seqs, chunks)).sampled}
     parts = {"prepare (host)": 0.0, "layers + LM head (graph replay)": 0.0, "sample (incl. sync)": 0.0}
     total = 0.0
     for step in range(steps):
         decode = [ScheduledChunk(i, [last[i]], prompt + step, [], True) for i in range(batch)]
-        b = StepBatch(step + 1, 0, [], decode)
+        b = StepBatch(step + 1, [], decode)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         runner._update_state(b)

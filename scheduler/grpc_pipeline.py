@@ -81,7 +81,8 @@ class GrpcPipeline:
             epoch=epoch, store_host=self.store_host, store_port=self.store_port, world_size=plan.world_size,
             rank_offset=plan.rank_offsets[index], tp_sizes=plan.tp_sizes, num_kv_blocks=plan.num_kv_blocks,
             next_stage_address=plan.stages[index + 1].address if index + 1 < len(plan.stages) else "",
-            first_step_id=0, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
+            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+            first_stage_address=plan.stages[0].address if 0 < index == len(plan.stages) - 1 else "")
         await _answer(stage, self._stub(stage).JoinPipeline(request, timeout=self.join_timeout_s))
 
     # -- steps ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from scheduler.pipeline import StageFailure, StepResult
 from scheduler.rendezvous import ModelIdentity, PipelinePlan, StageInfo
 from stagemesh.errors import StagemeshError
 from stagemesh.step import StepBatch
+from stage_worker import run_ahead
 from stage_worker.runner import StageRunner
 
 
@@ -52,8 +53,8 @@ class InProcessPipeline:
         hidden, result = None, None
         for stage, runner in zip(self.stages, self.runners):
             try:
-                if runner is first and batch.chunks.placeholders():
-                    first.fill_placeholders(batch, None if first is last else last.placeholder_tokens(batch))
+                if runner is first and run_ahead.has_placeholders(batch):
+                    run_ahead.fill(batch, run_ahead.sampled_tokens(last.sampler, batch))
                 result = runner.execute(batch, hidden)
             except StagemeshError as err:
                 raise StageFailure(stage, str(err)) from None

@@ -26,7 +26,9 @@ class Request:
     seq_id: int = -1  # the stages' id of its current admission (new on every re-admission)
     status: Status = Status.WAITING
     in_flight: int = 0  # steps scheduled whose results are not back
-    num_pending: int = 0  # of those, steps that sample a token (its id is not known yet)
+    # output tokens scheduled whose ids are not known yet (vLLM's name): steps in flight that sample one; a
+    # step run ahead of them computes PLACEHOLDER in their place (stage_worker.run_ahead fills it in)
+    num_output_placeholders: int = 0
     num_preemptions: int = 0
     num_prompt_logprobs: int = 0  # prompt logprobs delivered (positions 1.. of the prompt)
     arrival_time: float = field(default_factory=time.monotonic)

@@ -9,9 +9,10 @@ Preemption is by recompute: the victim frees its blocks and waits again.
 
 Asynchronous scheduling (vLLM's --async-scheduling): a request whose step
 in flight samples a token may be scheduled once more before that token is
-back, as a decode of PLACEHOLDER, which the first stage replaces with the
-token the last stage sampled for the sequence in the step before (stages run
-steps in order). So the next step is on the stages before the current one
+back, as a decode of PLACEHOLDER (Request.num_output_placeholders counts the
+tokens not yet known), which the first stage replaces with the token the last
+stage sampled for the sequence in the step before (stages run steps in order;
+stage_worker.run_ahead). So the next step is on the stages before the current one
 ends, and the scheduler's work and both RPCs overlap the model. A request
 that turns out to have finished (EOS, stop token) wastes the one token
 computed ahead; its result is dropped. schedule(run_ahead=False) leaves such
@@ -143,7 +144,7 @@ class Scheduler:
             return None
         for request_id in budget.request_ids:
             self.requests[request_id].in_flight += 1
-        batch = StepBatch(next(self._step_ids), 0, budget.new_sequences, budget.chunks, self._finished_seq_ids)
+        batch = StepBatch(next(self._step_ids), budget.new_sequences, budget.chunks, self._finished_seq_ids)
         self._finished_seq_ids = []
         return SchedulerOutput(batch, budget.request_ids, preempted)
 
@@ -156,7 +157,8 @@ class Scheduler:
                 continue
             if request.in_flight and not (budget.run_ahead and self._can_run_ahead(request)):
                 continue
-            num_new = min(request.num_tokens + request.num_pending - request.num_computed_tokens, budget.tokens)
+            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                          budget.tokens)
             new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + num_new)
             if new_blocks is None and request.in_flight:
                 continue  # a step ahead never preempts: the request waits for its result instead
@@ -205,7 +207,7 @@ class Scheduler:
         """Async scheduling: one step ahead of a request whose step in flight samples, unless that
         token is sure to be its last."""
         p = request.sampling
-        return (request.in_flight == 1 and request.num_pending == 1
+        return (request.in_flight == 1 and request.num_output_placeholders == 1
                 and len(request.output_token_ids) + 1 < p.max_tokens
                 and request.num_tokens + 1 < self.config.max_model_len)
 
@@ -215,9 +217,9 @@ class Scheduler:
         if len(tokens) < num_new:  # the token sampled by the step in flight: the stage fills it in
             tokens.append(PLACEHOLDER)
         request.num_computed_tokens += num_new
-        sample = request.num_computed_tokens == request.num_tokens + request.num_pending
+        sample = request.num_computed_tokens == request.num_tokens + request.num_output_placeholders
         if sample:
-            request.num_pending += 1
+            request.num_output_placeholders += 1
         budget.chunks.append(request.seq_id, tokens, start, new_blocks, sample)
         budget.request_ids.append(request.request_id)
         budget.tokens -= num_new
@@ -260,7 +262,7 @@ class Scheduler:
                 if scores is not None:
                     results.append(scores)
                 continue
-            request.num_pending -= 1
+            request.num_output_placeholders -= 1
             token = by_seq.get(seq_id)
             if token is None:
                 continue

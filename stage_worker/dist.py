@@ -2,22 +2,17 @@
 
 Every rank of every stage joins one world per epoch through the store the
 scheduler hosts; each stage's TP group is a subgroup. Step metadata reaches TP
-followers as protobuf bytes broadcast over the TP group (never pickled). The
-same store carries the sampled tokens that a step scheduled ahead needs from
-the last stage to the first (a few bytes per step, whatever the handoff).
+followers as protobuf bytes broadcast over the TP group (never pickled).
 """
 from __future__ import annotations
 
 import os
 import tempfile
-import time
-from array import array
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from stagemesh.errors import StagemeshError
 from stagemesh.v1 import stage_pb2
 from stage_worker.parallel import TPGroup
 
@@ -36,7 +31,7 @@ def backend_for(device: torch.device) -> str:
 
 def join_world(req: stage_pb2.JoinPipelineRequest, tp: TPGroup, device: torch.device):
     """Join the epoch's world and set up `tp`'s collectives in place (the model's layers hold
-    that object); returns this process's global rank and the epoch's store."""
+    that object); returns this process's global rank."""
     leave_world(tp)
     store = dist.PrefixStore(f"epoch-{req.epoch}/",
                              dist.TCPStore(req.store_host, req.store_port, is_master=False, timeout=STORE_TIMEOUT))
@@ -51,7 +46,7 @@ def join_world(req: stage_pb2.JoinPipelineRequest, tp: TPGroup, device: torch.de
         start += size
     if tp.size > 1 and device.type == "cpu":
         tp.shm = attach_shm(store, f"tp-shm-{tp.src}", tp)
-    return rank, store
+    return rank
 
 
 def attach_shm(store, key: str, tp: TPGroup):
@@ -112,27 +107,3 @@ def recv_control(tp: TPGroup) -> tuple[int, bytes]:
 def broadcast_hidden(hidden: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     # collectives move device tensors on NCCL, CPU tensors on gloo or shared memory: hidden lives on the stage's device
     return tp.broadcast(hidden)
-
-
-def put_tokens(store, step_id: int, tokens: list[int]) -> None:
-    """The last stage hands the first one the tokens a step scheduled ahead needs (int32, no pickle)."""
-    store.set(f"tokens/{step_id}", array("i", tokens).tobytes())
-
-
-def take_tokens(store, step_id: int, timeout_s: float, alive) -> list[int]:
-    """Wait for put_tokens of `step_id` while alive() holds (polled twice a second), then remove the key."""
-    key, deadline = f"tokens/{step_id}", time.monotonic() + timeout_s
-    while True:
-        try:
-            store.wait([key], timedelta(seconds=0.5))
-            break
-        except RuntimeError:  # DistStoreError (a RuntimeError): not there yet
-            if not alive():
-                raise StagemeshError(f"the pipeline epoch ended while step {step_id} waited for sampled tokens")
-            if time.monotonic() > deadline:
-                raise StagemeshError(f"no sampled tokens from the last stage for step {step_id} in {timeout_s:.0f}s")
-    raw = store.get(key)
-    store.delete_key(key)
-    tokens = array("i")
-    tokens.frombytes(raw)
-    return tokens.tolist()

@@ -141,33 +141,6 @@ class StageRunner:
         sampled = self.sampler.sample(logits, sample_ids) if self.tp.rank == 0 else []
         return StageOutput(sampled=sampled, logits=logits if return_logits else None, prompt_logprobs=scored)
 
-    def fill_placeholders(self, batch: StepBatch, tokens: list[int] | None = None) -> None:
-        """Async scheduling: put each sequence's last sampled token where the step has PLACEHOLDER (it was
-        scheduled before the previous step's tokens were back): `tokens`, in the order of the placeholders
-        (from the last stage), or this stage's own samples when it is the last stage too."""
-        found = batch.chunks.placeholders()
-        if tokens is None:
-            tokens = self._last_samples(found)
-        if len(found) != len(tokens):
-            raise StagemeshError(f"step {batch.step_id} has {len(found)} tokens scheduled ahead, got {len(tokens)}")
-        for (index, _), token in zip(found, tokens):
-            batch.chunks.token_ids[index] = token
-
-    def placeholder_tokens(self, batch: StepBatch) -> list[int]:
-        """On the last stage: the tokens the step's placeholders stand for (each sequence's last sample)."""
-        return self._last_samples(batch.chunks.placeholders())
-
-    def _last_samples(self, placeholders: list[tuple[int, int]]) -> list[int]:
-        if self.sampler is None or self.tp.rank != 0:
-            raise StagemeshError("only the last stage's TP rank 0 knows the sampled tokens a step ahead needs")
-        out = []
-        for _, seq_id in placeholders:
-            state = self.sampler.seqs.get(seq_id)
-            if state is None or not state.output:
-                raise StagemeshError(f"sequence {seq_id} has no sampled token to fill a step ahead with")
-            out.append(state.output[-1])
-        return out
-
     def check_state(self, batch: StepBatch, max_model_len: int) -> None:
         """The checks of a step that need the sequences' state (the rest: stage_worker.validate): new ids
         are new, every other id is known, each chunk continues its sequence where its tokens end and its

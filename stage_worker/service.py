@@ -61,7 +61,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             await asyncio.to_thread(self.worker.join, request)
         except Exception as err:  # noqa: BLE001 - reported to the caller, the stage stays up
             await _abort(context, err)
-        self.order.open(request.epoch, request.first_step_id, window_for(len(request.tp_sizes)))
+        self.order.open(request.epoch, window_for(len(request.tp_sizes)))
         return stage_pb2.JoinPipelineResponse()
 
     async def Forward(self, request, context):

@@ -29,9 +29,10 @@ class StepOrder:
         self.next_step = 0
         self._waiting: dict[int, asyncio.Future] = {}
 
-    def open(self, epoch: int, first_step_id: int, window: int | None = None) -> None:
+    def open(self, epoch: int, window: int | None = None) -> None:
+        """A new epoch: its steps start at 0."""
         self.close()
-        self.epoch, self.next_step = epoch, first_step_id
+        self.epoch, self.next_step = epoch, 0
         self.window = window or self.window
 
     def close(self) -> None:

@@ -99,6 +99,14 @@ def check_activations(msg: common_pb2.Tensor, limits: StepLimits) -> int:
     return shape[0]
 
 
+def check_tokens(tokens, limits: StepLimits) -> None:
+    """Sampled tokens for a step run ahead: one per sequence of a step at most, each in the vocabulary."""
+    _require(1 <= len(tokens) <= max(limits.max_num_batched_tokens, 1),
+             f"{len(tokens)} sampled tokens; a step has 1 to {limits.max_num_batched_tokens} sequences")
+    _require(0 <= min(tokens) and max(tokens) < limits.vocab_size,
+             f"sampled tokens outside the vocabulary of {limits.vocab_size}")
+
+
 def check_join(req, stage_index: int, tp_size: int, num_kv_blocks: int, model_positions: int, last: bool,
                needs_next_address: bool) -> None:
     """A JoinPipeline against what the stage knows of itself: its index and TP size in the world's layout,
@@ -116,10 +124,12 @@ def check_join(req, stage_index: int, tp_size: int, num_kv_blocks: int, model_po
              f"max_model_len {req.max_model_len} is outside the model's {model_positions} positions")
     _require(0 < req.max_num_batched_tokens <= INT32_MAX, "max_num_batched_tokens must be positive")
     _require(bool(req.store_host) and 0 < req.store_port < 65536, "the store's host and port are required")
-    _require(req.epoch >= 0 and req.first_step_id >= 0, "epoch and first_step_id must be >= 0")
+    _require(req.epoch >= 0, "epoch must be >= 0")
     _require(last == (stage_index == len(sizes) - 1), f"stage {stage_index} is {'' if last else 'not '}the last "
                                                       f"stage of its model, unlike in this pipeline of {len(sizes)}")
     _require(not needs_next_address or bool(req.next_stage_address), "the next stage's address is required")
+    _require(not req.first_stage_address or (last and stage_index > 0),
+             "only the last stage of several takes the first stage's address")
 
 
 def _require(ok: bool, message: str) -> None:

@@ -20,18 +20,17 @@ from dataclasses import dataclass, replace
 import torch
 
 from stagemesh.errors import StagemeshError
-from stagemesh.step import PLACEHOLDER
 from stagemesh.v1 import stage_pb2
 from stage_worker import dist as sdist
 from stage_worker.handoff import DistHandoff, GrpcHandoff
 from stage_worker.kv_cache import num_kv_blocks_for_budget
 from stage_worker.main_loop import MainLoop
+from stage_worker.run_ahead import RunAhead, has_placeholders
 from stage_worker.runner import StageOutput, StageRunner
 from stage_worker.step_order import window_for
-from stage_worker.validate import StepLimits, check_activations, check_join, check_step
+from stage_worker.validate import InvalidStep, StepLimits, check_activations, check_join, check_step, check_tokens
 
 log = logging.getLogger("stagemesh.stage")
-HANDOFF_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -72,8 +71,7 @@ class StageWorker:
         self.limits = StepLimits(model.vocab_size, model.hidden_size, cfg.block_size)  # nothing allowed before a join
         self.handoff = None
         self._joining = threading.Lock()  # one join at a time (a second waits for the first to end)
-        self._store = None  # the epoch's store: sampled tokens for steps run ahead cross it
-        self._told_ahead = False
+        self.run_ahead: RunAhead | None = None
         self.main_loop = MainLoop()  # steps and KV allocation run on the main thread once it serves the loop
 
     # -- start-up ---------------------------------------------------------------
@@ -126,17 +124,20 @@ class StageWorker:
                 proc.stdin.flush()
             except OSError:
                 raise StagemeshError(f"TP follower {t} is gone (exit code {proc.poll()})") from None
-        rank, self._store = sdist.join_world(req, self.runner.tp, self.runner.device)
-        self._told_ahead = False
+        rank = sdist.join_world(req, self.runner.tp, self.runner.device)
         self.main_loop.call(self.runner.reset, req.num_kv_blocks)
         index, sizes = self.cfg.stage_index, list(req.tp_sizes)
+        first, last = index == 0, index == len(sizes) - 1
         if self.cfg.handoff == "nccl":
             prev_rank = sum(sizes[:index - 1]) if index > 0 else None
-            next_rank = rank + sizes[index] if index + 1 < len(sizes) else None
-            self.handoff = DistHandoff(prev_rank, next_rank, self.runner.device)
+            next_rank = rank + sizes[index] if not last else None
+            # steps run ahead: the tokens go from the last stage's rank 0 to the first's
+            tokens_rank = None if first and last else 0 if last else sum(sizes[:-1]) if first else None
+            self.handoff = DistHandoff(prev_rank, next_rank, self.runner.device, tokens_rank)
         else:
-            self.handoff = GrpcHandoff(req.next_stage_address or None, self.runner.device, req.epoch, req.first_step_id,
-                                       window_for(len(sizes)))
+            self.handoff = GrpcHandoff(req.next_stage_address or None, self.runner.device, req.epoch,
+                                       window_for(len(sizes)), req.first_stage_address if last else None)
+        self.run_ahead = RunAhead(self.runner, self.handoff, req.epoch)
         self.limits = replace(self.limits, num_kv_blocks=req.num_kv_blocks, max_model_len=req.max_model_len,
                               max_num_batched_tokens=req.max_num_batched_tokens)
         self.epoch = req.epoch
@@ -167,14 +168,11 @@ class StageWorker:
         if req.epoch != self.epoch:
             raise StagemeshError(f"step {batch.step_id} belongs to epoch {req.epoch}, the stage is in {self.epoch}")
         runner, published = self.runner, None
-        ahead = PLACEHOLDER in batch.chunks.token_ids  # scheduled before the step before had sampled
+        ahead = has_placeholders(batch)  # scheduled before the step before had sampled
         if ahead and runner.is_last_stage and not runner.is_first_stage:
             # once the step before has sampled, the first stage gets the tokens this one needs
-            published = self.main_loop.submit(self._publish_tokens, batch)
+            published = self.main_loop.submit(self.run_ahead.publish, batch)
         return self.main_loop.submit(self._run, req, batch, ahead, published)
-
-    def _publish_tokens(self, batch) -> None:
-        sdist.put_tokens(self._store, batch.step_id, self.runner.placeholder_tokens(batch))
 
     def _run(self, req: stage_pb2.ForwardRequest, batch, ahead: bool, published
              ) -> tuple[stage_pb2.ForwardResponse, StageOutput]:
@@ -187,11 +185,15 @@ class StageWorker:
         if not runner.is_first_stage and batch.chunks:
             start = time.perf_counter()
             shape = (batch.num_tokens, runner.config.hidden_size)
-            hidden = self.handoff.recv(req.epoch, batch.step_id, shape, runner.dtype, HANDOFF_TIMEOUT_S)
+            hidden = self.handoff.recv(batch.step_id, shape, runner.dtype)
             reply.handoff_wait_seconds = time.perf_counter() - start
+        if runner.is_first_stage and isinstance(self.handoff, GrpcHandoff):
+            self.handoff.advance(batch.step_id - 1)  # tokens arrive for this step and later ones only
         if ahead and runner.is_first_stage:
             start = time.perf_counter()
-            self._fill_ahead(req, batch)
+            self.run_ahead.fill(batch)
+            if self.followers:
+                req.step.chunks.token_ids[:] = batch.chunks.token_ids  # the followers embed the same tokens
             reply.handoff_wait_seconds = time.perf_counter() - start
         start = time.perf_counter()
         if self.followers:
@@ -201,29 +203,23 @@ class StageWorker:
         out = runner.execute(batch, hidden)
         reply.compute_seconds = time.perf_counter() - start
         if out.hidden_states is not None:
-            reply.handoff_bytes = self.handoff.send(req.epoch, batch.step_id, out.hidden_states)
+            reply.handoff_bytes = self.handoff.send(batch.step_id, out.hidden_states)
         return reply, out
-
-    def _fill_ahead(self, req: stage_pb2.ForwardRequest, batch) -> None:
-        """A step scheduled before the previous one's tokens were back: fill them in, from this stage's own
-        samples (one stage) or the last stage's (through the store), before the followers get the step."""
-        runner = self.runner
-        if runner.is_last_stage:
-            runner.fill_placeholders(batch)
-        else:
-            if not self._told_ahead:
-                self._told_ahead = True
-                log.info("steps scheduled ahead take their sampled tokens from the last stage (epoch %d)", req.epoch)
-            tokens = sdist.take_tokens(self._store, batch.step_id, HANDOFF_TIMEOUT_S, lambda: self.epoch == req.epoch)
-            runner.fill_placeholders(batch, tokens)
-        if self.followers:
-            req.step.chunks.token_ids[:] = batch.chunks.token_ids  # the followers embed the same tokens
 
     def deliver(self, req: stage_pb2.PushActivationsRequest) -> None:
         handoff = self.handoff
         if not isinstance(handoff, GrpcHandoff) or req.epoch != self.epoch:
             raise StagemeshError(f"activations for epoch {req.epoch} arrived; the stage is in epoch {self.epoch}")
-        check_activations(req.hidden_states, self.limits)
+        if req.HasField("hidden_states") == bool(req.sampled_tokens):
+            raise InvalidStep("a PushActivations call carries activations or sampled tokens, one of them")
+        if req.sampled_tokens:  # from the last stage, for a step scheduled ahead
+            if not self.runner.is_first_stage or self.runner.is_last_stage:
+                raise InvalidStep("sampled tokens go to the first stage of a pipeline of several")
+            check_tokens(req.sampled_tokens, self.limits)
+        else:
+            if self.runner.is_first_stage:
+                raise InvalidStep("the first stage takes no activations")
+            check_activations(req.hidden_states, self.limits)
         handoff.deliver(req)
 
     def close(self) -> None:

@@ -99,7 +99,6 @@ class ScheduledChunks:
 @dataclass
 class StepBatch:
     step_id: int
-    micro_batch: int
     new_sequences: list[NewSequence] = field(default_factory=list)
     # a list of ScheduledChunk is taken too (tests and benchmarks build steps chunk by chunk)
     chunks: ScheduledChunks = field(default_factory=ScheduledChunks)

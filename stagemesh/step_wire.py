@@ -14,7 +14,7 @@ from stagemesh.wire import sampling_from_pb, sampling_to_pb
 def step_to_pb(batch: StepBatch) -> stage_pb2.StepBatch:
     c = batch.chunks
     return stage_pb2.StepBatch(
-        step_id=batch.step_id, micro_batch=batch.micro_batch,
+        step_id=batch.step_id,
         new_sequences=[stage_pb2.NewSequence(seq_id=s.seq_id, prompt_token_ids=s.prompt_token_ids,
                                              sampling=sampling_to_pb(s.sampling), output_token_ids=s.output_token_ids)
                        for s in batch.new_sequences],
@@ -28,7 +28,7 @@ def step_to_pb(batch: StepBatch) -> stage_pb2.StepBatch:
 def step_from_pb(msg: stage_pb2.StepBatch) -> StepBatch:
     c = msg.chunks
     return StepBatch(
-        step_id=msg.step_id, micro_batch=msg.micro_batch,
+        step_id=msg.step_id,
         new_sequences=[NewSequence(s.seq_id, list(s.prompt_token_ids), sampling_from_pb(s.sampling),
                                    list(s.output_token_ids)) for s in msg.new_sequences],
         chunks=ScheduledChunks(list(c.seq_ids), list(c.num_tokens), list(c.token_ids), list(c.start_positions),

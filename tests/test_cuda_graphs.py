@@ -17,12 +17,12 @@ def decode(runner: StageRunner, prompts: list[list[int]], steps: int):
     runner.reset(len(prompts) * per_seq)
     seqs = [NewSequence(i, p, SamplingParams(max_tokens=steps, ignore_eos=True)) for i, p in enumerate(prompts)]
     chunks = [ScheduledChunk(i, p, 0, list(range(i * per_seq, (i + 1) * per_seq)), True) for i, p in enumerate(prompts)]
-    out = runner.execute(StepBatch(0, 0, seqs, chunks))
+    out = runner.execute(StepBatch(0, seqs, chunks))
     tokens = {t.seq_id: [t.token_id] for t in out.sampled}
     logits = []
     for step in range(steps):
         batch = [ScheduledChunk(i, [tokens[i][-1]], len(p) + step, [], True) for i, p in enumerate(prompts)]
-        out = runner.execute(StepBatch(step + 1, 0, [], batch), return_logits=True)
+        out = runner.execute(StepBatch(step + 1, [], batch), return_logits=True)
         logits.append(out.logits)
         for t in out.sampled:
             tokens[t.seq_id].append(t.token_id)
@@ -52,8 +52,8 @@ def test_graph_slice_hidden_states_equal_eager(tiny_model_dir, a, b):
         hidden = None if a == 0 else torch.randn(3, runner.config.hidden_size, device="cuda",
                                                  generator=torch.Generator("cuda").manual_seed(0))
         seqs = [NewSequence(i, [1 + i] * 4, SamplingParams()) for i in range(3)]
-        runner.execute(StepBatch(0, 0, seqs, [ScheduledChunk(i, [1 + i] * 4, 0, [i], False) for i in range(3)]),
+        runner.execute(StepBatch(0, seqs, [ScheduledChunk(i, [1 + i] * 4, 0, [i], False) for i in range(3)]),
                        torch.zeros(12, runner.config.hidden_size, device="cuda") if a else None)
-        out = runner.execute(StepBatch(1, 0, [], [ScheduledChunk(i, [9], 4, [], False) for i in range(3)]), hidden)
+        out = runner.execute(StepBatch(1, [], [ScheduledChunk(i, [9], 4, [], False) for i in range(3)]), hidden)
         outs.append(out.hidden_states)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)

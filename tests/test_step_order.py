@@ -15,7 +15,7 @@ def run(coro):
 def test_steps_that_arrive_out_of_order_are_taken_in_order():
     async def main():
         order, taken = StepOrder(window=4), []
-        order.open(epoch=3, first_step_id=0)
+        order.open(epoch=3)
 
         async def step(i):
             await order.turn(3, i)
@@ -35,7 +35,7 @@ def test_steps_that_arrive_out_of_order_are_taken_in_order():
 def test_steps_of_another_epoch_or_far_ahead_are_refused_at_once(epoch, step, words):
     async def main():
         order = StepOrder(window=4)
-        order.open(epoch=3, first_step_id=0)
+        order.open(epoch=3)
         with pytest.raises(OutOfOrder, match=words):
             await order.turn(epoch, step)
         assert not order._waiting

@@ -15,7 +15,7 @@ def over_the_wire(batch: StepBatch) -> StepBatch:
 def test_a_mixed_step_round_trips():
     # values exact in float32 (the wire's type for temperature)
     sampling = SamplingParams(temperature=0.5, top_k=5, seed=11, max_tokens=9, logprobs=2, stop_token_ids=(4,))
-    batch = StepBatch(7, 1, [NewSequence(3, [5, 6, 7, 8, 9], sampling)], [
+    batch = StepBatch(7, [NewSequence(3, [5, 6, 7, 8, 9], sampling)], [
         ScheduledChunk(1, [42], 17, [], True),  # decode, the last block still has room
         ScheduledChunk(2, [43], 32, [9], True),  # decode into a new block
         ScheduledChunk(3, [5, 6, 7], 0, [10, 11], False),  # the first chunk of a prompt
@@ -27,7 +27,7 @@ def test_a_mixed_step_round_trips():
 
 
 def test_a_preempted_sequence_comes_back_new_with_its_output():
-    batch = StepBatch(3, 0, [NewSequence(9, [1, 2], SamplingParams(max_tokens=4), [7, 7])],
+    batch = StepBatch(3, [NewSequence(9, [1, 2], SamplingParams(max_tokens=4), [7, 7])],
                       [ScheduledChunk(9, [1, 2, 7, 7], 0, [0], True)], finished_seq_ids=[4])
     back = over_the_wire(batch)
     assert back.new_sequences[0].output_token_ids == [7, 7]
@@ -36,7 +36,7 @@ def test_a_preempted_sequence_comes_back_new_with_its_output():
 
 
 def test_an_empty_step_round_trips():
-    batch = StepBatch(0, 0, finished_seq_ids=[1, 2])
+    batch = StepBatch(0, finished_seq_ids=[1, 2])
     back = over_the_wire(batch)
     assert back == batch and not back.chunks and back.num_tokens == 0
 

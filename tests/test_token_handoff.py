@@ -1,43 +1,66 @@
-"""Sampled tokens from the last stage to the first, for steps scheduled ahead: through a real TCPStore."""
+"""Sampled tokens from the last stage back to the first, for steps scheduled ahead, over the handoff the
+stages share: the grpc handoff's mailbox as a unit, then PP=2 meshes over both handoffs where every step of
+a lone request runs ahead (real processes, tokens equal to transformers')."""
 from __future__ import annotations
 
 import threading
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
+import torch
 
-from stage_worker.dist import put_tokens, take_tokens
+from mesh import Mesh
+from parity import prompts
+from stage_worker.handoff import GrpcHandoff, HandoffAborted
 from stagemesh.errors import StagemeshError
+from stagemesh.sampling_params import SamplingParams
+from stagemesh.v1 import stage_pb2
+from tiny_models import reference_greedy, reference_model
 
 
-@pytest.fixture
-def stores():
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    client = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10))
-    yield dist.PrefixStore("epoch-3/", master), dist.PrefixStore("epoch-3/", client)
+def tokens(step: int, ids: list[int], epoch: int = 3) -> stage_pb2.PushActivationsRequest:
+    return stage_pb2.PushActivationsRequest(epoch=epoch, step_id=step, sampled_tokens=ids)
 
 
-def test_tokens_cross_once_and_the_key_is_gone(stores):
-    last, first = stores
-    put_tokens(last, 7, [5, 49151, 0, 2**31 - 1])
-    assert take_tokens(first, 7, timeout_s=5, alive=lambda: True) == [5, 49151, 0, 2**31 - 1]
-    assert not last.check(["tokens/7"])  # taken: the store does not grow with the steps
+def test_the_first_stage_takes_tokens_once_in_its_window():
+    first = GrpcHandoff(None, torch.device("cpu"), epoch=3, window=4)
+    first.deliver(tokens(2, [5, 49151]))
+    with pytest.raises(StagemeshError, match="each once"):
+        first.deliver(tokens(2, [5, 49151]))
+    with pytest.raises(StagemeshError, match="takes steps 0 to 3"):
+        first.deliver(tokens(4, [1]))
+    with pytest.raises(StagemeshError, match="not in that epoch"):
+        first.deliver(tokens(1, [1], epoch=2))
+    assert first.recv_tokens(2, 2) == [5, 49151]
+    first.deliver(tokens(5, [7]))  # the window moved on with the step taken
+    first.advance(5)  # the stage took step 5 without it (the tokens were not needed after all): they go
+    with pytest.raises(StagemeshError, match="takes steps 6 to 9"):
+        first.deliver(tokens(5, [7]))
+    first.deliver(tokens(6, [1, 2]))
+    with pytest.raises(StagemeshError, match="has 3 tokens scheduled ahead; the last stage sent 2"):
+        first.recv_tokens(6, 3)
 
 
-def test_the_first_stage_waits_for_tokens_put_later(stores):
-    last, first = stores
-    timer = threading.Timer(0.7, put_tokens, (last, 8, [11]))
+def test_a_wait_for_tokens_ends_when_they_come_or_the_epoch_does():
+    first = GrpcHandoff(None, torch.device("cpu"), epoch=0)
+    timer = threading.Timer(0.3, first.deliver, (tokens(1, [11], epoch=0),))
     timer.start()
     try:
-        assert take_tokens(first, 8, timeout_s=5, alive=lambda: True) == [11]
+        assert first.recv_tokens(1, 1) == [11]
     finally:
         timer.cancel()
+    threading.Timer(0.3, first.abort).start()
+    with pytest.raises(HandoffAborted):
+        first.recv_tokens(2, 1)
 
 
-def test_a_wait_ends_with_the_epoch_or_its_deadline(stores):
-    _, first = stores
-    with pytest.raises(StagemeshError, match="epoch ended while step 9"):
-        take_tokens(first, 9, timeout_s=30, alive=lambda: False)
-    with pytest.raises(StagemeshError, match="no sampled tokens from the last stage for step 9 in 1s"):
-        take_tokens(first, 9, timeout_s=1, alive=lambda: True)
+@pytest.mark.slow
+@pytest.mark.parametrize("handoff", ["grpc", "nccl"])
+def test_a_lone_request_runs_every_step_ahead_across_two_stages(tiny_model_dir, tmp_path, handoff):
+    model_dir = tiny_model_dir("llama")
+    prompt = prompts(384, (21,))[0]
+    want = reference_greedy(reference_model(model_dir), prompt, 24)[0]
+    with Mesh(model_dir, [2, 2], handoff=handoff, log_dir=tmp_path, scheduler_args=("--async-scheduling",)) as mesh:
+        got = mesh.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))
+    assert got == [want]
+    assert "steps scheduled ahead take their sampled tokens from the last stage" in \
+        (tmp_path / "stage0.log").read_text()

@@ -61,7 +61,7 @@ def step(**columns) -> StepBatch:
              new_block_ids=[4], sample=[True])
     c.update(columns)
     new = [NewSequence(0, [5, 6, 7], SamplingParams())] if 0 in c["seq_ids"] else []
-    return StepBatch(1, 0, new, ScheduledChunks(**c))
+    return StepBatch(1, new, ScheduledChunks(**c))
 
 
 @pytest.mark.parametrize("batch,words", [
@@ -127,19 +127,19 @@ def runner(tiny_model_dir):
 
 def test_state_checks_know_sequences_and_where_each_continues(runner):
     runner.execute(step())  # sequence 0 holds positions 0..2 in block 4
-    cont = StepBatch(2, 0, [], ScheduledChunks([0], [1], [9], [3], [0], [], [True]))
+    cont = StepBatch(2, [], ScheduledChunks([0], [1], [9], [3], [0], [], [True]))
     runner.check_state(cont, 128)
     for bad, words in [
-        (StepBatch(2, 0, [], ScheduledChunks([0], [1], [9], [5], [0], [], [True])), "continues at position 5; its "
+        (StepBatch(2, [], ScheduledChunks([0], [1], [9], [5], [0], [], [True])), "continues at position 5; its "
                                                                                      "tokens end at 3"),
-        (StepBatch(2, 0, [], ScheduledChunks([7], [1], [9], [0], [0], [], [True])), "sequence 7 is not known"),
-        (StepBatch(2, 0, [], ScheduledChunks([0], [14], [9] * 14, [3], [0], [], [True])), "has 1 KV blocks for 17"),
-        (StepBatch(2, 0, [NewSequence(0, [5], SamplingParams())], ScheduledChunks([0], [1], [5], [0], [1], [6],
+        (StepBatch(2, [], ScheduledChunks([7], [1], [9], [0], [0], [], [True])), "sequence 7 is not known"),
+        (StepBatch(2, [], ScheduledChunks([0], [14], [9] * 14, [3], [0], [], [True])), "has 1 KV blocks for 17"),
+        (StepBatch(2, [NewSequence(0, [5], SamplingParams())], ScheduledChunks([0], [1], [5], [0], [1], [6],
                                                                                   [True])), "already in use"),
-        (StepBatch(2, 0, [NewSequence(3, [5] * 40, SamplingParams())],
+        (StepBatch(2, [NewSequence(3, [5] * 40, SamplingParams())],
                    ScheduledChunks([3], [1], [5], [32], [1], [6], [True])), "starts at 32 with 1 KV blocks"),
-        (StepBatch(2, 0, [NewSequence(3, [5], SamplingParams())], ScheduledChunks()), "without a chunk"),
-        (StepBatch(2, 0, [], ScheduledChunks([0], [1], [9], [3], [8], list(range(10, 18)), [True])),
+        (StepBatch(2, [NewSequence(3, [5], SamplingParams())], ScheduledChunks()), "without a chunk"),
+        (StepBatch(2, [], ScheduledChunks([0], [1], [9], [3], [8], list(range(10, 18)), [True])),
          "would hold 9 KV blocks; 8 hold max_model_len"),
     ]:
         before = (dict(runner.seq_lens), {s: list(t) for s, t in runner.block_tables.items()})

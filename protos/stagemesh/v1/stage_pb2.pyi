@@ -155,9 +155,9 @@ class JoinPipelineRequest(_message.Message):
     TP_SIZES_FIELD_NUMBER: _builtins.int
     NEXT_STAGE_ADDRESS_FIELD_NUMBER: _builtins.int
     NUM_KV_BLOCKS_FIELD_NUMBER: _builtins.int
-    FIRST_STEP_ID_FIELD_NUMBER: _builtins.int
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _builtins.int
+    FIRST_STAGE_ADDRESS_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     store_host: _builtins.str
     """The torch.distributed store the scheduler hosts."""
@@ -168,13 +168,15 @@ class JoinPipelineRequest(_message.Message):
     next_stage_address: _builtins.str
     """host:port of the next stage (grpc handoff); empty on the last stage."""
     num_kv_blocks: _builtins.int
-    first_step_id: _builtins.int
-    """The step id of the epoch's first step; steps then come in order."""
     max_model_len: _builtins.int
     """Limits the stage checks every step against: no position at or past max_model_len, no
     step of more than max_num_batched_tokens tokens.
     """
     max_num_batched_tokens: _builtins.int
+    first_stage_address: _builtins.str
+    """host:port of the first stage, on the last stage of a pipeline of several with the grpc handoff:
+    the tokens a step scheduled ahead needs go back there (stage_worker/run_ahead.py).
+    """
     @_builtins.property
     def tp_sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """TP size of every stage, in stage order (TP groups are formed from them)."""
@@ -190,13 +192,13 @@ class JoinPipelineRequest(_message.Message):
         tp_sizes: _abc.Iterable[_builtins.int] | None = ...,
         next_stage_address: _builtins.str = ...,
         num_kv_blocks: _builtins.int = ...,
-        first_step_id: _builtins.int = ...,
         max_model_len: _builtins.int = ...,
         max_num_batched_tokens: _builtins.int = ...,
+        first_stage_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_step_id", b"first_step_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "next_stage_address", b"next_stage_address", "num_kv_blocks", b"num_kv_blocks", "rank_offset", b"rank_offset", "store_host", b"store_host", "store_port", b"store_port", "tp_sizes", b"tp_sizes", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_stage_address", b"first_stage_address", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "next_stage_address", b"next_stage_address", "num_kv_blocks", b"num_kv_blocks", "rank_offset", b"rank_offset", "store_host", b"store_host", "store_port", b"store_port", "tp_sizes", b"tp_sizes", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -319,12 +321,10 @@ class StepBatch(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     STEP_ID_FIELD_NUMBER: _builtins.int
-    MICRO_BATCH_FIELD_NUMBER: _builtins.int
     NEW_SEQUENCES_FIELD_NUMBER: _builtins.int
     FINISHED_SEQ_IDS_FIELD_NUMBER: _builtins.int
     CHUNKS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
-    micro_batch: _builtins.int
     @_builtins.property
     def new_sequences(self) -> _containers.RepeatedCompositeFieldContainer[Global___NewSequence]:
         """Sequences sent for the first time (or again after a preemption)."""
@@ -339,14 +339,13 @@ class StepBatch(_message.Message):
         self,
         *,
         step_id: _builtins.int = ...,
-        micro_batch: _builtins.int = ...,
         new_sequences: _abc.Iterable[Global___NewSequence] | None = ...,
         finished_seq_ids: _abc.Iterable[_builtins.int] | None = ...,
         chunks: Global___ScheduledChunks | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "finished_seq_ids", b"finished_seq_ids", "micro_batch", b"micro_batch", "new_sequences", b"new_sequences", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "finished_seq_ids", b"finished_seq_ids", "new_sequences", b"new_sequences", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -511,20 +510,28 @@ class PushActivationsRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     STEP_ID_FIELD_NUMBER: _builtins.int
     HIDDEN_STATES_FIELD_NUMBER: _builtins.int
+    SAMPLED_TOKENS_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     step_id: _builtins.int
     @_builtins.property
-    def hidden_states(self) -> _common_pb2.Tensor: ...
+    def hidden_states(self) -> _common_pb2.Tensor:
+        """The previous stage's activations for the step; or, from the last stage to the first, the tokens
+        the step's placeholders stand for (a step scheduled ahead), in the order of its placeholders.
+        """
+
+    @_builtins.property
+    def sampled_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
         epoch: _builtins.int = ...,
         step_id: _builtins.int = ...,
         hidden_states: _common_pb2.Tensor | None = ...,
+        sampled_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hidden_states", b"hidden_states"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "hidden_states", b"hidden_states", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "hidden_states", b"hidden_states", "sampled_tokens", b"sampled_tokens", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
