@@ -21,8 +21,8 @@ from scheduler.rendezvous import PipelinePlan, Rendezvous, StageInfo
 from stagemesh import telemetry
 from stagemesh.errors import StagemeshError
 from stagemesh.service_options import aio_channel
-from stagemesh.step import StepBatch
-from stagemesh.step_wire import prompt_logprobs_from_pb, sampled_from_pb, step_to_pb
+from stagemesh.step import EpochSpec, StepBatch
+from stagemesh.step_wire import epoch_to_pb, prompt_logprobs_from_pb, sampled_from_pb, step_to_pb
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.scheduler")
@@ -77,13 +77,12 @@ class GrpcPipeline:
     async def _join(self, plan: PipelinePlan, index: int, epoch: int, max_model_len: int,
                     max_num_batched_tokens: int) -> None:
         stage = plan.stages[index]
-        request = stage_pb2.JoinPipelineRequest(
-            epoch=epoch, store_host=self.store_host, store_port=self.store_port, world_size=plan.world_size,
-            rank_offset=plan.rank_offsets[index], tp_sizes=plan.tp_sizes, num_kv_blocks=plan.num_kv_blocks,
+        spec = EpochSpec(
+            epoch, self.store_host, self.store_port, plan.world_size, plan.rank_offsets[index], tuple(plan.tp_sizes),
+            plan.num_kv_blocks, max_model_len, max_num_batched_tokens,
             next_stage_address=plan.stages[index + 1].address if index + 1 < len(plan.stages) else "",
-            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
             first_stage_address=plan.stages[0].address if 0 < index == len(plan.stages) - 1 else "")
-        await _answer(stage, self._stub(stage).JoinPipeline(request, timeout=self.join_timeout_s))
+        await _answer(stage, self._stub(stage).JoinPipeline(epoch_to_pb(spec), timeout=self.join_timeout_s))
 
     # -- steps ---------------------------------------------------------------------------
     def forward(self, epoch: int, batch: StepBatch, span: trace.Span | None, trace_links: list[str]):

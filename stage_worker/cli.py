@@ -73,12 +73,15 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     from stage_worker.service import ServerThread, StageServicer
+    from stage_worker.runner import SliceConfig
     from stage_worker.worker import StageConfig, StageWorker
 
-    worker = StageWorker(StageConfig(str(model_dir), args.stage_index, start, end, args.tensor_parallel_size,
-                                     args.device, args.dtype, args.block_size, args.handoff, args.kv_cache_memory,
-                                     args.gpu_memory_utilization, args.threads, args.enforce_eager,
-                                     enable_expert_parallel=args.enable_expert_parallel))
+    slice_ = SliceConfig(str(model_dir), start, end, tp_size=args.tensor_parallel_size, device=args.device,
+                         dtype=args.dtype, block_size=args.block_size, cuda_graphs=not args.enforce_eager,
+                         expert_parallel=args.enable_expert_parallel)
+    worker = StageWorker(StageConfig(slice_, args.stage_index, handoff=args.handoff,
+                                     kv_cache_memory=args.kv_cache_memory,
+                                     gpu_memory_utilization=args.gpu_memory_utilization, threads=args.threads))
     internal_token.warn_if_open(f"stage {args.stage_index}")
     if cfg.is_moe:
         from stage_worker.moe import describe_layout

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from stagemesh.v1 import stage_pb2
+from stagemesh.step import EpochSpec
 from stage_worker.parallel import TPGroup
 
 FORWARD, LEAVE = 1, 2
@@ -29,7 +29,7 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def join_world(req: stage_pb2.JoinPipelineRequest, tp: TPGroup, device: torch.device):
+def join_world(req: EpochSpec, tp: TPGroup, device: torch.device) -> int:
     """Join the epoch's world and set up `tp`'s collectives in place (the model's layers hold
     that object); returns this process's global rank."""
     leave_world(tp)

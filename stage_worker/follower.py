@@ -2,7 +2,8 @@
 
 Started by the stage's rank 0 (stage_worker.worker). Control before a world
 exists comes on stdin as length-prefixed JoinPipelineRequest protobufs; inside
-an epoch, steps come as protobuf bytes broadcast over the TP group.
+an epoch, steps come as StepBatch protobuf bytes broadcast over the TP group,
+encoded once by rank 0 after it filled in the tokens of a step run ahead.
 """
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import sys
 
 import torch
 
-from stagemesh.step_wire import step_from_pb
+from stagemesh.step import EpochSpec
+from stagemesh.step_wire import epoch_from_pb, step_from_pb
 from stagemesh.v1 import stage_pb2
 from stage_worker import dist as sdist
-from stage_worker.runner import StageRunner
+from stage_worker.runner import SliceConfig, StageRunner
 
 log = logging.getLogger("stagemesh.follower")
 
@@ -38,7 +40,7 @@ def read_message(stream) -> bytes | None:
     return stream.read(size)
 
 
-def serve_epoch(runner: StageRunner, join: stage_pb2.JoinPipelineRequest) -> None:
+def serve_epoch(runner: StageRunner, join: EpochSpec) -> None:
     tp = runner.tp
     sdist.join_world(join, tp, runner.device)  # (the first stage's rank 0 fills in steps run ahead)
     runner.reset(join.num_kv_blocks)
@@ -48,7 +50,7 @@ def serve_epoch(runner: StageRunner, join: stage_pb2.JoinPipelineRequest) -> Non
             kind, payload = sdist.recv_control(tp)
             if kind == sdist.LEAVE:
                 return
-            step = step_from_pb(stage_pb2.ForwardRequest.FromString(payload).step)
+            step = step_from_pb(stage_pb2.StepBatch.FromString(payload))  # as rank 0 runs it
             hidden = None
             if not runner.is_first_stage:
                 buf = torch.empty((step.num_tokens, hidden_size), dtype=runner.dtype, device=runner.device)
@@ -56,6 +58,18 @@ def serve_epoch(runner: StageRunner, join: stage_pb2.JoinPipelineRequest) -> Non
             runner.execute(step, hidden)
     finally:
         sdist.leave_world(tp)
+
+
+def follower_argv(slice_: SliceConfig, tp_rank: int, threads: int) -> list[str]:
+    """The command line of TP rank `tp_rank` of `slice_` (main() reads it back)."""
+    argv = ["--model", str(slice_.model_dir), "--layers", f"{slice_.layer_start}:{slice_.layer_end}",
+            "--tp-rank", str(tp_rank), "--tp-size", str(slice_.tp_size), "--device", slice_.device,
+            "--block-size", str(slice_.block_size), "--threads", str(threads)]
+    if slice_.dtype:
+        argv += ["--dtype", slice_.dtype]
+    if slice_.expert_parallel:
+        argv.append("--enable-expert-parallel")
+    return argv
 
 
 def main() -> None:
@@ -75,13 +89,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     start, end = (int(x) for x in args.layers.split(":"))
-    device = args.device if args.device != "cuda" else f"cuda:{args.tp_rank}"
-    runner = StageRunner(args.model, start, end, tp_rank=args.tp_rank, tp_size=args.tp_size, device=device,
-                         dtype=args.dtype, block_size=args.block_size, expert_parallel=args.enable_expert_parallel)
+    runner = SliceConfig(args.model, start, end, args.tp_size, args.device, args.dtype, args.block_size,
+                         expert_parallel=args.enable_expert_parallel).runner(args.tp_rank)
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     while (raw := read_message(sys.stdin.buffer)) is not None:
-        join = stage_pb2.JoinPipelineRequest.FromString(raw)
+        join = epoch_from_pb(stage_pb2.JoinPipelineRequest.FromString(raw))
         try:
             serve_epoch(runner, join)
         except Exception as err:  # the epoch broke (a peer died): wait for the next one

@@ -53,6 +53,26 @@ def resolve_dtype(cfg: ModelConfig, dtype: torch.dtype | str | None, device: str
     return getattr(torch, name)
 
 
+@dataclass(frozen=True)
+class SliceConfig:
+    """The model slice a stage runs, as every TP rank of it (rank 0 and its followers) builds it."""
+    model_dir: str
+    layer_start: int
+    layer_end: int
+    tp_size: int = 1
+    device: str = "cpu"  # "cuda": rank t takes cuda:t
+    dtype: str | None = None
+    block_size: int = 16
+    cuda_graphs: bool = True
+    expert_parallel: bool = False  # whole experts spread over the TP ranks (stage_worker.moe)
+
+    def runner(self, tp_rank: int) -> "StageRunner":
+        device = f"cuda:{tp_rank}" if self.device == "cuda" else self.device
+        return StageRunner(self.model_dir, self.layer_start, self.layer_end, tp_rank=tp_rank, tp_size=self.tp_size,
+                           device=device, dtype=self.dtype, block_size=self.block_size, cuda_graphs=self.cuda_graphs,
+                           expert_parallel=self.expert_parallel)
+
+
 class StageRunner:
     def __init__(self, model_dir: str | Path | None, layer_start: int, layer_end: int, *, tp_rank: int = 0,
                  tp_size: int = 1, tp_group=None, device: str = "cpu", dtype: torch.dtype | str | None = None,

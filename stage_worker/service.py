@@ -17,11 +17,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from stagemesh.errors import StagemeshError
 from stagemesh.sampling_params import InvalidParameter
 from stagemesh.service_options import add_port, aio_server
-from stagemesh.step_wire import sampled_to_pb, step_from_pb
+from stagemesh.step_wire import epoch_from_pb, sampled_to_pb, step_from_pb
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 from stage_worker.observe import ForwardObserver
 from stage_worker.step_order import StepOrder, window_for
-from stage_worker.validate import InvalidStep
+from stage_worker.handoff import GrpcHandoff
+from stage_worker.validate import InvalidStep, check_activations, check_tokens
 from stage_worker.worker import StageWorker
 
 log = logging.getLogger("stagemesh.stage")
@@ -33,15 +34,15 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.worker = worker
         self.address = address
         self.order = StepOrder()
-        c = worker.cfg
-        self.observer = ForwardObserver(c.stage_index, c.layer_start, c.layer_end, c.tp_size, c.handoff)
+        c, s = worker.cfg, worker.cfg.slice
+        self.observer = ForwardObserver(c.stage_index, s.layer_start, s.layer_end, s.tp_size, c.handoff)
 
     def describe(self) -> stage_pb2.StageDescription:
-        w, c, cfg = self.worker, self.worker.cfg, self.worker.runner.config
+        w, c, s, cfg = self.worker, self.worker.cfg, self.worker.cfg.slice, self.worker.runner.config
         return stage_pb2.StageDescription(
-            stage_index=c.stage_index, layer_start=c.layer_start, layer_end=c.layer_end, tensor_parallel_size=c.tp_size,
-            device=c.device, free_memory_bytes=w.free_memory_bytes(), num_kv_blocks=w.num_kv_blocks,
-            block_size=c.block_size, address=self.address, handoff=c.handoff, model_path=str(c.model_dir),
+            stage_index=c.stage_index, layer_start=s.layer_start, layer_end=s.layer_end, tensor_parallel_size=s.tp_size,
+            device=s.device, free_memory_bytes=w.free_memory_bytes(), num_kv_blocks=w.num_kv_blocks,
+            block_size=s.block_size, address=self.address, handoff=c.handoff, model_path=str(s.model_dir),
             weight_bytes=w.runner.model.num_parameter_bytes(), instance_id=w.instance_id,
             model=stage_pb2.ModelIdentity(model_type=cfg.model_type, num_hidden_layers=cfg.num_hidden_layers,
                                           hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
@@ -52,13 +53,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return self.describe()
 
     async def JoinPipeline(self, request, context):
+        spec = epoch_from_pb(request)
         try:
-            self.worker.check_join(request)  # a refused join leaves the epoch as it was
+            self.worker.check_join(spec)  # a refused join leaves the epoch as it was
         except StagemeshError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         self.order.close()  # steps of the old epoch stop waiting
         try:
-            await asyncio.to_thread(self.worker.join, request)
+            await asyncio.to_thread(self.worker.join, spec)
         except Exception as err:  # noqa: BLE001 - reported to the caller, the stage stays up
             await _abort(context, err)
         self.order.open(request.epoch, window_for(len(request.tp_sizes)))
@@ -81,21 +83,40 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.worker.check(batch)  # before the step takes a place in the order
         await self.order.turn(request.epoch, batch.step_id)
         try:
-            done = self.worker.queue_step(request, batch)
+            done = self.worker.queue_step(request.epoch, batch)
         finally:
             self.order.advance(batch.step_id)
         # shielded: a cancelled RPC (the scheduler went away) must not cancel a step already queued
-        reply, out = await asyncio.shield(asyncio.wrap_future(done))
+        stats, out = await asyncio.shield(asyncio.wrap_future(done))
+        reply = stage_pb2.ForwardResponse(compute_seconds=stats.compute_seconds, handoff_bytes=stats.handoff_bytes,
+                                          handoff_wait_seconds=stats.handoff_wait_seconds)
         if out.sampled or out.prompt_logprobs:
             reply.sampled.CopyFrom(sampled_to_pb(out.sampled, out.prompt_logprobs))
         return reply
 
     async def PushActivations(self, request, context):
         try:
-            self.worker.deliver(request)
+            self._deliver(request)
         except Exception as err:  # noqa: BLE001
             await _abort(context, err)
         return stage_pb2.PushActivationsResponse()
+
+    def _deliver(self, req: stage_pb2.PushActivationsRequest) -> None:
+        """Checked activations (or sampled tokens, on the first stage) into the grpc handoff's mailbox."""
+        w = self.worker
+        if not isinstance(w.handoff, GrpcHandoff) or req.epoch != w.epoch:
+            raise StagemeshError(f"activations for epoch {req.epoch} arrived; the stage is in epoch {w.epoch}")
+        if req.HasField("hidden_states") == bool(req.sampled_tokens):
+            raise InvalidStep("a PushActivations call carries activations or sampled tokens, one of them")
+        if req.sampled_tokens:  # from the last stage, for a step scheduled ahead
+            if not w.runner.is_first_stage or w.runner.is_last_stage:
+                raise InvalidStep("sampled tokens go to the first stage of a pipeline of several")
+            check_tokens(req.sampled_tokens, w.limits)
+        else:
+            if w.runner.is_first_stage:
+                raise InvalidStep("the first stage takes no activations")
+            check_activations(req.hidden_states, w.limits)
+        w.handoff.deliver(req)
 
 
 async def _abort(context, err: Exception) -> None:

@@ -20,35 +20,29 @@ from dataclasses import dataclass, replace
 import torch
 
 from stagemesh.errors import StagemeshError
-from stagemesh.v1 import stage_pb2
+from stagemesh.step import EpochSpec, StepBatch, StepStats
+from stagemesh.step_wire import epoch_to_pb, step_to_pb
 from stage_worker import dist as sdist
 from stage_worker.handoff import DistHandoff, GrpcHandoff
 from stage_worker.kv_cache import num_kv_blocks_for_budget
 from stage_worker.main_loop import MainLoop
 from stage_worker.run_ahead import RunAhead, has_placeholders
-from stage_worker.runner import StageOutput, StageRunner
+from stage_worker.follower import follower_argv
+from stage_worker.runner import SliceConfig, StageOutput
 from stage_worker.step_order import window_for
-from stage_worker.validate import InvalidStep, StepLimits, check_activations, check_join, check_step, check_tokens
+from stage_worker.validate import StepLimits, check_join, check_step
 
 log = logging.getLogger("stagemesh.stage")
 
 
 @dataclass(frozen=True)
 class StageConfig:
-    model_dir: str
+    slice: SliceConfig
     stage_index: int
-    layer_start: int
-    layer_end: int
-    tp_size: int = 1
-    device: str = "cpu"
-    dtype: str | None = None
-    block_size: int = 16
     handoff: str = "grpc"
     kv_cache_memory: int | None = None  # bytes; None: from gpu_memory_utilization (CUDA) or 512 MiB (CPU)
     gpu_memory_utilization: float = 0.9
-    threads: int = 0
-    enforce_eager: bool = False  # no CUDA graphs
-    enable_expert_parallel: bool = False  # whole experts spread over the TP ranks (stage_worker.moe)
+    threads: int = 0  # of each TP follower (rank 0's are set by its command line)
 
 
 class StageWorker:
@@ -56,11 +50,8 @@ class StageWorker:
         if cfg.handoff not in ("nccl", "grpc"):
             raise StagemeshError(f"--handoff {cfg.handoff!r} must be nccl or grpc")
         self.cfg = cfg
-        device = "cuda:0" if cfg.device == "cuda" else cfg.device
-        self.runner = StageRunner(cfg.model_dir, cfg.layer_start, cfg.layer_end, tp_rank=0, tp_size=cfg.tp_size,
-                                  device=device, dtype=cfg.dtype, block_size=cfg.block_size,
-                                  cuda_graphs=not cfg.enforce_eager, expert_parallel=cfg.enable_expert_parallel)
-        self.followers = [self._start_follower(t) for t in range(1, cfg.tp_size)]
+        self.runner = cfg.slice.runner(0)
+        self.followers = [self._start_follower(t) for t in range(1, cfg.slice.tp_size)]
         for t, proc in enumerate(self.followers, start=1):
             if proc.stdout.readline().strip() != b"ready":
                 raise StagemeshError(f"TP follower {t} failed to load its shard (exit code {proc.wait()})")
@@ -68,7 +59,7 @@ class StageWorker:
         self.instance_id = uuid.uuid4().hex  # a restarted stage is another instance to the scheduler
         self.epoch = -1
         model = self.runner.config
-        self.limits = StepLimits(model.vocab_size, model.hidden_size, cfg.block_size)  # nothing allowed before a join
+        self.limits = StepLimits(model.vocab_size, model.hidden_size, cfg.slice.block_size)  # nothing allowed before a join
         self.handoff = None
         self._joining = threading.Lock()  # one join at a time (a second waits for the first to end)
         self.run_ahead: RunAhead | None = None
@@ -76,14 +67,7 @@ class StageWorker:
 
     # -- start-up ---------------------------------------------------------------
     def _start_follower(self, tp_rank: int) -> subprocess.Popen:
-        c = self.cfg
-        cmd = [sys.executable, "-m", "stage_worker.follower", "--model", str(c.model_dir),
-               "--layers", f"{c.layer_start}:{c.layer_end}", "--tp-rank", str(tp_rank), "--tp-size", str(c.tp_size),
-               "--device", c.device, "--block-size", str(c.block_size), "--threads", str(c.threads)]
-        if c.dtype:
-            cmd += ["--dtype", c.dtype]
-        if c.enable_expert_parallel:
-            cmd.append("--enable-expert-parallel")
+        cmd = [sys.executable, "-m", "stage_worker.follower", *follower_argv(self.cfg.slice, tp_rank, self.cfg.threads)]
         return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=os.environ.copy())
 
     def _kv_budget(self) -> int:
@@ -104,20 +88,20 @@ class StageWorker:
         return all(proc.poll() is None for proc in self.followers)
 
     # -- epochs -------------------------------------------------------------------
-    def check_join(self, req: stage_pb2.JoinPipelineRequest) -> None:
+    def check_join(self, req: EpochSpec) -> None:
         """A JoinPipeline that does not fit this stage is refused before the stage leaves its epoch."""
         c = self.cfg
-        check_join(req, c.stage_index, c.tp_size, self.num_kv_blocks, self.runner.config.max_position_embeddings,
+        check_join(req, c.stage_index, c.slice.tp_size, self.num_kv_blocks, self.runner.config.max_position_embeddings,
                    self.runner.is_last_stage, c.handoff == "grpc" and not self.runner.is_last_stage)
 
-    def join(self, req: stage_pb2.JoinPipelineRequest) -> None:
+    def join(self, req: EpochSpec) -> None:
         """Leave the old epoch (waking anything blocked in it) and join the new one."""
         with self._joining:
             self._join(req)
 
-    def _join(self, req: stage_pb2.JoinPipelineRequest) -> None:
+    def _join(self, req: EpochSpec) -> None:
         self._leave()
-        payload = req.SerializeToString()
+        payload = epoch_to_pb(req).SerializeToString()
         for t, proc in enumerate(self.followers, start=1):
             try:
                 proc.stdin.write(struct.pack("<I", len(payload)) + payload)
@@ -142,7 +126,8 @@ class StageWorker:
                               max_num_batched_tokens=req.max_num_batched_tokens)
         self.epoch = req.epoch
         log.info("joined epoch %d as rank %d of %d (layers %d:%d, TP=%d, %s handoff, %d KV blocks)", req.epoch, rank,
-                 req.world_size, self.cfg.layer_start, self.cfg.layer_end, self.cfg.tp_size, self.cfg.handoff,
+                 req.world_size, self.cfg.slice.layer_start, self.cfg.slice.layer_end, self.cfg.slice.tp_size,
+                 self.cfg.handoff,
                  req.num_kv_blocks)
 
     def _leave(self) -> None:
@@ -162,65 +147,43 @@ class StageWorker:
         """What can be judged of a step without running the steps before it (raises InvalidStep)."""
         check_step(batch, self.limits)
 
-    def queue_step(self, req: stage_pb2.ForwardRequest, batch) -> Future:
+    def queue_step(self, epoch: int, batch: StepBatch) -> Future:
         """Queue a step on the main loop; the caller queues steps in step order. The future's result is
-        (reply without its sampled tokens, the StageOutput that has them)."""
-        if req.epoch != self.epoch:
-            raise StagemeshError(f"step {batch.step_id} belongs to epoch {req.epoch}, the stage is in {self.epoch}")
+        (StepStats, StageOutput)."""
+        if epoch != self.epoch:
+            raise StagemeshError(f"step {batch.step_id} belongs to epoch {epoch}, the stage is in {self.epoch}")
         runner, published = self.runner, None
         ahead = has_placeholders(batch)  # scheduled before the step before had sampled
         if ahead and runner.is_last_stage and not runner.is_first_stage:
             # once the step before has sampled, the first stage gets the tokens this one needs
             published = self.main_loop.submit(self.run_ahead.publish, batch)
-        return self.main_loop.submit(self._run, req, batch, ahead, published)
+        return self.main_loop.submit(self._run, batch, ahead, published)
 
-    def _run(self, req: stage_pb2.ForwardRequest, batch, ahead: bool, published
-             ) -> tuple[stage_pb2.ForwardResponse, StageOutput]:
-        runner, reply = self.runner, stage_pb2.ForwardResponse()
+    def _run(self, batch: StepBatch, ahead: bool, published: Future | None) -> tuple[StepStats, StageOutput]:
+        runner, wait, sent = self.runner, 0.0, 0
         if published is not None:
             published.result()  # done (it ran just before): raises if the tokens could not be handed over
         runner.check_state(batch, self.limits.max_model_len)  # before the handoff: a refused step leaves every
         # stage as it was
         hidden = None
+        start = time.perf_counter()
         if not runner.is_first_stage and batch.chunks:
-            start = time.perf_counter()
-            shape = (batch.num_tokens, runner.config.hidden_size)
-            hidden = self.handoff.recv(batch.step_id, shape, runner.dtype)
-            reply.handoff_wait_seconds = time.perf_counter() - start
+            hidden = self.handoff.recv(batch.step_id, (batch.num_tokens, runner.config.hidden_size), runner.dtype)
         if runner.is_first_stage and isinstance(self.handoff, GrpcHandoff):
             self.handoff.advance(batch.step_id - 1)  # tokens arrive for this step and later ones only
         if ahead and runner.is_first_stage:
-            start = time.perf_counter()
             self.run_ahead.fill(batch)
-            if self.followers:
-                req.step.chunks.token_ids[:] = batch.chunks.token_ids  # the followers embed the same tokens
-            reply.handoff_wait_seconds = time.perf_counter() - start
+        wait = time.perf_counter() - start
         start = time.perf_counter()
-        if self.followers:
-            sdist.send_control(sdist.FORWARD, req.SerializeToString(), runner.tp)
+        if self.followers:  # the step as this stage runs it (placeholders filled), encoded once for all of them
+            sdist.send_control(sdist.FORWARD, step_to_pb(batch).SerializeToString(), runner.tp)
             if hidden is not None:
                 sdist.broadcast_hidden(hidden, runner.tp)
         out = runner.execute(batch, hidden)
-        reply.compute_seconds = time.perf_counter() - start
+        compute = time.perf_counter() - start
         if out.hidden_states is not None:
-            reply.handoff_bytes = self.handoff.send(batch.step_id, out.hidden_states)
-        return reply, out
-
-    def deliver(self, req: stage_pb2.PushActivationsRequest) -> None:
-        handoff = self.handoff
-        if not isinstance(handoff, GrpcHandoff) or req.epoch != self.epoch:
-            raise StagemeshError(f"activations for epoch {req.epoch} arrived; the stage is in epoch {self.epoch}")
-        if req.HasField("hidden_states") == bool(req.sampled_tokens):
-            raise InvalidStep("a PushActivations call carries activations or sampled tokens, one of them")
-        if req.sampled_tokens:  # from the last stage, for a step scheduled ahead
-            if not self.runner.is_first_stage or self.runner.is_last_stage:
-                raise InvalidStep("sampled tokens go to the first stage of a pipeline of several")
-            check_tokens(req.sampled_tokens, self.limits)
-        else:
-            if self.runner.is_first_stage:
-                raise InvalidStep("the first stage takes no activations")
-            check_activations(req.hidden_states, self.limits)
-        handoff.deliver(req)
+            sent = self.handoff.send(batch.step_id, out.hidden_states)
+        return StepStats(compute, wait, sent), out
 
     def close(self) -> None:
         if self.handoff is not None:

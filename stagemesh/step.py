@@ -114,6 +114,30 @@ class StepBatch:
         return len(self.chunks.token_ids)
 
 
+@dataclass(frozen=True)
+class EpochSpec:
+    """What a stage needs to join a pipeline epoch (the scheduler's JoinPipeline)."""
+    epoch: int
+    store_host: str  # the torch.distributed store the scheduler hosts
+    store_port: int
+    world_size: int
+    rank_offset: int  # global rank of the stage's TP rank 0
+    tp_sizes: tuple[int, ...]  # every stage's TP size, in stage order
+    num_kv_blocks: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    next_stage_address: str = ""  # grpc handoff: the next stage's, empty on the last
+    first_stage_address: str = ""  # grpc handoff: the first stage's, on the last stage of several
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What a stage measured of one step."""
+    compute_seconds: float = 0.0
+    handoff_wait_seconds: float = 0.0
+    handoff_bytes: int = 0
+
+
 @dataclass(slots=True)
 class TokenLogprob:
     """A token's log-probability given the tokens before it, its rank (1: most likely), the top N."""

@@ -6,7 +6,8 @@ are messages per item.
 """
 from __future__ import annotations
 
-from stagemesh.step import NewSequence, PromptLogprobs, SampledToken, ScheduledChunks, StepBatch, TokenLogprob
+from stagemesh.step import (EpochSpec, NewSequence, PromptLogprobs, SampledToken, ScheduledChunks, StepBatch,
+                            TokenLogprob)
 from stagemesh.v1 import common_pb2, stage_pb2
 from stagemesh.wire import sampling_from_pb, sampling_to_pb
 
@@ -73,3 +74,17 @@ def sampled_from_pb(msg: stage_pb2.SampledTokens) -> list[SampledToken]:
     for row, error in zip(msg.error_rows, msg.errors):
         sampled[row].error = error or "sampling failed"
     return sampled
+
+
+def epoch_to_pb(spec: EpochSpec) -> stage_pb2.JoinPipelineRequest:
+    return stage_pb2.JoinPipelineRequest(
+        epoch=spec.epoch, store_host=spec.store_host, store_port=spec.store_port, world_size=spec.world_size,
+        rank_offset=spec.rank_offset, tp_sizes=spec.tp_sizes, num_kv_blocks=spec.num_kv_blocks,
+        max_model_len=spec.max_model_len, max_num_batched_tokens=spec.max_num_batched_tokens,
+        next_stage_address=spec.next_stage_address, first_stage_address=spec.first_stage_address)
+
+
+def epoch_from_pb(msg: stage_pb2.JoinPipelineRequest) -> EpochSpec:
+    return EpochSpec(msg.epoch, msg.store_host, msg.store_port, msg.world_size, msg.rank_offset, tuple(msg.tp_sizes),
+                     msg.num_kv_blocks, msg.max_model_len, msg.max_num_batched_tokens, msg.next_stage_address,
+                     msg.first_stage_address)
