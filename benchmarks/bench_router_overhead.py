@@ -1,5 +1,5 @@
 """Time to first token and time per output token through the router (HTTP, streaming)
-against the scheduler's gRPC API directly, on the same replica in the same run.
+against the scheduler's gRPC API (SubmitStream) directly, on the same replica in the same run.
 
     .venv/bin/python benchmarks/bench_router_overhead.py [--requests 8] [--tokens 64]
 """
@@ -9,6 +9,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,9 +27,24 @@ from stagemesh.wire import sampling_to_pb  # noqa: E402
 
 def direct(mesh: Mesh, prompt: list[int], tokens: int) -> tuple[float, float]:
     start = time.perf_counter()
-    request = scheduler_pb2.SubmitRequest(request_id=f"d{start}", prompt_token_ids=prompt,
-                                          sampling=sampling_to_pb(SamplingParams(max_tokens=tokens, ignore_eos=True)))
-    stamps = [time.perf_counter() for reply in mesh.stub.Submit(request, timeout=300) for _ in reply.token_ids]
+    submit = scheduler_pb2.SubmitRequest(request_id=f"d{start}", prompt_token_ids=prompt,
+                                         sampling=sampling_to_pb(SamplingParams(max_tokens=tokens, ignore_eos=True)))
+    done = threading.Event()
+
+    def actions():
+        yield scheduler_pb2.SubmitStreamRequest(submits=[scheduler_pb2.StreamSubmit(request=submit)])
+        done.wait(300)  # ending the client's side would abort the request
+
+    stamps, call = [], mesh.stub.SubmitStream(actions(), timeout=300)
+    try:
+        for reply in call:
+            for update in reply.updates:
+                stamps += [time.perf_counter()] * len(update.output.token_ids)
+            if len(stamps) >= tokens:
+                break
+    finally:
+        done.set()
+        call.cancel()
     return stamps[0] - start, (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
 

@@ -51,7 +51,7 @@ def core_only(seqs: int, steps: int = 200) -> float:
 
 
 def drive(mesh: Mesh, client: str, seqs: int, sampling: SamplingParams) -> None:
-    """`seqs` requests at once: over one SubmitStream (as the router sends them), or one Submit call each
+    """`seqs` requests at once: over one SubmitStream (as the router sends them), or a SubmitStream each
     from a thread of its own (those threads cost the client several ms of CPU per step)."""
     requests = [(f"b{i}", [5 + i % 300, 6, 7], sampling) for i in range(seqs)]
     if client == "stream":
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="runs of each mode, alternating; medians are printed")
     parser.add_argument("--client", choices=("stream", "submit"), default="stream",
                         help="stream: every request over one multiplexed SubmitStream, as the router sends them; "
-                             "submit: one Submit call per request, each from its own thread")
+                             "submit: a SubmitStream per request, each from its own thread")
     args = parser.parse_args()
     core = core_only(args.seqs)
     print(f"{args.seqs} running sequences, {args.tokens} tokens each, client: {args.client}, {args.rounds} round(s)")

@@ -23,7 +23,7 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class RequestFailed(Exception):
-    """A request failed on its replica, with the status a Submit call would have ended with."""
+    """A request failed on its replica, with the status of its RequestError."""
 
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(f"{code.name}: {details}")

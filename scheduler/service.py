@@ -31,22 +31,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.driver = driver
         self.served_model_name, self.model_path, self.vocab_size = served_model_name, model_path, vocab_size
 
-    async def Submit(self, request, context):
-        try:
-            stream = self.driver.submit(request.request_id, list(request.prompt_token_ids),
-                                        sampling_from_pb(request.sampling),
-                                        telemetry.extract(context.invocation_metadata()))
-            first = True
-            async for out in stream:
-                if out.finish_reason == "error":
-                    await context.abort(*_error_status(out))
-                reply = scheduler_pb2.SubmitResponse()
-                _fill_output(reply, out, first)
-                first = False
-                yield reply
-        except StagemeshError as err:
-            await context.abort(*status_of(err))
-
     async def SubmitStream(self, request_iterator, context):
         """The writer: one message per take of everything pending; a task of its own reads the actions."""
         connection = Connection()
@@ -147,7 +131,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
 
 def status_of(err: StagemeshError) -> tuple[grpc.StatusCode, str]:
-    """The status a request refused with `err` gets, on a Submit stream or as a SubmitStream update."""
+    """The status a request refused with `err` gets in its SubmitStream update."""
     if isinstance(err, QueueFull):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
     if isinstance(err, Unavailable):

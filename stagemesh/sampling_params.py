@@ -1,5 +1,5 @@
 """Sampling parameters: the domain type every service passes around, and the one set of rules
-every entry point checks them by (the router, the gRPC frontend, the scheduler's Submit and a
+every entry point checks them by (the router, the gRPC frontend, the scheduler's SubmitStream and a
 stage's Forward), so that a value that passes one passes all and none can fail a step.
 
 The rules: every number finite and in range, every value representable in the wire type

@@ -133,23 +133,25 @@ class Mesh:
             time.sleep(0.2)
         raise TimeoutError(f"mesh not {'healthy' if healthy else 'unhealthy'} after {timeout}s")
 
-    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams, timeout: float = 120):
-        """(token ids, finish reason) of one request; raises grpc.RpcError on failure."""
-        request = scheduler_pb2.SubmitRequest(request_id=request_id, prompt_token_ids=prompt,
-                                              sampling=sampling_to_pb(sampling))
-        tokens, reason = [], None
-        for reply in self.stub.Submit(request, timeout=timeout):
-            tokens.extend(reply.token_ids)
-            reason = reply.finish_reason or reason
-        return tokens, reason
+    def submit(self, request_id: str, prompt: list[int], sampling, timeout: float = 120):
+        """(token ids, finish reason) of one request over a SubmitStream of its own; raises RequestFailed (a
+        grpc.RpcError with the request's status) when it fails."""
+        result = self.submit_stream([(request_id, prompt, sampling)], timeout)[request_id]
+        if not isinstance(result, tuple):
+            raise RequestFailed(result)
+        return result
 
-    def submit_stream(self, requests: list[tuple[str, list[int], SamplingParams]], timeout: float = 300) -> dict:
+    def submit_stream(self, requests: list[tuple[str, list[int], SamplingParams]], timeout: float = 300,
+                      stub=None) -> dict:
         """Requests sent together over one SubmitStream, read until each has finished or failed:
-        request id -> (token ids, finish reason), or the RequestError of a request that failed."""
+        request id -> (token ids, finish reason), or the RequestError of a request that failed. A sampling
+        given as protobuf goes as it is (a test's malformed one)."""
         message = scheduler_pb2.SubmitStreamRequest()
         for request_id, prompt, sampling in requests:
+            if isinstance(sampling, SamplingParams):
+                sampling = sampling_to_pb(sampling)
             message.submits.add(request=scheduler_pb2.SubmitRequest(
-                request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_pb(sampling)))
+                request_id=request_id, prompt_token_ids=prompt, sampling=sampling))
         finished = threading.Event()
 
         def actions():
@@ -158,7 +160,7 @@ class Mesh:
 
         results: dict = {request_id: ([], None) for request_id, _, _ in requests}
         remaining = set(results)
-        call = self.stub.SubmitStream(actions(), timeout=timeout)
+        call = (stub or self.stub).SubmitStream(actions(), timeout=timeout)
         try:
             for reply in call:
                 for update in reply.updates:
@@ -182,6 +184,21 @@ class Mesh:
         with ThreadPoolExecutor(len(prompts)) as pool:
             futures = [pool.submit(self.submit, f"r{i}", p, sampling) for i, p in enumerate(prompts)]
             return [f.result()[0] for f in futures]
+
+
+class RequestFailed(grpc.RpcError):
+    """A request that failed on a SubmitStream (its RequestError), raised as a gRPC error with its status."""
+    CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+    def __init__(self, error):
+        super().__init__(error.message)
+        self._code, self._details = self.CODES.get(error.code, grpc.StatusCode.UNKNOWN), error.message
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
 
 
 class Router:

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from mesh import Mesh, Router
 from parity import prompts
 from stagemesh.sampling_params import SamplingParams
-from stagemesh.v1 import frontend_pb2, frontend_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from stagemesh.v1 import frontend_pb2, frontend_pb2_grpc, scheduler_pb2_grpc
 from stagemesh.wire import sampling_to_pb
 from tiny_models import reference_greedy, reference_model, with_word_tokenizer
 
@@ -128,14 +128,13 @@ def submit_poison(mesh: Mesh) -> None:
     cases = [([5, 999], sampling_to_pb(SamplingParams(max_tokens=4))), ([5, 6], nan),
              ([5, NAN_TOKEN], sampling_to_pb(SamplingParams(max_tokens=4)))]
     for i, (prompt, sampling) in enumerate(cases):
-        request = scheduler_pb2.SubmitRequest(request_id=f"poison-{i}", prompt_token_ids=prompt, sampling=sampling)
         with pytest.raises(grpc.RpcError) as err:
-            list(mesh.stub.Submit(request, timeout=60))
+            mesh.submit(f"poison-{i}", prompt, sampling, timeout=60)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     with grpc.insecure_channel(mesh.address) as plain:  # no internal token
         with pytest.raises(grpc.RpcError) as err:
-            list(scheduler_pb2_grpc.SchedulerStub(plain).Submit(
-                scheduler_pb2.SubmitRequest(request_id="x", prompt_token_ids=[5]), timeout=10))
+            mesh.submit_stream([("x", [5], SamplingParams(max_tokens=1))], timeout=10,
+                               stub=scheduler_pb2_grpc.SchedulerStub(plain))
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 

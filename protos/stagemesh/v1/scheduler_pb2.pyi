@@ -200,8 +200,8 @@ class SubmitStreamRequest(_message.Message):
 
     @_builtins.property
     def abort_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Requests of this stream to stop, their KV blocks freed at once, as when a
-        Submit caller goes away: no further update comes for them. Ids not
+        """Requests of this stream to stop, their KV blocks freed at once: no
+        further update comes for them. Ids not
         running on this stream are ignored.
         """
 
@@ -234,8 +234,8 @@ class StreamSubmit(_message.Message):
     """The W3C tracestate that goes with traceparent; usually empty."""
     @_builtins.property
     def request(self) -> Global___SubmitRequest:
-        """What a Submit call carries: the request id (unique per replica), the
-        prompt and the sampling parameters.
+        """The request id (unique per replica), the prompt and the sampling
+        parameters.
         """
 
     def __init__(
@@ -289,9 +289,8 @@ class RequestUpdate(_message.Message):
     """The request (StreamSubmit.request.request_id) this update belongs to."""
     @_builtins.property
     def output(self) -> Global___SubmitResponse:
-        """New tokens and, on the last update, the finish reason: what Submit
-        would stream, num_prompt_tokens / num_cached_tokens on the first update
-        only.
+        """New tokens and, on the last update, the finish reason;
+        num_prompt_tokens / num_cached_tokens on the first update only.
         """
 
     @_builtins.property
@@ -319,7 +318,7 @@ Global___RequestUpdate: _TypeAlias = RequestUpdate  # noqa: Y015
 
 @_typing.final
 class RequestError(_message.Message):
-    """Why a request failed, in the terms Submit's stream status would use."""
+    """Why a request failed, as a gRPC status."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -332,7 +331,7 @@ class RequestError(_message.Message):
     replica's pipeline is broken; the message names the stage that failed).
     """
     message: _builtins.str
-    """What went wrong, for people: the message Submit's status would carry."""
+    """What went wrong, for people."""
     def __init__(
         self,
         *,

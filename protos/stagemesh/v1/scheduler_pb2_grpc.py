@@ -34,11 +34,6 @@ class SchedulerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Submit = channel.unary_stream(
-                '/stagemesh.v1.Scheduler/Submit',
-                request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
-                response_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.SubmitResponse.FromString,
-                _registered_method=True)
         self.SubmitStream = channel.stream_stream(
                 '/stagemesh.v1.Scheduler/SubmitStream',
                 request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.SubmitStreamRequest.SerializeToString,
@@ -74,26 +69,17 @@ class SchedulerStub:
 class SchedulerServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Submit(self, request, context):
-        """Queue a request and stream its generated tokens as they are sampled.
-        Errors end the stream with a gRPC status: INVALID_ARGUMENT (bad input,
-        e.g. prompt + max_tokens over max_model_len), RESOURCE_EXHAUSTED (waiting
-        queue full), UNAVAILABLE (the replica's pipeline is broken; the message
-        names the stage that failed).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def SubmitStream(self, request_iterator, context):
-        """Many requests over one stream, for a client (the router) that keeps one
+        """Requests over one stream, for a client (the router) that keeps one
         connection per replica: it sends submits and aborts, the scheduler sends
         the updates of all the stream's requests that one step produced as one
         message, so a step costs one stream write rather than one per request.
-        A request's failure comes as an update of that request (with the status
-        Submit would end its stream with); the others go on. When the client's
-        side of the stream ends or breaks, every request still running on it is
-        aborted and its KV blocks freed, as for a Submit whose caller went away.
+        A request's failure comes as an update of that request, with a status:
+        INVALID_ARGUMENT (bad input, e.g. prompt + max_tokens over max_model_len),
+        RESOURCE_EXHAUSTED (waiting queue full), UNAVAILABLE (the replica's
+        pipeline is broken; the message names the stage that failed); the others
+        go on. When the client's side of the stream ends or breaks, every request
+        still running on it is aborted and its KV blocks freed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -142,11 +128,6 @@ class SchedulerServicer:
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Submit': grpc.unary_stream_rpc_method_handler(
-                    servicer.Submit,
-                    request_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.SubmitRequest.FromString,
-                    response_serializer=stagemesh_dot_v1_dot_scheduler__pb2.SubmitResponse.SerializeToString,
-            ),
             'SubmitStream': grpc.stream_stream_rpc_method_handler(
                     servicer.SubmitStream,
                     request_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.SubmitStreamRequest.FromString,
@@ -187,33 +168,6 @@ def add_SchedulerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Scheduler:
     """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def Submit(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/stagemesh.v1.Scheduler/Submit',
-            stagemesh_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
-            stagemesh_dot_v1_dot_scheduler__pb2.SubmitResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def SubmitStream(request_iterator,

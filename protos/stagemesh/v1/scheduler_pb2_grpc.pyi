@@ -33,22 +33,17 @@ class SchedulerStub:
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> SchedulerAsyncStub: ...
-    Submit: _grpc.UnaryStreamMultiCallable[_scheduler_pb2.SubmitRequest, _scheduler_pb2.SubmitResponse]
-    """Queue a request and stream its generated tokens as they are sampled.
-    Errors end the stream with a gRPC status: INVALID_ARGUMENT (bad input,
-    e.g. prompt + max_tokens over max_model_len), RESOURCE_EXHAUSTED (waiting
-    queue full), UNAVAILABLE (the replica's pipeline is broken; the message
-    names the stage that failed).
-    """
     SubmitStream: _grpc.StreamStreamMultiCallable[_scheduler_pb2.SubmitStreamRequest, _scheduler_pb2.SubmitStreamResponse]
-    """Many requests over one stream, for a client (the router) that keeps one
+    """Requests over one stream, for a client (the router) that keeps one
     connection per replica: it sends submits and aborts, the scheduler sends
     the updates of all the stream's requests that one step produced as one
     message, so a step costs one stream write rather than one per request.
-    A request's failure comes as an update of that request (with the status
-    Submit would end its stream with); the others go on. When the client's
-    side of the stream ends or breaks, every request still running on it is
-    aborted and its KV blocks freed, as for a Submit whose caller went away.
+    A request's failure comes as an update of that request, with a status:
+    INVALID_ARGUMENT (bad input, e.g. prompt + max_tokens over max_model_len),
+    RESOURCE_EXHAUSTED (waiting queue full), UNAVAILABLE (the replica's
+    pipeline is broken; the message names the stage that failed); the others
+    go on. When the client's side of the stream ends or breaks, every request
+    still running on it is aborted and its KV blocks freed.
     """
     Abort: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.AbortRequest, _scheduler_pb2.AbortResponse]
     """Stop a request and free its KV blocks at once. Unknown ids are ignored."""
@@ -70,22 +65,17 @@ class SchedulerStub:
 @_typing.type_check_only
 class SchedulerAsyncStub(SchedulerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
-    Submit: _aio.UnaryStreamMultiCallable[_scheduler_pb2.SubmitRequest, _scheduler_pb2.SubmitResponse]  # type: ignore[assignment]
-    """Queue a request and stream its generated tokens as they are sampled.
-    Errors end the stream with a gRPC status: INVALID_ARGUMENT (bad input,
-    e.g. prompt + max_tokens over max_model_len), RESOURCE_EXHAUSTED (waiting
-    queue full), UNAVAILABLE (the replica's pipeline is broken; the message
-    names the stage that failed).
-    """
     SubmitStream: _aio.StreamStreamMultiCallable[_scheduler_pb2.SubmitStreamRequest, _scheduler_pb2.SubmitStreamResponse]  # type: ignore[assignment]
-    """Many requests over one stream, for a client (the router) that keeps one
+    """Requests over one stream, for a client (the router) that keeps one
     connection per replica: it sends submits and aborts, the scheduler sends
     the updates of all the stream's requests that one step produced as one
     message, so a step costs one stream write rather than one per request.
-    A request's failure comes as an update of that request (with the status
-    Submit would end its stream with); the others go on. When the client's
-    side of the stream ends or breaks, every request still running on it is
-    aborted and its KV blocks freed, as for a Submit whose caller went away.
+    A request's failure comes as an update of that request, with a status:
+    INVALID_ARGUMENT (bad input, e.g. prompt + max_tokens over max_model_len),
+    RESOURCE_EXHAUSTED (waiting queue full), UNAVAILABLE (the replica's
+    pipeline is broken; the message names the stage that failed); the others
+    go on. When the client's side of the stream ends or breaks, every request
+    still running on it is aborted and its KV blocks freed.
     """
     Abort: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.AbortRequest, _scheduler_pb2.AbortResponse]  # type: ignore[assignment]
     """Stop a request and free its KV blocks at once. Unknown ids are ignored."""
@@ -106,32 +96,21 @@ class SchedulerAsyncStub(SchedulerStub):
 
 class SchedulerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
-    def Submit(
-        self,
-        request: _scheduler_pb2.SubmitRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_scheduler_pb2.SubmitResponse], _abc.AsyncIterator[_scheduler_pb2.SubmitResponse]]:
-        """Queue a request and stream its generated tokens as they are sampled.
-        Errors end the stream with a gRPC status: INVALID_ARGUMENT (bad input,
-        e.g. prompt + max_tokens over max_model_len), RESOURCE_EXHAUSTED (waiting
-        queue full), UNAVAILABLE (the replica's pipeline is broken; the message
-        names the stage that failed).
-        """
-
-    @_abc_1.abstractmethod
     def SubmitStream(
         self,
         request_iterator: _MaybeAsyncIterator[_scheduler_pb2.SubmitStreamRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_scheduler_pb2.SubmitStreamResponse], _abc.AsyncIterator[_scheduler_pb2.SubmitStreamResponse]]:
-        """Many requests over one stream, for a client (the router) that keeps one
+        """Requests over one stream, for a client (the router) that keeps one
         connection per replica: it sends submits and aborts, the scheduler sends
         the updates of all the stream's requests that one step produced as one
         message, so a step costs one stream write rather than one per request.
-        A request's failure comes as an update of that request (with the status
-        Submit would end its stream with); the others go on. When the client's
-        side of the stream ends or breaks, every request still running on it is
-        aborted and its KV blocks freed, as for a Submit whose caller went away.
+        A request's failure comes as an update of that request, with a status:
+        INVALID_ARGUMENT (bad input, e.g. prompt + max_tokens over max_model_len),
+        RESOURCE_EXHAUSTED (waiting queue full), UNAVAILABLE (the replica's
+        pipeline is broken; the message names the stage that failed); the others
+        go on. When the client's side of the stream ends or breaks, every request
+        still running on it is aborted and its KV blocks freed.
         """
 
     @_abc_1.abstractmethod
