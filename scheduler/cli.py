@@ -5,8 +5,10 @@ import argparse
 import asyncio
 import logging
 import signal
+from dataclasses import replace
 
 from stagemesh import internal_token
+from stagemesh.deadlines import DEADLINES
 from stagemesh.errors import StagemeshError
 from stagemesh.service_options import add_service_arguments, setup_service
 
@@ -31,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="schedule a step before the previous one's tokens are back, so the stages do not wait for "
                         "the scheduler: always with one stage, with more where a micro-batch would be empty "
                         "(default: on when the stages run on GPUs, off on CPU)")
-    p.add_argument("--forward-timeout", type=float, default=120.0, help="deadline of one step on a stage, seconds")
+    p.add_argument("--forward-timeout", type=float, default=DEADLINES.forward_s, help="deadline of one step on a stage, seconds")
     p.add_argument("--port-file", default=None, help="write the bound port here (for supervisors)")
     add_service_arguments(p)
 
@@ -69,7 +71,7 @@ async def _main(args: argparse.Namespace) -> int:
                         enable_prefix_caching=args.enable_prefix_caching, eos_token_ids=cfg.eos_token_ids,
                         max_waiting_requests=args.max_waiting_requests, vocab_size=cfg.vocab_size),
         model_max_len=cfg.max_position_embeddings, async_scheduling=args.async_scheduling),
-        GrpcPipeline(rendezvous, advertise, store.port, forward_timeout_s=args.forward_timeout))
+        GrpcPipeline(rendezvous, advertise, store.port, replace(DEADLINES, forward_s=args.forward_timeout)))
     name = args.served_model_name or served_model_name(args.model, model_dir)
     server, port = await serve(SchedulerServicer(driver, name, str(model_dir), cfg.vocab_size), args.host, args.port)
     driver.observer.replica = f"{advertise}:{port}"

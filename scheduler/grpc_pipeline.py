@@ -19,6 +19,7 @@ from opentelemetry import trace
 from scheduler.pipeline import StageFailure, StepResult
 from scheduler.rendezvous import PipelinePlan, Rendezvous, StageInfo
 from stagemesh import telemetry
+from stagemesh.deadlines import DEADLINES, Deadlines
 from stagemesh.errors import StagemeshError
 from stagemesh.service_options import aio_channel
 from stagemesh.step import EpochSpec, StepBatch
@@ -31,12 +32,11 @@ log = logging.getLogger("stagemesh.scheduler")
 class GrpcPipeline:
     overlaps_stages = True
 
-    def __init__(self, rendezvous: Rendezvous, store_host: str, store_port: int, *, forward_timeout_s: float = 120.0,
-                 join_timeout_s: float = 300.0):
+    def __init__(self, rendezvous: Rendezvous, store_host: str, store_port: int, deadlines: Deadlines = DEADLINES):
         self.rendezvous = rendezvous
         self.block_size, self.num_stages = rendezvous.block_size, rendezvous.pp
         self.store_host, self.store_port = store_host, store_port
-        self.forward_timeout_s, self.join_timeout_s = forward_timeout_s, join_timeout_s
+        self.deadlines = deadlines
         self.plan: PipelinePlan | None = None  # of the epoch joined last
         self._channels: dict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = {}
         self._tasks: set[asyncio.Task] = set()  # channels closing later, referenced until done
@@ -82,7 +82,7 @@ class GrpcPipeline:
             plan.num_kv_blocks, max_model_len, max_num_batched_tokens,
             next_stage_address=plan.stages[index + 1].address if index + 1 < len(plan.stages) else "",
             first_stage_address=plan.stages[0].address if 0 < index == len(plan.stages) - 1 else "")
-        await _answer(stage, self._stub(stage).JoinPipeline(epoch_to_pb(spec), timeout=self.join_timeout_s))
+        await _answer(stage, self._stub(stage).JoinPipeline(epoch_to_pb(spec), timeout=self.deadlines.join_s))
 
     # -- steps ---------------------------------------------------------------------------
     def forward(self, epoch: int, batch: StepBatch, span: trace.Span | None, trace_links: list[str]):
@@ -90,7 +90,7 @@ class GrpcPipeline:
         ahead of the stream writes queued behind them."""
         request = stage_pb2.ForwardRequest(epoch=epoch, step=step_to_pb(batch), trace_links=trace_links)
         metadata = telemetry.inject(trace.set_span_in_context(span)) if span is not None else None
-        calls = [(stage, self._stub(stage).Forward(request, timeout=self.forward_timeout_s, metadata=metadata))
+        calls = [(stage, self._stub(stage).Forward(request, timeout=self.deadlines.forward_s, metadata=metadata))
                  for stage in self.plan.stages]
         return self._result(calls)
 
@@ -116,9 +116,11 @@ class GrpcPipeline:
     async def _probe(self, stage: StageInfo, wait: bool = False) -> StageFailure | None:
         """None when the registered instance of `stage` answers; else what went wrong.
         wait=True gives a (re)starting stage a few seconds to come up."""
+        d = self.deadlines
         try:
             desc = await _answer(stage, self._stub(stage).Describe(stage_pb2.DescribeRequest(),
-                                                                  timeout=5.0 if wait else 2.0, wait_for_ready=wait))
+                                                                  timeout=d.probe_starting_s if wait else d.probe_s,
+                                                                  wait_for_ready=wait))
         except StageFailure as err:
             return err
         if desc.instance_id != stage.instance_id:
@@ -138,7 +140,7 @@ class GrpcPipeline:
         The old one closes once every call on it is past its deadline (closing cancels its calls)."""
         entry = self._channels.pop(address, None)
         if entry is not None:
-            task = asyncio.create_task(_close_later(entry[0], max(self.forward_timeout_s, self.join_timeout_s) + 5))
+            task = asyncio.create_task(_close_later(entry[0], self.deadlines.channel_linger_s))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 

@@ -9,6 +9,7 @@ import threading
 import grpc
 
 from stagemesh import internal_token
+from stagemesh.deadlines import DEADLINES
 from stagemesh.errors import StagemeshError
 from stagemesh.service_options import add_service_arguments, channel, setup_service
 
@@ -135,7 +136,8 @@ def keep_registered(scheduler: str, servicer, stop: threading.Event, interval_s:
             if not servicer.worker.followers_alive():
                 raise StagemeshError("a TP follower of this stage died; the stage stops")
             try:
-                reply = stub.RegisterStage(scheduler_pb2.RegisterStageRequest(stage=servicer.describe()), timeout=10)
+                reply = stub.RegisterStage(scheduler_pb2.RegisterStageRequest(stage=servicer.describe()),
+                                           timeout=DEADLINES.register_s)
                 if reply.first_seen:
                     log.info("registered with the scheduler at %s (%d stage(s) still missing)", scheduler,
                              reply.num_missing_stages)

@@ -13,14 +13,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from stagemesh.deadlines import DEADLINES
 from stagemesh.step import EpochSpec
 from stage_worker.parallel import TPGroup
 
 FORWARD, LEAVE = 1, 2
 # a join whose peers never come (the scheduler gave up on a stage mid-form) gives up this soon, so that the
 # next JoinPipeline, which waits behind it, is not held up for long
-STORE_TIMEOUT = timedelta(seconds=20)
-GROUP_TIMEOUT = timedelta(seconds=120)
+STORE_TIMEOUT = timedelta(seconds=DEADLINES.store_s)
+GROUP_TIMEOUT = timedelta(seconds=DEADLINES.collective_s)
 SHM_DIR = "/dev/shm"
 SHM_SLOT_BYTES = 16 * 2**20  # the largest tensor a shared-memory collective carries; larger ones take gloo
 

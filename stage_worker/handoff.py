@@ -19,13 +19,12 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from stagemesh.deadlines import DEADLINES
 from stagemesh.errors import StagemeshError
 from stagemesh.service_options import channel
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 from stagemesh.wire import tensor_from_pb, tensor_to_pb
 
-PUSH_DEADLINE_S = 30.0
-RECV_TIMEOUT_S = 120.0  # a stage waits this long for the previous stage's activations or the last one's tokens
 
 
 class HandoffAborted(StagemeshError):
@@ -94,8 +93,8 @@ class GrpcHandoff:
 
     def send(self, step_id: int, hidden: torch.Tensor) -> int:
         msg = tensor_to_pb(hidden)
-        self._next_stub.PushActivations(stage_pb2.PushActivationsRequest(epoch=self._epoch, step_id=step_id,
-                                                                         hidden_states=msg), timeout=PUSH_DEADLINE_S)
+        request = stage_pb2.PushActivationsRequest(epoch=self._epoch, step_id=step_id, hidden_states=msg)
+        self._next_stub.PushActivations(request, timeout=DEADLINES.push_activations_s)
         return len(msg.data)
 
     def send_tokens(self, step_id: int, tokens: list[int]) -> None:
@@ -104,7 +103,7 @@ class GrpcHandoff:
                                  "first_stage_address)")
         self._first_stub.PushActivations(stage_pb2.PushActivationsRequest(epoch=self._epoch, step_id=step_id,
                                                                           sampled_tokens=tokens),
-                                         timeout=PUSH_DEADLINE_S)
+                                         timeout=DEADLINES.push_activations_s)
 
     def deliver(self, request: stage_pb2.PushActivationsRequest) -> None:
         """Activations (or, on the first stage, sampled tokens) for a step of the next `window`."""
@@ -129,14 +128,14 @@ class GrpcHandoff:
             del self._mailbox[old]
 
     def _wait(self, step_id: int, what: str) -> stage_pb2.PushActivationsRequest:
-        deadline = time.monotonic() + RECV_TIMEOUT_S
+        deadline = time.monotonic() + DEADLINES.handoff_recv_s
         with self._cond:
             while step_id not in self._mailbox:
                 left = deadline - time.monotonic()
                 if self._aborted:
                     raise HandoffAborted("the pipeline epoch ended")
                 if left <= 0:
-                    raise StagemeshError(f"no {what} for step {step_id} in {RECV_TIMEOUT_S:.0f}s")
+                    raise StagemeshError(f"no {what} for step {step_id} in {DEADLINES.handoff_recv_s:.0f}s")
                 self._cond.wait(left)
             request = self._mailbox.pop(step_id)
             self._take_up_to(step_id)

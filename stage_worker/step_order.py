@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
+from stagemesh.deadlines import DEADLINES
 from stagemesh.errors import StagemeshError
 
 
@@ -23,7 +24,7 @@ def window_for(num_stages: int) -> int:
 
 
 class StepOrder:
-    def __init__(self, window: int = 16, timeout_s: float = 30.0):
+    def __init__(self, window: int = 16, timeout_s: float = DEADLINES.step_turn_s):
         self.window, self.timeout_s = window, timeout_s
         self.epoch = -1  # -1: between epochs, every step is refused
         self.next_step = 0

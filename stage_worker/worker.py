@@ -59,7 +59,8 @@ class StageWorker:
         self.instance_id = uuid.uuid4().hex  # a restarted stage is another instance to the scheduler
         self.epoch = -1
         model = self.runner.config
-        self.limits = StepLimits(model.vocab_size, model.hidden_size, cfg.slice.block_size)  # nothing allowed before a join
+        # nothing is allowed before a join
+        self.limits = StepLimits(model.vocab_size, model.hidden_size, cfg.slice.block_size)
         self.handoff = None
         self._joining = threading.Lock()  # one join at a time (a second waits for the first to end)
         self.run_ahead: RunAhead | None = None

@@ -1,0 +1,31 @@
+"""Every deadline the services put on their internal RPCs and waits, in one place (seconds).
+
+A service that takes a deadline from its command line (the scheduler's
+--forward-timeout) replaces that field (dataclasses.replace) and passes the
+object on; everything else reads DEADLINES.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    forward_s: float = 120.0  # scheduler -> stage: one step (--forward-timeout)
+    join_s: float = 300.0  # scheduler -> stage: JoinPipeline, a world forming
+    probe_s: float = 2.0  # scheduler -> stage: Describe of a stage that should be up
+    probe_starting_s: float = 5.0  # ... of a stage that may be (re)starting (waits for it to listen)
+    register_s: float = 10.0  # stage -> scheduler: RegisterStage, the stage's heartbeat
+    push_activations_s: float = 30.0  # stage -> next stage: PushActivations (grpc handoff)
+    handoff_recv_s: float = 120.0  # a stage waits for the previous stage's activations or the last one's tokens
+    step_turn_s: float = 30.0  # a Forward that came early waits for the steps before it
+    store_s: float = 20.0  # joining the epoch's torch.distributed store (a half-formed world gives up this soon)
+    collective_s: float = 120.0  # one collective or point-to-point transfer of the epoch's world
+
+    @property
+    def channel_linger_s(self) -> float:
+        """How long a replaced stage's channel stays open: until every call on it is past its deadline."""
+        return max(self.forward_s, self.join_s) + 5
+
+
+DEADLINES = Deadlines()
