@@ -57,15 +57,15 @@ def main() -> None:
 
     model_dir = default_model_dir()
     prompt_ids = AutoTokenizer.from_pretrained(model_dir).encode("Write a short story about a lighthouse keeper.")
-    engine = LocalEngine(model_dir)
-    engine.generate([prompt_ids], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         model.generate(torch.tensor([prompt_ids]), max_new_tokens=4, do_sample=False)  # warm-up
     ours, theirs = [], []
-    for _ in range(args.rounds):
-        ours.append(bench_stagemesh(engine, prompt_ids, args.tokens))
-        theirs.append(bench_transformers(model, prompt_ids, args.tokens))
+    with LocalEngine(model_dir) as engine:
+        engine.generate([prompt_ids], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        for _ in range(args.rounds):
+            ours.append(bench_stagemesh(engine, prompt_ids, args.tokens))
+            theirs.append(bench_transformers(model, prompt_ids, args.tokens))
     ours_med, theirs_med = statistics.median(ours), statistics.median(theirs)
     print(f"default model, batch 1, {args.tokens} greedy tokens, {args.threads} threads, {args.rounds} rounds")
     print(f"stagemesh in-process : {ours_med:8.1f} tokens/s (rounds: {', '.join(f'{x:.1f}' for x in ours)})")

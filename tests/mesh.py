@@ -93,12 +93,16 @@ class Mesh:
         self.scheduler.wait()
 
     def __enter__(self) -> "Mesh":
-        self.start_scheduler()
-        for i in range(len(self.split)):
-            self.start_stage(i)
         self.channel = internal_channel(self.address, self.credentials)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
-        self.wait_healthy()
+        try:
+            self.start_scheduler()
+            for i in range(len(self.split)):
+                self.start_stage(i)
+            self.wait_healthy()
+        except BaseException:  # a mesh that never came up still stops every process it started
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
