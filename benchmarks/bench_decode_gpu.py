@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from stagemesh.model_config import ModelConfig
-from stagemesh.sampling_params import SamplingParams
-from stagemesh.step import NewSequence, ScheduledChunk, StepBatch
+from stagemesh.core.model_config import ModelConfig
+from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.step import NewSequence, ScheduledChunk, StepBatch
 from stage_worker.runner import StageRunner
 from stage_worker.weights import init_random_weights
 

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 
 def bench_stagemesh(engine, prompt_ids, tokens: int) -> float:
-    from stagemesh.sampling_params import SamplingParams
+    from stagemesh.core.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     start, n = None, 0
@@ -52,8 +52,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from scheduler.local_engine import LocalEngine
-    from stagemesh.default_model import default_model_dir
-    from stagemesh.sampling_params import SamplingParams
+    from stagemesh.core.default_model import default_model_dir
+    from stagemesh.core.sampling_params import SamplingParams
 
     model_dir = default_model_dir()
     prompt_ids = AutoTokenizer.from_pretrained(model_dir).encode("Write a short story about a lighthouse keeper.")

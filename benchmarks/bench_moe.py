@@ -32,7 +32,7 @@ WORLD = 2
 
 def moe_model_dir(args) -> Path:
     """A random Mixtral-shaped checkpoint of this shape, made once into the stagemesh cache."""
-    from stagemesh.default_model import cache_root
+    from stagemesh.core.default_model import cache_root
 
     shape = f"h{args.hidden}-i{args.moe_intermediate}-e{args.experts}-k{args.top_k}-l{args.layers}"
     target = cache_root() / "bench" / f"mixtral-shape-{shape}"
@@ -90,8 +90,8 @@ def time_collectives(tp, rows: int, hidden: int, iters: int) -> dict[str, float]
 
 def decode_workload(runner, prompts: list[list[int]], steps: int) -> tuple[list[float], list[list[int]]]:
     """Prefill every prompt in one step, then `steps` greedy decode steps: ms per decode step, tokens."""
-    from stagemesh.sampling_params import SamplingParams
-    from stagemesh.step import NewSequence, ScheduledChunk, ScheduledChunks, StepBatch
+    from stagemesh.core.sampling_params import SamplingParams
+    from stagemesh.core.step import NewSequence, ScheduledChunk, ScheduledChunks, StepBatch
 
     bs, batch = runner.block_size, len(prompts)
     runner.reset(batch * -(-(len(prompts[0]) + steps + 1) // bs))
@@ -201,7 +201,7 @@ def main() -> None:
     args = p.parse_args()
     if args.rank is not None:
         return rank_main(args)
-    from stagemesh.model_config import ModelConfig
+    from stagemesh.core.model_config import ModelConfig
     from stagemesh.serve import free_port
 
     model = None

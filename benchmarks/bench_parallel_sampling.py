@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
 from mesh import Mesh, Router  # noqa: E402
 
-from stagemesh.default_model import DEFAULT_MODEL_NAME, default_model_dir  # noqa: E402
+from stagemesh.core.default_model import DEFAULT_MODEL_NAME, default_model_dir  # noqa: E402
 
 N = 4
 

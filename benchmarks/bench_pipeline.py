@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
 from mesh import Mesh  # noqa: E402
 
-from stagemesh.default_model import default_model_dir  # noqa: E402
-from stagemesh.sampling_params import SamplingParams  # noqa: E402
+from stagemesh.core.default_model import default_model_dir  # noqa: E402
+from stagemesh.core.sampling_params import SamplingParams  # noqa: E402
 
 
 def throughput(split: list[int], cores: list[str], prompts, tokens: int, handoff: str) -> float:
@@ -44,7 +44,7 @@ def stage_step_seconds(split: list[int], batch: int, prompt: int, steps: int = 8
     from scheduler.config import SchedulerConfig
     from scheduler.scheduler import Scheduler
     from stage_worker.runner import StageRunner
-    from stagemesh.model_config import layer_ranges
+    from stagemesh.core.model_config import layer_ranges
 
     torch.set_num_threads(1)
     runners = [StageRunner(default_model_dir(), a, b) for a, b in layer_ranges(split)]

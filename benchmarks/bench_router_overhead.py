@@ -19,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
 from mesh import Mesh, Router  # noqa: E402
 
-from stagemesh.default_model import DEFAULT_MODEL_NAME, default_model_dir  # noqa: E402
-from stagemesh.sampling_params import SamplingParams  # noqa: E402
+from stagemesh.core.default_model import DEFAULT_MODEL_NAME, default_model_dir  # noqa: E402
+from stagemesh.core.sampling_params import SamplingParams  # noqa: E402
 from stagemesh.v1 import scheduler_pb2  # noqa: E402
-from stagemesh.wire import sampling_to_pb  # noqa: E402
+from stagemesh.core.wire import sampling_to_pb  # noqa: E402
 
 
 def direct(mesh: Mesh, prompt: list[int], tokens: int) -> tuple[float, float]:

@@ -31,7 +31,7 @@ from stagemesh.bench.baseline import transformers_static
 from stagemesh.bench.cli import drive
 from stagemesh.bench.report import summarize
 from stagemesh.bench.workload import synthetic
-from stagemesh.default_model import resolve_model
+from stagemesh.core.default_model import resolve_model
 
 
 def free_port() -> int:
@@ -154,7 +154,7 @@ def batch1(layouts: list[str], tokens: int = 128) -> None:
     from bench_decode_inprocess import bench_stagemesh
 
     from scheduler.local_engine import LocalEngine
-    from stagemesh.sampling_params import SamplingParams
+    from stagemesh.core.sampling_params import SamplingParams
 
     model_dir = resolve_model(None)
     workload = synthetic(49152, set(), 4, (24, 24), (tokens, tokens), seed=1)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from stagemesh.default_model import cache_root, default_model_dir
+from stagemesh.core.default_model import cache_root, default_model_dir
 
 
 def eight_head_model_dir() -> Path:

@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
 from mesh import Mesh, free_port  # noqa: E402
 
-from stagemesh.default_model import default_model_dir  # noqa: E402
+from stagemesh.core.default_model import default_model_dir  # noqa: E402
 from stagemesh.serve import cpu_stage_env  # noqa: E402
-from stagemesh.sampling_params import SamplingParams  # noqa: E402
+from stagemesh.core.sampling_params import SamplingParams  # noqa: E402
 from stagemesh.v1 import scheduler_pb2  # noqa: E402
 
 SERIES = {"forward": "stagemesh:stage_forward_seconds", "compute": "stagemesh:stage_compute_seconds",

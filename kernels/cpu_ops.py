@@ -16,6 +16,7 @@ import importlib.util
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -40,13 +41,11 @@ def _flags(capability: str) -> list[str]:
 
 
 def _build_dir(name: str) -> Path:
-    """$STAGEMESH_KERNEL_CACHE (a container image sets it to a folder built into the image),
-    else the stagemesh cache; one folder per torch, Python, CPU level and source version."""
-    root = os.environ.get("STAGEMESH_KERNEL_CACHE")
-    if not root:
-        from stagemesh.default_model import cache_root
-
-        root = cache_root() / "kernels"
+    """$STAGEMESH_KERNEL_CACHE (the stagemesh command line sets it to the stagemesh cache for itself and
+    its children; a container image to a folder built into it), else a folder in the temp directory; one
+    folder per torch, Python, CPU level and source version. Kernels know nothing of the project above them:
+    the cache directory is the caller's to give."""
+    root = os.environ.get("STAGEMESH_KERNEL_CACHE") or Path(tempfile.gettempdir()) / "stagemesh-kernels"
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
     return Path(root) / f"torch{torch.__version__.replace('+', '_')}-{python}" / name
 

@@ -9,7 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 
 
 @triton.jit

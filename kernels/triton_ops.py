@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 
 
 def _check(cond: bool, message: str) -> None:

@@ -10,6 +10,7 @@ import uuid
 from aiohttp import web
 
 from router import choices, responses
+from router.config import RouterConfig
 from router.errors import APIError, bad_request
 from router.http_body import read_json
 from router.observe import metrics_handler
@@ -22,7 +23,7 @@ from router.tokenization import Tokenizer
 
 REPLICAS = web.AppKey("replicas", ReplicaSet)
 TOKENIZER = web.AppKey("tokenizer", Tokenizer)
-CONFIG = web.AppKey("config", dict)
+CONFIG = web.AppKey("config", RouterConfig)
 MAX_BODY_BYTES = 32 * 2**20
 MAX_REQUEST_ID = 200
 log = logging.getLogger("stagemesh.router")
@@ -33,8 +34,8 @@ async def errors_and_auth(request: web.Request, handler):
     """Every answer but a success is an OpenAI-shaped JSON error, whatever went wrong; every endpoint but
     /health (and /metrics with --public-metrics) needs the API key when one is set."""
     config = request.app[CONFIG]
-    key = config.get("api_key")
-    open_paths = ("/health", "/metrics") if config.get("public_metrics") else ("/health",)
+    key = config.api_key
+    open_paths = ("/health", "/metrics") if config.public_metrics else ("/health",)
     if key and request.path not in open_paths and not _key_matches(request, key):
         return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                         code="invalid_api_key").response()
@@ -66,12 +67,12 @@ def _key_matches(request: web.Request, key: str) -> bool:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     model = validate(CompletionRequest, await read_json(request))
-    return await _generate(request, completion_request(model, request.app[CONFIG]["served_model_name"]))
+    return await _generate(request, completion_request(model, request.app[CONFIG].served_model_name))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = validate(ChatCompletionRequest, await read_json(request))
-    return await _generate(request, chat_request(model, request.app[CONFIG]["served_model_name"]))
+    return await _generate(request, chat_request(model, request.app[CONFIG].served_model_name))
 
 
 def request_id(request: web.Request, req: GenerateRequest) -> str:
@@ -91,7 +92,7 @@ async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamRes
     if not replicas.healthy():
         raise APIError(503, "no healthy replica: " + "; ".join(f"{r.address}: {r.reason}" for r in replicas.replicas),
                        code="unavailable", retry_after=2)
-    max_len = min(filter(None, (replicas.max_model_len, request.app[CONFIG].get("max_model_len"))))
+    max_len = min(filter(None, (replicas.max_model_len, request.app[CONFIG].max_model_len)))
     base = request_id(request, req)
     answer_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{base}"
     prompts = await prepare(req, tokenizer, max_len)
@@ -149,7 +150,7 @@ async def _stream(request, req, answer, deltas, headers) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    name = request.app[CONFIG]["served_model_name"]
+    name = request.app[CONFIG].served_model_name
     return web.json_response({"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "stagemesh", "root": name,
          "max_model_len": request.app[REPLICAS].max_model_len or None}]})
@@ -164,7 +165,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     m = validate(TokenizeRequest, await read_json(request))
-    tokenizer, served = request.app[TOKENIZER], request.app[CONFIG]["served_model_name"]
+    tokenizer, served = request.app[TOKENIZER], request.app[CONFIG].served_model_name
     if m.model is not None and m.model != served:
         raise APIError(404, f"the model '{m.model}' does not exist; this server serves '{served}'", "model",
                        "model_not_found")
@@ -205,7 +206,7 @@ async def openapi(request: web.Request) -> web.Response:
     return web.json_response(openapi_document())
 
 
-def build_app(replicas: ReplicaSet, tokenizer: Tokenizer, config: dict) -> web.Application:
+def build_app(replicas: ReplicaSet, tokenizer: Tokenizer, config: RouterConfig) -> web.Application:
     app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
     app[REPLICAS], app[TOKENIZER], app[CONFIG] = replicas, tokenizer, config
     app.router.add_post("/v1/completions", completions)

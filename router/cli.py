@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 
-from stagemesh.service_options import add_service_arguments, setup_service
+from stagemesh.core.service_options import add_service_arguments, setup_service
 
 log = logging.getLogger("stagemesh.router")
 
@@ -50,9 +50,9 @@ async def _main(args: argparse.Namespace) -> int:
     from router.balancing import POLICIES
     from router.replicas import ReplicaSet
     from router.tokenization import Tokenizer
-    from stagemesh.default_model import resolve_model, served_model_name
-    from stagemesh.errors import StagemeshError
-    from stagemesh.model_config import ModelConfig
+    from stagemesh.core.default_model import resolve_model, served_model_name
+    from stagemesh.core.errors import StagemeshError
+    from stagemesh.core.model_config import ModelConfig
 
     if args.model and args.model_option and args.model != args.model_option:
         raise StagemeshError(f"two models given: '{args.model}' and --model '{args.model_option}'")
@@ -65,12 +65,13 @@ async def _main(args: argparse.Namespace) -> int:
     await replicas.refresh()
     name = args.served_model_name or next((r.served_model_name for r in replicas.replicas if r.served_model_name),
                                           None) or served_model_name(model, model_dir)
-    config = {"served_model_name": name, "api_key": args.api_key, "max_model_len": args.max_model_len,
-              "public_metrics": args.public_metrics}
+    from router.config import RouterConfig
+
+    config = RouterConfig(name, args.api_key, args.max_model_len, args.public_metrics)
     from router.observe import set_model_name
 
     set_model_name(name)
-    from stagemesh import telemetry
+    from stagemesh.core import telemetry
 
     if telemetry.enabled():  # a span per HTTP request, its context carried on to the scheduler
         from opentelemetry import trace

@@ -10,30 +10,32 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from router import choices
+from router.config import RouterConfig
 from router.errors import APIError
 from router.prompts import prepare, render
 from router.protocol import ChatMessage
 from router.replicas import ReplicaSet
 from router.request import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_STRINGS, GenerateRequest, Prompt, chat_options
 from router.tokenization import Tokenizer
-from stagemesh import telemetry
-from stagemesh.errors import StagemeshError
-from stagemesh.health import follow
-from stagemesh.service_options import add_port
-from stagemesh.step_wire import logprob_to_pb
+from stagemesh.core import telemetry
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.health import follow
+from stagemesh.core.service_options import add_port
+from stagemesh.core.step_wire import logprob_to_pb
 from stagemesh.v1 import frontend_pb2, frontend_pb2_grpc
-from stagemesh.wire import sampling_from_pb
+from stagemesh.core.wire import sampling_from_pb
 
 STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
           429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
-    def __init__(self, replicas: ReplicaSet, tokenizer: Tokenizer, config: dict):
+    def __init__(self, replicas: ReplicaSet, tokenizer: Tokenizer, config: RouterConfig):
         self.replicas, self.tokenizer, self.config = replicas, tokenizer, config
+        self.health_task: asyncio.Task | None = None
 
     def _request(self, request, chat: bool) -> GenerateRequest:
-        served = self.config["served_model_name"]
+        served = self.config.served_model_name
         if request.model and request.model != served:
             raise APIError(404, f"the model '{request.model}' does not exist; this server serves '{served}'")
         try:
@@ -93,7 +95,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     def _max_len(self) -> int:
         if not self.replicas.healthy():
             raise APIError(503, "no healthy replica")
-        return min(filter(None, (self.replicas.max_model_len, self.config.get("max_model_len"))))
+        return min(filter(None, (self.replicas.max_model_len, self.config.max_model_len)))
 
     async def Tokenize(self, request, context):
         try:
@@ -108,7 +110,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         return frontend_pb2.TokenizeResponse(token_ids=ids, max_model_len=self.replicas.max_model_len)
 
     async def ListModels(self, request, context):
-        return frontend_pb2.ListModelsResponse(models=[self.config["served_model_name"]],
+        return frontend_pb2.ListModelsResponse(models=[self.config.served_model_name],
                                                max_model_len=self.replicas.max_model_len)
 
 
@@ -140,7 +142,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 async def serve_frontend(servicer: FrontendServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    interceptors: list = [ApiKeyInterceptor(servicer.config["api_key"])] if servicer.config.get("api_key") else []
+    key = servicer.config.api_key
+    interceptors: list = [ApiKeyInterceptor(key)] if key else []
     if telemetry.enabled():
         from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
@@ -156,7 +159,8 @@ async def serve_frontend(servicer: FrontendServicer, host: str, port: int) -> tu
     if bound == 0:
         raise StagemeshError(f"cannot listen on {host}:{port} for the gRPC frontend")
     await server.start()
-    asyncio.create_task(follow(health_servicer, ("stagemesh.v1.Frontend",), lambda: bool(servicer.replicas.healthy()),
-                               interval_s=0.5))
+    # referenced by the servicer for as long as the server runs (a task nobody holds may be collected)
+    servicer.health_task = asyncio.create_task(follow(health_servicer, ("stagemesh.v1.Frontend",),
+                                                      lambda: bool(servicer.replicas.healthy()), interval_s=0.5))
     return server, bound
 

@@ -13,15 +13,11 @@ from router.errors import APIError, bad_request
 from router.observe import RequestRecord
 from router.replicas import ReplicaSet
 from router.request import GenerateRequest
-from router.submit_stream import RequestFailed
+from router.submit_stream import ReplicaOutput, RequestFailed
 from router.tokenization import IncrementalDetokenizer, StopStrings, Tokenizer
-from stagemesh.sampling_params import SamplingParams
-from stagemesh.step import TokenLogprob
-from stagemesh.step_wire import logprob_from_pb
-from stagemesh.v1 import scheduler_pb2
+from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.step import TokenLogprob
 
-REASONS = {scheduler_pb2.FINISH_REASON_STOP: "stop", scheduler_pb2.FINISH_REASON_LENGTH: "length",
-           scheduler_pb2.FINISH_REASON_ABORT: "abort"}
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
@@ -95,7 +91,7 @@ async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
                     return  # the scheduler aborts the request
                 if delta.finish_reason is not None:
                     delta.text += stops.flush()
-                    if reply.HasField("stop_token_id") and reply.stop_token_id not in eos:
+                    if reply.stop_token_id is not None and reply.stop_token_id not in eos:
                         delta.stop_reason = reply.stop_token_id
                     record.done(gen.completion_tokens, delta.finish_reason)
                 yield delta
@@ -109,7 +105,7 @@ async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
         record.done(gen.completion_tokens, outcome)  # no-op when the request finished above
 
 
-def _delta(reply, req: GenerateRequest, gen: Generation, record: RequestRecord, replicas: ReplicaSet) -> Delta:
+def _delta(reply: ReplicaOutput, req: GenerateRequest, gen: Generation, record: RequestRecord, replicas: ReplicaSet) -> Delta:
     """A reply's tokens, logprobs and prompt logprobs; the timing figures it carries go to the record."""
     if reply.num_prompt_tokens:
         gen.cached_tokens = reply.num_cached_tokens
@@ -117,13 +113,11 @@ def _delta(reply, req: GenerateRequest, gen: Generation, record: RequestRecord, 
         record.queued(reply.queue_seconds)
     echo_only = req.echo_only
     record.tokens(0 if echo_only else len(reply.token_ids))
-    reason = REASONS.get(reply.finish_reason)
+    reason = reply.finish_reason
     if echo_only and reason is not None:
         reason = "length"  # the one token generated to score the prompt is not part of the answer
-    return Delta("", [] if echo_only else list(reply.token_ids),
-                 [] if echo_only else [logprob_from_pb(e) for e in reply.logprobs], reason,
-                 prompt_logprobs=[logprob_from_pb(e) for e in reply.prompt_logprobs],
-                 prompt_logprobs_start=reply.prompt_logprobs_start)
+    return Delta("", [] if echo_only else reply.token_ids, [] if echo_only else reply.logprobs, reason,
+                 prompt_logprobs=reply.prompt_logprobs, prompt_logprobs_start=reply.prompt_logprobs_start)
 
 
 async def _stream(gen: Generation, replicas: ReplicaSet):

@@ -12,44 +12,55 @@ import logging
 import time
 
 from opentelemetry import trace
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR,
+                               CollectorRegistry, Counter, Gauge, Histogram, generate_latest)
 
 log = logging.getLogger("stagemesh.router")
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 M = ["model_name"]
+# the router's own registry: its engine series share vLLM's names with the scheduler's, and a process that
+# imports both (a test, an embedding application) must not see them collide
+REGISTRY = CollectorRegistry()
+for _collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+    REGISTRY.register(_collector)
 
 # vLLM's engine series
-RUNNING = Gauge("stagemesh:num_requests_running", "Requests in the running batch", [*M, "replica"])
-WAITING = Gauge("stagemesh:num_requests_waiting", "Requests waiting to be scheduled", [*M, "replica"])
-KV_USAGE = Gauge("stagemesh:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%)", [*M, "replica"])
+R = dict(registry=REGISTRY)
+RUNNING = Gauge("stagemesh:num_requests_running", "Requests in the running batch", [*M, "replica"], **R)
+WAITING = Gauge("stagemesh:num_requests_waiting", "Requests waiting to be scheduled", [*M, "replica"], **R)
+KV_USAGE = Gauge("stagemesh:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%)", [*M, "replica"],
+                 **R)
 PREFIX_QUERIES = Counter("stagemesh:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                         [*M, "replica"])
-PREFIX_HITS = Counter("stagemesh:prefix_cache_hits", "Prompt tokens found in the prefix cache", [*M, "replica"])
-PREEMPTIONS = Counter("stagemesh:num_preemptions", "Requests preempted (recomputed later)", [*M, "replica"])
-PROMPT = Counter("stagemesh:prompt_tokens", "Prompt tokens of finished requests", M)
-GENERATION = Counter("stagemesh:generation_tokens", "Generated tokens", M)
-SUCCESS = Counter("stagemesh:request_success", "Finished requests, by finish reason", [*M, "finished_reason"])
-TTFT_ENGINE = Histogram("stagemesh:time_to_first_token_seconds", "Time to first token", M, buckets=_LATENCY)
-ITL = Histogram("stagemesh:inter_token_latency_seconds", "Time between two output tokens", M, buckets=_ITL)
-E2E_ENGINE = Histogram("stagemesh:e2e_request_latency_seconds", "Arrival to finish", M, buckets=_LATENCY)
+                         [*M, "replica"], **R)
+PREFIX_HITS = Counter("stagemesh:prefix_cache_hits", "Prompt tokens found in the prefix cache", [*M, "replica"],
+                      **R)
+PREEMPTIONS = Counter("stagemesh:num_preemptions", "Requests preempted (recomputed later)", [*M, "replica"], **R)
+PROMPT = Counter("stagemesh:prompt_tokens", "Prompt tokens of finished requests", M, **R)
+GENERATION = Counter("stagemesh:generation_tokens", "Generated tokens", M, **R)
+SUCCESS = Counter("stagemesh:request_success", "Finished requests, by finish reason", [*M, "finished_reason"], **R)
+TTFT_ENGINE = Histogram("stagemesh:time_to_first_token_seconds", "Time to first token", M, buckets=_LATENCY, **R)
+ITL = Histogram("stagemesh:inter_token_latency_seconds", "Time between two output tokens", M, buckets=_ITL, **R)
+E2E_ENGINE = Histogram("stagemesh:e2e_request_latency_seconds", "Arrival to finish", M, buckets=_LATENCY, **R)
 QUEUE = Histogram("stagemesh:request_queue_time_seconds", "Arrival at the scheduler to first scheduling", M,
-                  buckets=_LATENCY)
+                  buckets=_LATENCY, **R)
 
 # the router's own
 REQUESTS = Counter("stagemesh:router_requests", "Requests finished, by replica and finish reason",
-                   ["replica", "finished_reason"])
-PROMPT_TOKENS = Counter("stagemesh:router_prompt_tokens", "Prompt tokens of finished requests", ["replica"])
-GENERATION_TOKENS = Counter("stagemesh:router_generation_tokens", "Tokens generated", ["replica"])
+                   ["replica", "finished_reason"], **R)
+PROMPT_TOKENS = Counter("stagemesh:router_prompt_tokens", "Prompt tokens of finished requests", ["replica"], **R)
+GENERATION_TOKENS = Counter("stagemesh:router_generation_tokens", "Tokens generated", ["replica"], **R)
 TTFT = Histogram("stagemesh:router_time_to_first_token_seconds", "Time to first token seen by the router",
-                 buckets=_LATENCY)
+                 buckets=_LATENCY, **R)
 E2E = Histogram("stagemesh:router_e2e_request_latency_seconds", "Request latency seen by the router",
-                buckets=_LATENCY)
-HEALTHY = Gauge("stagemesh:router_replica_healthy", "1 if the replica can serve", ["replica"])
-ROUTER_RUNNING = Gauge("stagemesh:router_replica_num_requests_running", "The replica's running requests", ["replica"])
-ROUTER_WAITING = Gauge("stagemesh:router_replica_num_requests_waiting", "The replica's waiting requests", ["replica"])
-IN_FLIGHT = Gauge("stagemesh:router_requests_in_flight", "Requests the router is serving now")
+                buckets=_LATENCY, **R)
+HEALTHY = Gauge("stagemesh:router_replica_healthy", "1 if the replica can serve", ["replica"], **R)
+ROUTER_RUNNING = Gauge("stagemesh:router_replica_num_requests_running", "The replica's running requests",
+                       ["replica"], **R)
+ROUTER_WAITING = Gauge("stagemesh:router_replica_num_requests_waiting", "The replica's waiting requests",
+                       ["replica"], **R)
+IN_FLIGHT = Gauge("stagemesh:router_requests_in_flight", "Requests the router is serving now", **R)
 
 _model = {"name": ""}
 _counted: dict[str, tuple[int, int, int]] = {}  # replica -> prefix queries, hits, preemptions seen so far
@@ -82,7 +93,7 @@ def replica_state(address: str, healthy: bool, stats=None) -> None:
 async def metrics_handler(request):
     from aiohttp import web
 
-    return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 class RequestRecord:

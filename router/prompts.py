@@ -7,8 +7,8 @@ from dataclasses import replace
 from router.errors import APIError, bad_request
 from router.request import ChatOptions, GenerateRequest
 from router.tokenization import Tokenizer
-from stagemesh.errors import StagemeshError
-from stagemesh.sampling_params import InvalidParameter
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.sampling_params import InvalidParameter
 
 
 async def prepare(req: GenerateRequest, tokenizer: Tokenizer, max_model_len: int) -> list[list[int]]:

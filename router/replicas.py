@@ -10,8 +10,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.observe import replica_state
 from router.submit_stream import RequestStream, SubmitStream
-from stagemesh.sampling_params import SamplingParams
-from stagemesh.service_options import aio_channel
+from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.service_options import aio_channel
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")

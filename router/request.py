@@ -1,5 +1,5 @@
 """A validated OpenAI / vLLM request (router.protocol) as the router's own request: prompts, the
-sampling parameters every service checks (stagemesh.sampling_params), and what shapes the answer.
+sampling parameters every service checks (stagemesh.core.sampling_params), and what shapes the answer.
 """
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from router.errors import bad_request
 from router.protocol import ChatCompletionRequest, CompletionRequest, ChatMessage
-from stagemesh.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams, check_int
+from stagemesh.core.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams, check_int
 
 MAX_CHOICES = 256  # prompts x n in one request
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 4096

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from router.generation import Delta, Generation
 from router.request import GenerateRequest
 from router.tokenization import Tokenizer
-from stagemesh.step import TokenLogprob
+from stagemesh.core.step import TokenLogprob
 
 
 def sse(obj: dict) -> bytes:

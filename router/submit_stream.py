@@ -10,16 +10,44 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
 
 import grpc
 
-from stagemesh import telemetry
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.core import telemetry
+from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.step import TokenLogprob
+from stagemesh.core.step_wire import logprob_from_pb
+from stagemesh.core.wire import sampling_to_pb
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
-from stagemesh.wire import sampling_to_pb
 
 log = logging.getLogger("stagemesh.router")
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+REASONS = {scheduler_pb2.FINISH_REASON_STOP: "stop", scheduler_pb2.FINISH_REASON_LENGTH: "length",
+           scheduler_pb2.FINISH_REASON_ABORT: "abort"}
+
+
+@dataclass
+class ReplicaOutput:
+    """What a replica produced for a request since its last output (a SubmitResponse, decoded here)."""
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_token_id: int | None = None  # the stop or EOS token that ended it
+    num_prompt_tokens: int = 0  # on the first output only
+    num_cached_tokens: int = 0
+    queue_seconds: float = 0.0  # arrival to first scheduling, on the first output
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens from prompt_logprobs_start
+    prompt_logprobs_start: int = 0
+
+    @classmethod
+    def from_pb(cls, m: scheduler_pb2.SubmitResponse) -> "ReplicaOutput":
+        return cls(list(m.token_ids), [logprob_from_pb(e) for e in m.logprobs], REASONS.get(m.finish_reason),
+                   m.stop_token_id if m.HasField("stop_token_id") else None, m.num_prompt_tokens,
+                   m.num_cached_tokens, m.queue_seconds, [logprob_from_pb(e) for e in m.prompt_logprobs],
+                   m.prompt_logprobs_start)
 
 
 class RequestFailed(Exception):
@@ -31,7 +59,7 @@ class RequestFailed(Exception):
 
 
 class RequestStream:
-    """One request's outputs (SubmitResponse messages) as they arrive; close() aborts it if unfinished."""
+    """One request's outputs (ReplicaOutput) as they arrive; close() aborts it if unfinished."""
 
     def __init__(self, stream: SubmitStream, request_id: str):
         self._stream, self.request_id = stream, request_id
@@ -41,7 +69,7 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> scheduler_pb2.SubmitResponse:
+    async def __anext__(self) -> ReplicaOutput:
         if self._done:
             raise StopAsyncIteration
         update = await self._queue.get()
@@ -52,7 +80,7 @@ class RequestStream:
             self._done = True
             raise RequestFailed(_CODES.get(update.error.code, grpc.StatusCode.UNKNOWN), update.error.message)
         self._done = bool(update.output.finish_reason)
-        return update.output
+        return ReplicaOutput.from_pb(update.output)
 
     def put(self, update) -> None:
         self._queue.put_nowait(update)

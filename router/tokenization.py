@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from router.errors import APIError, bad_request
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 
 T = TypeVar("T")
 

@@ -7,10 +7,10 @@ import logging
 import signal
 from dataclasses import replace
 
-from stagemesh import internal_token
-from stagemesh.deadlines import DEADLINES
-from stagemesh.errors import StagemeshError
-from stagemesh.service_options import add_service_arguments, setup_service
+from stagemesh.core import internal_token
+from stagemesh.core.deadlines import DEADLINES
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.service_options import add_service_arguments, setup_service
 
 log = logging.getLogger("stagemesh.scheduler")
 
@@ -49,8 +49,8 @@ async def _main(args: argparse.Namespace) -> int:
     from scheduler.grpc_pipeline import GrpcPipeline
     from scheduler.rendezvous import ModelIdentity, Rendezvous
     from scheduler.service import SchedulerServicer, serve
-    from stagemesh.default_model import resolve_model, served_model_name
-    from stagemesh.model_config import ModelConfig
+    from stagemesh.core.default_model import resolve_model, served_model_name
+    from stagemesh.core.model_config import ModelConfig
 
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_path(model_dir)

@@ -34,8 +34,8 @@ from scheduler.pipeline import Pipeline, StageFailure, StepResult, check_result
 from scheduler.rendezvous import PipelinePlan, StageInfo
 from scheduler.request import RequestOutput
 from scheduler.scheduler import Scheduler, SchedulerOutput
-from stagemesh.errors import StagemeshError
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.sampling_params import SamplingParams
 
 log = logging.getLogger("stagemesh.scheduler")
 

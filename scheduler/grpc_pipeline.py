@@ -18,12 +18,12 @@ from opentelemetry import trace
 
 from scheduler.pipeline import StageFailure, StepResult
 from scheduler.rendezvous import PipelinePlan, Rendezvous, StageInfo
-from stagemesh import telemetry
-from stagemesh.deadlines import DEADLINES, Deadlines
-from stagemesh.errors import StagemeshError
-from stagemesh.service_options import aio_channel
-from stagemesh.step import EpochSpec, StepBatch
-from stagemesh.step_wire import epoch_to_pb, prompt_logprobs_from_pb, sampled_from_pb, step_to_pb
+from stagemesh.core import telemetry
+from stagemesh.core.deadlines import DEADLINES, Deadlines
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.service_options import aio_channel
+from stagemesh.core.step import EpochSpec, StepBatch
+from stagemesh.core.step_wire import epoch_to_pb, prompt_logprobs_from_pb, sampled_from_pb, step_to_pb
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.scheduler")

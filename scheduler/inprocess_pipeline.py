@@ -13,8 +13,8 @@ import asyncio
 
 from scheduler.pipeline import StageFailure, StepResult
 from scheduler.rendezvous import ModelIdentity, PipelinePlan, StageInfo
-from stagemesh.errors import StagemeshError
-from stagemesh.step import StepBatch
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.step import StepBatch
 from stage_worker import run_ahead
 from stage_worker.runner import StageRunner
 

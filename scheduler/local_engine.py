@@ -17,9 +17,9 @@ from scheduler.driver import Driver, DriverConfig
 from scheduler.inprocess_pipeline import InProcessPipeline
 from scheduler.output_stream import OutputStream
 from scheduler.request import RequestOutput
-from stagemesh.errors import StagemeshError
-from stagemesh.model_config import ModelConfig, layer_ranges, layer_split
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.model_config import ModelConfig, layer_ranges, layer_split
+from stagemesh.core.sampling_params import SamplingParams
 from stage_worker.kv_cache import num_kv_blocks_for_budget
 from stage_worker.runner import StageRunner
 

@@ -18,7 +18,7 @@ from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
 from scheduler.request import RequestOutput
-from stagemesh import telemetry
+from stagemesh.core import telemetry
 
 log = logging.getLogger("stagemesh.scheduler")
 

@@ -18,8 +18,8 @@ from typing import Awaitable, Protocol
 from opentelemetry import trace
 
 from scheduler.rendezvous import PipelinePlan, StageInfo
-from stagemesh.errors import StagemeshError
-from stagemesh.step import PromptLogprobs, SampledToken, StepBatch
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.step import PromptLogprobs, SampledToken, StepBatch
 
 
 @dataclass

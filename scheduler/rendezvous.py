@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 
 
 @dataclass(frozen=True)

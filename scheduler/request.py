@@ -5,8 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from stagemesh.sampling_params import SamplingParams
-from stagemesh.step import SampledToken, TokenLogprob
+from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.step import SampledToken, TokenLogprob
 
 
 class Status(enum.Enum):

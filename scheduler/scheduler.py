@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request, RequestOutput, Status
-from stagemesh.errors import StagemeshError
-from stagemesh.sampling_params import SamplingParams, check_token_ids
-from stagemesh.step import PLACEHOLDER, NewSequence, PromptLogprobs, SampledToken, ScheduledChunks, StepBatch
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.sampling_params import SamplingParams, check_token_ids
+from stagemesh.core.step import PLACEHOLDER, NewSequence, PromptLogprobs, SampledToken, ScheduledChunks, StepBatch
 
 
 MAX_REQUEST_ID_LEN = 256

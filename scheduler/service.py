@@ -12,13 +12,13 @@ from scheduler.driver import Driver, Unavailable
 from scheduler.rendezvous import ModelIdentity, StageInfo
 from scheduler.request import RequestOutput
 from scheduler.scheduler import QueueFull
-from stagemesh import telemetry
-from stagemesh.errors import StagemeshError
-from stagemesh.health import follow
-from stagemesh.service_options import add_port, aio_server
-from stagemesh.step_wire import logprob_to_pb
+from stagemesh.core import telemetry
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.health import follow
+from stagemesh.core.service_options import add_port, aio_server
+from stagemesh.core.step_wire import logprob_to_pb
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
-from stagemesh.wire import sampling_from_pb
+from stagemesh.core.wire import sampling_from_pb
 
 log = logging.getLogger("stagemesh.scheduler")
 FINISH = {"stop": scheduler_pb2.FINISH_REASON_STOP, "length": scheduler_pb2.FINISH_REASON_LENGTH,

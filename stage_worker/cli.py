@@ -8,10 +8,10 @@ import threading
 
 import grpc
 
-from stagemesh import internal_token
-from stagemesh.deadlines import DEADLINES
-from stagemesh.errors import StagemeshError
-from stagemesh.service_options import add_service_arguments, channel, setup_service
+from stagemesh.core import internal_token
+from stagemesh.core.deadlines import DEADLINES
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.service_options import add_service_arguments, channel, setup_service
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -50,8 +50,8 @@ def parse_layers(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stagemesh.default_model import resolve_model
-    from stagemesh.model_config import ModelConfig
+    from stagemesh.core.default_model import resolve_model
+    from stagemesh.core.model_config import ModelConfig
     from stage_worker.runner import check_layer_range
 
     setup_service(args, f"stagemesh-stage-{args.stage_index}")

@@ -13,8 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from stagemesh.deadlines import DEADLINES
-from stagemesh.step import EpochSpec
+from stagemesh.core.deadlines import DEADLINES
+from stagemesh.core.step import EpochSpec
 from stage_worker.parallel import TPGroup
 
 FORWARD, LEAVE = 1, 2

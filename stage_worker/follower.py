@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from stagemesh.step import EpochSpec
-from stagemesh.step_wire import epoch_from_pb, step_from_pb
+from stagemesh.core.step import EpochSpec
+from stagemesh.core.step_wire import epoch_from_pb, step_from_pb
 from stagemesh.v1 import stage_pb2
 from stage_worker import dist as sdist
 from stage_worker.runner import SliceConfig, StageRunner

@@ -19,11 +19,11 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from stagemesh.deadlines import DEADLINES
-from stagemesh.errors import StagemeshError
-from stagemesh.service_options import channel
+from stagemesh.core.deadlines import DEADLINES
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.service_options import channel
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
-from stagemesh.wire import tensor_from_pb, tensor_to_pb
+from stagemesh.core.wire import tensor_from_pb, tensor_to_pb
 
 
 

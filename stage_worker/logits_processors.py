@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.core.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 

@@ -15,7 +15,7 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, TypeVar
 
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 
 T = TypeVar("T")
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import kernels
-from stagemesh.model_config import ModelConfig
+from stagemesh.core.model_config import ModelConfig
 from stage_worker.layers import (MLP, RMSNorm, ParallelLMHead, VocabParallelEmbedding, column_parallel,
                                  row_parallel)
 from stage_worker.moe import SparseMoeBlock

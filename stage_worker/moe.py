@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import kernels
-from stagemesh.model_config import ModelConfig
+from stagemesh.core.model_config import ModelConfig
 from stage_worker.layers import MLP, Linear, Shard, full, new_param
 from stage_worker.parallel import TPGroup, shard_range
 

@@ -12,7 +12,7 @@ from opentelemetry import trace
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from stagemesh import telemetry
+from stagemesh.core import telemetry
 from stage_worker.moe import expert_load
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stagemesh.errors import StagemeshError
-from stagemesh.model_config import ModelConfig
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.model_config import ModelConfig
 
 
 @dataclass

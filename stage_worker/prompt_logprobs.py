@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stagemesh.step import PromptLogprobs, StepBatch, TokenLogprob
+from stagemesh.core.step import PromptLogprobs, StepBatch, TokenLogprob
 
 ROWS_PER_SLICE = 256
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import logging
 
-from stagemesh.errors import StagemeshError
-from stagemesh.step import PLACEHOLDER, StepBatch
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.step import PLACEHOLDER, StepBatch
 from stage_worker.sampler import Sampler
 
 log = logging.getLogger("stagemesh.stage")

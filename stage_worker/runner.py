@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from stagemesh.errors import StagemeshError
-from stagemesh.model_config import ModelConfig
-from stagemesh.step import PromptLogprobs, SampledToken, StepBatch
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.model_config import ModelConfig
+from stagemesh.core.step import PromptLogprobs, SampledToken, StepBatch
 from stage_worker import prompt_logprobs
 from stage_worker.layers import pack_weights_for_cpu
 from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from stagemesh.sampling_params import SamplingParams
-from stagemesh.step import NewSequence, SampledToken
+from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.step import NewSequence, SampledToken
 from stage_worker.logits_processors import SequenceState, needs_processing, process_row
 
 

@@ -14,10 +14,10 @@ import threading
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from stagemesh.errors import StagemeshError
-from stagemesh.sampling_params import InvalidParameter
-from stagemesh.service_options import add_port, aio_server
-from stagemesh.step_wire import epoch_from_pb, sampled_to_pb, step_from_pb
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.sampling_params import InvalidParameter
+from stagemesh.core.service_options import add_port, aio_server
+from stagemesh.core.step_wire import epoch_from_pb, sampled_to_pb, step_from_pb
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 from stage_worker.observe import ForwardObserver
 from stage_worker.step_order import StepOrder, window_for

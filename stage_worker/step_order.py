@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 
-from stagemesh.deadlines import DEADLINES
-from stagemesh.errors import StagemeshError
+from stagemesh.core.deadlines import DEADLINES
+from stagemesh.core.errors import StagemeshError
 
 
 class OutOfOrder(StagemeshError):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stagemesh.errors import StagemeshError
-from stagemesh.sampling_params import INT32_MAX, check_token_ids
-from stagemesh.step import PLACEHOLDER, StepBatch
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.sampling_params import INT32_MAX, check_token_ids
+from stagemesh.core.step import PLACEHOLDER, StepBatch
 from stagemesh.v1 import common_pb2
 
 

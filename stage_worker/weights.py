@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 
 
 class CheckpointReader:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from stagemesh.errors import StagemeshError
-from stagemesh.step import EpochSpec, StepBatch, StepStats
-from stagemesh.step_wire import epoch_to_pb, step_to_pb
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.step import EpochSpec, StepBatch, StepStats
+from stagemesh.core.step_wire import epoch_to_pb, step_to_pb
 from stage_worker import dist as sdist
 from stage_worker.handoff import DistHandoff, GrpcHandoff
 from stage_worker.kv_cache import num_kv_blocks_for_budget

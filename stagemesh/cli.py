@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
-from stagemesh.errors import StagemeshError
+from stagemesh.core.default_model import cache_root
+from stagemesh.core.errors import StagemeshError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -51,6 +53,8 @@ def _load(module_name: str):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # the compiled CPU kernels build into the stagemesh cache, here and in every child process
+    os.environ.setdefault("STAGEMESH_KERNEL_CACHE", str(cache_root() / "kernels"))
     # Import only the chosen subcommand's module (keeps --help fast).
     chosen = next((a for a in argv if a in COMMANDS), None)
     parser = build_parser(only=chosen)

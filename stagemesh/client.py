@@ -13,9 +13,9 @@ from typing import AsyncIterator, Iterator
 
 import grpc
 
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import frontend_pb2, frontend_pb2_grpc
-from stagemesh.wire import sampling_to_pb
+from stagemesh.core.wire import sampling_to_pb
 
 
 @dataclass
@@ -57,7 +57,7 @@ def _credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.Chan
     """TLS to a router started with --tls-cert/--tls-key: verify it with ``ca``; ``cert``/``key`` for mutual TLS."""
     if ca is None and cert is None:
         return None
-    from stagemesh.service_options import TLSConfig, channel_credentials
+    from stagemesh.core.service_options import TLSConfig, channel_credentials
 
     def read(path: str | None) -> bytes | None:
         return None if path is None else open(path, "rb").read()

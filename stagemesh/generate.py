@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.core.sampling_params import SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from stagemesh.default_model import resolve_model
-    from stagemesh.model_config import ModelConfig, parse_layer_split
+    from stagemesh.core.default_model import resolve_model
+    from stagemesh.core.model_config import ModelConfig, parse_layer_split
 
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_path(model_dir)  # fails early, with one line, on a bad directory

@@ -22,10 +22,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from stagemesh import internal_token
-from stagemesh.errors import StagemeshError
-from stagemesh.logs import setup_logging
-from stagemesh.service_options import add_service_arguments, service_argv
+from stagemesh.core import internal_token
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.logs import setup_logging
+from stagemesh.core.service_options import add_service_arguments, service_argv
 
 log = logging.getLogger("stagemesh.serve")
 
@@ -116,7 +116,7 @@ def free_port() -> int:
 
 def plan_commands(args: argparse.Namespace, model_dir: str, num_layers: int, cuda: bool) -> list[tuple[str, list[str], dict]]:
     """(name, argv, extra env) of every child, schedulers before their stages, the router last."""
-    from stagemesh.model_config import layer_ranges, layer_split, parse_layer_split
+    from stagemesh.core.model_config import layer_ranges, layer_split, parse_layer_split
 
     pp, tp, dp = args.pipeline_parallel_size, args.tensor_parallel_size, args.data_parallel_size
     split = (parse_layer_split(args.layer_split, num_layers, pp) if args.layer_split else layer_split(num_layers, pp))
@@ -175,8 +175,8 @@ def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stagemesh.default_model import resolve_model
-    from stagemesh.model_config import ModelConfig
+    from stagemesh.core.default_model import resolve_model
+    from stagemesh.core.model_config import ModelConfig
 
     setup_logging(args.log_level, args.log_format)
     model_dir = resolve_model(args.model)

@@ -6,11 +6,14 @@ import os
 import pytest
 import torch  # noqa: E402  (imported before triton on purpose)
 
+from stagemesh.core.default_model import cache_root
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Without a GPU the Triton kernels run in Triton's interpreter; it must be chosen before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("STAGEMESH_KERNEL_CACHE", str(cache_root() / "kernels"))  # as the command line sets it
 # every service the tests start checks the internal token, and every test client sends it (tests/mesh.py)
 os.environ.setdefault("STAGEMESH_INTERNAL_TOKEN", "tests-internal-token-3f9c2a7e41")
 torch.set_num_threads(1)
@@ -35,6 +38,6 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    from stagemesh.default_model import default_model_dir as resolve
+    from stagemesh.core.default_model import default_model_dir as resolve
 
     return resolve()

@@ -13,10 +13,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stagemesh.model_config import layer_ranges
-from stagemesh.sampling_params import SamplingParams
+from router.submit_stream import REASONS
+from stagemesh.core.model_config import layer_ranges
+from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.wire import sampling_to_pb
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
-from stagemesh.wire import sampling_to_pb
 
 
 def free_port() -> int:
@@ -31,14 +32,14 @@ os.environ.setdefault("STAGEMESH_INTERNAL_TOKEN", "mesh-" + os.urandom(16).hex()
 
 def internal_channel(address: str, credentials=None) -> grpc.Channel:
     """A channel to an internal service that carries the tests' internal token (conftest sets it)."""
-    from stagemesh.internal_token import ENV, SyncClientInterceptor
+    from stagemesh.core.internal_token import ENV, SyncClientInterceptor
 
     chan = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
     return grpc.intercept_channel(chan, SyncClientInterceptor(os.environ[ENV])) if os.environ[ENV] else chan
 
 
 def internal_aio_channel(address: str) -> grpc.aio.Channel:
-    from stagemesh.internal_token import ENV, aio_client_interceptors
+    from stagemesh.core.internal_token import ENV, aio_client_interceptors
 
     interceptors = aio_client_interceptors(os.environ[ENV]) if os.environ[ENV] else None
     return grpc.aio.insecure_channel(address, interceptors=interceptors)
@@ -148,7 +149,7 @@ class Mesh:
     def submit_stream(self, requests: list[tuple[str, list[int], SamplingParams]], timeout: float = 300,
                       stub=None) -> dict:
         """Requests sent together over one SubmitStream, read until each has finished or failed:
-        request id -> (token ids, finish reason), or the RequestError of a request that failed. A sampling
+        request id -> (token ids, finish reason: "stop", "length" or "abort"), or the RequestError of a request that failed. A sampling
         given as protobuf goes as it is (a test's malformed one)."""
         message = scheduler_pb2.SubmitStreamRequest()
         for request_id, prompt, sampling in requests:
@@ -175,7 +176,7 @@ class Mesh:
                     tokens, _ = results[update.request_id]
                     tokens.extend(update.output.token_ids)
                     if update.output.finish_reason:
-                        results[update.request_id] = (tokens, update.output.finish_reason)
+                        results[update.request_id] = (tokens, REASONS[update.output.finish_reason])
                         remaining.discard(update.request_id)
                 if not remaining:
                     break

@@ -5,9 +5,9 @@ import random
 
 import torch
 
-from stagemesh.model_config import layer_ranges
-from stagemesh.sampling_params import SamplingParams
-from stagemesh.step import NewSequence, ScheduledChunk, StepBatch
+from stagemesh.core.model_config import layer_ranges
+from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.step import NewSequence, ScheduledChunk, StepBatch
 from stage_worker.runner import StageRunner
 
 

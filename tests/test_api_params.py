@@ -9,9 +9,9 @@ import pytest
 import requests
 
 from mesh import Mesh, Router
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import frontend_pb2, frontend_pb2_grpc
-from stagemesh.wire import sampling_to_pb
+from stagemesh.core.wire import sampling_to_pb
 from tiny_models import reference_greedy, reference_model, with_word_tokenizer
 
 pytestmark = pytest.mark.slow

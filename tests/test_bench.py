@@ -9,7 +9,7 @@ from mesh import Mesh, Router
 from stagemesh.bench.report import Result, percentile, summarize
 from stagemesh.bench.workload import load_jsonl, parse_range, synthetic
 from stagemesh.cli import main
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 from tiny_models import with_word_tokenizer
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stagemesh.sampling_params import SamplingParams
-from stagemesh.step import NewSequence, ScheduledChunk, StepBatch
+from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.step import NewSequence, ScheduledChunk, StepBatch
 from stage_worker.runner import StageRunner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need an NVIDIA GPU")

@@ -19,7 +19,7 @@ import yaml
 
 from netns import NetnsPair, NetnsUnavailable, clean_env
 from stagemesh.cli import build_parser
-from stagemesh.default_model import DEFAULT_MODEL_NAME
+from stagemesh.core.default_model import DEFAULT_MODEL_NAME
 
 COMPOSE_DIR = Path(__file__).parents[1] / "deploy" / "compose"
 COMPOSE_FILES = sorted(COMPOSE_DIR.glob("compose*.yaml"))

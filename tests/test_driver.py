@@ -13,8 +13,8 @@ from scheduler.driver import Driver, DriverConfig, Unavailable
 from scheduler.output_stream import OutputStream
 from scheduler.pipeline import StageFailure, StepResult
 from scheduler.rendezvous import ModelIdentity, PipelinePlan, StageInfo
-from stagemesh.sampling_params import SamplingParams
-from stagemesh.step import PLACEHOLDER, SampledToken, StepBatch
+from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.step import PLACEHOLDER, SampledToken, StepBatch
 
 VOCAB = 100
 MODEL = ModelIdentity("fake", 4, 8, VOCAB, 2, 2)

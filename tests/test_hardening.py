@@ -18,15 +18,15 @@ from safetensors.torch import load_file, save_file
 
 from mesh import Mesh, Router
 from parity import prompts
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import frontend_pb2, frontend_pb2_grpc, scheduler_pb2_grpc
-from stagemesh.wire import sampling_to_pb
+from stagemesh.core.wire import sampling_to_pb
 from tiny_models import reference_greedy, reference_model, with_word_tokenizer
 
 pytestmark = pytest.mark.slow
 M = "llama-tiny"
 NAN_TOKEN = 7
-STREAM_TOKENS = 100
+STREAM_TOKENS = 200  # long enough that the streams outlast the poison on a loaded machine
 
 
 def poisoned_model(model_dir: Path, target: Path) -> Path:

@@ -8,9 +8,9 @@ import grpc
 import pytest
 
 from mesh import Mesh, free_port, internal_channel
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import common_pb2, stage_pb2, stage_pb2_grpc
-from stagemesh.wire import sampling_to_pb
+from stagemesh.core.wire import sampling_to_pb
 
 pytestmark = pytest.mark.slow
 INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION

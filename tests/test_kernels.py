@@ -88,7 +88,7 @@ def test_silu_and_mul():
 
 
 def test_wrappers_refuse_bad_inputs():
-    from stagemesh.errors import StagemeshError
+    from stagemesh.core.errors import StagemeshError
 
     args = paged_case([1], [4], 4, 2, 40, device=DEVICE)
     with pytest.raises(StagemeshError, match="head_dim 40 must be a multiple of 16"):

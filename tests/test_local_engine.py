@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from parity import prompts
 from scheduler.local_engine import LocalEngine
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.core.sampling_params import SamplingParams
 from tiny_models import reference_greedy, reference_model
 
 

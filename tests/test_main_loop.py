@@ -7,7 +7,7 @@ import time
 import pytest
 
 from stage_worker.main_loop import MainLoop
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 
 
 def test_calls_from_other_threads_run_on_the_loop_thread_and_errors_reach_the_caller():

@@ -5,7 +5,7 @@ import pytest
 
 from mesh import Mesh
 from parity import prompts
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import scheduler_pb2
 from tiny_models import reference_greedy, reference_model
 
@@ -76,7 +76,7 @@ def test_async_scheduling_stops_and_samples_as_without_it(expected, tmp_path):
         with Mesh(model_dir, [4], log_dir=tmp_path / flag, scheduler_args=(flag,)) as mesh:
             results[flag] = mesh.submit_stream(requests)
     got = results["--async-scheduling"]
-    stop = scheduler_pb2.FINISH_REASON_STOP
+    stop = "stop"
     assert {r: got[r] for r in stops} == {r: (tokens, stop) for r, tokens in stops.items()}
     assert got == results["--no-async-scheduling"]
     assert "async scheduling" in (tmp_path / "--async-scheduling" / "scheduler.log").read_text()
@@ -95,5 +95,5 @@ def test_a_lone_request_runs_ahead_through_the_pipeline(expected, tmp_path, case
         stopped = mesh.submit("r2", batch[2], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True,
                                                              stop_token_ids=(stop_at,)))
     assert [tokens for tokens, _ in plain] == [want[0], want[3]]
-    assert stopped == (want[2][:want[2].index(stop_at) + 1], scheduler_pb2.FINISH_REASON_STOP)
+    assert stopped == (want[2][:want[2].index(stop_at) + 1], "stop")
     assert "take their sampled tokens from the last stage" in (tmp_path / "stage0.log").read_text()

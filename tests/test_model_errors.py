@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 from stage_worker.runner import StageRunner
 
 

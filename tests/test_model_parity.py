@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from scheduler.local_engine import LocalEngine
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.core.sampling_params import SamplingParams
 from parity import chained_logits, prompts
 from tiny_models import ARCHS, reference_greedy, reference_model
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import cpu_ops, moe_reference
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = dict(atol=2e-5, rtol=2e-5)

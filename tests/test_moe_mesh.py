@@ -13,7 +13,7 @@ import requests
 
 from mesh import Mesh, free_port
 from parity import prompts
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.core.sampling_params import SamplingParams
 from tiny_models import reference_greedy, reference_model
 
 NEW_TOKENS = 12

@@ -8,8 +8,8 @@ from safetensors import safe_open
 
 from parity import chained_logits, prompts
 from scheduler.local_engine import LocalEngine
-from stagemesh.errors import StagemeshError
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.sampling_params import SamplingParams
 from stage_worker.moe import expert_load
 from stage_worker.runner import StageRunner
 from test_tp_parity import run_tp

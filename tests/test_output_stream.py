@@ -5,7 +5,7 @@ import asyncio
 
 from scheduler.output_stream import OutputStream
 from scheduler.request import RequestOutput
-from stagemesh.step import SampledToken
+from stagemesh.core.step import SampledToken
 
 
 def drain(*outputs: RequestOutput) -> list[RequestOutput]:

@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from mesh import free_port
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 from stagemesh.plan.cli import load_config
 from stagemesh.plan.tree import GB, PlanRequest, make_plan
 from tiny_models import with_word_tokenizer

@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from mesh import Mesh, free_port
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import scheduler_pb2
 from tiny_models import with_word_tokenizer
 

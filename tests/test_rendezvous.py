@@ -8,7 +8,7 @@ import pytest
 
 from mesh import Mesh
 from scheduler.rendezvous import ModelIdentity, Rendezvous, StageInfo
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 
 MODEL = ModelIdentity("llama", 8, 64, 384, 4, 2)
 

@@ -1,14 +1,15 @@
 """A table of bad requests: each gets OpenAI's error shape, the right status and a
-message naming the problem; the server still serves afterwards."""
+message naming the problem; the server still serves afterwards. The table runs against the router's app
+in this process over a fake replica (tests/fake_replicas.py: parsing needs no model); a full queue, which
+needs a real scheduler's, runs against a real mesh."""
 from __future__ import annotations
 
 import pytest
 import requests
 
+from fake_replicas import FakeRouter
 from mesh import Mesh, Router
 from tiny_models import with_word_tokenizer
-
-pytestmark = pytest.mark.slow
 M = "llama-tiny"
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -114,12 +115,9 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def router(tiny_model_dir, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("router-errors")
-    model_dir = tiny_model_dir("llama")
-    with Mesh(model_dir, [4], log_dir=logs) as mesh:
-        with Router(with_word_tokenizer(model_dir, logs / "tok"), [mesh.address],
-                    ("--served-model-name", M, "--api-key", "sekret"), log_dir=logs) as r:
-            yield r
+    model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path_factory.mktemp("router-errors") / "tok")
+    with FakeRouter(model_dir, M, api_key="sekret") as r:
+        yield r
 
 
 @pytest.mark.parametrize("path,body,status,words,param", CASES, ids=[f"{i}-{c[2]}" for i, c in enumerate(CASES)])
@@ -144,7 +142,12 @@ def test_server_still_serves_after_the_bad_requests(router):
     client = router.client(api_key="sekret")
     out = client.completions.create(model=M, prompt=[5, 6, 7], max_tokens=4, temperature=0)
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 4
+    assert out.choices[0].text == " w8 w9 w10 w11"  # the fake replica's tokens 8 to 11, after the prompt
+    # none of the bad requests reached the replica
+    assert [prompt for _, prompt, _ in router.replica.submitted] == [[5, 6, 7]]
 
+
+@pytest.mark.slow
 
 def _concurrent(url: str, body: dict, n: int) -> list[requests.Response]:
     from concurrent.futures import ThreadPoolExecutor

@@ -133,7 +133,7 @@ def test_stop_strings_can_end_the_text_they_stop():
 def test_choices_are_planned_per_prompt_and_sample_with_the_seed_plus_their_index():
     from router.choices import plan
     from router.request import GenerateRequest
-    from stagemesh.sampling_params import SamplingParams
+    from stagemesh.core.sampling_params import SamplingParams
 
     req = GenerateRequest(model="m", chat=False, n=3, max_tokens_given=True,
                           sampling=SamplingParams(max_tokens=4, temperature=1.0, seed=7, prompt_logprobs=1))

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stagemesh.sampling_params import SamplingParams
-from stagemesh.step import NewSequence
+from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.step import NewSequence
 from stage_worker.logits_processors import process_row
 from stage_worker.sampler import Sampler
 

@@ -5,9 +5,9 @@ import pytest
 
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import QueueFull, Scheduler
-from stagemesh.errors import StagemeshError
-from stagemesh.sampling_params import SamplingParams
-from stagemesh.step import PLACEHOLDER, SampledToken
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.step import PLACEHOLDER, SampledToken
 
 
 def make(num_kv_blocks=64, **kw) -> Scheduler:

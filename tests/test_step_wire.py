@@ -1,9 +1,9 @@
 """Steps and sampled tokens survive the wire as packed columns, in both directions."""
 from __future__ import annotations
 
-from stagemesh.sampling_params import SamplingParams
-from stagemesh.step import NewSequence, SampledToken, ScheduledChunk, ScheduledChunks, StepBatch
-from stagemesh.step_wire import sampled_from_pb, sampled_to_pb, step_from_pb, step_to_pb
+from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.step import NewSequence, SampledToken, ScheduledChunk, ScheduledChunks, StepBatch
+from stagemesh.core.step_wire import sampled_from_pb, sampled_to_pb, step_from_pb, step_to_pb
 from stagemesh.v1 import stage_pb2
 
 

@@ -10,7 +10,7 @@ import pytest
 from mesh import Mesh, internal_aio_channel
 from parity import prompts
 from router.submit_stream import RequestFailed, SubmitStream
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -104,7 +104,7 @@ def test_closing_the_stream_aborts_its_requests(mesh):
     assert running == 3
     assert after.num_running == 0 and after.num_waiting == 0 and after.kv_cache_usage == 0
     tokens, reason = mesh.submit("after-close", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
-    assert len(tokens) == 3 and reason == scheduler_pb2.FINISH_REASON_LENGTH
+    assert len(tokens) == 3 and reason == "length"
 
 
 def test_errors_belong_to_their_request_only(tiny_model_dir, tmp_path):
@@ -128,8 +128,8 @@ def test_errors_belong_to_their_request_only(tiny_model_dir, tmp_path):
         (full, bad), ok, later = over_one_stream(mesh.address, body)
     assert full[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "waiting queue is full" in full[1]
     assert bad[0] == grpc.StatusCode.INVALID_ARGUMENT and "maximum context length" in bad[1]
-    assert ok[:2] == (want, scheduler_pb2.FINISH_REASON_LENGTH)
-    assert later[:2] == (want, scheduler_pb2.FINISH_REASON_LENGTH)
+    assert ok[:2] == (want, "length")
+    assert later[:2] == (want, "length")
 
 
 class BreakingScheduler(scheduler_pb2_grpc.SchedulerServicer):

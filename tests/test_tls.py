@@ -9,7 +9,7 @@ import pytest
 
 from mesh import Mesh, Router
 from stagemesh.client import Client
-from stagemesh.service_options import TLSConfig, channel_credentials
+from stagemesh.core.service_options import TLSConfig, channel_credentials
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tiny_models import with_word_tokenizer
 
@@ -85,8 +85,8 @@ def test_a_client_without_the_right_credentials_is_refused(tls_mesh, how):
 
 
 def test_tls_flags_are_checked(tmp_path):
-    from stagemesh.errors import StagemeshError
-    from stagemesh.service_options import configure_tls
+    from stagemesh.core.errors import StagemeshError
+    from stagemesh.core.service_options import configure_tls
 
     with pytest.raises(StagemeshError, match="--tls-cert and --tls-key go together"):
         configure_tls(str(tmp_path / "x.pem"), None, None)

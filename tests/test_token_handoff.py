@@ -11,8 +11,8 @@ import torch
 from mesh import Mesh
 from parity import prompts
 from stage_worker.handoff import GrpcHandoff, HandoffAborted
-from stagemesh.errors import StagemeshError
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import stage_pb2
 from tiny_models import reference_greedy, reference_model
 

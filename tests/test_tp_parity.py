@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from parity import prompts
-from stagemesh.errors import StagemeshError
-from stagemesh.model_config import ModelConfig
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.model_config import ModelConfig
 from stage_worker.runner import StageRunner
 from tiny_models import make_tiny_model, reference_greedy, reference_model
 

@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from stagemesh.errors import StagemeshError
-from stagemesh.sampling_params import InvalidParameter, SamplingParams
-from stagemesh.step import PLACEHOLDER, NewSequence, ScheduledChunks, StepBatch
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.sampling_params import InvalidParameter, SamplingParams
+from stagemesh.core.step import PLACEHOLDER, NewSequence, ScheduledChunks, StepBatch
 from stagemesh.v1 import common_pb2
-from stagemesh.wire import sampling_from_pb, sampling_to_pb
+from stagemesh.core.wire import sampling_from_pb, sampling_to_pb
 from stage_worker.runner import StageRunner
 from stage_worker.validate import InvalidStep, StepLimits, check_activations, check_step
 

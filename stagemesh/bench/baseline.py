@@ -15,7 +15,7 @@ def transformers_static(model_dir: str, requests: list[BenchRequest], batch_size
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from stagemesh.errors import StagemeshError
+    from stagemesh.core.errors import StagemeshError
 
     if not progress:
         hf_logging.disable_progress_bar()  # "Loading weights" too

@@ -12,7 +12,7 @@ import random
 import sys
 import time
 
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -142,7 +142,7 @@ async def _serve_bench(args: argparse.Namespace, requests: list) -> tuple[list, 
 
 def run(args: argparse.Namespace) -> int:
     from stagemesh.bench.report import summarize, table
-    from stagemesh.default_model import resolve_model
+    from stagemesh.core.default_model import resolve_model
 
     if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise StagemeshError("--request-rate must be > 0 and --max-concurrency at least 1")

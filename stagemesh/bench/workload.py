@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 
 
 @dataclass

@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 
 REFERENCE = Path(__file__).with_name("reference_configs")
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -38,7 +38,7 @@ def parse_bytes(text: str) -> int:
 
 
 def load_config(model: str):
-    from stagemesh.model_config import ModelConfig
+    from stagemesh.core.model_config import ModelConfig
 
     reference = REFERENCE / f"{model}.json"
     if reference.is_file():

@@ -1,7 +1,7 @@
 """The plan as text (path, memory table, commands) or as a JSON object."""
 from __future__ import annotations
 
-from stagemesh.model_config import layer_ranges
+from stagemesh.core.model_config import layer_ranges
 from stagemesh.plan.tree import GB, Plan, PlanRequest
 
 

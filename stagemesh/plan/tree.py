@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from stagemesh.errors import StagemeshError
-from stagemesh.model_config import ModelConfig
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.model_config import ModelConfig
 from stagemesh.plan.memory import DTYPE_BYTES, Layout, evaluate
 
 GB = 1e9

@@ -6,10 +6,10 @@ are messages per item.
 """
 from __future__ import annotations
 
-from stagemesh.step import (EpochSpec, NewSequence, PromptLogprobs, SampledToken, ScheduledChunks, StepBatch,
+from stagemesh.core.step import (EpochSpec, NewSequence, PromptLogprobs, SampledToken, ScheduledChunks, StepBatch,
                             TokenLogprob)
 from stagemesh.v1 import common_pb2, stage_pb2
-from stagemesh.wire import sampling_from_pb, sampling_to_pb
+from stagemesh.core.wire import sampling_from_pb, sampling_to_pb
 
 
 def step_to_pb(batch: StepBatch) -> stage_pb2.StepBatch:

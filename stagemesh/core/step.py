@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.core.sampling_params import SamplingParams
 
 # A token id in a step that stands for the token its sequence sampled in the previous step, which
 # was still in flight when this one was scheduled (async scheduling); the first stage fills it in.

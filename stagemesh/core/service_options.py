@@ -2,7 +2,7 @@
 
 Each service's ``add_arguments`` calls :func:`add_service_arguments`; its
 ``run`` calls :func:`setup_service` once, before it opens any port. TLS and the
-internal token (stagemesh.internal_token) are kept per process (one service per
+internal token (stagemesh.core.internal_token) are kept per process (one service per
 process), so every place that opens a gRPC channel or server goes through
 :func:`channel`, :func:`aio_channel`, :func:`aio_server` and :func:`add_port` and
 honours the flags without threading them through.
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import grpc
 
-from stagemesh import internal_token
-from stagemesh.errors import StagemeshError
+from stagemesh.core import internal_token
+from stagemesh.core.errors import StagemeshError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # A peer that restarts (same address) must be reachable again within seconds: gRPC's default
@@ -63,8 +63,8 @@ def service_argv(args: argparse.Namespace, *, metrics_port: int | None = None) -
 
 def setup_service(args: argparse.Namespace, service_name: str) -> None:
     """Logging, TLS, tracing and the metrics endpoint of one service process."""
-    from stagemesh.logs import setup_logging
-    from stagemesh.telemetry import setup_tracing
+    from stagemesh.core.logs import setup_logging
+    from stagemesh.core.telemetry import setup_tracing
 
     setup_logging(args.log_level, args.log_format)
     configure_tls(args.tls_cert, args.tls_key, args.tls_ca)

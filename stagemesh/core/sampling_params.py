@@ -4,7 +4,7 @@ stage's Forward), so that a value that passes one passes all and none can fail a
 
 The rules: every number finite and in range, every value representable in the wire type
 (floats travel as float32, ids and counts as int32), token ids inside the vocabulary where the
-vocabulary is known. Wire conversion is in stagemesh.wire.
+vocabulary is known. Wire conversion is in stagemesh.core.wire.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

@@ -1,7 +1,7 @@
 """The shared secret of a mesh's internal RPCs (scheduler and stages): who may call them.
 
 Every internal service checks it on every call but grpc.health.v1 and reflection (probes
-stay open); every internal client sends it, through the channels of stagemesh.service_options.
+stay open); every internal client sends it, through the channels of stagemesh.core.service_options.
 It comes from --internal-token-file, --internal-token (visible in `ps`: prefer the file) or
 the STAGEMESH_INTERNAL_TOKEN variable (what `stagemesh serve` gives its children). Without
 one the services accept every caller and say so once at start-up; mTLS (--tls-*) stays
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 
 ENV = "STAGEMESH_INTERNAL_TOKEN"
 METADATA_KEY = "stagemesh-internal-token"

@@ -61,7 +61,7 @@ def setup_tracing(service_name: str, endpoint: str | None = None) -> bool:
             endpoint = endpoint.rstrip("/") + "/v1/traces"
         exporter = OTLPSpanExporter(endpoint=endpoint)
     else:
-        from stagemesh.errors import StagemeshError
+        from stagemesh.core.errors import StagemeshError
 
         raise StagemeshError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: stagemesh exports 'grpc' or 'http/protobuf'")
     # OTEL_SERVICE_NAME (read by Resource.create) overrides the service's own name

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 
 # Decoder-only Llama-family architectures that the stage workers run (and the planner plans), dense and
 # mixture-of-experts.

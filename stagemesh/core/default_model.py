@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from stagemesh.errors import StagemeshError
+from stagemesh.core.errors import StagemeshError
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from stagemesh.errors import StagemeshError
-from stagemesh.sampling_params import SamplingParams
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import common_pb2
 
 _DTYPES = {

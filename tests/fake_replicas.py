@@ -1,0 +1,104 @@
+"""The router's HTTP app in this process over a fake replica: for tests of request parsing and the
+generation logic that need no model's real tokens (no scheduler, no stage, no start-up to wait for).
+
+The fake replica answers a request with the tokens first_token, first_token + 1, ... (first_token is the
+prompt's last token + 1, wrapped in the vocabulary), one output per token, ending with "length" at
+max_tokens (or at a stop token id it meets), as a replica's SubmitStream does.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from aiohttp import web
+
+from router.app import build_app
+from router.balancing import LeastLoad
+from router.config import RouterConfig
+from router.replicas import Replica, ReplicaSet
+from router.submit_stream import ReplicaOutput
+from router.tokenization import Tokenizer
+from stagemesh.core.model_config import ModelConfig
+from stagemesh.core.sampling_params import SamplingParams
+
+
+class FakeReplica(Replica):
+    def __init__(self, served_model_name: str, max_model_len: int, vocab_size: int, eos_token_ids=()):
+        super().__init__("fake:0", healthy=True, reason="", max_model_len=max_model_len,
+                         eos_token_ids=tuple(eos_token_ids), served_model_name=served_model_name)
+        self.vocab_size = vocab_size
+        self.submitted: list[tuple[str, list[int], SamplingParams]] = []
+
+    def __post_init__(self) -> None:  # no channel: nothing to dial
+        self._stream = None
+
+    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> "FakeStream":
+        self.submitted.append((request_id, prompt, sampling))
+        return FakeStream(self._outputs(prompt, sampling))
+
+    async def _outputs(self, prompt: list[int], sampling: SamplingParams):
+        token = (prompt[-1] + 1) % self.vocab_size
+        for i in range(sampling.max_tokens):
+            await asyncio.sleep(0)
+            stop = token in sampling.stop_token_ids
+            last = stop or i + 1 == sampling.max_tokens
+            yield ReplicaOutput([token], finish_reason=("stop" if stop else "length") if last else None,
+                                stop_token_id=token if stop else None, num_prompt_tokens=len(prompt) if i == 0 else 0)
+            if last:
+                return
+            token = (token + 1) % self.vocab_size
+
+    async def close(self) -> None:
+        pass
+
+
+class FakeStream:
+    """A request's outputs, as router.submit_stream.RequestStream gives them; close() ends it."""
+
+    def __init__(self, outputs):
+        self._outputs, self.closed = outputs, False
+
+    def __aiter__(self) -> "FakeStream":
+        return self
+
+    async def __anext__(self) -> ReplicaOutput:
+        if self.closed:
+            raise StopAsyncIteration
+        return await self._outputs.__anext__()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeRouter:
+    """The router's app on a loopback port, served by an event loop on a thread of its own."""
+
+    def __init__(self, model_dir, served_model_name: str, api_key: str | None = None):
+        cfg = ModelConfig.from_path(model_dir)
+        self.replica = FakeReplica(served_model_name, 512, cfg.vocab_size, cfg.eos_token_ids)
+        replicas = ReplicaSet([], LeastLoad())
+        replicas.replicas = [self.replica]
+        tokenizer = Tokenizer(model_dir, cfg.max_position_embeddings)
+        self.app = build_app(replicas, tokenizer, RouterConfig(served_model_name, api_key))
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def __enter__(self) -> "FakeRouter":
+        self._thread.start()
+        self.runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
+        asyncio.run_coroutine_threadsafe(self.runner.setup(), self._loop).result(30)
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        asyncio.run_coroutine_threadsafe(site.start(), self._loop).result(30)
+        self.base_url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    def client(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)

@@ -1,0 +1,102 @@
+"""The import graph of the project's packages, read from the source (every import, also those inside
+functions): the layers have no cycle, the base imports no service, the kernels stand alone, and generated
+protobuf code is imported only where a message crosses a process."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+PACKAGES = ("stagemesh", "scheduler", "stage_worker", "router", "kernels")
+# modules that meet protobuf messages, each for a reason: servicers and their RPC clients, the wire helpers
+PROTOBUF_EDGES = {
+    "stagemesh.core.wire", "stagemesh.core.step_wire",  # the domain <-> protobuf conversions
+    "stagemesh.core.health",  # grpc.health.v1 for every service
+    "scheduler.service", "stage_worker.service", "router.frontend",  # the servicers
+    "scheduler.grpc_pipeline",  # the scheduler's client of the stages
+    "router.submit_stream", "router.replicas",  # the router's clients of the schedulers
+    "stage_worker.cli",  # the stage's registration with its scheduler
+    "stage_worker.handoff",  # PushActivations between stages (grpc handoff)
+    "stage_worker.follower",  # steps from rank 0, as StepBatch bytes over the TP group
+    "stage_worker.validate",  # checks wire messages (activations) before they are decoded
+    "stagemesh.client", "stagemesh.bench.backends",  # clients of the gRPC frontend
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports() -> dict[str, set[str]]:
+    """Every project module -> the project modules (or packages) it imports."""
+    found: dict[str, set[str]] = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            if "v1" in path.relative_to(ROOT).parts or path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            name = module_name(path)
+            targets = set()
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    targets |= {a.name for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    targets |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            found[name] = {t for t in targets if t.split(".")[0] in PACKAGES}
+    return found
+
+
+def layer(module: str) -> str:
+    """The layer a module belongs to: the base (stagemesh.core, the package root, the generated code),
+    a service package, or the stagemesh entry points (command line, serve, generate, bench, plan, client)."""
+    if module == "stagemesh" or module.startswith(("stagemesh.core", "stagemesh.v1", "stagemesh.__version__")):
+        return "base"
+    if module.startswith("stagemesh"):
+        return "entry"
+    return module.split(".")[0]
+
+
+def test_the_layers_have_no_cycle():
+    edges: dict[str, set[str]] = {}
+    why: dict[tuple[str, str], str] = {}
+    for module, targets in imports().items():
+        for target in targets:
+            a, b = layer(module), layer(target)
+            if a != b:
+                edges.setdefault(a, set()).add(b)
+                why.setdefault((a, b), f"{module} imports {target}")
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                cycle = path[path.index(nxt):] + [node, nxt] if nxt in path else [node, nxt]
+                steps = [why[(x, y)] for x, y in zip(cycle, cycle[1:]) if (x, y) in why]
+                raise AssertionError(f"import cycle {' -> '.join(cycle)}: " + "; ".join(steps))
+            if state.get(nxt) is None:
+                visit(nxt, path + [node])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [])
+
+
+def test_the_base_imports_no_service_and_the_kernels_stand_alone():
+    wrong = []
+    for module, targets in imports().items():
+        for target in targets:
+            if layer(module) == "base" and layer(target) != "base":
+                wrong.append(f"{module} imports {target}")
+            # the kernels may raise the project's error type; nothing else above them
+            if layer(module) == "kernels" and layer(target) != "kernels" and \
+                    not target.startswith("stagemesh.core.errors"):
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, wrong
+
+
+def test_protobuf_stays_at_the_edges():
+    wrong = sorted(f"{module} imports {target}" for module, targets in imports().items() for target in targets
+                   if module not in PROTOBUF_EDGES and (target.startswith("stagemesh.v1") or target.endswith("_pb2")))
+    assert not wrong, wrong
