@@ -35,10 +35,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: whole experts spread over the stage's TP ranks (EP size = TP size) instead of "
                         "every expert sharded over them; attention stays TP")
+    # vLLM's flags for data-parallel attention with experts across the replicas (stage_worker.ep_group)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="with --enable-expert-parallel: the experts of this stage's layers are spread over the "
+                        "stages of this many replicas (each replica runs attention on its own requests)")
+    p.add_argument("--data-parallel-rank", type=int, default=0, help="this stage's replica among them")
+    p.add_argument("--data-parallel-address", default="127.0.0.1",
+                   help="where replica 0's stage hosts the expert-parallel group's store")
+    p.add_argument("--data-parallel-rpc-port", type=int, default=29550,
+                   help="the store's port for stage 0's group (stage i's: this + i)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     p.add_argument("--cpu-affinity", default=None, metavar="CPUS", help="pin the stage (and followers) to these "
                                                                         "cores, e.g. 0 or 0,1")
     add_service_arguments(p)
+
+
+def expert_parallel_across_replicas(args: argparse.Namespace, cfg, start: int, end: int):
+    """The stage's EPConfig under --data-parallel-size > 1, after the checks of what is built; else None."""
+    from stage_worker.ep_group import EPConfig
+
+    if args.data_parallel_size == 1:
+        return None
+    if not args.enable_expert_parallel:
+        raise StagemeshError("--data-parallel-size on a stage spreads its experts over the replicas: it needs "
+                             "--enable-expert-parallel (plain data parallelism needs no stage flag)")
+    ep = EPConfig(args.data_parallel_rank, args.data_parallel_size, args.data_parallel_address,
+                  args.data_parallel_rpc_port)
+    ep.check()
+    cfg.check_expert_parallel(ep.dp_size, across_replicas=True)
+    not_built = []
+    if args.tensor_parallel_size != 1:
+        not_built.append(f"--tensor-parallel-size {args.tensor_parallel_size} (the group is one stage rank per "
+                         "replica)")
+    if (start, end) != (0, cfg.num_hidden_layers):
+        not_built.append(f"--layers {start}:{end} (one stage per replica holds every layer: the group's steps "
+                         "would wait on the pipeline's handoffs)")
+    if args.device != "cpu":
+        not_built.append("--device cuda (the group's collectives are gloo; NCCL is not built)")
+    if not_built:
+        raise StagemeshError("expert parallelism across data-parallel replicas is built for TP=1, PP=1 CPU stages "
+                             "only; not yet with " + "; ".join(not_built))
+    return ep
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -52,6 +89,7 @@ def parse_layers(text: str) -> tuple[int, int]:
 def run(args: argparse.Namespace) -> int:
     from stagemesh.core.default_model import resolve_model
     from stagemesh.core.model_config import ModelConfig
+    from stage_worker.ep_group import BROKEN_LINGER_S, EXIT_BROKEN, EPGroupBroken
     from stage_worker.runner import check_layer_range
 
     setup_service(args, f"stagemesh-stage-{args.stage_index}")
@@ -62,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     cfg.check_tp_size(args.tensor_parallel_size)
     if args.enable_expert_parallel:
         cfg.check_expert_parallel(args.tensor_parallel_size)
+    ep = expert_parallel_across_replicas(args, cfg, start, end)
     if args.cpu_affinity:
         import os
 
@@ -82,20 +121,23 @@ def run(args: argparse.Namespace) -> int:
                          expert_parallel=args.enable_expert_parallel)
     worker = StageWorker(StageConfig(slice_, args.stage_index, handoff=args.handoff,
                                      kv_cache_memory=args.kv_cache_memory,
-                                     gpu_memory_utilization=args.gpu_memory_utilization, threads=args.threads))
+                                     gpu_memory_utilization=args.gpu_memory_utilization, threads=args.threads,
+                                     ep=ep))
     internal_token.warn_if_open(f"stage {args.stage_index}")
     if cfg.is_moe:
         from stage_worker.moe import describe_layout
         from stage_worker.observe import watch_expert_load
 
         log.info("stage %d experts: %s", args.stage_index,
-                 describe_layout(cfg, args.tensor_parallel_size, args.enable_expert_parallel))
+                 describe_layout(cfg, args.tensor_parallel_size, args.enable_expert_parallel, worker.ep))
         watch_expert_load(args.stage_index, worker.runner.model)
     servicer = StageServicer(worker, "")
     server = ServerThread(servicer, args.host, args.port)
     stop = threading.Event()
     failed: list[BaseException] = []
     try:
+        if worker.ep is not None:  # the replica is not whole until its experts' group is
+            worker.ep.form()
         port = server.start()
         servicer.address = f"{args.advertise_host or args.host}:{port}"
         log.info("stage %d serving layers %d:%d at %s (TP=%d, %s, %s handoff, %d KV blocks of %d tokens)",
@@ -113,9 +155,18 @@ def run(args: argparse.Namespace) -> int:
 
         worker.main_loop.start()  # from here on the model's work waits for the loop below
         threading.Thread(target=supervise, name="register", daemon=True).start()
-        worker.main_loop.run_until(stop)  # the model's work runs here, on the thread that loaded it
+        worker.main_loop.run_until(stop, idle=worker.ep)  # the model's work runs here, on the thread that loaded it
         if failed:
             raise failed[0]
+    except EPGroupBroken as err:
+        if stop.is_set():  # a member that stopped first, as the whole mesh stops
+            log.info("stopping: %s", err)
+            return 0
+        log.error("%s", err)
+        # a step the scheduler sends meanwhile gets this reason (steps now fail at once), not a refused
+        # connection
+        stop.wait(BROKEN_LINGER_S)
+        return EXIT_BROKEN
     finally:
         server.stop(grace=1)
         worker.close()

@@ -49,13 +49,22 @@ class MainLoop:
         with self._lock:
             self._running = True
 
-    def run_until(self, stop: threading.Event, poll_s: float = 0.2) -> None:
+    def run_until(self, stop: threading.Event, poll_s: float = 0.2, idle=None) -> None:
+        """Run calls until `stop` is set. `idle` (a stage_worker.ep_group.EPGroup): when no call came within
+        its `idle_wait`, its `idle_tick()` runs (its errors end the loop)."""
         self.start()
+        ended_by: BaseException = StagemeshError("the stage is stopping")
         try:
             while not stop.is_set():
                 try:
-                    future, fn, args = self._queue.get(timeout=poll_s)
+                    future, fn, args = self._queue.get(timeout=poll_s if idle is None else idle.idle_wait)
                 except queue.Empty:
+                    if idle is not None:
+                        try:
+                            idle.idle_tick()
+                        except BaseException as err:  # the calls still queued fail with the reason too
+                            ended_by = err
+                            raise
                     continue
                 # a call runs even if its caller gave up waiting (a cancelled RPC): a step that took its
                 # place in the order must run, or the stages' states would part
@@ -77,4 +86,4 @@ class MainLoop:
                 except queue.Empty:
                     break
                 if future.set_running_or_notify_cancel():
-                    future.set_exception(StagemeshError("the stage is stopping"))
+                    future.set_exception(ended_by)

@@ -29,7 +29,10 @@ from stage_worker.parallel import TPGroup, shard_range
 # median of 2000, two runs, the machine shared): the stage's shared-memory all-reduce 0.025-0.065
 # ms; gloo all-reduce 0.77-0.90 ms; gloo all_to_all + all-gather 1.3-2.1 ms; gloo reduce-scatter
 # + all-gather 1.7-1.8 ms. So one all-reduce, through the shared memory the TP group already has.
-# (all_to_all pays where tokens are not replicated: EP across data-parallel replicas, not built.)
+# Across data-parallel replicas tokens are not replicated: stage_worker.ep_group gathers them (one
+# all-gather), each member computes its experts' part for all, one all-reduce sums the members, and
+# each keeps its rows. gloo has no reduce-scatter; an all_to_all pair would move fewer bytes at
+# large K and is the next step on GPUs (NCCL), where the group's collectives are not built yet.
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,11 @@ class ExpertPlacement:
     inter_size: int
 
     @classmethod
-    def for_rank(cls, cfg: ModelConfig, tp: TPGroup, expert_parallel: bool) -> "ExpertPlacement":
+    def for_rank(cls, cfg: ModelConfig, tp: TPGroup, expert_parallel: bool, ep=None) -> "ExpertPlacement":
+        if ep is not None:  # across the replicas: expert e on member e // (E / K) (the stage is TP=1)
+            cfg.check_expert_parallel(ep.size, across_replicas=True)
+            per = cfg.num_experts // ep.size
+            return cls(ep.rank * per, per, 0, cfg.moe_intermediate_size)
         if expert_parallel:  # expert e on rank e // (E / EP), EP size = TP size
             cfg.check_expert_parallel(tp.size)
             per = cfg.num_experts // tp.size
@@ -51,8 +58,13 @@ class ExpertPlacement:
         return cls(0, cfg.num_experts, start, per)
 
 
-def describe_layout(cfg: ModelConfig, tp_size: int, expert_parallel: bool) -> str:
+def describe_layout(cfg: ModelConfig, tp_size: int, expert_parallel: bool, ep=None) -> str:
     """Which rank holds which experts, for the start-up log."""
+    if ep is not None:
+        per = cfg.num_experts // ep.size
+        return (f"expert parallel across {ep.size} data-parallel replicas (EP={ep.size}, {per} of {cfg.num_experts} "
+                f"experts per replica's stage): this one (DP rank {ep.rank}) holds experts {ep.rank * per}-"
+                f"{(ep.rank + 1) * per - 1}")
     if not expert_parallel:
         return (f"tensor parallel: each of the {tp_size} rank(s) holds all {cfg.num_experts} experts, "
                 f"{cfg.moe_intermediate_size // tp_size} of their {cfg.moe_intermediate_size} intermediate columns")
@@ -84,12 +96,12 @@ def _expert_weights(block: str, names: tuple[str, str, str], p: ExpertPlacement,
 class SparseMoeBlock(nn.Module):
     """Router, this rank's experts (and the shared expert): what they add to every token, all-reduced."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, expert_parallel: bool, dtype, device):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, expert_parallel: bool, dtype, device, ep=None):
         super().__init__()
         block, names = _checkpoint_names(cfg, layer)
-        self.layer, self.tp = layer, tp
+        self.layer, self.tp, self.ep = layer, tp, ep  # ep: the stage_worker.ep_group.EPGroup, across replicas
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.placement = ExpertPlacement.for_rank(cfg, tp, expert_parallel)
+        self.placement = ExpertPlacement.for_rank(cfg, tp, expert_parallel, ep)
         e, h = cfg.num_experts, cfg.hidden_size
         self.gate = Linear(new_param((e, h), dtype, device, full(f"{block}.gate.weight", e)))  # the router
         self.w13, self.w2 = _expert_weights(block, names, self.placement, h, dtype, device)
@@ -104,6 +116,8 @@ class SparseMoeBlock(nn.Module):
         self.register_buffer("expert_tokens", counts, persistent=False)
 
     def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
+        if self.ep is not None:
+            return self._forward_across_replicas(x, meta)
         topk_weights, topk_ids = kernels.select_experts(self.gate(x), self.top_k, self.renormalize)
         if self.expert_tokens is not None:
             self._count(topk_ids, meta.slot_mapping)
@@ -111,6 +125,25 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out)
+
+    def _forward_across_replicas(self, x: torch.Tensor, meta) -> torch.Tensor:
+        """Every member's tokens through this member's experts, summed over the members (a member
+        without a step of its own comes with no rows: meta is None)."""
+        counted = []
+
+        def experts(everyone: torch.Tensor) -> torch.Tensor:
+            weights, ids = kernels.select_experts(self.gate(everyone), self.top_k, self.renormalize)
+            counted.append(ids)
+            return kernels.fused_moe(everyone, self.w13, self.w2, weights, ids, self.placement.expert_start)
+
+        out, first = self.ep.moe(x, experts)
+        if meta is None or not x.shape[0]:
+            return out
+        if self.expert_tokens is not None and counted:  # this member's own tokens only
+            self._count(counted[0][first:first + x.shape[0]], meta.slot_mapping)
+        if self.shared_expert is not None:  # whole on every member (TP=1): its own tokens only
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
     def _count(self, topk_ids: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # a few small ops and no host sync (CUDA graphs); padding rows of a graph's batch have slot -1

@@ -23,6 +23,7 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.step import EpochSpec, StepBatch, StepStats
 from stagemesh.core.step_wire import epoch_to_pb, step_to_pb
 from stage_worker import dist as sdist
+from stage_worker.ep_group import EPConfig, EPGroup
 from stage_worker.handoff import DistHandoff, GrpcHandoff
 from stage_worker.kv_cache import num_kv_blocks_for_budget
 from stage_worker.main_loop import MainLoop
@@ -43,6 +44,7 @@ class StageConfig:
     kv_cache_memory: int | None = None  # bytes; None: from gpu_memory_utilization (CUDA) or 512 MiB (CPU)
     gpu_memory_utilization: float = 0.9
     threads: int = 0  # of each TP follower (rank 0's are set by its command line)
+    ep: EPConfig | None = None  # experts spread over the data-parallel replicas' stages (stage_worker.ep_group)
 
 
 class StageWorker:
@@ -50,7 +52,8 @@ class StageWorker:
         if cfg.handoff not in ("nccl", "grpc"):
             raise StagemeshError(f"--handoff {cfg.handoff!r} must be nccl or grpc")
         self.cfg = cfg
-        self.runner = cfg.slice.runner(0)
+        self.ep = EPGroup(cfg.ep, cfg.stage_index) if cfg.ep is not None else None
+        self.runner = cfg.slice.runner(0, self.ep)
         self.followers = [self._start_follower(t) for t in range(1, cfg.slice.tp_size)]
         for t, proc in enumerate(self.followers, start=1):
             if proc.stdout.readline().strip() != b"ready":
@@ -180,7 +183,14 @@ class StageWorker:
             sdist.send_control(sdist.FORWARD, step_to_pb(batch).SerializeToString(), runner.tp)
             if hidden is not None:
                 sdist.broadcast_hidden(hidden, runner.tp)
-        out = runner.execute(batch, hidden)
+        if self.ep is None:
+            out = runner.execute(batch, hidden)
+        else:  # the MoE layers meet the other replicas' stages in this tick
+            self.ep.begin(batch.num_tokens)
+            try:
+                out = runner.execute(batch, hidden)
+            finally:
+                self.ep.end()
         compute = time.perf_counter() - start
         if out.hidden_states is not None:
             sent = self.handoff.send(batch.step_id, out.hidden_states)

@@ -74,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="stages run decode steps without CUDA graphs")
     p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE models: whole experts spread over each stage's TP ranks (see `stagemesh stage`)")
+                   help="MoE models: whole experts spread over each stage's TP ranks, or with -dp > 1 over the "
+                        "replicas' stages (data-parallel attention; see `stagemesh stage`)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per stage process (0: cores / processes)")
     p.add_argument("--restart-policy", choices=("on-failure", "never"), default="on-failure",
                    help="on-failure: a child that dies is restarted with backoff while the rest serve; never: "
@@ -130,6 +131,7 @@ def plan_commands(args: argparse.Namespace, model_dir: str, num_layers: int, cud
     if args.async_scheduling is not None:
         common_sched.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     children, replicas, gpu = [], [], 0
+    ep_port = free_port() if args.enable_expert_parallel and dp > 1 else None  # replica 0's stage hosts the store
     for r in range(dp):
         port = free_port()
         replicas.append(f"127.0.0.1:{port}")
@@ -146,6 +148,8 @@ def plan_commands(args: argparse.Namespace, model_dir: str, num_layers: int, cud
                     "--threads", str(threads), *_service(args, r * (pp + 1) + 1 + i),
                     *(["--enforce-eager"] if args.enforce_eager else []),
                     *(["--enable-expert-parallel"] if args.enable_expert_parallel else []),
+                    *(["--data-parallel-size", str(dp), "--data-parallel-rank", str(r), "--data-parallel-address",
+                       "127.0.0.1", "--data-parallel-rpc-port", str(ep_port)] if ep_port else []),
                     *_flags(args, ("dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization"))]
             children.append((f"stage[{r}.{i}]", argv, env))
     router = ["router", model_dir, "--host", args.host, "--port", str(args.port), *_service(args, None)]
@@ -182,9 +186,9 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_path(model_dir)
     cfg.check_tp_size(args.tensor_parallel_size)
-    if args.enable_expert_parallel:
-        _check_expert_parallel(cfg, args.tensor_parallel_size, args.data_parallel_size)
     cuda = args.device == "cuda" or (args.device is None and _cuda_available())
+    if args.enable_expert_parallel:
+        _check_expert_parallel(cfg, args, cuda)
     token = internal_token.configure(args) or internal_token.new_token()
     base_env = {**os.environ, internal_token.ENV: token}
     children = [Child(name, argv, {**base_env, **env})
@@ -257,12 +261,17 @@ def _stop_all(children: list[Child]) -> None:
             child.proc.wait()
 
 
-def _check_expert_parallel(cfg, tp_size: int, dp_size: int) -> None:
-    if dp_size > 1:  # vLLM's meaning of the pair: data-parallel attention, one EP group across the replicas
-        raise StagemeshError("--enable-expert-parallel with --data-parallel-size > 1 is not supported yet: expert "
-                             "parallelism spans one stage's TP ranks for now, not the replicas (data-parallel "
-                             "attention with experts across replicas is not built); use one of the two")
-    cfg.check_expert_parallel(tp_size)
+def _check_expert_parallel(cfg, args: argparse.Namespace, cuda: bool) -> None:
+    tp, pp, dp = args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size
+    if dp == 1:  # experts over each stage's TP ranks
+        cfg.check_expert_parallel(tp)
+        return
+    # vLLM's meaning of the pair: data-parallel attention, the experts spread over the replicas (stage_worker.ep_group)
+    cfg.check_expert_parallel(dp, across_replicas=True)
+    not_built = [what for what, bad in ((f"-tp {tp}", tp != 1), (f"-pp {pp}", pp != 1), ("CUDA stages", cuda)) if bad]
+    if not_built:
+        raise StagemeshError("--enable-expert-parallel with --data-parallel-size > 1 (experts across the replicas) is "
+                             "built for -tp 1 -pp 1 CPU stages only; not yet with " + ", ".join(not_built))
 
 
 def _cuda_available() -> bool:

@@ -93,13 +93,17 @@ class Mesh:
         self.scheduler.kill()
         self.scheduler.wait()
 
-    def __enter__(self) -> "Mesh":
+    def start(self) -> None:
+        """Start the scheduler and the stages without waiting for them (meshes whose stages need each other)."""
         self.channel = internal_channel(self.address, self.credentials)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.start_scheduler()
+        for i in range(len(self.split)):
+            self.start_stage(i)
+
+    def __enter__(self) -> "Mesh":
         try:
-            self.start_scheduler()
-            for i in range(len(self.split)):
-                self.start_stage(i)
+            self.start()
             self.wait_healthy()
         except BaseException:  # a mesh that never came up still stops every process it started
             self.__exit__()
@@ -107,7 +111,8 @@ class Mesh:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.channel.close()
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()
         for proc in [*self.stages, self.scheduler]:
             if proc is not None and proc.poll() is None:
                 proc.terminate()

@@ -21,6 +21,7 @@ class Deadlines:
     step_turn_s: float = 30.0  # a Forward that came early waits for the steps before it
     store_s: float = 20.0  # joining the epoch's torch.distributed store (a half-formed world gives up this soon)
     collective_s: float = 120.0  # one collective or point-to-point transfer of the epoch's world
+    ep_form_s: float = 600.0  # the expert-parallel group across replicas forming (members load at their own pace)
 
     @property
     def channel_linger_s(self) -> float:

@@ -54,15 +54,18 @@ class ModelConfig:
         return (self.is_moe and index not in self.mlp_only_layers
                 and (index + 1) % self.decoder_sparse_step == 0)
 
-    def check_expert_parallel(self, tp_size: int) -> None:
-        """--enable-expert-parallel spreads whole experts over a stage's TP ranks (EP size = TP size)."""
+    def check_expert_parallel(self, ep_size: int, across_replicas: bool = False) -> None:
+        """--enable-expert-parallel spreads whole experts over a stage's TP ranks (EP size = TP size), or with
+        --data-parallel-size over the replicas' stages (EP size = DP size, stage_worker.ep_group)."""
         if not self.is_moe:
             raise StagemeshError(f"--enable-expert-parallel needs a mixture-of-experts model; {self.model_type} "
                                  "has no experts")
-        if self.num_experts % tp_size:
+        if self.num_experts % ep_size:
+            over, flag, short = (("replicas", "--data-parallel-size", "DP") if across_replicas
+                                 else ("ranks", "--tensor-parallel-size", "TP"))
             raise StagemeshError(f"--enable-expert-parallel: the model's {self.num_experts} experts do not split "
-                                 f"evenly over --tensor-parallel-size {tp_size} ranks (EP size = TP size); use a "
-                                 f"TP size that divides {self.num_experts}")
+                                 f"evenly over {flag} {ep_size} {over} (EP size = {short} size); use a {short} size "
+                                 f"that divides {self.num_experts}")
 
     @property
     def q_size(self) -> int:
