@@ -17,6 +17,12 @@ async def prepare(req: GenerateRequest, tokenizer: Tokenizer, max_model_len: int
         req.sampling.check_vocab(tokenizer.vocab_size)
     except InvalidParameter as err:
         raise bad_request(str(err), err.param) from None
+    if req.sampling.structured is not None:  # a constraint that cannot compile is the client's 400, with why
+        try:
+            await tokenizer.run(tokenizer.compile_constraint, req.sampling.structured)
+        except InvalidParameter as err:
+            raise bad_request(str(err).replace("structured_outputs", req.structured_param), req.structured_param) \
+                from None
     if req.bad_words:
         words = await tokenizer.run(bad_words_token_ids, tokenizer, req.bad_words)
         req.sampling = replace(req.sampling, bad_words_token_ids=words)

@@ -60,6 +60,14 @@ class _Sampling(_Strict):
     return_token_ids: bool | None = None
     request_id: str | None = None
     user: str | None = None  # OpenAI's end-user id: for the caller's own records, as in vLLM
+    # constrained decoding (router.request.structured): one of these at a time
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -94,7 +102,6 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -117,7 +124,6 @@ class DetokenizeRequest(_Strict):
 
 # vLLM's fields this server does not implement: any value but the default (None, False, 0, 1) gets a 400
 # naming the field; the reason says what to do instead
-_STRUCTURED = "structured outputs are not supported yet"
 _MULTIMODAL = "multimodal inputs are not supported"
 _TOOLS = "functions are not supported (tool calling is not supported yet)"
 _STORED = "stored completions are not supported"
@@ -127,8 +133,6 @@ REFUSED: dict[str, str] = {
     "watermarking": "watermarking is not supported",
     "logprob_token_ids": "logprob_token_ids is not supported; use logprobs / top_logprobs",
     "prompt_embeds": "prompt embeddings are not supported; send text or token ids",
-    "structured_outputs": _STRUCTURED, "guided_json": _STRUCTURED, "guided_regex": _STRUCTURED,
-    "guided_choice": _STRUCTURED, "guided_grammar": _STRUCTURED, "guided_decoding_backend": _STRUCTURED,
     "priority": "priority scheduling is not supported (every request has priority 0)",
     "cache_salt": "cache_salt is not supported",
     "kv_transfer_params": "disaggregated prefill is not supported",
@@ -186,6 +190,7 @@ FIELD_TEXT = {
     "stop_token_ids": "an array of integers", "allowed_token_ids": "an array of integers",
     "tokens": "an array of integers", "bad_words": "an array of strings", "logit_bias": "an object of token ids "
                                                                                           "to numbers",
+    "guided_json": "a JSON schema (an object or its text)", "guided_choice": "an array of strings",
 }
 TYPE_TEXT = {"string_type": "a string", "int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
              "list_type": "an array", "dict_type": "an object", "model_type": "an object", "model_attributes_type":

@@ -3,12 +3,14 @@ sampling parameters every service checks (stagemesh.core.sampling_params), and w
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from router.errors import bad_request
 from router.protocol import ChatCompletionRequest, CompletionRequest, ChatMessage
-from stagemesh.core.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams, check_int
+from stagemesh.core.sampling_params import (MAX_LOGPROBS, InvalidParameter, SamplingParams, StructuredOutputs,
+                                            check_int)
 
 MAX_CHOICES = 256  # prompts x n in one request
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 4096
@@ -44,6 +46,7 @@ class GenerateRequest:
     prompts: list[Prompt] = field(default_factory=list)  # completions; a chat renders its one prompt
     chat_options: ChatOptions | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    structured_param: str = "structured_outputs"  # the field the output constraint came in (for its 400s)
     max_tokens_given: bool = False
     n: int = 1
     stream: bool = False
@@ -95,9 +98,6 @@ def chat_request(m: ChatCompletionRequest, served: str) -> GenerateRequest:
         raise bad_request("'tools' are not supported yet (tool calling is not built)", "tools")
     if m.tool_choice not in (None, "none", "auto"):
         raise bad_request("'tool_choice' is not supported yet (tool calling is not built)", "tool_choice")
-    if m.response_format is not None and m.response_format.get("type", "text") != "text":
-        raise bad_request("'response_format' other than {'type': 'text'} is not supported yet (structured outputs "
-                          "are not built)", "response_format")
     if m.continue_final_message and m.add_generation_prompt:  # vLLM's rule: set add_generation_prompt false
         raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
                           "continue_final_message")
@@ -197,16 +197,101 @@ def _finish(req: GenerateRequest, m, max_tokens: int | None, param: str, logprob
         bias = m.logit_bias or {}
         if any(not k.lstrip("-").isdigit() for k in bias):
             raise InvalidParameter("logit_bias", "'logit_bias' keys must be token ids (as strings of digits)")
+        constraint, req.structured_param = structured(m)
         req.sampling = SamplingParams(
             **values, max_tokens=1 if req.echo_only else (max_tokens or 16),
             stop_token_ids=tuple(m.stop_token_ids or ()), ignore_eos=m.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=tuple(sorted((int(k), v) for k, v in bias.items())),
-            allowed_token_ids=tuple(m.allowed_token_ids or ()))
+            allowed_token_ids=tuple(m.allowed_token_ids or ()), structured=constraint)
     except InvalidParameter as err:
-        name = param if err.param == "max_tokens" else err.param
+        name = {"max_tokens": param, "structured_outputs": req.structured_param}.get(err.param, err.param)
         raise bad_request(str(err).replace("'max_tokens'", f"'{name}'"), name) from None
     if m.allowed_token_ids is not None and not m.allowed_token_ids:
         raise bad_request("'allowed_token_ids' must not be empty", "allowed_token_ids")
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's structured_outputs options this server does not implement: a value that asks for something is a 400
+STRUCTURED_REFUSED = {"structural_tag": "structural tags are not supported yet",
+                      "disable_fallback": "there is one backend (xgrammar), with no fallback to disable",
+                      "disable_any_whitespace": "whitespace options are not supported",
+                      "disable_additional_properties": "additionalProperties follows the schema as given",
+                      "whitespace_pattern": "whitespace options are not supported"}
+
+
+def structured(m) -> tuple[StructuredOutputs | None, str]:
+    """The request's output constraint, from whichever of vLLM's spellings it uses (response_format,
+    structured_outputs, guided_*), and the field it came in; two at once are a 400."""
+    found: list[tuple[str, StructuredOutputs]] = []
+    if m.guided_decoding_backend not in (None, "auto", "xgrammar"):
+        raise InvalidParameter("guided_decoding_backend", f"'guided_decoding_backend' {m.guided_decoding_backend!r} "
+                                                          "is not available: this server compiles with xgrammar")
+    rf = m.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            found.append(("response_format", StructuredOutputs("json_object")))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+                raise InvalidParameter("response_format", "'response_format' of type json_schema needs "
+                                                          "'json_schema': {'name': ..., 'schema': {...}}")
+            found.append(("response_format", StructuredOutputs("json", json.dumps(spec["schema"]))))
+        elif kind == "structural_tag":
+            raise InvalidParameter("response_format", "'response_format' of type structural_tag is not supported yet")
+        elif kind != "text":
+            raise InvalidParameter("response_format", "'response_format' type must be text, json_object or "
+                                                      f"json_schema, got {kind!r}")
+    so = m.structured_outputs
+    if so is not None:
+        for name, why in STRUCTURED_REFUSED.items():
+            if so.get(name) not in (None, False, ""):
+                raise InvalidParameter("structured_outputs", f"'structured_outputs.{name}' is not supported: {why}")
+        unknown = set(so) - set(STRUCTURED_KINDS) - set(STRUCTURED_REFUSED)
+        if unknown:
+            raise InvalidParameter("structured_outputs", f"'structured_outputs' has no field "
+                                                         f"{sorted(unknown)[0]!r}")
+        given = [k for k in STRUCTURED_KINDS if so.get(k) not in (None, False)]
+        if len(given) > 1:
+            raise InvalidParameter("structured_outputs", "'structured_outputs' takes one of json, regex, choice, "
+                                                         f"grammar and json_object, got {', '.join(given)}")
+        if given:
+            found.append(("structured_outputs", _constraint("structured_outputs", given[0], so[given[0]])))
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(m, f"guided_{kind}")
+        if value is not None:
+            found.append((f"guided_{kind}", _constraint(f"guided_{kind}", kind, value)))
+    if len(found) > 1:
+        raise InvalidParameter(found[1][0], f"one output constraint at a time: '{found[0][0]}' and "
+                                            f"'{found[1][0]}' are both given")
+    return (found[0][1], found[0][0]) if found else (None, "structured_outputs")
+
+
+def _constraint(field: str, kind: str, value) -> StructuredOutputs:
+    try:
+        return _make_constraint(field, kind, value)
+    except InvalidParameter as err:  # its own rules (size, choices) name the field it came in
+        raise InvalidParameter(field, str(err)) from None
+
+
+def _make_constraint(field: str, kind: str, value) -> StructuredOutputs:
+    if kind == "json_object":
+        if value is not True:
+            raise InvalidParameter(field, f"'{field}.json_object' must be true")
+        return StructuredOutputs("json_object")
+    if kind == "json":
+        if isinstance(value, (dict, bool)):
+            value = json.dumps(value)
+        if not isinstance(value, str):
+            raise InvalidParameter(field, f"'{field}' json must be a JSON schema (an object or its text)")
+        return StructuredOutputs("json", value)
+    if kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise InvalidParameter(field, f"'{field}' choice must be an array of strings")
+        return StructuredOutputs("choice", choices=tuple(value))
+    if not isinstance(value, str):
+        raise InvalidParameter(field, f"'{field}' {kind} must be a string")
+    return StructuredOutputs(kind, value)
 
 
 def _prompts(prompt) -> list[Prompt]:

@@ -30,6 +30,7 @@ class Tokenizer:
         self.max_text_chars = (max_positions or 1 << 20) * max(longest, 1)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._queued = 0
+        self._grammars = None  # stagemesh.core.grammar.GrammarCompiler, made on the first constraint
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         if self._queued >= self.MAX_QUEUED:
@@ -76,6 +77,16 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.tok)
+
+    def compile_constraint(self, constraint) -> None:
+        """Compile a structured-output constraint (cached), raising InvalidParameter with the reason; the
+        router compiles to refuse a bad one early, the last stage compiles to enforce it."""
+        if self._grammars is None:
+            from stagemesh.core.grammar import GrammarCompiler
+
+            eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else None
+            self._grammars = GrammarCompiler(self.tok, len(self.tok), eos)
+        self._grammars.compile(constraint)
 
 
 class IncrementalDetokenizer:

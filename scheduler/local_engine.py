@@ -68,9 +68,12 @@ class LocalEngine:
         finally:
             self.driver.release(request_id)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
-        """Token ids generated for each prompt, in order (the prompts run as one continuous batch)."""
-        async def one(prompt: list[int]) -> list[int]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Token ids generated for each prompt, in order (the prompts run as one continuous batch); one
+        sampling for all, or one per prompt."""
+        samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+
+        async def one(prompt: list[int], sampling: SamplingParams) -> list[int]:
             tokens = []
             async for out in self.driver.submit(f"req-{next(self._ids)}", prompt, sampling):
                 if out.finish_reason == "error":
@@ -79,7 +82,7 @@ class LocalEngine:
             return tokens
 
         async def run_all() -> list[list[int]]:
-            return list(await asyncio.gather(*map(one, prompts)))
+            return list(await asyncio.gather(*map(one, prompts, samplings)))
         return self._loop.run_until_complete(run_all())
 
     def stats(self):

@@ -1,6 +1,6 @@
 """What a request's parameters do to its row of logits before sampling, in vLLM V1's order: the
 allowed tokens, bad words, min_tokens (no stop before it), logit_bias, then the repetition, presence
-and frequency penalties. Each row is changed in place; rows of requests that ask for none of it are
+and frequency penalties; a structured-output constraint's mask last (stagemesh.core.grammar). Each row is changed in place; rows of requests that ask for none of it are
 not touched (SamplingParams.controls_tokens, has_penalty).
 """
 from __future__ import annotations
@@ -22,6 +22,8 @@ class SequenceState:
     output: list[int] = field(default_factory=list)
     _allowed: torch.Tensor | None = field(default=None, repr=False)  # bool [vocab]: True where not allowed
     _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    matcher: object = None  # stagemesh.core.grammar.Matcher of a constrained sequence
+    constraint_error: str | None = None  # why its constraint could not be followed (the row then fails)
 
     def banned_outside_allowed(self, vocab: int, device) -> torch.Tensor:
         if self._allowed is None:
@@ -61,6 +63,13 @@ def process_row(row: torch.Tensor, s: SequenceState, eos_token_ids: tuple[int, .
         row.index_add_(0, ids, values)
     if has_penalty(p):
         _apply_penalties(row, s)
+    if s.matcher is not None and not s.matcher.terminated:  # last: what it rules out stays out whatever the bias
+        # (terminated: the sequence ended with its stop token; this row is a step scheduled ahead, whose token
+        # the scheduler drops)
+        try:
+            s.matcher.mask(row)
+        except RuntimeError as err:  # this sequence's matcher only: its request fails alone
+            s.constraint_error = f"the structured output constraint failed: {err}"
 
 
 def _ban_bad_words(row: torch.Tensor, words: tuple[tuple[int, ...], ...], output: list[int]) -> None:

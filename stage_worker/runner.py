@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.grammar import lazy_compiler
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.step import PromptLogprobs, SampledToken, StepBatch
 from stage_worker import prompt_logprobs
@@ -100,7 +101,8 @@ class StageRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables: dict[int, list[int]] = {}
         self.seq_lens: dict[int, int] = {}  # tokens of each sequence whose KV the steps so far compute
-        self.sampler = Sampler(self.device, cfg.eos_token_ids) if self.is_last_stage else None
+        grammars = lazy_compiler(model_dir, cfg.vocab_size, list(cfg.eos_token_ids)) if model_dir else None
+        self.sampler = Sampler(self.device, cfg.eos_token_ids, grammars) if self.is_last_stage else None
         # decode steps replay CUDA graphs (TP=1 on CUDA; TP>1 and CPU run eagerly: see stage_worker/cuda_graphs.py)
         self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and tp_size == 1 and ep is None
         self.max_graph_batch = max_graph_batch

@@ -1,6 +1,7 @@
 """Sampling on the last stage: logits in, one token per sequence out.
 
-The request's token controls and penalties (stage_worker.logits_processors), temperature, top-k /
+The request's token controls, penalties and structured-output constraint (stage_worker.logits_processors,
+stagemesh.core.grammar: the matcher advances here, with the token sampled), temperature, top-k /
 top-p / min-p, per-request seeds and logprobs (of the model's distribution, before any processing).
 A seeded request draws its n-th token from a generator seeded with (seed, n),
 so its output does not depend on what else is in the batch.
@@ -11,22 +12,47 @@ request; the rest of the batch is sampled as usual.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.grammar import GrammarCompiler
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import NewSequence, SampledToken
 from stage_worker.logits_processors import SequenceState, needs_processing, process_row
 
 
 class Sampler:
-    def __init__(self, device: str | torch.device = "cpu", eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, device: str | torch.device = "cpu", eos_token_ids: tuple[int, ...] = (),
+                 grammars: Callable[[], GrammarCompiler] | None = None):
         self.device = torch.device(device)
         self.eos_token_ids = tuple(eos_token_ids)  # min_tokens keeps them from being sampled early
         self.seqs: dict[int, SequenceState] = {}
         self._unseeded = torch.Generator(device="cpu").manual_seed(torch.initial_seed() % (2**63))
+        self._grammars = grammars  # the stage's compiler, made on first use (it loads the tokenizer)
 
     def add_sequence(self, seq: NewSequence) -> None:
-        self.seqs[seq.seq_id] = SequenceState(seq.sampling, list(seq.prompt_token_ids), list(seq.output_token_ids))
+        state = SequenceState(seq.sampling, list(seq.prompt_token_ids), list(seq.output_token_ids))
+        if seq.sampling.structured is not None:
+            self._constrain(state)
+        self.seqs[seq.seq_id] = state
+
+    def _constrain(self, state: SequenceState) -> None:
+        """The sequence's matcher, past the tokens it generated before a preemption; a constraint that
+        cannot be followed fails the sequence's first sample (its request alone)."""
+        try:
+            if self._grammars is None:
+                raise StagemeshError("this stage cannot compile constraints")
+            compiler = self._grammars()
+            state.matcher = compiler.matcher(compiler.compile(state.params.structured))
+        except StagemeshError as err:
+            state.constraint_error = f"the structured output constraint cannot be followed: {err}"
+            return
+        for token in state.output:
+            if not state.matcher.accept(token):
+                state.constraint_error = f"token {token} of the output so far does not fit the constraint"
+                return
 
     def remove_sequence(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
@@ -40,12 +66,15 @@ class Sampler:
         logits = raw.clone() if processed else raw
         for i in processed:
             process_row(logits[i], states[i], self.eos_token_ids)
+        constraint_errors = {i: s.constraint_error for i, s in enumerate(states) if s.constraint_error}
         # one host sync for all three: NaN or inf anywhere in a row shows in its max
         token_list, finite, open_ = torch.stack((logits.argmax(dim=-1), torch.isfinite(raw.amax(dim=-1)),
                                                  logits.amax(dim=-1) > float("-inf"))).tolist()
         errors = {i: ("the model's logits for this sequence are not finite" if not ok else
-                      "no token can be sampled: allowed_token_ids, bad_words and min_tokens rule out every one")
+                      "no token can be sampled: allowed_token_ids, bad_words, min_tokens and the structured output "
+                      "constraint rule out every one")
                   for i, (ok, some) in enumerate(zip(finite, open_)) if not (ok and some)}
+        errors.update(constraint_errors)
         for i, s in enumerate(states):
             if not s.params.greedy and i not in errors:
                 try:
@@ -58,6 +87,10 @@ class Sampler:
                 # a step run ahead may need this row's token: 0 stands in (its request ends here)
                 state.output.append(0)
                 out.append(SampledToken(seq_id, 0, error=errors[i]))
+                continue
+            if state.matcher is not None and not state.matcher.terminated and not state.matcher.accept(token):
+                state.output.append(0)
+                out.append(SampledToken(seq_id, 0, error=f"sampled token {token} does not fit the constraint"))
                 continue
             state.output.append(token)
             out.append(_with_logprobs(SampledToken(seq_id, token), state.params, logprobs_raw, i))

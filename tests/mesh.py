@@ -255,3 +255,14 @@ class Router:
         import openai
 
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+
+def completion_ids(base_url: str, model: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """The greedy token ids a gateway generates for a prompt of token ids (ignore_eos)."""
+    import requests
+
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    resp = requests.post(f"{base_url}/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["token_ids"]

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import pytest
 import requests
 
-from mesh import Mesh, free_port
+from mesh import Mesh, completion_ids, free_port
 from parity import prompts
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.sampling_params import SamplingParams
@@ -124,14 +124,6 @@ def test_a_dead_member_fails_every_replicas_requests_then_the_group_reforms(tiny
             assert mesh.submit("after", prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))[0] == want
 
 
-def completion_ids(base_url: str, prompt: list[int]) -> list[int]:
-    body = {"model": "moe", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
-    resp = requests.post(f"{base_url}/v1/completions", json=body, timeout=120)
-    assert resp.status_code == 200, resp.text
-    return resp.json()["choices"][0]["token_ids"]
-
-
 def test_serve_dp2_with_expert_parallel_matches_transformers(tiny_model_dir, tmp_path):
     model_dir = with_word_tokenizer(tiny_model_dir("mixtral"), tmp_path / "model")
     batch = prompts(384, LENGTHS)
@@ -156,7 +148,7 @@ def test_serve_dp2_with_expert_parallel_matches_transformers(tiny_model_dir, tmp
         else:
             pytest.fail("not ready:\n" + log.read_text()[-3000:])
         with ThreadPoolExecutor(len(batch)) as pool:
-            got = list(pool.map(lambda p: completion_ids(base, p), batch))
+            got = list(pool.map(lambda p: completion_ids(base, "moe", p, NEW_TOKENS), batch))
         assert got == want
         text = log.read_text()
         assert re.search(r"stage\[1\.0\] \(pid \d+\): stagemesh stage .*--data-parallel-rank 1 ", text)

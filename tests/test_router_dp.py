@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from mesh import Mesh, Router, free_port
+from mesh import Mesh, Router, completion_ids, free_port
 from parity import prompts
 from stagemesh.v1 import scheduler_pb2
 from tiny_models import reference_greedy, reference_model, with_word_tokenizer
@@ -20,14 +20,6 @@ from tiny_models import reference_greedy, reference_model, with_word_tokenizer
 pytestmark = pytest.mark.slow
 M = "llama-tiny"
 TEMPLATE = Path(__file__).parents[1] / "deploy" / "nginx" / "stagemesh-lb.conf.template"
-
-
-def completion_ids(base_url: str, prompt: list[int], max_tokens: int) -> list[int]:
-    body = {"model": M, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
-    resp = requests.post(f"{base_url}/v1/completions", json=body, timeout=120)
-    assert resp.status_code == 200, resp.text
-    return resp.json()["choices"][0]["token_ids"]
 
 
 def test_serve_tp2_pp2_dp2_matches_transformers(tiny_model_dir, tmp_path):
@@ -45,7 +37,7 @@ def test_serve_tp2_pp2_dp2_matches_transformers(tiny_model_dir, tmp_path):
         ref = reference_model(model_dir)
         want = [reference_greedy(ref, p, 12)[0] for p in batch]
         with ThreadPoolExecutor(6) as pool:
-            got = list(pool.map(lambda p: completion_ids(base, p, 12), batch))
+            got = list(pool.map(lambda p: completion_ids(base, M, p, 12), batch))
         assert got == want
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -88,7 +80,7 @@ def test_killed_replica_gets_no_new_requests_and_waiting_ones_move(tiny_model_di
                   timeout=30)
             before = a.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5).prefix_cache_queries
             for _ in range(4):
-                assert len(completion_ids(router.base_url, [5, 6], 4)) == 4
+                assert len(completion_ids(router.base_url, M, [5, 6], 4)) == 4
             # every new request ran on the healthy replica: 4 prompts of 2 tokens looked up there
             assert a.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5).prefix_cache_queries == before + 8
 
@@ -119,7 +111,7 @@ def test_nginx_in_front_of_routers(tiny_model_dir, tmp_path, replicas_per_router
             ref = reference_model(model_dir)
             batch = prompts(384, (5, 12, 30, 8, 21, 3, 17, 9))
             with ThreadPoolExecutor(8) as pool:
-                got = list(pool.map(lambda p: completion_ids(base, p, 6), batch))
+                got = list(pool.map(lambda p: completion_ids(base, M, p, 6), batch))
             assert got == [reference_greedy(ref, p, 6)[0] for p in batch]
             # both routers and every replica took part
             for m in meshes:

@@ -155,3 +155,46 @@ def test_logprobs_are_of_the_model_not_of_the_processed_logits():
     logits = logits_row(1.0, 3.0)
     tok = s.sample(logits, [0])[0]
     assert tok.token_id == 0 and tok.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[0]))
+
+
+@pytest.fixture(scope="module")
+def word_grammars(tiny_model_dir, tmp_path_factory):
+    from stagemesh.core.grammar import lazy_compiler
+    from tiny_models import with_word_tokenizer
+
+    model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path_factory.mktemp("sampler-words") / "m")
+    return lazy_compiler(model_dir, 384, [2])
+
+
+def test_a_constraint_masks_its_row_only_and_follows_the_output(word_grammars):
+    from stagemesh.core.sampling_params import StructuredOutputs
+
+    s = Sampler(grammars=word_grammars)
+    regex = StructuredOutputs("regex", "w7w9")  # two word tokens, then the stop token (2)
+    s.add_sequence(NewSequence(0, [5], SamplingParams(structured=regex)))
+    s.add_sequence(NewSequence(1, [5], SamplingParams()))
+    logits = torch.zeros(2, 384)
+    logits[:, 30] = 9.0  # what both would take unconstrained
+    assert [t.token_id for t in s.sample(logits, [0, 1])] == [7, 30]
+    assert [t.token_id for t in s.sample(logits, [0, 1])] == [9, 30]
+    assert [t.token_id for t in s.sample(logits, [0, 1])] == [2, 30]  # the language ends: only EOS
+    # a step scheduled ahead of the scheduler seeing that EOS still samples (its token is dropped), no error
+    out = s.sample(logits, [0, 1])
+    assert out[0].error is None and out[1].token_id == 30
+    # preempted and sent again with its output: the matcher resumes after it
+    s.remove_sequence(0)
+    s.add_sequence(NewSequence(0, [5], SamplingParams(structured=regex), [7]))
+    assert s.sample(logits, [0])[0].token_id == 9
+
+
+def test_a_constraint_that_cannot_be_followed_fails_its_request_alone(word_grammars):
+    from stagemesh.core.sampling_params import StructuredOutputs
+
+    s = Sampler(grammars=word_grammars)
+    s.add_sequence(NewSequence(0, [5], SamplingParams(structured=StructuredOutputs("regex", "[a-"))))
+    s.add_sequence(NewSequence(1, [5], SamplingParams(structured=StructuredOutputs("regex", "w7")), [8]))
+    s.add_sequence(NewSequence(2, [5], SamplingParams()))
+    out = s.sample(torch.zeros(3, 384), [0, 1, 2])
+    assert "does not compile" in out[0].error and "Regex parsing error" in out[0].error
+    assert "token 8 of the output so far does not fit the constraint" in out[1].error
+    assert out[2].error is None

@@ -92,6 +92,44 @@ def check_token_ids(name: str, ids: Sequence[int], vocab_size: int | None) -> No
         raise InvalidParameter(name, f"token id {bad} in '{name}' is outside {where}")
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_STRUCTURED_CHARS = 1 << 20  # a schema, regex or grammar (or the choices, together)
+MAX_CHOICES = 4096
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the output (vLLM's structured_outputs): `kind` is json (a JSON schema's text),
+    json_object, regex, choice (`choices`) or grammar (EBNF text, root rule `root`). Compiled and enforced
+    where tokens are sampled (stagemesh.core.grammar)."""
+    kind: str
+    text: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        param = "structured_outputs"
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidParameter(param, f"structured output kind {self.kind!r} is not one of "
+                                          f"{', '.join(STRUCTURED_KINDS)}")
+        if not isinstance(self.text, str) or not all(isinstance(c, str) for c in self.choices):
+            raise InvalidParameter(param, "a structured output's schema, regex, grammar or choices must be text")
+        object.__setattr__(self, "choices", tuple(self.choices))
+        if len(self.text) + sum(map(len, self.choices)) > MAX_STRUCTURED_CHARS:
+            raise InvalidParameter(param, f"a structured output constraint is limited to {MAX_STRUCTURED_CHARS} "
+                                          "characters")
+        if self.kind == "choice":
+            if not self.choices or len(self.choices) > MAX_CHOICES or self.text:
+                raise InvalidParameter(param, f"a choice constraint needs 1 to {MAX_CHOICES} strings to choose from")
+        elif self.choices or (self.kind == "json_object") != (not self.text):
+            raise InvalidParameter(param, f"a {self.kind} constraint takes "
+                                          f"{'no text' if self.kind == 'json_object' else 'its text'} only")
+
+    @property
+    def key(self) -> tuple:
+        """What a compiled grammar is cached by."""
+        return self.kind, self.text, self.choices
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # below SAMPLING_EPS: greedy
@@ -111,6 +149,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     allowed_token_ids: tuple[int, ...] = ()  # not empty: only these can be sampled
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never generated
+    structured: StructuredOutputs | None = None  # constrained decoding
 
     def __post_init__(self) -> None:
         for name in FLOAT_RULES:  # stored as the wire carries them, so every service sees one value
@@ -151,6 +190,11 @@ class SamplingParams:
                                                 "tokens in all at most")
         object.__setattr__(self, "bad_words_token_ids", words)
         check_token_ids("bad_words", [t for w in words for t in w], None)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
+            raise InvalidParameter("structured_outputs", "'structured_outputs' must be a StructuredOutputs")
+        if self.structured is not None and self.ignore_eos:
+            raise InvalidParameter("ignore_eos", "'ignore_eos' cannot go with a structured output constraint: the "
+                                                 "output ends where the constraint's language does, with EOS")
 
     @property
     def greedy(self) -> bool:
@@ -166,4 +210,5 @@ class SamplingParams:
     @property
     def controls_tokens(self) -> bool:
         """Whether sampling must change logits beyond temperature and top-k/p (bias, masks, bans)."""
-        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids or self.min_tokens)
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids or self.min_tokens
+                    or self.structured)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from stagemesh.core.errors import StagemeshError
-from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.sampling_params import SamplingParams, StructuredOutputs
 from stagemesh.v1 import common_pb2
 
 _DTYPES = {
@@ -57,7 +57,26 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.prompt_logprobs = p.prompt_logprobs
     for token_id, bias in p.logit_bias:
         msg.logit_bias[token_id] = bias
+    if p.structured is not None:
+        s, out = p.structured, msg.structured_outputs
+        if s.kind == "json_object":
+            out.json_object = True
+        elif s.kind == "choice":
+            out.choice.choices.extend(s.choices)
+        else:
+            setattr(out, s.kind, s.text)
     return msg
+
+
+def structured_from_pb(msg: common_pb2.StructuredOutputs) -> StructuredOutputs | None:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return StructuredOutputs("json_object") if msg.json_object else None
+    if kind == "choice":
+        return StructuredOutputs("choice", choices=tuple(msg.choice.choices))
+    return StructuredOutputs(kind, getattr(msg, kind))
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -79,4 +98,5 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         allowed_token_ids=tuple(msg.allowed_token_ids),
         bad_words_token_ids=tuple(tuple(w.token_ids) for w in msg.bad_words),
+        structured=structured_from_pb(msg.structured_outputs) if msg.HasField("structured_outputs") else None,
     )

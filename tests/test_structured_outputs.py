@@ -1,0 +1,221 @@
+"""Structured outputs (constrained decoding): response_format, structured_outputs and guided_* hold for
+seeded samples of the default model through the gateway (PP=2, async scheduling), with clients nobody
+here wrote (openai, langchain-openai); on a tiny random model the constrained greedy tokens equal
+transformers' under xgrammar's own matcher in every layout (TP, PP, async scheduling, preemption), and an
+unconstrained request sharing the batch keeps its tokens."""
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import pytest
+import torch
+
+from mesh import Mesh, Router
+from parity import prompts
+from stagemesh.core.sampling_params import SamplingParams, StructuredOutputs
+from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "role", "address", "tags"],
+    "additionalProperties": False,
+}
+REGEX = r"(cat|dog|bird)-[0-9]{2,4}"
+CHOICES = ["Paris", "London", "Berlin", "Madrid"]
+GRAMMAR = 'root ::= "The answer is " answer "."\nanswer ::= "yes" | "no" | "maybe"'
+GRAMMAR_RE = r"The answer is (yes|no|maybe)\."
+ASK = [{"role": "user", "content": "Describe a person as JSON, then name a city."}]
+
+
+@pytest.fixture(scope="module")
+def router(default_model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("structured")
+    with Mesh(default_model_dir, [15, 15], handoff="grpc", log_dir=logs,
+              scheduler_args=("--async-scheduling",)) as mesh:
+        with Router(default_model_dir, [mesh.address], log_dir=logs, grpc_frontend=True) as r:
+            r.mesh = mesh
+            yield r
+
+
+CASES = {
+    "json_schema": ({"response_format": {"type": "json_schema",
+                                         "json_schema": {"name": "person", "schema": PERSON, "strict": True}}},
+                    lambda text: jsonschema.validate(json.loads(text), PERSON)),
+    "regex": ({"extra_body": {"structured_outputs": {"regex": REGEX}}},
+              lambda text: re.fullmatch(REGEX, text) or pytest.fail(f"{text!r} does not match {REGEX}")),
+    "choice": ({"extra_body": {"guided_choice": CHOICES}},
+               lambda text: text in CHOICES or pytest.fail(f"{text!r} is not one of {CHOICES}")),
+    "grammar": ({"extra_body": {"structured_outputs": {"grammar": GRAMMAR}}},
+                lambda text: re.fullmatch(GRAMMAR_RE, text) or pytest.fail(f"{text!r} is outside the grammar")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_twenty_seeded_samples_hold_the_constraint(router, case):
+    kwargs, check = CASES[case]
+    out = router.client().chat.completions.create(model=MODEL, messages=ASK, n=20, seed=7, temperature=1.0,
+                                                  max_tokens=300, **kwargs)
+    assert len(out.choices) == 20
+    for choice in out.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        check(choice.message.content)
+    assert len({c.message.content for c in out.choices}) > 1  # sampled, not one forced string
+
+
+def test_json_object_is_an_object(router):
+    # any object: at temperature 1 this small model writes objects longer than any max_tokens; greedy it stops
+    out = router.client().chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=300,
+                                                  response_format={"type": "json_object"})
+    assert out.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+def test_streamed_constrained_output_equals_the_whole(router):
+    client, extra = router.client(), {"structured_outputs": {"regex": REGEX}}
+    whole = client.chat.completions.create(model=MODEL, messages=ASK, seed=3, temperature=1.0, max_tokens=20,
+                                           extra_body=extra)
+    chunks = client.chat.completions.create(model=MODEL, messages=ASK, seed=3, temperature=1.0, max_tokens=20,
+                                            extra_body=extra, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert re.fullmatch(REGEX, whole.choices[0].message.content)
+
+
+def test_completions_take_a_constraint_too(router):
+    out = router.client().completions.create(model=MODEL, prompt="The best city is", max_tokens=10, temperature=0,
+                                             extra_body={"guided_choice": CHOICES})
+    assert out.choices[0].text in CHOICES and out.choices[0].finish_reason == "stop"
+
+
+def test_an_unconstrained_request_keeps_its_tokens_beside_constrained_ones(router, default_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    prompt = tok.encode("The capital of France is")
+    want = reference_greedy(reference_model(default_model_dir), prompt, 12)[0]
+    client = router.client()
+
+    def plain():
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                        extra_body={"return_token_ids": True, "ignore_eos": True})
+        return out.choices[0].model_extra["token_ids"]
+
+    def constrained(i):
+        return client.chat.completions.create(model=MODEL, messages=ASK, seed=i, temperature=1.0, max_tokens=60,
+                                              extra_body={"structured_outputs": {"json": PERSON}})
+
+    with ThreadPoolExecutor(5) as pool:
+        others = [pool.submit(constrained, i) for i in range(4)]
+        got = pool.submit(plain).result()
+        for f in others:
+            f.result()
+    assert got == want
+
+
+def test_langchain_with_structured_output(router):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=12)
+        country: str = Field(max_length=12)
+        population_millions: int = Field(ge=0, le=50)
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{router.base_url}/v1", api_key="none", temperature=0, max_tokens=80)
+    ask = ("Give the name, country and population in millions of the capital of France, as JSON with keys name, "
+           "country and population_millions.")
+    # json_schema: the schema is the constraint, so the object validates whatever the model would write
+    assert isinstance(llm.with_structured_output(City, method="json_schema").invoke(ask), City)
+    # json_mode: any JSON object (the schema is only in the prompt, as with OpenAI): parsed, as a dict
+    assert isinstance(llm.with_structured_output(City.model_json_schema(), method="json_mode").invoke(ask), dict)
+
+
+def test_grpc_frontend_takes_the_oneof(router):
+    import grpc
+
+    from stagemesh.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:
+        stub = frontend_pb2_grpc.FrontendStub(channel)
+        sampling = common_pb2.SamplingParams(max_tokens=10, temperature=0,
+                                             structured_outputs=common_pb2.StructuredOutputs(
+                                                 choice=common_pb2.Choices(choices=CHOICES)))
+        replies = list(stub.Generate(frontend_pb2.GenerateRequest(model=MODEL, text="The best city is",
+                                                                  sampling=sampling), timeout=60))
+        assert "".join(r.text for r in replies) in CHOICES and replies[-1].finish_reason == "stop"
+        bad = common_pb2.SamplingParams(max_tokens=10, structured_outputs=common_pb2.StructuredOutputs(regex="[a-"))
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(frontend_pb2.GenerateRequest(model=MODEL, text="x", sampling=bad), timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Regex parsing error" in info.value.details()
+
+
+# -- a tiny random model: constrained greedy tokens against transformers under xgrammar's own matcher --------
+
+WORDS = r"(w5|w6|w7)(w[0-9]+){2,5}"  # word tokens ("w12") glued: a start word, then 2 to 5 words
+TINY_CASES = {
+    "tp1-pp2-grpc-async-preemption": dict(split=[2, 2], tp=[1, 1], handoff="grpc",
+                                          stage_args=("--kv-cache-memory", "90112"),
+                                          scheduler_args=("--max-num-batched-tokens", "64", "--async-scheduling")),
+    "tp2-pp1-nccl-async": dict(split=[4], tp=[2], handoff="nccl", scheduler_args=("--async-scheduling",)),
+}
+
+
+@torch.inference_mode()
+def constrained_greedy(model, compiled, prompt: list[int], max_new: int, eos: int) -> list[int]:
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
+    mask = xgr.allocate_token_bitmask(1, model.config.vocab_size)
+    ids = list(prompt)
+    for _ in range(max_new):
+        logits = model(torch.tensor([ids])).logits[0, -1:].clone()
+        matcher.fill_next_token_bitmask(mask)
+        xgr.apply_token_bitmask_inplace(logits, mask)
+        token = int(logits.argmax())
+        assert matcher.accept_token(token)
+        ids.append(token)
+        if token == eos:
+            break
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def tiny_expected(tiny_model_dir, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from stagemesh.core.grammar import GrammarCompiler
+
+    model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path_factory.mktemp("tiny-structured") / "model")
+    ref = reference_model(model_dir)
+    eos = ref.config.eos_token_id
+    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(model_dir), ref.config.vocab_size, [eos])
+    compiled = compiler.compile(StructuredOutputs("regex", WORDS))
+    batch = prompts(384, (5, 40, 17, 70, 3, 33))
+    return model_dir, batch, [constrained_greedy(ref, compiled, p, 16, eos) for p in batch]
+
+
+@pytest.mark.parametrize("case", list(TINY_CASES))
+def test_tiny_model_constrained_greedy_tokens_match_transformers(tiny_expected, tmp_path, case):
+    model_dir, batch, want = tiny_expected
+    constrained = SamplingParams(max_tokens=16, structured=StructuredOutputs("regex", WORDS))
+    plain = SamplingParams(max_tokens=16, ignore_eos=True)
+    with Mesh(model_dir, log_dir=tmp_path, **TINY_CASES[case]) as mesh:
+        requests = [(f"c{i}", p, constrained) for i, p in enumerate(batch)] + [("plain", batch[0], plain)]
+        got = mesh.submit_stream(requests)
+    assert [got[f"c{i}"][0] for i in range(len(batch))] == want
+    assert all(got[f"c{i}"][1] == "stop" for i in range(len(batch)))
+    ref = reference_model(model_dir)
+    assert got["plain"][0] == reference_greedy(ref, batch[0], 16)[0]
