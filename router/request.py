@@ -9,6 +9,7 @@ from typing import Any
 
 from router.errors import bad_request
 from router.protocol import ChatCompletionRequest, CompletionRequest, ChatMessage
+from router.tools import ToolPlan, plan_tools
 from stagemesh.core.sampling_params import (MAX_LOGPROBS, InvalidParameter, SamplingParams, StructuredOutputs,
                                             check_int)
 
@@ -47,6 +48,7 @@ class GenerateRequest:
     chat_options: ChatOptions | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     structured_param: str = "structured_outputs"  # the field the output constraint came in (for its 400s)
+    tool_plan: ToolPlan | None = None  # chat with tools (router.tools)
     max_tokens_given: bool = False
     n: int = 1
     stream: bool = False
@@ -94,15 +96,17 @@ def completion_request(m: CompletionRequest, served: str) -> GenerateRequest:
 
 def chat_request(m: ChatCompletionRequest, served: str) -> GenerateRequest:
     req = _common(m, served, chat=True)
-    if m.tools:
-        raise bad_request("'tools' are not supported yet (tool calling is not built)", "tools")
-    if m.tool_choice not in (None, "none", "auto"):
-        raise bad_request("'tool_choice' is not supported yet (tool calling is not built)", "tool_choice")
+    try:
+        req.tool_plan = plan_tools(m.tools, m.tool_choice, m.parallel_tool_calls)
+    except InvalidParameter as err:
+        raise bad_request(str(err), err.param) from None
     if m.continue_final_message and m.add_generation_prompt:  # vLLM's rule: set add_generation_prompt false
         raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
                           "continue_final_message")
     req.chat_options = chat_options(m.messages, m.add_generation_prompt, m.continue_final_message, m.chat_template,
                                     m.chat_template_kwargs, m.documents)
+    if req.tool_plan is not None:  # the template writes the tools into the prompt, as the model was trained to
+        req.chat_options.template_kwargs["tools"] = req.tool_plan.tools
     req.messages = req.chat_options.messages
     req.echo, req.add_special_tokens = m.echo, m.add_special_tokens
     if m.top_logprobs is not None:
@@ -198,6 +202,12 @@ def _finish(req: GenerateRequest, m, max_tokens: int | None, param: str, logprob
         if any(not k.lstrip("-").isdigit() for k in bias):
             raise InvalidParameter("logit_bias", "'logit_bias' keys must be token ids (as strings of digits)")
         constraint, req.structured_param = structured(m)
+        forced = req.tool_plan.constraint if req.tool_plan is not None else None
+        if forced is not None:  # tool_choice required / named: the calls' JSON schema is the constraint
+            if constraint is not None:
+                raise InvalidParameter(req.structured_param, f"one output constraint at a time: 'tool_choice' and "
+                                                             f"'{req.structured_param}' are both given")
+            constraint, req.structured_param = forced, "tool_choice"
         req.sampling = SamplingParams(
             **values, max_tokens=1 if req.echo_only else (max_tokens or 16),
             stop_token_ids=tuple(m.stop_token_ids or ()), ignore_eos=m.ignore_eos, logprobs=logprobs,

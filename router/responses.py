@@ -65,10 +65,26 @@ class Answer:
             out["prompt_token_ids"] = self.choices[0].gen.prompt_ids
         return out
 
+    def _calls(self, c: Choice) -> list | None:
+        """The tool calls of a finished choice under tool_choice required / named (None otherwise, or when
+        max_tokens cut the call short: its text is the answer then, as vLLM gives it)."""
+        plan = self.req.tool_plan
+        if plan is None or not plan.calls_tools or c.finish_reason != "stop":
+            return None
+        return plan.parse(c.text)
+
+    def _finish_reason(self, c: Choice, calls: list | None) -> str | None:
+        # OpenAI's: "tool_calls" when the model chose to call (required); a named call ends with "stop"
+        return "tool_calls" if calls and self.req.tool_plan.mode == "required" else c.finish_reason
+
     def _choice(self, c: Choice) -> dict:
         req = self.req
-        choice = {"index": c.gen.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        if req.chat:
+        calls = self._calls(c) if req.chat else None
+        choice = {"index": c.gen.index, "finish_reason": self._finish_reason(c, calls), "stop_reason": c.stop_reason}
+        if calls:
+            choice["message"] = {"role": "assistant", "content": None, "tool_calls": [t.to_dict() for t in calls]}
+            choice["logprobs"] = self._chat_logprobs(c.logprobs) if req.logprobs else None
+        elif req.chat:
             choice["message"] = {"role": "assistant", "content": c.echo + c.text}
             choice["logprobs"] = self._chat_logprobs(c.logprobs) if req.logprobs else None
         else:
@@ -111,6 +127,8 @@ class Answer:
             logprobs = self._chat_logprobs(d.logprobs) if self.req.chat else \
                 self._completion_logprobs(c, d.token_ids, d.logprobs, echo=False)
         c.add(d)
+        if self.req.chat and self.req.tool_plan is not None and self.req.tool_plan.calls_tools:
+            return out + self._tool_chunks(c, d, logprobs)
         if self.req.chat:
             delta = {"content": d.text} if d.text or not d.finish_reason else {}
             out.append(self._chunk({"index": c.gen.index, "delta": delta, "logprobs": logprobs,
@@ -118,6 +136,24 @@ class Answer:
         else:
             out.append(self._chunk({"index": c.gen.index, "text": d.text, "logprobs": logprobs,
                                     "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}, d, c))
+        return out
+
+    def _tool_chunks(self, c: Choice, d: Delta, logprobs) -> list[dict]:
+        """A forced call streams as OpenAI's tool-call deltas: the whole call (id, name, arguments) in one delta
+        once its JSON is complete, then the finish; the tokens before it go out as empty deltas only when the
+        client asked for their logprobs or ids."""
+        out = []
+        if self.req.logprobs or self.req.return_token_ids:
+            out.append(self._chunk({"index": c.gen.index, "delta": {}, "logprobs": logprobs, "finish_reason": None},
+                                   d, c))
+        if not d.finish_reason:
+            return out
+        calls = self._calls(c)
+        delta = {"tool_calls": [t.to_dict(i) for i, t in enumerate(calls)]} if calls else {"content": c.text}
+        out.append(self._chunk({"index": c.gen.index, "delta": delta, "logprobs": None, "finish_reason": None},
+                               None, c))
+        out.append(self._chunk({"index": c.gen.index, "delta": {}, "logprobs": None,
+                                "finish_reason": self._finish_reason(c, calls), "stop_reason": d.stop_reason}, None, c))
         return out
 
     def _opening(self, c: Choice) -> list[dict]:

@@ -76,7 +76,17 @@ CASES = [
     (CHAT, {"model": M, "messages": MSG, "allowed_token_ids": []}, 400, "'allowed_token_ids' must not be empty",
      "allowed_token_ids"),
     (CHAT, {"model": M, "messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "'tools' are not supported yet", "tools"),
+     '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set', "tool_choice"),
+    (CHAT, {"model": M, "messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
+     "tool_choice names the function 'g', which is not in 'tools'", "tool_choice"),
+    (CHAT, {"model": M, "messages": MSG, "tool_choice": "required"}, 400, "'tool_choice' other than \"none\" needs "
+                                                                          "'tools'", "tool_choice"),
+    (CHAT, {"model": M, "messages": MSG, "tools": [{"type": "function"}], "tool_choice": "required"}, 400,
+     "tools[0] must be", "tools"),
+    (CHAT, {"model": M, "messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": "required", "guided_regex": "a"}, 400, "one output constraint at a time: 'tool_choice' "
+                                                                  "and 'guided_regex'", "guided_regex"),
     (CHAT, {"model": M, "messages": MSG, "response_format": {"type": "xml"}}, 400,
      "'response_format' type must be text, json_object or json_schema", "response_format"),
     (CHAT, {"model": M, "messages": MSG, "response_format": {"type": "json_schema"}}, 400,

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
+import requests
 import torch
 
 from mesh import Mesh, Router
@@ -219,3 +220,103 @@ def test_tiny_model_constrained_greedy_tokens_match_transformers(tiny_expected, 
     assert all(got[f"c{i}"][1] == "stop" for i in range(len(batch)))
     ref = reference_model(model_dir)
     assert got["plain"][0] == reference_greedy(ref, batch[0], 16)[0]
+
+
+# -- tool calling forced through the constraint (tool_choice required / named) ----------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a timezone",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 20}},
+                   "required": ["timezone"], "additionalProperties": False}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris in celsius?"}]
+
+
+def check_calls(calls) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_tool_choice_required_returns_valid_calls(router):
+    out = router.client().chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=[WEATHER, TIME],
+                                                  tool_choice="required", temperature=1.0, seed=5, n=5, max_tokens=200)
+    for choice in out.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        check_calls(choice.message.tool_calls)
+
+
+def test_a_named_tool_choice_calls_that_function(router):
+    out = router.client().chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=[WEATHER, TIME],
+                                                  tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                                  temperature=0, max_tokens=100)
+    calls = out.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_time"] and out.choices[0].finish_reason == "stop"
+    check_calls(calls)
+
+
+def test_a_streamed_tool_call_reassembles_to_the_same_call(router):
+    client = router.client()
+    kwargs = dict(model=MODEL, messages=WEATHER_ASK, tools=[WEATHER], tool_choice="required", temperature=1.0,
+                  seed=11, max_tokens=200, parallel_tool_calls=False)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    calls: dict[int, dict] = {}
+    reasons = []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            reasons.append(choice.finish_reason)
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in whole]
+    assert len(whole) == 1 and reasons[-1] == "tool_calls"
+
+
+def test_langchain_bind_tools_and_function_calling(router):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        """The weather in a city."""
+        city: str = Field(max_length=20)
+        unit: str = Field(pattern="^(celsius|fahrenheit)$")
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{router.base_url}/v1", api_key="none", temperature=0, max_tokens=100)
+    message = llm.bind_tools([GetWeather], tool_choice="required").invoke("What is the weather in Paris?")
+    assert message.tool_calls and message.tool_calls[0]["name"] == "GetWeather"
+    GetWeather.model_validate(message.tool_calls[0]["args"])
+    structured = llm.with_structured_output(GetWeather, method="function_calling")
+    assert isinstance(structured.invoke("What is the weather in Paris?"), GetWeather)
+
+
+TOOL_TEMPLATE = (  # SmolLM2's own template has no tool calls: a request may bring one that has (chat_template)
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_tool_call_in_the_history_goes_through_the_template(router):
+    history = [*WEATHER_ASK,
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+    out = router.client().chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
+                                                  temperature=0, max_tokens=30, extra_body={"chat_template": TOOL_TEMPLATE})
+    assert out.choices[0].message.content and out.choices[0].message.tool_calls is None
+    bare = router.client().chat.completions.create(model=MODEL, messages=history, temperature=0, max_tokens=1,
+                                                   extra_body={"chat_template": TOOL_TEMPLATE})
+    assert out.usage.prompt_tokens > bare.usage.prompt_tokens  # the tools reached the template
+    tokens = requests.post(f"{router.base_url}/tokenize", json={"messages": history, "chat_template": TOOL_TEMPLATE},
+                           timeout=30).json()["tokens"]
+    prompt = requests.post(f"{router.base_url}/detokenize", json={"tokens": tokens}, timeout=30).json()["prompt"]
+    assert '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"' in prompt
+    assert "<|im_start|>tool\n18 degrees and sunny<|im_end|>" in prompt

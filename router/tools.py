@@ -1,0 +1,111 @@
+"""Tool calling as vLLM does it without a tool-call parser: `tools` go to the chat template, and
+`tool_choice` "required" or a named function forces valid calls through the JSON-schema constraint
+(stagemesh.core.grammar), whatever the model; the constrained output is read back into OpenAI's
+`tool_calls` (router.responses). "none" lets the model answer in text.
+
+"auto" (OpenAI's default when tools are given) needs a parser of the model's own tool-call format
+(vLLM's --enable-auto-tool-choice --tool-call-parser): not built yet, so it gets vLLM's 400 for a
+server started without those flags.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from stagemesh.core.sampling_params import InvalidParameter, StructuredOutputs
+
+AUTO_REFUSED = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set (tool-call '
+                'parsers are not built in this server yet; use tool_choice "required" or a named function)')
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+    id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+
+    def to_dict(self, index: int | None = None) -> dict:
+        out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            out["index"] = index
+        return out
+
+
+@dataclass
+class ToolPlan:
+    """What a chat request's tools ask of the generation and how its output is read."""
+    tools: list[dict]  # the request's tools, for the chat template
+    mode: str  # "none": text answers; "required": one or more calls; "named": a call of `name`
+    name: str | None = None
+    parallel: bool = True
+
+    @property
+    def constraint(self) -> StructuredOutputs | None:
+        if self.mode == "named":
+            return StructuredOutputs("json", json.dumps(self._parameters(self.name)))
+        if self.mode == "required":
+            calls = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["name"]]},
+                                                                  "parameters": self._parameters(t["name"])},
+                                "required": ["name", "parameters"]} for t in self._functions()]}
+            schema = {"type": "array", "minItems": 1, "items": calls}
+            if not self.parallel:
+                schema["maxItems"] = 1
+            return StructuredOutputs("json", json.dumps(schema))
+        return None
+
+    @property
+    def calls_tools(self) -> bool:
+        return self.mode in ("required", "named")
+
+    def parse(self, text: str) -> list[ToolCall] | None:
+        """The calls a finished constrained output makes; None if it is not one (cut short by max_tokens)."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.mode == "named":
+            return [ToolCall(self.name, json.dumps(value, ensure_ascii=False))]
+        return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+
+    def _functions(self) -> list[dict]:
+        return [t["function"] for t in self.tools]
+
+    def _parameters(self, name: str) -> dict:
+        fn = next(f for f in self._functions() if f["name"] == name)
+        return fn.get("parameters") or {"type": "object", "properties": {}}
+
+
+def plan_tools(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool | None) -> ToolPlan | None:
+    """The request's ToolPlan (None without tools and tool_choice); raises InvalidParameter as vLLM refuses."""
+    if tool_choice is not None and not tools and tool_choice != "none":
+        raise InvalidParameter("tool_choice", "'tool_choice' other than \"none\" needs 'tools'")
+    if not tools:
+        return None
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidParameter("tools", f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                                            "'parameters': {...}}}}")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise InvalidParameter("tools", f"tools[{i}].function.parameters must be a JSON schema object")
+    names = [t["function"]["name"] for t in tools]
+    parallel = parallel_tool_calls is not False
+    if tool_choice in (None, "auto"):  # OpenAI's default with tools is "auto"
+        raise InvalidParameter("tool_choice", AUTO_REFUSED)
+    if tool_choice == "none":
+        return ToolPlan(tools, "none", parallel=parallel)
+    if tool_choice == "required":
+        return ToolPlan(tools, "required", parallel=parallel)
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise InvalidParameter("tool_choice", "a named 'tool_choice' is {'type': 'function', 'function': "
+                                                  "{'name': ...}}")
+        if name not in names:
+            raise InvalidParameter("tool_choice", f"tool_choice names the function {name!r}, which is not in "
+                                                  "'tools'")
+        return ToolPlan(tools, "named", name=name, parallel=parallel)
+    raise InvalidParameter("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                                          "{'type': 'function', 'function': {'name': ...}}")
