@@ -72,7 +72,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = validate(ChatCompletionRequest, await read_json(request))
-    return await _generate(request, chat_request(model, request.app[CONFIG].served_model_name))
+    return await _generate(request, chat_request(model, request.app[CONFIG].served_model_name,
+                                                request.app[CONFIG].tool_call_parser))
 
 
 def request_id(request: web.Request, req: GenerateRequest) -> str:

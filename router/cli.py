@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="close a connection that sends no complete request (headers included) for this long, "
                         "as vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE (default 5)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap below the replicas' own limit")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice \"auto\": the model calls tools in its own format (needs --tool-call-parser)")
+    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                   help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>) or llama3_json")
     p.add_argument("--policy", choices=("least-load", "cache-aware", "round-robin"), default="least-load")
     p.add_argument("--max-waiting-requests", type=int, default=0,
                    help="answer 429 (with Retry-After) once this many requests wait for their first token "
@@ -67,7 +71,10 @@ async def _main(args: argparse.Namespace) -> int:
                                           None) or served_model_name(model, model_dir)
     from router.config import RouterConfig
 
-    config = RouterConfig(name, args.api_key, args.max_model_len, args.public_metrics)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise StagemeshError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    config = RouterConfig(name, args.api_key, args.max_model_len, args.public_metrics,
+                          args.tool_call_parser if args.enable_auto_tool_choice else None)
     from router.observe import set_model_name
 
     set_model_name(name)

@@ -10,3 +10,4 @@ class RouterConfig:
     api_key: str | None = None  # every endpoint but /health (and /metrics when public) needs it
     max_model_len: int | None = None  # a cap below the replicas' own
     public_metrics: bool = False  # /metrics without the API key
+    tool_call_parser: str | None = None  # tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser)

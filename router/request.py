@@ -94,10 +94,10 @@ def completion_request(m: CompletionRequest, served: str) -> GenerateRequest:
     return _check_size(req)
 
 
-def chat_request(m: ChatCompletionRequest, served: str) -> GenerateRequest:
+def chat_request(m: ChatCompletionRequest, served: str, tool_call_parser: str | None = None) -> GenerateRequest:
     req = _common(m, served, chat=True)
     try:
-        req.tool_plan = plan_tools(m.tools, m.tool_choice, m.parallel_tool_calls)
+        req.tool_plan = plan_tools(m.tools, m.tool_choice, m.parallel_tool_calls, tool_call_parser)
     except InvalidParameter as err:
         raise bad_request(str(err), err.param) from None
     if m.continue_final_message and m.add_generation_prompt:  # vLLM's rule: set add_generation_prompt false

@@ -28,6 +28,7 @@ class Choice:
     stop_reason: int | str | None = None
     offset: int = 0  # characters of this choice's text already covered by logprobs' text_offset
     opened: bool = False  # a stream has sent its first chunk
+    sent: int = 0  # characters of text a stream has sent as content (tool calls: text may be held back)
 
     def add(self, d: Delta) -> None:
         self.text += d.text
@@ -65,24 +66,32 @@ class Answer:
             out["prompt_token_ids"] = self.choices[0].gen.prompt_ids
         return out
 
-    def _calls(self, c: Choice) -> list | None:
-        """The tool calls of a finished choice under tool_choice required / named (None otherwise, or when
-        max_tokens cut the call short: its text is the answer then, as vLLM gives it)."""
+    def _calls(self, c: Choice) -> tuple[str | None, list] | None:
+        """(content, tool calls) of a finished chat choice that made calls, else None: under tool_choice
+        required / named its constrained JSON (None when max_tokens cut it short: its text is the answer then,
+        as vLLM gives it), under "auto" what the tool-call parser reads in its text."""
         plan = self.req.tool_plan
-        if plan is None or not plan.calls_tools or c.finish_reason != "stop":
+        if plan is None or plan.mode == "none":
             return None
-        return plan.parse(c.text)
+        if plan.mode == "auto":
+            split = plan.parser.split(c.text)
+            return (split[0] or None, split[1]) if split else None
+        if c.finish_reason != "stop":
+            return None
+        calls = plan.parse(c.text)
+        return (None, calls) if calls else None
 
-    def _finish_reason(self, c: Choice, calls: list | None) -> str | None:
-        # OpenAI's: "tool_calls" when the model chose to call (required); a named call ends with "stop"
-        return "tool_calls" if calls and self.req.tool_plan.mode == "required" else c.finish_reason
+    def _finish_reason(self, c: Choice, made: tuple | None) -> str | None:
+        # OpenAI's: "tool_calls" when the model chose to call (required, auto); a named call ends with "stop"
+        return "tool_calls" if made and self.req.tool_plan.mode != "named" else c.finish_reason
 
     def _choice(self, c: Choice) -> dict:
         req = self.req
-        calls = self._calls(c) if req.chat else None
-        choice = {"index": c.gen.index, "finish_reason": self._finish_reason(c, calls), "stop_reason": c.stop_reason}
-        if calls:
-            choice["message"] = {"role": "assistant", "content": None, "tool_calls": [t.to_dict() for t in calls]}
+        made = self._calls(c) if req.chat else None
+        choice = {"index": c.gen.index, "finish_reason": self._finish_reason(c, made), "stop_reason": c.stop_reason}
+        if made:
+            choice["message"] = {"role": "assistant", "content": made[0],
+                                 "tool_calls": [t.to_dict() for t in made[1]]}
             choice["logprobs"] = self._chat_logprobs(c.logprobs) if req.logprobs else None
         elif req.chat:
             choice["message"] = {"role": "assistant", "content": c.echo + c.text}
@@ -127,7 +136,7 @@ class Answer:
             logprobs = self._chat_logprobs(d.logprobs) if self.req.chat else \
                 self._completion_logprobs(c, d.token_ids, d.logprobs, echo=False)
         c.add(d)
-        if self.req.chat and self.req.tool_plan is not None and self.req.tool_plan.calls_tools:
+        if self.req.chat and self.req.tool_plan is not None and self.req.tool_plan.mode != "none":
             return out + self._tool_chunks(c, d, logprobs)
         if self.req.chat:
             delta = {"content": d.text} if d.text or not d.finish_reason else {}
@@ -139,21 +148,35 @@ class Answer:
         return out
 
     def _tool_chunks(self, c: Choice, d: Delta, logprobs) -> list[dict]:
-        """A forced call streams as OpenAI's tool-call deltas: the whole call (id, name, arguments) in one delta
-        once its JSON is complete, then the finish; the tokens before it go out as empty deltas only when the
-        client asked for their logprobs or ids."""
-        out = []
-        if self.req.logprobs or self.req.return_token_ids:
+        """Calls stream as OpenAI's tool-call deltas: each whole call (id, name, arguments) in one delta once the
+        output is complete, then the finish. Under "auto" the text before a call streams as content as it comes
+        (held back only where a call may begin); under required / named there is none. The tokens of held text
+        go out as empty deltas only when the client asked for their logprobs or ids."""
+        plan, out = self.req.tool_plan, []
+        if plan.mode == "auto" and not d.finish_reason:
+            safe = plan.parser.may_start(c.text)
+            if safe > c.sent:
+                out.append(self._chunk({"index": c.gen.index, "delta": {"content": c.text[c.sent:safe]},
+                                        "logprobs": logprobs, "finish_reason": None}, d, c))
+                c.sent = safe
+                return out
+        if (self.req.logprobs or self.req.return_token_ids) and (d.token_ids or not d.finish_reason):
             out.append(self._chunk({"index": c.gen.index, "delta": {}, "logprobs": logprobs, "finish_reason": None},
                                    d, c))
         if not d.finish_reason:
             return out
-        calls = self._calls(c)
-        delta = {"tool_calls": [t.to_dict(i) for i, t in enumerate(calls)]} if calls else {"content": c.text}
+        made = self._calls(c)
+        if made:
+            content, calls = made
+            delta = {"tool_calls": [t.to_dict(i) for i, t in enumerate(calls)]}
+            if content and len(content) > c.sent:
+                delta["content"] = content[c.sent:]
+        else:
+            delta = {"content": c.text[c.sent:]}
         out.append(self._chunk({"index": c.gen.index, "delta": delta, "logprobs": None, "finish_reason": None},
                                None, c))
         out.append(self._chunk({"index": c.gen.index, "delta": {}, "logprobs": None,
-                                "finish_reason": self._finish_reason(c, calls), "stop_reason": d.stop_reason}, None, c))
+                                "finish_reason": self._finish_reason(c, made), "stop_reason": d.stop_reason}, None, c))
         return out
 
     def _opening(self, c: Choice) -> list[dict]:

@@ -3,9 +3,9 @@
 (stagemesh.core.grammar), whatever the model; the constrained output is read back into OpenAI's
 `tool_calls` (router.responses). "none" lets the model answer in text.
 
-"auto" (OpenAI's default when tools are given) needs a parser of the model's own tool-call format
-(vLLM's --enable-auto-tool-choice --tool-call-parser): not built yet, so it gets vLLM's 400 for a
-server started without those flags.
+"auto" (OpenAI's default when tools are given) lets the model decide, in its own format, which the
+router's --tool-call-parser reads back (hermes, llama3_json; started with --enable-auto-tool-choice,
+as vLLM); without those flags it gets vLLM's 400.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from stagemesh.core.sampling_params import InvalidParameter, StructuredOutputs
 
-AUTO_REFUSED = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set (tool-call '
-                'parsers are not built in this server yet; use tool_choice "required" or a named function)')
+AUTO_REFUSED = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set (this '
+                'server was started without them; or use tool_choice "required" or a named function)')
 
 
 @dataclass
@@ -36,9 +36,11 @@ class ToolCall:
 class ToolPlan:
     """What a chat request's tools ask of the generation and how its output is read."""
     tools: list[dict]  # the request's tools, for the chat template
-    mode: str  # "none": text answers; "required": one or more calls; "named": a call of `name`
+    mode: str  # "none": text answers; "required": one or more calls; "named": a call of `name`; "auto": the
+    # model decides, in its own format, which `parser` reads
     name: str | None = None
     parallel: bool = True
+    parser: object = None  # HermesParser / Llama3JsonParser under "auto"
 
     @property
     def constraint(self) -> StructuredOutputs | None:
@@ -76,8 +78,10 @@ class ToolPlan:
         return fn.get("parameters") or {"type": "object", "properties": {}}
 
 
-def plan_tools(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool | None) -> ToolPlan | None:
-    """The request's ToolPlan (None without tools and tool_choice); raises InvalidParameter as vLLM refuses."""
+def plan_tools(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool | None,
+               tool_call_parser: str | None = None) -> ToolPlan | None:
+    """The request's ToolPlan (None without tools and tool_choice); raises InvalidParameter as vLLM refuses.
+    `tool_call_parser`: the router's --tool-call-parser when --enable-auto-tool-choice is set."""
     if tool_choice is not None and not tools and tool_choice != "none":
         raise InvalidParameter("tool_choice", "'tool_choice' other than \"none\" needs 'tools'")
     if not tools:
@@ -93,7 +97,9 @@ def plan_tools(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool 
     names = [t["function"]["name"] for t in tools]
     parallel = parallel_tool_calls is not False
     if tool_choice in (None, "auto"):  # OpenAI's default with tools is "auto"
-        raise InvalidParameter("tool_choice", AUTO_REFUSED)
+        if tool_call_parser is None:
+            raise InvalidParameter("tool_choice", AUTO_REFUSED)
+        return ToolPlan(tools, "auto", parallel=parallel, parser=TOOL_CALL_PARSERS[tool_call_parser]())
     if tool_choice == "none":
         return ToolPlan(tools, "none", parallel=parallel)
     if tool_choice == "required":
@@ -109,3 +115,66 @@ def plan_tools(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool 
         return ToolPlan(tools, "named", name=name, parallel=parallel)
     raise InvalidParameter("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or "
                                           "{'type': 'function', 'function': {'name': ...}}")
+
+
+# -- tool_choice "auto": the model's own call format, parsed from its text (--tool-call-parser) ------------
+
+class HermesParser:
+    """Hermes' format (Qwen, Hermes, many fine-tunes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+    one block per call, after any text."""
+    START, END = "<tool_call>", "</tool_call>"
+
+    def split(self, text: str) -> tuple[str, list[ToolCall]] | None:
+        """(content before the calls, calls), or None when the text makes no call."""
+        if self.START not in text:
+            return None
+        content, _, rest = text.partition(self.START)
+        calls = []
+        for block in (self.START + rest).split(self.START)[1:]:
+            body = block.split(self.END)[0].strip()
+            try:
+                value = json.loads(body)
+                calls.append(ToolCall(value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False)))
+            except (ValueError, KeyError, TypeError):
+                return None  # not a well-formed call: the text is the answer, as vLLM's parser gives it
+        return content.rstrip(), calls
+
+    def may_start(self, text: str) -> int:
+        """Where a call may begin in text still streaming (len(text) if nowhere): text before it can be sent."""
+        at = text.find(self.START)
+        if at >= 0:
+            return at
+        for keep in range(min(len(self.START) - 1, len(text)), 0, -1):  # a tag cut in half at the end
+            if self.START.startswith(text[-keep:]):
+                return len(text) - keep
+        return len(text)
+
+
+class Llama3JsonParser:
+    """Llama 3.x's JSON format: the whole answer is `{"name": ..., "parameters": {...}}` (optionally after
+    `<|python_tag|>`), several separated by `;`."""
+    TAG = "<|python_tag|>"
+
+    def split(self, text: str) -> tuple[str, list[ToolCall]] | None:
+        body = text.strip()
+        body = body[len(self.TAG):].strip() if body.startswith(self.TAG) else body
+        if not body.startswith("{"):
+            return None
+        calls = []
+        for part in body.split(";"):
+            try:
+                value = json.loads(part)
+                args = value.get("parameters", value.get("arguments", {}))
+                calls.append(ToolCall(value["name"], json.dumps(args, ensure_ascii=False)))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                return None
+        return "", calls
+
+    def may_start(self, text: str) -> int:
+        stripped = text.lstrip()
+        if not stripped or stripped.startswith("{") or self.TAG.startswith(stripped[:len(self.TAG)]):
+            return 0  # may be a call: hold it all until the end
+        return len(text)
+
+
+TOOL_CALL_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}

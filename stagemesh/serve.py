@@ -63,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enable-auto-tool-choice", action="store_true", help="tool_choice auto (see `stagemesh router`)")
+    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
@@ -155,8 +157,9 @@ def plan_commands(args: argparse.Namespace, model_dir: str, num_layers: int, cud
     router = ["router", model_dir, "--host", args.host, "--port", str(args.port), *_service(args, None)]
     for replica in replicas:
         router += ["--replica", replica]
-    children.append(("router", router + _flags(args, ("grpc_port", "served_model_name", "api_key", "max_model_len")),
-                     {}))
+    router += ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
+    children.append(("router", router + _flags(args, ("grpc_port", "served_model_name", "api_key", "max_model_len",
+                                                      "tool_call_parser")), {}))
     return children
 
 

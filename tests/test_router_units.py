@@ -153,3 +153,24 @@ def test_bad_words_are_banned_as_they_start_a_text_and_after_a_space(tokenizer):
     assert tuple(tokenizer.encode("Paris", add_special_tokens=False)) in words
     assert tuple(tokenizer.encode(" Paris", add_special_tokens=False)) in words
     assert tuple(tokenizer.encode(" London", add_special_tokens=False)) in words
+
+
+def test_tool_call_parsers_read_calls_and_hold_back_only_what_may_be_one():
+    import json
+
+    from router.tools import HermesParser, Llama3JsonParser
+
+    hermes = HermesParser()
+    content, calls = hermes.split('Let me look. <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>\n'
+                                  '<tool_call>{"name": "g", "arguments": {}}</tool_call>')
+    assert content == "Let me look." and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1}),
+                                                                                                  ("g", {})]
+    assert hermes.split("no call here") is None
+    assert hermes.split("<tool_call>{not json</tool_call>") is None  # the text is the answer then
+    assert hermes.may_start("Hello <tool") == len("Hello ") and hermes.may_start("Hello") == 5
+    assert hermes.may_start("a <tool_call>{") == 2
+    llama = Llama3JsonParser()
+    _, calls = llama.split('<|python_tag|>{"name": "f", "parameters": {"x": 2}}; {"name": "g", "parameters": {}}')
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 2}), ("g", {})]
+    assert llama.split("Paris is the capital.") is None
+    assert llama.may_start('{"na') == 0 and llama.may_start("Paris") == 5

@@ -320,3 +320,46 @@ def test_a_tool_call_in_the_history_goes_through_the_template(router):
     prompt = requests.post(f"{router.base_url}/detokenize", json={"tokens": tokens}, timeout=30).json()["prompt"]
     assert '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"' in prompt
     assert "<|im_start|>tool\n18 degrees and sunny<|im_end|>" in prompt
+
+
+# -- tool_choice "auto": the model's own format read back by --tool-call-parser --------------------------------
+
+HERMES_REGEX = (r'Sure\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,9}", '
+                r'"unit": "(celsius|fahrenheit)"\}\}</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def auto_router(router, default_model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("auto-tools")
+    extra = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    with Router(default_model_dir, [router.mesh.address], extra=extra, log_dir=logs) as r:
+        yield r
+
+
+def test_auto_tool_choice_parses_hermes_calls_whole_and_streamed(auto_router):
+    # the model is made to write a hermes call (SmolLM2 was not trained on tools): the parser reads it back
+    client = auto_router.client()
+    kwargs = dict(model=MODEL, messages=WEATHER_ASK, tools=[WEATHER], temperature=1.0, seed=2, max_tokens=80,
+                  extra_body={"structured_outputs": {"regex": HERMES_REGEX}})
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Sure."
+    check_calls(whole.message.tool_calls)
+    content, calls, reasons = "", {}, []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            reasons.append(choice.finish_reason)
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                calls.setdefault(delta.index, []).append((delta.function.name, delta.function.arguments))
+    assert content.strip() == "Sure." and reasons[-1] == "tool_calls"
+    assert [c[0] for c in calls.values()] == [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
+
+
+def test_auto_tool_choice_leaves_a_plain_answer_as_text(auto_router):
+    out = auto_router.client().chat.completions.create(model=MODEL, messages=QUESTION_TEXT, tools=[WEATHER],
+                                                       temperature=0, max_tokens=20)
+    assert out.choices[0].message.content and not out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+QUESTION_TEXT = [{"role": "user", "content": "Say hello."}]
