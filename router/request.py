@@ -220,10 +220,9 @@ def _finish(req: GenerateRequest, m, max_tokens: int | None, param: str, logprob
         raise bad_request("'allowed_token_ids' must not be empty", "allowed_token_ids")
 
 
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # vLLM's structured_outputs options this server does not implement: a value that asks for something is a 400
-STRUCTURED_REFUSED = {"structural_tag": "structural tags are not supported yet",
-                      "disable_fallback": "there is one backend (xgrammar), with no fallback to disable",
+STRUCTURED_REFUSED = {"disable_fallback": "there is one backend (xgrammar), with no fallback to disable",
                       "disable_any_whitespace": "whitespace options are not supported",
                       "disable_additional_properties": "additionalProperties follows the schema as given",
                       "whitespace_pattern": "whitespace options are not supported"}
@@ -247,11 +246,11 @@ def structured(m) -> tuple[StructuredOutputs | None, str]:
                 raise InvalidParameter("response_format", "'response_format' of type json_schema needs "
                                                           "'json_schema': {'name': ..., 'schema': {...}}")
             found.append(("response_format", StructuredOutputs("json", json.dumps(spec["schema"]))))
-        elif kind == "structural_tag":
-            raise InvalidParameter("response_format", "'response_format' of type structural_tag is not supported yet")
+        elif kind == "structural_tag":  # the whole format is the tag, as vLLM passes it on
+            found.append(("response_format", StructuredOutputs("structural_tag", json.dumps(rf))))
         elif kind != "text":
-            raise InvalidParameter("response_format", "'response_format' type must be text, json_object or "
-                                                      f"json_schema, got {kind!r}")
+            raise InvalidParameter("response_format", "'response_format' type must be text, json_object, "
+                                                      f"json_schema or structural_tag, got {kind!r}")
     so = m.structured_outputs
     if so is not None:
         for name, why in STRUCTURED_REFUSED.items():
@@ -264,7 +263,8 @@ def structured(m) -> tuple[StructuredOutputs | None, str]:
         given = [k for k in STRUCTURED_KINDS if so.get(k) not in (None, False)]
         if len(given) > 1:
             raise InvalidParameter("structured_outputs", "'structured_outputs' takes one of json, regex, choice, "
-                                                         f"grammar and json_object, got {', '.join(given)}")
+                                                         f"grammar, json_object and structural_tag, got "
+                                                         f"{', '.join(given)}")
         if given:
             found.append(("structured_outputs", _constraint("structured_outputs", given[0], so[given[0]])))
     for kind in ("json", "regex", "choice", "grammar"):
@@ -295,6 +295,8 @@ def _make_constraint(field: str, kind: str, value) -> StructuredOutputs:
         if not isinstance(value, str):
             raise InvalidParameter(field, f"'{field}' json must be a JSON schema (an object or its text)")
         return StructuredOutputs("json", value)
+    if kind == "structural_tag" and isinstance(value, dict):
+        value = json.dumps(value)
     if kind == "choice":
         if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
             raise InvalidParameter(field, f"'{field}' choice must be an array of strings")

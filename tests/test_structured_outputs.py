@@ -363,3 +363,25 @@ def test_auto_tool_choice_leaves_a_plain_answer_as_text(auto_router):
 
 
 QUESTION_TEXT = [{"role": "user", "content": "Say hello."}]
+
+
+def test_structural_tags_constrain_what_follows_a_trigger(router, default_model_dir):
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from stagemesh.core.grammar import GrammarCompiler
+
+    tag = {"type": "structural_tag", "triggers": ["<function="],
+           "structures": [{"begin": "<function=get_weather>", "schema": WEATHER["function"]["parameters"],
+                           "end": "</function>"}]}
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    compiled = GrammarCompiler(tok, len(tok), [tok.eos_token_id]).compile(
+        StructuredOutputs("structural_tag", json.dumps(tag)))
+    good = 'Let me check. <function=get_weather>{"city": "Paris", "unit": "celsius"}</function> Done.'
+    assert xgr.GrammarMatcher(compiled).accept_string(good)
+    assert not xgr.GrammarMatcher(compiled).accept_string('Let me check. <function=get_weather>{"city": 5')
+    # through the gateway, in both of vLLM's spellings
+    client = router.client()
+    for kwargs in ({"response_format": tag}, {"extra_body": {"structured_outputs": {"structural_tag": json.dumps(tag)}}}):
+        out = client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, temperature=0, max_tokens=20, **kwargs)
+        assert out.choices[0].message.content

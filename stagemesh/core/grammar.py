@@ -7,7 +7,7 @@ bitmask of the tokens that keep the output inside the language in well under a m
 (measured on this machine with the default model's 49,152-token vocabulary: 0.6 ms per token for a small
 JSON schema, mask and apply included; compiling that schema took 7 ms once the vocabulary was indexed,
 0.2 s per process). llguidance (Rust, also offered by vLLM) would do the job too; xgrammar is the default
-that vLLM users' constraints are written against, and it compiles all five kinds here.
+that vLLM users' constraints are written against, and it compiles all six kinds here.
 
 Where it runs: the router compiles each constraint once to refuse a bad one with a 400 that says why; the
 last stage compiles it again (cached by its text) and keeps a matcher per sequence beside the sequence's
@@ -76,11 +76,31 @@ class GrammarCompiler:
                 return c.compile_regex(s.text)
             if s.kind == "choice":  # one alternative per choice, each a literal
                 return c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in s.choices))
+            if s.kind == "structural_tag":
+                return self._structural_tag(s.text)
             return c.compile_grammar(s.text)
         except (RuntimeError, ValueError) as err:
             reason = _NOISE.sub("", str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
             raise InvalidParameter("structured_outputs", f"the {s.kind} constraint does not compile: "
                                                          f"{reason}") from None
+
+    def _structural_tag(self, text: str):
+        """vLLM's two spellings: {"structures": [{begin, schema, end}], "triggers": [...]} (as its
+        response_format type structural_tag), or xgrammar's own structural-tag JSON."""
+        try:
+            tag = json.loads(text)
+        except ValueError as err:
+            raise InvalidParameter("structured_outputs", f"the structural tag is not JSON: {err}") from None
+        if not isinstance(tag, dict) or "structures" not in tag:
+            return self._compiler.compile_structural_tag(text)
+        try:
+            items = [self._xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                     for s in tag["structures"]]
+            triggers = [str(t) for t in tag["triggers"]]
+        except (KeyError, TypeError) as err:
+            raise InvalidParameter("structured_outputs", "a structural tag's structures are {begin, schema, end} "
+                                                         f"and it has triggers ({type(err).__name__}: {err})") from None
+        return self._compiler.compile_structural_tag(items, triggers)
 
     def matcher(self, compiled) -> "Matcher":
         return Matcher(self, compiled)

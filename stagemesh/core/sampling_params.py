@@ -92,7 +92,7 @@ def check_token_ids(name: str, ids: Sequence[int], vocab_size: int | None) -> No
         raise InvalidParameter(name, f"token id {bad} in '{name}' is outside {where}")
 
 
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_STRUCTURED_CHARS = 1 << 20  # a schema, regex or grammar (or the choices, together)
 MAX_CHOICES = 4096
 
@@ -100,7 +100,7 @@ MAX_CHOICES = 4096
 @dataclass(frozen=True)
 class StructuredOutputs:
     """A constraint on the output (vLLM's structured_outputs): `kind` is json (a JSON schema's text),
-    json_object, regex, choice (`choices`) or grammar (EBNF text, root rule `root`). Compiled and enforced
+    json_object, regex, choice (`choices`), grammar (EBNF text, root rule `root`) or structural_tag (its JSON). Compiled and enforced
     where tokens are sampled (stagemesh.core.grammar)."""
     kind: str
     text: str = ""

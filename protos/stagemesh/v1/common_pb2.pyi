@@ -194,6 +194,7 @@ class StructuredOutputs(_message.Message):
     REGEX_FIELD_NUMBER: _builtins.int
     CHOICE_FIELD_NUMBER: _builtins.int
     GRAMMAR_FIELD_NUMBER: _builtins.int
+    STRUCTURAL_TAG_FIELD_NUMBER: _builtins.int
     json: _builtins.str
     """A JSON schema, as JSON text."""
     json_object: _builtins.bool
@@ -202,6 +203,10 @@ class StructuredOutputs(_message.Message):
     """A regular expression the whole output matches."""
     grammar: _builtins.str
     """An EBNF (GBNF) grammar whose root rule is `root`."""
+    structural_tag: _builtins.str
+    """A structural tag (JSON: xgrammar's format, or vLLM's {"structures": [...], "triggers": [...]}):
+    free text, where each trigger opens a section that must match its structure's schema.
+    """
     @_builtins.property
     def choice(self) -> Global___Choices:
         """Exactly one of these strings."""
@@ -214,12 +219,13 @@ class StructuredOutputs(_message.Message):
         regex: _builtins.str = ...,
         choice: Global___Choices | None = ...,
         grammar: _builtins.str = ...,
+        structural_tag: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json", b"json", "json_object", b"json_object", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json", b"json", "json_object", b"json_object", "kind", b"kind", "regex", b"regex", "structural_tag", b"structural_tag"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json", b"json", "json_object", b"json_object", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json", b"json", "json_object", b"json_object", "kind", b"kind", "regex", b"regex", "structural_tag", b"structural_tag"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json", "json_object", "regex", "choice", "grammar"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
