@@ -1,11 +1,14 @@
-"""Soak: `stagemesh serve` under 32 concurrent streams for 10 minutes, a poison request every 10 s and a
-stage SIGKILLed every 2 minutes (serve restarts it). Prints, every minute, the requests completed and
-failed (by cause), the poison answers, and the RSS of every process of the mesh.
+"""Soak: `stagemesh serve -dp 2 -pp 2` under 32 concurrent streams for 10 minutes, a poison request every
+10 s and a component SIGKILLed every 2 minutes, in turn a stage, a scheduler and a whole replica (its
+scheduler and stages; serve restarts them). Prints, every minute, the requests completed and failed (by
+cause: a failed one is a lost request), the poison answers, the RSS of every process of the mesh, and the
+stall of the streams a kill hit (the longest gap between two chunks of a stream, for the streams whose gap
+was over a second: p50 and max).
 
-    .venv/bin/python benchmarks/soak.py [--duration 600] [--concurrency 32] [-pp 2] [MODEL]
+    .venv/bin/python benchmarks/soak.py [--duration 600] [--concurrency 32] [-dp 2] [-pp 2] [MODEL]
 
-Only poison requests should fail for their own input; requests in flight on a stage when it is killed
-fail with UNAVAILABLE (503) until in-flight requests survive a stage's death (the failover issue).
+Only poison requests should fail (for their own input); a stream in flight when its stage, scheduler or
+replica dies goes on (kept by its scheduler until the stage is back, or continued on the other replica).
 """
 from __future__ import annotations
 
@@ -52,7 +55,7 @@ class Tally:
             return dict(self.counts)
 
 
-def stream_once(base: str, model: str, rng: random.Random, max_tokens: int) -> str:
+def stream_once(base: str, model: str, rng: random.Random, max_tokens: int, stalls: list) -> str:
     body = {"model": model, "prompt": " ".join(rng.choice(["the", "a", "cat", "sat", "on", "mat", "and", "then"])
                                                for _ in range(rng.randint(8, 64))),
             "max_tokens": max_tokens, "temperature": 0.8, "seed": rng.randrange(1 << 30), "stream": True}
@@ -63,9 +66,14 @@ def stream_once(base: str, model: str, rng: random.Random, max_tokens: int) -> s
                 return f"refused {resp.status_code} (retried after Retry-After)"
             if resp.status_code != 200:
                 return f"failed {resp.status_code}"
+            last, gap = time.monotonic(), 0.0
             for line in resp.iter_lines():
                 if line.startswith(b"data: {") and b'"error"' in line:
                     return "failed in stream: " + json.loads(line[6:])["error"]["type"]
+                now = time.monotonic()
+                gap, last = max(gap, now - last), now
+            if gap > 1.0:
+                stalls.append(gap)
             return "completed"
     except requests.RequestException as err:
         return f"failed {type(err).__name__}"
@@ -92,16 +100,18 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=600)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=2)
+    p.add_argument("-dp", "--data-parallel-size", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--poison-every", type=float, default=10)
     p.add_argument("--kill-every", type=float, default=120)
     args = p.parse_args()
     port, log = free_port(), Path(tempfile.mkdtemp(prefix="stagemesh-soak-")) / "serve.log"
     argv = [sys.executable, "-m", "stagemesh", "serve", *([args.model] if args.model else []), "-pp",
-            str(args.pipeline_parallel_size), "--port", str(port), "--grpc-port", str(free_port())]
+            str(args.pipeline_parallel_size), "-dp", str(args.data_parallel_size), "--port", str(port),
+            "--grpc-port", str(free_port())]
     serve = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     base, stop = f"http://127.0.0.1:{port}", threading.Event()
-    tally, poison, kills = Tally(), Tally(), []
+    tally, poison, kills, stalls = Tally(), Tally(), [], []
     try:
         model = wait_ready(base, serve, log)
         print(f"serving {model}; log {log}", flush=True)
@@ -109,7 +119,7 @@ def main() -> None:
         def client(i: int) -> None:
             rng = random.Random(i)
             while not stop.is_set():
-                tally.add(stream_once(base, model, rng, args.max_tokens))
+                tally.add(stream_once(base, model, rng, args.max_tokens, stalls))
 
         def poisoner() -> None:
             n = 0
@@ -124,15 +134,19 @@ def main() -> None:
                 poison.add(str(status))
 
         def killer() -> None:
-            n = 0
+            pp, dp, n = args.pipeline_parallel_size, args.data_parallel_size, 0
             while not stop.wait(args.kill_every):
-                name = f"stage[0.{n % args.pipeline_parallel_size}]"
+                replica = n % dp
+                kind = ("stage", "scheduler", "replica")[n % 3]
                 n += 1
-                pid = children(log).get(name)
-                if pid:
-                    os.kill(pid, signal.SIGKILL)
-                    kills.append((time.monotonic(), name))
-                    print(f"  SIGKILL {name} (pid {pid})", flush=True)
+                names = {"stage": [f"stage[{replica}.{n % pp}]"], "scheduler": [f"scheduler[{replica}]"],
+                         "replica": [f"scheduler[{replica}]", *(f"stage[{replica}.{i}]" for i in range(pp))]}[kind]
+                pids = children(log)
+                for name in names:
+                    if name in pids:
+                        os.kill(pids[name], signal.SIGKILL)
+                kills.append((time.monotonic(), kind))
+                print(f"  SIGKILL {kind}: {', '.join(names)}", flush=True)
 
         downtimes: list[float] = []
 
@@ -156,7 +170,7 @@ def main() -> None:
             t.start()
         while time.monotonic() - start < args.duration:
             time.sleep(min(60, args.duration - (time.monotonic() - start)))
-            report(time.monotonic() - start, tally, poison, kills, log, downtimes)
+            report(time.monotonic() - start, tally, poison, kills, log, downtimes, stalls)
         stop.set()
     finally:
         serve.send_signal(signal.SIGTERM)
@@ -177,16 +191,19 @@ def wait_ready(base: str, serve: subprocess.Popen, log: Path) -> str:
     sys.exit("the mesh did not become healthy in 10 minutes")
 
 
-def report(elapsed: float, tally: Tally, poison: Tally, kills: list, log: Path, downtimes: list) -> None:
+def report(elapsed: float, tally: Tally, poison: Tally, kills: list, log: Path, downtimes: list, stalls: list) -> None:
     counts = tally.snapshot()
     done = counts.get("completed", 0)
     failed = {k: v for k, v in counts.items() if k.startswith("failed")}
     refused = sum(v for k, v in counts.items() if k.startswith("refused"))
     rss = {name: rss_mb(pid) for name, pid in children(log).items()}
     restarts = len(re.findall(r"restarting it", log.read_text()))
-    print(f"[{elapsed / 60:4.1f} min] completed {done}, failed {sum(failed.values())} {failed or ''}, refused while "
-          f"down {refused}; poison answers {poison.snapshot()}; stages killed {len(kills)}, restarts {restarts}; "
-          f"down after each kill (s): {[round(d, 1) for d in downtimes]}", flush=True)
+    stalled = sorted(stalls)
+    stall = f"p50 {stalled[len(stalled) // 2]:.1f}s, max {stalled[-1]:.1f}s" if stalled else "-"
+    print(f"[{elapsed / 60:4.1f} min] completed {done}, lost {sum(failed.values())} {failed or ''}, refused while "
+          f"down {refused}; poison answers {poison.snapshot()}; killed {[k for _, k in kills]}, restarts {restarts}; "
+          f"router down (s): {[round(d, 1) for d in downtimes]}; streams stalled by a kill: {len(stalled)} ({stall})",
+          flush=True)
     print("  RSS MB: " + ", ".join(f"{n} {v:.0f}" for n, v in rss.items() if v is not None), flush=True)
 
 

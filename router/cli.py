@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=0,
                    help="answer 429 (with Retry-After) once this many requests wait for their first token "
                         "(0: unbounded; the schedulers' own queue limits also give 429)")
+    p.add_argument("--max-request-retries", type=int, default=3,
+                   help="a request whose replica fails goes on on another one (before its first token: sent again; "
+                        "after: continued from the tokens already streamed), at most this many times")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between replica checks")
     add_service_arguments(p, metrics_port=False)
 
@@ -61,11 +64,14 @@ async def _main(args: argparse.Namespace) -> int:
     if args.model and args.model_option and args.model != args.model_option:
         raise StagemeshError(f"two models given: '{args.model}' and --model '{args.model_option}'")
     model = args.model_option or args.model
+    if args.max_request_retries < 0:
+        raise StagemeshError("--max-request-retries must be >= 0")
     if args.max_waiting_requests < 0 or args.health_interval <= 0 or args.http_timeout_keep_alive <= 0:
         raise StagemeshError("--max-waiting-requests must be >= 0, --health-interval and --http-timeout-keep-alive > 0")
     model_dir = resolve_model(model)
     tokenizer = Tokenizer(model_dir, ModelConfig.from_path(model_dir).max_position_embeddings)
-    replicas = ReplicaSet(args.replica, POLICIES[args.policy](), args.health_interval, args.max_waiting_requests)
+    replicas = ReplicaSet(args.replica, POLICIES[args.policy](), args.health_interval, args.max_waiting_requests,
+                          args.max_request_retries)
     await replicas.refresh()
     name = args.served_model_name or next((r.served_model_name for r in replicas.replicas if r.served_model_name),
                                           None) or served_model_name(model, model_dir)

@@ -1,5 +1,13 @@
-"""One sequence's generation through a replica: dispatch (with one retry before the first token),
-detokenize incrementally, apply stop strings, collect logprobs and prompt logprobs."""
+"""One sequence's generation through the replicas: dispatch, detokenize incrementally, apply stop strings,
+collect logprobs and prompt logprobs.
+
+When the request's replica fails under it (UNAVAILABLE: its pipeline broke and was not back within its
+--stage-recovery-timeout, or its scheduler died), the request goes on on another replica as a continuation:
+the same prompt and sampling parameters with the tokens already streamed as its generated tokens, so the
+scheduler there counts them against max_tokens and min_tokens, a seeded request draws the tokens it would
+have drawn (the stages seed by (seed, position)), a structured-output constraint resumes where it was, and
+this generator's detokenizer and stop strings simply go on: the client sees no error, gap or repeat. At most
+--max-request-retries times; never for a failure of the request's own input (INVALID_ARGUMENT)."""
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +26,6 @@ from router.tokenization import IncrementalDetokenizer, StopStrings, Tokenizer
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import TokenLogprob
 
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 @dataclass
@@ -44,6 +51,7 @@ class Generation:
     record: RequestRecord | None = None
     pin: str | None = None  # a replica it must run on (a sibling shares its prompt's cached blocks there)
     replica: str | None = None  # where it runs
+    replays: int = 0  # times its replica failed and it went on elsewhere
     started: asyncio.Event = field(default_factory=asyncio.Event)  # its prompt is computed (or it ended)
 
 
@@ -107,7 +115,7 @@ async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
 
 def _delta(reply: ReplicaOutput, req: GenerateRequest, gen: Generation, record: RequestRecord, replicas: ReplicaSet) -> Delta:
     """A reply's tokens, logprobs and prompt logprobs; the timing figures it carries go to the record."""
-    if reply.num_prompt_tokens:
+    if reply.num_prompt_tokens and not gen.replays:  # (a continuation's cached tokens are not the prompt's)
         gen.cached_tokens = reply.num_cached_tokens
     if reply.queue_seconds:
         record.queued(reply.queue_seconds)
@@ -127,11 +135,15 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
                        code="rate_limit_exceeded", retry_after=1)
     replicas.num_waiting += 1
     waiting = True
-    tried: set[str] = set()
+    tried: set[str] = set()  # replicas it was sent to
+    failed: set[str] = set()  # replicas that failed under it
+    generated: list[int] = []  # tokens streamed so far: a continuation resumes from them
     last_error: RequestFailed | None = None
     try:
         while True:
-            replica = replicas.pick(gen.prompt_ids, tried, gen.pin)
+            # before its first token it tries each replica once; a continuation goes to any replica it has not
+            # failed on
+            replica = replicas.pick(gen.prompt_ids, failed if generated else tried, gen.pin)
             if replica is None and last_error is not None:
                 raise _api_error(last_error)  # nowhere else to try
             if replica is None:
@@ -142,25 +154,40 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
             gen.replica = replica.address
             if gen.record is not None:
                 gen.record.replica = replica.address
-            stream = replica.submit(gen.request_id, gen.prompt_ids, gen.sampling)
+                if last_error is not None:
+                    gen.record.resumed(replica.address, len(generated))
+            sampling = replace(gen.sampling, prompt_logprobs=None) if generated else gen.sampling
+            stream = replica.submit(gen.request_id, gen.prompt_ids, sampling, generated)
             try:
                 async for reply in stream:
                     if waiting:
                         replicas.num_waiting, waiting = replicas.num_waiting - 1, False
+                    generated.extend(reply.token_ids)
                     yield reply
                 return
             except RequestFailed as err:
                 if err.code == grpc.StatusCode.UNAVAILABLE:
                     replica.mark_failed(f"a request failed there: {err.details}")
-                if err.code in RETRYABLE and waiting and len(tried) < 2:
-                    last_error = err
-                    continue  # failed (or its queue was full) before its first token: once more, elsewhere
-                raise _api_error(err) from None
+                    failed.add(replica.address)
+                if not _may_replay(err, waiting, gen, replicas.max_request_retries):
+                    raise _api_error(err) from None
+                last_error = err
+                gen.replays += 1
+                if gen.record is not None:
+                    gen.record.replayed(replica.address, err.details, len(generated))
             finally:
                 stream.close()  # unfinished (client gone, stop string): the scheduler aborts it
     finally:
         if waiting:
             replicas.num_waiting -= 1
+
+
+def _may_replay(err: RequestFailed, waiting: bool, gen: Generation, max_retries: int) -> bool:
+    """Whether a failed request goes on elsewhere: its replica failed (not its own input), or before its first
+    token the replica's queue was full; at most max_retries times."""
+    if gen.replays >= max_retries:
+        return False
+    return err.code == grpc.StatusCode.UNAVAILABLE or (err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and waiting)
 
 
 def _api_error(err: RequestFailed) -> APIError:

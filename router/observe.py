@@ -53,6 +53,9 @@ PROMPT_TOKENS = Counter("stagemesh:router_prompt_tokens", "Prompt tokens of fini
 GENERATION_TOKENS = Counter("stagemesh:router_generation_tokens", "Tokens generated", ["replica"], **R)
 TTFT = Histogram("stagemesh:router_time_to_first_token_seconds", "Time to first token seen by the router",
                  buckets=_LATENCY, **R)
+REPLAYS = Counter("stagemesh:router_request_replays",
+                  "Requests sent again after their replica failed: before their first token (a retry) or as a "
+                  "continuation of the tokens already streamed", ["kind"], **R)
 E2E = Histogram("stagemesh:router_e2e_request_latency_seconds", "Request latency seen by the router",
                 buckets=_LATENCY, **R)
 HEALTHY = Gauge("stagemesh:router_replica_healthy", "1 if the replica can serve", ["replica"], **R)
@@ -105,6 +108,7 @@ class RequestRecord:
         self.first_token: float | None = None
         self.last_token: float | None = None
         self.replica = ""
+        self.failed = ""  # the replica it last failed on
         self.finished = False
         IN_FLIGHT.inc()
 
@@ -123,6 +127,19 @@ class RequestRecord:
             for _ in range(count):
                 ITL.labels(name).observe((now - self.last_token) / count)
         self.last_token = now
+
+    def replayed(self, failed: str, error: str, num_generated: int) -> None:
+        """The request's replica failed; it goes on elsewhere (the next replica is set when it is picked)."""
+        REPLAYS.labels("continuation" if num_generated else "retry").inc()
+        log.warning("request %s: replica %s failed after %d token(s) (%s); continuing it on another replica",
+                    self.request_id, failed, num_generated, error)
+        self.failed = failed
+
+    def resumed(self, replica: str, num_generated: int) -> None:
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.add_event("recovered", {"stagemesh.failed_replica": self.failed, "stagemesh.replica": replica,
+                                         "stagemesh.generated_tokens": num_generated})
 
     def done(self, num_output: int, reason: str) -> None:
         """Count and log the request; later calls do nothing."""

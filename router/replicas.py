@@ -88,12 +88,14 @@ class Replica:
             log.log(logging.INFO if healthy else logging.WARNING, "replica %s is now %s%s", self.address,
                     "healthy" if healthy else "UNHEALTHY", "" if healthy else f": {reason}")
 
-    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> RequestStream:
-        """Send a request over the replica's SubmitStream (opened on first use, and again after it broke)."""
+    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
+               generated: list[int] = ()) -> RequestStream:
+        """Send a request over the replica's SubmitStream (opened on first use, and again after it broke);
+        `generated`: the tokens it produced on a replica that failed (a continuation)."""
         self.dispatched += 1
         if self._stream is None or self._stream.closed:
             self._stream = SubmitStream(self.stub, self.address)
-        return self._stream.submit(request_id, prompt, sampling)
+        return self._stream.submit(request_id, prompt, sampling, generated)
 
     async def close(self) -> None:
         if self._stream is not None:
@@ -102,11 +104,13 @@ class Replica:
 
 
 class ReplicaSet:
-    def __init__(self, addresses: list[str], policy, interval_s: float = 1.0, max_waiting_requests: int = 0):
+    def __init__(self, addresses: list[str], policy, interval_s: float = 1.0, max_waiting_requests: int = 0,
+                 max_request_retries: int = 3):
         self.replicas = [Replica(a) for a in addresses]
         self.policy = policy
         self.interval_s = interval_s
         self.max_waiting_requests = max_waiting_requests  # 0: unbounded
+        self.max_request_retries = max_request_retries  # times a request goes on elsewhere after its replica failed
         self.num_waiting = 0  # requests in this router still waiting for their first token
 
     async def refresh(self) -> None:

@@ -103,12 +103,14 @@ class SubmitStream:
         self._call = stub.SubmitStream(self._actions())
         self._reader = asyncio.create_task(self._read())
 
-    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> RequestStream:
-        """Queue a request; its trace context is the caller's current one."""
+    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
+               generated: list[int] = ()) -> RequestStream:
+        """Queue a request (with `generated`: a continuation); its trace context is the caller's current one."""
         stream = self._requests[request_id] = RequestStream(self, request_id)
         submit = self._outbox.submits.add()
         submit.request.request_id = request_id
         submit.request.prompt_token_ids.extend(prompt)
+        submit.request.generated_token_ids.extend(generated)
         submit.request.sampling.CopyFrom(sampling_to_pb(sampling))
         carrier = dict(telemetry.inject())
         submit.traceparent, submit.tracestate = carrier.get("traceparent", ""), carrier.get("tracestate", "")

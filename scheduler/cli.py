@@ -33,6 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="schedule a step before the previous one's tokens are back, so the stages do not wait for "
                         "the scheduler: always with one stage, with more where a micro-batch would be empty "
                         "(default: on when the stages run on GPUs, off on CPU)")
+    p.add_argument("--stage-recovery-timeout", type=float, default=30.0,
+                   help="when a stage fails, keep its requests this many seconds for the pipeline to re-form (the "
+                        "stage restarted, or a --standby stage took its place), then go on with them; after that "
+                        "they fail (the router continues them on another replica). 0: fail them at once")
+    p.add_argument("--max-request-retries", type=int, default=3,
+                   help="a request under which the pipeline broke more than this many times fails")
     p.add_argument("--forward-timeout", type=float, default=DEADLINES.forward_s, help="deadline of one step on a stage, seconds")
     p.add_argument("--port-file", default=None, help="write the bound port here (for supervisors)")
     add_service_arguments(p)
@@ -59,6 +65,8 @@ async def _main(args: argparse.Namespace) -> int:
                              f"{cfg.max_position_embeddings} positions")
     if args.pipeline_parallel_size < 1 or args.pipeline_parallel_size > cfg.num_hidden_layers:
         raise StagemeshError(f"--pipeline-parallel-size must be between 1 and the model's {cfg.num_hidden_layers} layers")
+    if args.stage_recovery_timeout < 0 or args.max_request_retries < 0:
+        raise StagemeshError("--stage-recovery-timeout and --max-request-retries must be >= 0")
     advertise = args.advertise_host or args.host
     store = _store(args.host, args.dist_port)
     internal_token.warn_if_open("scheduler")
@@ -70,7 +78,8 @@ async def _main(args: argparse.Namespace) -> int:
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=args.enable_prefix_caching, eos_token_ids=cfg.eos_token_ids,
                         max_waiting_requests=args.max_waiting_requests, vocab_size=cfg.vocab_size),
-        model_max_len=cfg.max_position_embeddings, async_scheduling=args.async_scheduling),
+        model_max_len=cfg.max_position_embeddings, async_scheduling=args.async_scheduling,
+        stage_recovery_timeout_s=args.stage_recovery_timeout, max_request_retries=args.max_request_retries),
         GrpcPipeline(rendezvous, advertise, store.port, replace(DEADLINES, forward_s=args.forward_timeout)))
     name = args.served_model_name or served_model_name(args.model, model_dir)
     server, port = await serve(SchedulerServicer(driver, name, str(model_dir), cfg.vocab_size), args.host, args.port)

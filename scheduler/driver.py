@@ -13,9 +13,18 @@ tokens from the last one. Results are taken in step order.
 When a micro-batch's replies arrive, the critical path is short: update the
 scheduler, send the next micro-batch, and only then hand the outputs to their
 sinks (a request's own stream, or the multiplexed stream of a router's
-connection), whose writes overlap the stages' compute. A stage that fails
-ends the epoch: every request fails with an error naming the stage, the
-replica turns unhealthy, and a new epoch forms once every stage answers again.
+connection), whose writes overlap the stages' compute.
+
+A stage that fails ends the epoch and the replica turns unhealthy (new
+requests go to other replicas), but its requests are kept, as if preempted:
+generated tokens kept, KV gone with the epoch (Scheduler.requeue_all). When a
+new epoch forms (the stage restarted, or a standby stage took its place)
+within --stage-recovery-timeout, the new epoch's scheduler takes them over and
+recomputes prompt + generated tokens: their streams stall, then go on, with the
+tokens they would have had (a seeded request draws by (seed, position)). A
+request that was in flight at more than --max-request-retries failures, and
+every request still kept when the window ends, fails with an error naming the
+stage (the router continues it on another replica).
 """
 from __future__ import annotations
 
@@ -46,6 +55,8 @@ class DriverConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     model_max_len: int = 1 << 31  # the model's positions: max_model_len when the scheduler's is None
     probe_interval_s: float = 2.0
+    stage_recovery_timeout_s: float = 30.0  # how long requests are kept for a pipeline to re-form (0: fail at once)
+    max_request_retries: int = 3  # pipelines that may break under a request before it fails
     async_scheduling: bool | None = None  # None: on when every stage computes on a GPU (see _start_epoch)
 
 
@@ -87,16 +98,18 @@ class Driver:
         self.compute_seconds = 0.0
         self._wake = asyncio.Event()
         self._forming = asyncio.Lock()
+        self._recovery: asyncio.Task | None = None  # fails the kept requests when the window ends
 
     # -- requests -----------------------------------------------------------------
     def add(self, request_id: str, prompt: list[int], sampling: SamplingParams, sink: OutputSink,
-            trace_context=None) -> None:
-        """Queue a request whose outputs go to `sink` until it finishes. Raises Unavailable, QueueFull or
-        StagemeshError (bad input) when it cannot be queued; the caller must release() it when it goes away."""
+            trace_context=None, generated: list[int] = ()) -> None:
+        """Queue a request whose outputs go to `sink` until it finishes (`generated`: the tokens a request
+        continued from another replica produced there). Raises Unavailable, QueueFull or StagemeshError (bad
+        input) when it cannot be queued; the caller must release() it when it goes away."""
         if not self.healthy or self.scheduler is None:
             raise Unavailable(f"the replica cannot serve: {self.reason}")
-        self.scheduler.add_request(request_id, prompt, sampling)
-        self.observer.submitted(request_id, len(prompt), trace_context)
+        self.scheduler.add_request(request_id, prompt, sampling, generated)
+        self.observer.submitted(request_id, len(prompt), trace_context, len(generated))
         self.sinks[request_id] = sink
         self._wake.set()
 
@@ -223,8 +236,33 @@ class Driver:
         log.error("pipeline broken: %s", reason)
         self.healthy, self.reason = False, reason
         self.epoch += 1  # results of the broken epoch are ignored
-        if self.scheduler is not None:
-            self._dispatch(self.scheduler.fail_all(reason))
+        scheduler, window = self.scheduler, self.cfg.stage_recovery_timeout_s
+        if scheduler is None or window <= 0 or not scheduler.num_unfinished:
+            self._give_up(scheduler, reason)
+            return
+        # kept for the next epoch: it is the replica's scheduler until then (aborts and stats go to it)
+        requests = scheduler.requeue_all()
+        limit = self.cfg.max_request_retries
+        tired = [r.request_id for r in requests if r.num_recoveries > limit]
+        if tired:
+            self._dispatch(scheduler.fail(tired, f"{reason} (the pipeline broke under this request {limit + 1} "
+                                                 f"times; --max-request-retries {limit})"))
+        kept = [r.request_id for r in requests if r.num_recoveries <= limit]
+        self.observer.stalled(kept, reason)
+        log.warning("keeping %d request(s) for up to %gs (--stage-recovery-timeout) until the pipeline re-forms",
+                    len(kept), window)
+        self._recovery = self.spawn(self._give_up_after(window, scheduler, reason))
+
+    async def _give_up_after(self, seconds: float, scheduler: Scheduler, reason: str) -> None:
+        await asyncio.sleep(seconds)
+        if self.scheduler is scheduler and not self.healthy:
+            log.error("the pipeline did not re-form within %gs: %d kept request(s) fail", seconds,
+                      scheduler.num_unfinished)
+            self._give_up(scheduler, reason)
+
+    def _give_up(self, scheduler: Scheduler | None, reason: str) -> None:
+        if scheduler is not None:
+            self._dispatch(scheduler.fail_all(reason))
         self.scheduler = None
 
     async def close(self) -> None:
@@ -289,8 +327,15 @@ class Driver:
         if async_scheduling is None:
             async_scheduling = all(s.device.startswith("cuda") for s in plan.stages)
         block_size = self.pipeline.block_size
-        self.scheduler = Scheduler(replace(self.cfg.scheduler, num_kv_blocks=plan.num_kv_blocks, max_model_len=max_len,
-                                           block_size=block_size, async_scheduling=async_scheduling))
+        kept, self.scheduler = self.scheduler, Scheduler(replace(
+            self.cfg.scheduler, num_kv_blocks=plan.num_kv_blocks, max_model_len=max_len, block_size=block_size,
+            async_scheduling=async_scheduling))
+        if self._recovery is not None:
+            self._recovery.cancel()
+            self._recovery = None
+        if kept is not None:  # the requests kept through the broken epoch go on in this one
+            self._dispatch(self.scheduler.take_over(kept))
+            log.info("resuming %d request(s) kept from the broken epoch", self.scheduler.num_unfinished)
         self.plan, self.max_model_len = plan, max_len
         # stage processes compute different micro-batches at once; in one process one step runs at a time
         self._lanes = len(plan.stages) if self.pipeline.overlaps_stages else 1

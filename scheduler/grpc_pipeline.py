@@ -53,8 +53,14 @@ class GrpcPipeline:
         r.check(stage)
         old = r.stages.get(stage.stage_index)
         if old is not None and old.address != stage.address and await self._probe(old) is None:
-            raise StagemeshError(f"{old.name} is alive and serves index {stage.stage_index}; stop it first, or "
-                                 f"give this stage another --stage-index")
+            if stage.standby:
+                r.add_spare(stage)
+                self._drop_channel(stage.address)
+                log.info("%s is a spare for %s (--standby)", stage.name, old.name)
+                return r.missing, True, None
+            raise StagemeshError(f"{old.name} is alive and serves index {stage.stage_index}; stop it first, give "
+                                 f"this stage another --stage-index, or start it with --standby to keep it as a "
+                                 f"spare")
         missing = r.register(stage)
         self._drop_channel(stage.address)  # whatever answered there before is gone
         if old is not None:
@@ -111,7 +117,21 @@ class GrpcPipeline:
             return None
         stages = [self.rendezvous.stages[i] for i in range(self.rendezvous.pp)]
         results = await asyncio.gather(*[self._probe(s) for s in stages])
+        for stage, failure in zip(stages, results):
+            if failure is not None:
+                await self._promote_spare(stage)  # the next probe finds the pipeline whole again
         return next((r for r in results if r is not None), None)
+
+    async def _promote_spare(self, failed: StageInfo) -> None:
+        """A spare that answers takes the place of `failed`; spares that do not answer are forgotten."""
+        for spare in self.rendezvous.spares_for(failed.stage_index):
+            if await self._probe(spare) is None:
+                self.rendezvous.promote(spare)
+                self._drop_channel(failed.address)
+                log.warning("%s does not answer: the spare %s takes its place", failed.name, spare.name)
+                return
+            log.warning("forgetting the spare %s: it does not answer", spare.name)
+            self.rendezvous.drop_spare(spare)
 
     async def _probe(self, stage: StageInfo, wait: bool = False) -> StageFailure | None:
         """None when the registered instance of `stage` answers; else what went wrong.

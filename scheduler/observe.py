@@ -3,7 +3,9 @@
 The driver calls the hooks; the core scheduler stays free of them. Metric
 names follow vLLM's with a ``stagemesh:`` prefix. Each request gets a span
 (child of the router's, from the gRPC metadata) with events queued /
-scheduled / first_token / preempted / finished. Each step gets a span whose
+scheduled / first_token / preempted / stalled / recovered / finished (stalled:
+the pipeline broke under it and it was kept; recovered: its first token after
+the pipeline re-formed, with the failure and the seconds it stalled). Each step gets a span whose
 parent is the span of the first request in it and which links to the rest,
 so a request's trace holds the steps that served it (OpenTelemetry's pattern
 for batches).
@@ -38,6 +40,12 @@ TTFT = Histogram("stagemesh:time_to_first_token_seconds", "Time to first token",
 ITL = Histogram("stagemesh:inter_token_latency_seconds", "Time between two output tokens", buckets=_ITL)
 E2E = Histogram("stagemesh:e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY)
 QUEUE = Histogram("stagemesh:request_queue_time_seconds", "Arrival to first scheduling", buckets=_LATENCY)
+RECOVERED = Counter("stagemesh:num_requests_recovered",
+                    "Requests kept through a broken pipeline that went on once it re-formed")
+STALL = Histogram("stagemesh:request_recovery_stall_seconds",
+                  "From a pipeline's failure to a kept request's next token", buckets=_LATENCY)
+CONTINUED = Counter("stagemesh:num_requests_continued",
+                    "Requests continued here after their replica failed (submitted with generated tokens)")
 STEP = Histogram("stagemesh:scheduler_step_seconds", "One micro-batch through every stage", buckets=_ITL)
 STEP_COMPUTE = Histogram("stagemesh:stage_compute_seconds", "Model time of one micro-batch, summed over stages",
                          buckets=_ITL)
@@ -55,6 +63,8 @@ class _Tracked:
     num_output: int = 0
     num_cached: int = 0
     preemptions: int = 0
+    stalled_since: float | None = None  # the pipeline broke under it; its next token recovers it
+    failure: str = ""
 
 
 class Observer:
@@ -64,7 +74,7 @@ class Observer:
         self._prefix = (0, 0)
 
     # -- requests -------------------------------------------------------------
-    def submitted(self, request_id: str, num_prompt: int, parent_ctx=None) -> None:
+    def submitted(self, request_id: str, num_prompt: int, parent_ctx=None, num_generated: int = 0) -> None:
         span = None
         if telemetry.enabled():
             span = telemetry.tracer().start_span(
@@ -72,6 +82,10 @@ class Observer:
                 attributes={"stagemesh.request_id": request_id, "gen_ai.usage.input_tokens": num_prompt,
                             "stagemesh.replica": self.replica})
             span.add_event("queued")
+            if num_generated:
+                span.set_attribute("stagemesh.continued_from_tokens", num_generated)
+        if num_generated:
+            CONTINUED.inc()
         tracked = _Tracked(time.monotonic(), num_prompt, span)
         tracked.traceparent = telemetry.traceparent(span)
         self.requests[request_id] = tracked
@@ -94,12 +108,24 @@ class Observer:
                 if t.span is not None:
                     t.span.add_event("scheduled")
 
+    def stalled(self, request_ids: list[str], failure: str) -> None:
+        """The pipeline broke under these requests; they are kept for the next epoch."""
+        now = time.monotonic()
+        for request_id in request_ids:
+            t = self.requests.get(request_id)
+            if t is not None and t.stalled_since is None:
+                t.stalled_since, t.failure = now, failure
+                if t.span is not None:
+                    t.span.add_event("stalled", {"stagemesh.failure": failure})
+
     def outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         for out in outputs:
             t = self.requests.get(out.request_id)
             if t is None:
                 continue
+            if out.new_token_ids and t.stalled_since is not None:
+                self._recovered(out.request_id, t, now)
             if out.new_token_ids:
                 GENERATION_TOKENS.inc(len(out.new_token_ids))
                 t.num_output += len(out.new_token_ids)
@@ -113,6 +139,16 @@ class Observer:
                 t.last_token = now
             if out.finished:
                 self._finish(out, t, now)
+
+    def _recovered(self, request_id: str, t: _Tracked, now: float) -> None:
+        stall = now - t.stalled_since
+        RECOVERED.inc()
+        STALL.observe(stall)
+        if t.span is not None:
+            t.span.add_event("recovered", {"stagemesh.failure": t.failure, "stagemesh.stall_seconds": stall,
+                                           "stagemesh.replica": self.replica})
+        log.info("request %s recovered after a %.2fs stall (%s)", request_id, stall, t.failure)
+        t.stalled_since = None
 
     def _finish(self, out: RequestOutput, t: _Tracked, now: float) -> None:
         del self.requests[out.request_id]

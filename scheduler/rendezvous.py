@@ -4,6 +4,10 @@ Stages register with their layer range; a stage whose range overlaps a
 neighbour's or leaves a gap, that serves another model, or uses another block
 size or handoff is refused with the reason. When the ranges tile the model,
 the pipeline can form.
+
+A stage started with --standby that registers for an index a live stage
+already serves is kept as a spare for that index; when the serving stage
+fails, the pipeline promotes a spare that answers (scheduler.grpc_pipeline).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ class StageInfo:
     address: str
     handoff: str
     instance_id: str = ""  # new at every start of the stage process
+    standby: bool = False  # may be kept as a spare for its index
 
     @property
     def name(self) -> str:
@@ -56,16 +61,35 @@ class Rendezvous:
         self.block_size = block_size
         self.model = model
         self.stages: dict[int, StageInfo] = {}
+        self.spares: dict[int, dict[str, StageInfo]] = {}  # index -> address -> standby stage
 
     def register(self, stage: StageInfo) -> int:
         """Accept the stage (replacing an earlier one of the same index); returns stages still missing."""
         self.check(stage)
+        self.drop_spare(stage)
         self.stages[stage.stage_index] = stage
         return self.missing
 
     def knows(self, stage: StageInfo) -> bool:
-        """The very stage instance is registered (its registration is a heartbeat)."""
-        return self.stages.get(stage.stage_index) == stage
+        """The very stage instance is registered, serving or as a spare (its registration is a heartbeat)."""
+        return self.stages.get(stage.stage_index) == stage or \
+            self.spares.get(stage.stage_index, {}).get(stage.address) == stage
+
+    def add_spare(self, stage: StageInfo) -> None:
+        self.check(stage)
+        self.spares.setdefault(stage.stage_index, {})[stage.address] = stage
+
+    def drop_spare(self, stage: StageInfo) -> None:
+        self.spares.get(stage.stage_index, {}).pop(stage.address, None)
+
+    def promote(self, spare: StageInfo) -> StageInfo:
+        """The spare serves its index from now on; returns the stage it replaces."""
+        self.drop_spare(spare)
+        old, self.stages[spare.stage_index] = self.stages[spare.stage_index], spare
+        return old
+
+    def spares_for(self, index: int) -> list[StageInfo]:
+        return list(self.spares.get(index, {}).values())
 
     @property
     def missing(self) -> int:

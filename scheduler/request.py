@@ -30,6 +30,7 @@ class Request:
     # step run ahead of them computes PLACEHOLDER in their place (stage_worker.run_ahead fills it in)
     num_output_placeholders: int = 0
     num_preemptions: int = 0
+    num_recoveries: int = 0  # pipelines that broke under it (it was kept and recomputed: Scheduler.requeue_all)
     num_prompt_logprobs: int = 0  # prompt logprobs delivered (positions 1.. of the prompt)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None

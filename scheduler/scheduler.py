@@ -80,7 +80,11 @@ class Scheduler:
         self.num_preemptions = 0
 
     # -- requests in and out ------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                    generated_token_ids: list[int] = ()) -> None:
+        """Queue a request; generated_token_ids continues one that produced those tokens elsewhere (its replica
+        failed): it goes on from prompt + them as if it had generated them here (max_tokens, min_tokens, a
+        seed's positions and a structured-output grammar count them; its prompt logprobs were delivered)."""
         cfg = self.config
         if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
             raise StagemeshError(f"a request id must have 1 to {MAX_REQUEST_ID_LEN} characters")
@@ -89,6 +93,10 @@ class Scheduler:
         if not prompt_token_ids:
             raise StagemeshError("the prompt is empty")
         check_token_ids("prompt_token_ids", prompt_token_ids, cfg.vocab_size)
+        check_token_ids("generated_token_ids", generated_token_ids, cfg.vocab_size)
+        if len(generated_token_ids) >= sampling.max_tokens:
+            raise StagemeshError(f"a continuation of {len(generated_token_ids)} generated tokens has nothing left "
+                                 f"to generate (max_tokens {sampling.max_tokens})")
         if cfg.vocab_size is not None:
             sampling.check_vocab(cfg.vocab_size)
         total = len(prompt_token_ids) + sampling.max_tokens
@@ -101,9 +109,49 @@ class Scheduler:
             raise StagemeshError(f"a request of {total} tokens can never fit the KV cache of {cfg.kv_cache_tokens} tokens")
         if cfg.max_waiting_requests and len(self.waiting) >= cfg.max_waiting_requests:
             raise QueueFull(f"the waiting queue is full ({cfg.max_waiting_requests} requests)")
-        request = Request(request_id, list(prompt_token_ids), sampling)
+        request = Request(request_id, list(prompt_token_ids), sampling, list(generated_token_ids))
+        if generated_token_ids:
+            request.num_prompt_logprobs = len(prompt_token_ids) - 1
         self.requests[request_id] = request
         self.waiting.append(request)
+
+    def requeue_all(self) -> list[Request]:
+        """The pipeline broke: every request goes back to waiting as if preempted (generated tokens kept, its KV
+        gone with the epoch), running ones first, until a scheduler of the next epoch takes them over
+        (take_over) or they fail (fail_all). Returns them."""
+        for r in self.running:  # (a waiting one lost no work)
+            r.num_recoveries += 1
+        requests = [*self.running, *self.waiting]
+        for r in requests:
+            r.status, r.seq_id = Status.WAITING, -1
+            r.num_computed_tokens = r.in_flight = r.num_output_placeholders = 0
+        self.running, self.waiting = [], deque(requests)
+        self._finished_seq_ids = []
+        self.kv = BlockManager(self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        return requests
+
+    def take_over(self, old: Scheduler) -> list[RequestOutput]:
+        """Adopt the requests `old` kept through a broken pipeline (after its requeue_all), in their order;
+        those that no longer fit this epoch's context length or KV cache fail (their outputs are returned)."""
+        assert not old.running, "take_over needs the old scheduler's requests requeued"
+        failed = []
+        for request in old.waiting:
+            total = len(request.prompt_token_ids) + request.sampling.max_tokens
+            if total > self.config.max_model_len or self.kv.blocks_needed(total) > self.config.num_kv_blocks:
+                request.status = Status.FINISHED
+                failed.append(RequestOutput(
+                    request.request_id, finish_reason="error", num_prompt_tokens=len(request.prompt_token_ids),
+                    error=f"the pipeline re-formed with room for {self.config.max_model_len} tokens per request "
+                          f"and a KV cache of {self.config.kv_cache_tokens}; this request needs {total}"))
+                continue
+            self.requests[request.request_id] = request
+            self.waiting.append(request)
+        old.requests, old.waiting = {}, deque()
+        return failed
+
+    def fail(self, request_ids, error: str) -> list[RequestOutput]:
+        """End these requests with `error` (not their own fault)."""
+        return [self._finish(self.requests[r], "error", error=error) for r in request_ids if r in self.requests]
 
     def abort(self, request_ids) -> list[RequestOutput]:
         outputs = []

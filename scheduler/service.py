@@ -70,7 +70,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                           if submit.traceparent else None)
         try:
             self.driver.add(r.request_id, list(r.prompt_token_ids), sampling_from_pb(r.sampling), connection,
-                            trace_context)
+                            trace_context, list(r.generated_token_ids))
         except StagemeshError as err:
             connection.reject(r.request_id, err)
             return
@@ -118,7 +118,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         info = StageInfo(s.stage_index, s.layer_start, s.layer_end, s.tensor_parallel_size, s.device, s.num_kv_blocks,
                          s.block_size, ModelIdentity(m.model_type, m.num_hidden_layers, m.hidden_size, m.vocab_size,
                                                      m.num_attention_heads, m.num_key_value_heads), s.address,
-                         s.handoff, s.instance_id)
+                         s.handoff, s.instance_id, s.standby)
         try:
             missing, first_seen = await self.driver.register_stage(info)
         except StagemeshError as err:

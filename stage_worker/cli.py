@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where replica 0's stage hosts the expert-parallel group's store")
     p.add_argument("--data-parallel-rpc-port", type=int, default=29550,
                    help="the store's port for stage 0's group (stage i's: this + i)")
+    p.add_argument("--standby", action="store_true",
+                   help="a spare: when another live stage serves this --stage-index, the scheduler keeps this one "
+                        "warm (weights loaded, KV cache allocated) and swaps it in when that stage fails; otherwise "
+                        "it serves as any stage")
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     p.add_argument("--cpu-affinity", default=None, metavar="CPUS", help="pin the stage (and followers) to these "
                                                                         "cores, e.g. 0 or 0,1")
@@ -100,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
     cfg.check_tp_size(args.tensor_parallel_size)
     if args.enable_expert_parallel:
         cfg.check_expert_parallel(args.tensor_parallel_size)
+    if args.standby and args.data_parallel_size > 1:
+        raise StagemeshError("--standby with --data-parallel-size > 1 is not supported: an expert-parallel group "
+                             "re-forms with the restarted member (stage_worker.ep_group)")
     ep = expert_parallel_across_replicas(args, cfg, start, end)
     if args.cpu_affinity:
         import os
@@ -122,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
     worker = StageWorker(StageConfig(slice_, args.stage_index, handoff=args.handoff,
                                      kv_cache_memory=args.kv_cache_memory,
                                      gpu_memory_utilization=args.gpu_memory_utilization, threads=args.threads,
-                                     ep=ep))
+                                     ep=ep, standby=args.standby))
+    if args.standby:  # warm: a join with the stage's own number of blocks finds its cache ready
+        worker.runner.allocate_kv_cache(worker.num_kv_blocks)
     internal_token.warn_if_open(f"stage {args.stage_index}")
     if cfg.is_moe:
         from stage_worker.moe import describe_layout

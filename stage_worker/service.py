@@ -43,7 +43,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             stage_index=c.stage_index, layer_start=s.layer_start, layer_end=s.layer_end, tensor_parallel_size=s.tp_size,
             device=s.device, free_memory_bytes=w.free_memory_bytes(), num_kv_blocks=w.num_kv_blocks,
             block_size=s.block_size, address=self.address, handoff=c.handoff, model_path=str(s.model_dir),
-            weight_bytes=w.runner.model.num_parameter_bytes(), instance_id=w.instance_id,
+            weight_bytes=w.runner.model.num_parameter_bytes(), instance_id=w.instance_id, standby=c.standby,
             model=stage_pb2.ModelIdentity(model_type=cfg.model_type, num_hidden_layers=cfg.num_hidden_layers,
                                           hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                                           num_attention_heads=cfg.num_attention_heads,

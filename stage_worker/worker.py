@@ -45,6 +45,7 @@ class StageConfig:
     gpu_memory_utilization: float = 0.9
     threads: int = 0  # of each TP follower (rank 0's are set by its command line)
     ep: EPConfig | None = None  # experts spread over the data-parallel replicas' stages (stage_worker.ep_group)
+    standby: bool = False  # a spare for a served index (see scheduler.rendezvous): KV allocated at start
 
 
 class StageWorker:

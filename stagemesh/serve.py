@@ -78,6 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: whole experts spread over each stage's TP ranks, or with -dp > 1 over the "
                         "replicas' stages (data-parallel attention; see `stagemesh stage`)")
+    p.add_argument("--stage-recovery-timeout", type=float, default=None,
+                   help="seconds a replica keeps its requests for a failed stage to come back (see `stagemesh "
+                        "scheduler`; default 30)")
+    p.add_argument("--max-request-retries", type=int, default=None,
+                   help="times a request may go on after a failure under it (scheduler and router; default 3)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per stage process (0: cores / processes)")
     p.add_argument("--restart-policy", choices=("on-failure", "never"), default="on-failure",
                    help="on-failure: a child that dies is restarted with backoff while the rest serve; never: "
@@ -127,7 +132,7 @@ def plan_commands(args: argparse.Namespace, model_dir: str, num_layers: int, cud
     threads = args.threads or max(1, (os.cpu_count() or 1) // processes)
     device = "cuda" if cuda else "cpu"
     common_sched = _flags(args, ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                                 "served_model_name"))
+                                 "served_model_name", "stage_recovery_timeout", "max_request_retries"))
     if not args.enable_prefix_caching:
         common_sched.append("--no-enable-prefix-caching")
     if args.async_scheduling is not None:
@@ -159,7 +164,7 @@ def plan_commands(args: argparse.Namespace, model_dir: str, num_layers: int, cud
         router += ["--replica", replica]
     router += ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
     children.append(("router", router + _flags(args, ("grpc_port", "served_model_name", "api_key", "max_model_len",
-                                                      "tool_call_parser")), {}))
+                                                      "tool_call_parser", "max_request_retries")), {}))
     return children
 
 

@@ -3,7 +3,9 @@ generation logic that need no model's real tokens (no scheduler, no stage, no st
 
 The fake replica answers a request with the tokens first_token, first_token + 1, ... (first_token is the
 prompt's last token + 1, wrapped in the vocabulary), one output per token, ending with "length" at
-max_tokens (or at a stop token id it meets), as a replica's SubmitStream does.
+max_tokens (or at a stop token id it meets), as a replica's SubmitStream does. A continuation (generated
+tokens given) goes on from them. fail_after=N: a request fails with UNAVAILABLE after its N-th token there,
+as when the replica dies.
 """
 from __future__ import annotations
 
@@ -16,34 +18,45 @@ from router.app import build_app
 from router.balancing import LeastLoad
 from router.config import RouterConfig
 from router.replicas import Replica, ReplicaSet
-from router.submit_stream import ReplicaOutput
+import grpc
+
+from router.submit_stream import ReplicaOutput, RequestFailed
 from router.tokenization import Tokenizer
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.sampling_params import SamplingParams
 
 
 class FakeReplica(Replica):
-    def __init__(self, served_model_name: str, max_model_len: int, vocab_size: int, eos_token_ids=()):
-        super().__init__("fake:0", healthy=True, reason="", max_model_len=max_model_len,
+    def __init__(self, served_model_name: str, max_model_len: int, vocab_size: int, eos_token_ids=(),
+                 address: str = "fake:0"):
+        super().__init__(address, healthy=True, reason="", max_model_len=max_model_len,
                          eos_token_ids=tuple(eos_token_ids), served_model_name=served_model_name)
         self.vocab_size = vocab_size
+        self.fail_after: int | None = None
         self.submitted: list[tuple[str, list[int], SamplingParams]] = []
+        self.generated: list[list[int]] = []  # of each submit: the tokens a continuation brought
 
     def __post_init__(self) -> None:  # no channel: nothing to dial
         self._stream = None
 
-    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> "FakeStream":
+    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
+               generated: list[int] = ()) -> "FakeStream":
         self.submitted.append((request_id, prompt, sampling))
-        return FakeStream(self._outputs(prompt, sampling))
+        self.generated.append(list(generated))
+        return FakeStream(self._outputs(prompt, sampling, len(generated)))
 
-    async def _outputs(self, prompt: list[int], sampling: SamplingParams):
-        token = (prompt[-1] + 1) % self.vocab_size
-        for i in range(sampling.max_tokens):
+    async def _outputs(self, prompt: list[int], sampling: SamplingParams, num_generated: int):
+        token = (prompt[-1] + 1 + num_generated) % self.vocab_size
+        for i in range(num_generated, sampling.max_tokens):
             await asyncio.sleep(0)
+            if self.fail_after is not None and i - num_generated == self.fail_after:
+                self.healthy = False
+                raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"replica {self.address} died")
             stop = token in sampling.stop_token_ids
             last = stop or i + 1 == sampling.max_tokens
             yield ReplicaOutput([token], finish_reason=("stop" if stop else "length") if last else None,
-                                stop_token_id=token if stop else None, num_prompt_tokens=len(prompt) if i == 0 else 0)
+                                stop_token_id=token if stop else None,
+                                num_prompt_tokens=len(prompt) if i == num_generated else 0)
             if last:
                 return
             token = (token + 1) % self.vocab_size
@@ -73,11 +86,14 @@ class FakeStream:
 class FakeRouter:
     """The router's app on a loopback port, served by an event loop on a thread of its own."""
 
-    def __init__(self, model_dir, served_model_name: str, api_key: str | None = None):
+    def __init__(self, model_dir, served_model_name: str, api_key: str | None = None, num_replicas: int = 1,
+                 max_request_retries: int = 3):
         cfg = ModelConfig.from_path(model_dir)
-        self.replica = FakeReplica(served_model_name, 512, cfg.vocab_size, cfg.eos_token_ids)
-        replicas = ReplicaSet([], LeastLoad())
-        replicas.replicas = [self.replica]
+        self.replicas = [FakeReplica(served_model_name, 512, cfg.vocab_size, cfg.eos_token_ids, f"fake:{i}")
+                         for i in range(num_replicas)]
+        self.replica = self.replicas[0]
+        replicas = ReplicaSet([], LeastLoad(), max_request_retries=max_request_retries)
+        replicas.replicas = list(self.replicas)
         tokenizer = Tokenizer(model_dir, cfg.max_position_embeddings)
         self.app = build_app(replicas, tokenizer, RouterConfig(served_model_name, api_key))
         self._loop = asyncio.new_event_loop()

@@ -61,6 +61,7 @@ class Mesh:
         self.log_dir = log_dir
         self.scheduler: subprocess.Popen | None = None
         self.stages: list[subprocess.Popen | None] = []
+        self.spares: list[subprocess.Popen] = []
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
     def _spawn(self, args: list[str], name: str) -> subprocess.Popen:
@@ -68,13 +69,17 @@ class Mesh:
         return subprocess.Popen([sys.executable, "-m", "stagemesh", *args], stdout=out, stderr=subprocess.STDOUT,
                                 env=self.env)
 
-    def start_stage(self, index: int) -> None:
+    def start_stage(self, index: int, standby: bool = False) -> None:
+        """Start stage `index` (again); standby: a spare for it, beside the one that serves (self.spares)."""
         a, b = layer_ranges(self.split)[index]
+        extra = ["--standby"] if standby else self.per_stage_args.get(index, [])
         proc = self._spawn(["stage", self.model_dir, "--scheduler", self.address, "--stage-index", str(index),
                             "--layers", f"{a}:{b}", "--tensor-parallel-size", str(self.tp[index]),
-                            "--handoff", self.handoff, "--threads", "1", *self.stage_args,
-                            *self.per_stage_args.get(index, [])], f"stage{index}")
-        if index < len(self.stages):
+                            "--handoff", self.handoff, "--threads", "1", *self.stage_args, *extra],
+                           f"stage{index}{'-standby' if standby else ''}")
+        if standby:
+            self.spares.append(proc)
+        elif index < len(self.stages):
             self.stages[index] = proc
         else:
             self.stages.append(proc)
@@ -113,10 +118,10 @@ class Mesh:
     def __exit__(self, *exc) -> None:
         if getattr(self, "channel", None) is not None:
             self.channel.close()
-        for proc in [*self.stages, self.scheduler]:
+        for proc in [*self.stages, *self.spares, self.scheduler]:
             if proc is not None and proc.poll() is None:
                 proc.terminate()
-        for proc in [*self.stages, self.scheduler]:
+        for proc in [*self.stages, *self.spares, self.scheduler]:
             if proc is not None:
                 try:
                     proc.wait(timeout=10)

@@ -43,7 +43,9 @@ def two_replicas(model_dir, log_dir, metrics_ports=(None, None)):
     for rank, metrics in enumerate(metrics_ports):
         extra = ep_flags(rank, store_port) + (["--metrics-port", str(metrics)] if metrics else [])
         (log_dir / f"r{rank}").mkdir()
-        meshes.append(Mesh(model_dir, [layers], log_dir=log_dir / f"r{rank}", per_stage_args={0: extra}))
+        # (a dead member fails the requests at once: recovery is the same as any replica's, tests/test_recovery.py)
+        meshes.append(Mesh(model_dir, [layers], log_dir=log_dir / f"r{rank}", per_stage_args={0: extra},
+                           scheduler_args=("--stage-recovery-timeout", "0")))
     try:
         for mesh in meshes:  # the stages wait for each other: start both before waiting for either
             mesh.start()

@@ -5,6 +5,7 @@ No processes, no gRPC: seconds."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -13,6 +14,8 @@ from scheduler.driver import Driver, DriverConfig, Unavailable
 from scheduler.output_stream import OutputStream
 from scheduler.pipeline import StageFailure, StepResult
 from scheduler.rendezvous import ModelIdentity, PipelinePlan, StageInfo
+from scheduler.scheduler import Scheduler
+from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import PLACEHOLDER, SampledToken, StepBatch
 
@@ -86,10 +89,12 @@ class FakePipeline:
         return self.probe_result
 
 
-def make_driver(pipeline, **scheduler) -> Driver:
+def make_driver(pipeline, recovery_s: float = 0.0, retries: int = 3, **scheduler) -> Driver:
+    """A driver over `pipeline`; recovery_s 0: a broken pipeline fails its requests at once."""
     scheduler.setdefault("block_size", 4)
     return Driver(DriverConfig(SchedulerConfig(vocab_size=VOCAB, **scheduler), model_max_len=256,
-                               probe_interval_s=0.01), pipeline)
+                               probe_interval_s=0.01, stage_recovery_timeout_s=recovery_s,
+                               max_request_retries=retries), pipeline)
 
 
 async def collect(stream: OutputStream) -> tuple[list[int], str | None, str | None]:
@@ -101,9 +106,10 @@ async def collect(stream: OutputStream) -> tuple[list[int], str | None, str | No
             return tokens, out.finish_reason, out.error
 
 
-def start(driver: Driver, name: str, prompt: list[int], n: int, **sampling) -> asyncio.Task:
+def start(driver: Driver, name: str, prompt: list[int], n: int, generated: list[int] = (), **sampling
+          ) -> asyncio.Task:
     stream = OutputStream()
-    driver.add(name, prompt, SamplingParams(max_tokens=n, ignore_eos=True, **sampling), stream)
+    driver.add(name, prompt, SamplingParams(max_tokens=n, ignore_eos=True, **sampling), stream, generated=generated)
     return asyncio.create_task(collect(stream))
 
 
@@ -198,6 +204,75 @@ def test_a_failed_stage_fails_the_epoch_and_a_late_reply_is_ignored():
         assert reason == "error" and "stage 1" in error and "failed" in error
     assert again == (want(9, 4), "length", None)
     assert pipeline.joined == [1, 3]  # epoch 2 was the broken one's end
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["plain", "run-ahead"])
+def test_a_failed_stage_keeps_its_requests_and_they_go_on_exactly_when_the_pipeline_reforms(async_scheduling):
+    pipeline = FakePipeline(num_stages=1 if async_scheduling else 2, auto=False)
+    driver = make_driver(pipeline, recovery_s=10)
+    driver.cfg = replace(driver.cfg, async_scheduling=async_scheduling)
+
+    async def body():
+        tasks = [start(driver, f"r{i}", [5] * (6 + i), 12) for i in range(3)]
+        for k in range(4):  # a few tokens each, then the failure with steps in flight
+            while len(pipeline.sent) <= k:
+                await asyncio.sleep(0.001)
+            pipeline.answer(k)
+        while len(pipeline.sent) < 5:
+            await asyncio.sleep(0.001)
+        pipeline.probe_result = StageFailure(pipeline.plan.stages[-1], "UNAVAILABLE: killed")
+        pipeline.answer(4, failure=pipeline.probe_result)
+        while driver.healthy:
+            await asyncio.sleep(0.001)
+        assert "killed" in driver.reason and not any(t.done() for t in tasks)  # kept, stalled
+        with pytest.raises(Unavailable):  # new requests go elsewhere meanwhile
+            driver.add("new", [1, 2], SamplingParams(max_tokens=1), OutputStream())
+        pipeline.auto, pipeline.probe_result = True, None  # the stage is back: a new epoch takes them over
+        for i in range(5, len(pipeline.sent)):  # the broken epoch's late replies are ignored
+            if not pipeline.sent[i][2].done():
+                pipeline.answer(i)
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(with_driver(driver, body))
+    assert results == [(want(6 + i, 12), "length", None) for i in range(3)]  # no gap, no repeat
+    assert len(pipeline.joined) == 2 and driver.healthy
+
+
+def test_kept_requests_fail_with_the_stage_when_the_window_ends_or_after_too_many_failures():
+    for recovery_s, retries, why in ((0.3, 3, "within"), (10, 0, "--max-request-retries 0")):
+        pipeline = FakePipeline(num_stages=2, auto=False)
+        driver = make_driver(pipeline, recovery_s=recovery_s, retries=retries)
+
+        async def body():
+            tasks = [start(driver, f"r{i}", [5] * 6, 4) for i in range(2)]
+            while len(pipeline.sent) < 2:
+                await asyncio.sleep(0.001)
+            pipeline.probe_result = StageFailure(pipeline.plan.stages[1], "UNAVAILABLE: gone")  # never back
+            pipeline.answer(1, failure=pipeline.probe_result)
+            return await asyncio.gather(*tasks)
+
+        results = asyncio.run(with_driver(driver, body))
+        for tokens, reason, error in results:
+            assert reason == "error" and "stage 1 (fake:1, layers 1:2) failed: UNAVAILABLE: gone" in error
+        if retries == 0:
+            assert why in results[0][2]
+
+
+def test_a_continuation_goes_on_from_the_tokens_generated_elsewhere():
+    pipeline = FakePipeline(num_stages=2)
+    driver = make_driver(pipeline)
+
+    async def body():
+        return await start(driver, "r", [5] * 7, 10, generated=want(7, 4))
+
+    tokens, reason, error = asyncio.run(with_driver(driver, body))
+    assert (tokens, reason) == (want(7, 10)[4:], "length")  # the remaining six: max_tokens counts the four
+    with pytest.raises(StagemeshError, match="nothing left to generate"):
+        Scheduler(SchedulerConfig(num_kv_blocks=8, max_model_len=64, block_size=4, vocab_size=VOCAB)).add_request(
+            "x", [5], SamplingParams(max_tokens=2), [7, 8])
+    with pytest.raises(StagemeshError, match="generated_token_ids"):
+        Scheduler(SchedulerConfig(num_kv_blocks=8, max_model_len=64, block_size=4, vocab_size=VOCAB)).add_request(
+            "x", [5], SamplingParams(max_tokens=4), [VOCAB])
 
 
 def test_a_stage_that_answers_nonsense_is_a_failed_stage():

@@ -1,4 +1,5 @@
-"""A stage that dies fails its requests with a clear error, and the replica recovers."""
+"""A stage that dies and is not back within --stage-recovery-timeout fails its requests with a clear error
+(tests/test_recovery.py: back in time, they go on), and the replica recovers."""
 from __future__ import annotations
 
 import time
@@ -20,17 +21,22 @@ def test_stage_killed_mid_generation_fails_requests_then_recovers(tiny_model_dir
     # (a lone request runs ahead: stage 0 waits for its tokens from stage 1 when stage 1 dies)
     model_dir = tiny_model_dir("llama")
     long = SamplingParams(max_tokens=400, ignore_eos=True)
-    with Mesh(model_dir, [2, 2], handoff="nccl", log_dir=tmp_path, scheduler_args=(flag,) if flag else ()) as mesh:
+    window = ("--stage-recovery-timeout", "2")
+    with Mesh(model_dir, [2, 2], handoff="nccl", log_dir=tmp_path,
+              scheduler_args=(*window, flag) if flag else window) as mesh:
         with ThreadPoolExecutor(num_requests) as pool:
             futures = [pool.submit(mesh.submit, f"r{i}", [5 + i] * 20, long, 60) for i in range(num_requests)]
             while mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5).num_running < num_requests:
                 time.sleep(0.05)
             mesh.kill_stage(1)
+            killed = time.monotonic()
             errors = []
             for f in futures:
                 with pytest.raises(grpc.RpcError) as info:
                     f.result(timeout=60)  # bounded: a hang fails the test
                 errors.append(info.value)
+        assert time.monotonic() - killed >= 2, "the requests were not kept for the window"
+        assert f"keeping {num_requests} request(s) for up to 2s" in (tmp_path / "scheduler.log").read_text()
         for err in errors:
             assert err.code() == grpc.StatusCode.UNAVAILABLE
             assert "stage 1 (127.0.0.1:" in err.details() and "layers 2:4) failed" in err.details()

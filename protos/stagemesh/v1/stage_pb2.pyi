@@ -91,6 +91,7 @@ class StageDescription(_message.Message):
     MODEL_PATH_FIELD_NUMBER: _builtins.int
     WEIGHT_BYTES_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    STANDBY_FIELD_NUMBER: _builtins.int
     stage_index: _builtins.int
     layer_start: _builtins.int
     """Layers [layer_start, layer_end)."""
@@ -115,6 +116,11 @@ class StageDescription(_message.Message):
     """Random id of this stage process, new at every start: a registration with the id the
     scheduler knows is a heartbeat; another id at the same index is a restarted stage.
     """
+    standby: _builtins.bool
+    """Started with --standby: when another live stage serves its index, the
+    scheduler keeps it as a spare (weights loaded, KV cache allocated) and
+    swaps it in when that stage fails.
+    """
     @_builtins.property
     def model(self) -> Global___ModelIdentity: ...
     def __init__(
@@ -134,10 +140,11 @@ class StageDescription(_message.Message):
         model_path: _builtins.str = ...,
         weight_bytes: _builtins.int = ...,
         instance_id: _builtins.str = ...,
+        standby: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "instance_id", b"instance_id", "layer_end", b"layer_end", "layer_start", b"layer_start", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "stage_index", b"stage_index", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "instance_id", b"instance_id", "layer_end", b"layer_end", "layer_start", b"layer_start", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "stage_index", b"stage_index", "standby", b"standby", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
