@@ -66,14 +66,14 @@ def stream_once(base: str, model: str, rng: random.Random, max_tokens: int, stal
                 return f"refused {resp.status_code} (retried after Retry-After)"
             if resp.status_code != 200:
                 return f"failed {resp.status_code}"
-            last, gap = time.monotonic(), 0.0
+            last, gaps = time.monotonic(), []
             for line in resp.iter_lines():
                 if line.startswith(b"data: {") and b'"error"' in line:
                     return "failed in stream: " + json.loads(line[6:])["error"]["type"]
                 now = time.monotonic()
-                gap, last = max(gap, now - last), now
-            if gap > 1.0:
-                stalls.append(gap)
+                gaps.append((last, now))
+                last = now
+            stalls.append(gaps)
             return "completed"
     except requests.RequestException as err:
         return f"failed {type(err).__name__}"
@@ -198,7 +198,9 @@ def report(elapsed: float, tally: Tally, poison: Tally, kills: list, log: Path, 
     refused = sum(v for k, v in counts.items() if k.startswith("refused"))
     rss = {name: rss_mb(pid) for name, pid in children(log).items()}
     restarts = len(re.findall(r"restarting it", log.read_text()))
-    stalled = sorted(stalls)
+    times = [t for t, _ in kills]
+    stalled = sorted(end - start for gaps in list(stalls) for start, end in gaps
+                     if any(start <= t <= end for t in times))
     stall = f"p50 {stalled[len(stalled) // 2]:.1f}s, max {stalled[-1]:.1f}s" if stalled else "-"
     print(f"[{elapsed / 60:4.1f} min] completed {done}, lost {sum(failed.values())} {failed or ''}, refused while "
           f"down {refused}; poison answers {poison.snapshot()}; killed {[k for _, k in kills]}, restarts {restarts}; "

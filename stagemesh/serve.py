@@ -78,6 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: whole experts spread over each stage's TP ranks, or with -dp > 1 over the "
                         "replicas' stages (data-parallel attention; see `stagemesh stage`)")
+    p.add_argument("--policy", choices=("least-load", "cache-aware", "round-robin"), default=None,
+                   help="the router's balancing over the replicas (default least-load)")
     p.add_argument("--stage-recovery-timeout", type=float, default=None,
                    help="seconds a replica keeps its requests for a failed stage to come back (see `stagemesh "
                         "scheduler`; default 30)")
@@ -164,7 +166,7 @@ def plan_commands(args: argparse.Namespace, model_dir: str, num_layers: int, cud
         router += ["--replica", replica]
     router += ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
     children.append(("router", router + _flags(args, ("grpc_port", "served_model_name", "api_key", "max_model_len",
-                                                      "tool_call_parser", "max_request_retries")), {}))
+                                                      "tool_call_parser", "max_request_retries", "policy")), {}))
     return children
 
 

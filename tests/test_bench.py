@@ -7,7 +7,7 @@ import pytest
 
 from mesh import Mesh, Router
 from stagemesh.bench.report import Result, percentile, summarize
-from stagemesh.bench.workload import load_jsonl, parse_range, synthetic
+from stagemesh.bench.workload import as_text, load_jsonl, parse_range, prefix_repetition, synthetic
 from stagemesh.cli import main
 from stagemesh.core.errors import StagemeshError
 from tiny_models import with_word_tokenizer
@@ -24,6 +24,21 @@ def test_synthetic_workload_is_seeded_with_exact_lengths():
     for bad in ("a:b", "5:2", "0:3"):
         with pytest.raises(StagemeshError, match="--input-len-range"):
             parse_range(bad, "--input-len-range")
+
+
+def test_prefix_repetition_workload_shares_its_prefixes_and_text_prompts_decode_the_ids(tiny_model_dir, tmp_path):
+    reqs = prefix_repetition(384, {0, 1, 2}, 12, 3, 20, (4, 9), (5, 7), seed=1)
+    assert reqs == prefix_repetition(384, {0, 1, 2}, 12, 3, 20, (4, 9), (5, 7), seed=1)
+    prefixes = {tuple(r.prompt_ids[:20]) for r in reqs}
+    assert len(prefixes) == 3 and all(24 <= r.input_len == len(r.prompt_ids) <= 29 for r in reqs)
+    assert sorted(sum(r.prompt_ids[:20] == list(p) for r in reqs) for p in prefixes) == [4, 4, 4]
+    assert all(t not in (0, 1, 2) for r in reqs for t in r.prompt_ids) and all(5 <= r.max_tokens <= 7 for r in reqs)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "m")))
+    text = as_text(reqs, tok)
+    assert [t.prompt for t in text] == [tok.decode(r.prompt_ids) for r in reqs]
+    assert [t.max_tokens for t in text] == [r.max_tokens for r in reqs] and all(t.prompt_ids is None for t in text)
 
 
 def test_jsonl_dataset_and_its_errors(tmp_path):

@@ -98,3 +98,21 @@ def test_serve_starts_the_replica_and_sigterm_stops_every_child(tiny_model_dir, 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_passes_the_recovery_and_balancing_flags_to_its_children():
+    import argparse
+
+    from stagemesh.serve import add_arguments, plan_commands
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["-dp", "2", "-pp", "2", "--policy", "cache-aware", "--stage-recovery-timeout", "5",
+                         "--max-request-retries", "1"])
+    children = {name: argv for name, argv, _ in plan_commands(args, "/m", 4, cuda=False)}
+    flags = lambda argv: {a: b for a, b in zip(argv, argv[1:]) if a.startswith("--")}  # noqa: E731
+    for r in range(2):
+        assert flags(children[f"scheduler[{r}]"]).items() >= {"--stage-recovery-timeout": "5.0",
+                                                              "--max-request-retries": "1"}.items()
+    assert flags(children["router"]).items() >= {"--policy": "cache-aware", "--max-request-retries": "1"}.items()
+    assert "--policy" not in children["scheduler[0]"] and "--stage-recovery-timeout" not in children["router"]

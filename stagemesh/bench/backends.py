@@ -59,7 +59,10 @@ class OpenAIBackend:
                     if chunk.get("usage"):
                         result.input_len = chunk["usage"]["prompt_tokens"]
                         result.output_len = chunk["usage"]["completion_tokens"]
-                    n = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
+                    choices = chunk.get("choices") or []
+                    # servers without return_token_ids (llama.cpp's): a chunk with text brought tokens
+                    n = sum(len(c.get("token_ids") or []) or bool(c.get("text") or (c.get("delta") or {})
+                                                                  .get("content")) for c in choices)
                     if n:
                         last = _tokens_arrived(result, start, last)
             result.latency = time.perf_counter() - start

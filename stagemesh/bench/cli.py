@@ -28,6 +28,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len-range", default="16:256", metavar="A:B", help="prompt tokens (synthetic)")
     p.add_argument("--output-len-range", default="16:128", metavar="A:B", help="output tokens (ignore_eos)")
+    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=0, metavar="G",
+                   help="requests share G long prefixes (system prompts), as vLLM bench's prefix_repetition "
+                        "dataset; each request is a prefix + its own suffix of --input-len-range tokens (0: off)")
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=512, metavar="L",
+                   help="tokens of each shared prefix")
+    p.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
+                   help="send synthetic prompts as token ids (exact lengths) or as their text (servers that take "
+                        "only text, e.g. llama.cpp's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson arrivals "
                                                                         "(default inf: all at once)")
@@ -42,18 +50,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_workload(args: argparse.Namespace, model_dir) -> list:
-    from stagemesh.bench.workload import load_jsonl, parse_range, synthetic
+    from stagemesh.bench.workload import as_text, load_jsonl, parse_range, prefix_repetition, synthetic
 
     if args.dataset:
         return load_jsonl(args.dataset, parse_range(args.output_len_range, "--output-len-range")[1])[:args.num_prompts]
     if args.num_prompts < 1:
         raise StagemeshError("--num-prompts must be at least 1")
+    if args.prefix_repetition_num_prefixes < 0 or args.prefix_repetition_prefix_len < 1:
+        raise StagemeshError("--prefix-repetition-num-prefixes must be >= 0 and --prefix-repetition-prefix-len >= 1")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    return synthetic(len(tokenizer), set(tokenizer.all_special_ids), args.num_prompts,
-                     parse_range(args.input_len_range, "--input-len-range"),
-                     parse_range(args.output_len_range, "--output-len-range"), args.seed)
+    lengths = (parse_range(args.input_len_range, "--input-len-range"),
+               parse_range(args.output_len_range, "--output-len-range"))
+    special = set(tokenizer.all_special_ids)
+    if args.prefix_repetition_num_prefixes:
+        requests = prefix_repetition(len(tokenizer), special, args.num_prompts, args.prefix_repetition_num_prefixes,
+                                     args.prefix_repetition_prefix_len, *lengths, args.seed)
+    else:
+        requests = synthetic(len(tokenizer), special, args.num_prompts, *lengths, args.seed)
+    return as_text(requests, tokenizer) if args.prompt_format == "text" else requests
 
 
 async def drive(backend, requests: list, rate: float, max_concurrency: int | None, seed: int,

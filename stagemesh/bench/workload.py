@@ -41,6 +41,30 @@ def synthetic(vocab_size: int, special_ids: set[int], num: int, input_len: tuple
     return out
 
 
+def prefix_repetition(vocab_size: int, special_ids: set[int], num: int, num_prefixes: int, prefix_len: int,
+                      suffix_len: tuple[int, int], output_len: tuple[int, int], seed: int = 0) -> list[BenchRequest]:
+    """Requests that share long prefixes (vLLM bench's prefix_repetition): `num_prefixes` random prefixes of
+    `prefix_len` tokens (system prompts), each request one of them (in turn) + a suffix of its own; the
+    requests come shuffled, so a balancer does not get the groups in order."""
+    rng = random.Random(seed)
+    pool = [t for t in range(vocab_size) if t not in special_ids]
+    prefixes = [[rng.choice(pool) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    out = []
+    for i in range(num):
+        suffix = [rng.choice(pool) for _ in range(rng.randint(*suffix_len))]
+        prompt = prefixes[i % num_prefixes] + suffix
+        out.append(BenchRequest(max_tokens=rng.randint(*output_len), prompt_ids=prompt, input_len=len(prompt)))
+    rng.shuffle(out)
+    return out
+
+
+def as_text(requests: list[BenchRequest], tokenizer) -> list[BenchRequest]:
+    """The same prompts as text, for servers that take no token ids (llama.cpp's): the server counts the
+    tokens again (usage), which may differ slightly from the ids'."""
+    return [BenchRequest(r.max_tokens, prompt=tokenizer.decode(r.prompt_ids), input_len=0)
+            if r.prompt_ids is not None else r for r in requests]
+
+
 def load_jsonl(path: str | Path, default_max_tokens: int = 128) -> list[BenchRequest]:
     """Lines of {"prompt": str | [ids], "max_tokens": N} or {"messages": [...], "max_tokens": N}."""
     try:

@@ -48,14 +48,29 @@ def gguf_path() -> Path:
 def default_model_dir() -> Path:
     """The converted model directory, converting it on first use."""
     target = cache_root() / "models" / DEFAULT_MODEL_NAME
-    if (target / ".complete").exists():
+    if (target / ".complete").exists() and _has_architectures(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{DEFAULT_MODEL_NAME}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time; others wait and reuse
         if not (target / ".complete").exists():
             _convert(gguf_path(), target)
+        elif not _has_architectures(target):  # converted by an earlier version, which left it null
+            config = json.loads((target / "config.json").read_text())
+            config["architectures"] = [ARCHITECTURE]
+            (target / "config.json.tmp").write_text(json.dumps(config, indent=2) + "\n")
+            os.replace(target / "config.json.tmp", target / "config.json")  # readers never see half a file
     return target
+
+
+ARCHITECTURE = "LlamaForCausalLM"  # what the GGUF holds; other servers (vLLM) need it in config.json
+
+
+def _has_architectures(target: Path) -> bool:
+    try:
+        return bool(json.loads((target / "config.json").read_text()).get("architectures"))
+    except (OSError, ValueError):
+        return False
 
 
 def _convert(gguf: Path, target: Path) -> None:
@@ -75,6 +90,7 @@ def _convert(gguf: Path, target: Path) -> None:
     for key in ("quantization_config", "_model_name_or_path", "_name_or_path"):
         config.pop(key, None)
     config["torch_dtype"] = "float32"
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tied = bool(config.get("tie_word_embeddings"))
     state = {}
