@@ -2,8 +2,8 @@
 10 s and a component SIGKILLed every 2 minutes, in turn a stage, a scheduler and a whole replica (its
 scheduler and stages; serve restarts them). Prints, every minute, the requests completed and failed (by
 cause: a failed one is a lost request), the poison answers, the RSS of every process of the mesh, and the
-stall of the streams a kill hit (the longest gap between two chunks of a stream, for the streams whose gap
-was over a second: p50 and max).
+stall of the streams a kill hit (each gap between two chunks of a stream that spans the moment of a kill:
+p50 and max).
 
     .venv/bin/python benchmarks/soak.py [--duration 600] [--concurrency 32] [-dp 2] [-pp 2] [MODEL]
 
