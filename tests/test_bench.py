@@ -142,3 +142,21 @@ def test_bench_baseline_only_needs_no_server(tiny_model_dir, tmp_path, capsys):
     s = json.loads(text[text.index("{"):])
     assert s["baseline"]["total_output_tokens"] == 15 and s["baseline"]["output_throughput"] > 0
     assert "static batches of 2" in text.splitlines()[0]
+
+
+def test_a_dataset_goes_as_text_with_prompt_format_text_and_is_not_a_second_workload(tiny_model_dir, tmp_path):
+    import argparse
+
+    from stagemesh.bench.cli import add_arguments, build_workload
+
+    model = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "m")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": [5, 6, 7], "max_tokens": 3}\n')
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    text = build_workload(p.parse_args(["--dataset", str(data), "--prompt-format", "text"]), model)
+    from transformers import AutoTokenizer
+
+    assert [(r.prompt, r.max_tokens) for r in text] == [(AutoTokenizer.from_pretrained(str(model)).decode([5, 6, 7]), 3)]
+    with pytest.raises(StagemeshError, match="two workloads"):
+        build_workload(p.parse_args(["--dataset", str(data), "--prefix-repetition-num-prefixes", "2"]), model)

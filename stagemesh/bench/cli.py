@@ -52,7 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build_workload(args: argparse.Namespace, model_dir) -> list:
     from stagemesh.bench.workload import as_text, load_jsonl, parse_range, prefix_repetition, synthetic
 
-    if args.dataset:
+    if args.dataset and args.prefix_repetition_num_prefixes:
+        raise StagemeshError("--dataset and --prefix-repetition-num-prefixes are two workloads: give one")
+    if args.dataset and args.prompt_format == "ids":
         return load_jsonl(args.dataset, parse_range(args.output_len_range, "--output-len-range")[1])[:args.num_prompts]
     if args.num_prompts < 1:
         raise StagemeshError("--num-prompts must be at least 1")
@@ -61,6 +63,9 @@ def build_workload(args: argparse.Namespace, model_dir) -> list:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if args.dataset:  # --prompt-format text: the dataset's token-id prompts as their text
+        requests = load_jsonl(args.dataset, parse_range(args.output_len_range, "--output-len-range")[1])
+        return as_text(requests[:args.num_prompts], tokenizer)
     lengths = (parse_range(args.input_len_range, "--input-len-range"),
                parse_range(args.output_len_range, "--output-len-range"))
     special = set(tokenizer.all_special_ids)
