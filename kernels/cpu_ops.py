@@ -25,7 +25,7 @@ from kernels import moe_reference, reference
 
 log = logging.getLogger("stagemesh.kernels")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "shm_comm.cpp", CSRC / "moe_ops.cpp"]
+SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "shm_comm.cpp", CSRC / "moe_ops.cpp", CSRC / "bf16_linear.cpp"]
 
 
 def _capability() -> str:
@@ -87,7 +87,7 @@ def load(verbose: bool = False):
         return None
 
 
-# -- the kernel API (kernels.dispatch), on fp32 CPU tensors -----------------------------------
+# -- the kernel API (kernels.dispatch), on fp32 or bf16 CPU tensors (fused_moe: fp32) ----------
 
 def rms_norm(x, weight, eps, residual=None):
     return tuple(load().rms_norm(x, weight, eps, residual))
@@ -117,3 +117,13 @@ def silu_and_mul(x):
 def fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start=0):
     moe_reference.check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
     return load().fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start)
+
+
+def pack_bf16_weight(weight):
+    """W [N, K] in bf16, re-laid for linear_bf16 (kernels/csrc/bf16_linear.cpp)."""
+    return load().pack_bf16_weight(weight)
+
+
+def linear_bf16(x, packed, out_features, bias=None):
+    """x W^T + b in x's dtype (fp32 or bf16) from a packed bf16 W; sums in fp32, as torch's bf16 linear."""
+    return load().linear_bf16(x, packed, out_features, bias)

@@ -1,5 +1,5 @@
-"""One entry point per kernel: Triton on CUDA tensors, the fused C++ kernels on fp32 CPU
-tensors (where they could be built), the torch reference elsewhere.
+"""One entry point per kernel: Triton on CUDA tensors, the fused C++ kernels on fp32 and bf16 CPU
+tensors (where they could be built; the MoE layer's on fp32 only), the torch reference elsewhere.
 
 STAGEMESH_KERNELS=torch|triton forces one (Triton on CPU needs TRITON_INTERPRET=1).
 """
@@ -21,9 +21,9 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def _cpu_impl(t: torch.Tensor):
-    """The fused CPU kernels for fp32 CPU tensors when they are built, else the reference."""
-    if t.device.type == "cpu" and t.dtype == torch.float32 and cpu_ops.load() is not None:
+def _cpu_impl(t: torch.Tensor, dtypes=(torch.float32, torch.bfloat16)):
+    """The fused CPU kernels for CPU tensors of these dtypes when they are built, else the reference."""
+    if t.device.type == "cpu" and t.dtype in dtypes and cpu_ops.load() is not None:
         return cpu_ops
     return reference
 
@@ -64,7 +64,7 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start=0):
     if _use_triton(x) and _has("silu_and_mul"):  # triton imports: so does kernels.triton_moe
         from kernels import triton_moe as impl
     else:
-        impl = cpu_ops if _cpu_impl(x) is cpu_ops else moe_reference
+        impl = cpu_ops if _cpu_impl(x, (torch.float32,)) is cpu_ops else moe_reference
     return impl.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start)
 
 

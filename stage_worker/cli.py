@@ -134,10 +134,11 @@ def run(args: argparse.Namespace) -> int:
         worker.runner.allocate_kv_cache(worker.num_kv_blocks)
     internal_token.warn_if_open(f"stage {args.stage_index}")
     if args.device == "cpu":
+        from kernels import cpu_ops
         from stage_worker.cpu_isa import cpu_flags, describe_cpu_path
 
-        log.info("stage %d: %s", args.stage_index,
-                 describe_cpu_path(str(worker.runner.dtype).removeprefix("torch."), cpu_flags()))
+        log.info("stage %d: %s", args.stage_index, describe_cpu_path(
+            str(worker.runner.dtype).removeprefix("torch."), cpu_flags(), kernels=cpu_ops.load() is not None))
     if cfg.is_moe:
         from stage_worker.moe import describe_layout
         from stage_worker.observe import watch_expert_load

@@ -1,9 +1,11 @@
 """Which bf16 instructions this CPU has, and which compute path a CPU stage runs, for the start-up log.
 
-vLLM's CPU build runs bf16 by default where the CPU has bf16 instructions (avx512_bf16, or AMX tiles);
-stagemesh's `--dtype auto` stays fp32 on every CPU for now: its bf16 path is torch's generic one, which
-was measured slower than its packed fp32 path even on a CPU with avx512_bf16 (issue 22's figures: 103 vs
-117 tok/s), so picking it would make `auto` slower. The log says which path runs and why.
+stagemesh's bf16 CPU path stores weights, activations and the KV cache in bf16 and computes in fp32
+(kernels/csrc/bf16_linear.cpp and the fused kernels): it reads half the bytes of the fp32 path and
+needs no bf16 instructions, only AVX2 and FMA, so it is faster than fp32 on any x86 CPU with them
+(benchmarks/bench_bf16_cpu.py). It does not use avx512_bf16 dot products or AMX tiles yet; where a CPU
+has them the log says so. `--dtype auto` on CPU follows vLLM: the checkpoint's dtype, with fp16 as bf16;
+bf16 needs the built kernels (torch's own bf16 ops are slower than fp32 on CPU), else fp32.
 """
 from __future__ import annotations
 
@@ -32,16 +34,18 @@ def bf16_isa(flags: set[str]) -> str | None:
     return None
 
 
-def describe_cpu_path(dtype: str, flags: set[str]) -> str:
-    """One log line: the ISA and the path this stage's dtype runs on it."""
+def describe_cpu_path(dtype: str, flags: set[str], kernels: bool = True) -> str:
+    """One log line: the ISA and the path this stage's dtype runs on it (kernels: the C++ CPU kernels are built)."""
     isa = bf16_isa(flags)
     vector = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "no avx2"
     has = f"{isa} bf16 instructions" if isa else f"no bf16 instructions ({vector}; neither avx512_bf16 nor AMX)"
     if dtype == "bfloat16":
-        how = "oneDNN bf16 products" if isa else "bf16 products emulated in fp32 (slower than --dtype float32 here)"
+        if not kernels:
+            how = "torch's bf16 ops (slower than --dtype float32: the CPU kernels are not built)"
+        else:
+            how = "bf16 weights and KV cache, fp32 arithmetic (AVX2 FMA" + (f"; {isa} not used yet)" if isa else ")")
         return f"CPU with {has}: bf16 path, {how}"
     if dtype != "float32":
         return f"CPU with {has}: {dtype} path"
-    why = ("--dtype auto stays fp32: stagemesh's bf16 CPU path is not yet faster than its packed fp32 one"
-           if isa else "fp32 is the fast path on this CPU")
+    why = "--dtype bfloat16 reads half the weight bytes and is faster" if kernels else "the CPU kernels are not built"
     return f"CPU with {has}: float32 path ({why})"

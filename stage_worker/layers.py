@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels import cpu_ops
 from stage_worker.parallel import TPGroup, shard_range, vocab_range
 
 
@@ -43,23 +44,36 @@ _PACK_ROWS_HINT = 32
 
 
 def pack_weights_for_cpu(model: nn.Module) -> None:
-    """Re-lay fp32 linear weights in oneDNN's blocked format after loading (CPU only).
+    """Re-lay linear weights, once after loading, for the CPU's fast products (CPU only).
 
-    torch's dense fp32 matmul goes to MKL, whose small-batch kernels are slow on non-Intel
-    CPUs (a 4-row product takes 3x a 1-row one on AMD EPYC); oneDNN's JIT kernels on a
-    pre-packed weight keep small batches near the memory bound on any x86 CPU.
-    Benchmarks: benchmarks/bench_decode_inprocess.py, benchmarks/bench_serving.py.
+    fp32: oneDNN's blocked format. torch's dense fp32 matmul goes to MKL, whose small-batch kernels
+    are slow on non-Intel CPUs (a 4-row product takes 3x a 1-row one on AMD EPYC); oneDNN's JIT
+    kernels on a pre-packed weight keep small batches near the memory bound on any x86 CPU.
+    bf16: blocks for kernels/csrc/bf16_linear.cpp (bf16 weights, fp32 sums), which reads half the
+    bytes of the fp32 path and needs no bf16 instructions; torch's own bf16 linear is slower than
+    fp32 on a CPU without them. Without the built kernels bf16 stays on torch's.
+    Benchmarks: benchmarks/bench_decode_inprocess.py, benchmarks/bench_serving.py, benchmarks/bench_bf16_cpu.py.
     """
+    linears = [m for m in model.modules() if isinstance(m, (Linear, ParallelLMHead))]
+    if any(m.weight.dtype == torch.bfloat16 for m in linears) and cpu_ops.load() is not None:
+        for module in linears:
+            if module.weight.dtype == torch.bfloat16 and not hasattr(module.weight, "bf16_out_features"):
+                out_features = module.weight.shape[0]
+                packed = nn.Parameter(cpu_ops.pack_bf16_weight(module.weight.data), requires_grad=False)
+                packed.bf16_out_features = out_features
+                module.weight = packed
     if not torch.backends.mkldnn.is_available():
         return
-    for module in model.modules():
-        if isinstance(module, (Linear, ParallelLMHead)) and module.weight.dtype == torch.float32 \
-                and not module.weight.is_mkldnn:
+    for module in linears:
+        if module.weight.dtype == torch.float32 and not module.weight.is_mkldnn:
             packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.data, _PACK_ROWS_HINT)
             module.weight = nn.Parameter(packed, requires_grad=False)
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    out_features = getattr(weight, "bf16_out_features", None)
+    if out_features is not None:
+        return cpu_ops.linear_bf16(x, weight, out_features, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -16,6 +16,7 @@ from stagemesh.core.grammar import lazy_compiler
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.step import PromptLogprobs, SampledToken, StepBatch
 from stage_worker import prompt_logprobs
+from kernels import cpu_ops
 from stage_worker.layers import pack_weights_for_cpu
 from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from stage_worker.model import AttentionMetadata, StageModel
@@ -41,12 +42,20 @@ def check_layer_range(cfg: ModelConfig, layer_start: int, layer_end: int) -> Non
         )
 
 
+def _cpu_auto_dtype(checkpoint_dtype: str) -> str:
+    """bf16 for a bf16 or fp16 checkpoint where the CPU kernels are built (their bf16 path is faster than
+    fp32, stage_worker/cpu_isa.py); fp32 otherwise (an fp32 checkpoint is never narrowed unasked)."""
+    if checkpoint_dtype in ("bfloat16", "float16") and cpu_ops.load() is not None:
+        return "bfloat16"
+    return "float32"
+
+
 def resolve_dtype(cfg: ModelConfig, dtype: torch.dtype | str | None, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     name = dtype or "auto"
-    if name == "auto":
-        name = cfg.torch_dtype if str(device).startswith("cuda") else "float32"
+    if name == "auto":  # vLLM's rule: the checkpoint's dtype; on CPU fp16 runs as bf16
+        name = cfg.torch_dtype if str(device).startswith("cuda") else _cpu_auto_dtype(cfg.torch_dtype)
     aliases = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
     name = aliases.get(name, name)
     if name not in ("float32", "float16", "bfloat16"):

@@ -17,8 +17,27 @@ def test_bf16_instructions_are_found_in_the_flags():
 
 def test_the_log_line_says_which_path_runs_and_why():
     assert describe_cpu_path("float32", cpu_flags(AVX2)) == (
-        "CPU with no bf16 instructions (avx2; neither avx512_bf16 nor AMX): float32 path (fp32 is the fast path "
-        "on this CPU)")
-    assert "emulated in fp32 (slower than --dtype float32 here)" in describe_cpu_path("bfloat16", cpu_flags(AVX2))
-    assert "oneDNN bf16 products" in describe_cpu_path("bfloat16", cpu_flags(AMX))
-    assert "auto stays fp32" in describe_cpu_path("float32", cpu_flags(AVX512_BF16))
+        "CPU with no bf16 instructions (avx2; neither avx512_bf16 nor AMX): float32 path (--dtype bfloat16 reads "
+        "half the weight bytes and is faster)")
+    assert describe_cpu_path("bfloat16", cpu_flags(AVX2)).endswith(
+        "bf16 path, bf16 weights and KV cache, fp32 arithmetic (AVX2 FMA)")
+    assert "amx not used yet" in describe_cpu_path("bfloat16", cpu_flags(AMX))
+    assert "slower than --dtype float32: the CPU kernels are not built" in describe_cpu_path(
+        "bfloat16", cpu_flags(AVX512_BF16), kernels=False)
+
+
+def test_dtype_auto_on_cpu_is_the_checkpoints_with_fp16_as_bf16():
+    import torch
+
+    from kernels import cpu_ops
+    from stage_worker.runner import resolve_dtype
+    from stagemesh.core.model_config import ModelConfig
+
+    def auto(checkpoint_dtype):
+        cfg = ModelConfig.__new__(ModelConfig)
+        object.__setattr__(cfg, "torch_dtype", checkpoint_dtype)
+        return resolve_dtype(cfg, "auto", "cpu")
+
+    narrow = torch.bfloat16 if cpu_ops.load() is not None else torch.float32
+    assert auto("float32") == torch.float32  # never narrowed unasked
+    assert auto("bfloat16") == narrow and auto("float16") == narrow

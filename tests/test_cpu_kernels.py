@@ -83,3 +83,86 @@ def test_write_kv_cache_and_bad_slot():
 def test_silu_and_mul():
     x = torch.randn(5, 2 * 1536, generator=torch.Generator().manual_seed(4)) * 4
     torch.testing.assert_close(cpu_ops.silu_and_mul(x), reference.silu_and_mul(x), **TOL)
+
+
+# -- bf16: stored in bf16, computed in fp32 -------------------------------------------------------
+# The reference computes some steps in bf16 (the attention's products, SiLU before the product) where
+# the kernels keep fp32, so the two agree within bf16 rounding: a few units of the last place.
+BF16 = dict(atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_kernels_equal_the_reference():
+    g = torch.Generator().manual_seed(7)
+    x, w, res = (torch.randn(*s, generator=g).bfloat16() for s in ((7, 576), (576,), (7, 576)))
+    for got, want in zip(cpu_ops.rms_norm(x, w, 1e-5, res), reference.rms_norm(x, w, 1e-5, res)):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), **BF16)
+    # the residual sum is one bf16 rounding of the fp32 sum, exactly
+    assert torch.equal(cpu_ops.rms_norm(x, w, 1e-5, res)[1], (x.float() + res.float()).bfloat16())
+    gate_up = (torch.randn(5, 2 * 1536, generator=g) * 4).bfloat16()
+    torch.testing.assert_close(cpu_ops.silu_and_mul(gate_up).float(), reference.silu_and_mul(gate_up).float(), **BF16)
+    cache = reference.build_cos_sin_cache(64, 512, 10000.0, None)
+    qkv = torch.randn(5, 10 * 64, generator=g).bfloat16()
+    q, k, _ = qkv.split([6 * 64, 2 * 64, 2 * 64], -1)
+    positions = torch.tensor([0, 3, 64, 300, 511])
+    for got, want in zip(cpu_ops.apply_rotary(q.view(5, 6, 64), k.view(5, 2, 64), positions, cache),
+                         reference.apply_rotary(q.view(5, 6, 64), k.view(5, 2, 64), positions, cache)):
+        torch.testing.assert_close(got.float(), want.float(), **BF16)
+    kv = [torch.zeros(3, 16, 2, 64, dtype=torch.bfloat16) for _ in range(4)]
+    k, v = torch.randn(2, 5, 2, 64, generator=g).bfloat16()
+    cpu_ops.write_kv_cache(k, v, kv[0], kv[1], torch.tensor([0, 17, 18, 47, 3]))
+    reference.write_kv_cache(k, v, kv[2], kv[3], torch.tensor([0, 17, 18, 47, 3]))
+    assert torch.equal(kv[0], kv[2]) and torch.equal(kv[1], kv[3])
+
+
+@pytest.mark.parametrize("name", ["decode", "mixed"])
+def test_bf16_paged_attention(name):
+    lens_q, lens_ctx = ([1] * 6, [1, 17, 40, 64, 100, 33]) if name == "decode" else ([1, 5, 1], [30, 20, 70])
+    args = paged_case(lens_q, lens_ctx, 9, 3, 64, dtype=torch.bfloat16, seed=3)
+    got = cpu_ops.paged_attention(*args, 0.125)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), dense_attention(*args, 0.125), **BF16)  # dense: fp32 on bf16 inputs
+    torch.testing.assert_close(got.float(), reference.paged_attention(*args, 0.125).float(), **BF16)
+
+
+def test_bf16_kernels_refuse_mixed_dtypes():
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="weight must be BFloat16"):
+        cpu_ops.rms_norm(x, torch.randn(64), 1e-5)
+    q = torch.randn(2, 4, 64).bfloat16()
+    cache = torch.zeros(4, 16, 2, 64)
+    with pytest.raises(RuntimeError, match="k_cache must be BFloat16"):
+        cpu_ops.load().decode_attention(q, cache, cache, torch.zeros(2, 1, dtype=torch.int32), torch.tensor([0, 1]),
+                                        torch.tensor([1, 1]), 0.1)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 13, 40])
+@pytest.mark.parametrize("out_features,in_features,bias", [(16, 64, False), (50, 33, True), (960, 576, False)])
+def test_linear_bf16_equals_torch(rows, out_features, in_features, bias):
+    """Every register tile (1-6 rows and their tails), an odd K, N not a multiple of the 16-wide block."""
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    w = (torch.randn(out_features, in_features, generator=g) * 0.1).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, in_features, generator=g)
+    packed = cpu_ops.pack_bf16_weight(w)
+    exact = x @ w.float().T + (b.float() if bias else 0)  # fp32 sums of bf16 weights: what the kernel computes
+    got = cpu_ops.linear_bf16(x, packed, out_features, b)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got, exact, atol=1e-4, rtol=1e-4)
+    xb = x.bfloat16()  # bf16 activations: one rounding of the fp32 sum, as torch's bf16 linear
+    got_bf16 = cpu_ops.linear_bf16(xb.view(1, rows, in_features), packed, out_features, b)
+    assert got_bf16.dtype == torch.bfloat16 and got_bf16.shape == (1, rows, out_features)
+    want = torch.nn.functional.linear(xb, w, b)
+    torch.testing.assert_close(got_bf16[0].float(), want.float(), **BF16)
+    torch.testing.assert_close(got_bf16[0], (xb.float() @ w.float().T + (b.float() if bias else 0)).bfloat16(),
+                               atol=0, rtol=2 ** -7)  # at most one bf16 step from rounding the exact sum
+
+
+def test_linear_bf16_refuses_what_does_not_fit():
+    packed = cpu_ops.pack_bf16_weight(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="x has 9 features, the weight 8"):
+        cpu_ops.linear_bf16(torch.randn(2, 9), packed, 20)
+    with pytest.raises(RuntimeError, match="out_features 40 does not match"):
+        cpu_ops.linear_bf16(torch.randn(2, 8), packed, 40)
+    with pytest.raises(RuntimeError, match="packed by pack_bf16_weight"):
+        cpu_ops.linear_bf16(torch.randn(2, 8), torch.randn(20, 8), 20)

@@ -1,4 +1,4 @@
-// Fused CPU kernels for the serving path (fp32): one call where the torch
+// Fused CPU kernels for the serving path (fp32 and bf16): one call where the torch
 // reference takes five to ten small ops. On a CPU, small ops cost more in
 // dispatch and thread hand-off than in arithmetic, and the decode attention of
 // the reference copies every key and value it reads; these read them once.
@@ -7,6 +7,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "bf16_linear.h"
 #include "moe_ops.h"
 #include "shm_comm.h"
 
@@ -26,6 +27,33 @@ void check_f32_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
 }
+
+// The activations' and the cache's element type: float32, or bfloat16 (stored in bf16, computed in
+// fp32, rounded to nearest even once per output, as torch's own bf16 ops do).
+void check_cpu(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, " (it is ", t.scalar_type(), ")");
+}
+
+void check_float_or_bf16(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16");
+}
+
+// Runs body<T>() with T the C++ type of dtype (float or c10::BFloat16).
+template <typename Body>
+decltype(auto) with_dtype(at::ScalarType dtype, Body&& body) {
+  if (dtype == at::kBFloat16) return body(c10::BFloat16{});
+  return body(float{});
+}
+
+inline float f32(float v) { return v; }
+inline float f32(c10::BFloat16 v) { return static_cast<float>(v); }
+template <typename T>
+inline T to(float v) { return static_cast<T>(v); }  // c10::BFloat16(float) rounds to nearest even
+template <typename T>
+inline float round_as(float v) { return f32(to<T>(v)); }  // v as it would be stored in T
 
 int64_t grain_rows(int64_t floats_per_row) {
   return std::max<int64_t>(1, kGrainFloats / std::max<int64_t>(floats_per_row, 1));
@@ -51,59 +79,79 @@ inline float exp_poly(float x) {
   return y * scale;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * f32(b[i]);
+  return acc;
+}
+
+template <typename T>
+inline float sum_of_squares(const T* a, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += f32(a[i]) * f32(a[i]);
   return acc;
 }
 
 }  // namespace
 
 // (x + residual) normalised: returns (normed, x + residual); residual may be undefined.
+// In bf16 the roundings are transformers' (the sum stored in bf16, the normalised row rounded to bf16
+// before the weight multiplies it), the arithmetic fp32.
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                  const c10::optional<at::Tensor>& residual) {
-  check_f32_cpu(x, "x");
-  check_f32_cpu(weight, "weight");
+  check_float_or_bf16(x, "x");
+  check_cpu(weight, "weight", x.scalar_type());
   const int64_t hidden = x.size(-1);
   TORCH_CHECK(weight.numel() == hidden, "weight has ", weight.numel(), " elements, rows have ", hidden);
   at::Tensor in = x.contiguous();
   at::Tensor sum = in;
-  if (residual.has_value() && residual->defined()) {
-    check_f32_cpu(*residual, "residual");
+  const bool add = residual.has_value() && residual->defined();
+  at::Tensor res;
+  if (add) {
+    check_cpu(*residual, "residual", x.scalar_type());
     TORCH_CHECK(residual->sizes() == x.sizes(), "residual and x differ in shape");
     sum = at::empty_like(in);
-    const at::Tensor res = residual->contiguous();
-    const float *a = in.data_ptr<float>(), *b = res.data_ptr<float>();
-    float* s = sum.data_ptr<float>();
-    at::parallel_for(0, in.numel(), kGrainFloats, [&](int64_t lo, int64_t hi) {
-#pragma omp simd
-      for (int64_t i = lo; i < hi; ++i) s[i] = a[i] + b[i];
-    });
+    res = residual->contiguous();
   }
   at::Tensor out = at::empty_like(sum);
-  const int64_t rows = sum.numel() / hidden;
   const at::Tensor w_c = weight.contiguous();  // held: a temporary's pointer would dangle
-  const float *src = sum.data_ptr<float>(), *w = w_c.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain_rows(hidden), [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) {
-      const float* h = src + r * hidden;
-      float* o = dst + r * hidden;
-      const float inv = 1.f / std::sqrt(dot(h, h, hidden) / static_cast<float>(hidden) + static_cast<float>(eps));
+  with_dtype(x.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    if (add) {
+      const T *a = in.data_ptr<T>(), *b = res.data_ptr<T>();
+      T* s = sum.data_ptr<T>();
+      at::parallel_for(0, in.numel(), kGrainFloats, [&](int64_t lo, int64_t hi) {
 #pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) o[i] = (h[i] * inv) * w[i];
+        for (int64_t i = lo; i < hi; ++i) s[i] = to<T>(f32(a[i]) + f32(b[i]));
+      });
     }
+    const int64_t rows = sum.numel() / hidden;
+    const T *src = sum.data_ptr<T>(), *w = w_c.data_ptr<T>();
+    T* dst = out.data_ptr<T>();
+    at::parallel_for(0, rows, grain_rows(hidden), [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const T* h = src + r * hidden;
+        T* o = dst + r * hidden;
+        const float inv =
+            1.f / std::sqrt(sum_of_squares(h, hidden) / static_cast<float>(hidden) + static_cast<float>(eps));
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i) o[i] = to<T>(round_as<T>(f32(h[i]) * inv) * f32(w[i]));
+      }
+    });
   });
   return {out, sum};
 }
 
 // Rotary embedding (rotate-half layout) of q [tokens, heads, dim] and k [tokens, kv_heads, dim],
-// which may be strided views of a fused QKV output; returns contiguous rotated copies.
+// which may be strided views of a fused QKV output; returns contiguous rotated copies. The cache is
+// fp32; in bf16, cos and sin are rounded to bf16 first (transformers casts them to the model's dtype).
 std::vector<at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                                      const at::Tensor& cos_sin_cache) {
-  check_f32_cpu(q, "q");
-  check_f32_cpu(k, "k");
+  check_float_or_bf16(q, "q");
+  check_cpu(k, "k", q.scalar_type());
   check_f32_cpu(cos_sin_cache, "cos_sin_cache");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3, "q and k must be [tokens, heads, head_dim]");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "q and k must have contiguous head_dim");
@@ -123,37 +171,42 @@ std::vector<at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k, c
   at::Tensor k_out = at::empty({tokens, k.size(1), dim}, k.options());
   const int64_t* p = pos.data_ptr<int64_t>();
   const float* cs = cache.data_ptr<float>();
-  auto rotate = [&](const at::Tensor& x, at::Tensor& y, int64_t t) {
-    const float* cos = cs + p[t] * dim;
-    const float* sin = cos + half;
-    const int64_t heads = x.size(1);
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* a = x.data_ptr<float>() + t * x.stride(0) + h * x.stride(1);
-      float* b = y.data_ptr<float>() + (t * heads + h) * dim;
+  with_dtype(q.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    auto rotate = [&](const at::Tensor& x, at::Tensor& y, int64_t t) {
+      const float* cos = cs + p[t] * dim;
+      const float* sin = cos + half;
+      const int64_t heads = x.size(1);
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* a = x.data_ptr<T>() + t * x.stride(0) + h * x.stride(1);
+        T* b = y.data_ptr<T>() + (t * heads + h) * dim;
 #pragma omp simd
-      for (int64_t i = 0; i < half; ++i) {
-        b[i] = a[i] * cos[i] - a[i + half] * sin[i];
-        b[i + half] = a[i + half] * cos[i] + a[i] * sin[i];
+        for (int64_t i = 0; i < half; ++i) {
+          const float c = round_as<T>(cos[i]), s = round_as<T>(sin[i]);
+          const float lo = f32(a[i]), hi = f32(a[i + half]);
+          b[i] = to<T>(lo * c - hi * s);
+          b[i + half] = to<T>(hi * c + lo * s);
+        }
       }
-    }
-  };
-  at::parallel_for(0, tokens, grain_rows((q.size(1) + k.size(1)) * dim), [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      rotate(q, q_out, t);
-      rotate(k, k_out, t);
-    }
+    };
+    at::parallel_for(0, tokens, grain_rows((q.size(1) + k.size(1)) * dim), [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        rotate(q, q_out, t);
+        rotate(k, k_out, t);
+      }
+    });
   });
   return {q_out, k_out};
 }
 
 // Keys and values of this step's tokens into their slots of the paged cache
-// [num_blocks, block_size, kv_heads, dim], in place.
+// [num_blocks, block_size, kv_heads, dim], in place (k and v converted to the cache's dtype).
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                     const at::Tensor& slot_mapping) {
-  check_f32_cpu(k_cache, "k_cache");
-  check_f32_cpu(v_cache, "v_cache");
+  check_float_or_bf16(k_cache, "k_cache");
+  check_cpu(v_cache, "v_cache", k_cache.scalar_type());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
-  const at::Tensor kc = k.contiguous(), vc = v.contiguous();
+  const at::Tensor kc = k.to(k_cache.scalar_type()).contiguous(), vc = v.to(k_cache.scalar_type()).contiguous();
   const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
   const int64_t row = k_cache.size(2) * k_cache.size(3);
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
@@ -161,26 +214,31 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
   const int64_t* s = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < slots.numel(); ++t)
     TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, "slot ", s[t], " is outside the KV cache");
-  const float *ks = kc.data_ptr<float>(), *vs = vc.data_ptr<float>();
-  float *kd = k_cache.data_ptr<float>(), *vd = v_cache.data_ptr<float>();
-  at::parallel_for(0, slots.numel(), grain_rows(2 * row), [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      std::copy(ks + t * row, ks + (t + 1) * row, kd + s[t] * row);
-      std::copy(vs + t * row, vs + (t + 1) * row, vd + s[t] * row);
-    }
+  with_dtype(k_cache.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T *ks = kc.data_ptr<T>(), *vs = vc.data_ptr<T>();
+    T *kd = k_cache.data_ptr<T>(), *vd = v_cache.data_ptr<T>();
+    at::parallel_for(0, slots.numel(), grain_rows(2 * row), [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        std::copy(ks + t * row, ks + (t + 1) * row, kd + s[t] * row);
+        std::copy(vs + t * row, vs + (t + 1) * row, vd + s[t] * row);
+      }
+    });
   });
 }
 
 // Attention of single query rows over the paged cache. Row r belongs to sequence seq[r]
 // and sees its first visible[r] positions. One task per row: it walks the row's blocks in
 // order and reads each position's keys (then values) of all KV heads as one contiguous
-// run, which the hardware prefetcher follows; softmax in fp32, two passes.
+// run, which the hardware prefetcher follows; softmax in fp32, two passes. A bf16 cache is
+// read as bf16 (half the bytes) and widened in registers; sums and the output row are fp32
+// until the row is stored.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& visible,
                             double scale) {
-  check_f32_cpu(q, "q");
-  check_f32_cpu(k_cache, "k_cache");
-  check_f32_cpu(v_cache, "v_cache");
+  check_float_or_bf16(q, "q");
+  check_cpu(k_cache, "k_cache", q.scalar_type());
+  check_cpu(v_cache, "v_cache", q.scalar_type());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
   const at::Tensor qc = q.contiguous();
   const at::Tensor tables = block_tables.to(at::kInt).contiguous();
@@ -205,67 +263,79 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     max_len = std::max<int64_t>(max_len, ln[r]);
   }
   at::Tensor out = at::empty_like(qc);
-  const float *qp = qc.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, rows, grain_rows(2 * max_len * row_floats), [&](int64_t lo, int64_t hi) {
-    std::vector<float> scores(heads * max_len);  // [head][position]
-    for (int64_t r = lo; r < hi; ++r) {
-      const int64_t len = ln[r];
-      const int32_t* table = bt + static_cast<int64_t>(sq[r]) * width;
-      const float* qr = qp + r * heads * dim;
-      float* orow = op + r * heads * dim;
-      for (int64_t t = 0; t < len; ++t) {
-        const float* key = kp + (table[t / block_size] * block_size + t % block_size) * row_floats;
-        for (int64_t h = 0; h < heads; ++h)
-          scores[h * max_len + t] = dot(qr + h * dim, key + (h / group) * dim, dim) * fscale;
-      }
-      for (int64_t h = 0; h < heads; ++h) {
-        float* s = scores.data() + h * max_len;
-        const float m = *std::max_element(s, s + len);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
+  with_dtype(q.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T *qp = qc.data_ptr<T>(), *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows, grain_rows(2 * max_len * row_floats), [&](int64_t lo, int64_t hi) {
+      std::vector<float> scores(heads * max_len);  // [head][position]
+      std::vector<float> qf(heads * dim), of(heads * dim);
+      for (int64_t r = lo; r < hi; ++r) {
+        const int64_t len = ln[r];
+        const int32_t* table = bt + static_cast<int64_t>(sq[r]) * width;
+        for (int64_t i = 0; i < heads * dim; ++i) qf[i] = f32(qp[r * heads * dim + i]);
         for (int64_t t = 0; t < len; ++t) {
-          s[t] = exp_poly(s[t] - m);
-          total += s[t];
+          const T* key = kp + (table[t / block_size] * block_size + t % block_size) * row_floats;
+          for (int64_t h = 0; h < heads; ++h)
+            scores[h * max_len + t] = dot(qf.data() + h * dim, key + (h / group) * dim, dim) * fscale;
         }
-        const float inv = 1.f / total;
-#pragma omp simd
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-      }
-      std::fill(orow, orow + heads * dim, 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const float* value = vp + (table[t / block_size] * block_size + t % block_size) * row_floats;
         for (int64_t h = 0; h < heads; ++h) {
-          const float p = scores[h * max_len + t];
-          const float* v = value + (h / group) * dim;
-          float* o = orow + h * dim;
+          float* s = scores.data() + h * max_len;
+          const float m = *std::max_element(s, s + len);
+          float total = 0.f;
+#pragma omp simd reduction(+ : total)
+          for (int64_t t = 0; t < len; ++t) {
+            s[t] = exp_poly(s[t] - m);
+            total += s[t];
+          }
+          const float inv = 1.f / total;
 #pragma omp simd
-          for (int64_t i = 0; i < dim; ++i) o[i] += p * v[i];
+          for (int64_t t = 0; t < len; ++t) s[t] *= inv;
         }
+        std::fill(of.begin(), of.end(), 0.f);
+        for (int64_t t = 0; t < len; ++t) {
+          const T* value = vp + (table[t / block_size] * block_size + t % block_size) * row_floats;
+          for (int64_t h = 0; h < heads; ++h) {
+            const float p = scores[h * max_len + t];
+            const T* v = value + (h / group) * dim;
+            float* o = of.data() + h * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; ++i) o[i] += p * f32(v[i]);
+          }
+        }
+        T* orow = op + r * heads * dim;
+        for (int64_t i = 0; i < heads * dim; ++i) orow[i] = to<T>(of[i]);
       }
-    }
+    });
   });
   return out;
 }
 
-// SiLU(gate) * up of x = cat(gate, up) along the last dimension.
+// SiLU(gate) * up of x = cat(gate, up) along the last dimension; in bf16 SiLU(gate) is rounded to bf16
+// before the product, as torch's F.silu(gate) * up does.
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  check_f32_cpu(x, "x");
+  check_float_or_bf16(x, "x");
   const at::Tensor xc = x.contiguous();
   const int64_t width = xc.size(-1) / 2, rows = xc.numel() / xc.size(-1);
   auto sizes = xc.sizes().vec();
   sizes.back() = width;
   at::Tensor out = at::empty(sizes, xc.options());
-  const float* src = xc.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain_rows(2 * width), [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) {
-      const float *gate = src + r * 2 * width, *up = gate + width;
-      float* o = dst + r * width;
+  with_dtype(x.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* src = xc.data_ptr<T>();
+    T* dst = out.data_ptr<T>();
+    at::parallel_for(0, rows, grain_rows(2 * width), [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const T *gate = src + r * 2 * width, *up = gate + width;
+        T* o = dst + r * width;
 #pragma omp simd
-      for (int64_t i = 0; i < width; ++i) o[i] = gate[i] / (1.f + exp_poly(-gate[i])) * up[i];
-    }
+        for (int64_t i = 0; i < width; ++i) {
+          const float g = f32(gate[i]);
+          o[i] = to<T>(round_as<T>(g / (1.f + exp_poly(-g))) * f32(up[i]));
+        }
+      }
+    });
   });
   return out;
 }
@@ -277,6 +347,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "single-query attention over the paged cache");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
   m.def("fused_moe", &fused_moe, "the experts of a mixture-of-experts layer (moe_ops.cpp)");
+  m.def("pack_bf16_weight", &pack_bf16_weight, "a weight packed for linear_bf16 (bf16_linear.cpp)");
+  m.def("linear_bf16", &linear_bf16, "x W^T + b with bf16 weights, fp32 sums (bf16_linear.cpp)");
   pybind11::class_<ShmComm>(m, "ShmComm")
       .def(pybind11::init<const std::string&, int64_t, int64_t, int64_t, double>())
       .def_static("file_bytes", &ShmComm::file_bytes)

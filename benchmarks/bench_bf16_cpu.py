@@ -1,0 +1,87 @@
+"""bf16 against fp32 on CPU, in-process, same model, same run: batch-1 decode time per token
+(TPOT) and the throughput of a batch of concurrent requests. The two engines alternate for
+--rounds rounds and the medians are compared, so load from elsewhere on a shared machine hits both.
+
+The bf16 engine is `--dtype bfloat16`: bf16 weights packed for kernels/csrc/bf16_linear.cpp (fp32
+sums), bf16 activations between the layers. Targets (issue 22): batch-1 TPOT <= 0.75x fp32,
+throughput >= 1.6x fp32.
+
+    .venv/bin/python benchmarks/bench_bf16_cpu.py [--rounds 3] [--tokens 64] [--batch 32]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+
+def tpot_ms(engine, prompt_ids: list[int], tokens: int) -> float:
+    """Batch 1: the time per output token after the first (prefill excluded)."""
+    from stagemesh.core.sampling_params import SamplingParams
+
+    start, n = None, 0
+    for out in engine.stream(prompt_ids, SamplingParams(max_tokens=tokens, ignore_eos=True)):
+        if start is None:
+            start = time.perf_counter()
+        else:
+            n += len(out.new_token_ids)
+    return (time.perf_counter() - start) / n * 1e3
+
+
+def throughput(engine, prompts: list[list[int]], outputs: list[int]) -> float:
+    """Output tokens per second of all the requests at once (prefills included, as a server sees them)."""
+    from stagemesh.core.sampling_params import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in outputs]
+    start = time.perf_counter()
+    engine.generate(prompts, params)
+    return sum(outputs) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64, help="batch-1 output tokens")
+    parser.add_argument("--batch", type=int, default=32, help="concurrent requests (prompts 16-256, outputs 16-128)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    from scheduler.local_engine import LocalEngine
+    from stagemesh.core.default_model import default_model_dir
+
+    model_dir = default_model_dir()
+    prompt_ids = AutoTokenizer.from_pretrained(model_dir).encode("Write a short story about a lighthouse keeper.")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(16, 256))] for _ in range(args.batch)]
+    outputs = [rng.randint(16, 128) for _ in range(args.batch)]
+    figures = {d: {"tpot": [], "tput": []} for d in ("float32", "bfloat16")}
+    engines = {d: LocalEngine(model_dir, dtype=d) for d in figures}
+    try:
+        for engine in engines.values():
+            tpot_ms(engine, prompt_ids, 4)  # warm-up
+        for _ in range(args.rounds):
+            for dtype, engine in engines.items():
+                figures[dtype]["tpot"].append(tpot_ms(engine, prompt_ids, args.tokens))
+                figures[dtype]["tput"].append(throughput(engine, prompts, outputs))
+    finally:
+        for engine in engines.values():
+            engine.close()
+    med = {d: {k: statistics.median(v) for k, v in f.items()} for d, f in figures.items()}
+    print(f"default model in-process, {args.threads} threads, {args.rounds} rounds (medians; rounds in brackets)")
+    for d, f in figures.items():
+        print(f"{d:9s}: batch-1 TPOT {med[d]['tpot']:6.1f} ms [{', '.join(f'{x:.1f}' for x in f['tpot'])}]   "
+              f"batch-{args.batch} {med[d]['tput']:6.1f} tok/s [{', '.join(f'{x:.1f}' for x in f['tput'])}]")
+    print(f"bf16 / fp32: TPOT {med['bfloat16']['tpot'] / med['float32']['tpot']:.2f}x (target <= 0.75), "
+          f"throughput {med['bfloat16']['tput'] / med['float32']['tput']:.2f}x (target >= 1.6)")
+
+
+if __name__ == "__main__":
+    main()
