@@ -171,6 +171,12 @@ class EPGroup:
         if self.broken is not None:
             raise self._broken()
 
+    def raise_if_broken(self) -> None:
+        """A broken member lingers a moment before it exits; it must not join a new epoch meanwhile, or the
+        scheduler would form a pipeline on a stage about to be gone."""
+        if self.broken is not None:
+            raise self._broken()
+
     def _broken(self) -> EPGroupBroken:
         return EPGroupBroken(f"the expert-parallel group of stage {self.stage_index} is broken (a member is gone: "
                              f"{self.broken}); this stage exits so that the group re-forms")

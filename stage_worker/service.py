@@ -21,6 +21,7 @@ from stagemesh.core.step_wire import epoch_from_pb, sampled_to_pb, step_from_pb
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 from stage_worker.observe import ForwardObserver
 from stage_worker.step_order import StepOrder, window_for
+from stage_worker.ep_group import EPGroupBroken
 from stage_worker.handoff import GrpcHandoff
 from stage_worker.validate import InvalidStep, check_activations, check_tokens
 from stage_worker.worker import StageWorker
@@ -56,6 +57,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         spec = epoch_from_pb(request)
         try:
             self.worker.check_join(spec)  # a refused join leaves the epoch as it was
+        except EPGroupBroken as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         except StagemeshError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         self.order.close()  # steps of the old epoch stop waiting

@@ -94,7 +94,10 @@ class StageWorker:
 
     # -- epochs -------------------------------------------------------------------
     def check_join(self, req: EpochSpec) -> None:
-        """A JoinPipeline that does not fit this stage is refused before the stage leaves its epoch."""
+        """A JoinPipeline that does not fit this stage is refused before the stage leaves its epoch, and so is
+        any join while its expert-parallel group is broken (EPGroupBroken: the stage is on its way out)."""
+        if self.ep is not None:
+            self.ep.raise_if_broken()
         c = self.cfg
         check_join(req, c.stage_index, c.slice.tp_size, self.num_kv_blocks, self.runner.config.max_position_embeddings,
                    self.runner.is_last_stage, c.handoff == "grpc" and not self.runner.is_last_stage)

@@ -126,6 +126,22 @@ def test_a_dead_member_fails_every_replicas_requests_then_the_group_reforms(tiny
             assert mesh.submit("after", prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))[0] == want
 
 
+def test_a_broken_member_refuses_to_join_a_new_epoch():
+    """Between its failed step and its exit (BROKEN_LINGER_S) a broken member still answers; a JoinPipeline
+    then must be refused, or its scheduler forms a pipeline on a stage about to be gone (seen once in the
+    suite: the replica was healthy and its next request found the stage's port closed)."""
+    from types import SimpleNamespace
+
+    from stage_worker.ep_group import EPConfig, EPGroup, EPGroupBroken
+    from stage_worker.worker import StageWorker
+
+    group = EPGroup(EPConfig(dp_rank=0, dp_size=2, address="127.0.0.1", port=free_port()), 0)
+    group.raise_if_broken()  # a whole group: nothing to refuse
+    group.broken = "Connection closed by peer"
+    with pytest.raises(EPGroupBroken, match="is broken .*Connection closed by peer.*this stage exits"):
+        StageWorker.check_join(SimpleNamespace(ep=group, cfg=None), None)
+
+
 def test_serve_dp2_with_expert_parallel_matches_transformers(tiny_model_dir, tmp_path):
     model_dir = with_word_tokenizer(tiny_model_dir("mixtral"), tmp_path / "model")
     batch = prompts(384, LENGTHS)
