@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -28,21 +27,6 @@ namespace {
 
 constexpr int64_t kBlock = 16;  // output features per packed block
 constexpr int kMaxRows = 6;     // rows of x per register tile
-
-inline float bf16_to_f32(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept a (quiet) NaN
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 // Where the packed position p of a block's 16 weights puts output column column_of(p): the order that
 // interleaving zeros into the low and high words of each 128-bit lane (unpacklo / unpackhi, one
@@ -103,7 +87,8 @@ void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float* acc)
     std::fill(a, a + kBlock, 0.f);
     for (int64_t k = 0; k < K; ++k) {
       const float xv = x[m * ldx + k];
-      for (int p = 0; p < kBlock; ++p) a[column_of(p)] += xv * bf16_to_f32(w[k * kBlock + p]);
+      for (int p = 0; p < kBlock; ++p)
+        a[column_of(p)] += xv * static_cast<float>(c10::BFloat16(w[k * kBlock + p], c10::BFloat16::from_bits()));
     }
   }
 #endif
@@ -150,8 +135,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
     xp = xc.data_ptr<float>();
   } else {
     widened.resize(M * K);
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < M * K; ++i) widened[i] = bf16_to_f32(src[i]);
+    const at::BFloat16* src = xc.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(src[i]);
     xp = widened.data();
   }
   at::Tensor bf;
@@ -181,8 +166,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
           const float* a = acc + r * kBlock;
           const int64_t row = (m0 + r) * N + n0;
           if (out_bf16) {
-            uint16_t* o = reinterpret_cast<uint16_t*>(op) + row;
-            for (int64_t j = 0; j < width; ++j) o[j] = f32_to_bf16(a[j] + (bp ? bp[n0 + j] : 0.f));
+            at::BFloat16* o = reinterpret_cast<at::BFloat16*>(op) + row;  // rounds to nearest even
+            for (int64_t j = 0; j < width; ++j) o[j] = static_cast<at::BFloat16>(a[j] + (bp ? bp[n0 + j] : 0.f));
           } else {
             float* o = reinterpret_cast<float*>(op) + row;
             for (int64_t j = 0; j < width; ++j) o[j] = a[j] + (bp ? bp[n0 + j] : 0.f);

@@ -23,11 +23,6 @@ namespace {
 // the other threads costs more than the work.
 constexpr int64_t kGrainFloats = 1 << 15;
 
-void check_f32_cpu(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
-}
-
 // The activations' and the cache's element type: float32, or bfloat16 (stored in bf16, computed in
 // fp32, rounded to nearest even once per output, as torch's own bf16 ops do).
 void check_cpu(const at::Tensor& t, const char* name, at::ScalarType dtype) {
@@ -152,7 +147,7 @@ std::vector<at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k, c
                                      const at::Tensor& cos_sin_cache) {
   check_float_or_bf16(q, "q");
   check_cpu(k, "k", q.scalar_type());
-  check_f32_cpu(cos_sin_cache, "cos_sin_cache");
+  check_cpu(cos_sin_cache, "cos_sin_cache", at::kFloat);
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3, "q and k must be [tokens, heads, head_dim]");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "q and k must have contiguous head_dim");
   const int64_t tokens = q.size(0), dim = q.size(2), half = dim / 2;
