@@ -168,8 +168,7 @@ class EPGroup:
     def _check(self) -> None:
         if self.pg is None:
             raise StagemeshError("the expert-parallel group has not formed")
-        if self.broken is not None:
-            raise self._broken()
+        self.raise_if_broken()
 
     def raise_if_broken(self) -> None:
         """A broken member lingers a moment before it exits; it must not join a new epoch meanwhile, or the

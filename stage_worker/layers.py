@@ -55,13 +55,12 @@ def pack_weights_for_cpu(model: nn.Module) -> None:
     Benchmarks: benchmarks/bench_decode_inprocess.py, benchmarks/bench_serving.py, benchmarks/bench_bf16_cpu.py.
     """
     linears = [m for m in model.modules() if isinstance(m, (Linear, ParallelLMHead))]
-    if any(m.weight.dtype == torch.bfloat16 for m in linears) and cpu_ops.load() is not None:
-        for module in linears:
-            if module.weight.dtype == torch.bfloat16 and not hasattr(module.weight, "bf16_out_features"):
-                out_features = module.weight.shape[0]
-                packed = nn.Parameter(cpu_ops.pack_bf16_weight(module.weight.data), requires_grad=False)
-                packed.bf16_out_features = out_features
-                module.weight = packed
+    for module in linears:
+        if module.weight.dtype == torch.bfloat16 and not hasattr(module.weight, "bf16_out_features") \
+                and cpu_ops.load() is not None:
+            packed = nn.Parameter(cpu_ops.pack_bf16_weight(module.weight.data), requires_grad=False)
+            packed.bf16_out_features = module.weight.shape[0]
+            module.weight = packed
     if not torch.backends.mkldnn.is_available():
         return
     for module in linears:
