@@ -20,7 +20,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded model)")
     p.add_argument("--scheduler", required=True, metavar="HOST:PORT", help="the replica's scheduler")
     p.add_argument("--stage-index", type=int, required=True)
-    p.add_argument("--layers", required=True, metavar="A:B", help="this stage's layers [A, B)")
+    p.add_argument("--layers", default=None, metavar="A:B",
+                   help="this stage's layers [A, B); or give --pipeline-parallel-size (and --layer-split) instead")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
+                   help="without --layers: this stage takes its --stage-index's share of a split into this many "
+                        "stages (balanced, as `stagemesh serve` splits, unless --layer-split), so that every "
+                        "stage of a pipeline can run one command (a Kubernetes StatefulSet)")
+    p.add_argument("--layer-split", default=None, help="with --pipeline-parallel-size: layers per stage, e.g. 10,12,8")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--handoff", choices=("nccl", "grpc"), default="grpc", help="activation transport to the next stage")
@@ -90,6 +96,27 @@ def parse_layers(text: str) -> tuple[int, int]:
     return start, end
 
 
+def stage_layers(args: argparse.Namespace, num_layers: int) -> tuple[int, int]:
+    """The stage's layer range: --layers, or its share of the pipeline's split."""
+    from stagemesh.core.model_config import layer_ranges, layer_split, parse_layer_split
+
+    pp = args.pipeline_parallel_size
+    if args.layers is not None:
+        if pp is not None or args.layer_split is not None:
+            raise StagemeshError("give either --layers or --pipeline-parallel-size (with --layer-split), not both")
+        return parse_layers(args.layers)
+    if pp is None:
+        raise StagemeshError("give the stage's layers: --layers A:B, or --pipeline-parallel-size N (and "
+                             "--layer-split) for its --stage-index's share of the split")
+    if args.layer_split is not None:
+        split = parse_layer_split(args.layer_split, num_layers, pp)
+    else:
+        split = layer_split(num_layers, pp)
+    if not 0 <= args.stage_index < pp:
+        raise StagemeshError(f"--stage-index {args.stage_index} is out of range for --pipeline-parallel-size {pp}")
+    return layer_ranges(split)[args.stage_index]
+
+
 def run(args: argparse.Namespace) -> int:
     from stagemesh.core.default_model import resolve_model
     from stagemesh.core.model_config import ModelConfig
@@ -99,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     setup_service(args, f"stagemesh-stage-{args.stage_index}")
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_path(model_dir)
-    start, end = parse_layers(args.layers)
+    start, end = stage_layers(args, cfg.num_hidden_layers)
     check_layer_range(cfg, start, end)
     cfg.check_tp_size(args.tensor_parallel_size)
     if args.enable_expert_parallel:

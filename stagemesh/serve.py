@@ -1,31 +1,33 @@
-"""`stagemesh serve`: the whole mesh on this host as supervised child processes.
+"""`stagemesh serve`: the whole mesh as supervised services, on this host or on a Ray cluster.
 
 One scheduler per data-parallel replica, its pipeline stages (balanced layer
-split unless --layer-split), and the router in front. A child that dies is
-restarted with backoff (the others go on serving: the router takes a broken
-replica out until it is back, stages and schedulers find each other again);
-only Ctrl-C or SIGTERM stop the mesh (`--restart-policy never`: the first death
-stops it, for debugging). Children die with this process (PR_SET_PDEATHSIG), so
-none is orphaned. The children share a generated internal token (in their
-environment) unless one is given.
+split unless --layer-split), and the router in front. With the mp backend
+(default) every service is a child process of this one; with
+`--distributed-executor-backend ray` each runs under a Ray actor somewhere on
+the cluster this node belongs to (stagemesh.ray_executor). Either way a service
+that dies is restarted with backoff (stagemesh.supervisor) while the others go
+on serving: the router takes a broken replica out until it is back, stages and
+schedulers find each other again. Only Ctrl-C or SIGTERM stop the mesh
+(`--restart-policy never`: the first death stops it, for debugging). The
+services share a generated internal token (in their environment) unless one is
+given.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stagemesh.core import internal_token
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.logs import setup_logging
 from stagemesh.core.service_options import add_service_arguments, service_argv
+from stagemesh.ray_actor import NODE_IP
+from stagemesh.supervisor import Child, stop_all
 
 log = logging.getLogger("stagemesh.serve")
 
@@ -36,9 +38,32 @@ log = logging.getLogger("stagemesh.serve")
 # per stage on 2 cores (benchmarks/profile_mesh_step.py --threads 2): 44-45 ms per token against
 # 58-64 ms with the default. A GOMP_SPINCOUNT or OMP_WAIT_POLICY of the user's is left alone.
 CPU_STAGE_SPIN_COUNT = "20000"
-RESTART_BACKOFF_S = (1.0, 30.0)  # first and longest wait before a dead child starts again (exit code 2, a
-# configuration the child refuses, stops the mesh instead: no restart can fix it)
-STABLE_AFTER_S = 60.0  # a child that ran this long restarts after the first wait again
+# On Ray a stage may be lost with its node: Ray declares a node dead after missing its health checks (about
+# 15 s by default), then places the stage elsewhere and it loads its weights; 30 s would not cover that.
+RAY_STAGE_RECOVERY_TIMEOUT_S = 90.0
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """One service of the mesh: its command line, what it adds to its environment, what it needs."""
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    kind: str = "stage"  # scheduler, stage or router
+    cpus: int = 0  # CPUs it asks of a Ray cluster (a stage: its TP ranks x threads; the others run on the head)
+    gpus: int = 0
+
+
+@dataclass(frozen=True)
+class Addresses:
+    """Where the services listen: all on loopback (mp), or the router and schedulers on the head node's
+    address and each stage on its own node's (NODE_IP, known once Ray placed it)."""
+    head: str = "127.0.0.1"
+    stage: str | None = None
+
+    @property
+    def local(self) -> bool:
+        return self.stage is None
 
 
 def cpu_stage_env() -> dict[str, str]:
@@ -89,84 +114,75 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart-policy", choices=("on-failure", "never"), default="on-failure",
                    help="on-failure: a child that dies is restarted with backoff while the rest serve; never: "
                         "the first death stops the mesh (debugging)")
+    p.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default="mp",
+                   help="mp: every service a child process of this one, on this host; ray: the services run on "
+                        "the Ray cluster this node belongs to (`ray start --head` here, `ray start --address` on "
+                        "the others, or RAY_ADDRESS): the router and the schedulers on this node, each stage with "
+                        "its TP ranks in a placement group of its own wherever Ray finds room, restarted and "
+                        "re-placed by Ray when it or its node dies (docs/ray.md). With ray, --threads is the CPUs "
+                        "each TP rank asks of Ray (default 1) and --stage-recovery-timeout defaults to "
+                        f"{RAY_STAGE_RECOVERY_TIMEOUT_S:.0f}")
     # --metrics-port P: scheduler of replica r on P + r*(PP+1), its stages next, serve's own after them all
     add_service_arguments(p)
 
 
-@dataclass
-class Child:
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    proc: subprocess.Popen | None = None
-    started: float = 0.0
-    failures: int = 0  # deaths in a row, each within STABLE_AFTER_S of its start
-    restart_at: float | None = None  # a dead child's next start
-    restarts: int = 0
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "stagemesh", *self.argv], env=self.env,
-                                     preexec_fn=_die_with_parent)
-        self.started, self.restart_at = time.monotonic(), None
-        log.info("started %s (pid %d): stagemesh %s", self.name, self.proc.pid, " ".join(self.argv))
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def plan_commands(args: argparse.Namespace, model_dir: str, num_layers: int, cuda: bool) -> list[tuple[str, list[str], dict]]:
-    """(name, argv, extra env) of every child, schedulers before their stages, the router last."""
+def plan_commands(args: argparse.Namespace, model: str | None, num_layers: int, cuda: bool,
+                  addresses: Addresses = Addresses()) -> list[ChildSpec]:
+    """Every service of the mesh, schedulers before their stages, the router last. `model` None: each service
+    resolves the embedded default model on its own node."""
     from stagemesh.core.model_config import layer_ranges, layer_split, parse_layer_split
 
     pp, tp, dp = args.pipeline_parallel_size, args.tensor_parallel_size, args.data_parallel_size
     split = (parse_layer_split(args.layer_split, num_layers, pp) if args.layer_split else layer_split(num_layers, pp))
-    processes = dp * pp * tp
-    threads = args.threads or max(1, (os.cpu_count() or 1) // processes)
+    if addresses.local:
+        threads = args.threads or max(1, (os.cpu_count() or 1) // (dp * pp * tp))
+    else:  # the cores of a node Ray has not chosen yet: what the stage asks of Ray
+        threads = args.threads or 1
     device = "cuda" if cuda else "cpu"
+    model_arg = [] if model is None else [model]
     common_sched = _flags(args, ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                                  "served_model_name", "stage_recovery_timeout", "max_request_retries"))
     if not args.enable_prefix_caching:
         common_sched.append("--no-enable-prefix-caching")
     if args.async_scheduling is not None:
         common_sched.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
+    head = [] if addresses.local else ["--host", addresses.head, "--advertise-host", addresses.head]
+    stage_host = [] if addresses.local else ["--host", addresses.stage, "--advertise-host", addresses.stage]
     children, replicas, gpu = [], [], 0
     ep_port = free_port() if args.enable_expert_parallel and dp > 1 else None  # replica 0's stage hosts the store
     for r in range(dp):
-        port = free_port()
-        replicas.append(f"127.0.0.1:{port}")
-        children.append((f"scheduler[{r}]", ["scheduler", model_dir, "--port", str(port), "--pipeline-parallel-size",
-                                              str(pp), *common_sched, *_service(args, r * (pp + 1))], {}))
+        port = free_port(addresses.head)
+        replicas.append(f"{addresses.head}:{port}")
+        children.append(ChildSpec(f"scheduler[{r}]", ["scheduler", *model_arg, *head, "--port", str(port),
+                                                      "--pipeline-parallel-size", str(pp), *common_sched,
+                                                      *_service(args, r * (pp + 1))], kind="scheduler"))
         for i, (a, b) in enumerate(layer_ranges(split)):
-            if cuda:
+            env = {} if cuda else cpu_stage_env()
+            if cuda and addresses.local:  # Ray gives each stage its GPUs itself
                 env = {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu + t) for t in range(tp))}
                 gpu += tp
-            else:
-                env = cpu_stage_env()
-            argv = ["stage", model_dir, "--scheduler", replicas[-1], "--stage-index", str(i), "--layers", f"{a}:{b}",
+            argv = ["stage", *model_arg, "--scheduler", replicas[-1], "--stage-index", str(i), "--layers", f"{a}:{b}",
                     "--tensor-parallel-size", str(tp), "--handoff", args.handoff, "--device", device,
-                    "--threads", str(threads), *_service(args, r * (pp + 1) + 1 + i),
+                    "--threads", str(threads), *stage_host, *_service(args, r * (pp + 1) + 1 + i),
                     *(["--enforce-eager"] if args.enforce_eager else []),
                     *(["--enable-expert-parallel"] if args.enable_expert_parallel else []),
                     *(["--data-parallel-size", str(dp), "--data-parallel-rank", str(r), "--data-parallel-address",
                        "127.0.0.1", "--data-parallel-rpc-port", str(ep_port)] if ep_port else []),
                     *_flags(args, ("dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization"))]
-            children.append((f"stage[{r}.{i}]", argv, env))
-    router = ["router", model_dir, "--host", args.host, "--port", str(args.port), *_service(args, None)]
+            children.append(ChildSpec(f"stage[{r}.{i}]", argv, env, "stage", tp * threads, tp if cuda else 0))
+    router = ["router", *model_arg, "--host", args.host, "--port", str(args.port), *_service(args, None)]
     for replica in replicas:
         router += ["--replica", replica]
     router += ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
-    children.append(("router", router + _flags(args, ("grpc_port", "served_model_name", "api_key", "max_model_len",
-                                                      "tool_call_parser", "max_request_retries", "policy")), {}))
+    children.append(ChildSpec("router", router + _flags(args, ("grpc_port", "served_model_name", "api_key",
+                                                               "max_model_len", "tool_call_parser",
+                                                               "max_request_retries", "policy")), kind="router"))
     return children
 
 
@@ -189,30 +205,61 @@ def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stagemesh.core.default_model import resolve_model
-    from stagemesh.core.model_config import ModelConfig
-
     setup_logging(args.log_level, args.log_format)
-    model_dir = resolve_model(args.model)
-    cfg = ModelConfig.from_path(model_dir)
-    cfg.check_tp_size(args.tensor_parallel_size)
-    cuda = args.device == "cuda" or (args.device is None and _cuda_available())
-    if args.enable_expert_parallel:
-        _check_expert_parallel(cfg, args, cuda)
     token = internal_token.configure(args) or internal_token.new_token()
+    if args.distributed_executor_backend == "ray":
+        return _run_on_ray(args, token)
+    model_dir, cfg = _model(args)
+    cuda = args.device == "cuda" or (args.device is None and _cuda_available())
+    _check_expert_parallel(cfg, args, cuda)
     base_env = {**os.environ, internal_token.ENV: token}
-    children = [Child(name, argv, {**base_env, **env})
-                for name, argv, env in plan_commands(args, str(model_dir), cfg.num_hidden_layers, cuda)]
+    children = [Child(s.name, s.argv, {**base_env, **s.env})
+                for s in plan_commands(args, str(model_dir), cfg.num_hidden_layers, cuda)]
     metrics = _serve_metrics(args, args.data_parallel_size * (args.pipeline_parallel_size + 1))
-    stop = {"signal": None}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _: stop.update(signal=signum))
+    stop = _on_signals()
     try:
         for child in children:
             child.start()
         return _supervise(children, stop, args.restart_policy, metrics)
     finally:
-        _stop_all(children)
+        stop_all(children)
+
+
+def _run_on_ray(args: argparse.Namespace, token: str) -> int:
+    from stagemesh.ray_executor import RayCluster
+
+    cluster = RayCluster.connect()  # refuses clearly when no cluster answers
+    try:
+        model_dir, cfg = _model(args)
+        cuda = args.device == "cuda" or (args.device is None and cluster.has_gpus())
+        _check_expert_parallel(cfg, args, cuda, ray=True)
+        if args.stage_recovery_timeout is None:
+            args.stage_recovery_timeout = RAY_STAGE_RECOVERY_TIMEOUT_S
+        # the default model: every node converts (or finds) its own copy, as the services on one host do
+        model = None if args.model is None else str(model_dir)
+        specs = plan_commands(args, model, cfg.num_hidden_layers, cuda, Addresses(cluster.head_ip, NODE_IP))
+        metrics = _serve_metrics(args, args.data_parallel_size * (args.pipeline_parallel_size + 1))
+        return cluster.serve(specs, {internal_token.ENV: token}, _on_signals(), args.restart_policy, metrics)
+    finally:
+        cluster.shutdown()
+
+
+def _model(args: argparse.Namespace):
+    from stagemesh.core.default_model import resolve_model
+    from stagemesh.core.model_config import ModelConfig
+
+    model_dir = resolve_model(args.model)
+    cfg = ModelConfig.from_path(model_dir)
+    cfg.check_tp_size(args.tensor_parallel_size)
+    return model_dir, cfg
+
+
+def _on_signals() -> dict:
+    """A dict whose "signal" becomes the number of the first SIGTERM or SIGINT."""
+    stop = {"signal": None}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _: stop.update(signal=signum))
+    return stop
 
 
 def _serve_metrics(args: argparse.Namespace, offset: int):
@@ -232,50 +279,29 @@ def _supervise(children: list[Child], stop: dict, policy: str, metrics) -> int:
     while stop["signal"] is None:
         now = time.monotonic()
         for child in children:
-            code = child.proc.poll() if child.proc is not None else None
-            if code is not None:
-                child.proc = None
-                if policy == "never":
-                    log.error("%s exited with code %d; stopping the mesh (--restart-policy never)", child.name, code)
-                    return 1
-                if code == 2:  # a bad flag, model or port: starting it again cannot help
-                    log.error("%s exited with code 2 (its configuration is refused: see its error above); "
-                              "stopping the mesh", child.name)
-                    return 1
-                child.failures = 1 if now - child.started > STABLE_AFTER_S else child.failures + 1
-                wait = min(RESTART_BACKOFF_S[0] * 2 ** (child.failures - 1), RESTART_BACKOFF_S[1])
-                child.restart_at = now + wait
-                log.error("%s exited with code %d; restarting it in %.0fs (the rest keep serving)", child.name, code,
-                          wait)
-            elif child.proc is None and child.restart_at is not None and now >= child.restart_at:
-                child.start()
-                child.restarts += 1
+            before = child.restarts
+            reason = child.tick(now, policy)
+            if reason is not None:
+                log.error("%s", reason)
+                return 1
+            if child.restarts > before:
                 restarts.labels(child.name).inc()
-            up.labels(child.name).set(1 if child.proc is not None else 0)
+            up.labels(child.name).set(1 if child.running else 0)
         time.sleep(0.2)
     log.info("signal %d: stopping every child", stop["signal"])
     return 0
 
 
-def _stop_all(children: list[Child]) -> None:
-    running = [c for c in children if c.proc is not None and c.proc.poll() is None]
-    for child in reversed(running):
-        child.proc.terminate()
-    deadline = time.monotonic() + 15
-    for child in running:
-        try:
-            child.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop in time: killing it", child.name)
-            child.proc.kill()
-            child.proc.wait()
-
-
-def _check_expert_parallel(cfg, args: argparse.Namespace, cuda: bool) -> None:
+def _check_expert_parallel(cfg, args: argparse.Namespace, cuda: bool, ray: bool = False) -> None:
     tp, pp, dp = args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size
+    if not args.enable_expert_parallel:
+        return
     if dp == 1:  # experts over each stage's TP ranks
         cfg.check_expert_parallel(tp)
         return
+    if ray:  # the group's store lives on replica 0's stage, whose node only Ray knows
+        raise StagemeshError("--enable-expert-parallel with --data-parallel-size > 1 (experts across the replicas) "
+                             "is not built for --distributed-executor-backend ray yet: use mp")
     # vLLM's meaning of the pair: data-parallel attention, the experts spread over the replicas (stage_worker.ep_group)
     cfg.check_expert_parallel(dp, across_replicas=True)
     not_built = [what for what, bad in ((f"-tp {tp}", tp != 1), (f"-pp {pp}", pp != 1), ("CUDA stages", cuda)) if bad]

@@ -1,14 +1,16 @@
-"""Two network namespaces joined by a veth pair: two "hosts" on one machine, for multi-node tests.
+"""Network namespaces on one Ethernet segment: several "hosts" on one machine, for multi-node tests.
 
 Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2's `ip`; :class:`NetnsUnavailable`
-says why when they are missing, so that a test can skip. Every process started through
-:meth:`Host.spawn` is stopped, and both namespaces are deleted, on exit, even after a failure.
+says why when they are missing, so that a test can skip. On exit, even after a failure, every
+process started through :meth:`Host.spawn` is stopped, every other process still in a namespace
+(daemons such as `ray start`'s) is killed, and the namespaces are deleted.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -79,6 +81,19 @@ class Host:
         except ValueError:
             return status, text
 
+    def pids(self) -> list[int]:
+        """Every process in the namespace, whoever started it."""
+        done = subprocess.run(["ip", "netns", "pids", self.netns], capture_output=True, text=True, timeout=30)
+        return [int(p) for p in done.stdout.split()]
+
+    def kill_everything(self) -> None:
+        """SIGKILL every process in the namespace: the host drops off the network as a crashed machine would."""
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def stop_all(self, timeout: float = 10) -> None:
         for proc in self.procs:
             if proc.poll() is None:
@@ -98,26 +113,32 @@ def _ip(*args: str) -> None:
         raise NetnsUnavailable(f"`ip {' '.join(args)}` failed: {done.stderr.strip() or done.returncode}")
 
 
-class NetnsPair:
-    """Namespaces A and B, A's veth at 10.77.0.1/24 and B's at 10.77.0.2/24 (names unique per pid)."""
+class NetnsLan:
+    """`size` namespaces on one Ethernet segment: a bridge in a namespace of its own, each host's veth
+    plugged into it, host i at {subnet}.{i+1}/24 (names unique per pid)."""
 
-    def __init__(self, subnet: str = "10.77.0", tag: str | None = None):
+    def __init__(self, size: int, subnet: str = "10.77.0", tag: str | None = None):
         tag = tag or str(os.getpid())
-        self.a = Host(f"smA{tag}", f"smva{tag}"[:15], f"{subnet}.1")
-        self.b = Host(f"smB{tag}", f"smvb{tag}"[:15], f"{subnet}.2")
+        self.hosts = [Host(f"sm{i}{tag}", f"smv{i}{tag}"[:15], f"{subnet}.{i + 1}") for i in range(size)]
+        self.switch = f"smS{tag}"
         self._made: list[str] = []
 
-    def __enter__(self) -> "NetnsPair":
+    def __enter__(self):
         if shutil.which("ip") is None:
             raise NetnsUnavailable("iproute2's `ip` command is missing (apt-get install iproute2)")
         if os.geteuid() != 0:
             raise NetnsUnavailable(f"network namespaces need root; running as uid {os.geteuid()}")
         try:
-            for host in (self.a, self.b):
-                _ip("netns", "add", host.netns)
-                self._made.append(host.netns)
-            _ip("link", "add", self.a.ifname, "type", "veth", "peer", "name", self.b.ifname)
-            for host in (self.a, self.b):
+            for name in [self.switch, *(h.netns for h in self.hosts)]:
+                _ip("netns", "add", name)
+                self._made.append(name)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for i, host in enumerate(self.hosts):
+                port = f"smp{i}"  # the switch's end, inside the switch's namespace
+                _ip("link", "add", host.ifname, "type", "veth", "peer", "name", port, "netns", self.switch)
+                _ip("-n", self.switch, "link", "set", port, "master", "br0")
+                _ip("-n", self.switch, "link", "set", port, "up")
                 _ip("link", "set", host.ifname, "netns", host.netns)
                 _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", host.ifname)
                 _ip("-n", host.netns, "link", "set", host.ifname, "up")
@@ -128,10 +149,20 @@ class NetnsPair:
         return self
 
     def __exit__(self, *exc) -> None:
-        for host in (self.a, self.b):
+        for host in self.hosts:
             host.stop_all()
-        for name in self._made:  # deleting a namespace deletes the veth end inside it, and so the pair
+            if host.netns in self._made:
+                host.kill_everything()
+        for name in self._made:  # deleting a namespace deletes the veth ends inside it, and so the pairs
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
         self._made.clear()
-        # a veth pair that never reached its namespaces is still in ours
-        subprocess.run(["ip", "link", "del", self.a.ifname], capture_output=True, timeout=30)
+        for host in self.hosts:  # a veth pair that never reached its namespaces is still in ours
+            subprocess.run(["ip", "link", "del", host.ifname], capture_output=True, timeout=30)
+
+
+class NetnsPair(NetnsLan):
+    """Two hosts, A at 10.77.0.1/24 and B at 10.77.0.2/24."""
+
+    def __init__(self, subnet: str = "10.77.0", tag: str | None = None):
+        super().__init__(2, subnet, tag)
+        self.a, self.b = self.hosts

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +58,32 @@ def test_default_model_names_paris():
     result = stagemesh("generate", "--prompt", "What is the capital of France?", "--max-tokens", "24")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--stage-index", "1", "--layers", "3:7"], (3, 7)),
+    (["--stage-index", "0", "--pipeline-parallel-size", "3"], (0, 4)),  # 10 layers: 4, 3, 3
+    (["--stage-index", "2", "-pp", "3"], (7, 10)),
+    (["--stage-index", "1", "-pp", "3", "--layer-split", "2,5,3"], (2, 7)),
+])
+def test_a_stage_takes_its_layers_or_its_share_of_the_split(argv, want):
+    from stagemesh.cli import build_parser
+    from stage_worker.cli import stage_layers
+
+    args = build_parser(only="stage").parse_args(["stage", "--scheduler", "h:1", *argv])
+    assert stage_layers(args, 10) == want
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stage-index", "0"], "give the stage's layers: --layers A:B, or --pipeline-parallel-size"),
+    (["--stage-index", "0", "--layers", "0:5", "-pp", "2"], "either --layers or --pipeline-parallel-size"),
+    (["--stage-index", "3", "-pp", "3"], "--stage-index 3 is out of range for --pipeline-parallel-size 3"),
+    (["--stage-index", "0", "-pp", "2", "--layer-split", "4,4"], "summing to the model's 10 layers"),
+])
+def test_a_stage_without_a_usable_layer_range_is_refused(argv, message):
+    from stagemesh.cli import build_parser
+    from stage_worker.cli import stage_layers
+
+    args = build_parser(only="stage").parse_args(["stage", "--scheduler", "h:1", *argv])
+    with pytest.raises(StagemeshError, match=re.escape(message)):
+        stage_layers(args, 10)

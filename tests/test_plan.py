@@ -187,3 +187,21 @@ def test_printed_serve_command_starts_the_mesh(tiny_model_dir, tmp_path, arch, l
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+def test_ray_backend_plan_says_which_node_gets_what_and_its_serve_command_parses():
+    from stagemesh.cli import build_parser
+
+    out = json.loads(stagemesh_plan("Llama-3.1-405B", "--gpus-per-node", "8", "--nodes", "2", "--gpu-memory", "80GB",
+                                    "--dtype", "fp16", "--distributed-executor-backend", "ray", "--json").stdout)
+    cmds = out["commands"]
+    assert cmds["head"][0] == "ray start --head --port=6379"
+    assert cmds["workers"] == "ray start --address=$HEAD_NODE_IP:6379"
+    serve = build_parser(only="serve").parse_args(cmds["head"][1].replace("<path to Llama-3.1-405B>", "/m").split()[1:])
+    assert (serve.distributed_executor_backend, serve.tensor_parallel_size, serve.pipeline_parallel_size,
+            serve.layer_split) == ("ray", 8, 2, "63,63")
+    assert cmds["placement"] == {"node 0 (head)": ["router, scheduler[0] (no CPUs)", "stage[0.0] (GPU 8, CPU 8)"],
+                                 "node 1": ["stage[0.1] (GPU 8, CPU 8)"]}
+    text = stagemesh_plan("Llama-3.1-405B", "--gpus-per-node", "8", "--nodes", "2", "--gpu-memory", "80GB",
+                          "--dtype", "fp16", "--distributed-executor-backend", "ray").stdout
+    assert "Where Ray puts what" in text and "node 1: stage[0.1] (GPU 8, CPU 8)" in text

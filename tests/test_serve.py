@@ -109,10 +109,59 @@ def test_serve_passes_the_recovery_and_balancing_flags_to_its_children():
     add_arguments(p)
     args = p.parse_args(["-dp", "2", "-pp", "2", "--policy", "cache-aware", "--stage-recovery-timeout", "5",
                          "--max-request-retries", "1"])
-    children = {name: argv for name, argv, _ in plan_commands(args, "/m", 4, cuda=False)}
+    children = {c.name: c.argv for c in plan_commands(args, "/m", 4, cuda=False)}
     flags = lambda argv: {a: b for a, b in zip(argv, argv[1:]) if a.startswith("--")}  # noqa: E731
     for r in range(2):
         assert flags(children[f"scheduler[{r}]"]).items() >= {"--stage-recovery-timeout": "5.0",
                                                               "--max-request-retries": "1"}.items()
     assert flags(children["router"]).items() >= {"--policy": "cache-aware", "--max-request-retries": "1"}.items()
     assert "--policy" not in children["scheduler[0]"] and "--stage-recovery-timeout" not in children["router"]
+
+
+def _serve_args(*argv: str):
+    import argparse
+
+    from stagemesh.serve import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_on_ray_the_stages_listen_on_their_node_and_ask_for_their_ranks_resources():
+    from stagemesh.ray_actor import NODE_IP
+    from stagemesh.serve import Addresses, plan_commands
+
+    args = _serve_args("-dp", "2", "-pp", "2", "-tp", "4", "--distributed-executor-backend", "ray")
+    specs = plan_commands(args, None, 8, cuda=True, addresses=Addresses("127.0.0.2", NODE_IP))
+    flags = lambda argv: dict(zip(argv, argv[1:]))  # noqa: E731
+    schedulers = [s for s in specs if s.kind == "scheduler"]
+    stages = [s for s in specs if s.kind == "stage"]
+    (router,) = [s for s in specs if s.kind == "router"]
+    assert len(schedulers) == 2 and len(stages) == 4
+    for s in schedulers:  # on the head node, where the stages of every node reach them
+        assert flags(s.argv)["--host"] == flags(s.argv)["--advertise-host"] == "127.0.0.2" and s.cpus == 0
+    for s in stages:
+        f = flags(s.argv)
+        assert f["--host"] == f["--advertise-host"] == NODE_IP
+        assert f["--scheduler"].startswith("127.0.0.2:") and f["--threads"] == "1"
+        assert (s.cpus, s.gpus) == (4, 4) and "CUDA_VISIBLE_DEVICES" not in s.env  # Ray assigns the GPUs
+        assert s.argv[1] == "--scheduler"  # no model: each node resolves the embedded model itself
+    replicas = {router.argv[i + 1] for i, a in enumerate(router.argv) if a == "--replica"}
+    assert len(replicas) == 2 and replicas == {flags(s.argv)["--scheduler"] for s in stages}
+    # mp: the same mesh on loopback, GPUs handed out in order
+    local = plan_commands(args, "/m", 8, cuda=True)
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in local if s.kind == "stage"] == ["0,1,2,3", "4,5,6,7",
+                                                                                   "8,9,10,11", "12,13,14,15"]
+    assert all("--host" not in s.argv for s in local if s.kind != "router")
+
+
+def test_serve_on_ray_refuses_experts_across_replicas(tiny_model_dir):
+    from stagemesh.core.errors import StagemeshError
+    from stagemesh.core.model_config import ModelConfig
+    from stagemesh.serve import _check_expert_parallel
+
+    cfg = ModelConfig.from_path(tiny_model_dir("qwen2_moe"))
+    args = _serve_args("-dp", "2", "--enable-expert-parallel", "--distributed-executor-backend", "ray")
+    with pytest.raises(StagemeshError, match="not built for --distributed-executor-backend ray"):
+        _check_expert_parallel(cfg, args, cuda=False, ray=True)

@@ -27,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="evaluate this TP size")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, help="evaluate this PP size")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the device the printed commands use")
+    p.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default="mp",
+                   help="the commands to print: services started by hand on each node (mp), or `ray start` on "
+                        "each node and one `stagemesh serve --distributed-executor-backend ray`, with where Ray "
+                        "puts each service")
     p.add_argument("--json", action="store_true", help="print the plan as a JSON object")
 
 
@@ -60,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
                       args.gpu_memory_utilization, not args.no_nvlink, args.target_concurrency,
                       args.tensor_parallel_size, args.pipeline_parallel_size)
     plan = make_plan(req)
-    print(json.dumps(as_json(req, plan, model, args.device), indent=2) if args.json
-          else as_text(req, plan, model, args.device))
+    backend = args.distributed_executor_backend
+    print(json.dumps(as_json(req, plan, model, args.device, backend), indent=2) if args.json
+          else as_text(req, plan, model, args.device, backend))
     return 0

@@ -5,7 +5,37 @@ from stagemesh.core.model_config import layer_ranges
 from stagemesh.plan.tree import GB, Plan, PlanRequest
 
 
-def commands(req: PlanRequest, plan: Plan, model: str, device: str) -> dict:
+def stage_nodes(req: PlanRequest, plan: Plan) -> list[tuple[int, int, int]]:
+    """(replica, stage index, node) of every stage: the replicas' stages fill the nodes' GPUs in order."""
+    lay = plan.layout
+    per_node = max(1, req.gpus_per_node // lay.tp)
+    return [(r, i, (r * lay.pp + i) // per_node) for r in range(lay.dp) for i in range(lay.pp)]
+
+
+def ray_commands(req: PlanRequest, plan: Plan, model: str, device: str) -> dict:
+    """`ray start` on every node, `stagemesh serve --distributed-executor-backend ray` on the head, and
+    where Ray will put what: the router and the schedulers on the head, a stage where its bundle fits."""
+    lay = plan.layout
+    split = ",".join(map(str, lay.layer_split))
+    serve = (f"stagemesh serve {model} --tensor-parallel-size {lay.tp} --pipeline-parallel-size {lay.pp}"
+             + (f" --data-parallel-size {lay.dp}" if lay.dp > 1 else "")
+             + (f" --layer-split {split}" if lay.pp > 1 else "")
+             # with -dp > 1 the flag means experts across the replicas, which the Ray backend does not build
+             + (" --enable-expert-parallel" if plan.expert_parallel and lay.dp == 1 else "")
+             + f" --device {device} --max-model-len {req.max_model_len} --distributed-executor-backend ray")
+    bundle = f"GPU {lay.tp}, CPU {lay.tp}" if device == "cuda" else f"CPU {lay.tp}"
+    placement = {"node 0 (head)": [f"router, {', '.join(f'scheduler[{r}]' for r in range(lay.dp))} (no CPUs)"]}
+    for r, i, node in stage_nodes(req, plan):
+        name = "node 0 (head)" if node == 0 else f"node {node}"
+        placement.setdefault(name, []).append(f"stage[{r}.{i}] ({bundle})")
+    return {"head": ["ray start --head --port=6379", serve],
+            "workers": "ray start --address=$HEAD_NODE_IP:6379" if plan.nodes_used > 1 else None,
+            "placement": placement}
+
+
+def commands(req: PlanRequest, plan: Plan, model: str, device: str, backend: str = "mp") -> dict:
+    if backend == "ray":
+        return ray_commands(req, plan, model, device)
     lay = plan.layout
     split = ",".join(map(str, lay.layer_split))
     common = f"--max-model-len {req.max_model_len}"
@@ -18,15 +48,15 @@ def commands(req: PlanRequest, plan: Plan, model: str, device: str) -> dict:
                + (f" --layer-split {split}" if lay.pp > 1 else "") + f"{experts} --device {device} {common}")
         return {"serve": cmd}
     # every scheduler and the router on the head node (they are light); replicas' stages fill the GPUs in order
-    stages_per_node = max(1, req.gpus_per_node // lay.tp)
     head, workers, replicas = [], {}, []
+    ranges = layer_ranges(lay.layer_split)
     for r in range(lay.dp):
         port = 50051 + r
         replicas.append(f"$HEAD_NODE_IP:{port}")
         head.append(f"stagemesh scheduler {model} --host 0.0.0.0 --advertise-host $HEAD_NODE_IP --port {port} "
                     f"--dist-port {29500 + r} --pipeline-parallel-size {lay.pp} --max-model-len {req.max_model_len}")
-        for i, (a, b) in enumerate(layer_ranges(lay.layer_split)):
-            node = (r * lay.pp + i) // stages_per_node
+        for _, i, node in [x for x in stage_nodes(req, plan) if x[0] == r]:
+            a, b = ranges[i]
             cmd = (f"stagemesh stage {model} --scheduler $HEAD_NODE_IP:{port} --stage-index {i} --layers {a}:{b} "
                    f"--tensor-parallel-size {lay.tp} --device {device} --handoff nccl --host 0.0.0.0 "
                    f"--advertise-host {'$HEAD_NODE_IP' if node == 0 else '$NODE_IP'}{experts}"
@@ -38,7 +68,7 @@ def commands(req: PlanRequest, plan: Plan, model: str, device: str) -> dict:
     return {"head": head, "workers": workers, "environment": env}
 
 
-def as_json(req: PlanRequest, plan: Plan, model: str, device: str) -> dict:
+def as_json(req: PlanRequest, plan: Plan, model: str, device: str, backend: str = "mp") -> dict:
     lay = plan.layout
     return {
         "model_type": req.cfg.model_type, "dtype": req.dtype, "max_model_len": req.max_model_len,
@@ -48,11 +78,11 @@ def as_json(req: PlanRequest, plan: Plan, model: str, device: str) -> dict:
         "weight_bytes_per_gpu": lay.weight_bytes_per_gpu, "kv_cache_bytes_per_gpu": max(lay.kv_bytes_per_gpu, 0),
         "kv_cache_tokens": lay.kv_cache_tokens, "max_concurrency": round(lay.max_concurrency, 2),
         "tight": plan.tight(req.gpu_bytes), "path": plan.path, "suggestion": plan.suggestion,
-        "commands": commands(req, plan, model, device),
+        "commands": commands(req, plan, model, device, backend),
     }
 
 
-def as_text(req: PlanRequest, plan: Plan, model: str, device: str) -> str:
+def as_text(req: PlanRequest, plan: Plan, model: str, device: str, backend: str = "mp") -> str:
     lay = plan.layout
     lines = [f"Plan for {model} ({req.cfg.model_type}, {req.dtype}) on {req.nodes} node(s) x {req.gpus_per_node} "
              f"GPU(s) of {req.gpu_bytes / GB:.0f} GB" + ("" if req.nvlink else ", no NVLink"), "", "Decision path:"]
@@ -67,9 +97,15 @@ def as_text(req: PlanRequest, plan: Plan, model: str, device: str) -> str:
               f"Maximum concurrency for {req.max_model_len:,} tokens per request: {lay.max_concurrency:.2f}x"]
     if plan.tight(req.gpu_bytes):
         lines.append("This layout is TIGHT: little or no memory is left for the KV cache.")
-    cmds = commands(req, plan, model, device)
+    cmds = commands(req, plan, model, device, backend)
     lines += ["", "Run it:"]
-    if "serve" in cmds:
+    if backend == "ray":
+        lines += ["  # on the head node (node 0)", *(f"  {c}" for c in cmds["head"])]
+        if cmds["workers"]:
+            lines += ["  # on every other node", f"  {cmds['workers']}"]
+        lines += ["", "Where Ray puts what (each stage in a placement group of its own, on a node with room):"]
+        lines += [f"  {node}: {', '.join(what)}" for node, what in cmds["placement"].items()]
+    elif "serve" in cmds:
         lines.append(f"  {cmds['serve']}")
     else:
         lines.append("  # on the head node (node 0)")

@@ -1,0 +1,93 @@
+"""One supervised child process of the mesh (`stagemesh <service> ...`) and its restart policy.
+
+`stagemesh serve` keeps every child of the mp backend here; on the Ray backend each Ray actor keeps
+its one child here (stagemesh.ray_actor), so both restart a dead service the same way: with backoff
+(1 s doubling to 30 s, back to 1 s after a minute of good running), except when it exited with code 2
+(a configuration it refuses: no restart can fix it) or under `--restart-policy never`. A child dies
+with the thread that started it (PR_SET_PDEATHSIG), so none outlives its supervisor.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("stagemesh.serve")
+
+RESTART_BACKOFF_S = (1.0, 30.0)  # first and longest wait before a dead child starts again
+STABLE_AFTER_S = 60.0  # a child that ran this long restarts after the first wait again
+EXIT_REFUSED = 2  # a bad flag, model or port: the child's own error says which
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+    started: float = 0.0
+    failures: int = 0  # deaths in a row, each within STABLE_AFTER_S of its start
+    restart_at: float | None = None  # a dead child's next start
+    restarts: int = 0
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "stagemesh", *self.argv], env=self.env,
+                                     preexec_fn=_die_with_parent)
+        self.started, self.restart_at = time.monotonic(), None
+        log.info("started %s (pid %d): stagemesh %s", self.name, self.proc.pid, " ".join(self.argv))
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None
+
+    def tick(self, now: float, policy: str) -> str | None:
+        """One look at the child: schedule or make its restart. Returns why the mesh must stop, if it must."""
+        code = self.proc.poll() if self.proc is not None else None
+        if code is not None:
+            self.proc = None
+            if policy == "never":
+                return f"{self.name} exited with code {code}; stopping the mesh (--restart-policy never)"
+            if code == EXIT_REFUSED:
+                return (f"{self.name} exited with code 2 (its configuration is refused: see its error above); "
+                        "stopping the mesh")
+            self.failures = 1 if now - self.started > STABLE_AFTER_S else self.failures + 1
+            wait = min(RESTART_BACKOFF_S[0] * 2 ** (self.failures - 1), RESTART_BACKOFF_S[1])
+            self.restart_at = now + wait
+            log.error("%s exited with code %d; restarting it in %.0fs (the rest keep serving)", self.name, code, wait)
+        elif self.proc is None and self.restart_at is not None and now >= self.restart_at:
+            self.start()
+            self.restarts += 1
+        return None
+
+    def stop(self, timeout: float) -> None:
+        """SIGTERM, then SIGKILL after `timeout` seconds."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in time: killing it", self.name)
+            self.proc.kill()
+            self.proc.wait()
+
+
+def stop_all(children: list[Child], timeout: float = 15.0) -> None:
+    """Stop every running child, the last started first, within `timeout` seconds in all."""
+    running = [c for c in children if c.proc is not None and c.proc.poll() is None]
+    for child in reversed(running):
+        child.proc.terminate()
+    deadline = time.monotonic() + timeout
+    for child in running:
+        child.stop(max(deadline - time.monotonic(), 0.1))
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass

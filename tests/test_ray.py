@@ -1,0 +1,200 @@
+"""`stagemesh serve --distributed-executor-backend ray` on a Ray cluster the test makes itself: three
+`ray start` nodes (a head and two workers, one CPU each) in three network namespaces on one Ethernet
+segment. Each stage of a PP=2 mesh lands on a node of its own and the answers are transformers'
+greedy tokens; a worker node that holds a stage is killed outright under 8 streams, Ray places the
+stage again on the node that has room, and every stream ends with exactly the undisturbed tokens."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from netns import NetnsLan, NetnsUnavailable, clean_env
+from parity import prompts
+from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+
+NEW_TOKENS = 160  # per stream: the node dies well before the end
+LENGTHS = (5, 40, 17, 70, 3, 33, 9, 51)
+GCS_PORT = 6379
+# Ray declares a node dead after this many missed health checks of this period (default 5 x 3 s)
+FAST_HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+
+
+def test_serve_on_ray_refuses_clearly_when_no_cluster_answers(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for address, says in ((f"127.0.0.1:{port}", "no Ray cluster answers at"), ("ray://127.0.0.1:10001",
+                                                                             "a Ray Client address")):
+        done = subprocess.run([sys.executable, "-m", "stagemesh", "serve", "--distributed-executor-backend", "ray"],
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_ADDRESS": address})
+        assert done.returncode == 2, done.stderr
+        assert says in done.stderr and "RAY_ADDRESS" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+
+
+def _run(host, argv: list[str], env: dict, timeout: float = 120) -> str:
+    done = subprocess.run(host.argv(*argv), capture_output=True, text=True, timeout=timeout, env=env)
+    assert done.returncode == 0, f"{' '.join(argv)}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def ray_nodes():
+    """Three Ray nodes, each in its own namespace; killed with everything in their namespaces at the end."""
+    pytest.importorskip("ray", reason="Ray is not installed (the dev extras install it: make install)")
+    lan = NetnsLan(3, subnet="10.78.0", tag=f"r{os.getpid()}")
+    try:
+        lan.__enter__()
+    except NetnsUnavailable as err:
+        pytest.skip(f"cannot make network namespaces: {err}")
+    ray = str(Path(sys.executable).parent / "ray")
+    temp = tempfile.mkdtemp(prefix="smray", dir="/tmp")  # short: Ray's socket paths live under it
+    try:
+        head = lan.hosts[0]
+        for host in lan.hosts:
+            env = clean_env(**FAST_HEALTH_CHECKS, GLOO_SOCKET_IFNAME=host.ifname, OMP_NUM_THREADS="1",
+                            RAY_USAGE_STATS_ENABLED="0")
+            role = (["--head", f"--port={GCS_PORT}", "--include-dashboard=false"] if host is head
+                    else [f"--address={head.address}:{GCS_PORT}"])
+            # a temp dir per node, as separate machines have: a node's log monitor reads only its own workers
+            _run(host, [ray, "start", *role, f"--node-ip-address={host.address}", "--num-cpus=1",
+                        "--disable-usage-stats", f"--temp-dir={temp}/{host.address.rsplit('.', 1)[1]}"], env)
+        deadline = time.monotonic() + 60
+        while _alive_nodes(head) < 3:
+            assert time.monotonic() < deadline, "the three Ray nodes did not all join"
+            time.sleep(1)
+        yield lan
+    finally:
+        lan.__exit__()
+        subprocess.run(["rm", "-rf", temp], timeout=60)
+
+
+def _alive_nodes(head) -> int:
+    code = ("import ray; ray.init(address='auto', logging_level='ERROR'); "
+            "print(sum(n['Alive'] for n in ray.nodes()))")
+    env = clean_env(RAY_ADDRESS=f"{head.address}:{GCS_PORT}")
+    done = subprocess.run(head.argv(sys.executable, "-c", code), capture_output=True, text=True, timeout=60, env=env)
+    return int(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else 0
+
+
+# Runs inside the head's namespace: N streamed completions at once; prints STARTED once each has its first
+# tokens, then one JSON line with every stream's token ids and finish reason (or its error).
+CLIENT = r"""
+import json, sys, threading, urllib.request
+url, bodies = sys.argv[1], json.loads(sys.argv[2])
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+started = threading.Barrier(len(bodies) + 1, timeout=300)
+results = [None] * len(bodies)
+def one(i):
+    ids, finish, waiting = [], None, True
+    try:
+        req = urllib.request.Request(url, data=json.dumps({**bodies[i], "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with opener.open(req, timeout=600) as resp:
+            for line in resp:
+                line = line.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    results[i] = {"error": chunk["error"]}
+                    return
+                for choice in chunk["choices"]:
+                    ids += choice.get("token_ids") or []
+                    finish = choice.get("finish_reason") or finish
+                if ids and waiting:
+                    waiting = False
+                    started.wait()
+        results[i] = {"ids": ids, "finish": finish}
+    except Exception as err:
+        results[i] = {"error": repr(err)}
+    finally:
+        if waiting:
+            started.abort()
+threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+for t in threads:
+    t.start()
+try:
+    started.wait()
+    print("STARTED", flush=True)
+except threading.BrokenBarrierError:
+    print("NOT STARTED", flush=True)
+for t in threads:
+    t.join()
+print(json.dumps(results), flush=True)
+"""
+
+
+def _placement(log: str) -> dict[str, str]:
+    """service -> node address, from serve's placement lines."""
+    table = log[log.index("placement:"):]
+    where = {}
+    for node, names in re.findall(r"^\s+node (\S+)(?: \(this node\))?: (.+)$", table, re.M):
+        for name in re.findall(r"(router|scheduler\[\d+\]|stage\[\d+\.\d+\])", names):
+            where.setdefault(name, node)
+    return where
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_pp2_on_two_ray_nodes_then_a_worker_node_dies_under_8_streams(ray_nodes, tiny_model_dir, tmp_path):
+    head, *_ = ray_nodes.hosts
+    model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
+    batch = prompts(384, LENGTHS)
+    ref = reference_model(model_dir)
+    want = [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
+    log_path = tmp_path / "serve.log"
+    env = clean_env(RAY_ADDRESS=f"{head.address}:{GCS_PORT}", GLOO_SOCKET_IFNAME=head.ifname, PYTHONUNBUFFERED="1")
+    serve = head.spawn([sys.executable, "-m", "stagemesh", "serve", str(model_dir), "--distributed-executor-backend",
+                        "ray", "-pp", "2", "--threads", "1", "--host", head.address, "--port", "8000",
+                        "--grpc-port", "0", "--served-model-name", "m", "--kv-cache-memory", str(32 << 20)],
+                       env, log_path)
+    base = f"http://{head.address}:8000"
+    deadline = time.monotonic() + 180
+    while head.http("GET", f"{base}/health", timeout=5)[0] != 200:
+        assert serve.poll() is None and time.monotonic() < deadline, log_path.read_text()[-5000:]
+        time.sleep(1)
+    log = log_path.read_text()
+    where = _placement(log)
+    assert where["router"] == where["scheduler[0]"] == head.address, where
+    assert where["stage[0.0]"] != where["stage[0.1]"], f"both stages on one node: {where}"
+
+    # PP=2 across two nodes: transformers' greedy tokens
+    for prompt, tokens in zip(batch[:3], want):
+        status, body = head.http("POST", f"{base}/v1/completions", {
+            "model": "m", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}, timeout=60)
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == tokens[:24]
+
+    # a worker node that holds a stage dies under 8 streams
+    victim_name = next(n for n in ("stage[0.0]", "stage[0.1]") if where[n] != head.address)
+    victim = next(h for h in ray_nodes.hosts if h.address == where[victim_name])
+    bodies = [{"model": "m", "prompt": p, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+               "return_token_ids": True} for p in batch]
+    client = subprocess.Popen(head.argv(sys.executable, "-c", CLIENT, f"{base}/v1/completions", json.dumps(bodies)),
+                              stdout=subprocess.PIPE, text=True, env=clean_env())
+    try:
+        assert client.stdout.readline().strip() == "STARTED", client.stdout.read()
+        victim.kill_everything()
+        out, _ = client.communicate(timeout=300)
+    finally:
+        if client.poll() is None:
+            client.kill()
+    results = json.loads(out.strip().splitlines()[-1])
+    log = log_path.read_text()
+    moved = re.search(re.escape(victim_name) + r" restarted by Ray on node (\S+) \(it ran on (\S+)\)", log)
+    assert moved and moved.group(2) == victim.address and moved.group(1) != victim.address, log[-5000:]
+    for i, result in enumerate(results):
+        assert result == {"ids": want[i], "finish": "length"}, f"stream {i}: {str(result)[:300]}\n{log[-3000:]}"
+    print(f"{victim_name} moved from {victim.address} to {moved.group(1)}; 8 streams undisturbed")
