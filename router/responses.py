@@ -29,6 +29,7 @@ class Choice:
     offset: int = 0  # characters of this choice's text already covered by logprobs' text_offset
     opened: bool = False  # a stream has sent its first chunk
     sent: int = 0  # characters of text a stream has sent as content (tool calls: text may be held back)
+    prompt_ids_due: bool = False  # a completions stream still owes this choice's prompt_token_ids
 
     def add(self, d: Delta) -> None:
         self.text += d.text
@@ -113,7 +114,9 @@ class Answer:
         prompt = sum(len(g.prompt_ids) for g in prompts)
         completion = sum(c.gen.completion_tokens for c in self.choices)
         out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-        cached = sum(c.gen.cached_tokens for c in self.choices)
+        # the prompt's cached tokens, once per prompt as its tokens are (a sibling choice finds the prompt its
+        # first choice computed in the cache: counting it again would pass prompt_tokens)
+        cached = sum(g.cached_tokens for g in prompts)
         if cached:
             out["prompt_tokens_details"] = {"cached_tokens": cached}
         return out
@@ -143,8 +146,11 @@ class Answer:
             out.append(self._chunk({"index": c.gen.index, "delta": delta, "logprobs": logprobs,
                                     "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}, d, c))
         else:
-            out.append(self._chunk({"index": c.gen.index, "text": d.text, "logprobs": logprobs,
-                                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}, d, c))
+            choice = {"index": c.gen.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason,
+                      "stop_reason": d.stop_reason}
+            if c.prompt_ids_due:
+                choice["prompt_token_ids"], c.prompt_ids_due = c.gen.prompt_ids, False
+            out.append(self._chunk(choice, d, c))
         return out
 
     def _tool_chunks(self, c: Choice, d: Delta, logprobs) -> list[dict]:
@@ -180,15 +186,23 @@ class Answer:
         return out
 
     def _opening(self, c: Choice) -> list[dict]:
+        """A choice's first chunk(s): chat's role, the echo; with return_token_ids the prompt's ids ride on
+        the first chunk, as vLLM documents (chat: on the chunk; completions: on its choice)."""
         req = self.req
         if req.chat:
-            return [self._chunk({"index": c.gen.index, "delta": {"role": "assistant", "content": c.echo},
-                                 "logprobs": None, "finish_reason": None}, None, c)]
+            chunk = self._chunk({"index": c.gen.index, "delta": {"role": "assistant", "content": c.echo},
+                                 "logprobs": None, "finish_reason": None}, None, c)
+            if req.return_token_ids:
+                chunk["prompt_token_ids"] = c.gen.prompt_ids
+            return [chunk]
         if not c.echo:
+            c.prompt_ids_due = req.return_token_ids
             return []
         logprobs = self._completion_logprobs(c, [], [], echo=True) if req.logprobs else None
-        return [self._chunk({"index": c.gen.index, "text": c.echo, "logprobs": logprobs, "finish_reason": None},
-                            None, c)]
+        choice = {"index": c.gen.index, "text": c.echo, "logprobs": logprobs, "finish_reason": None}
+        if req.return_token_ids:
+            choice["prompt_token_ids"] = c.gen.prompt_ids
+        return [self._chunk(choice, None, c)]
 
     def _chunk(self, choice: dict, d: Delta | None, c: Choice) -> dict:
         req = self.req

@@ -122,6 +122,17 @@ def test_n_choices_equal_single_requests_with_the_seed_plus_their_index(router):
     assert answer["usage"]["prompt_tokens"] == len(PROMPT) and answer["usage"]["completion_tokens"] == 24
 
 
+def test_n_choices_count_their_prompts_cached_tokens_once(router):
+    # 37 tokens: two full 16-token blocks. The siblings of the first choice find them cached (their prompt was
+    # computed once); usage counts the prompt's cached tokens once, as its tokens: none the first time (the
+    # prompt was new), its two blocks the second time
+    prompt = list(range(200, 237))
+    first, again = (complete(router, prompt=prompt, n=3, max_tokens=2)["usage"] for _ in range(2))
+    assert first["prompt_tokens"] == again["prompt_tokens"] == 37
+    assert (first.get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
+    assert again["prompt_tokens_details"]["cached_tokens"] == 32
+
+
 def test_a_list_of_prompts_gives_each_n_choices_in_openais_order(router, greedy):
     prompts = [[5, 6], [100, 101, 102]]
     answer = complete(router, prompt=prompts, n=2, return_token_ids=True)
