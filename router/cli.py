@@ -69,7 +69,8 @@ async def _main(args: argparse.Namespace) -> int:
     if args.max_waiting_requests < 0 or args.health_interval <= 0 or args.http_timeout_keep_alive <= 0:
         raise StagemeshError("--max-waiting-requests must be >= 0, --health-interval and --http-timeout-keep-alive > 0")
     model_dir = resolve_model(model)
-    tokenizer = Tokenizer(model_dir, ModelConfig.from_path(model_dir).max_position_embeddings)
+    model_config = ModelConfig.from_path(model_dir)
+    tokenizer = Tokenizer(model_dir, model_config.max_position_embeddings)
     replicas = ReplicaSet(args.replica, POLICIES[args.policy](), args.health_interval, args.max_waiting_requests,
                           args.max_request_retries)
     await replicas.refresh()
@@ -81,9 +82,9 @@ async def _main(args: argparse.Namespace) -> int:
         raise StagemeshError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     config = RouterConfig(name, args.api_key, args.max_model_len, args.public_metrics,
                           args.tool_call_parser if args.enable_auto_tool_choice else None)
-    from router.observe import set_model_name
+    from router.observe import configure
 
-    set_model_name(name)
+    configure(name, args.max_model_len or replicas.max_model_len or model_config.max_position_embeddings, args.replica)
     from stagemesh.core import telemetry
 
     if telemetry.enabled():  # a span per HTTP request, its context carried on to the scheduler

@@ -244,11 +244,11 @@ def test_one_scrape_of_the_gateway_has_the_engine_series(router):
                  "generation_tokens_total", "request_success_total", "time_to_first_token_seconds_count",
                  "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
                  "request_queue_time_seconds_count"):
-        assert f"stagemesh:{name}" in samples, name
-    assert samples["stagemesh:num_requests_running"][0].labels["replica"]  # per replica
-    lengths = [s.value for s in samples["stagemesh:request_success_total"] if s.labels["finished_reason"] == "length"]
+        assert f"vllm:{name}" in samples, name
+    assert samples["vllm:num_requests_running"][0].labels["engine"] == "0"  # per replica: its index
+    lengths = [s.value for s in samples["vllm:request_success_total"] if s.labels["finished_reason"] == "length"]
     assert lengths and lengths[0] >= 1
-    assert samples["stagemesh:generation_tokens_total"][0].value >= 8
+    assert samples["vllm:generation_tokens_total"][0].value >= 8
 
 
 def test_the_grpc_frontend_maps_errors_and_serves_n_and_prompt_logprobs(router):
