@@ -12,6 +12,7 @@ from aiohttp import web
 from router import choices, responses
 from router.config import RouterConfig
 from router.errors import APIError, bad_request
+from router.generation import check_priority
 from router.http_body import read_json
 from router.observe import metrics_handler
 from router.openapi import openapi_document
@@ -89,6 +90,7 @@ async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamRes
         raise APIError(503, "no healthy replica: " + "; ".join(f"{r.address}: {r.reason}" for r in replicas.replicas),
                        retry_after=2)
     max_len = min(filter(None, (replicas.max_model_len, request.app[CONFIG].max_model_len)))
+    check_priority(req, replicas)
     base = request_id(request, req)
     answer_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{base}"
     prompts = await prepare(req, tokenizer, max_len)

@@ -28,7 +28,8 @@ def plan(req: GenerateRequest, prompts: list[list[int]], base_id: str, max_model
             child = sampling if i == 0 else replace(
                 sampling, prompt_logprobs=None, seed=None if sampling.seed is None else sampling.seed + i)
             index = p * req.n + i
-            gens.append(Generation(base_id if single else f"{base_id}-{index}", ids, child, index))
+            gens.append(Generation(base_id if single else f"{base_id}-{index}", ids, child, index,
+                                   priority=req.priority))
     return gens
 
 

@@ -52,7 +52,21 @@ class Generation:
     pin: str | None = None  # a replica it must run on (a sibling shares its prompt's cached blocks there)
     replica: str | None = None  # where it runs
     replays: int = 0  # times its replica failed and it went on elsewhere
+    priority: int = 0  # vLLM's request priority, for the replicas' --scheduling-policy priority
     started: asyncio.Event = field(default_factory=asyncio.Event)  # its prompt is computed (or it ended)
+
+
+def check_priority(req: GenerateRequest, replicas: ReplicaSet) -> None:
+    """A priority other than 0 needs replicas that schedule by it: vLLM's 400 otherwise (each scheduler checks
+    it again when the request reaches it)."""
+    if not req.priority:
+        return
+    if not -2**31 <= req.priority < 2**31:
+        raise bad_request(f"'priority' must be a 32-bit integer, got {req.priority}", "priority")
+    policies = replicas.scheduling_policies
+    if policies != {"priority"}:
+        raise bad_request(f"Got priority {req.priority} but Priority scheduling is not enabled (the replicas run "
+                          f"--scheduling-policy {' and '.join(sorted(policies)) or 'fcfs'})", "priority")
 
 
 def fit_max_tokens(req: GenerateRequest, sampling: SamplingParams, prompt_len: int, max_model_len: int
@@ -162,7 +176,7 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
                 if last_error is not None:
                     gen.record.resumed(replica.address, len(generated))
             sampling = replace(gen.sampling, prompt_logprobs=None) if generated else gen.sampling
-            stream = replica.submit(gen.request_id, gen.prompt_ids, sampling, generated)
+            stream = replica.submit(gen.request_id, gen.prompt_ids, sampling, generated, gen.priority)
             try:
                 async for reply in stream:
                     if waiting:

@@ -59,6 +59,7 @@ class _Sampling(_Strict):
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
     request_id: str | None = None
+    priority: int = 0  # vLLM's: lower first, with --scheduling-policy priority on the replicas
     user: str | None = None  # OpenAI's end-user id: for the caller's own records, as in vLLM
     # constrained decoding (router.request.structured): one of these at a time
     response_format: dict[str, Any] | None = None
@@ -133,7 +134,6 @@ REFUSED: dict[str, str] = {
     "watermarking": "watermarking is not supported",
     "logprob_token_ids": "logprob_token_ids is not supported; use logprobs / top_logprobs",
     "prompt_embeds": "prompt embeddings are not supported; send text or token ids",
-    "priority": "priority scheduling is not supported (every request has priority 0)",
     "cache_salt": "cache_salt is not supported",
     "kv_transfer_params": "disaggregated prefill is not supported",
     "ec_transfer_params": "disaggregated encoding is not supported",
@@ -153,7 +153,7 @@ REFUSED: dict[str, str] = {
     "service_tier": "service tiers are not supported", "verbosity": "verbosity is not supported",
 }
 # the value each refused field may still have: it asks for nothing (the others: None, false, empty)
-NEUTRAL = {"length_penalty": (1, 1.0), "priority": (0,), "routed_experts_prompt_start": (0,),
+NEUTRAL = {"length_penalty": (1, 1.0), "routed_experts_prompt_start": (0,),
            "service_tier": ("auto", "default"), "modalities": (["text"],)}
 
 

@@ -70,6 +70,7 @@ class GenerateRequest:
     truncation_side: str = "left"
     add_special_tokens: bool = True
     request_id: str | None = None
+    priority: int = 0  # vLLM's request priority (router.generation.check_priority)
     # messages: list of dicts (chat) kept for the gRPC frontend, which builds requests directly
     messages: list[dict] | None = None
 
@@ -201,7 +202,8 @@ def _common(m, served: str, chat: bool) -> GenerateRequest:
                           return_tokens_as_token_ids=bool(m.return_tokens_as_token_ids),
                           skip_special_tokens=m.skip_special_tokens,
                           spaces_between_special_tokens=m.spaces_between_special_tokens,
-                          truncation_side=m.truncation_side or "left", request_id=m.request_id)
+                          truncation_side=m.truncation_side or "left", request_id=m.request_id,
+                          priority=m.priority)
     if m.truncate_prompt_tokens is not None:
         if m.truncate_prompt_tokens < -1 or m.truncate_prompt_tokens == 0:
             raise bad_request("'truncate_prompt_tokens' must be -1 (the model's length) or an integer >= 1",

@@ -68,6 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
+                   help="the schedulers' policy (see `stagemesh scheduler`; default fcfs)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule a step before the previous one's tokens are back (default: on with GPUs, off on "
@@ -134,7 +136,8 @@ def plan_commands(args: argparse.Namespace, model_dir: str, num_layers: int, cud
     threads = args.threads or max(1, (os.cpu_count() or 1) // processes)
     device = "cuda" if cuda else "cpu"
     common_sched = _flags(args, ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                                 "served_model_name", "stage_recovery_timeout", "max_request_retries"))
+                                 "served_model_name", "stage_recovery_timeout", "max_request_retries",
+                                 "scheduling_policy"))
     if not args.enable_prefix_caching:
         common_sched.append("--no-enable-prefix-caching")
     if args.async_scheduling is not None:
