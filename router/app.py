@@ -12,7 +12,6 @@ from aiohttp import web
 from router import choices, responses
 from router.config import RouterConfig
 from router.errors import APIError, bad_request
-from router.generation import check_priority
 from router.http_body import read_json
 from router.observe import metrics_handler
 from router.openapi import openapi_document
@@ -20,13 +19,11 @@ from router.prompts import prepare, render
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, validate
 from router.replicas import ReplicaSet
 from router.request import GenerateRequest, chat_options, chat_request, completion_request
+from router.responses_api import handlers as responses_api
+from router.state import CONFIG, REPLICAS, TOKENIZER, admit
 from router.tokenization import Tokenizer
 
-REPLICAS = web.AppKey("replicas", ReplicaSet)
-TOKENIZER = web.AppKey("tokenizer", Tokenizer)
-CONFIG = web.AppKey("config", RouterConfig)
 MAX_BODY_BYTES = 32 * 2**20
-MAX_REQUEST_ID = 200
 log = logging.getLogger("stagemesh.router")
 
 
@@ -72,26 +69,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                                 request.app[CONFIG].tool_call_parser))
 
 
-def request_id(request: web.Request, req: GenerateRequest) -> str:
-    """X-Request-Id (or the body's request_id, or a new one), the id the request has in logs, traces and the
-    scheduler; the answer's id is it with OpenAI's prefix."""
-    given = request.headers.get("X-Request-Id") or req.request_id
-    if given is None:
-        return uuid.uuid4().hex
-    if not 0 < len(given) <= MAX_REQUEST_ID or not given.isprintable() or not given.isascii():
-        raise bad_request(f"the request id (X-Request-Id or 'request_id') must be 1 to {MAX_REQUEST_ID} printable "
-                          "ASCII characters", "request_id")
-    return given
-
-
 async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamResponse:
     replicas, tokenizer = request.app[REPLICAS], request.app[TOKENIZER]
-    if not replicas.healthy():
-        raise APIError(503, "no healthy replica: " + "; ".join(f"{r.address}: {r.reason}" for r in replicas.replicas),
-                       retry_after=2)
-    max_len = min(filter(None, (replicas.max_model_len, request.app[CONFIG].max_model_len)))
-    check_priority(req, replicas)
-    base = request_id(request, req)
+    max_len, base = admit(request, req)
     answer_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{base}"
     prompts = await prepare(req, tokenizer, max_len)
     gens = choices.plan(req, prompts, answer_id, max_len)
@@ -214,4 +194,5 @@ def build_app(replicas: ReplicaSet, tokenizer: Tokenizer, config: RouterConfig) 
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
     app.router.add_get("/openapi.json", openapi)
+    responses_api.add_routes(app, config.responses_store_size)
     return app

@@ -7,12 +7,25 @@ from dataclasses import dataclass, field
 
 from router.generation import Delta, Generation
 from router.request import GenerateRequest
+from router.tools import read_calls
 from router.tokenization import Tokenizer
 from stagemesh.core.step import TokenLogprob
 
 
 def sse(obj: dict) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+def token_logprobs(entries: list[TokenLogprob], token_text) -> list[dict]:
+    """OpenAI's per-token logprobs (chat's logprobs.content, the Responses API's output_text.logprobs):
+    token, logprob, bytes and the top alternatives."""
+    def item(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in zip(e.top_token_ids,
+                                                                                          e.top_logprobs)]}
+            for e in entries]
 
 
 @dataclass
@@ -68,19 +81,7 @@ class Answer:
         return out
 
     def _calls(self, c: Choice) -> tuple[str | None, list] | None:
-        """(content, tool calls) of a finished chat choice that made calls, else None: under tool_choice
-        required / named its constrained JSON (None when max_tokens cut it short: its text is the answer then,
-        as vLLM gives it), under "auto" what the tool-call parser reads in its text."""
-        plan = self.req.tool_plan
-        if plan is None or plan.mode == "none":
-            return None
-        if plan.mode == "auto":
-            split = plan.parser.split(c.text)
-            return (split[0] or None, split[1]) if split else None
-        if c.finish_reason != "stop":
-            return None
-        calls = plan.parse(c.text)
-        return (None, calls) if calls else None
+        return read_calls(self.req.tool_plan, c.text, c.finish_reason)
 
     def _finish_reason(self, c: Choice, made: tuple | None) -> str | None:
         # OpenAI's: "tool_calls" when the model chose to call (required, auto); a named call ends with "stop"
@@ -226,12 +227,7 @@ class Answer:
         return f"token_id:{token_id}" if self.req.return_tokens_as_token_ids else self.tokenizer.token_text(token_id)
 
     def _chat_logprobs(self, entries: list[TokenLogprob]) -> dict:
-        def item(token_id: int, logprob: float) -> dict:
-            text = self._token(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [
-            item(t, lp) for t, lp in zip(e.top_token_ids, e.top_logprobs)]} for e in entries]}
+        return {"content": token_logprobs(entries, self._token)}
 
     def _completion_logprobs(self, c: Choice, token_ids: list[int], entries: list[TokenLogprob], echo: bool) -> dict:
         """tokens / token_logprobs / top_logprobs / text_offset; with echo the prompt's tokens first (the very

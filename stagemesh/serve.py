@@ -65,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enable-auto-tool-choice", action="store_true", help="tool_choice auto (see `stagemesh router`)")
     p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None)
+    p.add_argument("--responses-store-size", type=int, default=None,
+                   help="responses the router keeps for the Responses API (see `stagemesh router`; default 1000)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
@@ -169,7 +171,8 @@ def plan_commands(args: argparse.Namespace, model_dir: str, num_layers: int, cud
         router += ["--replica", replica]
     router += ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
     children.append(("router", router + _flags(args, ("grpc_port", "served_model_name", "api_key", "max_model_len",
-                                                      "tool_call_parser", "max_request_retries", "policy")), {}))
+                                                      "tool_call_parser", "max_request_retries", "policy",
+                                                      "responses_store_size")), {}))
     return children
 
 
