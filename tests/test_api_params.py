@@ -127,10 +127,12 @@ def test_n_choices_count_their_prompts_cached_tokens_once(router):
     # computed once); usage counts the prompt's cached tokens once, as its tokens: none the first time (the
     # prompt was new), its two blocks the second time
     prompt = list(range(200, 237))
-    first, again = (complete(router, prompt=prompt, n=3, max_tokens=2)["usage"] for _ in range(2))
-    assert first["prompt_tokens"] == again["prompt_tokens"] == 37
-    assert (first.get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
-    assert again["prompt_tokens_details"]["cached_tokens"] == 32
+    client = router.client()
+    first, again = (client.completions.create(model=M, prompt=prompt, n=3, max_tokens=2, temperature=0).usage
+                    for _ in range(2))
+    assert first.prompt_tokens == again.prompt_tokens == 37
+    assert first.prompt_tokens_details is None or not first.prompt_tokens_details.cached_tokens
+    assert again.prompt_tokens_details.cached_tokens == 32
 
 
 def test_a_list_of_prompts_gives_each_n_choices_in_openais_order(router, greedy):

@@ -2,7 +2,6 @@
 holds 80 tokens, two long low-priority streams, and a high-priority request that comes after them."""
 from __future__ import annotations
 
-import json
 import threading
 import time
 
@@ -30,15 +29,12 @@ def router(tiny_model_dir, tmp_path_factory):
 
 
 def stream(router, prompt: list[int], priority: int, first_token: threading.Event, out: dict) -> None:
-    body = {"model": M, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": True, "priority": priority, "return_token_ids": True}
     ids = []
-    with requests.post(f"{router.base_url}/v1/completions", json=body, stream=True, timeout=300) as resp:
-        assert resp.status_code == 200, resp.text
-        for line in resp.iter_lines():
-            if line.startswith(b"data: {"):
-                ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
-                first_token.set()
+    for chunk in router.client().completions.create(model=M, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                                    stream=True, extra_body={"ignore_eos": True, "priority": priority,
+                                                                             "return_token_ids": True}):
+        ids += chunk.choices[0].model_extra.get("token_ids") or []
+        first_token.set()
     out.update(ids=ids, done=time.monotonic())
 
 
