@@ -39,7 +39,7 @@ def complete(base: str, prompt: list[int], tokens: int, seed: int, n: int) -> li
 
 def prefix_hits(base: str) -> float:
     page = requests.get(f"{base}/metrics", timeout=30).text
-    return sum(float(v) for v in re.findall(r"^stagemesh:prefix_cache_hits_total\{[^}]*\} (\S+)$", page, re.M))
+    return sum(float(v) for v in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", page, re.M))
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ def prefix_counters(base: str) -> tuple[float, float]:
     """(prompt tokens looked up, found) in the prefix caches, summed over the replicas."""
     queries = hits = 0.0
     for line in requests.get(f"{base}/metrics", timeout=10).text.splitlines():
-        m = re.match(r"stagemesh:prefix_cache_(queries|hits)_total\{.*\} ([0-9.e+]+)$", line)
+        m = re.match(r"vllm:prefix_cache_(queries|hits)_total\{.*\} ([0-9.e+]+)$", line)
         if m:
             if m.group(1) == "queries":
                 queries += float(m.group(2))

@@ -19,13 +19,11 @@ from router.prompts import prepare, render
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, validate
 from router.replicas import ReplicaSet
 from router.request import GenerateRequest, chat_options, chat_request, completion_request
+from router.responses_api import handlers as responses_api
+from router.state import CONFIG, REPLICAS, TOKENIZER, admit
 from router.tokenization import Tokenizer
 
-REPLICAS = web.AppKey("replicas", ReplicaSet)
-TOKENIZER = web.AppKey("tokenizer", Tokenizer)
-CONFIG = web.AppKey("config", RouterConfig)
 MAX_BODY_BYTES = 32 * 2**20
-MAX_REQUEST_ID = 200
 log = logging.getLogger("stagemesh.router")
 
 
@@ -37,8 +35,7 @@ async def errors_and_auth(request: web.Request, handler):
     key = config.api_key
     open_paths = ("/health", "/metrics") if config.public_metrics else ("/health",)
     if key and request.path not in open_paths and not _key_matches(request, key):
-        return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                        code="invalid_api_key").response()
+        return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')").response()
     try:
         return await handler(request)
     except APIError as err:
@@ -48,17 +45,13 @@ async def errors_and_auth(request: web.Request, handler):
             raise
         message = {404: f"no route {request.method} {request.path}",
                    405: f"{request.method} is not allowed on {request.path}"}.get(err.status, err.text or err.reason)
-        return APIError(err.status, message, code=_HTTP_CODES.get(err.status, err.reason)).response()
+        return APIError(err.status, message).response()
     except asyncio.CancelledError:
         raise
     except Exception:  # a bug: logged with an id the client sees, never a bare 500 page
         incident = uuid.uuid4().hex[:12]
         log.exception("unexpected error serving %s %s (incident %s)", request.method, request.path, incident)
-        return APIError(500, f"internal error (incident {incident}); the server log has the details",
-                        code="internal_error").response()
-
-
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        return APIError(500, f"internal error (incident {incident}); the server log has the details").response()
 
 
 def _key_matches(request: web.Request, key: str) -> bool:
@@ -76,25 +69,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                                 request.app[CONFIG].tool_call_parser))
 
 
-def request_id(request: web.Request, req: GenerateRequest) -> str:
-    """X-Request-Id (or the body's request_id, or a new one), the id the request has in logs, traces and the
-    scheduler; the answer's id is it with OpenAI's prefix."""
-    given = request.headers.get("X-Request-Id") or req.request_id
-    if given is None:
-        return uuid.uuid4().hex
-    if not 0 < len(given) <= MAX_REQUEST_ID or not given.isprintable() or not given.isascii():
-        raise bad_request(f"the request id (X-Request-Id or 'request_id') must be 1 to {MAX_REQUEST_ID} printable "
-                          "ASCII characters", "request_id")
-    return given
-
-
 async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamResponse:
     replicas, tokenizer = request.app[REPLICAS], request.app[TOKENIZER]
-    if not replicas.healthy():
-        raise APIError(503, "no healthy replica: " + "; ".join(f"{r.address}: {r.reason}" for r in replicas.replicas),
-                       code="unavailable", retry_after=2)
-    max_len = min(filter(None, (replicas.max_model_len, request.app[CONFIG].max_model_len)))
-    base = request_id(request, req)
+    max_len, base = admit(request, req)
     answer_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{base}"
     prompts = await prepare(req, tokenizer, max_len)
     gens = choices.plan(req, prompts, answer_id, max_len)
@@ -144,8 +121,7 @@ async def _stream(request, req, answer, deltas, headers) -> web.StreamResponse:
     except Exception:  # the status line is sent: the error goes in the stream, as an OpenAI error object
         incident = uuid.uuid4().hex[:12]
         log.exception("unexpected error while streaming %s (incident %s)", answer.id, incident)
-        await resp.write(responses.sse(APIError(500, f"internal error (incident {incident})",
-                                                code="internal_error").body()))
+        await resp.write(responses.sse(APIError(500, f"internal error (incident {incident})").body()))
     await resp.write(b"data: [DONE]\n\n")
     return resp
 
@@ -168,8 +144,7 @@ async def tokenize(request: web.Request) -> web.Response:
     m = validate(TokenizeRequest, await read_json(request))
     tokenizer, served = request.app[TOKENIZER], request.app[CONFIG].served_model_name
     if m.model is not None and m.model != served:
-        raise APIError(404, f"the model '{m.model}' does not exist; this server serves '{served}'", "model",
-                       "model_not_found")
+        raise APIError(404, f"the model '{m.model}' does not exist; this server serves '{served}'", "model")
     if m.messages is not None:
         if m.continue_final_message and m.add_generation_prompt:
             raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
@@ -219,4 +194,5 @@ def build_app(replicas: ReplicaSet, tokenizer: Tokenizer, config: RouterConfig) 
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
     app.router.add_get("/openapi.json", openapi)
+    responses_api.add_routes(app, config.responses_store_size)
     return app

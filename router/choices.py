@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import AsyncIterator
 
 from router.generation import Delta, Generation, fit_max_tokens, generate
+from router.observe import group_done
 from router.replicas import ReplicaSet
 from router.request import GenerateRequest
 from router.tokenization import Tokenizer
@@ -27,7 +28,8 @@ def plan(req: GenerateRequest, prompts: list[list[int]], base_id: str, max_model
             child = sampling if i == 0 else replace(
                 sampling, prompt_logprobs=None, seed=None if sampling.seed is None else sampling.seed + i)
             index = p * req.n + i
-            gens.append(Generation(base_id if single else f"{base_id}-{index}", ids, child, index))
+            gens.append(Generation(base_id if single else f"{base_id}-{index}", ids, child, index,
+                                   priority=req.priority))
     return gens
 
 
@@ -62,7 +64,15 @@ async def run(req: GenerateRequest, gens: list[Generation], replicas: ReplicaSet
                     raise item.exception()
                 continue
             yield item
+        _count_groups(req, gens)
     finally:
         for task in tasks:
             task.cancel()  # closes each generation, which aborts its request in the scheduler
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _count_groups(req: GenerateRequest, gens: list[Generation]) -> None:
+    """Every choice finished: each prompt's n and the most tokens one of its choices made (vLLM's series)."""
+    for p in range(0, len(gens), req.n):
+        group = gens[p:p + req.n]
+        group_done(req.n, max(g.completion_tokens for g in group), group[0].replica)

@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                    help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>) or llama3_json")
     p.add_argument("--policy", choices=("least-load", "cache-aware", "round-robin"), default="least-load")
+    p.add_argument("--responses-store-size", type=int, default=1000,
+                   help="the Responses API keeps this many responses (store: true) in memory for GET /v1/responses/"
+                        "{id} and previous_response_id, the oldest dropped first")
     p.add_argument("--max-waiting-requests", type=int, default=0,
                    help="answer 429 (with Retry-After) once this many requests wait for their first token "
                         "(0: unbounded; the schedulers' own queue limits also give 429)")
@@ -66,10 +69,13 @@ async def _main(args: argparse.Namespace) -> int:
     model = args.model_option or args.model
     if args.max_request_retries < 0:
         raise StagemeshError("--max-request-retries must be >= 0")
+    if args.responses_store_size < 1:
+        raise StagemeshError("--responses-store-size must be >= 1")
     if args.max_waiting_requests < 0 or args.health_interval <= 0 or args.http_timeout_keep_alive <= 0:
         raise StagemeshError("--max-waiting-requests must be >= 0, --health-interval and --http-timeout-keep-alive > 0")
     model_dir = resolve_model(model)
-    tokenizer = Tokenizer(model_dir, ModelConfig.from_path(model_dir).max_position_embeddings)
+    model_config = ModelConfig.from_path(model_dir)
+    tokenizer = Tokenizer(model_dir, model_config.max_position_embeddings)
     replicas = ReplicaSet(args.replica, POLICIES[args.policy](), args.health_interval, args.max_waiting_requests,
                           args.max_request_retries)
     await replicas.refresh()
@@ -80,10 +86,10 @@ async def _main(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise StagemeshError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     config = RouterConfig(name, args.api_key, args.max_model_len, args.public_metrics,
-                          args.tool_call_parser if args.enable_auto_tool_choice else None)
-    from router.observe import set_model_name
+                          args.tool_call_parser if args.enable_auto_tool_choice else None, args.responses_store_size)
+    from router.observe import configure
 
-    set_model_name(name)
+    configure(name, args.max_model_len or replicas.max_model_len or model_config.max_position_embeddings, args.replica)
     from stagemesh.core import telemetry
 
     if telemetry.enabled():  # a span per HTTP request, its context carried on to the scheduler

@@ -11,3 +11,4 @@ class RouterConfig:
     max_model_len: int | None = None  # a cap below the replicas' own
     public_metrics: bool = False  # /metrics without the API key
     tool_call_parser: str | None = None  # tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser)
+    responses_store_size: int = 1000  # the Responses API's stored responses (the last N)

@@ -1,4 +1,5 @@
-"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+"""Errors in OpenAI's shape, with vLLM's values: {"error": {"message", "type", "param", "code"}}, the code
+being the HTTP status (vLLM's every error has it so)."""
 from __future__ import annotations
 
 from aiohttp import web
@@ -9,14 +10,13 @@ TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after: int | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after: int | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
+        self.status, self.message, self.param, self.retry_after = status, message, param, retry_after
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": TYPES.get(self.status, "APIError"), "param": self.param,
-                          "code": self.code or self.status}}
+                          "code": self.status}}
 
     def response(self) -> web.Response:
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after else None
@@ -24,4 +24,4 @@ class APIError(Exception):
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param, "invalid_request_error")
+    return APIError(400, message, param)

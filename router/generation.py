@@ -52,24 +52,44 @@ class Generation:
     pin: str | None = None  # a replica it must run on (a sibling shares its prompt's cached blocks there)
     replica: str | None = None  # where it runs
     replays: int = 0  # times its replica failed and it went on elsewhere
+    priority: int = 0  # vLLM's request priority, for the replicas' --scheduling-policy priority
     started: asyncio.Event = field(default_factory=asyncio.Event)  # its prompt is computed (or it ended)
+
+
+def check_priority(req: GenerateRequest, replicas: ReplicaSet) -> None:
+    """A priority other than 0 needs replicas that schedule by it: vLLM's 400 otherwise (each scheduler checks
+    it again when the request reaches it)."""
+    if not req.priority:
+        return
+    if not -2**31 <= req.priority < 2**31:
+        raise bad_request(f"'priority' must be a 32-bit integer, got {req.priority}", "priority")
+    policies = replicas.scheduling_policies
+    if policies != {"priority"}:
+        raise bad_request(f"Got priority {req.priority} but Priority scheduling is not enabled (the replicas run "
+                          f"--scheduling-policy {' and '.join(sorted(policies)) or 'fcfs'})", "priority")
 
 
 def fit_max_tokens(req: GenerateRequest, sampling: SamplingParams, prompt_len: int, max_model_len: int
                    ) -> SamplingParams:
-    """Default max_tokens to the room left (as vLLM); refuse what cannot fit, with the numbers."""
-    where = "messages" if req.chat else "prompt"
+    """Default max_tokens to the room left (as vLLM); refuse what cannot fit with vLLM's words and params:
+    the prompt ('input_tokens') or the max_tokens field itself when it alone passes the context."""
+    param = req.max_tokens_param
     if not req.max_tokens_given:
         room = max_model_len - prompt_len
         if room < 1:
-            raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
-                              f"has {prompt_len} tokens, which leaves no room for a completion.", where)
+            raise bad_request(f"You passed {prompt_len} input tokens, which leaves no room for output tokens: the "
+                              f"model's context length is only {max_model_len} tokens. Please reduce the length of "
+                              "the input prompt.", "input_tokens")
         return sampling if req.echo_only else replace(sampling, max_tokens=room)
-    total = prompt_len + sampling.max_tokens
-    if total > max_model_len:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                          f"{total} tokens ({prompt_len} in the {where}, {sampling.max_tokens} in the completion). "
-                          "Please reduce the length.", "max_tokens")
+    asked = sampling.max_tokens
+    if asked > max_model_len:
+        raise bad_request(f"{param}={asked} cannot be greater than max_model_len={max_model_len}. Please request "
+                          "fewer output tokens.", param)
+    if prompt_len + asked > max_model_len:
+        raise bad_request(f"You passed {prompt_len} input tokens and requested {asked} output tokens. However, the "
+                          f"model's context length is only {max_model_len} tokens, resulting in a maximum input "
+                          f"length of {max_model_len - asked} tokens. Please reduce the length of the input "
+                          "prompt.", "input_tokens")
     return sampling
 
 
@@ -80,7 +100,7 @@ async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
                                    gen.prompt_ids)
     stops = StopStrings(req.stop, req.include_stop_str_in_output)
     eos = replicas.eos_token_ids
-    gen.record = record = RequestRecord(gen.request_id, len(gen.prompt_ids))
+    gen.record = record = RequestRecord(gen.request_id, len(gen.prompt_ids), gen.sampling.max_tokens)
     outcome = "abort"  # unless the request finished: the client went away (or the handler was cancelled)
     try:
         # closed as soon as this generator ends, so that a request left unfinished is aborted at once
@@ -131,8 +151,7 @@ def _delta(reply: ReplicaOutput, req: GenerateRequest, gen: Generation, record: 
 async def _stream(gen: Generation, replicas: ReplicaSet):
     if replicas.queue_full():
         raise APIError(429, f"the server is busy: {replicas.num_waiting} requests are already waiting for their "
-                            f"first token (--max-waiting-requests {replicas.max_waiting_requests})",
-                       code="rate_limit_exceeded", retry_after=1)
+                            f"first token (--max-waiting-requests {replicas.max_waiting_requests})", retry_after=1)
     replicas.num_waiting += 1
     waiting = True
     tried: set[str] = set()  # replicas it was sent to
@@ -148,7 +167,7 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
                 raise _api_error(last_error)  # nowhere else to try
             if replica is None:
                 reasons = "; ".join(f"{r.address}: {r.reason}" for r in replicas.replicas) or "no replicas configured"
-                raise APIError(503, f"no replica can serve this request right now ({reasons})", code="unavailable",
+                raise APIError(503, f"no replica can serve this request right now ({reasons})",
                                retry_after=2)
             tried.add(replica.address)
             gen.replica = replica.address
@@ -157,7 +176,7 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
                 if last_error is not None:
                     gen.record.resumed(replica.address, len(generated))
             sampling = replace(gen.sampling, prompt_logprobs=None) if generated else gen.sampling
-            stream = replica.submit(gen.request_id, gen.prompt_ids, sampling, generated)
+            stream = replica.submit(gen.request_id, gen.prompt_ids, sampling, generated, gen.priority)
             try:
                 async for reply in stream:
                     if waiting:
@@ -195,7 +214,7 @@ def _api_error(err: RequestFailed) -> APIError:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return bad_request(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return APIError(429, f"the server is busy: {details}", code="rate_limit_exceeded", retry_after=1)
+        return APIError(429, f"the server is busy: {details}", retry_after=1)
     if code == grpc.StatusCode.UNAVAILABLE:
-        return APIError(503, f"the replica failed: {details}", code="unavailable", retry_after=2)
-    return APIError(500, f"{code.name}: {details}", code="internal_error")
+        return APIError(503, f"the replica failed: {details}", retry_after=2)
+    return APIError(500, f"{code.name}: {details}")

@@ -26,8 +26,7 @@ async def read_json(request) -> Any:
     try:
         body = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
     except asyncio.TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f}s",
-                       code="request_timeout") from None
+        raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f}s") from None
     if len(body) <= INLINE_BYTES:
         return parse(body)
     return await asyncio.to_thread(parse, body)

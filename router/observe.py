@@ -1,136 +1,103 @@
-"""The router's Prometheus metrics (on its HTTP port at /metrics) and its line per request.
-
-One scrape of the gateway serves a vLLM dashboard (its metric names under `stagemesh:`): the
-request series (tokens, finish reasons, TTFT, inter-token latency, end to end, queue time) as the
-router sees every request, and the engine state of every replica (running / waiting requests, KV
-usage, prefix cache, preemptions) from the schedulers' stats, labelled by replica. The
-`stagemesh:router_*` series say what the router itself did (which replica served what).
-"""
+"""What the router tells the outside about its requests and replicas: the metrics (router.metrics) and
+a log line per request."""
 from __future__ import annotations
 
 import logging
 import time
 
 from opentelemetry import trace
-from prometheus_client import (CONTENT_TYPE_LATEST, GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR,
-                               CollectorRegistry, Counter, Gauge, Histogram, generate_latest)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router import metrics as m
 
 log = logging.getLogger("stagemesh.router")
 
-_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_ITL = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-M = ["model_name"]
-# the router's own registry: its engine series share vLLM's names with the scheduler's, and a process that
-# imports both (a test, an embedding application) must not see them collide
-REGISTRY = CollectorRegistry()
-for _collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
-    REGISTRY.register(_collector)
-
-# vLLM's engine series
-R = dict(registry=REGISTRY)
-RUNNING = Gauge("stagemesh:num_requests_running", "Requests in the running batch", [*M, "replica"], **R)
-WAITING = Gauge("stagemesh:num_requests_waiting", "Requests waiting to be scheduled", [*M, "replica"], **R)
-KV_USAGE = Gauge("stagemesh:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%)", [*M, "replica"],
-                 **R)
-PREFIX_QUERIES = Counter("stagemesh:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                         [*M, "replica"], **R)
-PREFIX_HITS = Counter("stagemesh:prefix_cache_hits", "Prompt tokens found in the prefix cache", [*M, "replica"],
-                      **R)
-PREEMPTIONS = Counter("stagemesh:num_preemptions", "Requests preempted (recomputed later)", [*M, "replica"], **R)
-PROMPT = Counter("stagemesh:prompt_tokens", "Prompt tokens of finished requests", M, **R)
-GENERATION = Counter("stagemesh:generation_tokens", "Generated tokens", M, **R)
-SUCCESS = Counter("stagemesh:request_success", "Finished requests, by finish reason", [*M, "finished_reason"], **R)
-TTFT_ENGINE = Histogram("stagemesh:time_to_first_token_seconds", "Time to first token", M, buckets=_LATENCY, **R)
-ITL = Histogram("stagemesh:inter_token_latency_seconds", "Time between two output tokens", M, buckets=_ITL, **R)
-E2E_ENGINE = Histogram("stagemesh:e2e_request_latency_seconds", "Arrival to finish", M, buckets=_LATENCY, **R)
-QUEUE = Histogram("stagemesh:request_queue_time_seconds", "Arrival at the scheduler to first scheduling", M,
-                  buckets=_LATENCY, **R)
-
-# the router's own
-REQUESTS = Counter("stagemesh:router_requests", "Requests finished, by replica and finish reason",
-                   ["replica", "finished_reason"], **R)
-PROMPT_TOKENS = Counter("stagemesh:router_prompt_tokens", "Prompt tokens of finished requests", ["replica"], **R)
-GENERATION_TOKENS = Counter("stagemesh:router_generation_tokens", "Tokens generated", ["replica"], **R)
-TTFT = Histogram("stagemesh:router_time_to_first_token_seconds", "Time to first token seen by the router",
-                 buckets=_LATENCY, **R)
-REPLAYS = Counter("stagemesh:router_request_replays",
-                  "Requests sent again after their replica failed: before their first token (a retry) or as a "
-                  "continuation of the tokens already streamed", ["kind"], **R)
-E2E = Histogram("stagemesh:router_e2e_request_latency_seconds", "Request latency seen by the router",
-                buckets=_LATENCY, **R)
-HEALTHY = Gauge("stagemesh:router_replica_healthy", "1 if the replica can serve", ["replica"], **R)
-ROUTER_RUNNING = Gauge("stagemesh:router_replica_num_requests_running", "The replica's running requests",
-                       ["replica"], **R)
-ROUTER_WAITING = Gauge("stagemesh:router_replica_num_requests_waiting", "The replica's waiting requests",
-                       ["replica"], **R)
-IN_FLIGHT = Gauge("stagemesh:router_requests_in_flight", "Requests the router is serving now", **R)
-
-_model = {"name": ""}
+_state = {"name": "", "engines": {}, "tokens": None}
 _counted: dict[str, tuple[int, int, int]] = {}  # replica -> prefix queries, hits, preemptions seen so far
 
 
-def set_model_name(name: str) -> None:
-    _model["name"] = name
+def configure(model_name: str, max_model_len: int, addresses: list[str]) -> None:
+    """The served name, the context length (the token histograms' last bucket) and the replicas, whose index
+    is their `engine` label. Once per process: the series live in one registry."""
+    _state["name"] = model_name
+    _state["engines"] = {a: str(i) for i, a in enumerate(addresses)}
+    if _state["tokens"] is None:
+        _state["tokens"] = m.TokenHistograms(max_model_len)
+
+
+def _labels(address: str | None) -> tuple[str, str]:
+    return _state["name"], _state["engines"].get(address or "", "0")
 
 
 def replica_state(address: str, healthy: bool, stats=None) -> None:
     """A replica's health and, when given, its scheduler's stats (a Stats message)."""
-    HEALTHY.labels(address).set(1 if healthy else 0)
-    name = _model["name"]
-    if stats is None or not name:  # before the router knows the model's name (its first health check)
+    m.HEALTHY.labels(address, _labels(address)[1]).set(1 if healthy else 0)
+    if stats is None or not _state["name"]:  # before the router knows the model's name
         return
-    ROUTER_RUNNING.labels(address).set(stats.num_running)
-    ROUTER_WAITING.labels(address).set(stats.num_waiting)
-    RUNNING.labels(name, address).set(stats.num_running)
-    WAITING.labels(name, address).set(stats.num_waiting)
-    KV_USAGE.labels(name, address).set(stats.kv_cache_usage)
+    labels = _labels(address)
+    m.ROUTER_RUNNING.labels(address).set(stats.num_running)
+    m.ROUTER_WAITING.labels(address).set(stats.num_waiting)
+    m.RUNNING.labels(*labels).set(stats.num_running)
+    m.WAITING.labels(*labels).set(stats.num_waiting)
+    m.KV_USAGE.labels(*labels).set(stats.kv_cache_usage)
     now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
     before = _counted.get(address, (0, 0, 0))
     if any(n < b for n, b in zip(now, before)):  # the scheduler's counts restarted (a new epoch, a restart)
         before = (0, 0, 0)
-    for counter, n, b in zip((PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS), now, before):
-        counter.labels(name, address).inc(max(n - b, 0))  # (a zero creates the series: a dashboard sees 0)
+    for counter, n, b in zip((m.PREFIX_QUERIES, m.PREFIX_HITS, m.PREEMPTIONS), now, before):
+        counter.labels(*labels).inc(max(n - b, 0))  # (a zero creates the series: a dashboard sees 0)
     _counted[address] = now
 
 
 async def metrics_handler(request):
     from aiohttp import web
 
-    return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return web.Response(body=generate_latest(m.REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def group_done(n: int, max_generated: int, replica: str | None) -> None:
+    """A prompt's n choices have all finished: vLLM's per-request n and the most tokens one of them made."""
+    labels = _labels(replica)
+    m.N_PARAM.labels(*labels).observe(n)
+    if _state["tokens"] is not None:
+        _state["tokens"].max_generation.labels(*labels).observe(max_generated)
 
 
 class RequestRecord:
-    """Timing of one request as the router sees it; ``done`` logs it and counts it."""
+    """One sequence (a choice) as the router sees it: its timing; ``done`` counts it and logs it."""
 
-    def __init__(self, request_id: str, num_prompt: int):
-        self.request_id, self.num_prompt = request_id, num_prompt
+    FINISHED = ("stop", "length", "abort")  # what vLLM counts as finished (not errors, not refusals)
+
+    def __init__(self, request_id: str, num_prompt: int, max_tokens: int = 0):
+        self.request_id, self.num_prompt, self.max_tokens = request_id, num_prompt, max_tokens
         self.start = time.monotonic()
+        self.queue_seconds = 0.0  # arrival to first scheduling, as its scheduler measured it
         self.first_token: float | None = None
         self.last_token: float | None = None
         self.replica = ""
         self.failed = ""  # the replica it last failed on
         self.finished = False
-        IN_FLIGHT.inc()
+        m.IN_FLIGHT.inc()
 
     def queued(self, seconds: float) -> None:
-        QUEUE.labels(_model["name"]).observe(seconds)
+        self.queue_seconds = seconds
 
     def tokens(self, count: int) -> None:
         if not count:
             return
-        now, name = time.monotonic(), _model["name"]
+        now, labels = time.monotonic(), _labels(self.replica)
         if self.first_token is None:
             self.first_token = now
-            TTFT.observe(now - self.start)
-            TTFT_ENGINE.labels(name).observe(now - self.start)
+            m.ROUTER_TTFT.observe(now - self.start)
+            m.TTFT.labels(*labels).observe(now - self.start)
         else:  # tokens that arrived together share the gap since the last ones
             for _ in range(count):
-                ITL.labels(name).observe((now - self.last_token) / count)
+                m.ITL.labels(*labels).observe((now - self.last_token) / count)
         self.last_token = now
 
     def replayed(self, failed: str, error: str, num_generated: int) -> None:
         """The request's replica failed; it goes on elsewhere (the next replica is set when it is picked)."""
-        REPLAYS.labels("continuation" if num_generated else "retry").inc()
+        m.REPLAYS.labels("continuation" if num_generated else "retry").inc()
         log.warning("request %s: replica %s failed after %d token(s) (%s); continuing it on another replica",
                     self.request_id, failed, num_generated, error)
         self.failed = failed
@@ -146,18 +113,43 @@ class RequestRecord:
         if self.finished:
             return
         self.finished = True
-        IN_FLIGHT.dec()
+        m.IN_FLIGHT.dec()
         total = time.monotonic() - self.start
-        replica, name = self.replica or "none", _model["name"]
-        REQUESTS.labels(replica, reason).inc()
-        PROMPT_TOKENS.labels(replica).inc(self.num_prompt)
-        GENERATION_TOKENS.labels(replica).inc(num_output)
-        E2E.observe(total)
-        if reason in ("stop", "length", "abort"):  # what vLLM counts as finished
-            SUCCESS.labels(name, reason).inc()
-            PROMPT.labels(name).inc(self.num_prompt)
-            E2E_ENGINE.labels(name).observe(total)
-        GENERATION.labels(name).inc(num_output)
+        replica = self.replica or "none"
+        m.REQUESTS.labels(replica, reason).inc()
+        m.PROMPT_TOKENS.labels(replica).inc(self.num_prompt)
+        m.GENERATION_TOKENS.labels(replica).inc(num_output)
+        m.ROUTER_E2E.observe(total)
+        m.GENERATION.labels(*_labels(self.replica)).inc(num_output)
+        if reason in self.FINISHED:
+            self._finished(num_output, reason, total)
+        self._log(num_output, reason, total)
+
+    def _finished(self, num_output: int, reason: str, total: float) -> None:
+        """vLLM's series of a finished request. Its phases as the router sees them: queued (the scheduler's
+        figure), prefill (to the first token, less the queue), decode (first to last token)."""
+        labels = _labels(self.replica)
+        m.SUCCESS.labels(*labels, reason).inc()
+        m.PROMPT.labels(*labels).inc(self.num_prompt)
+        m.E2E.labels(*labels).observe(total)
+        tokens = _state["tokens"]
+        if tokens is not None:
+            tokens.prompt.labels(*labels).observe(self.num_prompt)
+            tokens.generation.labels(*labels).observe(num_output)
+            tokens.max_tokens.labels(*labels).observe(self.max_tokens)
+        if self.first_token is None:  # it never ran: no phases to time
+            return
+        prefill = max(self.first_token - self.start - self.queue_seconds, 0.0)
+        decode = self.last_token - self.first_token
+        m.QUEUE.labels(*labels).observe(self.queue_seconds)
+        m.PREFILL.labels(*labels).observe(prefill)
+        m.DECODE.labels(*labels).observe(decode)
+        m.INFERENCE.labels(*labels).observe(prefill + decode)
+        # vLLM's per-request TPOT: zero for a request of one token
+        m.TPOT.labels(*labels).observe(decode / (num_output - 1) if num_output > 1 else 0.0)
+
+    def _log(self, num_output: int, reason: str, total: float) -> None:
+        replica = self.replica or "none"
         ttft = self.first_token - self.start if self.first_token is not None else None
         span = trace.get_current_span()
         if span.is_recording():

@@ -4,11 +4,17 @@ from __future__ import annotations
 import functools
 
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.responses_api.request import ResponsesRequest
 
 ENDPOINTS = [
     ("post", "/v1/completions", "Complete prompts (OpenAI's Completions API, vLLM's extensions)", CompletionRequest),
     ("post", "/v1/chat/completions", "Answer a conversation (OpenAI's Chat Completions API, vLLM's extensions)",
      ChatCompletionRequest),
+    ("post", "/v1/responses", "Answer input items (OpenAI's Responses API: function tools, structured output, "
+                              "streamed events, previous_response_id over the router's store)", ResponsesRequest),
+    ("get", "/v1/responses/{response_id}", "A stored response", None),
+    ("delete", "/v1/responses/{response_id}", "Delete a stored response", None),
+    ("post", "/v1/responses/{response_id}/cancel", "Cancel a background response (there are none: 400)", None),
     ("post", "/tokenize", "Token ids of a prompt or a conversation", TokenizeRequest),
     ("post", "/detokenize", "Text of token ids", DetokenizeRequest),
     ("get", "/v1/models", "The served model", None),

@@ -18,17 +18,17 @@ log = logging.getLogger("stagemesh.router")
 TokenIds = list[int]
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     # strict: "10" is not an integer and 1 is not a boolean, as OpenAI's own validation has it
     model_config = ConfigDict(extra="allow", strict=True)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _Sampling(_Strict):
+class _Sampling(Strict):
     """What completions and chat completions share."""
     model: str | None = None
     n: int = 1
@@ -59,6 +59,7 @@ class _Sampling(_Strict):
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
     request_id: str | None = None
+    priority: int = 0  # vLLM's: lower first, with --scheduling-policy priority on the replicas
     user: str | None = None  # OpenAI's end-user id: for the caller's own records, as in vLLM
     # constrained decoding (router.request.structured): one of these at a time
     response_format: dict[str, Any] | None = None
@@ -79,7 +80,7 @@ class CompletionRequest(_Sampling):
     add_special_tokens: bool = True
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Strict):
     role: str
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
@@ -104,7 +105,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -117,7 +118,7 @@ class TokenizeRequest(_Strict):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[int]
 
@@ -133,7 +134,6 @@ REFUSED: dict[str, str] = {
     "watermarking": "watermarking is not supported",
     "logprob_token_ids": "logprob_token_ids is not supported; use logprobs / top_logprobs",
     "prompt_embeds": "prompt embeddings are not supported; send text or token ids",
-    "priority": "priority scheduling is not supported (every request has priority 0)",
     "cache_salt": "cache_salt is not supported",
     "kv_transfer_params": "disaggregated prefill is not supported",
     "ec_transfer_params": "disaggregated encoding is not supported",
@@ -153,30 +153,32 @@ REFUSED: dict[str, str] = {
     "service_tier": "service tiers are not supported", "verbosity": "verbosity is not supported",
 }
 # the value each refused field may still have: it asks for nothing (the others: None, false, empty)
-NEUTRAL = {"length_penalty": (1, 1.0), "priority": (0,), "routed_experts_prompt_start": (0,),
+NEUTRAL = {"length_penalty": (1, 1.0), "routed_experts_prompt_start": (0,),
            "service_tier": ("auto", "default"), "modalities": (["text"],)}
 
 
-def _asks_for_something(name: str, value) -> bool:
+def _asks_for_something(name: str, value, neutral: dict) -> bool:
     if value is None or value is False or value == [] or value == {}:
         return False
-    return not any(type(value) is type(v) and value == v for v in NEUTRAL.get(name, ()))
+    return not any(type(value) is type(v) and value == v for v in neutral.get(name, ()))
 # fields the OpenAI or vLLM schemas define that change nothing here (so no warning when they come)
 KNOWN_INERT = {"include_reasoning", "mm_processor_kwargs", "return_prompt_text"}
 
 
-def validate(model: type[BaseModel], body: Any) -> BaseModel:
-    """The body as `model`, or a 400 that names the first field that is wrong."""
+def validate(model: type[BaseModel], body: Any, refused: dict[str, str] = REFUSED,
+             neutral: dict[str, tuple] = NEUTRAL) -> BaseModel:
+    """The body as `model`, or a 400 that names the first field that is wrong (or that asks for something this
+    server refuses: `refused` names them, with why; `neutral`, the values of theirs that ask for nothing)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    for name, why in REFUSED.items():
-        if name in body and _asks_for_something(name, body[name]):
+    for name, why in refused.items():
+        if name in body and _asks_for_something(name, body[name], neutral):
             raise bad_request(f"'{name}' is not supported by this server: {why}", name)
     try:
         parsed = model.model_validate(body)
     except ValidationError as err:
         raise bad_request(*_describe(err)) from None
-    unknown = sorted(set(parsed.model_extra or ()) - set(REFUSED) - KNOWN_INERT)
+    unknown = sorted(set(parsed.model_extra or ()) - set(refused) - KNOWN_INERT)
     if unknown:
         log.warning("ignoring unknown request field(s) %s", ", ".join(unknown[:8]))
     return parsed

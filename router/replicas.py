@@ -31,6 +31,7 @@ class Replica:
     max_model_len: int = 0
     eos_token_ids: tuple[int, ...] = ()
     served_model_name: str = ""
+    scheduling_policy: str = ""  # its scheduler's --scheduling-policy (fcfs or priority)
     stub: scheduler_pb2_grpc.SchedulerStub | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -52,6 +53,7 @@ class Replica:
                 info = await self.stub.GetModelInfo(scheduler_pb2.GetModelInfoRequest(), timeout=STATS_DEADLINE_S)
                 self.max_model_len, self.eos_token_ids = info.max_model_len, tuple(info.eos_token_ids)
                 self.served_model_name = info.served_model_name
+                self.scheduling_policy = info.scheduling_policy or "fcfs"
             serving = check.status == SERVING and stats.healthy
             reason = stats.unhealthy_reason or ("" if serving else "grpc.health.v1 reports NOT_SERVING")
             self._set_health(serving and bool(self.max_model_len), reason)
@@ -89,13 +91,13 @@ class Replica:
                     "healthy" if healthy else "UNHEALTHY", "" if healthy else f": {reason}")
 
     def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-               generated: list[int] = ()) -> RequestStream:
+               generated: list[int] = (), priority: int = 0) -> RequestStream:
         """Send a request over the replica's SubmitStream (opened on first use, and again after it broke);
         `generated`: the tokens it produced on a replica that failed (a continuation)."""
         self.dispatched += 1
         if self._stream is None or self._stream.closed:
             self._stream = SubmitStream(self.stub, self.address)
-        return self._stream.submit(request_id, prompt, sampling, generated)
+        return self._stream.submit(request_id, prompt, sampling, generated, priority)
 
     async def close(self) -> None:
         if self._stream is not None:
@@ -144,6 +146,11 @@ class ReplicaSet:
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset(t for r in self.replicas for t in r.eos_token_ids)
+
+    @property
+    def scheduling_policies(self) -> set[str]:
+        """The --scheduling-policy of every replica whose model info is known."""
+        return {r.scheduling_policy for r in self.replicas if r.scheduling_policy}
 
     @property
     def max_model_len(self) -> int:

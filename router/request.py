@@ -50,6 +50,7 @@ class GenerateRequest:
     structured_param: str = "structured_outputs"  # the field the output constraint came in (for its 400s)
     tool_plan: ToolPlan | None = None  # chat with tools (router.tools)
     max_tokens_given: bool = False
+    max_tokens_param: str = "max_tokens"  # the field max_tokens came in (max_completion_tokens, ...)
     n: int = 1
     stream: bool = False
     include_usage: bool = False
@@ -69,6 +70,7 @@ class GenerateRequest:
     truncation_side: str = "left"
     add_special_tokens: bool = True
     request_id: str | None = None
+    priority: int = 0  # vLLM's request priority (router.generation.check_priority)
     # messages: list of dicts (chat) kept for the gRPC frontend, which builds requests directly
     messages: list[dict] | None = None
 
@@ -141,30 +143,50 @@ def _message(m: ChatMessage, i: int) -> dict:
     if m.role not in ROLES:
         raise bad_request(f"'{where}.role' must be one of {', '.join(ROLES)}; got {m.role!r}", f"{where}.role")
     content = m.content
-    if isinstance(content, list):  # content parts: text only
+    if isinstance(content, list):  # content parts: text only, one per line as vLLM joins them
         texts = []
         for part in content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise bad_request(f"'{where}.content' parts must be text parts (other modalities are not "
                                   "supported)", f"{where}.content")
             texts.append(part["text"])
-        content = "".join(texts)
-    if content is None and not (m.role == "assistant" and m.tool_calls):
-        raise bad_request(f"'{where}.content' is required (null only for an assistant message with tool_calls)",
-                          f"{where}.content")
+        content = "\n".join(texts)
+    if content is None:
+        if not (m.role == "assistant" and m.tool_calls):
+            raise bad_request(f"'{where}.content' is required (null only for an assistant message with tool_calls)",
+                              f"{where}.content")
+        content = ""  # templates concatenate it: an agent's tool-call turn renders as vLLM renders it
     out = {"role": m.role, "content": content}  # the developer role goes to the template as it is
-    for key in ("name", "tool_calls", "tool_call_id"):
+    for key in ("name", "tool_call_id"):
         if getattr(m, key) is not None:
             out[key] = getattr(m, key)
+    if m.tool_calls is not None:
+        out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
     return out
+
+
+def _tool_call(call: dict, where: str) -> dict:
+    """A past tool call as chat templates take it: its arguments an object, not JSON text (as vLLM passes
+    them; templates write them with tojson)."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request(f"'{where}' must be {{'id': ..., 'type': 'function', 'function': {{'name': ..., "
+                          "'arguments': ...}}", where)
+    arguments = fn.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise bad_request(f"'{where}.function.arguments' is not valid JSON", f"{where}.function.arguments") \
+                from None
+    return {**call, "function": {**fn, "arguments": arguments}}
 
 
 def _common(m, served: str, chat: bool) -> GenerateRequest:
     if m.model is not None and m.model != served:
         from router.errors import APIError
 
-        raise APIError(404, f"the model '{m.model}' does not exist; this server serves '{served}'", "model",
-                       "model_not_found")
+        raise APIError(404, f"the model '{m.model}' does not exist; this server serves '{served}'", "model")
     if m.stream_options is not None and not m.stream:
         raise bad_request("'stream_options' is only allowed with 'stream': true", "stream_options")
     if m.prompt_logprobs is not None and m.stream and m.prompt_logprobs > 0:
@@ -180,7 +202,8 @@ def _common(m, served: str, chat: bool) -> GenerateRequest:
                           return_tokens_as_token_ids=bool(m.return_tokens_as_token_ids),
                           skip_special_tokens=m.skip_special_tokens,
                           spaces_between_special_tokens=m.spaces_between_special_tokens,
-                          truncation_side=m.truncation_side or "left", request_id=m.request_id)
+                          truncation_side=m.truncation_side or "left", request_id=m.request_id,
+                          priority=m.priority)
     if m.truncate_prompt_tokens is not None:
         if m.truncate_prompt_tokens < -1 or m.truncate_prompt_tokens == 0:
             raise bad_request("'truncate_prompt_tokens' must be -1 (the model's length) or an integer >= 1",
@@ -193,6 +216,7 @@ def _finish(req: GenerateRequest, m, max_tokens: int | None, param: str, logprob
             prompt_logprobs: int | None) -> None:
     """The sampling parameters, checked by the rules every service shares."""
     req.max_tokens_given = max_tokens is not None and not req.echo_only
+    req.max_tokens_param = param
     try:
         if req.max_tokens_given:
             check_int("max_tokens", max_tokens)

@@ -7,12 +7,25 @@ from dataclasses import dataclass, field
 
 from router.generation import Delta, Generation
 from router.request import GenerateRequest
+from router.tools import read_calls
 from router.tokenization import Tokenizer
 from stagemesh.core.step import TokenLogprob
 
 
 def sse(obj: dict) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+def token_logprobs(entries: list[TokenLogprob], token_text) -> list[dict]:
+    """OpenAI's per-token logprobs (chat's logprobs.content, the Responses API's output_text.logprobs):
+    token, logprob, bytes and the top alternatives."""
+    def item(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in zip(e.top_token_ids,
+                                                                                          e.top_logprobs)]}
+            for e in entries]
 
 
 @dataclass
@@ -29,6 +42,7 @@ class Choice:
     offset: int = 0  # characters of this choice's text already covered by logprobs' text_offset
     opened: bool = False  # a stream has sent its first chunk
     sent: int = 0  # characters of text a stream has sent as content (tool calls: text may be held back)
+    prompt_ids_due: bool = False  # a completions stream still owes this choice's prompt_token_ids
 
     def add(self, d: Delta) -> None:
         self.text += d.text
@@ -67,19 +81,7 @@ class Answer:
         return out
 
     def _calls(self, c: Choice) -> tuple[str | None, list] | None:
-        """(content, tool calls) of a finished chat choice that made calls, else None: under tool_choice
-        required / named its constrained JSON (None when max_tokens cut it short: its text is the answer then,
-        as vLLM gives it), under "auto" what the tool-call parser reads in its text."""
-        plan = self.req.tool_plan
-        if plan is None or plan.mode == "none":
-            return None
-        if plan.mode == "auto":
-            split = plan.parser.split(c.text)
-            return (split[0] or None, split[1]) if split else None
-        if c.finish_reason != "stop":
-            return None
-        calls = plan.parse(c.text)
-        return (None, calls) if calls else None
+        return read_calls(self.req.tool_plan, c.text, c.finish_reason)
 
     def _finish_reason(self, c: Choice, made: tuple | None) -> str | None:
         # OpenAI's: "tool_calls" when the model chose to call (required, auto); a named call ends with "stop"
@@ -113,7 +115,9 @@ class Answer:
         prompt = sum(len(g.prompt_ids) for g in prompts)
         completion = sum(c.gen.completion_tokens for c in self.choices)
         out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-        cached = sum(c.gen.cached_tokens for c in self.choices)
+        # the prompt's cached tokens, once per prompt as its tokens are (a sibling choice finds the prompt its
+        # first choice computed in the cache: counting it again would pass prompt_tokens)
+        cached = sum(g.cached_tokens for g in prompts)
         if cached:
             out["prompt_tokens_details"] = {"cached_tokens": cached}
         return out
@@ -143,8 +147,11 @@ class Answer:
             out.append(self._chunk({"index": c.gen.index, "delta": delta, "logprobs": logprobs,
                                     "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}, d, c))
         else:
-            out.append(self._chunk({"index": c.gen.index, "text": d.text, "logprobs": logprobs,
-                                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}, d, c))
+            choice = {"index": c.gen.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason,
+                      "stop_reason": d.stop_reason}
+            if c.prompt_ids_due:
+                choice["prompt_token_ids"], c.prompt_ids_due = c.gen.prompt_ids, False
+            out.append(self._chunk(choice, d, c))
         return out
 
     def _tool_chunks(self, c: Choice, d: Delta, logprobs) -> list[dict]:
@@ -180,15 +187,23 @@ class Answer:
         return out
 
     def _opening(self, c: Choice) -> list[dict]:
+        """A choice's first chunk(s): chat's role, the echo; with return_token_ids the prompt's ids ride on
+        the first chunk, as vLLM documents (chat: on the chunk; completions: on its choice)."""
         req = self.req
         if req.chat:
-            return [self._chunk({"index": c.gen.index, "delta": {"role": "assistant", "content": c.echo},
-                                 "logprobs": None, "finish_reason": None}, None, c)]
+            chunk = self._chunk({"index": c.gen.index, "delta": {"role": "assistant", "content": c.echo},
+                                 "logprobs": None, "finish_reason": None}, None, c)
+            if req.return_token_ids:
+                chunk["prompt_token_ids"] = c.gen.prompt_ids
+            return [chunk]
         if not c.echo:
+            c.prompt_ids_due = req.return_token_ids
             return []
         logprobs = self._completion_logprobs(c, [], [], echo=True) if req.logprobs else None
-        return [self._chunk({"index": c.gen.index, "text": c.echo, "logprobs": logprobs, "finish_reason": None},
-                            None, c)]
+        choice = {"index": c.gen.index, "text": c.echo, "logprobs": logprobs, "finish_reason": None}
+        if req.return_token_ids:
+            choice["prompt_token_ids"] = c.gen.prompt_ids
+        return [self._chunk(choice, None, c)]
 
     def _chunk(self, choice: dict, d: Delta | None, c: Choice) -> dict:
         req = self.req
@@ -212,12 +227,7 @@ class Answer:
         return f"token_id:{token_id}" if self.req.return_tokens_as_token_ids else self.tokenizer.token_text(token_id)
 
     def _chat_logprobs(self, entries: list[TokenLogprob]) -> dict:
-        def item(token_id: int, logprob: float) -> dict:
-            text = self._token(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [
-            item(t, lp) for t, lp in zip(e.top_token_ids, e.top_logprobs)]} for e in entries]}
+        return {"content": token_logprobs(entries, self._token)}
 
     def _completion_logprobs(self, c: Choice, token_ids: list[int], entries: list[TokenLogprob], echo: bool) -> dict:
         """tokens / token_logprobs / top_logprobs / text_offset; with echo the prompt's tokens first (the very

@@ -104,13 +104,14 @@ class SubmitStream:
         self._reader = asyncio.create_task(self._read())
 
     def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-               generated: list[int] = ()) -> RequestStream:
+               generated: list[int] = (), priority: int = 0) -> RequestStream:
         """Queue a request (with `generated`: a continuation); its trace context is the caller's current one."""
         stream = self._requests[request_id] = RequestStream(self, request_id)
         submit = self._outbox.submits.add()
         submit.request.request_id = request_id
         submit.request.prompt_token_ids.extend(prompt)
         submit.request.generated_token_ids.extend(generated)
+        submit.request.priority = priority
         submit.request.sampling.CopyFrom(sampling_to_pb(sampling))
         carrier = dict(telemetry.inject())
         submit.traceparent, submit.tracestate = carrier.get("traceparent", ""), carrier.get("tracestate", "")

@@ -34,8 +34,7 @@ class Tokenizer:
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         if self._queued >= self.MAX_QUEUED:
-            raise APIError(503, f"the tokenizer has {self._queued} texts queued; try again shortly",
-                           code="unavailable", retry_after=1)
+            raise APIError(503, f"the tokenizer has {self._queued} texts queued; try again shortly", retry_after=1)
         loop = asyncio.get_running_loop()
         self._queued += 1
         work = self._pool.submit(fn, *args)

@@ -78,6 +78,21 @@ class ToolPlan:
         return fn.get("parameters") or {"type": "object", "properties": {}}
 
 
+def read_calls(plan: ToolPlan | None, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall]] | None:
+    """(content, tool calls) of a finished answer that made calls, else None: under tool_choice required /
+    named its constrained JSON (None when max_tokens cut it short: its text is the answer then, as vLLM gives
+    it), under "auto" what the tool-call parser reads in its text."""
+    if plan is None or plan.mode == "none":
+        return None
+    if plan.mode == "auto":
+        split = plan.parser.split(text)
+        return (split[0] or None, split[1]) if split else None
+    if finish_reason != "stop":
+        return None
+    calls = plan.parse(text)
+    return (None, calls) if calls else None
+
+
 def plan_tools(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool | None,
                tool_call_parser: str | None = None) -> ToolPlan | None:
     """The request's ToolPlan (None without tools and tool_choice); raises InvalidParameter as vLLM refuses.

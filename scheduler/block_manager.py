@@ -66,6 +66,13 @@ class BlockManager:
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
 
+    def can_allocate(self, request_id: str, num_tokens: int, cached_blocks: list[int] | None = None) -> bool:
+        """Whether allocate() would succeed."""
+        cached_blocks = cached_blocks or []
+        need = self.blocks_needed(num_tokens) - len(self.tables.get(request_id, ())) - len(cached_blocks)
+        reuse_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        return max(need, 0) + reuse_free <= len(self.free)
+
     def allocate(self, request_id: str, num_tokens: int, cached_blocks: list[int] | None = None) -> list[int] | None:
         """Grow the request's table to hold num_tokens; returns the block ids appended, or None if the
         pool is short (nothing changes then)."""
@@ -74,8 +81,7 @@ class BlockManager:
         need = self.blocks_needed(num_tokens) - len(table) - len(cached_blocks)
         if need <= 0 and not cached_blocks:
             return []  # the common decode step: the last block still has room
-        reuse_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
-        if need + reuse_free > len(self.free):
+        if not self.can_allocate(request_id, num_tokens, cached_blocks):
             return None
         added = []
         for block_id in cached_blocks:

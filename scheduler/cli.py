@@ -29,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-waiting-requests", type=int, default=0, help="0: unbounded")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="fcfs: requests in arrival order; priority: by the request's priority (lower first, ties by "
+                        "arrival), the lowest-priority running request preempted for a higher one that lacks KV "
+                        "blocks (vLLM's); a non-zero priority under fcfs is refused")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule a step before the previous one's tokens are back, so the stages do not wait for "
                         "the scheduler: always with one stage, with more where a micro-batch would be empty "
@@ -77,7 +81,8 @@ async def _main(args: argparse.Namespace) -> int:
         SchedulerConfig(max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=args.enable_prefix_caching, eos_token_ids=cfg.eos_token_ids,
-                        max_waiting_requests=args.max_waiting_requests, vocab_size=cfg.vocab_size),
+                        max_waiting_requests=args.max_waiting_requests, vocab_size=cfg.vocab_size,
+                        scheduling_policy=args.scheduling_policy),
         model_max_len=cfg.max_position_embeddings, async_scheduling=args.async_scheduling,
         stage_recovery_timeout_s=args.stage_recovery_timeout, max_request_retries=args.max_request_retries),
         GrpcPipeline(rendezvous, advertise, store.port, replace(DEADLINES, forward_s=args.forward_timeout)))

@@ -23,11 +23,16 @@ class SchedulerConfig:
     max_waiting_requests: int = 0  # 0: unbounded
     async_scheduling: bool = False  # may schedule a step ahead of a request's tokens (see Scheduler)
     vocab_size: int | None = None  # prompt and stop token ids are checked against it when known
+    # vLLM's --scheduling-policy: "fcfs" (arrival order) or "priority" (lower value first, ties by arrival;
+    # the lowest-priority running request is preempted for a higher one that lacks KV blocks)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise StagemeshError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise StagemeshError(f"scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
 
     def check_formed(self) -> None:
         """The settings a scheduler runs with: the pipeline's part filled in."""

@@ -102,13 +102,13 @@ class Driver:
 
     # -- requests -----------------------------------------------------------------
     def add(self, request_id: str, prompt: list[int], sampling: SamplingParams, sink: OutputSink,
-            trace_context=None, generated: list[int] = ()) -> None:
+            trace_context=None, generated: list[int] = (), priority: int = 0) -> None:
         """Queue a request whose outputs go to `sink` until it finishes (`generated`: the tokens a request
         continued from another replica produced there). Raises Unavailable, QueueFull or StagemeshError (bad
         input) when it cannot be queued; the caller must release() it when it goes away."""
         if not self.healthy or self.scheduler is None:
             raise Unavailable(f"the replica cannot serve: {self.reason}")
-        self.scheduler.add_request(request_id, prompt, sampling, generated)
+        self.scheduler.add_request(request_id, prompt, sampling, generated, priority)
         self.observer.submitted(request_id, len(prompt), trace_context, len(generated))
         self.sinks[request_id] = sink
         self._wake.set()

@@ -1,7 +1,9 @@
 """What the scheduler tells the outside: Prometheus metrics, request and step spans, request logs.
 
 The driver calls the hooks; the core scheduler stays free of them. Metric
-names follow vLLM's with a ``stagemesh:`` prefix. Each request gets a span
+names follow vLLM's with a ``stagemesh:`` prefix: vLLM's own names are on the
+router's page (router.metrics), so that a Prometheus scraping every service
+counts no request twice under them. Each request gets a span
 (child of the router's, from the gRPC metadata) with events queued /
 scheduled / first_token / preempted / stalled / recovered / finished (stalled:
 the pipeline broke under it and it was kept; recovered: its first token after

@@ -32,6 +32,7 @@ class Request:
     num_preemptions: int = 0
     num_recoveries: int = 0  # pipelines that broke under it (it was kept and recomputed: Scheduler.requeue_all)
     num_prompt_logprobs: int = 0  # prompt logprobs delivered (positions 1.. of the prompt)
+    priority: int = 0  # under --scheduling-policy priority: lower is served first
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     # prompt + output, kept up to date by append_output (the scheduler reads it every step)
@@ -47,6 +48,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def priority_key(self) -> tuple[int, float]:
+        """The order of the priority policy (vLLM's): lower priority value first, then earlier arrival."""
+        return self.priority, self.arrival_time
 
 
 @dataclass

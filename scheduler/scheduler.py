@@ -17,6 +17,9 @@ ends, and the scheduler's work and both RPCs overlap the model. A request
 that turns out to have finished (EOS, stop token) wastes the one token
 computed ahead; its result is dropped. schedule(run_ahead=False) leaves such
 requests out (a pipeline runs ahead only where a micro-batch would be empty).
+
+The queues' order, and so who gets the budget first and who is preempted, is the scheduling policy's
+(scheduler.policy: fcfs or priority).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
+from scheduler.policy import SchedulingPolicy
 from scheduler.request import Request, RequestOutput, Status
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams, check_token_ids
@@ -69,6 +73,7 @@ class Scheduler:
         config.check_formed()
         self.config = config
         self.kv = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.policy = SchedulingPolicy(config.scheduling_policy)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -81,13 +86,16 @@ class Scheduler:
 
     # -- requests in and out ------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    generated_token_ids: list[int] = ()) -> None:
+                    generated_token_ids: list[int] = (), priority: int = 0) -> None:
         """Queue a request; generated_token_ids continues one that produced those tokens elsewhere (its replica
         failed): it goes on from prompt + them as if it had generated them here (max_tokens, min_tokens, a
-        seed's positions and a structured-output grammar count them; its prompt logprobs were delivered)."""
+        seed's positions and a structured-output grammar count them; its prompt logprobs were delivered).
+        priority: lower is served first (--scheduling-policy priority; any other value than 0 is refused under
+        fcfs, as vLLM refuses it)."""
         cfg = self.config
         if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
             raise StagemeshError(f"a request id must have 1 to {MAX_REQUEST_ID_LEN} characters")
+        self.policy.check(priority)
         if request_id in self.requests:
             raise StagemeshError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -109,11 +117,11 @@ class Scheduler:
             raise StagemeshError(f"a request of {total} tokens can never fit the KV cache of {cfg.kv_cache_tokens} tokens")
         if cfg.max_waiting_requests and len(self.waiting) >= cfg.max_waiting_requests:
             raise QueueFull(f"the waiting queue is full ({cfg.max_waiting_requests} requests)")
-        request = Request(request_id, list(prompt_token_ids), sampling, list(generated_token_ids))
+        request = Request(request_id, list(prompt_token_ids), sampling, list(generated_token_ids), priority=priority)
         if generated_token_ids:
             request.num_prompt_logprobs = len(prompt_token_ids) - 1
         self.requests[request_id] = request
-        self.waiting.append(request)
+        self.policy.enqueue(self.waiting, request)
 
     def requeue_all(self) -> list[Request]:
         """The pipeline broke: every request goes back to waiting as if preempted (generated tokens kept, its KV
@@ -121,7 +129,7 @@ class Scheduler:
         (take_over) or they fail (fail_all). Returns them."""
         for r in self.running:  # (a waiting one lost no work)
             r.num_recoveries += 1
-        requests = [*self.running, *self.waiting]
+        requests = self.policy.order([*self.running, *self.waiting])
         for r in requests:
             r.status, r.seq_id = Status.WAITING, -1
             r.num_computed_tokens = r.in_flight = r.num_output_placeholders = 0
@@ -145,7 +153,7 @@ class Scheduler:
                           f"and a KV cache of {self.config.kv_cache_tokens}; this request needs {total}"))
                 continue
             self.requests[request.request_id] = request
-            self.waiting.append(request)
+            self.policy.enqueue(self.waiting, request)
         old.requests, old.waiting = {}, deque()
         return failed
 
@@ -185,9 +193,11 @@ class Scheduler:
         request's step in flight, even with async scheduling."""
         budget = _Budget(self.config.max_num_batched_tokens, max_seqs or self.config.max_num_seqs,
                          run_ahead and self.config.async_scheduling)
+        made_room = self._make_room()
         preempted = self._schedule_running(budget)
-        if not preempted:
+        if not preempted:  # (a request preempted in this step does not come straight back)
             self._schedule_waiting(budget)
+        preempted += made_room
         if not budget.chunks:
             return None
         for request_id in budget.request_ids:
@@ -224,16 +234,37 @@ class Scheduler:
             self._add_chunk(budget, request, num_new, new_blocks)
         return preempted
 
+    def _make_room(self) -> int:
+        """Priority policy: the first waiting request, if its first chunk lacks KV blocks, preempts running
+        requests of lower priority (the lowest first) until it fits, before the step is built; returns how
+        many. It is then admitted in this step unless a running request of higher priority takes the room."""
+        if not self.waiting or not self.policy.by_priority:
+            return 0
+        head, preempted = self.waiting[0], 0
+        while not self.kv.can_allocate(head.request_id, *self._first_chunk(head, self.config.max_num_batched_tokens)):
+            victim = self.policy.victim_for(self.running, head)
+            if victim is None:
+                break
+            self._preempt(victim)
+            preempted += 1
+        return preempted
+
+    def _first_chunk(self, request: Request, tokens: int) -> tuple[int, list[int]]:
+        """(tokens the waiting request's first chunk fills, counted from position 0; its cached blocks)."""
+        # a request that scores its prompt needs every position computed: no prefix-cache hit (as vLLM)
+        cached = [] if request.sampling.prompt_logprobs is not None else \
+            self.kv.find_cached_prefix(request.all_token_ids)
+        num_cached = len(cached) * self.config.block_size
+        return num_cached + min(request.num_tokens - num_cached, tokens), cached
+
     def _schedule_waiting(self, budget: _Budget) -> None:
         while (self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs
                and len(budget.chunks) < budget.seqs):
             request = self.waiting[0]
-            # a request that scores its prompt needs every position computed: no prefix-cache hit (as vLLM)
-            cached = [] if request.sampling.prompt_logprobs is not None else \
-                self.kv.find_cached_prefix(request.all_token_ids)
+            num_tokens, cached = self._first_chunk(request, budget.tokens)
             num_cached = len(cached) * self.config.block_size
-            num_new = min(request.num_tokens - num_cached, budget.tokens)
-            new_blocks = self.kv.allocate(request.request_id, num_cached + num_new, cached)
+            num_new = num_tokens - num_cached
+            new_blocks = self.kv.allocate(request.request_id, num_tokens, cached)
             if new_blocks is None:
                 break
             self.waiting.popleft()
@@ -246,7 +277,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             if not request.output_token_ids:
                 request.num_cached_tokens = num_cached
-            self.running.append(request)
+            self.policy.add_running(self.running, request)
             budget.new_sequences.append(NewSequence(request.seq_id, list(request.prompt_token_ids), request.sampling,
                                                     list(request.output_token_ids)))
             self._add_chunk(budget, request, num_new, new_blocks)
@@ -273,7 +304,8 @@ class Scheduler:
         budget.tokens -= num_new
 
     def _pick_victim(self) -> Request | None:
-        """The newest running request that is not in flight (its blocks are not in use)."""
+        """The last running request that is not in flight (its blocks are not in use): the newest under fcfs,
+        the lowest-priority (then newest) under the priority policy, the running queue being in that order."""
         for request in reversed(self.running):
             if not request.in_flight:
                 return request
@@ -288,7 +320,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.recent_preemptions.append(request.request_id)
-        self.waiting.appendleft(request)
+        self.policy.enqueue(self.waiting, request, preempted=True)
 
     def update_from_output(self, output: SchedulerOutput, sampled: list[SampledToken],
                            prompt_logprobs: list[PromptLogprobs] = ()) -> list[RequestOutput]:

@@ -70,7 +70,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                           if submit.traceparent else None)
         try:
             self.driver.add(r.request_id, list(r.prompt_token_ids), sampling_from_pb(r.sampling), connection,
-                            trace_context, list(r.generated_token_ids))
+                            trace_context, list(r.generated_token_ids), r.priority)
         except StagemeshError as err:
             connection.reject(r.request_id, err)
             return
@@ -105,7 +105,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         info = scheduler_pb2.ModelInfo(served_model_name=self.served_model_name, model_path=self.model_path,
                                        vocab_size=self.vocab_size, eos_token_ids=d.cfg.scheduler.eos_token_ids,
                                        block_size=d.pipeline.block_size,
-                                       pipeline_parallel_size=d.pipeline.num_stages)
+                                       pipeline_parallel_size=d.pipeline.num_stages,
+                                       scheduling_policy=d.cfg.scheduler.scheduling_policy)
         if d.plan is not None and d.healthy:
             info.max_model_len = d.max_model_len
             info.tensor_parallel_sizes.extend(d.plan.tp_sizes)

@@ -90,9 +90,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enable-auto-tool-choice", action="store_true", help="tool_choice auto (see `stagemesh router`)")
     p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None)
+    p.add_argument("--responses-store-size", type=int, default=None,
+                   help="responses the router keeps for the Responses API (see `stagemesh router`; default 1000)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
+                   help="the schedulers' policy (see `stagemesh scheduler`; default fcfs)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule a step before the previous one's tokens are back (default: on with GPUs, off on "
@@ -147,7 +151,8 @@ def plan_commands(args: argparse.Namespace, model: str | None, num_layers: int, 
     device = "cuda" if cuda else "cpu"
     model_arg = [] if model is None else [model]
     common_sched = _flags(args, ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                                 "served_model_name", "stage_recovery_timeout", "max_request_retries"))
+                                 "served_model_name", "stage_recovery_timeout", "max_request_retries",
+                                 "scheduling_policy"))
     if not args.enable_prefix_caching:
         common_sched.append("--no-enable-prefix-caching")
     if args.async_scheduling is not None:
@@ -182,7 +187,8 @@ def plan_commands(args: argparse.Namespace, model: str | None, num_layers: int, 
     router += ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
     children.append(ChildSpec("router", router + _flags(args, ("grpc_port", "served_model_name", "api_key",
                                                                "max_model_len", "tool_call_parser",
-                                                               "max_request_retries", "policy")), kind="router"))
+                                                               "max_request_retries", "policy",
+                                                               "responses_store_size")), kind="router"))
     return children
 
 

@@ -28,20 +28,23 @@ from stagemesh.core.sampling_params import SamplingParams
 
 class FakeReplica(Replica):
     def __init__(self, served_model_name: str, max_model_len: int, vocab_size: int, eos_token_ids=(),
-                 address: str = "fake:0"):
+                 address: str = "fake:0", scheduling_policy: str = "fcfs"):
         super().__init__(address, healthy=True, reason="", max_model_len=max_model_len,
-                         eos_token_ids=tuple(eos_token_ids), served_model_name=served_model_name)
+                         eos_token_ids=tuple(eos_token_ids), served_model_name=served_model_name,
+                         scheduling_policy=scheduling_policy)
         self.vocab_size = vocab_size
         self.fail_after: int | None = None
         self.submitted: list[tuple[str, list[int], SamplingParams]] = []
         self.generated: list[list[int]] = []  # of each submit: the tokens a continuation brought
+        self.priorities: list[int] = []  # of each submit
 
     def __post_init__(self) -> None:  # no channel: nothing to dial
         self._stream = None
 
     def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-               generated: list[int] = ()) -> "FakeStream":
+               generated: list[int] = (), priority: int = 0) -> "FakeStream":
         self.submitted.append((request_id, prompt, sampling))
+        self.priorities.append(priority)
         self.generated.append(list(generated))
         return FakeStream(self._outputs(prompt, sampling, len(generated)))
 
@@ -87,15 +90,15 @@ class FakeRouter:
     """The router's app on a loopback port, served by an event loop on a thread of its own."""
 
     def __init__(self, model_dir, served_model_name: str, api_key: str | None = None, num_replicas: int = 1,
-                 max_request_retries: int = 3):
+                 max_request_retries: int = 3, scheduling_policy: str = "fcfs", **config):
         cfg = ModelConfig.from_path(model_dir)
-        self.replicas = [FakeReplica(served_model_name, 512, cfg.vocab_size, cfg.eos_token_ids, f"fake:{i}")
-                         for i in range(num_replicas)]
+        self.replicas = [FakeReplica(served_model_name, 512, cfg.vocab_size, cfg.eos_token_ids, f"fake:{i}",
+                                     scheduling_policy) for i in range(num_replicas)]
         self.replica = self.replicas[0]
         replicas = ReplicaSet([], LeastLoad(), max_request_retries=max_request_retries)
         replicas.replicas = list(self.replicas)
         tokenizer = Tokenizer(model_dir, cfg.max_position_embeddings)
-        self.app = build_app(replicas, tokenizer, RouterConfig(served_model_name, api_key))
+        self.app = build_app(replicas, tokenizer, RouterConfig(served_model_name, api_key, **config))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 

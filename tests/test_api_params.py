@@ -122,6 +122,19 @@ def test_n_choices_equal_single_requests_with_the_seed_plus_their_index(router):
     assert answer["usage"]["prompt_tokens"] == len(PROMPT) and answer["usage"]["completion_tokens"] == 24
 
 
+def test_n_choices_count_their_prompts_cached_tokens_once(router):
+    # 37 tokens: two full 16-token blocks. The siblings of the first choice find them cached (their prompt was
+    # computed once); usage counts the prompt's cached tokens once, as its tokens: none the first time (the
+    # prompt was new), its two blocks the second time
+    prompt = list(range(200, 237))
+    client = router.client()
+    first, again = (client.completions.create(model=M, prompt=prompt, n=3, max_tokens=2, temperature=0).usage
+                    for _ in range(2))
+    assert first.prompt_tokens == again.prompt_tokens == 37
+    assert first.prompt_tokens_details is None or not first.prompt_tokens_details.cached_tokens
+    assert again.prompt_tokens_details.cached_tokens == 32
+
+
 def test_a_list_of_prompts_gives_each_n_choices_in_openais_order(router, greedy):
     prompts = [[5, 6], [100, 101, 102]]
     answer = complete(router, prompt=prompts, n=2, return_token_ids=True)
@@ -233,11 +246,11 @@ def test_one_scrape_of_the_gateway_has_the_engine_series(router):
                  "generation_tokens_total", "request_success_total", "time_to_first_token_seconds_count",
                  "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
                  "request_queue_time_seconds_count"):
-        assert f"stagemesh:{name}" in samples, name
-    assert samples["stagemesh:num_requests_running"][0].labels["replica"]  # per replica
-    lengths = [s.value for s in samples["stagemesh:request_success_total"] if s.labels["finished_reason"] == "length"]
+        assert f"vllm:{name}" in samples, name
+    assert samples["vllm:num_requests_running"][0].labels["engine"] == "0"  # per replica: its index
+    lengths = [s.value for s in samples["vllm:request_success_total"] if s.labels["finished_reason"] == "length"]
     assert lengths and lengths[0] >= 1
-    assert samples["stagemesh:generation_tokens_total"][0].value >= 8
+    assert samples["vllm:generation_tokens_total"][0].value >= 8
 
 
 def test_the_grpc_frontend_maps_errors_and_serves_n_and_prompt_logprobs(router):

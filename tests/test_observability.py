@@ -5,6 +5,7 @@ import json
 import re
 import threading
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
@@ -71,6 +72,21 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+def _text(base_url: str) -> str:
+    return requests.get(f"{base_url}/metrics", timeout=10).text
+
+
+def series(text: str) -> list[tuple[str, dict, float]]:
+    """(name, labels, value) of every sample of a Prometheus text page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def _value(samples, name: str, labels: dict) -> float:
+    return sum(v for n, ls, v in samples if n == name and labels.items() <= ls.items())
+
+
 def test_one_chat_request_is_one_trace_through_every_service(mesh, receiver):
     client = mesh.router.client()
     out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a b c"}], max_tokens=5,
@@ -125,6 +141,7 @@ def _wait_for_trace(receiver: Receiver, services: set[str], timeout: float = 30)
 def test_metrics_move_by_the_right_amounts(mesh):
     base = f"http://127.0.0.1:{mesh.metrics['scheduler']}/metrics"
     before = scrape(base)
+    router_before_text = _text(mesh.router.base_url)
     router_before = scrape(f"{mesh.router.base_url}/metrics")
     stage_before = [scrape(f"http://127.0.0.1:{mesh.metrics[f'stage{i}']}/metrics") for i in (0, 1)]
     client = mesh.router.client()
@@ -153,7 +170,25 @@ def test_metrics_move_by_the_right_amounts(mesh):
     assert moved(f'stagemesh:router_requests_total{{finished_reason="length",{replica}}}',
                  router_before, router_after) == 3
     assert moved(f"stagemesh:router_generation_tokens_total{{{replica}}}", router_before, router_after) == 13
-    assert router_after[f"stagemesh:router_replica_healthy{{{replica}}}"] == 1
+    assert router_after[f'stagemesh:router_replica_healthy{{engine="0",{replica}}}'] == 1
+    # vLLM's series on the gateway (model_name "m", engine 0: the router's first replica), request by request
+    gw_before, gw_after = (series(page) for page in (router_before_text, _text(mesh.router.base_url)))
+
+    def gw(name: str, **labels) -> float:
+        return _value(gw_after, name, labels) - _value(gw_before, name, labels)
+
+    assert gw("vllm:generation_tokens_total") == 13 and gw("vllm:prompt_tokens_total") == 3 * num_prompt
+    assert gw("vllm:request_success_total", finished_reason="length") == 3
+    assert gw("vllm:request_prompt_tokens_count") == 3 and gw("vllm:request_prompt_tokens_sum") == 3 * num_prompt
+    assert gw("vllm:request_generation_tokens_sum") == 13 and gw("vllm:request_params_max_tokens_sum") == 13
+    assert gw("vllm:request_max_num_generation_tokens_sum") == 13 and gw("vllm:request_params_n_sum") == 3
+    assert gw("vllm:inter_token_latency_seconds_count") == 13 - 3
+    for timed in ("time_to_first_token", "e2e_request_latency", "request_queue_time", "request_prefill_time",
+                  "request_decode_time", "request_inference_time", "request_time_per_output_token"):
+        assert gw(f"vllm:{timed}_seconds_count") == 3, timed
+    # the phases add up: queue + prefill + decode is the request's time at most
+    phases = sum(gw(f"vllm:request_{p}_time_seconds_sum") for p in ("queue", "prefill", "decode"))
+    assert 0 < phases <= gw("vllm:e2e_request_latency_seconds_sum")
     for i in (0, 1):
         stage_after = scrape(f"http://127.0.0.1:{mesh.metrics[f'stage{i}']}/metrics")
         steps = moved(f'stagemesh:stage_steps_total{{stage="{i}"}}', stage_before[i], stage_after)
@@ -185,3 +220,22 @@ def test_json_log_line_per_finished_request(mesh):
     assert any(re.match(r"stage 1: layers 2:4, TP=1", e["message"]) for e in lines)
     router_log = next(mesh.logs.glob("router-*.log")).read_text()
     assert re.search(rf"request {out.id} on {mesh.address}: length, \d+ prompt \+ 2 output tokens", router_log)
+
+
+def test_every_series_of_vllms_dashboard_is_on_the_gateway(mesh):
+    """vLLM's Grafana dashboard (its queries' series: tests/data/vllm_grafana_series.txt) finds every series
+    it reads on the gateway's one page, for the served model, with data after a request."""
+    wanted = [line for line in (Path(__file__).parent / "data" / "vllm_grafana_series.txt").read_text().splitlines()
+              if line and not line.startswith("#")]
+    mesh.router.client().completions.create(model="m", prompt="a b c", max_tokens=3, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    samples = series(_text(mesh.router.base_url))
+    for name in wanted:
+        mine = [(ls, v) for n, ls, v in samples if n == name and ls.get("model_name") == "m"]
+        assert mine, f"{name} is not on /metrics for model_name='m'"
+        assert all(ls.get("engine") == "0" for ls, _ in mine), name  # vLLM's engine label: the replica's index
+        if name.endswith(("_count", "_total")) and "running" not in name and "waiting" not in name:
+            assert sum(v for _, v in mine) > 0, f"{name} has no data"
+    # the dashboard's model_name variable lists the served model from vllm: series alone
+    assert {ls.get("model_name") for n, ls, _ in samples if n.startswith("vllm:")} == {"m"}
+    assert not [n for n, _, _ in samples if n.startswith("stagemesh:") and not n.startswith("stagemesh:router_")]

@@ -108,6 +108,6 @@ def test_scored_prompts_and_their_tokens_survive_preemption(router, reference, r
         assert choice["token_ids"] == reference_greedy(reference, prompt, 40)[0]
     metrics = requests.get(f"{router.base_url}/metrics", timeout=10).text
     preempted = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                    if line.startswith("stagemesh:num_preemptions_total{"))
+                    if line.startswith("vllm:num_preemptions_total{"))
     if "preemption" in request.node.callspec.id:
         assert preempted > 0, "the layout meant to preempt did not"

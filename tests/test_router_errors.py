@@ -45,7 +45,17 @@ CASES = [
     (CHAT, {"model": M, "messages": MSG, "max_tokens": "10"}, 400, "'max_tokens' must be an integer", "max_tokens"),
     (CHAT, {"model": M, "messages": MSG, "max_completion_tokens": -1}, 400, "'max_completion_tokens' must be",
      "max_completion_tokens"),
-    (CHAT, {"model": M, "messages": MSG, "max_tokens": 100000}, 400, "maximum context length is 512 tokens", "max_tokens"),
+    (CHAT, {"model": M, "messages": MSG, "max_tokens": 100000}, 400,
+     "max_tokens=100000 cannot be greater than max_model_len=512", "max_tokens"),
+    (CHAT, {"model": M, "messages": MSG, "max_completion_tokens": 600}, 400,
+     "max_completion_tokens=600 cannot be greater than max_model_len=512", "max_completion_tokens"),
+    # vLLM's words and param for a prompt that leaves too little room: the prompt's tokens, not max_tokens
+    (COMP, {"model": M, "prompt": [5] * 500, "max_tokens": 20}, 400,
+     "You passed 500 input tokens and requested 20 output tokens. However, the model's context length is only 512 "
+     "tokens, resulting in a maximum input length of 492 tokens", "input_tokens"),
+    (CHAT, {"model": M, "messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, 400,
+     "'messages[0].tool_calls[0].function.arguments' is not valid JSON", "messages[0].tool_calls[0].function.arguments"),
     (CHAT, {"model": M, "messages": MSG, "n": 0}, 400, "'n' must be an integer in [1, 256]", "n"),
     (CHAT, {"model": M, "messages": MSG, "n": 300}, 400, "'n' must be an integer in [1, 256]", "n"),
     (CHAT, {"model": M, "messages": MSG, "stream": "yes"}, 400, "'stream' must be a boolean", "stream"),
@@ -144,7 +154,8 @@ CASES = [
     (COMP, {"model": M, "prompt": "w5", "best_of": 2}, 400, "'best_of' is not supported", "best_of"),
     (COMP, {"model": M, "prompt": "w5", "logprobs": -1}, 400, "-1, the whole vocabulary, is not served", "logprobs"),
     (COMP, {"model": M, "prompt": [5, 999999]}, 400, "token id 999999 is outside the vocabulary", "prompt"),
-    (COMP, {"model": M, "prompt": [5] * 600}, 400, "maximum context length is 512 tokens", "prompt"),
+    (COMP, {"model": M, "prompt": [5] * 600}, 400, "You passed 600 input tokens, which leaves no room for output",
+     "input_tokens"),
     (COMP, {"model": M, "prompt": "hi", "logprobs": 30}, 400, "'logprobs' must be an integer in [0, 20]", "logprobs"),
     ("/v1/embeddings", {"model": M, "input": "x"}, 404, "no route POST /v1/embeddings", None),
     ("/tokenize", {"nothing": 1}, 400, "'prompt' (a string) or 'messages' is required", "prompt"),
@@ -167,6 +178,7 @@ def test_bad_request(router, path, body, status, words, param):
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert words in error["message"] and set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status  # vLLM's code: the HTTP status
     if param is not None:
         assert error["param"] == param
 

@@ -236,3 +236,103 @@ def test_requests_with_ids_outside_the_vocabulary_are_refused(request_id, prompt
     with pytest.raises(StagemeshError, match=words):
         s.add_request(request_id, prompt, params)
     assert s.num_unfinished == 0
+
+
+def priority_scheduler(num_kv_blocks=4, **kw) -> Scheduler:
+    return make(num_kv_blocks=num_kv_blocks, scheduling_policy="priority", **kw)
+
+
+def test_fcfs_refuses_a_priority_as_vllm_does_and_a_priority_must_be_int32():
+    s = make()
+    s.add_request("zero", [3], SamplingParams(max_tokens=1), priority=0)
+    with pytest.raises(StagemeshError, match="Got priority 3 but Priority scheduling is not enabled"):
+        s.add_request("three", [3], SamplingParams(max_tokens=1), priority=3)
+    for bad in (2**31, True, 1.5):
+        with pytest.raises(StagemeshError, match="priority must be a 32-bit integer"):
+            priority_scheduler().add_request("x", [3], SamplingParams(max_tokens=1), priority=bad)
+    assert list(s.requests) == ["zero"]
+    with pytest.raises(StagemeshError, match="scheduling-policy must be fcfs or priority"):
+        make(scheduling_policy="lifo")
+
+
+def test_priority_admits_lower_values_first_and_ties_in_arrival_order():
+    s = priority_scheduler(num_kv_blocks=64, max_num_seqs=1)
+    for request_id, priority in (("late", 5), ("urgent", -2), ("first0", 0), ("second0", 0)):
+        s.add_request(request_id, [3, 4], SamplingParams(max_tokens=1), priority=priority)
+    order = []
+    while s.has_unfinished():
+        out, _ = run_step(s)
+        order += out.request_ids
+    assert order == ["urgent", "first0", "second0", "late"]
+    fcfs = make(max_num_seqs=1)
+    for request_id in ("a", "b", "c"):
+        fcfs.add_request(request_id, [3, 4], SamplingParams(max_tokens=1))
+    assert [run_step(fcfs)[0].request_ids[0] for _ in range(3)] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("policy,victim", [("fcfs", "high"), ("priority", "low")])
+def test_the_victim_when_blocks_run_out_is_the_newest_or_the_lowest_priority(policy, victim):
+    # "low" (priority 5) came first, "high" (priority 0) second; both need a third block at position 8
+    s = make(num_kv_blocks=4, block_size=4, scheduling_policy=policy)
+    priorities = {"low": 5, "high": 0} if policy == "priority" else {"low": 0, "high": 0}
+    for request_id in ("low", "high"):
+        s.add_request(request_id, [3] * 7, SamplingParams(max_tokens=8, ignore_eos=True),
+                      priority=priorities[request_id])
+    run_step(s)
+    run_step(s)
+    out, _ = run_step(s)
+    assert out.num_preempted == 1 and [r.request_id for r in s.waiting] == [victim]
+    assert victim not in out.request_ids and s.requests[victim].num_preemptions == 1
+
+
+def test_a_waiting_request_of_higher_priority_preempts_the_lowest_running_one():
+    s = priority_scheduler(num_kv_blocks=4, block_size=4)
+    for request_id, priority, token in (("mid", 3, 3), ("low", 9, 5)):
+        s.add_request(request_id, [token] * 7, SamplingParams(max_tokens=9, ignore_eos=True), priority=priority)
+    run_step(s)  # both prefilled: the pool is full
+    s.add_request("high", [4] * 3, SamplingParams(max_tokens=2, ignore_eos=True), priority=1)
+    out, _ = run_step(s)  # "high" needs a block: "low" (below it) is preempted, "high" admitted at once
+    assert out.num_preempted == 1 and [r.request_id for r in s.waiting] == ["low"]
+    assert out.request_ids == ["mid", "high"] and [r.request_id for r in s.running] == ["high", "mid"]
+
+
+def test_a_tie_in_priority_preempts_nobody():
+    s = priority_scheduler(num_kv_blocks=3, block_size=4)
+    s.add_request("first", [3] * 9, SamplingParams(max_tokens=3, ignore_eos=True), priority=1)
+    run_step(s)  # the pool is full
+    s.add_request("same", [4] * 3, SamplingParams(max_tokens=2), priority=1)
+    out, _ = run_step(s)
+    assert out.num_preempted == 0 and out.request_ids == ["first"] and [r.request_id for r in s.waiting] == ["same"]
+    s.add_request("above", [5] * 3, SamplingParams(max_tokens=2), priority=0)
+    out, _ = run_step(s)
+    assert out.num_preempted == 1 and out.request_ids == ["above"]
+    assert [r.request_id for r in s.waiting] == ["first", "same"]  # ties by arrival
+
+
+def test_a_waiting_request_never_preempts_a_request_in_flight_or_under_fcfs():
+    s = priority_scheduler(num_kv_blocks=3, block_size=4)
+    s.add_request("low", [3] * 9, SamplingParams(max_tokens=3, ignore_eos=True), priority=9)
+    in_flight = s.schedule()  # "low" holds every block and its step is not back
+    s.add_request("high", [4] * 3, SamplingParams(max_tokens=2), priority=0)
+    assert s.schedule() is None and [r.request_id for r in s.running] == ["low"]
+    s.update_from_output(in_flight, [SampledToken(in_flight.step_batch.chunks[0].seq_id, 7)])
+    out = s.schedule()  # its result is back: now it can be preempted
+    assert out.num_preempted == 1 and out.request_ids == ["high"]
+    fcfs = make(num_kv_blocks=3, block_size=4)
+    fcfs.add_request("old", [3] * 9, SamplingParams(max_tokens=3, ignore_eos=True))
+    run_step(fcfs)
+    fcfs.add_request("new", [4] * 3, SamplingParams(max_tokens=2))
+    out, _ = run_step(fcfs)
+    assert out.num_preempted == 0 and out.request_ids == ["old"]
+
+
+def test_requeued_requests_keep_their_priority_order_through_a_broken_pipeline():
+    s = priority_scheduler(num_kv_blocks=64)
+    for request_id, priority in (("b", 2), ("a", 1), ("c", 3)):
+        s.add_request(request_id, [3, 4], SamplingParams(max_tokens=4), priority=priority)
+    run_step(s)
+    s.add_request("z", [3, 4], SamplingParams(max_tokens=4), priority=0)
+    kept = s.requeue_all()
+    fresh = priority_scheduler(num_kv_blocks=64)
+    fresh.take_over(s)
+    assert [r.request_id for r in fresh.waiting] == ["z", "a", "b", "c"] and len(kept) == 4

@@ -108,12 +108,13 @@ def test_serve_passes_the_recovery_and_balancing_flags_to_its_children():
     p = argparse.ArgumentParser()
     add_arguments(p)
     args = p.parse_args(["-dp", "2", "-pp", "2", "--policy", "cache-aware", "--stage-recovery-timeout", "5",
-                         "--max-request-retries", "1"])
+                         "--max-request-retries", "1", "--scheduling-policy", "priority"])
     children = {c.name: c.argv for c in plan_commands(args, "/m", 4, cuda=False)}
     flags = lambda argv: {a: b for a, b in zip(argv, argv[1:]) if a.startswith("--")}  # noqa: E731
     for r in range(2):
         assert flags(children[f"scheduler[{r}]"]).items() >= {"--stage-recovery-timeout": "5.0",
-                                                              "--max-request-retries": "1"}.items()
+                                                              "--max-request-retries": "1",
+                                                              "--scheduling-policy": "priority"}.items()
     assert flags(children["router"]).items() >= {"--policy": "cache-aware", "--max-request-retries": "1"}.items()
     assert "--policy" not in children["scheduler[0]"] and "--stage-recovery-timeout" not in children["router"]
 

@@ -118,16 +118,19 @@ def test_errors_belong_to_their_request_only(tiny_model_dir, tmp_path):
             ok = stream.submit("ok", [5, 6, 7], short)
             full = stream.submit("full", [8, 9], short)
             bad = stream.submit("bad", [5, 6, 7], SamplingParams(max_tokens=1_000_000))
+            prio = stream.submit("prio", [5, 6, 7], short, priority=3)  # this replica runs fcfs
             outcomes = []
-            for r in (full, bad):
+            for r in (full, bad, prio):
                 with pytest.raises(RequestFailed) as info:
                     await read(r)
                 outcomes.append((info.value.code, info.value.details))
             return outcomes, await read(ok), await read(stream.submit("later", [5, 6, 7], short))
 
-        (full, bad), ok, later = over_one_stream(mesh.address, body)
+        (full, bad, prio), ok, later = over_one_stream(mesh.address, body)
     assert full[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "waiting queue is full" in full[1]
     assert bad[0] == grpc.StatusCode.INVALID_ARGUMENT and "maximum context length" in bad[1]
+    assert prio == (grpc.StatusCode.INVALID_ARGUMENT,
+                    "Got priority 3 but Priority scheduling is not enabled (this replica runs --scheduling-policy fcfs)")
     assert ok[:2] == (want, "length")
     assert later[:2] == (want, "length")
 

@@ -26,47 +26,47 @@ from stagemesh.v1 import common_pb2 as stagemesh_dot_v1_dot_common__pb2
 from stagemesh.v1 import stage_pb2 as stagemesh_dot_v1_dot_stage__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cstagemesh/v1/scheduler.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\x1a\x18stagemesh/v1/stage.proto\"E\n\x14RegisterStageRequest\x12-\n\x05stage\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.StageDescription\"G\n\x15RegisterStageResponse\x12\x1a\n\x12num_missing_stages\x18\x01 \x01(\x05\x12\x12\n\nfirst_seen\x18\x02 \x01(\x08\"\x8a\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.stagemesh.v1.SamplingParams\x12\x1b\n\x13generated_token_ids\x18\x04 \x03(\x05\"\xd3\x02\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12,\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.stagemesh.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\x12\x1d\n\x15prompt_logprobs_start\x18\x08 \x01(\x05\x12\x15\n\rqueue_seconds\x18\t \x01(\x01\x42\x10\n\x0e_stop_token_id\"]\n\x13SubmitStreamRequest\x12+\n\x07submits\x18\x01 \x03(\x0b\x32\x1a.stagemesh.v1.StreamSubmit\x12\x19\n\x11\x61\x62ort_request_ids\x18\x02 \x03(\t\"e\n\x0cStreamSubmit\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.stagemesh.v1.SubmitRequest\x12\x13\n\x0btraceparent\x18\x02 \x01(\t\x12\x12\n\ntracestate\x18\x03 \x01(\t\"D\n\x14SubmitStreamResponse\x12,\n\x07updates\x18\x01 \x03(\x0b\x32\x1b.stagemesh.v1.RequestUpdate\"\x8a\x01\n\rRequestUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x06output\x18\x02 \x01(\x0b\x32\x1c.stagemesh.v1.SubmitResponseH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.stagemesh.v1.RequestErrorH\x00\x42\x08\n\x06update\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"\x11\n\x0fGetStatsRequest\"(\n\x11WatchStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x05\"\xcf\x02\n\x05Stats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x1c\n\x14prefix_cache_queries\x18\x04 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x03\x12\x0f\n\x07healthy\x18\x06 \x01(\x08\x12\x18\n\x10unhealthy_reason\x18\x07 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\x03\x12\x1c\n\x14max_waiting_requests\x18\t \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x03\x12\x11\n\tnum_steps\x18\x0b \x01(\x03\x12\x1a\n\x12step_seconds_total\x18\x0c \x01(\x01\x12#\n\x1bstage_compute_seconds_total\x18\r \x01(\x01\"\x15\n\x13GetModelInfoRequest\"\xe8\x01\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x1e\n\x16pipeline_parallel_size\x18\x07 \x01(\x05\x12\x1d\n\x15tensor_parallel_sizes\x18\x08 \x03(\x05\x12\x17\n\x0fkv_cache_tokens\x18\t \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd4\x03\n\tScheduler\x12Y\n\x0cSubmitStream\x12!.stagemesh.v1.SubmitStreamRequest\x1a\".stagemesh.v1.SubmitStreamResponse(\x01\x30\x01\x12@\n\x05\x41\x62ort\x12\x1a.stagemesh.v1.AbortRequest\x1a\x1b.stagemesh.v1.AbortResponse\x12>\n\x08GetStats\x12\x1d.stagemesh.v1.GetStatsRequest\x1a\x13.stagemesh.v1.Stats\x12\x44\n\nWatchStats\x12\x1f.stagemesh.v1.WatchStatsRequest\x1a\x13.stagemesh.v1.Stats0\x01\x12J\n\x0cGetModelInfo\x12!.stagemesh.v1.GetModelInfoRequest\x1a\x17.stagemesh.v1.ModelInfo\x12X\n\rRegisterStage\x12\".stagemesh.v1.RegisterStageRequest\x1a#.stagemesh.v1.RegisterStageResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cstagemesh/v1/scheduler.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\x1a\x18stagemesh/v1/stage.proto\"E\n\x14RegisterStageRequest\x12-\n\x05stage\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.StageDescription\"G\n\x15RegisterStageResponse\x12\x1a\n\x12num_missing_stages\x18\x01 \x01(\x05\x12\x12\n\nfirst_seen\x18\x02 \x01(\x08\"\x9c\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.stagemesh.v1.SamplingParams\x12\x1b\n\x13generated_token_ids\x18\x04 \x03(\x05\x12\x10\n\x08priority\x18\x05 \x01(\x05\"\xd3\x02\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12,\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.stagemesh.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\x12\x1d\n\x15prompt_logprobs_start\x18\x08 \x01(\x05\x12\x15\n\rqueue_seconds\x18\t \x01(\x01\x42\x10\n\x0e_stop_token_id\"]\n\x13SubmitStreamRequest\x12+\n\x07submits\x18\x01 \x03(\x0b\x32\x1a.stagemesh.v1.StreamSubmit\x12\x19\n\x11\x61\x62ort_request_ids\x18\x02 \x03(\t\"e\n\x0cStreamSubmit\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.stagemesh.v1.SubmitRequest\x12\x13\n\x0btraceparent\x18\x02 \x01(\t\x12\x12\n\ntracestate\x18\x03 \x01(\t\"D\n\x14SubmitStreamResponse\x12,\n\x07updates\x18\x01 \x03(\x0b\x32\x1b.stagemesh.v1.RequestUpdate\"\x8a\x01\n\rRequestUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x06output\x18\x02 \x01(\x0b\x32\x1c.stagemesh.v1.SubmitResponseH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.stagemesh.v1.RequestErrorH\x00\x42\x08\n\x06update\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"\x11\n\x0fGetStatsRequest\"(\n\x11WatchStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x05\"\xcf\x02\n\x05Stats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x1c\n\x14prefix_cache_queries\x18\x04 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x03\x12\x0f\n\x07healthy\x18\x06 \x01(\x08\x12\x18\n\x10unhealthy_reason\x18\x07 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\x03\x12\x1c\n\x14max_waiting_requests\x18\t \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x03\x12\x11\n\tnum_steps\x18\x0b \x01(\x03\x12\x1a\n\x12step_seconds_total\x18\x0c \x01(\x01\x12#\n\x1bstage_compute_seconds_total\x18\r \x01(\x01\"\x15\n\x13GetModelInfoRequest\"\x83\x02\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x1e\n\x16pipeline_parallel_size\x18\x07 \x01(\x05\x12\x1d\n\x15tensor_parallel_sizes\x18\x08 \x03(\x05\x12\x17\n\x0fkv_cache_tokens\x18\t \x01(\x03\x12\x19\n\x11scheduling_policy\x18\n \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd4\x03\n\tScheduler\x12Y\n\x0cSubmitStream\x12!.stagemesh.v1.SubmitStreamRequest\x1a\".stagemesh.v1.SubmitStreamResponse(\x01\x30\x01\x12@\n\x05\x41\x62ort\x12\x1a.stagemesh.v1.AbortRequest\x1a\x1b.stagemesh.v1.AbortResponse\x12>\n\x08GetStats\x12\x1d.stagemesh.v1.GetStatsRequest\x1a\x13.stagemesh.v1.Stats\x12\x44\n\nWatchStats\x12\x1f.stagemesh.v1.WatchStatsRequest\x1a\x13.stagemesh.v1.Stats0\x01\x12J\n\x0cGetModelInfo\x12!.stagemesh.v1.GetModelInfoRequest\x1a\x17.stagemesh.v1.ModelInfo\x12X\n\rRegisterStage\x12\".stagemesh.v1.RegisterStageRequest\x1a#.stagemesh.v1.RegisterStageResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stagemesh.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1914
-  _globals['_FINISHREASON']._serialized_end=2034
+  _globals['_FINISHREASON']._serialized_start=1959
+  _globals['_FINISHREASON']._serialized_end=2079
   _globals['_REGISTERSTAGEREQUEST']._serialized_start=99
   _globals['_REGISTERSTAGEREQUEST']._serialized_end=168
   _globals['_REGISTERSTAGERESPONSE']._serialized_start=170
   _globals['_REGISTERSTAGERESPONSE']._serialized_end=241
   _globals['_SUBMITREQUEST']._serialized_start=244
-  _globals['_SUBMITREQUEST']._serialized_end=382
-  _globals['_SUBMITRESPONSE']._serialized_start=385
-  _globals['_SUBMITRESPONSE']._serialized_end=724
-  _globals['_SUBMITSTREAMREQUEST']._serialized_start=726
-  _globals['_SUBMITSTREAMREQUEST']._serialized_end=819
-  _globals['_STREAMSUBMIT']._serialized_start=821
-  _globals['_STREAMSUBMIT']._serialized_end=922
-  _globals['_SUBMITSTREAMRESPONSE']._serialized_start=924
-  _globals['_SUBMITSTREAMRESPONSE']._serialized_end=992
-  _globals['_REQUESTUPDATE']._serialized_start=995
-  _globals['_REQUESTUPDATE']._serialized_end=1133
-  _globals['_REQUESTERROR']._serialized_start=1135
-  _globals['_REQUESTERROR']._serialized_end=1180
-  _globals['_ABORTREQUEST']._serialized_start=1182
-  _globals['_ABORTREQUEST']._serialized_end=1217
-  _globals['_ABORTRESPONSE']._serialized_start=1219
-  _globals['_ABORTRESPONSE']._serialized_end=1255
-  _globals['_GETSTATSREQUEST']._serialized_start=1257
-  _globals['_GETSTATSREQUEST']._serialized_end=1274
-  _globals['_WATCHSTATSREQUEST']._serialized_start=1276
-  _globals['_WATCHSTATSREQUEST']._serialized_end=1316
-  _globals['_STATS']._serialized_start=1319
-  _globals['_STATS']._serialized_end=1654
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1656
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1677
-  _globals['_MODELINFO']._serialized_start=1680
-  _globals['_MODELINFO']._serialized_end=1912
-  _globals['_SCHEDULER']._serialized_start=2037
-  _globals['_SCHEDULER']._serialized_end=2505
+  _globals['_SUBMITREQUEST']._serialized_end=400
+  _globals['_SUBMITRESPONSE']._serialized_start=403
+  _globals['_SUBMITRESPONSE']._serialized_end=742
+  _globals['_SUBMITSTREAMREQUEST']._serialized_start=744
+  _globals['_SUBMITSTREAMREQUEST']._serialized_end=837
+  _globals['_STREAMSUBMIT']._serialized_start=839
+  _globals['_STREAMSUBMIT']._serialized_end=940
+  _globals['_SUBMITSTREAMRESPONSE']._serialized_start=942
+  _globals['_SUBMITSTREAMRESPONSE']._serialized_end=1010
+  _globals['_REQUESTUPDATE']._serialized_start=1013
+  _globals['_REQUESTUPDATE']._serialized_end=1151
+  _globals['_REQUESTERROR']._serialized_start=1153
+  _globals['_REQUESTERROR']._serialized_end=1198
+  _globals['_ABORTREQUEST']._serialized_start=1200
+  _globals['_ABORTREQUEST']._serialized_end=1235
+  _globals['_ABORTRESPONSE']._serialized_start=1237
+  _globals['_ABORTRESPONSE']._serialized_end=1273
+  _globals['_GETSTATSREQUEST']._serialized_start=1275
+  _globals['_GETSTATSREQUEST']._serialized_end=1292
+  _globals['_WATCHSTATSREQUEST']._serialized_start=1294
+  _globals['_WATCHSTATSREQUEST']._serialized_end=1334
+  _globals['_STATS']._serialized_start=1337
+  _globals['_STATS']._serialized_end=1672
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1674
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1695
+  _globals['_MODELINFO']._serialized_start=1698
+  _globals['_MODELINFO']._serialized_end=1957
+  _globals['_SCHEDULER']._serialized_start=2082
+  _globals['_SCHEDULER']._serialized_end=2550
 # @@protoc_insertion_point(module_scope)

@@ -104,8 +104,14 @@ class SubmitRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     GENERATED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique per replica; the router's id of the request."""
+    priority: _builtins.int
+    """vLLM's request priority: lower is served first, ties by arrival. Any value
+    but 0 is refused (INVALID_ARGUMENT) by a scheduler whose
+    --scheduling-policy is fcfs (ModelInfo.scheduling_policy says which).
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -126,10 +132,11 @@ class SubmitRequest(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         generated_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_token_ids", b"generated_token_ids", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_token_ids", b"generated_token_ids", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -526,6 +533,7 @@ class ModelInfo(_message.Message):
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
     TENSOR_PARALLEL_SIZES_FIELD_NUMBER: _builtins.int
     KV_CACHE_TOKENS_FIELD_NUMBER: _builtins.int
+    SCHEDULING_POLICY_FIELD_NUMBER: _builtins.int
     served_model_name: _builtins.str
     """The name clients use in the OpenAI API (--served-model-name)."""
     model_path: _builtins.str
@@ -535,6 +543,8 @@ class ModelInfo(_message.Message):
     block_size: _builtins.int
     pipeline_parallel_size: _builtins.int
     kv_cache_tokens: _builtins.int
+    scheduling_policy: _builtins.str
+    """--scheduling-policy: "fcfs" or "priority" (SubmitRequest.priority)."""
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -553,10 +563,11 @@ class ModelInfo(_message.Message):
         pipeline_parallel_size: _builtins.int = ...,
         tensor_parallel_sizes: _abc.Iterable[_builtins.int] | None = ...,
         kv_cache_tokens: _builtins.int = ...,
+        scheduling_policy: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "eos_token_ids", b"eos_token_ids", "kv_cache_tokens", b"kv_cache_tokens", "max_model_len", b"max_model_len", "model_path", b"model_path", "pipeline_parallel_size", b"pipeline_parallel_size", "served_model_name", b"served_model_name", "tensor_parallel_sizes", b"tensor_parallel_sizes", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "eos_token_ids", b"eos_token_ids", "kv_cache_tokens", b"kv_cache_tokens", "max_model_len", b"max_model_len", "model_path", b"model_path", "pipeline_parallel_size", b"pipeline_parallel_size", "scheduling_policy", b"scheduling_policy", "served_model_name", b"served_model_name", "tensor_parallel_sizes", b"tensor_parallel_sizes", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

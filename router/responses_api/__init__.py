@@ -1,0 +1,1 @@
+"""The Responses API (/v1/responses): request, output, store, handlers."""

@@ -1,0 +1,147 @@
+"""The Responses API's endpoints, as vLLM serves them: POST /v1/responses (whole or streamed as Server-Sent
+Events `event: <type>` / `data: <json>`, with no [DONE]), GET and DELETE /v1/responses/{id} over the store,
+and POST /v1/responses/{id}/cancel (only background responses can be cancelled, and there are none)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+from aiohttp import web
+
+from router import choices
+from router.errors import APIError, bad_request
+from router.http_body import read_json
+from router.prompts import prepare
+from router.protocol import ChatCompletionRequest, validate
+from router.request import GenerateRequest, chat_request
+from router.responses_api.output import ResponseBuilder
+from router.responses_api.request import NEUTRAL, REFUSED, ResponsesRequest, chat_body, renamed
+from router.responses_api.store import ResponseStore, Stored
+from router.state import CONFIG, REPLICAS, TOKENIZER, admit
+
+STORE = web.AppKey("responses_store", ResponseStore)
+log = logging.getLogger("stagemesh.router")
+
+
+def add_routes(app: web.Application, store_size: int) -> None:
+    app[STORE] = ResponseStore(store_size)
+    app.router.add_post("/v1/responses", create)
+    app.router.add_get("/v1/responses/{response_id}", retrieve)
+    app.router.add_delete("/v1/responses/{response_id}", delete)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel)
+
+
+async def create(request: web.Request) -> web.StreamResponse:
+    m = validate(ResponsesRequest, await read_json(request), REFUSED, NEUTRAL)
+    store = request.app[STORE]
+    history = []
+    if m.previous_response_id is not None:
+        history = _stored(store, m.previous_response_id, "previous_response_id").messages
+    chat, origins = chat_body(m, history)
+    try:
+        req, max_len, base, prompts = await _prepare(request, chat)
+        gens = choices.plan(req, prompts, f"resp_{base}", max_len)
+    except APIError as err:
+        raise renamed(err, origins) from None
+    builder = ResponseBuilder(m, req, f"resp_{base}", int(time.time()), gens[0], request.app[TOKENIZER])
+    # what a later request continues: this one's messages (not its instructions) and its answer
+    conversation = chat["messages"][1:] if m.instructions else chat["messages"]
+    deltas = choices.run(req, gens, request.app[REPLICAS], request.app[TOKENIZER])
+    headers = {"X-Request-Id": base}
+    try:  # closing it cancels the generation, so the scheduler aborts it and frees its blocks
+        if not m.stream:
+            async for _, d in deltas:
+                builder.add(d)
+            _remember(store, m, builder, conversation)
+            return web.json_response(builder.body(), headers=headers)
+        return await _stream(request, builder, deltas, headers, lambda: _remember(store, m, builder, conversation))
+    finally:
+        await deltas.aclose()
+
+
+def _remember(store: ResponseStore, m: ResponsesRequest, builder: ResponseBuilder, conversation: list[dict]) -> None:
+    if not m.store:
+        return
+    turn = builder.turn()
+    if builder.req.chat_options.continue_final_message:  # the answer went on with the last (partial) message
+        last, conversation = conversation[-1], conversation[:-1]
+        turn = {**turn, "content": (last["content"] or "") + (turn["content"] or "")}
+    store.put(builder.id, Stored(builder.body(), [*conversation, turn]))
+
+
+async def _prepare(request: web.Request, chat: dict) -> tuple[GenerateRequest, int, str, list[list[int]]]:
+    """The chat path: the request checked and built, admitted, its prompt rendered and tokenized."""
+    config = request.app[CONFIG]
+    req = chat_request(validate(ChatCompletionRequest, chat), config.served_model_name, config.tool_call_parser)
+    max_len, base = admit(request, req)
+    return req, max_len, base, await prepare(req, request.app[TOKENIZER], max_len)
+
+
+async def _stream(request, builder: ResponseBuilder, deltas, headers, finished) -> web.StreamResponse:
+    first = await anext(deltas, None)  # errors before the first output still get an HTTP status
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
+    await resp.prepare(request)
+    try:
+        await _write(resp, builder.opening())
+        item = first
+        while item is not None:
+            await _write(resp, builder.deltas(item[1]))
+            item = await anext(deltas, None)
+        await _write(resp, builder.closing())
+        finished()
+    except APIError as err:
+        await _write(resp, [_error_event(builder, err)])
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:  # the status line is sent: the error goes in the stream, as an error event
+        incident = uuid.uuid4().hex[:12]
+        log.exception("unexpected error while streaming %s (incident %s)", builder.id, incident)
+        await _write(resp, [_error_event(builder, APIError(500, f"internal error (incident {incident})"))])
+    return resp
+
+
+async def _write(resp: web.StreamResponse, events: list[dict]) -> None:
+    for event in events:
+        await resp.write(f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
+
+
+def _error_event(builder: ResponseBuilder, err: APIError) -> dict:
+    error = err.body()["error"]
+    return builder.event("error", code=error["code"], message=error["message"], param=error["param"])
+
+
+def _stored(store: ResponseStore, response_id: str, param: str | None = None) -> Stored:
+    entry = store.get(response_id)
+    if entry is None:
+        raise APIError(404, f"Response with id '{response_id}' not found: it was not stored (store: false), was "
+                            f"deleted, or is older than the last {store.max_entries} this router keeps "
+                            "(--responses-store-size)", param)
+    return entry
+
+
+def _no_query(request: web.Request) -> None:
+    for name, value in request.query.items():
+        if not (name == "stream" and value.lower() == "false"):
+            raise bad_request(f"'{name}' is not supported by this server here: it keeps no stream events, only "
+                              "the finished response", name)
+
+
+async def retrieve(request: web.Request) -> web.Response:
+    _no_query(request)
+    return web.json_response(_stored(request.app[STORE], request.match_info["response_id"]).body)
+
+
+async def delete(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    _stored(request.app[STORE], response_id)
+    request.app[STORE].delete(response_id)
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+async def cancel(request: web.Request) -> web.Response:
+    _stored(request.app[STORE], request.match_info["response_id"])
+    raise bad_request("Cannot cancel a synchronous response: only background responses can be cancelled, and "
+                      "this server runs none")
