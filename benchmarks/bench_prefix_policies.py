@@ -1,5 +1,5 @@
 """The router's balancing policies on a shared-prefix workload: `stagemesh serve -dp 2` on the default model,
-one mesh per policy (cache-aware, least-load, round-robin), the policies alternating round by round so that
+one mesh per policy (kv-aware, cache-aware, least-load, round-robin), the policies alternating round by round so that
 load from elsewhere hits them all. The workload (`stagemesh bench`'s prefix_repetition, as vLLM bench's):
 requests that share a few long prefixes (system prompts), each with a suffix of its own, all sent at once
 under a concurrency limit. Prints per policy and round: the prefix-cache hit rate over both replicas (from
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import requests
 
-POLICIES = ("cache-aware", "least-load", "round-robin")
+POLICIES = ("kv-aware", "cache-aware", "least-load", "round-robin")
 
 
 def free_port() -> int:
@@ -91,6 +91,7 @@ def run_policy(policy: str, args, log_dir: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--prefixes", type=int, default=4)
     p.add_argument("--prefix-len", type=int, default=384)
@@ -106,9 +107,10 @@ def main() -> None:
           f"{args.prefixes} prefixes of {args.prefix_len} tokens, suffixes {args.suffix_len}, outputs "
           f"{args.output_len}, at most {args.max_concurrency} in flight, KV per stage "
           f"{args.kv_cache_memory or 'default'}; logs in {log_dir}", flush=True)
-    results: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
+    policies = tuple(args.policies)
+    results: dict[str, list[dict]] = {policy: [] for policy in policies}
     for r in range(args.rounds):
-        order = POLICIES if r % 2 == 0 else tuple(reversed(POLICIES))
+        order = policies if r % 2 == 0 else tuple(reversed(policies))
         for policy in order:
             res = run_policy(policy, args, log_dir)
             results[policy].append(res)
@@ -116,7 +118,7 @@ def main() -> None:
                   f"  p50 TTFT {res['p50_ttft_ms']:8.1f} ms  {res['output_throughput']:6.1f} tok/s"
                   f"  failed {res['failed']}", flush=True)
     print("median over the rounds:")
-    for policy in POLICIES:
+    for policy in policies:
         rs = results[policy]
         med = {k: statistics.median(x[k] for x in rs) for k in ("hit_rate", "mean_ttft_ms", "output_throughput")}
         print(f"  {policy:12s} hit rate {med['hit_rate']:.1%}  mean TTFT {med['mean_ttft_ms']:8.1f} ms  "

@@ -4,6 +4,8 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 
+from router.kv_index import KVAware
+
 
 class LeastLoad:
     """Fewest waiting * 4 + running (from the schedulers' stats, plus what was sent since)."""
@@ -68,4 +70,4 @@ class CacheAware:
             seen.popitem(last=False)
 
 
-POLICIES = {"least-load": LeastLoad, "round-robin": RoundRobin, "cache-aware": CacheAware}
+POLICIES = {"least-load": LeastLoad, "round-robin": RoundRobin, "cache-aware": CacheAware, "kv-aware": KVAware}

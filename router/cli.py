@@ -34,7 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tool_choice \"auto\": the model calls tools in its own format (needs --tool-call-parser)")
     p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                    help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>) or llama3_json")
-    p.add_argument("--policy", choices=("least-load", "cache-aware", "round-robin"), default="least-load")
+    p.add_argument("--policy", choices=("least-load", "cache-aware", "kv-aware", "round-robin"), default="least-load",
+                   help="least-load: fewest running + 4 x waiting; cache-aware: where this router sent the prompt's "
+                        "prefix before (a guess); kv-aware: where the replicas' KV events say the prompt's leading "
+                        "blocks are cached, unless that replica is much busier; round-robin")
     p.add_argument("--responses-store-size", type=int, default=1000,
                    help="the Responses API keeps this many responses (store: true) in memory for GET /v1/responses/"
                         "{id} and previous_response_id, the oldest dropped first")

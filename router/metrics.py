@@ -104,6 +104,8 @@ ROUTER_E2E = Histogram("stagemesh:router_e2e_request_latency_seconds", "Request 
                        buckets=_ROUTER_LATENCY, **R)
 HEALTHY = Gauge("stagemesh:router_replica_healthy", "1 if the replica can serve; engine: its vllm: series' label",
                 ["replica", "engine"], **R)
+KV_INDEX_BLOCKS = Gauge("stagemesh:router_kv_index_blocks", "KV blocks the replica's events say it caches "
+                        "(--policy kv-aware)", ["replica"], **R)
 ROUTER_RUNNING = Gauge("stagemesh:router_replica_num_requests_running", "The replica's running requests",
                        ["replica"], **R)
 ROUTER_WAITING = Gauge("stagemesh:router_replica_num_requests_waiting", "The replica's waiting requests",

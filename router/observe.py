@@ -49,6 +49,10 @@ def replica_state(address: str, healthy: bool, stats=None) -> None:
     _counted[address] = now
 
 
+def kv_index_blocks(address: str, num_blocks: int) -> None:
+    m.KV_INDEX_BLOCKS.labels(address).set(num_blocks)
+
+
 async def metrics_handler(request):
     from aiohttp import web
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.observe import replica_state
+from router.observe import kv_index_blocks, replica_state
 from router.submit_stream import RequestStream, SubmitStream
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.service_options import aio_channel
@@ -75,6 +75,28 @@ class Replica:
                 if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     await asyncio.sleep(interval_ms / 1000)
 
+    async def watch_kv_events(self, index) -> None:
+        """Keep the replica's part of the KV index (router.kv_index) as its scheduler's KV events tell; while
+        the stream is down the replica's part is empty (what it caches then is unknown)."""
+        while True:
+            try:
+                call = self.stub.WatchKVEvents(scheduler_pb2.WatchKVEventsRequest(), timeout=WATCH_WINDOW_S)
+                async for batch in call:
+                    for event in batch.events:
+                        kind = event.WhichOneof("event")
+                        if kind == "block_stored":
+                            index.stored(self.address, event.block_stored.block_hashes, event.block_stored.block_size)
+                        elif kind == "block_removed":
+                            index.removed(self.address, event.block_removed.block_hashes)
+                        else:
+                            index.clear(self.address)
+                    kv_index_blocks(self.address, index.num_blocks(self.address))
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # (a window's end: the next one resyncs)
+                    index.clear(self.address)
+                    kv_index_blocks(self.address, 0)
+                    await asyncio.sleep(1.0)
+
     def mark_failed(self, reason: str) -> None:
         """A request saw the replica fail: stop sending it work until a health check passes."""
         self._set_health(False, reason)
@@ -121,6 +143,9 @@ class ReplicaSet:
     async def health_loop(self) -> None:
         watch_ms = max(int(self.interval_s * 250), 50)  # load figures a few times per health check
         watchers = [asyncio.create_task(r.watch(watch_ms)) for r in self.replicas]
+        index = getattr(self.policy, "index", None)
+        if index is not None:  # a policy that routes by the replicas' KV caches
+            watchers += [asyncio.create_task(r.watch_kv_events(index)) for r in self.replicas]
         try:
             while True:
                 await self.refresh()

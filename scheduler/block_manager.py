@@ -3,11 +3,16 @@ full blocks so that a prompt prefix already in the cache is reused.
 
 Pure Python; knows nothing of torch. Freed blocks keep their hash and stay
 findable until the pool hands them out again (least recently freed first).
+While someone listens (start_events), it records which blocks enter and leave
+the prefix cache as KV events (scheduler.kv_events).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from scheduler.kv_events import BlockRemoved, BlockStored, KVEvent
+from stagemesh.core.block_hash import chain_hash
 
 
 @dataclass
@@ -15,10 +20,6 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: int | None = None
-
-
-def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent, token_ids))
 
 
 class BlockManager:
@@ -32,6 +33,22 @@ class BlockManager:
         self.hashes: dict[str, list[int]] = {}  # request id -> hashes of its full blocks
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.events: list[KVEvent] | None = None  # recorded only while someone listens
+
+    # -- KV events ------------------------------------------------------------------
+    def start_events(self) -> None:
+        if self.events is None:
+            self.events = []
+
+    def stop_events(self) -> None:
+        self.events = None
+
+    def drain_events(self) -> list[KVEvent]:
+        events, self.events = self.events or [], ([] if self.events is not None else None)
+        return events
+
+    def cached_hashes(self) -> list[int]:
+        return list(self.cached)
 
     @property
     def num_blocks(self) -> int:
@@ -55,7 +72,7 @@ class BlockManager:
         found, parent = [], None
         usable = (len(token_ids) - 1) // self.block_size
         for i in range(usable):
-            parent = chain_hash(parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            parent = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             block_id = self.cached.get(parent)
             if block_id is None:
                 break
@@ -93,8 +110,10 @@ class BlockManager:
         for _ in range(max(need, 0)):
             block_id, _ = self.free.popitem(last=False)
             block = self.blocks[block_id]
-            if block.block_hash is not None:
+            if block.block_hash is not None:  # a cached block leaves the cache for another use
                 self.cached.pop(block.block_hash, None)
+                if self.events is not None:
+                    self.events.append(BlockRemoved([block.block_hash]))
                 block.block_hash = None
             block.ref_count = 1
             added.append(block_id)
@@ -110,15 +129,20 @@ class BlockManager:
         hashes = self.hashes.setdefault(request_id, [])
         table = self.tables.get(request_id, [])
         full = min(num_computed_tokens // self.block_size, len(table))
-        bs = self.block_size
+        bs, stored = self.block_size, []
         for i in range(len(hashes), full):
             parent = hashes[-1] if hashes else None
-            block_hash = chain_hash(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            block_hash = chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
             hashes.append(block_hash)
             block = self.blocks[table[i]]
             if block.block_hash is None and block_hash not in self.cached:
                 block.block_hash = block_hash
                 self.cached[block_hash] = block.block_id
+                stored.append(i)
+        if stored and self.events is not None:  # one event per run of consecutive blocks, as vLLM sends them
+            for run in _runs(stored):
+                self.events.append(BlockStored([hashes[i] for i in run], hashes[run[0] - 1] if run[0] else None,
+                                               token_ids[run[0] * bs:(run[-1] + 1) * bs]))
 
     def free_request(self, request_id: str) -> None:
         # tail blocks first, so a shared prefix outlives the request's own suffix in the cache
@@ -128,3 +152,14 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free[block_id] = None
         self.hashes.pop(request_id, None)
+
+
+def _runs(indices: list[int]) -> list[list[int]]:
+    """Ascending indices split into runs of consecutive ones."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs

@@ -37,6 +37,7 @@ from typing import AsyncIterator, Protocol
 from opentelemetry import trace
 
 from scheduler.config import SchedulerConfig
+from scheduler.kv_events import KVEventHub
 from scheduler.observe import Observer
 from scheduler.output_stream import OutputStream
 from scheduler.pipeline import Pipeline, StageFailure, StepResult, check_result
@@ -99,6 +100,7 @@ class Driver:
         self._wake = asyncio.Event()
         self._forming = asyncio.Lock()
         self._recovery: asyncio.Task | None = None  # fails the kept requests when the window ends
+        self.kv_events = KVEventHub(lambda: self.scheduler.kv if self.scheduler is not None else None)
 
     # -- requests -----------------------------------------------------------------
     def add(self, request_id: str, prompt: list[int], sampling: SamplingParams, sink: OutputSink,

@@ -9,6 +9,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from scheduler.connection import Connection, Rejected, Update
 from scheduler.driver import Driver, Unavailable
+from scheduler.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from scheduler.rendezvous import ModelIdentity, StageInfo
 from scheduler.request import RequestOutput
 from scheduler.scheduler import QueueFull
@@ -99,6 +100,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         while True:
             yield self._stats()
             await asyncio.sleep(interval)
+
+    async def WatchKVEvents(self, request, context):
+        queue = self.driver.kv_events.subscribe()
+        try:
+            while (batch := await queue.get()) is not None:
+                yield kv_batch_to_pb(batch, self.driver.pipeline.block_size)
+        finally:
+            self.driver.kv_events.unsubscribe(queue)
 
     async def GetModelInfo(self, request, context):
         d = self.driver
@@ -191,3 +200,17 @@ async def serve(servicer: SchedulerServicer, host: str, port: int) -> tuple[grpc
     await server.start()
     servicer.driver.spawn(follow(health_servicer, (SERVICE,), lambda: servicer.driver.healthy))
     return server, bound
+
+
+def kv_batch_to_pb(batch: KVEventBatch, block_size: int) -> scheduler_pb2.KVEventBatch:
+    out = scheduler_pb2.KVEventBatch(ts=batch.ts)
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            out.events.add().block_stored.CopyFrom(scheduler_pb2.BlockStored(
+                block_hashes=event.block_hashes, parent_block_hash=event.parent_block_hash,
+                token_ids=event.token_ids, block_size=block_size))
+        elif isinstance(event, AllBlocksCleared):
+            out.events.add().all_blocks_cleared.SetInParent()
+        else:
+            out.events.add().block_removed.block_hashes.extend(event.block_hashes)
+    return out

@@ -107,8 +107,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: whole experts spread over each stage's TP ranks, or with -dp > 1 over the "
                         "replicas' stages (data-parallel attention; see `stagemesh stage`)")
-    p.add_argument("--policy", choices=("least-load", "cache-aware", "round-robin"), default=None,
-                   help="the router's balancing over the replicas (default least-load)")
+    p.add_argument("--policy", choices=("least-load", "cache-aware", "kv-aware", "round-robin"), default=None,
+                   help="the router's balancing over the replicas (default least-load; see `stagemesh router`)")
     p.add_argument("--stage-recovery-timeout", type=float, default=None,
                    help="seconds a replica keeps its requests for a failed stage to come back (see `stagemesh "
                         "scheduler`; default 30)")

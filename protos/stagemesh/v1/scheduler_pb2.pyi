@@ -477,9 +477,7 @@ class Stats(_message.Message):
     """
     step_seconds_total: _builtins.float
     stage_compute_seconds_total: _builtins.float
-    """Block hashes of cached prompt prefixes are not exported; the router's
-    cache-aware policy keeps its own approximate prefix tree.
-    """
+    """The blocks of the prefix cache themselves: WatchKVEvents."""
     def __init__(
         self,
         *,
@@ -504,6 +502,159 @@ class Stats(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Stats: _TypeAlias = Stats  # noqa: Y015
+
+@_typing.final
+class WatchKVEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchKVEventsRequest: _TypeAlias = WatchKVEventsRequest  # noqa: Y015
+
+@_typing.final
+class BlockStored(_message.Message):
+    """Blocks now in the prefix cache. A block's hash chains its tokens to its
+    parent block's hash (stagemesh.core.block_hash.chain_hash: 64-bit BLAKE2b
+    over the parent hash and the token ids), so a router computes the same
+    hashes from a prompt.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    parent_block_hash: _builtins.int
+    """The hash of the block before the first one (absent: the first block of a
+    sequence, or a snapshot, which lists blocks without their chains).
+    """
+    block_size: _builtins.int
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """consecutive blocks of one sequence"""
+
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the blocks' tokens (empty in a snapshot)"""
+
+    def __init__(
+        self,
+        *,
+        block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+        parent_block_hash: _builtins.int | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        block_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parent_block_hash", b"_parent_block_hash", "parent_block_hash", b"parent_block_hash"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parent_block_hash", b"_parent_block_hash", "block_hashes", b"block_hashes", "block_size", b"block_size", "parent_block_hash", b"parent_block_hash", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__parent_block_hash: _TypeAlias = _typing.Literal["parent_block_hash"]  # noqa: Y015
+    _WhichOneofArgType__parent_block_hash: _TypeAlias = _typing.Literal["_parent_block_hash", b"_parent_block_hash"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parent_block_hash) -> _WhichOneofReturnType__parent_block_hash | None: ...
+
+Global___BlockStored: _TypeAlias = BlockStored  # noqa: Y015
+
+@_typing.final
+class BlockRemoved(_message.Message):
+    """Blocks evicted from the prefix cache."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlockRemoved: _TypeAlias = BlockRemoved  # noqa: Y015
+
+@_typing.final
+class AllBlocksCleared(_message.Message):
+    """The cache is empty: forget every block this replica reported before."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AllBlocksCleared: _TypeAlias = AllBlocksCleared  # noqa: Y015
+
+@_typing.final
+class KVEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_STORED_FIELD_NUMBER: _builtins.int
+    BLOCK_REMOVED_FIELD_NUMBER: _builtins.int
+    ALL_BLOCKS_CLEARED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def block_stored(self) -> Global___BlockStored: ...
+    @_builtins.property
+    def block_removed(self) -> Global___BlockRemoved: ...
+    @_builtins.property
+    def all_blocks_cleared(self) -> Global___AllBlocksCleared: ...
+    def __init__(
+        self,
+        *,
+        block_stored: Global___BlockStored | None = ...,
+        block_removed: Global___BlockRemoved | None = ...,
+        all_blocks_cleared: Global___AllBlocksCleared | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["all_blocks_cleared", b"all_blocks_cleared", "block_removed", b"block_removed", "block_stored", b"block_stored", "event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_blocks_cleared", b"all_blocks_cleared", "block_removed", b"block_removed", "block_stored", b"block_stored", "event", b"event"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["block_stored", "block_removed", "all_blocks_cleared"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___KVEvent: _TypeAlias = KVEvent  # noqa: Y015
+
+@_typing.final
+class KVEventBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TS_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    ts: _builtins.float
+    """seconds since the epoch, when the batch was sent"""
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVEvent]: ...
+    def __init__(
+        self,
+        *,
+        ts: _builtins.float = ...,
+        events: _abc.Iterable[Global___KVEvent] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "ts", b"ts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVEventBatch: _TypeAlias = KVEventBatch  # noqa: Y015
 
 @_typing.final
 class GetModelInfoRequest(_message.Message):

@@ -54,6 +54,11 @@ class SchedulerStub:
                 request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.WatchStatsRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.Stats.FromString,
                 _registered_method=True)
+        self.WatchKVEvents = channel.unary_stream(
+                '/stagemesh.v1.Scheduler/WatchKVEvents',
+                request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.WatchKVEventsRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.KVEventBatch.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/stagemesh.v1.Scheduler/GetModelInfo',
                 request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.GetModelInfoRequest.SerializeToString,
@@ -106,6 +111,18 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchKVEvents(self, request, context):
+        """Which blocks enter and leave the replica's prefix cache (vLLM's KV
+        events), until the caller cancels: first AllBlocksCleared and a
+        BlockStored of every block cached now, then a batch every few tens of
+        milliseconds while anything changes; AllBlocksCleared again whenever the
+        cache starts over (a new epoch). A caller that falls far behind has its
+        stream ended and subscribes again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """What the replica serves.
         """
@@ -147,6 +164,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.WatchStats,
                     request_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.WatchStatsRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_scheduler__pb2.Stats.SerializeToString,
+            ),
+            'WatchKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKVEvents,
+                    request_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.WatchKVEventsRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_scheduler__pb2.KVEventBatch.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -267,6 +289,33 @@ class Scheduler:
             '/stagemesh.v1.Scheduler/WatchStats',
             stagemesh_dot_v1_dot_scheduler__pb2.WatchStatsRequest.SerializeToString,
             stagemesh_dot_v1_dot_scheduler__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/stagemesh.v1.Scheduler/WatchKVEvents',
+            stagemesh_dot_v1_dot_scheduler__pb2.WatchKVEventsRequest.SerializeToString,
+            stagemesh_dot_v1_dot_scheduler__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,14 @@ class SchedulerStub:
     """Load and cache figures, for the router's balancing and metrics."""
     WatchStats: _grpc.UnaryStreamMultiCallable[_scheduler_pb2.WatchStatsRequest, _scheduler_pb2.Stats]
     """The same figures, pushed every interval_ms until the caller cancels."""
+    WatchKVEvents: _grpc.UnaryStreamMultiCallable[_scheduler_pb2.WatchKVEventsRequest, _scheduler_pb2.KVEventBatch]
+    """Which blocks enter and leave the replica's prefix cache (vLLM's KV
+    events), until the caller cancels: first AllBlocksCleared and a
+    BlockStored of every block cached now, then a batch every few tens of
+    milliseconds while anything changes; AllBlocksCleared again whenever the
+    cache starts over (a new epoch). A caller that falls far behind has its
+    stream ended and subscribes again.
+    """
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetModelInfoRequest, _scheduler_pb2.ModelInfo]
     """What the replica serves."""
     RegisterStage: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.RegisterStageRequest, _scheduler_pb2.RegisterStageResponse]
@@ -83,6 +91,14 @@ class SchedulerAsyncStub(SchedulerStub):
     """Load and cache figures, for the router's balancing and metrics."""
     WatchStats: _aio.UnaryStreamMultiCallable[_scheduler_pb2.WatchStatsRequest, _scheduler_pb2.Stats]  # type: ignore[assignment]
     """The same figures, pushed every interval_ms until the caller cancels."""
+    WatchKVEvents: _aio.UnaryStreamMultiCallable[_scheduler_pb2.WatchKVEventsRequest, _scheduler_pb2.KVEventBatch]  # type: ignore[assignment]
+    """Which blocks enter and leave the replica's prefix cache (vLLM's KV
+    events), until the caller cancels: first AllBlocksCleared and a
+    BlockStored of every block cached now, then a batch every few tens of
+    milliseconds while anything changes; AllBlocksCleared again whenever the
+    cache starts over (a new epoch). A caller that falls far behind has its
+    stream ended and subscribes again.
+    """
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetModelInfoRequest, _scheduler_pb2.ModelInfo]  # type: ignore[assignment]
     """What the replica serves."""
     RegisterStage: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.RegisterStageRequest, _scheduler_pb2.RegisterStageResponse]  # type: ignore[assignment]
@@ -136,6 +152,20 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_scheduler_pb2.Stats], _abc.AsyncIterator[_scheduler_pb2.Stats]]:
         """The same figures, pushed every interval_ms until the caller cancels."""
+
+    @_abc_1.abstractmethod
+    def WatchKVEvents(
+        self,
+        request: _scheduler_pb2.WatchKVEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_scheduler_pb2.KVEventBatch], _abc.AsyncIterator[_scheduler_pb2.KVEventBatch]]:
+        """Which blocks enter and leave the replica's prefix cache (vLLM's KV
+        events), until the caller cancels: first AllBlocksCleared and a
+        BlockStored of every block cached now, then a batch every few tens of
+        milliseconds while anything changes; AllBlocksCleared again whenever the
+        cache starts over (a new epoch). A caller that falls far behind has its
+        stream ended and subscribes again.
+        """
 
     @_abc_1.abstractmethod
     def GetModelInfo(
