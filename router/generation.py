@@ -158,11 +158,19 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
     failed: set[str] = set()  # replicas that failed under it
     generated: list[int] = []  # tokens streamed so far: a continuation resumes from them
     last_error: RequestFailed | None = None
+    # disaggregated prefill: a new prompt goes to a prefill replica, which ends after the first token with its
+    # KV held; the request goes on on a decode replica, which fetches that KV (kv_transfer) instead of
+    # computing the prompt. Siblings of an n > 1 request run where their first choice runs.
+    prefill, kv_transfer = gen.pin is None and replicas.disaggregated(), b""
     try:
         while True:
             # before its first token it tries each replica once; a continuation goes to any replica it has not
             # failed on
-            replica = replicas.pick(gen.prompt_ids, failed if generated else tried, gen.pin)
+            replica = replicas.pick(gen.prompt_ids, failed if generated else tried, gen.pin,
+                                    "prefill" if prefill else "whole")
+            if replica is None and prefill:  # no prefill replica left to try: the whole request elsewhere
+                prefill = False
+                continue
             if replica is None and last_error is not None:
                 raise _api_error(last_error)  # nowhere else to try
             if replica is None:
@@ -176,21 +184,27 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
                 if last_error is not None:
                     gen.record.resumed(replica.address, len(generated))
             sampling = replace(gen.sampling, prompt_logprobs=None) if generated else gen.sampling
-            stream = replica.submit(gen.request_id, gen.prompt_ids, sampling, generated, gen.priority)
+            stream = replica.submit(gen.request_id, gen.prompt_ids, sampling, generated, gen.priority, prefill,
+                                    kv_transfer)
             try:
                 async for reply in stream:
                     if waiting:
                         replicas.num_waiting, waiting = replicas.num_waiting - 1, False
                     generated.extend(reply.token_ids)
+                    if reply.finish_reason == "prefilled":  # its first token: on to a decode replica
+                        prefill, kv_transfer = False, reply.kv_transfer
+                        yield replace(reply, finish_reason=None, kv_transfer=b"")
+                        break
                     yield reply
-                return
+                else:
+                    return
             except RequestFailed as err:
                 if err.code == grpc.StatusCode.UNAVAILABLE:
                     replica.mark_failed(f"a request failed there: {err.details}")
                     failed.add(replica.address)
                 if not _may_replay(err, waiting, gen, replicas.max_request_retries):
                     raise _api_error(err) from None
-                last_error = err
+                last_error, kv_transfer = err, b""  # (its KV went with the decode replica that fetched it)
                 gen.replays += 1
                 if gen.record is not None:
                     gen.record.replayed(replica.address, err.details, len(generated))

@@ -32,6 +32,7 @@ class Replica:
     eos_token_ids: tuple[int, ...] = ()
     served_model_name: str = ""
     scheduling_policy: str = ""  # its scheduler's --scheduling-policy (fcfs or priority)
+    kv_role: str = "both"  # its scheduler's --kv-role: both, prefill or decode (disaggregated prefill)
     stub: scheduler_pb2_grpc.SchedulerStub | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -54,6 +55,7 @@ class Replica:
                 self.max_model_len, self.eos_token_ids = info.max_model_len, tuple(info.eos_token_ids)
                 self.served_model_name = info.served_model_name
                 self.scheduling_policy = info.scheduling_policy or "fcfs"
+                self.kv_role = info.kv_role or "both"
             serving = check.status == SERVING and stats.healthy
             reason = stats.unhealthy_reason or ("" if serving else "grpc.health.v1 reports NOT_SERVING")
             self._set_health(serving and bool(self.max_model_len), reason)
@@ -112,14 +114,15 @@ class Replica:
             log.log(logging.INFO if healthy else logging.WARNING, "replica %s is now %s%s", self.address,
                     "healthy" if healthy else "UNHEALTHY", "" if healthy else f": {reason}")
 
-    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-               generated: list[int] = (), priority: int = 0) -> RequestStream:
+    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams, generated: list[int] = (),
+               priority: int = 0, prefill_only: bool = False, kv_transfer: bytes = b"") -> RequestStream:
         """Send a request over the replica's SubmitStream (opened on first use, and again after it broke);
-        `generated`: the tokens it produced on a replica that failed (a continuation)."""
+        `generated`: the tokens it produced elsewhere (a continuation); prefill_only / kv_transfer: the two
+        halves of a disaggregated request (the second with the first's generated token and kv_transfer)."""
         self.dispatched += 1
         if self._stream is None or self._stream.closed:
             self._stream = SubmitStream(self.stub, self.address)
-        return self._stream.submit(request_id, prompt, sampling, generated, priority)
+        return self._stream.submit(request_id, prompt, sampling, generated, priority, prefill_only, kv_transfer)
 
     async def close(self) -> None:
         if self._stream is not None:
@@ -160,13 +163,24 @@ class ReplicaSet:
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]
 
-    def pick(self, prompt: list[int], exclude: set[str] = frozenset(), pin: str | None = None) -> Replica | None:
-        """A healthy replica for the prompt (the pinned one while it is healthy: siblings share its cache)."""
+    def pick(self, prompt: list[int], exclude: set[str] = frozenset(), pin: str | None = None,
+             role: str = "whole") -> Replica | None:
+        """A healthy replica for the prompt (the pinned one while it is healthy: siblings share its cache). role:
+        "prefill" (a prefill replica), "decode" or "whole" (a decode or both replica, else any)."""
         candidates = [r for r in self.healthy() if r.address not in exclude]
         pinned = [r for r in candidates if r.address == pin]
         if pinned:
             return pinned[0]
+        if role == "prefill":
+            candidates = [r for r in candidates if r.kv_role == "prefill"]
+        else:
+            candidates = [r for r in candidates if r.kv_role != "prefill"] or candidates
         return self.policy.pick(candidates, prompt) if candidates else None
+
+    def disaggregated(self) -> bool:
+        """Whether new prompts go to a prefill replica first: one of them and a decode replica are healthy."""
+        roles = {r.kv_role for r in self.healthy()}
+        return "prefill" in roles and "decode" in roles
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

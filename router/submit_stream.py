@@ -26,7 +26,7 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 REASONS = {scheduler_pb2.FINISH_REASON_STOP: "stop", scheduler_pb2.FINISH_REASON_LENGTH: "length",
-           scheduler_pb2.FINISH_REASON_ABORT: "abort"}
+           scheduler_pb2.FINISH_REASON_ABORT: "abort", scheduler_pb2.FINISH_REASON_PREFILLED: "prefilled"}
 
 
 @dataclass
@@ -34,20 +34,22 @@ class ReplicaOutput:
     """What a replica produced for a request since its last output (a SubmitResponse, decoded here)."""
     token_ids: list[int]
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "prefilled" (prefill_only: on to a decode replica)
     stop_token_id: int | None = None  # the stop or EOS token that ended it
     num_prompt_tokens: int = 0  # on the first output only
     num_cached_tokens: int = 0
     queue_seconds: float = 0.0  # arrival to first scheduling, on the first output
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens from prompt_logprobs_start
     prompt_logprobs_start: int = 0
+    kv_transfer: bytes = b""  # "prefilled": where the prompt's KV waits (KVTransferParams, passed on as it is)
 
     @classmethod
     def from_pb(cls, m: scheduler_pb2.SubmitResponse) -> "ReplicaOutput":
         return cls(list(m.token_ids), [logprob_from_pb(e) for e in m.logprobs], REASONS.get(m.finish_reason),
                    m.stop_token_id if m.HasField("stop_token_id") else None, m.num_prompt_tokens,
                    m.num_cached_tokens, m.queue_seconds, [logprob_from_pb(e) for e in m.prompt_logprobs],
-                   m.prompt_logprobs_start)
+                   m.prompt_logprobs_start,
+                   m.kv_transfer.SerializeToString() if m.HasField("kv_transfer") else b"")
 
 
 class RequestFailed(Exception):
@@ -104,7 +106,8 @@ class SubmitStream:
         self._reader = asyncio.create_task(self._read())
 
     def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-               generated: list[int] = (), priority: int = 0) -> RequestStream:
+               generated: list[int] = (), priority: int = 0, prefill_only: bool = False,
+               kv_transfer: bytes = b"") -> RequestStream:
         """Queue a request (with `generated`: a continuation); its trace context is the caller's current one."""
         stream = self._requests[request_id] = RequestStream(self, request_id)
         submit = self._outbox.submits.add()
@@ -112,6 +115,9 @@ class SubmitStream:
         submit.request.prompt_token_ids.extend(prompt)
         submit.request.generated_token_ids.extend(generated)
         submit.request.priority = priority
+        submit.request.prefill_only = prefill_only
+        if kv_transfer:
+            submit.request.kv_transfer.ParseFromString(kv_transfer)
         submit.request.sampling.CopyFrom(sampling_to_pb(sampling))
         carrier = dict(telemetry.inject())
         submit.traceparent, submit.tracestate = carrier.get("traceparent", ""), carrier.get("tracestate", "")

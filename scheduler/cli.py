@@ -44,6 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-retries", type=int, default=3,
                    help="a request under which the pipeline broke more than this many times fails")
     p.add_argument("--forward-timeout", type=float, default=DEADLINES.forward_s, help="deadline of one step on a stage, seconds")
+    p.add_argument("--kv-role", choices=("both", "prefill", "decode"), default="both",
+                   help="disaggregated prefill (docs/disaggregated-prefill.md): a router sends a prefill replica "
+                        "new prompts (it computes the prompt and the first token and holds the KV), and a decode "
+                        "replica the rest, whose stages fetch that KV; every role also serves whole requests")
+    p.add_argument("--kv-hold-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a prefilled request's KV blocks wait this long at most for a decode replica to fetch them")
     p.add_argument("--port-file", default=None, help="write the bound port here (for supervisors)")
     add_service_arguments(p)
 
@@ -71,6 +77,8 @@ async def _main(args: argparse.Namespace) -> int:
         raise StagemeshError(f"--pipeline-parallel-size must be between 1 and the model's {cfg.num_hidden_layers} layers")
     if args.stage_recovery_timeout < 0 or args.max_request_retries < 0:
         raise StagemeshError("--stage-recovery-timeout and --max-request-retries must be >= 0")
+    if not args.kv_hold_timeout > 0:
+        raise StagemeshError("--kv-hold-timeout must be > 0")
     advertise = args.advertise_host or args.host
     store = _store(args.host, args.dist_port)
     internal_token.warn_if_open("scheduler")
@@ -82,18 +90,20 @@ async def _main(args: argparse.Namespace) -> int:
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=args.enable_prefix_caching, eos_token_ids=cfg.eos_token_ids,
                         max_waiting_requests=args.max_waiting_requests, vocab_size=cfg.vocab_size,
-                        scheduling_policy=args.scheduling_policy),
+                        scheduling_policy=args.scheduling_policy, kv_hold_timeout_s=args.kv_hold_timeout),
         model_max_len=cfg.max_position_embeddings, async_scheduling=args.async_scheduling,
         stage_recovery_timeout_s=args.stage_recovery_timeout, max_request_retries=args.max_request_retries),
         GrpcPipeline(rendezvous, advertise, store.port, replace(DEADLINES, forward_s=args.forward_timeout)))
     name = args.served_model_name or served_model_name(args.model, model_dir)
-    server, port = await serve(SchedulerServicer(driver, name, str(model_dir), cfg.vocab_size), args.host, args.port)
-    driver.observer.replica = f"{advertise}:{port}"
+    servicer = SchedulerServicer(driver, name, str(model_dir), cfg.vocab_size, args.kv_role)
+    server, port = await serve(servicer, args.host, args.port)
+    driver.observer.replica = servicer.address = f"{advertise}:{port}"
     if args.port_file:
         with open(args.port_file, "w") as f:
             f.write(f"{port}\n")
-    log.info("scheduler for %s listening on %s:%d (store on port %d), waiting for %d stage(s)", name, args.host, port,
-             store.port, args.pipeline_parallel_size)
+    log.info("scheduler for %s listening on %s:%d (store on port %d), waiting for %d stage(s)%s", name, args.host,
+             port, store.port, args.pipeline_parallel_size, "" if args.kv_role == "both" else f"; {args.kv_role} replica "
+             "of a disaggregated mesh")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -26,6 +26,7 @@ class SchedulerConfig:
     # vLLM's --scheduling-policy: "fcfs" (arrival order) or "priority" (lower value first, ties by arrival;
     # the lowest-priority running request is preempted for a higher one that lacks KV blocks)
     scheduling_policy: str = "fcfs"
+    kv_hold_timeout_s: float = 30.0  # a prefilled request's KV blocks wait this long for a decode replica at most
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

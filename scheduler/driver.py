@@ -38,6 +38,7 @@ from opentelemetry import trace
 
 from scheduler.config import SchedulerConfig
 from scheduler.kv_events import KVEventHub
+from scheduler.kv_transfer import run_pull
 from scheduler.observe import Observer
 from scheduler.output_stream import OutputStream
 from scheduler.pipeline import Pipeline, StageFailure, StepResult, check_result
@@ -104,13 +105,17 @@ class Driver:
 
     # -- requests -----------------------------------------------------------------
     def add(self, request_id: str, prompt: list[int], sampling: SamplingParams, sink: OutputSink,
-            trace_context=None, generated: list[int] = (), priority: int = 0) -> None:
+            trace_context=None, generated: list[int] = (), priority: int = 0, prefill_only: bool = False,
+            kv_source=None) -> None:
         """Queue a request whose outputs go to `sink` until it finishes (`generated`: the tokens a request
         continued from another replica produced there). Raises Unavailable, QueueFull or StagemeshError (bad
         input) when it cannot be queued; the caller must release() it when it goes away."""
         if not self.healthy or self.scheduler is None:
             raise Unavailable(f"the replica cannot serve: {self.reason}")
-        self.scheduler.add_request(request_id, prompt, sampling, generated, priority)
+        if not self.scheduler.add_request(request_id, prompt, sampling, generated, priority, prefill_only, kv_source):
+            log.warning("request %s: the KV held on %s does not fit this replica (block size %d, %d tokens held for "
+                        "a prompt of %d): computing the prompt here", request_id, kv_source.scheduler_address,
+                        kv_source.block_size, kv_source.num_tokens, len(prompt))
         self.observer.submitted(request_id, len(prompt), trace_context, len(generated))
         self.sinks[request_id] = sink
         self._wake.set()
@@ -179,6 +184,8 @@ class Driver:
             output = self.scheduler.schedule(max_seqs=share, run_ahead=single)
             if output is None and not single:  # no request left for this micro-batch: run one ahead
                 output = self.scheduler.schedule(max_seqs=share, run_ahead=True)
+            for pull in self.scheduler.transfers.take_pulls():  # prompts whose KV a prefill replica holds
+                self.spawn(self._pull(self.epoch, self.scheduler, pull))
             if output is None:
                 return
             preempted = list(self.scheduler.recent_preemptions)
@@ -227,10 +234,23 @@ class Driver:
         except StagemeshError as err:  # the last stage answered nonsense: it is broken, not the requests
             raise StageFailure(self.plan.stages[-1], str(err)) from None
         outputs = scheduler.update_from_output(output, result.sampled, result.prompt_logprobs)
+        for out in outputs:
+            if out.held_kv is not None:  # where its KV waits for a decode replica
+                out.held_kv = replace(out.held_kv, epoch=epoch, stages=tuple(
+                    (s.address, s.layer_start, s.layer_end) for s in self.plan.stages))
         self._in_flight.discard(asyncio.current_task())
         self._launch()  # the next micro-batch first: the streams are served while the stages compute it
         self._dispatch(outputs)
         self.observer.end_step(span, seconds, result.compute_seconds, scheduler.stats())
+
+    async def _pull(self, epoch: int, scheduler: Scheduler, pull) -> None:
+        """Fetch a prompt's KV from the prefill replica holding it (the request computes its prompt if that
+        fails), then let that replica free it."""
+        ok = await run_pull(self.pipeline, epoch, pull, self.observer)
+        if scheduler is self.scheduler:
+            scheduler.kv_pulled(pull.request_id, ok)
+            self._wake.set()
+        await self.pipeline.release_kv(pull.source)
 
     def _fail(self, reason: str) -> None:
         if not self.healthy:
@@ -358,6 +378,10 @@ class Driver:
         """Find dead (or replaced) stages while idle; re-form the pipeline once every stage answers again."""
         while True:
             await asyncio.sleep(self.cfg.probe_interval_s)
+            if self.scheduler is not None:  # prefilled KV no decode replica came for (an idle replica too)
+                for request_id in self.scheduler.transfers.expire(self.scheduler.kv, time.monotonic()):
+                    log.warning("request %s: no decode replica fetched its KV within --kv-hold-timeout: freed",
+                                request_id)
             try:
                 failed = await self.pipeline.probe()
                 if failed is not None:

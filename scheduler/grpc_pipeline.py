@@ -24,7 +24,7 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.service_options import aio_channel
 from stagemesh.core.step import EpochSpec, StepBatch
 from stagemesh.core.step_wire import epoch_to_pb, prompt_logprobs_from_pb, sampled_from_pb, step_to_pb
-from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.scheduler")
 
@@ -110,6 +110,29 @@ class GrpcPipeline:
                 or any(not 0 <= r < rows for r in (*msg.logprob_rows, *msg.error_rows))):
             raise StageFailure(calls[-1][0], "the stage's sampled-token columns do not line up")
         return StepResult(sampled_from_pb(msg), prompt_logprobs_from_pb(msg), sum(r.compute_seconds for r in replies))
+
+    # -- disaggregated prefill ------------------------------------------------------------
+    async def pull_kv(self, epoch: int, pull) -> int:
+        src = pull.source
+        request = stage_pb2.PullKVRequest(
+            epoch=epoch, block_ids=pull.block_ids, source_epoch=src.epoch, source_block_ids=src.block_ids,
+            source_block_size=src.block_size,
+            sources=[stage_pb2.KVSource(address=a, layer_start=s, layer_end=e) for a, s, e in src.stages])
+        calls = [(stage, self._stub(stage).PullKV(request, timeout=self.deadlines.kv_pull_s))
+                 for stage in self.plan.stages]
+        replies = await asyncio.gather(*[_answer(stage, call) for stage, call in calls])
+        return sum(r.bytes for r in replies)
+
+    async def release_kv(self, source) -> None:
+        channel = aio_channel(source.scheduler_address)
+        try:
+            await scheduler_pb2_grpc.SchedulerStub(channel).ReleaseKV(
+                scheduler_pb2.ReleaseKVRequest(request_id=source.request_id), timeout=self.deadlines.kv_release_s)
+        except grpc.aio.AioRpcError as err:  # its hold times out by itself
+            log.warning("could not release the KV of request %s at %s: %s", source.request_id,
+                        source.scheduler_address, err.details())
+        finally:
+            await channel.close()
 
     # -- probing -------------------------------------------------------------------------
     async def probe(self) -> StageFailure | None:

@@ -48,6 +48,10 @@ STALL = Histogram("stagemesh:request_recovery_stall_seconds",
                   "From a pipeline's failure to a kept request's next token", buckets=_LATENCY)
 CONTINUED = Counter("stagemesh:num_requests_continued",
                     "Requests continued here after their replica failed (submitted with generated tokens)")
+KV_PULLS = Counter("stagemesh:kv_transfer_pulls", "Prompts whose KV was fetched from a prefill replica "
+                   "(outcome ok) or computed here after a failed fetch (outcome failed)", ["outcome"])
+KV_PULL_TIME = Histogram("stagemesh:kv_transfer_pull_seconds", "Fetching one prompt's KV from a prefill replica",
+                         buckets=_LATENCY)
 STEP = Histogram("stagemesh:scheduler_step_seconds", "One micro-batch through every stage", buckets=_ITL)
 STEP_COMPUTE = Histogram("stagemesh:stage_compute_seconds", "Model time of one micro-batch, summed over stages",
                          buckets=_ITL)
@@ -173,6 +177,11 @@ class Observer:
         log.info("request %s finished: %s, %d prompt + %d output tokens, TTFT %s, total %.3fs",
                  out.request_id, reason, t.num_prompt, t.num_output, f"{ttft:.3f}s" if ttft is not None else "-",
                  now - t.arrival, extra={"fields": fields})
+
+    def kv_pulled(self, ok: bool, seconds: float) -> None:
+        KV_PULLS.labels("ok" if ok else "failed").inc()
+        if ok:
+            KV_PULL_TIME.observe(seconds)
 
     def gone(self, request_id: str) -> None:
         """The caller went away without a finished output (the stream was cancelled)."""

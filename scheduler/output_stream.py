@@ -41,4 +41,5 @@ def merged(first: RequestOutput, later: RequestOutput) -> RequestOutput:
                          later.error, later.own_fault, first.num_prompt_tokens, first.num_cached_tokens,
                          first.prompt_logprobs + later.prompt_logprobs,
                          first.prompt_logprobs_start if first.prompt_logprobs else later.prompt_logprobs_start,
-                         first.queue_seconds if first.queue_seconds is not None else later.queue_seconds)
+                         first.queue_seconds if first.queue_seconds is not None else later.queue_seconds,
+                         later.held_kv)

@@ -59,6 +59,14 @@ class Pipeline(Protocol):
     async def probe(self) -> StageFailure | None:
         """Whether every stage of the pipeline still answers as the instance that joined."""
 
+    async def pull_kv(self, epoch: int, pull) -> int:
+        """Disaggregated prefill: every stage fetches its layers of a prompt's KV held on a prefill replica
+        (pull: scheduler.kv_transfer.KVPull) into the pull's blocks; the bytes moved. Raises when it cannot
+        (the request then computes its prompt): a pipeline without stage services always does."""
+
+    async def release_kv(self, source) -> None:
+        """Tell the prefill replica of `source` (KVSourceInfo) to free the blocks it held; errors are logged."""
+
 
 def check_result(batch: StepBatch, result: StepResult, vocab_size: int | None) -> None:
     """Raises StagemeshError unless `result` answers `batch`: a token for each sampling chunk, in order, in

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from stagemesh.core.sampling_params import SamplingParams
-from stagemesh.core.step import SampledToken, TokenLogprob
+from stagemesh.core.step import PromptLogprobs, SampledToken, TokenLogprob
 
 
 class Status(enum.Enum):
@@ -35,6 +35,10 @@ class Request:
     priority: int = 0  # under --scheduling-policy priority: lower is served first
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
+    # disaggregated prefill (scheduler.kv_transfer): end after the first token, its KV held for a decode replica
+    prefill_only: bool = False
+    kv_source: object | None = None  # KVSourceInfo: its prompt's KV is held on a prefill replica, to be pulled
+    kv_ready: bool = False  # its prompt's KV was pulled into its blocks: the prompt counts as computed
     # prompt + output, kept up to date by append_output (the scheduler reads it every step)
     all_token_ids: list[int] = field(init=False, repr=False)
 
@@ -49,10 +53,45 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
+    def stop_reason(self, token_id: int, eos_token_ids, max_model_len: int) -> tuple[str | None, int | None]:
+        """Why the request ends with this (its latest) token, and the stop token that ended it, if it ends."""
+        p = self.sampling
+        enough = len(self.output_token_ids) >= p.min_tokens
+        if enough and not p.ignore_eos and token_id in eos_token_ids:
+            return "stop", token_id
+        if enough and token_id in p.stop_token_ids:
+            return "stop", token_id
+        if len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
+            return "length", None
+        return None, None
+
+    def new_prompt_logprobs(self, scores: PromptLogprobs | None) -> "RequestOutput | None":
+        """The prompt logprobs a chunk brought that the request has not had yet (a preempted request's
+        prompt is scored again when it is recomputed)."""
+        if scores is None:
+            return None
+        skip = self.num_prompt_logprobs + 1 - scores.start  # positions 1.. delivered so far
+        if skip < 0 or skip >= len(scores.entries):
+            return None
+        self.num_prompt_logprobs += len(scores.entries) - skip
+        return RequestOutput(self.request_id, prompt_logprobs=scores.entries[skip:],
+                             prompt_logprobs_start=scores.start + skip,
+                             num_prompt_tokens=len(self.prompt_token_ids))
+
     @property
     def priority_key(self) -> tuple[int, float]:
         """The order of the priority policy (vLLM's): lower priority value first, then earlier arrival."""
         return self.priority, self.arrival_time
+
+
+@dataclass(frozen=True)
+class HeldKV:
+    """A prefilled request's KV, held for a decode replica: its blocks, the tokens they hold, and (filled in by
+    the driver) the epoch they belong to and the stages (address, first layer, end layer) that hold them."""
+    block_ids: list[int]
+    num_tokens: int
+    epoch: int = -1
+    stages: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass
@@ -60,7 +99,7 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[SampledToken] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "prefilled" (prefill_only)
     stop_token_id: int | None = None
     error: str | None = None
     # with finish_reason "error": whether the request's own data failed it (True: an invalid-argument
@@ -72,6 +111,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs_start: int = 0
     queue_seconds: float | None = None  # arrival to first scheduling, on the request's first output
+    held_kv: HeldKV | None = None  # finish_reason "prefilled": where its prompt's KV waits
 
     @property
     def finished(self) -> bool:

@@ -29,15 +29,16 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from scheduler.block_manager import BlockManager
+from scheduler import recovery
+from scheduler.admission import check_request
 from scheduler.config import SchedulerConfig
+from scheduler.kv_transfer import KVSourceInfo, KVTransfers
 from scheduler.policy import SchedulingPolicy
-from scheduler.request import Request, RequestOutput, Status
+from scheduler.request import HeldKV, Request, RequestOutput, Status
 from stagemesh.core.errors import StagemeshError
-from stagemesh.core.sampling_params import SamplingParams, check_token_ids
+from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import PLACEHOLDER, NewSequence, PromptLogprobs, SampledToken, ScheduledChunks, StepBatch
 
-
-MAX_REQUEST_ID_LEN = 256
 
 
 @dataclass
@@ -83,79 +84,61 @@ class Scheduler:
         # ids of preempted requests, for tracing; the driver drains it
         self.recent_preemptions: deque[str] = deque(maxlen=4096)
         self.num_preemptions = 0
+        self.transfers = KVTransfers(config.kv_hold_timeout_s)  # disaggregated prefill's holds and pulls
 
     # -- requests in and out ------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    generated_token_ids: list[int] = (), priority: int = 0) -> None:
+                    generated_token_ids: list[int] = (), priority: int = 0, prefill_only: bool = False,
+                    kv_source: KVSourceInfo | None = None) -> bool:
         """Queue a request; generated_token_ids continues one that produced those tokens elsewhere (its replica
         failed): it goes on from prompt + them as if it had generated them here (max_tokens, min_tokens, a
         seed's positions and a structured-output grammar count them; its prompt logprobs were delivered).
         priority: lower is served first (--scheduling-policy priority; any other value than 0 is refused under
-        fcfs, as vLLM refuses it)."""
+        fcfs, as vLLM refuses it). prefill_only / kv_source: disaggregated prefill (scheduler.kv_transfer).
+        Returns False when a kv_source cannot be used here (the prompt is then computed here)."""
         cfg = self.config
-        if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
-            raise StagemeshError(f"a request id must have 1 to {MAX_REQUEST_ID_LEN} characters")
+        check_request(cfg, request_id, prompt_token_ids, sampling, generated_token_ids)
         self.policy.check(priority)
-        if request_id in self.requests:
+        if request_id in self.requests or self.transfers.in_use(request_id):
             raise StagemeshError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise StagemeshError("the prompt is empty")
-        check_token_ids("prompt_token_ids", prompt_token_ids, cfg.vocab_size)
-        check_token_ids("generated_token_ids", generated_token_ids, cfg.vocab_size)
-        if len(generated_token_ids) >= sampling.max_tokens:
-            raise StagemeshError(f"a continuation of {len(generated_token_ids)} generated tokens has nothing left "
-                                 f"to generate (max_tokens {sampling.max_tokens})")
-        if cfg.vocab_size is not None:
-            sampling.check_vocab(cfg.vocab_size)
-        total = len(prompt_token_ids) + sampling.max_tokens
-        if total > cfg.max_model_len:
-            raise StagemeshError(
-                f"this model's maximum context length is {cfg.max_model_len} tokens, but the request asks for "
-                f"{total} ({len(prompt_token_ids)} in the prompt + {sampling.max_tokens} max_tokens)"
-            )
-        if self.kv.blocks_needed(total) > cfg.num_kv_blocks:
-            raise StagemeshError(f"a request of {total} tokens can never fit the KV cache of {cfg.kv_cache_tokens} tokens")
+        if prefill_only and (kv_source is not None or generated_token_ids):
+            raise StagemeshError("a prefill_only request computes its own prompt: no kv_transfer or generated "
+                                 "tokens with it")
         if cfg.max_waiting_requests and len(self.waiting) >= cfg.max_waiting_requests:
             raise QueueFull(f"the waiting queue is full ({cfg.max_waiting_requests} requests)")
-        request = Request(request_id, list(prompt_token_ids), sampling, list(generated_token_ids), priority=priority)
+        request = Request(request_id, list(prompt_token_ids), sampling, list(generated_token_ids), priority=priority,
+                          prefill_only=prefill_only)
         if generated_token_ids:
             request.num_prompt_logprobs = len(prompt_token_ids) - 1
+        usable = kv_source is None or self._kv_source_fits(kv_source, request)
+        if kv_source is not None and usable:
+            request.kv_source = kv_source
         self.requests[request_id] = request
         self.policy.enqueue(self.waiting, request)
+        return usable
+
+    def _kv_source_fits(self, src: KVSourceInfo, request: Request) -> bool:
+        """The held KV is exactly the prompt's, in blocks of this replica's size, with the first token after it."""
+        return (src.block_size == self.config.block_size and src.num_tokens == len(request.prompt_token_ids)
+                and len(src.block_ids) == self.kv.blocks_needed(src.num_tokens) and bool(request.output_token_ids)
+                and request.sampling.prompt_logprobs is None)
+
+    def release_kv(self, request_id: str) -> bool:
+        """A decode replica is done with a prefilled request's KV here: free its blocks."""
+        return self.transfers.release(self.kv, request_id)
+
+    def kv_pulled(self, request_id: str, ok: bool) -> None:
+        """The driver's pull of a request's prompt KV ended (ok: its blocks hold it)."""
+        self.transfers.pulled(self.kv, request_id, ok, self.waiting)
 
     def requeue_all(self) -> list[Request]:
-        """The pipeline broke: every request goes back to waiting as if preempted (generated tokens kept, its KV
-        gone with the epoch), running ones first, until a scheduler of the next epoch takes them over
-        (take_over) or they fail (fail_all). Returns them."""
-        for r in self.running:  # (a waiting one lost no work)
-            r.num_recoveries += 1
-        requests = self.policy.order([*self.running, *self.waiting])
-        for r in requests:
-            r.status, r.seq_id = Status.WAITING, -1
-            r.num_computed_tokens = r.in_flight = r.num_output_placeholders = 0
-        self.running, self.waiting = [], deque(requests)
-        self._finished_seq_ids = []
-        self.kv = BlockManager(self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        return requests
+        """The pipeline broke: every request back to waiting, kept for the next epoch (scheduler.recovery)."""
+        return recovery.requeue_all(self)
 
     def take_over(self, old: Scheduler) -> list[RequestOutput]:
-        """Adopt the requests `old` kept through a broken pipeline (after its requeue_all), in their order;
-        those that no longer fit this epoch's context length or KV cache fail (their outputs are returned)."""
-        assert not old.running, "take_over needs the old scheduler's requests requeued"
-        failed = []
-        for request in old.waiting:
-            total = len(request.prompt_token_ids) + request.sampling.max_tokens
-            if total > self.config.max_model_len or self.kv.blocks_needed(total) > self.config.num_kv_blocks:
-                request.status = Status.FINISHED
-                failed.append(RequestOutput(
-                    request.request_id, finish_reason="error", num_prompt_tokens=len(request.prompt_token_ids),
-                    error=f"the pipeline re-formed with room for {self.config.max_model_len} tokens per request "
-                          f"and a KV cache of {self.config.kv_cache_tokens}; this request needs {total}"))
-                continue
-            self.requests[request.request_id] = request
-            self.policy.enqueue(self.waiting, request)
-        old.requests, old.waiting = {}, deque()
-        return failed
+        """Adopt the requests `old` kept through a broken pipeline; returns the outputs of those that no longer
+        fit (scheduler.recovery)."""
+        return recovery.take_over(self, old)
 
     def fail(self, request_ids, error: str) -> list[RequestOutput]:
         """End these requests with `error` (not their own fault)."""
@@ -261,12 +244,25 @@ class Scheduler:
         while (self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs
                and len(budget.chunks) < budget.seqs):
             request = self.waiting[0]
-            num_tokens, cached = self._first_chunk(request, budget.tokens)
-            num_cached = len(cached) * self.config.block_size
-            num_new = num_tokens - num_cached
-            new_blocks = self.kv.allocate(request.request_id, num_tokens, cached)
-            if new_blocks is None:
-                break
+            if request.kv_source is not None:  # its prompt's KV is elsewhere: blocks for it, then the pull
+                blocks = self.kv.allocate(request.request_id, request.kv_source.num_tokens)
+                if blocks is None:
+                    break
+                self.transfers.start_pull(self.waiting.popleft(), blocks)
+                continue
+            if request.kv_ready:  # pulled: its blocks hold the prompt; the stages get every one of them
+                num_cached, num_new = request.num_computed_tokens, min(request.num_tokens - request.num_computed_tokens,
+                                                                      budget.tokens)
+                if self.kv.allocate(request.request_id, num_cached + num_new) is None:
+                    break
+                new_blocks, request.kv_ready = list(self.kv.tables[request.request_id]), False
+            else:
+                num_tokens, cached = self._first_chunk(request, budget.tokens)
+                num_cached = len(cached) * self.config.block_size
+                num_new = num_tokens - num_cached
+                new_blocks = self.kv.allocate(request.request_id, num_tokens, cached)
+                if new_blocks is None:
+                    break
             self.waiting.popleft()
             if self.config.enable_prefix_caching:
                 self.kv.record_prefix_lookup(request.num_tokens, num_cached)
@@ -337,7 +333,7 @@ class Scheduler:
                 # (only tokens whose ids are known: a step ahead may be computing the next one)
                 self.kv.cache_full_blocks(request_id, request.all_token_ids,
                                           min(request.num_computed_tokens, request.num_tokens))
-            scores = self._new_prompt_logprobs(request, scored.get(seq_id))
+            scores = request.new_prompt_logprobs(scored.get(seq_id))
             if not sample:
                 if scores is not None:
                     results.append(scores)
@@ -358,37 +354,15 @@ class Scheduler:
                     scores.prompt_logprobs_start
             if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:
                 result.queue_seconds = request.first_scheduled_time - request.arrival_time
-            reason, stop_id = self._stop_reason(request, token.token_id)
+            reason, stop_id = request.stop_reason(token.token_id, self.config.eos_token_ids, self.config.max_model_len)
+            if reason is None and request.prefill_only:  # the prompt is computed: its KV waits for a decode replica
+                reason = "prefilled"
+                result.held_kv = HeldKV(list(self.kv.tables.get(request_id, ())), len(request.prompt_token_ids))
             if reason is not None:
                 self._finish(request, reason)
                 result.finish_reason, result.stop_token_id = reason, stop_id
             results.append(result)
         return results
-
-    @staticmethod
-    def _new_prompt_logprobs(request: Request, scores: PromptLogprobs | None) -> RequestOutput | None:
-        """The prompt logprobs a chunk brought that the request has not had yet (a preempted request's
-        prompt is scored again when it is recomputed)."""
-        if scores is None:
-            return None
-        skip = request.num_prompt_logprobs + 1 - scores.start  # positions 1.. delivered so far
-        if skip < 0 or skip >= len(scores.entries):
-            return None
-        request.num_prompt_logprobs += len(scores.entries) - skip
-        return RequestOutput(request.request_id, prompt_logprobs=scores.entries[skip:],
-                             prompt_logprobs_start=scores.start + skip,
-                             num_prompt_tokens=len(request.prompt_token_ids))
-
-    def _stop_reason(self, request: Request, token_id: int) -> tuple[str | None, int | None]:
-        p = request.sampling
-        enough = len(request.output_token_ids) >= p.min_tokens
-        if enough and not p.ignore_eos and token_id in self.config.eos_token_ids:
-            return "stop", token_id
-        if enough and token_id in p.stop_token_ids:
-            return "stop", token_id
-        if len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return "length", None
-        return None, None
 
     def _finish(self, request: Request, reason: str, error: str | None = None, own_fault: bool = False
                 ) -> RequestOutput:
@@ -399,7 +373,10 @@ class Scheduler:
         elif request.status is Status.WAITING and request in self.waiting:
             self.waiting.remove(request)
         request.status = Status.FINISHED
-        self.kv.free_request(request.request_id)
+        if reason == "prefilled":
+            self.transfers.hold(request.request_id, time.monotonic())
+        elif not self.transfers.abandon(request.request_id):  # (a pull's blocks are freed when it ends)
+            self.kv.free_request(request.request_id)
         return RequestOutput(request.request_id, finish_reason=reason, error=error, own_fault=own_fault,
                              num_prompt_tokens=len(request.prompt_token_ids),
                              num_cached_tokens=request.num_cached_tokens)

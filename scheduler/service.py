@@ -10,6 +10,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from scheduler.connection import Connection, Rejected, Update
 from scheduler.driver import Driver, Unavailable
 from scheduler.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
+from scheduler.kv_transfer import KVSourceInfo
 from scheduler.rendezvous import ModelIdentity, StageInfo
 from scheduler.request import RequestOutput
 from scheduler.scheduler import QueueFull
@@ -18,19 +19,24 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.health import follow
 from stagemesh.core.service_options import add_port, aio_server
 from stagemesh.core.step_wire import logprob_to_pb
-from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc, stage_pb2
 from stagemesh.core.wire import sampling_from_pb
 
 log = logging.getLogger("stagemesh.scheduler")
 FINISH = {"stop": scheduler_pb2.FINISH_REASON_STOP, "length": scheduler_pb2.FINISH_REASON_LENGTH,
-          "abort": scheduler_pb2.FINISH_REASON_ABORT}
+          "abort": scheduler_pb2.FINISH_REASON_ABORT, "prefilled": scheduler_pb2.FINISH_REASON_PREFILLED}
+MAX_KV_SOURCE_STAGES = 1024
+MAX_ADDRESS_LEN = 255
 SERVICE = "stagemesh.v1.Scheduler"
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, driver: Driver, served_model_name: str, model_path: str, vocab_size: int):
+    def __init__(self, driver: Driver, served_model_name: str, model_path: str, vocab_size: int,
+                 kv_role: str = "both"):
         self.driver = driver
         self.served_model_name, self.model_path, self.vocab_size = served_model_name, model_path, vocab_size
+        self.kv_role = kv_role
+        self.address = ""  # host:port other replicas reach this one at (set once the port is bound)
 
     async def SubmitStream(self, request_iterator, context):
         """The writer: one message per take of everything pending; a task of its own reads the actions."""
@@ -42,7 +48,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 if updates:
                     reply = scheduler_pb2.SubmitStreamResponse()
                     for update in updates:
-                        _fill_update(reply.updates.add(), update)
+                        _fill_update(reply.updates.add(), update, self._kv_params)
                     yield reply
         finally:
             reader.cancel()
@@ -70,8 +76,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         trace_context = telemetry.extract([("traceparent", submit.traceparent), ("tracestate", submit.tracestate)]
                                           if submit.traceparent else None)
         try:
+            kv_source = kv_source_from_pb(r.kv_transfer) if r.HasField("kv_transfer") else None
+            if kv_source is not None and kv_source.scheduler_address == self.address:  # its own prefill, held here:
+                # free it and compute the prompt (a decode replica was not to be had)
+                if self.driver.scheduler is not None:
+                    self.driver.scheduler.release_kv(kv_source.request_id)
+                kv_source = None
             self.driver.add(r.request_id, list(r.prompt_token_ids), sampling_from_pb(r.sampling), connection,
-                            trace_context, list(r.generated_token_ids), r.priority)
+                            trace_context, list(r.generated_token_ids), r.priority, r.prefill_only, kv_source)
         except StagemeshError as err:
             connection.reject(r.request_id, err)
             return
@@ -115,12 +127,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                        vocab_size=self.vocab_size, eos_token_ids=d.cfg.scheduler.eos_token_ids,
                                        block_size=d.pipeline.block_size,
                                        pipeline_parallel_size=d.pipeline.num_stages,
-                                       scheduling_policy=d.cfg.scheduler.scheduling_policy)
+                                       scheduling_policy=d.cfg.scheduler.scheduling_policy, kv_role=self.kv_role)
         if d.plan is not None and d.healthy:
             info.max_model_len = d.max_model_len
             info.tensor_parallel_sizes.extend(d.plan.tp_sizes)
             info.kv_cache_tokens = d.plan.num_kv_blocks * d.pipeline.block_size
         return info
+
+    async def ReleaseKV(self, request, context):
+        scheduler = self.driver.scheduler
+        released = scheduler is not None and scheduler.release_kv(request.request_id)
+        return scheduler_pb2.ReleaseKVResponse(released=released)
+
+    def _kv_params(self, out: RequestOutput) -> scheduler_pb2.KVTransferParams:
+        held = out.held_kv
+        return scheduler_pb2.KVTransferParams(
+            scheduler_address=self.address, request_id=out.request_id, epoch=held.epoch, block_ids=held.block_ids,
+            block_size=self.driver.pipeline.block_size, num_tokens=held.num_tokens,
+            stages=[stage_pb2.KVSource(address=a, layer_start=s, layer_end=e) for a, s, e in held.stages])
 
     async def RegisterStage(self, request, context):
         s = request.stage
@@ -157,7 +181,7 @@ def _error_status(out: RequestOutput) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.UNAVAILABLE, out.error or "the pipeline failed"
 
 
-def _fill_output(reply: scheduler_pb2.SubmitResponse, out: RequestOutput, first: bool) -> None:
+def _fill_output(reply: scheduler_pb2.SubmitResponse, out: RequestOutput, first: bool, kv_params) -> None:
     reply.token_ids.extend(out.new_token_ids)
     for t in out.new_logprobs:
         reply.logprobs.add(token_id=t.token_id, logprob=t.logprob, top_token_ids=t.top_token_ids,
@@ -173,9 +197,11 @@ def _fill_output(reply: scheduler_pb2.SubmitResponse, out: RequestOutput, first:
         reply.finish_reason = FINISH[out.finish_reason]
         if out.stop_token_id is not None:
             reply.stop_token_id = out.stop_token_id
+        if out.held_kv is not None:
+            reply.kv_transfer.CopyFrom(kv_params(out))
 
 
-def _fill_update(msg: scheduler_pb2.RequestUpdate, update: Update) -> None:
+def _fill_update(msg: scheduler_pb2.RequestUpdate, update: Update, kv_params) -> None:
     item = update.item
     msg.request_id = item.request_id
     if isinstance(item, Rejected):
@@ -184,7 +210,7 @@ def _fill_update(msg: scheduler_pb2.RequestUpdate, update: Update) -> None:
         code, message = _error_status(item)
     else:
         msg.output.SetInParent()
-        _fill_output(msg.output, item, update.first)
+        _fill_output(msg.output, item, update.first, kv_params)
         return
     msg.error.code, msg.error.message = code.value[0], message
 
@@ -214,3 +240,15 @@ def kv_batch_to_pb(batch: KVEventBatch, block_size: int) -> scheduler_pb2.KVEven
         else:
             out.events.add().block_removed.block_hashes.extend(event.block_hashes)
     return out
+
+
+def kv_source_from_pb(p: scheduler_pb2.KVTransferParams) -> KVSourceInfo:
+    """Where a prompt's KV is held, as a decode replica gets it; sizes bounded here, the rest checked where it is
+    used (the scheduler: against the prompt; each stage: the layers, blocks and chunks it reads)."""
+    if len(p.stages) > MAX_KV_SOURCE_STAGES or any(len(a) > MAX_ADDRESS_LEN for a in
+                                                   (p.scheduler_address, *(s.address for s in p.stages))):
+        raise StagemeshError("kv_transfer: too many stages, or an address longer than 255 characters")
+    if not p.stages or any(not 0 <= s.layer_start < s.layer_end for s in p.stages) or p.num_tokens < 1:
+        raise StagemeshError("kv_transfer: its stages must hold layers A:B with 0 <= A < B, and its tokens be >= 1")
+    return KVSourceInfo(p.scheduler_address, p.request_id, p.epoch, tuple(p.block_ids), p.block_size, p.num_tokens,
+                        tuple((s.address, s.layer_start, s.layer_end) for s in p.stages))

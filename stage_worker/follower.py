@@ -20,6 +20,7 @@ from stagemesh.core.step import EpochSpec
 from stagemesh.core.step_wire import epoch_from_pb, step_from_pb
 from stagemesh.v1 import stage_pb2
 from stage_worker import dist as sdist
+from stage_worker import kv_transfer
 from stage_worker.runner import SliceConfig, StageRunner
 
 log = logging.getLogger("stagemesh.follower")
@@ -50,6 +51,9 @@ def serve_epoch(runner: StageRunner, join: EpochSpec) -> None:
             kind, payload = sdist.recv_control(tp)
             if kind == sdist.LEAVE:
                 return
+            if kind in (kv_transfer.KV_EXPORT, kv_transfer.KV_IMPORT):  # rank 0 reads or writes whole KV blocks
+                kv_transfer.follow(runner, kind, payload)
+                continue
             step = step_from_pb(stage_pb2.StepBatch.FromString(payload))  # as rank 0 runs it
             hidden = None
             if not runner.is_first_stage:

@@ -19,6 +19,7 @@ from stagemesh.core.sampling_params import InvalidParameter
 from stagemesh.core.service_options import add_port, aio_server
 from stagemesh.core.step_wire import epoch_from_pb, sampled_to_pb, step_from_pb
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+from stage_worker import kv_connector
 from stage_worker.observe import ForwardObserver
 from stage_worker.step_order import StepOrder, window_for
 from stage_worker.ep_group import EPGroupBroken
@@ -96,6 +97,19 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if out.sampled or out.prompt_logprobs:
             reply.sampled.CopyFrom(sampled_to_pb(out.sampled, out.prompt_logprobs))
         return reply
+
+    async def ReadKV(self, request, context):
+        try:
+            async for chunk in kv_connector.read_chunks(self.worker, request):
+                yield chunk
+        except Exception as err:  # noqa: BLE001 - reported to the caller, the stage stays up
+            await _abort(context, err)
+
+    async def PullKV(self, request, context):
+        try:
+            return await kv_connector.pull(self.worker, request)
+        except Exception as err:  # noqa: BLE001 - the decode scheduler falls back to recomputing the prompt
+            await _abort(context, err)
 
     async def PushActivations(self, request, context):
         try:

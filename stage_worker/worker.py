@@ -23,6 +23,7 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.step import EpochSpec, StepBatch, StepStats
 from stagemesh.core.step_wire import epoch_to_pb, step_to_pb
 from stage_worker import dist as sdist
+from stage_worker import kv_transfer
 from stage_worker.ep_group import EPConfig, EPGroup
 from stage_worker.handoff import DistHandoff, GrpcHandoff
 from stage_worker.kv_cache import num_kv_blocks_for_budget
@@ -31,7 +32,7 @@ from stage_worker.run_ahead import RunAhead, has_placeholders
 from stage_worker.follower import follower_argv
 from stage_worker.runner import SliceConfig, StageOutput
 from stage_worker.step_order import window_for
-from stage_worker.validate import StepLimits, check_join, check_step
+from stage_worker.validate import InvalidStep, StepLimits, check_join, check_step
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -199,6 +200,45 @@ class StageWorker:
         if out.hidden_states is not None:
             sent = self.handoff.send(batch.step_id, out.hidden_states)
         return StepStats(compute, wait, sent), out
+
+    # -- KV transfer (disaggregated prefill) -------------------------------------------
+    def read_kv(self, epoch: int, block_ids: list[int], layer_start: int, layer_end: int) -> Future:
+        """Every KV head of the blocks for model layers [layer_start, layer_end) of this stage: a future of
+        [(k, v)] per layer, CPU tensors [n, block_size, num_key_value_heads, head_dim]."""
+        layers = self._kv_request(epoch, block_ids, layer_start, layer_end)
+        return self.main_loop.submit(self._export_kv, block_ids, layers)
+
+    def write_kv(self, epoch: int, block_ids: list[int], kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> Future:
+        """Write every KV head of the blocks, for every layer of this stage (kvs: [(k, v)] per layer)."""
+        s = self.cfg.slice
+        layers = self._kv_request(epoch, block_ids, s.layer_start, s.layer_end)
+        return self.main_loop.submit(self._import_kv, block_ids, layers, kvs)
+
+    def _kv_request(self, epoch: int, block_ids: list[int], layer_start: int, layer_end: int) -> range:
+        s = self.cfg.slice
+        if epoch != self.epoch:
+            raise StagemeshError(f"KV blocks of epoch {epoch} asked for; the stage is in epoch {self.epoch}")
+        if not block_ids or len(block_ids) > self.limits.num_kv_blocks or \
+                not all(0 <= b < self.limits.num_kv_blocks for b in block_ids):
+            raise InvalidStep(f"KV block ids must be 1 to {self.limits.num_kv_blocks} ids below "
+                              f"{self.limits.num_kv_blocks}")
+        if not s.layer_start <= layer_start < layer_end <= s.layer_end:
+            raise InvalidStep(f"layers {layer_start}:{layer_end} are not within this stage's {s.layer_start}:"
+                              f"{s.layer_end}")
+        return range(layer_start - s.layer_start, layer_end - s.layer_start)
+
+    def _export_kv(self, block_ids: list[int], layers: range):
+        kv_transfer.tell_followers(self.runner, kv_transfer.KV_EXPORT, block_ids, layers)
+        return kv_transfer.export_blocks(self.runner, block_ids, layers)
+
+    def _import_kv(self, block_ids: list[int], layers: range, kvs) -> None:
+        cache = self.runner.kv_caches[0][0]
+        shape = (len(block_ids), cache.shape[1], self.runner.config.num_key_value_heads, cache.shape[3])
+        for k, v in kvs:
+            if tuple(k.shape) != shape or tuple(v.shape) != shape:
+                raise InvalidStep(f"KV of shape {tuple(k.shape)} for blocks of {shape}")
+        kv_transfer.tell_followers(self.runner, kv_transfer.KV_IMPORT, block_ids, layers)
+        kv_transfer.import_blocks(self.runner, block_ids, layers, kvs, shape, cache.dtype)
 
     def close(self) -> None:
         if self.handoff is not None:

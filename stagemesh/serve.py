@@ -107,6 +107,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: whole experts spread over each stage's TP ranks, or with -dp > 1 over the "
                         "replicas' stages (data-parallel attention; see `stagemesh stage`)")
+    p.add_argument("--prefill-replicas", type=int, default=0, metavar="N",
+                   help="disaggregated prefill: of the --data-parallel-size replicas, the first N compute new prompts "
+                        "(--kv-role prefill) and the others decode (--kv-role decode), fetching the prompts' KV "
+                        "(docs/disaggregated-prefill.md); 0: every replica does both")
     p.add_argument("--policy", choices=("least-load", "cache-aware", "kv-aware", "round-robin"), default=None,
                    help="the router's balancing over the replicas (default least-load; see `stagemesh router`)")
     p.add_argument("--stage-recovery-timeout", type=float, default=None,
@@ -164,8 +168,9 @@ def plan_commands(args: argparse.Namespace, model: str | None, num_layers: int, 
     for r in range(dp):
         port = free_port(addresses.head)
         replicas.append(f"{addresses.head}:{port}")
+        role = [] if not args.prefill_replicas else ["--kv-role", "prefill" if r < args.prefill_replicas else "decode"]
         children.append(ChildSpec(f"scheduler[{r}]", ["scheduler", *model_arg, *head, "--port", str(port),
-                                                      "--pipeline-parallel-size", str(pp), *common_sched,
+                                                      "--pipeline-parallel-size", str(pp), *common_sched, *role,
                                                       *_service(args, r * (pp + 1))], kind="scheduler"))
         for i, (a, b) in enumerate(layer_ranges(split)):
             env = {} if cuda else cpu_stage_env()
@@ -212,6 +217,7 @@ def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
+    _check_layout(args)
     token = internal_token.configure(args) or internal_token.new_token()
     if args.distributed_executor_backend == "ray":
         return _run_on_ray(args, token)
@@ -248,6 +254,12 @@ def _run_on_ray(args: argparse.Namespace, token: str) -> int:
         return cluster.serve(specs, {internal_token.ENV: token}, _on_signals(), args.restart_policy, metrics)
     finally:
         cluster.shutdown()
+
+
+def _check_layout(args: argparse.Namespace) -> None:
+    if args.prefill_replicas and not 0 < args.prefill_replicas < args.data_parallel_size:
+        raise StagemeshError(f"--prefill-replicas {args.prefill_replicas} needs a decode replica too: give a "
+                             f"--data-parallel-size above it (now {args.data_parallel_size})")
 
 
 def _model(args: argparse.Namespace):

@@ -41,8 +41,9 @@ class FakeReplica(Replica):
     def __post_init__(self) -> None:  # no channel: nothing to dial
         self._stream = None
 
-    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-               generated: list[int] = (), priority: int = 0) -> "FakeStream":
+    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams, generated: list[int] = (),
+               priority: int = 0, prefill_only: bool = False, kv_transfer: bytes = b"") -> "FakeStream":
+        assert not prefill_only and not kv_transfer, "a fake replica is never part of a disaggregated mesh"
         self.submitted.append((request_id, prompt, sampling))
         self.priorities.append(priority)
         self.generated.append(list(generated))

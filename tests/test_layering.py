@@ -19,6 +19,7 @@ PROTOBUF_EDGES = {
     "stage_worker.handoff",  # PushActivations between stages (grpc handoff)
     "stage_worker.follower",  # steps from rank 0, as StepBatch bytes over the TP group
     "stage_worker.validate",  # checks wire messages (activations) before they are decoded
+    "stage_worker.kv_connector",  # KV blocks between prefill and decode stages (ReadKV, PullKV)
     "stagemesh.client", "stagemesh.bench.backends",  # clients of the gRPC frontend
 }
 

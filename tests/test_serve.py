@@ -166,3 +166,17 @@ def test_serve_on_ray_refuses_experts_across_replicas(tiny_model_dir):
     args = _serve_args("-dp", "2", "--enable-expert-parallel", "--distributed-executor-backend", "ray")
     with pytest.raises(StagemeshError, match="not built for --distributed-executor-backend ray"):
         _check_expert_parallel(cfg, args, cuda=False, ray=True)
+
+
+def test_serve_splits_its_replicas_into_prefill_and_decode_ones():
+    from stagemesh.core.errors import StagemeshError
+    from stagemesh.serve import _check_layout, plan_commands
+
+    args = _serve_args("-dp", "3", "--prefill-replicas", "1")
+    roles = [s.argv[s.argv.index("--kv-role") + 1] for s in plan_commands(args, "/m", 4, cuda=False)
+             if s.kind == "scheduler"]
+    assert roles == ["prefill", "decode", "decode"]
+    assert all("--kv-role" not in s.argv for s in plan_commands(_serve_args("-dp", "2"), "/m", 4, cuda=False))
+    for bad in (("--prefill-replicas", "1"), ("-dp", "2", "--prefill-replicas", "2")):
+        with pytest.raises(StagemeshError, match="needs a decode replica too"):
+            _check_layout(_serve_args(*bad))

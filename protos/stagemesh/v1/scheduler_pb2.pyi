@@ -37,6 +37,10 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """max_tokens or max_model_len reached"""
     FINISH_REASON_ABORT: _FinishReason.ValueType  # 3
     """aborted by the client or the router"""
+    FINISH_REASON_PREFILLED: _FinishReason.ValueType  # 4
+    """prefill_only: the prompt is computed and the first token sampled; the
+    request goes on on a decode replica (SubmitResponse.kv_transfer).
+    """
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper): ...
 
@@ -48,6 +52,10 @@ FINISH_REASON_LENGTH: FinishReason.ValueType  # 2
 """max_tokens or max_model_len reached"""
 FINISH_REASON_ABORT: FinishReason.ValueType  # 3
 """aborted by the client or the router"""
+FINISH_REASON_PREFILLED: FinishReason.ValueType  # 4
+"""prefill_only: the prompt is computed and the first token sampled; the
+request goes on on a decode replica (SubmitResponse.kv_transfer).
+"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final
@@ -105,12 +113,20 @@ class SubmitRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     GENERATED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    PREFILL_ONLY_FIELD_NUMBER: _builtins.int
+    KV_TRANSFER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique per replica; the router's id of the request."""
     priority: _builtins.int
     """vLLM's request priority: lower is served first, ties by arrival. Any value
     but 0 is refused (INVALID_ARGUMENT) by a scheduler whose
     --scheduling-policy is fcfs (ModelInfo.scheduling_policy says which).
+    """
+    prefill_only: _builtins.bool
+    """Disaggregated prefill, on a prefill replica: compute the prompt and the
+    first token only; unless that token ends the request, it ends with
+    FINISH_REASON_PREFILLED and its KV stays held for a decode replica
+    (SubmitResponse.kv_transfer) until ReleaseKV or --kv-hold-timeout.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -125,6 +141,14 @@ class SubmitRequest(_message.Message):
         logprobs are not sent again. Fewer than sampling.max_tokens.
         """
 
+    @_builtins.property
+    def kv_transfer(self) -> Global___KVTransferParams:
+        """Disaggregated prefill, on a decode replica: the prompt's KV is held on a
+        prefill replica; the stages fetch it instead of computing the prompt (which
+        they compute after all if the fetch fails). generated_token_ids holds the
+        first token; prompt logprobs are not asked again.
+        """
+
     def __init__(
         self,
         *,
@@ -133,10 +157,12 @@ class SubmitRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         generated_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         priority: _builtins.int = ...,
+        prefill_only: _builtins.bool = ...,
+        kv_transfer: Global___KVTransferParams | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_transfer", b"kv_transfer", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_token_ids", b"generated_token_ids", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_token_ids", b"generated_token_ids", "kv_transfer", b"kv_transfer", "prefill_only", b"prefill_only", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -155,6 +181,7 @@ class SubmitResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_START_FIELD_NUMBER: _builtins.int
     QUEUE_SECONDS_FIELD_NUMBER: _builtins.int
+    KV_TRANSFER_FIELD_NUMBER: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     """Set on the last message only."""
     stop_token_id: _builtins.int
@@ -181,6 +208,10 @@ class SubmitResponse(_message.Message):
         prompt_logprobs): they come in order, over one or more messages, before the first token.
         """
 
+    @_builtins.property
+    def kv_transfer(self) -> Global___KVTransferParams:
+        """With FINISH_REASON_PREFILLED: where the prompt's KV is held."""
+
     def __init__(
         self,
         *,
@@ -193,10 +224,11 @@ class SubmitResponse(_message.Message):
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         prompt_logprobs_start: _builtins.int = ...,
         queue_seconds: _builtins.float = ...,
+        kv_transfer: Global___KVTransferParams | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "stop_token_id", b"stop_token_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "kv_transfer", b"kv_transfer", "stop_token_id", b"stop_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "prompt_logprobs", b"prompt_logprobs", "prompt_logprobs_start", b"prompt_logprobs_start", "queue_seconds", b"queue_seconds", "stop_token_id", b"stop_token_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "finish_reason", b"finish_reason", "kv_transfer", b"kv_transfer", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "prompt_logprobs", b"prompt_logprobs", "prompt_logprobs_start", b"prompt_logprobs_start", "queue_seconds", b"queue_seconds", "stop_token_id", b"stop_token_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__stop_token_id: _TypeAlias = _typing.Literal["stop_token_id"]  # noqa: Y015
     _WhichOneofArgType__stop_token_id: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id"]  # noqa: Y015
@@ -685,6 +717,7 @@ class ModelInfo(_message.Message):
     TENSOR_PARALLEL_SIZES_FIELD_NUMBER: _builtins.int
     KV_CACHE_TOKENS_FIELD_NUMBER: _builtins.int
     SCHEDULING_POLICY_FIELD_NUMBER: _builtins.int
+    KV_ROLE_FIELD_NUMBER: _builtins.int
     served_model_name: _builtins.str
     """The name clients use in the OpenAI API (--served-model-name)."""
     model_path: _builtins.str
@@ -696,6 +729,10 @@ class ModelInfo(_message.Message):
     kv_cache_tokens: _builtins.int
     scheduling_policy: _builtins.str
     """--scheduling-policy: "fcfs" or "priority" (SubmitRequest.priority)."""
+    kv_role: _builtins.str
+    """--kv-role: "both" (the default), "prefill" or "decode": which part of a
+    disaggregated request the router sends it (every role serves whole ones).
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -715,11 +752,102 @@ class ModelInfo(_message.Message):
         tensor_parallel_sizes: _abc.Iterable[_builtins.int] | None = ...,
         kv_cache_tokens: _builtins.int = ...,
         scheduling_policy: _builtins.str = ...,
+        kv_role: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "eos_token_ids", b"eos_token_ids", "kv_cache_tokens", b"kv_cache_tokens", "max_model_len", b"max_model_len", "model_path", b"model_path", "pipeline_parallel_size", b"pipeline_parallel_size", "scheduling_policy", b"scheduling_policy", "served_model_name", b"served_model_name", "tensor_parallel_sizes", b"tensor_parallel_sizes", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "eos_token_ids", b"eos_token_ids", "kv_cache_tokens", b"kv_cache_tokens", "kv_role", b"kv_role", "max_model_len", b"max_model_len", "model_path", b"model_path", "pipeline_parallel_size", b"pipeline_parallel_size", "scheduling_policy", b"scheduling_policy", "served_model_name", b"served_model_name", "tensor_parallel_sizes", b"tensor_parallel_sizes", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
+
+@_typing.final
+class KVTransferParams(_message.Message):
+    """Disaggregated prefill (docs/disaggregated-prefill.md): where a prompt's KV
+    waits for a decode replica, as the prefill replica reports it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCHEDULER_ADDRESS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    STAGES_FIELD_NUMBER: _builtins.int
+    scheduler_address: _builtins.str
+    """the prefill replica's scheduler (ReleaseKV)"""
+    request_id: _builtins.str
+    """the request there"""
+    epoch: _builtins.int
+    """the prefill pipeline's epoch the KV belongs to"""
+    block_size: _builtins.int
+    num_tokens: _builtins.int
+    """tokens whose KV the blocks hold: the prompt"""
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """its blocks there, in order"""
+
+    @_builtins.property
+    def stages(self) -> _containers.RepeatedCompositeFieldContainer[_stage_pb2.KVSource]:
+        """the prefill replica's stages and their layers"""
+
+    def __init__(
+        self,
+        *,
+        scheduler_address: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        block_size: _builtins.int = ...,
+        num_tokens: _builtins.int = ...,
+        stages: _abc.Iterable[_stage_pb2.KVSource] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "block_size", b"block_size", "epoch", b"epoch", "num_tokens", b"num_tokens", "request_id", b"request_id", "scheduler_address", b"scheduler_address", "stages", b"stages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVTransferParams: _TypeAlias = KVTransferParams  # noqa: Y015
+
+@_typing.final
+class ReleaseKVRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseKVRequest: _TypeAlias = ReleaseKVRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseKVResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASED_FIELD_NUMBER: _builtins.int
+    released: _builtins.bool
+    """False when nothing was held under that id (released before, or timed out)."""
+    def __init__(
+        self,
+        *,
+        released: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseKVResponse: _TypeAlias = ReleaseKVResponse  # noqa: Y015

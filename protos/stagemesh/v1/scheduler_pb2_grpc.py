@@ -64,6 +64,11 @@ class SchedulerStub:
                 request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.ReleaseKV = channel.unary_unary(
+                '/stagemesh.v1.Scheduler/ReleaseKV',
+                request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.ReleaseKVRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.ReleaseKVResponse.FromString,
+                _registered_method=True)
         self.RegisterStage = channel.unary_unary(
                 '/stagemesh.v1.Scheduler/RegisterStage',
                 request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.RegisterStageRequest.SerializeToString,
@@ -130,6 +135,14 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseKV(self, request, context):
+        """Disaggregated prefill: a decode replica fetched (or gave up on) the KV
+        a prefill_only request left held here; its blocks are freed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterStage(self, request, context):
         """A stage announces itself, and again every few seconds for as long as it
         runs (a heartbeat, so that a restarted scheduler gets its stages back).
@@ -174,6 +187,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.GetModelInfoRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_scheduler__pb2.ModelInfo.SerializeToString,
+            ),
+            'ReleaseKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseKV,
+                    request_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.ReleaseKVRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_scheduler__pb2.ReleaseKVResponse.SerializeToString,
             ),
             'RegisterStage': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterStage,
@@ -343,6 +361,33 @@ class Scheduler:
             '/stagemesh.v1.Scheduler/GetModelInfo',
             stagemesh_dot_v1_dot_scheduler__pb2.GetModelInfoRequest.SerializeToString,
             stagemesh_dot_v1_dot_scheduler__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.Scheduler/ReleaseKV',
+            stagemesh_dot_v1_dot_scheduler__pb2.ReleaseKVRequest.SerializeToString,
+            stagemesh_dot_v1_dot_scheduler__pb2.ReleaseKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

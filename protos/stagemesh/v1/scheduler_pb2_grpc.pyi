@@ -61,6 +61,10 @@ class SchedulerStub:
     """
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetModelInfoRequest, _scheduler_pb2.ModelInfo]
     """What the replica serves."""
+    ReleaseKV: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.ReleaseKVRequest, _scheduler_pb2.ReleaseKVResponse]
+    """Disaggregated prefill: a decode replica fetched (or gave up on) the KV
+    a prefill_only request left held here; its blocks are freed.
+    """
     RegisterStage: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.RegisterStageRequest, _scheduler_pb2.RegisterStageResponse]
     """A stage announces itself, and again every few seconds for as long as it
     runs (a heartbeat, so that a restarted scheduler gets its stages back).
@@ -101,6 +105,10 @@ class SchedulerAsyncStub(SchedulerStub):
     """
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetModelInfoRequest, _scheduler_pb2.ModelInfo]  # type: ignore[assignment]
     """What the replica serves."""
+    ReleaseKV: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.ReleaseKVRequest, _scheduler_pb2.ReleaseKVResponse]  # type: ignore[assignment]
+    """Disaggregated prefill: a decode replica fetched (or gave up on) the KV
+    a prefill_only request left held here; its blocks are freed.
+    """
     RegisterStage: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.RegisterStageRequest, _scheduler_pb2.RegisterStageResponse]  # type: ignore[assignment]
     """A stage announces itself, and again every few seconds for as long as it
     runs (a heartbeat, so that a restarted scheduler gets its stages back).
@@ -174,6 +182,16 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_scheduler_pb2.ModelInfo, _abc.Awaitable[_scheduler_pb2.ModelInfo]]:
         """What the replica serves."""
+
+    @_abc_1.abstractmethod
+    def ReleaseKV(
+        self,
+        request: _scheduler_pb2.ReleaseKVRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_scheduler_pb2.ReleaseKVResponse, _abc.Awaitable[_scheduler_pb2.ReleaseKVResponse]]:
+        """Disaggregated prefill: a decode replica fetched (or gave up on) the KV
+        a prefill_only request left held here; its blocks are freed.
+        """
 
     @_abc_1.abstractmethod
     def RegisterStage(

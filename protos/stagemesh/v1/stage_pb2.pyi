@@ -558,3 +558,175 @@ class PushActivationsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PushActivationsResponse: _TypeAlias = PushActivationsResponse  # noqa: Y015
+
+@_typing.final
+class ReadKVRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    LAYER_START_FIELD_NUMBER: _builtins.int
+    LAYER_END_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """The epoch the blocks were written in: in another one they hold nothing."""
+    layer_start: _builtins.int
+    """Model layers [layer_start, layer_end), within this stage's."""
+    layer_end: _builtins.int
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        layer_start: _builtins.int = ...,
+        layer_end: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "epoch", b"epoch", "layer_end", b"layer_end", "layer_start", b"layer_start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadKVRequest: _TypeAlias = ReadKVRequest  # noqa: Y015
+
+@_typing.final
+class KVBlocksChunk(_message.Message):
+    """The KV of whole blocks of one layer, every KV head: k and v are raw
+    [num_blocks, block_size, num_key_value_heads, head_dim] tensors of dtype.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYER_FIELD_NUMBER: _builtins.int
+    FIRST_BLOCK_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    K_FIELD_NUMBER: _builtins.int
+    V_FIELD_NUMBER: _builtins.int
+    layer: _builtins.int
+    """model layer"""
+    first_block: _builtins.int
+    """index in ReadKVRequest.block_ids of the chunk's first block"""
+    num_blocks: _builtins.int
+    dtype: _builtins.str
+    """"float32", "bfloat16" or "float16" """
+    k: _builtins.bytes
+    v: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        layer: _builtins.int = ...,
+        first_block: _builtins.int = ...,
+        num_blocks: _builtins.int = ...,
+        dtype: _builtins.str = ...,
+        k: _builtins.bytes = ...,
+        v: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "first_block", b"first_block", "k", b"k", "layer", b"layer", "num_blocks", b"num_blocks", "v", b"v"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVBlocksChunk: _TypeAlias = KVBlocksChunk  # noqa: Y015
+
+@_typing.final
+class KVSource(_message.Message):
+    """A prefill replica's stage that holds some of the layers' KV."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    LAYER_START_FIELD_NUMBER: _builtins.int
+    LAYER_END_FIELD_NUMBER: _builtins.int
+    address: _builtins.str
+    """host:port of the stage"""
+    layer_start: _builtins.int
+    layer_end: _builtins.int
+    def __init__(
+        self,
+        *,
+        address: _builtins.str = ...,
+        layer_start: _builtins.int = ...,
+        layer_end: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "layer_end", b"layer_end", "layer_start", b"layer_start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVSource: _TypeAlias = KVSource  # noqa: Y015
+
+@_typing.final
+class PullKVRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    SOURCE_EPOCH_FIELD_NUMBER: _builtins.int
+    SOURCE_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    SOURCES_FIELD_NUMBER: _builtins.int
+    SOURCE_BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """this stage's epoch, whose cache the blocks are in"""
+    source_epoch: _builtins.int
+    """the prefill replica's epoch"""
+    source_block_size: _builtins.int
+    """must equal this stage's"""
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """destination blocks here, in order"""
+
+    @_builtins.property
+    def source_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """as many blocks there, in the same order"""
+
+    @_builtins.property
+    def sources(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVSource]:
+        """Stages that together hold this stage's layers (more may be given: only
+        those overlapping this stage's layers are read).
+        """
+
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        source_epoch: _builtins.int = ...,
+        source_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        sources: _abc.Iterable[Global___KVSource] | None = ...,
+        source_block_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "epoch", b"epoch", "source_block_ids", b"source_block_ids", "source_block_size", b"source_block_size", "source_epoch", b"source_epoch", "sources", b"sources"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullKVRequest: _TypeAlias = PullKVRequest  # noqa: Y015
+
+@_typing.final
+class PullKVResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BYTES_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    bytes: _builtins.int
+    """KV bytes read"""
+    seconds: _builtins.float
+    """read and write time"""
+    def __init__(
+        self,
+        *,
+        bytes: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullKVResponse: _TypeAlias = PullKVResponse  # noqa: Y015

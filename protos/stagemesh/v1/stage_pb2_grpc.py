@@ -54,6 +54,16 @@ class StageStub:
                 request_serializer=stagemesh_dot_v1_dot_stage__pb2.PushActivationsRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_stage__pb2.PushActivationsResponse.FromString,
                 _registered_method=True)
+        self.ReadKV = channel.unary_stream(
+                '/stagemesh.v1.Stage/ReadKV',
+                request_serializer=stagemesh_dot_v1_dot_stage__pb2.ReadKVRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_stage__pb2.KVBlocksChunk.FromString,
+                _registered_method=True)
+        self.PullKV = channel.unary_unary(
+                '/stagemesh.v1.Stage/PullKV',
+                request_serializer=stagemesh_dot_v1_dot_stage__pb2.PullKVRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_stage__pb2.PullKVResponse.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -88,6 +98,24 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadKV(self, request, context):
+        """Disaggregated prefill, prefill side: the KV of some of this stage's
+        blocks (those a prefill request left held), every KV head, streamed in
+        chunks of whole blocks of one layer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullKV(self, request, context):
+        """Disaggregated prefill, decode side: read these blocks' KV for this
+        stage's layers from the prefill replica's stages that hold them (ReadKV)
+        and write it into these blocks of this stage's cache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +138,16 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.PushActivations,
                     request_deserializer=stagemesh_dot_v1_dot_stage__pb2.PushActivationsRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_stage__pb2.PushActivationsResponse.SerializeToString,
+            ),
+            'ReadKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadKV,
+                    request_deserializer=stagemesh_dot_v1_dot_stage__pb2.ReadKVRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_stage__pb2.KVBlocksChunk.SerializeToString,
+            ),
+            'PullKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullKV,
+                    request_deserializer=stagemesh_dot_v1_dot_stage__pb2.PullKVRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_stage__pb2.PullKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +258,60 @@ class Stage:
             '/stagemesh.v1.Stage/PushActivations',
             stagemesh_dot_v1_dot_stage__pb2.PushActivationsRequest.SerializeToString,
             stagemesh_dot_v1_dot_stage__pb2.PushActivationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/stagemesh.v1.Stage/ReadKV',
+            stagemesh_dot_v1_dot_stage__pb2.ReadKVRequest.SerializeToString,
+            stagemesh_dot_v1_dot_stage__pb2.KVBlocksChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.Stage/PullKV',
+            stagemesh_dot_v1_dot_stage__pb2.PullKVRequest.SerializeToString,
+            stagemesh_dot_v1_dot_stage__pb2.PullKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

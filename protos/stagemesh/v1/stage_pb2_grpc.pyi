@@ -44,6 +44,16 @@ class StageStub:
     """Run one micro-batch step. The last stage replies with the sampled tokens."""
     PushActivations: _grpc.UnaryUnaryMultiCallable[_stage_pb2.PushActivationsRequest, _stage_pb2.PushActivationsResponse]
     """The grpc handoff: the previous stage's output activations of one step."""
+    ReadKV: _grpc.UnaryStreamMultiCallable[_stage_pb2.ReadKVRequest, _stage_pb2.KVBlocksChunk]
+    """Disaggregated prefill, prefill side: the KV of some of this stage's
+    blocks (those a prefill request left held), every KV head, streamed in
+    chunks of whole blocks of one layer.
+    """
+    PullKV: _grpc.UnaryUnaryMultiCallable[_stage_pb2.PullKVRequest, _stage_pb2.PullKVResponse]
+    """Disaggregated prefill, decode side: read these blocks' KV for this
+    stage's layers from the prefill replica's stages that hold them (ReadKV)
+    and write it into these blocks of this stage's cache.
+    """
 
 @_typing.type_check_only
 class StageAsyncStub(StageStub):
@@ -58,6 +68,16 @@ class StageAsyncStub(StageStub):
     """Run one micro-batch step. The last stage replies with the sampled tokens."""
     PushActivations: _aio.UnaryUnaryMultiCallable[_stage_pb2.PushActivationsRequest, _stage_pb2.PushActivationsResponse]  # type: ignore[assignment]
     """The grpc handoff: the previous stage's output activations of one step."""
+    ReadKV: _aio.UnaryStreamMultiCallable[_stage_pb2.ReadKVRequest, _stage_pb2.KVBlocksChunk]  # type: ignore[assignment]
+    """Disaggregated prefill, prefill side: the KV of some of this stage's
+    blocks (those a prefill request left held), every KV head, streamed in
+    chunks of whole blocks of one layer.
+    """
+    PullKV: _aio.UnaryUnaryMultiCallable[_stage_pb2.PullKVRequest, _stage_pb2.PullKVResponse]  # type: ignore[assignment]
+    """Disaggregated prefill, decode side: read these blocks' KV for this
+    stage's layers from the prefill replica's stages that hold them (ReadKV)
+    and write it into these blocks of this stage's cache.
+    """
 
 class StageServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -93,5 +113,27 @@ class StageServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_stage_pb2.PushActivationsResponse, _abc.Awaitable[_stage_pb2.PushActivationsResponse]]:
         """The grpc handoff: the previous stage's output activations of one step."""
+
+    @_abc_1.abstractmethod
+    def ReadKV(
+        self,
+        request: _stage_pb2.ReadKVRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_stage_pb2.KVBlocksChunk], _abc.AsyncIterator[_stage_pb2.KVBlocksChunk]]:
+        """Disaggregated prefill, prefill side: the KV of some of this stage's
+        blocks (those a prefill request left held), every KV head, streamed in
+        chunks of whole blocks of one layer.
+        """
+
+    @_abc_1.abstractmethod
+    def PullKV(
+        self,
+        request: _stage_pb2.PullKVRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.PullKVResponse, _abc.Awaitable[_stage_pb2.PullKVResponse]]:
+        """Disaggregated prefill, decode side: read these blocks' KV for this
+        stage's layers from the prefill replica's stages that hold them (ReadKV)
+        and write it into these blocks of this stage's cache.
+        """
 
 def add_StageServicer_to_server(servicer: StageServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,118 @@
+"""The stage's KV connector for disaggregated prefill, over gRPC: a prefill stage streams a held request's
+blocks (ReadKV), a decode stage fetches its layers' share of them from the prefill stages that hold them
+and writes them into its own blocks (PullKV).
+
+gRPC bytes are what a CPU mesh has, and they cross any network; on GPUs an NCCL connector (device to
+device, no host copy) would sit behind the same two calls: it is not built yet (docs/disaggregated-prefill.md).
+Every field from the wire is checked before it reaches a tensor: layers, block counts, the chunks' dtype and
+sizes; a source that sends anything else fails the pull (the decode scheduler then recomputes the prompt).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import torch
+
+from stagemesh.core.deadlines import DEADLINES
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.service_options import aio_channel
+from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+
+CHUNK_BYTES = 4 * 2**20  # k and v of one chunk together, at most (whole blocks; one block at least)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_MESSAGE = 256 * 2**20
+
+
+async def read_chunks(worker, request: stage_pb2.ReadKVRequest):
+    """ReadKV's chunks: the blocks' KV, layer by layer, in chunks of whole blocks."""
+    block_ids = list(request.block_ids)
+    kvs = await asyncio.wrap_future(worker.read_kv(request.epoch, block_ids, request.layer_start, request.layer_end))
+    for i, (k, v) in enumerate(kvs):
+        per_block = 2 * k[0].numel() * k.element_size()
+        step = max(1, CHUNK_BYTES // per_block)
+        for first in range(0, len(block_ids), step):
+            part_k, part_v = k[first:first + step], v[first:first + step]
+            yield stage_pb2.KVBlocksChunk(layer=request.layer_start + i, first_block=first, num_blocks=len(part_k),
+                                          dtype=str(k.dtype).removeprefix("torch."), k=_bytes(part_k),
+                                          v=_bytes(part_v))
+
+
+async def pull(worker, request: stage_pb2.PullKVRequest) -> stage_pb2.PullKVResponse:
+    """Fetch the stage's layers of the source blocks from the sources and write them into block_ids."""
+    start = time.perf_counter()
+    s = worker.cfg.slice
+    n = len(request.block_ids)
+    if n == 0 or n != len(request.source_block_ids):
+        raise StagemeshError(f"{n} destination blocks for {len(request.source_block_ids)} source blocks")
+    if request.source_block_size != s.block_size:
+        raise StagemeshError(f"the prefill replica's blocks hold {request.source_block_size} tokens, this stage's "
+                             f"{s.block_size}")
+    cache = worker.runner.kv_caches[0][0] if worker.runner.kv_caches else None
+    if cache is None or request.epoch != worker.epoch:
+        raise StagemeshError(f"KV pulled into epoch {request.epoch}; the stage is in epoch {worker.epoch}")
+    shape = (cache.shape[1], worker.runner.config.num_key_value_heads, cache.shape[3])
+    plan = _sources_for(list(request.sources), s.layer_start, s.layer_end)
+    layers: dict[int, list[torch.Tensor]] = {}
+    results = await asyncio.gather(*(_read(source, a, b, request, shape) for source, a, b in plan))
+    for part in results:
+        layers.update(part)
+    kvs = [(layers[layer][0], layers[layer][1]) for layer in range(s.layer_start, s.layer_end)]
+    await asyncio.wrap_future(worker.write_kv(request.epoch, list(request.block_ids), kvs))
+    size = sum(k.numel() * k.element_size() * 2 for k, _ in kvs)
+    return stage_pb2.PullKVResponse(bytes=size, seconds=time.perf_counter() - start)
+
+
+def _sources_for(sources: list[stage_pb2.KVSource], start: int, end: int) -> list[tuple[str, int, int]]:
+    """(address, first layer, end layer) to read from each source overlapping [start, end); they must cover it."""
+    plan, covered = [], start
+    for src in sorted(sources, key=lambda x: x.layer_start):
+        a, b = max(src.layer_start, covered), min(src.layer_end, end)
+        if a < b:
+            if a != covered:
+                break
+            plan.append((src.address, a, b))
+            covered = b
+    if covered != end:
+        raise StagemeshError(f"the prefill replica's stages do not hold layers {covered}:{end}")
+    return plan
+
+
+async def _read(address: str, first: int, end: int, request, shape) -> dict[int, list[torch.Tensor]]:
+    """Layers [first, end) of the source blocks from one prefill stage: layer -> [k, v]."""
+    n = len(request.source_block_ids)
+    out: dict[int, list[torch.Tensor]] = {}
+    filled: dict[int, int] = {}
+    channel = aio_channel(address, [("grpc.max_receive_message_length", MAX_MESSAGE)])
+    try:
+        call = stage_pb2_grpc.StageStub(channel).ReadKV(stage_pb2.ReadKVRequest(
+            epoch=request.source_epoch, block_ids=request.source_block_ids, layer_start=first, layer_end=end),
+            timeout=DEADLINES.kv_pull_s)
+        async for chunk in call:
+            dtype = DTYPES.get(chunk.dtype)
+            if dtype is None or not first <= chunk.layer < end or chunk.num_blocks < 1 or \
+                    not 0 <= chunk.first_block <= n - chunk.num_blocks:
+                raise StagemeshError(f"{address} sent a KV chunk outside what was asked (layer {chunk.layer}, "
+                                     f"blocks {chunk.first_block}+{chunk.num_blocks}, {chunk.dtype!r})")
+            kv = out.setdefault(chunk.layer, [torch.empty((n, *shape), dtype=dtype) for _ in range(2)])
+            for tensor, raw in zip(kv, (chunk.k, chunk.v)):
+                part = tensor[chunk.first_block:chunk.first_block + chunk.num_blocks]
+                if tensor.dtype != dtype or len(raw) != part.numel() * part.element_size():
+                    raise StagemeshError(f"{address} sent a KV chunk of {len(raw)} bytes for {tuple(part.shape)} "
+                                         f"{chunk.dtype} values")
+                part.copy_(torch.frombuffer(bytearray(raw), dtype=dtype).view(part.shape))
+            filled[chunk.layer] = filled.get(chunk.layer, 0) + chunk.num_blocks
+    except grpc.aio.AioRpcError as err:
+        raise StagemeshError(f"reading KV from {address}: {err.code().name}: {err.details()}") from None
+    finally:
+        await channel.close()
+    missing = [layer for layer in range(first, end) if filled.get(layer) != n]
+    if missing:
+        raise StagemeshError(f"{address} sent no or partial KV for layers {missing}")
+    return out
+
+
+def _bytes(x: torch.Tensor) -> bytes:
+    # bf16 has no numpy dtype: the raw bytes through a same-width integer view
+    return x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32).numpy().tobytes()

@@ -1,0 +1,185 @@
+"""Disaggregated prefill (issue 33): a prefill replica computes prompts and holds their KV, a decode replica's
+stages fetch it and go on; the layouts differ (PP=2 with a TP=2 stage, whose ranks gather their KV heads,
+against one TP=4 stage, whose ranks share the model's 2 KV heads). Every request ends with
+transformers' greedy tokens whether its KV was fetched or, when the fetch cannot work, computed again; held KV
+is freed when fetched or when its hold times out. Real processes on loopback."""
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+
+from mesh import Mesh
+from parity import prompts
+from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.wire import sampling_to_pb
+from stagemesh.v1 import scheduler_pb2
+from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+
+pytestmark = pytest.mark.slow
+NEW_TOKENS = 12
+LENGTHS = (40, 17, 70, 5, 33)
+
+
+def run(mesh: Mesh, submits: list[scheduler_pb2.SubmitRequest], timeout: float = 120) -> dict:
+    """request id -> (tokens, finish reason, kv_transfer or None), or its RequestError, over one SubmitStream."""
+    finished = threading.Event()
+
+    def actions():
+        yield scheduler_pb2.SubmitStreamRequest(submits=[scheduler_pb2.StreamSubmit(request=r) for r in submits])
+        finished.wait(timeout)
+
+    results = {r.request_id: ([], None, None) for r in submits}
+    remaining = set(results)
+    call = mesh.stub.SubmitStream(actions(), timeout=timeout)
+    try:
+        for reply in call:
+            for update in reply.updates:
+                if update.HasField("error"):
+                    results[update.request_id] = update.error
+                    remaining.discard(update.request_id)
+                    continue
+                tokens = results[update.request_id][0] + list(update.output.token_ids)
+                out = update.output
+                if out.finish_reason:
+                    kv = out.kv_transfer if out.HasField("kv_transfer") else None
+                    results[update.request_id] = (tokens, out.finish_reason, kv)
+                    remaining.discard(update.request_id)
+                else:
+                    results[update.request_id] = (tokens, None, None)
+            if not remaining:
+                break
+    finally:
+        finished.set()
+        call.cancel()
+    return results
+
+
+def kv_usage(mesh: Mesh) -> float:
+    return mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5).kv_cache_usage
+
+
+@pytest.fixture(scope="module")
+def meshes(tiny_model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("disagg")
+    model_dir = with_word_tokenizer(tiny_model_dir("llama"), logs / "model")  # the router needs a tokenizer
+    for name in ("p", "d"):
+        (logs / name).mkdir()
+    with Mesh(model_dir, [2, 2], tp=[1, 2], log_dir=logs / "p",
+              scheduler_args=("--kv-role", "prefill", "--kv-hold-timeout", "3")) as p, \
+            Mesh(model_dir, [4], tp=[4], log_dir=logs / "d", scheduler_args=("--kv-role", "decode")) as d:
+        yield model_dir, p, d, logs
+
+
+def test_a_decode_replica_fetches_the_prompts_kv_and_goes_on_exactly(meshes):
+    model_dir, p, d, logs = meshes
+    ref = reference_model(model_dir)
+    batch = prompts(384, LENGTHS, seed=3)
+    want = [reference_greedy(ref, x, NEW_TOKENS)[0] for x in batch]
+    sampling = sampling_to_pb(SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    prefilled = run(p, [scheduler_pb2.SubmitRequest(request_id=f"r{i}", prompt_token_ids=x, sampling=sampling,
+                                                    prefill_only=True) for i, x in enumerate(batch)])
+    decode = []
+    for i, x in enumerate(batch):
+        tokens, reason, kv = prefilled[f"r{i}"]
+        assert reason == scheduler_pb2.FINISH_REASON_PREFILLED and tokens == want[i][:1], prefilled[f"r{i}"]
+        assert kv.num_tokens == len(x) and len(kv.block_ids) == -(-len(x) // 16) and len(kv.stages) == 2
+        decode.append(scheduler_pb2.SubmitRequest(request_id=f"r{i}", prompt_token_ids=x, sampling=sampling,
+                                                  generated_token_ids=tokens, kv_transfer=kv))
+    assert kv_usage(p) > 0  # the prefills' KV is held
+    done = run(d, decode)
+    for i in range(len(batch)):
+        tokens, reason, _ = done[f"r{i}"]
+        assert want[i][:1] + tokens == want[i] and reason == scheduler_pb2.FINISH_REASON_LENGTH, f"request {i}"
+    log = (logs / "d" / "scheduler.log").read_text()
+    assert len(re.findall(r"request r\d: its prompt's KV \(\d+ tokens", log)) == len(batch), log[-3000:]
+    assert "failed" not in log
+    deadline = time.monotonic() + 10
+    while kv_usage(p) > 0:  # every fetch released its blocks on the prefill replica
+        assert time.monotonic() < deadline, "the prefill replica still holds KV"
+        time.sleep(0.1)
+
+
+def test_a_fetch_that_cannot_work_falls_back_to_computing_the_prompt(meshes):
+    model_dir, p, d, logs = meshes
+    ref = reference_model(model_dir)
+    x = prompts(384, (50,), seed=4)[0]
+    want = reference_greedy(ref, x, NEW_TOKENS)[0]
+    sampling = sampling_to_pb(SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    tokens, reason, kv = run(p, [scheduler_pb2.SubmitRequest(request_id="f", prompt_token_ids=x, sampling=sampling,
+                                                             prefill_only=True)])["f"]
+    stale = scheduler_pb2.KVTransferParams()
+    stale.CopyFrom(kv)
+    stale.epoch = kv.epoch + 7  # the prefill replica's pipeline re-formed since: its blocks hold nothing of it
+    dead = scheduler_pb2.KVTransferParams()
+    dead.CopyFrom(kv)
+    del dead.stages[:]
+    dead.stages.add(address="127.0.0.1:1", layer_start=0, layer_end=4)  # nobody there
+    done = run(d, [scheduler_pb2.SubmitRequest(request_id=f"f{i}", prompt_token_ids=x, sampling=sampling,
+                                               generated_token_ids=tokens, kv_transfer=params)
+                   for i, params in enumerate((stale, dead))])
+    for i in range(2):
+        assert tokens + done[f"f{i}"][0] == want, f"fallback {i}"
+    log = (logs / "d" / "scheduler.log").read_text()
+    assert len(re.findall(r"request f\d: fetching its prompt's KV from \S+ failed .*: computing the prompt here",
+                          log)) == 2, log[-3000:]
+
+
+def test_held_kv_no_decode_replica_fetches_is_freed_after_the_hold_timeout(meshes):
+    _, p, _, logs = meshes
+    sampling = sampling_to_pb(SamplingParams(max_tokens=4, ignore_eos=True))
+    _, reason, _ = run(p, [scheduler_pb2.SubmitRequest(request_id="h", prompt_token_ids=list(range(10, 60)),
+                                                       sampling=sampling, prefill_only=True)])["h"]
+    assert reason == scheduler_pb2.FINISH_REASON_PREFILLED and kv_usage(p) > 0
+    deadline = time.monotonic() + 15  # --kv-hold-timeout 3, checked every probe interval (2 s)
+    while kv_usage(p) > 0:
+        assert time.monotonic() < deadline, "the held KV was never freed"
+        time.sleep(0.2)
+    assert "request h: no decode replica fetched its KV within --kv-hold-timeout: freed" in \
+        (logs / "p" / "scheduler.log").read_text()
+
+
+def test_through_the_router_prompts_run_on_the_prefill_replica_and_the_rest_on_the_decode_one(meshes):
+    """The official client against a router over both; then the prefill replica's scheduler dies and the router
+    sends whole requests to the decode replica."""
+    from mesh import Router
+
+    model_dir, p, d, logs = meshes
+    ref = reference_model(model_dir)
+    batch = prompts(384, (30, 9, 61), seed=5)
+    want = [reference_greedy(ref, x, NEW_TOKENS)[0] for x in batch]
+    with Router(model_dir, [p.address, d.address], ("--served-model-name", "m"), log_dir=logs) as router:
+        client = router.client()
+        wait_for_roles(router)
+        for i, x in enumerate(batch):
+            got = client.completions.create(model="m", prompt=x, max_tokens=NEW_TOKENS, temperature=0,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True},
+                                            extra_headers={"X-Request-Id": f"pd{i}"})
+            assert got.choices[0].token_ids == want[i] and got.usage.completion_tokens == NEW_TOKENS
+        streamed = []
+        for chunk in client.completions.create(model="m", prompt=batch[0], max_tokens=NEW_TOKENS, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True, "return_token_ids": True},
+                                               extra_headers={"X-Request-Id": "pds"}):
+            streamed += chunk.choices[0].token_ids or [] if chunk.choices else []
+        assert streamed == want[0]
+        p_log, d_log = ((logs / n / "scheduler.log").read_text() for n in ("p", "d"))
+        for rid in ("pd0", "pd1", "pd2", "pds"):
+            assert re.search(rf"request cmpl-{rid} finished: prefilled", p_log), rid
+            assert re.search(rf"request cmpl-{rid}: its prompt's KV \(\d+ tokens", d_log), rid
+        p.kill_scheduler()
+        got = client.completions.create(model="m", prompt=batch[1], max_tokens=NEW_TOKENS, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert got.choices[0].token_ids == want[1]  # computed whole on the decode replica
+
+
+def wait_for_roles(router) -> None:
+    """Until the router knows both replicas' roles (it reads them with their model info once they serve)."""
+    import requests
+
+    deadline = time.monotonic() + 30
+    while not all(r["healthy"] for r in requests.get(f"{router.base_url}/health", timeout=5).json()["replicas"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(1.0)  # a health round after both are healthy: their model info is in
