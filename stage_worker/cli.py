@@ -41,6 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: whole experts spread over the stage's TP ranks (EP size = TP size) instead of "
                         "every expert sharded over them; attention stays TP")
+    p.add_argument("--enable-eplb", action="store_true",
+                   help="with --enable-expert-parallel: balance the experts' load over the TP ranks (vLLM's EPLB): "
+                        "redundant copies of hot experts, re-placed every step_interval steps (stage_worker.eplb)")
+    p.add_argument("--eplb-config", default=None, metavar="JSON",
+                   help='vLLM\'s EPLB settings: {"window_size": 1000, "step_interval": 3000, '
+                        '"num_redundant_experts": 0, "log_balancedness": false}')
     # vLLM's flags for data-parallel attention with experts across the replicas (stage_worker.ep_group)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="with --enable-expert-parallel: the experts of this stage's layers are spread over the "
@@ -86,6 +92,23 @@ def expert_parallel_across_replicas(args: argparse.Namespace, cfg, start: int, e
         raise StagemeshError("expert parallelism across data-parallel replicas is built for TP=1, PP=1 CPU stages "
                              "only; not yet with " + "; ".join(not_built))
     return ep
+
+
+def eplb_config(args: argparse.Namespace, cfg):
+    """The stage's EPLBConfig under --enable-eplb (after the checks of what is built), else None."""
+    from stage_worker.eplb import EPLBConfig
+
+    if not args.enable_eplb:
+        if args.eplb_config is not None:
+            raise StagemeshError("--eplb-config needs --enable-eplb")
+        return None
+    if not cfg.is_moe or not args.enable_expert_parallel or args.tensor_parallel_size < 2:
+        raise StagemeshError("--enable-eplb balances the experts of a mixture-of-experts model spread over a stage's "
+                             "TP ranks: it needs --enable-expert-parallel and --tensor-parallel-size 2 or more")
+    if args.data_parallel_size > 1:
+        raise StagemeshError("--enable-eplb with experts across data-parallel replicas is not built yet (only over "
+                             "a stage's TP ranks)")
+    return EPLBConfig.parse(args.eplb_config, cfg.num_experts, args.tensor_parallel_size)
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -135,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         raise StagemeshError("--standby with --data-parallel-size > 1 is not supported: an expert-parallel group "
                              "re-forms with the restarted member (stage_worker.ep_group)")
     ep = expert_parallel_across_replicas(args, cfg, start, end)
+    balance = eplb_config(args, cfg)
     if args.cpu_affinity:
         import os
 
@@ -152,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
 
     slice_ = SliceConfig(str(model_dir), start, end, tp_size=args.tensor_parallel_size, device=args.device,
                          dtype=args.dtype, block_size=args.block_size, cuda_graphs=not args.enforce_eager,
-                         expert_parallel=args.enable_expert_parallel)
+                         expert_parallel=args.enable_expert_parallel, eplb=balance)
     worker = StageWorker(StageConfig(slice_, args.stage_index, handoff=args.handoff,
                                      kv_cache_memory=args.kv_cache_memory,
                                      gpu_memory_utilization=args.gpu_memory_utilization, threads=args.threads,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import logging
 import signal
 import struct
@@ -20,7 +21,7 @@ from stagemesh.core.step import EpochSpec
 from stagemesh.core.step_wire import epoch_from_pb, step_from_pb
 from stagemesh.v1 import stage_pb2
 from stage_worker import dist as sdist
-from stage_worker import kv_transfer
+from stage_worker import eplb, kv_transfer
 from stage_worker.runner import SliceConfig, StageRunner
 
 log = logging.getLogger("stagemesh.follower")
@@ -54,6 +55,9 @@ def serve_epoch(runner: StageRunner, join: EpochSpec) -> None:
             if kind in (kv_transfer.KV_EXPORT, kv_transfer.KV_IMPORT):  # rank 0 reads or writes whole KV blocks
                 kv_transfer.follow(runner, kind, payload)
                 continue
+            if kind == eplb.EPLB_REBALANCE:  # rank 0 moved experts between the slots
+                eplb.apply(runner, eplb.decode(payload, len(eplb.balanced_blocks(runner.model)), tp.size))
+                continue
             step = step_from_pb(stage_pb2.StepBatch.FromString(payload))  # as rank 0 runs it
             hidden = None
             if not runner.is_first_stage:
@@ -73,7 +77,7 @@ def follower_argv(slice_: SliceConfig, tp_rank: int, threads: int) -> list[str]:
         argv += ["--dtype", slice_.dtype]
     if slice_.expert_parallel:
         argv.append("--enable-expert-parallel")
-    return argv
+    return argv + eplb.config_argv(slice_.eplb)
 
 
 def main() -> None:
@@ -87,14 +91,16 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument("--eplb-config", default=None)
     args = p.parse_args()
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s follower tp{args.tp_rank} %(levelname)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
     start, end = (int(x) for x in args.layers.split(":"))
+    balance = eplb.EPLBConfig(**json.loads(args.eplb_config)) if args.eplb_config else None  # checked by rank 0
     runner = SliceConfig(args.model, start, end, args.tp_size, args.device, args.dtype, args.block_size,
-                         expert_parallel=args.enable_expert_parallel).runner(args.tp_rank)
+                         expert_parallel=args.enable_expert_parallel, eplb=balance).runner(args.tp_rank)
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     while (raw := read_message(sys.stdin.buffer)) is not None:

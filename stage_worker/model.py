@@ -68,7 +68,7 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup, dtype, device, expert_parallel: bool = False,
-                 ep=None):
+                 ep=None, eplb=None):
         super().__init__()
         prefix = f"model.layers.{index}"
         eps = cfg.rms_norm_eps
@@ -78,7 +78,7 @@ class DecoderLayer(nn.Module):
                                                 dtype, device)
         self.sparse = cfg.is_sparse_layer(index)
         if self.sparse:
-            self.mlp = SparseMoeBlock(cfg, index, tp, expert_parallel, dtype, device, ep)
+            self.mlp = SparseMoeBlock(cfg, index, tp, expert_parallel, dtype, device, ep, eplb)
         else:
             self.mlp = MLP(f"{prefix}.mlp", cfg.hidden_size, cfg.intermediate_size, tp, dtype, device)
 
@@ -95,7 +95,7 @@ class StageModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, tp: TPGroup,
                  dtype: torch.dtype, device: str | torch.device, max_positions: int | None = None,
-                 expert_parallel: bool = False, ep=None):
+                 expert_parallel: bool = False, ep=None, eplb=None):
         super().__init__()
         self.cfg = cfg
         self.layer_start, self.layer_end = layer_start, layer_end
@@ -105,7 +105,7 @@ class StageModel(nn.Module):
         if self.is_first:
             self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", cfg.vocab_size, cfg.hidden_size,
                                                        tp, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype, device, expert_parallel, ep)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype, device, expert_parallel, ep, eplb)
                                     for i in range(layer_start, layer_end))
         if ep is not None:  # a member without rows of its own runs these (stage_worker.ep_group)
             ep.attach([layer.mlp for layer in self.layers if layer.sparse], cfg.hidden_size, dtype)

@@ -9,6 +9,7 @@ every token routed to them, and one all-reduce sums the ranks (why: below).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -16,8 +17,10 @@ from torch import nn
 
 import kernels
 from stagemesh.core.model_config import ModelConfig
+from stage_worker.eplb import EPLBConfig, ExpertMap, plan_placement
 from stage_worker.layers import MLP, Linear, Shard, full, new_param
 from stage_worker.parallel import TPGroup, shard_range
+from stage_worker.weights import fill
 
 # How tokens reach the ranks that own their experts, and the results come back. Every rank of
 # a stage holds every token once attention's all-reduce is done, so no dispatch is needed: a
@@ -37,25 +40,31 @@ from stage_worker.parallel import TPGroup, shard_range
 
 @dataclass(frozen=True)
 class ExpertPlacement:
-    """The experts one TP rank holds and the columns of their intermediate size it keeps."""
+    """The expert slots one TP rank holds (physical ids expert_start.. expert_start + num_local_experts - 1,
+    holding the logical experts `slots`) and the columns of their intermediate size it keeps."""
 
     expert_start: int
     num_local_experts: int
     inter_start: int
     inter_size: int
+    slots: tuple[int, ...] = ()  # the logical expert in each slot (with EPLB, not expert_start + i)
 
     @classmethod
-    def for_rank(cls, cfg: ModelConfig, tp: TPGroup, expert_parallel: bool, ep=None) -> "ExpertPlacement":
+    def for_rank(cls, cfg: ModelConfig, tp: TPGroup, expert_parallel: bool, ep=None,
+                 placement: list[list[int]] | None = None) -> "ExpertPlacement":
         if ep is not None:  # across the replicas: expert e on member e // (E / K) (the stage is TP=1)
             cfg.check_expert_parallel(ep.size, across_replicas=True)
             per = cfg.num_experts // ep.size
-            return cls(ep.rank * per, per, 0, cfg.moe_intermediate_size)
+            return cls(ep.rank * per, per, 0, cfg.moe_intermediate_size, tuple(range(ep.rank * per, ep.rank * per + per)))
+        if placement is not None:  # EPLB: this rank's slots of the stage's placement
+            per = len(placement[tp.rank])
+            return cls(tp.rank * per, per, 0, cfg.moe_intermediate_size, tuple(placement[tp.rank]))
         if expert_parallel:  # expert e on rank e // (E / EP), EP size = TP size
             cfg.check_expert_parallel(tp.size)
             per = cfg.num_experts // tp.size
-            return cls(tp.rank * per, per, 0, cfg.moe_intermediate_size)
+            return cls(tp.rank * per, per, 0, cfg.moe_intermediate_size, tuple(range(tp.rank * per, tp.rank * per + per)))
         start, per = shard_range(cfg.moe_intermediate_size, tp, "moe_intermediate_size")
-        return cls(0, cfg.num_experts, start, per)
+        return cls(0, cfg.num_experts, start, per, tuple(range(cfg.num_experts)))
 
 
 def describe_layout(cfg: ModelConfig, tp_size: int, expert_parallel: bool, ep=None) -> str:
@@ -80,28 +89,43 @@ def _checkpoint_names(cfg: ModelConfig, layer: int) -> tuple[str, tuple[str, str
     return f"model.layers.{layer}.mlp", ("gate_proj", "up_proj", "down_proj")
 
 
-def _expert_weights(block: str, names: tuple[str, str, str], p: ExpertPlacement, hidden: int, dtype, device):
-    """w13 [experts, 2 * inter, hidden] = cat(gate, up) and w2 [experts, hidden, inter], this rank's part."""
+def _expert_shards(block: str, names: tuple[str, str, str], p: ExpertPlacement, local) -> tuple[list, list]:
+    """The checkpoint slices of w13 and w2 for the (slot, logical expert) pairs `local`."""
     gate, up, down = names
     first, cols = p.inter_start, p.inter_size
-    local = list(enumerate(range(p.expert_start, p.expert_start + p.num_local_experts)))
-    w13 = new_param((p.num_local_experts, 2 * cols, hidden), dtype, device, [
-        shard for i, e in local for shard in (Shard(f"{block}.experts.{e}.{gate}.weight", 0, first, cols, 0, i),
-                                              Shard(f"{block}.experts.{e}.{up}.weight", 0, first, cols, cols, i))])
-    w2 = new_param((p.num_local_experts, hidden, cols), dtype, device,
-                   [Shard(f"{block}.experts.{e}.{down}.weight", 1, first, cols, 0, i) for i, e in local])
+    w13 = [shard for i, e in local for shard in (Shard(f"{block}.experts.{e}.{gate}.weight", 0, first, cols, 0, i),
+                                                 Shard(f"{block}.experts.{e}.{up}.weight", 0, first, cols, cols, i))]
+    w2 = [Shard(f"{block}.experts.{e}.{down}.weight", 1, first, cols, 0, i) for i, e in local]
+    return w13, w2
+
+
+def _expert_weights(block: str, names: tuple[str, str, str], p: ExpertPlacement, hidden: int, dtype, device):
+    """w13 [slots, 2 * inter, hidden] = cat(gate, up) and w2 [slots, hidden, inter], this rank's part."""
+    w13_shards, w2_shards = _expert_shards(block, names, p, list(enumerate(p.slots)))
+    w13 = new_param((p.num_local_experts, 2 * p.inter_size, hidden), dtype, device, w13_shards)
+    w2 = new_param((p.num_local_experts, hidden, p.inter_size), dtype, device, w2_shards)
     return w13, w2
 
 
 class SparseMoeBlock(nn.Module):
     """Router, this rank's experts (and the shared expert): what they add to every token, all-reduced."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, expert_parallel: bool, dtype, device, ep=None):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, expert_parallel: bool, dtype, device, ep=None,
+                 eplb: EPLBConfig | None = None):
         super().__init__()
         block, names = _checkpoint_names(cfg, layer)
+        self.block, self.names = block, names
         self.layer, self.tp, self.ep = layer, tp, ep  # ep: the stage_worker.ep_group.EPGroup, across replicas
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.placement = ExpertPlacement.for_rank(cfg, tp, expert_parallel, ep)
+        # EPLB: the stage's placement (every rank's slots), and the map the forward sends tokens through
+        self.expert_map = self.stage_placement = None
+        self.balancedness = 1.0  # of the last window EPLB looked at
+        if eplb is not None:
+            slots = (cfg.num_experts + eplb.num_redundant_experts) // tp.size
+            self.stage_placement = plan_placement([1.0] * cfg.num_experts, tp.size, slots)
+            self.expert_map = ExpertMap(cfg.num_experts, 1 + eplb.num_redundant_experts, device)
+            self.expert_map.set(self.stage_placement)
+        self.placement = ExpertPlacement.for_rank(cfg, tp, expert_parallel, ep, self.stage_placement)
         e, h = cfg.num_experts, cfg.hidden_size
         self.gate = Linear(new_param((e, h), dtype, device, full(f"{block}.gate.weight", e)))  # the router
         self.w13, self.w2 = _expert_weights(block, names, self.placement, h, dtype, device)
@@ -121,10 +145,25 @@ class SparseMoeBlock(nn.Module):
         topk_weights, topk_ids = kernels.select_experts(self.gate(x), self.top_k, self.renormalize)
         if self.expert_tokens is not None:
             self._count(topk_ids, meta.slot_mapping)
+        if self.expert_map is not None:  # to one copy of each expert
+            topk_ids = self.expert_map.physical(topk_ids)
         out = kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.placement.expert_start)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out)
+
+    def rebalance(self, placement: list[list[int]], reader) -> int:
+        """EPLB: hold `placement` from now on: this rank's slots whose expert changed load it from the checkpoint
+        (reader: stage_worker.weights.CheckpointReader). Returns the slots reloaded."""
+        mine = placement[self.tp.rank]
+        changed = [(i, e) for i, (e, old) in enumerate(zip(mine, self.placement.slots)) if e != old]
+        w13_shards, w2_shards = _expert_shards(self.block, self.names, self.placement, changed)
+        fill(self.w13.data, w13_shards, reader)
+        fill(self.w2.data, w2_shards, reader)
+        self.placement = dataclasses.replace(self.placement, slots=tuple(mine))
+        self.stage_placement = placement
+        self.expert_map.set(placement)
+        return len(changed)
 
     def _forward_across_replicas(self, x: torch.Tensor, meta) -> torch.Tensor:
         """Every member's tokens through this member's experts, summed over the members (a member

@@ -10,7 +10,7 @@ import time
 
 from opentelemetry import trace
 from prometheus_client import REGISTRY, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from stagemesh.core import telemetry
 from stage_worker.moe import expert_load
@@ -86,6 +86,13 @@ class ExpertLoadCollector:
             for expert, tokens in enumerate(counts):
                 family.add_metric([self._stage, str(layer), str(expert)], tokens)
         yield family
+        balanced = [m for m in self._model.modules() if getattr(m, "expert_map", None) is not None]
+        if balanced:  # --enable-eplb
+            gauge = GaugeMetricFamily("stagemesh:eplb_balancedness", "Mean over max of the TP ranks' expert tokens "
+                                      "over EPLB's last window (1: even)", labels=["stage", "layer"])
+            for block in balanced:
+                gauge.add_metric([self._stage, str(block.layer)], block.balancedness)
+            yield gauge
 
 
 def watch_expert_load(stage_index: int, model) -> None:

@@ -75,20 +75,22 @@ class SliceConfig:
     block_size: int = 16
     cuda_graphs: bool = True
     expert_parallel: bool = False  # whole experts spread over the TP ranks (stage_worker.moe)
+    eplb: object | None = None  # stage_worker.eplb.EPLBConfig: their load balanced, with redundant copies
 
     def runner(self, tp_rank: int, ep=None) -> "StageRunner":
         """`ep`: the stage's stage_worker.ep_group.EPGroup when its experts are spread over the replicas."""
         device = f"cuda:{tp_rank}" if self.device == "cuda" else self.device
         return StageRunner(self.model_dir, self.layer_start, self.layer_end, tp_rank=tp_rank, tp_size=self.tp_size,
                            device=device, dtype=self.dtype, block_size=self.block_size, cuda_graphs=self.cuda_graphs,
-                           expert_parallel=self.expert_parallel, ep=ep)
+                           expert_parallel=self.expert_parallel, ep=ep, eplb=self.eplb)
 
 
 class StageRunner:
     def __init__(self, model_dir: str | Path | None, layer_start: int, layer_end: int, *, tp_rank: int = 0,
                  tp_size: int = 1, tp_group=None, device: str = "cpu", dtype: torch.dtype | str | None = None,
                  block_size: int = 16, load: bool = True, config: ModelConfig | None = None,
-                 cuda_graphs: bool = True, max_graph_batch: int = 256, expert_parallel: bool = False, ep=None):
+                 cuda_graphs: bool = True, max_graph_batch: int = 256, expert_parallel: bool = False, ep=None,
+                 eplb=None):
         self.config = cfg = config or ModelConfig.from_path(model_dir)
         check_layer_range(cfg, layer_start, layer_end)
         self.tp = TPGroup(tp_rank, tp_size, tp_group)
@@ -99,7 +101,8 @@ class StageRunner:
         self.dtype = resolve_dtype(cfg, dtype, device)
         self.block_size = block_size
         self.model = StageModel(cfg, layer_start, layer_end, self.tp, self.dtype, self.device,
-                                expert_parallel=expert_parallel, ep=ep)
+                                expert_parallel=expert_parallel, ep=ep, eplb=eplb)
+        self.model_dir = model_dir
         if load:
             load_weights(self.model, model_dir)
         if self.device.type == "cpu":

@@ -61,12 +61,17 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     reader = CheckpointReader(model_dir)
     try:
         for param in model.parameters():
-            for shard in param.shards:
-                data = reader.read_slice(shard.name, shard.dim, shard.start, shard.length)
-                target = param.data if shard.stack is None else param.data[shard.stack]
-                target.narrow(shard.dim, shard.dest, shard.length).copy_(data)
+            fill(param.data, param.shards, reader)
     finally:
         reader.close()
+
+
+def fill(data: torch.Tensor, shards, reader: CheckpointReader) -> None:
+    """Copy each shard's checkpoint slice into its place in `data` (a parameter's tensor)."""
+    for shard in shards:
+        part = reader.read_slice(shard.name, shard.dim, shard.start, shard.length)
+        target = data if shard.stack is None else data[shard.stack]
+        target.narrow(shard.dim, shard.dest, shard.length).copy_(part)
 
 
 def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:

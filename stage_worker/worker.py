@@ -23,7 +23,7 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.step import EpochSpec, StepBatch, StepStats
 from stagemesh.core.step_wire import epoch_to_pb, step_to_pb
 from stage_worker import dist as sdist
-from stage_worker import kv_transfer
+from stage_worker import eplb, kv_transfer
 from stage_worker.ep_group import EPConfig, EPGroup
 from stage_worker.handoff import DistHandoff, GrpcHandoff
 from stage_worker.kv_cache import num_kv_blocks_for_budget
@@ -70,6 +70,8 @@ class StageWorker:
         self._joining = threading.Lock()  # one join at a time (a second waits for the first to end)
         self.run_ahead: RunAhead | None = None
         self.main_loop = MainLoop()  # steps and KV allocation run on the main thread once it serves the loop
+        self.balancer = None if cfg.slice.eplb is None else eplb.Balancer(
+            cfg.slice.eplb, eplb.balanced_blocks(self.runner.model), cfg.slice.tp_size, cfg.stage_index)
 
     # -- start-up ---------------------------------------------------------------
     def _start_follower(self, tp_rank: int) -> subprocess.Popen:
@@ -199,7 +201,21 @@ class StageWorker:
         compute = time.perf_counter() - start
         if out.hidden_states is not None:
             sent = self.handoff.send(batch.step_id, out.hidden_states)
+        if self.balancer is not None:
+            self._balance()
         return StepStats(compute, wait, sent), out
+
+    def _balance(self) -> None:
+        """EPLB: when it is time, every rank moves experts to their new slots (before the next step)."""
+        plans = self.balancer.after_step()
+        if plans is None:
+            return
+        start = time.perf_counter()
+        if self.followers:
+            sdist.send_control(eplb.EPLB_REBALANCE, eplb.encode(plans), self.runner.tp)
+        moved = eplb.apply(self.runner, plans)
+        log.info("stage %d: EPLB moved experts into %d slot(s) of rank 0 in %.3fs", self.cfg.stage_index, moved,
+                 time.perf_counter() - start)
 
     # -- KV transfer (disaggregated prefill) -------------------------------------------
     def read_kv(self, epoch: int, block_ids: list[int], layer_start: int, layer_end: int) -> Future:

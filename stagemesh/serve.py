@@ -111,6 +111,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="disaggregated prefill: of the --data-parallel-size replicas, the first N compute new prompts "
                         "(--kv-role prefill) and the others decode (--kv-role decode), fetching the prompts' KV "
                         "(docs/disaggregated-prefill.md); 0: every replica does both")
+    p.add_argument("--enable-eplb", action="store_true",
+                   help="MoE models with --enable-expert-parallel: balance the experts' load over each stage's TP "
+                        "ranks (see `stagemesh stage`)")
+    p.add_argument("--eplb-config", default=None, metavar="JSON", help="vLLM's EPLB settings (see `stagemesh stage`)")
     p.add_argument("--policy", choices=("least-load", "cache-aware", "kv-aware", "round-robin"), default=None,
                    help="the router's balancing over the replicas (default least-load; see `stagemesh router`)")
     p.add_argument("--stage-recovery-timeout", type=float, default=None,
@@ -182,6 +186,7 @@ def plan_commands(args: argparse.Namespace, model: str | None, num_layers: int, 
                     "--threads", str(threads), *stage_host, *_service(args, r * (pp + 1) + 1 + i),
                     *(["--enforce-eager"] if args.enforce_eager else []),
                     *(["--enable-expert-parallel"] if args.enable_expert_parallel else []),
+                    *(["--enable-eplb"] if args.enable_eplb else []), *_flags(args, ("eplb_config",)),
                     *(["--data-parallel-size", str(dp), "--data-parallel-rank", str(r), "--data-parallel-address",
                        "127.0.0.1", "--data-parallel-rpc-port", str(ep_port)] if ep_port else []),
                     *_flags(args, ("dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization"))]

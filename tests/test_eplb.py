@@ -1,0 +1,84 @@
+"""EPLB (issue 33): the placement gives hot experts copies and evens the ranks' loads; the map sends every
+token to one copy; a TP=2 expert-parallel stage that re-places its experts every few steps, moving them
+between its ranks while 8 requests run, still gives transformers' greedy tokens; bad settings are refused."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from stage_worker.eplb import EPLBConfig, ExpertMap, balancedness, plan_placement
+from stagemesh.core.errors import StagemeshError
+
+
+def test_the_placement_copies_hot_experts_and_evens_out_the_ranks():
+    load = [900.0, 50, 40, 30, 20, 10, 10, 10]  # one expert takes most tokens
+    default = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    plan = plan_placement(load, num_ranks=2, slots_per_rank=5)  # two redundant slots
+    # a copy of the hot expert on each rank (a second on one rank would not lighten it), the spare to the next
+    assert sorted(e for rank in plan for e in rank) == sorted([0, 0, 1, *range(1, 8)])
+    assert all(len(rank) == 5 for rank in plan) and all(0 in rank and 1 in rank for rank in plan)
+    assert balancedness(load, default) < 0.6 < 0.9 < balancedness(load, plan)
+    even = plan_placement([1.0] * 8, 2, 4)
+    assert sorted(map(sorted, even)) == [[0, 2, 4, 6], [1, 3, 5, 7]] and balancedness([1.0] * 8, even) == 1.0
+
+
+def test_the_map_sends_each_token_to_one_copy_evenly():
+    m = ExpertMap(num_experts=4, max_copies=3, device="cpu")
+    m.set([[0, 1, 0], [2, 3, 0]])  # expert 0 in slots 0, 2 (rank 0) and 5 (rank 1)
+    ids = torch.tensor([[0, 1]] * 6 + [[3, 2]])
+    phys = m.physical(ids)
+    assert phys[:6, 0].tolist() == [0, 2, 5, 0, 2, 5] and phys[:6, 1].tolist() == [1] * 6
+    assert phys[6].tolist() == [4, 3]
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"step_interval": 0}', "must be >= 1"),
+    ('{"num_redundant_experts": 1}', "split evenly over the 2"),
+    ('{"windowsize": 10}', "--eplb-config takes"),
+    ("[1]", "--eplb-config takes"),
+    ("{oops", "is not JSON"),
+])
+def test_bad_eplb_settings_are_refused_by_name(text, message):
+    with pytest.raises(StagemeshError, match=re.escape(message)):
+        EPLBConfig.parse(text, num_experts=8, ranks=2)
+    assert EPLBConfig.parse('{"num_redundant_experts": 2, "step_interval": 5}', 8, 2).num_redundant_experts == 2
+
+
+@pytest.mark.slow
+def test_a_stage_that_rebalances_its_experts_mid_generation_matches_transformers(tiny_model_dir, tmp_path):
+    from mesh import Mesh
+    from parity import prompts
+    from stagemesh.core.sampling_params import SamplingParams
+    from tiny_models import reference_greedy, reference_model
+
+    model_dir = tiny_model_dir("mixtral")
+    ref = reference_model(model_dir)
+    batch = prompts(384, (5, 40, 17, 70, 3, 33, 9, 24))
+    want = [reference_greedy(ref, p, 12)[0] for p in batch]
+    balance = ["--enable-expert-parallel", "--enable-eplb", "--eplb-config",
+               '{"window_size": 4, "step_interval": 3, "num_redundant_experts": 2, "log_balancedness": true}']
+    with Mesh(model_dir, [4], tp=[2], log_dir=tmp_path, stage_args=tuple(balance)) as mesh:
+        got = mesh.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True))
+    log = (tmp_path / "stage0.log").read_text()
+    assert got == want
+    moves = re.findall(r"EPLB moved experts into (\d+) slot\(s\)", log)
+    assert len(moves) >= 2 and any(int(n) > 0 for n in moves), log[-3000:]
+    assert re.search(r"layer \d: EPLB over the last \d+ steps: balancedness [\d.]+ -> [\d.]+", log)
+    assert re.search(r"EPLB balancedness over the last \d+ steps: layer 0 [\d.]+", log)  # log_balancedness
+
+
+def test_eplb_needs_experts_over_tp_ranks(tiny_model_dir):
+    import subprocess
+    import sys
+
+    model = str(tiny_model_dir("mixtral"))
+    base = [sys.executable, "-m", "stagemesh", "stage", model, "--scheduler", "127.0.0.1:1", "--stage-index", "0",
+            "--layers", "0:4"]
+    for extra, message in ((["--enable-eplb"], "needs --enable-expert-parallel"),
+                           (["--eplb-config", "{}"], "--eplb-config needs --enable-eplb"),
+                           (["-tp", "2", "--enable-expert-parallel", "--enable-eplb", "--eplb-config",
+                             '{"num_redundant_experts": 3}'], "split evenly")):
+        done = subprocess.run(base + extra, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
