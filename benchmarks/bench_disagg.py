@@ -15,11 +15,7 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,32 +23,13 @@ from pathlib import Path
 import aiohttp
 import requests
 
+from serve_process import start_serve, stop
+
 ARMS = {"aggregated": ["-dp", "2"], "disaggregated": ["-dp", "2", "--prefill-replicas", "1"]}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(arm: str, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", *ARMS[arm], "--threads", "1",
-                             "--no-enable-prefix-caching", "--port", str(port), "--grpc-port", str(free_port())],
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            sys.exit(f"serve ({arm}) did not come up:\n{log.read_text()[-3000:]}")
-        try:
-            health = requests.get(f"{base}/health", timeout=2)
-            if health.status_code == 200 and all(r["healthy"] for r in health.json()["replicas"]):
-                return proc, base
-        except (requests.RequestException, ValueError, KeyError):
-            pass
-        time.sleep(1)
+def start(arm: str, log: Path) -> tuple:
+    return start_serve([*ARMS[arm], "--threads", "1", "--no-enable-prefix-caching"], log)
 
 
 async def stream(session: aiohttp.ClientSession, base: str, model: str, prompt: list[int], max_tokens: int
@@ -108,8 +85,7 @@ def main() -> None:
             try:
                 res = asyncio.run(load(base, args, random.Random(r)))
             finally:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=120)
+                stop(proc)
             results[arm].append(res)
             print(f"round {r + 1} {arm:14s} ITL p50 {res['itl_p50_ms']:6.1f} ms  p99 {res['itl_p99_ms']:7.1f} ms  "
                   f"max {res['itl_max_ms']:7.1f} ms  long-prompt TTFT {res['long_ttft_ms']:7.0f} ms  "

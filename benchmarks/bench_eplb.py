@@ -15,26 +15,18 @@ from __future__ import annotations
 
 import argparse
 import re
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import requests
 import torch
 
+from serve_process import free_port, start_serve, stop
 from stagemesh.core.default_model import resolve_model
 from stage_worker.eplb import balancedness
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def skewed_model(path: Path) -> Path:
@@ -70,31 +62,19 @@ def skewed_model(path: Path) -> Path:
 
 
 def run(model: Path, eplb: bool, args, log: Path) -> str:
-    port, metrics = free_port(), free_port()
+    """Serve the model under the workload; stage 0's metrics page after it."""
+    metrics = free_port()
     extra = ["--enable-eplb", "--eplb-config", f'{{"window_size": {args.interval}, "step_interval": {args.interval}, '
              '"num_redundant_experts": 2, "log_balancedness": true}'] if eplb else []
-    serve = subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model), "-tp", "2",
-                              "--enable-expert-parallel", "--threads", "1", "--port", str(port), "--grpc-port",
-                              str(free_port()), "--metrics-port", str(metrics), *extra],
-                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    serve, base = start_serve([str(model), "-tp", "2", "--enable-expert-parallel", "--threads", "1",
+                               "--metrics-port", str(metrics), *extra], log)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert serve.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(1)
         subprocess.run([sys.executable, "-m", "stagemesh", "bench", "--base-url", base, "--num-prompts",
                         str(args.num_prompts), "--max-concurrency", "8", "--input-len-range", "16:128",
                         "--output-len-range", "16:64", "--no-progress"], check=True, capture_output=True, timeout=1800)
         return requests.get(f"http://127.0.0.1:{metrics + 1}/metrics", timeout=10).text  # stage 0's page
     finally:
-        serve.send_signal(signal.SIGTERM)
-        serve.wait(timeout=120)
+        stop(serve)
 
 
 def main() -> None:

@@ -14,8 +14,6 @@ import argparse
 import json
 import os
 import re
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,13 +23,9 @@ from pathlib import Path
 
 import requests
 
+from serve_process import start_serve, stop
+
 POLICIES = ("kv-aware", "cache-aware", "least-load", "round-robin")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prefix_counters(base: str) -> tuple[float, float]:
@@ -48,25 +42,9 @@ def prefix_counters(base: str) -> tuple[float, float]:
 
 
 def run_policy(policy: str, args, log_dir: Path) -> dict:
-    port = free_port()
-    log = log_dir / f"serve-{policy}.log"
     kv = ["--kv-cache-memory", str(args.kv_cache_memory)] if args.kv_cache_memory else []
-    serve = subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", "-dp", "2", "--policy", policy,
-                              "--port", str(port), "--grpc-port", str(free_port()), *kv],
-                             stdout=open(log, "ab"), stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    serve, base = start_serve(["-dp", "2", "--policy", policy, *kv], log_dir / f"serve-{policy}.log")
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if serve.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"serve ({policy}) did not come up:\n{log.read_text()[-3000:]}")
-            try:
-                health = requests.get(f"{base}/health", timeout=2)
-                if health.status_code == 200 and all(r["healthy"] for r in health.json()["replicas"]):
-                    break
-            except (requests.RequestException, ValueError, KeyError):
-                pass
-            time.sleep(1)
         time.sleep(2)  # the router's load figures settle
         before = prefix_counters(base)
         bench = subprocess.run(
@@ -84,8 +62,7 @@ def run_policy(policy: str, args, log_dir: Path) -> dict:
                 "p50_ttft_ms": summary["p50_ttft_ms"], "output_throughput": summary["output_throughput"],
                 "failed": summary["failed_requests"]}
     finally:
-        serve.send_signal(signal.SIGTERM)
-        serve.wait(timeout=120)
+        stop(serve)
 
 
 def main() -> None:

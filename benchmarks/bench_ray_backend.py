@@ -26,17 +26,12 @@ from pathlib import Path
 
 import requests
 
+from serve_process import free_port, start_serve, stop
 from stagemesh.bench.backends import OpenAIBackend
 from stagemesh.bench.cli import drive
 from stagemesh.bench.report import summarize
 from stagemesh.bench.workload import synthetic
 from stagemesh.core.default_model import resolve_model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_ray(cpus: int) -> tuple[subprocess.Popen, str]:
@@ -58,28 +53,15 @@ def start_ray(cpus: int) -> tuple[subprocess.Popen, str]:
 
 
 def one_run(backend: str, layout: str, ray_address: str, batch1: list, standard: list) -> dict:
-    port = free_port()
-    argv = [sys.executable, "-m", "stagemesh", "serve", "--port", str(port), "--grpc-port", str(free_port()),
-            "--log-level", "warning", "--distributed-executor-backend", backend, *shlex.split(layout)]
-    env = {**os.environ, "RAY_ADDRESS": ray_address}
     start = time.monotonic()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                            start_new_session=True)
+    proc, base = start_serve(["--log-level", "warning", "--distributed-executor-backend", backend,
+                              *shlex.split(layout)], env={**os.environ, "RAY_ADDRESS": ray_address}, timeout=300)
     try:
-        while True:
-            if proc.poll() is not None or time.monotonic() - start > 300:
-                raise RuntimeError(f"`stagemesh serve --distributed-executor-backend {backend}` did not come up")
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(0.1)
         startup = time.monotonic() - start
 
         async def go():
-            name = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"][0]["id"]
-            client = OpenAIBackend(f"http://127.0.0.1:{port}", name)
+            name = requests.get(f"{base}/v1/models", timeout=5).json()["data"][0]["id"]
+            client = OpenAIBackend(base, name)
             try:
                 await drive(client, standard[:2], float("inf"), None, 0, False)  # warm up
                 one = summarize(*await drive(client, batch1, float("inf"), 1, 0, False))
@@ -92,9 +74,7 @@ def one_run(backend: str, layout: str, ray_address: str, batch1: list, standard:
         return {"startup_s": startup, "tpot_ms": one["mean_tpot_ms"], "throughput": many["output_throughput"],
                 "failed": one["failed_requests"] + many["failed_requests"]}
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        stop(proc)
 
 
 def cpu_isa() -> str:

@@ -51,7 +51,7 @@ def _import_ray():
 def cluster_address() -> str:
     """host:port of the cluster's GCS: RAY_ADDRESS, else the last `ray start` on this node (as `ray.init`
     finds it); StagemeshError when there is none or it does not answer (ray.init would wait for minutes)."""
-    ray = _import_ray()
+    _import_ray()  # its message, before the address lookup needs Ray
     given = os.environ.get("RAY_ADDRESS", "")
     if given.startswith("ray://"):
         raise StagemeshError(f"RAY_ADDRESS={given}: a Ray Client address; run `stagemesh serve` on a node of the "

@@ -16,7 +16,7 @@ import requests
 
 from router.kv_index import KVAware, KVIndex
 from scheduler.block_manager import BlockManager
-from scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventHub
+from scheduler.kv_events import AllBlocksCleared, BlockStored, KVEventHub
 from stagemesh.core.block_hash import chain_hash, prefix_hashes
 
 BS = 4
