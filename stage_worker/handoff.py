@@ -23,7 +23,7 @@ from stagemesh.core.deadlines import DEADLINES
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.service_options import channel
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
-from stagemesh.core.wire import tensor_from_pb, tensor_to_pb
+from stagemesh.core.tensor_wire import tensor_from_pb, tensor_to_pb
 
 
 

@@ -10,7 +10,7 @@ ROOT = Path(__file__).parents[1]
 PACKAGES = ("stagemesh", "scheduler", "stage_worker", "router", "kernels")
 # modules that meet protobuf messages, each for a reason: servicers and their RPC clients, the wire helpers
 PROTOBUF_EDGES = {
-    "stagemesh.core.wire", "stagemesh.core.step_wire",  # the domain <-> protobuf conversions
+    "stagemesh.core.wire", "stagemesh.core.step_wire", "stagemesh.core.tensor_wire",  # domain <-> protobuf
     "stagemesh.core.health",  # grpc.health.v1 for every service
     "scheduler.service", "stage_worker.service", "router.frontend",  # the servicers
     "scheduler.grpc_pipeline",  # the scheduler's client of the stages
@@ -101,3 +101,15 @@ def test_protobuf_stays_at_the_edges():
     wrong = sorted(f"{module} imports {target}" for module, targets in imports().items() for target in targets
                    if module not in PROTOBUF_EDGES and (target.startswith("stagemesh.v1") or target.endswith("_pb2")))
     assert not wrong, wrong
+
+
+def test_the_router_and_the_client_import_without_torch():
+    """Moving tensors is the stages' job: the router's and the client's modules load no torch (seconds and
+    hundreds of MB). (A running router still loads it through transformers' AutoTokenizer.)"""
+    import subprocess
+    import sys
+
+    code = "import sys, router.app, router.cli, router.frontend, stagemesh.client; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False", "torch was imported"
