@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,12 +36,7 @@ from bench_moe import moe_model_dir  # noqa: E402
 from router.submit_stream import SubmitStream  # noqa: E402
 from stagemesh.core.sampling_params import SamplingParams  # noqa: E402
 from stagemesh.v1 import scheduler_pb2_grpc  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serve_process import free_port  # noqa: E402
 
 
 class Replicas:

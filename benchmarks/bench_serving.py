@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import threading
@@ -32,12 +31,7 @@ from stagemesh.bench.cli import drive
 from stagemesh.bench.report import summarize
 from stagemesh.bench.workload import synthetic
 from stagemesh.core.default_model import resolve_model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serve_process import free_port  # noqa: E402
 
 
 def otlp_sink() -> tuple[grpc.Server, int, list]:

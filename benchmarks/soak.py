@@ -19,7 +19,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,17 +27,12 @@ import time
 from pathlib import Path
 
 import requests
+from serve_process import free_port  # noqa: E402
 
 POISON = [
     {"temperature": 1e-45}, {"top_k": 2**31}, {"presence_penalty": 1e30}, {"stop_token_ids": [2**31]},
     {"prompt": [5, 10**7]}, {"prompt": "hi \ud800"}, {"repetition_penalty": float("nan")},
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Tally:

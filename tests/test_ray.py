@@ -28,11 +28,9 @@ FAST_HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_fa
 
 
 def test_serve_on_ray_refuses_clearly_when_no_cluster_answers(tmp_path):
-    import socket
+    from mesh import free_port
 
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens there
     for address, says in ((f"127.0.0.1:{port}", "no Ray cluster answers at"), ("ray://127.0.0.1:10001",
                                                                              "a Ray Client address")):
         done = subprocess.run([sys.executable, "-m", "stagemesh", "serve", "--distributed-executor-backend", "ray"],

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,15 +14,10 @@ from parity import prompts
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
 from stage_worker.runner import StageRunner
+from mesh import free_port
 from tiny_models import make_tiny_model, reference_greedy, reference_model
 
 WORKER = Path(__file__).with_name("tp_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_tp(model_dir, world: int, split: str, prompt: list[int], new_tokens: int, tmp_path,
