@@ -56,10 +56,6 @@ class ToolPlan:
             return StructuredOutputs("json", json.dumps(schema))
         return None
 
-    @property
-    def calls_tools(self) -> bool:
-        return self.mode in ("required", "named")
-
     def parse(self, text: str) -> list[ToolCall] | None:
         """The calls a finished constrained output makes; None if it is not one (cut short by max_tokens)."""
         try:

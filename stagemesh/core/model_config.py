@@ -67,14 +67,6 @@ class ModelConfig:
                                  f"evenly over {flag} {ep_size} {over} (EP size = {short} size); use a {short} size "
                                  f"that divides {self.num_experts}")
 
-    @property
-    def q_size(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_key_value_heads * self.head_dim
-
     def kv_bytes_per_token(self, dtype_bytes: int, num_layers: int | None = None) -> int:
         layers = self.num_hidden_layers if num_layers is None else num_layers
         return 2 * layers * self.num_key_value_heads * self.head_dim * dtype_bytes

@@ -115,10 +115,6 @@ def configure_tls(cert: str | None, key: str | None, ca: str | None) -> TLSConfi
     return _tls
 
 
-def tls_config() -> TLSConfig:
-    return _tls
-
-
 def channel_credentials(tls: TLSConfig | None = None) -> grpc.ChannelCredentials | None:
     tls = tls or _tls
     if not tls.enabled:
