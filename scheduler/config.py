@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.speculative import ASYNC_WITH_SPECULATION, SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class SchedulerConfig:
     # vLLM's --scheduling-policy: "fcfs" (arrival order) or "priority" (lower value first, ties by arrival;
     # the lowest-priority running request is preempted for a higher one that lacks KV blocks)
     scheduling_policy: str = "fcfs"
+    speculative: SpeculativeConfig | None = None  # vLLM's --speculative-config (scheduler.speculation)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -33,6 +35,8 @@ class SchedulerConfig:
                 raise StagemeshError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise StagemeshError(f"scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.speculative is not None and self.async_scheduling:
+            raise StagemeshError(ASYNC_WITH_SPECULATION)
 
     def check_formed(self) -> None:
         """The settings a scheduler runs with: the pipeline's part filled in."""

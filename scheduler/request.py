@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from stagemesh.core.sampling_params import SamplingParams
-from stagemesh.core.step import SampledToken, TokenLogprob
+from stagemesh.core.step import PromptLogprobs, SampledToken, TokenLogprob
 
 
 class Status(enum.Enum):
@@ -29,6 +29,8 @@ class Request:
     # output tokens scheduled whose ids are not known yet (vLLM's name): steps in flight that sample one; a
     # step run ahead of them computes PLACEHOLDER in their place (stage_worker.run_ahead fills it in)
     num_output_placeholders: int = 0
+    # speculative decoding: the draft tokens its next decode step carries (scheduler.speculation)
+    spec_token_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     num_recoveries: int = 0  # pipelines that broke under it (it was kept and recomputed: Scheduler.requeue_all)
     num_prompt_logprobs: int = 0  # prompt logprobs delivered (positions 1.. of the prompt)
@@ -53,6 +55,33 @@ class Request:
     def priority_key(self) -> tuple[int, float]:
         """The order of the priority policy (vLLM's): lower priority value first, then earlier arrival."""
         return self.priority, self.arrival_time
+
+    def stop_reason(self, token_id: int, eos_token_ids: tuple[int, ...], max_model_len: int
+                    ) -> tuple[str | None, int | None]:
+        """Whether the output token just appended ends the request: ("stop", the token), ("length", None)
+        or (None, None)."""
+        p = self.sampling
+        enough = len(self.output_token_ids) >= p.min_tokens
+        if enough and not p.ignore_eos and token_id in eos_token_ids:
+            return "stop", token_id
+        if enough and token_id in p.stop_token_ids:
+            return "stop", token_id
+        if len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
+            return "length", None
+        return None, None
+
+    def new_prompt_logprobs(self, scores: PromptLogprobs | None) -> RequestOutput | None:
+        """The prompt logprobs a chunk brought that the request has not had yet (a preempted request's
+        prompt is scored again when it is recomputed)."""
+        if scores is None:
+            return None
+        skip = self.num_prompt_logprobs + 1 - scores.start  # positions 1.. delivered so far
+        if skip < 0 or skip >= len(scores.entries):
+            return None
+        self.num_prompt_logprobs += len(scores.entries) - skip
+        return RequestOutput(self.request_id, prompt_logprobs=scores.entries[skip:],
+                             prompt_logprobs_start=scores.start + skip,
+                             num_prompt_tokens=len(self.prompt_token_ids))
 
 
 @dataclass

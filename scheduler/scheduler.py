@@ -18,6 +18,10 @@ that turns out to have finished (EOS, stop token) wastes the one token
 computed ahead; its result is dropped. schedule(run_ahead=False) leaves such
 requests out (a pipeline runs ahead only where a micro-batch would be empty).
 
+Speculative decoding (--speculative-config, scheduler.speculation): a decode step carries the
+request's last token and its draft tokens as one chunk; the last stage verifies them and returns 1..k+1
+tokens, appended one by one under the stop conditions; num_computed_tokens rolls back over the rejected.
+
 The queues' order, and so who gets the budget first and who is preempted, is the scheduling policy's
 (scheduler.policy: fcfs or priority).
 """
@@ -28,16 +32,18 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from scheduler import recovery
+from scheduler.admission import check_request
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
+from scheduler.pipeline import token_runs
 from scheduler.policy import SchedulingPolicy
 from scheduler.request import Request, RequestOutput, Status
+from scheduler.speculation import SpecDecodeStats, Speculator
 from stagemesh.core.errors import StagemeshError
-from stagemesh.core.sampling_params import SamplingParams, check_token_ids
+from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import PLACEHOLDER, NewSequence, PromptLogprobs, SampledToken, ScheduledChunks, StepBatch
 
-
-MAX_REQUEST_ID_LEN = 256
 
 
 @dataclass
@@ -56,6 +62,7 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_kv_blocks: int
     num_preemptions: int = 0
+    spec_decode: SpecDecodeStats | None = None  # with --speculative-config
 
 
 @dataclass
@@ -83,6 +90,7 @@ class Scheduler:
         # ids of preempted requests, for tracing; the driver drains it
         self.recent_preemptions: deque[str] = deque(maxlen=4096)
         self.num_preemptions = 0
+        self.spec = Speculator(config.speculative, config.max_model_len) if config.speculative else None
 
     # -- requests in and out ------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -93,28 +101,10 @@ class Scheduler:
         priority: lower is served first (--scheduling-policy priority; any other value than 0 is refused under
         fcfs, as vLLM refuses it)."""
         cfg = self.config
-        if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
-            raise StagemeshError(f"a request id must have 1 to {MAX_REQUEST_ID_LEN} characters")
+        check_request(cfg, request_id, prompt_token_ids, sampling, generated_token_ids)
         self.policy.check(priority)
         if request_id in self.requests:
             raise StagemeshError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise StagemeshError("the prompt is empty")
-        check_token_ids("prompt_token_ids", prompt_token_ids, cfg.vocab_size)
-        check_token_ids("generated_token_ids", generated_token_ids, cfg.vocab_size)
-        if len(generated_token_ids) >= sampling.max_tokens:
-            raise StagemeshError(f"a continuation of {len(generated_token_ids)} generated tokens has nothing left "
-                                 f"to generate (max_tokens {sampling.max_tokens})")
-        if cfg.vocab_size is not None:
-            sampling.check_vocab(cfg.vocab_size)
-        total = len(prompt_token_ids) + sampling.max_tokens
-        if total > cfg.max_model_len:
-            raise StagemeshError(
-                f"this model's maximum context length is {cfg.max_model_len} tokens, but the request asks for "
-                f"{total} ({len(prompt_token_ids)} in the prompt + {sampling.max_tokens} max_tokens)"
-            )
-        if self.kv.blocks_needed(total) > cfg.num_kv_blocks:
-            raise StagemeshError(f"a request of {total} tokens can never fit the KV cache of {cfg.kv_cache_tokens} tokens")
         if cfg.max_waiting_requests and len(self.waiting) >= cfg.max_waiting_requests:
             raise QueueFull(f"the waiting queue is full ({cfg.max_waiting_requests} requests)")
         request = Request(request_id, list(prompt_token_ids), sampling, list(generated_token_ids), priority=priority)
@@ -124,38 +114,13 @@ class Scheduler:
         self.policy.enqueue(self.waiting, request)
 
     def requeue_all(self) -> list[Request]:
-        """The pipeline broke: every request goes back to waiting as if preempted (generated tokens kept, its KV
-        gone with the epoch), running ones first, until a scheduler of the next epoch takes them over
-        (take_over) or they fail (fail_all). Returns them."""
-        for r in self.running:  # (a waiting one lost no work)
-            r.num_recoveries += 1
-        requests = self.policy.order([*self.running, *self.waiting])
-        for r in requests:
-            r.status, r.seq_id = Status.WAITING, -1
-            r.num_computed_tokens = r.in_flight = r.num_output_placeholders = 0
-        self.running, self.waiting = [], deque(requests)
-        self._finished_seq_ids = []
-        self.kv = BlockManager(self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        return requests
+        """The pipeline broke: every request back to waiting, as if preempted (scheduler.recovery)."""
+        return recovery.requeue_all(self)
 
     def take_over(self, old: Scheduler) -> list[RequestOutput]:
-        """Adopt the requests `old` kept through a broken pipeline (after its requeue_all), in their order;
-        those that no longer fit this epoch's context length or KV cache fail (their outputs are returned)."""
-        assert not old.running, "take_over needs the old scheduler's requests requeued"
-        failed = []
-        for request in old.waiting:
-            total = len(request.prompt_token_ids) + request.sampling.max_tokens
-            if total > self.config.max_model_len or self.kv.blocks_needed(total) > self.config.num_kv_blocks:
-                request.status = Status.FINISHED
-                failed.append(RequestOutput(
-                    request.request_id, finish_reason="error", num_prompt_tokens=len(request.prompt_token_ids),
-                    error=f"the pipeline re-formed with room for {self.config.max_model_len} tokens per request "
-                          f"and a KV cache of {self.config.kv_cache_tokens}; this request needs {total}"))
-                continue
-            self.requests[request.request_id] = request
-            self.policy.enqueue(self.waiting, request)
-        old.requests, old.waiting = {}, deque()
-        return failed
+        """Adopt the requests `old` kept through a broken pipeline (scheduler.recovery); returns the outputs
+        of those that fail."""
+        return recovery.take_over(self, old)
 
     def fail(self, request_ids, error: str) -> list[RequestOutput]:
         """End these requests with `error` (not their own fault)."""
@@ -184,7 +149,8 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.kv.prefix_queries,
-                              self.kv.prefix_hits, self.kv.num_blocks, self.num_preemptions)
+                              self.kv.prefix_hits, self.kv.num_blocks, self.num_preemptions,
+                              self.spec.stats if self.spec is not None else None)
 
     # -- one step -------------------------------------------------------------
     def schedule(self, max_seqs: int | None = None, run_ahead: bool = True) -> SchedulerOutput | None:
@@ -215,9 +181,13 @@ class Scheduler:
                 continue
             if request.in_flight and not (budget.run_ahead and self._can_run_ahead(request)):
                 continue
-            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
-                          budget.tokens)
-            new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + num_new)
+            num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+            decode = num_new == 1 and not request.num_output_placeholders
+            drafts = self.spec.drafts(request) if self.spec is not None and decode else []
+            num_new = min(num_new + len(drafts), budget.tokens)
+            drafts = drafts[:num_new - 1]  # the budget may cut them
+            need = self._kv_tokens(request, num_new, len(drafts))
+            new_blocks = self.kv.allocate(request.request_id, need)
             if new_blocks is None and request.in_flight:
                 continue  # a step ahead never preempts: the request waits for its result instead
             while new_blocks is None:
@@ -228,10 +198,10 @@ class Scheduler:
                 preempted += 1
                 if victim is request:
                     break
-                new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + num_new)
+                new_blocks = self.kv.allocate(request.request_id, need)
             if new_blocks is None or request.status is not Status.RUNNING:
                 continue
-            self._add_chunk(budget, request, num_new, new_blocks)
+            self._add_chunk(budget, request, num_new, new_blocks, drafts)
         return preempted
 
     def _make_room(self) -> int:
@@ -264,7 +234,8 @@ class Scheduler:
             num_tokens, cached = self._first_chunk(request, budget.tokens)
             num_cached = len(cached) * self.config.block_size
             num_new = num_tokens - num_cached
-            new_blocks = self.kv.allocate(request.request_id, num_tokens, cached)
+            new_blocks = self.kv.allocate(request.request_id, self._kv_tokens(request, num_tokens - num_cached, 0,
+                                                                              num_cached), cached)
             if new_blocks is None:
                 break
             self.waiting.popleft()
@@ -290,16 +261,26 @@ class Scheduler:
                 and len(request.output_token_ids) + 1 < p.max_tokens
                 and request.num_tokens + 1 < self.config.max_model_len)
 
-    def _add_chunk(self, budget: _Budget, request: Request, num_new: int, new_blocks: list[int]) -> None:
-        start = request.num_computed_tokens
-        tokens = request.all_token_ids[start:start + num_new]
-        if len(tokens) < num_new:  # the token sampled by the step in flight: the stage fills it in
+    def _kv_tokens(self, request: Request, num_new: int, num_drafts: int, start: int | None = None) -> int:
+        """The tokens the request's KV blocks must hold for a chunk of num_new tokens from `start` (its
+        num_computed_tokens), with a draft model's lookahead when the chunk samples."""
+        end = (request.num_computed_tokens if start is None else start) + num_new
+        if self.spec is not None and end - num_drafts >= request.num_tokens + request.num_output_placeholders:
+            return self.spec.lookahead(request, end)
+        return end
+
+    def _add_chunk(self, budget: _Budget, request: Request, num_new: int, new_blocks: list[int],
+                   drafts: list[int] = ()) -> None:
+        start, known = request.num_computed_tokens, num_new - len(drafts)
+        tokens = request.all_token_ids[start:start + known]
+        if len(tokens) < known:  # the token sampled by the step in flight: the stage fills it in
             tokens.append(PLACEHOLDER)
+        tokens += drafts
         request.num_computed_tokens += num_new
-        sample = request.num_computed_tokens == request.num_tokens + request.num_output_placeholders
+        sample = request.num_computed_tokens - len(drafts) == request.num_tokens + request.num_output_placeholders
         if sample:
             request.num_output_placeholders += 1
-        budget.chunks.append(request.seq_id, tokens, start, new_blocks, sample)
+        budget.chunks.append(request.seq_id, tokens, start, new_blocks, sample, len(drafts))
         budget.request_ids.append(request.request_id)
         budget.tokens -= num_new
 
@@ -317,78 +298,82 @@ class Scheduler:
         self._finished_seq_ids.append(request.seq_id)
         request.status = Status.WAITING
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.recent_preemptions.append(request.request_id)
         self.policy.enqueue(self.waiting, request, preempted=True)
 
     def update_from_output(self, output: SchedulerOutput, sampled: list[SampledToken],
-                           prompt_logprobs: list[PromptLogprobs] = ()) -> list[RequestOutput]:
-        by_seq = {s.seq_id: s for s in sampled}
+                           prompt_logprobs: list[PromptLogprobs] = (),
+                           drafts: dict[int, list[int]] | None = None) -> list[RequestOutput]:
+        """Take a step's result in: each sampling chunk's tokens (1..N+1 for a chunk with N drafts, checked by
+        scheduler.pipeline.check_result), prompt logprobs, and a draft model's proposals (`drafts`)."""
+        by_seq = dict(token_runs(sampled))
         scored = {p.seq_id: p for p in prompt_logprobs}
-        results, bs, c = [], self.config.block_size, output.step_batch.chunks
-        for request_id, seq_id, start, n, sample in zip(output.request_ids, c.seq_ids, c.start_positions,
-                                                        c.num_tokens, c.sample):
+        results, c = [], output.step_batch.chunks
+        for request_id, seq_id, start, n, sample, num_drafts in zip(output.request_ids, c.seq_ids, c.start_positions,
+                                                                    c.num_tokens, c.sample, c.draft_counts()):
             request = self.requests.get(request_id)
             if request is None or request.seq_id != seq_id:
                 continue  # aborted or preempted meanwhile
             request.in_flight -= 1
-            if (start + n) // bs > start // bs:  # the chunk filled a block: it may serve as a cached prefix
-                # (only tokens whose ids are known: a step ahead may be computing the next one)
-                self.kv.cache_full_blocks(request_id, request.all_token_ids,
-                                          min(request.num_computed_tokens, request.num_tokens))
-            scores = self._new_prompt_logprobs(request, scored.get(seq_id))
+            scores = request.new_prompt_logprobs(scored.get(seq_id))
             if not sample:
+                self._cache_blocks(request, start + n)
                 if scores is not None:
                     results.append(scores)
                 continue
             request.num_output_placeholders -= 1
-            token = by_seq.get(seq_id)
-            if token is None:
+            tokens = by_seq.get(seq_id)
+            if tokens is None:
                 continue
-            if token.error is not None:  # this request's row failed to sample: it ends alone
-                results.append(self._finish(request, "error", error=token.error, own_fault=True))
-                continue
-            request.append_output(token.token_id)
-            result = RequestOutput(request_id, [token.token_id], [token] if token.logprob is not None else [],
-                                   num_prompt_tokens=len(request.prompt_token_ids),
-                                   num_cached_tokens=request.num_cached_tokens)
+            end = start + n - num_drafts + len(tokens) - 1  # past the accepted drafts
+            result = self._take_tokens(request, tokens, num_drafts, end, (drafts or {}).get(seq_id))
             if scores is not None:
                 result.prompt_logprobs, result.prompt_logprobs_start = scores.prompt_logprobs, \
                     scores.prompt_logprobs_start
-            if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:
-                result.queue_seconds = request.first_scheduled_time - request.arrival_time
-            reason, stop_id = self._stop_reason(request, token.token_id)
-            if reason is not None:
-                self._finish(request, reason)
-                result.finish_reason, result.stop_token_id = reason, stop_id
             results.append(result)
         return results
 
-    @staticmethod
-    def _new_prompt_logprobs(request: Request, scores: PromptLogprobs | None) -> RequestOutput | None:
-        """The prompt logprobs a chunk brought that the request has not had yet (a preempted request's
-        prompt is scored again when it is recomputed)."""
-        if scores is None:
-            return None
-        skip = request.num_prompt_logprobs + 1 - scores.start  # positions 1.. delivered so far
-        if skip < 0 or skip >= len(scores.entries):
-            return None
-        request.num_prompt_logprobs += len(scores.entries) - skip
-        return RequestOutput(request.request_id, prompt_logprobs=scores.entries[skip:],
-                             prompt_logprobs_start=scores.start + skip,
-                             num_prompt_tokens=len(request.prompt_token_ids))
+    def _take_tokens(self, request: Request, tokens: list[SampledToken], num_drafts: int, computed: int,
+                     proposed: list[int] | None) -> RequestOutput:
+        """Append a chunk's tokens one by one, each checked against the stop conditions (a stop inside an
+        accepted run ends the request there); the rejected drafts' positions count as not computed (their
+        KV slots are written again later)."""
+        if num_drafts:
+            accepted = len(tokens) - 1
+            request.num_computed_tokens -= num_drafts - accepted
+            self.spec.record(num_drafts, accepted)
+        first = not request.output_token_ids
+        result = RequestOutput(request.request_id, num_prompt_tokens=len(request.prompt_token_ids),
+                               num_cached_tokens=request.num_cached_tokens)
+        if first and request.first_scheduled_time is not None:
+            result.queue_seconds = request.first_scheduled_time - request.arrival_time
+        for token in tokens:
+            if token.error is not None:  # this request's row failed to sample: it ends alone
+                failed = self._finish(request, "error", error=token.error, own_fault=True)
+                failed.new_token_ids, failed.new_logprobs = result.new_token_ids, result.new_logprobs
+                return failed
+            request.append_output(token.token_id)
+            result.new_token_ids.append(token.token_id)
+            if token.logprob is not None:
+                result.new_logprobs.append(token)
+            reason, stop_id = request.stop_reason(token.token_id, self.config.eos_token_ids, self.config.max_model_len)
+            if reason is not None:
+                self._cache_blocks(request, computed)
+                self._finish(request, reason)
+                result.finish_reason, result.stop_token_id = reason, stop_id
+                return result
+        self._cache_blocks(request, computed)
+        if self.spec is not None:
+            self.spec.propose(request, proposed)
+        return result
 
-    def _stop_reason(self, request: Request, token_id: int) -> tuple[str | None, int | None]:
-        p = request.sampling
-        enough = len(request.output_token_ids) >= p.min_tokens
-        if enough and not p.ignore_eos and token_id in self.config.eos_token_ids:
-            return "stop", token_id
-        if enough and token_id in p.stop_token_ids:
-            return "stop", token_id
-        if len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return "length", None
-        return None, None
+    def _cache_blocks(self, request: Request, computed: int) -> None:
+        """Blocks full of tokens a step took in has computed (not those of a step ahead, in flight; not
+        rejected drafts) may serve as a cached prefix."""
+        self.kv.cache_full_blocks(request.request_id, request.all_token_ids, min(computed, request.num_tokens))
 
     def _finish(self, request: Request, reason: str, error: str | None = None, own_fault: bool = False
                 ) -> RequestOutput:

@@ -89,6 +89,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             stats.num_running, stats.num_waiting, stats.kv_cache_usage = s.num_running, s.num_waiting, s.kv_cache_usage
             stats.prefix_cache_queries, stats.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
             stats.num_kv_blocks, stats.num_preemptions = s.num_kv_blocks, s.num_preemptions
+            if s.spec_decode is not None:
+                spec = s.spec_decode
+                stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens = spec.num_drafts, \
+                    spec.num_draft_tokens
+                stats.spec_decode_num_accepted_tokens = spec.num_accepted_tokens
+                stats.spec_decode_num_accepted_tokens_per_pos.extend(spec.accepted_per_pos)
         return stats
 
     async def GetStats(self, request, context):

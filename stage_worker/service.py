@@ -94,7 +94,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         reply = stage_pb2.ForwardResponse(compute_seconds=stats.compute_seconds, handoff_bytes=stats.handoff_bytes,
                                           handoff_wait_seconds=stats.handoff_wait_seconds)
         if out.sampled or out.prompt_logprobs:
-            reply.sampled.CopyFrom(sampled_to_pb(out.sampled, out.prompt_logprobs))
+            reply.sampled.CopyFrom(sampled_to_pb(out.sampled, out.prompt_logprobs, out.drafts))
         return reply
 
     async def PushActivations(self, request, context):
