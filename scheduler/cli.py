@@ -81,14 +81,16 @@ async def _main(args: argparse.Namespace) -> int:
     internal_token.warn_if_open("scheduler")
     identity = ModelIdentity(cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size,
                              cfg.num_attention_heads, cfg.num_key_value_heads)
-    rendezvous = Rendezvous(args.pipeline_parallel_size, args.block_size, identity)
+    spec = parse_speculative_config(args.speculative_config)
+    draft_tokens = spec.num_speculative_tokens if spec is not None and spec.uses_draft_model else 0
+    rendezvous = Rendezvous(args.pipeline_parallel_size, args.block_size, identity, draft_tokens)
     driver = Driver(DriverConfig(
         SchedulerConfig(max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=args.enable_prefix_caching, eos_token_ids=cfg.eos_token_ids,
                         max_waiting_requests=args.max_waiting_requests, vocab_size=cfg.vocab_size,
                         scheduling_policy=args.scheduling_policy,
-                        speculative=parse_speculative_config(args.speculative_config)),
+                        speculative=spec),
         model_max_len=cfg.max_position_embeddings, async_scheduling=args.async_scheduling,
         stage_recovery_timeout_s=args.stage_recovery_timeout, max_request_retries=args.max_request_retries),
         GrpcPipeline(rendezvous, advertise, store.port, replace(DEADLINES, forward_s=args.forward_timeout)))

@@ -21,6 +21,7 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig, layer_ranges, layer_split
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.speculative import parse_speculative_config
+from stage_worker.draft import DraftModel
 from stage_worker.kv_cache import num_kv_blocks_for_budget
 from stage_worker.runner import StageRunner
 
@@ -39,6 +40,8 @@ class LocalEngine:
         split = split or layer_split(cfg.num_hidden_layers, 1)
         self.runners = [StageRunner(model_dir, a, b, device=device, dtype=dtype, block_size=block_size, config=cfg)
                         for a, b in layer_ranges(split)]
+        if spec is not None and spec.uses_draft_model:  # on the last stage, as a stage service runs it
+            self.runners[-1].attach_drafter(DraftModel(spec, cfg, device, dtype, block_size))
         if num_kv_blocks is None:
             num_kv_blocks = min(num_kv_blocks_for_budget(kv_cache_memory, r.kv_bytes_per_block) for r in self.runners)
         self.pipeline = InProcessPipeline(self.runners, num_kv_blocks)

@@ -119,6 +119,13 @@ class StageRunner:
         self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and tp_size == 1 and ep is None
         self.max_graph_batch = max_graph_batch
         self.graphs = None
+        self.drafter = None  # stage_worker.draft.DraftModel: a draft model on the last stage's TP rank 0
+
+    def attach_drafter(self, drafter) -> None:
+        """Speculative decoding with a draft model: it mirrors this stage's KV cache (its blocks count in
+        kv_bytes_per_block) and proposes drafts after each step's sampling."""
+        self.drafter = drafter
+        self.kv_bytes_per_block += drafter.kv_bytes_per_block
 
     @property
     def is_first_stage(self) -> bool:
@@ -132,6 +139,8 @@ class StageRunner:
         self.graphs = None
         self.kv_caches = allocate_kv_cache(len(self.model.layers), num_blocks, self.block_size, self.num_kv_heads,
                                            self.config.head_dim, self.dtype, self.device)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks)
         if self.use_cuda_graphs:
             from stage_worker.cuda_graphs import DecodeGraphs
 
@@ -160,6 +169,7 @@ class StageRunner:
         if not scored and graphs is not None and graphs.can_run(len(batch.chunks), num_tokens,
                                                                  meta.block_tables.shape[1]):
             out = graphs.run(input_ids, hidden_states, meta)  # the next replay reuses this buffer: copy what is kept
+            self._mirror(batch, meta)
             if not self.is_last_stage:
                 return StageOutput(hidden_states=out.clone())
             logits = out if len(sample_rows) == num_tokens else out[sample_rows]
@@ -167,6 +177,7 @@ class StageRunner:
                 logits = logits.clone()
         else:
             hidden = self.model(input_ids, hidden_states, meta, self.kv_caches)
+            self._mirror(batch, meta)
             if not self.is_last_stage:
                 return StageOutput(hidden_states=hidden)
             logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None
@@ -175,7 +186,21 @@ class StageRunner:
         if not sample_rows:
             return StageOutput(prompt_logprobs=scored)
         sampled = self.sampler.sample(logits, sample_ids, drafts) if self.tp.rank == 0 else []
-        return StageOutput(sampled=sampled, logits=logits if return_logits else None, prompt_logprobs=scored)
+        proposed = self._propose(sampled)
+        return StageOutput(sampled=sampled, logits=logits if return_logits else None, prompt_logprobs=scored,
+                           drafts=proposed)
+
+    def _mirror(self, batch: StepBatch, meta: AttentionMetadata) -> None:
+        if self.drafter is not None and self.tp.rank == 0:
+            self.drafter.mirror(batch.chunks.token_ids, meta)
+
+    def _propose(self, sampled: list[SampledToken]) -> dict[int, list[int]]:
+        """The draft model's next drafts for the sequences this step sampled (not those whose row failed)."""
+        if self.drafter is None or not sampled:
+            return {}
+        last = {t.seq_id: t for t in sampled}  # each sequence's last token
+        seq_ids = [seq_id for seq_id, t in last.items() if t.error is None]
+        return self.drafter.propose(self.sampler.seqs, seq_ids, self.block_tables, self.config.eos_token_ids)
 
     def check_state(self, batch: StepBatch, max_model_len: int) -> None:
         """The checks of a step that need the sequences' state (the rest: stage_worker.validate): new ids

@@ -45,6 +45,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             device=s.device, free_memory_bytes=w.free_memory_bytes(), num_kv_blocks=w.num_kv_blocks,
             block_size=s.block_size, address=self.address, handoff=c.handoff, model_path=str(s.model_dir),
             weight_bytes=w.runner.model.num_parameter_bytes(), instance_id=w.instance_id, standby=c.standby,
+            num_speculative_tokens=c.speculative.num_speculative_tokens if c.speculative else 0,
+            speculative_model=c.speculative.model if c.speculative else "",
             model=stage_pb2.ModelIdentity(model_type=cfg.model_type, num_hidden_layers=cfg.num_hidden_layers,
                                           hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                                           num_attention_heads=cfg.num_attention_heads,

@@ -302,3 +302,107 @@ def exact_distribution(model, prompt: list[int], length: int, top_k: int, temper
                 nxt[prefix + (t,)] = p * q
         out = nxt
     return out
+
+
+# -- a draft model ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("draft, layout", [("self", dict(split=[1, 3])), ("first-2-layers", dict()),
+                                           ("first-2-layers", dict(max_num_batched_tokens=20, num_kv_blocks=14))])
+def test_a_draft_models_greedy_tokens_equal_transformers(tiny, tmp_path, draft, layout):
+    """The target as its own draft: every draft accepted; its first two layers: some; the tokens are
+    transformers' either way (through PP, chunked prefill, preemption and prefix-cache hits)."""
+    from scheduler.local_engine import LocalEngine
+    from tiny_models import first_layers
+
+    model_dir, batch, want = tiny
+    draft_dir = model_dir if draft == "self" else first_layers(model_dir, tmp_path / "draft", 2)
+    spec = {"model": str(draft_dir), "num_speculative_tokens": 3}
+    with LocalEngine(model_dir, speculative_config=spec, **layout) as engine:
+        got = engine.generate(batch + batch[:2], SamplingParams(max_tokens=24, ignore_eos=True))
+        stats = engine.stats()
+    assert got == want + want[:2]
+    s = stats.spec_decode
+    if draft == "self":
+        assert s.num_accepted_tokens == s.num_draft_tokens > 0
+    else:
+        assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+    assert ("num_kv_blocks" in layout) == (stats.num_preemptions > 0)
+
+
+def test_a_draft_model_keeps_seeded_tokens(tiny):
+    from scheduler.local_engine import LocalEngine
+
+    model_dir, batch, _ = tiny
+    sampling = SamplingParams(max_tokens=16, temperature=0.1, seed=3, logprobs=1)
+    results = []
+    for spec in (None, {"model": str(model_dir), "num_speculative_tokens": 2}):
+        with LocalEngine(model_dir, speculative_config=spec) as engine:
+            results.append(engine.generate(batch, sampling))
+    assert results[0] == results[1]
+
+
+def test_a_draft_must_share_the_vocabulary_and_run_on_the_last_stage(tiny_model_dir, tiny, tmp_path):
+    import argparse
+
+    from scheduler.rendezvous import ModelIdentity, Rendezvous, StageInfo
+    from stage_worker.cli import stage_speculation
+    from stage_worker.draft import DraftModel
+    from stagemesh.core.model_config import ModelConfig
+
+    model_dir, _, _ = tiny
+    other = tiny_model_dir("llama", vocab_size=512)
+    cfg = ModelConfig.from_path(model_dir)
+    with pytest.raises(StagemeshError, match="vocabulary of 512 tokens; the target's has 384"):
+        DraftModel(parse_speculative_config({"model": str(other), "num_speculative_tokens": 2}), cfg, "cpu", None, 16)
+    args = argparse.Namespace(speculative_config=json.dumps({"model": str(model_dir), "num_speculative_tokens": 2}))
+    with pytest.raises(StagemeshError, match="goes to the last stage only"):
+        stage_speculation(args, cfg, 2)
+    with pytest.raises(StagemeshError, match="method ngram is the scheduler's"):
+        stage_speculation(argparse.Namespace(speculative_config=json.dumps(NGRAM)), cfg, 4)
+    identity = ModelIdentity("llama", 4, 64, 384, 4, 2)
+    last = StageInfo(1, 2, 4, 1, "cpu", 10, 16, identity, "a:1", "grpc")
+    with pytest.raises(StagemeshError, match="the last stage must run"):
+        Rendezvous(2, 16, identity, num_speculative_tokens=3).check(last)
+    with pytest.raises(StagemeshError, match="runs a draft model .3 tokens per step., which this scheduler does not"):
+        Rendezvous(2, 16, identity).check(StageInfo(1, 2, 4, 1, "cpu", 10, 16, identity, "a:1", "grpc", "", False, 3))
+
+
+def test_serve_gives_the_config_to_the_schedulers_and_a_draft_model_to_the_last_stages(tiny):
+    import argparse
+
+    from stagemesh.serve import add_arguments, plan_commands
+
+    model_dir, _, _ = tiny
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    draft = json.dumps({"model": str(model_dir), "num_speculative_tokens": 2})
+    for spec, stages in ((json.dumps(NGRAM), set()), (draft, {"stage[0.1]", "stage[1.1]"})):
+        children = {c.name: c.argv for c in plan_commands(p.parse_args(["-dp", "2", "-pp", "2",
+                                                                         "--speculative-config", spec]), "/m", 4,
+                                                          cuda=False)}
+        given = {name: json.loads(argv[argv.index("--speculative-config") + 1])
+                 for name, argv in children.items() if "--speculative-config" in argv}
+        assert set(given) == {"scheduler[0]", "scheduler[1]"} | stages
+        assert all(parse_speculative_config(c) == parse_speculative_config(spec) for c in given.values())
+    with pytest.raises(StagemeshError, match="--async-scheduling with --speculative-config"):
+        plan_commands(p.parse_args(["--speculative-config", draft, "--async-scheduling"]), "/m", 4, cuda=False)
+
+
+@pytest.mark.slow
+def test_the_default_model_as_its_own_draft_is_accepted_and_answers_as_transformers(default_model_dir):
+    from transformers import AutoTokenizer
+
+    from scheduler.local_engine import LocalEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    texts = ["The capital of France is", "def fibonacci(n):\n    "]
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    ref = reference_model(default_model_dir)
+    with torch.inference_mode():
+        want = [ref.generate(torch.tensor([p]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)[0, len(p):].tolist() for p in ids]
+    spec = {"model": str(default_model_dir), "num_speculative_tokens": 4}
+    with LocalEngine(default_model_dir, speculative_config=spec) as engine:
+        got = engine.generate(ids, SamplingParams(max_tokens=24, ignore_eos=True))
+        s = engine.stats().spec_decode
+    assert got == want
+    assert s.num_accepted_tokens >= 0.95 * s.num_draft_tokens > 0

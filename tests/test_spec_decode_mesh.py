@@ -1,6 +1,7 @@
-"""Speculative decoding through real services: greedy tokens equal transformers' through PP, TP and PP x TP
-meshes of a tiny model (with preemption, chunked prefill and structured outputs), and through the gateway on
-the default model with the openai client, acceptance counted in both services' metrics."""
+"""Speculative decoding through real services: greedy tokens equal transformers' through PP, TP (prompt
+lookup) and PP x TP (a draft model) meshes of a tiny model, with preemption, chunked prefill and structured
+outputs, and through the gateway on the default model with the openai client, acceptance counted in both
+services' metrics."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ from parity import prompts
 from stagemesh.core.sampling_params import SamplingParams, StructuredOutputs
 from stagemesh.v1 import scheduler_pb2
 from test_structured_outputs import WORDS, constrained_greedy
-from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+from tiny_models import first_layers, reference_greedy, reference_model, with_word_tokenizer
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 16
@@ -24,7 +25,8 @@ LAYOUTS = {
     "pp2-grpc-preemption": dict(split=[2, 2], tp=[1, 1], handoff="grpc", stage_args=("--kv-cache-memory", "90112"),
                                 scheduler_args=("--max-num-batched-tokens", "64")),
     "tp2-nccl": dict(split=[4], tp=[2], handoff="nccl"),
-    "pp2-tp2-nccl": dict(split=[2, 2], tp=[2, 2], handoff="nccl"),
+    # a draft model (the target's first two layers) on the last stage's TP rank 0
+    "pp2-tp2-nccl-draft-model": dict(split=[2, 2], tp=[2, 2], handoff="nccl"),
 }
 
 
@@ -34,7 +36,9 @@ def expected(tiny_model_dir, tmp_path_factory):
 
     from stagemesh.core.grammar import GrammarCompiler
 
-    model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path_factory.mktemp("spec-mesh") / "model")
+    root = tmp_path_factory.mktemp("spec-mesh")
+    model_dir = with_word_tokenizer(tiny_model_dir("llama"), root / "model")
+    first_layers(model_dir, root / "draft", 2)
     ref = reference_model(model_dir)
     batch = prompts(384, (5, 40, 17, 70, 3, 33, 9, 51)) + [[5, 6, 7, 8, 9] * 8, [10, 11, 12] * 10]
     compiled = GrammarCompiler(AutoTokenizer.from_pretrained(model_dir), 384, [2]).compile(
@@ -44,10 +48,14 @@ def expected(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_greedy_tokens_with_prompt_lookup_equal_transformers(expected, tmp_path, layout):
+def test_greedy_tokens_with_speculation_equal_transformers(expected, tmp_path, layout):
     model_dir, batch, want, want_constrained = expected
-    case = LAYOUTS[layout]
-    scheduler_args = (*case.get("scheduler_args", ()), "--speculative-config", NGRAM)
+    case = dict(LAYOUTS[layout])
+    spec = NGRAM
+    if layout.endswith("draft-model"):
+        spec = json.dumps({"model": str(model_dir.parent / "draft"), "num_speculative_tokens": 3})
+        case["per_stage_args"] = {len(case["split"]) - 1: ["--speculative-config", spec]}
+    scheduler_args = (*case.get("scheduler_args", ()), "--speculative-config", spec)
     plain = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     stop_at = want[-2][6]  # inside a run of drafts the loop makes likely
     requests_ = [(f"r{i}", p, plain) for i, p in enumerate(batch)]
@@ -63,7 +71,8 @@ def test_greedy_tokens_with_prompt_lookup_equal_transformers(expected, tmp_path,
     assert [got[f"c{i}"] for i in range(3)] == [(tokens, "stop") for tokens in want_constrained]
     assert stats.spec_decode_num_accepted_tokens > 0 and stats.spec_decode_num_drafts > 0
     assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == stats.spec_decode_num_accepted_tokens
-    assert "speculative decoding: ngram, 3 tokens" in (tmp_path / "scheduler.log").read_text()
+    log = (tmp_path / "scheduler.log").read_text()
+    assert "speculative decoding: ngram, 3 tokens" in log or "speculative decoding: draft model" in log
     if layout.endswith("preemption"):
         assert stats.num_preemptions > 0
 

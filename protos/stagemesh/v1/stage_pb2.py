@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from stagemesh.v1 import common_pb2 as stagemesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18stagemesh/v1/stage.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\"\xa1\x01\n\rModelIdentity\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x19\n\x11num_hidden_layers\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x1b\n\x13num_attention_heads\x18\x05 \x01(\x05\x12\x1b\n\x13num_key_value_heads\x18\x06 \x01(\x05\"\x11\n\x0f\x44\x65scribeRequest\"\xe1\x02\n\x10StageDescription\x12\x13\n\x0bstage_index\x18\x01 \x01(\x05\x12\x13\n\x0blayer_start\x18\x02 \x01(\x05\x12\x11\n\tlayer_end\x18\x03 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x19\n\x11\x66ree_memory_bytes\x18\x06 \x01(\x03\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\x03\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12*\n\x05model\x18\t \x01(\x0b\x32\x1b.stagemesh.v1.ModelIdentity\x12\x0f\n\x07\x61\x64\x64ress\x18\n \x01(\t\x12\x0f\n\x07handoff\x18\x0b \x01(\t\x12\x12\n\nmodel_path\x18\x0c \x01(\t\x12\x14\n\x0cweight_bytes\x18\r \x01(\x03\x12\x13\n\x0binstance_id\x18\x0e \x01(\t\x12\x0f\n\x07standby\x18\x0f \x01(\x08\"\x94\x02\n\x13JoinPipelineRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x13\n\x0brank_offset\x18\x05 \x01(\x05\x12\x10\n\x08tp_sizes\x18\x06 \x03(\x05\x12\x1a\n\x12next_stage_address\x18\x07 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\x03\x12\x15\n\rmax_model_len\x18\n \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\x05\x12\x1b\n\x13\x66irst_stage_address\x18\x0c \x01(\tJ\x04\x08\t\x10\n\"\x16\n\x14JoinPipelineResponse\"\x81\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.stagemesh.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\"\xbb\x01\n\x0fScheduledChunks\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x03\x12\x12\n\nnum_tokens\x18\x02 \x03(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x17\n\x0fstart_positions\x18\x04 \x03(\x05\x12\x16\n\x0enum_new_blocks\x18\x05 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x06 \x03(\x05\x12\x0e\n\x06sample\x18\x07 \x03(\x08\x12\x18\n\x10num_draft_tokens\x18\x08 \x03(\x05\"\xa3\x01\n\tStepBatch\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x30\n\rnew_sequences\x18\x03 \x03(\x0b\x32\x19.stagemesh.v1.NewSequence\x12\x18\n\x10\x66inished_seq_ids\x18\x05 \x03(\x03\x12-\n\x06\x63hunks\x18\x06 \x01(\x0b\x32\x1d.stagemesh.v1.ScheduledChunksJ\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x05\"[\n\x0e\x46orwardRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12%\n\x04step\x18\x02 \x01(\x0b\x32\x17.stagemesh.v1.StepBatch\x12\x13\n\x0btrace_links\x18\x03 \x03(\t\"\x9c\x02\n\rSampledTokens\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x03\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x14\n\x0clogprob_rows\x18\x03 \x03(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\x12\x12\n\nerror_rows\x18\x05 \x03(\x05\x12\x0e\n\x06\x65rrors\x18\x06 \x03(\t\x12\x35\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1c.stagemesh.v1.PromptLogprobs\x12\x15\n\rdraft_seq_ids\x18\x08 \x03(\x03\x12\x18\n\x10num_draft_tokens\x18\t \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\n \x03(\x05\"]\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\x05\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\"\x93\x01\n\x0f\x46orwardResponse\x12,\n\x07sampled\x18\x05 \x01(\x0b\x32\x1b.stagemesh.v1.SampledTokens\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x1c\n\x14handoff_wait_seconds\x18\x03 \x01(\x01\x12\x15\n\rhandoff_bytes\x18\x04 \x01(\x03J\x04\x08\x01\x10\x02\"}\n\x16PushActivationsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0f\n\x07step_id\x18\x02 \x01(\x03\x12+\n\rhidden_states\x18\x03 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x16\n\x0esampled_tokens\x18\x04 \x03(\x05\"\x19\n\x17PushActivationsResponse2\xd1\x02\n\x05Stage\x12I\n\x08\x44\x65scribe\x12\x1d.stagemesh.v1.DescribeRequest\x1a\x1e.stagemesh.v1.StageDescription\x12U\n\x0cJoinPipeline\x12!.stagemesh.v1.JoinPipelineRequest\x1a\".stagemesh.v1.JoinPipelineResponse\x12\x46\n\x07\x46orward\x12\x1c.stagemesh.v1.ForwardRequest\x1a\x1d.stagemesh.v1.ForwardResponse\x12^\n\x0fPushActivations\x12$.stagemesh.v1.PushActivationsRequest\x1a%.stagemesh.v1.PushActivationsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18stagemesh/v1/stage.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\"\xa1\x01\n\rModelIdentity\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x19\n\x11num_hidden_layers\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x1b\n\x13num_attention_heads\x18\x05 \x01(\x05\x12\x1b\n\x13num_key_value_heads\x18\x06 \x01(\x05\"\x11\n\x0f\x44\x65scribeRequest\"\x9c\x03\n\x10StageDescription\x12\x13\n\x0bstage_index\x18\x01 \x01(\x05\x12\x13\n\x0blayer_start\x18\x02 \x01(\x05\x12\x11\n\tlayer_end\x18\x03 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x19\n\x11\x66ree_memory_bytes\x18\x06 \x01(\x03\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\x03\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12*\n\x05model\x18\t \x01(\x0b\x32\x1b.stagemesh.v1.ModelIdentity\x12\x0f\n\x07\x61\x64\x64ress\x18\n \x01(\t\x12\x0f\n\x07handoff\x18\x0b \x01(\t\x12\x12\n\nmodel_path\x18\x0c \x01(\t\x12\x14\n\x0cweight_bytes\x18\r \x01(\x03\x12\x13\n\x0binstance_id\x18\x0e \x01(\t\x12\x0f\n\x07standby\x18\x0f \x01(\x08\x12\x1e\n\x16num_speculative_tokens\x18\x10 \x01(\x05\x12\x19\n\x11speculative_model\x18\x11 \x01(\t\"\x94\x02\n\x13JoinPipelineRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x13\n\x0brank_offset\x18\x05 \x01(\x05\x12\x10\n\x08tp_sizes\x18\x06 \x03(\x05\x12\x1a\n\x12next_stage_address\x18\x07 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\x03\x12\x15\n\rmax_model_len\x18\n \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\x05\x12\x1b\n\x13\x66irst_stage_address\x18\x0c \x01(\tJ\x04\x08\t\x10\n\"\x16\n\x14JoinPipelineResponse\"\x81\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.stagemesh.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\"\xbb\x01\n\x0fScheduledChunks\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x03\x12\x12\n\nnum_tokens\x18\x02 \x03(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x17\n\x0fstart_positions\x18\x04 \x03(\x05\x12\x16\n\x0enum_new_blocks\x18\x05 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x06 \x03(\x05\x12\x0e\n\x06sample\x18\x07 \x03(\x08\x12\x18\n\x10num_draft_tokens\x18\x08 \x03(\x05\"\xa3\x01\n\tStepBatch\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x30\n\rnew_sequences\x18\x03 \x03(\x0b\x32\x19.stagemesh.v1.NewSequence\x12\x18\n\x10\x66inished_seq_ids\x18\x05 \x03(\x03\x12-\n\x06\x63hunks\x18\x06 \x01(\x0b\x32\x1d.stagemesh.v1.ScheduledChunksJ\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x05\"[\n\x0e\x46orwardRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12%\n\x04step\x18\x02 \x01(\x0b\x32\x17.stagemesh.v1.StepBatch\x12\x13\n\x0btrace_links\x18\x03 \x03(\t\"\x9c\x02\n\rSampledTokens\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x03\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x14\n\x0clogprob_rows\x18\x03 \x03(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\x12\x12\n\nerror_rows\x18\x05 \x03(\x05\x12\x0e\n\x06\x65rrors\x18\x06 \x03(\t\x12\x35\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1c.stagemesh.v1.PromptLogprobs\x12\x15\n\rdraft_seq_ids\x18\x08 \x03(\x03\x12\x18\n\x10num_draft_tokens\x18\t \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\n \x03(\x05\"]\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\x05\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\"\x93\x01\n\x0f\x46orwardResponse\x12,\n\x07sampled\x18\x05 \x01(\x0b\x32\x1b.stagemesh.v1.SampledTokens\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x1c\n\x14handoff_wait_seconds\x18\x03 \x01(\x01\x12\x15\n\rhandoff_bytes\x18\x04 \x01(\x03J\x04\x08\x01\x10\x02\"}\n\x16PushActivationsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0f\n\x07step_id\x18\x02 \x01(\x03\x12+\n\rhidden_states\x18\x03 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x16\n\x0esampled_tokens\x18\x04 \x03(\x05\"\x19\n\x17PushActivationsResponse2\xd1\x02\n\x05Stage\x12I\n\x08\x44\x65scribe\x12\x1d.stagemesh.v1.DescribeRequest\x1a\x1e.stagemesh.v1.StageDescription\x12U\n\x0cJoinPipeline\x12!.stagemesh.v1.JoinPipelineRequest\x1a\".stagemesh.v1.JoinPipelineResponse\x12\x46\n\x07\x46orward\x12\x1c.stagemesh.v1.ForwardRequest\x1a\x1d.stagemesh.v1.ForwardResponse\x12^\n\x0fPushActivations\x12$.stagemesh.v1.PushActivationsRequest\x1a%.stagemesh.v1.PushActivationsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,29 +37,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=233
   _globals['_DESCRIBEREQUEST']._serialized_end=250
   _globals['_STAGEDESCRIPTION']._serialized_start=253
-  _globals['_STAGEDESCRIPTION']._serialized_end=606
-  _globals['_JOINPIPELINEREQUEST']._serialized_start=609
-  _globals['_JOINPIPELINEREQUEST']._serialized_end=885
-  _globals['_JOINPIPELINERESPONSE']._serialized_start=887
-  _globals['_JOINPIPELINERESPONSE']._serialized_end=909
-  _globals['_NEWSEQUENCE']._serialized_start=912
-  _globals['_NEWSEQUENCE']._serialized_end=1041
-  _globals['_SCHEDULEDCHUNKS']._serialized_start=1044
-  _globals['_SCHEDULEDCHUNKS']._serialized_end=1231
-  _globals['_STEPBATCH']._serialized_start=1234
-  _globals['_STEPBATCH']._serialized_end=1397
-  _globals['_FORWARDREQUEST']._serialized_start=1399
-  _globals['_FORWARDREQUEST']._serialized_end=1490
-  _globals['_SAMPLEDTOKENS']._serialized_start=1493
-  _globals['_SAMPLEDTOKENS']._serialized_end=1777
-  _globals['_PROMPTLOGPROBS']._serialized_start=1779
-  _globals['_PROMPTLOGPROBS']._serialized_end=1872
-  _globals['_FORWARDRESPONSE']._serialized_start=1875
-  _globals['_FORWARDRESPONSE']._serialized_end=2022
-  _globals['_PUSHACTIVATIONSREQUEST']._serialized_start=2024
-  _globals['_PUSHACTIVATIONSREQUEST']._serialized_end=2149
-  _globals['_PUSHACTIVATIONSRESPONSE']._serialized_start=2151
-  _globals['_PUSHACTIVATIONSRESPONSE']._serialized_end=2176
-  _globals['_STAGE']._serialized_start=2179
-  _globals['_STAGE']._serialized_end=2516
+  _globals['_STAGEDESCRIPTION']._serialized_end=665
+  _globals['_JOINPIPELINEREQUEST']._serialized_start=668
+  _globals['_JOINPIPELINEREQUEST']._serialized_end=944
+  _globals['_JOINPIPELINERESPONSE']._serialized_start=946
+  _globals['_JOINPIPELINERESPONSE']._serialized_end=968
+  _globals['_NEWSEQUENCE']._serialized_start=971
+  _globals['_NEWSEQUENCE']._serialized_end=1100
+  _globals['_SCHEDULEDCHUNKS']._serialized_start=1103
+  _globals['_SCHEDULEDCHUNKS']._serialized_end=1290
+  _globals['_STEPBATCH']._serialized_start=1293
+  _globals['_STEPBATCH']._serialized_end=1456
+  _globals['_FORWARDREQUEST']._serialized_start=1458
+  _globals['_FORWARDREQUEST']._serialized_end=1549
+  _globals['_SAMPLEDTOKENS']._serialized_start=1552
+  _globals['_SAMPLEDTOKENS']._serialized_end=1836
+  _globals['_PROMPTLOGPROBS']._serialized_start=1838
+  _globals['_PROMPTLOGPROBS']._serialized_end=1931
+  _globals['_FORWARDRESPONSE']._serialized_start=1934
+  _globals['_FORWARDRESPONSE']._serialized_end=2081
+  _globals['_PUSHACTIVATIONSREQUEST']._serialized_start=2083
+  _globals['_PUSHACTIVATIONSREQUEST']._serialized_end=2208
+  _globals['_PUSHACTIVATIONSRESPONSE']._serialized_start=2210
+  _globals['_PUSHACTIVATIONSRESPONSE']._serialized_end=2235
+  _globals['_STAGE']._serialized_start=2238
+  _globals['_STAGE']._serialized_end=2575
 # @@protoc_insertion_point(module_scope)

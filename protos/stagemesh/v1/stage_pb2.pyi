@@ -92,6 +92,8 @@ class StageDescription(_message.Message):
     WEIGHT_BYTES_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     STANDBY_FIELD_NUMBER: _builtins.int
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_MODEL_FIELD_NUMBER: _builtins.int
     stage_index: _builtins.int
     layer_start: _builtins.int
     """Layers [layer_start, layer_end)."""
@@ -121,6 +123,13 @@ class StageDescription(_message.Message):
     scheduler keeps it as a spare (weights loaded, KV cache allocated) and
     swaps it in when that stage fails.
     """
+    num_speculative_tokens: _builtins.int
+    """Speculative decoding with a draft model (the last stage, run with a
+    --speculative-config naming one): the drafts it proposes per step, and
+    the draft's model directory; 0 and empty without one. The scheduler
+    refuses a last stage whose draft does not match its own config.
+    """
+    speculative_model: _builtins.str
     @_builtins.property
     def model(self) -> Global___ModelIdentity: ...
     def __init__(
@@ -141,10 +150,12 @@ class StageDescription(_message.Message):
         weight_bytes: _builtins.int = ...,
         instance_id: _builtins.str = ...,
         standby: _builtins.bool = ...,
+        num_speculative_tokens: _builtins.int = ...,
+        speculative_model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "instance_id", b"instance_id", "layer_end", b"layer_end", "layer_start", b"layer_start", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "stage_index", b"stage_index", "standby", b"standby", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "instance_id", b"instance_id", "layer_end", b"layer_end", "layer_start", b"layer_start", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "num_speculative_tokens", b"num_speculative_tokens", "speculative_model", b"speculative_model", "stage_index", b"stage_index", "standby", b"standby", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
