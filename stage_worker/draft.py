@@ -8,7 +8,11 @@ sequence's last token and then its own guesses, one position at a time, writing 
 its k next drafts. They reach the scheduler in the step's result.
 
 Drafts are the draft's argmax (vLLM's default draft_sample_method "greedy"): the stage verifies them as it
-verifies prompt lookup's, by drawing the target's own token at each position (stage_worker.sampler).
+verifies prompt lookup's, by drawing the target's own token at each position (stage_worker.sampler). With
+"probabilistic", an unseeded sampled sequence's drafts are drawn from the draft's distribution (the request's
+temperature, top-k, top-p, min-p), kept here until the next step verifies them by rejection sampling against
+it (stage_worker.rejection): more of them are accepted than argmax drafts when both models are uncertain.
+A seeded request keeps argmax drafts and the seeded draws (its tokens are those without speculation).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.speculative import SpeculativeConfig
 from stage_worker.logits_processors import SequenceState
 from stage_worker.model import AttentionMetadata
+from stage_worker.rejection import sampling_probs
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -34,10 +39,11 @@ class DraftModel:
         if cfg.vocab_size != target.vocab_size:
             raise StagemeshError(f"the draft model {spec.model} has a vocabulary of {cfg.vocab_size} tokens; the "
                                  f"target's has {target.vocab_size} (they must share the tokenizer)")
-        if spec.draft_sample_method != "greedy":
-            raise StagemeshError(f"--speculative-config draft_sample_method {spec.draft_sample_method!r} is not "
-                                 "built yet: the draft proposes its argmax (\"greedy\", vLLM's default)")
         self.k = spec.num_speculative_tokens
+        self.probabilistic = spec.draft_sample_method == "probabilistic"
+        # probabilistic drafts of each sequence's next step: (tokens, the distribution each was drawn from)
+        self.proposals: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
+        self._gen = torch.Generator(device="cpu").manual_seed(torch.initial_seed() % (2**63))
         self.runner = StageRunner(spec.model, 0, cfg.num_hidden_layers, device=device, dtype=dtype,
                                   block_size=block_size, config=cfg, cuda_graphs=False)
         self.block_size, self.device = block_size, self.runner.device
@@ -49,6 +55,21 @@ class DraftModel:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.kv_caches = []
         self.runner.allocate_kv_cache(num_blocks)
+        self.proposals.clear()
+
+    def forget(self, seq_id: int) -> None:
+        self.proposals.pop(seq_id, None)
+
+    def probs_for(self, seq_ids: list[int], drafts: list[list[int]]) -> list[list[torch.Tensor] | None] | None:
+        """The distributions the step's drafts were drawn from, where this draft drew them (the scheduler may
+        send fewer); None for the others."""
+        if not self.proposals:
+            return None
+        out = []
+        for seq_id, draft in zip(seq_ids, drafts):
+            tokens, probs = self.proposals.pop(seq_id, ([], []))
+            out.append(probs[:len(draft)] if draft and tokens[:len(draft)] == draft else None)
+        return out
 
     @torch.inference_mode()
     def mirror(self, token_ids: list[int], meta: AttentionMetadata) -> None:
@@ -70,14 +91,28 @@ class DraftModel:
                 limit = min(len(tables[seq_id]) * self.block_size, self.max_positions)
                 active.append([seq_id, state.output[-1], position, min(position + want, limit)])
         drafts: dict[int, list[int]] = {a[0]: [] for a in active}
+        for seq_id in seq_ids:
+            self.proposals.pop(seq_id, None)
         while True:
             active = [a for a in active if a[2] < a[3]]  # a position to write, a draft still wanted
             if not active:
                 return drafts
             logits = self._decode([a[1] for a in active], [a[2] for a in active], [tables[a[0]] for a in active])
-            for a, token in zip(active, logits.argmax(dim=-1).tolist()):
+            for row, (a, token) in enumerate(zip(active, logits.argmax(dim=-1).tolist())):
+                params = seqs[a[0]].params
+                if self.probabilistic and not params.greedy and params.seed is None:
+                    token = self._draw(logits[row], params, a[0])
                 drafts[a[0]].append(token)
                 a[1], a[2] = token, a[2] + 1
+
+    def _draw(self, logits: torch.Tensor, params, seq_id: int) -> int:
+        """A draft drawn from the draft's distribution, which is kept for the verification."""
+        q = sampling_probs(logits, params)
+        token = int(torch.multinomial(q.cpu(), 1, generator=self._gen))
+        tokens, probs = self.proposals.setdefault(seq_id, ([], []))
+        tokens.append(token)
+        probs.append(q)
+        return token
 
     def _decode(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
         """One token per sequence through the draft: its logits after each."""

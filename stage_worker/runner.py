@@ -153,6 +153,8 @@ class StageRunner:
         self.num_drafts.clear()
         if self.sampler is not None:
             self.sampler.seqs.clear()
+        if self.drafter is not None:
+            self.drafter.proposals.clear()
         if not self.kv_caches or self.kv_caches[0][0].shape[0] != num_kv_blocks:
             self.kv_caches = []
             self.allocate_kv_cache(num_kv_blocks)
@@ -185,7 +187,10 @@ class StageRunner:
                 scored = prompt_logprobs.compute(scored, hidden, self.model.compute_logits, self.tp.rank == 0)
         if not sample_rows:
             return StageOutput(prompt_logprobs=scored)
-        sampled = self.sampler.sample(logits, sample_ids, drafts) if self.tp.rank == 0 else []
+        sampled = []
+        if self.tp.rank == 0:
+            probs = self.drafter.probs_for(sample_ids, drafts) if self.drafter is not None else None
+            sampled = self.sampler.sample(logits, sample_ids, drafts, probs)
         proposed = self._propose(sampled)
         return StageOutput(sampled=sampled, logits=logits if return_logits else None, prompt_logprobs=scored,
                            drafts=proposed)
@@ -238,6 +243,8 @@ class StageRunner:
             self.num_drafts.pop(seq_id, None)
             if self.sampler is not None:
                 self.sampler.remove_sequence(seq_id)
+            if self.drafter is not None:
+                self.drafter.forget(seq_id)
         for seq in batch.new_sequences:
             self.block_tables[seq.seq_id] = []
             if self.sampler is not None:

@@ -22,6 +22,7 @@ from stagemesh.core.grammar import GrammarCompiler
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import NewSequence, SampledToken
 from stage_worker.logits_processors import SequenceState, needs_processing, process_row
+from stage_worker.rejection import rejection_sample, sampling_probs
 
 
 class Sampler:
@@ -58,16 +59,19 @@ class Sampler:
     def remove_sequence(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
 
-    def sample(self, logits: torch.Tensor, seq_ids: list[int], drafts: list[list[int]] | None = None
-               ) -> list[SampledToken]:
+    def sample(self, logits: torch.Tensor, seq_ids: list[int], drafts: list[list[int]] | None = None,
+               draft_probs: list[list[torch.Tensor] | None] | None = None) -> list[SampledToken]:
         """One token per sequence, from one row of logits each; or, for a sequence with N draft tokens
         (speculative decoding), N + 1 rows: the logits after its last token and after each draft. Those
         rows are verified in order: each is sampled as a row without drafts would be (processed with the
         drafts before it taken as output, a seeded draw by its position) and the draft is accepted while it
         equals the token drawn (rejection sampling with a one-hot draft distribution: the output's
-        distribution, and a seeded request's tokens, are those without speculation). Returns 1..N+1 tokens
-        per sequence, consecutive, in order."""
+        distribution, and a seeded request's tokens, are those without speculation). Where a draft model
+        sampled the drafts, draft_probs holds its distribution of each: an unseeded sampled sequence's
+        drafts are then kept or replaced by rejection sampling against it (stage_worker.rejection). Returns
+        1..N+1 tokens per sequence, consecutive, in order."""
         drafts = drafts or [[] for _ in seq_ids]
+        draft_probs = draft_probs or [None] * len(seq_ids)
         states = [self.seqs[s] for s in seq_ids]
         firsts = _first_rows(drafts)
         raw = logits.float()
@@ -85,13 +89,14 @@ class Sampler:
                       "constraint rule out every one")
                   for r, (ok, some) in enumerate(zip(finite, open_)) if not (ok and some)}
         out = []
-        for i, (seq_id, state, draft) in enumerate(zip(seq_ids, states, drafts)):
+        for i, (seq_id, state, draft, qs) in enumerate(zip(seq_ids, states, drafts, draft_probs)):
             for j in range(len(draft) + 1):
                 row = firsts[i] + j
                 error = state.constraint_error or errors.get(row)
                 token = None
                 if error is None:
-                    token, error = self._draw(logits[row], state, token_list[row])
+                    against = (draft[j], qs[j]) if qs is not None and j < len(qs) else None
+                    token, error = self._draw(logits[row], state, token_list[row], against)
                 if error is not None:
                     # a step run ahead may need this row's token: 0 stands in (its request ends here)
                     state.output.append(0)
@@ -123,13 +128,19 @@ class Sampler:
             if advanced:
                 matcher.rollback(advanced)
 
-    def _draw(self, row: torch.Tensor, state: SequenceState, greedy_token: int) -> tuple[int | None, str | None]:
+    def _draw(self, row: torch.Tensor, state: SequenceState, greedy_token: int,
+              against: tuple[int, torch.Tensor] | None = None) -> tuple[int | None, str | None]:
         """(the row's token, None) or (None, why it cannot be sampled); a constrained sequence's matcher
-        advances past the token."""
+        advances past the token. against: (a draft, the draft model's distribution it was drawn from), to
+        keep or replace by rejection sampling (an unseeded sampled sequence)."""
         token = greedy_token
         if not state.params.greedy:
             try:
-                token = self._sample_row(row, state)
+                if against is not None and state.params.seed is None:
+                    p = sampling_probs(row, state.params).cpu()
+                    token = rejection_sample(p, against[1].cpu(), against[0], self._unseeded)
+                else:
+                    token = self._sample_row(row, state)
             except (RuntimeError, ValueError) as err:  # this row's distribution only
                 return None, f"sampling failed: {err}"
         if state.matcher is not None and not state.matcher.terminated and not state.matcher.accept(token):
@@ -138,23 +149,11 @@ class Sampler:
 
     def _sample_row(self, logits: torch.Tensor, state: SequenceState) -> int:
         p = state.params
-        logits = logits / p.temperature
-        if 0 < p.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)  # stable (max-subtracted); temperature >= SAMPLING_EPS
-        if p.min_p > 0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-            drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
         gen = self._unseeded
         if p.seed is not None:
             gen = torch.Generator(device="cpu").manual_seed((p.seed * 1_000_003 + len(state.output)) % (2**63))
         # a distribution with no finite mass makes multinomial raise: that row fails alone (see sample)
-        return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+        return int(torch.multinomial(sampling_probs(logits, p).cpu(), 1, generator=gen))
 
 
 def _first_rows(drafts: list[list[int]]) -> list[int]:
