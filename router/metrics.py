@@ -3,7 +3,7 @@
 vLLM's series under vLLM's names (`vllm:`), labels and buckets, so that vLLM's Grafana dashboard and
 alerts work against the gateway alone: `model_name` is the served name and `engine` the replica's index in
 the router's --replica list (vLLM's data-parallel rank). The engine state (running, waiting, KV usage,
-prefix cache, preemptions) comes from each scheduler's statistics stream; the request series (tokens,
+prefix cache, preemptions, speculative decoding's acceptance) comes from each scheduler's statistics stream; the request series (tokens,
 finish reasons, latencies) are measured here, where every request passes. The `stagemesh:router_*` series
 are the router's own (which replica served what, replays, health), by replica address.
 
@@ -53,6 +53,12 @@ PREFIX_QUERIES = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in 
                          E, **R)
 PREFIX_HITS = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", E, **R)
 PREEMPTIONS = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", E, **R)
+# speculative decoding (vllm/v1/spec_decode/metrics.py), on replicas run with --speculative-config
+SPEC_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", E, **R)
+SPEC_DRAFT_TOKENS = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", E, **R)
+SPEC_ACCEPTED = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", E, **R)
+SPEC_ACCEPTED_PER_POS = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                "Accepted tokens per draft position.", [*E, "position"], **R)
 
 # -- vLLM's request series, measured at the router ------------------------------------------------------
 PROMPT = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", E, **R)

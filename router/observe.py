@@ -13,7 +13,7 @@ from router import metrics as m
 log = logging.getLogger("stagemesh.router")
 
 _state = {"name": "", "engines": {}, "tokens": None}
-_counted: dict[str, tuple[int, int, int]] = {}  # replica -> prefix queries, hits, preemptions seen so far
+_counted: dict[str, tuple[int, ...]] = {}  # replica -> its counters seen so far (prefix, preemptions, spec)
 
 
 def configure(model_name: str, max_model_len: int, addresses: list[str]) -> None:
@@ -40,12 +40,20 @@ def replica_state(address: str, healthy: bool, stats=None) -> None:
     m.RUNNING.labels(*labels).set(stats.num_running)
     m.WAITING.labels(*labels).set(stats.num_waiting)
     m.KV_USAGE.labels(*labels).set(stats.kv_cache_usage)
-    now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
-    before = _counted.get(address, (0, 0, 0))
-    if any(n < b for n, b in zip(now, before)):  # the scheduler's counts restarted (a new epoch, a restart)
-        before = (0, 0, 0)
-    for counter, n, b in zip((m.PREFIX_QUERIES, m.PREFIX_HITS, m.PREEMPTIONS), now, before):
-        counter.labels(*labels).inc(max(n - b, 0))  # (a zero creates the series: a dashboard sees 0)
+    # speculative decoding's counters exist where a replica speculates (it reports one count per position)
+    per_pos = list(stats.spec_decode_num_accepted_tokens_per_pos)
+    spec = (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
+            stats.spec_decode_num_accepted_tokens) if per_pos else ()
+    now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions, *spec, *per_pos)
+    before = _counted.get(address, ())
+    if len(before) != len(now) or any(n < b for n, b in zip(now, before)):  # the scheduler's counts restarted
+        before = (0,) * len(now)  # (a new epoch, a restart)
+    counters = [c.labels(*labels) for c in (m.PREFIX_QUERIES, m.PREFIX_HITS, m.PREEMPTIONS)]
+    if per_pos:
+        counters += [c.labels(*labels) for c in (m.SPEC_DRAFTS, m.SPEC_DRAFT_TOKENS, m.SPEC_ACCEPTED)]
+        counters += [m.SPEC_ACCEPTED_PER_POS.labels(*labels, str(pos)) for pos in range(len(per_pos))]
+    for counter, n, b in zip(counters, now, before):
+        counter.inc(max(n - b, 0))  # (a zero creates the series: a dashboard sees 0)
     _counted[address] = now
 
 

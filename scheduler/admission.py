@@ -1,5 +1,7 @@
-"""What a request must be for a replica to queue it: checked before the scheduler takes it, so that a request
-with bad data fails alone (INVALID_ARGUMENT) and nothing of it reaches the stages."""
+"""What a request must be to enter a scheduler: checks that need the settings only, not the queues.
+
+A request that fails them is refused with one line that says why, before it takes any place.
+"""
 from __future__ import annotations
 
 from scheduler.config import SchedulerConfig
@@ -11,7 +13,8 @@ MAX_REQUEST_ID_LEN = 256
 
 def check_request(cfg: SchedulerConfig, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                   generated_token_ids: list[int]) -> None:
-    """Raises StagemeshError (the reason) unless the request can run on a pipeline of this configuration."""
+    """Its id, its token ids against the vocabulary, and prompt + max_tokens against the context length and
+    the KV cache (a continuation's generated tokens leave something to generate)."""
     if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
         raise StagemeshError(f"a request id must have 1 to {MAX_REQUEST_ID_LEN} characters")
     if not prompt_token_ids:
@@ -25,8 +28,13 @@ def check_request(cfg: SchedulerConfig, request_id: str, prompt_token_ids: list[
         sampling.check_vocab(cfg.vocab_size)
     total = len(prompt_token_ids) + sampling.max_tokens
     if total > cfg.max_model_len:
-        raise StagemeshError(f"this model's maximum context length is {cfg.max_model_len} tokens, but the request "
-                             f"asks for {total} ({len(prompt_token_ids)} in the prompt + {sampling.max_tokens} "
-                             "max_tokens)")
-    if -(-total // cfg.block_size) > cfg.num_kv_blocks:
+        raise StagemeshError(
+            f"this model's maximum context length is {cfg.max_model_len} tokens, but the request asks for "
+            f"{total} ({len(prompt_token_ids)} in the prompt + {sampling.max_tokens} max_tokens)"
+        )
+    if not fits_kv_cache(cfg, total):
         raise StagemeshError(f"a request of {total} tokens can never fit the KV cache of {cfg.kv_cache_tokens} tokens")
+
+
+def fits_kv_cache(cfg: SchedulerConfig, num_tokens: int) -> bool:
+    return -(-num_tokens // cfg.block_size) <= cfg.num_kv_blocks

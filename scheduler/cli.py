@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="schedule a step before the previous one's tokens are back, so the stages do not wait for "
                         "the scheduler: always with one stage, with more where a micro-batch would be empty "
                         "(default: on when the stages run on GPUs, off on CPU)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's speculative decoding config (JSON): method ngram (prompt lookup, proposed here: "
+                        "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min) or draft_model (\"model\": "
+                        "the draft, which the last stage runs with the same flag); not with --async-scheduling")
     p.add_argument("--stage-recovery-timeout", type=float, default=30.0,
                    help="when a stage fails, keep its requests this many seconds for the pipeline to re-form (the "
                         "stage restarted, or a --standby stage took its place), then go on with them; after that "
@@ -67,6 +71,7 @@ async def _main(args: argparse.Namespace) -> int:
     from scheduler.service import SchedulerServicer, serve
     from stagemesh.core.default_model import resolve_model, served_model_name
     from stagemesh.core.model_config import ModelConfig
+    from stagemesh.core.speculative import parse_speculative_config
 
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_path(model_dir)
@@ -84,13 +89,16 @@ async def _main(args: argparse.Namespace) -> int:
     internal_token.warn_if_open("scheduler")
     identity = ModelIdentity(cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size,
                              cfg.num_attention_heads, cfg.num_key_value_heads)
-    rendezvous = Rendezvous(args.pipeline_parallel_size, args.block_size, identity)
+    spec = parse_speculative_config(args.speculative_config)
+    draft_tokens = spec.num_speculative_tokens if spec is not None and spec.uses_draft_model else 0
+    rendezvous = Rendezvous(args.pipeline_parallel_size, args.block_size, identity, draft_tokens)
     driver = Driver(DriverConfig(
         SchedulerConfig(max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=args.enable_prefix_caching, eos_token_ids=cfg.eos_token_ids,
                         max_waiting_requests=args.max_waiting_requests, vocab_size=cfg.vocab_size,
-                        scheduling_policy=args.scheduling_policy, kv_hold_timeout_s=args.kv_hold_timeout),
+                        scheduling_policy=args.scheduling_policy, kv_hold_timeout_s=args.kv_hold_timeout,
+                        speculative=spec),
         model_max_len=cfg.max_position_embeddings, async_scheduling=args.async_scheduling,
         stage_recovery_timeout_s=args.stage_recovery_timeout, max_request_retries=args.max_request_retries),
         GrpcPipeline(rendezvous, advertise, store.port, replace(DEADLINES, forward_s=args.forward_timeout)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.speculative import ASYNC_WITH_SPECULATION, SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class SchedulerConfig:
     # the lowest-priority running request is preempted for a higher one that lacks KV blocks)
     scheduling_policy: str = "fcfs"
     kv_hold_timeout_s: float = 30.0  # a prefilled request's KV blocks wait this long for a decode replica at most
+    speculative: SpeculativeConfig | None = None  # vLLM's --speculative-config (scheduler.speculation)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -34,6 +36,8 @@ class SchedulerConfig:
                 raise StagemeshError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise StagemeshError(f"scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.speculative is not None and self.async_scheduling:
+            raise StagemeshError(ASYNC_WITH_SPECULATION)
 
     def check_formed(self) -> None:
         """The settings a scheduler runs with: the pipeline's part filled in."""

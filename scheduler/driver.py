@@ -46,6 +46,7 @@ from scheduler.rendezvous import PipelinePlan, StageInfo
 from scheduler.request import RequestOutput
 from scheduler.scheduler import Scheduler, SchedulerOutput
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.speculative import ASYNC_WITH_SPECULATION
 from stagemesh.core.sampling_params import SamplingParams
 
 log = logging.getLogger("stagemesh.scheduler")
@@ -60,6 +61,10 @@ class DriverConfig:
     stage_recovery_timeout_s: float = 30.0  # how long requests are kept for a pipeline to re-form (0: fail at once)
     max_request_retries: int = 3  # pipelines that may break under a request before it fails
     async_scheduling: bool | None = None  # None: on when every stage computes on a GPU (see _start_epoch)
+
+    def __post_init__(self) -> None:
+        if self.async_scheduling and self.scheduler.speculative is not None:
+            raise StagemeshError(ASYNC_WITH_SPECULATION)
 
 
 @dataclass
@@ -233,7 +238,7 @@ class Driver:
             check_result(output.step_batch, result, scheduler.config.vocab_size)
         except StagemeshError as err:  # the last stage answered nonsense: it is broken, not the requests
             raise StageFailure(self.plan.stages[-1], str(err)) from None
-        outputs = scheduler.update_from_output(output, result.sampled, result.prompt_logprobs)
+        outputs = scheduler.update_from_output(output, result.sampled, result.prompt_logprobs, result.drafts)
         for out in outputs:
             if out.held_kv is not None:  # where its KV waits for a decode replica
                 out.held_kv = replace(out.held_kv, epoch=epoch, stages=tuple(
@@ -346,8 +351,9 @@ class Driver:
         # it was measured slower there (benchmarks/RESULTS.md, 2026-11-23 async scheduling), so on CPU it
         # is on only when asked for
         async_scheduling = self.cfg.async_scheduling
-        if async_scheduling is None:
-            async_scheduling = all(s.device.startswith("cuda") for s in plan.stages)
+        if async_scheduling is None:  # (speculation refuses it: scheduler.config)
+            async_scheduling = all(s.device.startswith("cuda") for s in plan.stages) and \
+                self.cfg.scheduler.speculative is None
         block_size = self.pipeline.block_size
         kept, self.scheduler = self.scheduler, Scheduler(replace(
             self.cfg.scheduler, num_kv_blocks=plan.num_kv_blocks, max_model_len=max_len, block_size=block_size,
@@ -370,8 +376,10 @@ class Driver:
         log.info("KV cache size: %s tokens", f"{kv_tokens:,}")
         log.info("Maximum concurrency for %s tokens per request: %.2fx", f"{max_len:,}", kv_tokens / max_len)
         self.healthy, self.reason = True, ""
-        log.info("pipeline formed (epoch %d): %d stage(s), world size %d%s", self.epoch, len(plan.stages),
-                 plan.world_size, ", async scheduling" if async_scheduling else "")
+        spec = self.cfg.scheduler.speculative
+        log.info("pipeline formed (epoch %d): %d stage(s), world size %d%s%s", self.epoch, len(plan.stages),
+                 plan.world_size, ", async scheduling" if async_scheduling else "",
+                 f", speculative decoding: {spec.describe()}" if spec is not None else "")
         self._wake.set()
 
     async def _probe_loop(self) -> None:

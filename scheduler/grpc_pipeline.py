@@ -23,7 +23,7 @@ from stagemesh.core.deadlines import DEADLINES, Deadlines
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.service_options import aio_channel
 from stagemesh.core.step import EpochSpec, StepBatch
-from stagemesh.core.step_wire import epoch_to_pb, prompt_logprobs_from_pb, sampled_from_pb, step_to_pb
+from stagemesh.core.step_wire import drafts_from_pb, epoch_to_pb, prompt_logprobs_from_pb, sampled_from_pb, step_to_pb
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.scheduler")
@@ -107,9 +107,12 @@ class GrpcPipeline:
         rows = len(msg.seq_ids)
         if (len(msg.token_ids) != rows or len(msg.logprob_rows) != len(msg.logprobs)
                 or len(msg.error_rows) != len(msg.errors)
-                or any(not 0 <= r < rows for r in (*msg.logprob_rows, *msg.error_rows))):
+                or any(not 0 <= r < rows for r in (*msg.logprob_rows, *msg.error_rows))
+                or len(msg.draft_seq_ids) != len(msg.num_draft_tokens)
+                or any(n < 0 for n in msg.num_draft_tokens) or sum(msg.num_draft_tokens) != len(msg.draft_token_ids)):
             raise StageFailure(calls[-1][0], "the stage's sampled-token columns do not line up")
-        return StepResult(sampled_from_pb(msg), prompt_logprobs_from_pb(msg), sum(r.compute_seconds for r in replies))
+        return StepResult(sampled_from_pb(msg), prompt_logprobs_from_pb(msg), sum(r.compute_seconds for r in replies),
+                          drafts_from_pb(msg))
 
     # -- disaggregated prefill ------------------------------------------------------------
     async def pull_kv(self, epoch: int, pull) -> int:

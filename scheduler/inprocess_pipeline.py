@@ -59,7 +59,7 @@ class InProcessPipeline:
             except StagemeshError as err:
                 raise StageFailure(stage, str(err)) from None
             hidden = result.hidden_states
-        return StepResult(result.sampled, result.prompt_logprobs)
+        return StepResult(result.sampled, result.prompt_logprobs, drafts=result.drafts)
 
     async def probe(self) -> StageFailure | None:
         return None

@@ -20,6 +20,8 @@ from scheduler.request import RequestOutput
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig, layer_ranges, layer_split
 from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.speculative import parse_speculative_config
+from stage_worker.draft import DraftModel
 from stage_worker.kv_cache import num_kv_blocks_for_budget
 from stage_worker.runner import StageRunner
 
@@ -31,18 +33,22 @@ class LocalEngine:
                  num_kv_blocks: int | None = None, kv_cache_memory: int = DEFAULT_KV_BUDGET,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  max_model_len: int | None = None, device: str = "cpu", dtype: str | None = None,
-                 async_scheduling: bool | None = None):
+                 async_scheduling: bool | None = None, speculative_config: str | dict | None = None):
+        """speculative_config: vLLM's --speculative-config, as JSON or a dict."""
         cfg = ModelConfig.from_path(model_dir)
+        spec = parse_speculative_config(speculative_config)
         split = split or layer_split(cfg.num_hidden_layers, 1)
         self.runners = [StageRunner(model_dir, a, b, device=device, dtype=dtype, block_size=block_size, config=cfg)
                         for a, b in layer_ranges(split)]
+        if spec is not None and spec.uses_draft_model:  # on the last stage, as a stage service runs it
+            self.runners[-1].attach_drafter(DraftModel(spec, cfg, device, dtype, block_size))
         if num_kv_blocks is None:
             num_kv_blocks = min(num_kv_blocks_for_budget(kv_cache_memory, r.kv_bytes_per_block) for r in self.runners)
         self.pipeline = InProcessPipeline(self.runners, num_kv_blocks)
         self.driver = Driver(DriverConfig(
             SchedulerConfig(max_model_len=max_model_len, block_size=block_size, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-                            eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size),
+                            eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size, speculative=spec),
             model_max_len=cfg.max_position_embeddings, async_scheduling=async_scheduling), self.pipeline)
         self._loop = asyncio.new_event_loop()
         self._loop.run_until_complete(self.driver.form())

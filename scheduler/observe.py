@@ -22,6 +22,7 @@ from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
 from scheduler.request import RequestOutput
+from scheduler.speculation import SpecDecodeStats
 from stagemesh.core import telemetry
 
 log = logging.getLogger("stagemesh.scheduler")
@@ -52,6 +53,12 @@ KV_PULLS = Counter("stagemesh:kv_transfer_pulls", "Prompts whose KV was fetched 
                    "(outcome ok) or computed here after a failed fetch (outcome failed)", ["outcome"])
 KV_PULL_TIME = Histogram("stagemesh:kv_transfer_pull_seconds", "Fetching one prompt's KV from a prefill replica",
                          buckets=_LATENCY)
+# speculative decoding, vLLM's spec_decode counters under the mesh's prefix (the router exports vLLM's names)
+SPEC_DRAFTS = Counter("stagemesh:spec_decode_num_drafts", "Steps of a request that carried draft tokens")
+SPEC_DRAFT_TOKENS = Counter("stagemesh:spec_decode_num_draft_tokens", "Draft tokens sent to be verified")
+SPEC_ACCEPTED = Counter("stagemesh:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+SPEC_ACCEPTED_PER_POS = Counter("stagemesh:spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted, by their position in the step's drafts", ["position"])
 STEP = Histogram("stagemesh:scheduler_step_seconds", "One micro-batch through every stage", buckets=_ITL)
 STEP_COMPUTE = Histogram("stagemesh:stage_compute_seconds", "Model time of one micro-batch, summed over stages",
                          buckets=_ITL)
@@ -78,6 +85,7 @@ class Observer:
         self.replica = replica
         self.requests: dict[str, _Tracked] = {}
         self._prefix = (0, 0)
+        self._spec = SpecDecodeStats()  # counted so far: each step adds what its scheduler counted since
 
     # -- requests -------------------------------------------------------------
     def submitted(self, request_id: str, num_prompt: int, parent_ctx=None, num_generated: int = 0) -> None:
@@ -221,4 +229,19 @@ class Observer:
             PREFIX_QUERIES.inc(queries - self._prefix[0])
             PREFIX_HITS.inc(max(hits - self._prefix[1], 0))
             self._prefix = (queries, hits)
+            if stats.spec_decode is not None:
+                self._count_spec(stats.spec_decode)
+
+    def _count_spec(self, now: SpecDecodeStats) -> None:
+        before = self._spec
+        if now.num_drafts < before.num_drafts:  # a new epoch's scheduler counts from zero
+            before = SpecDecodeStats()
+        SPEC_DRAFTS.inc(now.num_drafts - before.num_drafts)
+        SPEC_DRAFT_TOKENS.inc(now.num_draft_tokens - before.num_draft_tokens)
+        SPEC_ACCEPTED.inc(now.num_accepted_tokens - before.num_accepted_tokens)
+        for pos, n in enumerate(now.accepted_per_pos):
+            was = before.accepted_per_pos[pos] if pos < len(before.accepted_per_pos) else 0
+            SPEC_ACCEPTED_PER_POS.labels(str(pos)).inc(n - was)
+        self._spec = SpecDecodeStats(now.num_drafts, now.num_draft_tokens, now.num_accepted_tokens,
+                                     list(now.accepted_per_pos))
 

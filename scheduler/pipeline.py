@@ -19,16 +19,19 @@ from opentelemetry import trace
 
 from scheduler.rendezvous import PipelinePlan, StageInfo
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.speculative import MAX_NUM_SPECULATIVE_TOKENS
 from stagemesh.core.step import PromptLogprobs, SampledToken, StepBatch
 
 
 @dataclass
 class StepResult:
-    """A step's result: the last stage's sampled tokens (one per sampling chunk, in order), prompt
-    logprobs, and the compute seconds of every stage together."""
+    """A step's result: the last stage's sampled tokens (in chunk order: one per sampling chunk, or
+    1..N+1 consecutive ones for a chunk with N drafts), prompt logprobs, the compute seconds of every
+    stage together, and a draft model's proposals for the sequences' next steps."""
     sampled: list[SampledToken]
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     compute_seconds: float = 0.0
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
 
 class StageFailure(Exception):
@@ -69,19 +72,32 @@ class Pipeline(Protocol):
 
 
 def check_result(batch: StepBatch, result: StepResult, vocab_size: int | None) -> None:
-    """Raises StagemeshError unless `result` answers `batch`: a token for each sampling chunk, in order, in
-    the vocabulary; prompt logprobs only within the chunks the step computed."""
+    """Raises StagemeshError unless `result` answers `batch`: tokens for each sampling chunk, in order, in
+    the vocabulary (with drafts: the accepted ones equal to the drafts, at most one more); prompt logprobs
+    only within the chunks the step computed; proposals only for sequences that sampled."""
     c = batch.chunks
-    want = [seq_id for seq_id, sample in zip(c.seq_ids, c.sample) if sample]
-    got = [t.seq_id for t in result.sampled]
-    if got != want:
-        raise StagemeshError(f"the stage sampled sequences {got[:8]}, the step asked for {want[:8]}")
     vocab = vocab_size or (1 << 31)
+    drafts = {seq_id: (c.token_ids[end - d:end] if d else [])
+              for seq_id, sample, d, end in zip(c.seq_ids, c.sample, c.draft_counts(), _ends(c.num_tokens)) if sample}
+    runs = token_runs(result.sampled)
+    got = [seq_id for seq_id, _ in runs]
+    if got != list(drafts):
+        raise StagemeshError(f"the stage sampled sequences {got[:8]}, the step asked for {list(drafts)[:8]}")
+    for seq_id, tokens in runs:
+        draft = drafts[seq_id]
+        ids = [t.token_id for t in tokens]
+        if len(tokens) > len(draft) + 1 or ids[:-1] != draft[:len(ids) - 1] or \
+                any(t.error is not None for t in tokens[:-1]):
+            raise StagemeshError(f"the stage's tokens for sequence {seq_id} do not follow its drafts")
     if any(not 0 <= t.token_id < vocab for t in result.sampled if t.error is None):
         raise StagemeshError(f"the stage sampled a token id outside the vocabulary of {vocab}")
-    errors = [t.error for t in result.sampled if t.error is not None]
-    if len(errors) == len(want) > 1:  # not one request's data: the model itself is failing
-        raise StagemeshError(f"every one of the {len(want)} sequences of the step failed to sample ({errors[0]})")
+    errors = [tokens[-1].error for _, tokens in runs if tokens[-1].error is not None]
+    if len(errors) == len(runs) > 1:  # not one request's data: the model itself is failing
+        raise StagemeshError(f"every one of the {len(runs)} sequences of the step failed to sample ({errors[0]})")
+    for seq_id, tokens in result.drafts.items():
+        if seq_id not in drafts or len(tokens) > MAX_NUM_SPECULATIVE_TOKENS or \
+                any(not 0 <= t < vocab for t in tokens):
+            raise StagemeshError(f"the stage proposed drafts for sequence {seq_id} that the step cannot take")
     if result.prompt_logprobs:
         spans = {seq_id: (start, start + n) for seq_id, start, n in zip(c.seq_ids, c.start_positions, c.num_tokens)}
         for p in result.prompt_logprobs:
@@ -89,3 +105,22 @@ def check_result(batch: StepBatch, result: StepResult, vocab_size: int | None) -
             if not lo < p.start <= hi or p.start + len(p.entries) - 1 > hi or \
                     any(not 0 <= e.token_id < vocab for e in p.entries):
                 raise StagemeshError(f"the stage scored prompt tokens outside sequence {p.seq_id}'s chunk")
+
+
+def token_runs(sampled: list[SampledToken]) -> list[tuple[int, list[SampledToken]]]:
+    """The sampled tokens grouped by sequence (each sequence's are consecutive), in order."""
+    runs: list[tuple[int, list[SampledToken]]] = []
+    for t in sampled:
+        if runs and runs[-1][0] == t.seq_id:
+            runs[-1][1].append(t)
+        else:
+            runs.append((t.seq_id, [t]))
+    return runs
+
+
+def _ends(num_tokens: list[int]) -> list[int]:
+    out, at = [], 0
+    for n in num_tokens:
+        at += n
+        out.append(at)
+    return out

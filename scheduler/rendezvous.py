@@ -40,6 +40,7 @@ class StageInfo:
     handoff: str
     instance_id: str = ""  # new at every start of the stage process
     standby: bool = False  # may be kept as a spare for its index
+    num_speculative_tokens: int = 0  # drafts its draft model proposes per step (the last stage's), 0: none
 
     @property
     def name(self) -> str:
@@ -56,12 +57,28 @@ class PipelinePlan:
 
 
 class Rendezvous:
-    def __init__(self, pipeline_parallel_size: int, block_size: int, model: ModelIdentity):
+    def __init__(self, pipeline_parallel_size: int, block_size: int, model: ModelIdentity,
+                 num_speculative_tokens: int = 0):
+        """num_speculative_tokens: the drafts per step of the draft model the last stage must run (0: none)."""
         self.pp = pipeline_parallel_size
         self.block_size = block_size
         self.model = model
+        self.num_speculative_tokens = num_speculative_tokens
         self.stages: dict[int, StageInfo] = {}
         self.spares: dict[int, dict[str, StageInfo]] = {}  # index -> address -> standby stage
+
+    def _check_draft(self, s: StageInfo, where: str) -> None:
+        """Speculative decoding with a draft model: the last stage runs the draft the scheduler expects."""
+        want = self.num_speculative_tokens if s.stage_index == self.pp - 1 else 0
+        if s.num_speculative_tokens == want:
+            return
+        if not want:
+            raise StagemeshError(f"{where} runs a draft model ({s.num_speculative_tokens} tokens per step), which "
+                                 "this scheduler does not expect: give the scheduler the same --speculative-config "
+                                 "(only the last stage runs a draft)")
+        raise StagemeshError(f"{where}: this scheduler speculates with a draft model of {want} tokens per step, "
+                             f"which the last stage must run (it has {s.num_speculative_tokens}): give it the same "
+                             "--speculative-config")
 
     def register(self, stage: StageInfo) -> int:
         """Accept the stage (replacing an earlier one of the same index); returns stages still missing."""
@@ -112,6 +129,7 @@ class Rendezvous:
             raise StagemeshError(f"{where}: the first stage must start at layer 0")
         if s.stage_index == self.pp - 1 and s.layer_end != self.model.num_hidden_layers:
             raise StagemeshError(f"{where}: the last stage must end at layer {self.model.num_hidden_layers}")
+        self._check_draft(s, where)
         for o in others:
             if o.layer_start < s.layer_end and s.layer_start < o.layer_end:
                 raise StagemeshError(f"{where} overlaps stage {o.stage_index} (layers {o.layer_start}:{o.layer_end})")

@@ -29,6 +29,8 @@ class Request:
     # output tokens scheduled whose ids are not known yet (vLLM's name): steps in flight that sample one; a
     # step run ahead of them computes PLACEHOLDER in their place (stage_worker.run_ahead fills it in)
     num_output_placeholders: int = 0
+    # speculative decoding: the draft tokens its next decode step carries (scheduler.speculation)
+    spec_token_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     num_recoveries: int = 0  # pipelines that broke under it (it was kept and recomputed: Scheduler.requeue_all)
     num_prompt_logprobs: int = 0  # prompt logprobs delivered (positions 1.. of the prompt)
@@ -53,8 +55,15 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
-    def stop_reason(self, token_id: int, eos_token_ids, max_model_len: int) -> tuple[str | None, int | None]:
-        """Why the request ends with this (its latest) token, and the stop token that ended it, if it ends."""
+    @property
+    def priority_key(self) -> tuple[int, float]:
+        """The order of the priority policy (vLLM's): lower priority value first, then earlier arrival."""
+        return self.priority, self.arrival_time
+
+    def stop_reason(self, token_id: int, eos_token_ids: tuple[int, ...], max_model_len: int
+                    ) -> tuple[str | None, int | None]:
+        """Whether the output token just appended ends the request: ("stop", the token), ("length", None)
+        or (None, None)."""
         p = self.sampling
         enough = len(self.output_token_ids) >= p.min_tokens
         if enough and not p.ignore_eos and token_id in eos_token_ids:
@@ -65,7 +74,7 @@ class Request:
             return "length", None
         return None, None
 
-    def new_prompt_logprobs(self, scores: PromptLogprobs | None) -> "RequestOutput | None":
+    def new_prompt_logprobs(self, scores: PromptLogprobs | None) -> RequestOutput | None:
         """The prompt logprobs a chunk brought that the request has not had yet (a preempted request's
         prompt is scored again when it is recomputed)."""
         if scores is None:
@@ -77,11 +86,6 @@ class Request:
         return RequestOutput(self.request_id, prompt_logprobs=scores.entries[skip:],
                              prompt_logprobs_start=scores.start + skip,
                              num_prompt_tokens=len(self.prompt_token_ids))
-
-    @property
-    def priority_key(self) -> tuple[int, float]:
-        """The order of the priority policy (vLLM's): lower priority value first, then earlier arrival."""
-        return self.priority, self.arrival_time
 
 
 @dataclass(frozen=True)

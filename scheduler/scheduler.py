@@ -18,6 +18,10 @@ that turns out to have finished (EOS, stop token) wastes the one token
 computed ahead; its result is dropped. schedule(run_ahead=False) leaves such
 requests out (a pipeline runs ahead only where a micro-batch would be empty).
 
+Speculative decoding (--speculative-config, scheduler.speculation): a decode step carries the
+request's last token and its draft tokens as one chunk; the last stage verifies them and returns 1..k+1
+tokens, appended one by one under the stop conditions; num_computed_tokens rolls back over the rejected.
+
 The queues' order, and so who gets the budget first and who is preempted, is the scheduling policy's
 (scheduler.policy: fcfs or priority).
 """
@@ -28,13 +32,15 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from scheduler.block_manager import BlockManager
 from scheduler import recovery
 from scheduler.admission import check_request
+from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.kv_transfer import KVSourceInfo, KVTransfers
+from scheduler.pipeline import token_runs
 from scheduler.policy import SchedulingPolicy
 from scheduler.request import HeldKV, Request, RequestOutput, Status
+from scheduler.speculation import SpecDecodeStats, Speculator
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import PLACEHOLDER, NewSequence, PromptLogprobs, SampledToken, ScheduledChunks, StepBatch
@@ -57,6 +63,7 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_kv_blocks: int
     num_preemptions: int = 0
+    spec_decode: SpecDecodeStats | None = None  # with --speculative-config
 
 
 @dataclass
@@ -85,6 +92,7 @@ class Scheduler:
         self.recent_preemptions: deque[str] = deque(maxlen=4096)
         self.num_preemptions = 0
         self.transfers = KVTransfers(config.kv_hold_timeout_s)  # disaggregated prefill's holds and pulls
+        self.spec = Speculator(config.speculative, config.max_model_len) if config.speculative else None
 
     # -- requests in and out ------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -118,7 +126,10 @@ class Scheduler:
         return usable
 
     def _kv_source_fits(self, src: KVSourceInfo, request: Request) -> bool:
-        """The held KV is exactly the prompt's, in blocks of this replica's size, with the first token after it."""
+        """The held KV is exactly the prompt's, in blocks of this replica's size, with the first token after it;
+        not with a draft model, whose own KV cache mirrors only what the target computes here."""
+        if self.spec is not None and self.spec.config.uses_draft_model:
+            return False
         return (src.block_size == self.config.block_size and src.num_tokens == len(request.prompt_token_ids)
                 and len(src.block_ids) == self.kv.blocks_needed(src.num_tokens) and bool(request.output_token_ids)
                 and request.sampling.prompt_logprobs is None)
@@ -167,7 +178,8 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.kv.prefix_queries,
-                              self.kv.prefix_hits, self.kv.num_blocks, self.num_preemptions)
+                              self.kv.prefix_hits, self.kv.num_blocks, self.num_preemptions,
+                              self.spec.stats if self.spec is not None else None)
 
     # -- one step -------------------------------------------------------------
     def schedule(self, max_seqs: int | None = None, run_ahead: bool = True) -> SchedulerOutput | None:
@@ -198,9 +210,13 @@ class Scheduler:
                 continue
             if request.in_flight and not (budget.run_ahead and self._can_run_ahead(request)):
                 continue
-            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
-                          budget.tokens)
-            new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + num_new)
+            num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+            decode = num_new == 1 and not request.num_output_placeholders
+            drafts = self.spec.drafts(request) if self.spec is not None and decode else []
+            num_new = min(num_new + len(drafts), budget.tokens)
+            drafts = drafts[:num_new - 1]  # the budget may cut them
+            need = self._kv_tokens(request, num_new, len(drafts))
+            new_blocks = self.kv.allocate(request.request_id, need)
             if new_blocks is None and request.in_flight:
                 continue  # a step ahead never preempts: the request waits for its result instead
             while new_blocks is None:
@@ -211,10 +227,10 @@ class Scheduler:
                 preempted += 1
                 if victim is request:
                     break
-                new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + num_new)
+                new_blocks = self.kv.allocate(request.request_id, need)
             if new_blocks is None or request.status is not Status.RUNNING:
                 continue
-            self._add_chunk(budget, request, num_new, new_blocks)
+            self._add_chunk(budget, request, num_new, new_blocks, drafts)
         return preempted
 
     def _make_room(self) -> int:
@@ -253,14 +269,15 @@ class Scheduler:
             if request.kv_ready:  # pulled: its blocks hold the prompt; the stages get every one of them
                 num_cached, num_new = request.num_computed_tokens, min(request.num_tokens - request.num_computed_tokens,
                                                                       budget.tokens)
-                if self.kv.allocate(request.request_id, num_cached + num_new) is None:
+                if self.kv.allocate(request.request_id, self._kv_tokens(request, num_new, 0, num_cached)) is None:
                     break
                 new_blocks, request.kv_ready = list(self.kv.tables[request.request_id]), False
             else:
                 num_tokens, cached = self._first_chunk(request, budget.tokens)
                 num_cached = len(cached) * self.config.block_size
                 num_new = num_tokens - num_cached
-                new_blocks = self.kv.allocate(request.request_id, num_tokens, cached)
+                new_blocks = self.kv.allocate(request.request_id, self._kv_tokens(request, num_new, 0, num_cached),
+                                              cached)
                 if new_blocks is None:
                     break
             self.waiting.popleft()
@@ -286,16 +303,26 @@ class Scheduler:
                 and len(request.output_token_ids) + 1 < p.max_tokens
                 and request.num_tokens + 1 < self.config.max_model_len)
 
-    def _add_chunk(self, budget: _Budget, request: Request, num_new: int, new_blocks: list[int]) -> None:
-        start = request.num_computed_tokens
-        tokens = request.all_token_ids[start:start + num_new]
-        if len(tokens) < num_new:  # the token sampled by the step in flight: the stage fills it in
+    def _kv_tokens(self, request: Request, num_new: int, num_drafts: int, start: int | None = None) -> int:
+        """The tokens the request's KV blocks must hold for a chunk of num_new tokens from `start` (its
+        num_computed_tokens), with a draft model's lookahead when the chunk samples."""
+        end = (request.num_computed_tokens if start is None else start) + num_new
+        if self.spec is not None and end - num_drafts >= request.num_tokens + request.num_output_placeholders:
+            return self.spec.lookahead(request, end)
+        return end
+
+    def _add_chunk(self, budget: _Budget, request: Request, num_new: int, new_blocks: list[int],
+                   drafts: list[int] = ()) -> None:
+        start, known = request.num_computed_tokens, num_new - len(drafts)
+        tokens = request.all_token_ids[start:start + known]
+        if len(tokens) < known:  # the token sampled by the step in flight: the stage fills it in
             tokens.append(PLACEHOLDER)
+        tokens += drafts
         request.num_computed_tokens += num_new
-        sample = request.num_computed_tokens == request.num_tokens + request.num_output_placeholders
+        sample = request.num_computed_tokens - len(drafts) == request.num_tokens + request.num_output_placeholders
         if sample:
             request.num_output_placeholders += 1
-        budget.chunks.append(request.seq_id, tokens, start, new_blocks, sample)
+        budget.chunks.append(request.seq_id, tokens, start, new_blocks, sample, len(drafts))
         budget.request_ids.append(request.request_id)
         budget.tokens -= num_new
 
@@ -313,56 +340,85 @@ class Scheduler:
         self._finished_seq_ids.append(request.seq_id)
         request.status = Status.WAITING
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.recent_preemptions.append(request.request_id)
         self.policy.enqueue(self.waiting, request, preempted=True)
 
     def update_from_output(self, output: SchedulerOutput, sampled: list[SampledToken],
-                           prompt_logprobs: list[PromptLogprobs] = ()) -> list[RequestOutput]:
-        by_seq = {s.seq_id: s for s in sampled}
+                           prompt_logprobs: list[PromptLogprobs] = (),
+                           drafts: dict[int, list[int]] | None = None) -> list[RequestOutput]:
+        """Take a step's result in: each sampling chunk's tokens (1..N+1 for a chunk with N drafts, checked by
+        scheduler.pipeline.check_result), prompt logprobs, and a draft model's proposals (`drafts`)."""
+        by_seq = dict(token_runs(sampled))
         scored = {p.seq_id: p for p in prompt_logprobs}
-        results, bs, c = [], self.config.block_size, output.step_batch.chunks
-        for request_id, seq_id, start, n, sample in zip(output.request_ids, c.seq_ids, c.start_positions,
-                                                        c.num_tokens, c.sample):
+        results, c = [], output.step_batch.chunks
+        for request_id, seq_id, start, n, sample, num_drafts in zip(output.request_ids, c.seq_ids, c.start_positions,
+                                                                    c.num_tokens, c.sample, c.draft_counts()):
             request = self.requests.get(request_id)
             if request is None or request.seq_id != seq_id:
                 continue  # aborted or preempted meanwhile
             request.in_flight -= 1
-            if (start + n) // bs > start // bs:  # the chunk filled a block: it may serve as a cached prefix
-                # (only tokens whose ids are known: a step ahead may be computing the next one)
-                self.kv.cache_full_blocks(request_id, request.all_token_ids,
-                                          min(request.num_computed_tokens, request.num_tokens))
             scores = request.new_prompt_logprobs(scored.get(seq_id))
             if not sample:
+                self._cache_blocks(request, start + n)
                 if scores is not None:
                     results.append(scores)
                 continue
             request.num_output_placeholders -= 1
-            token = by_seq.get(seq_id)
-            if token is None:
+            tokens = by_seq.get(seq_id)
+            if tokens is None:
                 continue
-            if token.error is not None:  # this request's row failed to sample: it ends alone
-                results.append(self._finish(request, "error", error=token.error, own_fault=True))
-                continue
-            request.append_output(token.token_id)
-            result = RequestOutput(request_id, [token.token_id], [token] if token.logprob is not None else [],
-                                   num_prompt_tokens=len(request.prompt_token_ids),
-                                   num_cached_tokens=request.num_cached_tokens)
+            end = start + n - num_drafts + len(tokens) - 1  # past the accepted drafts
+            result = self._take_tokens(request, tokens, num_drafts, end, (drafts or {}).get(seq_id))
             if scores is not None:
                 result.prompt_logprobs, result.prompt_logprobs_start = scores.prompt_logprobs, \
                     scores.prompt_logprobs_start
-            if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:
-                result.queue_seconds = request.first_scheduled_time - request.arrival_time
+            results.append(result)
+        return results
+
+    def _take_tokens(self, request: Request, tokens: list[SampledToken], num_drafts: int, computed: int,
+                     proposed: list[int] | None) -> RequestOutput:
+        """Append a chunk's tokens one by one, each checked against the stop conditions (a stop inside an
+        accepted run ends the request there); the rejected drafts' positions count as not computed (their
+        KV slots are written again later)."""
+        if num_drafts:
+            accepted = len(tokens) - 1
+            request.num_computed_tokens -= num_drafts - accepted
+            self.spec.record(num_drafts, accepted)
+        first = not request.output_token_ids
+        result = RequestOutput(request.request_id, num_prompt_tokens=len(request.prompt_token_ids),
+                               num_cached_tokens=request.num_cached_tokens)
+        if first and request.first_scheduled_time is not None:
+            result.queue_seconds = request.first_scheduled_time - request.arrival_time
+        for token in tokens:
+            if token.error is not None:  # this request's row failed to sample: it ends alone
+                failed = self._finish(request, "error", error=token.error, own_fault=True)
+                failed.new_token_ids, failed.new_logprobs = result.new_token_ids, result.new_logprobs
+                return failed
+            request.append_output(token.token_id)
+            result.new_token_ids.append(token.token_id)
+            if token.logprob is not None:
+                result.new_logprobs.append(token)
             reason, stop_id = request.stop_reason(token.token_id, self.config.eos_token_ids, self.config.max_model_len)
             if reason is None and request.prefill_only:  # the prompt is computed: its KV waits for a decode replica
                 reason = "prefilled"
-                result.held_kv = HeldKV(list(self.kv.tables.get(request_id, ())), len(request.prompt_token_ids))
+                result.held_kv = HeldKV(list(self.kv.tables.get(request.request_id, ())), len(request.prompt_token_ids))
             if reason is not None:
+                self._cache_blocks(request, computed)
                 self._finish(request, reason)
                 result.finish_reason, result.stop_token_id = reason, stop_id
-            results.append(result)
-        return results
+                return result
+        self._cache_blocks(request, computed)
+        if self.spec is not None:
+            self.spec.propose(request, proposed)
+        return result
+
+    def _cache_blocks(self, request: Request, computed: int) -> None:
+        """Blocks full of tokens a step took in has computed (not those of a step ahead, in flight; not
+        rejected drafts) may serve as a cached prefix."""
+        self.kv.cache_full_blocks(request.request_id, request.all_token_ids, min(computed, request.num_tokens))
 
     def _finish(self, request: Request, reason: str, error: str | None = None, own_fault: bool = False
                 ) -> RequestOutput:

@@ -102,6 +102,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             stats.num_running, stats.num_waiting, stats.kv_cache_usage = s.num_running, s.num_waiting, s.kv_cache_usage
             stats.prefix_cache_queries, stats.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
             stats.num_kv_blocks, stats.num_preemptions = s.num_kv_blocks, s.num_preemptions
+            if s.spec_decode is not None:
+                spec = s.spec_decode
+                stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens = spec.num_drafts, \
+                    spec.num_draft_tokens
+                stats.spec_decode_num_accepted_tokens = spec.num_accepted_tokens
+                stats.spec_decode_num_accepted_tokens_per_pos.extend(spec.accepted_per_pos)
         return stats
 
     async def GetStats(self, request, context):
@@ -152,7 +158,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         info = StageInfo(s.stage_index, s.layer_start, s.layer_end, s.tensor_parallel_size, s.device, s.num_kv_blocks,
                          s.block_size, ModelIdentity(m.model_type, m.num_hidden_layers, m.hidden_size, m.vocab_size,
                                                      m.num_attention_heads, m.num_key_value_heads), s.address,
-                         s.handoff, s.instance_id, s.standby)
+                         s.handoff, s.instance_id, s.standby, s.num_speculative_tokens)
         try:
             missing, first_seen = await self.driver.register_stage(info)
         except StagemeshError as err:

@@ -60,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a spare: when another live stage serves this --stage-index, the scheduler keeps this one "
                         "warm (weights loaded, KV cache allocated) and swaps it in when that stage fails; otherwise "
                         "it serves as any stage")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="the last stage's draft model for speculative decoding, as the scheduler's "
+                        "--speculative-config gives it ({\"model\": DIR, \"num_speculative_tokens\": k}): the draft "
+                        "runs on TP rank 0 with a KV cache of its own, in this stage's KV budget")
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     p.add_argument("--cpu-affinity", default=None, metavar="CPUS", help="pin the stage (and followers) to these "
                                                                         "cores, e.g. 0 or 0,1")
@@ -111,6 +115,22 @@ def eplb_config(args: argparse.Namespace, cfg):
     return EPLBConfig.parse(args.eplb_config, cfg.num_experts, args.tensor_parallel_size)
 
 
+def stage_speculation(args: argparse.Namespace, cfg, layer_end: int):
+    """The draft model of --speculative-config (the last stage's only), or None."""
+    from stagemesh.core.speculative import parse_speculative_config
+
+    spec = parse_speculative_config(args.speculative_config)
+    if spec is None:
+        return None
+    if not spec.uses_draft_model:
+        raise StagemeshError("--speculative-config method ngram is the scheduler's (it proposes the drafts from "
+                             "the request's tokens): give it to `stagemesh scheduler`, not to a stage")
+    if layer_end != cfg.num_hidden_layers:
+        raise StagemeshError("--speculative-config with a draft model goes to the last stage only (it verifies "
+                             "the drafts and proposes the next ones)")
+    return spec
+
+
 def parse_layers(text: str) -> tuple[int, int]:
     try:
         start, end = (int(x) for x in text.split(":"))
@@ -159,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
                              "re-forms with the restarted member (stage_worker.ep_group)")
     ep = expert_parallel_across_replicas(args, cfg, start, end)
     balance = eplb_config(args, cfg)
+    spec = stage_speculation(args, cfg, end)
     if args.cpu_affinity:
         import os
 
@@ -180,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     worker = StageWorker(StageConfig(slice_, args.stage_index, handoff=args.handoff,
                                      kv_cache_memory=args.kv_cache_memory,
                                      gpu_memory_utilization=args.gpu_memory_utilization, threads=args.threads,
-                                     ep=ep, standby=args.standby))
+                                     ep=ep, standby=args.standby, speculative=spec))
     if args.standby:  # warm: a join with the stage's own number of blocks finds its cache ready
         worker.runner.allocate_kv_cache(worker.num_kv_blocks)
     internal_token.warn_if_open(f"stage {args.stage_index}")

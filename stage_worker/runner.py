@@ -32,6 +32,7 @@ class StageOutput:
     sampled: list[SampledToken] = field(default_factory=list)  # last stage, TP rank 0
     logits: torch.Tensor | None = None  # [num_sampled, vocab] fp32, when asked
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # last stage, TP rank 0
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # a draft model's proposals (last stage, rank 0)
 
 
 def check_layer_range(cfg: ModelConfig, layer_start: int, layer_end: int) -> None:
@@ -113,12 +114,21 @@ class StageRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables: dict[int, list[int]] = {}
         self.seq_lens: dict[int, int] = {}  # tokens of each sequence whose KV the steps so far compute
+        # drafts of each sequence's last chunk: its next chunk may start that much earlier (those rejected)
+        self.num_drafts: dict[int, int] = {}
         grammars = lazy_compiler(model_dir, cfg.vocab_size, list(cfg.eos_token_ids)) if model_dir else None
         self.sampler = Sampler(self.device, cfg.eos_token_ids, grammars) if self.is_last_stage else None
         # decode steps replay CUDA graphs (TP=1 on CUDA; TP>1 and CPU run eagerly: see stage_worker/cuda_graphs.py)
         self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and tp_size == 1 and ep is None
         self.max_graph_batch = max_graph_batch
         self.graphs = None
+        self.drafter = None  # stage_worker.draft.DraftModel: a draft model on the last stage's TP rank 0
+
+    def attach_drafter(self, drafter) -> None:
+        """Speculative decoding with a draft model: it mirrors this stage's KV cache (its blocks count in
+        kv_bytes_per_block) and proposes drafts after each step's sampling."""
+        self.drafter = drafter
+        self.kv_bytes_per_block += drafter.kv_bytes_per_block
 
     @property
     def is_first_stage(self) -> bool:
@@ -132,6 +142,8 @@ class StageRunner:
         self.graphs = None
         self.kv_caches = allocate_kv_cache(len(self.model.layers), num_blocks, self.block_size, self.num_kv_heads,
                                            self.config.head_dim, self.dtype, self.device)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks)
         if self.use_cuda_graphs:
             from stage_worker.cuda_graphs import DecodeGraphs
 
@@ -141,8 +153,11 @@ class StageRunner:
         """A new pipeline epoch: forget every sequence; (re)allocate the cache if its size changed."""
         self.block_tables.clear()
         self.seq_lens.clear()
+        self.num_drafts.clear()
         if self.sampler is not None:
             self.sampler.seqs.clear()
+        if self.drafter is not None:
+            self.drafter.proposals.clear()
         if not self.kv_caches or self.kv_caches[0][0].shape[0] != num_kv_blocks:
             self.kv_caches = []
             self.allocate_kv_cache(num_kv_blocks)
@@ -153,12 +168,13 @@ class StageRunner:
         self._update_state(batch)
         if not batch.chunks:
             return StageOutput()
-        input_ids, meta, sample_rows, sample_ids = self._prepare(batch)
+        input_ids, meta, sample_rows, sample_ids, drafts = self._prepare(batch)
         graphs, num_tokens = self.graphs, meta.positions.shape[0]
         scored = prompt_logprobs.pieces_of(batch, self.sampler.seqs) if self.sampler is not None else []
         if not scored and graphs is not None and graphs.can_run(len(batch.chunks), num_tokens,
                                                                  meta.block_tables.shape[1]):
             out = graphs.run(input_ids, hidden_states, meta)  # the next replay reuses this buffer: copy what is kept
+            self._mirror(batch, meta)
             if not self.is_last_stage:
                 return StageOutput(hidden_states=out.clone())
             logits = out if len(sample_rows) == num_tokens else out[sample_rows]
@@ -166,6 +182,7 @@ class StageRunner:
                 logits = logits.clone()
         else:
             hidden = self.model(input_ids, hidden_states, meta, self.kv_caches)
+            self._mirror(batch, meta)
             if not self.is_last_stage:
                 return StageOutput(hidden_states=hidden)
             logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None
@@ -173,13 +190,31 @@ class StageRunner:
                 scored = prompt_logprobs.compute(scored, hidden, self.model.compute_logits, self.tp.rank == 0)
         if not sample_rows:
             return StageOutput(prompt_logprobs=scored)
-        sampled = self.sampler.sample(logits, sample_ids) if self.tp.rank == 0 else []
-        return StageOutput(sampled=sampled, logits=logits if return_logits else None, prompt_logprobs=scored)
+        sampled = []
+        if self.tp.rank == 0:
+            probs = self.drafter.probs_for(sample_ids, drafts) if self.drafter is not None else None
+            sampled = self.sampler.sample(logits, sample_ids, drafts, probs)
+        proposed = self._propose(sampled)
+        return StageOutput(sampled=sampled, logits=logits if return_logits else None, prompt_logprobs=scored,
+                           drafts=proposed)
+
+    def _mirror(self, batch: StepBatch, meta: AttentionMetadata) -> None:
+        if self.drafter is not None and self.tp.rank == 0:
+            self.drafter.mirror(batch.chunks.token_ids, meta)
+
+    def _propose(self, sampled: list[SampledToken]) -> dict[int, list[int]]:
+        """The draft model's next drafts for the sequences this step sampled (not those whose row failed)."""
+        if self.drafter is None or not sampled:
+            return {}
+        last = {t.seq_id: t for t in sampled}  # each sequence's last token
+        seq_ids = [seq_id for seq_id, t in last.items() if t.error is None]
+        return self.drafter.propose(self.sampler.seqs, seq_ids, self.block_tables, self.config.eos_token_ids)
 
     def check_state(self, batch: StepBatch, max_model_len: int) -> None:
         """The checks of a step that need the sequences' state (the rest: stage_worker.validate): new ids
-        are new, every other id is known, each chunk continues its sequence where its tokens end and its
-        blocks cover it. Raises InvalidStep and changes nothing."""
+        are new, every other id is known, each chunk continues its sequence where its tokens end (or over
+        the drafts of its last chunk, some of which were rejected) and its blocks cover it. Raises
+        InvalidStep and changes nothing."""
         finished, new = set(batch.finished_seq_ids), {s.seq_id for s in batch.new_sequences}
         if len(new) != len(batch.new_sequences) or any(s in self.block_tables and s not in finished for s in new):
             raise InvalidStep("a new sequence's id is already in use")
@@ -194,7 +229,7 @@ class StageRunner:
                     raise InvalidStep(f"new sequence {seq_id} starts at {start} with {blocks} KV blocks")
             elif seq_id in lens and seq_id not in finished:
                 blocks = len(tables[seq_id]) + added
-                if start != lens[seq_id]:
+                if not lens[seq_id] - self.num_drafts.get(seq_id, 0) <= start <= lens[seq_id]:
                     raise InvalidStep(f"sequence {seq_id} continues at position {start}; its tokens end at "
                                       f"{lens[seq_id]}")
             else:
@@ -208,15 +243,20 @@ class StageRunner:
         for seq_id in batch.finished_seq_ids:
             self.block_tables.pop(seq_id, None)
             self.seq_lens.pop(seq_id, None)
+            self.num_drafts.pop(seq_id, None)
             if self.sampler is not None:
                 self.sampler.remove_sequence(seq_id)
+            if self.drafter is not None:
+                self.drafter.forget(seq_id)
         for seq in batch.new_sequences:
             self.block_tables[seq.seq_id] = []
             if self.sampler is not None:
                 self.sampler.add_sequence(seq)
         c, tables, lens, b = batch.chunks, self.block_tables, self.seq_lens, 0
-        for seq_id, n, start, count in zip(c.seq_ids, c.num_tokens, c.start_positions, c.num_new_blocks):
+        for seq_id, n, start, count, d in zip(c.seq_ids, c.num_tokens, c.start_positions, c.num_new_blocks,
+                                              c.draft_counts()):
             lens[seq_id] = start + n
+            self.num_drafts[seq_id] = d
             if count:
                 tables[seq_id].extend(c.new_block_ids[b:b + count])
                 b += count
@@ -224,17 +264,19 @@ class StageRunner:
     def _prepare(self, batch: StepBatch):
         bs, c = self.block_size, batch.chunks
         positions, slots, context_lens, starts = [], [], [], [0]
-        sample_rows, sample_ids = [], []
+        sample_rows, sample_ids, drafts = [], [], []
         tables = [self.block_tables[s] for s in c.seq_ids]
-        for seq_id, table, n, p0, sample in zip(c.seq_ids, tables, c.num_tokens, c.start_positions, c.sample):
+        for seq_id, table, n, p0, sample, d in zip(c.seq_ids, tables, c.num_tokens, c.start_positions, c.sample,
+                                                   c.draft_counts()):
             pos = range(p0, p0 + n)  # covered by the sequence's blocks (check_state, for steps from outside)
             positions.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             context_lens.append(p0 + n)
             starts.append(starts[-1] + n)
-            if sample:
-                sample_rows.append(starts[-1] - 1)
+            if sample:  # the logits of the chunk's last token, and of each draft (verified against them)
+                sample_rows.extend(range(starts[-1] - 1 - d, starts[-1]))
                 sample_ids.append(seq_id)
+                drafts.append(c.token_ids[starts[-1] - d:starts[-1]])
         width = max(len(t) for t in tables)
         dev = self.device
         meta = AttentionMetadata(
@@ -245,4 +287,4 @@ class StageRunner:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
         )
         input_ids = torch.tensor(c.token_ids, dtype=torch.int64, device=dev) if self.is_first_stage else None
-        return input_ids, meta, sample_rows, sample_ids
+        return input_ids, meta, sample_rows, sample_ids, drafts

@@ -1,4 +1,5 @@
-"""Sampling on the last stage: logits in, one token per sequence out.
+"""Sampling on the last stage: logits in, one token per sequence out (or, with draft tokens to verify,
+the drafts accepted and one token more: speculative decoding).
 
 The request's token controls, penalties and structured-output constraint (stage_worker.logits_processors,
 stagemesh.core.grammar: the matcher advances here, with the token sampled), temperature, top-k /
@@ -21,6 +22,7 @@ from stagemesh.core.grammar import GrammarCompiler
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import NewSequence, SampledToken
 from stage_worker.logits_processors import SequenceState, needs_processing, process_row
+from stage_worker.rejection import rejection_sample, sampling_probs
 
 
 class Sampler:
@@ -57,64 +59,110 @@ class Sampler:
     def remove_sequence(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
 
-    def sample(self, logits: torch.Tensor, seq_ids: list[int]) -> list[SampledToken]:
+    def sample(self, logits: torch.Tensor, seq_ids: list[int], drafts: list[list[int]] | None = None,
+               draft_probs: list[list[torch.Tensor] | None] | None = None) -> list[SampledToken]:
+        """One token per sequence, from one row of logits each; or, for a sequence with N draft tokens
+        (speculative decoding), N + 1 rows: the logits after its last token and after each draft. Those
+        rows are verified in order: each is sampled as a row without drafts would be (processed with the
+        drafts before it taken as output, a seeded draw by its position) and the draft is accepted while it
+        equals the token drawn (rejection sampling with a one-hot draft distribution: the output's
+        distribution, and a seeded request's tokens, are those without speculation). Where a draft model
+        sampled the drafts, draft_probs holds its distribution of each: an unseeded sampled sequence's
+        drafts are then kept or replaced by rejection sampling against it (stage_worker.rejection). Returns
+        1..N+1 tokens per sequence, consecutive, in order."""
+        drafts = drafts or [[] for _ in seq_ids]
+        draft_probs = draft_probs or [None] * len(seq_ids)
         states = [self.seqs[s] for s in seq_ids]
+        firsts = _first_rows(drafts)
         raw = logits.float()
         # logprobs of the model's own distribution, before the request's processing (vLLM V1's default)
         logprobs_raw = torch.log_softmax(raw, dim=-1) if any(s.params.logprobs is not None for s in states) else None
         processed = [i for i, s in enumerate(states) if needs_processing(s.params)]
         logits = raw.clone() if processed else raw
         for i in processed:
-            process_row(logits[i], states[i], self.eos_token_ids)
-        constraint_errors = {i: s.constraint_error for i, s in enumerate(states) if s.constraint_error}
+            self._process_rows(logits, firsts[i], states[i], drafts[i])
         # one host sync for all three: NaN or inf anywhere in a row shows in its max
         token_list, finite, open_ = torch.stack((logits.argmax(dim=-1), torch.isfinite(raw.amax(dim=-1)),
                                                  logits.amax(dim=-1) > float("-inf"))).tolist()
-        errors = {i: ("the model's logits for this sequence are not finite" if not ok else
+        errors = {r: ("the model's logits for this sequence are not finite" if not ok else
                       "no token can be sampled: allowed_token_ids, bad_words, min_tokens and the structured output "
                       "constraint rule out every one")
-                  for i, (ok, some) in enumerate(zip(finite, open_)) if not (ok and some)}
-        errors.update(constraint_errors)
-        for i, s in enumerate(states):
-            if not s.params.greedy and i not in errors:
-                try:
-                    token_list[i] = self._sample_row(logits[i], s)
-                except (RuntimeError, ValueError) as err:  # this row's distribution only
-                    errors[i] = f"sampling failed: {err}"
+                  for r, (ok, some) in enumerate(zip(finite, open_)) if not (ok and some)}
         out = []
-        for i, (seq_id, state, token) in enumerate(zip(seq_ids, states, token_list)):
-            if i in errors:
-                # a step run ahead may need this row's token: 0 stands in (its request ends here)
-                state.output.append(0)
-                out.append(SampledToken(seq_id, 0, error=errors[i]))
-                continue
-            if state.matcher is not None and not state.matcher.terminated and not state.matcher.accept(token):
-                state.output.append(0)
-                out.append(SampledToken(seq_id, 0, error=f"sampled token {token} does not fit the constraint"))
-                continue
-            state.output.append(token)
-            out.append(_with_logprobs(SampledToken(seq_id, token), state.params, logprobs_raw, i))
+        for i, (seq_id, state, draft, qs) in enumerate(zip(seq_ids, states, drafts, draft_probs)):
+            for j in range(len(draft) + 1):
+                row = firsts[i] + j
+                error = state.constraint_error or errors.get(row)
+                token = None
+                if error is None:
+                    against = (draft[j], qs[j]) if qs is not None and j < len(qs) else None
+                    token, error = self._draw(logits[row], state, token_list[row], against)
+                if error is not None:
+                    # a step run ahead may need this row's token: 0 stands in (its request ends here)
+                    state.output.append(0)
+                    out.append(SampledToken(seq_id, 0, error=error))
+                    break
+                state.output.append(token)
+                out.append(_with_logprobs(SampledToken(seq_id, token), state.params, logprobs_raw, row))
+                if j == len(draft) or token != draft[j]:
+                    break
         return out
+
+    def _process_rows(self, logits: torch.Tensor, first: int, state: SequenceState, draft: list[int]) -> None:
+        """The sequence's rows processed in place, row j as if drafts 0..j-1 were its output (they are when
+        row j is used: a row after a rejected draft is never read); the matcher goes through the drafts to
+        mask each row, then back."""
+        base, advanced, matcher = len(state.output), 0, state.matcher
+        try:
+            for j in range(len(draft) + 1):
+                process_row(logits[first + j], state, self.eos_token_ids)
+                if j == len(draft):
+                    break
+                state.output.append(draft[j])
+                if matcher is not None and not matcher.terminated:
+                    if not matcher.accept(draft[j]):
+                        break  # row j rules this draft out: it is rejected there
+                    advanced += 1
+        finally:
+            del state.output[base:]
+            if advanced:
+                matcher.rollback(advanced)
+
+    def _draw(self, row: torch.Tensor, state: SequenceState, greedy_token: int,
+              against: tuple[int, torch.Tensor] | None = None) -> tuple[int | None, str | None]:
+        """(the row's token, None) or (None, why it cannot be sampled); a constrained sequence's matcher
+        advances past the token. against: (a draft, the draft model's distribution it was drawn from), to
+        keep or replace by rejection sampling (an unseeded sampled sequence)."""
+        token = greedy_token
+        if not state.params.greedy:
+            try:
+                if against is not None and state.params.seed is None:
+                    p = sampling_probs(row, state.params).cpu()
+                    token = rejection_sample(p, against[1].cpu(), against[0], self._unseeded)
+                else:
+                    token = self._sample_row(row, state)
+            except (RuntimeError, ValueError) as err:  # this row's distribution only
+                return None, f"sampling failed: {err}"
+        if state.matcher is not None and not state.matcher.terminated and not state.matcher.accept(token):
+            return None, f"sampled token {token} does not fit the constraint"
+        return token, None
 
     def _sample_row(self, logits: torch.Tensor, state: SequenceState) -> int:
         p = state.params
-        logits = logits / p.temperature
-        if 0 < p.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)  # stable (max-subtracted); temperature >= SAMPLING_EPS
-        if p.min_p > 0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-            drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
         gen = self._unseeded
         if p.seed is not None:
             gen = torch.Generator(device="cpu").manual_seed((p.seed * 1_000_003 + len(state.output)) % (2**63))
         # a distribution with no finite mass makes multinomial raise: that row fails alone (see sample)
-        return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+        return int(torch.multinomial(sampling_probs(logits, p).cpu(), 1, generator=gen))
+
+
+def _first_rows(drafts: list[list[int]]) -> list[int]:
+    """Each sequence's first row of logits: one row, and one more per draft."""
+    firsts, at = [], 0
+    for d in drafts:
+        firsts.append(at)
+        at += len(d) + 1
+    return firsts
 
 
 def _with_logprobs(tok: SampledToken, p: SamplingParams, logprobs: torch.Tensor | None, row: int) -> SampledToken:

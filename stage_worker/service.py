@@ -46,6 +46,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             device=s.device, free_memory_bytes=w.free_memory_bytes(), num_kv_blocks=w.num_kv_blocks,
             block_size=s.block_size, address=self.address, handoff=c.handoff, model_path=str(s.model_dir),
             weight_bytes=w.runner.model.num_parameter_bytes(), instance_id=w.instance_id, standby=c.standby,
+            num_speculative_tokens=c.speculative.num_speculative_tokens if c.speculative else 0,
+            speculative_model=c.speculative.model if c.speculative else "",
             model=stage_pb2.ModelIdentity(model_type=cfg.model_type, num_hidden_layers=cfg.num_hidden_layers,
                                           hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                                           num_attention_heads=cfg.num_attention_heads,
@@ -95,7 +97,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         reply = stage_pb2.ForwardResponse(compute_seconds=stats.compute_seconds, handoff_bytes=stats.handoff_bytes,
                                           handoff_wait_seconds=stats.handoff_wait_seconds)
         if out.sampled or out.prompt_logprobs:
-            reply.sampled.CopyFrom(sampled_to_pb(out.sampled, out.prompt_logprobs))
+            reply.sampled.CopyFrom(sampled_to_pb(out.sampled, out.prompt_logprobs, out.drafts))
         return reply
 
     async def ReadKV(self, request, context):

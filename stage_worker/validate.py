@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import INT32_MAX, check_token_ids
+from stagemesh.core.speculative import MAX_NUM_SPECULATIVE_TOKENS
 from stagemesh.core.step import PLACEHOLDER, StepBatch
 from stagemesh.v1 import common_pb2
 
@@ -59,6 +60,7 @@ def check_step(batch: StepBatch, limits: StepLimits) -> None:
         _require(0 <= start and start + count <= limits.max_model_len,
                  f"positions {start}..{start + count - 1} are outside [0, {limits.max_model_len})")
     _check_tokens(batch, limits.vocab_size)
+    _check_drafts(batch)
     for seq in batch.new_sequences:
         _require(0 < len(seq.prompt_token_ids) + len(seq.output_token_ids) <= limits.max_model_len,
                  f"new sequence {seq.seq_id} has no tokens or more than max_model_len {limits.max_model_len}")
@@ -78,6 +80,20 @@ def _check_tokens(batch: StepBatch, vocab_size: int) -> None:
     if low == PLACEHOLDER:
         ends = {index for index, _ in batch.chunks.placeholders()}
         _require(ids.count(PLACEHOLDER) == len(ends), "a placeholder token stands elsewhere than a chunk's end")
+
+
+def _check_drafts(batch: StepBatch) -> None:
+    """Draft tokens (speculative decoding): at most MAX_NUM_SPECULATIVE_TOKENS per chunk, after at least one
+    token that is not a draft, only in a chunk that samples, never beside a step run ahead."""
+    c = batch.chunks
+    if not c.num_draft_tokens:
+        return
+    _require(len(c.num_draft_tokens) == len(c.seq_ids), "the step's chunk columns differ in length")
+    for n, d, sample in zip(c.num_tokens, c.num_draft_tokens, c.sample):
+        _require(0 <= d <= MAX_NUM_SPECULATIVE_TOKENS and d < n and (sample or not d),
+                 f"a chunk of {n} tokens carries {d} draft tokens (0 to {MAX_NUM_SPECULATIVE_TOKENS}, fewer than "
+                 "its tokens, only where it samples)")
+    _require(PLACEHOLDER not in c.token_ids, "a step carries both draft tokens and tokens scheduled ahead")
 
 
 ACTIVATION_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}  # stages may compute in different dtypes

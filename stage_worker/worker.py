@@ -20,10 +20,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.speculative import SpeculativeConfig
 from stagemesh.core.step import EpochSpec, StepBatch, StepStats
 from stagemesh.core.step_wire import epoch_to_pb, step_to_pb
 from stage_worker import dist as sdist
 from stage_worker import eplb, kv_transfer
+from stage_worker.draft import DraftModel
 from stage_worker.ep_group import EPConfig, EPGroup
 from stage_worker.handoff import DistHandoff, GrpcHandoff
 from stage_worker.kv_cache import num_kv_blocks_for_budget
@@ -47,6 +49,7 @@ class StageConfig:
     threads: int = 0  # of each TP follower (rank 0's are set by its command line)
     ep: EPConfig | None = None  # experts spread over the data-parallel replicas' stages (stage_worker.ep_group)
     standby: bool = False  # a spare for a served index (see scheduler.rendezvous): KV allocated at start
+    speculative: SpeculativeConfig | None = None  # the last stage's draft model (stage_worker.draft)
 
 
 class StageWorker:
@@ -56,6 +59,10 @@ class StageWorker:
         self.cfg = cfg
         self.ep = EPGroup(cfg.ep, cfg.stage_index) if cfg.ep is not None else None
         self.runner = cfg.slice.runner(0, self.ep)
+        if cfg.speculative is not None:  # before the KV budget is shared out: the draft's blocks count
+            s = cfg.slice
+            self.runner.attach_drafter(DraftModel(cfg.speculative, self.runner.config, self.runner.device, s.dtype,
+                                                  s.block_size))
         self.followers = [self._start_follower(t) for t in range(1, cfg.slice.tp_size)]
         for t, proc in enumerate(self.followers, start=1):
             if proc.stdout.readline().strip() != b"ready":

@@ -101,6 +101,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule a step before the previous one's tokens are back (default: on with GPUs, off on "
                         "CPU; see `stagemesh scheduler`)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's speculative decoding config: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
+                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (prompt lookup, in the schedulers) or "
+                        "{\"model\": DIR, \"num_speculative_tokens\": k} (a draft model on each replica's last "
+                        "stage); not with --async-scheduling (docs/speculative-decoding.md)")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per stage")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="stages run decode steps without CUDA graphs")
@@ -165,6 +170,9 @@ def plan_commands(args: argparse.Namespace, model: str | None, num_layers: int, 
         common_sched.append("--no-enable-prefix-caching")
     if args.async_scheduling is not None:
         common_sched.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
+    spec = speculative_config(args)
+    if spec is not None:
+        common_sched += ["--speculative-config", spec.to_json()]
     head = [] if addresses.local else ["--host", addresses.head, "--advertise-host", addresses.head]
     stage_host = [] if addresses.local else ["--host", addresses.stage, "--advertise-host", addresses.stage]
     children, replicas, gpu = [], [], 0
@@ -185,6 +193,8 @@ def plan_commands(args: argparse.Namespace, model: str | None, num_layers: int, 
                     "--tensor-parallel-size", str(tp), "--handoff", args.handoff, "--device", device,
                     "--threads", str(threads), *stage_host, *_service(args, r * (pp + 1) + 1 + i),
                     *(["--enforce-eager"] if args.enforce_eager else []),
+                    *(["--speculative-config", spec.to_json()] if spec is not None and spec.uses_draft_model
+                      and i == pp - 1 else []),
                     *(["--enable-expert-parallel"] if args.enable_expert_parallel else []),
                     *(["--enable-eplb"] if args.enable_eplb else []), *_flags(args, ("eplb_config",)),
                     *(["--data-parallel-size", str(dp), "--data-parallel-rank", str(r), "--data-parallel-address",
@@ -200,6 +210,16 @@ def plan_commands(args: argparse.Namespace, model: str | None, num_layers: int, 
                                                                "max_request_retries", "policy",
                                                                "responses_store_size")), kind="router"))
     return children
+
+
+def speculative_config(args: argparse.Namespace):
+    """--speculative-config parsed (None without one); refused with --async-scheduling."""
+    from stagemesh.core.speculative import ASYNC_WITH_SPECULATION, parse_speculative_config
+
+    spec = parse_speculative_config(args.speculative_config)
+    if spec is not None and args.async_scheduling:
+        raise StagemeshError(ASYNC_WITH_SPECULATION)
+    return spec
 
 
 def _service(args: argparse.Namespace, metrics_offset: int | None) -> list[str]:

@@ -101,3 +101,28 @@ def with_word_tokenizer(model_dir: str | Path, target: str | Path, vocab_size: i
     fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     fast.save_pretrained(target)
     return target
+
+
+def first_layers(model_dir: str | Path, target: str | Path, num_layers: int) -> Path:
+    """A model of the first `num_layers` layers of `model_dir`, with its embeddings, final norm and LM head:
+    a cheap draft model that shares the tokenizer (speculative decoding)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, target = Path(model_dir), Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+            shutil.copy(f, target / f.name)
+    config = json.loads((source / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (target / "config.json").write_text(json.dumps(config))
+    tensors = {}
+    for f in source.glob("*.safetensors"):
+        for name, t in load_file(f).items():
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers:
+                tensors[name] = t
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    return target

@@ -121,6 +121,11 @@ class Matcher:
         """Advance past `token_id`; False if the grammar does not allow it (the matcher is unchanged)."""
         return bool(self._m.accept_token(token_id))
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted (speculative decoding masks the rows after each draft, then
+        comes back to accept the tokens verified)."""
+        self._m.rollback(num_tokens)
+
     def mask(self, row) -> None:
         """Set every logit of `row` ([vocab]) that the grammar does not allow next to -inf, in place."""
         self._m.fill_next_token_bitmask(self._bitmask)

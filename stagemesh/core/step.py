@@ -42,12 +42,15 @@ class ScheduledChunk:
     new_block_ids: list[int]
     # sample a token after this chunk (the prompt is complete / decoding)
     sample: bool
+    # speculative decoding: how many of token_ids' last tokens are drafts, which the last stage verifies
+    num_draft_tokens: int = 0
 
 
 @dataclass
 class ScheduledChunks:
     """A step's chunks as parallel columns: chunk i is seq_ids[i], num_tokens[i] tokens of token_ids (back
-    to back), start_positions[i], num_new_blocks[i] block ids of new_block_ids (back to back), sample[i]."""
+    to back), start_positions[i], num_new_blocks[i] block ids of new_block_ids (back to back), sample[i],
+    and num_draft_tokens[i] drafts at the end of its tokens (the column is empty when no chunk has any)."""
     seq_ids: list[int] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -55,16 +58,19 @@ class ScheduledChunks:
     num_new_blocks: list[int] = field(default_factory=list)
     new_block_ids: list[int] = field(default_factory=list)
     sample: list[bool] = field(default_factory=list)
+    num_draft_tokens: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, chunks: Iterable[ScheduledChunk]) -> ScheduledChunks:
         columns = cls()
         for c in chunks:
-            columns.append(c.seq_id, c.token_ids, c.start_position, c.new_block_ids, c.sample)
+            columns.append(c.seq_id, c.token_ids, c.start_position, c.new_block_ids, c.sample, c.num_draft_tokens)
         return columns
 
     def append(self, seq_id: int, token_ids: list[int], start_position: int, new_block_ids: list[int],
-               sample: bool) -> None:
+               sample: bool, num_draft_tokens: int = 0) -> None:
+        if num_draft_tokens or self.num_draft_tokens:  # the column stays empty until a chunk has drafts
+            self.num_draft_tokens = self.draft_counts() + [num_draft_tokens]
         self.seq_ids.append(seq_id)
         self.num_tokens.append(len(token_ids))
         self.token_ids += token_ids
@@ -75,6 +81,10 @@ class ScheduledChunks:
 
     def __len__(self) -> int:
         return len(self.seq_ids)
+
+    def draft_counts(self) -> list[int]:
+        """num_draft_tokens of every chunk (zeros when the step carries no drafts)."""
+        return self.num_draft_tokens or [0] * len(self.seq_ids)
 
     def placeholders(self) -> list[tuple[int, int]]:
         """(index in token_ids, seq_id) of each chunk that ends in PLACEHOLDER (async scheduling)."""
@@ -87,9 +97,10 @@ class ScheduledChunks:
 
     def __iter__(self) -> Iterator[ScheduledChunk]:
         tok = blk = 0
-        for seq_id, n, start, b, sample in zip(self.seq_ids, self.num_tokens, self.start_positions,
-                                               self.num_new_blocks, self.sample):
-            yield ScheduledChunk(seq_id, self.token_ids[tok:tok + n], start, self.new_block_ids[blk:blk + b], sample)
+        for seq_id, n, start, b, sample, d in zip(self.seq_ids, self.num_tokens, self.start_positions,
+                                                  self.num_new_blocks, self.sample, self.draft_counts()):
+            yield ScheduledChunk(seq_id, self.token_ids[tok:tok + n], start, self.new_block_ids[blk:blk + b], sample,
+                                 d)
             tok, blk = tok + n, blk + b
 
     def __getitem__(self, index: int) -> ScheduledChunk:

@@ -21,7 +21,8 @@ def step_to_pb(batch: StepBatch) -> stage_pb2.StepBatch:
                        for s in batch.new_sequences],
         chunks=stage_pb2.ScheduledChunks(seq_ids=c.seq_ids, num_tokens=c.num_tokens, token_ids=c.token_ids,
                                          start_positions=c.start_positions, num_new_blocks=c.num_new_blocks,
-                                         new_block_ids=c.new_block_ids, sample=c.sample),
+                                         new_block_ids=c.new_block_ids, sample=c.sample,
+                                         num_draft_tokens=c.num_draft_tokens),
         finished_seq_ids=batch.finished_seq_ids,
     )
 
@@ -33,13 +34,21 @@ def step_from_pb(msg: stage_pb2.StepBatch) -> StepBatch:
         new_sequences=[NewSequence(s.seq_id, list(s.prompt_token_ids), sampling_from_pb(s.sampling),
                                    list(s.output_token_ids)) for s in msg.new_sequences],
         chunks=ScheduledChunks(list(c.seq_ids), list(c.num_tokens), list(c.token_ids), list(c.start_positions),
-                               list(c.num_new_blocks), list(c.new_block_ids), list(c.sample)),
+                               list(c.num_new_blocks), list(c.new_block_ids), list(c.sample),
+                               list(c.num_draft_tokens)),
         finished_seq_ids=list(msg.finished_seq_ids),
     )
 
 
-def sampled_to_pb(sampled: list[SampledToken], prompt_logprobs: list[PromptLogprobs] = ()) -> stage_pb2.SampledTokens:
+def sampled_to_pb(sampled: list[SampledToken], prompt_logprobs: list[PromptLogprobs] = (),
+                  drafts: dict[int, list[int]] | None = None) -> stage_pb2.SampledTokens:
+    """One row per sampled token (a sequence that verified drafts has several, consecutive); `drafts`: a draft
+    model's proposals for the sequences' next steps."""
     msg = stage_pb2.SampledTokens(seq_ids=[t.seq_id for t in sampled], token_ids=[t.token_id for t in sampled])
+    for seq_id, tokens in (drafts or {}).items():
+        msg.draft_seq_ids.append(seq_id)
+        msg.num_draft_tokens.append(len(tokens))
+        msg.draft_token_ids.extend(tokens)
     for p in prompt_logprobs:
         msg.prompt_logprobs.add(seq_id=p.seq_id, start=p.start, logprobs=[logprob_to_pb(e) for e in p.entries])
     for row, t in enumerate(sampled):
@@ -64,6 +73,15 @@ def logprob_from_pb(m: common_pb2.TokenLogprob) -> TokenLogprob:
 
 def prompt_logprobs_from_pb(msg: stage_pb2.SampledTokens) -> list[PromptLogprobs]:
     return [PromptLogprobs(p.seq_id, p.start, [logprob_from_pb(e) for e in p.logprobs]) for p in msg.prompt_logprobs]
+
+
+def drafts_from_pb(msg: stage_pb2.SampledTokens) -> dict[int, list[int]]:
+    """The draft model's proposals (the caller checked that the columns line up)."""
+    drafts, at = {}, 0
+    for seq_id, n in zip(msg.draft_seq_ids, msg.num_draft_tokens):
+        drafts[seq_id] = list(msg.draft_token_ids[at:at + n])
+        at += n
+    return drafts
 
 
 def sampled_from_pb(msg: stage_pb2.SampledTokens) -> list[SampledToken]:

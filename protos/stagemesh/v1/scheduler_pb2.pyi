@@ -487,6 +487,10 @@ class Stats(_message.Message):
     NUM_STEPS_FIELD_NUMBER: _builtins.int
     STEP_SECONDS_TOTAL_FIELD_NUMBER: _builtins.int
     STAGE_COMPUTE_SECONDS_TOTAL_FIELD_NUMBER: _builtins.int
+    SPEC_DECODE_NUM_DRAFTS_FIELD_NUMBER: _builtins.int
+    SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     kv_cache_usage: _builtins.float
@@ -509,7 +513,17 @@ class Stats(_message.Message):
     """
     step_seconds_total: _builtins.float
     stage_compute_seconds_total: _builtins.float
-    """The blocks of the prefix cache themselves: WatchKVEvents."""
+    spec_decode_num_drafts: _builtins.int
+    """Speculative decoding (vLLM's spec_decode counters) since the pipeline
+    formed: steps of a request that carried drafts, the drafts, the drafts
+    accepted, and accepted by position (entry i: the i-th draft of a step).
+    """
+    spec_decode_num_draft_tokens: _builtins.int
+    spec_decode_num_accepted_tokens: _builtins.int
+    @_builtins.property
+    def spec_decode_num_accepted_tokens_per_pos(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The blocks of the prefix cache themselves: WatchKVEvents."""
+
     def __init__(
         self,
         *,
@@ -526,10 +540,14 @@ class Stats(_message.Message):
         num_steps: _builtins.int = ...,
         step_seconds_total: _builtins.float = ...,
         stage_compute_seconds_total: _builtins.float = ...,
+        spec_decode_num_drafts: _builtins.int = ...,
+        spec_decode_num_draft_tokens: _builtins.int = ...,
+        spec_decode_num_accepted_tokens: _builtins.int = ...,
+        spec_decode_num_accepted_tokens_per_pos: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["healthy", b"healthy", "kv_cache_usage", b"kv_cache_usage", "max_waiting_requests", b"max_waiting_requests", "num_kv_blocks", b"num_kv_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "stage_compute_seconds_total", b"stage_compute_seconds_total", "step_seconds_total", b"step_seconds_total", "unhealthy_reason", b"unhealthy_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["healthy", b"healthy", "kv_cache_usage", b"kv_cache_usage", "max_waiting_requests", b"max_waiting_requests", "num_kv_blocks", b"num_kv_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "spec_decode_num_accepted_tokens", b"spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", b"spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens", b"spec_decode_num_draft_tokens", "spec_decode_num_drafts", b"spec_decode_num_drafts", "stage_compute_seconds_total", b"stage_compute_seconds_total", "step_seconds_total", b"step_seconds_total", "unhealthy_reason", b"unhealthy_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

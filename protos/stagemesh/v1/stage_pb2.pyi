@@ -92,6 +92,8 @@ class StageDescription(_message.Message):
     WEIGHT_BYTES_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     STANDBY_FIELD_NUMBER: _builtins.int
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_MODEL_FIELD_NUMBER: _builtins.int
     stage_index: _builtins.int
     layer_start: _builtins.int
     """Layers [layer_start, layer_end)."""
@@ -121,6 +123,13 @@ class StageDescription(_message.Message):
     scheduler keeps it as a spare (weights loaded, KV cache allocated) and
     swaps it in when that stage fails.
     """
+    num_speculative_tokens: _builtins.int
+    """Speculative decoding with a draft model (the last stage, run with a
+    --speculative-config naming one): the drafts it proposes per step, and
+    the draft's model directory; 0 and empty without one. The scheduler
+    refuses a last stage whose draft does not match its own config.
+    """
+    speculative_model: _builtins.str
     @_builtins.property
     def model(self) -> Global___ModelIdentity: ...
     def __init__(
@@ -141,10 +150,12 @@ class StageDescription(_message.Message):
         weight_bytes: _builtins.int = ...,
         instance_id: _builtins.str = ...,
         standby: _builtins.bool = ...,
+        num_speculative_tokens: _builtins.int = ...,
+        speculative_model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "instance_id", b"instance_id", "layer_end", b"layer_end", "layer_start", b"layer_start", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "stage_index", b"stage_index", "standby", b"standby", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "instance_id", b"instance_id", "layer_end", b"layer_end", "layer_start", b"layer_start", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "num_speculative_tokens", b"num_speculative_tokens", "speculative_model", b"speculative_model", "stage_index", b"stage_index", "standby", b"standby", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -276,6 +287,7 @@ class ScheduledChunks(_message.Message):
     NUM_NEW_BLOCKS_FIELD_NUMBER: _builtins.int
     NEW_BLOCK_IDS_FIELD_NUMBER: _builtins.int
     SAMPLE_FIELD_NUMBER: _builtins.int
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The sequence of each chunk."""
@@ -304,6 +316,13 @@ class ScheduledChunks(_message.Message):
     def sample(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
         """Whether to sample a token after each chunk (its prompt is complete)."""
 
+    @_builtins.property
+    def num_draft_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Speculative decoding: how many of each chunk's last tokens are draft tokens, which
+        the last stage verifies in this step (a chunk with drafts samples; each is 0 to 32
+        and less than the chunk's num_tokens). Empty when no chunk carries drafts.
+        """
+
     def __init__(
         self,
         *,
@@ -314,10 +333,11 @@ class ScheduledChunks(_message.Message):
         num_new_blocks: _abc.Iterable[_builtins.int] | None = ...,
         new_block_ids: _abc.Iterable[_builtins.int] | None = ...,
         sample: _abc.Iterable[_builtins.bool] | None = ...,
+        num_draft_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["new_block_ids", b"new_block_ids", "num_new_blocks", b"num_new_blocks", "num_tokens", b"num_tokens", "sample", b"sample", "seq_ids", b"seq_ids", "start_positions", b"start_positions", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["new_block_ids", b"new_block_ids", "num_draft_tokens", b"num_draft_tokens", "num_new_blocks", b"num_new_blocks", "num_tokens", b"num_tokens", "sample", b"sample", "seq_ids", b"seq_ids", "start_positions", b"start_positions", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -392,7 +412,9 @@ Global___ForwardRequest: _TypeAlias = ForwardRequest  # noqa: Y015
 @_typing.final
 class SampledTokens(_message.Message):
     """The tokens the last stage sampled in one step, as columns: one row per
-    chunk with sample set, in chunk order.
+    token, in chunk order. A chunk with sample set gets one row, or, when it
+    carries N draft tokens, 1 to N + 1 consecutive rows: the drafts it accepted
+    (equal to them, in order) and the token after them (speculative decoding).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -404,6 +426,9 @@ class SampledTokens(_message.Message):
     ERROR_ROWS_FIELD_NUMBER: _builtins.int
     ERRORS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    DRAFT_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -428,6 +453,17 @@ class SampledTokens(_message.Message):
     def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromptLogprobs]:
         """Logprobs of prompt tokens computed in this step, for the sequences that asked for them."""
 
+    @_builtins.property
+    def draft_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Speculative decoding with a draft model on the last stage: the drafts it
+        proposes for each sequence's next step (draft_seq_ids[i] gets
+        num_draft_tokens[i] tokens of draft_token_ids, back to back).
+        """
+
+    @_builtins.property
+    def num_draft_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def draft_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -438,10 +474,13 @@ class SampledTokens(_message.Message):
         error_rows: _abc.Iterable[_builtins.int] | None = ...,
         errors: _abc.Iterable[_builtins.str] | None = ...,
         prompt_logprobs: _abc.Iterable[Global___PromptLogprobs] | None = ...,
+        draft_seq_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_draft_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        draft_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_rows", b"error_rows", "errors", b"errors", "logprob_rows", b"logprob_rows", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "seq_ids", b"seq_ids", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_seq_ids", b"draft_seq_ids", "draft_token_ids", b"draft_token_ids", "error_rows", b"error_rows", "errors", b"errors", "logprob_rows", b"logprob_rows", "logprobs", b"logprobs", "num_draft_tokens", b"num_draft_tokens", "prompt_logprobs", b"prompt_logprobs", "seq_ids", b"seq_ids", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
