@@ -25,7 +25,8 @@ from kernels import moe_reference, reference
 
 log = logging.getLogger("stagemesh.kernels")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "shm_comm.cpp", CSRC / "moe_ops.cpp", CSRC / "bf16_linear.cpp"]
+SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "shm_comm.cpp", CSRC / "moe_ops.cpp", CSRC / "bf16_linear.cpp",
+           CSRC / "quant_linear.cpp"]
 
 
 def _capability() -> str:
@@ -127,3 +128,14 @@ def pack_bf16_weight(weight):
 def linear_bf16(x, packed, out_features, bias=None):
     """x W^T + b in x's dtype (fp32 or bf16) from a packed bf16 W; sums in fp32, as torch's bf16 linear."""
     return load().linear_bf16(x, packed, out_features, bias)
+
+
+def quant_isa() -> str:
+    """The family quant_linear was compiled for ("avx2"), or "none" (no AVX2 build, or no build at all)."""
+    module = load()
+    return module.quant_isa() if module is not None else "none"
+
+
+def quant_linear(x, qs, scales, mins, bias=None, int8_activations=False):
+    """x W^T + b in x's dtype, W quantised in groups along K (kernels/quant_reference.py has the layouts)."""
+    return load().quant_linear(x, qs, scales, mins, bias, int8_activations)
