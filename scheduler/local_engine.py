@@ -31,10 +31,12 @@ class LocalEngine:
                  num_kv_blocks: int | None = None, kv_cache_memory: int = DEFAULT_KV_BUDGET,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  max_model_len: int | None = None, device: str = "cpu", dtype: str | None = None,
-                 async_scheduling: bool | None = None):
+                 async_scheduling: bool | None = None, quantization: str | None = None,
+                 gguf_file: str | None = None):
         cfg = ModelConfig.from_path(model_dir)
         split = split or layer_split(cfg.num_hidden_layers, 1)
-        self.runners = [StageRunner(model_dir, a, b, device=device, dtype=dtype, block_size=block_size, config=cfg)
+        self.runners = [StageRunner(model_dir, a, b, device=device, dtype=dtype, block_size=block_size, config=cfg,
+                                    quantization=quantization, gguf_file=gguf_file)
                         for a, b in layer_ranges(split)]
         if num_kv_blocks is None:
             num_kv_blocks = min(num_kv_blocks_for_budget(kv_cache_memory, r.kv_bytes_per_block) for r in self.runners)

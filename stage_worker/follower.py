@@ -69,6 +69,10 @@ def follower_argv(slice_: SliceConfig, tp_rank: int, threads: int) -> list[str]:
         argv += ["--dtype", slice_.dtype]
     if slice_.expert_parallel:
         argv.append("--enable-expert-parallel")
+    if slice_.quantization:
+        argv += ["--quantization", slice_.quantization]
+    if slice_.gguf_file:
+        argv += ["--gguf-file", slice_.gguf_file]
     return argv
 
 
@@ -83,6 +87,8 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--gguf-file", default=None)
     args = p.parse_args()
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s follower tp{args.tp_rank} %(levelname)s: %(message)s")
@@ -90,7 +96,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     start, end = (int(x) for x in args.layers.split(":"))
     runner = SliceConfig(args.model, start, end, args.tp_size, args.device, args.dtype, args.block_size,
-                         expert_parallel=args.enable_expert_parallel).runner(args.tp_rank)
+                         expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
+                         gguf_file=args.gguf_file).runner(args.tp_rank)
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     while (raw := read_message(sys.stdin.buffer)) is not None:

@@ -56,15 +56,20 @@ class CheckpointReader:
         self._handles.clear()
 
 
-def load_weights(model: nn.Module, model_dir: str | Path) -> None:
-    """Fill every parameter of `model` from its `shards` (see stage_worker.layers)."""
-    reader = CheckpointReader(model_dir)
+def load_weights(model: nn.Module, source) -> None:
+    """Fill every parameter of `model` from its `shards` (see stage_worker.layers). `source`: a model
+    directory of safetensors, or a reader with the same read_slice (stage_worker.gguf.GGUFCheckpoint)."""
+    reader = CheckpointReader(source) if isinstance(source, (str, Path)) else source
     try:
         for param in model.parameters():
             for shard in param.shards:
                 data = reader.read_slice(shard.name, shard.dim, shard.start, shard.length)
                 target = param.data if shard.stack is None else param.data[shard.stack]
-                target.narrow(shard.dim, shard.dest, shard.length).copy_(data)
+                target = target.narrow(shard.dim, shard.dest, shard.length)
+                if data.shape != target.shape:
+                    raise StagemeshError(f"{shard.name}: the checkpoint gives {list(data.shape)} where the model's "
+                                         f"config wants {list(target.shape)}")
+                target.copy_(data)
     finally:
         reader.close()
 
