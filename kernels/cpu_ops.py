@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import moe_reference, reference
+from kernels import isa, moe_reference, reference
 
 log = logging.getLogger("stagemesh.kernels")
 CSRC = Path(__file__).parent / "csrc"

@@ -168,10 +168,12 @@ def run(args: argparse.Namespace) -> int:
     internal_token.warn_if_open(f"stage {args.stage_index}")
     if args.device == "cpu":
         from kernels import cpu_ops
-        from stage_worker.cpu_isa import cpu_flags, describe_cpu_path
+        from stage_worker.cpu_isa import cpu_flags, describe_cpu_path, describe_isa
 
-        log.info("stage %d: %s", args.stage_index, describe_cpu_path(
-            str(worker.runner.dtype).removeprefix("torch."), cpu_flags(), kernels=cpu_ops.load() is not None))
+        built = cpu_ops.load() is not None
+        log.info("stage %d: %s; %s", args.stage_index, describe_cpu_path(
+            str(worker.runner.dtype).removeprefix("torch."), cpu_flags(), kernels=built),
+            describe_isa(cpu_flags(), built))
     if source.quantization:
         from stage_worker.quantization import describe
 
