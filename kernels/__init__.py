@@ -4,6 +4,7 @@ from kernels.dispatch import (  # noqa: F401
     build_cos_sin_cache,
     fused_moe,
     paged_attention,
+    quant_linear,
     rms_norm,
     select_experts,
     silu_and_mul,

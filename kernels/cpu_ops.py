@@ -21,23 +21,24 @@ from pathlib import Path
 
 import torch
 
-from kernels import moe_reference, reference
+from kernels import isa, moe_reference, reference
 
 log = logging.getLogger("stagemesh.kernels")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "shm_comm.cpp", CSRC / "moe_ops.cpp", CSRC / "bf16_linear.cpp"]
+SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "shm_comm.cpp", CSRC / "moe_ops.cpp", CSRC / "bf16_linear.cpp",
+           CSRC / "quant_linear.cpp"]
 
 
 def _capability() -> str:
-    cap = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
-    return cap.lower() if cap in ("AVX2", "AVX512") else "generic"
+    """The -march level of this CPU's build, from /proc/cpuinfo (kernels/isa.py): avx512, avx2 or generic."""
+    return isa.march(isa.cpu_flags())
 
 
 def _flags(capability: str) -> list[str]:
     # x86-64-v3 (AVX2 + FMA) rather than -march=native: a build may serve other machines of its level
-    isa = {"avx2": ["-march=x86-64-v3"], "avx512": ["-march=x86-64-v4"]}.get(capability, [])
+    level = {"avx2": ["-march=x86-64-v3"], "avx512": ["-march=x86-64-v4"]}.get(capability, [])
     # -fno-trapping-math: lets the clamp and floor of exp_poly vectorize (nothing here reads FP exception flags)
-    return ["-O3", "-fopenmp", "-fno-trapping-math", *isa]
+    return ["-O3", "-fopenmp", "-fno-trapping-math", *level]
 
 
 def _build_dir(name: str) -> Path:
@@ -127,3 +128,14 @@ def pack_bf16_weight(weight):
 def linear_bf16(x, packed, out_features, bias=None):
     """x W^T + b in x's dtype (fp32 or bf16) from a packed bf16 W; sums in fp32, as torch's bf16 linear."""
     return load().linear_bf16(x, packed, out_features, bias)
+
+
+def quant_isa() -> str:
+    """The family quant_linear was compiled for ("avx2"), or "none" (no AVX2 build, or no build at all)."""
+    module = load()
+    return module.quant_isa() if module is not None else "none"
+
+
+def quant_linear(x, qs, scales, mins, bias=None, int8_activations=False):
+    """x W^T + b in x's dtype, W quantised in groups along K (kernels/quant_reference.py has the layouts)."""
+    return load().quant_linear(x, qs, scales, mins, bias, int8_activations)

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from kernels import cpu_ops, moe_reference, reference
+from kernels import cpu_ops, moe_reference, quant_reference, reference
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -66,6 +66,13 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start=0):
     else:
         impl = cpu_ops if _cpu_impl(x, (torch.float32,)) is cpu_ops else moe_reference
     return impl.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start)
+
+
+def quant_linear(x, qs, scales, mins, bias=None, int8_activations=False):
+    """x W^T + b with W quantised (kernels/quant_reference.py): the AVX2 kernel where it is built, else the
+    reference (CUDA has no quantised kernels: stage_worker.quantization refuses them there)."""
+    impl = cpu_ops if _cpu_impl(x) is cpu_ops and cpu_ops.quant_isa() != "none" else quant_reference
+    return impl.quant_linear(x, qs, scales, mins, bias, int8_activations)
 
 
 build_cos_sin_cache = reference.build_cos_sin_cache

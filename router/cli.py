@@ -16,6 +16,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                           "(default: the embedded model)")
     p.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
                    help="the same as the positional MODEL (vLLM's spelling)")
+    from stagemesh.core.model_source import add_model_arguments
+
+    add_model_arguments(p)
     p.add_argument("--replica", action="append", required=True, metavar="HOST:PORT",
                    help="a replica's scheduler (repeat for data parallelism)")
     p.add_argument("--host", default="127.0.0.1")
@@ -63,8 +66,8 @@ async def _main(args: argparse.Namespace) -> int:
     from router.balancing import POLICIES
     from router.replicas import ReplicaSet
     from router.tokenization import Tokenizer
-    from stagemesh.core.default_model import resolve_model, served_model_name
     from stagemesh.core.errors import StagemeshError
+    from stagemesh.core.model_source import resolve_source
     from stagemesh.core.model_config import ModelConfig
 
     if args.model and args.model_option and args.model != args.model_option:
@@ -76,14 +79,15 @@ async def _main(args: argparse.Namespace) -> int:
         raise StagemeshError("--responses-store-size must be >= 1")
     if args.max_waiting_requests < 0 or args.health_interval <= 0 or args.http_timeout_keep_alive <= 0:
         raise StagemeshError("--max-waiting-requests must be >= 0, --health-interval and --http-timeout-keep-alive > 0")
-    model_dir = resolve_model(model)
+    source = resolve_source(model, args.tokenizer, args.quantization)  # a GGUF's tokenizer: its --tokenizer
+    model_dir = source.model_dir
     model_config = ModelConfig.from_path(model_dir)
     tokenizer = Tokenizer(model_dir, model_config.max_position_embeddings)
     replicas = ReplicaSet(args.replica, POLICIES[args.policy](), args.health_interval, args.max_waiting_requests,
                           args.max_request_retries)
     await replicas.refresh()
     name = args.served_model_name or next((r.served_model_name for r in replicas.replicas if r.served_model_name),
-                                          None) or served_model_name(model, model_dir)
+                                          None) or source.name
     from router.config import RouterConfig
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:

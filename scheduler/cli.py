@@ -17,6 +17,9 @@ log = logging.getLogger("stagemesh.scheduler")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded model)")
+    from stagemesh.core.model_source import add_model_arguments
+
+    add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     p.add_argument("--advertise-host", default=None, help="address stages use to reach this host")
@@ -69,11 +72,12 @@ async def _main(args: argparse.Namespace) -> int:
     from scheduler.grpc_pipeline import GrpcPipeline
     from scheduler.rendezvous import ModelIdentity, Rendezvous
     from scheduler.service import SchedulerServicer, serve
-    from stagemesh.core.default_model import resolve_model, served_model_name
     from stagemesh.core.model_config import ModelConfig
     from stagemesh.core.speculative import parse_speculative_config
+    from stagemesh.core.model_source import resolve_source
 
-    model_dir = resolve_model(args.model)
+    source = resolve_source(args.model, args.tokenizer, args.quantization)  # a GGUF's config: its --tokenizer
+    model_dir = source.model_dir
     cfg = ModelConfig.from_path(model_dir)
     if args.max_model_len is not None and args.max_model_len > cfg.max_position_embeddings:
         raise StagemeshError(f"--max-model-len {args.max_model_len} exceeds the model's "
@@ -102,7 +106,7 @@ async def _main(args: argparse.Namespace) -> int:
         model_max_len=cfg.max_position_embeddings, async_scheduling=args.async_scheduling,
         stage_recovery_timeout_s=args.stage_recovery_timeout, max_request_retries=args.max_request_retries),
         GrpcPipeline(rendezvous, advertise, store.port, replace(DEADLINES, forward_s=args.forward_timeout)))
-    name = args.served_model_name or served_model_name(args.model, model_dir)
+    name = args.served_model_name or source.name
     servicer = SchedulerServicer(driver, name, str(model_dir), cfg.vocab_size, args.kv_role)
     server, port = await serve(servicer, args.host, args.port)
     driver.observer.replica = servicer.address = f"{advertise}:{port}"

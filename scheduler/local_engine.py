@@ -33,12 +33,14 @@ class LocalEngine:
                  num_kv_blocks: int | None = None, kv_cache_memory: int = DEFAULT_KV_BUDGET,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  max_model_len: int | None = None, device: str = "cpu", dtype: str | None = None,
-                 async_scheduling: bool | None = None, speculative_config: str | dict | None = None):
+                 async_scheduling: bool | None = None, speculative_config: str | dict | None = None,
+                 quantization: str | None = None, gguf_file: str | None = None):
         """speculative_config: vLLM's --speculative-config, as JSON or a dict."""
         cfg = ModelConfig.from_path(model_dir)
         spec = parse_speculative_config(speculative_config)
         split = split or layer_split(cfg.num_hidden_layers, 1)
-        self.runners = [StageRunner(model_dir, a, b, device=device, dtype=dtype, block_size=block_size, config=cfg)
+        self.runners = [StageRunner(model_dir, a, b, device=device, dtype=dtype, block_size=block_size, config=cfg,
+                                    quantization=quantization, gguf_file=gguf_file)
                         for a, b in layer_ranges(split)]
         if spec is not None and spec.uses_draft_model:  # on the last stage, as a stage service runs it
             self.runners[-1].attach_drafter(DraftModel(spec, cfg, device, dtype, block_size))

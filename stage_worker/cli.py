@@ -17,7 +17,8 @@ log = logging.getLogger("stagemesh.stage")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="model directory, or a .gguf file with --tokenizer (default: the embedded model)")
     p.add_argument("--scheduler", required=True, metavar="HOST:PORT", help="the replica's scheduler")
     p.add_argument("--stage-index", type=int, required=True)
     p.add_argument("--layers", default=None, metavar="A:B",
@@ -67,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     p.add_argument("--cpu-affinity", default=None, metavar="CPUS", help="pin the stage (and followers) to these "
                                                                         "cores, e.g. 0 or 0,1")
+    from stagemesh.core.model_source import add_model_arguments
+
+    add_model_arguments(p)
     add_service_arguments(p)
 
 
@@ -161,13 +165,14 @@ def stage_layers(args: argparse.Namespace, num_layers: int) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stagemesh.core.default_model import resolve_model
     from stagemesh.core.model_config import ModelConfig
+    from stagemesh.core.model_source import resolve_source
     from stage_worker.ep_group import BROKEN_LINGER_S, EXIT_BROKEN, EPGroupBroken
     from stage_worker.runner import check_layer_range
 
     setup_service(args, f"stagemesh-stage-{args.stage_index}")
-    model_dir = resolve_model(args.model)
+    source = resolve_source(args.model, args.tokenizer, args.quantization)
+    model_dir = source.model_dir
     cfg = ModelConfig.from_path(model_dir)
     start, end = stage_layers(args, cfg.num_hidden_layers)
     check_layer_range(cfg, start, end)
@@ -197,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
 
     slice_ = SliceConfig(str(model_dir), start, end, tp_size=args.tensor_parallel_size, device=args.device,
                          dtype=args.dtype, block_size=args.block_size, cuda_graphs=not args.enforce_eager,
-                         expert_parallel=args.enable_expert_parallel, eplb=balance)
+                         expert_parallel=args.enable_expert_parallel, eplb=balance, quantization=source.quantization,
+                         gguf_file=str(source.gguf_file) if source.gguf_file else None)
     worker = StageWorker(StageConfig(slice_, args.stage_index, handoff=args.handoff,
                                      kv_cache_memory=args.kv_cache_memory,
                                      gpu_memory_utilization=args.gpu_memory_utilization, threads=args.threads,
@@ -207,10 +213,17 @@ def run(args: argparse.Namespace) -> int:
     internal_token.warn_if_open(f"stage {args.stage_index}")
     if args.device == "cpu":
         from kernels import cpu_ops
-        from stage_worker.cpu_isa import cpu_flags, describe_cpu_path
+        from stage_worker.cpu_isa import cpu_flags, describe_cpu_path, describe_isa
 
-        log.info("stage %d: %s", args.stage_index, describe_cpu_path(
-            str(worker.runner.dtype).removeprefix("torch."), cpu_flags(), kernels=cpu_ops.load() is not None))
+        built = cpu_ops.load() is not None
+        log.info("stage %d: %s; %s", args.stage_index, describe_cpu_path(
+            str(worker.runner.dtype).removeprefix("torch."), cpu_flags(), kernels=built),
+            describe_isa(cpu_flags(), built))
+    if source.quantization:
+        from stage_worker.quantization import describe
+
+        log.info("stage %d: --quantization %s%s: %s", args.stage_index, source.quantization,
+                 f" from {source.gguf_file}" if source.gguf_file else "", describe(worker.runner.model))
     if cfg.is_moe:
         from stage_worker.moe import describe_layout
         from stage_worker.observe import watch_expert_load

@@ -9,20 +9,7 @@ bf16 needs the built kernels (torch's own bf16 ops are slower than fp32 on CPU),
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-
-def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The feature flags of the first CPU in /proc/cpuinfo (empty where there is none)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+from kernels.isa import cpu_flags, describe as describe_isa  # noqa: F401 - the kernel families (kernels/isa.py)
 
 
 def bf16_isa(flags: set[str]) -> str | None:

@@ -77,6 +77,10 @@ def follower_argv(slice_: SliceConfig, tp_rank: int, threads: int) -> list[str]:
         argv += ["--dtype", slice_.dtype]
     if slice_.expert_parallel:
         argv.append("--enable-expert-parallel")
+    if slice_.quantization:
+        argv += ["--quantization", slice_.quantization]
+    if slice_.gguf_file:
+        argv += ["--gguf-file", slice_.gguf_file]
     return argv + eplb.config_argv(slice_.eplb)
 
 
@@ -92,6 +96,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--enable-expert-parallel", action="store_true")
     p.add_argument("--eplb-config", default=None)
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--gguf-file", default=None)
     args = p.parse_args()
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s follower tp{args.tp_rank} %(levelname)s: %(message)s")
@@ -100,7 +106,8 @@ def main() -> None:
     start, end = (int(x) for x in args.layers.split(":"))
     balance = eplb.EPLBConfig(**json.loads(args.eplb_config)) if args.eplb_config else None  # checked by rank 0
     runner = SliceConfig(args.model, start, end, args.tp_size, args.device, args.dtype, args.block_size,
-                         expert_parallel=args.enable_expert_parallel, eplb=balance).runner(args.tp_rank)
+                         expert_parallel=args.enable_expert_parallel, eplb=balance, quantization=args.quantization,
+                         gguf_file=args.gguf_file).runner(args.tp_rank)
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     while (raw := read_message(sys.stdin.buffer)) is not None:

@@ -16,6 +16,7 @@ from torch import nn
 import kernels
 from kernels import cpu_ops
 from stage_worker.parallel import TPGroup, shard_range, vocab_range
+from stage_worker.quant_weight import QuantizedWeight
 
 
 class Shard(NamedTuple):
@@ -54,7 +55,8 @@ def pack_weights_for_cpu(model: nn.Module) -> None:
     fp32 on a CPU without them. Without the built kernels bf16 stays on torch's.
     Benchmarks: benchmarks/bench_decode_inprocess.py, benchmarks/bench_serving.py, benchmarks/bench_bf16_cpu.py.
     """
-    linears = [m for m in model.modules() if isinstance(m, (Linear, ParallelLMHead))]
+    linears = [m for m in model.modules() if isinstance(m, (Linear, ParallelLMHead))
+               and not isinstance(m.weight, QuantizedWeight)]  # those run on kernels/csrc/quant_linear.cpp
     for module in linears:
         if module.weight.dtype == torch.bfloat16 and not hasattr(module.weight, "bf16_out_features") \
                 and cpu_ops.load() is not None:
@@ -70,6 +72,8 @@ def pack_weights_for_cpu(model: nn.Module) -> None:
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    if isinstance(weight, QuantizedWeight):
+        return weight.linear(x, bias)
     out_features = getattr(weight, "bf16_out_features", None)
     if out_features is not None:
         return cpu_ops.linear_bf16(x, weight, out_features, bias)
@@ -133,17 +137,23 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, name: str, vocab_size: int, hidden: int, tp: TPGroup, dtype, device):
         super().__init__()
         self.tp = tp
+        self.dtype = dtype
         self.start, self.stop, per = vocab_range(vocab_size, tp)
         self.weight = new_param((per, hidden), dtype, device, [Shard(name, 0, self.start, self.stop - self.start, 0)])
         if self.stop - self.start < per:
             self.weight.data[self.stop - self.start:].zero_()
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedWeight):  # a GGUF's quantised table: only the rows looked up
+            return self.weight.rows(ids, self.dtype)
+        return F.embedding(ids, self.weight)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.start
         outside = (ids < self.start) | (ids >= self.stop)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside[:, None], 0)
         return self.tp.all_reduce(out)
 

@@ -134,4 +134,7 @@ class StageModel(nn.Module):
         return self.lm_head(hidden).float()
 
     def num_parameter_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        from stage_worker.quant_weight import QuantizedWeight
+
+        quantised = sum(m.nbytes() for m in self.modules() if isinstance(m, QuantizedWeight))
+        return sum(p.numel() * p.element_size() for p in self.parameters()) + quantised

@@ -19,7 +19,9 @@ from stage_worker import prompt_logprobs
 from kernels import cpu_ops
 from stage_worker.layers import pack_weights_for_cpu
 from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from stage_worker.gguf import GGUFCheckpoint
 from stage_worker.model import AttentionMetadata, StageModel
+from stage_worker.quantization import check_quantization, load_gguf, quantize_int8
 from stage_worker.parallel import HeadShard, TPGroup
 from stage_worker.sampler import Sampler
 from stage_worker.validate import InvalidStep
@@ -64,6 +66,17 @@ def resolve_dtype(cfg: ModelConfig, dtype: torch.dtype | str | None, device: str
     return getattr(torch, name)
 
 
+def _load(model: StageModel, model_dir, quantization: str | None, gguf_file: str | None, cfg: ModelConfig) -> None:
+    if quantization == "gguf":
+        if gguf_file is None:
+            raise StagemeshError("--quantization gguf needs a .gguf file as the model")
+        load_gguf(model, GGUFCheckpoint(gguf_file, cfg))
+        return
+    load_weights(model, model_dir)
+    if quantization in ("w8a16", "w8a8"):
+        quantize_int8(model, int8_activations=quantization == "w8a8")
+
+
 @dataclass(frozen=True)
 class SliceConfig:
     """The model slice a stage runs, as every TP rank of it (rank 0 and its followers) builds it."""
@@ -77,13 +90,16 @@ class SliceConfig:
     cuda_graphs: bool = True
     expert_parallel: bool = False  # whole experts spread over the TP ranks (stage_worker.moe)
     eplb: object | None = None  # stage_worker.eplb.EPLBConfig: their load balanced, with redundant copies
+    quantization: str | None = None  # stage_worker.quantization.METHODS
+    gguf_file: str | None = None  # the weights (quantization gguf); model_dir then gives config and tokenizer
 
     def runner(self, tp_rank: int, ep=None) -> "StageRunner":
         """`ep`: the stage's stage_worker.ep_group.EPGroup when its experts are spread over the replicas."""
         device = f"cuda:{tp_rank}" if self.device == "cuda" else self.device
         return StageRunner(self.model_dir, self.layer_start, self.layer_end, tp_rank=tp_rank, tp_size=self.tp_size,
                            device=device, dtype=self.dtype, block_size=self.block_size, cuda_graphs=self.cuda_graphs,
-                           expert_parallel=self.expert_parallel, ep=ep, eplb=self.eplb)
+                           expert_parallel=self.expert_parallel, ep=ep, eplb=self.eplb, quantization=self.quantization,
+                           gguf_file=self.gguf_file)
 
 
 class StageRunner:
@@ -91,7 +107,7 @@ class StageRunner:
                  tp_size: int = 1, tp_group=None, device: str = "cpu", dtype: torch.dtype | str | None = None,
                  block_size: int = 16, load: bool = True, config: ModelConfig | None = None,
                  cuda_graphs: bool = True, max_graph_batch: int = 256, expert_parallel: bool = False, ep=None,
-                 eplb=None):
+                 eplb=None, quantization: str | None = None, gguf_file: str | None = None):
         self.config = cfg = config or ModelConfig.from_path(model_dir)
         check_layer_range(cfg, layer_start, layer_end)
         self.tp = TPGroup(tp_rank, tp_size, tp_group)
@@ -101,11 +117,15 @@ class StageRunner:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(cfg, dtype, device)
         self.block_size = block_size
+        if gguf_file is not None:
+            quantization = quantization or "gguf"
+        check_quantization(quantization, cfg, self.device)
+        self.quantization = quantization
         self.model = StageModel(cfg, layer_start, layer_end, self.tp, self.dtype, self.device,
                                 expert_parallel=expert_parallel, ep=ep, eplb=eplb)
         self.model_dir = model_dir
         if load:
-            load_weights(self.model, model_dir)
+            _load(self.model, model_dir, quantization, gguf_file, cfg)
         if self.device.type == "cpu":
             pack_weights_for_cpu(self.model)
         self.num_kv_heads = HeadShard.for_rank(cfg, self.tp).num_kv_heads

@@ -56,9 +56,10 @@ class CheckpointReader:
         self._handles.clear()
 
 
-def load_weights(model: nn.Module, model_dir: str | Path) -> None:
-    """Fill every parameter of `model` from its `shards` (see stage_worker.layers)."""
-    reader = CheckpointReader(model_dir)
+def load_weights(model: nn.Module, source) -> None:
+    """Fill every parameter of `model` from its `shards` (see stage_worker.layers). `source`: a model
+    directory of safetensors, or a reader with the same read_slice (stage_worker.gguf.GGUFCheckpoint)."""
+    reader = CheckpointReader(source) if isinstance(source, (str, Path)) else source
     try:
         for param in model.parameters():
             fill(param.data, param.shards, reader)
@@ -71,7 +72,11 @@ def fill(data: torch.Tensor, shards, reader: CheckpointReader) -> None:
     for shard in shards:
         part = reader.read_slice(shard.name, shard.dim, shard.start, shard.length)
         target = data if shard.stack is None else data[shard.stack]
-        target.narrow(shard.dim, shard.dest, shard.length).copy_(part)
+        target = target.narrow(shard.dim, shard.dest, shard.length)
+        if part.shape != target.shape:
+            raise StagemeshError(f"{shard.name}: the checkpoint gives {list(part.shape)} where the model's config "
+                                 f"wants {list(target.shape)}")
+        target.copy_(part)
 
 
 def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:

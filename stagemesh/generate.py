@@ -12,7 +12,8 @@ from stagemesh.core.sampling_params import SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--prompt", default="What is the capital of France?", help="the user message")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -20,14 +21,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--layer-split", default=None, help="run as chained stages, e.g. 10,12,8")
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    parser.add_argument("--dtype", default=None, help="auto, float32, bfloat16")
+    from stagemesh.core.model_source import add_model_arguments
+
+    add_model_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from stagemesh.core.default_model import resolve_model
     from stagemesh.core.model_config import ModelConfig, parse_layer_split
+    from stagemesh.core.model_source import resolve_source
 
-    model_dir = resolve_model(args.model)
+    source = resolve_source(args.model, args.tokenizer, args.quantization)
+    model_dir = source.model_dir
     cfg = ModelConfig.from_path(model_dir)  # fails early, with one line, on a bad directory
     split = None
     if args.layer_split:
@@ -43,7 +49,9 @@ def run(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                                    add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
-    with LocalEngine(model_dir, split=split) as engine:
+    gguf = str(source.gguf_file) if source.gguf_file else None
+    with LocalEngine(model_dir, split=split, dtype=args.dtype, quantization=source.quantization,
+                     gguf_file=gguf) as engine:
         [tokens] = engine.generate([list(prompt_ids)], sampling)
     print(tokenizer.decode(tokens, skip_special_tokens=True))
     return 0

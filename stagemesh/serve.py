@@ -74,7 +74,8 @@ def cpu_stage_env() -> dict[str, str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="model directory, or a .gguf file with --tokenizer (default: the embedded model)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
@@ -140,6 +141,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "each TP rank asks of Ray (default 1) and --stage-recovery-timeout defaults to "
                         f"{RAY_STAGE_RECOVERY_TIMEOUT_S:.0f}")
     # --metrics-port P: scheduler of replica r on P + r*(PP+1), its stages next, serve's own after them all
+    from stagemesh.core.model_source import add_model_arguments
+
+    add_model_arguments(p)
     add_service_arguments(p)
 
 
@@ -150,9 +154,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def plan_commands(args: argparse.Namespace, model: str | None, num_layers: int, cuda: bool,
-                  addresses: Addresses = Addresses()) -> list[ChildSpec]:
+                  addresses: Addresses = Addresses(), stage_model: list[str] | None = None) -> list[ChildSpec]:
     """Every service of the mesh, schedulers before their stages, the router last. `model` None: each service
-    resolves the embedded default model on its own node."""
+    resolves the embedded default model on its own node. `stage_model`: the stages' MODEL and weight flags
+    where they differ from `model` (a GGUF, --quantization; stagemesh.core.model_source)."""
     from stagemesh.core.model_config import layer_ranges, layer_split, parse_layer_split
 
     pp, tp, dp = args.pipeline_parallel_size, args.tensor_parallel_size, args.data_parallel_size
@@ -163,6 +168,7 @@ def plan_commands(args: argparse.Namespace, model: str | None, num_layers: int, 
         threads = args.threads or 1
     device = "cuda" if cuda else "cpu"
     model_arg = [] if model is None else [model]
+    stage_model = model_arg if stage_model is None else stage_model
     common_sched = _flags(args, ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                                  "served_model_name", "stage_recovery_timeout", "max_request_retries",
                                  "scheduling_policy"))
@@ -189,7 +195,7 @@ def plan_commands(args: argparse.Namespace, model: str | None, num_layers: int, 
             if cuda and addresses.local:  # Ray gives each stage its GPUs itself
                 env = {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu + t) for t in range(tp))}
                 gpu += tp
-            argv = ["stage", *model_arg, "--scheduler", replicas[-1], "--stage-index", str(i), "--layers", f"{a}:{b}",
+            argv = ["stage", *stage_model, "--scheduler", replicas[-1], "--stage-index", str(i), "--layers", f"{a}:{b}",
                     "--tensor-parallel-size", str(tp), "--handoff", args.handoff, "--device", device,
                     "--threads", str(threads), *stage_host, *_service(args, r * (pp + 1) + 1 + i),
                     *(["--enforce-eager"] if args.enforce_eager else []),
@@ -246,12 +252,14 @@ def run(args: argparse.Namespace) -> int:
     token = internal_token.configure(args) or internal_token.new_token()
     if args.distributed_executor_backend == "ray":
         return _run_on_ray(args, token)
-    model_dir, cfg = _model(args)
+    source, cfg = _model(args)
     cuda = args.device == "cuda" or (args.device is None and _cuda_available())
     _check_expert_parallel(cfg, args, cuda)
+    _check_quantization(source, cfg, cuda)
     base_env = {**os.environ, internal_token.ENV: token}
     children = [Child(s.name, s.argv, {**base_env, **s.env})
-                for s in plan_commands(args, str(model_dir), cfg.num_hidden_layers, cuda)]
+                for s in plan_commands(args, str(source.model_dir), cfg.num_hidden_layers, cuda,
+                                       stage_model=source.stage_args())]
     metrics = _serve_metrics(args, args.data_parallel_size * (args.pipeline_parallel_size + 1))
     stop = _on_signals()
     try:
@@ -267,9 +275,13 @@ def _run_on_ray(args: argparse.Namespace, token: str) -> int:
 
     cluster = RayCluster.connect()  # refuses clearly when no cluster answers
     try:
-        model_dir, cfg = _model(args)
+        source, cfg = _model(args)
+        model_dir = source.model_dir
         cuda = args.device == "cuda" or (args.device is None and cluster.has_gpus())
         _check_expert_parallel(cfg, args, cuda, ray=True)
+        if source.quantization:
+            raise StagemeshError(f"--quantization {source.quantization} is not built for --distributed-executor-"
+                                 "backend ray yet (a node would need the file at the same path): use mp")
         if args.stage_recovery_timeout is None:
             args.stage_recovery_timeout = RAY_STAGE_RECOVERY_TIMEOUT_S
         # the default model: every node converts (or finds) its own copy, as the services on one host do
@@ -288,13 +300,24 @@ def _check_layout(args: argparse.Namespace) -> None:
 
 
 def _model(args: argparse.Namespace):
-    from stagemesh.core.default_model import resolve_model
+    """The model source (stagemesh.core.model_source) and its config; the schedulers and the router are told
+    the source's served name."""
     from stagemesh.core.model_config import ModelConfig
+    from stagemesh.core.model_source import resolve_source
 
-    model_dir = resolve_model(args.model)
-    cfg = ModelConfig.from_path(model_dir)
+    source = resolve_source(args.model, args.tokenizer, args.quantization)
+    cfg = ModelConfig.from_path(source.model_dir)
     cfg.check_tp_size(args.tensor_parallel_size)
-    return model_dir, cfg
+    if args.served_model_name is None and source.gguf_file is not None:
+        args.served_model_name = source.name
+    return source, cfg
+
+
+def _check_quantization(source, cfg, cuda: bool) -> None:
+    """What the stages would refuse, refused before any starts."""
+    from stage_worker.quantization import check_quantization
+
+    check_quantization(source.quantization, cfg, "cuda" if cuda else "cpu")
 
 
 def _on_signals() -> dict:

@@ -17,10 +17,11 @@ def prompts(vocab: int, lengths=(5, 40, 17, 70, 3, 33), seed: int = 0) -> list[l
 
 
 def chained_logits(model_dir, split, prompt, new_tokens, chunk=16, tp_rank=0, tp_size=1, tp_group=None,
-                   expert_parallel=False, dtype=None):
-    """Run the slices by hand: the prompt in chunks of `chunk`, then greedy decode; logits per token."""
+                   expert_parallel=False, dtype=None, **runner_kw):
+    """Run the slices by hand: the prompt in chunks of `chunk`, then greedy decode; logits per token.
+    runner_kw: more of StageRunner's arguments (quantization, gguf_file)."""
     runners = [StageRunner(model_dir, a, b, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
-                           expert_parallel=expert_parallel, dtype=dtype) for a, b in layer_ranges(split)]
+                           expert_parallel=expert_parallel, dtype=dtype, **runner_kw) for a, b in layer_ranges(split)]
     for r in runners:
         r.allocate_kv_cache(64)
     seq = NewSequence(0, prompt, SamplingParams(max_tokens=new_tokens))

@@ -41,3 +41,18 @@ def test_dtype_auto_on_cpu_is_the_checkpoints_with_fp16_as_bf16():
     narrow = torch.bfloat16 if cpu_ops.load() is not None else torch.float32
     assert auto("float32") == torch.float32  # never narrowed unasked
     assert auto("bfloat16") == narrow and auto("float16") == narrow
+
+
+def test_the_kernel_family_is_chosen_by_flags_and_unbuilt_ones_are_named():
+    from kernels import isa
+
+    assert isa.chosen(cpu_flags("flags : avx avx2 fma f16c bmi2")).name == "avx2"
+    assert isa.march(cpu_flags("flags : avx avx2 fma f16c bmi2")) == "avx2"
+    assert isa.chosen(cpu_flags("flags : sse2 avx")).name == "scalar"
+    server = cpu_flags("flags : avx2 fma f16c bmi2 avx512f avx512bw avx512vl avx512dq avx512cd avx512_vnni "
+                       "avx512_bf16 amx_tile amx_bf16 amx_int8")
+    assert isa.chosen(server).name == "avx2" and isa.march(server) == "avx512"
+    assert isa.describe(server).endswith("this CPU also has amx, avx512_bf16, avx512_vnni, avx512, whose kernels are "
+                                         "not built yet (the avx2 ones run)")
+    assert isa.describe(cpu_flags("flags : avx2 fma f16c bmi2"), built=False).endswith(
+        "; the C++ kernels are not built")

@@ -1,7 +1,6 @@
 """Stage slices chained in order give transformers' logits and greedy tokens."""
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch

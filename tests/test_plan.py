@@ -13,6 +13,7 @@ import requests
 
 from mesh import free_port
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.model_config import ModelConfig
 from stagemesh.plan.cli import load_config
 from stagemesh.plan.tree import GB, PlanRequest, make_plan
 from tiny_models import with_word_tokenizer
@@ -205,3 +206,21 @@ def test_ray_backend_plan_says_which_node_gets_what_and_its_serve_command_parses
     text = stagemesh_plan("Llama-3.1-405B", "--gpus-per-node", "8", "--nodes", "2", "--gpu-memory", "80GB",
                           "--dtype", "fp16", "--distributed-executor-backend", "ray").stdout
     assert "Where Ray puts what" in text and "node 1: stage[0.1] (GPU 8, CPU 8)" in text
+
+
+def test_quantised_formats_count_their_scales():
+    """The default model's shape: q4_1 holds 4 bits + an fp32 scale and min per 32 (0.75 byte a weight), its
+    tables Q8_0; int8 a byte a weight + an fp32 scale a row, its tables bf16."""
+    from stagemesh.plan.memory import evaluate, linear_rows_per_layer, param_counts
+
+    cfg = ModelConfig.from_dict({"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+                                 "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                                 "vocab_size": 49152, "tie_word_embeddings": True})
+    counts = param_counts(cfg)
+    tables = 2 * counts.embedding + counts.final_norm  # the last stage of one holds a copy for the head
+    q41 = evaluate(cfg, 1, 1, 2**30, 1.0, "q4_1", 2048).weight_bytes_per_gpu
+    assert q41 == int(counts.per_layer * 30 * 0.75 + tables * 1.125)
+    int8 = evaluate(cfg, 1, 1, 2**30, 1.0, "int8", 2048).weight_bytes_per_gpu
+    assert int8 == int(counts.per_layer * 30 + tables * 2 + 4 * linear_rows_per_layer(cfg) * 30)
+    bf16 = evaluate(cfg, 1, 1, 2**30, 1.0, "bf16", 2048).weight_bytes_per_gpu
+    assert q41 < int8 < bf16

@@ -9,6 +9,7 @@
 
 #include "bf16_linear.h"
 #include "moe_ops.h"
+#include "quant_linear.h"
 #include "shm_comm.h"
 
 #include <algorithm>
@@ -344,6 +345,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe", &fused_moe, "the experts of a mixture-of-experts layer (moe_ops.cpp)");
   m.def("pack_bf16_weight", &pack_bf16_weight, "a weight packed for linear_bf16 (bf16_linear.cpp)");
   m.def("linear_bf16", &linear_bf16, "x W^T + b with bf16 weights, fp32 sums (bf16_linear.cpp)");
+  m.def("quant_linear", &quant_linear, "x W^T + b with W quantised in groups along K (quant_linear.cpp)");
+  m.def("quant_isa", &quant_isa, "the instruction family quant_linear was compiled for");
   pybind11::class_<ShmComm>(m, "ShmComm")
       .def(pybind11::init<const std::string&, int64_t, int64_t, int64_t, double>())
       .def_static("file_bytes", &ShmComm::file_bytes)

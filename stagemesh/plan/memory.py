@@ -6,8 +6,17 @@ from dataclasses import dataclass
 
 from stagemesh.core.model_config import ModelConfig, layer_ranges
 
-DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int4": 0.5}
-KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2, "int4": 2}  # KV stays 16-bit when weights are quantized
+# Bytes a layer's parameter takes as a stage holds it. fp8 and int4 are what a GPU format would take (not built);
+# the quantised formats are real (--quantization, CPU stages), in the kernels' layouts (kernels/quant_reference.py):
+# 4-bit quants with an fp32 scale and min per group of 32 (the GGUF files hold less: Q4_0 18 and Q4_1 20 bytes a
+# block of 32, Q4_K 144 a block of 256), Q8_0 8 bits with an fp32 scale per 32; int8 (w8a16 / w8a8) 8 bits, its
+# fp32 scale per output row counted apart (int8_scale_bytes).
+DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int4": 0.5,
+               "q4_0": 0.75, "q4_1": 0.75, "q4_k": 0.75, "q8_0": 1.125, "int8": 1.0}
+# The embedding table and LM head: a GGUF's as the embedded model's file holds them (Q8_0); int8 keeps them in bf16.
+TABLE_BYTES = {"q4_0": 1.125, "q4_1": 1.125, "q4_k": 1.125, "q8_0": 1.125, "int8": 2.0}
+KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2, "int4": 2,  # KV stays 16-bit when weights are quantized
+                  "q4_0": 2, "q4_1": 2, "q4_k": 2, "q8_0": 2, "int8": 2}
 # What a GPU keeps besides weights and KV: activations of a step, CUDA graphs and
 # the allocator's slack. vLLM measures it by profiling; a plan without the weights
 # has to assume it.
@@ -37,6 +46,25 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
         mlp = 3 * h * cfg.intermediate_size
     embedding = cfg.vocab_size * h
     return ParamCounts(embedding, 0 if cfg.tie_word_embeddings else embedding, attention + mlp + 2 * h, h)
+
+
+def linear_rows_per_layer(cfg: ModelConfig) -> int:
+    """Output rows of a layer's linear weights (q, k, v, o, gate, up, down; experts and their routers)."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    if cfg.is_moe:
+        mlp = cfg.num_experts * (2 * cfg.moe_intermediate_size + cfg.hidden_size) + cfg.num_experts
+    else:
+        mlp = 2 * cfg.intermediate_size + cfg.hidden_size
+    return q + 2 * kv + cfg.hidden_size + mlp
+
+
+def weight_bytes(cfg: ModelConfig, dtype: str, layers: int, tables: int) -> float:
+    """Bytes of `layers` decoder layers and `tables` embedding / LM-head parameters in `dtype`."""
+    counts = param_counts(cfg)
+    total = counts.per_layer * layers * DTYPE_BYTES[dtype] + tables * TABLE_BYTES.get(dtype, DTYPE_BYTES[dtype])
+    if dtype == "int8":  # an fp32 scale per output row
+        total += 4 * linear_rows_per_layer(cfg) * layers
+    return total
 
 
 def kv_bytes_per_token(cfg: ModelConfig, num_layers: int, tp: int, dtype: str) -> int:
@@ -88,12 +116,10 @@ def evaluate(cfg: ModelConfig, tp: int, pp: int, gpu_bytes: int, utilization: fl
     budget = int(gpu_bytes * utilization) - ACTIVATION_RESERVE
     weights, kv_free, tokens = 0, None, None
     for i, (a, b) in enumerate(layer_ranges(split)):
-        params = counts.per_layer * (b - a)
-        if a == 0:
-            params += counts.embedding
+        tables = counts.embedding if a == 0 else 0
         if b == cfg.num_hidden_layers:
-            params += (counts.lm_head or counts.embedding) + counts.final_norm
-        stage_weights = int(params * DTYPE_BYTES[dtype] / tp)
+            tables += (counts.lm_head or counts.embedding) + counts.final_norm
+        stage_weights = int(weight_bytes(cfg, dtype, b - a, tables) / tp)
         free = budget - stage_weights
         stage_tokens = max(free, 0) // kv_bytes_per_token(cfg, b - a, tp, dtype)
         weights = max(weights, stage_weights)

@@ -94,9 +94,11 @@ def _tree(req: PlanRequest) -> Plan:
 
 
 def _weights_gb(req: PlanRequest) -> float:
-    from stagemesh.plan.memory import param_counts
+    from stagemesh.plan.memory import param_counts, weight_bytes
 
-    return param_counts(req.cfg).total(req.cfg.num_hidden_layers) * DTYPE_BYTES[req.dtype] / GB
+    counts = param_counts(req.cfg)
+    return weight_bytes(req.cfg, req.dtype, req.cfg.num_hidden_layers,
+                        counts.embedding + counts.lm_head + counts.final_norm) / GB
 
 
 def _quantization_hint(req: PlanRequest, path: list[str]) -> str | None:

@@ -1,0 +1,136 @@
+"""Quantised weights against fp32 and bf16 on CPU, in-process, the default model, same run: batch-1 decode
+time per token (TPOT) and the throughput of a batch of concurrent requests, for every arm in turn each round
+(so load from elsewhere on a shared machine hits them all); optionally llama.cpp's llama-bench on the same
+GGUF and threads between the rounds. Quality per arm: teacher-forced top-1 agreement with fp32 and
+perplexity on a fixed text.
+
+Arms: fp32, bf16 (--dtype bfloat16), gguf-q4_1 (the embedded GGUF as it is), gguf-q8_0 (a Q8_0 GGUF: --q8-gguf,
+e.g. made by llama.cpp's llama-quantize), w8a16, w8a8 (int8 quantised at load).
+
+    .venv/bin/python benchmarks/bench_quant_cpu.py [--rounds 3] [--tokens 64] [--batch 32] \
+        [--llama-bench /tmp/llama.cpp/build/bin/llama-bench] [--q8-gguf /tmp/smol-q8_0.gguf] [--arms fp32,gguf-q4_1]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.bench_bf16_cpu import throughput, tpot_ms  # noqa: E402
+
+TEXT = ("The lighthouse stood at the end of the long stone pier, and every night for forty years the keeper "
+        "climbed its narrow stairs to light the lamp. Ships passing in the dark relied on its steady beam to find "
+        "the harbour, and the people of the town said that as long as the light burned, no one would be lost at sea. "
+        "When the storm of that winter came, the waves broke over the pier and the wind tore at the windows, but "
+        "the keeper kept the lamp burning until morning, and the fishing boats came home one by one.")
+
+
+def arms(q8_gguf: str | None) -> dict[str, dict]:
+    from stagemesh.core.default_model import gguf_path
+
+    table = {"fp32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16"),
+             "gguf-q4_1": dict(quantization="gguf", gguf_file=str(gguf_path())),
+             "w8a16": dict(quantization="w8a16"), "w8a8": dict(quantization="w8a8")}
+    if q8_gguf:
+        table["gguf-q8_0"] = dict(quantization="gguf", gguf_file=q8_gguf)
+    return table
+
+
+def score(engine, ids: list[int]) -> tuple[float, list[int]]:
+    """Teacher-forced: the mean negative log-likelihood of the text and the top token at each position."""
+    from stagemesh.core.sampling_params import SamplingParams
+
+    entries = []
+    for out in engine.stream(ids, SamplingParams(max_tokens=1, prompt_logprobs=1)):
+        entries += out.prompt_logprobs
+    return -sum(e.logprob for e in entries) / len(entries), [e.top_token_ids[0] for e in entries]
+
+
+def llama_bench(binary: str, gguf: str, threads: int, tokens: int) -> float:
+    """llama.cpp's batch-1 generation on the same GGUF and threads: its TPOT in ms."""
+    out = subprocess.run([binary, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(tokens), "-r", "1", "-o", "csv"],
+                         capture_output=True, text=True, check=True).stdout
+    tps = float(re.findall(r'"(\d+\.\d+)","[\d.]+"\s*$', out.strip(), re.M)[-1])
+    return 1e3 / tps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64, help="batch-1 output tokens")
+    parser.add_argument("--batch", type=int, default=32, help="concurrent requests (prompts 16-256, outputs 16-128)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench, run on the same GGUFs")
+    parser.add_argument("--q8-gguf", default=None, help="a Q8_0 GGUF of the default model (gguf-q8_0 arm)")
+    parser.add_argument("--arms", default=None, help="comma-separated subset of the arms")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    from scheduler.local_engine import LocalEngine
+    from stage_worker.cpu_isa import cpu_flags, describe_isa
+    from stagemesh.core.default_model import default_model_dir, gguf_path
+
+    model_dir = default_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt_ids = tokenizer.encode("Write a short story about a lighthouse keeper.")
+    text_ids = tokenizer.encode(TEXT)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(16, 256))] for _ in range(args.batch)]
+    outputs = [rng.randint(16, 128) for _ in range(args.batch)]
+    table = arms(args.q8_gguf)
+    if args.arms:
+        table = {name: table[name] for name in args.arms.split(",")}
+    engines = {name: LocalEngine(model_dir, **kw) for name, kw in table.items()}
+    figures = {name: {"tpot": [], "tput": []} for name in engines}
+    llama = {"q4_1": [], "q8_0": []}
+    try:
+        quality = {name: score(engine, text_ids) for name, engine in engines.items()}
+        for engine in engines.values():
+            tpot_ms(engine, prompt_ids, 4)  # warm-up
+        for _ in range(args.rounds):
+            for name, engine in engines.items():
+                figures[name]["tpot"].append(tpot_ms(engine, prompt_ids, args.tokens))
+                figures[name]["tput"].append(throughput(engine, prompts, outputs))
+            if args.llama_bench:
+                llama["q4_1"].append(llama_bench(args.llama_bench, str(gguf_path()), args.threads, args.tokens))
+                if args.q8_gguf:
+                    llama["q8_0"].append(llama_bench(args.llama_bench, args.q8_gguf, args.threads, args.tokens))
+    finally:
+        for engine in engines.values():
+            engine.close()
+    report(args, figures, quality, llama, describe_isa(cpu_flags()))
+
+
+def report(args, figures, quality, llama, isa: str) -> None:
+    med = {n: {k: statistics.median(v) for k, v in f.items()} for n, f in figures.items()}
+    base_nll, base_top = quality.get("fp32", next(iter(quality.values())))
+    print(f"default model in-process, {args.threads} threads, {args.rounds} rounds (medians; rounds in brackets); "
+          f"{isa}")
+    for n, f in figures.items():
+        nll, top = quality[n]
+        agree = sum(a == b for a, b in zip(top, base_top)) / len(base_top)
+        print(f"{n:10s}: batch-1 TPOT {med[n]['tpot']:6.1f} ms [{', '.join(f'{x:.1f}' for x in f['tpot'])}]  "
+              f"batch-{args.batch} {med[n]['tput']:6.1f} tok/s [{', '.join(f'{x:.1f}' for x in f['tput'])}]  "
+              f"perplexity {math.exp(nll):.3f} (fp32 {math.exp(base_nll):.3f}), top-1 agreement {agree:.1%}")
+    for fmt, values in llama.items():
+        if values:
+            ours = med.get(f"gguf-{fmt}", {}).get("tpot")
+            ratio = f"; gguf-{fmt} / llama.cpp TPOT {ours / statistics.median(values):.2f}x (target <= 1)" if ours else ""
+            print(f"llama.cpp {fmt}: batch-1 TPOT {statistics.median(values):6.1f} ms "
+                  f"[{', '.join(f'{x:.1f}' for x in values)}]{ratio}")
+
+
+if __name__ == "__main__":
+    main()

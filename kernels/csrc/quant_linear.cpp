@@ -1,0 +1,386 @@
+// y = x W^T (+ b) with W quantised in groups along K (quant_linear.h has the two layouts), AVX2 + FMA.
+//
+// fp32 activations, the weights dequantised exactly (every product is what the dequantised fp32 model
+// computes, up to the order of the sums):
+// - few rows of x (decode): a thread takes a range of W's rows and reads their packed bytes once,
+//   turning 32 quants at a time into fp32 in registers for up to 4 rows of x; a group's scale multiplies
+//   the group's partial sums and the mins meet the group sums of x once per row, since
+//   sum_k (d q_k + m) x_k = d sum_k q_k x_k + m sum_k x_k.
+// - many rows (prefill, batch 32+): a thread dequantises a tile of W's rows once (fma(q, d, m): the fp32
+//   number gguf's dequantiser gives) into a buffer and runs 4x3 register tiles of fp32 dot products over
+//   every row of x.
+// int8 activations (W8A8; llama.cpp's q8 blocks): x quantised per row and group, 32 products at a time on
+// integers with vpmaddubsw + vpmaddwd (this family has no VNNI), one fp32 scale per group.
+#include "quant_linear.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define STAGEMESH_QUANT_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kChunk = 32;    // weights per decode (one block of GGUF's 32-wide formats)
+constexpr int kRows = 4;          // rows of x per register tile of the fused path
+constexpr int64_t kFusedRows = 8; // up to this many rows of x the fused path runs; more: the tiled one
+constexpr int kMR = 4, kNR = 3;   // the tiled path's register tile: rows of x by rows of W
+constexpr int64_t kTileN = 24;    // rows of W a thread dequantises at a time (a multiple of kNR)
+constexpr int64_t kTileK = 512;   // and columns (a multiple of kChunk): 48 KB of fp32
+
+struct Weight {
+  const uint8_t* qs;
+  const float* scales;
+  const float* mins;  // 4-bit only
+  int64_t N, K, G, groups, row_bytes;
+};
+
+float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+#ifdef STAGEMESH_QUANT_AVX2
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The 32 quants of a chunk as fp32, in k order.
+template <int BITS>
+inline void decode(const uint8_t* q, __m256 w[4]) {
+  if constexpr (BITS == 4) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  } else {
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i))));
+  }
+}
+
+// The 32 quants of a chunk as bytes in k order (4-bit: unsigned 0..15; 8-bit: signed).
+template <int BITS>
+inline __m256i decode_bytes(const uint8_t* q) {
+  if constexpr (BITS == 4) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  }
+}
+
+// out[r * ldo + n] = sum_k x[r, k] w[n, k] for W's rows [n0, n1) and R rows of x (xsum: their group sums).
+template <int BITS, int R>
+void fused_tile(const Weight& W, const float* x, int64_t ldx, const float* xsum, int64_t n0, int64_t n1,
+                float* out, int64_t ldo) {
+  const int64_t chunks = W.G / kChunk;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* q = W.qs + n * W.row_bytes;
+    const float* d = W.scales + n * W.groups;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (int64_t g = 0; g < W.groups; ++g) {
+      __m256 part[R];
+      for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c, k += kChunk, q += kChunk * BITS / 8) {
+        __m256 w[4];
+        decode<BITS>(q, w);
+        for (int r = 0; r < R; ++r) {
+          const float* xr = x + r * ldx + k;
+          __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+          __m256 u = _mm256_mul_ps(w[2], _mm256_loadu_ps(xr + 16));
+          t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), t);
+          u = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), u);
+          part[r] = _mm256_add_ps(part[r], _mm256_add_ps(t, u));
+        }
+      }
+      const __m256 dv = _mm256_set1_ps(d[g]);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(part[r], dv, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      float s = hsum(acc[r]);
+      if (W.mins) s += dot(W.mins + n * W.groups, xsum + r * W.groups, W.groups);
+      out[r * ldo + n] = s;
+    }
+  }
+}
+
+// W's rows [n0, n0 + rows), columns [k0, k0 + kc), dequantised into buf [rows][kc].
+template <int BITS>
+void dequantize_tile(const Weight& W, int64_t n0, int64_t rows, int64_t k0, int64_t kc, float* buf) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t n = n0 + i;
+    const uint8_t* q = W.qs + n * W.row_bytes + k0 * BITS / 8;
+    float* o = buf + i * kc;
+    for (int64_t k = 0; k < kc; k += kChunk, q += kChunk * BITS / 8, o += kChunk) {
+      const int64_t g = n * W.groups + (k0 + k) / W.G;
+      const __m256 dv = _mm256_set1_ps(W.scales[g]);
+      __m256 w[4];
+      decode<BITS>(q, w);
+      if constexpr (BITS == 4) {
+        const __m256 mv = _mm256_set1_ps(W.mins[g]);
+        for (int j = 0; j < 4; ++j) _mm256_storeu_ps(o + 8 * j, _mm256_fmadd_ps(w[j], dv, mv));
+      } else {
+        for (int j = 0; j < 4; ++j) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(w[j], dv));
+      }
+    }
+  }
+}
+
+// out[i * ldo + j] (+)= sum_k x[i, k] w[j, k] over kc columns, for MR rows of x and NR rows of w.
+template <int MR, int NR>
+void dot_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kc, float* out, int64_t ldo,
+              bool accumulate) {
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; k += 8) {
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * ldw + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      const float s = hsum(acc[i][j]);
+      out[i * ldo + j] = accumulate ? out[i * ldo + j] + s : s;
+    }
+}
+
+using DotFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, bool);
+constexpr DotFn kDotTiles[kMR + 1][kNR + 1] = {
+    {nullptr, nullptr, nullptr, nullptr},
+    {nullptr, dot_tile<1, 1>, dot_tile<1, 2>, dot_tile<1, 3>},
+    {nullptr, dot_tile<2, 1>, dot_tile<2, 2>, dot_tile<2, 3>},
+    {nullptr, dot_tile<3, 1>, dot_tile<3, 2>, dot_tile<3, 3>},
+    {nullptr, dot_tile<4, 1>, dot_tile<4, 2>, dot_tile<4, 3>},
+};
+
+// int8 activations: R rows of quantised x (q [R][K], scales and fp32 group sums [R][groups]).
+template <int BITS, int R>
+void int8_tile(const Weight& W, const int8_t* xq, const float* xd, const float* xsum, int64_t n0, int64_t n1,
+               float* out, int64_t ldo) {
+  const int64_t chunks = W.G / kChunk, K = W.K;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* q = W.qs + n * W.row_bytes;
+    const float* d = W.scales + n * W.groups;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (int64_t g = 0; g < W.groups; ++g) {
+      __m256i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      for (int64_t c = 0; c < chunks; ++c, k += kChunk, q += kChunk * BITS / 8) {
+        const __m256i wb = decode_bytes<BITS>(q);
+        for (int r = 0; r < R; ++r) {
+          const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + k));
+          __m256i p;
+          if constexpr (BITS == 4) {
+            p = _mm256_maddubs_epi16(wb, xb);  // unsigned quants times signed x: pairs fit int16
+          } else {  // signed times signed: |x| times w with x's sign (|sum of a pair| <= 2 * 127 * 128)
+            p = _mm256_maddubs_epi16(_mm256_sign_epi8(xb, xb), _mm256_sign_epi8(wb, xb));
+          }
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, ones));
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d[g] * xd[r * W.groups + g]), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      float s = hsum(acc[r]);
+      if (W.mins) s += dot(W.mins + n * W.groups, xsum + r * W.groups, W.groups);
+      out[r * ldo + n] = s;
+    }
+  }
+}
+
+#endif  // STAGEMESH_QUANT_AVX2
+
+// Per row and group of x: its int8 quants (round to nearest even of x * 127 / max|x|), the scale
+// max|x| / 127 and the fp32 sum of the group (the mins of 4-bit weights meet it).
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* q, float* d, float* sums) {
+  const int64_t groups = K / G;
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* xg = x + m * K + g * G;
+        float amax = 0.f, sum = 0.f;
+        for (int64_t i = 0; i < G; ++i) amax = std::max(amax, std::fabs(xg[i])), sum += xg[i];
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        for (int64_t i = 0; i < G; ++i) q[m * K + g * G + i] = static_cast<int8_t>(std::nearbyint(xg[i] * inv));
+        d[m * groups + g] = amax / 127.f;
+        sums[m * groups + g] = sum;
+      }
+  });
+}
+
+// The group sums of x (fp32), for the mins of 4-bit weights.
+std::vector<float> group_sums(const float* x, int64_t M, int64_t K, int64_t G) {
+  const int64_t groups = K / G;
+  std::vector<float> sums(M * groups);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = 0; i < G; ++i) s += x[m * K + g * G + i];
+      sums[m * groups + g] = s;
+    }
+  return sums;
+}
+
+#ifdef STAGEMESH_QUANT_AVX2
+
+template <int BITS>
+void run_fused(const Weight& W, const float* x, int64_t M, float* out) {
+  const std::vector<float> sums = W.mins ? group_sums(x, M, W.K, W.G) : std::vector<float>();
+  using Fn = void (*)(const Weight&, const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+  constexpr Fn tiles[kRows + 1] = {nullptr, fused_tile<BITS, 1>, fused_tile<BITS, 2>, fused_tile<BITS, 3>,
+                                   fused_tile<BITS, 4>};
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(W.K * M, 1));
+  at::parallel_for(0, W.N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+      tiles[rows](W, x + m0 * W.K, W.K, sums.data() + m0 * W.groups, n0, n1, out + m0 * W.N, W.N);
+    }
+  });
+}
+
+template <int BITS>
+void run_tiled(const Weight& W, const float* x, int64_t M, float* out) {
+  const int64_t tiles = (W.N + kTileN - 1) / kTileN, K = W.K, N = W.N;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf(kTileN * std::min(K, kTileK));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kTileN, rows = std::min(kTileN, N - n0);
+      for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
+        const int64_t kc = std::min(kTileK, K - k0);
+        dequantize_tile<BITS>(W, n0, rows, k0, kc, buf.data());
+        for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+          const int64_t mr = std::min<int64_t>(kMR, M - m0);
+          for (int64_t j0 = 0; j0 < rows; j0 += kNR) {
+            const int64_t nr = std::min<int64_t>(kNR, rows - j0);
+            kDotTiles[mr][nr](x + m0 * K + k0, K, buf.data() + j0 * kc, kc, kc, out + m0 * N + n0 + j0, N, k0 > 0);
+          }
+        }
+      }
+    }
+  });
+}
+
+template <int BITS>
+void run_int8(const Weight& W, const float* x, int64_t M, float* out) {
+  std::vector<int8_t> xq(M * W.K);
+  std::vector<float> xd(M * W.groups), sums(M * W.groups);
+  quantize_rows(x, M, W.K, W.G, xq.data(), xd.data(), sums.data());
+  using Fn = void (*)(const Weight&, const int8_t*, const float*, const float*, int64_t, int64_t, float*, int64_t);
+  constexpr Fn tiles[kRows + 1] = {nullptr, int8_tile<BITS, 1>, int8_tile<BITS, 2>, int8_tile<BITS, 3>,
+                                   int8_tile<BITS, 4>};
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(W.K * M, 1));
+  at::parallel_for(0, W.N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+      tiles[rows](W, xq.data() + m0 * W.K, xd.data() + m0 * W.groups, sums.data() + m0 * W.groups, n0, n1,
+                  out + m0 * W.N, W.N);
+    }
+  });
+}
+
+#endif  // STAGEMESH_QUANT_AVX2
+
+Weight check_weight(const at::Tensor& qs, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                    int64_t K, int* bits) {
+  TORCH_CHECK(qs.device().is_cpu() && qs.dim() == 2 && qs.is_contiguous(), "qs must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(qs.scalar_type() == at::kByte || qs.scalar_type() == at::kChar,
+              "qs must be uint8 (4-bit, two a byte) or int8 (8-bit)");
+  *bits = qs.scalar_type() == at::kByte ? 4 : 8;
+  TORCH_CHECK(K > 0 && K % kChunk == 0 && K <= (int64_t{1} << 20), "K = ", K, " must be a positive multiple of ",
+              kChunk, " up to 2^20");
+  TORCH_CHECK(qs.size(1) * 8 / *bits == K, "qs has ", qs.size(1), " bytes a row; K = ", K, " at ", *bits,
+              " bits needs ", K * *bits / 8);
+  const int64_t N = qs.size(0);
+  TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == at::kFloat && scales.dim() == 2 &&
+                  scales.is_contiguous() && scales.size(0) == N && scales.size(1) > 0,
+              "scales must be contiguous float32 [N, groups]");
+  const int64_t groups = scales.size(1);
+  TORCH_CHECK(K % groups == 0 && (K / groups) % kChunk == 0, groups, " groups do not split K = ", K,
+              " into multiples of ", kChunk);
+  const float* mp = nullptr;
+  if (*bits == 4) {
+    TORCH_CHECK(mins.has_value() && mins->scalar_type() == at::kFloat && mins->is_contiguous() &&
+                    mins->sizes() == scales.sizes(),
+                "4-bit weights need mins shaped as their scales");
+    mp = mins->data_ptr<float>();
+  } else {
+    TORCH_CHECK(!mins.has_value(), "8-bit weights take no mins");
+  }
+  return Weight{static_cast<const uint8_t*>(qs.data_ptr()), scales.data_ptr<float>(), mp, N, K, K / groups, groups, qs.size(1)};
+}
+
+}  // namespace
+
+std::string quant_isa() {
+#ifdef STAGEMESH_QUANT_AVX2
+  return "avx2";
+#else
+  return "none";
+#endif
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
+                        bool int8_activations) {
+#ifndef STAGEMESH_QUANT_AVX2
+  TORCH_CHECK(false, "quant_linear is built for AVX2 + FMA only; this build has neither (use the torch reference)");
+#else
+  TORCH_CHECK(x.device().is_cpu(), "quant_linear runs on CPU tensors");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  int bits = 0;
+  const Weight W = check_weight(qs, scales, mins, x.size(-1), &bits);
+  const int64_t K = W.K, N = W.N;
+  const at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  at::Tensor bf;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "bias has ", bias->numel(), " elements for ", N, " outputs");
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty(shape, x.options().dtype(at::kFloat));
+  if (M == 0) return out.to(x.scalar_type());
+  const float* xp = xf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  if (int8_activations) {
+    bits == 4 ? run_int8<4>(W, xp, M, op) : run_int8<8>(W, xp, M, op);
+  } else if (M <= kFusedRows) {
+    bits == 4 ? run_fused<4>(W, xp, M, op) : run_fused<8>(W, xp, M, op);
+  } else {
+    bits == 4 ? run_tiled<4>(W, xp, M, op) : run_tiled<8>(W, xp, M, op);
+  }
+  if (bf.defined()) {
+    const float* bp = bf.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) op[m * N + n] += bp[n];
+  }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+#endif
+}

@@ -1,0 +1,19 @@
+// Linear products with weights quantised in groups along K (quant_linear.cpp): GGUF Q4_0 / Q4_1 /
+// Q4_K / Q8_0 and per-channel int8, all re-laid at load into one of two forms.
+#pragma once
+
+#include <torch/extension.h>
+
+// x [..., K] (float32 or bfloat16) times W^T (+ bias), W [N, K] in groups of G (a multiple of 32) along K:
+//   4-bit: qs uint8 [N, K/2], each 32 weights in 16 bytes (byte j: weight j in the low nibble, weight
+//          j+16 in the high one), w = scale * q + min, scales and mins float32 [N, K/G];
+//   8-bit: qs int8 [N, K], w = scale * q, scales float32 [N, K/G], mins absent.
+// int8_activations: x is quantised to int8 per row and group (scale max|x|/127, as llama.cpp's q8
+// blocks and dynamic per-token W8A8 do) and the products run on integers (vpmaddubsw / vpmaddwd);
+// otherwise every product is fp32 with the weights dequantised exactly. Output in x's dtype.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
+                        bool int8_activations);
+
+// The instruction family these kernels were compiled for ("avx2", or "none" where they are not built).
+std::string quant_isa();

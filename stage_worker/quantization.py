@@ -1,0 +1,110 @@
+"""--quantization on CPU stages: linear weights held quantised (stage_worker.quant_weight) and multiplied
+by kernels/csrc/quant_linear.cpp.
+
+- gguf: the weights of a GGUF file as they are (Q4_0, Q4_1, Q4_K, Q8_0; the embedding table and LM head
+  too, when the file has them quantised), read slice by slice (stage_worker.gguf); the activations stay
+  fp32 / bf16, so every product is the dequantised model's.
+- w8a16 / w8a8: int8 weights with a scale per output channel, quantised at load from an fp32 / bf16
+  checkpoint (embeddings and LM head stay in --dtype); w8a8 also quantises the activations to int8 per
+  token (dynamic scales) and multiplies on integers.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.quant_reference import quantize_int8_per_channel
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.model_config import ModelConfig
+from stage_worker.layers import Linear, ParallelLMHead, VocabParallelEmbedding
+from stage_worker.quant_weight import QuantizedWeight
+
+METHODS = ("gguf", "w8a16", "w8a8")
+
+
+def check_quantization(method: str | None, cfg: ModelConfig, device) -> None:
+    """Refuse, by name, what is not built."""
+    if method is None:
+        return
+    if method not in METHODS:
+        raise StagemeshError(f"--quantization {method!r} is not built; stagemesh has {', '.join(METHODS)} "
+                             "(gguf: a .gguf file's weights; w8a16 / w8a8: int8 weights quantised at load)")
+    if str(device).startswith("cuda"):
+        raise StagemeshError(f"--quantization {method} is built for CPU stages only (AVX2 kernels); "
+                             "--device cuda has no quantised kernels yet")
+    if cfg.is_moe:
+        raise StagemeshError(f"--quantization {method} with a mixture-of-experts model ({cfg.model_type}) is not "
+                             "built: the experts' CPU kernels take fp32 weights")
+
+
+def _swap(module: nn.Module, weight: QuantizedWeight) -> None:
+    del module.weight  # the dense parameter (allocated, never filled) goes
+    module.weight = weight
+
+
+def _assemble(name: str, rows: int, width: int, parts: list) -> QuantizedWeight:
+    """The shards read from the file, stacked in their parameter's order and checked against its shape."""
+    kinds = {(qs.dtype, scales.shape[1], mins is None, kind) for _, qs, scales, mins, kind in parts}
+    if len(kinds) > 1:
+        raise StagemeshError(f"{name}: its parts are stored as {sorted(k[3] for k in kinds)} in the GGUF; "
+                             "stagemesh runs a merged layer (q/k/v, gate/up) in one format")
+    parts.sort(key=lambda p: p[0])
+    qs = torch.cat([p[1] for p in parts])
+    scales, mins = torch.cat([p[2] for p in parts]), None if parts[0][3] is None else torch.cat([p[3] for p in parts])
+    qw = QuantizedWeight(qs, scales, mins, parts[0][4])
+    got_rows, got_width = qw.shape
+    if got_width != width or got_rows > rows:
+        raise StagemeshError(f"{name}: the GGUF gives [{got_rows}, {got_width}], the config wants [{rows}, {width}]")
+    if got_rows < rows:  # the vocabulary's padding rows of the last TP rank: zeros
+        pad = rows - got_rows
+        qw = QuantizedWeight(torch.cat([qs, qs.new_zeros(pad, qs.shape[1])]),
+                             torch.cat([scales, scales.new_zeros(pad, scales.shape[1])]),
+                             None if mins is None else torch.cat([mins, mins.new_zeros(pad, mins.shape[1])]),
+                             parts[0][4])
+    return qw
+
+
+def load_gguf(model: nn.Module, ckpt) -> None:
+    """Every weight the GGUF holds quantised goes into its layer as is; the rest (norms, biases, dense
+    tensors) fill the parameters through the checkpoint's dense reads."""
+    from stage_worker.weights import load_weights
+
+    for name, module in model.named_modules():
+        if not isinstance(module, (Linear, ParallelLMHead, VocabParallelEmbedding)):
+            continue
+        weight = module.weight
+        if isinstance(weight, QuantizedWeight) or not any(ckpt.is_quantised(s.name) for s in weight.shards):
+            continue
+        parts = []
+        for shard in weight.shards:
+            if not ckpt.is_quantised(shard.name):
+                raise StagemeshError(f"{name}: {shard.name} is {ckpt.qtype(shard.name)} in the GGUF and the other "
+                                     "parts are quantised; stagemesh runs a merged layer in one format")
+            qs, scales, mins = ckpt.read_quantised(shard.name, shard.dim, shard.start, shard.length)
+            parts.append((shard.dest, qs, scales, mins, ckpt.qtype(shard.name)))
+        _swap(module, _assemble(name, weight.shape[0], weight.shape[1], parts))
+    load_weights(model, ckpt)
+
+
+def quantize_int8(model: nn.Module, int8_activations: bool) -> None:
+    """w8a16 / w8a8: every attention and MLP linear of the loaded model to int8 per output channel."""
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or isinstance(module.weight, QuantizedWeight):
+            continue
+        width = module.weight.shape[1]
+        if width % 32:
+            raise StagemeshError(f"--quantization w8a8/w8a16: {name} has {width} inputs on this rank; the int8 "
+                                 "kernels take multiples of 32")
+        qs, scales = quantize_int8_per_channel(module.weight.data)
+        _swap(module, QuantizedWeight(qs, scales, None, "int8", int8_activations))
+
+
+def describe(model: nn.Module) -> str:
+    """What the stage holds quantised, for its start-up line: formats and bytes."""
+    kinds: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantizedWeight):
+            kinds[module.kind] = kinds.get(module.kind, 0) + 1
+    total = sum(m.nbytes() for m in model.modules() if isinstance(m, QuantizedWeight))
+    listed = ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items()))
+    return f"{listed} ({total / 2**20:.1f} MiB quantised)" if kinds else "nothing quantised"

@@ -1,0 +1,79 @@
+"""What a MODEL argument names: a model directory, or a GGUF file whose config and tokenizer come from a
+directory (vLLM's `serve ./x.gguf --tokenizer DIR`); `--quantization gguf` with no model names the
+embedded model's own GGUF (its config and tokenizer: the converted directory)."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from stagemesh.core.default_model import DEFAULT_MODEL_NAME, default_model_dir, gguf_path, resolve_model
+from stagemesh.core.errors import StagemeshError
+
+# gguf: a .gguf file's weights as they are; w8a16 / w8a8: int8 weights quantised at load (stage_worker.quantization)
+QUANTIZATION_METHODS = ("gguf", "w8a16", "w8a8")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    model_dir: Path  # config.json and the tokenizer
+    gguf_file: Path | None = None  # the weights, when they come from a GGUF
+    quantization: str | None = None
+    name: str = DEFAULT_MODEL_NAME  # what clients call it (vLLM: the model argument as given)
+
+    def stage_args(self) -> list[str]:
+        """The MODEL and flags a stage (or any service) of this source is started with."""
+        if self.gguf_file is not None:
+            return [str(self.gguf_file), "--tokenizer", str(self.model_dir), "--quantization", "gguf"]
+        return [str(self.model_dir)] + (["--quantization", self.quantization] if self.quantization else [])
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="with a .gguf MODEL: the model directory whose config.json and tokenizer go with it "
+                        "(as vLLM's --tokenizer for a GGUF)")
+    p.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=None,
+                   help="gguf: serve a .gguf file's quantised weights as they are (Q4_0, Q4_1, Q4_K, Q8_0; with no "
+                        "MODEL, the embedded model's GGUF); w8a16: int8 weights with a scale per output channel, "
+                        "quantised at load, fp32/bf16 activations; w8a8: the same with activations quantised to "
+                        "int8 per token (dynamic). CPU stages only")
+
+
+def resolve_source(model: str | None, tokenizer: str | None = None, quantization: str | None = None) -> ModelSource:
+    is_gguf = model is not None and str(model).endswith(".gguf")
+    if quantization == "gguf" and model is None:
+        return ModelSource(_config_dir(tokenizer, default_model_dir), gguf_path(), "gguf", DEFAULT_MODEL_NAME)
+    if is_gguf:
+        path = Path(model).expanduser()
+        if not path.is_file():
+            raise StagemeshError(f"{model} is not a file")
+        if quantization not in (None, "gguf"):
+            raise StagemeshError(f"--quantization {quantization} takes an fp32/bf16 model directory; {model} is a "
+                                 "GGUF file (served as it is quantised: --quantization gguf)")
+        embedded = _is_embedded(path)
+        if tokenizer is None and not embedded:
+            raise StagemeshError(f"{model}: give --tokenizer DIR, the model directory with the config.json and "
+                                 "tokenizer of this GGUF (stagemesh reads only the weights from the file)")
+        model_dir = _config_dir(tokenizer, default_model_dir)
+        return ModelSource(model_dir, path, "gguf", DEFAULT_MODEL_NAME if embedded and tokenizer is None else str(model))
+    if quantization == "gguf":
+        raise StagemeshError(f"--quantization gguf needs a .gguf file as the model (or no model: the embedded "
+                             f"model's GGUF); {model} is not one")
+    if tokenizer is not None:
+        raise StagemeshError("--tokenizer goes with a .gguf model (its config and tokenizer); a model directory "
+                             "has its own")
+    model_dir = resolve_model(model)
+    from stagemesh.core.default_model import served_model_name
+
+    return ModelSource(model_dir, None, quantization, served_model_name(model, model_dir))
+
+
+def _config_dir(tokenizer: str | None, default) -> Path:
+    return default() if tokenizer is None else resolve_model(tokenizer)
+
+
+def _is_embedded(path: Path) -> bool:
+    try:
+        return path.resolve() == gguf_path().resolve()
+    except StagemeshError:
+        return False

@@ -1,0 +1,97 @@
+"""The quantised linear (kernels/csrc/quant_linear.cpp) against its torch reference, on every register-tile
+shape of both paths, and what it refuses."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_ops
+from kernels import quant_reference as ref
+
+if cpu_ops.quant_isa() == "none":
+    pytest.skip("the AVX2 quantised kernels are not built here (no C++ compiler, or no AVX2)", allow_module_level=True)
+
+
+def weight(n: int, k: int, bits: int, group: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
+    if bits == 4:
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        return ref.pack_4bit(q), scales, -torch.rand(n, k // group, generator=g) * 0.1
+    return torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), scales, None
+
+
+def check(x, qs, scales, mins, bias, int8_activations, tol=2e-5):
+    got = cpu_ops.quant_linear(x, qs, scales, mins, bias, int8_activations)
+    want = ref.quant_linear(x, qs, scales, mins, bias, int8_activations)
+    assert got.dtype == x.dtype and got.shape == want.shape
+    scale = want.float().abs().max().item() + 1e-6
+    assert (got.float() - want.float()).abs().max().item() <= tol * scale
+
+
+# rows of x: the fused path's tiles of 1-4 (and 5-8: a 4 and a rest), the tiled path's 4-row tiles and rests;
+# rows of W: the tiled path's 3-row tiles, its 24-row blocks and rests
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 33])
+@pytest.mark.parametrize("n", [1, 2, 3, 25, 50])
+def test_exact_path_equals_reference(bits, m, n):
+    k = 96
+    qs, scales, mins = weight(n, k, bits, 32, seed=m * 100 + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
+    bias = torch.randn(n) if n % 2 else None
+    check(x, qs, scales, mins, bias, False)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 3, 4, 7, 13])
+@pytest.mark.parametrize("group", [32, 64, "K"])
+def test_int8_activations_equal_reference(bits, m, group):
+    k = 192
+    group = k if group == "K" else group
+    qs, scales, mins = weight(27, k, bits, group, seed=m)
+    check(torch.randn(m, k), qs, scales, mins, torch.randn(27), True, tol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 40])
+def test_long_k_crosses_the_tiles_and_bf16_activations(m):
+    """K past the tiled path's 512-column chunks; bf16 in, bf16 out (one rounding at the end)."""
+    k = 1088
+    for bits in (4, 8):
+        qs, scales, mins = weight(70, k, bits, 32, seed=bits)
+        x = torch.randn(m, k)
+        check(x, qs, scales, mins, None, False)
+        got = cpu_ops.quant_linear(x.bfloat16(), qs, scales, mins, None, False)
+        want = ref.quant_linear(x.bfloat16(), qs, scales, mins, None, False)
+        torch.testing.assert_close(got.float(), want.float(), atol=0.02 * want.abs().max().item(), rtol=1e-2)
+
+
+def test_exact_path_gives_the_dequantised_product():
+    """The exact path is the fp32 product with the dequantised weights (what the fp32 model computes)."""
+    qs, scales, mins = weight(40, 256, 4, 32)
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(cpu_ops.quant_linear(x, qs, scales, mins, None, False),
+                               x @ ref.dequantize(qs, scales, mins).T, atol=1e-4, rtol=1e-5)
+
+
+def test_refuses_what_does_not_fit():
+    qs, scales, mins = weight(8, 64, 4, 32)
+    with pytest.raises(RuntimeError, match="K = 48 must be a positive multiple of 32"):
+        cpu_ops.quant_linear(torch.randn(2, 48), qs[:, :24].contiguous(), scales, mins, None, False)
+    with pytest.raises(RuntimeError, match="qs has 32 bytes a row; K = 96"):
+        cpu_ops.quant_linear(torch.randn(2, 96), qs, scales, mins, None, False)
+    with pytest.raises(RuntimeError, match="4-bit weights need mins"):
+        cpu_ops.quant_linear(torch.randn(2, 64), qs, scales, None, None, False)
+    with pytest.raises(RuntimeError, match="3 groups do not split K = 64"):
+        cpu_ops.quant_linear(torch.randn(2, 64), qs, torch.rand(8, 3), torch.rand(8, 3), None, False)
+    q8, s8, _ = weight(8, 64, 8, 32)
+    with pytest.raises(RuntimeError, match="8-bit weights take no mins"):
+        cpu_ops.quant_linear(torch.randn(2, 64), q8, s8, s8, None, False)
+    with pytest.raises(RuntimeError, match="bias has 3 elements for 8 outputs"):
+        cpu_ops.quant_linear(torch.randn(2, 64), q8, s8, None, torch.randn(3), False)
+
+
+def test_int8_per_channel_quantiser_round_trips():
+    w = torch.randn(33, 64)
+    qs, scales = ref.quantize_int8_per_channel(w)
+    assert qs.dtype == torch.int8 and scales.shape == (33, 1) and qs.abs().max() == 127
+    assert (ref.dequantize(qs, scales, None) - w).abs().max() <= scales.max() / 2 + 1e-6
