@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_CPU_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast protos check-protos bench clean
+.PHONY: install serve test test-fast lint protos check-protos bench clean
 
 install: $(STAMP)
 
@@ -59,6 +59,11 @@ serve: install
 
 test: install check-protos
 	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+
+# ruff (pycodestyle, pyflakes, bugbear) on everything, mypy on the layers the services share (pyproject.toml)
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -92,12 +92,13 @@ def main() -> None:
                   f"decode {res['decode_tok_s']:5.1f} tok/s", flush=True)
     med = {arm: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for arm, rs in results.items()}
     for arm, m in med.items():
-        print(f"median {arm:14s} ITL p50 {m['itl_p50_ms']:.1f} / p99 {m['itl_p99_ms']:.1f} / max {m['itl_max_ms']:.1f} ms,"
-              f" long TTFT {m['long_ttft_ms']:.0f} ms, decode {m['decode_tok_s']:.1f} tok/s")
+        print(f"median {arm:14s} ITL p50 {m['itl_p50_ms']:.1f} / p99 {m['itl_p99_ms']:.1f} / max "
+              f"{m['itl_max_ms']:.1f} ms, long TTFT {m['long_ttft_ms']:.0f} ms, decode {m['decode_tok_s']:.1f} tok/s")
     a, d = med["aggregated"], med["disaggregated"]
     print(f"disaggregated / aggregated: ITL p99 {d['itl_p99_ms'] / a['itl_p99_ms']:.2f}x, max "
           f"{d['itl_max_ms'] / a['itl_max_ms']:.2f}x, p50 {d['itl_p50_ms'] / a['itl_p50_ms']:.2f}x, long TTFT "
-          f"{d['long_ttft_ms'] / a['long_ttft_ms']:.2f}x, decode throughput {d['decode_tok_s'] / a['decode_tok_s']:.2f}x")
+          f"{d['long_ttft_ms'] / a['long_ttft_ms']:.2f}x, decode throughput "
+          f"{d['decode_tok_s'] / a['decode_tok_s']:.2f}x")
 
 
 if __name__ == "__main__":

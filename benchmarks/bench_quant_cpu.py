@@ -127,7 +127,8 @@ def report(args, figures, quality, llama, isa: str) -> None:
     for fmt, values in llama.items():
         if values:
             ours = med.get(f"gguf-{fmt}", {}).get("tpot")
-            ratio = f"; gguf-{fmt} / llama.cpp TPOT {ours / statistics.median(values):.2f}x (target <= 1)" if ours else ""
+            ratio = (f"; gguf-{fmt} / llama.cpp TPOT {ours / statistics.median(values):.2f}x (target <= 1)"
+                     if ours else "")
             print(f"llama.cpp {fmt}: batch-1 TPOT {statistics.median(values):6.1f} ms "
                   f"[{', '.join(f'{x:.1f}' for x in values)}]{ratio}")
 

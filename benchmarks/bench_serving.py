@@ -137,8 +137,8 @@ def main() -> None:
             finally:
                 server.stop(grace=2)
             print(f"serve {layout or '(TP1 PP1 DP1)'} with tracing (100% sampled, {spans[0]} spans received): "
-                  f"{on['output_throughput']:.1f} output tok/s = {on['output_throughput'] / off['output_throughput']:.3f}"
-                  f" of tracing off")
+                  f"{on['output_throughput']:.1f} output tok/s = "
+                  f"{on['output_throughput'] / off['output_throughput']:.3f} of tracing off")
 
 
 def batch1(layouts: list[str], tokens: int = 128) -> None:

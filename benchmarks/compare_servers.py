@@ -56,8 +56,8 @@ def main() -> None:
                   f"{s['mean_ttft_ms']:.0f} ms, mean TPOT {s['mean_tpot_ms']:.1f} ms", flush=True)
     med = {name: {m: statistics.median(s[m] for s in runs) for m in METRICS} for name, runs in results.items()}
     for name in ("A", "B"):
-        print(f"median {name}: {med[name]['output_throughput']:.1f} tok/s, mean TTFT {med[name]['mean_ttft_ms']:.0f} ms,"
-              f" mean TPOT {med[name]['mean_tpot_ms']:.1f} ms")
+        print(f"median {name}: {med[name]['output_throughput']:.1f} tok/s, mean TTFT "
+              f"{med[name]['mean_ttft_ms']:.0f} ms, mean TPOT {med[name]['mean_tpot_ms']:.1f} ms")
     print(f"A / B: throughput {med['A']['output_throughput'] / med['B']['output_throughput']:.2f}x, TPOT "
           f"{med['A']['mean_tpot_ms'] / med['B']['mean_tpot_ms']:.2f}x (below 1: A is faster per token)")
 

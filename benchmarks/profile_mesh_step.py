@@ -88,8 +88,8 @@ def main() -> None:
               stage_args=("--threads", str(args.threads)), log_dir=args.log_dir,
               scheduler_args=() if args.async_scheduling else ("--no-async-scheduling",)) as mesh:
         mesh.generate([[5, 6, 7]], SamplingParams(max_tokens=4))  # warm-up
-        print(f"default model, PP=2 (15+15 layers), {args.threads} thread(s) per stage, {args.tokens} greedy tokens per "
-              f"request, {'async' if args.async_scheduling else 'synchronous'} scheduling; ms per micro-batch step")
+        print(f"default model, PP=2 (15+15 layers), {args.threads} thread(s) per stage, {args.tokens} greedy tokens "
+              f"per request, {'async' if args.async_scheduling else 'synchronous'} scheduling; ms per micro-batch step")
         print(f"{'batch':>5} {'steps':>5} {'wall':>7} | {'s0 model':>8} {'s0 queue+books':>14} | {'s1 wait':>7} "
               f"{'s1 model':>8} {'s1 queue+books':>14} | {'handoff':>7} {'sched+RPC':>9} | {'run/step':>8}")
         for batch in args.batch:

@@ -106,7 +106,8 @@ def _checks(q, k_cache, block_tables, context_lens, query_start_loc) -> tuple[in
         (bs >= 1 and bs & (bs - 1) == 0, f"block size {bs} must be a power of two"),
         (k_cache.is_contiguous(), "the KV cache must be contiguous"),
         (q.stride(-1) == 1, "q must be contiguous in the last dim"),
-        (block_tables.dim() == 2 and block_tables.shape[0] == context_lens.shape[0], "one block-table row per sequence"),
+        (block_tables.dim() == 2 and block_tables.shape[0] == context_lens.shape[0],
+         "one block-table row per sequence"),
         (query_start_loc.shape[0] == context_lens.shape[0] + 1, "query_start_loc needs num_seqs + 1 entries"),
     ]
     for ok, message in problems:

@@ -120,7 +120,8 @@ def apply_rotary(q, k, positions, cos_sin_cache):
     tokens, q_heads, d = q.shape
     _check_head_dim(d)
     _check(k.shape[0] == tokens and k.shape[2] == d, "q and k must have the same tokens and head_dim")
-    _check(cos_sin_cache.shape[-1] == d and cos_sin_cache.is_contiguous(), "cos_sin_cache must be [positions, head_dim]")
+    _check(cos_sin_cache.shape[-1] == d and cos_sin_cache.is_contiguous(),
+           "cos_sin_cache must be [positions, head_dim]")
     _check(q.stride(-1) == 1 and k.stride(-1) == 1, "q and k must be contiguous in the last dim")
     q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
                                                                                       device=k.device)

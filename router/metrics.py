@@ -3,14 +3,16 @@
 vLLM's series under vLLM's names (`vllm:`), labels and buckets, so that vLLM's Grafana dashboard and
 alerts work against the gateway alone: `model_name` is the served name and `engine` the replica's index in
 the router's --replica list (vLLM's data-parallel rank). The engine state (running, waiting, KV usage,
-prefix cache, preemptions, speculative decoding's acceptance) comes from each scheduler's statistics stream; the request series (tokens,
-finish reasons, latencies) are measured here, where every request passes. The `stagemesh:router_*` series
-are the router's own (which replica served what, replays, health), by replica address.
+prefix cache, preemptions, speculative decoding's acceptance) comes from each scheduler's statistics stream;
+the request series (tokens, finish reasons, latencies) are measured here, where every request passes. The
+`stagemesh:router_*` series are the router's own (which replica served what, replays, health), by replica address.
 
 The schedulers' and stages' own pages (--metrics-port) keep the `stagemesh:` prefix: a Prometheus that
 scrapes every service then counts no request twice under vLLM's names.
 """
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge,
                                Histogram)
@@ -31,12 +33,13 @@ E = ["model_name", "engine"]
 REGISTRY = CollectorRegistry()
 for _collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
     REGISTRY.register(_collector)
-R = dict(registry=REGISTRY)
+R: dict[str, Any] = dict(registry=REGISTRY)
 
 
 def buckets_1_2_5(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's buckets for token counts)."""
-    out, scale = [], 1
+    out: list[int] = []
+    scale = 1
     while True:
         for m in (1, 2, 5):
             if m * scale > max_value:

@@ -139,7 +139,7 @@ class Observer:
             if t is None:
                 continue
             if out.new_token_ids and t.stalled_since is not None:
-                self._recovered(out.request_id, t, now)
+                self._recovered(out.request_id, t, now - t.stalled_since)
             if out.new_token_ids:
                 GENERATION_TOKENS.inc(len(out.new_token_ids))
                 t.num_output += len(out.new_token_ids)
@@ -154,8 +154,7 @@ class Observer:
             if out.finished:
                 self._finish(out, t, now)
 
-    def _recovered(self, request_id: str, t: _Tracked, now: float) -> None:
-        stall = now - t.stalled_since
+    def _recovered(self, request_id: str, t: _Tracked, stall: float) -> None:
         RECOVERED.inc()
         STALL.observe(stall)
         if t.span is not None:

@@ -4,9 +4,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import PromptLogprobs, SampledToken, TokenLogprob
+
+if TYPE_CHECKING:
+    from scheduler.kv_transfer import KVSourceInfo
 
 
 class Status(enum.Enum):
@@ -39,7 +43,7 @@ class Request:
     first_scheduled_time: float | None = None
     # disaggregated prefill (scheduler.kv_transfer): end after the first token, its KV held for a decode replica
     prefill_only: bool = False
-    kv_source: object | None = None  # KVSourceInfo: its prompt's KV is held on a prefill replica, to be pulled
+    kv_source: KVSourceInfo | None = None  # its prompt's KV is held on a prefill replica, to be pulled
     kv_ready: bool = False  # its prompt's KV was pulled into its blocks: the prompt counts as computed
     # prompt + output, kept up to date by append_output (the scheduler reads it every step)
     all_token_ids: list[int] = field(init=False, repr=False)

@@ -27,6 +27,8 @@ The queues' order, and so who gets the budget first and who is preempted, is the
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import itertools
 import time
 from collections import deque
@@ -96,7 +98,7 @@ class Scheduler:
 
     # -- requests in and out ------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    generated_token_ids: list[int] = (), priority: int = 0, prefill_only: bool = False,
+                    generated_token_ids: Sequence[int] = (), priority: int = 0, prefill_only: bool = False,
                     kv_source: KVSourceInfo | None = None) -> bool:
         """Queue a request; generated_token_ids continues one that produced those tokens elsewhere (its replica
         failed): it goes on from prompt + them as if it had generated them here (max_tokens, min_tokens, a
@@ -312,7 +314,7 @@ class Scheduler:
         return end
 
     def _add_chunk(self, budget: _Budget, request: Request, num_new: int, new_blocks: list[int],
-                   drafts: list[int] = ()) -> None:
+                   drafts: Sequence[int] = ()) -> None:
         start, known = request.num_computed_tokens, num_new - len(drafts)
         tokens = request.all_token_ids[start:start + known]
         if len(tokens) < known:  # the token sampled by the step in flight: the stage fills it in
@@ -347,7 +349,7 @@ class Scheduler:
         self.policy.enqueue(self.waiting, request, preempted=True)
 
     def update_from_output(self, output: SchedulerOutput, sampled: list[SampledToken],
-                           prompt_logprobs: list[PromptLogprobs] = (),
+                           prompt_logprobs: Sequence[PromptLogprobs] = (),
                            drafts: dict[int, list[int]] | None = None) -> list[RequestOutput]:
         """Take a step's result in: each sampling chunk's tokens (1..N+1 for a chunk with N drafts, checked by
         scheduler.pipeline.check_result), prompt logprobs, and a draft model's proposals (`drafts`)."""

@@ -4,8 +4,8 @@ At batch 1 a decode step is ~10 kernels per layer; launched one by one from
 Python the GPU idles between them. Here the forward is captured once per
 padded batch size (1, 2, 4, 8, 16, 24, 32, ... like vLLM's) over static input
 buffers, and a decode step copies its inputs in and replays the graph.
-On the last stage the LM head is in the graph too. Padding rows have slot -1 (the KV write skips them) and context length 0 (the
-attention reads nothing); their outputs are dropped. Prefill and mixed steps
+On the last stage the LM head is in the graph too. Padding rows have slot -1 (the KV write skips them) and
+context length 0 (the attention reads nothing); their outputs are dropped. Prefill and mixed steps
 run eagerly. The graphs capture the KV cache's addresses: they are made after
 the cache is allocated and again when it is reallocated. ``--enforce-eager``
 turns them off, as in vLLM.

@@ -40,10 +40,12 @@ class EPLBConfig:
             raise StagemeshError(f"--eplb-config is not JSON: {err}") from None
         known = {f.name for f in fields(cls)}
         if not isinstance(given, dict) or set(given) - known:
-            raise StagemeshError(f"--eplb-config takes {sorted(known)}; got {sorted(given) if isinstance(given, dict) else given!r}")
+            got = sorted(given) if isinstance(given, dict) else repr(given)
+            raise StagemeshError(f"--eplb-config takes {sorted(known)}; got {got}")
         cfg = cls(**given)
         if min(cfg.window_size, cfg.step_interval) < 1 or cfg.num_redundant_experts < 0:
-            raise StagemeshError("--eplb-config: window_size and step_interval must be >= 1, num_redundant_experts >= 0")
+            raise StagemeshError("--eplb-config: window_size and step_interval must be >= 1, "
+                                 "num_redundant_experts >= 0")
         if (num_experts + cfg.num_redundant_experts) % ranks:
             raise StagemeshError(f"--eplb-config: the {num_experts} experts and {cfg.num_redundant_experts} "
                                  f"redundant copies must split evenly over the {ranks} expert-parallel ranks")

@@ -1,7 +1,8 @@
 """What a request's parameters do to its row of logits before sampling, in vLLM V1's order: the
 allowed tokens, bad words, min_tokens (no stop before it), logit_bias, then the repetition, presence
-and frequency penalties; a structured-output constraint's mask last (stagemesh.core.grammar). Each row is changed in place; rows of requests that ask for none of it are
-not touched (SamplingParams.controls_tokens, has_penalty).
+and frequency penalties; a structured-output constraint's mask last (stagemesh.core.grammar). Each row is
+changed in place; rows of requests that ask for none of it are not touched (SamplingParams.controls_tokens,
+has_penalty).
 """
 from __future__ import annotations
 

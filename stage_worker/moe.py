@@ -55,14 +55,16 @@ class ExpertPlacement:
         if ep is not None:  # across the replicas: expert e on member e // (E / K) (the stage is TP=1)
             cfg.check_expert_parallel(ep.size, across_replicas=True)
             per = cfg.num_experts // ep.size
-            return cls(ep.rank * per, per, 0, cfg.moe_intermediate_size, tuple(range(ep.rank * per, ep.rank * per + per)))
+            first = ep.rank * per
+            return cls(first, per, 0, cfg.moe_intermediate_size, tuple(range(first, first + per)))
         if placement is not None:  # EPLB: this rank's slots of the stage's placement
             per = len(placement[tp.rank])
             return cls(tp.rank * per, per, 0, cfg.moe_intermediate_size, tuple(placement[tp.rank]))
         if expert_parallel:  # expert e on rank e // (E / EP), EP size = TP size
             cfg.check_expert_parallel(tp.size)
             per = cfg.num_experts // tp.size
-            return cls(tp.rank * per, per, 0, cfg.moe_intermediate_size, tuple(range(tp.rank * per, tp.rank * per + per)))
+            first = tp.rank * per
+            return cls(first, per, 0, cfg.moe_intermediate_size, tuple(range(first, first + per)))
         start, per = shard_range(cfg.moe_intermediate_size, tp, "moe_intermediate_size")
         return cls(0, cfg.num_experts, start, per, tuple(range(cfg.num_experts)))
 

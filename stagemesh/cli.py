@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run = getattr(args, "_run", None)
     if run is None:
-        print(f"stagemesh: error: `stagemesh {args.command}` is not built yet ({args._module} is missing)", file=sys.stderr)
+        print(f"stagemesh: error: `stagemesh {args.command}` is not built yet ({args._module} is missing)",
+              file=sys.stderr)
         return 2
     try:
         return int(run(args) or 0)

@@ -46,9 +46,11 @@ def run(args: argparse.Namespace) -> int:
     if args.no_chat_template or not tokenizer.chat_template:
         prompt_ids = tokenizer.encode(args.prompt)
     else:
-        prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                                   add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
+        messages = [{"role": "user", "content": args.prompt}]
+        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)["input_ids"]
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                              max_tokens=args.max_tokens)
     gguf = str(source.gguf_file) if source.gguf_file else None
     with LocalEngine(model_dir, split=split, dtype=args.dtype, quantization=source.quantization,
                      gguf_file=gguf) as engine:

@@ -159,8 +159,8 @@ class Mesh:
     def submit_stream(self, requests: list[tuple[str, list[int], SamplingParams]], timeout: float = 300,
                       stub=None) -> dict:
         """Requests sent together over one SubmitStream, read until each has finished or failed:
-        request id -> (token ids, finish reason: "stop", "length" or "abort"), or the RequestError of a request that failed. A sampling
-        given as protobuf goes as it is (a test's malformed one)."""
+        request id -> (token ids, finish reason: "stop", "length" or "abort"), or the RequestError of a request
+        that failed. A sampling given as protobuf goes as it is (a test's malformed one)."""
         message = scheduler_pb2.SubmitStreamRequest()
         for request_id, prompt, sampling in requests:
             if isinstance(sampling, SamplingParams):

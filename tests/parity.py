@@ -30,7 +30,8 @@ def chained_logits(model_dir, split, prompt, new_tokens, chunk=16, tp_rank=0, tp
         n = min(chunk, len(tokens) - pos)
         need = -(-(pos + n) // 16)
         batch = StepBatch(step, [seq] if step == 0 else [],
-                          [ScheduledChunk(0, tokens[pos:pos + n], pos, list(range(table, need)), pos + n == len(tokens))])
+                          [ScheduledChunk(0, tokens[pos:pos + n], pos, list(range(table, need)),
+                                          pos + n == len(tokens))])
         table = max(table, need)
         hidden = None
         for r in runners:

@@ -157,6 +157,7 @@ def test_a_dataset_goes_as_text_with_prompt_format_text_and_is_not_a_second_work
     text = build_workload(p.parse_args(["--dataset", str(data), "--prompt-format", "text"]), model)
     from transformers import AutoTokenizer
 
-    assert [(r.prompt, r.max_tokens) for r in text] == [(AutoTokenizer.from_pretrained(str(model)).decode([5, 6, 7]), 3)]
+    decoded = AutoTokenizer.from_pretrained(str(model)).decode([5, 6, 7])
+    assert [(r.prompt, r.max_tokens) for r in text] == [(decoded, 3)]
     with pytest.raises(StagemeshError, match="two workloads"):
         build_workload(p.parse_args(["--dataset", str(data), "--prefix-repetition-num-prefixes", "2"]), model)

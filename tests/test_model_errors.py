@@ -27,7 +27,8 @@ def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     result = stagemesh("generate", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "unsupported architecture GPT2LMHeadModel (model_type 'gpt2'); supported: llama, mistral, qwen2, qwen3" in result.stderr
+    assert ("unsupported architecture GPT2LMHeadModel (model_type 'gpt2'); supported: llama, mistral, qwen2, qwen3"
+            in result.stderr)
 
 
 @pytest.mark.parametrize("change,message", [

@@ -52,8 +52,8 @@ def mesh(tiny_model_dir, tmp_path_factory, receiver):
     endpoint = f"http://127.0.0.1:{receiver.port}"
     sched_metrics, stage_metrics = free_port(), [free_port(), free_port()]
     with Mesh(model, [2, 2], handoff="grpc", log_dir=logs,
-              scheduler_args=("--served-model-name", "m", "--otlp-traces-endpoint", endpoint, "--metrics-port", str(sched_metrics),
-                              "--log-format", "json"),
+              scheduler_args=("--served-model-name", "m", "--otlp-traces-endpoint", endpoint,
+                              "--metrics-port", str(sched_metrics), "--log-format", "json"),
               stage_args=("--otlp-traces-endpoint", endpoint),
               per_stage_args={i: ["--metrics-port", str(p)] for i, p in enumerate(stage_metrics)}) as m:
         with Router(model, [m.address], log_dir=logs, extra=("--otlp-traces-endpoint", endpoint)) as router:

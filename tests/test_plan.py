@@ -135,8 +135,8 @@ def test_moe_model_gets_tp8_with_expert_parallel_as_the_guides_deploy_deepseek_v
     assert "16 of the 128 experts whole on each GPU" in p.path[-1]
     out = json.loads(stagemesh_plan("Qwen3-235B-A22B", "--gpus-per-node", "8", "--json").stdout)
     assert out["expert_parallel_size"] == 8 and "--enable-expert-parallel" in out["commands"]["serve"]
-    two_nodes = json.loads(stagemesh_plan("Mixtral-8x7B", "--gpus-per-node", "8", "--nodes", "2", "-tp", "8", "-pp", "2",
-                                          "--json").stdout)["commands"]
+    two_nodes = json.loads(stagemesh_plan("Mixtral-8x7B", "--gpus-per-node", "8", "--nodes", "2", "-tp", "8",
+                                          "-pp", "2", "--json").stdout)["commands"]
     stages = [c for c in two_nodes["head"] + two_nodes["workers"]["node 1"] if c.startswith("stagemesh stage")]
     assert len(stages) == 2 and all("--enable-expert-parallel" in c for c in stages)
 

@@ -120,4 +120,5 @@ def test_tp2_stage_reads_its_shards_of_a_gguf(tiny_model_dir, tmp_path):
     with Mesh(path, [4], tp=[2], scheduler_args=gguf_args, stage_args=gguf_args, log_dir=tmp_path) as mesh:
         with Router(path, [mesh.address], extra=gguf_args, log_dir=tmp_path) as router:
             for prompt in prompts(384, lengths=(7, 30)):
-                assert completion_ids(router.base_url, str(path), prompt, 6) == reference_greedy(reference, prompt, 6)[0]
+                want = reference_greedy(reference, prompt, 6)[0]
+                assert completion_ids(router.base_url, str(path), prompt, 6) == want

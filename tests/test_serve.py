@@ -30,8 +30,8 @@ def alive(pid: int) -> bool:
 def start_serve(model_dir, log_path, *extra: str):
     with open(log_path, "wb") as log:
         return subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model_dir),
-                                 "--pipeline-parallel-size", "2", "--handoff", "grpc", "--port", "0", "--grpc-port", "0",
-                                 "--threads", "1", *extra], stdout=log, stderr=subprocess.STDOUT)
+                                 "--pipeline-parallel-size", "2", "--handoff", "grpc", "--port", "0",
+                                 "--grpc-port", "0", "--threads", "1", *extra], stdout=log, stderr=subprocess.STDOUT)
 
 
 def wait_for(log_path, pattern: str, timeout: float = 120) -> re.Match:
@@ -76,7 +76,8 @@ def test_serve_starts_the_replica_and_sigterm_stops_every_child(tiny_model_dir, 
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                    status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                    if status == health_pb2.HealthCheckResponse.SERVING:
                         break
                 except grpc.RpcError:
                     pass

@@ -310,7 +310,8 @@ def test_a_tool_call_in_the_history_goes_through_the_template(router):
                    "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
     out = router.client().chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
-                                                  temperature=0, max_tokens=30, extra_body={"chat_template": TOOL_TEMPLATE})
+                                                  temperature=0, max_tokens=30,
+                                                  extra_body={"chat_template": TOOL_TEMPLATE})
     assert out.choices[0].message.content and out.choices[0].message.tool_calls is None
     bare = router.client().chat.completions.create(model=MODEL, messages=history, temperature=0, max_tokens=1,
                                                    extra_body={"chat_template": TOOL_TEMPLATE})
@@ -383,6 +384,7 @@ def test_structural_tags_constrain_what_follows_a_trigger(router, default_model_
     assert not xgr.GrammarMatcher(compiled).accept_string('Let me check. <function=get_weather>{"city": 5')
     # through the gateway, in both of vLLM's spellings
     client = router.client()
-    for kwargs in ({"response_format": tag}, {"extra_body": {"structured_outputs": {"structural_tag": json.dumps(tag)}}}):
+    as_extra = {"extra_body": {"structured_outputs": {"structural_tag": json.dumps(tag)}}}
+    for kwargs in ({"response_format": tag}, as_extra):
         out = client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, temperature=0, max_tokens=20, **kwargs)
         assert out.choices[0].message.content

@@ -130,7 +130,8 @@ def test_errors_belong_to_their_request_only(tiny_model_dir, tmp_path):
     assert full[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "waiting queue is full" in full[1]
     assert bad[0] == grpc.StatusCode.INVALID_ARGUMENT and "maximum context length" in bad[1]
     assert prio == (grpc.StatusCode.INVALID_ARGUMENT,
-                    "Got priority 3 but Priority scheduling is not enabled (this replica runs --scheduling-policy fcfs)")
+                    "Got priority 3 but Priority scheduling is not enabled "
+                    "(this replica runs --scheduling-policy fcfs)")
     assert ok[:2] == (want, "length")
     assert later[:2] == (want, "length")
 

@@ -76,6 +76,7 @@ def test_stage_of_half_the_layers_at_tp2_holds_a_quarter(tmp_path):
 
 
 def test_tp_size_that_does_not_divide_heads_is_refused(tiny_model_dir):
-    with pytest.raises(StagemeshError, match=r"does not divide the model's 4 attention heads; sizes that work: 1, 2, 4"):
+    with pytest.raises(StagemeshError,
+                       match=r"does not divide the model's 4 attention heads; sizes that work: 1, 2, 4"):
         StageRunner(tiny_model_dir("llama"), 0, 4, tp_rank=0, tp_size=3)
     assert ModelConfig.from_path(tiny_model_dir("llama")).valid_tp_sizes(8) == [1, 2, 4]

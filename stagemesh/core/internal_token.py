@@ -70,7 +70,7 @@ def warn_if_open(service: str) -> None:
 
 def _authorized(metadata) -> bool:
     given = next((value for key, value in (metadata or ()) if key == METADATA_KEY), None)
-    return isinstance(given, str) and hmac.compare_digest(given.encode(), _token.encode())
+    return isinstance(given, str) and _token is not None and hmac.compare_digest(given.encode(), _token.encode())
 
 
 class ServerInterceptor(grpc.aio.ServerInterceptor):
@@ -140,6 +140,8 @@ def aio_client_interceptors(value: str | None = None) -> list:
     """Interceptors that add the token (this process's unless one is given) to every call of a grpc.aio
     channel: one per kind of call, since a channel files each interceptor under its first kind only."""
     value = value or _token
+    if value is None:
+        raise ValueError("no internal token to send (set one with --internal-token or $STAGEMESH_INTERNAL_TOKEN)")
     return [kind(value) for kind in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)]
 
 

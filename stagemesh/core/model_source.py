@@ -43,7 +43,7 @@ def resolve_source(model: str | None, tokenizer: str | None = None, quantization
     is_gguf = model is not None and str(model).endswith(".gguf")
     if quantization == "gguf" and model is None:
         return ModelSource(_config_dir(tokenizer, default_model_dir), gguf_path(), "gguf", DEFAULT_MODEL_NAME)
-    if is_gguf:
+    if model is not None and is_gguf:
         path = Path(model).expanduser()
         if not path.is_file():
             raise StagemeshError(f"{model} is not a file")
@@ -55,7 +55,8 @@ def resolve_source(model: str | None, tokenizer: str | None = None, quantization
             raise StagemeshError(f"{model}: give --tokenizer DIR, the model directory with the config.json and "
                                  "tokenizer of this GGUF (stagemesh reads only the weights from the file)")
         model_dir = _config_dir(tokenizer, default_model_dir)
-        return ModelSource(model_dir, path, "gguf", DEFAULT_MODEL_NAME if embedded and tokenizer is None else str(model))
+        name = DEFAULT_MODEL_NAME if embedded and tokenizer is None else str(model)
+        return ModelSource(model_dir, path, "gguf", name)
     if quantization == "gguf":
         raise StagemeshError(f"--quantization gguf needs a .gguf file as the model (or no model: the embedded "
                              f"model's GGUF); {model} is not one")

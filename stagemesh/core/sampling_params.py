@@ -100,8 +100,8 @@ MAX_CHOICES = 4096
 @dataclass(frozen=True)
 class StructuredOutputs:
     """A constraint on the output (vLLM's structured_outputs): `kind` is json (a JSON schema's text),
-    json_object, regex, choice (`choices`), grammar (EBNF text, root rule `root`) or structural_tag (its JSON). Compiled and enforced
-    where tokens are sampled (stagemesh.core.grammar)."""
+    json_object, regex, choice (`choices`), grammar (EBNF text, root rule `root`) or structural_tag (its JSON).
+    Compiled and enforced where tokens are sampled (stagemesh.core.grammar)."""
     kind: str
     text: str = ""
     choices: tuple[str, ...] = ()

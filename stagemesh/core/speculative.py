@@ -76,6 +76,7 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
                              f"(stagemesh takes {', '.join(ACCEPTED)})")
     method = _method(raw)
     k = _positive_int(raw, "num_speculative_tokens", required=True)
+    assert k is not None  # (required)
     if k > MAX_NUM_SPECULATIVE_TOKENS:
         raise StagemeshError(f"--speculative-config num_speculative_tokens {k}: at most "
                              f"{MAX_NUM_SPECULATIVE_TOKENS} are supported")
@@ -113,9 +114,8 @@ def _ngram(raw: dict, k: int) -> SpeculativeConfig:
         raise StagemeshError("--speculative-config: method ngram takes no draft model")
     low = _positive_int(raw, "prompt_lookup_min")
     high = _positive_int(raw, "prompt_lookup_max")
-    if low is None and high is None:  # vLLM's defaults
-        low = high = 5
-    low, high = low or high, high or low
+    # vLLM's defaults: 5 and 5; one of them given: both that
+    low, high = low or high or 5, high or low or 5
     if low > high:
         raise StagemeshError(f"--speculative-config prompt_lookup_min={low} must be <= prompt_lookup_max={high}")
     return SpeculativeConfig("ngram", k, low, high)

@@ -6,6 +6,8 @@ are messages per item.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from stagemesh.core.step import (EpochSpec, NewSequence, PromptLogprobs, SampledToken, ScheduledChunks, StepBatch,
                             TokenLogprob)
 from stagemesh.v1 import common_pb2, stage_pb2
@@ -40,7 +42,7 @@ def step_from_pb(msg: stage_pb2.StepBatch) -> StepBatch:
     )
 
 
-def sampled_to_pb(sampled: list[SampledToken], prompt_logprobs: list[PromptLogprobs] = (),
+def sampled_to_pb(sampled: list[SampledToken], prompt_logprobs: Sequence[PromptLogprobs] = (),
                   drafts: dict[int, list[int]] | None = None) -> stage_pb2.SampledTokens:
     """One row per sampled token (a sequence that verified drafts has several, consecutive); `drafts`: a draft
     model's proposals for the sequences' next steps."""

@@ -48,18 +48,21 @@ def setup_tracing(service_name: str, endpoint: str | None = None) -> bool:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+    from opentelemetry.sdk.trace.export import SpanExporter
+
     protocol = (_env("PROTOCOL") or "grpc").strip().lower()
+    exporter: SpanExporter
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         insecure = not endpoint.startswith("https://")
         exporter = OTLPSpanExporter(endpoint=endpoint, insecure=insecure)
     elif protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HTTPSpanExporter
 
         if not endpoint.rstrip("/").endswith("/v1/traces"):
             endpoint = endpoint.rstrip("/") + "/v1/traces"
-        exporter = OTLPSpanExporter(endpoint=endpoint)
+        exporter = HTTPSpanExporter(endpoint=endpoint)
     else:
         from stagemesh.core.errors import StagemeshError
 

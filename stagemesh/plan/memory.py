@@ -115,7 +115,7 @@ def evaluate(cfg: ModelConfig, tp: int, pp: int, gpu_bytes: int, utilization: fl
     split = split or balanced_split(cfg, pp)
     budget = int(gpu_bytes * utilization) - ACTIVATION_RESERVE
     weights, kv_free, tokens = 0, None, None
-    for i, (a, b) in enumerate(layer_ranges(split)):
+    for a, b in layer_ranges(split):
         tables = counts.embedding if a == 0 else 0
         if b == cfg.num_hidden_layers:
             tables += (counts.lm_head or counts.embedding) + counts.final_norm

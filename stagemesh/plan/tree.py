@@ -134,7 +134,8 @@ def _forced(req: PlanRequest) -> Plan:
     cfg.check_tp_size(tp)
     pp = req.pipeline_parallel_size or 1
     if not 1 <= pp <= cfg.num_hidden_layers:
-        raise StagemeshError(f"--pipeline-parallel-size {pp} must be between 1 and the model's {cfg.num_hidden_layers} layers")
+        raise StagemeshError(f"--pipeline-parallel-size {pp} must be between 1 and the model's "
+                             f"{cfg.num_hidden_layers} layers")
     if tp > req.gpus_per_node:
         raise StagemeshError(f"--tensor-parallel-size {tp} exceeds the {req.gpus_per_node} GPUs of a node")
     if tp * pp > req.gpus_per_node * req.nodes:
