@@ -4,6 +4,8 @@ A request that fails them is refused with one line that says why, before it take
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from scheduler.config import SchedulerConfig
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams, check_token_ids
@@ -11,8 +13,8 @@ from stagemesh.core.sampling_params import SamplingParams, check_token_ids
 MAX_REQUEST_ID_LEN = 256
 
 
-def check_request(cfg: SchedulerConfig, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                  generated_token_ids: list[int]) -> None:
+def check_request(cfg: SchedulerConfig, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
+                  generated_token_ids: Sequence[int]) -> None:
     """Its id, its token ids against the vocabulary, and prompt + max_tokens against the context length and
     the KV cache (a continuation's generated tokens leave something to generate)."""
     if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:

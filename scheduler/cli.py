@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "they fail (the router continues them on another replica). 0: fail them at once")
     p.add_argument("--max-request-retries", type=int, default=3,
                    help="a request under which the pipeline broke more than this many times fails")
-    p.add_argument("--forward-timeout", type=float, default=DEADLINES.forward_s, help="deadline of one step on a stage, seconds")
+    p.add_argument("--forward-timeout", type=float, default=DEADLINES.forward_s,
+                   help="deadline of one step on a stage, seconds")
     p.add_argument("--kv-role", choices=("both", "prefill", "decode"), default="both",
                    help="disaggregated prefill (docs/disaggregated-prefill.md): a router sends a prefill replica "
                         "new prompts (it computes the prompt and the first token and holds the KV), and a decode "
@@ -83,7 +84,8 @@ async def _main(args: argparse.Namespace) -> int:
         raise StagemeshError(f"--max-model-len {args.max_model_len} exceeds the model's "
                              f"{cfg.max_position_embeddings} positions")
     if args.pipeline_parallel_size < 1 or args.pipeline_parallel_size > cfg.num_hidden_layers:
-        raise StagemeshError(f"--pipeline-parallel-size must be between 1 and the model's {cfg.num_hidden_layers} layers")
+        raise StagemeshError(f"--pipeline-parallel-size must be between 1 and the model's "
+                             f"{cfg.num_hidden_layers} layers")
     if args.stage_recovery_timeout < 0 or args.max_request_retries < 0:
         raise StagemeshError("--stage-recovery-timeout and --max-request-retries must be >= 0")
     if not args.kv_hold_timeout > 0:
@@ -113,9 +115,9 @@ async def _main(args: argparse.Namespace) -> int:
     if args.port_file:
         with open(args.port_file, "w") as f:
             f.write(f"{port}\n")
+    role = "" if args.kv_role == "both" else f"; {args.kv_role} replica of a disaggregated mesh"
     log.info("scheduler for %s listening on %s:%d (store on port %d), waiting for %d stage(s)%s", name, args.host,
-             port, store.port, args.pipeline_parallel_size, "" if args.kv_role == "both" else f"; {args.kv_role} replica "
-             "of a disaggregated mesh")
+             port, store.port, args.pipeline_parallel_size, role)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -39,11 +39,12 @@ class SchedulerConfig:
         if self.speculative is not None and self.async_scheduling:
             raise StagemeshError(ASYNC_WITH_SPECULATION)
 
-    def check_formed(self) -> None:
-        """The settings a scheduler runs with: the pipeline's part filled in."""
+    def check_formed(self) -> int:
+        """The settings a scheduler runs with: the pipeline's part filled in. Returns max_model_len."""
         if self.num_kv_blocks < 1 or self.max_model_len is None or self.max_model_len < 1:
             raise StagemeshError(f"num_kv_blocks ({self.num_kv_blocks}) and max_model_len ({self.max_model_len}) "
                                  "must be >= 1")
+        return self.max_model_len
 
     @property
     def kv_cache_tokens(self) -> int:

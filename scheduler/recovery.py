@@ -44,11 +44,11 @@ def take_over(s: Scheduler, old: Scheduler) -> list[RequestOutput]:
     failed, cfg = [], s.config
     for request in old.waiting:
         total = len(request.prompt_token_ids) + request.sampling.max_tokens
-        if total > cfg.max_model_len or not fits_kv_cache(cfg, total):
+        if total > s.max_model_len or not fits_kv_cache(cfg, total):
             request.status = Status.FINISHED
             failed.append(RequestOutput(
                 request.request_id, finish_reason="error", num_prompt_tokens=len(request.prompt_token_ids),
-                error=f"the pipeline re-formed with room for {cfg.max_model_len} tokens per request "
+                error=f"the pipeline re-formed with room for {s.max_model_len} tokens per request "
                       f"and a KV cache of {cfg.kv_cache_tokens}; this request needs {total}"))
             continue
         s.requests[request.request_id] = request

@@ -34,14 +34,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from scheduler import recovery
+from scheduler import recovery, results
 from scheduler.admission import check_request
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.kv_transfer import KVSourceInfo, KVTransfers
-from scheduler.pipeline import token_runs
 from scheduler.policy import SchedulingPolicy
-from scheduler.request import HeldKV, Request, RequestOutput, Status
+from scheduler.request import Request, RequestOutput, Status
 from scheduler.speculation import SpecDecodeStats, Speculator
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams
@@ -80,7 +79,7 @@ class _Budget:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
-        config.check_formed()
+        self.max_model_len = config.check_formed()
         self.config = config
         self.kv = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.policy = SchedulingPolicy(config.scheduling_policy)
@@ -94,7 +93,7 @@ class Scheduler:
         self.recent_preemptions: deque[str] = deque(maxlen=4096)
         self.num_preemptions = 0
         self.transfers = KVTransfers(config.kv_hold_timeout_s)  # disaggregated prefill's holds and pulls
-        self.spec = Speculator(config.speculative, config.max_model_len) if config.speculative else None
+        self.spec = Speculator(config.speculative, self.max_model_len) if config.speculative else None
 
     # -- requests in and out ------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -278,10 +277,11 @@ class Scheduler:
                 num_tokens, cached = self._first_chunk(request, budget.tokens)
                 num_cached = len(cached) * self.config.block_size
                 num_new = num_tokens - num_cached
-                new_blocks = self.kv.allocate(request.request_id, self._kv_tokens(request, num_new, 0, num_cached),
-                                              cached)
-                if new_blocks is None:
+                allocated = self.kv.allocate(request.request_id, self._kv_tokens(request, num_new, 0, num_cached),
+                                             cached)
+                if allocated is None:
                     break
+                new_blocks = allocated
             self.waiting.popleft()
             if self.config.enable_prefix_caching:
                 self.kv.record_prefix_lookup(request.num_tokens, num_cached)
@@ -303,7 +303,7 @@ class Scheduler:
         p = request.sampling
         return (request.in_flight == 1 and request.num_output_placeholders == 1
                 and len(request.output_token_ids) + 1 < p.max_tokens
-                and request.num_tokens + 1 < self.config.max_model_len)
+                and request.num_tokens + 1 < self.max_model_len)
 
     def _kv_tokens(self, request: Request, num_new: int, num_drafts: int, start: int | None = None) -> int:
         """The tokens the request's KV blocks must hold for a chunk of num_new tokens from `start` (its
@@ -352,75 +352,8 @@ class Scheduler:
                            prompt_logprobs: Sequence[PromptLogprobs] = (),
                            drafts: dict[int, list[int]] | None = None) -> list[RequestOutput]:
         """Take a step's result in: each sampling chunk's tokens (1..N+1 for a chunk with N drafts, checked by
-        scheduler.pipeline.check_result), prompt logprobs, and a draft model's proposals (`drafts`)."""
-        by_seq = dict(token_runs(sampled))
-        scored = {p.seq_id: p for p in prompt_logprobs}
-        results, c = [], output.step_batch.chunks
-        for request_id, seq_id, start, n, sample, num_drafts in zip(output.request_ids, c.seq_ids, c.start_positions,
-                                                                    c.num_tokens, c.sample, c.draft_counts()):
-            request = self.requests.get(request_id)
-            if request is None or request.seq_id != seq_id:
-                continue  # aborted or preempted meanwhile
-            request.in_flight -= 1
-            scores = request.new_prompt_logprobs(scored.get(seq_id))
-            if not sample:
-                self._cache_blocks(request, start + n)
-                if scores is not None:
-                    results.append(scores)
-                continue
-            request.num_output_placeholders -= 1
-            tokens = by_seq.get(seq_id)
-            if tokens is None:
-                continue
-            end = start + n - num_drafts + len(tokens) - 1  # past the accepted drafts
-            result = self._take_tokens(request, tokens, num_drafts, end, (drafts or {}).get(seq_id))
-            if scores is not None:
-                result.prompt_logprobs, result.prompt_logprobs_start = scores.prompt_logprobs, \
-                    scores.prompt_logprobs_start
-            results.append(result)
-        return results
-
-    def _take_tokens(self, request: Request, tokens: list[SampledToken], num_drafts: int, computed: int,
-                     proposed: list[int] | None) -> RequestOutput:
-        """Append a chunk's tokens one by one, each checked against the stop conditions (a stop inside an
-        accepted run ends the request there); the rejected drafts' positions count as not computed (their
-        KV slots are written again later)."""
-        if num_drafts:
-            accepted = len(tokens) - 1
-            request.num_computed_tokens -= num_drafts - accepted
-            self.spec.record(num_drafts, accepted)
-        first = not request.output_token_ids
-        result = RequestOutput(request.request_id, num_prompt_tokens=len(request.prompt_token_ids),
-                               num_cached_tokens=request.num_cached_tokens)
-        if first and request.first_scheduled_time is not None:
-            result.queue_seconds = request.first_scheduled_time - request.arrival_time
-        for token in tokens:
-            if token.error is not None:  # this request's row failed to sample: it ends alone
-                failed = self._finish(request, "error", error=token.error, own_fault=True)
-                failed.new_token_ids, failed.new_logprobs = result.new_token_ids, result.new_logprobs
-                return failed
-            request.append_output(token.token_id)
-            result.new_token_ids.append(token.token_id)
-            if token.logprob is not None:
-                result.new_logprobs.append(token)
-            reason, stop_id = request.stop_reason(token.token_id, self.config.eos_token_ids, self.config.max_model_len)
-            if reason is None and request.prefill_only:  # the prompt is computed: its KV waits for a decode replica
-                reason = "prefilled"
-                result.held_kv = HeldKV(list(self.kv.tables.get(request.request_id, ())), len(request.prompt_token_ids))
-            if reason is not None:
-                self._cache_blocks(request, computed)
-                self._finish(request, reason)
-                result.finish_reason, result.stop_token_id = reason, stop_id
-                return result
-        self._cache_blocks(request, computed)
-        if self.spec is not None:
-            self.spec.propose(request, proposed)
-        return result
-
-    def _cache_blocks(self, request: Request, computed: int) -> None:
-        """Blocks full of tokens a step took in has computed (not those of a step ahead, in flight; not
-        rejected drafts) may serve as a cached prefix."""
-        self.kv.cache_full_blocks(request.request_id, request.all_token_ids, min(computed, request.num_tokens))
+        scheduler.pipeline.check_result), prompt logprobs, and a draft model's proposals (scheduler.results)."""
+        return results.take_step(self, output, sampled, prompt_logprobs, drafts or {})
 
     def _finish(self, request: Request, reason: str, error: str | None = None, own_fault: bool = False
                 ) -> RequestOutput:
