@@ -10,17 +10,20 @@ import uuid
 from aiohttp import web
 
 from router import choices, responses
+from router.admission import launch
 from router.config import RouterConfig
 from router.errors import APIError, bad_request
 from router.http_body import read_json
 from router.observe import metrics_handler
+from router.openai_request import chat_request, completion_request
 from router.openapi import openapi_document
-from router.prompts import prepare, render
+from router.prompts import render
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, validate
 from router.replicas import ReplicaSet
-from router.request import GenerateRequest, chat_options, chat_request, completion_request
+from router.request import GenerateRequest
+from router.request_builder import chat_options, check_model
 from router.responses_api import handlers as responses_api
-from router.state import CONFIG, REPLICAS, TOKENIZER, admit
+from router.state import CONFIG, REPLICAS, TOKENIZER, request_id
 from router.tokenization import Tokenizer
 
 MAX_BODY_BYTES = 32 * 2**20
@@ -71,10 +74,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamResponse:
     replicas, tokenizer = request.app[REPLICAS], request.app[TOKENIZER]
-    max_len, base = admit(request, req)
+    base = request_id(request, req)
     answer_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{base}"
-    prompts = await prepare(req, tokenizer, max_len)
-    gens = choices.plan(req, prompts, answer_id, max_len)
+    prompts, gens = await launch(req, replicas, tokenizer, request.app[CONFIG].max_model_len, answer_id)
     echoes = [await _echo_text(req, p, ids, tokenizer) for p, ids in zip(req.prompts or [None], prompts)]
     answer = responses.Answer(req, answer_id, int(time.time()), gens, tokenizer, echoes)
     headers = {"X-Request-Id": base}
@@ -143,12 +145,8 @@ async def health(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     m = validate(TokenizeRequest, await read_json(request))
     tokenizer, served = request.app[TOKENIZER], request.app[CONFIG].served_model_name
-    if m.model is not None and m.model != served:
-        raise APIError(404, f"the model '{m.model}' does not exist; this server serves '{served}'", "model")
+    check_model(m.model, served)
     if m.messages is not None:
-        if m.continue_final_message and m.add_generation_prompt:
-            raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
-                              "continue_final_message")
         options = chat_options(m.messages, m.add_generation_prompt, m.continue_final_message, m.chat_template,
                                m.chat_template_kwargs, m.documents)
         ids = await render(options, tokenizer, bool(m.add_special_tokens))

@@ -10,20 +10,23 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from router import choices
+from router.admission import launch
 from router.config import RouterConfig
-from router.errors import APIError
-from router.prompts import prepare, render
+from router.errors import APIError, bad_request
+from router.prompts import render
 from router.protocol import ChatMessage
 from router.replicas import ReplicaSet
-from router.request import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_STRINGS, GenerateRequest, Prompt, chat_options
+from router.request import GenerateRequest, Prompt
+from router.request_builder import RequestBuilder, chat_options
 from router.tokenization import Tokenizer
 from stagemesh.core import telemetry
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.health import follow
+from stagemesh.core.sampling_params import InvalidParameter
 from stagemesh.core.service_options import add_port
 from stagemesh.core.step_wire import logprob_to_pb
+from stagemesh.core.wire import sampling_fields_from_pb
 from stagemesh.v1 import frontend_pb2, frontend_pb2_grpc
-from stagemesh.core.wire import sampling_from_pb
 
 STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
           429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
@@ -35,33 +38,24 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         self.health_task: asyncio.Task | None = None
 
     def _request(self, request, chat: bool) -> GenerateRequest:
-        served = self.config.served_model_name
-        if request.model and request.model != served:
-            raise APIError(404, f"the model '{request.model}' does not exist; this server serves '{served}'")
-        try:
-            params = sampling_from_pb(request.sampling)
-        except StagemeshError as err:
-            raise APIError(400, str(err)) from None
-        stop = list(request.stop)
-        if len(stop) > MAX_STOP_STRINGS or sum(map(len, stop)) > MAX_STOP_CHARS:
-            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings of {MAX_STOP_CHARS} characters in all")
-        n = request.n or 1
-        if not 1 <= n <= MAX_CHOICES:
-            raise APIError(400, f"n must be in [1, {MAX_CHOICES}]")
-        req = GenerateRequest(model=served, chat=chat, sampling=params, max_tokens_given=request.sampling.max_tokens > 0,
-                              stop=stop, logprobs=params.logprobs is not None, top_logprobs=params.logprobs or 0, n=n)
+        """A Generate or Chat request through the request builder, step by step as the HTTP door's."""
+        b = RequestBuilder(self.config.served_model_name, request.model or None, chat)
+        b.choices(request.n or 1)
+        b.stop(list(request.stop))
         if chat:
-            messages = [ChatMessage(role=m.role, content=m.content) for m in request.messages]
-            if not messages:
-                raise APIError(400, "the conversation is empty")
-            req.chat_options = chat_options(messages, True, False, None, None, None)
-        elif request.WhichOneof("prompt") == "token_ids" and request.token_ids.ids:
-            req.prompts = [Prompt(token_ids=list(request.token_ids.ids))]
-        elif request.WhichOneof("prompt") == "text" and request.text:
-            req.prompts = [Prompt(text=request.text)]
+            b.conversation([ChatMessage(role=m.role, content=m.content) for m in request.messages])
         else:
-            raise APIError(400, "the prompt is empty")
-        return req
+            b.prompts(_prompts(request))
+        try:
+            values = sampling_fields_from_pb(request.sampling)
+        except InvalidParameter as err:  # an output constraint that breaks its own rules
+            raise bad_request(str(err), err.param) from None
+        values.pop("max_tokens")
+        constraint = values.pop("structured")
+        b.logprobs("logprobs", values["logprobs"])
+        b.max_tokens(request.sampling.max_tokens or None)
+        b.sampling(values, constraint)
+        return b.build()
 
     async def Generate(self, request, context):
         async for reply in self._run(request, context, chat=False):
@@ -74,9 +68,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     async def _run(self, request, context, chat: bool):
         try:
             req = self._request(request, chat)
-            max_len = self._max_len()
-            prompts = await prepare(req, self.tokenizer, max_len)
-            gens = choices.plan(req, prompts, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", max_len)
+            prompts, gens = await launch(req, self.replicas, self.tokenizer, self.config.max_model_len,
+                                         f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
             usage = frontend_pb2.Usage(prompt_tokens=len(prompts[0]))
             async for gen, d in choices.run(req, gens, self.replicas, self.tokenizer):
                 reply = frontend_pb2.GenerateResponse(text=d.text, token_ids=d.token_ids, index=gen.index,
@@ -91,11 +84,6 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 yield reply
         except APIError as err:
             await context.abort(STATUS.get(err.status, grpc.StatusCode.INTERNAL), err.message)
-
-    def _max_len(self) -> int:
-        if not self.replicas.healthy():
-            raise APIError(503, "no healthy replica")
-        return min(filter(None, (self.replicas.max_model_len, self.config.max_model_len)))
 
     async def Tokenize(self, request, context):
         try:
@@ -112,6 +100,13 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     async def ListModels(self, request, context):
         return frontend_pb2.ListModelsResponse(models=[self.config.served_model_name],
                                                max_model_len=self.replicas.max_model_len)
+
+
+def _prompts(request) -> list[Prompt]:
+    kind = request.WhichOneof("prompt")
+    if kind == "token_ids":
+        return [Prompt(token_ids=list(request.token_ids.ids))]
+    return [Prompt(text=request.text)] if kind == "text" else []
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

@@ -56,19 +56,6 @@ class Generation:
     started: asyncio.Event = field(default_factory=asyncio.Event)  # its prompt is computed (or it ended)
 
 
-def check_priority(req: GenerateRequest, replicas: ReplicaSet) -> None:
-    """A priority other than 0 needs replicas that schedule by it: vLLM's 400 otherwise (each scheduler checks
-    it again when the request reaches it)."""
-    if not req.priority:
-        return
-    if not -2**31 <= req.priority < 2**31:
-        raise bad_request(f"'priority' must be a 32-bit integer, got {req.priority}", "priority")
-    policies = replicas.scheduling_policies
-    if policies != {"priority"}:
-        raise bad_request(f"Got priority {req.priority} but Priority scheduling is not enabled (the replicas run "
-                          f"--scheduling-policy {' and '.join(sorted(policies)) or 'fcfs'})", "priority")
-
-
 def fit_max_tokens(req: GenerateRequest, sampling: SamplingParams, prompt_len: int, max_model_len: int
                    ) -> SamplingParams:
     """Default max_tokens to the room left (as vLLM); refuse what cannot fit with vLLM's words and params:

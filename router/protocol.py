@@ -1,7 +1,7 @@
 """The OpenAI / vLLM request schema, declared once (pydantic, strict types): the gateway validates
 every body with it and /openapi.json describes it.
 
-Every field vLLM's server takes is here: it works as vLLM's does (router.request turns it into the
+Every field vLLM's server takes is here: it works as vLLM's does (router.openai_request reads it into the
 mesh's domain types), or a value other than its default is refused with a 400 that names it
 (REFUSED). A field nobody defines (not OpenAI's, not vLLM's) is ignored with one warning, as vLLM does.
 """
@@ -61,7 +61,7 @@ class _Sampling(Strict):
     request_id: str | None = None
     priority: int = 0  # vLLM's: lower first, with --scheduling-policy priority on the replicas
     user: str | None = None  # OpenAI's end-user id: for the caller's own records, as in vLLM
-    # constrained decoding (router.request.structured): one of these at a time
+    # constrained decoding (router.openai_request.structured): one of these at a time
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Union[str, dict[str, Any], None] = None

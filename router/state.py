@@ -1,5 +1,5 @@
-"""What every HTTP handler of the gateway reads: the app's shared parts (replicas, tokenizer, settings) and,
-before a generation, the request's admission (a healthy replica, the context length, its id)."""
+"""What every HTTP handler of the gateway reads: the app's shared parts (replicas, tokenizer, settings) and a
+generation's request id."""
 from __future__ import annotations
 
 import uuid
@@ -7,8 +7,7 @@ import uuid
 from aiohttp import web
 
 from router.config import RouterConfig
-from router.errors import APIError, bad_request
-from router.generation import check_priority
+from router.errors import bad_request
 from router.replicas import ReplicaSet
 from router.request import GenerateRequest
 from router.tokenization import Tokenizer
@@ -29,14 +28,3 @@ def request_id(request: web.Request, req: GenerateRequest) -> str:
         raise bad_request(f"the request id (X-Request-Id or 'request_id') must be 1 to {MAX_REQUEST_ID} printable "
                           "ASCII characters", "request_id")
     return given
-
-
-def admit(request: web.Request, req: GenerateRequest) -> tuple[int, str]:
-    """(the context length it runs under, its id), or the error that keeps it out."""
-    replicas = request.app[REPLICAS]
-    if not replicas.healthy():
-        raise APIError(503, "no healthy replica: " + "; ".join(f"{r.address}: {r.reason}" for r in replicas.replicas),
-                       retry_after=2)
-    max_len = min(filter(None, (replicas.max_model_len, request.app[CONFIG].max_model_len)))
-    check_priority(req, replicas)
-    return max_len, request_id(request, req)

@@ -118,7 +118,7 @@ class SubmitStream:
         submit.request.prefill_only = prefill_only
         if kv_transfer:
             submit.request.kv_transfer.ParseFromString(kv_transfer)
-        submit.request.sampling.CopyFrom(sampling_to_pb(sampling))
+        sampling_to_pb(sampling, submit.request.sampling)
         carrier = dict(telemetry.inject())
         submit.traceparent, submit.tracestate = carrier.get("traceparent", ""), carrier.get("tracestate", "")
         self._ready.set()

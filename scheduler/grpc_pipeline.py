@@ -94,7 +94,8 @@ class GrpcPipeline:
     def forward(self, epoch: int, batch: StepBatch, span: trace.Span | None, trace_links: list[str]):
         """Start the step's Forward calls now (not when the result is first awaited), so that they go out
         ahead of the stream writes queued behind them."""
-        request = stage_pb2.ForwardRequest(epoch=epoch, step=step_to_pb(batch), trace_links=trace_links)
+        request = stage_pb2.ForwardRequest(epoch=epoch, trace_links=trace_links)
+        step_to_pb(batch, request.step)
         metadata = telemetry.inject(trace.set_span_in_context(span)) if span is not None else None
         calls = [(stage, self._stub(stage).Forward(request, timeout=self.deadlines.forward_s, metadata=metadata))
                  for stage in self.plan.stages]

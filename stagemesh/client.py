@@ -37,7 +37,7 @@ def _generate_request(prompt: str | list[int], model: str, stop, max_tokens, kw)
         msg.text = prompt
     else:
         msg.token_ids.ids.extend(prompt)
-    msg.sampling.CopyFrom(sampling_to_pb(_sampling(max_tokens, **kw)))
+    sampling_to_pb(_sampling(max_tokens, **kw), msg.sampling)
     if max_tokens is None:
         msg.sampling.max_tokens = 0  # the router fills what the context leaves
     return msg
@@ -47,7 +47,7 @@ def _chat_request(messages: list[dict], model: str, stop, max_tokens, kw) -> fro
     msg = frontend_pb2.ChatRequest(model=model, stop=list(stop or []),
                                    messages=[frontend_pb2.ChatMessage(role=m["role"], content=m["content"])
                                              for m in messages])
-    msg.sampling.CopyFrom(sampling_to_pb(_sampling(max_tokens, **kw)))
+    sampling_to_pb(_sampling(max_tokens, **kw), msg.sampling)
     if max_tokens is None:
         msg.sampling.max_tokens = 0
     return msg

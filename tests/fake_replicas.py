@@ -17,6 +17,7 @@ from aiohttp import web
 from router.app import build_app
 from router.balancing import LeastLoad
 from router.config import RouterConfig
+from router.frontend import FrontendServicer, serve_frontend
 from router.replicas import Replica, ReplicaSet
 import grpc
 
@@ -91,7 +92,8 @@ class FakeRouter:
     """The router's app on a loopback port, served by an event loop on a thread of its own."""
 
     def __init__(self, model_dir, served_model_name: str, api_key: str | None = None, num_replicas: int = 1,
-                 max_request_retries: int = 3, scheduling_policy: str = "fcfs", **config):
+                 max_request_retries: int = 3, scheduling_policy: str = "fcfs", grpc_frontend: bool = False,
+                 **config):
         cfg = ModelConfig.from_path(model_dir)
         self.replicas = [FakeReplica(served_model_name, 512, cfg.vocab_size, cfg.eos_token_ids, f"fake:{i}",
                                      scheduling_policy) for i in range(num_replicas)]
@@ -99,7 +101,11 @@ class FakeRouter:
         replicas = ReplicaSet([], LeastLoad(), max_request_retries=max_request_retries)
         replicas.replicas = list(self.replicas)
         tokenizer = Tokenizer(model_dir, cfg.max_position_embeddings)
-        self.app = build_app(replicas, tokenizer, RouterConfig(served_model_name, api_key, **config))
+        router_config = RouterConfig(served_model_name, api_key, **config)
+        self.app = build_app(replicas, tokenizer, router_config)
+        # the gRPC frontend beside it (grpc_port), on the same replicas
+        self.frontend = FrontendServicer(replicas, tokenizer, router_config) if grpc_frontend else None
+        self.grpc_port: int | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
@@ -110,9 +116,15 @@ class FakeRouter:
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         asyncio.run_coroutine_threadsafe(site.start(), self._loop).result(30)
         self.base_url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        if self.frontend is not None:
+            self._grpc_server, self.grpc_port = asyncio.run_coroutine_threadsafe(
+                serve_frontend(self.frontend, "127.0.0.1", 0), self._loop).result(30)
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.frontend is not None:
+            self._loop.call_soon_threadsafe(self.frontend.health_task.cancel)
+            asyncio.run_coroutine_threadsafe(self._grpc_server.stop(None), self._loop).result(30)
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)

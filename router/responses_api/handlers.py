@@ -12,15 +12,17 @@ import uuid
 from aiohttp import web
 
 from router import choices
+from router.admission import launch
 from router.errors import APIError, bad_request
+from router.generation import Generation
 from router.http_body import read_json
-from router.prompts import prepare
+from router.openai_request import chat_request
 from router.protocol import ChatCompletionRequest, validate
-from router.request import GenerateRequest, chat_request
+from router.request import GenerateRequest
 from router.responses_api.output import ResponseBuilder
 from router.responses_api.request import NEUTRAL, REFUSED, ResponsesRequest, chat_body, renamed
 from router.responses_api.store import ResponseStore, Stored
-from router.state import CONFIG, REPLICAS, TOKENIZER, admit
+from router.state import CONFIG, REPLICAS, TOKENIZER, request_id
 
 STORE = web.AppKey("responses_store", ResponseStore)
 log = logging.getLogger("stagemesh.router")
@@ -42,8 +44,7 @@ async def create(request: web.Request) -> web.StreamResponse:
         history = _stored(store, m.previous_response_id, "previous_response_id").messages
     chat, origins = chat_body(m, history)
     try:
-        req, max_len, base, prompts = await _prepare(request, chat)
-        gens = choices.plan(req, prompts, f"resp_{base}", max_len)
+        req, base, gens = await _prepare(request, chat)
     except APIError as err:
         raise renamed(err, origins) from None
     builder = ResponseBuilder(m, req, f"resp_{base}", int(time.time()), gens[0], request.app[TOKENIZER])
@@ -72,12 +73,13 @@ def _remember(store: ResponseStore, m: ResponsesRequest, builder: ResponseBuilde
     store.put(builder.id, Stored(builder.body(), [*conversation, turn]))
 
 
-async def _prepare(request: web.Request, chat: dict) -> tuple[GenerateRequest, int, str, list[list[int]]]:
+async def _prepare(request: web.Request, chat: dict) -> tuple[GenerateRequest, str, list[Generation]]:
     """The chat path: the request checked and built, admitted, its prompt rendered and tokenized."""
     config = request.app[CONFIG]
     req = chat_request(validate(ChatCompletionRequest, chat), config.served_model_name, config.tool_call_parser)
-    max_len, base = admit(request, req)
-    return req, max_len, base, await prepare(req, request.app[TOKENIZER], max_len)
+    base = request_id(request, req)
+    _, gens = await launch(req, request.app[REPLICAS], request.app[TOKENIZER], config.max_model_len, f"resp_{base}")
+    return req, base, gens
 
 
 async def _stream(request, builder: ResponseBuilder, deltas, headers, finished) -> web.StreamResponse:

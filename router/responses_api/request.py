@@ -1,7 +1,8 @@
 """A Responses API request (POST /v1/responses) as the chat completion it asks for: the instructions, the
 stored conversation (previous_response_id) and the input items become chat messages, flat function tools
 become chat tools, text.format the output constraint, include's logprobs chat's logprobs. The chat path
-(router.request) then checks and builds it, and its errors are named in this request's own fields.
+(router.openai_request, router.request_builder) then checks and builds it, and its errors are named in this
+request's own fields.
 
 What this server does not build is refused by name: built-in tools (web search, file search, code
 interpreter, MCP, ...), background mode, conversations, prompt templates, reasoning options, truncation

@@ -14,19 +14,27 @@ from stagemesh.v1 import common_pb2, stage_pb2
 from stagemesh.core.wire import sampling_from_pb, sampling_to_pb
 
 
-def step_to_pb(batch: StepBatch) -> stage_pb2.StepBatch:
-    c = batch.chunks
-    return stage_pb2.StepBatch(
-        step_id=batch.step_id,
-        new_sequences=[stage_pb2.NewSequence(seq_id=s.seq_id, prompt_token_ids=s.prompt_token_ids,
-                                             sampling=sampling_to_pb(s.sampling), output_token_ids=s.output_token_ids)
-                       for s in batch.new_sequences],
-        chunks=stage_pb2.ScheduledChunks(seq_ids=c.seq_ids, num_tokens=c.num_tokens, token_ids=c.token_ids,
-                                         start_positions=c.start_positions, num_new_blocks=c.num_new_blocks,
-                                         new_block_ids=c.new_block_ids, sample=c.sample,
-                                         num_draft_tokens=c.num_draft_tokens),
-        finished_seq_ids=batch.finished_seq_ids,
-    )
+def step_to_pb(batch: StepBatch, out: stage_pb2.StepBatch | None = None) -> stage_pb2.StepBatch:
+    """The step as a message, written into `out` (the empty step of the request it travels in) where given:
+    built in place, its new sequences' sampling parameters are not copied from message to message."""
+    msg = stage_pb2.StepBatch() if out is None else out
+    msg.step_id = batch.step_id
+    for s in batch.new_sequences:
+        new = msg.new_sequences.add(seq_id=s.seq_id, prompt_token_ids=s.prompt_token_ids,
+                                    output_token_ids=s.output_token_ids)
+        sampling_to_pb(s.sampling, new.sampling)
+    c, chunks = batch.chunks, msg.chunks
+    chunks.SetInParent()  # present even when empty: the bytes of a message built whole
+    chunks.seq_ids.extend(c.seq_ids)
+    chunks.num_tokens.extend(c.num_tokens)
+    chunks.token_ids.extend(c.token_ids)
+    chunks.start_positions.extend(c.start_positions)
+    chunks.num_new_blocks.extend(c.num_new_blocks)
+    chunks.new_block_ids.extend(c.new_block_ids)
+    chunks.sample.extend(c.sample)
+    chunks.num_draft_tokens.extend(c.num_draft_tokens)
+    msg.finished_seq_ids.extend(batch.finished_seq_ids)
+    return msg
 
 
 def step_from_pb(msg: stage_pb2.StepBatch) -> StepBatch:

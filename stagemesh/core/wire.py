@@ -1,21 +1,25 @@
 """Conversions between domain types and protobuf messages shared by services (tensors: tensor_wire).
 
-Imports no torch: the router and the client use it.
+A message is written in place, into the field of the message it travels in, rather than built apart and
+copied there (protobuf copies a sub-message on assignment). Imports no torch: the router and the client use it.
 """
 from __future__ import annotations
 
 from stagemesh.core.sampling_params import SamplingParams, StructuredOutputs
 from stagemesh.v1 import common_pb2
 
-def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(
-        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty, max_tokens=p.max_tokens, min_tokens=p.min_tokens,
-        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-        logprobs=-1 if p.logprobs is None else p.logprobs, allowed_token_ids=list(p.allowed_token_ids),
-        bad_words=[common_pb2.TokenSequence(token_ids=w) for w in p.bad_words_token_ids],
-    )
+
+def sampling_to_pb(p: SamplingParams, out: common_pb2.SamplingParams | None = None) -> common_pb2.SamplingParams:
+    """`p` as a message: written into `out` (an empty field of the message it travels in) where given."""
+    msg = common_pb2.SamplingParams() if out is None else out
+    msg.temperature, msg.top_p, msg.top_k, msg.min_p = p.temperature, p.top_p, p.top_k, p.min_p
+    msg.repetition_penalty, msg.presence_penalty = p.repetition_penalty, p.presence_penalty
+    msg.frequency_penalty, msg.max_tokens, msg.min_tokens = p.frequency_penalty, p.max_tokens, p.min_tokens
+    msg.ignore_eos, msg.logprobs = p.ignore_eos, -1 if p.logprobs is None else p.logprobs
+    msg.stop_token_ids.extend(p.stop_token_ids)
+    msg.allowed_token_ids.extend(p.allowed_token_ids)
+    for word in p.bad_words_token_ids:
+        msg.bad_words.add(token_ids=word)
     if p.seed is not None:
         msg.seed = p.seed
     if p.prompt_logprobs is not None:
@@ -23,13 +27,13 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
     for token_id, bias in p.logit_bias:
         msg.logit_bias[token_id] = bias
     if p.structured is not None:
-        s, out = p.structured, msg.structured_outputs
+        s, so = p.structured, msg.structured_outputs
         if s.kind == "json_object":
-            out.json_object = True
+            so.json_object = True
         elif s.kind == "choice":
-            out.choice.choices.extend(s.choices)
+            so.choice.choices.extend(s.choices)
         else:
-            setattr(out, s.kind, s.text)
+            setattr(so, s.kind, s.text)
     return msg
 
 
@@ -44,8 +48,10 @@ def structured_from_pb(msg: common_pb2.StructuredOutputs) -> StructuredOutputs |
     return StructuredOutputs(kind, getattr(msg, kind))
 
 
-def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(
+def sampling_fields_from_pb(msg: common_pb2.SamplingParams) -> dict:
+    """SamplingParams' keyword values from a message, unset fields read as their defaults (max_tokens 0 as 16):
+    the router's gRPC frontend hands them to its request builder, which checks them as it checks HTTP's."""
+    return dict(
         temperature=msg.temperature,
         top_p=msg.top_p or 1.0,
         top_k=msg.top_k if msg.top_k > 0 else -1,
@@ -65,3 +71,7 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         bad_words_token_ids=tuple(tuple(w.token_ids) for w in msg.bad_words),
         structured=structured_from_pb(msg.structured_outputs) if msg.HasField("structured_outputs") else None,
     )
+
+
+def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(**sampling_fields_from_pb(msg))

@@ -1,0 +1,175 @@
+"""The HTTP door: a validated OpenAI / vLLM body (router.protocol) read into the request builder
+(router.request_builder), which checks every value. What is here is OpenAI's and vLLM's spelling only: the
+prompt's shapes, chat's logprobs flag, OpenAI's sampling defaults, logit_bias's keys, and the fields a
+structured-output constraint may come in."""
+from __future__ import annotations
+
+import json
+
+from router.errors import bad_request
+from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.request import GenerateRequest, Prompt
+from router.request_builder import RequestBuilder
+from stagemesh.core.sampling_params import InvalidParameter, StructuredOutputs
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed", "min_tokens")
+
+
+def completion_request(m: CompletionRequest, served: str) -> GenerateRequest:
+    b = _common(m, served, chat=False)
+    b.prompts(_prompts(m.prompt))
+    if m.suffix is not None:
+        raise bad_request("'suffix' is not supported by this server (as in vLLM)", "suffix")
+    if m.best_of is not None and m.best_of > 1:
+        raise bad_request("'best_of' is not supported (vLLM V1 does not support it either)", "best_of")
+    b.req.echo, b.req.add_special_tokens = m.echo, m.add_special_tokens
+    logprobs = b.logprobs("logprobs", m.logprobs)
+    b.max_tokens(m.max_tokens, "max_tokens", echo_only=m.echo and m.max_tokens == 0)
+    _sampling(b, m, logprobs, m.prompt_logprobs if m.prompt_logprobs is not None else (logprobs if m.echo else None))
+    return b.build()
+
+
+def chat_request(m: ChatCompletionRequest, served: str, tool_call_parser: str | None = None) -> GenerateRequest:
+    b = _common(m, served, chat=True)
+    b.tools(m.tools, m.tool_choice, m.parallel_tool_calls, tool_call_parser)
+    b.conversation(m.messages, m.add_generation_prompt, m.continue_final_message, m.chat_template,
+                   m.chat_template_kwargs, m.documents)
+    b.req.echo, b.req.add_special_tokens = m.echo, m.add_special_tokens
+    top = b.logprobs("top_logprobs", m.top_logprobs)
+    if top and not m.logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    given = m.max_completion_tokens is not None
+    b.max_tokens(m.max_completion_tokens if given else m.max_tokens, "max_completion_tokens" if given else "max_tokens")
+    _sampling(b, m, (top or 0) if m.logprobs else None, m.prompt_logprobs)
+    return b.build()
+
+
+def _common(m, served: str, chat: bool) -> RequestBuilder:
+    b = RequestBuilder(served, m.model, chat)
+    b.streaming(m.stream, m.stream_options or None, m.prompt_logprobs)
+    b.choices(m.n)
+    b.stop(m.stop, m.include_stop_str_in_output)
+    b.priority(m.priority)
+    req = b.req
+    req.bad_words, req.request_id = list(m.bad_words or []), m.request_id
+    req.return_token_ids, req.return_tokens_as_token_ids = bool(m.return_token_ids), bool(m.return_tokens_as_token_ids)
+    req.skip_special_tokens, req.spaces_between_special_tokens = m.skip_special_tokens, m.spaces_between_special_tokens
+    b.truncation(m.truncate_prompt_tokens, m.truncation_side)
+    return b
+
+
+def _sampling(b: RequestBuilder, m, logprobs: int | None, prompt_logprobs: int | None) -> None:
+    values = {name: getattr(m, name) for name in SAMPLING_FIELDS if getattr(m, name) is not None}
+    values.setdefault("temperature", 1.0)  # OpenAI's default
+    bias = m.logit_bias or {}
+    try:
+        if any(not k.lstrip("-").isdigit() for k in bias):
+            raise InvalidParameter("logit_bias", "'logit_bias' keys must be token ids (as strings of digits)")
+        constraint, where = structured(m)
+    except InvalidParameter as err:
+        raise bad_request(str(err), err.param) from None
+    b.sampling({**values, "stop_token_ids": tuple(m.stop_token_ids or ()), "ignore_eos": m.ignore_eos,
+                "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+                "logit_bias": tuple(sorted((int(k), v) for k, v in bias.items())),
+                "allowed_token_ids": tuple(m.allowed_token_ids or ())}, constraint, where)
+    if m.allowed_token_ids is not None and not m.allowed_token_ids:
+        raise bad_request("'allowed_token_ids' must not be empty", "allowed_token_ids")
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# vLLM's structured_outputs options this server does not implement: a value that asks for something is a 400
+STRUCTURED_REFUSED = {"disable_fallback": "there is one backend (xgrammar), with no fallback to disable",
+                      "disable_any_whitespace": "whitespace options are not supported",
+                      "disable_additional_properties": "additionalProperties follows the schema as given",
+                      "whitespace_pattern": "whitespace options are not supported"}
+
+
+def structured(m) -> tuple[StructuredOutputs | None, str]:
+    """The request's output constraint, from whichever of vLLM's spellings it uses (response_format,
+    structured_outputs, guided_*), and the field it came in; two at once are a 400."""
+    found: list[tuple[str, StructuredOutputs]] = []
+    if m.guided_decoding_backend not in (None, "auto", "xgrammar"):
+        raise InvalidParameter("guided_decoding_backend", f"'guided_decoding_backend' {m.guided_decoding_backend!r} "
+                                                          "is not available: this server compiles with xgrammar")
+    if m.response_format is not None:
+        found += _response_format(m.response_format)
+    so = m.structured_outputs
+    if so is not None:
+        for name, why in STRUCTURED_REFUSED.items():
+            if so.get(name) not in (None, False, ""):
+                raise InvalidParameter("structured_outputs", f"'structured_outputs.{name}' is not supported: {why}")
+        unknown = set(so) - set(STRUCTURED_KINDS) - set(STRUCTURED_REFUSED)
+        if unknown:
+            raise InvalidParameter("structured_outputs", f"'structured_outputs' has no field "
+                                                         f"{sorted(unknown)[0]!r}")
+        given = [k for k in STRUCTURED_KINDS if so.get(k) not in (None, False)]
+        if len(given) > 1:
+            raise InvalidParameter("structured_outputs", "'structured_outputs' takes one of json, regex, choice, "
+                                                         f"grammar, json_object and structural_tag, got "
+                                                         f"{', '.join(given)}")
+        if given:
+            found.append(("structured_outputs", _constraint("structured_outputs", given[0], so[given[0]])))
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(m, f"guided_{kind}")
+        if value is not None:
+            found.append((f"guided_{kind}", _constraint(f"guided_{kind}", kind, value)))
+    if len(found) > 1:
+        raise InvalidParameter(found[1][0], f"one output constraint at a time: '{found[0][0]}' and "
+                                            f"'{found[1][0]}' are both given")
+    return (found[0][1], found[0][0]) if found else (None, "structured_outputs")
+
+
+def _response_format(rf: dict) -> list[tuple[str, StructuredOutputs]]:
+    kind = rf.get("type")
+    if kind == "json_object":
+        return [("response_format", StructuredOutputs("json_object"))]
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise InvalidParameter("response_format", "'response_format' of type json_schema needs "
+                                                      "'json_schema': {'name': ..., 'schema': {...}}")
+        return [("response_format", StructuredOutputs("json", json.dumps(spec["schema"])))]
+    if kind == "structural_tag":  # the whole format is the tag, as vLLM passes it on
+        return [("response_format", StructuredOutputs("structural_tag", json.dumps(rf)))]
+    if kind != "text":
+        raise InvalidParameter("response_format", "'response_format' type must be text, json_object, "
+                                                  f"json_schema or structural_tag, got {kind!r}")
+    return []
+
+
+def _constraint(field: str, kind: str, value) -> StructuredOutputs:
+    try:
+        return _make_constraint(field, kind, value)
+    except InvalidParameter as err:  # its own rules (size, choices) name the field it came in
+        raise InvalidParameter(field, str(err)) from None
+
+
+def _make_constraint(field: str, kind: str, value) -> StructuredOutputs:
+    if kind == "json_object":
+        if value is not True:
+            raise InvalidParameter(field, f"'{field}.json_object' must be true")
+        return StructuredOutputs("json_object")
+    if kind == "json":
+        if isinstance(value, (dict, bool)):
+            value = json.dumps(value)
+        if not isinstance(value, str):
+            raise InvalidParameter(field, f"'{field}' json must be a JSON schema (an object or its text)")
+        return StructuredOutputs("json", value)
+    if kind == "structural_tag" and isinstance(value, dict):
+        value = json.dumps(value)
+    if kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise InvalidParameter(field, f"'{field}' choice must be an array of strings")
+        return StructuredOutputs("choice", choices=tuple(value))
+    if not isinstance(value, str):
+        raise InvalidParameter(field, f"'{field}' {kind} must be a string")
+    return StructuredOutputs(kind, value)
+
+
+def _prompts(prompt) -> list[Prompt]:
+    if isinstance(prompt, str):
+        return [Prompt(text=prompt)]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [Prompt(token_ids=list(prompt))]
+    return [Prompt(text=p) if isinstance(p, str) else Prompt(token_ids=list(p)) for p in prompt or []]
