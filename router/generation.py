@@ -120,7 +120,8 @@ async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
         record.done(gen.completion_tokens, outcome)  # no-op when the request finished above
 
 
-def _delta(reply: ReplicaOutput, req: GenerateRequest, gen: Generation, record: RequestRecord, replicas: ReplicaSet) -> Delta:
+def _delta(reply: ReplicaOutput, req: GenerateRequest, gen: Generation, record: RequestRecord,
+           replicas: ReplicaSet) -> Delta:
     """A reply's tokens, logprobs and prompt logprobs; the timing figures it carries go to the record."""
     if reply.num_prompt_tokens and not gen.replays:  # (a continuation's cached tokens are not the prompt's)
         gen.cached_tokens = reply.num_cached_tokens

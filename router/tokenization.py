@@ -58,8 +58,9 @@ class Tokenizer:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens,
                                spaces_between_special_tokens=spaces_between_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template: str | None = None, documents: list | None = None, **kwargs) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    documents: list | None = None, **kwargs) -> str:
         """The conversation as the chat template writes it (a request's own template, if it gives one)."""
         if not (chat_template or self.tok.chat_template):
             raise StagemeshError("this model has no chat template; give 'chat_template' or use /v1/completions")

@@ -200,7 +200,7 @@ def test_a_failed_stage_fails_the_epoch_and_a_late_reply_is_ignored():
         return results, await again
 
     results, again = asyncio.run(with_driver(driver, body))
-    for tokens, reason, error in results:
+    for _tokens, reason, error in results:
         assert reason == "error" and "stage 1" in error and "failed" in error
     assert again == (want(9, 4), "length", None)
     assert pipeline.joined == [1, 3]  # epoch 2 was the broken one's end
@@ -252,7 +252,7 @@ def test_kept_requests_fail_with_the_stage_when_the_window_ends_or_after_too_man
             return await asyncio.gather(*tasks)
 
         results = asyncio.run(with_driver(driver, body))
-        for tokens, reason, error in results:
+        for _tokens, reason, error in results:
             assert reason == "error" and "stage 1 (fake:1, layers 1:2) failed: UNAVAILABLE: gone" in error
         if retries == 0:
             assert why in results[0][2]

@@ -27,7 +27,8 @@ def test_serve_tp2_pp2_dp2_matches_transformers(tiny_model_dir, tmp_path):
     port = free_port()
     log = tmp_path / "serve.log"
     proc = subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model_dir), "-tp", "2", "-pp", "2",
-                             "-dp", "2", "--port", str(port), "--grpc-port", "0", "--served-model-name", M, "--threads", "1"],
+                             "-dp", "2", "--port", str(port), "--grpc-port", "0", "--served-model-name", M,
+                             "--threads", "1"],
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"

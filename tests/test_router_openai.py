@@ -28,7 +28,8 @@ def test_chat_names_paris(router):
     out = router.client().chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=30, temperature=0)
     assert "Paris" in out.choices[0].message.content
     assert out.choices[0].finish_reason == "stop"
-    assert out.usage.completion_tokens > 0 and out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    assert out.usage.completion_tokens > 0
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
 
 
 def test_streaming_chat_equals_the_whole_answer(router):
@@ -44,7 +45,8 @@ def test_streaming_chat_equals_the_whole_answer(router):
 
 def test_completions_with_token_ids_logprobs_and_length(router):
     client = router.client()
-    prompt = requests.post(f"{router.base_url}/tokenize", json={"prompt": "The capital of France is"}, timeout=10).json()
+    prompt = requests.post(f"{router.base_url}/tokenize", json={"prompt": "The capital of France is"},
+                           timeout=10).json()
     out = client.completions.create(model=MODEL, prompt=prompt["tokens"], max_tokens=5, temperature=0, logprobs=2,
                                     extra_body={"return_token_ids": True})
     choice = out.choices[0]
