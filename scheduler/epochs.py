@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 from scheduler.config import DriverConfig
 from scheduler.observe import Observer

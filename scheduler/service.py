@@ -16,6 +16,7 @@ from scheduler.request import RequestOutput
 from scheduler.scheduler import QueueFull
 from stagemesh.core import telemetry
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.grpc_errors import ErrorInterceptor, by_type
 from stagemesh.core.health import follow
 from stagemesh.core.service_options import add_port, aio_server
 from stagemesh.core.step_wire import logprob_to_pb
@@ -158,7 +159,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                          s.handoff, s.instance_id, s.standby, s.num_speculative_tokens)
         try:
             missing, first_seen = await self.driver.register_stage(info)
-        except StagemeshError as err:
+        except StagemeshError as err:  # a stage that does not fit this pipeline: its state, not a bad argument
             log.error("refused a stage: %s", err)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         if first_seen:
@@ -167,13 +168,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.RegisterStageResponse(num_missing_stages=missing, first_seen=first_seen)
 
 
-def status_of(err: StagemeshError) -> tuple[grpc.StatusCode, str]:
-    """The status a request refused with `err` gets in its SubmitStream update."""
-    if isinstance(err, QueueFull):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
-    if isinstance(err, Unavailable):
-        return grpc.StatusCode.UNAVAILABLE, str(err)
-    return grpc.StatusCode.INVALID_ARGUMENT, str(err)
+# the status a request refused with one of these gets in its SubmitStream update, and a call that raises it;
+# anything else a call raises is INTERNAL, logged
+status_of = by_type((QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED), (Unavailable, grpc.StatusCode.UNAVAILABLE),
+                    (StagemeshError, grpc.StatusCode.INVALID_ARGUMENT))
 
 
 def _error_status(out: RequestOutput) -> tuple[grpc.StatusCode, str]:
@@ -219,7 +217,7 @@ def _fill_update(msg: scheduler_pb2.RequestUpdate, update: Update, kv_params) ->
 
 
 async def serve(servicer: SchedulerServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    server = aio_server(options=[("grpc.max_receive_message_length", 64 * 2**20)])
+    server = aio_server([("grpc.max_receive_message_length", 64 * 2**20)], ErrorInterceptor(status_of, log))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, Callable, Protocol
+from typing import Protocol
 
 from opentelemetry import trace
 
