@@ -36,6 +36,12 @@ async def replies(request: bytes, context):
     yield b"second"
 
 
+async def writes(request: bytes, context) -> None:
+    """A stream written with context.write (as grpc.health.v1's Watch is), not yielded."""
+    await context.write(b"first")
+    await unary(request, context)
+
+
 async def echo_stream(requests, context):
     async for request in requests:
         yield await unary(request, context)
@@ -58,6 +64,7 @@ async def with_server(body):
     cleanup = Cleanup()
     handlers = {"Unary": grpc.unary_unary_rpc_method_handler(unary),
                 "Replies": grpc.unary_stream_rpc_method_handler(replies),
+                "Writes": grpc.unary_stream_rpc_method_handler(writes),
                 "Echo": grpc.stream_stream_rpc_method_handler(echo_stream),
                 "Forever": grpc.unary_stream_rpc_method_handler(cleanup.forever)}
     classify = by_type((Full, grpc.StatusCode.RESOURCE_EXHAUSTED), (StagemeshError, grpc.StatusCode.INVALID_ARGUMENT))
@@ -103,10 +110,11 @@ def test_a_unary_call_gets_its_exceptions_code(request_, want, caplog):
         assert not logged
 
 
-def test_a_stream_keeps_what_it_sent_and_ends_with_the_code():
+@pytest.mark.parametrize("method", ["Replies", "Writes"])
+def test_a_stream_keeps_what_it_sent_and_ends_with_the_code(method):
     async def body(channel, _):
         got = []
-        call = channel.unary_stream("/test.Errors/Replies")(b"full", timeout=10)
+        call = channel.unary_stream(f"/test.Errors/{method}")(b"full", timeout=10)
         try:
             async for reply in call:
                 got.append(reply)
