@@ -3,6 +3,7 @@ generated stubs on the client side; grpc.health.v1 and reflection included."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 
 import grpc
@@ -21,6 +22,7 @@ from router.request_builder import RequestBuilder, chat_options
 from router.tokenization import Tokenizer
 from stagemesh.core import telemetry
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.grpc_errors import ErrorInterceptor
 from stagemesh.core.health import follow
 from stagemesh.core.sampling_params import InvalidParameter
 from stagemesh.core.service_options import add_port
@@ -30,6 +32,14 @@ from stagemesh.v1 import frontend_pb2, frontend_pb2_grpc
 
 STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
           429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
+log = logging.getLogger("stagemesh.router")
+
+
+def status_of(err: Exception) -> tuple[grpc.StatusCode, str] | None:
+    """An APIError's HTTP status as a gRPC code, with its message (None: not an APIError, a bug)."""
+    if isinstance(err, APIError):
+        return STATUS.get(err.status, grpc.StatusCode.INTERNAL), err.message
+    return None
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
@@ -66,35 +76,29 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             yield reply
 
     async def _run(self, request, context, chat: bool):
-        try:
-            req = self._request(request, chat)
-            prompts, gens = await launch(req, self.replicas, self.tokenizer, self.config.max_model_len,
-                                         f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
-            usage = frontend_pb2.Usage(prompt_tokens=len(prompts[0]))
-            async for gen, d in choices.run(req, gens, self.replicas, self.tokenizer):
-                reply = frontend_pb2.GenerateResponse(text=d.text, token_ids=d.token_ids, index=gen.index,
-                                                      finish_reason=d.finish_reason or "",
-                                                      prompt_logprobs=[logprob_to_pb(e) for e in d.prompt_logprobs],
-                                                      prompt_logprobs_start=d.prompt_logprobs_start)
-                reply.logprobs.extend(logprob_to_pb(e) for e in d.logprobs)
-                if d.finish_reason:
-                    usage.completion_tokens = sum(g.completion_tokens for g in gens)
-                    usage.cached_tokens = sum(g.cached_tokens for g in gens)
-                    reply.usage.CopyFrom(usage)
-                yield reply
-        except APIError as err:
-            await context.abort(STATUS.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+        req = self._request(request, chat)
+        prompts, gens = await launch(req, self.replicas, self.tokenizer, self.config.max_model_len,
+                                     f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
+        usage = frontend_pb2.Usage(prompt_tokens=len(prompts[0]))
+        async for gen, d in choices.run(req, gens, self.replicas, self.tokenizer):
+            reply = frontend_pb2.GenerateResponse(text=d.text, token_ids=d.token_ids, index=gen.index,
+                                                  finish_reason=d.finish_reason or "",
+                                                  prompt_logprobs=[logprob_to_pb(e) for e in d.prompt_logprobs],
+                                                  prompt_logprobs_start=d.prompt_logprobs_start)
+            reply.logprobs.extend(logprob_to_pb(e) for e in d.logprobs)
+            if d.finish_reason:
+                usage.completion_tokens = sum(g.completion_tokens for g in gens)
+                usage.cached_tokens = sum(g.cached_tokens for g in gens)
+                reply.usage.CopyFrom(usage)
+            yield reply
 
     async def Tokenize(self, request, context):
-        try:
-            if request.WhichOneof("input") == "chat":
-                messages = [ChatMessage(role=m.role, content=m.content) for m in request.chat.messages]
-                ids = await render(chat_options(messages, True, False, None, None, None), self.tokenizer)
-            else:
-                self.tokenizer.check_length(len(request.text), "text")
-                ids = await self.tokenizer.run(self.tokenizer.encode, request.text)
-        except APIError as err:
-            await context.abort(STATUS.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+        if request.WhichOneof("input") == "chat":
+            messages = [ChatMessage(role=m.role, content=m.content) for m in request.chat.messages]
+            ids = await render(chat_options(messages, True, False, None, None, None), self.tokenizer)
+        else:
+            self.tokenizer.check_length(len(request.text), "text")
+            ids = await self.tokenizer.run(self.tokenizer.encode, request.text)
         return frontend_pb2.TokenizeResponse(token_ids=ids, max_model_len=self.replicas.max_model_len)
 
     async def ListModels(self, request, context):
@@ -143,7 +147,7 @@ async def serve_frontend(servicer: FrontendServicer, host: str, port: int) -> tu
         from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
         interceptors.append(aio_server_interceptor())
-    server = grpc.aio.server(interceptors=interceptors)
+    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor(status_of, log)])
     frontend_pb2_grpc.add_FrontendServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -6,7 +6,7 @@ context length) with dataclasses.replace.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.speculative import ASYNC_WITH_SPECULATION, SpeculativeConfig
@@ -49,3 +49,18 @@ class SchedulerConfig:
     @property
     def kv_cache_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    # the scheduler's settings; the KV cache size and the context length are decided when the pipeline forms
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    model_max_len: int = 1 << 31  # the model's positions: max_model_len when the scheduler's is None
+    probe_interval_s: float = 2.0
+    stage_recovery_timeout_s: float = 30.0  # how long requests are kept for a pipeline to re-form (0: fail at once)
+    max_request_retries: int = 3  # pipelines that may break under a request before it fails
+    async_scheduling: bool | None = None  # None: on when every stage computes on a GPU (EpochManager._start)
+
+    def __post_init__(self) -> None:
+        if self.async_scheduling and self.scheduler.speculative is not None:
+            raise StagemeshError(ASYNC_WITH_SPECULATION)

@@ -16,6 +16,7 @@ from scheduler.request import RequestOutput
 from scheduler.scheduler import QueueFull
 from stagemesh.core import telemetry
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.grpc_errors import ErrorInterceptor, by_type
 from stagemesh.core.health import follow
 from stagemesh.core.service_options import add_port, aio_server
 from stagemesh.core.step_wire import logprob_to_pb
@@ -37,6 +38,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.served_model_name, self.model_path, self.vocab_size = served_model_name, model_path, vocab_size
         self.kv_role = kv_role
         self.address = ""  # host:port other replicas reach this one at (set once the port is bound)
+        self.block_size = driver.status().block_size  # the pipeline's, fixed
 
     async def SubmitStream(self, request_iterator, context):
         """The writer: one message per take of everything pending; a task of its own reads the actions."""
@@ -79,8 +81,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             kv_source = kv_source_from_pb(r.kv_transfer) if r.HasField("kv_transfer") else None
             if kv_source is not None and kv_source.scheduler_address == self.address:  # its own prefill, held here:
                 # free it and compute the prompt (a decode replica was not to be had)
-                if self.driver.scheduler is not None:
-                    self.driver.scheduler.release_kv(kv_source.request_id)
+                self.driver.release_kv(kv_source.request_id)
                 kv_source = None
             self.driver.add(r.request_id, list(r.prompt_token_ids), sampling_from_pb(r.sampling), connection,
                             trace_context, list(r.generated_token_ids), r.priority, r.prefill_only, kv_source)
@@ -93,12 +94,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.AbortResponse(num_aborted=self.driver.abort(list(request.request_ids)))
 
     def _stats(self) -> scheduler_pb2.Stats:
-        d = self.driver
+        d = self.driver.status()
         stats = scheduler_pb2.Stats(healthy=d.healthy, unhealthy_reason=d.reason,
-                                    max_waiting_requests=d.cfg.scheduler.max_waiting_requests, num_steps=d.num_steps,
+                                    max_waiting_requests=d.max_waiting_requests, num_steps=d.num_steps,
                                     step_seconds_total=d.step_seconds, stage_compute_seconds_total=d.compute_seconds)
         if d.scheduler is not None:
-            s = d.scheduler.stats()
+            s = d.scheduler
             stats.num_running, stats.num_waiting, stats.kv_cache_usage = s.num_running, s.num_waiting, s.kv_cache_usage
             stats.prefix_cache_queries, stats.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
             stats.num_kv_blocks, stats.num_preemptions = s.num_kv_blocks, s.num_preemptions
@@ -120,36 +121,33 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await asyncio.sleep(interval)
 
     async def WatchKVEvents(self, request, context):
-        queue = self.driver.kv_events.subscribe()
+        queue = self.driver.subscribe_kv_events()
         try:
             while (batch := await queue.get()) is not None:
-                yield kv_batch_to_pb(batch, self.driver.pipeline.block_size)
+                yield kv_batch_to_pb(batch, self.block_size)
         finally:
-            self.driver.kv_events.unsubscribe(queue)
+            self.driver.unsubscribe_kv_events(queue)
 
     async def GetModelInfo(self, request, context):
-        d = self.driver
+        d = self.driver.status()
         info = scheduler_pb2.ModelInfo(served_model_name=self.served_model_name, model_path=self.model_path,
-                                       vocab_size=self.vocab_size, eos_token_ids=d.cfg.scheduler.eos_token_ids,
-                                       block_size=d.pipeline.block_size,
-                                       pipeline_parallel_size=d.pipeline.num_stages,
-                                       scheduling_policy=d.cfg.scheduler.scheduling_policy, kv_role=self.kv_role)
-        if d.plan is not None and d.healthy:
+                                       vocab_size=self.vocab_size, eos_token_ids=d.eos_token_ids,
+                                       block_size=d.block_size, pipeline_parallel_size=d.num_stages,
+                                       scheduling_policy=d.scheduling_policy, kv_role=self.kv_role)
+        if d.stages and d.healthy:
             info.max_model_len = d.max_model_len
-            info.tensor_parallel_sizes.extend(d.plan.tp_sizes)
-            info.kv_cache_tokens = d.plan.num_kv_blocks * d.pipeline.block_size
+            info.tensor_parallel_sizes.extend(d.tp_sizes)
+            info.kv_cache_tokens = d.kv_cache_tokens
         return info
 
     async def ReleaseKV(self, request, context):
-        scheduler = self.driver.scheduler
-        released = scheduler is not None and scheduler.release_kv(request.request_id)
-        return scheduler_pb2.ReleaseKVResponse(released=released)
+        return scheduler_pb2.ReleaseKVResponse(released=self.driver.release_kv(request.request_id))
 
     def _kv_params(self, out: RequestOutput) -> scheduler_pb2.KVTransferParams:
         held = out.held_kv
         return scheduler_pb2.KVTransferParams(
             scheduler_address=self.address, request_id=out.request_id, epoch=held.epoch, block_ids=held.block_ids,
-            block_size=self.driver.pipeline.block_size, num_tokens=held.num_tokens,
+            block_size=self.block_size, num_tokens=held.num_tokens,
             stages=[stage_pb2.KVSource(address=a, layer_start=s, layer_end=e) for a, s, e in held.stages])
 
     async def RegisterStage(self, request, context):
@@ -161,7 +159,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                          s.handoff, s.instance_id, s.standby, s.num_speculative_tokens)
         try:
             missing, first_seen = await self.driver.register_stage(info)
-        except StagemeshError as err:
+        except StagemeshError as err:  # a stage that does not fit this pipeline: its state, not a bad argument
             log.error("refused a stage: %s", err)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         if first_seen:
@@ -170,13 +168,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.RegisterStageResponse(num_missing_stages=missing, first_seen=first_seen)
 
 
-def status_of(err: StagemeshError) -> tuple[grpc.StatusCode, str]:
-    """The status a request refused with `err` gets in its SubmitStream update."""
-    if isinstance(err, QueueFull):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
-    if isinstance(err, Unavailable):
-        return grpc.StatusCode.UNAVAILABLE, str(err)
-    return grpc.StatusCode.INVALID_ARGUMENT, str(err)
+# the status a request refused with one of these gets in its SubmitStream update, and a call that raises it;
+# anything else a call raises is INTERNAL, logged
+status_of = by_type((QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED), (Unavailable, grpc.StatusCode.UNAVAILABLE),
+                    (StagemeshError, grpc.StatusCode.INVALID_ARGUMENT))
 
 
 def _error_status(out: RequestOutput) -> tuple[grpc.StatusCode, str]:
@@ -222,7 +217,7 @@ def _fill_update(msg: scheduler_pb2.RequestUpdate, update: Update, kv_params) ->
 
 
 async def serve(servicer: SchedulerServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    server = aio_server(options=[("grpc.max_receive_message_length", 64 * 2**20)])
+    server = aio_server([("grpc.max_receive_message_length", 64 * 2**20)], ErrorInterceptor(status_of, log))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -230,7 +225,7 @@ async def serve(servicer: SchedulerServicer, host: str, port: int) -> tuple[grpc
     if bound == 0:
         raise StagemeshError(f"cannot listen on {host}:{port}")
     await server.start()
-    servicer.driver.spawn(follow(health_servicer, (SERVICE,), lambda: servicer.driver.healthy))
+    servicer.driver.spawn(follow(health_servicer, (SERVICE,), lambda: servicer.driver.status().healthy))
     return server, bound
 
 

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.grpc_errors import ErrorInterceptor, by_type
 from stagemesh.core.sampling_params import InvalidParameter
 from stagemesh.core.service_options import add_port, aio_server
 from stagemesh.core.step_wire import epoch_from_pb, sampled_to_pb, step_from_pb
@@ -58,31 +59,25 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     async def JoinPipeline(self, request, context):
         spec = epoch_from_pb(request)
-        try:
-            self.worker.check_join(spec)  # a refused join leaves the epoch as it was
+        try:  # a refused join leaves the epoch as it was; a plan the stage refuses is the caller's bad argument
+            self.worker.check_join(spec)
         except EPGroupBroken as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         except StagemeshError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         self.order.close()  # steps of the old epoch stop waiting
-        try:
-            await asyncio.to_thread(self.worker.join, spec)
-        except Exception as err:  # noqa: BLE001 - reported to the caller, the stage stays up
-            await _abort(context, err)
+        await asyncio.to_thread(self.worker.join, spec)  # a failure is reported to the caller, the stage stays up
         self.order.open(request.epoch, window_for(len(request.tp_sizes)))
         return stage_pb2.JoinPipelineResponse()
 
     async def Forward(self, request, context):
         span, start = self.observer.start(request, context.invocation_metadata())
-        reply, error = None, "failed"
-        try:
+        reply = None
+        try:  # a failed step is reported (ERRORS), the service stays up
             reply = await self._forward(request)
-            error = None
             return reply
-        except Exception as err:  # noqa: BLE001 - a failed step is reported, the service stays up
-            await _abort(context, err)
         finally:
-            self.observer.end(span, start, request, reply, error)
+            self.observer.end(span, start, request, reply, None if reply is not None else "failed")
 
     async def _forward(self, request) -> stage_pb2.ForwardResponse:
         batch = step_from_pb(request.step)
@@ -101,23 +96,15 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return reply
 
     async def ReadKV(self, request, context):
-        try:
-            async for chunk in kv_connector.read_chunks(self.worker, request):
-                yield chunk
-        except Exception as err:  # noqa: BLE001 - reported to the caller, the stage stays up
-            await _abort(context, err)
+        async for chunk in kv_connector.read_chunks(self.worker, request):
+            yield chunk
 
     async def PullKV(self, request, context):
-        try:
-            return await kv_connector.pull(self.worker, request)
-        except Exception as err:  # noqa: BLE001 - the decode scheduler falls back to recomputing the prompt
-            await _abort(context, err)
+        # a failed pull: the decode scheduler falls back to recomputing the prompt
+        return await kv_connector.pull(self.worker, request)
 
     async def PushActivations(self, request, context):
-        try:
-            self._deliver(request)
-        except Exception as err:  # noqa: BLE001
-            await _abort(context, err)
+        self._deliver(request)
         return stage_pb2.PushActivationsResponse()
 
     def _deliver(self, req: stage_pb2.PushActivationsRequest) -> None:
@@ -138,13 +125,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         w.handoff.deliver(req)
 
 
-async def _abort(context, err: Exception) -> None:
-    if isinstance(err, (InvalidStep, InvalidParameter)):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-    if isinstance(err, StagemeshError):
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-    log.error("stage call failed", exc_info=err)
-    await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+# what a call raises: bad input INVALID_ARGUMENT, a state the stage is not in FAILED_PRECONDITION, anything
+# else INTERNAL (logged); the stage stays up
+ERRORS = ErrorInterceptor(by_type(((InvalidStep, InvalidParameter), grpc.StatusCode.INVALID_ARGUMENT),
+                                  (StagemeshError, grpc.StatusCode.FAILED_PRECONDITION)), log, "stage call")
 
 
 class ServerThread:
@@ -167,7 +151,7 @@ class ServerThread:
         # a step's activations travel in PushActivations: far larger than gRPC's 4 MiB default (256 MiB holds
         # 8,192 tokens of a hidden size of 8,192 in fp32)
         options = [("grpc.max_receive_message_length", 256 * 2**20), ("grpc.max_send_message_length", 256 * 2**20)]
-        self.server = aio_server(options)
+        self.server = aio_server(options, ERRORS)
         stage_pb2_grpc.add_StageServicer_to_server(self.servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

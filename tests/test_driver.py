@@ -5,7 +5,6 @@ No processes, no gRPC: seconds."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 
 import pytest
 
@@ -89,12 +88,13 @@ class FakePipeline:
         return self.probe_result
 
 
-def make_driver(pipeline, recovery_s: float = 0.0, retries: int = 3, **scheduler) -> Driver:
+def make_driver(pipeline, recovery_s: float = 0.0, retries: int = 3, async_scheduling: bool | None = None,
+                **scheduler) -> Driver:
     """A driver over `pipeline`; recovery_s 0: a broken pipeline fails its requests at once."""
     scheduler.setdefault("block_size", 4)
     return Driver(DriverConfig(SchedulerConfig(vocab_size=VOCAB, **scheduler), model_max_len=256,
                                probe_interval_s=0.01, stage_recovery_timeout_s=recovery_s,
-                               max_request_retries=retries), pipeline)
+                               max_request_retries=retries, async_scheduling=async_scheduling), pipeline)
 
 
 async def collect(stream: OutputStream) -> tuple[list[int], str | None, str | None]:
@@ -209,8 +209,7 @@ def test_a_failed_stage_fails_the_epoch_and_a_late_reply_is_ignored():
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["plain", "run-ahead"])
 def test_a_failed_stage_keeps_its_requests_and_they_go_on_exactly_when_the_pipeline_reforms(async_scheduling):
     pipeline = FakePipeline(num_stages=1 if async_scheduling else 2, auto=False)
-    driver = make_driver(pipeline, recovery_s=10)
-    driver.cfg = replace(driver.cfg, async_scheduling=async_scheduling)
+    driver = make_driver(pipeline, recovery_s=10, async_scheduling=async_scheduling)
 
     async def body():
         tasks = [start(driver, f"r{i}", [5] * (6 + i), 12) for i in range(3)]

@@ -140,10 +140,12 @@ def aio_channel(target: str, options: list | None = None) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(target, creds, options=options, interceptors=interceptors)
 
 
-def aio_server(options: list | None = None) -> grpc.aio.Server:
+def aio_server(options: list | None = None, errors: grpc.aio.ServerInterceptor | None = None) -> grpc.aio.Server:
     """An asyncio server of an internal service: every call but health and reflection must carry the
-    internal token when one is configured."""
-    return grpc.aio.server(interceptors=[internal_token.ServerInterceptor()], options=options)
+    internal token when one is configured; errors: the service's exceptions to status codes
+    (stagemesh.core.grpc_errors.ErrorInterceptor), around its handlers."""
+    interceptors = [internal_token.ServerInterceptor(), *([errors] if errors is not None else [])]
+    return grpc.aio.server(interceptors=interceptors, options=options)
 
 
 def add_port(server, address: str) -> int:

@@ -1,0 +1,180 @@
+"""The replica's epochs: forming the pipeline, a stage that fails, the recovery window, probing, rejoin.
+
+A stage that fails ends the epoch and the replica turns unhealthy (new
+requests go to other replicas), but its requests are kept, as if preempted:
+generated tokens kept, KV gone with the epoch (Scheduler.requeue_all). When a
+new epoch forms (the stage restarted, or a standby stage took its place)
+within --stage-recovery-timeout, the new epoch's scheduler takes them over and
+recomputes prompt + generated tokens: their streams stall, then go on, with the
+tokens they would have had (a seeded request draws by (seed, position)). A
+request that was in flight at more than --max-request-retries failures, and
+every request still kept when the window ends, fails with an error naming the
+stage (the router continues it on another replica).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from scheduler.config import DriverConfig
+from scheduler.observe import Observer
+from scheduler.pipeline import Pipeline, StageFailure
+from scheduler.rendezvous import PipelinePlan, StageInfo
+from scheduler.request import RequestOutput
+from scheduler.scheduler import Scheduler
+
+log = logging.getLogger("stagemesh.scheduler")
+
+
+class EpochManager:
+    """Owns the pipeline the replica runs on: the epoch's number, plan, context length and scheduler, and
+    whether (and why not) the replica can serve. Only this class writes them; the step loop reads them and
+    reports a step that broke the pipeline (fail)."""
+
+    def __init__(self, cfg: DriverConfig, pipeline: Pipeline, observer: Observer,
+                 spawn: Callable[..., asyncio.Task], dispatch: Callable[[list[RequestOutput]], None],
+                 started: Callable[[PipelinePlan, bool], None]):
+        """spawn: runs a background task; dispatch: hands outputs to their requests' sinks; started: a new epoch
+        formed (its plan, whether it schedules asynchronously)."""
+        self.cfg, self.pipeline, self.observer = cfg, pipeline, observer
+        self._spawn, self._dispatch, self._started = spawn, dispatch, started
+        # the replica's scheduler: the current epoch's, or the broken one's while its requests are kept
+        self.scheduler: Scheduler | None = None
+        self.plan: PipelinePlan | None = None
+        self.max_model_len = 0
+        self.epoch = 0
+        self.healthy = False
+        self.reason = "waiting for stages to register"
+        self._forming = asyncio.Lock()
+        self._recovery: asyncio.Task | None = None  # fails the kept requests when the window ends
+
+    # -- a broken pipeline ----------------------------------------------------------------
+    def fail(self, reason: str) -> None:
+        """The pipeline broke: the epoch ends, its requests are kept for the next one (or fail)."""
+        if not self.healthy:
+            return
+        log.error("pipeline broken: %s", reason)
+        self.healthy, self.reason = False, reason
+        self.epoch += 1  # results of the broken epoch are ignored
+        scheduler, window = self.scheduler, self.cfg.stage_recovery_timeout_s
+        if scheduler is None or window <= 0 or not scheduler.num_unfinished:
+            self._give_up(scheduler, reason)
+            return
+        # kept for the next epoch: it is the replica's scheduler until then (aborts and stats go to it)
+        requests = scheduler.requeue_all()
+        limit = self.cfg.max_request_retries
+        tired = [r.request_id for r in requests if r.num_recoveries > limit]
+        if tired:
+            self._dispatch(scheduler.fail(tired, f"{reason} (the pipeline broke under this request {limit + 1} "
+                                                 f"times; --max-request-retries {limit})"))
+        kept = [r.request_id for r in requests if r.num_recoveries <= limit]
+        self.observer.stalled(kept, reason)
+        log.warning("keeping %d request(s) for up to %gs (--stage-recovery-timeout) until the pipeline re-forms",
+                    len(kept), window)
+        self._recovery = self._spawn(self._give_up_after(window, scheduler, reason))
+
+    async def _give_up_after(self, seconds: float, scheduler: Scheduler, reason: str) -> None:
+        await asyncio.sleep(seconds)
+        if self.scheduler is scheduler and not self.healthy:
+            log.error("the pipeline did not re-form within %gs: %d kept request(s) fail", seconds,
+                      scheduler.num_unfinished)
+            self._give_up(scheduler, reason)
+
+    def _give_up(self, scheduler: Scheduler | None, reason: str) -> None:
+        if scheduler is not None:
+            self._dispatch(scheduler.fail_all(reason))
+        self.scheduler = None
+
+    # -- forming the pipeline ---------------------------------------------------------------
+    async def register_stage(self, stage: StageInfo) -> tuple[int, bool]:
+        """A stage's registration or heartbeat (a pipeline of stage services): (stages still missing, whether
+        this instance is new here). Raises StagemeshError (the reason) when the stage does not fit."""
+        missing, new, change = await self.pipeline.register(stage)
+        if change is not None:
+            self.fail(change)
+            self._spawn(self.form())
+        return missing, new
+
+    async def form(self) -> None:
+        """Start a new epoch once every stage is there and answers."""
+        async with self._forming:
+            if self.healthy:
+                return
+            plan = self.pipeline.layout()
+            if plan is None:
+                return
+            max_len = self._max_model_len(plan)
+            if max_len is None:
+                return
+            epoch = self.epoch = self.epoch + 1
+            try:
+                await self.pipeline.join(epoch, plan, max_len, self.cfg.scheduler.max_num_batched_tokens)
+            except StageFailure as err:
+                self.reason = f"pipeline did not form: {err}"
+                log.error("%s", self.reason)
+                return
+            self._start(plan, max_len)
+
+    def _max_model_len(self, plan: PipelinePlan) -> int | None:
+        """The pipeline's context length, or None (the reason set) if none fits."""
+        kv_tokens = plan.num_kv_blocks * self.pipeline.block_size
+        max_len = self.cfg.scheduler.max_model_len or min(self.cfg.model_max_len, kv_tokens)
+        if max_len > kv_tokens:
+            self.reason = (f"--max-model-len {max_len} does not fit the KV cache of {kv_tokens:,} tokens; "
+                           "lower it or give the stages more KV memory")
+            log.error("%s", self.reason)
+            return None
+        return max_len
+
+    def _start(self, plan: PipelinePlan, max_len: int) -> None:
+        # CPU stages use every core for the model; overlapping the scheduler, router and client work with
+        # it was measured slower there (benchmarks/RESULTS.md, 2026-11-23 async scheduling), so on CPU it
+        # is on only when asked for
+        async_scheduling = self.cfg.async_scheduling
+        if async_scheduling is None:  # (speculation refuses it: scheduler.config)
+            async_scheduling = all(s.device.startswith("cuda") for s in plan.stages) and \
+                self.cfg.scheduler.speculative is None
+        block_size = self.pipeline.block_size
+        kept, self.scheduler = self.scheduler, Scheduler(replace(
+            self.cfg.scheduler, num_kv_blocks=plan.num_kv_blocks, max_model_len=max_len, block_size=block_size,
+            async_scheduling=async_scheduling))
+        if self._recovery is not None:
+            self._recovery.cancel()
+            self._recovery = None
+        if kept is not None:  # the requests kept through the broken epoch go on in this one
+            self._dispatch(self.scheduler.take_over(kept))
+            log.info("resuming %d request(s) kept from the broken epoch", self.scheduler.num_unfinished)
+        self.plan, self.max_model_len = plan, max_len
+        for s in plan.stages:
+            log.info("stage %d: layers %d:%d, TP=%d, %s, %s handoff, at %s", s.stage_index, s.layer_start,
+                     s.layer_end, s.tp_size, s.device, s.handoff, s.address)
+        kv_tokens = plan.num_kv_blocks * block_size
+        log.info("KV cache size: %s tokens", f"{kv_tokens:,}")
+        log.info("Maximum concurrency for %s tokens per request: %.2fx", f"{max_len:,}", kv_tokens / max_len)
+        self.healthy, self.reason = True, ""
+        spec = self.cfg.scheduler.speculative
+        log.info("pipeline formed (epoch %d): %d stage(s), world size %d%s%s", self.epoch, len(plan.stages),
+                 plan.world_size, ", async scheduling" if async_scheduling else "",
+                 f", speculative decoding: {spec.describe()}" if spec is not None else "")
+        self._started(plan, async_scheduling)
+
+    # -- probing ------------------------------------------------------------------------------
+    async def probe_loop(self) -> None:
+        """Find dead (or replaced) stages while idle; re-form the pipeline once every stage answers again."""
+        while True:
+            await asyncio.sleep(self.cfg.probe_interval_s)
+            if self.scheduler is not None:  # prefilled KV no decode replica came for (an idle replica too)
+                for request_id in self.scheduler.transfers.expire(self.scheduler.kv, time.monotonic()):
+                    log.warning("request %s: no decode replica fetched its KV within --kv-hold-timeout: freed",
+                                request_id)
+            try:
+                failed = await self.pipeline.probe()
+                if failed is not None:
+                    self.fail(str(failed))
+                elif not self.healthy and not self._forming.locked():
+                    await self.form()
+            except Exception:  # noqa: BLE001 - a bug must not end the probing: the next round tries again
+                log.exception("probing the stages failed")

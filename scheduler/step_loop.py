@@ -1,0 +1,247 @@
+"""The replica's step loop: continuous batching over a pipeline of stages (scheduler.pipeline).
+
+Up to one micro-batch per stage is in flight, on disjoint sequences (the core
+scheduler never schedules a request twice before its result is back), so no
+stage idles while requests wait. With async scheduling (the default on GPUs) a
+single-stage pipeline keeps a second step in flight on the same sequences,
+scheduled ahead of the first one's tokens (the stage fills them in), so its
+stage does not idle while the scheduler and the RPCs work between two steps;
+a longer pipeline runs a step ahead where a micro-batch would otherwise be
+empty (fewer requests than stages: batch 1), its first stage taking the
+tokens from the last one. Results are taken in step order.
+
+When a micro-batch's replies arrive, the critical path is short: update the
+scheduler, send the next micro-batch, and only then hand the outputs to their
+sinks (a request's own stream, or the multiplexed stream of a router's
+connection), whose writes overlap the stages' compute.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from opentelemetry import trace
+
+from scheduler.epochs import EpochManager
+from scheduler.kv_transfer import run_pull
+from scheduler.observe import Observer
+from scheduler.output_stream import OutputStream
+from scheduler.pipeline import Pipeline, StageFailure, StepResult, check_result
+from scheduler.rendezvous import PipelinePlan
+from scheduler.request import RequestOutput
+from scheduler.scheduler import Scheduler, SchedulerOutput
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.sampling_params import SamplingParams
+
+log = logging.getLogger("stagemesh.scheduler")
+
+
+class Unavailable(StagemeshError):
+    """The replica's pipeline is not formed."""
+
+
+class OutputSink(Protocol):
+    """Takes a request's outputs without waiting: a request's own stream, or a connection's."""
+
+    def put(self, out: RequestOutput) -> None: ...
+
+
+@dataclass
+class _Sent:
+    """A micro-batch in flight through the pipeline."""
+    start: float  # perf_counter when the step was sent
+    span: trace.Span | None
+    result: asyncio.Future | None  # the pipeline's answer
+    after: asyncio.Future | None  # done when the step before has been taken in
+    taken: asyncio.Future  # done when this step has been taken in (or failed)
+
+
+class StepLoop:
+    """Owns the requests' sinks, the steps in flight and the step counters. Runs in the epoch the
+    EpochManager owns: reads its epoch, scheduler and plan, and tells it when a step breaks the pipeline."""
+
+    def __init__(self, pipeline: Pipeline, epochs: EpochManager, observer: Observer,
+                 spawn: Callable[..., asyncio.Task]):
+        self.pipeline, self.epochs, self.observer, self._spawn = pipeline, epochs, observer, spawn
+        self.sinks: dict[str, OutputSink] = {}  # where each request's outputs go
+        self._in_flight: set[asyncio.Task] = set()
+        self._last_sent: asyncio.Future | None = None
+        self._depth = 1  # steps in flight at most
+        self._lanes = 1  # micro-batches the requests are shared among
+        self.num_steps = 0
+        self.step_seconds = 0.0
+        self.compute_seconds = 0.0
+        self._wake = asyncio.Event()
+
+    @property
+    def in_flight(self) -> frozenset[asyncio.Task]:
+        return frozenset(self._in_flight)
+
+    # -- requests -----------------------------------------------------------------
+    def add(self, request_id: str, prompt: list[int], sampling: SamplingParams, sink: OutputSink,
+            trace_context=None, generated: list[int] = (), priority: int = 0, prefill_only: bool = False,
+            kv_source=None) -> None:
+        """Queue a request whose outputs go to `sink` until it finishes (`generated`: the tokens a request
+        continued from another replica produced there). Raises Unavailable, QueueFull or StagemeshError (bad
+        input) when it cannot be queued; the caller must release() it when it goes away."""
+        scheduler = self.epochs.scheduler
+        if not self.epochs.healthy or scheduler is None:
+            raise Unavailable(f"the replica cannot serve: {self.epochs.reason}")
+        if not scheduler.add_request(request_id, prompt, sampling, generated, priority, prefill_only, kv_source):
+            log.warning("request %s: the KV held on %s does not fit this replica (block size %d, %d tokens held for "
+                        "a prompt of %d): computing the prompt here", request_id, kv_source.scheduler_address,
+                        kv_source.block_size, kv_source.num_tokens, len(prompt))
+        self.observer.submitted(request_id, len(prompt), trace_context, len(generated))
+        self.sinks[request_id] = sink
+        self._wake.set()
+
+    def release(self, request_id: str) -> None:
+        """The caller is done with the request: one still running stops and frees its blocks now."""
+        if self.sinks.pop(request_id, None) is not None and self.epochs.scheduler is not None:
+            self.epochs.scheduler.abort([request_id])  # the caller went away
+        self.observer.gone(request_id)
+
+    async def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
+                     trace_context=None) -> AsyncIterator[RequestOutput]:
+        """One request's outputs, for a caller that reads them as a stream of its own."""
+        stream = OutputStream()
+        self.add(request_id, prompt, sampling, stream, trace_context)
+        try:
+            while True:
+                out = await stream.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self.release(request_id)
+
+    def abort(self, request_ids: list[str]) -> int:
+        if self.epochs.scheduler is None:
+            return 0
+        outputs = self.epochs.scheduler.abort(request_ids)
+        self.dispatch(outputs)
+        return len(outputs)
+
+    def dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Outputs to their requests' sinks (a finished request's sink is let go)."""
+        self.observer.outputs(outputs)
+        sinks = self.sinks
+        for out in outputs:
+            sink = sinks.pop(out.request_id, None) if out.finished else sinks.get(out.request_id)
+            if sink is not None:
+                sink.put(out)
+
+    def start_epoch(self, plan: PipelinePlan, async_scheduling: bool) -> None:
+        """A new epoch formed: size the steps in flight for it and go."""
+        # stage processes compute different micro-batches at once; in one process one step runs at a time
+        self._lanes = len(plan.stages) if self.pipeline.overlaps_stages else 1
+        self._depth = 2 if async_scheduling and self._lanes == 1 else self._lanes
+        self._last_sent = None
+        self._wake.set()
+
+    # -- the step loop --------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            self._launch()
+            if not self._in_flight:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            done, _ = await asyncio.wait(set(self._in_flight), return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                self._in_flight.discard(task)
+                try:
+                    task.result()
+                except StageFailure as err:
+                    self.epochs.fail(str(err))
+                except Exception as err:  # a bug: the epoch ends (its requests fail) but the loop goes on
+                    log.exception("a step failed unexpectedly")
+                    self.epochs.fail(f"internal error in the scheduler: {type(err).__name__}: {err}")
+
+    def _launch(self) -> None:
+        """Fill the pipeline: schedule micro-batches until every stage has one."""
+        epochs = self.epochs
+        while epochs.healthy and len(self._in_flight) < self._depth:
+            scheduler, epoch = epochs.scheduler, epochs.epoch
+            # split the requests over the micro-batches, so that every stage has work
+            share = max(-(-scheduler.num_unfinished // self._lanes), 1)
+            single = self._lanes == 1
+            output = scheduler.schedule(max_seqs=share, run_ahead=single)
+            if output is None and not single:  # no request left for this micro-batch: run one ahead
+                output = scheduler.schedule(max_seqs=share, run_ahead=True)
+            for pull in scheduler.transfers.take_pulls():  # prompts whose KV a prefill replica holds
+                self._spawn(self._pull(epoch, scheduler, pull))
+            if output is None:
+                return
+            preempted = list(scheduler.recent_preemptions)
+            scheduler.recent_preemptions.clear()
+            self.observer.scheduled(output.request_ids, preempted)
+            batch = output.step_batch
+            span, links = self.observer.start_step(batch.step_id, output.request_ids, batch.num_tokens)
+            sent = _Sent(time.perf_counter(), span, None, self._last_sent, asyncio.get_running_loop().create_future())
+            self._last_sent = sent.taken
+            try:
+                sent.result = self.pipeline.forward(epoch, batch, span, links)
+            except StageFailure as err:  # it failed at once: the step's task ends the epoch
+                sent.result = _failed(err)
+            self._in_flight.add(asyncio.create_task(self._step(epoch, scheduler, output, sent)))
+
+    async def _step(self, epoch: int, scheduler: Scheduler, output: SchedulerOutput, sent: _Sent) -> None:
+        try:
+            await self._take(epoch, scheduler, output, sent)
+        finally:
+            if not sent.taken.done():
+                sent.taken.set_result(None)
+
+    async def _take(self, epoch: int, scheduler: Scheduler, output: SchedulerOutput, sent: _Sent) -> None:
+        span = sent.span
+        try:
+            result: StepResult = await sent.result
+            if sent.after is not None:
+                await sent.after  # replies may overtake each other on the wire; results go in step order
+        except StageFailure as err:
+            if span is not None:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)))
+                span.end()
+            if epoch != self.epochs.epoch:
+                return  # a late failure of a step of a broken epoch must not fail the one formed since
+            raise
+        if epoch != self.epochs.epoch or scheduler is not self.epochs.scheduler:
+            if span is not None:
+                span.end()
+            return
+        self.num_steps += 1
+        seconds = time.perf_counter() - sent.start
+        self.step_seconds += seconds
+        self.compute_seconds += result.compute_seconds
+        stages = self.epochs.plan.stages
+        try:
+            check_result(output.step_batch, result, scheduler.config.vocab_size)
+        except StagemeshError as err:  # the last stage answered nonsense: it is broken, not the requests
+            raise StageFailure(stages[-1], str(err)) from None
+        outputs = scheduler.update_from_output(output, result.sampled, result.prompt_logprobs, result.drafts)
+        for out in outputs:
+            if out.held_kv is not None:  # where its KV waits for a decode replica
+                out.held_kv = replace(out.held_kv, epoch=epoch, stages=tuple(
+                    (s.address, s.layer_start, s.layer_end) for s in stages))
+        self._in_flight.discard(asyncio.current_task())
+        self._launch()  # the next micro-batch first: the streams are served while the stages compute it
+        self.dispatch(outputs)
+        self.observer.end_step(span, seconds, result.compute_seconds, scheduler.stats())
+
+    async def _pull(self, epoch: int, scheduler: Scheduler, pull) -> None:
+        """Fetch a prompt's KV from the prefill replica holding it (the request computes its prompt if that
+        fails), then let that replica free it."""
+        ok = await run_pull(self.pipeline, epoch, pull, self.observer)
+        if scheduler is self.epochs.scheduler:
+            scheduler.kv_pulled(pull.request_id, ok)
+            self._wake.set()
+        await self.pipeline.release_kv(pull.source)
+
+
+async def _failed(err: StageFailure) -> StepResult:
+    raise err
