@@ -54,7 +54,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from scheduler.local_engine import LocalEngine
+    from stagemesh.local_engine import LocalEngine
     from stagemesh.core.default_model import default_model_dir
 
     model_dir = default_model_dir()

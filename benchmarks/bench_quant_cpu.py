@@ -78,7 +78,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from scheduler.local_engine import LocalEngine
+    from stagemesh.local_engine import LocalEngine
     from stage_worker.cpu_isa import cpu_flags, describe_isa
     from stagemesh.core.default_model import default_model_dir, gguf_path
 

@@ -147,7 +147,7 @@ def batch1(layouts: list[str], tokens: int = 128) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from bench_decode_inprocess import bench_stagemesh
 
-    from scheduler.local_engine import LocalEngine
+    from stagemesh.local_engine import LocalEngine
     from stagemesh.core.sampling_params import SamplingParams
 
     model_dir = resolve_model(None)

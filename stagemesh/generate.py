@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         split = parse_layer_split(args.layer_split, cfg.num_hidden_layers, len(args.layer_split.split(",")))
     from transformers import AutoTokenizer
 
-    from scheduler.local_engine import LocalEngine
+    from stagemesh.local_engine import LocalEngine
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if args.no_chat_template or not tokenizer.chat_template:

@@ -97,6 +97,16 @@ def test_the_base_imports_no_service_and_the_kernels_stand_alone():
     assert not wrong, wrong
 
 
+def test_the_services_do_not_import_each_other():
+    """A service package imports the base (and the kernels, for the stage) only: the scheduler drives stages
+    over its Pipeline protocol, the router its replicas over gRPC. What puts them in one process (LocalEngine,
+    InProcessPipeline) lives with the entry points."""
+    services = {"router", "scheduler", "stage_worker"}
+    wrong = sorted(f"{module} imports {target}" for module, targets in imports().items() for target in targets
+                   if layer(module) in services and layer(target) in services and layer(target) != layer(module))
+    assert not wrong, wrong
+
+
 def test_protobuf_stays_at_the_edges():
     wrong = sorted(f"{module} imports {target}" for module, targets in imports().items() for target in targets
                    if module not in PROTOBUF_EDGES and (target.startswith("stagemesh.v1") or target.endswith("_pb2")))

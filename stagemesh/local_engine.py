@@ -2,7 +2,7 @@
 
 No gRPC, no processes: used by `stagemesh generate`, benchmarks and tests, and the
 reference the mesh must agree with. It runs the same driver (scheduler.driver) as
-a scheduler service, over scheduler.inprocess_pipeline, on an event loop of its
+a scheduler service, over stagemesh.inprocess_pipeline, on an event loop of its
 own that its synchronous methods drive.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Iterator
 
 from scheduler.config import SchedulerConfig
 from scheduler.driver import Driver, DriverConfig
-from scheduler.inprocess_pipeline import InProcessPipeline
+from stagemesh.inprocess_pipeline import InProcessPipeline
 from scheduler.output_stream import OutputStream
 from scheduler.request import RequestOutput
 from stagemesh.core.errors import StagemeshError
