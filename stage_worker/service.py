@@ -23,7 +23,6 @@ from stage_worker import kv_connector
 from stage_worker.observe import ForwardObserver
 from stage_worker.step_order import StepOrder, window_for
 from stage_worker.ep_group import EPGroupBroken
-from stage_worker.handoff import GrpcHandoff
 from stage_worker.validate import InvalidStep, check_activations, check_tokens
 from stage_worker.worker import StageWorker
 
@@ -123,7 +122,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     def _deliver(self, req: stage_pb2.PushActivationsRequest) -> None:
         """Checked activations (or sampled tokens, on the first stage) into the grpc handoff's mailbox."""
         w = self.worker
-        if not isinstance(w.handoff, GrpcHandoff) or req.epoch != w.epoch:
+        if w.handoff is None or not w.handoff.receives_pushes or req.epoch != w.epoch:
             raise StagemeshError(f"activations for epoch {req.epoch} arrived; the stage is in epoch {w.epoch}")
         if req.HasField("hidden_states") == bool(req.sampled_tokens):
             raise InvalidStep("a PushActivations call carries activations or sampled tokens, one of them")

@@ -27,7 +27,7 @@ from stage_worker import dist as sdist
 from stage_worker import eplb, kv_transfer
 from stage_worker.draft import DraftModel
 from stage_worker.ep_group import EPConfig, EPGroup
-from stage_worker.handoff import DistHandoff, GrpcHandoff
+from stage_worker.handoff import DistHandoff, GrpcHandoff, Handoff
 from stage_worker.kv_cache import num_kv_blocks_for_budget
 from stage_worker.main_loop import MainLoop
 from stage_worker.run_ahead import RunAhead, has_placeholders
@@ -73,7 +73,7 @@ class StageWorker:
         model = self.runner.config
         # nothing is allowed before a join
         self.limits = StepLimits(model.vocab_size, model.hidden_size, cfg.slice.block_size)
-        self.handoff = None
+        self.handoff: Handoff | None = None
         self._joining = threading.Lock()  # one join at a time (a second waits for the first to end)
         self.run_ahead: RunAhead | None = None
         self.main_loop = MainLoop()  # steps and KV allocation run on the main thread once it serves the loop
@@ -187,7 +187,7 @@ class StageWorker:
         start = time.perf_counter()
         if not runner.is_first_stage and batch.chunks:
             hidden = self.handoff.recv(batch.step_id, (batch.num_tokens, runner.config.hidden_size), runner.dtype)
-        if runner.is_first_stage and isinstance(self.handoff, GrpcHandoff):
+        if runner.is_first_stage:
             self.handoff.advance(batch.step_id - 1)  # tokens arrive for this step and later ones only
         if ahead and runner.is_first_stage:
             self.run_ahead.fill(batch)
