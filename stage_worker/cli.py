@@ -253,9 +253,9 @@ def run(args: argparse.Namespace) -> int:
                 failed.append(err)
                 stop.set()
 
-        worker.main_loop.start()  # from here on the model's work waits for the loop below
+        worker.steps.start()  # from here on the model's work waits for the loop below
         threading.Thread(target=supervise, name="register", daemon=True).start()
-        worker.main_loop.run_until(stop, idle=worker.ep)  # the model's work runs here, on the thread that loaded it
+        worker.steps.run_until(stop, idle=worker.ep)  # the model's work runs here, on the thread that loaded it
         if failed:
             raise failed[0]
     except EPGroupBroken as err:

@@ -2,11 +2,14 @@
 
 Every rank of every stage joins one world per epoch through the store the
 scheduler hosts; each stage's TP group is a subgroup. Step metadata reaches TP
-followers as protobuf bytes broadcast over the TP group (never pickled).
+followers as protobuf bytes broadcast over the TP group (never pickled): the
+StepBatch as the scheduler encoded it, behind the tokens rank 0 filled its
+placeholders with (step_message), so that no rank encodes a step again.
 """
 from __future__ import annotations
 
 import os
+import struct
 import tempfile
 from datetime import timedelta
 
@@ -108,3 +111,15 @@ def recv_control(tp: TPGroup) -> tuple[int, bytes]:
 def broadcast_hidden(hidden: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     # collectives move device tensors on NCCL, CPU tensors on gloo or shared memory: hidden lives on the stage's device
     return tp.broadcast(hidden)
+
+
+def step_message(step_bytes: bytes, filled: list[int]) -> bytes:
+    """A FORWARD payload: the count and int32 values of the tokens a step run ahead was filled with (none
+    otherwise), then the step's StepBatch bytes as received."""
+    return struct.pack(f"<I{len(filled)}i", len(filled), *filled) + step_bytes
+
+
+def read_step_message(payload: bytes) -> tuple[list[int], bytes]:
+    """(filled tokens, StepBatch bytes) of a FORWARD payload."""
+    (count,) = struct.unpack_from("<I", payload)
+    return list(struct.unpack_from(f"<{count}i", payload, 4)), payload[4 + 4 * count:]

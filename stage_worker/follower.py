@@ -2,8 +2,8 @@
 
 Started by the stage's rank 0 (stage_worker.worker). Control before a world
 exists comes on stdin as length-prefixed JoinPipelineRequest protobufs; inside
-an epoch, steps come as StepBatch protobuf bytes broadcast over the TP group,
-encoded once by rank 0 after it filled in the tokens of a step run ahead.
+an epoch, steps come broadcast over the TP group as the StepBatch bytes the
+scheduler sent, with the tokens rank 0 filled in for a step run ahead.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from stagemesh.core.step import EpochSpec
 from stagemesh.core.step_wire import epoch_from_pb, step_from_pb
 from stagemesh.v1 import stage_pb2
 from stage_worker import dist as sdist
-from stage_worker import eplb, kv_transfer
+from stage_worker import eplb, kv_transfer, run_ahead
 from stage_worker.runner import SliceConfig, StageRunner
 
 log = logging.getLogger("stagemesh.follower")
@@ -58,7 +58,10 @@ def serve_epoch(runner: StageRunner, join: EpochSpec) -> None:
             if kind == eplb.EPLB_REBALANCE:  # rank 0 moved experts between the slots
                 eplb.apply(runner, eplb.decode(payload, len(eplb.balanced_blocks(runner.model)), tp.size))
                 continue
-            step = step_from_pb(stage_pb2.StepBatch.FromString(payload))  # as rank 0 runs it
+            filled, step_bytes = sdist.read_step_message(payload)
+            step = step_from_pb(stage_pb2.StepBatch.FromString(step_bytes))
+            if filled:  # a step run ahead: as rank 0 runs it
+                run_ahead.fill(step, filled)
             hidden = None
             if not runner.is_first_stage:
                 buf = torch.empty((step.num_tokens, hidden_size), dtype=runner.dtype, device=runner.device)

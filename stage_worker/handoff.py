@@ -1,4 +1,4 @@
-"""Activation handoff between consecutive stages, behind one small interface.
+"""Activation handoff between consecutive stages, behind one small interface (Handoff).
 
 `nccl`: torch.distributed send/recv between the stages' TP-rank-0s in the
 epoch's world (NCCL on CUDA, gloo on CPU). `grpc`: the sender calls the next
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 
 import torch
@@ -31,7 +32,46 @@ class HandoffAborted(StagemeshError):
     """The epoch ended while a stage waited for activations."""
 
 
-class DistHandoff:
+class Handoff(ABC):
+    """What a stage's step path asks of a handoff. Steps are taken in order, so both ends name a step by id."""
+
+    # True: activations and tokens reach this stage in PushActivations calls, which the servicer hands to
+    # deliver(); False: they come over the epoch's world, and such a call is refused
+    receives_pushes: bool = False
+
+    @abstractmethod
+    def send(self, step_id: int, hidden: torch.Tensor) -> int:
+        """The step's activations to the next stage; returns the bytes sent."""
+
+    @abstractmethod
+    def recv(self, step_id: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The step's activations from the previous stage (blocks until they come)."""
+
+    @abstractmethod
+    def send_tokens(self, step_id: int, tokens: list[int]) -> None:
+        """Last stage of several: the sampled tokens a step run ahead needs, to the first stage."""
+
+    @abstractmethod
+    def recv_tokens(self, step_id: int, count: int) -> list[int]:
+        """First stage of several: the tokens for the placeholders of a step run ahead."""
+
+    def advance(self, step_id: int) -> None:  # noqa: B027 - a no-op unless tokens arrive ahead (grpc)
+        """The first stage takes `step_id`: what arrived for the steps before it will not be needed."""
+
+    def deliver(self, request: stage_pb2.PushActivationsRequest) -> None:
+        """A PushActivations call's activations or tokens (only where receives_pushes)."""
+        raise StagemeshError("this stage takes activations over the epoch's world, not in PushActivations")
+
+    @abstractmethod
+    def abort(self) -> None:
+        """The epoch ends: whatever waits in recv or recv_tokens raises."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the handoff's channels (after abort)."""
+
+
+class DistHandoff(Handoff):
     # Sends in flight before the oldest is waited for. A blocking send would hold this stage
     # until the next one posts its receive, i.e. until it finishes its current micro-batch:
     # gloo's send completes only then, and the pipeline would run in lock step.
@@ -69,13 +109,16 @@ class DistHandoff:
     def abort(self) -> None:
         self._pending.clear()  # a dead peer breaks the gloo/NCCL connection, which raises in recv
 
-    close = abort
+    def close(self) -> None:
+        self.abort()
 
 
-class GrpcHandoff:
+class GrpcHandoff(Handoff):
     """The receiving end keeps a bounded mailbox: activations for the next `window` steps of its epoch only
     (each checked against the step limits before it gets here), so what it holds is bounded by the window
     times the largest step; they go when their step is taken, a later step is, or the epoch ends."""
+
+    receives_pushes = True
 
     def __init__(self, next_address: str | None, device: torch.device, epoch: int = 0, window: int = 16,
                  first_address: str | None = None):
@@ -117,7 +160,7 @@ class GrpcHandoff:
             self._mailbox[step] = request
             self._cond.notify_all()
 
-    def advance(self, step_id: int) -> None:
+    def advance(self, step_id: int) -> None:  # noqa: B027 - a no-op unless tokens arrive ahead (grpc)
         """The first stage takes `step_id` (tokens for the steps before it will not be needed)."""
         with self._cond:
             self._take_up_to(step_id)

@@ -61,13 +61,16 @@ class RunAhead:
         """Last stage of several: send the first stage the tokens `batch` needs (the step before has run)."""
         self.handoff.send_tokens(batch.step_id, sampled_tokens(self.runner.sampler, batch))
 
-    def fill(self, batch: StepBatch) -> None:
-        """First stage: the tokens from this stage's own samples (one stage) or from the last stage's."""
+    def fill(self, batch: StepBatch) -> list[int]:
+        """First stage: the tokens from this stage's own samples (one stage) or from the last stage's; returns
+        them (the TP followers fill theirs with the same)."""
         if self.runner.is_last_stage:
-            fill(batch, sampled_tokens(self.runner.sampler, batch))
-            return
-        if not self._told:
-            self._told = True
-            log.info("steps scheduled ahead take their sampled tokens from the last stage (epoch %d)", self.epoch)
-        count = len(batch.chunks.placeholders())
-        fill(batch, self.handoff.recv_tokens(batch.step_id, count))
+            tokens = sampled_tokens(self.runner.sampler, batch)
+        else:
+            if not self._told:
+                self._told = True
+                log.info("steps scheduled ahead take their sampled tokens from the last stage (epoch %d)",
+                         self.epoch)
+            tokens = self.handoff.recv_tokens(batch.step_id, len(batch.chunks.placeholders()))
+        fill(batch, tokens)
+        return tokens

@@ -1,9 +1,7 @@
-"""The stage's gRPC service (asyncio, on a thread of its own): decode, check, order, hand off, encode.
+"""The stage's gRPC service (asyncio, on a thread of its own): decode, submit, encode.
 
-The model runs on the process's main thread (stage_worker.main_loop); this service
-only waits for it, so a step that arrives early waits as a coroutine (StepOrder),
-never holding a thread. JoinPipeline blocks in torch.distributed and runs on a
-worker thread.
+Steps go to the stage's step executor (stage_worker.step_executor), which puts them in
+order and runs them on the process's main thread; this service only awaits them.
 """
 from __future__ import annotations
 
@@ -22,9 +20,7 @@ from stagemesh.core.step_wire import epoch_from_pb, sampled_to_pb, step_from_pb
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 from stage_worker import kv_connector
 from stage_worker.observe import ForwardObserver
-from stage_worker.step_order import StepOrder, window_for
 from stage_worker.ep_group import EPGroupBroken
-from stage_worker.handoff import GrpcHandoff
 from stage_worker.validate import InvalidStep, check_activations, check_tokens
 from stage_worker.worker import StageWorker
 
@@ -34,9 +30,8 @@ SERVICE = "stagemesh.v1.Stage"
 
 class StageServicer(stage_pb2_grpc.StageServicer):
     def __init__(self, worker: StageWorker, address: str):
-        self.worker = worker
+        self.worker, self.steps = worker, worker.steps
         self.address = address
-        self.order = StepOrder()
         c, s = worker.cfg, worker.cfg.slice
         self.observer = ForwardObserver(c.stage_index, s.layer_start, s.layer_end, s.tp_size, c.handoff)
 
@@ -65,9 +60,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         except StagemeshError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        self.order.close()  # steps of the old epoch stop waiting
-        await asyncio.to_thread(self.worker.join, spec)  # a failure is reported to the caller, the stage stays up
-        self.order.open(request.epoch, window_for(len(request.tp_sizes)))
+        await self.steps.join(spec, self.worker.join)  # a failure is reported to the caller, the stage stays up
         return stage_pb2.JoinPipelineResponse()
 
     async def Forward(self, request, context):
@@ -81,14 +74,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     async def _forward(self, request) -> stage_pb2.ForwardResponse:
         batch = step_from_pb(request.step)
-        self.worker.check(batch)  # before the step takes a place in the order
-        await self.order.turn(request.epoch, batch.step_id)
-        try:
-            done = self.worker.queue_step(request.epoch, batch)
-        finally:
-            self.order.advance(batch.step_id)
-        # shielded: a cancelled RPC (the scheduler went away) must not cancel a step already queued
-        stats, out = await asyncio.shield(asyncio.wrap_future(done))
+        # the TP followers' copy: the step as received, encoded once (rank 0 adds only the tokens it fills in)
+        step_bytes = request.step.SerializeToString() if self.steps.has_followers else None
+        stats, out = await self.steps.forward(request.epoch, batch, step_bytes)
         reply = stage_pb2.ForwardResponse(compute_seconds=stats.compute_seconds, handoff_bytes=stats.handoff_bytes,
                                           handoff_wait_seconds=stats.handoff_wait_seconds)
         if out.sampled or out.prompt_logprobs:
@@ -109,8 +97,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def _deliver(self, req: stage_pb2.PushActivationsRequest) -> None:
         """Checked activations (or sampled tokens, on the first stage) into the grpc handoff's mailbox."""
-        w = self.worker
-        if not isinstance(w.handoff, GrpcHandoff) or req.epoch != w.epoch:
+        w, handoff = self.worker, self.steps.handoff
+        if handoff is None or not handoff.receives_pushes or req.epoch != w.epoch:
             raise StagemeshError(f"activations for epoch {req.epoch} arrived; the stage is in epoch {w.epoch}")
         if req.HasField("hidden_states") == bool(req.sampled_tokens):
             raise InvalidStep("a PushActivations call carries activations or sampled tokens, one of them")
@@ -122,7 +110,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             if w.runner.is_first_stage:
                 raise InvalidStep("the first stage takes no activations")
             check_activations(req.hidden_states, w.limits)
-        w.handoff.deliver(req)
+        handoff.deliver(req)
 
 
 # what a call raises: bad input INVALID_ARGUMENT, a state the stage is not in FAILED_PRECONDITION, anything

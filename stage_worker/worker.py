@@ -1,8 +1,8 @@
-"""A stage's TP rank 0: owns the model slice, the TP followers and the handoff.
+"""A stage's TP rank 0: owns the model slice, the TP followers' processes and the epochs.
 
-The gRPC servicer (stage_worker.service) decodes, checks, puts steps in order and
-calls this class; steps run one at a time, in step order, on the main loop (every
-stage sees every step).
+Steps go through the stage's step executor (stage_worker.step_executor), which
+the gRPC servicer (stage_worker.service) submits them to; this class starts the
+followers, joins and leaves epochs, and reads and writes KV blocks between steps.
 """
 from __future__ import annotations
 
@@ -12,29 +12,25 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.speculative import SpeculativeConfig
-from stagemesh.core.step import EpochSpec, StepBatch, StepStats
-from stagemesh.core.step_wire import epoch_to_pb, step_to_pb
+from stagemesh.core.step import EpochSpec
+from stagemesh.core.step_wire import epoch_to_pb
 from stage_worker import dist as sdist
 from stage_worker import eplb, kv_transfer
 from stage_worker.draft import DraftModel
 from stage_worker.ep_group import EPConfig, EPGroup
-from stage_worker.handoff import DistHandoff, GrpcHandoff
 from stage_worker.kv_cache import num_kv_blocks_for_budget
-from stage_worker.main_loop import MainLoop
-from stage_worker.run_ahead import RunAhead, has_placeholders
 from stage_worker.follower import follower_argv
-from stage_worker.runner import SliceConfig, StageOutput
-from stage_worker.step_order import window_for
-from stage_worker.validate import InvalidStep, StepLimits, check_join, check_step
+from stage_worker.runner import SliceConfig
+from stage_worker.step_executor import StepExecutor
+from stage_worker.validate import InvalidStep, StepLimits, check_join
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -69,16 +65,14 @@ class StageWorker:
                 raise StagemeshError(f"TP follower {t} failed to load its shard (exit code {proc.wait()})")
         self.num_kv_blocks = num_kv_blocks_for_budget(self._kv_budget(), self.runner.kv_bytes_per_block)
         self.instance_id = uuid.uuid4().hex  # a restarted stage is another instance to the scheduler
-        self.epoch = -1
         model = self.runner.config
-        # nothing is allowed before a join
-        self.limits = StepLimits(model.vocab_size, model.hidden_size, cfg.slice.block_size)
-        self.handoff = None
         self._joining = threading.Lock()  # one join at a time (a second waits for the first to end)
-        self.run_ahead: RunAhead | None = None
-        self.main_loop = MainLoop()  # steps and KV allocation run on the main thread once it serves the loop
-        self.balancer = None if cfg.slice.eplb is None else eplb.Balancer(
+        balancer = None if cfg.slice.eplb is None else eplb.Balancer(
             cfg.slice.eplb, eplb.balanced_blocks(self.runner.model), cfg.slice.tp_size, cfg.stage_index)
+        # nothing is allowed before a join
+        limits = StepLimits(model.vocab_size, model.hidden_size, cfg.slice.block_size)
+        self.steps = StepExecutor(self.runner, cfg.stage_index, cfg.handoff, limits, bool(self.followers), self.ep,
+                                  balancer)
 
     # -- start-up ---------------------------------------------------------------
     def _start_follower(self, tp_rank: int) -> subprocess.Popen:
@@ -101,6 +95,14 @@ class StageWorker:
 
     def followers_alive(self) -> bool:
         return all(proc.poll() is None for proc in self.followers)
+
+    @property
+    def epoch(self) -> int:
+        return self.steps.epoch
+
+    @property
+    def limits(self) -> StepLimits:
+        return self.steps.limits
 
     # -- epochs -------------------------------------------------------------------
     def check_join(self, req: EpochSpec) -> None:
@@ -127,32 +129,15 @@ class StageWorker:
             except OSError:
                 raise StagemeshError(f"TP follower {t} is gone (exit code {proc.poll()})") from None
         rank = sdist.join_world(req, self.runner.tp, self.runner.device)
-        self.main_loop.call(self.runner.reset, req.num_kv_blocks)
-        index, sizes = self.cfg.stage_index, list(req.tp_sizes)
-        first, last = index == 0, index == len(sizes) - 1
-        if self.cfg.handoff == "nccl":
-            prev_rank = sum(sizes[:index - 1]) if index > 0 else None
-            next_rank = rank + sizes[index] if not last else None
-            # steps run ahead: the tokens go from the last stage's rank 0 to the first's
-            tokens_rank = None if first and last else 0 if last else sum(sizes[:-1]) if first else None
-            self.handoff = DistHandoff(prev_rank, next_rank, self.runner.device, tokens_rank)
-        else:
-            self.handoff = GrpcHandoff(req.next_stage_address or None, self.runner.device, req.epoch,
-                                       window_for(len(sizes)), req.first_stage_address if last else None)
-        self.run_ahead = RunAhead(self.runner, self.handoff, req.epoch)
-        self.limits = replace(self.limits, num_kv_blocks=req.num_kv_blocks, max_model_len=req.max_model_len,
-                              max_num_batched_tokens=req.max_num_batched_tokens)
-        self.epoch = req.epoch
+        self.steps.loop.call(self.runner.reset, req.num_kv_blocks)
+        self.steps.begin_epoch(req, rank)
         log.info("joined epoch %d as rank %d of %d (layers %d:%d, TP=%d, %s handoff, %d KV blocks)", req.epoch, rank,
                  req.world_size, self.cfg.slice.layer_start, self.cfg.slice.layer_end, self.cfg.slice.tp_size,
                  self.cfg.handoff,
                  req.num_kv_blocks)
 
     def _leave(self) -> None:
-        self.epoch = -1
-        if self.handoff is not None:
-            self.handoff.abort()
-            self.handoff.close()
+        self.steps.end_epoch()
         if self.runner.tp.group is not None and self.followers:
             try:
                 sdist.send_control(sdist.LEAVE, b"", self.runner.tp)
@@ -160,82 +145,18 @@ class StageWorker:
                 log.warning("could not tell followers to leave: %s", err)
         sdist.leave_world(self.runner.tp)
 
-    # -- steps --------------------------------------------------------------------
-    def check(self, batch) -> None:
-        """What can be judged of a step without running the steps before it (raises InvalidStep)."""
-        check_step(batch, self.limits)
-
-    def queue_step(self, epoch: int, batch: StepBatch) -> Future:
-        """Queue a step on the main loop; the caller queues steps in step order. The future's result is
-        (StepStats, StageOutput)."""
-        if epoch != self.epoch:
-            raise StagemeshError(f"step {batch.step_id} belongs to epoch {epoch}, the stage is in {self.epoch}")
-        runner, published = self.runner, None
-        ahead = has_placeholders(batch)  # scheduled before the step before had sampled
-        if ahead and runner.is_last_stage and not runner.is_first_stage:
-            # once the step before has sampled, the first stage gets the tokens this one needs
-            published = self.main_loop.submit(self.run_ahead.publish, batch)
-        return self.main_loop.submit(self._run, batch, ahead, published)
-
-    def _run(self, batch: StepBatch, ahead: bool, published: Future | None) -> tuple[StepStats, StageOutput]:
-        runner, wait, sent = self.runner, 0.0, 0
-        if published is not None:
-            published.result()  # done (it ran just before): raises if the tokens could not be handed over
-        runner.check_state(batch, self.limits.max_model_len)  # before the handoff: a refused step leaves every
-        # stage as it was
-        hidden = None
-        start = time.perf_counter()
-        if not runner.is_first_stage and batch.chunks:
-            hidden = self.handoff.recv(batch.step_id, (batch.num_tokens, runner.config.hidden_size), runner.dtype)
-        if runner.is_first_stage and isinstance(self.handoff, GrpcHandoff):
-            self.handoff.advance(batch.step_id - 1)  # tokens arrive for this step and later ones only
-        if ahead and runner.is_first_stage:
-            self.run_ahead.fill(batch)
-        wait = time.perf_counter() - start
-        start = time.perf_counter()
-        if self.followers:  # the step as this stage runs it (placeholders filled), encoded once for all of them
-            sdist.send_control(sdist.FORWARD, step_to_pb(batch).SerializeToString(), runner.tp)
-            if hidden is not None:
-                sdist.broadcast_hidden(hidden, runner.tp)
-        if self.ep is None:
-            out = runner.execute(batch, hidden)
-        else:  # the MoE layers meet the other replicas' stages in this tick
-            self.ep.begin(batch.num_tokens)
-            try:
-                out = runner.execute(batch, hidden)
-            finally:
-                self.ep.end()
-        compute = time.perf_counter() - start
-        if out.hidden_states is not None:
-            sent = self.handoff.send(batch.step_id, out.hidden_states)
-        if self.balancer is not None:
-            self._balance()
-        return StepStats(compute, wait, sent), out
-
-    def _balance(self) -> None:
-        """EPLB: when it is time, every rank moves experts to their new slots (before the next step)."""
-        plans = self.balancer.after_step()
-        if plans is None:
-            return
-        start = time.perf_counter()
-        if self.followers:
-            sdist.send_control(eplb.EPLB_REBALANCE, eplb.encode(plans), self.runner.tp)
-        moved = eplb.apply(self.runner, plans)
-        log.info("stage %d: EPLB moved experts into %d slot(s) of rank 0 in %.3fs", self.cfg.stage_index, moved,
-                 time.perf_counter() - start)
-
     # -- KV transfer (disaggregated prefill) -------------------------------------------
     def read_kv(self, epoch: int, block_ids: list[int], layer_start: int, layer_end: int) -> Future:
         """Every KV head of the blocks for model layers [layer_start, layer_end) of this stage: a future of
         [(k, v)] per layer, CPU tensors [n, block_size, num_key_value_heads, head_dim]."""
         layers = self._kv_request(epoch, block_ids, layer_start, layer_end)
-        return self.main_loop.submit(self._export_kv, block_ids, layers)
+        return self.steps.loop.submit(self._export_kv, block_ids, layers)
 
     def write_kv(self, epoch: int, block_ids: list[int], kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> Future:
         """Write every KV head of the blocks, for every layer of this stage (kvs: [(k, v)] per layer)."""
         s = self.cfg.slice
         layers = self._kv_request(epoch, block_ids, s.layer_start, s.layer_end)
-        return self.main_loop.submit(self._import_kv, block_ids, layers, kvs)
+        return self.steps.loop.submit(self._import_kv, block_ids, layers, kvs)
 
     def _kv_request(self, epoch: int, block_ids: list[int], layer_start: int, layer_end: int) -> range:
         s = self.cfg.slice
@@ -264,8 +185,7 @@ class StageWorker:
         kv_transfer.import_blocks(self.runner, block_ids, layers, kvs, shape, cache.dtype)
 
     def close(self) -> None:
-        if self.handoff is not None:
-            self.handoff.abort()
+        self.steps.abort()
         for proc in self.followers:
             proc.kill()
             proc.wait()

@@ -70,3 +70,23 @@ def test_sampled_tokens_carry_logprobs_only_where_asked():
 def test_no_sampled_tokens():
     assert sampled_over_the_wire([]) == []
     assert sampled_from_pb(stage_pb2.ForwardResponse().sampled) == []
+
+
+def test_tp_followers_take_the_step_as_received_with_the_tokens_rank_0_filled_in():
+    from stagemesh.core.step import PLACEHOLDER
+    from stage_worker import run_ahead
+    from stage_worker.dist import read_step_message, step_message
+
+    def step() -> StepBatch:
+        return StepBatch(4, [], [ScheduledChunk(1, [PLACEHOLDER], 9, [], True), ScheduledChunk(2, [43], 3, [], True),
+                                 ScheduledChunk(5, [PLACEHOLDER], 20, [6], True)])
+
+    raw = step_to_pb(step()).SerializeToString()
+    rank0 = step()
+    run_ahead.fill(rank0, [49151, 7])
+    filled, received = read_step_message(step_message(raw, [49151, 7]))
+    assert (filled, received) == ([49151, 7], raw)
+    follower = step_from_pb(stage_pb2.StepBatch.FromString(received))
+    run_ahead.fill(follower, filled)
+    assert follower == rank0
+    assert read_step_message(step_message(raw, [])) == ([], raw)

@@ -1,0 +1,165 @@
+"""A stage's steps, one at a time in step order, on the process's main thread (TP rank 0).
+
+The one owner of what a decoded step goes through: its turn in the epoch's step order
+(stage_worker.step_order: a step that comes early waits as a coroutine of the gRPC server's
+event loop, never holding a thread), the run on the thread that loaded the model
+(stage_worker.main_loop), the tokens of a step run ahead (stage_worker.run_ahead), the
+broadcast to the TP followers and the handoff between stages (stage_worker.handoff). The
+servicer decodes, submits here and encodes the reply.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import replace
+from typing import Callable
+
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.step import EpochSpec, StepBatch, StepStats
+from stage_worker import dist as sdist
+from stage_worker import eplb
+from stage_worker.handoff import DistHandoff, GrpcHandoff, Handoff
+from stage_worker.main_loop import MainLoop
+from stage_worker.run_ahead import RunAhead, has_placeholders
+from stage_worker.runner import StageOutput
+from stage_worker.step_order import StepOrder, window_for
+from stage_worker.validate import StepLimits, check_step
+
+log = logging.getLogger("stagemesh.stage")
+
+
+class StepExecutor:
+    """Steps of the stage's epoch in order. `has_followers`: TP ranks > 0 run every step beside rank 0 (each
+    step reaches them as the bytes the scheduler sent, see stage_worker.dist.step_message); `ep`: the MoE
+    layers' expert-parallel group across replicas; `balancer`: EPLB over the TP ranks."""
+
+    def __init__(self, runner, stage_index: int, handoff_kind: str, limits: StepLimits, has_followers: bool,
+                 ep=None, balancer: eplb.Balancer | None = None):
+        self.runner, self.stage_index, self.handoff_kind = runner, stage_index, handoff_kind
+        self.limits, self.has_followers, self.ep, self.balancer = limits, has_followers, ep, balancer
+        self.loop = MainLoop()  # steps and KV allocation run on the main thread once it serves the loop
+        self.order = StepOrder()
+        self.epoch = -1  # nothing is allowed before a join
+        self.handoff: Handoff | None = None
+        self.run_ahead: RunAhead | None = None
+
+    # -- the main thread ------------------------------------------------------------
+    def start(self) -> None:
+        """From here on the model's work waits for run_until."""
+        self.loop.start()
+
+    def run_until(self, stop, idle=None) -> None:
+        """Run steps (and KV work) on the calling thread, the one that loaded the model, until `stop`."""
+        self.loop.run_until(stop, idle=idle)
+
+    # -- epochs -----------------------------------------------------------------------
+    async def join(self, spec: EpochSpec, join: Callable[[EpochSpec], None]) -> None:
+        """Steps of the old epoch stop waiting; `join` (the worker's: it blocks in torch.distributed, so it runs
+        on a worker thread) moves the stage into `spec`'s epoch, whose steps may then come."""
+        self.order.close()
+        await asyncio.to_thread(join, spec)
+        self.order.open(spec.epoch, window_for(len(spec.tp_sizes)))
+
+    def begin_epoch(self, spec: EpochSpec, rank: int) -> None:
+        """The handoff and the limits of `spec`'s epoch, which this stage joined as global `rank`."""
+        index, sizes = self.stage_index, list(spec.tp_sizes)
+        first, last = index == 0, index == len(sizes) - 1
+        if self.handoff_kind == "nccl":
+            prev_rank = sum(sizes[:index - 1]) if index > 0 else None
+            next_rank = rank + sizes[index] if not last else None
+            # steps run ahead: the tokens go from the last stage's rank 0 to the first's
+            tokens_rank = None if first and last else 0 if last else sum(sizes[:-1]) if first else None
+            self.handoff = DistHandoff(prev_rank, next_rank, self.runner.device, tokens_rank)
+        else:
+            self.handoff = GrpcHandoff(spec.next_stage_address or None, self.runner.device, spec.epoch,
+                                       window_for(len(sizes)), spec.first_stage_address if last else None)
+        self.run_ahead = RunAhead(self.runner, self.handoff, spec.epoch)
+        self.limits = replace(self.limits, num_kv_blocks=spec.num_kv_blocks, max_model_len=spec.max_model_len,
+                              max_num_batched_tokens=spec.max_num_batched_tokens)
+        self.epoch = spec.epoch
+
+    def end_epoch(self) -> None:
+        """Leave the epoch: whatever waits in the handoff wakes with an error."""
+        self.epoch = -1
+        if self.handoff is not None:
+            self.handoff.abort()
+            self.handoff.close()
+
+    def abort(self) -> None:
+        if self.handoff is not None:
+            self.handoff.abort()
+
+    # -- steps --------------------------------------------------------------------------
+    async def forward(self, epoch: int, batch: StepBatch, step_bytes: bytes | None
+                      ) -> tuple[StepStats, StageOutput]:
+        """Run `batch` when its turn comes. `step_bytes`: the step as the scheduler encoded it (StepBatch), what
+        the TP followers get; needed only with followers."""
+        check_step(batch, self.limits)  # before the step takes a place in the order
+        await self.order.turn(epoch, batch.step_id)
+        try:
+            done = self._queue(epoch, batch, step_bytes)
+        finally:
+            self.order.advance(batch.step_id)
+        # shielded: a cancelled RPC (the scheduler went away) must not cancel a step already queued
+        return await asyncio.shield(asyncio.wrap_future(done))
+
+    def _queue(self, epoch: int, batch: StepBatch, step_bytes: bytes | None) -> Future:
+        """Queue a step on the main loop (in step order). The future's result is (StepStats, StageOutput)."""
+        if epoch != self.epoch:
+            raise StagemeshError(f"step {batch.step_id} belongs to epoch {epoch}, the stage is in {self.epoch}")
+        runner, published = self.runner, None
+        ahead = has_placeholders(batch)  # scheduled before the step before had sampled
+        if ahead and runner.is_last_stage and not runner.is_first_stage:
+            # once the step before has sampled, the first stage gets the tokens this one needs
+            published = self.loop.submit(self.run_ahead.publish, batch)
+        return self.loop.submit(self._run, batch, step_bytes, ahead, published)
+
+    def _run(self, batch: StepBatch, step_bytes: bytes | None, ahead: bool, published: Future | None
+             ) -> tuple[StepStats, StageOutput]:
+        runner, sent, filled = self.runner, 0, []
+        if published is not None:
+            published.result()  # done (it ran just before): raises if the tokens could not be handed over
+        runner.check_state(batch, self.limits.max_model_len)  # before the handoff: a refused step leaves every
+        # stage as it was
+        hidden = None
+        start = time.perf_counter()
+        if not runner.is_first_stage and batch.chunks:
+            hidden = self.handoff.recv(batch.step_id, (batch.num_tokens, runner.config.hidden_size), runner.dtype)
+        if runner.is_first_stage:
+            self.handoff.advance(batch.step_id - 1)  # tokens arrive for this step and later ones only
+        if ahead and runner.is_first_stage:
+            filled = self.run_ahead.fill(batch)
+        wait = time.perf_counter() - start
+        start = time.perf_counter()
+        if self.has_followers:  # the step as the scheduler sent it, and the tokens filled in for its placeholders
+            sdist.send_control(sdist.FORWARD, sdist.step_message(step_bytes, filled), runner.tp)
+            if hidden is not None:
+                sdist.broadcast_hidden(hidden, runner.tp)
+        if self.ep is None:
+            out = runner.execute(batch, hidden)
+        else:  # the MoE layers meet the other replicas' stages in this tick
+            self.ep.begin(batch.num_tokens)
+            try:
+                out = runner.execute(batch, hidden)
+            finally:
+                self.ep.end()
+        compute = time.perf_counter() - start
+        if out.hidden_states is not None:
+            sent = self.handoff.send(batch.step_id, out.hidden_states)
+        if self.balancer is not None:
+            self._balance()
+        return StepStats(compute, wait, sent), out
+
+    def _balance(self) -> None:
+        """EPLB: when it is time, every rank moves experts to their new slots (before the next step)."""
+        plans = self.balancer.after_step()
+        if plans is None:
+            return
+        start = time.perf_counter()
+        if self.has_followers:
+            sdist.send_control(eplb.EPLB_REBALANCE, eplb.encode(plans), self.runner.tp)
+        moved = eplb.apply(self.runner, plans)
+        log.info("stage %d: EPLB moved experts into %d slot(s) of rank 0 in %.3fs", self.stage_index, moved,
+                 time.perf_counter() - start)
