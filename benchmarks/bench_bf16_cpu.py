@@ -4,7 +4,8 @@
 
 The bf16 engine is `--dtype bfloat16`: bf16 weights packed for kernels/csrc/bf16_linear.cpp (fp32
 sums), bf16 activations between the layers. Targets (issue 22): batch-1 TPOT <= 0.75x fp32,
-throughput >= 1.6x fp32.
+throughput >= 1.6x fp32. Where the CPU has a better bf16 family than avx2 (avx512_bf16, kernels/isa.py),
+a third engine runs bf16 on the avx2 kernels (STAGEMESH_CPU_ISA=avx2 while it loads), to compare them.
 
     .venv/bin/python benchmarks/bench_bf16_cpu.py [--rounds 3] [--tokens 64] [--batch 32]
 """
@@ -62,8 +63,21 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(16, 256))] for _ in range(args.batch)]
     outputs = [rng.randint(16, 128) for _ in range(args.batch)]
-    figures = {d: {"tpot": [], "tput": []} for d in ("float32", "bfloat16")}
-    engines = {d: LocalEngine(model_dir, dtype=d) for d in figures}
+    from kernels import cpu_ops, isa
+
+    arms = ["float32", "bfloat16"]
+    if cpu_ops.load() is not None and cpu_ops.bf16_family() != "avx2":
+        arms.append("bfloat16/avx2")
+    engines = {}
+    for arm in arms:
+        dtype, _, family = arm.partition("/")
+        if family:
+            os.environ["STAGEMESH_CPU_ISA"] = family  # the weights are packed for this family at load
+        try:
+            engines[arm] = LocalEngine(model_dir, dtype=dtype)
+        finally:
+            os.environ.pop("STAGEMESH_CPU_ISA", None)
+    figures = {arm: {"tpot": [], "tput": []} for arm in arms}
     try:
         for engine in engines.values():
             tpot_ms(engine, prompt_ids, 4)  # warm-up
@@ -76,11 +90,16 @@ def main() -> None:
             engine.close()
     med = {d: {k: statistics.median(v) for k, v in f.items()} for d, f in figures.items()}
     print(f"default model in-process, {args.threads} threads, {args.rounds} rounds (medians; rounds in brackets)")
+    print(isa.describe(isa.cpu_flags(), cpu_ops.load() is not None))
     for d, f in figures.items():
-        print(f"{d:9s}: batch-1 TPOT {med[d]['tpot']:6.1f} ms [{', '.join(f'{x:.1f}' for x in f['tpot'])}]   "
+        print(f"{d:13s}: batch-1 TPOT {med[d]['tpot']:6.1f} ms [{', '.join(f'{x:.1f}' for x in f['tpot'])}]   "
               f"batch-{args.batch} {med[d]['tput']:6.1f} tok/s [{', '.join(f'{x:.1f}' for x in f['tput'])}]")
     print(f"bf16 / fp32: TPOT {med['bfloat16']['tpot'] / med['float32']['tpot']:.2f}x (target <= 0.75), "
           f"throughput {med['bfloat16']['tput'] / med['float32']['tput']:.2f}x (target >= 1.6)")
+    if "bfloat16/avx2" in med:
+        print(f"bf16 {cpu_ops.bf16_family()} / bf16 avx2: TPOT "
+              f"{med['bfloat16']['tpot'] / med['bfloat16/avx2']['tpot']:.2f}x, "
+              f"throughput {med['bfloat16']['tput'] / med['bfloat16/avx2']['tput']:.2f}x")
 
 
 if __name__ == "__main__":

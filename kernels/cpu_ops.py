@@ -26,7 +26,7 @@ from kernels import isa, moe_reference, reference
 log = logging.getLogger("stagemesh.kernels")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "shm_comm.cpp", CSRC / "moe_ops.cpp", CSRC / "bf16_linear.cpp",
-           CSRC / "quant_linear.cpp"]
+           CSRC / "bf16_linear_avx512bf16.cpp", CSRC / "quant_linear.cpp"]
 
 
 def _capability() -> str:
@@ -120,13 +120,21 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start=0):
     return load().fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start)
 
 
-def pack_bf16_weight(weight):
-    """W [N, K] in bf16, re-laid for linear_bf16 (kernels/csrc/bf16_linear.cpp)."""
-    return load().pack_bf16_weight(weight)
+def pack_bf16_weight(weight, family: str | None = None):
+    """W [N, K] in bf16, re-laid for the linear_bf16 of a kernel family (kernels/csrc/bf16_linear.h):
+    by default the best this CPU runs (bf16_family)."""
+    return load().pack_bf16_weight(weight, family or bf16_family())
+
+
+def bf16_family() -> str:
+    """The family whose linear_bf16 runs here: avx512_bf16 where the CPU and the build have it, else avx2."""
+    module = load()
+    return isa.family_for("bf16", isa.cpu_flags(), module is not None and module.bf16_avx512_available())
 
 
 def linear_bf16(x, packed, out_features, bias=None):
-    """x W^T + b in x's dtype (fp32 or bf16) from a packed bf16 W; sums in fp32, as torch's bf16 linear."""
+    """x W^T + b in x's dtype (fp32 or bf16) from a packed bf16 W; sums in fp32, as torch's bf16 linear
+    (the avx512_bf16 layout takes x in bf16: fp32 x is rounded first)."""
     return load().linear_bf16(x, packed, out_features, bias)
 
 
@@ -136,6 +144,15 @@ def quant_isa() -> str:
     return module.quant_isa() if module is not None else "none"
 
 
-def quant_linear(x, qs, scales, mins, bias=None, int8_activations=False):
+def int8_family() -> str:
+    """The family whose int8 products (w8a8) run here: avx512_vnni where the CPU and the build have it, else avx2."""
+    module = load()
+    return isa.family_for("int8", isa.cpu_flags(), module is not None and module.int8_vnni_available())
+
+
+def quant_linear(x, qs, scales, mins, bias=None, int8_activations=False, family: str | None = None):
     """x W^T + b in x's dtype, W quantised in groups along K (kernels/quant_reference.py has the layouts)."""
-    return load().quant_linear(x, qs, scales, mins, bias, int8_activations)
+    return load().quant_linear(x, qs, scales, mins, bias, int8_activations, family or _int8_family())
+
+
+_int8_family = functools.cache(int8_family)  # once per process: the products of a model keep one family

@@ -136,16 +136,26 @@ def test_bf16_kernels_refuse_mixed_dtypes():
                                         torch.tensor([1, 1]), 0.1)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 13, 40])
+def bf16_families():
+    """Every family of linear_bf16; the ones this CPU cannot run are skipped by name."""
+    runs = {"avx2": True, "avx512_bf16": cpu_ops.load().bf16_avx512_available()}
+    return [pytest.param(f, marks=[] if ok else pytest.mark.skip(reason=f"this CPU has no {f} instructions"))
+            for f, ok in runs.items()]
+
+
+@pytest.mark.parametrize("family", bf16_families())
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 40])
 @pytest.mark.parametrize("out_features,in_features,bias", [(16, 64, False), (50, 33, True), (960, 576, False)])
-def test_linear_bf16_equals_torch(rows, out_features, in_features, bias):
-    """Every register tile (1-6 rows and their tails), an odd K, N not a multiple of the 16-wide block."""
+def test_linear_bf16_equals_torch(family, rows, out_features, in_features, bias):
+    """Every register tile (1-6 rows, 1-4 blocks, and their tails), an odd K, N not a multiple of the
+    16-wide block. avx2 multiplies fp32 x exactly; avx512_bf16 takes x in bf16, as torch's bf16 linear."""
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     w = (torch.randn(out_features, in_features, generator=g) * 0.1).bfloat16()
     b = torch.randn(out_features, generator=g).bfloat16() if bias else None
     x = torch.randn(rows, in_features, generator=g)
-    packed = cpu_ops.pack_bf16_weight(w)
-    exact = x @ w.float().T + (b.float() if bias else 0)  # fp32 sums of bf16 weights: what the kernel computes
+    packed = cpu_ops.pack_bf16_weight(w, family)
+    xin = x if family == "avx2" else x.bfloat16().float()
+    exact = xin @ w.float().T + (b.float() if bias else 0)  # fp32 sums of bf16 weights: what the kernel computes
     got = cpu_ops.linear_bf16(x, packed, out_features, b)
     assert got.dtype == torch.float32 and got.shape == (rows, out_features)
     torch.testing.assert_close(got, exact, atol=1e-4, rtol=1e-4)
@@ -158,8 +168,18 @@ def test_linear_bf16_equals_torch(rows, out_features, in_features, bias):
                                atol=0, rtol=2 ** -7)  # at most one bf16 step from rounding the exact sum
 
 
+def test_linear_bf16_family_is_this_cpus_best():
+    from kernels import isa
+
+    best = isa.family_for("bf16", isa.cpu_flags(), cpu_ops.load().bf16_avx512_available())
+    assert cpu_ops.bf16_family() == best
+    assert cpu_ops.pack_bf16_weight(torch.randn(20, 8)).shape == ((2, 8, 16) if best == "avx2" else (2, 4, 32))
+    with pytest.raises(RuntimeError, match="no bf16 linear kernels for the family avx9"):
+        cpu_ops.pack_bf16_weight(torch.randn(20, 8), "avx9")
+
+
 def test_linear_bf16_refuses_what_does_not_fit():
-    packed = cpu_ops.pack_bf16_weight(torch.randn(20, 8))
+    packed = cpu_ops.pack_bf16_weight(torch.randn(20, 8), "avx2")
     with pytest.raises(RuntimeError, match="x has 9 features, the weight 8"):
         cpu_ops.linear_bf16(torch.randn(2, 9), packed, 20)
     with pytest.raises(RuntimeError, match="out_features 40 does not match"):

@@ -21,8 +21,15 @@ def weight(n: int, k: int, bits: int, group: int, seed: int = 0):
     return torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), scales, None
 
 
-def check(x, qs, scales, mins, bias, int8_activations, tol=2e-5):
-    got = cpu_ops.quant_linear(x, qs, scales, mins, bias, int8_activations)
+def int8_families():
+    """Every family of the integer products; the ones this CPU cannot run are skipped by name."""
+    runs = {"avx2": True, "avx512_vnni": cpu_ops.load().int8_vnni_available()}
+    return [pytest.param(f, marks=[] if ok else pytest.mark.skip(reason=f"this CPU has no {f} instructions"))
+            for f, ok in runs.items()]
+
+
+def check(x, qs, scales, mins, bias, int8_activations, tol=2e-5, family="avx2"):
+    got = cpu_ops.quant_linear(x, qs, scales, mins, bias, int8_activations, family)
     want = ref.quant_linear(x, qs, scales, mins, bias, int8_activations)
     assert got.dtype == x.dtype and got.shape == want.shape
     scale = want.float().abs().max().item() + 1e-6
@@ -42,14 +49,19 @@ def test_exact_path_equals_reference(bits, m, n):
     check(x, qs, scales, mins, bias, False)
 
 
+@pytest.mark.parametrize("family", int8_families())
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", [1, 3, 4, 7, 13])
 @pytest.mark.parametrize("group", [32, 64, "K"])
-def test_int8_activations_equal_reference(bits, m, group):
+def test_int8_activations_equal_reference(family, bits, m, group):
     k = 192
     group = k if group == "K" else group
     qs, scales, mins = weight(27, k, bits, group, seed=m)
-    check(torch.randn(m, k), qs, scales, mins, torch.randn(27), True, tol=1e-5)
+    x = torch.randn(m, k)
+    check(x, qs, scales, mins, torch.randn(27), True, tol=1e-5, family=family)
+    # the integer sums are exact: every family gives the same bits
+    assert torch.equal(cpu_ops.quant_linear(x, qs, scales, mins, None, True, family),
+                       cpu_ops.quant_linear(x, qs, scales, mins, None, True, "avx2"))
 
 
 @pytest.mark.parametrize("m", [1, 40])
@@ -88,6 +100,8 @@ def test_refuses_what_does_not_fit():
         cpu_ops.quant_linear(torch.randn(2, 64), q8, s8, s8, None, False)
     with pytest.raises(RuntimeError, match="bias has 3 elements for 8 outputs"):
         cpu_ops.quant_linear(torch.randn(2, 64), q8, s8, None, torch.randn(3), False)
+    with pytest.raises(RuntimeError, match="no quantised kernels for the family avx9"):
+        cpu_ops.quant_linear(torch.randn(2, 64), q8, s8, None, None, True, "avx9")
 
 
 def test_int8_per_channel_quantiser_round_trips():

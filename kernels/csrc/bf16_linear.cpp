@@ -1,4 +1,5 @@
-// y = x W^T (+ b) with W stored in bf16, products and sums in fp32.
+// y = x W^T (+ b) with W stored in bf16, products and sums in fp32: the avx2 family, and the entry
+// points of both families (bf16_linear_avx512bf16.cpp has the avx512_bf16 kernel).
 //
 // A CPU without bf16 dot-product instructions (AVX2, or AVX-512 without avx512_bf16) still gains
 // from bf16 weights where a product is bound by memory: a decode step reads every weight once, and
@@ -97,10 +98,45 @@ void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float* acc)
 using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, float*);
 constexpr TileFn kTiles[kMaxRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
+void run_avx2(const Bf16Problem& P) {
+  const int64_t K = P.K;
+  const float* xp = static_cast<const float*>(P.x);
+  // A thread takes whole blocks; below ~64K multiply-adds of work the caller's thread does it alone.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(K * kBlock * P.M, 1));
+  at::parallel_for(0, P.blocks, grain, [&](int64_t b0, int64_t b1) {
+    float acc[kMaxRows * kBlock];
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint16_t* w = P.w + b * K * kBlock;
+      for (int64_t m0 = 0; m0 < P.M; m0 += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, P.M - m0));
+        kTiles[rows](xp + m0 * K, K, w, K, acc);
+        for (int r = 0; r < rows; ++r) store_block(P, m0 + r, b * kBlock, acc + r * kBlock);
+      }
+    }
+  });
+}
+
 }  // namespace
 
-at::Tensor pack_bf16_weight(const at::Tensor& weight) {
+void store_block(const Bf16Problem& P, int64_t row, int64_t n0, const float* a) {
+  const int64_t width = std::min<int64_t>(kBlock, P.N - n0), at = row * P.N + n0;
+  const float* b = P.bias ? P.bias + n0 : nullptr;
+  if (P.out_bf16) {
+    at::BFloat16* o = reinterpret_cast<at::BFloat16*>(P.out) + at;  // rounds to nearest even
+    for (int64_t j = 0; j < width; ++j) o[j] = static_cast<at::BFloat16>(a[j] + (b ? b[j] : 0.f));
+  } else {
+    float* o = reinterpret_cast<float*>(P.out) + at;
+    for (int64_t j = 0; j < width; ++j) o[j] = a[j] + (b ? b[j] : 0.f);
+  }
+}
+
+bool bf16_avx512_available() { return bf16_avx512::available(); }
+
+at::Tensor pack_bf16_weight(const at::Tensor& weight, const std::string& family) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2, "the weight must be a 2-D CPU tensor");
+  TORCH_CHECK(family == "avx2" || family == "avx512_bf16", "no bf16 linear kernels for the family ", family,
+              " (avx2, avx512_bf16)");
+  if (family == "avx512_bf16") return bf16_avx512::pack(weight);
   const at::Tensor w = weight.to(at::kBFloat16).contiguous();
   const int64_t N = w.size(0), K = w.size(1), blocks = (N + kBlock - 1) / kBlock;
   at::Tensor packed = at::zeros({blocks, K, kBlock}, w.options());
@@ -120,25 +156,24 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear_bf16 runs on CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 && packed.size(2) == kBlock &&
-                  packed.is_contiguous(),
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 &&
+                  (packed.size(2) == kBlock || packed.size(2) == 2 * kBlock) && packed.is_contiguous(),
               "the weight must be packed by pack_bf16_weight");
-  const int64_t K = packed.size(1), blocks = packed.size(0), N = out_features;
+  const bool pairs = packed.size(2) == 2 * kBlock;  // the avx512_bf16 layout
+  TORCH_CHECK(!pairs || bf16_avx512::available(), "the weight is packed for avx512_bf16, which this CPU lacks");
+  const int64_t K = x.size(-1), blocks = packed.size(0), N = out_features;
   TORCH_CHECK(N > 0 && (N + kBlock - 1) / kBlock == blocks, "out_features ", N, " does not match the packed weight");
-  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
-  const at::Tensor xc = x.reshape({-1, K}).contiguous();
+  TORCH_CHECK(pairs ? (K + 1) / 2 == packed.size(1) : K == packed.size(1), "x has ", K, " features, the weight ",
+              pairs ? 2 * packed.size(1) : packed.size(1));
+  at::Tensor xc = x.reshape({-1, K});
   const int64_t M = xc.size(0);
-  // x widened to fp32 once ([M, K] is small next to W), in a plain loop: no tensor op to dispatch
-  std::vector<float> widened;
-  const float* xp = nullptr;
-  if (xc.scalar_type() == at::kFloat) {
-    xp = xc.data_ptr<float>();
+  if (pairs) {  // bf16 rows, K padded to even
+    xc = xc.to(at::kBFloat16);
+    if (K % 2) xc = at::constant_pad_nd(xc, {0, 1});
   } else {
-    widened.resize(M * K);
-    const at::BFloat16* src = xc.data_ptr<at::BFloat16>();
-    for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(src[i]);
-    xp = widened.data();
+    xc = xc.to(at::kFloat);  // [M, K] is small next to W
   }
+  xc = xc.contiguous();
   at::Tensor bf;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, "bias has ", bias->numel(), " elements for ", N, " outputs");
@@ -148,33 +183,9 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   out_shape.back() = N;
   at::Tensor out = at::empty(out_shape, x.options());
   if (M == 0) return out;
-  const bool out_bf16 = x.scalar_type() == at::kBFloat16;
-  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  char* op = static_cast<char*>(out.data_ptr());
-  // A thread takes whole blocks; below ~64K multiply-adds of work the caller's thread does it alone.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(K * kBlock * M, 1));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    float acc[kMaxRows * kBlock];
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint16_t* w = wp + b * K * kBlock;
-      const int64_t n0 = b * kBlock, width = std::min<int64_t>(kBlock, N - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
-        kTiles[rows](xp + m0 * K, K, w, K, acc);
-        for (int r = 0; r < rows; ++r) {
-          const float* a = acc + r * kBlock;
-          const int64_t row = (m0 + r) * N + n0;
-          if (out_bf16) {
-            at::BFloat16* o = reinterpret_cast<at::BFloat16*>(op) + row;  // rounds to nearest even
-            for (int64_t j = 0; j < width; ++j) o[j] = static_cast<at::BFloat16>(a[j] + (bp ? bp[n0 + j] : 0.f));
-          } else {
-            float* o = reinterpret_cast<float*>(op) + row;
-            for (int64_t j = 0; j < width; ++j) o[j] = a[j] + (bp ? bp[n0 + j] : 0.f);
-          }
-        }
-      }
-    }
-  });
+  const Bf16Problem P{xc.data_ptr(), M, xc.size(1), reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+                      blocks, N, bf.defined() ? bf.data_ptr<float>() : nullptr, x.scalar_type() == at::kBFloat16,
+                      static_cast<char*>(out.data_ptr())};
+  pairs ? bf16_avx512::run(P) : run_avx2(P);
   return out;
 }

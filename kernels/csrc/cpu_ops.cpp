@@ -343,9 +343,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "single-query attention over the paged cache");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
   m.def("fused_moe", &fused_moe, "the experts of a mixture-of-experts layer (moe_ops.cpp)");
-  m.def("pack_bf16_weight", &pack_bf16_weight, "a weight packed for linear_bf16 (bf16_linear.cpp)");
+  m.def("pack_bf16_weight", &pack_bf16_weight, "a weight packed for a family's linear_bf16 (bf16_linear.h)");
+  m.def("bf16_avx512_available", &bf16_avx512_available, "whether this CPU runs the avx512_bf16 linear_bf16");
   m.def("linear_bf16", &linear_bf16, "x W^T + b with bf16 weights, fp32 sums (bf16_linear.cpp)");
   m.def("quant_linear", &quant_linear, "x W^T + b with W quantised in groups along K (quant_linear.cpp)");
+  m.def("int8_vnni_available", &int8_vnni_available, "whether this CPU runs the avx512_vnni int8 products");
   m.def("quant_isa", &quant_isa, "the instruction family quant_linear was compiled for");
   pybind11::class_<ShmComm>(m, "ShmComm")
       .def(pybind11::init<const std::string&, int64_t, int64_t, int64_t, double>())

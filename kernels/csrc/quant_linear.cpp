@@ -10,7 +10,8 @@
 //   number gguf's dequantiser gives) into a buffer and runs 4x3 register tiles of fp32 dot products over
 //   every row of x.
 // int8 activations (W8A8; llama.cpp's q8 blocks): x quantised per row and group, 32 products at a time on
-// integers with vpmaddubsw + vpmaddwd (this family has no VNNI), one fp32 scale per group.
+// integers with vpmaddubsw + vpmaddwd (avx2) or vpdpbusd (the avx512_vnni family, chosen by the caller
+// where the CPU has it), one fp32 scale per group.
 #include "quant_linear.h"
 
 #include <ATen/Parallel.h>
@@ -214,6 +215,47 @@ void int8_tile(const Weight& W, const int8_t* xq, const float* xd, const float* 
   }
 }
 
+// The avx512_vnni family of int8_tile: vpdpbusd multiplies 4 unsigned bytes by 4 signed ones and adds
+// the 4 products to a 32-bit lane, one instruction for AVX2's vpmaddubsw + vpmaddwd + vpaddd (256-bit
+// wide, the chunk's 32 quants). Compiled for its target alone; runs only where the CPU has VNNI.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+template <int BITS, int R>
+void int8_tile_vnni(const Weight& W, const int8_t* xq, const float* xd, const float* xsum, int64_t n0, int64_t n1,
+                    float* out, int64_t ldo) {
+  const int64_t chunks = W.G / kChunk, K = W.K;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* q = W.qs + n * W.row_bytes;
+    const float* d = W.scales + n * W.groups;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (int64_t g = 0; g < W.groups; ++g) {
+      __m256i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      for (int64_t c = 0; c < chunks; ++c, k += kChunk, q += kChunk * BITS / 8) {
+        const __m256i wb = decode_bytes<BITS>(q);
+        for (int r = 0; r < R; ++r) {
+          const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + k));
+          if constexpr (BITS == 4) {
+            isum[r] = _mm256_dpbusd_epi32(isum[r], wb, xb);  // unsigned quants times signed x
+          } else {  // signed times signed: |x| times w with x's sign
+            isum[r] = _mm256_dpbusd_epi32(isum[r], _mm256_sign_epi8(xb, xb), _mm256_sign_epi8(wb, xb));
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d[g] * xd[r * W.groups + g]), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      float s = hsum(acc[r]);
+      if (W.mins) s += dot(W.mins + n * W.groups, xsum + r * W.groups, W.groups);
+      out[r * ldo + n] = s;
+    }
+  }
+}
+#pragma GCC pop_options
+
 #endif  // STAGEMESH_QUANT_AVX2
 
 // Per row and group of x: its int8 quants (round to nearest even of x * 127 / max|x|), the scale
@@ -287,13 +329,16 @@ void run_tiled(const Weight& W, const float* x, int64_t M, float* out) {
 }
 
 template <int BITS>
-void run_int8(const Weight& W, const float* x, int64_t M, float* out) {
+void run_int8(const Weight& W, const float* x, int64_t M, float* out, bool vnni) {
   std::vector<int8_t> xq(M * W.K);
   std::vector<float> xd(M * W.groups), sums(M * W.groups);
   quantize_rows(x, M, W.K, W.G, xq.data(), xd.data(), sums.data());
   using Fn = void (*)(const Weight&, const int8_t*, const float*, const float*, int64_t, int64_t, float*, int64_t);
-  constexpr Fn tiles[kRows + 1] = {nullptr, int8_tile<BITS, 1>, int8_tile<BITS, 2>, int8_tile<BITS, 3>,
-                                   int8_tile<BITS, 4>};
+  constexpr Fn avx2[kRows + 1] = {nullptr, int8_tile<BITS, 1>, int8_tile<BITS, 2>, int8_tile<BITS, 3>,
+                                  int8_tile<BITS, 4>};
+  constexpr Fn avx512_vnni[kRows + 1] = {nullptr, int8_tile_vnni<BITS, 1>, int8_tile_vnni<BITS, 2>,
+                                         int8_tile_vnni<BITS, 3>, int8_tile_vnni<BITS, 4>};
+  const Fn* tiles = vnni ? avx512_vnni : avx2;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(W.K * M, 1));
   at::parallel_for(0, W.N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
@@ -337,6 +382,15 @@ Weight check_weight(const at::Tensor& qs, const at::Tensor& scales, const c10::o
 
 }  // namespace
 
+bool int8_vnni_available() {
+#ifdef STAGEMESH_QUANT_AVX2
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bw");
+#else
+  return false;
+#endif
+}
+
 std::string quant_isa() {
 #ifdef STAGEMESH_QUANT_AVX2
   return "avx2";
@@ -347,11 +401,15 @@ std::string quant_isa() {
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
-                        bool int8_activations) {
+                        bool int8_activations, const std::string& family) {
 #ifndef STAGEMESH_QUANT_AVX2
   TORCH_CHECK(false, "quant_linear is built for AVX2 + FMA only; this build has neither (use the torch reference)");
 #else
   TORCH_CHECK(x.device().is_cpu(), "quant_linear runs on CPU tensors");
+  TORCH_CHECK(family == "avx2" || family == "avx512_vnni", "no quantised kernels for the family ", family,
+              " (avx2, avx512_vnni)");
+  const bool vnni = family == "avx512_vnni";
+  TORCH_CHECK(!vnni || int8_vnni_available(), "this CPU has no avx512_vnni instructions");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   int bits = 0;
   const Weight W = check_weight(qs, scales, mins, x.size(-1), &bits);
@@ -370,7 +428,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   const float* xp = xf.data_ptr<float>();
   float* op = out.data_ptr<float>();
   if (int8_activations) {
-    bits == 4 ? run_int8<4>(W, xp, M, op) : run_int8<8>(W, xp, M, op);
+    bits == 4 ? run_int8<4>(W, xp, M, op, vnni) : run_int8<8>(W, xp, M, op, vnni);
   } else if (M <= kFusedRows) {
     bits == 4 ? run_fused<4>(W, xp, M, op) : run_fused<8>(W, xp, M, op);
   } else {

@@ -11,9 +11,14 @@
 // int8_activations: x is quantised to int8 per row and group (scale max|x|/127, as llama.cpp's q8
 // blocks and dynamic per-token W8A8 do) and the products run on integers (vpmaddubsw / vpmaddwd);
 // otherwise every product is fp32 with the weights dequantised exactly. Output in x's dtype.
+// family: "avx2", or "avx512_vnni" for the integer products (refused where the CPU lacks it); the
+// fp32 products are the avx2 family's in both.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
-                        bool int8_activations);
+                        bool int8_activations, const std::string& family);
+
+// Whether this CPU runs the avx512_vnni integer products.
+bool int8_vnni_available();
 
 // The instruction family these kernels were compiled for ("avx2", or "none" where they are not built).
 std::string quant_isa();
