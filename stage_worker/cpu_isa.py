@@ -4,8 +4,9 @@ stagemesh's bf16 CPU path stores weights, activations and the KV cache in bf16 a
 (kernels/csrc/bf16_linear*.cpp and the fused kernels): it reads half the bytes of the fp32 path. Its
 linear products run on vdpbf16ps where the CPU has avx512_bf16 and on AVX2 FMA (bf16 widened to fp32)
 elsewhere, so it is faster than fp32 on any x86 CPU with AVX2 (benchmarks/bench_bf16_cpu.py). AMX tiles
-are not used yet; where a CPU has them the log says so. `--dtype auto` on CPU follows vLLM: the checkpoint's dtype, with fp16 as bf16;
-bf16 needs the built kernels (torch's own bf16 ops are slower than fp32 on CPU), else fp32.
+are not used yet; where a CPU has them the log says so. `--dtype auto` on CPU follows vLLM: the
+checkpoint's dtype, with fp16 as bf16; bf16 needs the built kernels (torch's own bf16 ops are slower
+than fp32 on a CPU without bf16 instructions), else fp32.
 """
 from __future__ import annotations
 
