@@ -69,6 +69,7 @@ def test_a_stage_that_rebalances_its_experts_mid_generation_matches_transformers
     assert re.search(r"EPLB balancedness over the last \d+ steps: layer 0 [\d.]+", log)  # log_balancedness
 
 
+@pytest.mark.slow  # starts processes
 def test_eplb_needs_experts_over_tp_ranks(tiny_model_dir):
     import subprocess
     import sys

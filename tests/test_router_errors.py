@@ -217,6 +217,7 @@ def _busy(answers: list[requests.Response], words: str) -> None:
     assert any(a.status_code == 200 for a in answers)
 
 
+@pytest.mark.slow  # starts processes
 def test_full_queue_is_429_with_retry_after(tiny_model_dir, tmp_path):
     # the scheduler's queue (RESOURCE_EXHAUSTED), then the router's own --max-waiting-requests; prefill in
     # chunks of 16 tokens keeps a long prompt waiting for its first token for many steps
