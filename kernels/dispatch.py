@@ -12,18 +12,21 @@ import torch
 from kernels import cpu_ops, moe_reference, quant_reference, reference
 
 
+# Read once: a process keeps one choice (the kernels are picked per call, so a lookup here is paid by
+# every kernel of every layer of every step).
+_FORCED = os.environ.get("STAGEMESH_KERNELS", "").lower()
+_CPU_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _use_triton(t: torch.Tensor) -> bool:
-    forced = os.environ.get("STAGEMESH_KERNELS", "").lower()
-    if forced == "torch":
-        return False
-    if forced == "triton":
-        return True
+    if _FORCED:
+        return _FORCED == "triton"
     return t.is_cuda
 
 
-def _cpu_impl(t: torch.Tensor, dtypes=(torch.float32, torch.bfloat16)):
+def _cpu_impl(t: torch.Tensor, dtypes=_CPU_DTYPES):
     """The fused CPU kernels for CPU tensors of these dtypes when they are built, else the reference."""
-    if t.device.type == "cpu" and t.dtype in dtypes and cpu_ops.load() is not None:
+    if t.is_cpu and t.dtype in dtypes and cpu_ops.load() is not None:
         return cpu_ops
     return reference
 
