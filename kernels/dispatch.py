@@ -19,7 +19,7 @@ _CPU_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    if _FORCED:
+    if _FORCED in ("torch", "triton"):
         return _FORCED == "triton"
     return t.is_cuda
 
