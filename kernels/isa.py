@@ -13,6 +13,7 @@ the families on one machine.
 """
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -44,16 +45,22 @@ KERNELS = {"bf16": ("avx512_bf16", "avx2"), "int8": ("avx512_vnni", "avx2")}
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The feature flags of the first CPU in /proc/cpuinfo (empty where there is none)."""
+    """The feature flags of the first CPU in cpuinfo's text; by default this machine's /proc/cpuinfo (read
+    once: every packed weight asks), empty where there is none."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set()
+        return set(_this_cpu())
     for line in cpuinfo.splitlines():
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()
+
+
+@functools.cache
+def _this_cpu() -> frozenset[str]:
+    try:
+        return frozenset(cpu_flags(Path("/proc/cpuinfo").read_text()))
+    except OSError:
+        return frozenset()
 
 
 def _allowed(name: str) -> bool:

@@ -168,12 +168,13 @@ def test_linear_bf16_equals_torch(family, rows, out_features, in_features, bias)
                                atol=0, rtol=2 ** -7)  # at most one bf16 step from rounding the exact sum
 
 
-def test_linear_bf16_family_is_this_cpus_best():
-    from kernels import isa
-
-    best = isa.family_for("bf16", isa.cpu_flags(), cpu_ops.load().bf16_avx512_available())
+def test_linear_bf16_family_is_this_cpus_best_unless_capped(monkeypatch):
+    monkeypatch.delenv("STAGEMESH_CPU_ISA", raising=False)
+    best = "avx512_bf16" if cpu_ops.load().bf16_avx512_available() else "avx2"
     assert cpu_ops.bf16_family() == best
     assert cpu_ops.pack_bf16_weight(torch.randn(20, 8)).shape == ((2, 8, 16) if best == "avx2" else (2, 4, 32))
+    monkeypatch.setenv("STAGEMESH_CPU_ISA", "avx2")  # the cap the benchmarks compare the families with
+    assert cpu_ops.bf16_family() == "avx2" and cpu_ops.pack_bf16_weight(torch.randn(20, 8)).shape == (2, 8, 16)
     with pytest.raises(RuntimeError, match="no bf16 linear kernels for the family avx9"):
         cpu_ops.pack_bf16_weight(torch.randn(20, 8), "avx9")
 

@@ -217,7 +217,9 @@ void int8_tile(const Weight& W, const int8_t* xq, const float* xd, const float* 
 
 // The avx512_vnni family of int8_tile: vpdpbusd multiplies 4 unsigned bytes by 4 signed ones and adds
 // the 4 products to a 32-bit lane, one instruction for AVX2's vpmaddubsw + vpmaddwd + vpaddd (256-bit
-// wide, the chunk's 32 quants). Compiled for its target alone; runs only where the CPU has VNNI.
+// wide, the chunk's 32 quants). Compiled for its target alone; runs only where the CPU has VNNI. Its loops
+// repeat int8_tile's: a body shared with the avx2 tile would be compiled either without VNNI (no vpdpbusd)
+// or with it (AVX-512 encodings in the tile that AVX2 CPUs run).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 template <int BITS, int R>
