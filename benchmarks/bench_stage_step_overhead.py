@@ -28,7 +28,7 @@ from tiny_models import make_tiny_model  # noqa: E402
 from stagemesh.core.sampling_params import SamplingParams  # noqa: E402
 from stagemesh.v1 import scheduler_pb2  # noqa: E402
 
-LAYOUTS = {"pp2-grpc": ([2, 2], [1, 1], "grpc"), "pp2-nccl": ([2, 2], [1, 1], "nccl"), "tp2": ([4], [2], "grpc")}
+LAYOUTS = {"pp1": ([4], [1], "grpc"), "pp2-grpc": ([2, 2], [1, 1], "grpc"), "pp2-nccl": ([2, 2], [1, 1], "nccl"), "tp2": ([4], [2], "grpc")}
 
 
 def per_step(model: Path, layout: str, scheduling: str, tokens: int) -> tuple[float, float]:

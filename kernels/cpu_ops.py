@@ -26,7 +26,8 @@ from kernels import isa, moe_reference, reference
 log = logging.getLogger("stagemesh.kernels")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "shm_comm.cpp", CSRC / "moe_ops.cpp", CSRC / "bf16_linear.cpp",
-           CSRC / "bf16_linear_avx512bf16.cpp", CSRC / "quant_linear.cpp"]
+           CSRC / "bf16_linear_avx512bf16.cpp", CSRC / "quant_linear.cpp", CSRC / "decode_attention_avx2.cpp",
+           CSRC / "decode_attention_avx512.cpp"]
 
 
 def _capability() -> str:
@@ -108,7 +109,18 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
 
 
 def _decode(q, k_cache, v_cache, block_tables, plan, scale):
-    return load().decode_attention(q, k_cache, v_cache, block_tables, plan.decode_seqs, plan.decode_lens, scale)
+    return load().decode_attention(q, k_cache, v_cache, block_tables, plan.decode_seqs, plan.decode_lens, scale,
+                                   _attention_family())
+
+
+def attention_family() -> str:
+    """The family whose decode attention runs here: avx512 where the CPU and the build have it, else avx2
+    (the portable loop where neither covers the head_dim, or below AVX2)."""
+    module = load()
+    return isa.family_for("attention", isa.cpu_flags(), module is not None and module.attention_avx512_available())
+
+
+_attention_family = functools.cache(attention_family)  # once per process
 
 
 def silu_and_mul(x):

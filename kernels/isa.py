@@ -2,12 +2,13 @@
 which the table names that are not built yet.
 
 The C++ kernels are compiled once per machine for the CPU's -march level (kernels/cpu_ops.py). The avx2
-family (AVX2 + FMA + F16C) has every kernel. Two kernels have a second family, compiled with its target
+family (AVX2 + FMA + F16C) has every kernel. Three kernels have a second family, compiled with its target
 for those functions alone and chosen at load where the CPU has the instructions:
 - bf16 linear (kernels/csrc/bf16_linear_avx512bf16.cpp): avx512_bf16, vdpbf16ps on bf16 pairs;
-- int8 products of w8a8 (kernels/csrc/quant_linear.cpp): avx512_vnni, vpdpbusd.
-AMX tiles and 16-wide AVX-512 FMA kernels are not written: this project's machines have no AMX to test
-them on, and the fp32 products here run on oneDNN, which uses AVX-512 where the CPU has it.
+- int8 products of w8a8 (kernels/csrc/quant_linear.cpp): avx512_vnni, vpdpbusd;
+- decode attention (kernels/csrc/decode_attention_avx512.cpp): avx512, 16-wide FMA in 32 registers.
+AMX tiles are not written (this project's machines have no AMX to test them on); the fp32 products run
+on oneDNN, which uses AVX-512 where the CPU has it.
 STAGEMESH_CPU_ISA=<family> caps the choice at that family (avx2: the avx2 kernels everywhere), to compare
 the families on one machine.
 """
@@ -33,15 +34,15 @@ FAMILIES = (
            "vdpbf16ps bf16 dot products for bf16 weights"),
     Family("avx512_vnni", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}), True,
            "vpdpbusd int8 dot products for w8a8"),
-    Family("avx512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}), False,
-           "16-wide FMA"),
+    Family("avx512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}), True,
+           "16-wide FMA decode attention"),
     Family("avx2", frozenset({"avx2", "fma", "f16c", "bmi2"}), True, "8-wide FMA, vpmaddubsw/vpmaddwd int8"),
     Family("scalar", frozenset(), True, "the torch reference (no C++ SIMD kernels)"),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
 
 # The families each kernel has, best first (avx2 has them all).
-KERNELS = {"bf16": ("avx512_bf16", "avx2"), "int8": ("avx512_vnni", "avx2")}
+KERNELS = {"bf16": ("avx512_bf16", "avx2"), "int8": ("avx512_vnni", "avx2"), "attention": ("avx512", "avx2")}
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
@@ -90,7 +91,7 @@ def chosen(flags: set[str]) -> Family:
 
 
 def family_for(kernel: str, flags: set[str], built: bool = True) -> str:
-    """Which family's `kernel` ("bf16", "int8") runs: the best one the CPU has (built: the build has it
+    """Which family's `kernel` ("bf16", "int8", "attention") runs: the best one the CPU has (built: the build has it
     too, as the module says), else avx2."""
     names = {f.name for f in running(flags)}
     return next((n for n in KERNELS[kernel] if n in names and (built or n == "avx2")), "avx2")

@@ -61,16 +61,19 @@ def test_the_kernel_family_is_chosen_by_flags_and_unbuilt_ones_are_named(monkeyp
     assert isa.chosen(server).name == "avx512_bf16" and isa.march(server) == "avx512"
     assert isa.family_for("bf16", server) == "avx512_bf16" and isa.family_for("int8", server) == "avx512_vnni"
     assert isa.family_for("bf16", server, built=False) == "avx2"  # the build cannot emit them
+    assert isa.family_for("attention", server) == "avx512" and isa.family_for("attention", avx2) == "avx2"
     assert isa.describe(server) == (
         "CPU kernels: avx512_bf16 (vdpbf16ps bf16 dot products for bf16 weights), avx512_vnni (vpdpbusd int8 dot "
-        "products for w8a8), avx2 (8-wide FMA, vpmaddubsw/vpmaddwd int8) for the rest; this CPU also has amx, "
-        "avx512, whose kernels are not built yet")
+        "products for w8a8), avx512 (16-wide FMA decode attention), avx2 (8-wide FMA, vpmaddubsw/vpmaddwd int8) "
+        "for the rest; this CPU also has amx, whose kernels are not built yet")
     cascade_lake = cpu_flags("flags : avx2 fma f16c bmi2 avx512f avx512bw avx512vl avx512dq avx512cd avx512_vnni")
     assert isa.family_for("bf16", cascade_lake) == "avx2" and isa.family_for("int8", cascade_lake) == "avx512_vnni"
+    assert isa.family_for("attention", cascade_lake) == "avx512"
     assert isa.describe(avx2, built=False).endswith("; the C++ kernels are not built")
     # STAGEMESH_CPU_ISA caps the choice, to compare the families on one machine
     monkeypatch.setenv("STAGEMESH_CPU_ISA", "avx2")
     assert isa.family_for("bf16", server) == "avx2" and isa.family_for("int8", server) == "avx2"
+    assert isa.family_for("attention", server) == "avx2"
     assert isa.describe(server).startswith("CPU kernels: avx2 (")
     monkeypatch.setenv("STAGEMESH_CPU_ISA", "avx9")
     with pytest.raises(ValueError, match="STAGEMESH_CPU_ISA='avx9' is not a kernel family"):

@@ -187,3 +187,49 @@ def test_linear_bf16_refuses_what_does_not_fit():
         cpu_ops.linear_bf16(torch.randn(2, 8), packed, 40)
     with pytest.raises(RuntimeError, match="packed by pack_bf16_weight"):
         cpu_ops.linear_bf16(torch.randn(2, 8), torch.randn(20, 8), 20)
+
+
+# -- decode attention by family (kernels/csrc/decode_attention_*.cpp) ---------------------------------
+
+def attention_families():
+    """Every family of decode attention; the ones this CPU cannot run are skipped by name."""
+    runs = {"portable": True, "avx2": True, "avx512": cpu_ops.load().attention_avx512_available()}
+    return [pytest.param(f, marks=[] if ok else pytest.mark.skip(reason=f"this CPU has no {f} instructions"))
+            for f, ok in runs.items()]
+
+
+def decode_case(ctx, heads, kv_heads, d, dtype, seed):
+    """Decode rows (one query each) over scattered paged contexts of the given lengths."""
+    q, k_cache, v_cache, tables, lens, _ = paged_case([1] * len(ctx), ctx, heads, kv_heads, d, dtype=dtype, seed=seed)
+    seqs = torch.arange(len(ctx), dtype=torch.int32)
+    return (q, k_cache, v_cache, tables, lens, torch.arange(len(ctx) + 1, dtype=torch.int32)), seqs
+
+
+@pytest.mark.parametrize("family", attention_families())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 8, 64), (8, 2, 64), (10, 2, 64), (8, 2, 128),
+                                              (4, 1, 256), (6, 3, 80)])
+def test_decode_attention_families_equal_dense(family, dtype, heads, kv_heads, d):
+    """Groups of 1-5 query heads per KV head (the head blocks of a pass and their tails), head_dim 64, 128,
+    256 and 80 (which no family covers: the portable loop), contexts of 1 position to many blocks,
+    enough rows to share out over the threads by positions."""
+    ctx = [1, 2, 15, 16, 17, 33, 300, 5, 64, 1000, 7, 129] + [40 + 13 * i for i in range(12)]
+    args, seqs = decode_case(ctx, heads, kv_heads, d, dtype, seed=heads * d)
+    q, k_cache, v_cache, tables, lens, _ = args
+    got = cpu_ops.load().decode_attention(q, k_cache, v_cache, tables, seqs, lens, d ** -0.5, family)
+    assert got.dtype == dtype and got.shape == q.shape
+    want = dense_attention(*args, d ** -0.5)  # fp32 on the stored (bf16: exactly widened) inputs
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, **TOL)
+    else:  # sums in fp32, one rounding of the output
+        torch.testing.assert_close(got, want.bfloat16(), atol=1e-5, rtol=2 ** -7)
+
+
+def test_decode_attention_family_is_this_cpus_best_unless_capped(monkeypatch):
+    monkeypatch.delenv("STAGEMESH_CPU_ISA", raising=False)
+    assert cpu_ops.attention_family() == ("avx512" if cpu_ops.load().attention_avx512_available() else "avx2")
+    monkeypatch.setenv("STAGEMESH_CPU_ISA", "avx2")
+    assert cpu_ops.attention_family() == "avx2"
+    with pytest.raises(RuntimeError, match="no decode attention for the family sse"):
+        args, seqs = decode_case([3], 4, 2, 64, torch.float32, seed=1)
+        cpu_ops.load().decode_attention(args[0], args[1], args[2], args[3], seqs, args[4], 0.1, "sse")

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 
 #include "bf16_linear.h"
+#include "decode_attention.h"
 #include "moe_ops.h"
 #include "quant_linear.h"
 #include "shm_comm.h"
@@ -224,14 +225,17 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
 }
 
 // Attention of single query rows over the paged cache. Row r belongs to sequence seq[r]
-// and sees its first visible[r] positions. One task per row: it walks the row's blocks in
-// order and reads each position's keys (then values) of all KV heads as one contiguous
-// run, which the hardware prefetcher follows; softmax in fp32, two passes. A bf16 cache is
-// read as bf16 (half the bytes) and widened in registers; sums and the output row are fp32
-// until the row is stored.
+// and sees its first visible[r] positions. `family` (kernels/isa.py): "avx512" or "avx2" run that
+// family's kernel (decode_attention.h) where it covers the head_dim; "portable", and any head_dim no
+// family covers, the loop below: one task per row, walking the row's blocks in order and reading each
+// position's keys (then values) of all KV heads as one contiguous run; softmax in fp32, two passes. A
+// bf16 cache is read as bf16 (half the bytes) and widened in registers; sums and the output row are
+// fp32 until the row is stored.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& visible,
-                            double scale) {
+                            double scale, const std::string& family) {
+  TORCH_CHECK(family == "avx512" || family == "avx2" || family == "portable", "no decode attention for the family ",
+              family, " (avx512, avx2, portable)");
   check_float_or_bf16(q, "q");
   check_cpu(k_cache, "k_cache", q.scalar_type());
   check_cpu(v_cache, "v_cache", q.scalar_type());
@@ -260,6 +264,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   }
   at::Tensor out = at::empty_like(qc);
   const float fscale = static_cast<float>(scale);
+  const decode_attn::Problem problem{qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), bt, sq, ln,
+                                     rows, heads, kv_heads, dim, block_size, width, max_len, fscale,
+                                     q.scalar_type() == at::kBFloat16};
+  if (family == "avx512" && decode_attn::avx512_covers(dim)) {
+    decode_attn::avx512_run(problem);
+    return out;
+  }
+  if (family != "portable" && decode_attn::avx2_covers(dim)) {  // avx512 asked of a head_dim it does not cover
+    decode_attn::avx2_run(problem);
+    return out;
+  }
   with_dtype(q.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     const T *qp = qc.data_ptr<T>(), *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>();
@@ -340,7 +355,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "(x + residual) RMSNorm");
   m.def("apply_rotary", &apply_rotary, "rotary embedding of q and k");
   m.def("write_kv_cache", &write_kv_cache, "write k and v into the paged cache");
-  m.def("decode_attention", &decode_attention, "single-query attention over the paged cache");
+  m.def("decode_attention", &decode_attention, "single-query attention over the paged cache (a family's kernel)",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("seq"), pybind11::arg("visible"), pybind11::arg("scale"), pybind11::arg("family") = "portable");
+  m.def("attention_avx512_available", &decode_attn::avx512_available, "whether this CPU runs the avx512 decode attention");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
   m.def("fused_moe", &fused_moe, "the experts of a mixture-of-experts layer (moe_ops.cpp)");
   m.def("pack_bf16_weight", &pack_bf16_weight, "a weight packed for a family's linear_bf16 (bf16_linear.h)");

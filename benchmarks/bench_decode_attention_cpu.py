@@ -1,0 +1,75 @@
+"""The decode attention kernel by family (kernels/csrc/decode_attention_*.cpp) against the portable loop,
+on a batch of decode rows like the standard workload's at its widest: --rows sequences with contexts of
+16-256 prompt tokens plus 0-128 generated, the default model's heads (9 query, 3 KV, head_dim 64),
+scattered blocks of 16. Prints microseconds per call (one layer), the same for the model's 30 layers,
+and the ratio to the portable loop, per dtype; families this CPU cannot run are skipped by name. The
+families alternate for --rounds rounds and the medians are compared.
+
+    .venv/bin/python benchmarks/bench_decode_attention_cpu.py [--rows 32] [--threads N] [--rounds 5]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+
+def case(rows: int, dtype: torch.dtype, heads=9, kv_heads=3, dim=64, bs=16, seed=0):
+    rng = random.Random(seed)
+    lens = [rng.randint(16, 256) + rng.randint(0, 128) for _ in range(rows)]
+    per_seq = [(n + bs - 1) // bs for n in lens]
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randperm(sum(per_seq), generator=g)
+    tables = torch.zeros(rows, max(per_seq), dtype=torch.int32)
+    at = 0
+    for r, n in enumerate(per_seq):
+        tables[r, :n] = blocks[at:at + n]
+        at += n
+    k = torch.randn(sum(per_seq), bs, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn(sum(per_seq), bs, kv_heads, dim, generator=g).to(dtype)
+    q = torch.randn(rows, heads, dim, generator=g).to(dtype)
+    return (q, k, v, tables, torch.arange(rows, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+            dim ** -0.5), sum(lens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=100, help="calls per round")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from kernels import cpu_ops, isa
+
+    ops = cpu_ops.load()
+    if ops is None:
+        raise SystemExit("the CPU kernels could not be built here")
+    families = ["portable", "avx2"] + (["avx512"] if ops.attention_avx512_available() else [])
+    print(isa.describe(isa.cpu_flags()))
+    print(f"{args.rows} decode rows, 9 heads / 3 KV heads of 64, {args.threads} threads, {args.rounds} rounds "
+          f"(medians); families run here: {', '.join(families)}")
+    for dtype in (torch.bfloat16, torch.float32):
+        call, positions = case(args.rows, dtype)
+        want = ops.decode_attention(*call, "portable").float()
+        times: dict[str, list[float]] = {f: [] for f in families}
+        for f in families:  # the same answer, within fp32 rounding
+            torch.testing.assert_close(ops.decode_attention(*call, f).float(), want, atol=1e-5, rtol=1e-2)
+        for _ in range(args.rounds):
+            for f in families:
+                start = time.perf_counter()
+                for _ in range(args.calls):
+                    ops.decode_attention(*call, f)
+                times[f].append((time.perf_counter() - start) / args.calls)
+        base = statistics.median(times["portable"])
+        for f in families:
+            t = statistics.median(times[f])
+            print(f"{str(dtype).removeprefix('torch.'):9s} {f:9s}: {t * 1e6:7.0f} us per layer, {t * 30e3:5.1f} ms for "
+                  f"30 layers, {positions * 9 * 64 * 4 / t / 1e9:5.1f} GFLOPS, {base / t:4.2f}x the portable loop")
+
+
+if __name__ == "__main__":
+    main()

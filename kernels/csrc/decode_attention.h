@@ -1,0 +1,36 @@
+// Decode attention over the paged KV cache, by kernel family (kernels/isa.py): single query rows, each
+// seeing the first visible[r] positions of its sequence. cpu_ops.cpp validates the arguments and keeps
+// a portable loop for what no family covers (another head_dim, a build below AVX2); the families are
+// decode_attention_avx2.cpp (8-wide FMA) and decode_attention_avx512.cpp (16-wide FMA), both from the
+// one algorithm in decode_attention_impl.h.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+
+namespace decode_attn {
+
+// What a family's kernel reads; the caller has checked every sequence index, length and block id.
+struct Problem {
+  const void* q;        // [rows, heads, dim], the cache's dtype
+  const void* k_cache;  // [num_blocks, block_size, kv_heads, dim]
+  const void* v_cache;
+  void* out;            // like q
+  const int32_t* block_tables;  // [*, width]
+  const int32_t* seq;           // [rows]
+  const int32_t* visible;       // [rows]
+  int64_t rows, heads, kv_heads, dim, block_size, width, max_len;
+  float scale;
+  bool bf16;  // the cache and q are bf16 (else fp32)
+};
+
+// Whether the family runs here (the CPU has its instructions and this build could emit them) and
+// covers this head_dim; run() computes the attention into p.out.
+bool avx2_covers(int64_t dim);
+void avx2_run(const Problem& p);
+bool avx512_available();
+bool avx512_covers(int64_t dim);
+void avx512_run(const Problem& p);
+
+}  // namespace decode_attn

@@ -1,0 +1,173 @@
+// The decode attention of a family (decode_attention.h), written once over a vector type V: included by
+// each family's source inside its namespace and its target pragma, after V (W floats per register: load
+// from float or bf16, set1, mul, fma, sum of lanes, store) and every system header. No include here.
+//
+// Work: one item per (query row, KV head), the item's G query heads sharing every key and value it reads
+// (each key row is widened once for G heads, where a loop per query head reads it G times). Items are
+// shared out over the threads by their positions, not their count, so that one long context does not
+// leave the other threads waiting. Per item, two passes over its positions: scores (q . k, a register
+// of partial sums per head and position, added across at the end), softmax in fp32, then the values
+// summed into registers that hold the G heads' output rows for the whole pass.
+
+constexpr int kRegs = V::kAccumulators;  // accumulator registers a pass may keep (of the family's file)
+
+// expf after Cephes, as cpu_ops.cpp's exp_poly: branch-free, so the softmax loop vectorizes
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  x -= n * 0.693359375f;
+  x -= n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * x * x + x + 1.f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+template <typename T>
+struct Item {
+  const T* keys;    // the item's KV head in position 0 of block 0: + (block * block_size + offset) * row
+  const T* values;
+  const int32_t* table;
+  int64_t len, block_size, row;  // row: elements from one position to the next (kv_heads * dim)
+  const T* at(const T* base, int64_t t) const {
+    return base + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row;
+  }
+};
+
+// scores[h][t] = q_h . k_t for HB heads (q already scaled), NC registers per row of dim
+template <int NC, int HB, typename T>
+void scores(const Item<T>& it, const float* q, int64_t dim, float* s, int64_t stride) {
+  typename V::reg qr[HB][NC];
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < NC; ++c) qr[h][c] = V::load(q + h * dim + c * V::W);
+  for (int64_t t = 0; t < it.len; ++t) {
+    const T* key = it.at(it.keys, t);
+    typename V::reg k[NC];
+    for (int c = 0; c < NC; ++c) k[c] = V::load(key + c * V::W);
+    for (int h = 0; h < HB; ++h) {
+      typename V::reg acc = V::mul(qr[h][0], k[0]);
+      for (int c = 1; c < NC; ++c) acc = V::fma(qr[h][c], k[c], acc);
+      s[h * stride + t] = V::sum(acc);
+    }
+  }
+}
+
+// o[h] = sum_t p[h][t] v_t for HB heads
+template <int NC, int HB, typename T>
+void values(const Item<T>& it, const float* p, int64_t stride, float* o, int64_t dim) {
+  typename V::reg acc[HB][NC];
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < NC; ++c) acc[h][c] = V::zero();
+  for (int64_t t = 0; t < it.len; ++t) {
+    const T* value = it.at(it.values, t);
+    for (int c = 0; c < NC; ++c) {
+      const typename V::reg v = V::load(value + c * V::W);
+      for (int h = 0; h < HB; ++h) acc[h][c] = V::fma(V::set1(p[h * stride + t]), v, acc[h][c]);
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < NC; ++c) V::store(o + h * dim + c * V::W, acc[h][c]);
+}
+
+// One pass over an item's positions for HB of its heads.
+template <int NC, int HB, typename T>
+void pass(const Item<T>& it, const float* q, float* s, float* o, int64_t dim, int64_t stride, bool scoring) {
+  if (scoring) scores<NC, HB>(it, q, dim, s, stride);
+  else values<NC, HB>(it, s, stride, o, dim);
+}
+
+// The heads of an item in blocks of as many as keep a pass's accumulators in registers (at most 4).
+template <int NC, typename T>
+void heads_in_blocks(const Item<T>& it, const float* q, float* s, float* o, int64_t heads, int64_t dim,
+                     int64_t stride, bool scoring) {
+  constexpr int64_t kMax = kRegs / NC < 1 ? 1 : kRegs / NC > 4 ? 4 : kRegs / NC;
+  for (int64_t h = 0; h < heads;) {
+    const int64_t n = std::min(kMax, heads - h);
+    const float* qh = q + h * dim;
+    float *sh = s + h * stride, *oh = o + h * dim;
+    switch (n) {
+      case 4: pass<NC, 4>(it, qh, sh, oh, dim, stride, scoring); break;
+      case 3: pass<NC, 3>(it, qh, sh, oh, dim, stride, scoring); break;
+      case 2: pass<NC, 2>(it, qh, sh, oh, dim, stride, scoring); break;
+      default: pass<NC, 1>(it, qh, sh, oh, dim, stride, scoring); break;
+    }
+    h += n;
+  }
+}
+
+template <int NC, typename T>
+void attend(const Problem& p, int64_t item, std::vector<float>& buf) {
+  const int64_t r = item / p.kv_heads, kvh = item % p.kv_heads, group = p.heads / p.kv_heads, dim = p.dim;
+  const int64_t len = p.visible[r], stride = len;
+  const int64_t row = p.kv_heads * dim;
+  const Item<T> it{static_cast<const T*>(p.k_cache) + kvh * dim, static_cast<const T*>(p.v_cache) + kvh * dim,
+                   p.block_tables + static_cast<int64_t>(p.seq[r]) * p.width, len, p.block_size, row};
+  buf.resize(2 * group * dim + group * len);
+  float *q = buf.data(), *o = q + group * dim, *s = o + group * dim;
+  const T* qrow = static_cast<const T*>(p.q) + (r * p.heads + kvh * group) * dim;
+  for (int64_t i = 0; i < group * dim; ++i) q[i] = static_cast<float>(qrow[i]) * p.scale;
+  heads_in_blocks<NC>(it, q, s, o, group, dim, stride, true);
+  for (int64_t h = 0; h < group; ++h) {  // softmax over the row's positions, in fp32
+    float* sh = s + h * stride;
+    const float m = *std::max_element(sh, sh + len);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) {
+      sh[t] = exp_approx(sh[t] - m);
+      total += sh[t];
+    }
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
+  }
+  heads_in_blocks<NC>(it, q, s, o, group, dim, stride, false);
+  T* orow = static_cast<T*>(p.out) + (r * p.heads + kvh * group) * dim;
+  for (int64_t i = 0; i < group * dim; ++i) orow[i] = static_cast<T>(o[i]);  // bf16: round to nearest even
+}
+
+// Items [0, rows * kv_heads) shared over the threads in ranges of about equal positions.
+template <int NC, typename T>
+void run_items(const Problem& p) {
+  const int64_t items = p.rows * p.kv_heads;
+  std::vector<int64_t> ends(items);  // positions read up to and including each item
+  int64_t total = 0;
+  for (int64_t i = 0; i < items; ++i) ends[i] = total += p.visible[i / p.kv_heads];
+  // below kGrain positions x dim the other threads cost more to wake than the work
+  constexpr int64_t kGrain = 1 << 13;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>({at::get_num_threads(), items,
+                                                                  total * p.dim / kGrain}));
+  at::parallel_for(0, parts, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> buf;
+    for (int64_t part = lo; part < hi; ++part) {
+      // the items whose last position falls in this part's share of all the positions
+      const int64_t from = total * part / parts, to = total * (part + 1) / parts;
+      const int64_t first = std::upper_bound(ends.begin(), ends.end(), from) - ends.begin();
+      const int64_t last = part + 1 == parts ? items : std::upper_bound(ends.begin(), ends.end(), to) - ends.begin();
+      for (int64_t i = part == 0 ? 0 : first; i < last; ++i) attend<NC, T>(p, i, buf);
+    }
+  });
+}
+
+template <int NC>
+void run_dtype(const Problem& p) {
+  if (p.bf16) run_items<NC, c10::BFloat16>(p);
+  else run_items<NC, float>(p);
+}
+
+bool covers(int64_t dim) { return dim == 4 * V::W || dim == 8 * V::W || dim == 16 * V::W; }
+
+void run(const Problem& p) {
+  switch (p.dim / V::W) {
+    case 4: return run_dtype<4>(p);
+    case 8: return run_dtype<8>(p);
+    case 16: return run_dtype<16>(p);
+    default: TORCH_CHECK(false, "decode attention: head_dim ", p.dim, " is not covered by this family");
+  }
+}
