@@ -1,7 +1,7 @@
 """What a decode step costs in the stages beyond the model, at batch 1: a tiny model, so compute is small.
 
-Real replicas (scheduler + stage processes on loopback) of a 4-layer tiny llama in three layouts:
-PP=2 over the grpc handoff, PP=2 over the nccl handoff (gloo on CPU), and one stage of TP=2 (rank 0
+Real replicas (scheduler + stage processes on loopback) of a 4-layer tiny llama in four layouts: one
+stage (pp1), PP=2 over the grpc handoff, PP=2 over the nccl handoff (gloo on CPU), and one stage of TP=2 (rank 0
 and a follower process). One greedy request of --tokens tokens each, synchronous scheduling (each
 step waits for the one before: the step path end to end, once per token) and async (steps run ahead,
 the first stage filling in the last one's tokens). Per step: run time (the request's decode time over
@@ -28,7 +28,8 @@ from tiny_models import make_tiny_model  # noqa: E402
 from stagemesh.core.sampling_params import SamplingParams  # noqa: E402
 from stagemesh.v1 import scheduler_pb2  # noqa: E402
 
-LAYOUTS = {"pp1": ([4], [1], "grpc"), "pp2-grpc": ([2, 2], [1, 1], "grpc"), "pp2-nccl": ([2, 2], [1, 1], "nccl"), "tp2": ([4], [2], "grpc")}
+LAYOUTS = {"pp1": ([4], [1], "grpc"), "pp2-grpc": ([2, 2], [1, 1], "grpc"), "pp2-nccl": ([2, 2], [1, 1], "nccl"),
+           "tp2": ([4], [2], "grpc")}
 
 
 def per_step(model: Path, layout: str, scheduling: str, tokens: int) -> tuple[float, float]:
