@@ -104,8 +104,33 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
-    return reference.paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                                     decode=_decode)
+    """Where this CPU's attention family covers the head_dim, every query row (decode tokens and prefill
+    chunks alike) is one row of the family's kernel, seeing the positions up to its own; else decode rows
+    take the portable loop and prefill chunks torch's attention, one sequence at a time."""
+    family = _attention_family()
+    if not _covers(family, q.shape[-1]):
+        return reference.paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                                         decode=_decode)
+    seqs, visible = reference.step_memo("query rows", (context_lens, query_start_loc),
+                                        lambda: query_rows(context_lens, query_start_loc))
+    return load().decode_attention(q, k_cache, v_cache, block_tables, seqs, visible, scale, family)
+
+
+def query_rows(context_lens, query_start_loc):
+    """Each query row's sequence and the positions it sees: a chunk of n queries over a context of c
+    positions ends at the context's end, so its i-th row sees c - n + i + 1 of them."""
+    counts = query_start_loc[1:] - query_start_loc[:-1]
+    seqs = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), counts)
+    first_row = torch.repeat_interleave(query_start_loc[:-1], counts)
+    visible = (context_lens.repeat_interleave(counts) - counts.repeat_interleave(counts)
+               + torch.arange(len(seqs), dtype=first_row.dtype) - first_row + 1)
+    return seqs, visible.to(torch.int32)
+
+
+@functools.cache
+def _covers(family: str, head_dim: int) -> bool:
+    module = load()
+    return module.decode_attention_covers(family, head_dim)
 
 
 def _decode(q, k_cache, v_cache, block_tables, plan, scale):

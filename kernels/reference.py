@@ -27,7 +27,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     Decode rows (query length 1) run as one batch through `decode` (this module's torch
     version unless a kernel is given), prefill chunks one sequence at a time."""
-    plan = _memo("attention", (block_tables, context_lens, query_start_loc),
+    plan = step_memo("attention", (block_tables, context_lens, query_start_loc),
                  lambda: AttentionPlan(context_lens, query_start_loc))
     decode = decode or _decode
     if plan.decode_rows is None:
@@ -139,7 +139,8 @@ def _one_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 _step_memo: dict[str, tuple] = {}
 
 
-def _memo(name: str, keys: tuple, compute):
+def step_memo(name: str, keys: tuple, compute):
+    """compute() once for a step's metadata tensors `keys` (the same objects every layer of the step)."""
     hit = _step_memo.get(name)
     if hit is not None and len(hit[0]) == len(keys) and all(a is b for a, b in zip(hit[0], keys)):
         return hit[1]
@@ -163,7 +164,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding in the rotate-half (NeoX / transformers Llama) layout."""
-    cos, sin = _memo("rotary", (positions, cos_sin_cache), lambda: _cos_sin(positions, cos_sin_cache, q.dtype))
+    cos, sin = step_memo("rotary", (positions, cos_sin_cache), lambda: _cos_sin(positions, cos_sin_cache, q.dtype))
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -323,6 +323,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
+// Whether decode_attention's `family` runs a family kernel (not the portable loop) for this head_dim here.
+bool decode_attention_covers(const std::string& family, int64_t dim) {
+  if (family == "avx512" && decode_attn::avx512_covers(dim)) return true;
+  return family != "portable" && decode_attn::avx2_covers(dim);
+}
+
 // SiLU(gate) * up of x = cat(gate, up) along the last dimension; in bf16 SiLU(gate) is rounded to bf16
 // before the product, as torch's F.silu(gate) * up does.
 at::Tensor silu_and_mul(const at::Tensor& x) {
@@ -358,6 +364,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "single-query attention over the paged cache (a family's kernel)",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
         pybind11::arg("seq"), pybind11::arg("visible"), pybind11::arg("scale"), pybind11::arg("family") = "portable");
+  m.def("decode_attention_covers", &decode_attention_covers, "whether a family's kernel covers this head_dim here");
   m.def("attention_avx512_available", &decode_attn::avx512_available, "whether this CPU runs the avx512 decode attention");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
   m.def("fused_moe", &fused_moe, "the experts of a mixture-of-experts layer (moe_ops.cpp)");

@@ -7,7 +7,9 @@
 // shared out over the threads by their positions, not their count, so that one long context does not
 // leave the other threads waiting. Per item, two passes over its positions: scores (q . k, a register
 // of partial sums per head and position, added across at the end), softmax in fp32, then the values
-// summed into registers that hold the G heads' output rows for the whole pass.
+// summed into registers that hold the G heads' output rows for the whole pass. With a bf16 cache the
+// softmax's weights are rounded to bf16 before they multiply the values, and the sum divides last, as
+// torch's bf16 attention (the reference's) does; everything else is fp32.
 
 constexpr int kRegs = V::kAccumulators;  // accumulator registers a pass may keep (of the family's file)
 
@@ -109,12 +111,12 @@ void attend(const Problem& p, int64_t item, std::vector<float>& buf) {
   const int64_t row = p.kv_heads * dim;
   const Item<T> it{static_cast<const T*>(p.k_cache) + kvh * dim, static_cast<const T*>(p.v_cache) + kvh * dim,
                    p.block_tables + static_cast<int64_t>(p.seq[r]) * p.width, len, p.block_size, row};
-  buf.resize(2 * group * dim + group * len);
-  float *q = buf.data(), *o = q + group * dim, *s = o + group * dim;
+  buf.resize(2 * group * dim + group + group * len);
+  float *q = buf.data(), *o = q + group * dim, *inv = o + group * dim, *s = inv + group;
   const T* qrow = static_cast<const T*>(p.q) + (r * p.heads + kvh * group) * dim;
   for (int64_t i = 0; i < group * dim; ++i) q[i] = static_cast<float>(qrow[i]) * p.scale;
   heads_in_blocks<NC>(it, q, s, o, group, dim, stride, true);
-  for (int64_t h = 0; h < group; ++h) {  // softmax over the row's positions, in fp32
+  for (int64_t h = 0; h < group; ++h) {  // softmax over the row's positions, in fp32, normalised at the end
     float* sh = s + h * stride;
     const float m = *std::max_element(sh, sh + len);
     float total = 0.f;
@@ -123,13 +125,15 @@ void attend(const Problem& p, int64_t item, std::vector<float>& buf) {
       sh[t] = exp_approx(sh[t] - m);
       total += sh[t];
     }
-    const float inv = 1.f / total;
-#pragma omp simd
-    for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
+    inv[h] = 1.f / total;
+    // bf16: the weights of the values in bf16, as torch's bf16 attention multiplies them (the sum stays fp32)
+    if (std::is_same<T, c10::BFloat16>::value)
+      for (int64_t t = 0; t < len; ++t) sh[t] = static_cast<float>(c10::BFloat16(sh[t]));
   }
   heads_in_blocks<NC>(it, q, s, o, group, dim, stride, false);
   T* orow = static_cast<T*>(p.out) + (r * p.heads + kvh * group) * dim;
-  for (int64_t i = 0; i < group * dim; ++i) orow[i] = static_cast<T>(o[i]);  // bf16: round to nearest even
+  for (int64_t h = 0; h < group; ++h)  // bf16: rounded to nearest even once
+    for (int64_t i = 0; i < dim; ++i) orow[h * dim + i] = static_cast<T>(o[h * dim + i] * inv[h]);
 }
 
 // Items [0, rows * kv_heads) shared over the threads in ranges of about equal positions.
