@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 
+from stagemesh.core.heap import freeze_startup_heap
 from stagemesh.core.service_options import add_service_arguments, setup_service
 
 log = logging.getLogger("stagemesh.router")
@@ -126,6 +127,7 @@ async def _main(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    freeze_startup_heap("router")
     await stop.wait()
     checker.cancel()
     if grpc_server is not None:

@@ -10,6 +10,7 @@ from dataclasses import replace
 from stagemesh.core import internal_token
 from stagemesh.core.deadlines import DEADLINES
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.heap import freeze_startup_heap
 from stagemesh.core.service_options import add_service_arguments, setup_service
 
 log = logging.getLogger("stagemesh.scheduler")
@@ -122,6 +123,7 @@ async def _main(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    freeze_startup_heap("scheduler")
     runner = asyncio.create_task(driver.run())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({runner, stopping}, return_when=asyncio.FIRST_COMPLETED)

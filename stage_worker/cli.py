@@ -11,6 +11,7 @@ import grpc
 from stagemesh.core import internal_token
 from stagemesh.core.deadlines import DEADLINES
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.heap import freeze_startup_heap
 from stagemesh.core.service_options import add_service_arguments, channel, setup_service
 
 log = logging.getLogger("stagemesh.stage")
@@ -253,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
                 failed.append(err)
                 stop.set()
 
+        freeze_startup_heap("stage")
         worker.steps.start()  # from here on the model's work waits for the loop below
         threading.Thread(target=supervise, name="register", daemon=True).start()
         worker.steps.run_until(stop, idle=worker.ep)  # the model's work runs here, on the thread that loaded it
