@@ -7,7 +7,12 @@ prefill: --prefills sequences of --prefill-len tokens, every query row one row o
 (kernels/cpu_ops.paged_attention) against torch's attention one sequence at a time (the path where no
 family covers the head_dim). Arms alternate for --rounds rounds and the medians are compared.
 
-    .venv/bin/python benchmarks/bench_decode_attention_cpu.py [--rows 32] [--threads N] [--rounds 5]
+--model: instead, the default model in bf16 in-process on the standard batch (32 requests at once, prompts
+16-256, outputs 16-128, as benchmarks/bench_bf16_cpu.py), one engine, its attention pinned to each family
+in turn (kernels.cpu_ops.pin_attention_family; "portable" is the path before the families: the portable
+decode loop and torch's attention for prefill chunks): output tokens per second, per family.
+
+    .venv/bin/python benchmarks/bench_decode_attention_cpu.py [--rows 32] [--threads N] [--rounds 5] [--model]
 """
 from __future__ import annotations
 
@@ -45,8 +50,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=100, help="calls per round")
     parser.add_argument("--prefills", type=int, default=16)
     parser.add_argument("--prefill-len", type=int, default=128)
+    parser.add_argument("--model", action="store_true", help="the default model's standard batch per family")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.model:
+        return model(args)
     from kernels import cpu_ops, isa
 
     ops = cpu_ops.load()
@@ -103,6 +111,37 @@ def prefill(args, cpu_ops) -> None:
         print(f"prefill {n} x {length} {name:9s}: family kernel ({cpu_ops.attention_family()}) "
               f"{kernel * 1e3:.2f} ms per layer, torch's attention {torch_time * 1e3:.2f} ms: "
               f"{torch_time / kernel:.2f}x")
+
+
+def model(args) -> None:
+    from stagemesh.core.default_model import default_model_dir
+    from stagemesh.core.sampling_params import SamplingParams
+    from stagemesh.local_engine import LocalEngine
+
+    from kernels import cpu_ops
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(16, 256))] for _ in range(32)]
+    outputs = [rng.randint(16, 128) for _ in range(32)]
+    families = ["portable", cpu_ops.attention_family()]
+    engine = LocalEngine(default_model_dir(), dtype="bfloat16", enable_prefix_caching=False)
+    try:
+        engine.generate(prompts[:4], [SamplingParams(max_tokens=4, ignore_eos=True)] * 4)  # warm-up
+        figures: dict[str, list[float]] = {f: [] for f in families}
+        for r in range(args.rounds):
+            for family in families if r % 2 == 0 else families[::-1]:
+                cpu_ops.pin_attention_family(family)
+                start = time.perf_counter()
+                engine.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in outputs])
+                figures[family].append(sum(outputs) / (time.perf_counter() - start))
+    finally:
+        cpu_ops.pin_attention_family(None)
+        engine.close()
+    print(f"default model, bf16, in-process, 32 requests at once, {args.threads} threads, {args.rounds} rounds")
+    for family, runs in figures.items():
+        print(f"attention {family:9s}: {statistics.median(runs):6.1f} tok/s [{', '.join(f'{x:.1f}' for x in runs)}]")
+    a, b = (statistics.median(figures[f]) for f in families)
+    print(f"{families[1]} / portable: {b / a:.2f}x")
 
 
 if __name__ == "__main__":

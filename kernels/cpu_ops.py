@@ -145,7 +145,23 @@ def attention_family() -> str:
     return isa.family_for("attention", isa.cpu_flags(), module is not None and module.attention_avx512_available())
 
 
-_attention_family = functools.cache(attention_family)  # once per process
+_pinned_attention: str | None = None
+
+
+def pin_attention_family(family: str | None) -> None:
+    """Run every later attention of this process on `family` ("portable", "avx2", "avx512"; None: this
+    CPU's best again), for benchmarks that compare the families in one process."""
+    global _pinned_attention
+    if family not in (None, "portable", "avx2", "avx512"):
+        raise ValueError(f"no attention family {family!r} (portable, avx2, avx512)")
+    _pinned_attention = family
+
+
+def _attention_family() -> str:
+    return _pinned_attention or _best_attention_family()
+
+
+_best_attention_family = functools.cache(attention_family)  # once per process
 
 
 def silu_and_mul(x):
