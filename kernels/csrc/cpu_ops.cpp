@@ -56,25 +56,7 @@ int64_t grain_rows(int64_t floats_per_row) {
   return std::max<int64_t>(1, kGrainFloats / std::max<int64_t>(floats_per_row, 1));
 }
 
-// expf after Cephes (about 1 ulp on [-87, 88]), branch- and call-free so that the loops of
-// softmax and SiLU vectorize: a libm call per element would cost more than the rest of them.
-inline float exp_poly(float x) {
-  x = std::min(std::max(x, -87.3f), 88.7f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  x -= n * 0.693359375f;
-  x -= n * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * x + 1.3981999507e-3f;
-  y = y * x + 8.3334519073e-3f;
-  y = y * x + 4.1665795894e-2f;
-  y = y * x + 1.6666665459e-1f;
-  y = y * x + 5.0000001201e-1f;
-  y = y * (x * x) + x + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
-}
+#include "exp_poly.h"  // exp_poly(x), inside this anonymous namespace
 
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t n) {

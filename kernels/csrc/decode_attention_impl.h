@@ -1,6 +1,7 @@
 // The decode attention of a family (decode_attention.h), written once over a vector type V: included by
 // each family's source inside its namespace and its target pragma, after V (W floats per register: load
-// from float or bf16, set1, mul, fma, sum of lanes, store) and every system header. No include here.
+// from float or bf16, set1, mul, fma, sum of lanes, store) and every system header. It includes only
+// exp_poly.h, which is written to be included so.
 //
 // Work: one item per (query row, KV head), the item's G query heads sharing every key and value it reads
 // (each key row is widened once for G heads, where a loop per query head reads it G times). Items are
@@ -13,24 +14,7 @@
 
 constexpr int kRegs = V::kAccumulators;  // accumulator registers a pass may keep (of the family's file)
 
-// expf after Cephes, as cpu_ops.cpp's exp_poly: branch-free, so the softmax loop vectorizes
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.3f), 88.7f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  x -= n * 0.693359375f;
-  x -= n * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * x + 1.3981999507e-3f;
-  y = y * x + 8.3334519073e-3f;
-  y = y * x + 4.1665795894e-2f;
-  y = y * x + 1.6666665459e-1f;
-  y = y * x + 5.0000001201e-1f;
-  y = y * x * x + x + 1.f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
-}
+#include "exp_poly.h"  // the softmax's exp, as cpu_ops.cpp's
 
 template <typename T>
 struct Item {
@@ -122,7 +106,7 @@ void attend(const Problem& p, int64_t item, std::vector<float>& buf) {
     float total = 0.f;
 #pragma omp simd reduction(+ : total)
     for (int64_t t = 0; t < len; ++t) {
-      sh[t] = exp_approx(sh[t] - m);
+      sh[t] = exp_poly(sh[t] - m);
       total += sh[t];
     }
     inv[h] = 1.f / total;
