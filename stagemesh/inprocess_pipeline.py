@@ -58,6 +58,8 @@ class InProcessPipeline:
                 result = runner.execute(batch, hidden)
             except StagemeshError as err:
                 raise StageFailure(stage, str(err)) from None
+            except Exception as err:  # a bug: the step fails as a stage service's would, the loop goes on
+                raise StageFailure(stage, f"internal error: {type(err).__name__}: {err}") from err
             hidden = result.hidden_states
         return StepResult(result.sampled, result.prompt_logprobs, drafts=result.drafts)
 

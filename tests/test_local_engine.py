@@ -22,3 +22,31 @@ def test_prefix_cache_hits_and_preemption_keep_greedy_tokens(tiny_model_dir):
     with LocalEngine(model_dir, split=[1, 3], num_kv_blocks=12, max_num_batched_tokens=32) as tight:
         assert tight.generate(batch, sampling) == want
         assert tight.stats().num_preemptions > 0
+
+
+def test_a_step_that_raises_fails_its_requests_instead_of_hanging(tiny_model_dir):
+    """A bug in a step (not a StagemeshError) ends the requests with the error, at once: nothing restarts
+    in-process, so nothing is kept waiting for a pipeline to re-form."""
+    import threading
+
+    import pytest
+
+    from stagemesh.core.errors import StagemeshError
+
+    with LocalEngine(tiny_model_dir("llama")) as engine:
+        def broken(*args, **kwargs):
+            raise AttributeError("no attribute 'num_tokens'")
+        engine.runners[0].execute = broken
+        raised: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+            except BaseException as err:  # noqa: BLE001 - checked below
+                raised.append(err)
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        worker.join(20)
+        assert not worker.is_alive(), "generate hung on a step that raised"
+        with pytest.raises(StagemeshError, match="internal error: AttributeError: no attribute 'num_tokens'"):
+            raise raised[0]
