@@ -51,8 +51,9 @@ class LocalEngine:
             SchedulerConfig(max_model_len=max_model_len, block_size=block_size, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
                             eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size, speculative=spec),
+            # nothing restarts in-process: a failed step fails its requests at once
             model_max_len=cfg.max_position_embeddings, async_scheduling=async_scheduling,
-            stage_recovery_timeout_s=0.0), self.pipeline)  # nothing restarts in-process: a failed step fails its requests
+            stage_recovery_timeout_s=0.0), self.pipeline)
         self._loop = asyncio.new_event_loop()
         self._loop.run_until_complete(self.driver.form())
         if not self.driver.healthy:
