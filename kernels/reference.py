@@ -28,7 +28,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Decode rows (query length 1) run as one batch through `decode` (this module's torch
     version unless a kernel is given), prefill chunks one sequence at a time."""
     plan = step_memo("attention", (block_tables, context_lens, query_start_loc),
-                 lambda: AttentionPlan(context_lens, query_start_loc))
+                     lambda: AttentionPlan(context_lens, query_start_loc))
     decode = decode or _decode
     if plan.decode_rows is None:
         return decode(q, k_cache, v_cache, block_tables, plan, scale)

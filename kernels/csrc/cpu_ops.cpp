@@ -206,6 +206,14 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
   });
 }
 
+// The kernel decode_attention runs for `family` and this head_dim here: the family's own, avx2's for a head_dim
+// avx512 does not cover, or nullptr (the portable loop).
+static decode_attn::Kernel family_kernel(const std::string& family, int64_t dim) {
+  if (family == "avx512" && decode_attn::avx512_covers(dim)) return decode_attn::avx512_run;
+  if (family != "portable" && decode_attn::avx2_covers(dim)) return decode_attn::avx2_run;
+  return nullptr;
+}
+
 // Attention of single query rows over the paged cache. Row r belongs to sequence seq[r]
 // and sees its first visible[r] positions. `family` (kernels/isa.py): "avx512" or "avx2" run that
 // family's kernel (decode_attention.h) where it covers the head_dim; "portable", and any head_dim no
@@ -249,12 +257,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const decode_attn::Problem problem{qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), bt, sq, ln,
                                      rows, heads, kv_heads, dim, block_size, width, max_len, fscale,
                                      q.scalar_type() == at::kBFloat16};
-  if (family == "avx512" && decode_attn::avx512_covers(dim)) {
-    decode_attn::avx512_run(problem);
-    return out;
-  }
-  if (family != "portable" && decode_attn::avx2_covers(dim)) {  // avx512 asked of a head_dim it does not cover
-    decode_attn::avx2_run(problem);
+  if (const auto kernel = family_kernel(family, dim)) {
+    kernel(problem);
     return out;
   }
   with_dtype(q.scalar_type(), [&](auto zero) {
@@ -306,10 +310,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 }
 
 // Whether decode_attention's `family` runs a family kernel (not the portable loop) for this head_dim here.
-bool decode_attention_covers(const std::string& family, int64_t dim) {
-  if (family == "avx512" && decode_attn::avx512_covers(dim)) return true;
-  return family != "portable" && decode_attn::avx2_covers(dim);
-}
+bool decode_attention_covers(const std::string& family, int64_t dim) { return family_kernel(family, dim) != nullptr; }
 
 // SiLU(gate) * up of x = cat(gate, up) along the last dimension; in bf16 SiLU(gate) is rounded to bf16
 // before the product, as torch's F.silu(gate) * up does.

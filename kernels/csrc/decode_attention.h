@@ -27,6 +27,7 @@ struct Problem {
 
 // Whether the family runs here (the CPU has its instructions and this build could emit them) and
 // covers this head_dim; run() computes the attention into p.out.
+using Kernel = void (*)(const Problem&);
 bool avx2_covers(int64_t dim);
 void avx2_run(const Problem& p);
 bool avx512_available();
