@@ -3,8 +3,11 @@ stagemesh's stage runner (all 32 layers, Triton kernels) against transformers on
 and against the memory roofline (weight bytes per step / measured copy bandwidth).
 
     python benchmarks/bench_decode_gpu.py [--batch 1 16 64 256] [--prompt 128] [--tokens 64]
+    python benchmarks/bench_decode_gpu.py --quantization none w8a16 fp8 --no-eager --no-transformers
 
 Decode steps replay CUDA graphs; the same steps run eagerly (--enforce-eager) are printed beside them.
+--quantization runs the same model with its linear weights quantised at load (stage_worker.quantization,
+kernels/triton_quant.py), one arm after another in the same process; "none" is the bf16 model.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import NewSequence, ScheduledChunk, StepBatch
+from stage_worker.quantization import quantize_at_load
 from stage_worker.runner import StageRunner
 from stage_worker.weights import init_random_weights
 
@@ -74,40 +78,59 @@ def transformers_decode(model, batch: int, prompt: int, tokens: int) -> float:
     return (timings[1] - timings[0]) / (tokens - 4)
 
 
+def build(cfg: ModelConfig, method: str) -> tuple[StageRunner, float]:
+    """The runner (random bf16 weights, quantised at load unless `method` is none) and its bytes read a step."""
+    runner = StageRunner(None, 0, cfg.num_hidden_layers, config=cfg, load=False, device="cuda",
+                         dtype=torch.bfloat16)
+    init_random_weights(runner.model)
+    if method != "none":
+        quantize_at_load(runner.model, method)
+    torch.cuda.empty_cache()
+    weight_bytes = runner.model.num_parameter_bytes() - cfg.vocab_size * cfg.hidden_size * 2  # embedding: 1 row/token
+    return runner, weight_bytes
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--quantization", nargs="+", default=["none"], choices=("none", "w8a16", "fp8"))
+    p.add_argument("--no-eager", action="store_true")
     p.add_argument("--no-transformers", action="store_true")
     a = p.parse_args()
     cfg = ModelConfig.from_path(CONFIG)
-    runner = StageRunner(None, 0, cfg.num_hidden_layers, config=cfg, load=False, device="cuda",
-                         dtype=torch.bfloat16)
-    init_random_weights(runner.model)
-    weight_bytes = runner.model.num_parameter_bytes() - cfg.vocab_size * cfg.hidden_size * 2  # embedding: 1 row/token
     bw = copy_bandwidth()
-    roofline = weight_bytes / bw  # a step reads every weight once; copy bandwidth counts bytes read + written
-    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s (read + write); Llama-3.1-8B shape, "
-          f"bf16, {weight_bytes / 1e9:.1f} GB read per step: roofline {roofline * 1e3:.2f} ms/step")
-    ours = {b: stagemesh_decode(runner, b, a.prompt, a.tokens) for b in a.batch}
-    runner.use_cuda_graphs, runner.graphs = False, None
-    runner.kv_caches = []  # reallocate without graphs
-    eager = {b: stagemesh_decode(runner, b, a.prompt, a.tokens) for b in a.batch}
-    theirs = {}
-    if not a.no_transformers:
+    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s (read + write); Llama-3.1-8B shape")
+    rows = []
+    for method in a.quantization:
+        runner, weight_bytes = build(cfg, method)
+        roofline = weight_bytes / bw  # a step reads every weight once; copy bandwidth counts bytes read + written
+        print(f"{method}: {weight_bytes / 1e9:.1f} GB read per step: roofline {roofline * 1e3:.2f} ms/step", flush=True)
+        ours = {b: stagemesh_decode(runner, b, a.prompt, a.tokens) for b in a.batch}
+        eager = {}
+        if not a.no_eager:
+            runner.use_cuda_graphs, runner.graphs = False, None
+            runner.kv_caches = []  # reallocate without graphs
+            eager = {b: stagemesh_decode(runner, b, a.prompt, a.tokens) for b in a.batch}
+        rows.append((method, roofline, ours, eager))
         del runner
         torch.cuda.empty_cache()
+    theirs = {}
+    if not a.no_transformers:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         hf = LlamaForCausalLM(LlamaConfig.from_json_file(str(CONFIG))).to(device="cuda", dtype=torch.bfloat16).eval()
         theirs = {b: transformers_decode(hf, b, a.prompt, a.tokens) for b in a.batch}
-    print(f"{'batch':>6} {'stagemesh ms/step':>18} {'tok/s':>9} {'eager ms/step':>14} {'transformers ms/step':>21} "
-          f"{'ratio':>6} {'of roofline':>12}")
-    for b in a.batch:
-        t = theirs.get(b)
-        print(f"{b:>6} {ours[b] * 1e3:>18.2f} {b / ours[b]:>9.0f} {eager[b] * 1e3:>14.2f} {(t or 0) * 1e3:>21.2f} "
-              f"{(t / ours[b]) if t else 0:>6.2f} {roofline / ours[b]:>12.2f}")
+    base = rows[0][2]
+    print(f"{'weights':>8} {'batch':>6} {'stagemesh ms/step':>18} {'tok/s':>9} {'eager ms/step':>14} "
+          f"{'transformers ms/step':>21} {'ratio':>6} {'of roofline':>12} {'vs ' + rows[0][0]:>9}")
+    for method, roofline, ours, eager in rows:
+        for b in a.batch:
+            t = theirs.get(b)
+            print(f"{method:>8} {b:>6} {ours[b] * 1e3:>18.2f} {b / ours[b]:>9.0f} {eager.get(b, 0) * 1e3:>14.2f} "
+                  f"{(t or 0) * 1e3:>21.2f} {(t / ours[b]) if t else 0:>6.2f} {roofline / ours[b]:>12.2f} "
+                  f"{base[b] / ours[b]:>8.2f}x")
 
 
 if __name__ == "__main__":

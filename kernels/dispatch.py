@@ -72,8 +72,10 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start=0):
 
 
 def quant_linear(x, qs, scales, mins, bias=None, int8_activations=False):
-    """x W^T + b with W quantised (kernels/quant_reference.py): the AVX2 kernel where it is built, else the
-    reference (CUDA has no quantised kernels: stage_worker.quantization refuses them there)."""
+    """x W^T + b with W quantised (kernels/quant_reference.py): Triton's weight-only kernel on CUDA, the AVX2
+    kernel on CPU where it is built, else the reference."""
+    if _use_triton(x) and _has("quant_linear"):
+        return _triton().quant_linear(x, qs, scales, mins, bias, int8_activations)
     impl = cpu_ops if _cpu_impl(x) is cpu_ops and cpu_ops.quant_isa() != "none" else quant_reference
     return impl.quant_linear(x, qs, scales, mins, bias, int8_activations)
 

@@ -3,7 +3,8 @@
 A weight W [N, K] is quantised in groups of G (a multiple of 32) along K:
 - 4-bit: `qs` uint8 [N, K/2], each 32 weights in 16 bytes (byte j: weight j in the low nibble, weight
   j + 16 in the high one: GGUF's Q4_0 / Q4_1 order), w = scale * q + min, `scales` / `mins` fp32 [N, K/G];
-- 8-bit: `qs` int8 [N, K], w = scale * q, `mins` None (GGUF Q8_0: G = 32; per-channel int8: G = K).
+- 8-bit: `qs` int8 [N, K], w = scale * q, `mins` None (GGUF Q8_0: G = 32; per-channel int8: G = K); or
+  float8_e4m3fn [N, K] with a scale per output channel (--quantization fp8, CUDA).
 Every GGUF format stagemesh serves (stage_worker/gguf.py) and the int8 checkpoints it quantises at load
 become one of these; the dequantised numbers are exactly gguf's.
 """
@@ -84,3 +85,16 @@ def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     scales = amax / 127.0
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return torch.round(wf * inv).clamp(-127, 127).to(torch.int8), scales.contiguous()
+
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> float8_e4m3fn quants [N, K] and fp32 scales [N, 1] (max|w| / 448 per output channel, torch's
+    round-to-nearest-even cast), the weights of --quantization fp8."""
+    wf = w.float()
+    amax = wf.abs().amax(1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, FP8_MAX) / amax, torch.zeros_like(amax))
+    q = (wf * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, (amax / FP8_MAX).contiguous()

@@ -158,3 +158,4 @@ def silu_and_mul(x):
 
 
 from kernels.triton_attention import paged_attention  # noqa: E402,F401  (the attention kernels live apart)
+from kernels.triton_quant import quant_linear  # noqa: E402,F401  (and the quantised linear)

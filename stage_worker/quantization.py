@@ -1,25 +1,28 @@
-"""--quantization on CPU stages: linear weights held quantised (stage_worker.quant_weight) and multiplied
-by kernels/csrc/quant_linear.cpp.
+"""--quantization: linear weights held quantised (stage_worker.quant_weight) and multiplied by
+kernels/csrc/quant_linear.cpp on CPU stages, by kernels/triton_quant.py (weight-only) on CUDA.
 
 - gguf: the weights of a GGUF file as they are (Q4_0, Q4_1, Q4_K, Q8_0; the embedding table and LM head
   too, when the file has them quantised), read slice by slice (stage_worker.gguf); the activations stay
   fp32 / bf16, so every product is the dequantised model's.
 - w8a16 / w8a8: int8 weights with a scale per output channel, quantised at load from an fp32 / bf16
   checkpoint (embeddings and LM head stay in --dtype); w8a8 also quantises the activations to int8 per
-  token (dynamic scales) and multiplies on integers.
+  token (dynamic scales) and multiplies on integers (CPU stages).
+- fp8: float8_e4m3fn weights with a scale per output channel, quantised at load (CUDA stages), the
+  activations in --dtype: weight-only, as vLLM's fp8 on GPUs without fp8 tensor cores (its W8A8 fp8
+  products with dynamic activation scales on Hopper are not built).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from kernels.quant_reference import quantize_int8_per_channel
+from kernels.quant_reference import quantize_fp8_per_channel, quantize_int8_per_channel
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
 from stage_worker.layers import Linear, ParallelLMHead, VocabParallelEmbedding
 from stage_worker.quant_weight import QuantizedWeight
 
-METHODS = ("gguf", "w8a16", "w8a8")
+METHODS = ("gguf", "w8a16", "w8a8", "fp8")
 
 
 def check_quantization(method: str | None, cfg: ModelConfig, device) -> None:
@@ -28,18 +31,24 @@ def check_quantization(method: str | None, cfg: ModelConfig, device) -> None:
         return
     if method not in METHODS:
         raise StagemeshError(f"--quantization {method!r} is not built; stagemesh has {', '.join(METHODS)} "
-                             "(gguf: a .gguf file's weights; w8a16 / w8a8: int8 weights quantised at load)")
-    if str(device).startswith("cuda"):
-        raise StagemeshError(f"--quantization {method} is built for CPU stages only (AVX2 kernels); "
-                             "--device cuda has no quantised kernels yet")
+                             "(gguf: a .gguf file's weights; w8a16 / w8a8: int8 weights quantised at load; "
+                             "fp8: fp8 weights quantised at load, CUDA)")
+    cuda = str(device).startswith("cuda")
+    if cuda and method == "w8a8":
+        raise StagemeshError("--quantization w8a8 (int8 activations) is built for CPU stages only; on --device cuda "
+                             "the weights alone are quantised: w8a16 (int8), fp8 or gguf")
+    if not cuda and method == "fp8":
+        raise StagemeshError("--quantization fp8 is built for CUDA stages only (Triton, weight-only); CPU stages "
+                             "take w8a16, w8a8 or gguf")
     if cfg.is_moe:
         raise StagemeshError(f"--quantization {method} with a mixture-of-experts model ({cfg.model_type}) is not "
-                             "built: the experts' CPU kernels take fp32 weights")
+                             "built: the experts' kernels take dense weights")
 
 
 def _swap(module: nn.Module, weight: QuantizedWeight) -> None:
-    del module.weight  # the dense parameter (allocated, never filled) goes
-    module.weight = weight
+    device = module.weight.device
+    del module.weight  # the dense parameter goes
+    module.weight = weight.to(device)
 
 
 def _assemble(name: str, rows: int, width: int, parts: list) -> QuantizedWeight:
@@ -86,17 +95,20 @@ def load_gguf(model: nn.Module, ckpt) -> None:
     load_weights(model, ckpt)
 
 
-def quantize_int8(model: nn.Module, int8_activations: bool) -> None:
-    """w8a16 / w8a8: every attention and MLP linear of the loaded model to int8 per output channel."""
+def quantize_at_load(model: nn.Module, method: str) -> None:
+    """w8a16 / w8a8 / fp8: every attention and MLP linear of the loaded model, a scale per output channel."""
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or isinstance(module.weight, QuantizedWeight):
             continue
         width = module.weight.shape[1]
         if width % 32:
-            raise StagemeshError(f"--quantization w8a8/w8a16: {name} has {width} inputs on this rank; the int8 "
+            raise StagemeshError(f"--quantization {method}: {name} has {width} inputs on this rank; the quantised "
                                  "kernels take multiples of 32")
-        qs, scales = quantize_int8_per_channel(module.weight.data)
-        _swap(module, QuantizedWeight(qs, scales, None, "int8", int8_activations))
+        if method == "fp8":
+            qs, scales = quantize_fp8_per_channel(module.weight.data)
+        else:
+            qs, scales = quantize_int8_per_channel(module.weight.data)
+        _swap(module, QuantizedWeight(qs, scales, None, "fp8" if method == "fp8" else "int8", method == "w8a8"))
 
 
 def describe(model: nn.Module) -> str:

@@ -21,7 +21,7 @@ from stage_worker.layers import pack_weights_for_cpu
 from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from stage_worker.gguf import GGUFCheckpoint
 from stage_worker.model import AttentionMetadata, StageModel
-from stage_worker.quantization import check_quantization, load_gguf, quantize_int8
+from stage_worker.quantization import check_quantization, load_gguf, quantize_at_load
 from stage_worker.parallel import HeadShard, TPGroup
 from stage_worker.sampler import Sampler
 from stage_worker.validate import InvalidStep
@@ -73,8 +73,8 @@ def _load(model: StageModel, model_dir, quantization: str | None, gguf_file: str
         load_gguf(model, GGUFCheckpoint(gguf_file, cfg))
         return
     load_weights(model, model_dir)
-    if quantization in ("w8a16", "w8a8"):
-        quantize_int8(model, int8_activations=quantization == "w8a8")
+    if quantization is not None:
+        quantize_at_load(model, quantization)
 
 
 @dataclass(frozen=True)

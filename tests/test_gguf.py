@@ -131,8 +131,5 @@ def test_model_sources_and_refusals(tiny_gguf, tiny_model_dir):
                         ((str(model_dir), str(model_dir)), "--tokenizer goes with a .gguf model")]:
         with pytest.raises(StagemeshError, match=match):
             resolve_source(*args)
-    cfg = ModelConfig.from_path(model_dir)
-    with pytest.raises(StagemeshError, match="--quantization gguf is built for CPU stages only"):
-        check_quantization("gguf", cfg, "cuda")
     with pytest.raises(StagemeshError, match="with a mixture-of-experts model \\(mixtral\\) is not built"):
         check_quantization("w8a8", ModelConfig.from_path(tiny_model_dir("mixtral")), "cpu")

@@ -96,3 +96,91 @@ def test_wrappers_refuse_bad_inputs():
     args = paged_case([1], [4], 3, 2, 64, device=DEVICE)
     with pytest.raises(StagemeshError, match="3 query heads are not a multiple of 2 KV heads"):
         triton_ops.paged_attention(*args, 0.1)
+
+
+# -- the quantised linear (weight-only) --------------------------------------------------------------------
+# bf16 runs on CUDA only: Triton's interpreter multiplies bf16 tiles wrongly (fp16 checks the same code path)
+QUANT_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+QUANT_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # of max|y|: ~2 roundings of y
+
+
+def quant_weight(n: int, k: int, layout: str, group: int, seed: int):
+    """(qs, scales, mins) of kernels/quant_reference.py's layouts: int8, fp8 or 4-bit with mins."""
+    from kernels import quant_reference as qref
+
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
+    if layout == "4bit":
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        qs, mins = qref.pack_4bit(q), -torch.rand(n, k // group, generator=g) * 0.1
+    elif layout == "fp8":
+        qs, mins = (torch.randn(n, k, generator=g) * 60).clamp(-448, 448).to(torch.float8_e4m3fn), None
+    else:
+        qs, mins = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), None
+    return qs.to(DEVICE), scales.to(DEVICE), None if mins is None else mins.to(DEVICE)
+
+
+# (layout, group): w8a16 and fp8 (a scale per row), GGUF's Q8_0 and Q4_0/Q4_1/Q4_K (groups of 32), wider groups
+QUANT_LAYOUTS = [("int8", "K"), ("fp8", "K"), ("int8", 32), ("fp8", 64), ("4bit", 32), ("4bit", 64)]
+
+
+@pytest.mark.parametrize("layout,group", QUANT_LAYOUTS)
+@pytest.mark.parametrize("m", [1, 5, 40, 130])  # decode tiles (16 rows), 64-row and 128-row tiles, two of them
+@pytest.mark.parametrize("k", [192, 512])  # K tiles of 64, and of 256 over two iterations
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_quant_linear_triton_equals_reference(layout, group, m, k, dtype):
+    from kernels import quant_reference as qref
+
+    n = 50  # not a multiple of any tile: the last tile's rows are cut
+    qs, scales, mins = quant_weight(n, k, layout, k if group == "K" else group, seed=m + k)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g).to(device=DEVICE, dtype=dtype)
+    bias = torch.randn(n, generator=g).to(device=DEVICE, dtype=dtype) if m % 2 else None
+    got = triton_ops.quant_linear(x, qs, scales, mins, bias)
+    want = qref.quant_linear(x.cpu(), qs.cpu(), scales.cpu(), None if mins is None else mins.cpu(),
+                             None if bias is None else bias.cpu())
+    assert got.dtype == dtype and got.shape == (m, n)
+    err = (got.cpu().float() - want.float()).abs().max().item()
+    assert err <= QUANT_TOL[dtype] * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("layout,group", [("int8", "K"), ("int8", 32)])
+def test_quant_linear_triton_wide_weight_tiles(layout, group):
+    """A weight of more than 8192 rows at 17-64 activation rows takes the wide tiles (64 x 128)."""
+    from kernels import quant_reference as qref
+
+    n, k, m = 8200, 256, 24
+    qs, scales, mins = quant_weight(n, k, layout, k if group == "K" else group, seed=7)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    got = triton_ops.quant_linear(x, qs, scales, mins)
+    want = qref.quant_linear(x.cpu(), qs.cpu(), scales.cpu(), None)
+    assert (got.cpu() - want).abs().max().item() <= QUANT_TOL[torch.float32] * want.abs().max().item()
+
+
+def test_quant_linear_triton_keeps_leading_dims_and_refuses_what_it_cannot_run():
+    from stagemesh.core.errors import StagemeshError
+
+    qs, scales, _ = quant_weight(40, 64, "int8", 64, seed=1)
+    x = torch.randn(2, 3, 64).to(DEVICE)
+    assert triton_ops.quant_linear(x, qs, scales, None).shape == (2, 3, 40)
+    for call, words in [
+        (lambda: triton_ops.quant_linear(x, qs, scales, None, int8_activations=True), "int8 activations"),
+        (lambda: triton_ops.quant_linear(x[..., :48], qs[:, :48].contiguous(), scales, None), "multiples of 32"),
+        (lambda: triton_ops.quant_linear(x, qs, scales[:, :1].repeat(1, 3).contiguous(), None), "scales of shape"),
+        (lambda: triton_ops.quant_linear(x, qs.float(), scales, None), "weights of dtype"),
+    ]:
+        with pytest.raises(StagemeshError, match=words):
+            call()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the dispatch picks Triton for CUDA tensors")
+def test_quant_linear_dispatch_runs_triton_on_cuda():
+    import kernels
+    from kernels import quant_reference as qref
+
+    qs, scales, mins = quant_weight(64, 128, "4bit", 32, seed=2)
+    x = torch.randn(3, 128, device="cuda")
+    got = kernels.quant_linear(x, qs, scales, mins)
+    assert got.is_cuda
+    torch.testing.assert_close(got.cpu(), qref.quant_linear(x.cpu(), qs.cpu(), scales.cpu(), mins.cpu()),
+                               atol=1e-4, rtol=1e-4)

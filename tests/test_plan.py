@@ -69,7 +69,7 @@ def test_no_nvlink_prefers_pipeline_parallel():
 
 def test_quantization_is_suggested_when_it_would_fit_one_gpu():
     p = plan(gpus=8)
-    assert p.suggestion and "int4" in p.suggestion and (p.layout.tp, p.layout.pp) == (8, 1)
+    assert p.suggestion and "q4_k" in p.suggestion and (p.layout.tp, p.layout.pp) == (8, 1)
 
 
 def test_target_concurrency_adds_data_parallel_replicas():

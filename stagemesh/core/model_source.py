@@ -10,8 +10,9 @@ from pathlib import Path
 from stagemesh.core.default_model import DEFAULT_MODEL_NAME, default_model_dir, gguf_path, resolve_model
 from stagemesh.core.errors import StagemeshError
 
-# gguf: a .gguf file's weights as they are; w8a16 / w8a8: int8 weights quantised at load (stage_worker.quantization)
-QUANTIZATION_METHODS = ("gguf", "w8a16", "w8a8")
+# gguf: a .gguf file's weights as they are; w8a16 / w8a8: int8 weights quantised at load; fp8: fp8 weights
+# quantised at load, CUDA (stage_worker.quantization)
+QUANTIZATION_METHODS = ("gguf", "w8a16", "w8a8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="gguf: serve a .gguf file's quantised weights as they are (Q4_0, Q4_1, Q4_K, Q8_0; with no "
                         "MODEL, the embedded model's GGUF); w8a16: int8 weights with a scale per output channel, "
                         "quantised at load, fp32/bf16 activations; w8a8: the same with activations quantised to "
-                        "int8 per token (dynamic). CPU stages only")
+                        "int8 per token (dynamic), CPU stages only; fp8: float8_e4m3fn weights with a scale per "
+                        "output channel, quantised at load, weight-only, CUDA stages only")
 
 
 def resolve_source(model: str | None, tokenizer: str | None = None, quantization: str | None = None) -> ModelSource:

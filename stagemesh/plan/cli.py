@@ -20,9 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (or, with --device cpu, of one process)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp8", "int4", "q4_0", "q4_1", "q4_k", "q8_0", "int8"),
-                   default="bf16", help="the weights' format: q4_0 / q4_1 / q4_k / q8_0 (--quantization gguf) and int8 "
-                                        "(w8a16 / w8a8) count their scales as a CPU stage holds them; fp8 and int4 "
-                                        "are formats stagemesh does not serve yet")
+                   default="bf16", help="the weights' format: q4_0 / q4_1 / q4_k / q8_0 (--quantization gguf), int8 "
+                                        "(w8a16 / w8a8) and fp8 (--quantization fp8) count their scales as a stage "
+                                        "holds them; int4 is a format stagemesh does not serve")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's, at most 32768")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-nvlink", action="store_true", help="GPUs talk over PCIe: prefer pipeline parallelism")

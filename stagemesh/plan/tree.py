@@ -102,10 +102,10 @@ def _weights_gb(req: PlanRequest) -> float:
 
 
 def _quantization_hint(req: PlanRequest, path: list[str]) -> str | None:
-    for dtype in ("fp8", "int4"):
+    for dtype, how in (("fp8", "--quantization fp8"), ("q4_k", "a Q4_K GGUF, --quantization gguf")):
         if DTYPE_BYTES[dtype] < DTYPE_BYTES[req.dtype] and _fits(req, layout := _eval(req, 1, 1, dtype)):
-            hint = (f"quantized to {dtype} it would fit one GPU ({layout.weight_bytes_per_gpu / GB:.1f} GB of "
-                    f"weights); stagemesh does not quantize yet, so the plan stays at {req.dtype}")
+            hint = (f"quantized to {dtype} ({how}) it would fit one GPU ({layout.weight_bytes_per_gpu / GB:.1f} GB "
+                    f"of weights); the plan stays at {req.dtype} (plan --dtype {dtype} to plan it)")
             path.append(f"suggestion: {hint}")
             return hint
     return None
