@@ -1,15 +1,12 @@
-"""The replica's torch.distributed world of one epoch, and control traffic over it.
+"""The replica's torch.distributed world of one epoch.
 
 Every rank of every stage joins one world per epoch through the store the
-scheduler hosts; each stage's TP group is a subgroup. Step metadata reaches TP
-followers as protobuf bytes broadcast over the TP group (never pickled): the
-StepBatch as the scheduler encoded it, behind the tokens rank 0 filled its
-placeholders with (step_message), so that no rank encodes a step again.
+scheduler hosts; each stage's TP group is a subgroup, which carries tensors
+only: what a TP follower is to do comes from rank 0 over stage_worker.control.
 """
 from __future__ import annotations
 
 import os
-import struct
 import tempfile
 from datetime import timedelta
 
@@ -20,7 +17,6 @@ from stagemesh.core.deadlines import DEADLINES
 from stagemesh.core.step import EpochSpec
 from stage_worker.parallel import TPGroup
 
-FORWARD, LEAVE = 1, 2
 # a join whose peers never come (the scheduler gave up on a stage mid-form) gives up this soon, so that the
 # next JoinPipeline, which waits behind it, is not held up for long
 STORE_TIMEOUT = timedelta(seconds=DEADLINES.store_s)
@@ -95,31 +91,6 @@ def leave_world(tp: TPGroup | None = None) -> None:
             pass
 
 
-def send_control(kind: int, payload: bytes, tp: TPGroup) -> None:
-    tp.broadcast(torch.tensor([kind, len(payload)], dtype=torch.int64))
-    if payload:
-        tp.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-
-
-def recv_control(tp: TPGroup) -> tuple[int, bytes]:
-    kind, size = tp.broadcast(torch.empty(2, dtype=torch.int64)).tolist()
-    if not size:
-        return kind, b""
-    return kind, tp.broadcast(torch.empty(size, dtype=torch.uint8)).numpy().tobytes()
-
-
 def broadcast_hidden(hidden: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     # collectives move device tensors on NCCL, CPU tensors on gloo or shared memory: hidden lives on the stage's device
     return tp.broadcast(hidden)
-
-
-def step_message(step_bytes: bytes, filled: list[int]) -> bytes:
-    """A FORWARD payload: the count and int32 values of the tokens a step run ahead was filled with (none
-    otherwise), then the step's StepBatch bytes as received."""
-    return struct.pack(f"<I{len(filled)}i", len(filled), *filled) + step_bytes
-
-
-def read_step_message(payload: bytes) -> tuple[list[int], bytes]:
-    """(filled tokens, StepBatch bytes) of a FORWARD payload."""
-    (count,) = struct.unpack_from("<I", payload)
-    return list(struct.unpack_from(f"<{count}i", payload, 4)), payload[4 + 4 * count:]

@@ -144,9 +144,6 @@ class Balancer:
         return plans
 
 
-EPLB_REBALANCE = 5  # the followers' control kind (beside dist.FORWARD / LEAVE and kv_transfer's)
-
-
 def balanced_blocks(model) -> list:
     """The sparse layers whose experts EPLB places (stage_worker.moe.SparseMoeBlock with a map), in order."""
     return [m for m in model.modules() if getattr(m, "expert_map", None) is not None]

@@ -1,9 +1,9 @@
 """A TP follower of a stage: rank t > 0 of its TP group, one device.
 
-Started by the stage's rank 0 (stage_worker.worker). Control before a world
-exists comes on stdin as length-prefixed JoinPipelineRequest protobufs; inside
-an epoch, steps come broadcast over the TP group as the StepBatch bytes the
-scheduler sent, with the tokens rank 0 filled in for a step run ahead.
+Started by the stage's rank 0 (stage_worker.worker), which then tells it everything over one channel, its
+stdin (stage_worker.control): join an epoch, run a step (the StepBatch bytes the scheduler sent, with the
+tokens rank 0 filled in for a step run ahead), read or write KV blocks, move experts, leave. The epoch's TP
+group carries the tensors.
 """
 from __future__ import annotations
 
@@ -12,16 +12,14 @@ import ctypes
 import json
 import logging
 import signal
-import struct
 import sys
 
 import torch
 
-from stagemesh.core.step import EpochSpec
 from stagemesh.core.step_wire import epoch_from_pb, step_from_pb
 from stagemesh.v1 import stage_pb2
+from stage_worker import control, eplb, kv_transfer, run_ahead
 from stage_worker import dist as sdist
-from stage_worker import eplb, kv_transfer, run_ahead
 from stage_worker.runner import SliceConfig, StageRunner
 
 log = logging.getLogger("stagemesh.follower")
@@ -34,41 +32,49 @@ def die_with_parent() -> None:
         pass
 
 
-def read_message(stream) -> bytes | None:
-    head = stream.read(4)
-    if len(head) < 4:
-        return None
-    (size,) = struct.unpack("<I", head)
-    return stream.read(size)
+def serve(runner: StageRunner, channel: control.Reader) -> None:
+    """Rank 0's messages in order, until it closes the pipe."""
+    epoch = None  # the epoch this rank is in
+    while (message := channel.read()) is not None:
+        kind, of_epoch, payload = message
+        if kind != control.JOIN and of_epoch != epoch:
+            continue  # the rest of an epoch this rank has left, or that broke under it
+        try:
+            if kind == control.JOIN:
+                epoch = None
+                join = epoch_from_pb(stage_pb2.JoinPipelineRequest.FromString(payload))
+                sdist.join_world(join, runner.tp, runner.device)  # leaves the world it was in first
+                runner.reset(join.num_kv_blocks)
+                epoch = of_epoch
+            elif kind == control.LEAVE:
+                epoch = None
+                sdist.leave_world(runner.tp)
+            else:
+                run(runner, kind, payload)
+        except Exception as err:  # the epoch broke (a peer died): wait for the next one
+            log.warning("epoch %d ended: %s", of_epoch, err)
+            epoch = None
+            sdist.leave_world(runner.tp)
 
 
-def serve_epoch(runner: StageRunner, join: EpochSpec) -> None:
-    tp = runner.tp
-    sdist.join_world(join, tp, runner.device)  # (the first stage's rank 0 fills in steps run ahead)
-    runner.reset(join.num_kv_blocks)
-    hidden_size = runner.config.hidden_size
-    try:
-        while True:
-            kind, payload = sdist.recv_control(tp)
-            if kind == sdist.LEAVE:
-                return
-            if kind in (kv_transfer.KV_EXPORT, kv_transfer.KV_IMPORT):  # rank 0 reads or writes whole KV blocks
-                kv_transfer.follow(runner, kind, payload)
-                continue
-            if kind == eplb.EPLB_REBALANCE:  # rank 0 moved experts between the slots
-                eplb.apply(runner, eplb.decode(payload, len(eplb.balanced_blocks(runner.model)), tp.size))
-                continue
-            filled, step_bytes = sdist.read_step_message(payload)
-            step = step_from_pb(stage_pb2.StepBatch.FromString(step_bytes))
-            if filled:  # a step run ahead: as rank 0 runs it
-                run_ahead.fill(step, filled)
-            hidden = None
-            if not runner.is_first_stage:
-                buf = torch.empty((step.num_tokens, hidden_size), dtype=runner.dtype, device=runner.device)
-                hidden = sdist.broadcast_hidden(buf, tp)
-            runner.execute(step, hidden)
-    finally:
-        sdist.leave_world(tp)
+def run(runner: StageRunner, kind: int, payload: bytes) -> None:
+    """What rank 0 does beside this rank in the epoch: a step, a KV read or write, an EPLB move."""
+    if kind in (control.KV_EXPORT, control.KV_IMPORT):  # rank 0 reads or writes whole KV blocks
+        kv_transfer.follow(runner, kind, payload)
+    elif kind == control.EPLB_REBALANCE:  # rank 0 moved experts between the slots
+        eplb.apply(runner, eplb.decode(payload, len(eplb.balanced_blocks(runner.model)), runner.tp.size))
+    elif kind == control.FORWARD:
+        filled, step_bytes = control.read_step_message(payload)
+        step = step_from_pb(stage_pb2.StepBatch.FromString(step_bytes))
+        if filled:  # a step run ahead: as rank 0 runs it
+            run_ahead.fill(step, filled)
+        hidden = None
+        if not runner.is_first_stage:
+            buf = torch.empty((step.num_tokens, runner.config.hidden_size), dtype=runner.dtype, device=runner.device)
+            hidden = sdist.broadcast_hidden(buf, runner.tp)
+        runner.execute(step, hidden)
+    else:
+        raise ValueError(f"control message of unknown kind {kind}")
 
 
 def follower_argv(slice_: SliceConfig, tp_rank: int, threads: int) -> list[str]:
@@ -113,12 +119,7 @@ def main() -> None:
                          gguf_file=args.gguf_file).runner(args.tp_rank)
     sys.stdout.write("ready\n")
     sys.stdout.flush()
-    while (raw := read_message(sys.stdin.buffer)) is not None:
-        join = epoch_from_pb(stage_pb2.JoinPipelineRequest.FromString(raw))
-        try:
-            serve_epoch(runner, join)
-        except Exception as err:  # the epoch broke (a peer died): wait for the next one
-            log.warning("epoch %d ended: %s", join.epoch, err)
+    serve(runner, control.Reader(sys.stdin.fileno()))
 
 
 if __name__ == "__main__":

@@ -3,17 +3,15 @@
 TP rank 0 speaks for the stage: on a read its TP ranks gather their KV heads to it, on a write it
 broadcasts every head and each rank keeps its own, so the prefill and decode sides may shard the KV
 heads differently (other TP sizes). Both run on the main thread between steps (stage_worker.main_loop):
-rank 0 tells its followers with a control message (KV_EXPORT / KV_IMPORT, the block ids and layers as
-int64s) and they take part in the same collectives.
+rank 0 tells its followers with a control message (stage_worker.control's KV_EXPORT / KV_IMPORT, the block
+ids and layers as int64s) and they take part in the same collectives.
 """
 from __future__ import annotations
 
 import torch
 
-from stage_worker import dist as sdist
+from stage_worker.control import KV_EXPORT
 from stage_worker.parallel import HeadShard
-
-KV_EXPORT, KV_IMPORT = 3, 4  # control kinds for the followers, beside dist.FORWARD and dist.LEAVE
 
 
 def encode(block_ids: list[int], layers: range) -> bytes:
@@ -60,11 +58,6 @@ def follow(runner, kind: int, payload: bytes) -> None:
         k = runner.kv_caches[0][0]
         shape = (len(block_ids), k.shape[1], runner.config.num_key_value_heads, k.shape[3])
         import_blocks(runner, block_ids, layers, None, shape, k.dtype)
-
-
-def tell_followers(runner, kind: int, block_ids: list[int], layers: range) -> None:
-    if runner.tp.size > 1:
-        sdist.send_control(kind, encode(block_ids, layers), runner.tp)
 
 
 def _all_heads(runner, x: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     async def _forward(self, request) -> stage_pb2.ForwardResponse:
         batch = step_from_pb(request.step)
         # the TP followers' copy: the step as received, encoded once (rank 0 adds only the tokens it fills in)
-        step_bytes = request.step.SerializeToString() if self.steps.has_followers else None
+        step_bytes = request.step.SerializeToString() if self.steps.followers is not None else None
         stats, out = await self.steps.forward(request.epoch, batch, step_bytes)
         reply = stage_pb2.ForwardResponse(compute_seconds=stats.compute_seconds, handoff_bytes=stats.handoff_bytes,
                                           handoff_wait_seconds=stats.handoff_wait_seconds)

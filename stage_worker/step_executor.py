@@ -4,8 +4,8 @@ The one owner of what a decoded step goes through: its turn in the epoch's step 
 (stage_worker.step_order: a step that comes early waits as a coroutine of the gRPC server's
 event loop, never holding a thread), the run on the thread that loaded the model
 (stage_worker.main_loop), the tokens of a step run ahead (stage_worker.run_ahead), the
-broadcast to the TP followers and the handoff between stages (stage_worker.handoff). The
-servicer decodes, submits here and encodes the reply.
+message to the TP followers (stage_worker.control) and the handoff between stages
+(stage_worker.handoff). The servicer decodes, submits here and encodes the reply.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from typing import Callable
 
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.step import EpochSpec, StepBatch, StepStats
+from stage_worker import control, eplb
 from stage_worker import dist as sdist
-from stage_worker import eplb
 from stage_worker.handoff import DistHandoff, GrpcHandoff, Handoff
 from stage_worker.main_loop import MainLoop
 from stage_worker.run_ahead import RunAhead, has_placeholders
@@ -31,14 +31,15 @@ log = logging.getLogger("stagemesh.stage")
 
 
 class StepExecutor:
-    """Steps of the stage's epoch in order. `has_followers`: TP ranks > 0 run every step beside rank 0 (each
-    step reaches them as the bytes the scheduler sent, see stage_worker.dist.step_message); `ep`: the MoE
-    layers' expert-parallel group across replicas; `balancer`: EPLB over the TP ranks."""
+    """Steps of the stage's epoch in order. `followers`: the channel to TP ranks > 0, which run every step
+    beside rank 0 (each step reaches them as the bytes the scheduler sent, see stage_worker.control.step_message);
+    None without followers; `ep`: the MoE layers' expert-parallel group across replicas; `balancer`: EPLB over
+    the TP ranks."""
 
-    def __init__(self, runner, stage_index: int, handoff_kind: str, limits: StepLimits, has_followers: bool,
-                 ep=None, balancer: eplb.Balancer | None = None):
+    def __init__(self, runner, stage_index: int, handoff_kind: str, limits: StepLimits,
+                 followers: control.FollowerChannel | None, ep=None, balancer: eplb.Balancer | None = None):
         self.runner, self.stage_index, self.handoff_kind = runner, stage_index, handoff_kind
-        self.limits, self.has_followers, self.ep, self.balancer = limits, has_followers, ep, balancer
+        self.limits, self.followers, self.ep, self.balancer = limits, followers, ep, balancer
         self.loop = MainLoop()  # steps and KV allocation run on the main thread once it serves the loop
         self.order = StepOrder()
         self.epoch = -1  # nothing is allowed before a join
@@ -133,8 +134,9 @@ class StepExecutor:
             filled = self.run_ahead.fill(batch)
         wait = time.perf_counter() - start
         start = time.perf_counter()
-        if self.has_followers:  # the step as the scheduler sent it, and the tokens filled in for its placeholders
-            sdist.send_control(sdist.FORWARD, sdist.step_message(step_bytes, filled), runner.tp)
+        if self.followers is not None:  # the step as the scheduler sent it, and the tokens filled in for its
+            # placeholders
+            self.followers.send(control.FORWARD, self.epoch, control.step_message(step_bytes, filled))
             if hidden is not None:
                 sdist.broadcast_hidden(hidden, runner.tp)
         if self.ep is None:
@@ -158,8 +160,8 @@ class StepExecutor:
         if plans is None:
             return
         start = time.perf_counter()
-        if self.has_followers:
-            sdist.send_control(eplb.EPLB_REBALANCE, eplb.encode(plans), self.runner.tp)
+        if self.followers is not None:
+            self.followers.send(control.EPLB_REBALANCE, self.epoch, eplb.encode(plans))
         moved = eplb.apply(self.runner, plans)
         log.info("stage %d: EPLB moved experts into %d slot(s) of rank 0 in %.3fs", self.stage_index, moved,
                  time.perf_counter() - start)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import subprocess
 import sys
 import threading
@@ -22,8 +21,8 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.speculative import SpeculativeConfig
 from stagemesh.core.step import EpochSpec
 from stagemesh.core.step_wire import epoch_to_pb
+from stage_worker import control, eplb, kv_transfer
 from stage_worker import dist as sdist
-from stage_worker import eplb, kv_transfer
 from stage_worker.draft import DraftModel
 from stage_worker.ep_group import EPConfig, EPGroup
 from stage_worker.kv_cache import num_kv_blocks_for_budget
@@ -63,6 +62,8 @@ class StageWorker:
         for t, proc in enumerate(self.followers, start=1):
             if proc.stdout.readline().strip() != b"ready":
                 raise StagemeshError(f"TP follower {t} failed to load its shard (exit code {proc.wait()})")
+        # what the followers are to do, all of it (stage_worker.control); None: no followers
+        self.control = control.FollowerChannel(self.followers) if self.followers else None
         self.num_kv_blocks = num_kv_blocks_for_budget(self._kv_budget(), self.runner.kv_bytes_per_block)
         self.instance_id = uuid.uuid4().hex  # a restarted stage is another instance to the scheduler
         model = self.runner.config
@@ -71,7 +72,7 @@ class StageWorker:
             cfg.slice.eplb, eplb.balanced_blocks(self.runner.model), cfg.slice.tp_size, cfg.stage_index)
         # nothing is allowed before a join
         limits = StepLimits(model.vocab_size, model.hidden_size, cfg.slice.block_size)
-        self.steps = StepExecutor(self.runner, cfg.stage_index, cfg.handoff, limits, bool(self.followers), self.ep,
+        self.steps = StepExecutor(self.runner, cfg.stage_index, cfg.handoff, limits, self.control, self.ep,
                                   balancer)
 
     # -- start-up ---------------------------------------------------------------
@@ -121,13 +122,8 @@ class StageWorker:
 
     def _join(self, req: EpochSpec) -> None:
         self._leave()
-        payload = epoch_to_pb(req).SerializeToString()
-        for t, proc in enumerate(self.followers, start=1):
-            try:
-                proc.stdin.write(struct.pack("<I", len(payload)) + payload)
-                proc.stdin.flush()
-            except OSError:
-                raise StagemeshError(f"TP follower {t} is gone (exit code {proc.poll()})") from None
+        if self.control is not None:
+            self.control.send(control.JOIN, req.epoch, epoch_to_pb(req).SerializeToString())
         rank = sdist.join_world(req, self.runner.tp, self.runner.device)
         self.steps.loop.call(self.runner.reset, req.num_kv_blocks)
         self.steps.begin_epoch(req, rank)
@@ -137,11 +133,12 @@ class StageWorker:
                  req.num_kv_blocks)
 
     def _leave(self) -> None:
+        epoch = self.steps.epoch
         self.steps.end_epoch()
-        if self.runner.tp.group is not None and self.followers:
+        if self.control is not None and epoch >= 0:
             try:
-                sdist.send_control(sdist.LEAVE, b"", self.runner.tp)
-            except Exception as err:
+                self.control.send(control.LEAVE, epoch)
+            except StagemeshError as err:  # a follower gone: the next join says so
                 log.warning("could not tell followers to leave: %s", err)
         sdist.leave_world(self.runner.tp)
 
@@ -172,7 +169,7 @@ class StageWorker:
         return range(layer_start - s.layer_start, layer_end - s.layer_start)
 
     def _export_kv(self, block_ids: list[int], layers: range):
-        kv_transfer.tell_followers(self.runner, kv_transfer.KV_EXPORT, block_ids, layers)
+        self._tell_followers(control.KV_EXPORT, kv_transfer.encode(block_ids, layers))
         return kv_transfer.export_blocks(self.runner, block_ids, layers)
 
     def _import_kv(self, block_ids: list[int], layers: range, kvs) -> None:
@@ -181,8 +178,12 @@ class StageWorker:
         for k, v in kvs:
             if tuple(k.shape) != shape or tuple(v.shape) != shape:
                 raise InvalidStep(f"KV of shape {tuple(k.shape)} for blocks of {shape}")
-        kv_transfer.tell_followers(self.runner, kv_transfer.KV_IMPORT, block_ids, layers)
+        self._tell_followers(control.KV_IMPORT, kv_transfer.encode(block_ids, layers))
         kv_transfer.import_blocks(self.runner, block_ids, layers, kvs, shape, cache.dtype)
+
+    def _tell_followers(self, kind: int, payload: bytes) -> None:
+        if self.control is not None:
+            self.control.send(kind, self.epoch, payload)
 
     def close(self) -> None:
         self.steps.abort()

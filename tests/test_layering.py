@@ -17,7 +17,7 @@ PROTOBUF_EDGES = {
     "router.submit_stream", "router.replicas",  # the router's clients of the schedulers
     "stage_worker.cli",  # the stage's registration with its scheduler
     "stage_worker.handoff",  # PushActivations between stages (grpc handoff)
-    "stage_worker.follower",  # steps from rank 0, as StepBatch bytes over the TP group
+    "stage_worker.follower",  # everything from rank 0 over its stdin (stage_worker.control)
     "stage_worker.validate",  # checks wire messages (activations) before they are decoded
     "stage_worker.kv_connector",  # KV blocks between prefill and decode stages (ReadKV, PullKV)
     "stagemesh.client", "stagemesh.bench.backends",  # clients of the gRPC frontend

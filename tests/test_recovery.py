@@ -42,7 +42,8 @@ def wait_for_steps(mesh: Mesh, steps: int) -> None:
 @pytest.mark.parametrize("standby", [False, True], ids=["restarted", "standby"])
 def test_a_stage_killed_mid_stream_loses_no_request(tiny_model_dir, tmp_path, standby):
     """16 streams on a PP=2 replica (8 greedy, 8 seeded at temperature 1); stage 1 is SIGKILLed mid-stream
-    and restarted with the same command, or a --standby stage takes its place."""
+    and restarted with the same command, or a --standby stage takes its place. Restarted, stage 0 is TP=2: its
+    follower leaves the broken epoch and joins the next on rank 0's word (stage_worker.control)."""
     model_dir = tiny_model_dir("llama")
     ref = reference_model(model_dir)
     batch = prompts(384, LENGTHS)
@@ -51,7 +52,7 @@ def test_a_stage_killed_mid_stream_loses_no_request(tiny_model_dir, tmp_path, st
     seeded = [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.0, seed=100 + i)
               for i in range(len(batch))]
     metrics = free_port()
-    with Mesh(model_dir, [2, 2], handoff="nccl", log_dir=tmp_path,
+    with Mesh(model_dir, [2, 2], tp=[1 if standby else 2, 1], handoff="nccl", log_dir=tmp_path,
               scheduler_args=("--stage-recovery-timeout", "90", "--metrics-port", str(metrics))) as mesh:
         undisturbed = mesh.submit_stream([(f"u{i}", p, s) for i, (p, s) in enumerate(zip(batch, seeded))])
         if standby:

@@ -75,7 +75,7 @@ def test_no_sampled_tokens():
 def test_tp_followers_take_the_step_as_received_with_the_tokens_rank_0_filled_in():
     from stagemesh.core.step import PLACEHOLDER
     from stage_worker import run_ahead
-    from stage_worker.dist import read_step_message, step_message
+    from stage_worker.control import read_step_message, step_message
 
     def step() -> StepBatch:
         return StepBatch(4, [], [ScheduledChunk(1, [PLACEHOLDER], 9, [], True), ScheduledChunk(2, [43], 3, [], True),

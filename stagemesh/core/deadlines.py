@@ -2,11 +2,15 @@
 
 A service that takes a deadline from its command line (the scheduler's
 --forward-timeout) replaces that field (dataclasses.replace) and passes the
-object on; everything else reads DEADLINES.
+object on; everything else reads DEADLINES. STAGEMESH_DEADLINES replaces fields for
+every service started with it: "collective_s=300,store_s=60" (slow links, long loads).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, fields, replace
+
+from stagemesh.core.errors import StagemeshError
 
 
 @dataclass(frozen=True)
@@ -31,4 +35,24 @@ class Deadlines:
         return max(self.forward_s, self.join_s) + 5
 
 
-DEADLINES = Deadlines()
+def from_env(value: str | None) -> Deadlines:
+    """Deadlines with the fields STAGEMESH_DEADLINES names replaced ("name=seconds,..."); a name that is not a
+    deadline, or a time that is not a positive number, is refused with what it should be."""
+    deadlines = Deadlines()
+    if not value:
+        return deadlines
+    names = [f.name for f in fields(Deadlines)]
+    changes = {}
+    for item in value.split(","):
+        name, _, seconds = item.strip().partition("=")
+        try:
+            changes[name] = float(seconds)
+        except ValueError:
+            changes[name] = -1.0
+        if name not in names or not changes[name] > 0:
+            raise StagemeshError(f"STAGEMESH_DEADLINES: {item.strip()!r} is not name=seconds with a positive time and "
+                             f"a name among {', '.join(names)}")
+    return replace(deadlines, **changes)
+
+
+DEADLINES = from_env(os.environ.get("STAGEMESH_DEADLINES"))
