@@ -196,9 +196,9 @@ def quant_linear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: 
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m and n and m > DEQUANTISE_ABOVE and config is None:
+    if n and m > DEQUANTISE_ABOVE and config is None:
         return F.linear(rows, dequantise(qs, scales, mins, x.dtype), bias).view(*x.shape[:-1], n)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n:
         group = k // scales.shape[1]
         row_scales = group == k and mins is None

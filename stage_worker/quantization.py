@@ -104,11 +104,9 @@ def quantize_at_load(model: nn.Module, method: str) -> None:
         if width % 32:
             raise StagemeshError(f"--quantization {method}: {name} has {width} inputs on this rank; the quantised "
                                  "kernels take multiples of 32")
-        if method == "fp8":
-            qs, scales = quantize_fp8_per_channel(module.weight.data)
-        else:
-            qs, scales = quantize_int8_per_channel(module.weight.data)
-        _swap(module, QuantizedWeight(qs, scales, None, "fp8" if method == "fp8" else "int8", method == "w8a8"))
+        kind, quantise = ("fp8", quantize_fp8_per_channel) if method == "fp8" else ("int8", quantize_int8_per_channel)
+        qs, scales = quantise(module.weight.data)
+        _swap(module, QuantizedWeight(qs, scales, None, kind, method == "w8a8"))
 
 
 def describe(model: nn.Module) -> str:

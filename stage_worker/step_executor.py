@@ -134,8 +134,7 @@ class StepExecutor:
             filled = self.run_ahead.fill(batch)
         wait = time.perf_counter() - start
         start = time.perf_counter()
-        if self.followers is not None:  # the step as the scheduler sent it, and the tokens filled in for its
-            # placeholders
+        if self.followers is not None:  # the step as the scheduler sent it, with the tokens filled in ahead
             self.followers.send(control.FORWARD, self.epoch, control.step_message(step_bytes, filled))
             if hidden is not None:
                 sdist.broadcast_hidden(hidden, runner.tp)

@@ -48,10 +48,10 @@ def from_env(value: str | None) -> Deadlines:
         try:
             changes[name] = float(seconds)
         except ValueError:
-            changes[name] = -1.0
+            changes[name] = float("nan")
         if name not in names or not changes[name] > 0:
-            raise StagemeshError(f"STAGEMESH_DEADLINES: {item.strip()!r} is not name=seconds with a positive time and "
-                             f"a name among {', '.join(names)}")
+            raise StagemeshError(f"STAGEMESH_DEADLINES: {item.strip()!r} is not name=seconds with a positive time "
+                                 f"and a name among {', '.join(names)}")
     return replace(deadlines, **changes)
 
 

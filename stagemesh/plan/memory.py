@@ -9,7 +9,7 @@ from stagemesh.core.model_config import ModelConfig, layer_ranges
 # Bytes a layer's parameter takes as a stage holds it, in the kernels' layouts (kernels/quant_reference.py):
 # 4-bit quants with an fp32 scale and min per group of 32 (the GGUF files hold less: Q4_0 18 and Q4_1 20 bytes a
 # block of 32, Q4_K 144 a block of 256), Q8_0 8 bits with an fp32 scale per 32; int8 (w8a16 / w8a8) and fp8
-# 8 bits, their fp32 scale per output row counted apart (row_scale_bytes). int4 is what a GPU int4 format would
+# 8 bits, their fp32 scale per output row counted apart (weight_bytes). int4 is what a GPU int4 format would
 # take (not built: stagemesh's 4-bit is GGUF's).
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int4": 0.5,
                "q4_0": 0.75, "q4_1": 0.75, "q4_k": 0.75, "q8_0": 1.125, "int8": 1.0}
