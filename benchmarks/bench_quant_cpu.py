@@ -5,7 +5,9 @@ GGUF and threads between the rounds. Quality per arm: teacher-forced top-1 agree
 perplexity on a fixed text.
 
 Arms: fp32, bf16 (--dtype bfloat16), gguf-q4_1 (the embedded GGUF as it is), gguf-q8_0 (a Q8_0 GGUF: --q8-gguf,
-e.g. made by llama.cpp's llama-quantize), w8a16, w8a8 (int8 quantised at load).
+e.g. made by llama.cpp's llama-quantize), w8a16, w8a8 (int8 quantised at load). A quantised arm named
+ARM@FAMILY (gguf-q4_1@avx2) runs its products on that kernel family (kernels/isa.py), to compare the families
+in one run.
 
     .venv/bin/python benchmarks/bench_quant_cpu.py [--rounds 3] [--tokens 64] [--batch 32] \
         [--llama-bench /tmp/llama.cpp/build/bin/llama-bench] [--q8-gguf /tmp/smol-q8_0.gguf] [--arms fp32,gguf-q4_1]
@@ -13,6 +15,7 @@ e.g. made by llama.cpp's llama-quantize), w8a16, w8a8 (int8 quantised at load).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import random
@@ -65,6 +68,18 @@ def llama_bench(binary: str, gguf: str, threads: int, tokens: int) -> float:
     return 1e3 / tps
 
 
+@contextlib.contextmanager
+def family_of(arm: str):
+    """The quantised products of ARM@FAMILY on FAMILY while it runs; other arms on this CPU's best."""
+    from kernels import cpu_ops
+
+    cpu_ops.pin_quant_family(arm.split("@")[1] if "@" in arm else None)
+    try:
+        yield
+    finally:
+        cpu_ops.pin_quant_family(None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
@@ -91,18 +106,21 @@ def main() -> None:
     outputs = [rng.randint(16, 128) for _ in range(args.batch)]
     table = arms(args.q8_gguf)
     if args.arms:
-        table = {name: table[name] for name in args.arms.split(",")}
+        table = {name: table[name.split("@")[0]] for name in args.arms.split(",")}
     engines = {name: LocalEngine(model_dir, **kw) for name, kw in table.items()}
     figures = {name: {"tpot": [], "tput": []} for name in engines}
     llama = {"q4_1": [], "q8_0": []}
     try:
-        quality = {name: score(engine, text_ids) for name, engine in engines.items()}
-        for engine in engines.values():
-            tpot_ms(engine, prompt_ids, 4)  # warm-up
+        quality = {}
+        for name, engine in engines.items():
+            with family_of(name):
+                quality[name] = score(engine, text_ids)
+                tpot_ms(engine, prompt_ids, 4)  # warm-up
         for _ in range(args.rounds):
             for name, engine in engines.items():
-                figures[name]["tpot"].append(tpot_ms(engine, prompt_ids, args.tokens))
-                figures[name]["tput"].append(throughput(engine, prompts, outputs))
+                with family_of(name):
+                    figures[name]["tpot"].append(tpot_ms(engine, prompt_ids, args.tokens))
+                    figures[name]["tput"].append(throughput(engine, prompts, outputs))
             if args.llama_bench:
                 llama["q4_1"].append(llama_bench(args.llama_bench, str(gguf_path()), args.threads, args.tokens))
                 if args.q8_gguf:

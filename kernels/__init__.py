@@ -6,6 +6,7 @@ from kernels.dispatch import (  # noqa: F401
     paged_attention,
     quant_linear,
     rms_norm,
+    rotary_and_cache,
     select_experts,
     silu_and_mul,
     write_kv_cache,

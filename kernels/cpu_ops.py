@@ -103,6 +103,11 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     load().write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
+def rotary_and_cache(qkv, num_heads, num_kv_heads, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    return load().rotary_and_cache(qkv, num_heads, num_kv_heads, positions, cos_sin_cache, k_cache, v_cache,
+                                   slot_mapping)
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
     """Where this CPU's attention family covers the head_dim, every query row (decode tokens and prefill
     chunks alike) is one row of the family's kernel, seeing the positions up to its own; else decode rows
@@ -197,15 +202,29 @@ def quant_isa() -> str:
     return module.quant_isa() if module is not None else "none"
 
 
-def int8_family() -> str:
-    """The family whose int8 products (w8a8) run here: avx512_vnni where the CPU and the build have it, else avx2."""
+def quant_family() -> str:
+    """The family of the quantised products here: avx512_vnni (fp32 products 16 lanes wide, w8a8's int8 ones on
+    vpdpbusd), avx512 (the fp32 ones 16 wide) where the CPU and the build have them, else avx2."""
     module = load()
-    return isa.family_for("int8", isa.cpu_flags(), module is not None and module.int8_vnni_available())
+    return isa.family_for("quant", isa.cpu_flags(), module is not None and module.quant_isa() != "none")
 
 
 def quant_linear(x, qs, scales, mins, bias=None, int8_activations=False, family: str | None = None):
     """x W^T + b in x's dtype, W quantised in groups along K (kernels/quant_reference.py has the layouts)."""
-    return load().quant_linear(x, qs, scales, mins, bias, int8_activations, family or _int8_family())
+    return load().quant_linear(x, qs, scales, mins, bias, int8_activations,
+                               family or _pinned_quant or _quant_family())
 
 
-_int8_family = functools.cache(int8_family)  # once per process: the products of a model keep one family
+_pinned_quant: str | None = None
+
+
+def pin_quant_family(family: str | None) -> None:
+    """Run every later quantised product of this process on `family` ("avx2", "avx512", "avx512_vnni"; None:
+    this CPU's best again), for benchmarks that compare the families in one process."""
+    global _pinned_quant
+    if family not in (None, *isa.KERNELS["quant"]):
+        raise ValueError(f"no quantised kernels for the family {family!r} ({', '.join(isa.KERNELS['quant'])})")
+    _pinned_quant = family
+
+
+_quant_family = functools.cache(quant_family)  # once per process: the products of a model keep one family

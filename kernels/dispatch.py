@@ -5,6 +5,7 @@ STAGEMESH_KERNELS=torch|triton forces one (Triton on CPU needs TRITON_INTERPRET=
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -58,6 +59,20 @@ def apply_rotary(q, k, positions, cos_sin_cache):
     return impl.apply_rotary(q, k, positions, cos_sin_cache)
 
 
+def rotary_and_cache(qkv, num_heads, num_kv_heads, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    """From a fused QKV output [tokens, (num_heads + 2 num_kv_heads) * head_dim]: q rotated [tokens, num_heads,
+    head_dim] is returned, k rotated and v are written into their cache slots. apply_rotary + write_kv_cache
+    in one C++ call on CPU (a decode step's per-layer overhead); composed of the two elsewhere."""
+    if not _use_triton(qkv) and k_cache.dtype == qkv.dtype and _cpu_impl(qkv) is cpu_ops:
+        return cpu_ops.rotary_and_cache(qkv, num_heads, num_kv_heads, positions, cos_sin_cache, k_cache, v_cache,
+                                        slot_mapping)
+    tokens, d = qkv.shape[0], cos_sin_cache.shape[1]
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], -1)
+    q, k = apply_rotary(q.view(tokens, num_heads, d), k.view(tokens, num_kv_heads, d), positions, cos_sin_cache)
+    write_kv_cache(k, v.view(tokens, num_kv_heads, d), k_cache, v_cache, slot_mapping)
+    return q
+
+
 def silu_and_mul(x):
     impl = _triton() if _use_triton(x) and _has("silu_and_mul") else _cpu_impl(x)
     return impl.silu_and_mul(x)
@@ -76,8 +91,13 @@ def quant_linear(x, qs, scales, mins, bias=None, int8_activations=False):
     kernel on CPU where it is built, else the reference."""
     if _use_triton(x) and _has("quant_linear"):
         return _triton().quant_linear(x, qs, scales, mins, bias, int8_activations)
-    impl = cpu_ops if _cpu_impl(x) is cpu_ops and cpu_ops.quant_isa() != "none" else quant_reference
+    impl = cpu_ops if _cpu_impl(x) is cpu_ops and _quant_built() else quant_reference
     return impl.quant_linear(x, qs, scales, mins, bias, int8_activations)
+
+
+@functools.cache
+def _quant_built() -> bool:  # once per process: asked by every product
+    return cpu_ops.quant_isa() != "none"
 
 
 build_cos_sin_cache = reference.build_cos_sin_cache

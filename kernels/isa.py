@@ -5,7 +5,8 @@ The C++ kernels are compiled once per machine for the CPU's -march level (kernel
 family (AVX2 + FMA + F16C) has every kernel. Three kernels have a second family, compiled with its target
 for those functions alone and chosen at load where the CPU has the instructions:
 - bf16 linear (kernels/csrc/bf16_linear_avx512bf16.cpp): avx512_bf16, vdpbf16ps on bf16 pairs;
-- int8 products of w8a8 (kernels/csrc/quant_linear.cpp): avx512_vnni, vpdpbusd;
+- quantised products (kernels/csrc/quant_linear.cpp): avx512, the fp32 products of few rows 16 lanes wide;
+  avx512_vnni, those and the int8 products of w8a8 on vpdpbusd;
 - decode attention (kernels/csrc/decode_attention_avx512.cpp): avx512, 16-wide FMA in 32 registers.
 AMX tiles are not written (this project's machines have no AMX to test them on); the fp32 products run
 on oneDNN, which uses AVX-512 where the CPU has it.
@@ -35,14 +36,15 @@ FAMILIES = (
     Family("avx512_vnni", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}), True,
            "vpdpbusd int8 dot products for w8a8"),
     Family("avx512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}), True,
-           "16-wide FMA decode attention"),
+           "16-wide FMA decode attention and quantised products"),
     Family("avx2", frozenset({"avx2", "fma", "f16c", "bmi2"}), True, "8-wide FMA, vpmaddubsw/vpmaddwd int8"),
     Family("scalar", frozenset(), True, "the torch reference (no C++ SIMD kernels)"),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
 
 # The families each kernel has, best first (avx2 has them all).
-KERNELS = {"bf16": ("avx512_bf16", "avx2"), "int8": ("avx512_vnni", "avx2"), "attention": ("avx512", "avx2")}
+KERNELS = {"bf16": ("avx512_bf16", "avx2"), "quant": ("avx512_vnni", "avx512", "avx2"),
+           "attention": ("avx512", "avx2")}
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
@@ -91,7 +93,7 @@ def chosen(flags: set[str]) -> Family:
 
 
 def family_for(kernel: str, flags: set[str], built: bool = True) -> str:
-    """Which family's `kernel` ("bf16", "int8", "attention") runs: the best one the CPU has (built: the build has it
+    """Which family's `kernel` ("bf16", "quant", "attention") runs: the best one the CPU has (built: the build has it
     too, as the module says), else avx2."""
     names = {f.name for f in running(flags)}
     return next((n for n in KERNELS[kernel] if n in names and (built or n == "avx2")), "avx2")

@@ -12,11 +12,52 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 import kernels
 from kernels import cpu_ops
 from stage_worker.parallel import TPGroup, shard_range, vocab_range
 from stage_worker.quant_weight import QuantizedWeight
+
+
+class Module(nn.Module):
+    """An nn.Module made for a decode step's Python: a step of the default model at batch 1 calls the layers
+    ~150 times and reads their parameters and submodules ~500 times, which plain nn.Module makes 1-2 us a
+    call (its hook machinery) and ~0.5 us a read (found by __getattr__ after the normal lookup fails): a
+    tenth of the step on CPU (benchmarks/RESULTS.md, 2026-11-26). So:
+    - a call goes straight to forward unless a forward hook is registered (then nn.Module's own call runs);
+    - a parameter or submodule set as an attribute is kept in the instance dict too, where the normal
+      lookup finds it; nn.Module's setattr and delattr drop it first and _apply (.to(), ...) refreshes it, so
+      the dict never holds a stale one."""
+
+    def __call__(self, *args, **kwargs):
+        if self._forward_hooks or self._forward_pre_hooks or _torch_module._global_forward_hooks \
+                or _torch_module._global_forward_pre_hooks:
+            return super().__call__(*args, **kwargs)
+        return self.forward(*args, **kwargs)
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        self._keep(name)
+
+    def __delattr__(self, name: str) -> None:
+        self.__dict__.pop(name, None)
+        super().__delattr__(name)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name in (*self._parameters, *self._modules):
+            self._keep(name)
+        return self
+
+    def _keep(self, name: str) -> None:
+        for registry in (self.__dict__.get("_parameters", {}), self.__dict__.get("_modules", {})):
+            if name in registry:
+                if registry[name] is None:  # a registered name set to None: nn.Module's setattr left the dict
+                    self.__dict__.pop(name, None)
+                else:
+                    self.__dict__[name] = registry[name]
+                return
 
 
 class Shard(NamedTuple):
@@ -82,7 +123,7 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
-class Linear(nn.Module):
+class Linear(Module):
     """y = x W^T (+ b); W is already this rank's shard. Row-parallel ones all-reduce."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None, reduce: TPGroup | None = None):
@@ -116,7 +157,7 @@ def row_parallel(prefix: str, out_features: int, start: int, cols: int, tp: TPGr
     return Linear(weight, reduce=tp if reduce else None)
 
 
-class MLP(nn.Module):
+class MLP(Module):
     """SwiGLU MLP: column-parallel gate/up, row-parallel down (all-reduced unless reduce=False)."""
 
     def __init__(self, prefix: str, hidden_size: int, intermediate_size: int, tp: TPGroup, dtype, device,
@@ -131,7 +172,7 @@ class MLP(nn.Module):
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(Module):
     """Each rank holds a slice of the vocabulary; lookups outside it give zeros, summed over ranks."""
 
     def __init__(self, name: str, vocab_size: int, hidden: int, tp: TPGroup, dtype, device):
@@ -158,7 +199,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(Module):
     """Vocab-parallel LM head: local logits, all-gathered into the full vocabulary."""
 
     def __init__(self, name: str, vocab_size: int, hidden: int, tp: TPGroup, dtype, device):
@@ -175,7 +216,7 @@ class ParallelLMHead(nn.Module):
         return self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Module):
     def __init__(self, name: str, size: int, eps: float, dtype, device):
         super().__init__()
         self.eps = eps

@@ -14,7 +14,7 @@ from torch import nn
 
 import kernels
 from stagemesh.core.model_config import ModelConfig
-from stage_worker.layers import (MLP, RMSNorm, ParallelLMHead, VocabParallelEmbedding, column_parallel,
+from stage_worker.layers import (MLP, Module, RMSNorm, ParallelLMHead, VocabParallelEmbedding, column_parallel,
                                  row_parallel)
 from stage_worker.moe import SparseMoeBlock
 from stage_worker.parallel import HeadShard, TPGroup
@@ -31,7 +31,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [seqs + 1] int32
 
 
-class Attention(nn.Module):
+class Attention(Module):
     def __init__(self, cfg: ModelConfig, prefix: str, tp: TPGroup, dtype, device):
         super().__init__()
         shard = HeadShard.for_rank(cfg, tp)
@@ -53,20 +53,24 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 cos_sin: torch.Tensor) -> torch.Tensor:
         tokens, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
-        q, k, v = q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)
-        if self.q_norm is not None:
+        k_cache, v_cache = kv_cache
+        qkv = self.qkv_proj(x)
+        if self.q_norm is None:
+            q = kernels.rotary_and_cache(qkv, self.num_heads, self.num_kv_heads, meta.positions, cos_sin, k_cache,
+                                         v_cache, meta.slot_mapping)
+        else:  # q and k normed per head before the rotation
+            q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
+            q, k, v = q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)
             q = kernels.rms_norm(q, self.q_norm.weight, self.q_norm.eps)[0]
             k = kernels.rms_norm(k, self.k_norm.weight, self.k_norm.eps)[0]
-        q, k = kernels.apply_rotary(q, k, meta.positions, cos_sin)
-        k_cache, v_cache = kv_cache
-        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            q, k = kernels.apply_rotary(q, k, meta.positions, cos_sin)
+            kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                       meta.query_start_loc, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * d))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Module):
     def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup, dtype, device, expert_parallel: bool = False,
                  ep=None, eplb=None):
         super().__init__()
@@ -90,7 +94,7 @@ class DecoderLayer(nn.Module):
         return (self.mlp(x, meta) if self.sparse else self.mlp(x)), residual
 
 
-class StageModel(nn.Module):
+class StageModel(Module):
     """Layers [layer_start, layer_end) of one TP rank, plus embeddings (first) or norm + LM head (last)."""
 
     def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, tp: TPGroup,

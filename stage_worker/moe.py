@@ -18,7 +18,7 @@ from torch import nn
 import kernels
 from stagemesh.core.model_config import ModelConfig
 from stage_worker.eplb import EPLBConfig, ExpertMap, plan_placement
-from stage_worker.layers import MLP, Linear, Shard, full, new_param
+from stage_worker.layers import MLP, Linear, Module, Shard, full, new_param
 from stage_worker.parallel import TPGroup, shard_range
 from stage_worker.weights import fill
 
@@ -109,7 +109,7 @@ def _expert_weights(block: str, names: tuple[str, str, str], p: ExpertPlacement,
     return w13, w2
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(Module):
     """Router, this rank's experts (and the shared expert): what they add to every token, all-reduced."""
 
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, expert_parallel: bool, dtype, device, ep=None,

@@ -53,26 +53,28 @@ def test_the_kernel_family_is_chosen_by_flags_and_unbuilt_ones_are_named(monkeyp
     monkeypatch.delenv("STAGEMESH_CPU_ISA", raising=False)
     avx2 = cpu_flags("flags : avx avx2 fma f16c bmi2")
     assert isa.chosen(avx2).name == "avx2" and isa.march(avx2) == "avx2"
-    assert isa.family_for("bf16", avx2) == "avx2" and isa.family_for("int8", avx2) == "avx2"
+    assert isa.family_for("bf16", avx2) == "avx2" and isa.family_for("quant", avx2) == "avx2"
     assert isa.chosen(cpu_flags("flags : sse2 avx")).name == "scalar"
     assert isa.march(cpu_flags("flags : sse2 avx")) == "generic"
     server = cpu_flags("flags : avx2 fma f16c bmi2 avx512f avx512bw avx512vl avx512dq avx512cd avx512_vnni "
                        "avx512_bf16 amx_tile amx_bf16 amx_int8")
     assert isa.chosen(server).name == "avx512_bf16" and isa.march(server) == "avx512"
-    assert isa.family_for("bf16", server) == "avx512_bf16" and isa.family_for("int8", server) == "avx512_vnni"
+    assert isa.family_for("bf16", server) == "avx512_bf16" and isa.family_for("quant", server) == "avx512_vnni"
     assert isa.family_for("bf16", server, built=False) == "avx2"  # the build cannot emit them
     assert isa.family_for("attention", server) == "avx512" and isa.family_for("attention", avx2) == "avx2"
     assert isa.describe(server) == (
         "CPU kernels: avx512_bf16 (vdpbf16ps bf16 dot products for bf16 weights), avx512_vnni (vpdpbusd int8 dot "
-        "products for w8a8), avx512 (16-wide FMA decode attention), avx2 (8-wide FMA, vpmaddubsw/vpmaddwd int8) "
-        "for the rest; this CPU also has amx, whose kernels are not built yet")
+        "products for w8a8), avx512 (16-wide FMA decode attention and quantised products), avx2 (8-wide FMA, "
+        "vpmaddubsw/vpmaddwd int8) for the rest; this CPU also has amx, whose kernels are not built yet")
     cascade_lake = cpu_flags("flags : avx2 fma f16c bmi2 avx512f avx512bw avx512vl avx512dq avx512cd avx512_vnni")
-    assert isa.family_for("bf16", cascade_lake) == "avx2" and isa.family_for("int8", cascade_lake) == "avx512_vnni"
+    assert isa.family_for("bf16", cascade_lake) == "avx2" and isa.family_for("quant", cascade_lake) == "avx512_vnni"
     assert isa.family_for("attention", cascade_lake) == "avx512"
+    skylake_x = cpu_flags("flags : avx2 fma f16c bmi2 avx512f avx512bw avx512vl avx512dq avx512cd")
+    assert isa.family_for("quant", skylake_x) == "avx512"  # AVX-512 without VNNI: the fp32 products' tile
     assert isa.describe(avx2, built=False).endswith("; the C++ kernels are not built")
     # STAGEMESH_CPU_ISA caps the choice, to compare the families on one machine
     monkeypatch.setenv("STAGEMESH_CPU_ISA", "avx2")
-    assert isa.family_for("bf16", server) == "avx2" and isa.family_for("int8", server) == "avx2"
+    assert isa.family_for("bf16", server) == "avx2" and isa.family_for("quant", server) == "avx2"
     assert isa.family_for("attention", server) == "avx2"
     assert isa.describe(server).startswith("CPU kernels: avx2 (")
     monkeypatch.setenv("STAGEMESH_CPU_ISA", "avx9")

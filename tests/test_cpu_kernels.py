@@ -80,6 +80,40 @@ def test_write_kv_cache_and_bad_slot():
         cpu_ops.write_kv_cache(k[:1], v[:1], got[0], got[1], torch.tensor([48]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_and_cache_equals_rotary_then_write(dtype):
+    """The fused op gives the bits of apply_rotary + write_kv_cache (the path it replaces) and of the
+    composition kernels.dispatch falls back to; q comes back rotated, k and v land in their slots."""
+    import kernels
+
+    g = torch.Generator().manual_seed(6)
+    cache = reference.build_cos_sin_cache(64, 512, 10000.0, None)
+    qkv = torch.randn(5, (6 + 2 + 2) * 64, generator=g).to(dtype)
+    positions, slots = torch.tensor([0, 3, 64, 300, 511]), torch.tensor([0, 17, 18, 47, 3])
+    q, k, v = qkv.split([6 * 64, 2 * 64, 2 * 64], -1)
+    want_q, want_k = cpu_ops.apply_rotary(q.view(5, 6, 64), k.view(5, 2, 64), positions, cache)
+    want = [torch.zeros(3, 16, 2, 64, dtype=dtype) for _ in range(2)]
+    cpu_ops.write_kv_cache(want_k, v.view(5, 2, 64), *want, slots)
+    got = [torch.zeros(3, 16, 2, 64, dtype=dtype) for _ in range(2)]
+    got_q = cpu_ops.rotary_and_cache(qkv, 6, 2, positions, cache, *got, slots)
+    assert got_q.shape == (5, 6, 64) and got_q.dtype == dtype
+    assert torch.equal(got_q, want_q) and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    composed = [torch.zeros(3, 16, 2, 64) for _ in range(2)]  # an fp32 cache under bf16 qkv: the composition
+    composed_q = kernels.rotary_and_cache(qkv, 6, 2, positions, cache, *composed, slots)
+    assert torch.equal(composed_q, want_q) and torch.equal(composed[0], want[0].float())
+    ref_q, ref_k = reference.apply_rotary(q.view(5, 6, 64), k.view(5, 2, 64), positions, cache)
+    torch.testing.assert_close(got_q.float(), ref_q.float(), **(TOL if dtype == torch.float32 else BF16))
+    for args, words in [((positions, cache, *got, torch.tensor([0, 17, 18, 47, 48])), "slot 48 is outside"),
+                        ((torch.tensor([0, 3, 64, 300, 512]), cache, *got, slots), "position 512 is outside"),
+                        ((positions, cache, *got, slots[:4]), "one slot per token: 4 for 5")]:
+        with pytest.raises(RuntimeError, match=words):
+            cpu_ops.rotary_and_cache(qkv, 6, 2, *args)
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        cpu_ops.rotary_and_cache(qkv, 5, 2, positions, cache, *got, slots)
+    with pytest.raises(RuntimeError, match="the KV cache must be"):
+        cpu_ops.rotary_and_cache(qkv, 6, 2, positions, cache, *[torch.zeros(3, 16, 3, 64, dtype=dtype)] * 2, slots)
+
+
 def test_silu_and_mul():
     x = torch.randn(5, 2 * 1536, generator=torch.Generator().manual_seed(4)) * 4
     torch.testing.assert_close(cpu_ops.silu_and_mul(x), reference.silu_and_mul(x), **TOL)

@@ -40,6 +40,63 @@ def test_batched_greedy_tokens_match_transformers(tiny_model_dir, arch, override
         assert engine.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)) == want
 
 
+def test_forward_hooks_still_run(tiny_model_dir):
+    """The layers skip nn.Module's call machinery only while no hook is registered (stage_worker.layers.Module):
+    a forward hook, on one layer or global, sees every call, and the tokens do not change."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    from stage_worker.model import DecoderLayer
+
+    model_dir = tiny_model_dir("llama")
+    prompt = prompts(384, lengths=(20,))[0]
+    with LocalEngine(model_dir) as engine:
+        want = engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+        layer = next(m for m in engine.runners[0].model.modules() if isinstance(m, DecoderLayer))
+        seen, every = [], []
+        handles = [layer.register_forward_hook(lambda m, args, out: seen.append(out[0].shape)),
+                   register_module_forward_hook(lambda m, args, out: every.append(type(m).__name__))]
+        try:
+            assert engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True)) == want
+        finally:
+            for h in handles:
+                h.remove()
+    # the prompt past its cached prefix, then one token a step
+    assert len(seen) == 4 and [s[0] for s in seen[1:]] == [1, 1, 1]
+    assert {"DecoderLayer", "Attention", "MLP", "Linear"} <= set(every)
+
+
+def test_layer_attributes_keep_nn_module_semantics():
+    """stage_worker.layers.Module keeps parameters and submodules in the instance dict for fast reads; every
+    way nn.Module changes them (set, set to None, delete, swap a module for a parameter, .to()) still shows."""
+    from torch import nn
+
+    from stage_worker.layers import Module
+
+    class Layer(Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2))
+            self.sub = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return x * self.w
+
+    layer = Layer()
+    assert layer.__dict__["w"] is layer._parameters["w"] and layer.__dict__["sub"] is layer._modules["sub"]
+    layer.w = nn.Parameter(torch.zeros(2))
+    assert layer.w is layer._parameters["w"] and torch.equal(layer(torch.ones(2)), torch.zeros(2))
+    layer.w = None
+    assert layer.w is None
+    del layer.w
+    assert not hasattr(layer, "w")
+    layer.w = nn.Parameter(torch.ones(2))
+    layer.sub = nn.Parameter(torch.ones(1))  # a module swapped for a parameter
+    assert layer.sub is layer._parameters["sub"] and "sub" not in layer._modules
+    layer.to(torch.float64)
+    assert layer.w.dtype == torch.float64 and layer.w is layer._parameters["w"]
+    assert sorted(dict(layer.named_parameters())) == ["sub", "w"]
+
+
 def test_sharded_checkpoint_loads(tmp_path):
     from tiny_models import make_tiny_model
 

@@ -21,11 +21,13 @@ def weight(n: int, k: int, bits: int, group: int, seed: int = 0):
     return torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), scales, None
 
 
-def int8_families():
-    """Every family of the integer products; the ones this CPU cannot run are skipped by name."""
-    runs = {"avx2": True, "avx512_vnni": cpu_ops.load().int8_vnni_available()}
-    return [pytest.param(f, marks=[] if ok else pytest.mark.skip(reason=f"this CPU has no {f} instructions"))
-            for f, ok in runs.items()]
+def families(*names):
+    """These families of the products; the ones this CPU cannot run are skipped by name."""
+    module = cpu_ops.load()
+    runs = {"avx2": True, "avx512": module.quant_avx512_available(),
+            "avx512_vnni": module.quant_avx512_available() and module.int8_vnni_available()}
+    return [pytest.param(f, marks=[] if runs[f] else pytest.mark.skip(reason=f"this CPU has no {f} instructions"))
+            for f in names]
 
 
 def check(x, qs, scales, mins, bias, int8_activations, tol=2e-5, family="avx2"):
@@ -38,18 +40,31 @@ def check(x, qs, scales, mins, bias, int8_activations, tol=2e-5, family="avx2"):
 
 # rows of x: the fused path's tiles of 1-4 (and 5-8: a 4 and a rest), the tiled path's 4-row tiles and rests;
 # rows of W: the tiled path's 3-row tiles, its 24-row blocks and rests
+@pytest.mark.parametrize("family", families("avx2", "avx512"))
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 33])
 @pytest.mark.parametrize("n", [1, 2, 3, 25, 50])
-def test_exact_path_equals_reference(bits, m, n):
+def test_exact_path_equals_reference(family, bits, m, n):
     k = 96
     qs, scales, mins = weight(n, k, bits, 32, seed=m * 100 + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
     bias = torch.randn(n) if n % 2 else None
-    check(x, qs, scales, mins, bias, False)
+    check(x, qs, scales, mins, bias, False, family=family)
 
 
-@pytest.mark.parametrize("family", int8_families())
+@pytest.mark.parametrize("family", families("avx2", "avx512"))
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 5])
+@pytest.mark.parametrize("k,group", [(96, 32), (160, 32), (192, 64), (320, 64), (96, "K"), (160, "K")])
+def test_exact_path_group_widths(family, bits, m, k, group):
+    """Groups of one chunk and of several (Q8_0's 32, 64, a scale a row as w8a16), an odd and an even number
+    of groups a row (the avx512 tile sums even and odd groups apart)."""
+    group = k if group == "K" else group
+    qs, scales, mins = weight(19, k, bits, group, seed=m + k)
+    check(torch.randn(m, k), qs, scales, mins, torch.randn(19), False, family=family)
+
+
+@pytest.mark.parametrize("family", families("avx2", "avx512", "avx512_vnni"))
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", [1, 3, 4, 7, 13])
 @pytest.mark.parametrize("group", [32, 64, "K"])
@@ -100,7 +115,7 @@ def test_refuses_what_does_not_fit():
         cpu_ops.quant_linear(torch.randn(2, 64), q8, s8, s8, None, False)
     with pytest.raises(RuntimeError, match="bias has 3 elements for 8 outputs"):
         cpu_ops.quant_linear(torch.randn(2, 64), q8, s8, None, torch.randn(3), False)
-    with pytest.raises(RuntimeError, match="no quantised kernels for the family avx9"):
+    with pytest.raises(RuntimeError, match=r"no quantised kernels for the family avx9 \(avx2, avx512, avx512_vnni\)"):
         cpu_ops.quant_linear(torch.randn(2, 64), q8, s8, None, None, True, "avx9")
 
 
@@ -109,3 +124,21 @@ def test_int8_per_channel_quantiser_round_trips():
     qs, scales = ref.quantize_int8_per_channel(w)
     assert qs.dtype == torch.int8 and scales.shape == (33, 1) and qs.abs().max() == 127
     assert (ref.dequantize(qs, scales, None) - w).abs().max() <= scales.max() / 2 + 1e-6
+
+
+def test_a_pinned_family_runs_every_later_product():
+    """pin_quant_family (the benchmarks' family comparison) reaches products that name no family; None restores
+    this CPU's best."""
+    qs, scales, mins = weight(40, 256, 4, 32)
+    x = torch.randn(1, 256)
+    best = cpu_ops.quant_family()
+    try:
+        cpu_ops.pin_quant_family("avx2")
+        assert torch.equal(cpu_ops.quant_linear(x, qs, scales, mins), cpu_ops.quant_linear(x, qs, scales, mins,
+                                                                                            family="avx2"))
+        with pytest.raises(ValueError, match="no quantised kernels for the family 'avx9'"):
+            cpu_ops.pin_quant_family("avx9")
+    finally:
+        cpu_ops.pin_quant_family(None)
+    assert torch.equal(cpu_ops.quant_linear(x, qs, scales, mins),
+                       cpu_ops.quant_linear(x, qs, scales, mins, family=best))

@@ -124,9 +124,53 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, 
   return {out, sum};
 }
 
+namespace {
+
+// One head's rotate-half rotation, a -> b (apply_rotary and rotary_and_cache share it, so both give the
+// same bits). cos and sin are fp32; in bf16 they are rounded to bf16 first (transformers casts them to the
+// model's dtype).
+template <typename T>
+inline void rotate_head(const T* a, T* b, const float* cos, const float* sin, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float c = round_as<T>(cos[i]), s = round_as<T>(sin[i]);
+    const float lo = f32(a[i]), hi = f32(a[i + half]);
+    b[i] = to<T>(lo * c - hi * s);
+    b[i + half] = to<T>(hi * c + lo * s);
+  }
+}
+
+// positions as int64, each checked against the rotary cache's rows.
+at::Tensor checked_positions(const at::Tensor& positions, int64_t tokens, int64_t num_positions) {
+  const at::Tensor pos = positions.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == tokens, "one position per token: ", pos.numel(), " for ", tokens);
+  const int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(p[t] >= 0 && p[t] < num_positions, "position ", p[t], " is outside the rotary cache of ",
+                num_positions);
+  return pos;
+}
+
+// slot_mapping as int64, each slot checked against the cache [num_blocks, block_size, kv_heads, dim].
+at::Tensor checked_slots(const at::Tensor& slot_mapping, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  check_float_or_bf16(k_cache, "k_cache");
+  check_cpu(v_cache, "v_cache", k_cache.scalar_type());
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must both be [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, "slot ", s[t], " is outside the KV cache");
+  return slots;
+}
+
+}  // namespace
+
 // Rotary embedding (rotate-half layout) of q [tokens, heads, dim] and k [tokens, kv_heads, dim],
 // which may be strided views of a fused QKV output; returns contiguous rotated copies. The cache is
-// fp32; in bf16, cos and sin are rounded to bf16 first (transformers casts them to the model's dtype).
+// fp32 [positions, dim] (cos half, sin half).
 std::vector<at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                                      const at::Tensor& cos_sin_cache) {
   check_float_or_bf16(q, "q");
@@ -137,15 +181,8 @@ std::vector<at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k, c
   const int64_t tokens = q.size(0), dim = q.size(2), half = dim / 2;
   TORCH_CHECK(cos_sin_cache.size(1) == dim, "cos_sin_cache rows must be head_dim wide");
   TORCH_CHECK(k.size(0) == tokens && k.size(2) == dim, "q and k differ in tokens or head_dim");
-  const at::Tensor pos = positions.to(at::kLong).contiguous();
   const at::Tensor cache = cos_sin_cache.contiguous();
-  TORCH_CHECK(pos.numel() == tokens, "one position per token: ", pos.numel(), " for ", tokens);
-  const int64_t num_positions = cache.size(0);
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t at_t = pos.data_ptr<int64_t>()[t];
-    TORCH_CHECK(at_t >= 0 && at_t < num_positions, "position ", at_t, " is outside the rotary cache of ",
-                num_positions);
-  }
+  const at::Tensor pos = checked_positions(positions, tokens, cache.size(0));
   at::Tensor q_out = at::empty({tokens, q.size(1), dim}, q.options());
   at::Tensor k_out = at::empty({tokens, k.size(1), dim}, k.options());
   const int64_t* p = pos.data_ptr<int64_t>();
@@ -154,19 +191,10 @@ std::vector<at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k, c
     using T = decltype(zero);
     auto rotate = [&](const at::Tensor& x, at::Tensor& y, int64_t t) {
       const float* cos = cs + p[t] * dim;
-      const float* sin = cos + half;
       const int64_t heads = x.size(1);
-      for (int64_t h = 0; h < heads; ++h) {
-        const T* a = x.data_ptr<T>() + t * x.stride(0) + h * x.stride(1);
-        T* b = y.data_ptr<T>() + (t * heads + h) * dim;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float c = round_as<T>(cos[i]), s = round_as<T>(sin[i]);
-          const float lo = f32(a[i]), hi = f32(a[i + half]);
-          b[i] = to<T>(lo * c - hi * s);
-          b[i + half] = to<T>(hi * c + lo * s);
-        }
-      }
+      for (int64_t h = 0; h < heads; ++h)
+        rotate_head<T>(x.data_ptr<T>() + t * x.stride(0) + h * x.stride(1), y.data_ptr<T>() + (t * heads + h) * dim,
+                       cos, cos + half, half);
     };
     at::parallel_for(0, tokens, grain_rows((q.size(1) + k.size(1)) * dim), [&](int64_t lo, int64_t hi) {
       for (int64_t t = lo; t < hi; ++t) {
@@ -182,17 +210,11 @@ std::vector<at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k, c
 // [num_blocks, block_size, kv_heads, dim], in place (k and v converted to the cache's dtype).
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                     const at::Tensor& slot_mapping) {
-  check_float_or_bf16(k_cache, "k_cache");
-  check_cpu(v_cache, "v_cache", k_cache.scalar_type());
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  const at::Tensor slots = checked_slots(slot_mapping, k_cache, v_cache);
   const at::Tensor kc = k.to(k_cache.scalar_type()).contiguous(), vc = v.to(k_cache.scalar_type()).contiguous();
-  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
   const int64_t row = k_cache.size(2) * k_cache.size(3);
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   TORCH_CHECK(kc.numel() == slots.numel() * row && vc.numel() == kc.numel(), "k/v do not match the slot mapping");
   const int64_t* s = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < slots.numel(); ++t)
-    TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, "slot ", s[t], " is outside the KV cache");
   with_dtype(k_cache.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     const T *ks = kc.data_ptr<T>(), *vs = vc.data_ptr<T>();
@@ -204,6 +226,50 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
       }
     });
   });
+}
+
+// apply_rotary + write_kv_cache straight from the fused QKV output qkv [tokens, (heads + 2 kv_heads) * dim]
+// (rows contiguous, the cache in qkv's dtype): returns q rotated [tokens, heads, dim]; k is rotated into its
+// cache slot and v copied into its own. One call instead of the split views, a rotated k and the copies
+// write_kv_cache makes (a decode step's per-layer overhead, kernels.dispatch.rotary_and_cache).
+at::Tensor rotary_and_cache(const at::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, const at::Tensor& positions,
+                            const at::Tensor& cos_sin_cache, at::Tensor& k_cache, at::Tensor& v_cache,
+                            const at::Tensor& slot_mapping) {
+  check_float_or_bf16(qkv, "qkv");
+  check_cpu(cos_sin_cache, "cos_sin_cache", at::kFloat);
+  const at::Tensor slots = checked_slots(slot_mapping, k_cache, v_cache);
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type(), "the KV cache must be in qkv's dtype");
+  const int64_t dim = cos_sin_cache.size(1), half = dim / 2;
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && k_cache.size(2) == num_kv_heads && k_cache.size(3) == dim,
+              "the KV cache must be [num_blocks, block_size, ", num_kv_heads, ", ", dim, "]");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * dim,
+              "qkv must be [tokens, (", num_heads, " + 2 x ", num_kv_heads, ") x ", dim, "] with contiguous rows");
+  const int64_t tokens = qkv.size(0), row = num_kv_heads * dim;
+  TORCH_CHECK(slots.numel() == tokens, "one slot per token: ", slots.numel(), " for ", tokens);
+  const at::Tensor cache = cos_sin_cache.contiguous();
+  const at::Tensor pos = checked_positions(positions, tokens, cache.size(0));
+  at::Tensor q_out = at::empty({tokens, num_heads, dim}, qkv.options());
+  const int64_t* p = pos.data_ptr<int64_t>();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const float* cs = cache.data_ptr<float>();
+  with_dtype(qkv.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* in = qkv.data_ptr<T>();
+    T *qd = q_out.data_ptr<T>(), *kd = k_cache.data_ptr<T>(), *vd = v_cache.data_ptr<T>();
+    at::parallel_for(0, tokens, grain_rows((num_heads + 2 * num_kv_heads) * dim), [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        const float* cos = cs + p[t] * dim;
+        const T* q = in + t * qkv.stride(0);
+        const T* k = q + num_heads * dim;
+        for (int64_t h = 0; h < num_heads; ++h)
+          rotate_head<T>(q + h * dim, qd + (t * num_heads + h) * dim, cos, cos + half, half);
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          rotate_head<T>(k + h * dim, kd + s[t] * row + h * dim, cos, cos + half, half);
+        std::copy(k + row, k + 2 * row, vd + s[t] * row);
+      }
+    });
+  });
+  return q_out;
 }
 
 // The kernel decode_attention runs for `family` and this head_dim here: the family's own, avx2's for a head_dim
@@ -344,6 +410,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "(x + residual) RMSNorm");
   m.def("apply_rotary", &apply_rotary, "rotary embedding of q and k");
   m.def("write_kv_cache", &write_kv_cache, "write k and v into the paged cache");
+  m.def("rotary_and_cache", &rotary_and_cache, "q rotated, k rotated and v written into the cache, from fused QKV");
   m.def("decode_attention", &decode_attention, "single-query attention over the paged cache (a family's kernel)",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
         pybind11::arg("seq"), pybind11::arg("visible"), pybind11::arg("scale"), pybind11::arg("family") = "portable");
@@ -356,6 +423,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "x W^T + b with bf16 weights, fp32 sums (bf16_linear.cpp)");
   m.def("quant_linear", &quant_linear, "x W^T + b with W quantised in groups along K (quant_linear.cpp)");
   m.def("int8_vnni_available", &int8_vnni_available, "whether this CPU runs the avx512_vnni int8 products");
+  m.def("quant_avx512_available", &quant_avx512_available, "whether this CPU runs the avx512 fp32 quantised products");
   m.def("quant_isa", &quant_isa, "the instruction family quant_linear was compiled for");
   pybind11::class_<ShmComm>(m, "ShmComm")
       .def(pybind11::init<const std::string&, int64_t, int64_t, int64_t, double>())

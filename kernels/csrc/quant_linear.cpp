@@ -263,6 +263,75 @@ void int8_tile_vnni(const Weight& W, const int8_t* xq, const float* xd, const fl
 }
 #pragma GCC pop_options
 
+// The avx512 family of fused_tile: a chunk's 32 quants become two 16-lane fp32 vectors (half the
+// converts, multiplies and adds of the 8-lane tile), and a row of x keeps two accumulators (even and odd
+// groups), so the FMA chain of one accumulator no longer bounds a 32-wide group (GGUF's) at one row of x.
+// Measured on a Zen 4 (which runs 512-bit operations as two 256-bit halves): 1.3-1.5x the avx2 tile on
+// one thread. Compiled for its target alone; runs only where the CPU has AVX-512.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+template <int BITS>
+inline void decode16(const uint8_t* q, __m512& lo, __m512& hi) {  // quants 0-15 and 16-31 of a chunk
+  if constexpr (BITS == 4) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+  } else {
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+  }
+}
+
+// part[r] = sum over one group of x[r, k] q[k] (q: the group's first chunk, k its first column).
+template <int BITS, int R>
+inline void group_part(const uint8_t* q, int64_t chunks, const float* x, int64_t ldx, int64_t k, __m512 part[R]) {
+  __m512 lo, hi;
+  decode16<BITS>(q, lo, hi);
+  __m512 odd[R];
+  for (int r = 0; r < R; ++r) {
+    part[r] = _mm512_mul_ps(lo, _mm512_loadu_ps(x + r * ldx + k));
+    odd[r] = _mm512_mul_ps(hi, _mm512_loadu_ps(x + r * ldx + k + 16));
+  }
+  for (int64_t c = 1; c < chunks; ++c) {  // groups wider than a chunk (per-row scales: one group a row)
+    q += kChunk * BITS / 8, k += kChunk;
+    decode16<BITS>(q, lo, hi);
+    for (int r = 0; r < R; ++r) {
+      part[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * ldx + k), part[r]);
+      odd[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * ldx + k + 16), odd[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) part[r] = _mm512_add_ps(part[r], odd[r]);
+}
+
+template <int BITS, int R>
+void fused_tile_avx512(const Weight& W, const float* x, int64_t ldx, const float* xsum, int64_t n0, int64_t n1,
+                       float* out, int64_t ldo) {
+  const int64_t chunks = W.G / kChunk, group_bytes = W.G * BITS / 8;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* q = W.qs + n * W.row_bytes;
+    const float* d = W.scales + n * W.groups;
+    __m512 even[R], odd[R], part[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= W.groups; g += 2) {
+      group_part<BITS, R>(q + g * group_bytes, chunks, x, ldx, g * W.G, part);
+      for (int r = 0; r < R; ++r) even[r] = _mm512_fmadd_ps(part[r], _mm512_set1_ps(d[g]), even[r]);
+      group_part<BITS, R>(q + (g + 1) * group_bytes, chunks, x, ldx, (g + 1) * W.G, part);
+      for (int r = 0; r < R; ++r) odd[r] = _mm512_fmadd_ps(part[r], _mm512_set1_ps(d[g + 1]), odd[r]);
+    }
+    if (g < W.groups) {
+      group_part<BITS, R>(q + g * group_bytes, chunks, x, ldx, g * W.G, part);
+      for (int r = 0; r < R; ++r) even[r] = _mm512_fmadd_ps(part[r], _mm512_set1_ps(d[g]), even[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      float s = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+      if (W.mins) s += dot(W.mins + n * W.groups, xsum + r * W.groups, W.groups);
+      out[r * ldo + n] = s;
+    }
+  }
+}
+#pragma GCC pop_options
+
 #endif  // STAGEMESH_QUANT_AVX2
 
 // Per row and group of x: its int8 quants (round to nearest even of x * 127 / max|x|), the scale
@@ -299,11 +368,14 @@ std::vector<float> group_sums(const float* x, int64_t M, int64_t K, int64_t G) {
 #ifdef STAGEMESH_QUANT_AVX2
 
 template <int BITS>
-void run_fused(const Weight& W, const float* x, int64_t M, float* out) {
+void run_fused(const Weight& W, const float* x, int64_t M, float* out, bool avx512) {
   const std::vector<float> sums = W.mins ? group_sums(x, M, W.K, W.G) : std::vector<float>();
   using Fn = void (*)(const Weight&, const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
-  constexpr Fn tiles[kRows + 1] = {nullptr, fused_tile<BITS, 1>, fused_tile<BITS, 2>, fused_tile<BITS, 3>,
-                                   fused_tile<BITS, 4>};
+  constexpr Fn avx2[kRows + 1] = {nullptr, fused_tile<BITS, 1>, fused_tile<BITS, 2>, fused_tile<BITS, 3>,
+                                  fused_tile<BITS, 4>};
+  constexpr Fn wide[kRows + 1] = {nullptr, fused_tile_avx512<BITS, 1>, fused_tile_avx512<BITS, 2>,
+                                  fused_tile_avx512<BITS, 3>, fused_tile_avx512<BITS, 4>};
+  const Fn* tiles = avx512 ? wide : avx2;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(W.K * M, 1));
   at::parallel_for(0, W.N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
@@ -398,6 +470,15 @@ bool int8_vnni_available() {
 #endif
 }
 
+bool quant_avx512_available() {
+#ifdef STAGEMESH_QUANT_AVX2
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
 std::string quant_isa() {
 #ifdef STAGEMESH_QUANT_AVX2
   return "avx2";
@@ -413,10 +494,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   TORCH_CHECK(false, "quant_linear is built for AVX2 + FMA only; this build has neither (use the torch reference)");
 #else
   TORCH_CHECK(x.device().is_cpu(), "quant_linear runs on CPU tensors");
-  TORCH_CHECK(family == "avx2" || family == "avx512_vnni", "no quantised kernels for the family ", family,
-              " (avx2, avx512_vnni)");
-  const bool vnni = family == "avx512_vnni";
+  TORCH_CHECK(family == "avx2" || family == "avx512" || family == "avx512_vnni", "no quantised kernels for the family ",
+              family, " (avx2, avx512, avx512_vnni)");
+  const bool vnni = family == "avx512_vnni", avx512 = family != "avx2";
   TORCH_CHECK(!vnni || int8_vnni_available(), "this CPU has no avx512_vnni instructions");
+  TORCH_CHECK(!avx512 || quant_avx512_available(), "this CPU has no AVX-512 (avx512f, bw, vl, dq) instructions");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   int bits = 0;
   const Weight W = check_weight(qs, scales, mins, x.size(-1), &bits);
@@ -437,7 +519,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   if (int8_activations) {
     bits == 4 ? run_int8<4>(W, xp, M, op, vnni) : run_int8<8>(W, xp, M, op, vnni);
   } else if (M <= kFusedRows) {
-    bits == 4 ? run_fused<4>(W, xp, M, op) : run_fused<8>(W, xp, M, op);
+    bits == 4 ? run_fused<4>(W, xp, M, op, avx512) : run_fused<8>(W, xp, M, op, avx512);
   } else {
     bits == 4 ? run_tiled<4>(W, xp, M, op) : run_tiled<8>(W, xp, M, op);
   }

@@ -11,14 +11,18 @@
 // int8_activations: x is quantised to int8 per row and group (scale max|x|/127, as llama.cpp's q8
 // blocks and dynamic per-token W8A8 do) and the products run on integers (vpmaddubsw / vpmaddwd);
 // otherwise every product is fp32 with the weights dequantised exactly. Output in x's dtype.
-// family: "avx2", or "avx512_vnni" for the integer products (refused where the CPU lacks it); the
-// fp32 products are the avx2 family's in both.
+// family (refused where the CPU lacks it): "avx2"; "avx512": the fp32 products 16 lanes wide, the
+// integer ones avx2's; "avx512_vnni": the fp32 products avx512's, the integer ones on vpdpbusd.
+// The few-row (decode) fp32 products have an avx512 tile; the many-row ones are avx2's in every family.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
                         bool int8_activations, const std::string& family);
 
 // Whether this CPU runs the avx512_vnni integer products.
 bool int8_vnni_available();
+
+// Whether this CPU runs the avx512 fp32 products (AVX-512 F, BW, VL, DQ).
+bool quant_avx512_available();
 
 // The instruction family these kernels were compiled for ("avx2", or "none" where they are not built).
 std::string quant_isa();
