@@ -67,9 +67,9 @@ def test_exact_path_group_widths(family, bits, m, k, group):
 @pytest.mark.parametrize("family", families("avx2", "avx512", "avx512_vnni"))
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", [1, 3, 4, 7, 13])
-@pytest.mark.parametrize("group", [32, 64, "K"])
-def test_int8_activations_equal_reference(family, bits, m, group):
-    k = 192
+# groups of one chunk, of two, and one a row (odd and even numbers of chunks)
+@pytest.mark.parametrize("k,group", [(192, 32), (192, 64), (192, "K"), (96, 32), (160, "K")])
+def test_int8_activations_equal_reference(family, bits, m, k, group):
     group = k if group == "K" else group
     qs, scales, mins = weight(27, k, bits, group, seed=m)
     x = torch.randn(m, k)
