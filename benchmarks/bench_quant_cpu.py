@@ -11,6 +11,10 @@ in one run.
 
     .venv/bin/python benchmarks/bench_quant_cpu.py [--rounds 3] [--tokens 64] [--batch 32] \
         [--llama-bench /tmp/llama.cpp/build/bin/llama-bench] [--q8-gguf /tmp/smol-q8_0.gguf] [--arms fp32,gguf-q4_1]
+
+--products instead times the products alone, the default model's shapes as the shipped GGUF stores them (Q4_1
+layers, a Q8_0 LM head), on every kernel family this CPU runs, fp32 and int8 activations, the families
+alternating, best of --rounds x 20 calls each: a decode step's products as the kernels give them hot in cache.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -80,6 +85,51 @@ def family_of(arm: str):
         cpu_ops.pin_quant_family(None)
 
 
+def products(args) -> None:
+    from kernels import cpu_ops, isa
+    from kernels import quant_reference as ref
+    from stage_worker.cpu_isa import cpu_flags, describe_isa
+    from stagemesh.core.default_model import default_model_dir
+    from stagemesh.core.model_config import ModelConfig
+
+    cfg = ModelConfig.from_path(default_model_dir())
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes = {"qkv": (cfg.num_attention_heads * d + 2 * cfg.num_key_value_heads * d, h, 4),
+              "o": (h, cfg.num_attention_heads * d, 4), "gate_up": (2 * i, h, 4), "down": (h, i, 4),
+              "lm_head": (cfg.vocab_size, h, 8)}
+    runs = {f.name for f in isa.running(cpu_flags())}
+    module = cpu_ops.load()
+    families = [f for f in isa.KERNELS["quant"] if f in runs and (f == "avx2" or module.quant_avx512_available())]
+    arms = [(f, False) for f in families if f != "avx512_vnni" or "avx512" not in families]
+    arms += [(f, True) for f in families if f != "avx512"]  # avx512's int8 products are avx2's
+    g = torch.Generator().manual_seed(0)
+    step = {arm: 0.0 for arm in arms}
+    print(f"products alone, {args.threads} threads, {args.rows} rows of x, us per call (best); "
+          f"{describe_isa(cpu_flags())}")
+    for name, (n, k, bits) in shapes.items():
+        scales = torch.rand(n, k // 32, generator=g) * 0.02
+        if bits == 4:
+            qs, mins = ref.pack_4bit(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)), -scales
+        else:
+            qs, mins = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), None
+        x = torch.randn(args.rows, k, generator=g)
+        best = {arm: float("inf") for arm in arms}
+        for _ in range(args.rounds):
+            for family, a8 in arms:
+                for _ in range(3):
+                    cpu_ops.quant_linear(x, qs, scales, mins, None, a8, family)
+                start = time.perf_counter()
+                for _ in range(20):
+                    cpu_ops.quant_linear(x, qs, scales, mins, None, a8, family)
+                best[(family, a8)] = min(best[(family, a8)], (time.perf_counter() - start) / 20 * 1e6)
+        for arm in arms:
+            step[arm] += best[arm] * (1 if name == "lm_head" else cfg.num_hidden_layers)
+        print(f"{name:8s} {n:6d} x {k:5d} q{bits}: " + "  ".join(
+            f"{f}{' a8' if a8 else ''} {best[(f, a8)]:7.1f}" for f, a8 in arms))
+    print("a step's products (layers x 4 + LM head), ms: " + "  ".join(
+        f"{f}{' a8' if a8 else ''} {v / 1e3:.2f}" for (f, a8), v in step.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
@@ -89,8 +139,12 @@ def main() -> None:
     parser.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench, run on the same GGUFs")
     parser.add_argument("--q8-gguf", default=None, help="a Q8_0 GGUF of the default model (gguf-q8_0 arm)")
     parser.add_argument("--arms", default=None, help="comma-separated subset of the arms")
+    parser.add_argument("--products", action="store_true", help="time the products alone per kernel family")
+    parser.add_argument("--rows", type=int, default=1, help="--products: rows of x (1: batch-1 decode)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.products:
+        return products(args)
     from transformers import AutoTokenizer
 
     from stagemesh.local_engine import LocalEngine
