@@ -263,6 +263,23 @@ def test_decode_attention_families_equal_dense(family, dtype, heads, kv_heads, d
         torch.testing.assert_close(got.float(), reference.paged_attention(*args, d ** -0.5).float(), **BF16)
 
 
+@pytest.mark.parametrize("family", attention_families())
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("ctx", [[1000], [129, 700], [200, 2, 64]])
+def test_decode_attention_of_few_rows_cut_into_pieces(family, threads, ctx):
+    """Fewer (row, KV head) items than twice the threads: an fp32 item long enough is cut into a piece of
+    positions per thread and the pieces' softmax sums merged (one short item stays whole beside them)."""
+    args, seqs = decode_case(ctx, 9, 3, 64, torch.float32, seed=len(ctx))
+    q, k_cache, v_cache, tables, lens, _ = args
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_ops.load().decode_attention(q, k_cache, v_cache, tables, seqs, lens, 0.125, family)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, dense_attention(*args, 0.125), **TOL)
+
+
 def decode_rounding_weights(q, k_cache, v_cache, tables, lens, scale):
     """Decode attention in fp32 but for the softmax's weights, rounded to bf16 before they multiply the
     values (the sum that divides stays fp32)."""

@@ -6,8 +6,10 @@
 // Work: one item per (query row, KV head), the item's G query heads sharing every key and value it reads
 // (each key row is widened once for G heads, where a loop per query head reads it G times). Items are
 // shared out over the threads by their positions, not their count, so that one long context does not
-// leave the other threads waiting. Per item, two passes over its positions: scores (q . k, a register
-// of partial sums per head and position, added across at the end), softmax in fp32, then the values
+// leave the other threads waiting; with fewer items than twice the threads (batch 1 or 2), an fp32 item is
+// cut into a piece of positions per thread, whose softmax sums merge at the end. Per item, two passes
+// over its positions: scores (q . k, a register of partial sums per head and position, added across at
+// the end), softmax in fp32, then the values
 // summed into registers that hold the G heads' output rows for the whole pass. With a bf16 cache the
 // softmax's weights are rounded to bf16 before they multiply the values, and the sum divides last, as
 // torch's bf16 attention (the reference's) does; everything else is fp32.
@@ -22,7 +24,9 @@ struct Item {
   const T* values;
   const int32_t* table;
   int64_t len, block_size, row;  // row: elements from one position to the next (kv_heads * dim)
+  int64_t first;                 // the item's positions are [first, first + len) of its sequence
   const T* at(const T* base, int64_t t) const {
+    t += first;
     return base + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row;
   }
 };
@@ -88,21 +92,25 @@ void heads_in_blocks(const Item<T>& it, const float* q, float* s, float* o, int6
   }
 }
 
+// The item's positions [first, last): with partial null, the attention of its G query heads into p.out;
+// else, for a piece of a split item, each head's max score, sum of exp(score - max) and unnormalised
+// output (dim floats) into partial [G][dim + 2], for merge() (fp32 caches only).
 template <int NC, typename T>
-void attend(const Problem& p, int64_t item, std::vector<float>& buf) {
+void attend(const Problem& p, int64_t item, int64_t first, int64_t last, std::vector<float>& buf,
+            float* partial = nullptr) {
   const int64_t r = item / p.kv_heads, kvh = item % p.kv_heads, group = p.heads / p.kv_heads, dim = p.dim;
-  const int64_t len = p.visible[r], stride = len;
+  const int64_t len = last - first, stride = len;
   const int64_t row = p.kv_heads * dim;
   const Item<T> it{static_cast<const T*>(p.k_cache) + kvh * dim, static_cast<const T*>(p.v_cache) + kvh * dim,
-                   p.block_tables + static_cast<int64_t>(p.seq[r]) * p.width, len, p.block_size, row};
-  buf.resize(2 * group * dim + group + group * len);
-  float *q = buf.data(), *o = q + group * dim, *inv = o + group * dim, *s = inv + group;
+                   p.block_tables + static_cast<int64_t>(p.seq[r]) * p.width, len, p.block_size, row, first};
+  buf.resize(2 * group * dim + 2 * group + group * len);
+  float *q = buf.data(), *o = q + group * dim, *inv = o + group * dim, *top = inv + group, *s = top + group;
   const T* qrow = static_cast<const T*>(p.q) + (r * p.heads + kvh * group) * dim;
   for (int64_t i = 0; i < group * dim; ++i) q[i] = static_cast<float>(qrow[i]) * p.scale;
   heads_in_blocks<NC>(it, q, s, o, group, dim, stride, true);
   for (int64_t h = 0; h < group; ++h) {  // softmax over the row's positions, in fp32, normalised at the end
     float* sh = s + h * stride;
-    const float m = *std::max_element(sh, sh + len);
+    const float m = top[h] = *std::max_element(sh, sh + len);
     float total = 0.f;
 #pragma omp simd reduction(+ : total)
     for (int64_t t = 0; t < len; ++t) {
@@ -115,15 +123,80 @@ void attend(const Problem& p, int64_t item, std::vector<float>& buf) {
       for (int64_t t = 0; t < len; ++t) sh[t] = static_cast<float>(c10::BFloat16(sh[t]));
   }
   heads_in_blocks<NC>(it, q, s, o, group, dim, stride, false);
+  if (partial != nullptr) {
+    for (int64_t h = 0; h < group; ++h) {
+      float* ph = partial + h * (dim + 2);
+      ph[0] = top[h], ph[1] = 1.f / inv[h];
+      std::copy(o + h * dim, o + (h + 1) * dim, ph + 2);
+    }
+    return;
+  }
   T* orow = static_cast<T*>(p.out) + (r * p.heads + kvh * group) * dim;
   for (int64_t h = 0; h < group; ++h)  // bf16: rounded to nearest even once
     for (int64_t i = 0; i < dim; ++i) orow[h * dim + i] = static_cast<T>(o[h * dim + i] * inv[h]);
+}
+
+// An item's pieces merged: each piece's sums rescaled to the largest max (flash-decoding's reduction).
+inline void merge(const Problem& p, int64_t item, const float* pieces, int64_t count) {
+  const int64_t group = p.heads / p.kv_heads, dim = p.dim, width = group * (dim + 2);
+  float* orow = static_cast<float*>(p.out) + ((item / p.kv_heads) * p.heads + (item % p.kv_heads) * group) * dim;
+  for (int64_t h = 0; h < group; ++h) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < count; ++c) m = std::max(m, pieces[c * width + h * (dim + 2)]);
+    float total = 0.f;
+    float* o = orow + h * dim;
+    std::fill(o, o + dim, 0.f);
+    for (int64_t c = 0; c < count; ++c) {
+      const float* ph = pieces + c * width + h * (dim + 2);
+      const float w = std::exp(ph[0] - m);
+      total += w * ph[1];
+      for (int64_t i = 0; i < dim; ++i) o[i] += w * ph[2 + i];
+    }
+    const float inv = 1.f / total;
+    for (int64_t i = 0; i < dim; ++i) o[i] *= inv;
+  }
+}
+
+// Fewer items than twice the threads (a batch of one or two rows): each item of fp32 cache long enough is cut
+// into a piece per thread, so that three KV heads on two threads do not leave one thread idle a third of
+// the time; the pieces' softmax sums merge at the end. Returns false where it does not apply.
+template <int NC, typename T>
+bool run_pieces(const Problem& p, int64_t items) {
+  constexpr int64_t kMinPiece = 64;  // positions: below this a piece's merge and start cost more than it saves
+  const int64_t threads = at::get_num_threads();
+  if (!std::is_same<T, float>::value || threads < 2 || items >= 2 * threads) return false;
+  int64_t longest = 0;
+  for (int64_t r = 0; r < p.rows; ++r) longest = std::max<int64_t>(longest, p.visible[r]);
+  if (longest < threads * kMinPiece) return false;
+  struct Piece { int64_t item, first, last, slot; };
+  std::vector<Piece> pieces;
+  std::vector<int64_t> counts(items);
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t len = p.visible[i / p.kv_heads];
+    counts[i] = len >= threads * kMinPiece ? threads : 1;
+    for (int64_t c = 0; c < counts[i]; ++c)
+      pieces.push_back({i, len * c / counts[i], len * (c + 1) / counts[i], counts[i] > 1 ? c : -1});
+  }
+  const int64_t width = (p.heads / p.kv_heads) * (p.dim + 2);
+  std::vector<float> partials(items * threads * width);
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> buf;
+    for (int64_t k = lo; k < hi; ++k) {
+      const Piece& c = pieces[k];
+      float* slot = c.slot < 0 ? nullptr : partials.data() + (c.item * threads + c.slot) * width;
+      attend<NC, T>(p, c.item, c.first, c.last, buf, slot);
+    }
+  });
+  for (int64_t i = 0; i < items; ++i)
+    if (counts[i] > 1) merge(p, i, partials.data() + i * threads * width, counts[i]);
+  return true;
 }
 
 // Items [0, rows * kv_heads) shared over the threads in ranges of about equal positions.
 template <int NC, typename T>
 void run_items(const Problem& p) {
   const int64_t items = p.rows * p.kv_heads;
+  if (run_pieces<NC, T>(p, items)) return;
   std::vector<int64_t> ends(items);  // positions read up to and including each item
   int64_t total = 0;
   for (int64_t i = 0; i < items; ++i) ends[i] = total += p.visible[i / p.kv_heads];
@@ -138,7 +211,7 @@ void run_items(const Problem& p) {
       const int64_t from = total * part / parts, to = total * (part + 1) / parts;
       const int64_t first = std::upper_bound(ends.begin(), ends.end(), from) - ends.begin();
       const int64_t last = part + 1 == parts ? items : std::upper_bound(ends.begin(), ends.end(), to) - ends.begin();
-      for (int64_t i = part == 0 ? 0 : first; i < last; ++i) attend<NC, T>(p, i, buf);
+      for (int64_t i = part == 0 ? 0 : first; i < last; ++i) attend<NC, T>(p, i, 0, p.visible[i / p.kv_heads], buf);
     }
   });
 }
