@@ -27,7 +27,7 @@ log = logging.getLogger("stagemesh.kernels")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "shm_comm.cpp", CSRC / "moe_ops.cpp", CSRC / "bf16_linear.cpp",
            CSRC / "bf16_linear_avx512bf16.cpp", CSRC / "quant_linear.cpp", CSRC / "decode_attention_avx2.cpp",
-           CSRC / "decode_attention_avx512.cpp"]
+           CSRC / "decode_attention_avx512.cpp", CSRC / "decoder_layer.cpp"]
 
 
 def _capability() -> str:
@@ -112,8 +112,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     """Where this CPU's attention family covers the head_dim, every query row (decode tokens and prefill
     chunks alike) is one row of the family's kernel, seeing the positions up to its own; else decode rows
     take the portable loop and prefill chunks torch's attention, one sequence at a time."""
-    family = _attention_family()
-    if not _covers(family, q.shape[-1]):
+    family = current_attention_family()
+    if not covers(family, q.shape[-1]):
         return reference.paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
                                          decode=_decode)
     seqs, visible = reference.step_memo("query rows", (context_lens, query_start_loc),
@@ -133,14 +133,15 @@ def query_rows(context_lens, query_start_loc):
 
 
 @functools.cache
-def _covers(family: str, head_dim: int) -> bool:
+def covers(family: str, head_dim: int) -> bool:
+    """Whether `family`'s decode attention kernel covers this head_dim here."""
     module = load()
     return module.decode_attention_covers(family, head_dim)
 
 
 def _decode(q, k_cache, v_cache, block_tables, plan, scale):
     return load().decode_attention(q, k_cache, v_cache, block_tables, plan.decode_seqs, plan.decode_lens, scale,
-                                   _attention_family())
+                                   current_attention_family())
 
 
 def attention_family() -> str:
@@ -162,7 +163,8 @@ def pin_attention_family(family: str | None) -> None:
     _pinned_attention = family
 
 
-def _attention_family() -> str:
+def current_attention_family() -> str:
+    """The family the next decode attention runs on: the pinned one, else this CPU's best."""
     return _pinned_attention or _best_attention_family()
 
 
@@ -211,8 +213,7 @@ def quant_family() -> str:
 
 def quant_linear(x, qs, scales, mins, bias=None, int8_activations=False, family: str | None = None):
     """x W^T + b in x's dtype, W quantised in groups along K (kernels/quant_reference.py has the layouts)."""
-    return load().quant_linear(x, qs, scales, mins, bias, int8_activations,
-                               family or _pinned_quant or _quant_family())
+    return load().quant_linear(x, qs, scales, mins, bias, int8_activations, family or current_quant_family())
 
 
 _pinned_quant: str | None = None
@@ -228,3 +229,8 @@ def pin_quant_family(family: str | None) -> None:
 
 
 _quant_family = functools.cache(quant_family)  # once per process: the products of a model keep one family
+
+
+def current_quant_family() -> str:
+    """The family the next quantised product runs on: the pinned one, else this CPU's best."""
+    return _pinned_quant or _quant_family()

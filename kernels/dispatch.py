@@ -19,6 +19,11 @@ _FORCED = os.environ.get("STAGEMESH_KERNELS", "").lower()
 _CPU_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def forced() -> str:
+    """STAGEMESH_KERNELS as this process read it ("torch", "triton" or "")."""
+    return _FORCED
+
+
 def _use_triton(t: torch.Tensor) -> bool:
     if _FORCED in ("torch", "triton"):
         return _FORCED == "triton"
@@ -91,12 +96,12 @@ def quant_linear(x, qs, scales, mins, bias=None, int8_activations=False):
     kernel on CPU where it is built, else the reference."""
     if _use_triton(x) and _has("quant_linear"):
         return _triton().quant_linear(x, qs, scales, mins, bias, int8_activations)
-    impl = cpu_ops if _cpu_impl(x) is cpu_ops and _quant_built() else quant_reference
+    impl = cpu_ops if _cpu_impl(x) is cpu_ops and quant_built() else quant_reference
     return impl.quant_linear(x, qs, scales, mins, bias, int8_activations)
 
 
 @functools.cache
-def _quant_built() -> bool:  # once per process: asked by every product
+def quant_built() -> bool:  # once per process: asked by every product
     return cpu_ops.quant_isa() != "none"
 
 

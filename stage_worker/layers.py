@@ -28,7 +28,9 @@ class Module(nn.Module):
     - a call goes straight to forward unless a forward hook is registered (then nn.Module's own call runs);
     - a parameter or submodule set as an attribute is kept in the instance dict too, where the normal
       lookup finds it; nn.Module's setattr and delattr drop it first and _apply (.to(), ...) refreshes it, so
-      the dict never holds a stale one."""
+      the dict never holds a stale one.
+    Replacing a parameter, buffer or submodule, moving the module (_apply) and registering a forward hook
+    count as changes (`changes()`): what caches a layer's structure (stage_worker.layer_plan) rebuilds then."""
 
     def __call__(self, *args, **kwargs):
         if self._forward_hooks or self._forward_pre_hooks or _torch_module._global_forward_hooks \
@@ -42,22 +44,48 @@ class Module(nn.Module):
 
     def __delattr__(self, name: str) -> None:
         self.__dict__.pop(name, None)
+        _changed()
         super().__delattr__(name)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         for name in (*self._parameters, *self._modules):
             self._keep(name)
+        _changed()
         return self
 
+    def register_forward_hook(self, *args, **kwargs):
+        _changed()
+        return super().register_forward_hook(*args, **kwargs)
+
+    def register_forward_pre_hook(self, *args, **kwargs):
+        _changed()
+        return super().register_forward_pre_hook(*args, **kwargs)
+
     def _keep(self, name: str) -> None:
+        if name in self.__dict__.get("_buffers", {}):
+            _changed()
         for registry in (self.__dict__.get("_parameters", {}), self.__dict__.get("_modules", {})):
             if name in registry:
+                _changed()
                 if registry[name] is None:  # a registered name set to None: nn.Module's setattr left the dict
                     self.__dict__.pop(name, None)
                 else:
                     self.__dict__[name] = registry[name]
                 return
+
+
+_changes = 0
+
+
+def _changed() -> None:
+    global _changes
+    _changes += 1
+
+
+def changes() -> int:
+    """How many times a Module's parameters, buffers, submodules or forward hooks have changed."""
+    return _changes
 
 
 class Shard(NamedTuple):

@@ -16,6 +16,7 @@ import kernels
 from stagemesh.core.model_config import ModelConfig
 from stage_worker.layers import (MLP, Module, RMSNorm, ParallelLMHead, VocabParallelEmbedding, column_parallel,
                                  row_parallel)
+from stage_worker import layer_plan
 from stage_worker.moe import SparseMoeBlock
 from stage_worker.parallel import HeadShard, TPGroup
 
@@ -87,6 +88,11 @@ class DecoderLayer(Module):
             self.mlp = MLP(f"{prefix}.mlp", cfg.hidden_size, cfg.intermediate_size, tp, dtype, device)
 
     def forward(self, x, residual, meta, kv_cache, cos_sin):
+        plan = self.__dict__.get("_plan")
+        if plan is None or plan.stale():
+            plan = self.__dict__["_plan"] = layer_plan.build(self)  # not setattr: that would count as a change
+        if plan.runs(x, kv_cache):  # the same kernels from C++ (stage_worker/layer_plan.py)
+            return plan(x, residual, meta, kv_cache, cos_sin)
         x, residual = kernels.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
         x = self.self_attn(x, meta, kv_cache, cos_sin)
         x, residual = kernels.rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 
 #include "bf16_linear.h"
+#include "decoder_layer.h"
 #include "decode_attention.h"
 #include "moe_ops.h"
 #include "quant_linear.h"
@@ -425,6 +426,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_vnni_available", &int8_vnni_available, "whether this CPU runs the avx512_vnni int8 products");
   m.def("quant_avx512_available", &quant_avx512_available, "whether this CPU runs the avx512 fp32 quantised products");
   m.def("quant_isa", &quant_isa, "the instruction family quant_linear was compiled for");
+  pybind11::class_<LayerLinear>(m, "LayerLinear")
+      .def(pybind11::init<const std::string&, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                          c10::optional<at::Tensor>, int64_t, bool>(),
+           pybind11::arg("kind"), pybind11::arg("weight"), pybind11::arg("scales") = pybind11::none(),
+           pybind11::arg("mins") = pybind11::none(), pybind11::arg("bias") = pybind11::none(),
+           pybind11::arg("out_features") = 0, pybind11::arg("int8_activations") = false);
+  pybind11::class_<DecoderLayerPlan>(m, "DecoderLayerPlan")
+      .def(pybind11::init<at::Tensor, double, at::Tensor, double, LayerLinear, LayerLinear, LayerLinear, LayerLinear,
+                          int64_t, int64_t, double>())
+      .def("forward", &DecoderLayerPlan::forward, "a dense decoder layer as one call (decoder_layer.h)",
+           pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<ShmComm>(m, "ShmComm")
       .def(pybind11::init<const std::string&, int64_t, int64_t, int64_t, double>())
       .def_static("file_bytes", &ShmComm::file_bytes)

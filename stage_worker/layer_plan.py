@@ -1,0 +1,101 @@
+"""A dense decoder layer as one C++ call (kernels/csrc/decoder_layer.h) on CPU.
+
+A decode step of a small model is mostly Python between kernels: at batch 1 the default model's layer spends
+~10 us in Python around ~10 us of C++ calls (products replayed from a cache), and in a real step, where the
+weights stream through the caches between calls, that Python runs slower still. The plan makes the same
+kernel calls, in the same order with the same arguments, from C++: the same bits, without the Python.
+
+It runs where each of its calls is what the Python layer would call: a DecoderLayer of Attention and MLP (no
+per-head q/k norm, no experts), one TP rank, every parameter on the CPU, the C++ kernels built and chosen
+(kernels.dispatch), activations and KV cache in the norms' dtype, an attention family that covers the head
+dim, no forward hook on anything inside the layer (hooks on the layer itself still fire). Otherwise the
+layer's own Python runs. A plan is rebuilt when a parameter, buffer or submodule of any layer is replaced,
+when the model moves (.to()), or when a forward hook is registered (stage_worker.layers.changes).
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn.modules import module as _torch_module
+
+from kernels import cpu_ops, dispatch
+from kernels.reference import step_memo
+from stage_worker import layers
+from stage_worker.quant_weight import QuantizedWeight
+
+
+_enabled = True
+
+
+def enable(on: bool) -> None:
+    """Plans on (the default) or off in this process, for benchmarks that compare the two in one run."""
+    global _enabled
+    _enabled = on
+
+
+class LayerPlan:
+    def __init__(self, epoch: int, cpp=None, dtype: torch.dtype | None = None, head_dim: int = 0, hooked=()):
+        self.epoch, self.cpp, self.dtype, self.head_dim = epoch, cpp, dtype, head_dim
+        self.hooked = hooked  # the submodules whose hooks ruled the plan out (removing a hook is no change)
+
+    def stale(self) -> bool:
+        return self.epoch != layers.changes() or (
+            bool(self.hooked) and not any(m._forward_hooks or m._forward_pre_hooks for m in self.hooked))
+
+    def runs(self, x: torch.Tensor, kv_cache) -> bool:
+        return (self.cpp is not None and _enabled and x.dtype == self.dtype and x.is_cpu
+                and kv_cache[0].dtype == self.dtype
+                and not (_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
+                and cpu_ops.covers(cpu_ops.current_attention_family(), self.head_dim))
+
+    def __call__(self, x, residual, meta, kv_cache, cos_sin):
+        seqs, visible = step_memo("query rows", (meta.context_lens, meta.query_start_loc),
+                                  lambda: cpu_ops.query_rows(meta.context_lens, meta.query_start_loc))
+        out, residual = self.cpp.forward(x, residual, meta.positions, cos_sin, kv_cache[0], kv_cache[1],
+                                         meta.slot_mapping, meta.block_tables, seqs, visible,
+                                         cpu_ops.current_attention_family(), cpu_ops.current_quant_family())
+        return out, residual
+
+
+def build(layer) -> LayerPlan:
+    """The layer's plan, or a plan that never runs (cpp None) where the layer is not one it covers."""
+    from stage_worker.model import Attention
+
+    epoch = layers.changes()
+    module = cpu_ops.load()
+    attn, mlp = layer.self_attn, layer.mlp
+    hooked = [m for m in layer.modules() if m is not layer and (m._forward_hooks or m._forward_pre_hooks)]
+    if hooked:
+        return LayerPlan(epoch, hooked=hooked)
+    if (module is None or dispatch.forced() == "triton" or layer.sparse or type(attn) is not Attention
+            or type(mlp) is not layers.MLP or attn.q_norm is not None):
+        return LayerPlan(epoch)
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    dtype = norms[0].weight.dtype
+    if dtype not in (torch.float32, torch.bfloat16) or any(
+            type(n) is not layers.RMSNorm or n.weight.dtype != dtype or not n.weight.is_cpu for n in norms):
+        return LayerPlan(epoch)
+    linears = [_linear(module, m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    if None in linears:
+        return LayerPlan(epoch)
+    cpp = module.DecoderLayerPlan(norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps, *linears,
+                                  attn.num_heads, attn.num_kv_heads, attn.scale)
+    return LayerPlan(epoch, cpp, dtype, attn.head_dim)
+
+
+def _linear(module, linear):
+    """The C++ form of a Linear whose product is a C++ call here (stage_worker.layers._matmul), else None."""
+    if type(linear) is not layers.Linear or (linear.reduce is not None and linear.reduce.size > 1):
+        return None
+    w, bias = linear.weight, linear.bias
+    if bias is not None and not bias.is_cpu:
+        return None
+    if isinstance(w, QuantizedWeight):
+        if not w.qs.is_cpu or not dispatch.quant_built():
+            return None
+        return module.LayerLinear("quant", w.qs, w.scales, w.mins, bias, 0, w.int8_activations)
+    if not w.is_cpu:
+        return None
+    out_features = getattr(w, "bf16_out_features", None)
+    if out_features is not None:
+        return module.LayerLinear("bf16", w, None, None, bias, out_features)
+    return module.LayerLinear("mkldnn" if w.is_mkldnn else "dense", w, None, None, bias)
