@@ -22,12 +22,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 
-def tpot_ms(engine, prompt_ids: list[int], tokens: int) -> float:
-    """Batch 1: the time per output token after the first (prefill excluded)."""
+def tpot_ms(engine, prompt_ids: list[int], tokens: int, temperature: float = 0.0) -> float:
+    """Batch 1: the time per output token after the first (prefill excluded); greedy unless a temperature."""
     from stagemesh.core.sampling_params import SamplingParams
 
     start, n = None, 0
-    for out in engine.stream(prompt_ids, SamplingParams(max_tokens=tokens, ignore_eos=True)):
+    for out in engine.stream(prompt_ids, SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=temperature)):
         if start is None:
             start = time.perf_counter()
         else:
@@ -35,11 +35,11 @@ def tpot_ms(engine, prompt_ids: list[int], tokens: int) -> float:
     return (time.perf_counter() - start) / n * 1e3
 
 
-def throughput(engine, prompts: list[list[int]], outputs: list[int]) -> float:
+def throughput(engine, prompts: list[list[int]], outputs: list[int], temperature: float = 0.0) -> float:
     """Output tokens per second of all the requests at once (prefills included, as a server sees them)."""
     from stagemesh.core.sampling_params import SamplingParams
 
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in outputs]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=temperature) for n in outputs]
     start = time.perf_counter()
     engine.generate(prompts, params)
     return sum(outputs) / (time.perf_counter() - start)

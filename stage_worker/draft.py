@@ -25,7 +25,7 @@ from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.speculative import SpeculativeConfig
 from stage_worker.logits_processors import SequenceState
 from stage_worker.model import AttentionMetadata
-from stage_worker.rejection import sampling_probs
+from stage_worker.rejection import draw, sampling_probs
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -108,7 +108,7 @@ class DraftModel:
     def _draw(self, logits: torch.Tensor, params, seq_id: int) -> int:
         """A draft drawn from the draft's distribution, which is kept for the verification."""
         q = sampling_probs(logits, params)
-        token = int(torch.multinomial(q.cpu(), 1, generator=self._gen))
+        token = draw(q.cpu(), self._gen)
         tokens, probs = self.proposals.setdefault(seq_id, ([], []))
         tokens.append(token)
         probs.append(q)

@@ -22,7 +22,7 @@ from stagemesh.core.grammar import GrammarCompiler
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import NewSequence, SampledToken
 from stage_worker.logits_processors import SequenceState, needs_processing, process_row
-from stage_worker.rejection import rejection_sample, sampling_probs
+from stage_worker.rejection import draw, rejection_sample, sampling_probs
 
 
 class Sampler:
@@ -152,8 +152,8 @@ class Sampler:
         gen = self._unseeded
         if p.seed is not None:
             gen = torch.Generator(device="cpu").manual_seed((p.seed * 1_000_003 + len(state.output)) % (2**63))
-        # a distribution with no finite mass makes multinomial raise: that row fails alone (see sample)
-        return int(torch.multinomial(sampling_probs(logits, p).cpu(), 1, generator=gen))
+        # a distribution with no finite mass makes draw raise: that row fails alone (see sample)
+        return draw(sampling_probs(logits, p).cpu(), gen)
 
 
 def _first_rows(drafts: list[list[int]]) -> list[int]:
