@@ -7,7 +7,8 @@ perplexity on a fixed text.
 Arms: fp32, bf16 (--dtype bfloat16), gguf-q4_1 (the embedded GGUF as it is), gguf-q8_0 (a Q8_0 GGUF: --q8-gguf,
 e.g. made by llama.cpp's llama-quantize), w8a16, w8a8 (int8 quantised at load). A quantised arm named
 ARM@FAMILY (gguf-q4_1@avx2) runs its products on that kernel family (kernels/isa.py), to compare the families
-in one run.
+in one run; gguf-q4_1-f32scales is the embedded GGUF with its scales and mins widened to fp32 (the layout before
+they were kept in fp16 as the file has them).
 
     .venv/bin/python benchmarks/bench_quant_cpu.py [--rounds 3] [--tokens 64] [--batch 32] \
         [--llama-bench /tmp/llama.cpp/build/bin/llama-bench] [--q8-gguf /tmp/smol-q8_0.gguf] [--arms fp32,gguf-q4_1]
@@ -49,10 +50,24 @@ def arms(q8_gguf: str | None) -> dict[str, dict]:
 
     table = {"fp32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16"),
              "gguf-q4_1": dict(quantization="gguf", gguf_file=str(gguf_path())),
+             "gguf-q4_1-f32scales": dict(quantization="gguf", gguf_file=str(gguf_path())),
              "w8a16": dict(quantization="w8a16"), "w8a8": dict(quantization="w8a8")}
     if q8_gguf:
         table["gguf-q8_0"] = dict(quantization="gguf", gguf_file=q8_gguf)
     return table
+
+
+def widen_scales(engine) -> None:
+    """Every quantised weight of the engine in place with fp32 scales and mins (a new QuantizedWeight in the
+    layer's place: the layer plans see the change)."""
+    from stage_worker.quant_weight import QuantizedWeight
+
+    for runner in engine.runners:
+        for module in list(runner.model.modules()):
+            w = module._modules.get("weight")
+            if isinstance(w, QuantizedWeight):
+                module.weight = QuantizedWeight(w.qs, w.scales, w.mins, w.kind, w.int8_activations,
+                                                compact_scales=False)
 
 
 def score(engine, ids: list[int]) -> tuple[float, list[int]]:
@@ -162,6 +177,9 @@ def main() -> None:
     if args.arms:
         table = {name: table[name.split("@")[0]] for name in args.arms.split(",")}
     engines = {name: LocalEngine(model_dir, **kw) for name, kw in table.items()}
+    for name, engine in engines.items():
+        if name.split("@")[0].endswith("-f32scales"):
+            widen_scales(engine)
     figures = {name: {"tpot": [], "tput": []} for name in engines}
     llama = {"q4_1": [], "q8_0": []}
     try:

@@ -100,6 +100,39 @@ def test_exact_path_gives_the_dequantised_product():
                                x @ ref.dequantize(qs, scales, mins).T, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", families("avx2", "avx512", "avx512_vnni"))
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m,int8_activations", [(1, False), (3, False), (12, False), (2, True)])
+def test_fp16_scales_give_the_fp32_scales_bits(family, bits, m, int8_activations):
+    """Scales (and mins) stored in fp16 (a GGUF's own) are widened exactly: every path (few rows, many rows,
+    int8 activations) gives the bits of the same values in fp32, odd group counts included (the 8-wide
+    widening and its tail)."""
+    qs, scales, mins = weight(27, 32 * 11, bits, 32, seed=m)
+    scales = scales.half().float()  # values fp16 holds
+    mins = None if mins is None else mins.half().float()
+    x = torch.randn(m, 32 * 11, generator=torch.Generator().manual_seed(bits))
+    want = cpu_ops.quant_linear(x, qs, scales, mins, None, int8_activations, family)
+    got = cpu_ops.quant_linear(x, qs, scales.half(), None if mins is None else mins.half(), None, int8_activations,
+                               family)
+    assert torch.equal(got, want)
+
+
+def test_quantized_weight_keeps_fp16_scales_only_where_exact():
+    """QuantizedWeight stores a GGUF-like weight's scales in fp16 (what the file holds), keeps scales fp16
+    cannot hold in fp32, and its products and rows are the same either way."""
+    from stage_worker.quant_weight import QuantizedWeight
+
+    qs, scales, mins = weight(16, 64, 4, 32)
+    exact = QuantizedWeight(qs, scales.half().float(), mins.half().float(), "Q4_1")
+    assert exact.scales.dtype == exact.mins.dtype == torch.float16
+    wide = QuantizedWeight(qs, scales.half().float(), mins.half().float(), "Q4_1", compact_scales=False)
+    assert wide.scales.dtype == torch.float32 and exact.nbytes() < wide.nbytes()
+    x = torch.randn(2, 64)
+    assert torch.equal(exact.linear(x), wide.linear(x))
+    assert torch.equal(exact.rows(torch.tensor([3, 0]), torch.float32), wide.rows(torch.tensor([3, 0]), torch.float32))
+    assert QuantizedWeight(qs, scales, mins, "Q4_K").scales.dtype == torch.float32  # values fp16 does not hold
+
+
 def test_refuses_what_does_not_fit():
     qs, scales, mins = weight(8, 64, 4, 32)
     with pytest.raises(RuntimeError, match="K = 48 must be a positive multiple of 32"):
@@ -111,6 +144,10 @@ def test_refuses_what_does_not_fit():
     with pytest.raises(RuntimeError, match="3 groups do not split K = 64"):
         cpu_ops.quant_linear(torch.randn(2, 64), qs, torch.rand(8, 3), torch.rand(8, 3), None, False)
     q8, s8, _ = weight(8, 64, 8, 32)
+    with pytest.raises(RuntimeError, match="need mins shaped as their scales, in their dtype"):
+        cpu_ops.quant_linear(torch.randn(2, 64), qs, scales.half(), mins, None, False)
+    with pytest.raises(RuntimeError, match="scales must be contiguous float32 or float16"):
+        cpu_ops.quant_linear(torch.randn(2, 64), qs, scales.double(), mins.double(), None, False)
     with pytest.raises(RuntimeError, match="8-bit weights take no mins"):
         cpu_ops.quant_linear(torch.randn(2, 64), q8, s8, s8, None, False)
     with pytest.raises(RuntimeError, match="bias has 3 elements for 8 outputs"):

@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define STAGEMESH_QUANT_AVX2 1
 #endif
@@ -35,10 +35,15 @@ constexpr int kMR = 4, kNR = 3;   // the tiled path's register tile: rows of x b
 constexpr int64_t kTileN = 24;    // rows of W a thread dequantises at a time (a multiple of kNR)
 constexpr int64_t kTileK = 512;   // and columns (a multiple of kChunk): 48 KB of fp32
 
+// scales and mins are stored in fp32, or in fp16 (the f16 pointers; GGUF's own scales, kept as they are:
+// fewer bytes to stream at decode), and read as fp32 a row at a time (RowValues).
 struct Weight {
   const uint8_t* qs;
-  const float* scales;
-  const float* mins;  // 4-bit only
+  const float* scales;  // fp32 storage, else nullptr
+  const float* mins;    // 4-bit, fp32 storage
+  const uint16_t* scales_f16;  // fp16 storage, else nullptr
+  const uint16_t* mins_f16;
+  bool has_mins;  // 4-bit
   int64_t N, K, G, groups, row_bytes;
 };
 
@@ -61,6 +66,34 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
+
+// Row n's scales (d) and mins (m, 4-bit) as fp32: the weight's own where it stores fp32, else its fp16
+// ones converted (exactly) into a buffer of this RowValues; one per thread, loaded once a row.
+struct RowValues {
+  std::vector<float> buf;
+  const float *d = nullptr, *m = nullptr;
+
+  void load(const Weight& W, int64_t n) {
+    const int64_t g = W.groups, at = n * g;
+    if (!W.scales_f16) {
+      d = W.scales + at;
+      m = W.has_mins ? W.mins + at : nullptr;
+      return;
+    }
+    buf.resize(2 * g);
+    widen(W.scales_f16 + at, buf.data(), g);
+    d = buf.data();
+    if (W.has_mins) widen(W.mins_f16 + at, buf.data() + g, g);
+    m = W.has_mins ? buf.data() + g : nullptr;
+  }
+
+  static void widen(const uint16_t* h, float* f, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+    for (; i < n; ++i) f[i] = _cvtsh_ss(h[i]);
+  }
+};
 
 // The 32 quants of a chunk as fp32, in k order.
 template <int BITS>
@@ -96,9 +129,11 @@ template <int BITS, int R>
 void fused_tile(const Weight& W, const float* x, int64_t ldx, const float* xsum, int64_t n0, int64_t n1,
                 float* out, int64_t ldo) {
   const int64_t chunks = W.G / kChunk;
+  RowValues rv;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* q = W.qs + n * W.row_bytes;
-    const float* d = W.scales + n * W.groups;
+    rv.load(W, n);
+    const float* d = rv.d;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     int64_t k = 0;
@@ -122,7 +157,7 @@ void fused_tile(const Weight& W, const float* x, int64_t ldx, const float* xsum,
     }
     for (int r = 0; r < R; ++r) {
       float s = hsum(acc[r]);
-      if (W.mins) s += dot(W.mins + n * W.groups, xsum + r * W.groups, W.groups);
+      if (W.has_mins) s += dot(rv.m, xsum + r * W.groups, W.groups);
       out[r * ldo + n] = s;
     }
   }
@@ -130,18 +165,19 @@ void fused_tile(const Weight& W, const float* x, int64_t ldx, const float* xsum,
 
 // W's rows [n0, n0 + rows), columns [k0, k0 + kc), dequantised into buf [rows][kc].
 template <int BITS>
-void dequantize_tile(const Weight& W, int64_t n0, int64_t rows, int64_t k0, int64_t kc, float* buf) {
+void dequantize_tile(const Weight& W, int64_t n0, int64_t rows, int64_t k0, int64_t kc, float* buf, RowValues& rv) {
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t n = n0 + i;
     const uint8_t* q = W.qs + n * W.row_bytes + k0 * BITS / 8;
     float* o = buf + i * kc;
+    rv.load(W, n);
     for (int64_t k = 0; k < kc; k += kChunk, q += kChunk * BITS / 8, o += kChunk) {
-      const int64_t g = n * W.groups + (k0 + k) / W.G;
-      const __m256 dv = _mm256_set1_ps(W.scales[g]);
+      const int64_t g = (k0 + k) / W.G;
+      const __m256 dv = _mm256_set1_ps(rv.d[g]);
       __m256 w[4];
       decode<BITS>(q, w);
       if constexpr (BITS == 4) {
-        const __m256 mv = _mm256_set1_ps(W.mins[g]);
+        const __m256 mv = _mm256_set1_ps(rv.m[g]);
         for (int j = 0; j < 4; ++j) _mm256_storeu_ps(o + 8 * j, _mm256_fmadd_ps(w[j], dv, mv));
       } else {
         for (int j = 0; j < 4; ++j) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(w[j], dv));
@@ -187,9 +223,11 @@ void int8_tile(const Weight& W, const int8_t* xq, const float* xd, const float* 
                float* out, int64_t ldo) {
   const int64_t chunks = W.G / kChunk, K = W.K;
   const __m256i ones = _mm256_set1_epi16(1);
+  RowValues rv;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* q = W.qs + n * W.row_bytes;
-    const float* d = W.scales + n * W.groups;
+    rv.load(W, n);
+    const float* d = rv.d;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     int64_t k = 0;
@@ -214,7 +252,7 @@ void int8_tile(const Weight& W, const int8_t* xq, const float* xd, const float* 
     }
     for (int r = 0; r < R; ++r) {
       float s = hsum(acc[r]);
-      if (W.mins) s += dot(W.mins + n * W.groups, xsum + r * W.groups, W.groups);
+      if (W.has_mins) s += dot(rv.m, xsum + r * W.groups, W.groups);
       out[r * ldo + n] = s;
     }
   }
@@ -231,9 +269,11 @@ template <int BITS, int R>
 void int8_tile_vnni(const Weight& W, const int8_t* xq, const float* xd, const float* xsum, int64_t n0, int64_t n1,
                     float* out, int64_t ldo) {
   const int64_t chunks = W.G / kChunk, K = W.K;
+  RowValues rv;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* q = W.qs + n * W.row_bytes;
-    const float* d = W.scales + n * W.groups;
+    rv.load(W, n);
+    const float* d = rv.d;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     int64_t k = 0;
@@ -256,7 +296,7 @@ void int8_tile_vnni(const Weight& W, const int8_t* xq, const float* xd, const fl
     }
     for (int r = 0; r < R; ++r) {
       float s = hsum(acc[r]);
-      if (W.mins) s += dot(W.mins + n * W.groups, xsum + r * W.groups, W.groups);
+      if (W.has_mins) s += dot(rv.m, xsum + r * W.groups, W.groups);
       out[r * ldo + n] = s;
     }
   }
@@ -307,9 +347,11 @@ template <int BITS, int R>
 void fused_tile_avx512(const Weight& W, const float* x, int64_t ldx, const float* xsum, int64_t n0, int64_t n1,
                        float* out, int64_t ldo) {
   const int64_t chunks = W.G / kChunk, group_bytes = W.G * BITS / 8;
+  RowValues rv;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* q = W.qs + n * W.row_bytes;
-    const float* d = W.scales + n * W.groups;
+    rv.load(W, n);
+    const float* d = rv.d;
     __m512 even[R], odd[R], part[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
     int64_t g = 0;
@@ -325,7 +367,7 @@ void fused_tile_avx512(const Weight& W, const float* x, int64_t ldx, const float
     }
     for (int r = 0; r < R; ++r) {
       float s = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
-      if (W.mins) s += dot(W.mins + n * W.groups, xsum + r * W.groups, W.groups);
+      if (W.has_mins) s += dot(rv.m, xsum + r * W.groups, W.groups);
       out[r * ldo + n] = s;
     }
   }
@@ -369,7 +411,7 @@ std::vector<float> group_sums(const float* x, int64_t M, int64_t K, int64_t G) {
 
 template <int BITS>
 void run_fused(const Weight& W, const float* x, int64_t M, float* out, bool avx512) {
-  const std::vector<float> sums = W.mins ? group_sums(x, M, W.K, W.G) : std::vector<float>();
+  const std::vector<float> sums = W.has_mins ? group_sums(x, M, W.K, W.G) : std::vector<float>();
   using Fn = void (*)(const Weight&, const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
   constexpr Fn avx2[kRows + 1] = {nullptr, fused_tile<BITS, 1>, fused_tile<BITS, 2>, fused_tile<BITS, 3>,
                                   fused_tile<BITS, 4>};
@@ -390,11 +432,12 @@ void run_tiled(const Weight& W, const float* x, int64_t M, float* out) {
   const int64_t tiles = (W.N + kTileN - 1) / kTileN, K = W.K, N = W.N;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> buf(kTileN * std::min(K, kTileK));
+    RowValues rv;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTileN, rows = std::min(kTileN, N - n0);
       for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
         const int64_t kc = std::min(kTileK, K - k0);
-        dequantize_tile<BITS>(W, n0, rows, k0, kc, buf.data());
+        dequantize_tile<BITS>(W, n0, rows, k0, kc, buf.data(), rv);
         for (int64_t m0 = 0; m0 < M; m0 += kMR) {
           const int64_t mr = std::min<int64_t>(kMR, M - m0);
           for (int64_t j0 = 0; j0 < rows; j0 += kNR) {
@@ -441,22 +484,28 @@ Weight check_weight(const at::Tensor& qs, const at::Tensor& scales, const c10::o
   TORCH_CHECK(qs.size(1) * 8 / *bits == K, "qs has ", qs.size(1), " bytes a row; K = ", K, " at ", *bits,
               " bits needs ", K * *bits / 8);
   const int64_t N = qs.size(0);
-  TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == at::kFloat && scales.dim() == 2 &&
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK(scales.device().is_cpu() && (scales.scalar_type() == at::kFloat || half) && scales.dim() == 2 &&
                   scales.is_contiguous() && scales.size(0) == N && scales.size(1) > 0,
-              "scales must be contiguous float32 [N, groups]");
+              "scales must be contiguous float32 or float16 [N, groups]");
   const int64_t groups = scales.size(1);
   TORCH_CHECK(K % groups == 0 && (K / groups) % kChunk == 0, groups, " groups do not split K = ", K,
               " into multiples of ", kChunk);
-  const float* mp = nullptr;
   if (*bits == 4) {
-    TORCH_CHECK(mins.has_value() && mins->scalar_type() == at::kFloat && mins->is_contiguous() &&
-                    mins->sizes() == scales.sizes(),
-                "4-bit weights need mins shaped as their scales");
-    mp = mins->data_ptr<float>();
+    TORCH_CHECK(mins.has_value() && mins->device().is_cpu() && mins->scalar_type() == scales.scalar_type() &&
+                    mins->is_contiguous() && mins->sizes() == scales.sizes(),
+                "4-bit weights need mins shaped as their scales, in their dtype");
   } else {
     TORCH_CHECK(!mins.has_value(), "8-bit weights take no mins");
   }
-  return Weight{static_cast<const uint8_t*>(qs.data_ptr()), scales.data_ptr<float>(), mp, N, K, K / groups, groups, qs.size(1)};
+  const bool has_mins = *bits == 4;
+  const auto f16 = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
+  return Weight{static_cast<const uint8_t*>(qs.data_ptr()),
+                half ? nullptr : scales.data_ptr<float>(),
+                has_mins && !half ? mins->data_ptr<float>() : nullptr,
+                half ? f16(scales) : nullptr,
+                has_mins && half ? f16(*mins) : nullptr,
+                has_mins, N, K, K / groups, groups, qs.size(1)};
 }
 
 }  // namespace

@@ -6,8 +6,9 @@
 
 // x [..., K] (float32 or bfloat16) times W^T (+ bias), W [N, K] in groups of G (a multiple of 32) along K:
 //   4-bit: qs uint8 [N, K/2], each 32 weights in 16 bytes (byte j: weight j in the low nibble, weight
-//          j+16 in the high one), w = scale * q + min, scales and mins float32 [N, K/G];
-//   8-bit: qs int8 [N, K], w = scale * q, scales float32 [N, K/G], mins absent.
+//          j+16 in the high one), w = scale * q + min, scales and mins [N, K/G];
+//   8-bit: qs int8 [N, K], w = scale * q, scales [N, K/G], mins absent;
+//   scales and mins float32, or both float16 (GGUF's own: fewer bytes a step; widened exactly).
 // int8_activations: x is quantised to int8 per row and group (scale max|x|/127, as llama.cpp's q8
 // blocks and dynamic per-token W8A8 do) and the products run on integers (vpmaddubsw / vpmaddwd);
 // otherwise every product is fp32 with the weights dequantised exactly. Output in x's dtype.
