@@ -22,6 +22,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 
+def standard_batch(n: int) -> tuple[list[list[int]], list[int]]:
+    """The in-process benchmarks' batch: n seeded prompts of 16-256 random tokens and their output lengths
+    (16-128), the same every run."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(16, 256))] for _ in range(n)]
+    return prompts, [rng.randint(16, 128) for _ in range(n)]
+
+
 def tpot_ms(engine, prompt_ids: list[int], tokens: int, temperature: float = 0.0) -> float:
     """Batch 1: the time per output token after the first (prefill excluded); greedy unless a temperature."""
     from stagemesh.core.sampling_params import SamplingParams
@@ -60,9 +68,7 @@ def main() -> None:
 
     model_dir = default_model_dir()
     prompt_ids = AutoTokenizer.from_pretrained(model_dir).encode("Write a short story about a lighthouse keeper.")
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(16, 256))] for _ in range(args.batch)]
-    outputs = [rng.randint(16, 128) for _ in range(args.batch)]
+    prompts, outputs = standard_batch(args.batch)
     from kernels import cpu_ops, isa
 
     arms = ["float32", "bfloat16"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.bench_bf16_cpu import throughput, tpot_ms  # noqa: E402
+from benchmarks.bench_bf16_cpu import standard_batch, throughput, tpot_ms  # noqa: E402
 
 
 def main() -> None:
@@ -44,9 +43,7 @@ def main() -> None:
 
     model_dir = default_model_dir()
     prompt_ids = AutoTokenizer.from_pretrained(model_dir).encode("Write a short story about a lighthouse keeper.")
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(16, 256))] for _ in range(args.batch)]
-    outputs = [rng.randint(16, 128) for _ in range(args.batch)]
+    prompts, outputs = standard_batch(args.batch)
     table = {"fp32": {}, "bf16": dict(dtype="bfloat16"),
              "gguf-q4_1": dict(quantization="gguf", gguf_file=str(gguf_path()))}
     print(f"default model in-process, {args.threads} threads, {args.rounds} rounds (medians; rounds in brackets); "

@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import math
 import os
-import random
 import re
 import statistics
 import subprocess
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.bench_bf16_cpu import throughput, tpot_ms  # noqa: E402
+from benchmarks.bench_bf16_cpu import standard_batch, throughput, tpot_ms  # noqa: E402
 
 TEXT = ("The lighthouse stood at the end of the long stone pier, and every night for forty years the keeper "
         "climbed its narrow stairs to light the lamp. Ships passing in the dark relied on its steady beam to find "
@@ -170,9 +169,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt_ids = tokenizer.encode("Write a short story about a lighthouse keeper.")
     text_ids = tokenizer.encode(TEXT)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(16, 256))] for _ in range(args.batch)]
-    outputs = [rng.randint(16, 128) for _ in range(args.batch)]
+    prompts, outputs = standard_batch(args.batch)
     table = arms(args.q8_gguf)
     if args.arms:
         table = {name: table[name.split("@")[0]] for name in args.arms.split(",")}

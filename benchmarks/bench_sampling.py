@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import sys
 import time
@@ -20,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.bench_bf16_cpu import throughput, tpot_ms  # noqa: E402
+from benchmarks.bench_bf16_cpu import standard_batch, throughput, tpot_ms  # noqa: E402
 
 
 def multinomial(weights: torch.Tensor, gen: torch.Generator) -> int:
@@ -62,9 +61,7 @@ def main() -> None:
         print(f"one row of {vocab}: {name:18s} {min(times):8.1f} us (best)")
 
     prompt_ids = AutoTokenizer.from_pretrained(model_dir).encode("Write a short story about a lighthouse keeper.")
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(16, 256))] for _ in range(args.batch)]
-    outputs = [rng.randint(16, 128) for _ in range(args.batch)]
+    prompts, outputs = standard_batch(args.batch)
     kw = dict(quantization="gguf", gguf_file=str(gguf_path())) if args.gguf else {}
     figures = {name: {"tpot": [], "tput": []} for name in arms}
     with LocalEngine(model_dir, **kw) as engine:
