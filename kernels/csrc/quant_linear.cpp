@@ -68,7 +68,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 // Row n's scales (d) and mins (m, 4-bit) as fp32: the weight's own where it stores fp32, else its fp16
-// ones converted (exactly) into a buffer of this RowValues; one per thread, loaded once a row.
+// ones converted (exactly) into a buffer of this RowValues; one per tile call, loaded once a row.
 struct RowValues {
   std::vector<float> buf;
   const float *d = nullptr, *m = nullptr;
