@@ -9,7 +9,7 @@ import uuid
 
 from aiohttp import web
 
-from router import choices, responses
+from router import choices, responses, resume
 from router.admission import launch
 from router.config import RouterConfig
 from router.errors import APIError, bad_request
@@ -75,6 +75,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamResponse:
     replicas, tokenizer = request.app[REPLICAS], request.app[TOKENIZER]
     base = request_id(request, req)
+    _resumable(request, req)
     answer_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{base}"
     prompts, gens = await launch(req, replicas, tokenizer, request.app[CONFIG].max_model_len, answer_id)
     echoes = [await _echo_text(req, p, ids, tokenizer) for p, ids in zip(req.prompts or [None], prompts)]
@@ -86,9 +87,24 @@ async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamRes
             async for gen, delta in deltas:
                 answer.add(gen, delta)
             return web.json_response(answer.body(), headers=headers)
-        return await _stream(request, req, answer, deltas, headers)
+        ids = resume.EventIds(req.num_choices, req.resume) if req.resumable else None
+        return await _stream(request, req, answer, deltas, headers, ids)
     finally:
         await deltas.aclose()
+
+
+def _resumable(request: web.Request, req: GenerateRequest) -> None:
+    """A stream to a client that accepts event streams is resumable (router.resume); with Last-Event-ID the
+    request is a resume of one that such a client started."""
+    last = request.headers.get(resume.HEADER)
+    req.resumable = req.stream and resume.wants_event_ids(request.headers.get("Accept", ""))
+    if last is None:
+        return
+    if not req.stream:
+        raise bad_request(f"{resume.HEADER} resumes a stream: 'stream' must be true", resume.HEADER)
+    if not (request.headers.get("X-Request-Id") or req.request_id):
+        raise bad_request(f"{resume.HEADER} resumes the stream of a request id: send it (X-Request-Id)", "request_id")
+    req.resumable, req.resume = True, resume.ResumePoint.parse(last, req.num_choices)
 
 
 async def _echo_text(req: GenerateRequest, prompt, ids: list[int], tokenizer: Tokenizer) -> str:
@@ -104,27 +120,37 @@ async def _echo_text(req: GenerateRequest, prompt, ids: list[int], tokenizer: To
     return await tokenizer.run(tokenizer.decode, ids, req.skip_special_tokens)
 
 
-async def _stream(request, req, answer, deltas, headers) -> web.StreamResponse:
+async def _stream(request, req, answer, deltas, headers, ids: resume.EventIds | None) -> web.StreamResponse:
+    """The answer as Server-Sent Events; with `ids` each event has its id, and a resume writes only what its
+    client lacks."""
     first = await anext(deltas, None)  # errors before the first output still get an HTTP status
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     await resp.prepare(request)
     try:
         item = first
         while item is not None:
-            for chunk in answer.chunks(*item):
-                await resp.write(responses.sse(chunk))
+            gen, delta = item
+            chunks = answer.chunks(gen, delta)
+            if ids is None:
+                for chunk in chunks:
+                    await resp.write(responses.sse(chunk))
+            else:
+                for event_id, chunk in ids.delta(gen.index, len(delta.token_ids), bool(delta.finish_reason), chunks):
+                    await resp.write(responses.sse(chunk, event_id))
             item = await anext(deltas, None)
-        if req.include_usage:
-            await resp.write(responses.sse(answer.usage_chunk()))
+        usage_id = ids.usage() if ids is not None else ""
+        if req.include_usage and usage_id is not None:
+            await resp.write(responses.sse(answer.usage_chunk(), usage_id or None))
     except APIError as err:
-        await resp.write(responses.sse(err.body()))
+        await resp.write(responses.sse(err.body(), ids.error() if ids is not None else None))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:  # the status line is sent: the error goes in the stream, as an OpenAI error object
         incident = uuid.uuid4().hex[:12]
         log.exception("unexpected error while streaming %s (incident %s)", answer.id, incident)
-        await resp.write(responses.sse(APIError(500, f"internal error (incident {incident})").body()))
-    await resp.write(b"data: [DONE]\n\n")
+        await resp.write(responses.sse(APIError(500, f"internal error (incident {incident})").body(),
+                                       ids.error() if ids is not None else None))
+    await resp.write(b"data: [DONE]\n\n" if ids is None else f"id: {ids.done()}\ndata: [DONE]\n\n".encode())
     return resp
 
 

@@ -29,7 +29,9 @@ def plan(req: GenerateRequest, prompts: list[list[int]], base_id: str, max_model
                 sampling, prompt_logprobs=None, seed=None if sampling.seed is None else sampling.seed + i)
             index = p * req.n + i
             gens.append(Generation(base_id if single else f"{base_id}-{index}", ids, child, index,
-                                   priority=req.priority))
+                                   priority=req.priority, resumable=req.resumable or req.resume is not None,
+                                   resume_from=None if req.resume is None else req.resume.tokens[index],
+                                   sibling=i > 0))
     return gens
 
 
@@ -44,7 +46,8 @@ async def run(req: GenerateRequest, gens: list[Generation], replicas: ReplicaSet
 
     async def one(gen: Generation) -> None:
         first = firsts[tuple(gen.prompt_ids)]
-        if first is not gen:  # a sibling waits for its prompt to be computed, then runs where it was
+        if first is not gen and gen.resume_from is None:  # a sibling waits for its prompt to be computed, then
+            # runs where it was (a resumed one runs where it ran)
             await first.started.wait()
             gen.pin = first.replica
         async with aclosing(generate(req, gen, replicas, tokenizer)) as deltas:
@@ -69,6 +72,8 @@ async def run(req: GenerateRequest, gens: list[Generation], replicas: ReplicaSet
         for task in tasks:
             task.cancel()  # closes each generation, which aborts its request in the scheduler
         await asyncio.gather(*tasks, return_exceptions=True)
+        for gen in gens:  # the answer is written (or abandoned): the replicas may forget what they kept
+            gen.release()
 
 
 def _count_groups(req: GenerateRequest, gens: list[Generation]) -> None:

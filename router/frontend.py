@@ -19,6 +19,8 @@ from router.protocol import ChatMessage
 from router.replicas import ReplicaSet
 from router.request import GenerateRequest, Prompt
 from router.request_builder import RequestBuilder, chat_options
+from router.resume import EventIds, ResumePoint
+from router.state import checked_request_id
 from router.tokenization import Tokenizer
 from stagemesh.core import telemetry
 from stagemesh.core.errors import StagemeshError
@@ -77,14 +79,22 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
 
     async def _run(self, request, context, chat: bool):
         req = self._request(request, chat)
+        request_id = checked_request_id(request.request_id) if request.request_id else uuid.uuid4().hex
+        _resume(req, request)
         prompts, gens = await launch(req, self.replicas, self.tokenizer, self.config.max_model_len,
-                                     f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
+                                     f"{'chatcmpl' if chat else 'cmpl'}-{request_id}")
         usage = frontend_pb2.Usage(prompt_tokens=len(prompts[0]))
+        ids = EventIds(req.num_choices, req.resume)  # a resume sends only what its client lacks
+        first = True
         async for gen, d in choices.run(req, gens, self.replicas, self.tokenizer):
+            if not ids.delta(gen.index, len(d.token_ids), bool(d.finish_reason), [d]):
+                continue
             reply = frontend_pb2.GenerateResponse(text=d.text, token_ids=d.token_ids, index=gen.index,
                                                   finish_reason=d.finish_reason or "",
                                                   prompt_logprobs=[logprob_to_pb(e) for e in d.prompt_logprobs],
-                                                  prompt_logprobs_start=d.prompt_logprobs_start)
+                                                  prompt_logprobs_start=d.prompt_logprobs_start,
+                                                  request_id=request_id if first else "")
+            first = False
             reply.logprobs.extend(logprob_to_pb(e) for e in d.logprobs)
             if d.finish_reason:
                 usage.completion_tokens = sum(g.completion_tokens for g in gens)
@@ -104,6 +114,20 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     async def ListModels(self, request, context):
         return frontend_pb2.ListModelsResponse(models=[self.config.served_model_name],
                                                max_model_len=self.replicas.max_model_len)
+
+
+def _resume(req: GenerateRequest, request) -> None:
+    """A request that names its id is resumable (router.resume); with `resume` it is a resume."""
+    req.resumable = bool(request.request_id)
+    if not request.HasField("resume"):
+        return
+    progress = [(c.tokens, c.finished) for c in request.resume.choices]
+    if not request.request_id:
+        raise bad_request("'resume' resumes the stream of a request id: send it ('request_id')", "request_id")
+    if len(progress) != req.num_choices or any(t < 0 for t, _ in progress):
+        raise bad_request(f"'resume' must give each of the request's {req.num_choices} choice(s) once, with tokens "
+                          ">= 0", "resume")
+    req.resume = ResumePoint.of_progress(progress)
 
 
 def _prompts(request) -> list[Prompt]:

@@ -54,6 +54,17 @@ class Generation:
     replays: int = 0  # times its replica failed and it went on elsewhere
     priority: int = 0  # vLLM's request priority, for the replicas' --scheduling-policy priority
     started: asyncio.Event = field(default_factory=asyncio.Event)  # its prompt is computed (or it ended)
+    resumable: bool = False  # its replica keeps it for a resume if this router goes away (router.resume)
+    resume_from: int | None = None  # a resume: attach it where it runs; the client has this many of its tokens
+    sibling: bool = False  # parallel sampling's choice 1.. of a prompt (sent once the first's prompt is computed)
+    # its streams on replicas, released once the answer is written (a replica keeps a resumable request's
+    # outputs until then, so that a router that dies while writing them loses nothing)
+    holds: list = field(default_factory=list)
+
+    def release(self) -> None:
+        for stream in self.holds:
+            stream.release()
+        self.holds.clear()
 
 
 def fit_max_tokens(req: GenerateRequest, sampling: SamplingParams, prompt_len: int, max_model_len: int
@@ -152,30 +163,38 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
     prefill, kv_transfer = gen.pin is None and replicas.disaggregated(), b""
     try:
         while True:
-            # before its first token it tries each replica once; a continuation goes to any replica it has not
-            # failed on
-            replica = replicas.pick(gen.prompt_ids, failed if generated else tried, gen.pin,
-                                    "prefill" if prefill else "whole")
-            if replica is None and prefill:  # no prefill replica left to try: the whole request elsewhere
-                prefill = False
-                continue
-            if replica is None and last_error is not None:
-                raise _api_error(last_error)  # nowhere else to try
-            if replica is None:
-                reasons = "; ".join(f"{r.address}: {r.reason}" for r in replicas.replicas) or "no replicas configured"
-                raise APIError(503, f"no replica can serve this request right now ({reasons})",
-                               retry_after=2)
+            found = await _attach(gen, gen.resume_from, replicas) if gen.resume_from is not None and not tried \
+                else None
+            if found is not None:  # a resume: where the request runs, its outputs so far
+                replica, stream, so_far = found
+                replies = _chain(so_far, stream)
+            else:
+                # before its first token it tries each replica once; a continuation goes to any replica it has
+                # not failed on
+                replica = replicas.pick(gen.prompt_ids, failed if generated else tried, gen.pin,
+                                        "prefill" if prefill else "whole")
+                if replica is None and prefill:  # no prefill replica left to try: the whole request elsewhere
+                    prefill = False
+                    continue
+                if replica is None and last_error is not None:
+                    raise _api_error(last_error)  # nowhere else to try
+                if replica is None:
+                    reasons = "; ".join(f"{r.address}: {r.reason}" for r in replicas.replicas) or \
+                        "no replicas configured"
+                    raise APIError(503, f"no replica can serve this request right now ({reasons})",
+                                   retry_after=2)
+                sampling = replace(gen.sampling, prompt_logprobs=None) if generated else gen.sampling
+                stream = replica.submit(gen.request_id, gen.prompt_ids, sampling, generated, gen.priority, prefill,
+                                        kv_transfer, gen.resumable)
+                replies = _chain([], stream)
             tried.add(replica.address)
             gen.replica = replica.address
             if gen.record is not None:
                 gen.record.replica = replica.address
                 if last_error is not None:
                     gen.record.resumed(replica.address, len(generated))
-            sampling = replace(gen.sampling, prompt_logprobs=None) if generated else gen.sampling
-            stream = replica.submit(gen.request_id, gen.prompt_ids, sampling, generated, gen.priority, prefill,
-                                    kv_transfer)
             try:
-                async for reply in stream:
+                async for reply in replies:
                     if waiting:
                         replicas.num_waiting, waiting = replicas.num_waiting - 1, False
                     generated.extend(reply.token_ids)
@@ -197,10 +216,50 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
                 if gen.record is not None:
                     gen.record.replayed(replica.address, err.details, len(generated))
             finally:
+                await replies.aclose()
                 stream.close()  # unfinished (client gone, stop string): the scheduler aborts it
+                if gen.resumable:
+                    gen.holds.append(stream)
     finally:
         if waiting:
             replicas.num_waiting -= 1
+
+
+async def _attach(gen: Generation, at: int, replicas: ReplicaSet):
+    """(replica, stream, its outputs so far cut at `at`) of a request being resumed, or the 404 when no replica
+    holds it (None: send it afresh)."""
+    found = await replicas.attach(gen.request_id, gen.prompt_ids)
+    if found is None and gen.sibling and not at:
+        return None  # a choice that waited for its first sibling's prompt may never have been sent: send it now
+    if found is None:
+        raise APIError(404, f"no request {gen.request_id!r} to resume: unknown, finished and released, or left "
+                            "unresumed past its replica's --resume-grace-period", "request_id")
+    replica, stream, first = found
+    return replica, stream, _split(first, at)
+
+
+def _split(first: ReplicaOutput, at: int) -> list[ReplicaOutput]:
+    """A resumed request's outputs so far, cut where the client's copy ends: the part it has (replayed without
+    being written: it rebuilds the text) and the rest, so that deltas start where the client stopped."""
+    n = len(first.token_ids)
+    if at > n:
+        raise bad_request(f"Last-Event-ID is past the end of the stream: a choice has {n} token(s), the client "
+                          f"claims {at}", "Last-Event-ID")
+    tail = n - at  # (a continuation's earlier tokens have no logprobs: the list lacks its head then)
+    lp = first.logprobs
+    head_lp, tail_lp = (lp[:-tail], lp[-tail:]) if tail else (lp, [])
+    had = replace(first, token_ids=first.token_ids[:at], logprobs=head_lp, finish_reason=None, stop_token_id=None,
+                  kv_transfer=b"")
+    rest = ReplicaOutput(first.token_ids[at:], tail_lp, first.finish_reason, first.stop_token_id,
+                         kv_transfer=first.kv_transfer)
+    return [had, rest] if rest.token_ids or rest.finish_reason else [had]
+
+
+async def _chain(firsts: list[ReplicaOutput], stream):
+    for reply in firsts:
+        yield reply
+    async for reply in stream:
+        yield reply
 
 
 def _may_replay(err: RequestFailed, waiting: bool, gen: Generation, max_retries: int) -> bool:

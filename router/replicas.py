@@ -9,13 +9,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.observe import kv_index_blocks, replica_state
-from router.submit_stream import RequestStream, SubmitStream
+from router.errors import APIError
+from router.submit_stream import ReplicaOutput, RequestFailed, RequestStream, SubmitStream
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.service_options import aio_channel
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")
 STATS_DEADLINE_S = 2.0
+ATTACH_DEADLINE_S = 10.0  # a resume waits this long at most for the replicas to say whether they hold it
 WATCH_WINDOW_S = 60.0  # a WatchStats stream is re-opened this often (every call has a deadline)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -115,19 +117,35 @@ class Replica:
                     "healthy" if healthy else "UNHEALTHY", "" if healthy else f": {reason}")
 
     def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams, generated: list[int] = (),
-               priority: int = 0, prefill_only: bool = False, kv_transfer: bytes = b"") -> RequestStream:
+               priority: int = 0, prefill_only: bool = False, kv_transfer: bytes = b"",
+               resumable: bool = False) -> RequestStream:
         """Send a request over the replica's SubmitStream (opened on first use, and again after it broke);
         `generated`: the tokens it produced elsewhere (a continuation); prefill_only / kv_transfer: the two
-        halves of a disaggregated request (the second with the first's generated token and kv_transfer)."""
+        halves of a disaggregated request (the second with the first's generated token and kv_transfer);
+        resumable: the replica keeps it for another router if this one goes away."""
         self.dispatched += 1
+        return self._submit_stream().submit(request_id, prompt, sampling, generated, priority, prefill_only,
+                                            kv_transfer, resumable)
+
+    def attach(self, request_id: str, prompt: list[int]) -> RequestStream:
+        """Attach a resumable request this replica may hold (its first update says whether it does)."""
+        return self._submit_stream().attach(request_id, prompt)
+
+    def _submit_stream(self) -> SubmitStream:
         if self._stream is None or self._stream.closed:
             self._stream = SubmitStream(self.stub, self.address)
-        return self._stream.submit(request_id, prompt, sampling, generated, priority, prefill_only, kv_transfer)
+        return self._stream
 
     async def close(self) -> None:
         if self._stream is not None:
             self._stream.close()
         await self.channel.close()
+
+
+async def _first(stream: RequestStream) -> ReplicaOutput:
+    async for out in stream:
+        return out
+    raise RequestFailed(grpc.StatusCode.NOT_FOUND, "the stream ended")
 
 
 class ReplicaSet:
@@ -156,6 +174,37 @@ class ReplicaSet:
         finally:
             for w in watchers:
                 w.cancel()
+
+    async def attach(self, request_id: str, prompt: list[int]) -> tuple[Replica, RequestStream, ReplicaOutput] | None:
+        """Find the replica that holds a resumable request and attach it there: (replica, its stream, its outputs
+        so far as one), or None when none holds it. Every replica is asked at once (a request moved on to a
+        replica that is not healthy now is still there); one that does not answer within ATTACH_DEADLINE_S
+        counts as not holding it."""
+        asks = {asyncio.create_task(_first(s)): (r, s) for r in self.replicas for s in [r.attach(request_id, prompt)]}
+        found, refusal = None, None
+        pending = set(asks)
+        deadline = asyncio.get_running_loop().time() + ATTACH_DEADLINE_S
+        while pending and found is None:
+            left = deadline - asyncio.get_running_loop().time()
+            done, pending = await asyncio.wait(pending, timeout=max(left, 0), return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                log.warning("resuming %s: %d replica(s) did not answer within %.0fs", request_id, len(pending),
+                            ATTACH_DEADLINE_S)
+                break
+            for task in done:
+                err = task.exception()
+                if err is None and found is None:
+                    found = (*asks[task], task.result())
+                elif isinstance(err, RequestFailed) and err.code == grpc.StatusCode.INVALID_ARGUMENT:
+                    refusal = err
+        for task in pending:
+            task.cancel()
+        for _, stream in asks.values():
+            if found is None or stream is not found[1]:
+                stream.close()
+        if found is None and refusal is not None:
+            raise APIError(400, refusal.details, "request_id")
+        return found
 
     def queue_full(self) -> bool:
         return bool(self.max_waiting_requests) and self.num_waiting >= self.max_waiting_requests

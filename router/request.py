@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.resume import ResumePoint
 from router.tools import ToolPlan
 from stagemesh.core.sampling_params import SamplingParams
 
@@ -55,6 +56,8 @@ class GenerateRequest:
     add_special_tokens: bool = True
     request_id: str | None = None
     priority: int = 0  # vLLM's request priority (router.admission checks the replicas schedule by it)
+    resumable: bool = False  # its replicas keep it for a resume if the router goes away (router.resume)
+    resume: ResumePoint | None = None  # a resume: what the client has of each choice
 
     @property
     def logprobs(self) -> bool:

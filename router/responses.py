@@ -12,8 +12,9 @@ from router.tokenization import Tokenizer
 from stagemesh.core.step import TokenLogprob
 
 
-def sse(obj: dict) -> bytes:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+def sse(obj: dict, event_id: str | None = None) -> bytes:
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
 def token_logprobs(entries: list[TokenLogprob], token_text) -> list[dict]:

@@ -22,8 +22,10 @@ def request_id(request: web.Request, req: GenerateRequest) -> str:
     """X-Request-Id (or the body's request_id, or a new one), the id the request has in logs, traces and the
     scheduler; the answer's id is it with OpenAI's prefix."""
     given = request.headers.get("X-Request-Id") or req.request_id
-    if given is None:
-        return uuid.uuid4().hex
+    return uuid.uuid4().hex if given is None else checked_request_id(given)
+
+
+def checked_request_id(given: str) -> str:
     if not 0 < len(given) <= MAX_REQUEST_ID or not given.isprintable() or not given.isascii():
         raise bad_request(f"the request id (X-Request-Id or 'request_id') must be 1 to {MAX_REQUEST_ID} printable "
                           "ASCII characters", "request_id")

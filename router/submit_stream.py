@@ -63,8 +63,8 @@ class RequestFailed(Exception):
 class RequestStream:
     """One request's outputs (ReplicaOutput) as they arrive; close() aborts it if unfinished."""
 
-    def __init__(self, stream: SubmitStream, request_id: str):
-        self._stream, self.request_id = stream, request_id
+    def __init__(self, stream: SubmitStream, request_id: str, resumable: bool = False):
+        self._stream, self.request_id, self.resumable = stream, request_id, resumable
         self._queue: asyncio.Queue = asyncio.Queue()  # RequestUpdate, or RequestFailed when the stream broke
         self._done = False
 
@@ -93,6 +93,11 @@ class RequestStream:
             self._done = True
             self._stream.abort(self.request_id)
 
+    def release(self) -> None:
+        """A resumable request's answer is written: its replica may forget what it kept of it."""
+        if self.resumable:
+            self._stream.release(self.request_id)
+
 
 class SubmitStream:
     def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, address: str):
@@ -107,15 +112,16 @@ class SubmitStream:
 
     def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
                generated: list[int] = (), priority: int = 0, prefill_only: bool = False,
-               kv_transfer: bytes = b"") -> RequestStream:
+               kv_transfer: bytes = b"", resumable: bool = False) -> RequestStream:
         """Queue a request (with `generated`: a continuation); its trace context is the caller's current one."""
-        stream = self._requests[request_id] = RequestStream(self, request_id)
+        stream = self._requests[request_id] = RequestStream(self, request_id, resumable)
         submit = self._outbox.submits.add()
         submit.request.request_id = request_id
         submit.request.prompt_token_ids.extend(prompt)
         submit.request.generated_token_ids.extend(generated)
         submit.request.priority = priority
         submit.request.prefill_only = prefill_only
+        submit.request.resumable = resumable
         if kv_transfer:
             submit.request.kv_transfer.ParseFromString(kv_transfer)
         sampling_to_pb(sampling, submit.request.sampling)
@@ -123,6 +129,18 @@ class SubmitStream:
         submit.traceparent, submit.tracestate = carrier.get("traceparent", ""), carrier.get("tracestate", "")
         self._ready.set()
         return stream
+
+    def attach(self, request_id: str, prompt: list[int]) -> RequestStream:
+        """Take over a resumable request another router submitted: its outputs so far come first."""
+        stream = self._requests[request_id] = RequestStream(self, request_id, resumable=True)
+        self._outbox.attaches.add(request_id=request_id, prompt_token_ids=prompt)
+        self._ready.set()
+        return stream
+
+    def release(self, request_id: str) -> None:
+        if not self.closed:
+            self._outbox.release_request_ids.append(request_id)
+            self._ready.set()
 
     def abort(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is not None and not self.closed:

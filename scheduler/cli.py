@@ -59,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "replica the rest, whose stages fetch that KV; every role also serves whole requests")
     p.add_argument("--kv-hold-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="a prefilled request's KV blocks wait this long at most for a decode replica to fetch them")
+    p.add_argument("--resume-grace-period", type=float, default=30.0, metavar="SECONDS",
+                   help="a streamed request whose router went away (died, or stopped) keeps running this long, its "
+                        "output kept, for another router to resume it (a client's Last-Event-ID, or "
+                        "stagemesh.client by itself); then it is aborted and its KV freed. 0: abort at once")
     p.add_argument("--port-file", default=None, help="write the bound port here (for supervisors)")
     add_service_arguments(p)
 
@@ -89,6 +93,8 @@ async def _main(args: argparse.Namespace) -> int:
                              f"{cfg.num_hidden_layers} layers")
     if args.stage_recovery_timeout < 0 or args.max_request_retries < 0:
         raise StagemeshError("--stage-recovery-timeout and --max-request-retries must be >= 0")
+    if args.resume_grace_period < 0:
+        raise StagemeshError("--resume-grace-period must be >= 0")
     if not args.kv_hold_timeout > 0:
         raise StagemeshError("--kv-hold-timeout must be > 0")
     advertise = args.advertise_host or args.host
@@ -110,7 +116,8 @@ async def _main(args: argparse.Namespace) -> int:
         stage_recovery_timeout_s=args.stage_recovery_timeout, max_request_retries=args.max_request_retries),
         GrpcPipeline(rendezvous, advertise, store.port, replace(DEADLINES, forward_s=args.forward_timeout)))
     name = args.served_model_name or source.name
-    servicer = SchedulerServicer(driver, name, str(model_dir), cfg.vocab_size, args.kv_role)
+    servicer = SchedulerServicer(driver, name, str(model_dir), cfg.vocab_size, args.kv_role,
+                                 args.resume_grace_period)
     server, port = await serve(servicer, args.host, args.port)
     driver.observer.replica = servicer.address = f"{advertise}:{port}"
     if args.port_file:

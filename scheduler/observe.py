@@ -191,9 +191,13 @@ class Observer:
             KV_PULL_TIME.observe(seconds)
 
     def gone(self, request_id: str) -> None:
-        """The caller went away without a finished output (the stream was cancelled)."""
+        """The caller went away without a finished output (the stream was cancelled): an abort."""
         t = self.requests.pop(request_id, None)
-        if t is not None and t.span is not None:
+        if t is None:
+            return
+        SUCCESS.labels("abort").inc()
+        log.info("request %s aborted: its caller went away after %d output tokens", request_id, t.num_output)
+        if t.span is not None:
             t.span.add_event("finished", {"finish_reason": "abort"})
             t.span.end()
 

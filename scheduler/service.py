@@ -14,6 +14,7 @@ from scheduler.kv_transfer import KVSourceInfo
 from scheduler.rendezvous import ModelIdentity, StageInfo
 from scheduler.request import RequestOutput
 from scheduler.scheduler import QueueFull
+from scheduler.sessions import NotHeld, Sessions, Taken
 from stagemesh.core import telemetry
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grpc_errors import ErrorInterceptor, by_type
@@ -33,8 +34,9 @@ SERVICE = "stagemesh.v1.Scheduler"
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, driver: Driver, served_model_name: str, model_path: str, vocab_size: int,
-                 kv_role: str = "both"):
+                 kv_role: str = "both", resume_grace_s: float = 30.0):
         self.driver = driver
+        self.sessions = Sessions(driver, resume_grace_s)  # resumable requests (scheduler.sessions)
         self.served_model_name, self.model_path, self.vocab_size = served_model_name, model_path, vocab_size
         self.kv_role = kv_role
         self.address = ""  # host:port other replicas reach this one at (set once the port is bound)
@@ -54,18 +56,26 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     yield reply
         finally:
             reader.cancel()
+            kept = self.sessions.detach(connection)  # resumable: kept for a router to attach them
             for request_id in list(connection.running):  # the client went away: free their blocks now
-                self.driver.release(request_id)
+                if request_id not in kept:
+                    self.driver.release(request_id)
 
     async def _read_actions(self, request_iterator, connection: Connection) -> None:
         try:
             async for request in request_iterator:
                 for submit in request.submits:
                     self._add(submit, connection)
+                for attach in request.attaches:
+                    self._attach(attach, connection)
                 for request_id in request.abort_request_ids:
+                    if self.sessions.stop(request_id, connection):
+                        continue
                     if request_id in connection.running:
                         connection.forget(request_id)
                         self.driver.release(request_id)
+                for request_id in request.release_request_ids:
+                    self.sessions.release(request_id, connection)
         except grpc.aio.AioRpcError as err:
             log.debug("a submit stream broke: %s", err)
         except Exception:  # a bug, or a client that breaks the protocol: end the stream, freeing its requests
@@ -83,12 +93,30 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 # free it and compute the prompt (a decode replica was not to be had)
                 self.driver.release_kv(kv_source.request_id)
                 kv_source = None
-            self.driver.add(r.request_id, list(r.prompt_token_ids), sampling_from_pb(r.sampling), connection,
-                            trace_context, list(r.generated_token_ids), r.priority, r.prefill_only, kv_source)
+            if r.resumable:
+                sink = self.sessions.open(r.request_id, list(r.prompt_token_ids), list(r.generated_token_ids),
+                                          connection)
+            elif r.request_id in self.sessions:
+                raise StagemeshError(f"request id {r.request_id!r} is already in use (by a resumable request)")
+            else:
+                sink = connection
+            try:
+                self.driver.add(r.request_id, list(r.prompt_token_ids), sampling_from_pb(r.sampling), sink,
+                                trace_context, list(r.generated_token_ids), r.priority, r.prefill_only, kv_source)
+            except StagemeshError:
+                if r.resumable:
+                    self.sessions.drop(r.request_id)
+                raise
         except StagemeshError as err:
             connection.reject(r.request_id, err)
             return
         connection.added(r.request_id)
+
+    def _attach(self, attach, connection: Connection) -> None:
+        try:
+            self.sessions.attach(attach.request_id, list(attach.prompt_token_ids), connection)
+        except StagemeshError as err:
+            connection.reject(attach.request_id, err)
 
     async def Abort(self, request, context):
         return scheduler_pb2.AbortResponse(num_aborted=self.driver.abort(list(request.request_ids)))
@@ -171,6 +199,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 # the status a request refused with one of these gets in its SubmitStream update, and a call that raises it;
 # anything else a call raises is INTERNAL, logged
 status_of = by_type((QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED), (Unavailable, grpc.StatusCode.UNAVAILABLE),
+                    (NotHeld, grpc.StatusCode.NOT_FOUND), (Taken, grpc.StatusCode.ABORTED),
                     (StagemeshError, grpc.StatusCode.INVALID_ARGUMENT))
 
 
@@ -226,6 +255,7 @@ async def serve(servicer: SchedulerServicer, host: str, port: int) -> tuple[grpc
         raise StagemeshError(f"cannot listen on {host}:{port}")
     await server.start()
     servicer.driver.spawn(follow(health_servicer, (SERVICE,), lambda: servicer.driver.status().healthy))
+    servicer.driver.spawn(servicer.sessions.sweep_loop())
     return server, bound
 
 

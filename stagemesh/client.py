@@ -1,15 +1,23 @@
 """A small client for the router's gRPC frontend (stagemesh.v1.Frontend), sync and asyncio.
 
     from stagemesh.client import Client
-    with Client("127.0.0.1:50050") as client:
+    with Client(["127.0.0.1:50050", "127.0.0.1:50051"]) as client:
         print(client.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=32))
         for delta in client.generate("Once upon a time", max_tokens=20, stream=True):
             print(delta.text, end="", flush=True)
+
+Given several routers, a stream whose router goes away (UNAVAILABLE: it died or stopped) goes on on the next
+one by itself: the client names each request (request_id) and sends it again with what it has of each choice
+(resume); the router attaches it where its replica kept it and sends only the rest (router.resume).
 """
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 
@@ -27,12 +35,65 @@ class Completion:
     completion_tokens: int = 0
 
 
+log = logging.getLogger("stagemesh.client")
+RESUME_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # the router went away under the stream
+
+
+@dataclass
+class _Progress:
+    """What a stream has delivered of each choice, for a resume on another router."""
+    num_choices: int
+    tokens: list[int] = field(default_factory=list)
+    finished: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.tokens, self.finished = [0] * self.num_choices, [False] * self.num_choices
+
+    def add(self, reply: frontend_pb2.GenerateResponse) -> None:
+        if 0 <= reply.index < self.num_choices:
+            self.tokens[reply.index] += len(reply.token_ids)
+            self.finished[reply.index] = self.finished[reply.index] or bool(reply.finish_reason)
+
+    def started(self) -> bool:
+        return any(self.tokens) or any(self.finished)
+
+    def resume(self, msg) -> None:
+        """Ask for the rest (nothing to resume yet: the request goes again from the start)."""
+        msg.ClearField("resume")
+        if self.started():
+            msg.resume.choices.extend(frontend_pb2.ChoiceProgress(tokens=t, finished=f)
+                                      for t, f in zip(self.tokens, self.finished))
+
+
+@dataclass
+class _Resumer:
+    """Where the next try of a stream goes, and whether another is allowed."""
+    targets: int
+    max_resumes: int
+    current: int = 0
+    resumes: int = 0
+
+    def next(self, err: grpc.RpcError, progress: _Progress, msg) -> float:
+        """After `err` cut a stream: the seconds to wait before the next try (re-raises when there is none)."""
+        code = err.code()
+        lost = code == grpc.StatusCode.NOT_FOUND and msg.HasField("resume") and not progress.started()
+        if self.resumes >= self.max_resumes or (code not in RESUME_CODES and not lost):
+            raise err
+        self.resumes += 1
+        self.current = (self.current + 1) % self.targets
+        progress.resume(msg)
+        log.warning("the stream of %s broke (%s): resuming it on router %d (try %d of %d)", msg.request_id,
+                    code.name, self.current, self.resumes, self.max_resumes)
+        return min(0.1 * 2 ** (self.resumes - 1), 2.0)
+
+
 def _sampling(max_tokens: int | None, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens or 1, **kw)
 
 
 def _generate_request(prompt: str | list[int], model: str, stop, max_tokens, kw) -> frontend_pb2.GenerateRequest:
-    msg = frontend_pb2.GenerateRequest(model=model, stop=list(stop or []))
+    msg = frontend_pb2.GenerateRequest(model=model, stop=list(stop or []), n=kw.pop("n", 1),
+                                       request_id=kw.pop("request_id", None) or uuid.uuid4().hex)
     if isinstance(prompt, str):
         msg.text = prompt
     else:
@@ -44,7 +105,8 @@ def _generate_request(prompt: str | list[int], model: str, stop, max_tokens, kw)
 
 
 def _chat_request(messages: list[dict], model: str, stop, max_tokens, kw) -> frontend_pb2.ChatRequest:
-    msg = frontend_pb2.ChatRequest(model=model, stop=list(stop or []),
+    msg = frontend_pb2.ChatRequest(model=model, stop=list(stop or []), n=kw.pop("n", 1),
+                                   request_id=kw.pop("request_id", None) or uuid.uuid4().hex,
                                    messages=[frontend_pb2.ChatMessage(role=m["role"], content=m["content"])
                                              for m in messages])
     sampling_to_pb(_sampling(max_tokens, **kw), msg.sampling)
@@ -74,29 +136,50 @@ def _fold(done: Completion, reply: frontend_pb2.GenerateResponse) -> Completion:
     return done
 
 
-class Client:
-    """Blocking client. generate()/chat() return a Completion, or with stream=True an iterator of deltas."""
+def _targets(target: str | Sequence[str]) -> list[str]:
+    targets = [target] if isinstance(target, str) else list(target)
+    if not targets:
+        raise ValueError("give at least one router address (host:port)")
+    return targets
 
-    def __init__(self, target: str = "127.0.0.1:50050", model: str = "", timeout: float | None = 300.0,
-                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 api_key: str | None = None):
+
+class Client:
+    """Blocking client. generate()/chat() return a Completion, or with stream=True an iterator of deltas.
+    `target`: a router's address, or several (a stream whose router goes away resumes on the next one, at most
+    `max_resumes` times; n, request_id and the sampling parameters go as keywords)."""
+
+    def __init__(self, target: str | Sequence[str] = "127.0.0.1:50050", model: str = "",
+                 timeout: float | None = 300.0, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, api_key: str | None = None, max_resumes: int = 8):
         creds = _credentials(tls_ca, tls_cert, tls_key)
-        self.channel = grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)
-        self.stub = frontend_pb2_grpc.FrontendStub(self.channel)
-        self.model, self.timeout = model, timeout
+        self.channels = [grpc.secure_channel(t, creds) if creds else grpc.insecure_channel(t)
+                         for t in _targets(target)]
+        self.stubs = [frontend_pb2_grpc.FrontendStub(c) for c in self.channels]
+        self.channel, self.stub = self.channels[0], self.stubs[0]
+        self.model, self.timeout, self.max_resumes = model, timeout, max_resumes
         metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._long, self._short = {"timeout": timeout, "metadata": metadata}, {"timeout": 30, "metadata": metadata}
 
     def generate(self, prompt: str | list[int], *, max_tokens: int | None = None, stop=None, stream: bool = False,
                  **sampling) -> Completion | Iterator[frontend_pb2.GenerateResponse]:
-        replies = self.stub.Generate(_generate_request(prompt, self.model, stop, max_tokens, sampling),
-                                     **self._long)
+        replies = self._resuming("Generate", _generate_request(prompt, self.model, stop, max_tokens, sampling))
         return replies if stream else _collect(replies)
 
     def chat(self, messages: list[dict], *, max_tokens: int | None = None, stop=None, stream: bool = False,
              **sampling) -> Completion | Iterator[frontend_pb2.GenerateResponse]:
-        replies = self.stub.Chat(_chat_request(messages, self.model, stop, max_tokens, sampling), **self._long)
+        replies = self._resuming("Chat", _chat_request(messages, self.model, stop, max_tokens, sampling))
         return replies if stream else _collect(replies)
+
+    def _resuming(self, method: str, msg) -> Iterator[frontend_pb2.GenerateResponse]:
+        progress, resumer = _Progress(msg.n or 1), _Resumer(len(self.stubs), self.max_resumes)
+        while True:
+            try:
+                for reply in getattr(self.stubs[resumer.current], method)(msg, **self._long):
+                    progress.add(reply)
+                    yield reply
+                return
+            except grpc.RpcError as err:
+                time.sleep(resumer.next(err, progress, msg))
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.stub.Tokenize(frontend_pb2.TokenizeRequest(text=text), **self._short).token_ids)
@@ -105,7 +188,8 @@ class Client:
         return list(self.stub.ListModels(frontend_pb2.ListModelsRequest(), **self._short).models)
 
     def close(self) -> None:
-        self.channel.close()
+        for channel in self.channels:
+            channel.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -124,24 +208,36 @@ def _collect(replies) -> Completion:
 class AsyncClient:
     """asyncio client with the same methods as Client (awaitable, or async iterators with stream=True)."""
 
-    def __init__(self, target: str = "127.0.0.1:50050", model: str = "", timeout: float | None = 300.0,
-                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 api_key: str | None = None):
+    def __init__(self, target: str | Sequence[str] = "127.0.0.1:50050", model: str = "",
+                 timeout: float | None = 300.0, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, api_key: str | None = None, max_resumes: int = 8):
         creds = _credentials(tls_ca, tls_cert, tls_key)
-        self.channel = grpc.aio.secure_channel(target, creds) if creds else grpc.aio.insecure_channel(target)
-        self.stub = frontend_pb2_grpc.FrontendStub(self.channel)
-        self.model, self.timeout = model, timeout
+        self.channels = [grpc.aio.secure_channel(t, creds) if creds else grpc.aio.insecure_channel(t)
+                         for t in _targets(target)]
+        self.stubs = [frontend_pb2_grpc.FrontendStub(c) for c in self.channels]
+        self.channel, self.stub = self.channels[0], self.stubs[0]
+        self.model, self.timeout, self.max_resumes = model, timeout, max_resumes
         metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._long, self._short = {"timeout": timeout, "metadata": metadata}, {"timeout": 30, "metadata": metadata}
 
     def generate(self, prompt, *, max_tokens=None, stop=None, stream=False, **sampling):
-        call = self.stub.Generate(_generate_request(prompt, self.model, stop, max_tokens, sampling),
-                                  **self._long)
-        return call if stream else _acollect(call)
+        replies = self._resuming("Generate", _generate_request(prompt, self.model, stop, max_tokens, sampling))
+        return replies if stream else _acollect(replies)
 
     def chat(self, messages, *, max_tokens=None, stop=None, stream=False, **sampling):
-        call = self.stub.Chat(_chat_request(messages, self.model, stop, max_tokens, sampling), **self._long)
-        return call if stream else _acollect(call)
+        replies = self._resuming("Chat", _chat_request(messages, self.model, stop, max_tokens, sampling))
+        return replies if stream else _acollect(replies)
+
+    async def _resuming(self, method: str, msg) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+        progress, resumer = _Progress(msg.n or 1), _Resumer(len(self.stubs), self.max_resumes)
+        while True:
+            try:
+                async for reply in getattr(self.stubs[resumer.current], method)(msg, **self._long):
+                    progress.add(reply)
+                    yield reply
+                return
+            except grpc.RpcError as err:
+                await asyncio.sleep(resumer.next(err, progress, msg))
 
     async def tokenize(self, text: str) -> list[int]:
         return list((await self.stub.Tokenize(frontend_pb2.TokenizeRequest(text=text), **self._short)).token_ids)
@@ -150,7 +246,8 @@ class AsyncClient:
         return list((await self.stub.ListModels(frontend_pb2.ListModelsRequest(), **self._short)).models)
 
     async def close(self) -> None:
-        await self.channel.close()
+        for channel in self.channels:
+            await channel.close()
 
     async def __aenter__(self) -> "AsyncClient":
         return self

@@ -43,12 +43,20 @@ class FakeReplica(Replica):
         self._stream = None
 
     def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams, generated: list[int] = (),
-               priority: int = 0, prefill_only: bool = False, kv_transfer: bytes = b"") -> "FakeStream":
+               priority: int = 0, prefill_only: bool = False, kv_transfer: bytes = b"",
+               resumable: bool = False) -> "FakeStream":
         assert not prefill_only and not kv_transfer, "a fake replica is never part of a disaggregated mesh"
         self.submitted.append((request_id, prompt, sampling))
         self.priorities.append(priority)
         self.generated.append(list(generated))
         return FakeStream(self._outputs(prompt, sampling, len(generated)))
+
+    def attach(self, request_id: str, prompt: list[int]) -> "FakeStream":
+        """A fake replica keeps nothing for a resume."""
+        async def none():
+            raise RequestFailed(grpc.StatusCode.NOT_FOUND, f"no request {request_id!r} is held here")
+            yield  # pragma: no cover
+        return FakeStream(none())
 
     async def _outputs(self, prompt: list[int], sampling: SamplingParams, num_generated: int):
         token = (prompt[-1] + 1 + num_generated) % self.vocab_size
@@ -86,6 +94,9 @@ class FakeStream:
 
     def close(self) -> None:
         self.closed = True
+
+    def release(self) -> None:
+        pass
 
 
 class FakeRouter:

@@ -51,11 +51,17 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     N_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    RESUME_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The served model name; empty means the only one."""
     text: _builtins.str
     n: _builtins.int
     """Choices to generate (parallel sampling; 0 means 1); each response message names its choice."""
+    request_id: _builtins.str
+    """The request's id (1 to 200 printable ASCII characters; empty: the router makes one). A client that
+    gives its own can resume the stream on any router if this one goes away (resume).
+    """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds: ...
     @_builtins.property
@@ -66,6 +72,13 @@ class GenerateRequest(_message.Message):
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Stop strings, applied to the decoded text and never returned."""
 
+    @_builtins.property
+    def resume(self) -> Global___ResumePoint:
+        """Go on with a stream cut off by a router that went away: the same request (and request_id) again, with
+        what the client has of each choice. Only the rest comes (NOT_FOUND when no replica holds the request
+        any more: it finished, or its --resume-grace-period passed).
+        """
+
     def __init__(
         self,
         *,
@@ -75,16 +88,66 @@ class GenerateRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
         n: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+        resume: Global___ResumePoint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt", b"prompt", "resume", b"resume", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "n", b"n", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "n", b"n", "prompt", b"prompt", "request_id", b"request_id", "resume", b"resume", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_prompt) -> _WhichOneofReturnType_prompt | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class ResumePoint(_message.Message):
+    """What a client has received of each choice of a stream, for a resume."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHOICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChoiceProgress]:
+        """One per choice, in index order."""
+
+    def __init__(
+        self,
+        *,
+        choices: _abc.Iterable[Global___ChoiceProgress] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumePoint: _TypeAlias = ResumePoint  # noqa: Y015
+
+@_typing.final
+class ChoiceProgress(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENS_FIELD_NUMBER: _builtins.int
+    FINISHED_FIELD_NUMBER: _builtins.int
+    tokens: _builtins.int
+    """Token ids received (the sum of the choice's token_ids so far)."""
+    finished: _builtins.bool
+    """Its last message (finish_reason set) was received."""
+    def __init__(
+        self,
+        *,
+        tokens: _builtins.int = ...,
+        finished: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChoiceProgress: _TypeAlias = ChoiceProgress  # noqa: Y015
 
 @_typing.final
 class ChatMessage(_message.Message):
@@ -118,15 +181,21 @@ class ChatRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     N_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    RESUME_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     n: _builtins.int
     """Choices to generate (0 means 1)."""
+    request_id: _builtins.str
+    """As GenerateRequest's."""
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]: ...
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams: ...
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def resume(self) -> Global___ResumePoint: ...
     def __init__(
         self,
         *,
@@ -135,10 +204,12 @@ class ChatRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
         n: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+        resume: Global___ResumePoint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["resume", b"resume", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "model", b"model", "n", b"n", "sampling", b"sampling", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "model", b"model", "n", b"n", "request_id", b"request_id", "resume", b"resume", "sampling", b"sampling", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -182,6 +253,7 @@ class GenerateResponse(_message.Message):
     INDEX_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_START_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text decoded since the previous message."""
     finish_reason: _builtins.str
@@ -189,6 +261,8 @@ class GenerateResponse(_message.Message):
     index: _builtins.int
     """The choice (0 .. n - 1) this message belongs to."""
     prompt_logprobs_start: _builtins.int
+    request_id: _builtins.str
+    """The request's id (for a resume), on the first message."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids generated since the previous message."""
@@ -216,10 +290,11 @@ class GenerateResponse(_message.Message):
         index: _builtins.int = ...,
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         prompt_logprobs_start: _builtins.int = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_logprobs_start", b"prompt_logprobs_start", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_logprobs_start", b"prompt_logprobs_start", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

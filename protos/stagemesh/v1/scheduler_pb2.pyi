@@ -115,6 +115,7 @@ class SubmitRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     PREFILL_ONLY_FIELD_NUMBER: _builtins.int
     KV_TRANSFER_FIELD_NUMBER: _builtins.int
+    RESUMABLE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique per replica; the router's id of the request."""
     priority: _builtins.int
@@ -127,6 +128,14 @@ class SubmitRequest(_message.Message):
     first token only; unless that token ends the request, it ends with
     FINISH_REASON_PREFILLED and its KV stays held for a decode replica
     (SubmitResponse.kv_transfer) until ReleaseKV or --kv-hold-timeout.
+    """
+    resumable: _builtins.bool
+    """Keep the request (running, its outputs kept) when its stream breaks, for
+    --resume-grace-period seconds, so that a router can attach it
+    (StreamAttach) and stream it on: the router that submitted it died or
+    stopped. Its outputs are kept until the submitter releases it
+    (SubmitStreamRequest.release_request_ids). A request that is not
+    resumable is aborted when its stream breaks.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -159,10 +168,11 @@ class SubmitRequest(_message.Message):
         priority: _builtins.int = ...,
         prefill_only: _builtins.bool = ...,
         kv_transfer: Global___KVTransferParams | None = ...,
+        resumable: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_transfer", b"kv_transfer", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_token_ids", b"generated_token_ids", "kv_transfer", b"kv_transfer", "prefill_only", b"prefill_only", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_token_ids", b"generated_token_ids", "kv_transfer", b"kv_transfer", "prefill_only", b"prefill_only", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resumable", b"resumable", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -242,6 +252,8 @@ class SubmitStreamRequest(_message.Message):
 
     SUBMITS_FIELD_NUMBER: _builtins.int
     ABORT_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    ATTACHES_FIELD_NUMBER: _builtins.int
+    RELEASE_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def submits(self) -> _containers.RepeatedCompositeFieldContainer[Global___StreamSubmit]:
         """Requests to queue, in order; each is answered by updates (or one error)
@@ -255,19 +267,68 @@ class SubmitStreamRequest(_message.Message):
         running on this stream are ignored.
         """
 
+    @_builtins.property
+    def attaches(self) -> _containers.RepeatedCompositeFieldContainer[Global___StreamAttach]:
+        """Resumable requests submitted earlier, on any stream, to go on on this
+        one (the router that submitted them is gone). Each is answered by one
+        update holding everything the request produced so far (with the prompt
+        figures, and its finish or its error if it ended), then its updates as
+        they come; or by an error: NOT_FOUND (no such request here: unknown,
+        released, or its grace ended), INVALID_ARGUMENT (it runs another
+        prompt). A request attached elsewhere before ends there with ABORTED.
+        """
+
+    @_builtins.property
+    def release_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Resumable requests of this stream the router is done with (their answer
+        is written to the client): their kept outputs are forgotten, and one
+        still running is aborted. Applied after abort_request_ids.
+        """
+
     def __init__(
         self,
         *,
         submits: _abc.Iterable[Global___StreamSubmit] | None = ...,
         abort_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        attaches: _abc.Iterable[Global___StreamAttach] | None = ...,
+        release_request_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_request_ids", b"abort_request_ids", "submits", b"submits"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_request_ids", b"abort_request_ids", "attaches", b"attaches", "release_request_ids", b"release_request_ids", "submits", b"submits"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SubmitStreamRequest: _TypeAlias = SubmitStreamRequest  # noqa: Y015
+
+@_typing.final
+class StreamAttach(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The request's id, as it was submitted."""
+    @_builtins.property
+    def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Its prompt, rendered again by the router that attaches it: it must be
+        the prompt the request runs, so a request id never hands out another
+        client's stream by mistake.
+        """
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamAttach: _TypeAlias = StreamAttach  # noqa: Y015
 
 @_typing.final
 class StreamSubmit(_message.Message):
@@ -378,7 +439,9 @@ class RequestError(_message.Message):
     """A gRPC status code (grpc.StatusCode's value): 3 INVALID_ARGUMENT (bad
     input, e.g. prompt + max_tokens over max_model_len, or an id already in
     use), 8 RESOURCE_EXHAUSTED (waiting queue full), 14 UNAVAILABLE (the
-    replica's pipeline is broken; the message names the stage that failed).
+    replica's pipeline is broken, or the scheduler is shutting down; the
+    message says which), 5 NOT_FOUND (an attach of a request not held
+    here), 10 ABORTED (the request was attached on another stream).
     """
     message: _builtins.str
     """What went wrong, for people."""

@@ -89,7 +89,11 @@ class SchedulerServicer:
         RESOURCE_EXHAUSTED (waiting queue full), UNAVAILABLE (the replica's
         pipeline is broken; the message names the stage that failed); the others
         go on. When the client's side of the stream ends or breaks, every request
-        still running on it is aborted and its KV blocks freed.
+        still running on it is aborted and its KV blocks freed, except those
+        submitted resumable: they keep running, their outputs kept, for the
+        scheduler's --resume-grace-period, for a router to attach them by id
+        (SubmitStreamRequest.attaches) and stream them on; unattached by then,
+        they are aborted and forgotten.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

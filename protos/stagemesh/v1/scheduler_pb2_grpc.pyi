@@ -43,7 +43,11 @@ class SchedulerStub:
     RESOURCE_EXHAUSTED (waiting queue full), UNAVAILABLE (the replica's
     pipeline is broken; the message names the stage that failed); the others
     go on. When the client's side of the stream ends or breaks, every request
-    still running on it is aborted and its KV blocks freed.
+    still running on it is aborted and its KV blocks freed, except those
+    submitted resumable: they keep running, their outputs kept, for the
+    scheduler's --resume-grace-period, for a router to attach them by id
+    (SubmitStreamRequest.attaches) and stream them on; unattached by then,
+    they are aborted and forgotten.
     """
     Abort: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.AbortRequest, _scheduler_pb2.AbortResponse]
     """Stop a request and free its KV blocks at once. Unknown ids are ignored."""
@@ -87,7 +91,11 @@ class SchedulerAsyncStub(SchedulerStub):
     RESOURCE_EXHAUSTED (waiting queue full), UNAVAILABLE (the replica's
     pipeline is broken; the message names the stage that failed); the others
     go on. When the client's side of the stream ends or breaks, every request
-    still running on it is aborted and its KV blocks freed.
+    still running on it is aborted and its KV blocks freed, except those
+    submitted resumable: they keep running, their outputs kept, for the
+    scheduler's --resume-grace-period, for a router to attach them by id
+    (SubmitStreamRequest.attaches) and stream them on; unattached by then,
+    they are aborted and forgotten.
     """
     Abort: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.AbortRequest, _scheduler_pb2.AbortResponse]  # type: ignore[assignment]
     """Stop a request and free its KV blocks at once. Unknown ids are ignored."""
@@ -134,7 +142,11 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         RESOURCE_EXHAUSTED (waiting queue full), UNAVAILABLE (the replica's
         pipeline is broken; the message names the stage that failed); the others
         go on. When the client's side of the stream ends or breaks, every request
-        still running on it is aborted and its KV blocks freed.
+        still running on it is aborted and its KV blocks freed, except those
+        submitted resumable: they keep running, their outputs kept, for the
+        scheduler's --resume-grace-period, for a router to attach them by id
+        (SubmitStreamRequest.attaches) and stream them on; unattached by then,
+        they are aborted and forgotten.
         """
 
     @_abc_1.abstractmethod
