@@ -1,10 +1,12 @@
 """The responses the router keeps (store: true, OpenAI's default) for GET /v1/responses/{id} and for
-previous_response_id: the last N, in memory, the oldest dropped first (--responses-store-size). Each
-router keeps its own: behind several routers, a conversation's requests must reach the same one."""
+previous_response_id, behind one asynchronous interface: this router's memory (router.responses_api.memory_store)
+is its one backend so far."""
 from __future__ import annotations
 
-from collections import OrderedDict
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+
+MEMORY = "memory"
 
 
 @dataclass
@@ -13,24 +15,22 @@ class Stored:
     messages: list[dict]  # its conversation as chat messages, its own answer last (without instructions)
 
 
-class ResponseStore:
-    def __init__(self, max_entries: int):
-        if max_entries < 1:
-            raise ValueError("the response store holds at least one response")
-        self.max_entries = max_entries
-        self._entries: OrderedDict[str, Stored] = OrderedDict()
+class ResponseStore(ABC):
+    name: str  # what logs and errors call it
 
-    def put(self, response_id: str, entry: Stored) -> None:
-        self._entries[response_id] = entry
-        self._entries.move_to_end(response_id)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+    @abstractmethod
+    async def put(self, response_id: str, entry: Stored) -> None: ...
 
-    def get(self, response_id: str) -> Stored | None:
-        return self._entries.get(response_id)
+    @abstractmethod
+    async def get(self, response_id: str) -> Stored | None: ...
 
-    def delete(self, response_id: str) -> bool:
-        return self._entries.pop(response_id, None) is not None
+    @abstractmethod
+    async def delete(self, response_id: str) -> bool:
+        """Whether there was such a response."""
 
-    def __len__(self) -> int:
-        return len(self._entries)
+    @abstractmethod
+    def missing_hint(self) -> str:
+        """Why a response may be missing besides store: false and DELETE, for the 404."""
+
+    async def close(self) -> None:
+        return None
