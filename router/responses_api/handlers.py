@@ -1,6 +1,10 @@
 """The Responses API's endpoints, as vLLM serves them: POST /v1/responses (whole or streamed as Server-Sent
 Events `event: <type>` / `data: <json>`, with no [DONE]), GET and DELETE /v1/responses/{id} over the store,
-and POST /v1/responses/{id}/cancel (only background responses can be cancelled, and there are none)."""
+and POST /v1/responses/{id}/cancel (only background responses can be cancelled, and there are none).
+
+A store: true response that the store fails to keep is still answered (its generation is not thrown away),
+with "store": false in it, as vLLM answers when it keeps nothing, and a warning in the log; the calls that
+read the store (previous_response_id, GET, DELETE) answer 503 naming it while it is down."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +25,7 @@ from router.protocol import ChatCompletionRequest, validate
 from router.request import GenerateRequest
 from router.responses_api.output import ResponseBuilder
 from router.responses_api.request import NEUTRAL, REFUSED, ResponsesRequest, chat_body, renamed
-from router.responses_api.store import ResponseStore, Stored
+from router.responses_api.store import ResponseStore, Stored, StoreUnavailable
 from router.state import CONFIG, REPLICAS, TOKENIZER, request_id
 
 STORE = web.AppKey("responses_store", ResponseStore)
@@ -66,13 +70,18 @@ async def create(request: web.Request) -> web.StreamResponse:
 
 async def _remember(store: ResponseStore, m: ResponsesRequest, builder: ResponseBuilder,
                     conversation: list[dict]) -> None:
+    """Keeps a store: true response; when the store fails, the response says "store": false instead."""
     if not m.store:
         return
     turn = builder.turn()
     if builder.req.chat_options.continue_final_message:  # the answer went on with the last (partial) message
         last, conversation = conversation[-1], conversation[:-1]
         turn = {**turn, "content": (last["content"] or "") + (turn["content"] or "")}
-    await store.put(builder.id, Stored(builder.body(), [*conversation, turn]))
+    try:
+        await store.put(builder.id, Stored(builder.body(), [*conversation, turn]))
+    except StoreUnavailable as err:
+        builder.stored = False
+        log.warning("response %s is answered unstored (\"store\": false): %s", builder.id, err.message)
 
 
 async def _prepare(request: web.Request, chat: dict) -> tuple[GenerateRequest, str, list[Generation]]:
@@ -94,8 +103,8 @@ async def _stream(request, builder: ResponseBuilder, deltas, headers, finished) 
         while item is not None:
             await _write(resp, builder.deltas(item[1]))
             item = await anext(deltas, None)
+        await finished()  # before the closing events: the last one says whether the response was stored
         await _write(resp, builder.closing())
-        await finished()
     except APIError as err:
         await _write(resp, [_error_event(builder, err)])
     except (asyncio.CancelledError, ConnectionResetError):

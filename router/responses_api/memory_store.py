@@ -1,6 +1,6 @@
 """The response store in this router's memory (--responses-store memory, the default): the last
 --responses-store-size responses, the oldest dropped first. Each router keeps its own: behind several routers,
-a conversation's requests must reach the same one."""
+a conversation's requests must reach the same one (or the routers share a Redis store)."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -30,6 +30,9 @@ class MemoryStore(ResponseStore):
 
     def missing_hint(self) -> str:
         return f"or is older than the last {self.max_entries} this router keeps (--responses-store-size)"
+
+    def describe(self) -> str:
+        return f"memory (this router's own: the last {self.max_entries} responses, --responses-store-size)"
 
     def __len__(self) -> int:
         return len(self._entries)
