@@ -39,6 +39,13 @@ $(STAMP): pyproject.toml Makefile
 	   (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq nginx-light >/dev/null 2>&1)) || \
 	  echo "could not install nginx: its tests will be skipped"; \
 	fi
+	@# redis-server: the Responses API's store that several routers share; the tests start it on loopback
+	@if ! command -v redis-server >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing redis-server (Debian) for the shared response store tests"; \
+	  (apt-get install -y -qq --no-install-recommends redis-server >/dev/null 2>&1 || \
+	   (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends redis-server >/dev/null 2>&1)) || \
+	  echo "could not install redis-server: its tests will be skipped"; \
+	fi
 	@# docker-compose checks the files in deploy/compose (`docker-compose config`); no daemon needed
 	@if ! command -v docker-compose >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  echo "installing docker-compose (Debian) for the deployment tests"; \

@@ -23,6 +23,7 @@ from router.replicas import ReplicaSet
 from router.request import GenerateRequest
 from router.request_builder import chat_options, check_model
 from router.responses_api import handlers as responses_api
+from router.responses_api.store import open_store
 from router.state import CONFIG, REPLICAS, TOKENIZER, request_id
 from router.tokenization import Tokenizer
 
@@ -218,5 +219,6 @@ def build_app(replicas: ReplicaSet, tokenizer: Tokenizer, config: RouterConfig) 
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
     app.router.add_get("/openapi.json", openapi)
-    responses_api.add_routes(app, config.responses_store_size)
+    responses_api.add_routes(app, open_store(config.responses_store, config.responses_store_size,
+                                             config.responses_store_ttl))
     return app

@@ -42,9 +42,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="least-load: fewest running + 4 x waiting; cache-aware: where this router sent the prompt's "
                         "prefix before (a guess); kv-aware: where the replicas' KV events say the prompt's leading "
                         "blocks are cached, unless that replica is much busier; round-robin")
-    p.add_argument("--responses-store-size", type=int, default=1000,
-                   help="the Responses API keeps this many responses (store: true) in memory for GET /v1/responses/"
-                        "{id} and previous_response_id, the oldest dropped first")
+    p.add_argument("--responses-store", default="memory", metavar="memory|URL",
+                   help="where the Responses API keeps its responses (store: true) for GET and DELETE /v1/responses/"
+                        "{id} and previous_response_id: memory (default: this router's own), or a Redis URL that "
+                        "several routers share (redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS, unix://PATH; "
+                        "keys stagemesh:responses:<id>; each call times out after 1 s unless the URL sets "
+                        "?socket_timeout=S&socket_connect_timeout=S). While Redis is down, what needs it answers "
+                        "503, and a response that could not be kept says \"store\": false")
+    p.add_argument("--responses-store-size", type=int, default=None,
+                   help="memory store: keep this many responses, the oldest dropped first (default 1000); not with "
+                        "a Redis store, which --responses-store-ttl and the server's maxmemory bound")
+    p.add_argument("--responses-store-ttl", type=float, default=None, metavar="SECONDS",
+                   help="Redis store: each response expires this many seconds after it was made (default 3600; a "
+                        "conversation goes on as long as its last response is younger); not with memory")
     p.add_argument("--max-waiting-requests", type=int, default=0,
                    help="answer 429 (with Retry-After) once this many requests wait for their first token "
                         "(0: unbounded; the schedulers' own queue limits also give 429)")
@@ -76,8 +86,7 @@ async def _main(args: argparse.Namespace) -> int:
     model = args.model_option or args.model
     if args.max_request_retries < 0:
         raise StagemeshError("--max-request-retries must be >= 0")
-    if args.responses_store_size < 1:
-        raise StagemeshError("--responses-store-size must be >= 1")
+    _check_store(args)
     if args.max_waiting_requests < 0 or args.health_interval <= 0 or args.http_timeout_keep_alive <= 0:
         raise StagemeshError("--max-waiting-requests must be >= 0, --health-interval and --http-timeout-keep-alive > 0")
     source = resolve_source(model, args.tokenizer, args.quantization)  # a GGUF's tokenizer: its --tokenizer
@@ -94,7 +103,9 @@ async def _main(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise StagemeshError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     config = RouterConfig(name, args.api_key, args.max_model_len, args.public_metrics,
-                          args.tool_call_parser if args.enable_auto_tool_choice else None, args.responses_store_size)
+                          args.tool_call_parser if args.enable_auto_tool_choice else None,
+                          responses_store=args.responses_store, responses_store_size=args.responses_store_size,
+                          responses_store_ttl=args.responses_store_ttl)
     from router.observe import configure
 
     configure(name, args.max_model_len or replicas.max_model_len or model_config.max_position_embeddings, args.replica)
@@ -106,6 +117,7 @@ async def _main(args: argparse.Namespace) -> int:
 
         AioHttpServerInstrumentor().instrument(tracer_provider=trace.get_tracer_provider())
     app = build_app(replicas, tokenizer, config)
+    await _report_store(app)
     grpc_server = None
     if args.grpc_port is not None:
         from router.frontend import FrontendServicer, serve_frontend
@@ -134,3 +146,26 @@ async def _main(args: argparse.Namespace) -> int:
         await grpc_server.stop(grace=1)
     await runner.cleanup()
     return 0
+
+
+def _check_store(args: argparse.Namespace) -> None:
+    from router.responses_api.store import check_store_options
+    from stagemesh.core.errors import StagemeshError
+
+    try:
+        check_store_options(args.responses_store, args.responses_store_size, args.responses_store_ttl)
+    except ValueError as err:
+        raise StagemeshError(str(err)) from None
+
+
+async def _report_store(app) -> None:
+    """Which store the Responses API uses; one that does not answer yet does not stop the router."""
+    from router.responses_api.handlers import STORE
+
+    store = app[STORE]
+    problem = await store.unreachable()
+    if problem is None:
+        log.info("Responses API store: %s", store.describe())
+    else:
+        log.warning("Responses API store: %s is not reachable yet (%s); the requests that need it answer 503 until "
+                    "it is, each trying again", store.name, problem)

@@ -11,4 +11,9 @@ class RouterConfig:
     max_model_len: int | None = None  # a cap below the replicas' own
     public_metrics: bool = False  # /metrics without the API key
     tool_call_parser: str | None = None  # tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser)
-    responses_store_size: int = 1000  # the Responses API's stored responses (the last N)
+    # the Responses API's stored responses: "memory" (this router's, the last responses_store_size, default 1000)
+    # or a Redis URL that several routers share (each response kept responses_store_ttl seconds, default 3600);
+    # None: not given (router.responses_api.store refuses a bound that is not its store's)
+    responses_store: str = "memory"
+    responses_store_size: int | None = None
+    responses_store_ttl: float | None = None

@@ -11,7 +11,7 @@ ENDPOINTS = [
     ("post", "/v1/chat/completions", "Answer a conversation (OpenAI's Chat Completions API, vLLM's extensions)",
      ChatCompletionRequest),
     ("post", "/v1/responses", "Answer input items (OpenAI's Responses API: function tools, structured output, "
-                              "streamed events, previous_response_id over the router's store)", ResponsesRequest),
+                              "streamed events, previous_response_id over the response store)", ResponsesRequest),
     ("get", "/v1/responses/{response_id}", "A stored response", None),
     ("delete", "/v1/responses/{response_id}", "Delete a stored response", None),
     ("post", "/v1/responses/{response_id}/cancel", "Cancel a background response (there are none: 400)", None),
@@ -22,6 +22,8 @@ ENDPOINTS = [
     ("get", "/version", "The server's version", None),
     ("get", "/metrics", "Prometheus metrics", None),
 ]
+# the endpoints that need the Responses API's store (--responses-store), and so answer 503 while it is down
+STORE_PATHS = ("/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel")
 
 
 @functools.cache
@@ -32,6 +34,8 @@ def openapi_document() -> dict:
     for method, path, summary, model in ENDPOINTS:
         op = {"summary": summary, "responses": {"200": {"description": "OK"},
                                                 "4XX": {"description": "An OpenAI-shaped error"}}}
+        if path in STORE_PATHS:
+            op["responses"]["503"] = {"description": "The response store (--responses-store) is unavailable"}
         if model is not None:
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))

@@ -91,8 +91,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enable-auto-tool-choice", action="store_true", help="tool_choice auto (see `stagemesh router`)")
     p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None)
+    p.add_argument("--responses-store", default=None, metavar="memory|URL",
+                   help="where the router keeps the Responses API's responses: memory (default) or a Redis URL "
+                        "(redis://HOST:PORT/DB, rediss://, unix://) that routers of other hosts may share (see "
+                        "`stagemesh router`)")
     p.add_argument("--responses-store-size", type=int, default=None,
-                   help="responses the router keeps for the Responses API (see `stagemesh router`; default 1000)")
+                   help="responses the memory store keeps (see `stagemesh router`; default 1000)")
+    p.add_argument("--responses-store-ttl", type=float, default=None, metavar="SECONDS",
+                   help="seconds a Redis store keeps each response (see `stagemesh router`; default 3600)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
@@ -214,7 +220,8 @@ def plan_commands(args: argparse.Namespace, model: str | None, num_layers: int, 
     children.append(ChildSpec("router", router + _flags(args, ("grpc_port", "served_model_name", "api_key",
                                                                "max_model_len", "tool_call_parser",
                                                                "max_request_retries", "policy",
-                                                               "responses_store_size")), kind="router"))
+                                                               "responses_store", "responses_store_size",
+                                                               "responses_store_ttl")), kind="router"))
     return children
 
 
@@ -294,6 +301,12 @@ def _run_on_ray(args: argparse.Namespace, token: str) -> int:
 
 
 def _check_layout(args: argparse.Namespace) -> None:
+    from router.responses_api.store import MEMORY, check_store_options
+
+    try:  # refused here rather than by a router child restarted over and over
+        check_store_options(args.responses_store or MEMORY, args.responses_store_size, args.responses_store_ttl)
+    except ValueError as err:
+        raise StagemeshError(str(err)) from None
     if args.prefill_replicas and not 0 < args.prefill_replicas < args.data_parallel_size:
         raise StagemeshError(f"--prefill-replicas {args.prefill_replicas} needs a decode replica too: give a "
                              f"--data-parallel-size above it (now {args.data_parallel_size})")

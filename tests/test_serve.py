@@ -109,15 +109,31 @@ def test_serve_passes_the_recovery_and_balancing_flags_to_its_children():
     p = argparse.ArgumentParser()
     add_arguments(p)
     args = p.parse_args(["-dp", "2", "-pp", "2", "--policy", "cache-aware", "--stage-recovery-timeout", "5",
-                         "--max-request-retries", "1", "--scheduling-policy", "priority"])
+                         "--max-request-retries", "1", "--scheduling-policy", "priority",
+                         "--responses-store", "redis://:pw@10.0.0.5:6379/2", "--responses-store-ttl", "600"])
     children = {c.name: c.argv for c in plan_commands(args, "/m", 4, cuda=False)}
     flags = lambda argv: {a: b for a, b in zip(argv, argv[1:]) if a.startswith("--")}  # noqa: E731
     for r in range(2):
         assert flags(children[f"scheduler[{r}]"]).items() >= {"--stage-recovery-timeout": "5.0",
                                                               "--max-request-retries": "1",
                                                               "--scheduling-policy": "priority"}.items()
-    assert flags(children["router"]).items() >= {"--policy": "cache-aware", "--max-request-retries": "1"}.items()
+    assert flags(children["router"]).items() >= {"--policy": "cache-aware", "--max-request-retries": "1",
+                                                 "--responses-store": "redis://:pw@10.0.0.5:6379/2",
+                                                 "--responses-store-ttl": "600.0"}.items()
     assert "--policy" not in children["scheduler[0]"] and "--stage-recovery-timeout" not in children["router"]
+    assert "--responses-store" not in children["scheduler[0]"] and "--responses-store-size" not in children["router"]
+
+
+def test_serve_refuses_response_store_flags_that_do_not_go_together_before_any_child_starts():
+    from stagemesh.core.errors import StagemeshError
+    from stagemesh.serve import _check_layout
+
+    _check_layout(_serve_args("--responses-store", "rediss://:pw@h:6380/1", "--responses-store-ttl", "60"))
+    _check_layout(_serve_args("--responses-store-size", "5"))
+    with pytest.raises(StagemeshError, match="--responses-store-size bounds the memory store"):
+        _check_layout(_serve_args("--responses-store", "redis://h:6379/0", "--responses-store-size", "5"))
+    with pytest.raises(StagemeshError, match="--responses-store must be 'memory' or a Redis URL"):
+        _check_layout(_serve_args("--responses-store", "h:6379"))
 
 
 def _serve_args(*argv: str):

@@ -1,6 +1,10 @@
 """The Responses API's endpoints, as vLLM serves them: POST /v1/responses (whole or streamed as Server-Sent
 Events `event: <type>` / `data: <json>`, with no [DONE]), GET and DELETE /v1/responses/{id} over the store,
-and POST /v1/responses/{id}/cancel (only background responses can be cancelled, and there are none)."""
+and POST /v1/responses/{id}/cancel (only background responses can be cancelled, and there are none).
+
+A store: true response that the store fails to keep is still answered (its generation is not thrown away),
+with "store": false in it, as vLLM answers when it keeps nothing, and a warning in the log; the calls that
+read the store (previous_response_id, GET, DELETE) answer 503 naming it while it is down."""
 from __future__ import annotations
 
 import asyncio
@@ -21,15 +25,16 @@ from router.protocol import ChatCompletionRequest, validate
 from router.request import GenerateRequest
 from router.responses_api.output import ResponseBuilder
 from router.responses_api.request import NEUTRAL, REFUSED, ResponsesRequest, chat_body, renamed
-from router.responses_api.store import ResponseStore, Stored
+from router.responses_api.store import ResponseStore, Stored, StoreUnavailable
 from router.state import CONFIG, REPLICAS, TOKENIZER, request_id
 
 STORE = web.AppKey("responses_store", ResponseStore)
 log = logging.getLogger("stagemesh.router")
 
 
-def add_routes(app: web.Application, store_size: int) -> None:
-    app[STORE] = ResponseStore(store_size)
+def add_routes(app: web.Application, store: ResponseStore) -> None:
+    app[STORE] = store
+    app.on_cleanup.append(lambda _: store.close())
     app.router.add_post("/v1/responses", create)
     app.router.add_get("/v1/responses/{response_id}", retrieve)
     app.router.add_delete("/v1/responses/{response_id}", delete)
@@ -41,7 +46,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     store = request.app[STORE]
     history = []
     if m.previous_response_id is not None:
-        history = _stored(store, m.previous_response_id, "previous_response_id").messages
+        history = (await _stored(store, m.previous_response_id, "previous_response_id")).messages
     chat, origins = chat_body(m, history)
     try:
         req, base, gens = await _prepare(request, chat)
@@ -56,21 +61,27 @@ async def create(request: web.Request) -> web.StreamResponse:
         if not m.stream:
             async for _, d in deltas:
                 builder.add(d)
-            _remember(store, m, builder, conversation)
+            await _remember(store, m, builder, conversation)
             return web.json_response(builder.body(), headers=headers)
         return await _stream(request, builder, deltas, headers, lambda: _remember(store, m, builder, conversation))
     finally:
         await deltas.aclose()
 
 
-def _remember(store: ResponseStore, m: ResponsesRequest, builder: ResponseBuilder, conversation: list[dict]) -> None:
+async def _remember(store: ResponseStore, m: ResponsesRequest, builder: ResponseBuilder,
+                    conversation: list[dict]) -> None:
+    """Keeps a store: true response; when the store fails, the response says "store": false instead."""
     if not m.store:
         return
     turn = builder.turn()
     if builder.req.chat_options.continue_final_message:  # the answer went on with the last (partial) message
         last, conversation = conversation[-1], conversation[:-1]
         turn = {**turn, "content": (last["content"] or "") + (turn["content"] or "")}
-    store.put(builder.id, Stored(builder.body(), [*conversation, turn]))
+    try:
+        await store.put(builder.id, Stored(builder.body(), [*conversation, turn]))
+    except StoreUnavailable as err:
+        builder.stored = False
+        log.warning("response %s is answered unstored (\"store\": false): %s", builder.id, err.message)
 
 
 async def _prepare(request: web.Request, chat: dict) -> tuple[GenerateRequest, str, list[Generation]]:
@@ -92,8 +103,8 @@ async def _stream(request, builder: ResponseBuilder, deltas, headers, finished) 
         while item is not None:
             await _write(resp, builder.deltas(item[1]))
             item = await anext(deltas, None)
+        await finished()  # before the closing events: the last one says whether the response was stored
         await _write(resp, builder.closing())
-        finished()
     except APIError as err:
         await _write(resp, [_error_event(builder, err)])
     except (asyncio.CancelledError, ConnectionResetError):
@@ -115,13 +126,16 @@ def _error_event(builder: ResponseBuilder, err: APIError) -> dict:
     return builder.event("error", code=error["code"], message=error["message"], param=error["param"])
 
 
-def _stored(store: ResponseStore, response_id: str, param: str | None = None) -> Stored:
-    entry = store.get(response_id)
+async def _stored(store: ResponseStore, response_id: str, param: str | None = None) -> Stored:
+    entry = await store.get(response_id)
     if entry is None:
-        raise APIError(404, f"Response with id '{response_id}' not found: it was not stored (store: false), was "
-                            f"deleted, or is older than the last {store.max_entries} this router keeps "
-                            "(--responses-store-size)", param)
+        raise _not_found(store, response_id, param)
     return entry
+
+
+def _not_found(store: ResponseStore, response_id: str, param: str | None = None) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found: it was not stored (store: false), was "
+                         f"deleted, {store.missing_hint()}", param)
 
 
 def _no_query(request: web.Request) -> None:
@@ -133,17 +147,17 @@ def _no_query(request: web.Request) -> None:
 
 async def retrieve(request: web.Request) -> web.Response:
     _no_query(request)
-    return web.json_response(_stored(request.app[STORE], request.match_info["response_id"]).body)
+    return web.json_response((await _stored(request.app[STORE], request.match_info["response_id"])).body)
 
 
 async def delete(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
-    _stored(request.app[STORE], response_id)
-    request.app[STORE].delete(response_id)
+    if not await request.app[STORE].delete(response_id):
+        raise _not_found(request.app[STORE], response_id)
     return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
 
 async def cancel(request: web.Request) -> web.Response:
-    _stored(request.app[STORE], request.match_info["response_id"])
+    await _stored(request.app[STORE], request.match_info["response_id"])
     raise bad_request("Cannot cancel a synchronous response: only background responses can be cancelled, and "
                       "this server runs none")

@@ -27,6 +27,7 @@ class ResponseBuilder:
         self.sequence = 0
         self.opened = False  # a stream announced the message item
         self.sent = 0  # characters of text a stream has sent
+        self.stored = m.store  # False once a store: true response could not be kept (the store failed)
         self._final: tuple[str | None, list[tuple[str, ToolCall]]] | None = None
 
     # -- the answer --------------------------------------------------------------------------------
@@ -57,7 +58,7 @@ class ResponseBuilder:
                "incomplete_details": None, "instructions": m.instructions, "max_output_tokens": m.max_output_tokens,
                "model": self.req.model, "output": [], "parallel_tool_calls": m.parallel_tool_calls is not False,
                "previous_response_id": m.previous_response_id, "reasoning": {"effort": None, "summary": None},
-               "store": m.store, "temperature": 1.0 if m.temperature is None else m.temperature,
+               "store": self.stored, "temperature": 1.0 if m.temperature is None else m.temperature,
                "text": {"format": (m.text or {}).get("format") or {"type": "text"}},
                "tool_choice": m.tool_choice or "auto", "tools": m.tools or [],
                "top_p": 1.0 if m.top_p is None else m.top_p, "top_logprobs": m.top_logprobs or 0,

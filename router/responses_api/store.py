@@ -1,10 +1,20 @@
 """The responses the router keeps (store: true, OpenAI's default) for GET /v1/responses/{id} and for
-previous_response_id: the last N, in memory, the oldest dropped first (--responses-store-size). Each
-router keeps its own: behind several routers, a conversation's requests must reach the same one."""
+previous_response_id: one interface, two backends chosen by --responses-store. `memory` (the default): this
+router's own, the last --responses-store-size (router.responses_api.memory_store). A Redis URL: one server that
+every router naming it shares, so that a response made on one router is found on another; each entry expires
+after --responses-store-ttl seconds (router.responses_api.redis_store)."""
 from __future__ import annotations
 
-from collections import OrderedDict
+import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+
+from router.errors import APIError
+
+MEMORY = "memory"
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+DEFAULT_SIZE = 1000
+DEFAULT_TTL_S = 3600.0
 
 
 @dataclass
@@ -12,25 +22,89 @@ class Stored:
     body: dict  # the Response object
     messages: list[dict]  # its conversation as chat messages, its own answer last (without instructions)
 
+    def to_json(self) -> str:
+        return json.dumps({"body": self.body, "messages": self.messages}, ensure_ascii=False)
 
-class ResponseStore:
-    def __init__(self, max_entries: int):
-        if max_entries < 1:
-            raise ValueError("the response store holds at least one response")
-        self.max_entries = max_entries
-        self._entries: OrderedDict[str, Stored] = OrderedDict()
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Stored:
+        """An entry read back; ValueError when it is not one (another program's value under the key)."""
+        value = json.loads(text)
+        if not (isinstance(value, dict) and isinstance(value.get("body"), dict)
+                and isinstance(value.get("messages"), list) and all(isinstance(m, dict) for m in value["messages"])):
+            raise ValueError("not a stored response: a JSON object with 'body' (an object) and 'messages' expected")
+        return cls(value["body"], value["messages"])
 
-    def put(self, response_id: str, entry: Stored) -> None:
-        self._entries[response_id] = entry
-        self._entries.move_to_end(response_id)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
 
-    def get(self, response_id: str) -> Stored | None:
-        return self._entries.get(response_id)
+class StoreUnavailable(APIError):
+    """The store did not answer (down, unreachable, too slow, refused the command): a 503 naming it."""
 
-    def delete(self, response_id: str) -> bool:
-        return self._entries.pop(response_id, None) is not None
+    def __init__(self, store_name: str, reason: str):
+        reason = reason.rstrip(". ")
+        super().__init__(503, f"the Responses API's response store {store_name} (--responses-store) is unavailable: "
+                              f"{reason}. Stored responses (previous_response_id, GET and DELETE /v1/responses/{{id}}) "
+                              "need it; chat and completions do not", retry_after=1)
+        self.reason = reason
 
-    def __len__(self) -> int:
-        return len(self._entries)
+
+class ResponseStore(ABC):
+    name: str  # what logs and errors call it (a URL without its password)
+
+    @abstractmethod
+    async def put(self, response_id: str, entry: Stored) -> None: ...
+
+    @abstractmethod
+    async def get(self, response_id: str) -> Stored | None: ...
+
+    @abstractmethod
+    async def delete(self, response_id: str) -> bool:
+        """Whether there was such a response."""
+
+    @abstractmethod
+    def missing_hint(self) -> str:
+        """Why a response may be missing besides store: false and DELETE, for the 404."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """The store and its bound, for the router's start-up log."""
+
+    async def unreachable(self) -> str | None:
+        """Why the store does not answer now (None: it does)."""
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+def check_store_options(spec: str, size: int | None, ttl_s: float | None) -> None:
+    """ValueError naming the flag when --responses-store, --responses-store-size (None: not given) and
+    --responses-store-ttl (None: not given) do not go together."""
+    if spec == MEMORY:
+        if ttl_s is not None:
+            raise ValueError("--responses-store-ttl applies to a redis store: the memory store keeps the last "
+                             "--responses-store-size responses")
+        if size is not None and size < 1:
+            raise ValueError("--responses-store-size must be >= 1")
+        return
+    if not spec.startswith(REDIS_SCHEMES):
+        raise ValueError(f"--responses-store must be '{MEMORY}' or a Redis URL ({', '.join(REDIS_SCHEMES)}); "
+                         f"got {spec!r}")
+    if size is not None:
+        raise ValueError("--responses-store-size bounds the memory store; a redis store is bounded by "
+                         "--responses-store-ttl (and by the server's maxmemory)")
+    if ttl_s is not None and not ttl_s >= 0.001:
+        raise ValueError(f"--responses-store-ttl must be > 0 seconds; got {ttl_s}")
+    from router.responses_api.redis_store import check_url
+
+    check_url(spec)
+
+
+def open_store(spec: str, size: int | None = None, ttl_s: float | None = None) -> ResponseStore:
+    """The store --responses-store names (checked first: ValueError); it connects on first use."""
+    check_store_options(spec, size, ttl_s)
+    if spec == MEMORY:
+        from router.responses_api.memory_store import MemoryStore
+
+        return MemoryStore(DEFAULT_SIZE if size is None else size)
+    from router.responses_api.redis_store import RedisStore
+
+    return RedisStore(spec, DEFAULT_TTL_S if ttl_s is None else ttl_s)
