@@ -24,7 +24,7 @@ from router.request import GenerateRequest
 from router.request_builder import chat_options, check_model
 from router.responses_api import handlers as responses_api
 from router.responses_api.store import open_store
-from router.state import CONFIG, REPLICAS, TOKENIZER, request_id
+from router.state import CONFIG, LIFECYCLE, PROBES, REPLICAS, TOKENIZER, Lifecycle, request_id
 from router.tokenization import Tokenizer
 
 MAX_BODY_BYTES = 32 * 2**20
@@ -37,9 +37,24 @@ async def errors_and_auth(request: web.Request, handler):
     /health (and /metrics with --public-metrics) needs the API key when one is set."""
     config = request.app[CONFIG]
     key = config.api_key
-    open_paths = ("/health", "/metrics") if config.public_metrics else ("/health",)
+    open_paths = ("/health", "/ready", "/metrics") if config.public_metrics else ("/health", "/ready")
     if key and request.path not in open_paths and not _key_matches(request, key):
         return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')").response()
+    lifecycle = request.app[LIFECYCLE]
+    if request.path in PROBES:
+        return await _answer(request, handler)
+    if lifecycle.draining:  # new work goes to another router
+        resp = APIError(503, "this router is shutting down: send the request to another one", retry_after=1).response()
+        resp.force_close()
+        return resp
+    lifecycle.active += 1
+    try:
+        return await _answer(request, handler)
+    finally:
+        lifecycle.active -= 1
+
+
+async def _answer(request: web.Request, handler):
     try:
         return await handler(request)
     except APIError as err:
@@ -163,10 +178,23 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    replicas = request.app[REPLICAS]
-    body = {"replicas": [{"address": r.address, "healthy": r.healthy, "reason": r.reason or None,
+    """Liveness (vLLM's /health): 200 while this process serves, whatever its replicas' state (a router whose
+    replicas are down must not be restarted for it); the body says what /ready judges by."""
+    return web.json_response(_state(request))
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Readiness: 200 while the router takes new work (a replica can serve it and it is not draining), 503
+    otherwise, for load balancers and Kubernetes' readinessProbe."""
+    body = _state(request)
+    return web.json_response(body, status=200 if body["ready"] else 503)
+
+
+def _state(request: web.Request) -> dict:
+    replicas, lifecycle = request.app[REPLICAS], request.app[LIFECYCLE]
+    return {"ready": bool(replicas.healthy()) and not lifecycle.draining, "draining": lifecycle.draining,
+            "replicas": [{"address": r.address, "healthy": r.healthy, "reason": r.reason or None,
                           "running": r.num_running, "waiting": r.num_waiting} for r in replicas.replicas]}
-    return web.json_response(body, status=200 if replicas.healthy() else 503)
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -209,11 +237,12 @@ async def openapi(request: web.Request) -> web.Response:
 
 def build_app(replicas: ReplicaSet, tokenizer: Tokenizer, config: RouterConfig) -> web.Application:
     app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
-    app[REPLICAS], app[TOKENIZER], app[CONFIG] = replicas, tokenizer, config
+    app[REPLICAS], app[TOKENIZER], app[CONFIG], app[LIFECYCLE] = replicas, tokenizer, config, Lifecycle()
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)

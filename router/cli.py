@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 
 from stagemesh.core.heap import freeze_startup_heap
 from stagemesh.core.service_options import add_service_arguments, setup_service
@@ -62,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a request whose replica fails goes on on another one (before its first token: sent again; "
                         "after: continued from the tokens already streamed), at most this many times")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between replica checks")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="listen with SO_REUSEPORT, so that several routers share the HTTP (and gRPC) port and the "
+                        "kernel spreads connections over them (`stagemesh serve --api-server-count N` sets it)")
     add_service_arguments(p, metrics_port=False)
 
 
@@ -80,7 +82,11 @@ async def _main(args: argparse.Namespace) -> int:
     from stagemesh.core.errors import StagemeshError
     from stagemesh.core.model_source import resolve_source
     from stagemesh.core.model_config import ModelConfig
+    from router.state import LIFECYCLE
+    from stagemesh.core.shutdown import Shutdown
 
+    shutdown = Shutdown(args.shutdown_timeout, log, "router")
+    shutdown.install_async()  # a signal during start-up: the router stops as soon as it is up
     if args.model and args.model_option and args.model != args.model_option:
         raise StagemeshError(f"two models given: '{args.model}' and --model '{args.model_option}'")
     model = args.model_option or args.model
@@ -122,30 +128,38 @@ async def _main(args: argparse.Namespace) -> int:
     if args.grpc_port is not None:
         from router.frontend import FrontendServicer, serve_frontend
 
-        grpc_server, grpc_port = await serve_frontend(FrontendServicer(replicas, tokenizer, config), args.host,
-                                                      args.grpc_port)
+        grpc_server, grpc_port = await serve_frontend(FrontendServicer(replicas, tokenizer, config, app[LIFECYCLE]),
+                                                      args.host, args.grpc_port)
         log.info("gRPC frontend (stagemesh.v1.Frontend) on %s:%d", args.host, grpc_port)
     checker = asyncio.create_task(replicas.health_loop())
     # a client that disconnects cancels its handler, which aborts the request in the scheduler
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
-                           keepalive_timeout=args.http_timeout_keep_alive)
+                           keepalive_timeout=args.http_timeout_keep_alive, shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
+    site = web.TCPSite(runner, args.host, args.port, reuse_port=args.reuse_port or None)
     await site.start()
     port = runner.addresses[0][1]
     log.info("router serving %s on http://%s:%d over %d replica(s) (%s); OpenAI API at /v1", name, args.host, port,
              len(replicas.replicas), args.policy)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     freeze_startup_heap("router")
-    await stop.wait()
+    await shutdown.wait()
+    await _drain(shutdown, app[LIFECYCLE], site, replicas)
     checker.cancel()
     if grpc_server is not None:
-        await grpc_server.stop(grace=1)
+        await grpc_server.stop(grace=0)
     await runner.cleanup()
+    await replicas.close()
     return 0
+
+
+async def _drain(shutdown, lifecycle, site, replicas) -> None:
+    """Take no new work (readiness false; the listening socket closed, so that new connections reach the other
+    routers), let the requests in flight finish, at most --shutdown-timeout; those still running then are left
+    to their replicas, which keep the resumable ones for their clients to resume on another router."""
+    lifecycle.draining = True
+    await site.stop()
+    if not await shutdown.drain(lambda: lifecycle.active == 0, lambda: f"{lifecycle.active} request(s)"):
+        replicas.detach()
 
 
 def _check_store(args: argparse.Namespace) -> None:

@@ -20,7 +20,7 @@ from router.replicas import ReplicaSet
 from router.request import GenerateRequest, Prompt
 from router.request_builder import RequestBuilder, chat_options
 from router.resume import EventIds, ResumePoint
-from router.state import checked_request_id
+from router.state import Lifecycle, checked_request_id
 from router.tokenization import Tokenizer
 from stagemesh.core import telemetry
 from stagemesh.core.errors import StagemeshError
@@ -45,8 +45,10 @@ def status_of(err: Exception) -> tuple[grpc.StatusCode, str] | None:
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
-    def __init__(self, replicas: ReplicaSet, tokenizer: Tokenizer, config: RouterConfig):
+    def __init__(self, replicas: ReplicaSet, tokenizer: Tokenizer, config: RouterConfig,
+                 lifecycle: Lifecycle | None = None):
         self.replicas, self.tokenizer, self.config = replicas, tokenizer, config
+        self.lifecycle = lifecycle or Lifecycle()  # shared with the HTTP door: draining, requests served
         self.health_task: asyncio.Task | None = None
 
     def _request(self, request, chat: bool) -> GenerateRequest:
@@ -78,6 +80,16 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             yield reply
 
     async def _run(self, request, context, chat: bool):
+        if self.lifecycle.draining:  # (a stagemesh.client resumes it on another router)
+            raise APIError(503, "this router is shutting down: send the request to another one")
+        self.lifecycle.active += 1
+        try:
+            async for reply in self._answer(request, chat):
+                yield reply
+        finally:
+            self.lifecycle.active -= 1
+
+    async def _answer(self, request, chat: bool):
         req = self._request(request, chat)
         request_id = checked_request_id(request.request_id) if request.request_id else uuid.uuid4().hex
         _resume(req, request)
@@ -184,6 +196,7 @@ async def serve_frontend(servicer: FrontendServicer, host: str, port: int) -> tu
     await server.start()
     # referenced by the servicer for as long as the server runs (a task nobody holds may be collected)
     servicer.health_task = asyncio.create_task(follow(health_servicer, ("stagemesh.v1.Frontend",),
-                                                      lambda: bool(servicer.replicas.healthy()), interval_s=0.5))
+                                                      lambda: bool(servicer.replicas.healthy())
+                                                      and not servicer.lifecycle.draining, interval_s=0.5))
     return server, bound
 

@@ -136,6 +136,12 @@ class Replica:
             self._stream = SubmitStream(self.stub, self.address)
         return self._stream
 
+    def detach(self) -> None:
+        """This router stops with requests still running here: leave them to the replica (aborting none), which
+        keeps the resumable ones for another router."""
+        if self._stream is not None:
+            self._stream.detaching = True
+
     async def close(self) -> None:
         if self._stream is not None:
             self._stream.close()
@@ -205,6 +211,13 @@ class ReplicaSet:
         if found is None and refusal is not None:
             raise APIError(400, refusal.details, "request_id")
         return found
+
+    def detach(self) -> None:
+        for r in self.replicas:
+            r.detach()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(r.close() for r in self.replicas), return_exceptions=True)
 
     def queue_full(self) -> bool:
         return bool(self.max_waiting_requests) and self.num_waiting >= self.max_waiting_requests

@@ -12,9 +12,19 @@ from router.replicas import ReplicaSet
 from router.request import GenerateRequest
 from router.tokenization import Tokenizer
 
+class Lifecycle:
+    """Whether the router takes new work (it drains once told to stop), and the HTTP requests it is serving."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.active = 0  # requests being answered (not /health, /ready or /metrics)
+
+
 REPLICAS = web.AppKey("replicas", ReplicaSet)
 TOKENIZER = web.AppKey("tokenizer", Tokenizer)
 CONFIG = web.AppKey("config", RouterConfig)
+LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
+PROBES = ("/health", "/ready", "/metrics")  # answered while draining, not counted as work
 MAX_REQUEST_ID = 200
 
 

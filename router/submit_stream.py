@@ -103,6 +103,7 @@ class SubmitStream:
     def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, address: str):
         self.address = address
         self.closed = False
+        self.detaching = False  # the router stops: its requests are left to the replica, not aborted
         self._requests: dict[str, RequestStream] = {}  # submitted, not finished
         self._outbox = scheduler_pb2.SubmitStreamRequest()
         self._ready = asyncio.Event()
@@ -138,12 +139,12 @@ class SubmitStream:
         return stream
 
     def release(self, request_id: str) -> None:
-        if not self.closed:
+        if not self.closed and not self.detaching:
             self._outbox.release_request_ids.append(request_id)
             self._ready.set()
 
     def abort(self, request_id: str) -> None:
-        if self._requests.pop(request_id, None) is not None and not self.closed:
+        if self._requests.pop(request_id, None) is not None and not self.closed and not self.detaching:
             self._outbox.abort_request_ids.append(request_id)
             self._ready.set()
 

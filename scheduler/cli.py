@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 from dataclasses import replace
 
 from stagemesh.core import internal_token
@@ -79,6 +78,7 @@ async def _main(args: argparse.Namespace) -> int:
     from scheduler.rendezvous import ModelIdentity, Rendezvous
     from scheduler.service import SchedulerServicer, serve
     from stagemesh.core.model_config import ModelConfig
+    from stagemesh.core.shutdown import Shutdown
     from stagemesh.core.speculative import parse_speculative_config
     from stagemesh.core.model_source import resolve_source
 
@@ -97,6 +97,8 @@ async def _main(args: argparse.Namespace) -> int:
         raise StagemeshError("--resume-grace-period must be >= 0")
     if not args.kv_hold_timeout > 0:
         raise StagemeshError("--kv-hold-timeout must be > 0")
+    shutdown = Shutdown(args.shutdown_timeout, log, "scheduler")
+    shutdown.install_async()
     advertise = args.advertise_host or args.host
     store = _store(args.host, args.dist_port)
     internal_token.warn_if_open("scheduler")
@@ -126,22 +128,30 @@ async def _main(args: argparse.Namespace) -> int:
     role = "" if args.kv_role == "both" else f"; {args.kv_role} replica of a disaggregated mesh"
     log.info("scheduler for %s listening on %s:%d (store on port %d), waiting for %d stage(s)%s", name, args.host,
              port, store.port, args.pipeline_parallel_size, role)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     freeze_startup_heap("scheduler")
     runner = asyncio.create_task(driver.run())
-    stopping = asyncio.create_task(stop.wait())
+    stopping = asyncio.create_task(shutdown.wait())
     await asyncio.wait({runner, stopping}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if runner.done():  # the step loop must never end: exit so that a supervisor restarts the scheduler
         log.error("the step loop ended: %r", runner.exception() if not runner.cancelled() else "cancelled")
         code = 1
+    else:
+        await _drain(shutdown, servicer, driver)
     runner.cancel()
     stopping.cancel()
     await server.stop(grace=1)
     return code
+
+
+async def _drain(shutdown, servicer, driver) -> None:
+    """Readiness off (routers send new work elsewhere), the requests it has finish; those left when
+    --shutdown-timeout ends fail as UNAVAILABLE, which their routers continue on another replica, token-exact."""
+    servicer.drain.stopping = True
+    if not await shutdown.drain(lambda: servicer.unfinished() == 0, lambda: f"{servicer.unfinished()} request(s)"):
+        moved = driver.evacuate("the replica shut down (its --shutdown-timeout ended)")
+        log.warning("%d request(s) handed back to their routers to go on on another replica", moved)
+        await asyncio.sleep(0.5)  # their failures reach the routers before the streams close
 
 
 def _store(host: str, port: int):

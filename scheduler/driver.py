@@ -75,6 +75,16 @@ class Driver:
     def abort(self, request_ids: list[str]) -> int:
         return self.steps.abort(request_ids)
 
+    def evacuate(self, reason: str) -> int:
+        """Fail every request with `reason` (not their own fault: UNAVAILABLE), for their routers to continue
+        them elsewhere; returns how many."""
+        scheduler = self.epochs.scheduler
+        if scheduler is None:
+            return 0
+        outputs = scheduler.fail_all(reason)
+        self.steps.dispatch(outputs)
+        return len(outputs)
+
     def release_kv(self, request_id: str) -> bool:
         """Free the KV a prefilled request holds here (False: none held)."""
         scheduler = self.epochs.scheduler

@@ -5,9 +5,10 @@ import asyncio
 import logging
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from scheduler.connection import Connection, Rejected, Update
+from scheduler.drain import Drain
 from scheduler.driver import Driver, Unavailable
 from scheduler.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from scheduler.kv_transfer import KVSourceInfo
@@ -18,7 +19,7 @@ from scheduler.sessions import NotHeld, Sessions, Taken
 from stagemesh.core import telemetry
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grpc_errors import ErrorInterceptor, by_type
-from stagemesh.core.health import follow
+from stagemesh.core.health import LIVENESS, follow
 from stagemesh.core.service_options import add_port, aio_server
 from stagemesh.core.step_wire import logprob_to_pb
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc, stage_pb2
@@ -37,6 +38,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                  kv_role: str = "both", resume_grace_s: float = 30.0):
         self.driver = driver
         self.sessions = Sessions(driver, resume_grace_s)  # resumable requests (scheduler.sessions)
+        self.drain = Drain()  # why no new request is taken, while the replica serves the ones it has
         self.served_model_name, self.model_path, self.vocab_size = served_model_name, model_path, vocab_size
         self.kv_role = kv_role
         self.address = ""  # host:port other replicas reach this one at (set once the port is bound)
@@ -93,6 +95,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 # free it and compute the prompt (a decode replica was not to be had)
                 self.driver.release_kv(kv_source.request_id)
                 kv_source = None
+            if self.drain.reason:
+                raise Unavailable(f"the replica takes no new requests: {self.drain.reason}")
             if r.resumable:
                 sink = self.sessions.open(r.request_id, list(r.prompt_token_ids), list(r.generated_token_ids),
                                           connection)
@@ -123,7 +127,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def _stats(self) -> scheduler_pb2.Stats:
         d = self.driver.status()
-        stats = scheduler_pb2.Stats(healthy=d.healthy, unhealthy_reason=d.reason,
+        # healthy: it takes new requests (routers send it work); a draining replica still serves its own
+        stats = scheduler_pb2.Stats(healthy=self.ready(), unhealthy_reason=d.reason or self.drain.reason,
                                     max_waiting_requests=d.max_waiting_requests, num_steps=d.num_steps,
                                     step_seconds_total=d.step_seconds, stage_compute_seconds_total=d.compute_seconds)
         if d.scheduler is not None:
@@ -138,6 +143,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 stats.spec_decode_num_accepted_tokens = spec.num_accepted_tokens
                 stats.spec_decode_num_accepted_tokens_per_pos.extend(spec.accepted_per_pos)
         return stats
+
+    def ready(self) -> bool:
+        """Readiness: the pipeline is formed and the replica is not draining."""
+        return self.driver.status().healthy and not self.drain.reason
+
+    def unfinished(self) -> int:
+        """Requests it runs, or keeps for a resume (a drain waits for none to be left)."""
+        scheduler = self.driver.scheduler
+        return (scheduler.num_unfinished if scheduler is not None else 0) + self.sessions.num_kept
 
     async def GetStats(self, request, context):
         return self._stats()
@@ -187,13 +201,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                          s.handoff, s.instance_id, s.standby, s.num_speculative_tokens)
         try:
             missing, first_seen = await self.driver.register_stage(info)
+            self.drain.stage(s.stage_index, s.instance_id, s.draining)
         except StagemeshError as err:  # a stage that does not fit this pipeline: its state, not a bad argument
             log.error("refused a stage: %s", err)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         if first_seen:
             log.info("stage %d registered: layers %d:%d, TP=%d, at %s (%d missing)", s.stage_index, s.layer_start,
                      s.layer_end, s.tensor_parallel_size, s.address, missing)
-        return scheduler_pb2.RegisterStageResponse(num_missing_stages=missing, first_seen=first_seen)
+        return scheduler_pb2.RegisterStageResponse(num_missing_stages=missing, first_seen=first_seen,
+                                                   num_unfinished_requests=self.unfinished())
 
 
 # the status a request refused with one of these gets in its SubmitStream update, and a call that raises it;
@@ -254,7 +270,8 @@ async def serve(servicer: SchedulerServicer, host: str, port: int) -> tuple[grpc
     if bound == 0:
         raise StagemeshError(f"cannot listen on {host}:{port}")
     await server.start()
-    servicer.driver.spawn(follow(health_servicer, (SERVICE,), lambda: servicer.driver.status().healthy))
+    servicer.driver.spawn(follow(health_servicer, (SERVICE,), servicer.ready))
+    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     servicer.driver.spawn(servicer.sessions.sweep_loop())
     return server, bound
 

@@ -95,6 +95,11 @@ class Sessions:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    @property
+    def num_kept(self) -> int:
+        """Finished requests no router holds: their outputs kept for a resume."""
+        return sum(s.connection is None and s.finished for s in self._sessions.values())
+
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._sessions
 

@@ -170,8 +170,12 @@ def run(args: argparse.Namespace) -> int:
     from stagemesh.core.model_source import resolve_source
     from stage_worker.ep_group import BROKEN_LINGER_S, EXIT_BROKEN, EPGroupBroken
     from stage_worker.runner import check_layer_range
+    from stagemesh.core.shutdown import Shutdown
 
     setup_service(args, f"stagemesh-stage-{args.stage_index}")
+    shutdown = Shutdown(args.shutdown_timeout, log, f"stage {args.stage_index}")
+    for sig in (signal.SIGTERM, signal.SIGINT):  # until it serves: nothing to drain, stop at once
+        signal.signal(sig, _stop_starting)
     source = resolve_source(args.model, args.tokenizer, args.quantization)
     model_dir = source.model_dir
     cfg = ModelConfig.from_path(model_dir)
@@ -244,12 +248,11 @@ def run(args: argparse.Namespace) -> int:
         log.info("stage %d serving layers %d:%d at %s (TP=%d, %s, %s handoff, %d KV blocks of %d tokens)",
                  args.stage_index, start, end, servicer.address, args.tensor_parallel_size, args.device, args.handoff,
                  worker.num_kv_blocks, args.block_size)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+        shutdown.install()  # a drain: the replica takes no new work, the stage leaves once its work is done
 
         def supervise() -> None:
             try:
-                keep_registered(args.scheduler, servicer, stop)
+                keep_registered(args.scheduler, servicer, stop, shutdown, server)
             except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
                 failed.append(err)
                 stop.set()
@@ -275,11 +278,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def keep_registered(scheduler: str, servicer, stop: threading.Event, interval_s: float = 2.0) -> None:
+def _stop_starting(signum, _frame) -> None:
+    log.info("signal %d during start-up: stopping", signum)
+    raise SystemExit(0)
+
+
+def keep_registered(scheduler: str, servicer, stop: threading.Event, shutdown=None, server=None,
+                    interval_s: float = 2.0) -> None:
     """Register with the scheduler, then again every interval for as long as the stage runs: a heartbeat
     that a restarted scheduler answers by taking the stage back. Retries an unreachable scheduler
     forever (with backoff); a refusal ends the stage with the scheduler's reason. A TP follower that
-    died ends it too (the stage cannot serve without it; its supervisor restarts it)."""
+    died ends it too (the stage cannot serve without it; its supervisor restarts it).
+
+    Told to stop (`shutdown`), the stage drains: its heartbeats say so, every DRAIN_BEAT_S, and the replica
+    takes no new requests; it stops once the scheduler has none left (or cannot be reached) or its
+    --shutdown-timeout ends (the scheduler keeps what is left for the stage that comes back)."""
     from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     delay, warned = 0.2, False
@@ -288,6 +301,11 @@ def keep_registered(scheduler: str, servicer, stop: threading.Event, interval_s:
         while not stop.is_set():
             if not servicer.worker.followers_alive():
                 raise StagemeshError("a TP follower of this stage died; the stage stops")
+            draining = shutdown is not None and shutdown.requested.is_set()
+            if draining and not servicer.draining:
+                servicer.draining = True
+                if server is not None:
+                    server.set_ready(False)
             try:
                 reply = stub.RegisterStage(scheduler_pb2.RegisterStageRequest(stage=servicer.describe()),
                                            timeout=DEADLINES.register_s)
@@ -295,12 +313,36 @@ def keep_registered(scheduler: str, servicer, stop: threading.Event, interval_s:
                     log.info("registered with the scheduler at %s (%d stage(s) still missing)", scheduler,
                              reply.num_missing_stages)
                 delay, warned = interval_s, False
+                if draining and _drained(shutdown, reply.num_unfinished_requests, stop):
+                    return
             except grpc.RpcError as err:
                 if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                                   grpc.StatusCode.UNAUTHENTICATED):
                     raise StagemeshError(f"the scheduler refused this stage: {err.details()}") from None
+                if draining:  # nothing to wait for
+                    log.info("draining: no scheduler answers (%s): stopping", err.code().name)
+                    stop.set()
+                    return
                 if not warned:
                     warned = True
                     log.warning("no scheduler answers at %s (%s); retrying", scheduler, err.code().name)
                 delay = min(delay * 2, interval_s)
-            stop.wait(delay)
+            (shutdown.hurry if shutdown is not None else stop).wait(DRAIN_BEAT_S if draining else delay)
+            if shutdown is not None and shutdown.hurry.is_set():
+                stop.set()
+
+
+DRAIN_BEAT_S = 0.2
+
+
+def _drained(shutdown, unfinished: int, stop: threading.Event) -> bool:
+    """Whether a draining stage stops now: its replica has nothing left, or the time is up."""
+    if unfinished and shutdown.left_s > 0:
+        return False
+    if unfinished:
+        log.warning("the drain ended with %d request(s) left in the replica: they wait for this stage's "
+                    "replacement", unfinished)
+    else:
+        log.info("drained: the replica has no request left; stopping")
+    stop.set()
+    return True

@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grpc_errors import ErrorInterceptor, by_type
+from stagemesh.core.health import LIVENESS
 from stagemesh.core.sampling_params import InvalidParameter
 from stagemesh.core.service_options import add_port, aio_server
 from stagemesh.core.step_wire import epoch_from_pb, sampled_to_pb, step_from_pb
@@ -32,6 +33,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     def __init__(self, worker: StageWorker, address: str):
         self.worker, self.steps = worker, worker.steps
         self.address = address
+        self.draining = False  # told to stop: its replica takes no new work until it is replaced
         c, s = worker.cfg, worker.cfg.slice
         self.observer = ForwardObserver(c.stage_index, s.layer_start, s.layer_end, s.tp_size, c.handoff)
 
@@ -43,7 +45,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             block_size=s.block_size, address=self.address, handoff=c.handoff, model_path=str(s.model_dir),
             weight_bytes=w.runner.model.num_parameter_bytes(), instance_id=w.instance_id, standby=c.standby,
             num_speculative_tokens=c.speculative.num_speculative_tokens if c.speculative else 0,
-            speculative_model=c.speculative.model if c.speculative else "",
+            speculative_model=c.speculative.model if c.speculative else "", draining=self.draining,
             model=stage_pb2.ModelIdentity(model_type=cfg.model_type, num_hidden_layers=cfg.num_hidden_layers,
                                           hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                                           num_attention_heads=cfg.num_attention_heads,
@@ -147,8 +149,18 @@ class ServerThread:
         if self.port == 0:
             raise StagemeshError(f"cannot listen on {self._host}:{self._port}")
         await self.server.start()
-        for name in ("", SERVICE):
+        for name in ("", SERVICE, LIVENESS):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def set_ready(self, ready: bool) -> None:
+        """Readiness ("" and the service's name; liveness stays SERVING)."""
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+
+        async def apply() -> None:
+            for name in ("", SERVICE):
+                await self.health.set(name, status)
+
+        asyncio.run_coroutine_threadsafe(apply(), self._loop).result(timeout=5)
 
     def stop(self, grace: float = 1.0) -> None:
         if self._thread.is_alive():

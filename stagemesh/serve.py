@@ -7,8 +7,9 @@ split unless --layer-split), and the router in front. With the mp backend
 the cluster this node belongs to (stagemesh.ray_executor). Either way a service
 that dies is restarted with backoff (stagemesh.supervisor) while the others go
 on serving: the router takes a broken replica out until it is back, stages and
-schedulers find each other again. Only Ctrl-C or SIGTERM stop the mesh
-(`--restart-policy never`: the first death stops it, for debugging). The
+schedulers find each other again. Only Ctrl-C or SIGTERM stop the mesh, which
+drains first (stagemesh.local_mesh; `--restart-policy never`: the first death
+stops it, for debugging). The
 services share a generated internal token (in their environment) unless one is
 given.
 """
@@ -19,7 +20,6 @@ import logging
 import os
 import signal
 import socket
-import time
 from dataclasses import dataclass, field
 
 from stagemesh.core import internal_token
@@ -27,7 +27,8 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.logs import setup_logging
 from stagemesh.core.service_options import add_service_arguments, service_argv
 from stagemesh.ray_actor import NODE_IP
-from stagemesh.supervisor import Child, stop_all
+from stagemesh.local_mesh import LocalMesh, Signals
+from stagemesh.supervisor import Child
 
 log = logging.getLogger("stagemesh.serve")
 
@@ -86,6 +87,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="the router's HTTP address")
     p.add_argument("--port", type=int, default=8000, help="the router's HTTP port")
     p.add_argument("--grpc-port", type=int, default=50050, help="the router's gRPC frontend port")
+    p.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
+                   help="routers (vLLM's API servers) over the replicas, sharing the HTTP and gRPC ports "
+                        "(SO_REUSEPORT: the kernel spreads connections over them); one that dies or is upgraded "
+                        "loses no stream a client resumes (Last-Event-ID; stagemesh.client does it by itself)")
+    p.add_argument("--resume-grace-period", type=float, default=None, metavar="SECONDS",
+                   help="a stream whose router went away keeps running this long for a client to resume it on "
+                        "another router (see `stagemesh scheduler`; default 30)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -177,7 +185,7 @@ def plan_commands(args: argparse.Namespace, model: str | None, num_layers: int, 
     stage_model = model_arg if stage_model is None else stage_model
     common_sched = _flags(args, ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                                  "served_model_name", "stage_recovery_timeout", "max_request_retries",
-                                 "scheduling_policy"))
+                                 "scheduling_policy", "resume_grace_period"))
     if not args.enable_prefix_caching:
         common_sched.append("--no-enable-prefix-caching")
     if args.async_scheduling is not None:
@@ -213,16 +221,21 @@ def plan_commands(args: argparse.Namespace, model: str | None, num_layers: int, 
                        "127.0.0.1", "--data-parallel-rpc-port", str(ep_port)] if ep_port else []),
                     *_flags(args, ("dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization"))]
             children.append(ChildSpec(f"stage[{r}.{i}]", argv, env, "stage", tp * threads, tp if cuda else 0))
+    return children + router_commands(args, model_arg, replicas)
+
+
+def router_commands(args: argparse.Namespace, model_arg: list[str], replicas: list[str]) -> list[ChildSpec]:
+    """The --api-server-count routers, on one HTTP port and one gRPC port (SO_REUSEPORT when several)."""
+    n = args.api_server_count
     router = ["router", *model_arg, "--host", args.host, "--port", str(args.port), *_service(args, None)]
     for replica in replicas:
         router += ["--replica", replica]
     router += ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
-    children.append(ChildSpec("router", router + _flags(args, ("grpc_port", "served_model_name", "api_key",
-                                                               "max_model_len", "tool_call_parser",
-                                                               "max_request_retries", "policy",
-                                                               "responses_store", "responses_store_size",
-                                                               "responses_store_ttl")), kind="router"))
-    return children
+    router += ["--reuse-port"] if n > 1 else []
+    router += _flags(args, ("grpc_port", "served_model_name", "api_key", "max_model_len", "tool_call_parser",
+                            "max_request_retries", "policy", "responses_store", "responses_store_size",
+                            "responses_store_ttl"))
+    return [ChildSpec("router" if n == 1 else f"router[{i}]", router, kind="router") for i in range(n)]
 
 
 def speculative_config(args: argparse.Namespace):
@@ -255,6 +268,7 @@ def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
+    signals = Signals().install()  # a signal during start-up: nothing more starts, and serve exits 0
     _check_layout(args)
     token = internal_token.configure(args) or internal_token.new_token()
     if args.distributed_executor_backend == "ray":
@@ -264,17 +278,11 @@ def run(args: argparse.Namespace) -> int:
     _check_expert_parallel(cfg, args, cuda)
     _check_quantization(source, cfg, cuda)
     base_env = {**os.environ, internal_token.ENV: token}
-    children = [Child(s.name, s.argv, {**base_env, **s.env})
+    children = [Child(s.name, s.argv, {**base_env, **s.env}, s.kind)
                 for s in plan_commands(args, str(source.model_dir), cfg.num_hidden_layers, cuda,
                                        stage_model=source.stage_args())]
     metrics = _serve_metrics(args, args.data_parallel_size * (args.pipeline_parallel_size + 1))
-    stop = _on_signals()
-    try:
-        for child in children:
-            child.start()
-        return _supervise(children, stop, args.restart_policy, metrics)
-    finally:
-        stop_all(children)
+    return LocalMesh(children, args.restart_policy, args.shutdown_timeout, metrics, signals).run()
 
 
 def _run_on_ray(args: argparse.Namespace, token: str) -> int:
@@ -301,6 +309,11 @@ def _run_on_ray(args: argparse.Namespace, token: str) -> int:
 
 
 def _check_layout(args: argparse.Namespace) -> None:
+    if args.api_server_count < 1:
+        raise StagemeshError(f"--api-server-count must be >= 1 (got {args.api_server_count})")
+    if args.api_server_count > 1:  # several routers share fixed ports: "any free port" must be chosen here
+        args.port = args.port or free_port(args.host)
+        args.grpc_port = args.grpc_port or free_port(args.host) if args.grpc_port is not None else None
     from router.responses_api.store import MEMORY, check_store_options
 
     try:  # refused here rather than by a router child restarted over and over
@@ -351,24 +364,6 @@ def _serve_metrics(args: argparse.Namespace, offset: int):
         start_http_server(args.metrics_port + offset, addr="127.0.0.1")
         log.info("serve's metrics (child restarts) on port %d at /metrics", args.metrics_port + offset)
     return up, restarts
-
-
-def _supervise(children: list[Child], stop: dict, policy: str, metrics) -> int:
-    up, restarts = metrics
-    while stop["signal"] is None:
-        now = time.monotonic()
-        for child in children:
-            before = child.restarts
-            reason = child.tick(now, policy)
-            if reason is not None:
-                log.error("%s", reason)
-                return 1
-            if child.restarts > before:
-                restarts.labels(child.name).inc()
-            up.labels(child.name).set(1 if child.running else 0)
-        time.sleep(0.2)
-    log.info("signal %d: stopping every child", stop["signal"])
-    return 0
 
 
 def _check_expert_parallel(cfg, args: argparse.Namespace, cuda: bool, ray: bool = False) -> None:

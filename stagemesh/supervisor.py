@@ -28,6 +28,7 @@ class Child:
     name: str
     argv: list[str]
     env: dict[str, str]
+    kind: str = "stage"  # router, scheduler or stage
     proc: subprocess.Popen | None = field(default=None, repr=False)
     started: float = 0.0
     failures: int = 0  # deaths in a row, each within STABLE_AFTER_S of its start
@@ -35,14 +36,25 @@ class Child:
     restarts: int = 0
 
     def start(self) -> None:
+        # a process group of its own: a terminal's Ctrl-C (SIGINT to the whole foreground group) reaches only
+        # the supervisor, which drains its children in order rather than all of them at once
         self.proc = subprocess.Popen([sys.executable, "-m", "stagemesh", *self.argv], env=self.env,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=_die_with_parent, process_group=0)
         self.started, self.restart_at = time.monotonic(), None
         log.info("started %s (pid %d): stagemesh %s", self.name, self.proc.pid, " ".join(self.argv))
 
     @property
     def running(self) -> bool:
         return self.proc is not None
+
+    @property
+    def alive(self) -> bool:
+        """The process runs now (running: it is started, and not yet seen dead)."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, signum: int) -> None:
+        if self.alive:
+            self.proc.send_signal(signum)
 
     def tick(self, now: float, policy: str) -> str | None:
         """One look at the child: schedule or make its restart. Returns why the mesh must stop, if it must."""

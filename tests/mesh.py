@@ -241,7 +241,7 @@ class Router:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"router exited with {self.proc.returncode}")
             try:
-                if requests.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                if requests.get(f"{self.base_url}/ready", timeout=2).status_code == 200:
                     return self
             except requests.RequestException:
                 pass

@@ -46,12 +46,16 @@ def add_service_arguments(p: argparse.ArgumentParser, *, metrics_port: bool = Tr
                    help="CA that signs the other services' certificates: verify peers with it (mutual TLS "
                         "when --tls-cert is given too)")
     internal_token.add_arguments(g)
+    from stagemesh.core import shutdown
+
+    shutdown.add_argument(g)
 
 
 def service_argv(args: argparse.Namespace, *, metrics_port: int | None = None) -> list[str]:
     """These options as command-line flags, for a supervisor that starts children (the internal token
     travels in their environment instead: a command line is visible to `ps`)."""
-    argv = ["--log-level", args.log_level, "--log-format", args.log_format]
+    argv = ["--log-level", args.log_level, "--log-format", args.log_format,
+            "--shutdown-timeout", str(args.shutdown_timeout)]
     for flag, value in (("--otlp-traces-endpoint", args.otlp_traces_endpoint), ("--tls-cert", args.tls_cert),
                         ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
         if value:

@@ -84,21 +84,27 @@ class RegisterStageResponse(_message.Message):
 
     NUM_MISSING_STAGES_FIELD_NUMBER: _builtins.int
     FIRST_SEEN_FIELD_NUMBER: _builtins.int
+    NUM_UNFINISHED_REQUESTS_FIELD_NUMBER: _builtins.int
     num_missing_stages: _builtins.int
     """Stages still missing before the pipeline can form."""
     first_seen: _builtins.bool
     """True when the scheduler did not know this stage instance (its first registration, or the
     scheduler restarted since); false for a heartbeat of a known one.
     """
+    num_unfinished_requests: _builtins.int
+    """Requests the replica still runs or keeps for a resume (a draining
+    stage leaves when none is left).
+    """
     def __init__(
         self,
         *,
         num_missing_stages: _builtins.int = ...,
         first_seen: _builtins.bool = ...,
+        num_unfinished_requests: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_seen", b"first_seen", "num_missing_stages", b"num_missing_stages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_seen", b"first_seen", "num_missing_stages", b"num_missing_stages", "num_unfinished_requests", b"num_unfinished_requests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

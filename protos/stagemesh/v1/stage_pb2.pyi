@@ -94,6 +94,7 @@ class StageDescription(_message.Message):
     STANDBY_FIELD_NUMBER: _builtins.int
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
     SPECULATIVE_MODEL_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
     stage_index: _builtins.int
     layer_start: _builtins.int
     """Layers [layer_start, layer_end)."""
@@ -130,6 +131,12 @@ class StageDescription(_message.Message):
     refuses a last stage whose draft does not match its own config.
     """
     speculative_model: _builtins.str
+    draining: _builtins.bool
+    """The stage was told to stop and drains: its replica takes no new
+    requests (its readiness turns false) while it finishes the ones it has;
+    the stage leaves once none is left (RegisterStageResponse) or its
+    --shutdown-timeout ends. A new instance at its index ends the drain.
+    """
     @_builtins.property
     def model(self) -> Global___ModelIdentity: ...
     def __init__(
@@ -152,10 +159,11 @@ class StageDescription(_message.Message):
         standby: _builtins.bool = ...,
         num_speculative_tokens: _builtins.int = ...,
         speculative_model: _builtins.str = ...,
+        draining: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "instance_id", b"instance_id", "layer_end", b"layer_end", "layer_start", b"layer_start", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "num_speculative_tokens", b"num_speculative_tokens", "speculative_model", b"speculative_model", "stage_index", b"stage_index", "standby", b"standby", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "draining", b"draining", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "instance_id", b"instance_id", "layer_end", b"layer_end", "layer_start", b"layer_start", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "num_speculative_tokens", b"num_speculative_tokens", "speculative_model", b"speculative_model", "stage_index", b"stage_index", "standby", b"standby", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
