@@ -41,3 +41,13 @@ def default_model_dir():
     from stagemesh.core.default_model import default_model_dir as resolve
 
     return resolve()
+
+
+@pytest.fixture(scope="session")
+def wide_model_dir(tiny_model_dir, tmp_path_factory):
+    """A tiny llama wider than the others, with a word tokenizer: a step takes a few milliseconds, so that a
+    stream of a few hundred tokens lasts long enough for a test to act while it runs (kill, drain, resume)."""
+    from tiny_models import with_word_tokenizer
+
+    wide = tiny_model_dir("llama", hidden_size=512, intermediate_size=2048, num_attention_heads=8)
+    return with_word_tokenizer(wide, tmp_path_factory.mktemp("wide") / "model")

@@ -19,7 +19,7 @@ from parity import prompts
 from sse_client import Streamed, stream
 from stagemesh.client import Client
 from stagemesh.v1 import scheduler_pb2
-from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+from tiny_models import reference_greedy, reference_model
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 96
@@ -33,10 +33,8 @@ def scrape(url: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir, tmp_path_factory):
-    # wider than the other tiny models: a step takes long enough that LONG tokens outlast the grace period
-    wide = tiny_model_dir("llama", hidden_size=512, intermediate_size=2048, num_attention_heads=8)
-    return with_word_tokenizer(wide, tmp_path_factory.mktemp("resume") / "model")
+def model_dir(wide_model_dir):
+    return wide_model_dir  # a step takes long enough that LONG tokens outlast the grace period
 
 
 def test_router_killed_under_16_streams_loses_none(model_dir, tmp_path):
