@@ -141,6 +141,8 @@ CASES = [
      "'chat_template_kwargs' may not set messages", "chat_template_kwargs"),
     (CHAT, {"model": M, "messages": MSG, "chat_template": "{% for %}"}, 400, "the chat template could not render",
      "messages"),
+    (CHAT, {"model": M, "messages": MSG, "bad_words": ["w5" * 1500]}, 400, "'bad_words' has 3,000 characters",
+     "bad_words"),
     (CHAT, {"model": M, "messages": MSG, "stream": True, "prompt_logprobs": 2}, 400,
      "'prompt_logprobs' are not available when streaming", "prompt_logprobs"),
     (CHAT, {"model": M, "messages": MSG, "truncate_prompt_tokens": 0}, 400, "'truncate_prompt_tokens' must be -1",
