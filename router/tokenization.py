@@ -11,9 +11,11 @@ from typing import Callable, TypeVar
 
 from router.errors import APIError, bad_request
 from router.request import ChatOptions
+from router.template_pool import TemplatePool
 from router.template_render import RenderTooLong, render_chat
 
 T = TypeVar("T")
+TRUST_FLAG = "--trust-request-chat-template"
 
 
 def num_threads() -> int:
@@ -25,11 +27,13 @@ def num_threads() -> int:
 class Tokenizer:
     """The model's tokenizer; long work (encoding a prompt, the model's chat template, decoding a long list) goes
     through run(), on a few threads of their own, so that the event loop keeps serving other requests and
-    /health meanwhile."""
+    /health meanwhile. A request's own chat template is refused unless `template_timeout_s` is given (the
+    router's --trust-request-chat-template), and then runs in a worker process (router.template_pool)."""
 
     MAX_QUEUED = 256
 
-    def __init__(self, model_dir: str | Path, max_positions: int | None = None):
+    def __init__(self, model_dir: str | Path, max_positions: int | None = None,
+                 template_timeout_s: float | None = None):
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(model_dir)
@@ -44,6 +48,16 @@ class Tokenizer:
         self._queued = 0
         self._grammars = None  # stagemesh.core.grammar.GrammarCompiler, made on the first constraint
         self._grammars_lock = threading.Lock()
+        self.request_templates = (TemplatePool(template_timeout_s, self.max_text_chars)
+                                  if template_timeout_s is not None else None)
+
+    async def start(self) -> None:
+        if self.request_templates is not None:
+            await self.request_templates.start()
+
+    async def close(self) -> None:
+        if self.request_templates is not None:
+            await self.request_templates.close()
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         if self._queued >= self.MAX_QUEUED:
@@ -73,11 +87,23 @@ class Tokenizer:
 
     async def render_chat(self, options: ChatOptions) -> str:
         """The conversation as the chat template writes it, at most max_text_chars characters (a 400 past
-        them: the render stops there, before anything is tokenized), on the tokenizer's threads."""
+        them: the render stops there, before anything is tokenized).
+
+        The model's own template is the operator's, as trusted as the model: it renders here, on the
+        tokenizer's threads, bounded in size only (a thread cannot be stopped, and it needs no stopping). A
+        request's own template is anyone's code: refused without --trust-request-chat-template (vLLM's rule),
+        and with it rendered in a worker process, bounded in size (the worker stops the render) and in time
+        (the worker is killed)."""
+        if options.chat_template is not None and self.request_templates is None:
+            raise bad_request(f"'chat_template' given in the request, but the server does not run requests' own chat "
+                              f"templates: start the router with {TRUST_FLAG} to allow them (vLLM's rule)",
+                              "chat_template")
         if not (options.chat_template or self.tok.chat_template):
             raise bad_request("this model has no chat template; give 'chat_template' or use /v1/completions",
                               "messages")
         job = self._template_job(options)
+        if self.request_templates is not None and options.chat_template is not None:
+            return await self.request_templates.render(job)
         try:
             return await self.run(lambda: render_chat(**job, max_chars=self.max_text_chars))
         except RenderTooLong:

@@ -93,6 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None)
     p.add_argument("--responses-store-size", type=int, default=None,
                    help="responses the router keeps for the Responses API (see `stagemesh router`; default 1000)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="the router renders a request's own chat_template instead of refusing it (see `stagemesh "
+                        "router`)")
+    p.add_argument("--chat-template-timeout", type=float, default=None, metavar="SECONDS",
+                   help="the time a request's own chat template may take to render (see `stagemesh router`; "
+                        "default 5)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
@@ -211,10 +217,12 @@ def plan_commands(args: argparse.Namespace, model: str | None, num_layers: int, 
     for replica in replicas:
         router += ["--replica", replica]
     router += ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
+    router += ["--trust-request-chat-template"] if args.trust_request_chat_template else []
     children.append(ChildSpec("router", router + _flags(args, ("grpc_port", "served_model_name", "api_key",
                                                                "max_model_len", "tool_call_parser",
                                                                "max_request_retries", "policy",
-                                                               "responses_store_size")), kind="router"))
+                                                               "responses_store_size", "chat_template_timeout")),
+                              kind="router"))
     return children
 
 
