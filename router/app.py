@@ -250,4 +250,14 @@ def build_app(replicas: ReplicaSet, tokenizer: Tokenizer, config: RouterConfig) 
     app.router.add_get("/openapi.json", openapi)
     responses_api.add_routes(app, open_store(config.responses_store, config.responses_store_size,
                                              config.responses_store_ttl))
+    app.on_startup.append(_start_tokenizer)
+    app.on_cleanup.append(_close_tokenizer)
     return app
+
+
+async def _start_tokenizer(app: web.Application) -> None:
+    await app[TOKENIZER].start()  # the workers of requests' own chat templates, when they are trusted
+
+
+async def _close_tokenizer(app: web.Application) -> None:
+    await app[TOKENIZER].close()

@@ -54,6 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--responses-store-ttl", type=float, default=None, metavar="SECONDS",
                    help="Redis store: each response expires this many seconds after it was made (default 3600; a "
                         "conversation goes on as long as its last response is younger); not with memory")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a request's own 'chat_template' (chat completions, /tokenize) instead of refusing it "
+                        "with a 400, as vLLM's flag: each renders in a worker process, killed past "
+                        "--chat-template-timeout or past the longest prompt the model can take")
+    p.add_argument("--chat-template-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="with --trust-request-chat-template: the time a request's chat template may take to render "
+                        "before its worker is killed and the request gets a 400 (default 5)")
     p.add_argument("--max-waiting-requests", type=int, default=0,
                    help="answer 429 (with Retry-After) once this many requests wait for their first token "
                         "(0: unbounded; the schedulers' own queue limits also give 429)")
@@ -98,7 +105,6 @@ async def _main(args: argparse.Namespace) -> int:
     source = resolve_source(model, args.tokenizer, args.quantization)  # a GGUF's tokenizer: its --tokenizer
     model_dir = source.model_dir
     model_config = ModelConfig.from_path(model_dir)
-    tokenizer = Tokenizer(model_dir, model_config.max_position_embeddings)
     replicas = ReplicaSet(args.replica, POLICIES[args.policy](), args.health_interval, args.max_waiting_requests,
                           args.max_request_retries)
     await replicas.refresh()
@@ -111,7 +117,10 @@ async def _main(args: argparse.Namespace) -> int:
     config = RouterConfig(name, args.api_key, args.max_model_len, args.public_metrics,
                           args.tool_call_parser if args.enable_auto_tool_choice else None,
                           responses_store=args.responses_store, responses_store_size=args.responses_store_size,
-                          responses_store_ttl=args.responses_store_ttl)
+                          responses_store_ttl=args.responses_store_ttl,
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          chat_template_timeout=args.chat_template_timeout)
+    tokenizer = Tokenizer(model_dir, model_config.max_position_embeddings, config.template_timeout_s)
     from router.observe import configure
 
     configure(name, args.max_model_len or replicas.max_model_len or model_config.max_position_embeddings, args.replica)

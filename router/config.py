@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stagemesh.core.errors import StagemeshError
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -17,3 +19,14 @@ class RouterConfig:
     responses_store: str = "memory"
     responses_store_size: int | None = None
     responses_store_ttl: float | None = None
+    trust_request_chat_template: bool = False  # a request's own chat_template is rendered, not refused
+    chat_template_timeout: float = 5.0  # seconds a request's own chat template may take to render
+
+    def __post_init__(self) -> None:
+        if not self.chat_template_timeout > 0:
+            raise StagemeshError(f"--chat-template-timeout must be > 0, got {self.chat_template_timeout}")
+
+    @property
+    def template_timeout_s(self) -> float | None:
+        """The time bound of requests' own chat templates; None: they are refused (router.tokenization)."""
+        return self.chat_template_timeout if self.trust_request_chat_template else None

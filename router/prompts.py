@@ -7,7 +7,6 @@ from dataclasses import replace
 from router.errors import APIError, bad_request
 from router.request import ChatOptions, GenerateRequest
 from router.tokenization import Tokenizer
-from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import InvalidParameter
 
 
@@ -24,6 +23,7 @@ async def prepare(req: GenerateRequest, tokenizer: Tokenizer, max_model_len: int
             raise bad_request(str(err).replace("structured_outputs", req.structured_param), req.structured_param) \
                 from None
     if req.bad_words:
+        tokenizer.check_length(sum(map(len, req.bad_words)), "bad_words")
         words = await tokenizer.run(bad_words_token_ids, tokenizer, req.bad_words)
         req.sampling = replace(req.sampling, bad_words_token_ids=words)
     if req.chat:
@@ -34,23 +34,18 @@ async def prepare(req: GenerateRequest, tokenizer: Tokenizer, max_model_len: int
 
 
 async def render(options: ChatOptions, tokenizer: Tokenizer, add_special_tokens: bool = False) -> list[int]:
-    """A conversation through the chat template (the request's own, if it gives one), as token ids."""
+    """A conversation through the chat template (the request's own, if it gives one), as token ids. The
+    messages' length is checked before the render, the rendered text's (by the render itself, which stops
+    past it) before it is tokenized."""
     tokenizer.check_length(sum(len(m["content"] or "") for m in options.messages), "messages")
-
-    def work() -> list[int]:
-        text = tokenizer.render_chat(options.messages, options.add_generation_prompt, options.continue_final_message,
-                                     options.chat_template, options.documents, **options.template_kwargs)
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
     try:
-        return await tokenizer.run(work)
+        text = await tokenizer.render_chat(options)
     except APIError:
         raise
-    except StagemeshError as err:
-        raise bad_request(str(err), "messages") from None
-    except Exception as err:  # a template that rejects the conversation, or a request's own broken template
+    except Exception as err:  # a template that rejects the conversation (raise_exception), or breaks
         raise bad_request(f"the chat template could not render these messages: {type(err).__name__}: {err}",
                           "messages") from None
+    return await tokenizer.run(tokenizer.encode, text, add_special_tokens)
 
 
 async def _completion_prompt(prompt, tokenizer: Tokenizer, add_special_tokens: bool) -> list[int]:

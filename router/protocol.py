@@ -88,6 +88,11 @@ class ChatMessage(Strict):
     tool_call_id: str | None = None
 
 
+REQUEST_TEMPLATE = ("A Jinja chat template of the request's own, instead of the model's: refused (400) unless the "
+                    "router runs with --trust-request-chat-template; then rendered in a worker process, stopped "
+                    "past --chat-template-timeout or past the longest prompt the model can take (400)")
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
@@ -98,7 +103,7 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     documents: list[dict[str, str]] | None = None
-    chat_template: str | None = None
+    chat_template: str | None = Field(None, description=REQUEST_TEMPLATE)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
@@ -112,7 +117,7 @@ class TokenizeRequest(Strict):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template: str | None = None
+    chat_template: str | None = Field(None, description=REQUEST_TEMPLATE)
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
     return_token_strs: bool = False

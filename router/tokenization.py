@@ -3,24 +3,37 @@ detokenizing and stop strings. The scheduler sees token ids only."""
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, TypeVar
 
 from router.errors import APIError, bad_request
-from stagemesh.core.errors import StagemeshError
+from router.request import ChatOptions
+from router.template_pool import TemplatePool
+from router.template_render import RenderTooLong, render_chat
 
 T = TypeVar("T")
+TRUST_FLAG = "--trust-request-chat-template"
+
+
+def num_threads() -> int:
+    """Threads for texts: at least two, so that one long text does not queue every other behind it; the
+    fast tokenizer releases the GIL, so more than the cores would only contend."""
+    return max(2, min(4, os.cpu_count() or 2))
 
 
 class Tokenizer:
-    """The model's tokenizer; long work (encoding a prompt, a chat template, decoding a long list) goes
-    through run(), on a thread of its own (the fast tokenizer releases the GIL), so that the event loop
-    keeps serving other requests and /health meanwhile."""
+    """The model's tokenizer; long work (encoding a prompt, the model's chat template, decoding a long list) goes
+    through run(), on a few threads of their own, so that the event loop keeps serving other requests and
+    /health meanwhile. A request's own chat template is refused unless `template_timeout_s` is given (the
+    router's --trust-request-chat-template), and then runs in a worker process (router.template_pool)."""
 
     MAX_QUEUED = 256
 
-    def __init__(self, model_dir: str | Path, max_positions: int | None = None):
+    def __init__(self, model_dir: str | Path, max_positions: int | None = None,
+                 template_timeout_s: float | None = None):
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(model_dir)
@@ -28,9 +41,23 @@ class Tokenizer:
         # never fit the model: refused before it costs seconds of tokenizing
         longest = max((len(t) for t in self.tok.convert_ids_to_tokens(list(range(len(self.tok)))) if t), default=1)
         self.max_text_chars = (max_positions or 1 << 20) * max(longest, 1)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        # an encode before any thread runs: it leaves the backend with no truncation or padding to reset later
+        # (a reset borrows the Rust tokenizer mutably, which fails while another thread encodes)
+        self.tok.encode("")
+        self._pool = ThreadPoolExecutor(num_threads(), thread_name_prefix="tokenizer")
         self._queued = 0
         self._grammars = None  # stagemesh.core.grammar.GrammarCompiler, made on the first constraint
+        self._grammars_lock = threading.Lock()
+        self.request_templates = (TemplatePool(template_timeout_s, self.max_text_chars)
+                                  if template_timeout_s is not None else None)
+
+    async def start(self) -> None:
+        if self.request_templates is not None:
+            await self.request_templates.start()
+
+    async def close(self) -> None:
+        if self.request_templates is not None:
+            await self.request_templates.close()
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         if self._queued >= self.MAX_QUEUED:
@@ -58,18 +85,41 @@ class Tokenizer:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens,
                                spaces_between_special_tokens=spaces_between_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, chat_template: str | None = None,
-                    documents: list | None = None, **kwargs) -> str:
-        """The conversation as the chat template writes it (a request's own template, if it gives one)."""
-        if not (chat_template or self.tok.chat_template):
-            raise StagemeshError("this model has no chat template; give 'chat_template' or use /v1/completions")
-        return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                            continue_final_message=continue_final_message, chat_template=chat_template,
-                                            documents=documents, tokenize=False, **kwargs)
+    async def render_chat(self, options: ChatOptions) -> str:
+        """The conversation as the chat template writes it, at most max_text_chars characters (a 400 past
+        them: the render stops there, before anything is tokenized).
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        The model's own template is the operator's, as trusted as the model: it renders here, on the
+        tokenizer's threads, bounded in size only (a thread cannot be stopped, and it needs no stopping). A
+        request's own template is anyone's code: refused without --trust-request-chat-template (vLLM's rule),
+        and with it rendered in a worker process, bounded in size (the worker stops the render) and in time
+        (the worker is killed)."""
+        if options.chat_template is not None and self.request_templates is None:
+            raise bad_request(f"'chat_template' given in the request, but the server does not run requests' own chat "
+                              f"templates: start the router with {TRUST_FLAG} to allow them (vLLM's rule)",
+                              "chat_template")
+        if not (options.chat_template or self.tok.chat_template):
+            raise bad_request("this model has no chat template; give 'chat_template' or use /v1/completions",
+                              "messages")
+        job = self._template_job(options)
+        if self.request_templates is not None and options.chat_template is not None:
+            return await self.request_templates.render(job)
+        try:
+            return await self.run(lambda: render_chat(**job, max_chars=self.max_text_chars))
+        except RenderTooLong:
+            raise bad_request(f"the chat template wrote more than {self.max_text_chars:,} characters for these "
+                              "messages: more than any prompt this model can take", "messages") from None
+
+    def _template_job(self, options: ChatOptions) -> dict:
+        """router.template_render.render_chat's arguments (JSON values) for apply_chat_template's render of
+        `options`: the template it would choose, the special tokens under the request's own kwargs."""
+        kwargs = dict(options.template_kwargs)
+        tools = kwargs.pop("tools", None)
+        return {"template": self.tok.get_chat_template(options.chat_template, tools), "messages": options.messages,
+                "tools": tools, "documents": options.documents,
+                "add_generation_prompt": options.add_generation_prompt,
+                "continue_final_message": options.continue_final_message,
+                "kwargs": {**self.tok.special_tokens_map, **kwargs}}
 
     def token_text(self, token_id: int) -> str:
         return self.tok.decode([token_id])
@@ -81,11 +131,12 @@ class Tokenizer:
     def compile_constraint(self, constraint) -> None:
         """Compile a structured-output constraint (cached), raising InvalidParameter with the reason; the
         router compiles to refuse a bad one early, the last stage compiles to enforce it."""
-        if self._grammars is None:
-            from stagemesh.core.grammar import GrammarCompiler
+        with self._grammars_lock:  # (two threads may ask for the first one at once)
+            if self._grammars is None:
+                from stagemesh.core.grammar import GrammarCompiler
 
-            eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else None
-            self._grammars = GrammarCompiler(self.tok, len(self.tok), eos)
+                eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else None
+                self._grammars = GrammarCompiler(self.tok, len(self.tok), eos)
         self._grammars.compile(constraint)
 
 

@@ -107,6 +107,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="responses the memory store keeps (see `stagemesh router`; default 1000)")
     p.add_argument("--responses-store-ttl", type=float, default=None, metavar="SECONDS",
                    help="seconds a Redis store keeps each response (see `stagemesh router`; default 3600)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="the router renders a request's own chat_template instead of refusing it (see `stagemesh "
+                        "router`)")
+    p.add_argument("--chat-template-timeout", type=float, default=None, metavar="SECONDS",
+                   help="the time a request's own chat template may take to render (see `stagemesh router`; "
+                        "default 5)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
@@ -232,9 +238,10 @@ def router_commands(args: argparse.Namespace, model_arg: list[str], replicas: li
         router += ["--replica", replica]
     router += ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
     router += ["--reuse-port"] if n > 1 else []
+    router += ["--trust-request-chat-template"] if args.trust_request_chat_template else []
     router += _flags(args, ("grpc_port", "served_model_name", "api_key", "max_model_len", "tool_call_parser",
                             "max_request_retries", "policy", "responses_store", "responses_store_size",
-                            "responses_store_ttl"))
+                            "responses_store_ttl", "chat_template_timeout"))
     return [ChildSpec("router" if n == 1 else f"router[{i}]", router, kind="router") for i in range(n)]
 
 

@@ -111,8 +111,8 @@ class FakeRouter:
         self.replica = self.replicas[0]
         replicas = ReplicaSet([], LeastLoad(), max_request_retries=max_request_retries)
         replicas.replicas = list(self.replicas)
-        tokenizer = Tokenizer(model_dir, cfg.max_position_embeddings)
         router_config = RouterConfig(served_model_name, api_key, **config)
+        tokenizer = Tokenizer(model_dir, cfg.max_position_embeddings, router_config.template_timeout_s)
         self.app = build_app(replicas, tokenizer, router_config)
         # the gRPC frontend beside it (grpc_port), on the same replicas
         self.frontend = FrontendServicer(replicas, tokenizer, router_config) if grpc_frontend else None

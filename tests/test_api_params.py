@@ -34,7 +34,8 @@ def model(tiny_model_dir, tmp_path_factory):
 def router(model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("params-logs")
     with Mesh(model, [2, 2], handoff="nccl", scheduler_args=("--async-scheduling",), log_dir=logs) as mesh:
-        with Router(model, [mesh.address], ("--served-model-name", M), log_dir=logs, grpc_frontend=True) as r:
+        with Router(model, [mesh.address], ("--served-model-name", M, "--trust-request-chat-template"), log_dir=logs,
+                    grpc_frontend=True) as r:  # (TEMPLATE is the requests' own)
             r.logs = logs
             yield r
 

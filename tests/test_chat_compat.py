@@ -26,7 +26,7 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
 @pytest.fixture(scope="module")
 def router(tiny_model_dir, tmp_path_factory):
     model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path_factory.mktemp("chat-compat") / "tok")
-    with FakeRouter(model_dir, M) as r:
+    with FakeRouter(model_dir, M, trust_request_chat_template=True) as r:  # (its requests bring templates)
         yield r
 
 

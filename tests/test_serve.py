@@ -136,6 +136,16 @@ def test_serve_refuses_response_store_flags_that_do_not_go_together_before_any_c
         _check_layout(_serve_args("--responses-store", "h:6379"))
 
 
+def test_serve_passes_the_chat_template_flags_to_its_router():
+    from stagemesh.serve import plan_commands
+
+    trusting = _serve_args("--trust-request-chat-template", "--chat-template-timeout", "3")
+    router = next(c.argv for c in plan_commands(trusting, "/m", 4, cuda=False) if c.name == "router")
+    assert "--trust-request-chat-template" in router and router[router.index("--chat-template-timeout") + 1] == "3.0"
+    router = next(c.argv for c in plan_commands(_serve_args(), "/m", 4, cuda=False) if c.name == "router")
+    assert "--trust-request-chat-template" not in router and "--chat-template-timeout" not in router
+
+
 def _serve_args(*argv: str):
     import argparse
 

@@ -47,7 +47,9 @@ def router(default_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("structured")
     with Mesh(default_model_dir, [15, 15], handoff="grpc", log_dir=logs,
               scheduler_args=("--async-scheduling",)) as mesh:
-        with Router(default_model_dir, [mesh.address], log_dir=logs, grpc_frontend=True) as r:
+        # (TOOL_TEMPLATE is a request's own chat template)
+        with Router(default_model_dir, [mesh.address], ("--trust-request-chat-template",), log_dir=logs,
+                    grpc_frontend=True) as r:
             r.mesh = mesh
             yield r
 

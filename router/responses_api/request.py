@@ -5,8 +5,8 @@ become chat tools, text.format the output constraint, include's logprobs chat's 
 request's own fields.
 
 What this server does not build is refused by name: built-in tools (web search, file search, code
-interpreter, MCP, ...), background mode, conversations, prompt templates, reasoning options, truncation
-"auto", item references and reasoning items in the input.
+interpreter, MCP, ...), background mode, conversations, prompt templates, a chat template of its own,
+reasoning options, truncation "auto", item references and reasoning items in the input.
 """
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ REFUSED: dict[str, str] = {
     "cache_salt": "cache_salt is not supported", "vllm_xargs": "vllm_xargs (extensions) are not supported",
     "truncation": "only 'disabled' is supported: a conversation past the context length is a 400",
     "service_tier": "service tiers are not supported",
+    "chat_template": "the Responses API renders the model's own chat template (chat completions take a request's "
+                     "own with the router's --trust-request-chat-template)",
 }
 NEUTRAL = {"truncation": ("disabled",), "service_tier": ("auto", "default")}
 TEXT_PARTS = ("input_text", "output_text", "text")
