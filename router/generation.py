@@ -160,7 +160,8 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
     # disaggregated prefill: a new prompt goes to a prefill replica, which ends after the first token with its
     # KV held; the request goes on on a decode replica, which fetches that KV (kv_transfer) instead of
     # computing the prompt. Siblings of an n > 1 request run where their first choice runs.
-    prefill, kv_transfer = gen.pin is None and replicas.disaggregated(), b""
+    # (a resumed request is past that: where it runs, it goes on)
+    prefill, kv_transfer = gen.pin is None and gen.resume_from is None and replicas.disaggregated(), b""
     try:
         while True:
             found = await _attach(gen, gen.resume_from, replicas) if gen.resume_from is not None and not tried \

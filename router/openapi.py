@@ -18,7 +18,9 @@ ENDPOINTS = [
     ("post", "/tokenize", "Token ids of a prompt or a conversation", TokenizeRequest),
     ("post", "/detokenize", "Text of token ids", DetokenizeRequest),
     ("get", "/v1/models", "The served model", None),
-    ("get", "/health", "200 while a replica can serve, 503 with the reasons otherwise", None),
+    ("get", "/health", "Liveness: 200 while the router serves, with its replicas' state", None),
+    ("get", "/ready", "Readiness: 200 while a replica can take new work and the router is not draining, 503 "
+                      "otherwise", None),
     ("get", "/version", "The server's version", None),
     ("get", "/metrics", "Prometheus metrics", None),
 ]

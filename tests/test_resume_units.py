@@ -260,3 +260,9 @@ def test_the_event_id_grammar_rejects_nothing_it_produces():
             ids.tokens, ids.finished = list(tokens), list(finished)
             for value in (ids._now(), ids.done(), ids.error(), ids.usage()):
                 ResumePoint.parse(value, 2)
+
+
+def test_a_responses_api_stream_cannot_be_resumed_and_says_so(router):
+    resp = requests.post(f"{router.base_url}/v1/responses", timeout=30, headers={"Last-Event-ID": "3"},
+                         json={"model": "m", "input": "w5 w6", "stream": True})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "Last-Event-ID"

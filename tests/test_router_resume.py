@@ -27,6 +27,21 @@ GRACE_S = 2
 LONG = 500  # tokens the non-resuming clients ask: far more than run in the grace period on this model
 
 
+CHAT = "/v1/chat/completions"
+
+
+def _chat_body(model_dir, prompt: list[int], stop) -> dict:
+    return {"model": str(model_dir), "messages": [{"role": "user", "content": " ".join(f"w{t}" for t in prompt)}],
+            "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True, **({"stop": stop} if stop else {})}
+
+
+def _late_word(text: str) -> str:
+    """A word of the text whose first appearance is well into it (a stop string met after the kill)."""
+    words = text.split()
+    return next(w for i, w in enumerate(words) if i >= 20 and w not in words[:i])
+
+
 def scrape(url: str) -> dict[str, float]:
     lines = requests.get(url, timeout=10).text.splitlines()
     return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in lines if line and not line.startswith("#"))}
@@ -49,6 +64,13 @@ def test_router_killed_under_16_streams_loses_none(model_dir, tmp_path):
             Router(model_dir, [mesh.address], log_dir=tmp_path, grpc_frontend=True) as b, \
             Router(model_dir, [mesh.address], log_dir=tmp_path, grpc_frontend=True) as a:
         undisturbed = [stream([b.base_url], "/v1/completions", body(p), f"u{i}") for i, p in enumerate(batch)]
+        texts = [u.text for u in undisturbed]  # (the gRPC streams' undisturbed text)
+        # half the SSE streams are chats that end at a stop string met after the kill: the resumed router
+        # rebuilds the text and the stop string's state from the token ids
+        chats = [_chat_body(model_dir, p, None) for p in batch[4:]]
+        stops = [_late_word(stream([b.base_url], CHAT, c, f"w{i}").text) for i, c in enumerate(chats)]
+        chats = [{**c, "stop": [s]} for c, s in zip(chats, stops)]
+        undisturbed[4:] = [stream([b.base_url], CHAT, c, f"v{i}") for i, c in enumerate(chats)]
         urls = [a.base_url, b.base_url]
         progress = {}  # stream -> tokens read so far
         lock = threading.Lock()
@@ -57,6 +79,8 @@ def test_router_killed_under_16_streams_loses_none(model_dir, tmp_path):
             def seen(out: Streamed) -> None:
                 with lock:
                     progress[f"sse{i}"] = len(out.token_ids)
+            if i >= 4:
+                return stream(urls, CHAT, chats[i - 4], f"sse-{i}", on_event=seen)
             return stream(urls, "/v1/completions", body(batch[i]), f"sse-{i}", on_event=seen)
 
         def grpc(i: int):
@@ -106,11 +130,14 @@ def test_router_killed_under_16_streams_loses_none(model_dir, tmp_path):
         for i in range(8):
             got = sse_results[i]
             assert got.done and got.resumes >= 1, f"SSE stream {i}"
-            assert got.token_ids == want[i] and got.text == undisturbed[i].text, f"SSE stream {i}"
-            assert got.finish_reasons == ["length"]
+            assert got.text == undisturbed[i].text and got.token_ids == undisturbed[i].token_ids, f"SSE stream {i}"
+            if i < 4:
+                assert got.token_ids == want[i] and got.finish_reasons == ["length"], f"SSE stream {i}"
+            else:  # a chat that ended at its stop string, after the resume
+                assert got.finish_reasons == ["stop"] and len(got.token_ids) > killed_at[f"sse{i}"], f"SSE {i}"
             assert all(event_id is not None for event_id in got.ids), got.ids
             ids, text, reasons = grpc_results[i]
-            assert ids == want[i] and text == undisturbed[i].text and reasons == ["length"], f"gRPC stream {i}"
+            assert ids == want[i] and text == texts[i] and reasons == ["length"], f"gRPC stream {i}"
         assert set(openai_error) == {False, True}  # the non-resuming clients saw their stream break
         # their requests end: the plain one at once, the one that asked for a resumable stream after the grace
         deadline = time.monotonic() + GRACE_S + 10

@@ -42,6 +42,9 @@ def add_routes(app: web.Application, store: ResponseStore) -> None:
 
 
 async def create(request: web.Request) -> web.StreamResponse:
+    if "Last-Event-ID" in request.headers:  # (router.resume covers chat and completions streams)
+        raise bad_request("resuming a Responses API stream (Last-Event-ID) is not built: resume chat completions "
+                          "or completions streams, or send the request again", "Last-Event-ID")
     m = validate(ResponsesRequest, await read_json(request), REFUSED, NEUTRAL)
     store = request.app[STORE]
     history = []
