@@ -1,5 +1,6 @@
 """The gateway under generated bodies (hypothesis, from the request schema and beside it): whatever comes
-in, the answer is a success or an OpenAI-shaped 4xx, never a 5xx, and /health stays 200."""
+in, the answer is a success or an OpenAI-shaped 4xx, never a 5xx, and the router stays alive (/health) and
+ready (/ready: its replica still serves)."""
 from __future__ import annotations
 
 import json
@@ -74,6 +75,7 @@ def test_no_body_gets_a_5xx(router, path, body):
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert b"InternalServerError" not in content, (path, raw[:300], content[-300:])  # not even mid-stream
     assert requests.get(f"{router.base_url}/health", timeout=10).status_code == 200
+    assert requests.get(f"{router.base_url}/ready", timeout=10).status_code == 200
 
 
 def test_numbers_past_what_a_double_or_the_parser_holds_are_400(router):

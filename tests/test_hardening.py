@@ -158,7 +158,8 @@ def test_poison_through_every_entry_point_hurts_no_stream_pp2(model, references,
                 submit_poison(mesh)
 
             under_load(r.base_url, references, poison)
-            assert requests.get(f"{r.base_url}/health", timeout=5).status_code == 200
+            assert requests.get(f"{r.base_url}/health", timeout=5).status_code == 200  # the router is alive
+            assert requests.get(f"{r.base_url}/ready", timeout=5).status_code == 200  # and its replica serves
     assert "pipeline broken" not in (tmp_path / "scheduler.log").read_text()
 
 

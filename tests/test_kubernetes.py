@@ -1,8 +1,9 @@
 """deploy/kubernetes: every object validates against a pinned Kubernetes version's schemas
 (kubernetes-validate, strict); every stagemesh command in them parses with our own CLI; the pieces fit
-together (stage count and split, addresses and ports, probes, the internal token's Secret, GPUs per
-stage, Ray's version and room for the stages); and the KubeRay head and worker commands, run as
-KubeRay runs them, serve across three network namespaces and stop cleanly on SIGTERM."""
+together (stage count and split, addresses and ports, probes, grace periods that cover the drain, the
+internal token's Secret, GPUs per stage, Ray's version and room for the stages); and the KubeRay head and
+worker commands, run as KubeRay runs them, serve across three network namespaces and stop cleanly on
+SIGTERM."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +23,9 @@ import yaml
 from netns import NetnsLan, NetnsUnavailable, clean_env
 from stagemesh.cli import build_parser
 from stagemesh.core.default_model import DEFAULT_MODEL_NAME
+from stagemesh.core.health import LIVENESS
+from stagemesh.local_mesh import EXIT_SLACK_S
+from stagemesh.ray_executor import STOP_TIMEOUT_S
 
 ROOT = Path(__file__).parents[1]
 KUBE_DIR = ROOT / "deploy" / "kubernetes"
@@ -147,11 +151,12 @@ def test_the_mp_layout_fits_together(name):
     assert stage.scheduler == router.replica[0] == f"stagemesh-scheduler:{sched.port}" and sched.port in ports
     assert sched.advertise_host == "stagemesh-scheduler" and sched.dist_port in ports
     assert stage.advertise_host == SAMPLE_ENV["POD_IP"]
-    # probes: gRPC health on the services' own ports, the router's /health on its HTTP port
-    assert _probe_port(sched_c, sched_c["readinessProbe"]) == sched.port
-    assert _probe_port(stage_c, stage_c["readinessProbe"]) == stage.port
-    assert router_c["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert _probe_port(router_c, router_c["readinessProbe"]) == router.port
+    # the stages register through the scheduler's Service before it is ready, and reach it while it drains
+    assert services["stagemesh-scheduler"]["spec"]["publishNotReadyAddresses"] is True
+    # probes: gRPC health on the services' own ports, the router's /ready and /health on its HTTP port
+    for container, port in ((sched_c, sched.port), (stage_c, stage.port), (router_c, router.port)):
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert _probe_port(container, container[probe]) == port, (container["name"], probe)
     for workload in workloads.values():  # every Service selects pods that exist
         labels = workload["spec"]["template"]["metadata"]["labels"]
         assert workload["spec"]["selector"]["matchLabels"].items() <= labels.items()
@@ -198,7 +203,45 @@ def test_the_kuberay_layout_fits_together(name):
     ports = {p["name"]: p["containerPort"] for p in head["ports"]}
     assert {p["targetPort"] for p in service["spec"]["ports"]} <= ports.keys()
     assert ports["http"] == serve.port and ports["grpc"] == serve.grpc_port
-    assert head["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert head["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert head["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+
+
+def _pre_stop_s(container: dict) -> int:
+    return container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(KUBE_DIR)))
+def test_probes_split_readiness_from_liveness_and_the_grace_period_covers_the_drain(path):
+    """Readiness: the router's /ready, the gRPC services' grpc.health.v1 "" (unready pods get no traffic);
+    liveness: /health and "liveness" (a service whose peers are away is not restarted). Kubernetes kills a
+    pod terminationGracePeriodSeconds after its deletion, preStop included: that must cover the preStop
+    sleep, the drain (--shutdown-timeout, given explicitly) and the time to exit."""
+    checked = 0
+    for doc in docs(path):
+        for template in pod_templates(doc):
+            grace = template["spec"].get("terminationGracePeriodSeconds", 30)  # Kubernetes' default
+            for c in template["spec"]["containers"]:
+                if c["name"] == "ray-worker":  # Ray's raylet: the stages it hosts are serve's to stop
+                    continue
+                argv = serve_command(c) if c["name"] == "ray-head" else [expand(a, c) for a in c["args"]]
+                args = parse(argv)
+                assert "--shutdown-timeout" in argv, f"{c['name']}: the drain's length is not given"
+                if argv[0] in ("router", "serve"):  # serve: the KubeRay head, whose router the Service reaches
+                    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}, c["name"]
+                    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}, c["name"]
+                    # endpoints are removed while the router still accepts; then it closes its listener
+                    assert _pre_stop_s(c) > 0, c["name"]
+                else:
+                    assert c["readinessProbe"]["grpc"].get("service", "") == "", c["name"]
+                    assert c["livenessProbe"]["grpc"] == {"port": args.port, "service": LIVENESS}, c["name"]
+                drain = args.shutdown_timeout
+                if argv[0] == "serve":  # on Ray, serve kills every service STOP_TIMEOUT_S - 2 after its SIGTERM
+                    assert args.distributed_executor_backend == "ray" and drain < STOP_TIMEOUT_S - 2
+                    drain = STOP_TIMEOUT_S
+                assert grace >= _pre_stop_s(c) + drain + EXIT_SLACK_S, (c["name"], grace, _pre_stop_s(c), drain)
+                checked += 1
+    assert checked == (3 if path.parent.name == "mp" else 1)
 
 
 # -- the KubeRay commands, run as KubeRay runs them, in three network namespaces ------------------------
@@ -240,9 +283,10 @@ def test_the_kuberay_commands_serve_and_stop_cleanly(default_model_dir, tmp_path
             w.spawn([*worker_c["command"], *worker_c["args"]], w_env, tmp_path / f"worker{i}.log")
         port = parse(serve_command(head_c)).port
         deadline = time.monotonic() + 240
-        while head.http("GET", f"http://{head.address}:{port}/health", timeout=5)[0] != 200:
+        while head.http("GET", f"http://{head.address}:{port}/ready", timeout=5)[0] != 200:  # the readinessProbe
             assert head_proc.poll() is None and time.monotonic() < deadline, (tmp_path / "head.log").read_text()[-4000:]
             time.sleep(2)
+        assert head.http("GET", f"http://{head.address}:{port}/health", timeout=5)[0] == 200  # the livenessProbe
         chat = {"model": DEFAULT_MODEL_NAME, "temperature": 0, "max_tokens": 16,
                 "messages": [{"role": "user", "content": "What is the capital of France?"}]}
         status, body = head.http("POST", f"http://{head.address}:{port}/v1/chat/completions", chat, timeout=120)

@@ -176,7 +176,7 @@ def test_printed_serve_command_starts_the_mesh(tiny_model_dir, tmp_path, arch, l
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                if requests.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
                     break
             except requests.RequestException:
                 pass

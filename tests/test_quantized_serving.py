@@ -81,7 +81,7 @@ def test_serve_embedded_gguf_answers_as_fp32_through_the_openai_client(fp32, tmp
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         deadline = time.monotonic() + 180
-        while not healthy(port):
+        while not ready(port):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.5)
         models = client.models.list()
@@ -96,11 +96,11 @@ def test_serve_embedded_gguf_answers_as_fp32_through_the_openai_client(fp32, tmp
         proc.wait(timeout=30)
 
 
-def healthy(port: int) -> bool:
+def ready(port: int) -> bool:
     import requests
 
     try:
-        return requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+        return requests.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
     except requests.RequestException:
         return False
 

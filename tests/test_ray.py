@@ -159,7 +159,7 @@ def test_pp2_on_two_ray_nodes_then_a_worker_node_dies_under_8_streams(ray_nodes,
                        env, log_path)
     base = f"http://{head.address}:8000"
     deadline = time.monotonic() + 180
-    while head.http("GET", f"{base}/health", timeout=5)[0] != 200:
+    while head.http("GET", f"{base}/ready", timeout=5)[0] != 200:
         assert serve.poll() is None and time.monotonic() < deadline, log_path.read_text()[-5000:]
         time.sleep(1)
     log = log_path.read_text()

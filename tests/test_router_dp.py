@@ -106,7 +106,7 @@ def test_nginx_in_front_of_routers(tiny_model_dir, tmp_path, replicas_per_router
                                   "daemon off;"], stderr=open(tmp_path / "nginx.out", "wb"))
         try:
             base = f"http://127.0.0.1:{port}"
-            _wait(lambda: requests.get(f"{base}/health", timeout=2).status_code, tmp_path / "nginx.out",
+            _wait(lambda: requests.get(f"{base}/ready", timeout=2).status_code, tmp_path / "nginx.out",
                   ok=lambda code: code == 200, timeout=30)
             ref = reference_model(model_dir)
             batch = prompts(384, (5, 12, 30, 8, 21, 3, 17, 9))
