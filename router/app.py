@@ -103,8 +103,8 @@ async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamRes
             async for gen, delta in deltas:
                 answer.add(gen, delta)
             return web.json_response(answer.body(), headers=headers)
-        ids = resume.EventIds(req.num_choices, req.resume) if req.resumable else None
-        return await _stream(request, req, answer, deltas, headers, ids)
+        return await _stream(request, req, answer, deltas, headers,
+                             resume.EventIds(req.num_choices, req.resume, enabled=req.resumable))
     finally:
         await deltas.aclose()
 
@@ -136,9 +136,9 @@ async def _echo_text(req: GenerateRequest, prompt, ids: list[int], tokenizer: To
     return await tokenizer.run(tokenizer.decode, ids, req.skip_special_tokens)
 
 
-async def _stream(request, req, answer, deltas, headers, ids: resume.EventIds | None) -> web.StreamResponse:
-    """The answer as Server-Sent Events; with `ids` each event has its id, and a resume writes only what its
-    client lacks."""
+async def _stream(request, req, answer, deltas, headers, ids: resume.EventIds) -> web.StreamResponse:
+    """The answer as Server-Sent Events, each with its id when the client asked for them; a resume writes only
+    what its client lacks."""
     first = await anext(deltas, None)  # errors before the first output still get an HTTP status
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     await resp.prepare(request)
@@ -147,26 +147,20 @@ async def _stream(request, req, answer, deltas, headers, ids: resume.EventIds | 
         while item is not None:
             gen, delta = item
             chunks = answer.chunks(gen, delta)
-            if ids is None:
-                for chunk in chunks:
-                    await resp.write(responses.sse(chunk))
-            else:
-                for event_id, chunk in ids.delta(gen.index, len(delta.token_ids), bool(delta.finish_reason), chunks):
-                    await resp.write(responses.sse(chunk, event_id))
+            for event_id, chunk in ids.delta(gen.index, len(delta.token_ids), bool(delta.finish_reason), chunks):
+                await resp.write(responses.sse(chunk, event_id))
             item = await anext(deltas, None)
-        usage_id = ids.usage() if ids is not None else ""
-        if req.include_usage and usage_id is not None:
-            await resp.write(responses.sse(answer.usage_chunk(), usage_id or None))
+        if req.include_usage and ids.usage_due:
+            await resp.write(responses.sse(answer.usage_chunk(), ids.usage()))
     except APIError as err:
-        await resp.write(responses.sse(err.body(), ids.error() if ids is not None else None))
+        await resp.write(responses.sse(err.body(), ids.error()))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:  # the status line is sent: the error goes in the stream, as an OpenAI error object
         incident = uuid.uuid4().hex[:12]
         log.exception("unexpected error while streaming %s (incident %s)", answer.id, incident)
-        await resp.write(responses.sse(APIError(500, f"internal error (incident {incident})").body(),
-                                       ids.error() if ids is not None else None))
-    await resp.write(b"data: [DONE]\n\n" if ids is None else f"id: {ids.done()}\ndata: [DONE]\n\n".encode())
+        await resp.write(responses.sse(APIError(500, f"internal error (incident {incident})").body(), ids.error()))
+    await resp.write(responses.sse_done(ids.done()))
     return resp
 
 

@@ -96,7 +96,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         prompts, gens = await launch(req, self.replicas, self.tokenizer, self.config.max_model_len,
                                      f"{'chatcmpl' if chat else 'cmpl'}-{request_id}")
         usage = frontend_pb2.Usage(prompt_tokens=len(prompts[0]))
-        ids = EventIds(req.num_choices, req.resume)  # a resume sends only what its client lacks
+        ids = EventIds(req.num_choices, req.resume, enabled=False)  # a resume sends only what its client lacks
         first = True
         async for gen, d in choices.run(req, gens, self.replicas, self.tokenizer):
             if not ids.delta(gen.index, len(d.token_ids), bool(d.finish_reason), [d]):

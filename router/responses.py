@@ -13,8 +13,17 @@ from stagemesh.core.step import TokenLogprob
 
 
 def sse(obj: dict, event_id: str | None = None) -> bytes:
+    return _event(json.dumps(obj, ensure_ascii=False), event_id)
+
+
+def sse_done(event_id: str | None = None) -> bytes:
+    """The stream's end (OpenAI's `data: [DONE]`)."""
+    return _event("[DONE]", event_id)
+
+
+def _event(data: str, event_id: str | None) -> bytes:
     head = f"id: {event_id}\n" if event_id is not None else ""
-    return f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+    return f"{head}data: {data}\n\n".encode()
 
 
 def token_logprobs(entries: list[TokenLogprob], token_text) -> list[dict]:

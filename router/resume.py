@@ -66,9 +66,11 @@ def _fmt(tokens: list[int], finished: list[bool]) -> str:
 
 @dataclass
 class EventIds:
-    """The ids of a stream's events, and which of them a resumed stream does not write again."""
+    """The ids of a stream's events (None each when not `enabled`: a client that did not ask for them), and
+    which of them a resumed stream does not write again."""
     num_choices: int
     resume: ResumePoint | None = None
+    enabled: bool = True
     tokens: list[int] = field(init=False)
     finished: list[bool] = field(init=False)
 
@@ -83,8 +85,11 @@ class EventIds:
         self.finished[choice] = self.finished[choice] or finishes
         after = _fmt(self.tokens, self.finished)
         skip = self._skipped(choice, start, finishes, len(events))
-        return [(after if j == len(events) - 1 else f"{before}/{choice}/{j}", event)
+        return [(self._id(after if j == len(events) - 1 else f"{before}/{choice}/{j}"), event)
                 for j, event in enumerate(events) if j >= skip]
+
+    def _id(self, value: str) -> str | None:
+        return value if self.enabled else None
 
     def _skipped(self, choice: int, start: int, finishes: bool, num_events: int) -> int:
         """How many of a delta's first events the client has."""
@@ -101,15 +106,19 @@ class EventIds:
             return skip
         return 0
 
+    @property
+    def usage_due(self) -> bool:
+        """Whether the usage event goes out (the client of a resume may have it)."""
+        return self.resume is None or not self.resume.has_usage
+
     def usage(self) -> str | None:
-        """The usage event's id, None when the client has it."""
-        return None if self.resume is not None and self.resume.has_usage else f"{self._now()}/usage"
+        return self._id(f"{self._now()}/usage")
 
-    def done(self) -> str:
-        return f"{self._now()}/done"
+    def done(self) -> str | None:
+        return self._id(f"{self._now()}/done")
 
-    def error(self) -> str:
-        return f"{self._now()}/error"
+    def error(self) -> str | None:
+        return self._id(f"{self._now()}/error")
 
     def _now(self) -> str:
         return _fmt(self.tokens, self.finished)

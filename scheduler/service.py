@@ -90,31 +90,33 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         trace_context = telemetry.extract([("traceparent", submit.traceparent), ("tracestate", submit.tracestate)]
                                           if submit.traceparent else None)
         try:
+            if self.drain.reason:
+                raise Unavailable(f"the replica takes no new requests: {self.drain.reason}")
             kv_source = kv_source_from_pb(r.kv_transfer) if r.HasField("kv_transfer") else None
             if kv_source is not None and kv_source.scheduler_address == self.address:  # its own prefill, held here:
                 # free it and compute the prompt (a decode replica was not to be had)
                 self.driver.release_kv(kv_source.request_id)
                 kv_source = None
-            if self.drain.reason:
-                raise Unavailable(f"the replica takes no new requests: {self.drain.reason}")
-            if r.resumable:
-                sink = self.sessions.open(r.request_id, list(r.prompt_token_ids), list(r.generated_token_ids),
-                                          connection)
-            elif r.request_id in self.sessions:
-                raise StagemeshError(f"request id {r.request_id!r} is already in use (by a resumable request)")
-            else:
-                sink = connection
+            sink = self._sink(r, connection)
             try:
                 self.driver.add(r.request_id, list(r.prompt_token_ids), sampling_from_pb(r.sampling), sink,
                                 trace_context, list(r.generated_token_ids), r.priority, r.prefill_only, kv_source)
             except StagemeshError:
-                if r.resumable:
+                if r.resumable:  # (the session just opened for it)
                     self.sessions.drop(r.request_id)
                 raise
         except StagemeshError as err:
             connection.reject(r.request_id, err)
             return
         connection.added(r.request_id)
+
+    def _sink(self, r, connection: Connection):
+        """Where a new request's outputs go: its connection, or for a resumable one a session that keeps them."""
+        if r.resumable:
+            return self.sessions.open(r.request_id, list(r.prompt_token_ids), list(r.generated_token_ids), connection)
+        if r.request_id in self.sessions:
+            raise StagemeshError(f"request id {r.request_id!r} is already in use (by a resumable request)")
+        return connection
 
     def _attach(self, attach, connection: Connection) -> None:
         try:

@@ -99,7 +99,8 @@ def test_every_event_has_an_id_and_the_ids_say_what_the_client_has():
     deltas = _deltas([(0, 2, False), (1, 3, True), (0, 1, True)])
     ids = [i for i, _ in _run(deltas)]
     assert ids == ["0,0/0/0", "2,0", "2,0/1/0", "2,0/1/1", "2,3f", "2,3f/0/0", "3f,3f"]
-    assert EventIds(1).usage() == "0/usage" and EventIds(1, ResumePoint([3], [True], has_usage=True)).usage() is None
+    assert EventIds(1).usage() == "0/usage" and not EventIds(1, ResumePoint([3], [True], has_usage=True)).usage_due
+    assert [i for i, _ in EventIds(2, enabled=False).delta(0, 2, True, ["a", "b"])] == [None, None]
 
 
 @pytest.mark.parametrize("value, choices, why", [
