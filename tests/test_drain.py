@@ -17,7 +17,7 @@ from mesh import Mesh, Router
 from parity import prompts
 from sse_client import stream
 from test_serve import alive, start_serve, wait_for
-from tiny_models import reference_greedy, reference_model
+from tiny_models import reference_model, reference_tokens
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 48
@@ -42,7 +42,7 @@ def _started(log_path) -> tuple[str, list[int]]:
 def test_sigterm_under_8_streams_lets_them_finish_and_exits_0(wide_model_dir, tmp_path):
     batch = prompts(384, (5, 40, 17, 70, 3, 33, 9, 51))
     ref = reference_model(wide_model_dir)
-    want = [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
+    want = [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
     log_path = tmp_path / "serve.log"
     proc = start_serve(wide_model_dir, log_path, "--served-model-name", "m", "--shutdown-timeout", "60")
     try:
@@ -129,19 +129,26 @@ def test_a_draining_scheduler_hands_what_it_could_not_finish_to_another_replica(
     """Replica A's scheduler is told to stop with a 1 s drain: its streams are handed back to the router at the
     end of it and go on, token-exact, on replica B; new requests meanwhile go to B only."""
     batch = prompts(384, (5, 3, 9, 17))
-    long = 120
+    long = 400  # far more than a 1 s drain finishes
     ref = reference_model(wide_model_dir)
-    want = [reference_greedy(ref, p, long)[0] for p in batch]
+    want = [reference_tokens(ref, p, long) for p in batch]
     args = ("--shutdown-timeout", "1", "--served-model-name", "m")
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     with Mesh(wide_model_dir, [2, 2], log_dir=tmp_path / "a", scheduler_args=args) as a, \
             Mesh(wide_model_dir, [2, 2], log_dir=tmp_path / "b", scheduler_args=args) as b, \
             Router(wide_model_dir, [a.address, b.address], ("--policy", "round-robin"), log_dir=tmp_path) as router:
+        progress = {}
+
+        def one(i: int):
+            def seen(out):
+                progress[i] = len(out.token_ids)
+            return stream([router.base_url], "/v1/completions", _body(batch[i], long), f"s{i}", on_event=seen)
+
         with ThreadPoolExecutor(4) as pool:
-            streams = [pool.submit(stream, [router.base_url], "/v1/completions", _body(p, long), f"s{i}")
-                       for i, p in enumerate(batch)]
-            time.sleep(1.0)
+            streams = [pool.submit(one, i) for i in range(4)]
+            while sum(v >= 5 for v in progress.values()) < 4:
+                time.sleep(0.01)
             a.scheduler.send_signal(signal.SIGTERM)
             assert a.scheduler.wait(timeout=30) == 0
             results = [s.result(timeout=120) for s in streams]
