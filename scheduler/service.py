@@ -132,7 +132,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         # healthy: it takes new requests (routers send it work); a draining replica still serves its own
         stats = scheduler_pb2.Stats(healthy=self.ready(), unhealthy_reason=d.reason or self.drain.reason,
                                     max_waiting_requests=d.max_waiting_requests, num_steps=d.num_steps,
-                                    step_seconds_total=d.step_seconds, stage_compute_seconds_total=d.compute_seconds)
+                                    step_seconds_total=d.step_seconds, stage_compute_seconds_total=d.compute_seconds,
+                                    epoch=d.epoch)
         if d.scheduler is not None:
             s = d.scheduler
             stats.num_running, stats.num_waiting, stats.kv_cache_usage = s.num_running, s.num_waiting, s.kv_cache_usage
