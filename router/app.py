@@ -187,8 +187,9 @@ async def ready(request: web.Request) -> web.Response:
 def _state(request: web.Request) -> dict:
     replicas, lifecycle = request.app[REPLICAS], request.app[LIFECYCLE]
     return {"ready": bool(replicas.healthy()) and not lifecycle.draining, "draining": lifecycle.draining,
-            "replicas": [{"address": r.address, "healthy": r.healthy, "reason": r.reason or None,
-                          "running": r.num_running, "waiting": r.num_waiting} for r in replicas.replicas]}
+            "replicas": [{"address": r.address, "healthy": r.healthy, "cordoned": r.cordoned,
+                          "reason": r.reason or None, "running": r.num_running, "waiting": r.num_waiting}
+                         for r in replicas.replicas]}
 
 
 async def tokenize(request: web.Request) -> web.Response:

@@ -71,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reuse-port", action="store_true",
                    help="listen with SO_REUSEPORT, so that several routers share the HTTP (and gRPC) port and the "
                         "kernel spreads connections over them (`stagemesh serve --api-server-count N` sets it)")
+    p.add_argument("--control-port", type=int, default=None,
+                   help="serve stagemesh.v1.RouterControl on this loopback port (0: any free port): the mesh's "
+                        "supervisor changes the replicas while the router serves, and probes this router's own "
+                        "readiness there (grpc.health.v1); needs the internal token (`stagemesh serve` sets it)")
     add_service_arguments(p, metrics_port=False)
 
 
@@ -140,6 +144,7 @@ async def _main(args: argparse.Namespace) -> int:
         grpc_server, grpc_port = await serve_frontend(FrontendServicer(replicas, tokenizer, config, app[LIFECYCLE]),
                                                       args.host, args.grpc_port)
         log.info("gRPC frontend (stagemesh.v1.Frontend) on %s:%d", args.host, grpc_port)
+    control = await _control(args, replicas, app[LIFECYCLE])
     checker = asyncio.create_task(replicas.health_loop())
     # a client that disconnects cancels its handler, which aborts the request in the scheduler
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
@@ -156,6 +161,9 @@ async def _main(args: argparse.Namespace) -> int:
     checker.cancel()
     if grpc_server is not None:
         await grpc_server.stop(grace=0)
+    if control is not None:
+        control[1].cancel()
+        await control[0].stop(grace=0)
     await runner.cleanup()
     await replicas.close()
     return 0
@@ -169,6 +177,19 @@ async def _drain(shutdown, lifecycle, site, replicas) -> None:
     await site.stop()
     if not await shutdown.drain(lambda: lifecycle.active == 0, lambda: f"{lifecycle.active} request(s)"):
         replicas.detach()
+
+
+async def _control(args: argparse.Namespace, replicas, lifecycle):
+    """The control port's server (router.control) and its health task (held while it runs), or None without
+    --control-port."""
+    if args.control_port is None:
+        return None
+    from router.control import CONTROL_HOST, serve_control
+
+    server, port, follower = await serve_control(replicas, args.control_port,
+                                                 lambda: bool(replicas.healthy()) and not lifecycle.draining)
+    log.info("control port (stagemesh.v1.RouterControl) on %s:%d", CONTROL_HOST, port)
+    return server, follower
 
 
 def _check_store(args: argparse.Namespace) -> None:

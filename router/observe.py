@@ -25,6 +25,12 @@ def configure(model_name: str, max_model_len: int, addresses: list[str]) -> None
         _state["tokens"] = m.TokenHistograms(max_model_len)
 
 
+def add_replica(address: str) -> None:
+    """A replica added while the router runs: the next engine index (one an address had stays its own)."""
+    engines = _state["engines"]
+    engines.setdefault(address, str(len(engines)))
+
+
 def _labels(address: str | None) -> tuple[str, str]:
     return _state["name"], _state["engines"].get(address or "", "0")
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.observe import kv_index_blocks, replica_state
+from router.observe import add_replica, kv_index_blocks, replica_state
 from router.errors import APIError
 from router.submit_stream import ReplicaOutput, RequestFailed, RequestStream, SubmitStream
 from stagemesh.core.sampling_params import SamplingParams
@@ -35,6 +35,7 @@ class Replica:
     served_model_name: str = ""
     scheduling_policy: str = ""  # its scheduler's --scheduling-policy (fcfs or priority)
     kv_role: str = "both"  # its scheduler's --kv-role: both, prefill or decode (disaggregated prefill)
+    cordoned: bool = False  # told (router.control) to take no new request: it is about to drain
     stub: scheduler_pb2_grpc.SchedulerStub | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -157,29 +158,72 @@ async def _first(stream: RequestStream) -> ReplicaOutput:
 class ReplicaSet:
     def __init__(self, addresses: list[str], policy, interval_s: float = 1.0, max_waiting_requests: int = 0,
                  max_request_retries: int = 3):
+        # replaced, never changed in place, when the replicas change (set_replicas): a loop over it that awaits
+        # goes on over the list it started with
         self.replicas = [Replica(a) for a in addresses]
         self.policy = policy
         self.interval_s = interval_s
         self.max_waiting_requests = max_waiting_requests  # 0: unbounded
         self.max_request_retries = max_request_retries  # times a request goes on elsewhere after its replica failed
         self.num_waiting = 0  # requests in this router still waiting for their first token
+        self._watchers: dict[str, list[asyncio.Task]] | None = None  # per replica, while health_loop runs
 
     async def refresh(self) -> None:
         await asyncio.gather(*(r.refresh() for r in self.replicas))
 
     async def health_loop(self) -> None:
-        watch_ms = max(int(self.interval_s * 250), 50)  # load figures a few times per health check
-        watchers = [asyncio.create_task(r.watch(watch_ms)) for r in self.replicas]
-        index = getattr(self.policy, "index", None)
-        if index is not None:  # a policy that routes by the replicas' KV caches
-            watchers += [asyncio.create_task(r.watch_kv_events(index)) for r in self.replicas]
+        self._watchers = {}
+        for r in self.replicas:
+            self._watch(r)
         try:
             while True:
                 await self.refresh()
                 await asyncio.sleep(self.interval_s)
         finally:
-            for w in watchers:
-                w.cancel()
+            for tasks in self._watchers.values():
+                for task in tasks:
+                    task.cancel()
+            self._watchers = None
+
+    def _watch(self, replica: Replica) -> None:
+        """Follow a replica's load figures (and KV events, for a policy that routes by them) between checks."""
+        if self._watchers is None:  # (health_loop starts them)
+            return
+        watch_ms = max(int(self.interval_s * 250), 50)  # load figures a few times per health check
+        tasks = [asyncio.create_task(replica.watch(watch_ms))]
+        index = getattr(self.policy, "index", None)
+        if index is not None:
+            tasks.append(asyncio.create_task(replica.watch_kv_events(index)))
+        self._watchers[replica.address] = tasks
+
+    async def set_replicas(self, wanted: dict[str, bool]) -> tuple[list[str], list[str]]:
+        """The replicas as a whole (address -> cordoned): new ones added (checked once before they get work),
+        those not named forgotten. Returns (added, removed) addresses."""
+        have = {r.address: r for r in self.replicas}
+        added = [Replica(a) for a in wanted if a not in have]
+        removed = [r for r in self.replicas if r.address not in wanted]
+        for r in [*self.replicas, *added]:
+            r.cordoned = wanted.get(r.address, r.cordoned)
+        await asyncio.gather(*(r.refresh() for r in added))
+        self.replicas = [r for r in self.replicas if r.address in wanted] + added
+        for r in added:
+            add_replica(r.address)
+            self._watch(r)
+        for r in removed:
+            await self._forget(r)
+        if added or removed:
+            log.info("replicas now: %s (added %s, removed %s)", ", ".join(
+                r.address + (" (cordoned)" if r.cordoned else "") for r in self.replicas),
+                ", ".join(r.address for r in added) or "none", ", ".join(r.address for r in removed) or "none")
+        return [r.address for r in added], [r.address for r in removed]
+
+    async def _forget(self, replica: Replica) -> None:
+        for task in (self._watchers or {}).pop(replica.address, []):
+            task.cancel()
+        index = getattr(self.policy, "index", None)
+        if index is not None:
+            index.clear(replica.address)
+        await replica.close()
 
     async def attach(self, request_id: str, prompt: list[int]) -> tuple[Replica, RequestStream, ReplicaOutput] | None:
         """Find the replica that holds a resumable request and attach it there: (replica, its stream, its outputs
@@ -223,7 +267,8 @@ class ReplicaSet:
         return bool(self.max_waiting_requests) and self.num_waiting >= self.max_waiting_requests
 
     def healthy(self) -> list[Replica]:
-        return [r for r in self.replicas if r.healthy]
+        """The replicas that take new requests: healthy and not cordoned."""
+        return [r for r in self.replicas if r.healthy and not r.cordoned]
 
     def pick(self, prompt: list[int], exclude: set[str] = frozenset(), pin: str | None = None,
              role: str = "whole") -> Replica | None:

@@ -12,7 +12,7 @@ PACKAGES = ("stagemesh", "scheduler", "stage_worker", "router", "kernels")
 PROTOBUF_EDGES = {
     "stagemesh.core.wire", "stagemesh.core.step_wire", "stagemesh.core.tensor_wire",  # domain <-> protobuf
     "stagemesh.core.health",  # grpc.health.v1 for every service
-    "scheduler.service", "stage_worker.service", "router.frontend",  # the servicers
+    "scheduler.service", "stage_worker.service", "router.frontend", "router.control",  # the servicers
     "scheduler.grpc_pipeline",  # the scheduler's client of the stages
     "router.submit_stream", "router.replicas",  # the router's clients of the schedulers
     "stage_worker.cli",  # the stage's registration with its scheduler
@@ -21,6 +21,7 @@ PROTOBUF_EDGES = {
     "stage_worker.validate",  # checks wire messages (activations) before they are decoded
     "stage_worker.kv_connector",  # KV blocks between prefill and decode stages (ReadKV, PullKV)
     "stagemesh.client", "stagemesh.bench.backends",  # clients of the gRPC frontend
+    "stagemesh.ops.rpc",  # serve's client of its children (readiness, load, the routers' replicas)
 }
 
 
