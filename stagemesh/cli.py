@@ -13,6 +13,7 @@ import sys
 
 from stagemesh.core.default_model import cache_root
 from stagemesh.core.errors import StagemeshError
+from stagemesh.supervisor import die_with_parent
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -53,6 +54,7 @@ def _load(module_name: str):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    die_with_parent()  # a service a supervisor started (stagemesh.supervisor) dies with it
     # the compiled CPU kernels build into the stagemesh cache, here and in every child process
     os.environ.setdefault("STAGEMESH_KERNEL_CACHE", str(cache_root() / "kernels"))
     # Import only the chosen subcommand's module (keeps --help fast).

@@ -5,20 +5,24 @@ stop (SIGTERM or SIGINT), the mesh drains front to back: the routers first (they
 let their streams finish, at most --shutdown-timeout), then the schedulers and the stages (by then idle; any
 request still running is left to them to finish or hand back); every child is gone when serve exits 0. A second
 signal ends the drain at once: it is passed on to every child, which ends its own drain, and what is left is
-killed.
+killed. While it serves, operations (stagemesh.ops: a rolling restart, scaling) add, hold and remove children;
+the drain ends a running operation first, and nothing starts once serve was told to stop.
 """
 from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from stagemesh.supervisor import Child, stop_all
 
 log = logging.getLogger("stagemesh.serve")
 TICK_S = 0.2
 EXIT_SLACK_S = 10.0  # past a drain's --shutdown-timeout, what a child has to exit before it is killed
+START_WAIT_S = 30.0  # an operation's wait for the supervision loop to start its children
 
 
 @dataclass
@@ -37,48 +41,123 @@ class Signals:
 
 
 @dataclass
+class _Start:
+    children: list[Child]
+    started: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        for child in self.children:
+            child.start()
+        self.started = True
+        self.done.set()
+
+
+@dataclass
 class LocalMesh:
     children: list[Child]
     policy: str  # --restart-policy
     shutdown_timeout_s: float
     metrics: tuple  # (up gauge, restarts counter)
     signals: Signals = field(default_factory=Signals)
+    # held while the children change (the supervision loop, an operation's add / start / remove)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    before_drain: list[Callable[[], None]] = field(default_factory=list)  # e.g. end a running operation
+    _starts: list["_Start"] = field(default_factory=list)  # children an operation asked to start
+    _thread: threading.Thread | None = None  # the supervising thread (run's)
 
     def run(self) -> int:
         """Start every child and keep them up until a signal (then drain) or a death the policy will not mend."""
+        self._thread = threading.current_thread()
         try:
-            for child in self.children:
-                if self.signals.count:  # told to stop during start-up: start no more
+            for child in list(self.children):
+                if not self.start(child):  # told to stop during start-up: start no more
                     break
-                child.start()
             code = self._supervise()
+            with self.lock:  # from here on nothing starts
+                for request in self._starts:
+                    request.done.set()
+                self._starts.clear()
+            for hook in self.before_drain:
+                hook()
             if self.signals.count:
                 self._drain()
             return code
         finally:
-            stop_all(self.children)
+            with self.lock:
+                stop_all(self.children)
+
+    @property
+    def stopping(self) -> bool:
+        return self.signals.count > 0
+
+    def start(self, child: Child) -> bool:
+        """Start (or start again) a child of the mesh; False, starting nothing, once serve was told to stop."""
+        return self._start_on_main([child])
+
+    def add(self, children: list[Child]) -> bool:
+        """Add children and start them; False, starting none, once serve was told to stop."""
+        with self.lock:
+            if self.stopping:
+                return False
+            self.children = [*self.children, *children]
+        return self._start_on_main(children)
+
+    def _start_on_main(self, children: list[Child]) -> bool:
+        """Children start on the thread that supervises them: a child dies with the thread that started it
+        (PR_SET_PDEATHSIG), and an operation's thread ends long before the mesh does."""
+        request = _Start(children)
+        with self.lock:
+            if self.stopping:
+                return False
+            if threading.current_thread() is self._thread:
+                request.run()
+            else:
+                self._starts.append(request)
+        if not request.done.wait(START_WAIT_S):
+            log.warning("starting %s: the supervision loop did not take it within %.0fs",
+                        ", ".join(c.name for c in children), START_WAIT_S)
+        return request.started
+
+    def remove(self, children: list[Child]) -> None:
+        """Forget children (an operation stopped them)."""
+        with self.lock:
+            self.children = [c for c in self.children if c not in children]
 
     def _supervise(self) -> int:
-        up, restarts = self.metrics
         while not self.signals.count:
-            now = time.monotonic()
-            for child in self.children:
-                before = child.restarts
-                reason = child.tick(now, self.policy)
-                if reason is not None:
-                    log.error("%s", reason)
-                    return 1
-                if child.restarts > before:
-                    restarts.labels(child.name).inc()
-                up.labels(child.name).set(1 if child.running else 0)
+            with self.lock:
+                reason = self._tick(time.monotonic())
+            if reason is not None:
+                log.error("%s", reason)
+                return 1
             time.sleep(TICK_S)
         return 0
+
+    def _tick(self, now: float) -> str | None:
+        up, restarts = self.metrics
+        for request in self._starts:
+            request.run()
+        self._starts.clear()
+        for child in self.children:
+            if child.held:  # an operation runs it
+                continue
+            before = child.restarts
+            reason = child.tick(now, self.policy)
+            if reason is not None:
+                return reason
+            if child.restarts > before:
+                restarts.labels(child.name).inc()
+            up.labels(child.name).set(1 if child.running else 0)
+        return None
 
     def _drain(self) -> None:
         log.info("signal %d: draining the mesh, the routers first (at most %.0fs each step; a second signal ends "
                  "the drain at once)", self.signals.last, self.shutdown_timeout_s)
-        routers = [c for c in self.children if c.kind == "router"]
-        rest = [c for c in self.children if c.kind != "router"]
+        with self.lock:
+            children = list(self.children)
+        routers = [c for c in children if c.kind == "router"]
+        rest = [c for c in children if c.kind != "router"]
         for group, what in ((routers, "the routers"), (rest, "the schedulers and stages")):
             if not self._drain_group(group, what):
                 return
@@ -86,7 +165,7 @@ class LocalMesh:
     def _drain_group(self, group: list[Child], what: str) -> bool:
         """SIGTERM the group and wait for it to exit; False when a second signal cut the drain short."""
         for child in group:
-            child.signal(signal.SIGTERM)
+            child.terminate_once()  # (one an operation is draining already goes on draining)
         deadline = time.monotonic() + self.shutdown_timeout_s + EXIT_SLACK_S
         last_log = time.monotonic()
         while any(c.alive for c in group) and time.monotonic() < deadline:

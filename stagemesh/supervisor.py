@@ -4,12 +4,16 @@
 its one child here (stagemesh.ray_actor), so both restart a dead service the same way: with backoff
 (1 s doubling to 30 s, back to 1 s after a minute of good running), except when it exited with code 2
 (a configuration it refuses: no restart can fix it) or under `--restart-policy never`. A child dies
-with the thread that started it (PR_SET_PDEATHSIG), so none outlives its supervisor.
+with the thread that started it (PR_SET_PDEATHSIG), so none outlives its supervisor: the child sets it itself
+as its command line starts (die_with_parent), because a supervisor that talks gRPC (serve's operations) must not
+run code between fork and exec (gRPC's fork handlers there abort the child now and then); without a preexec_fn
+the child is started with vfork and nothing runs before its exec.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -21,6 +25,7 @@ log = logging.getLogger("stagemesh.serve")
 RESTART_BACKOFF_S = (1.0, 30.0)  # first and longest wait before a dead child starts again
 STABLE_AFTER_S = 60.0  # a child that ran this long restarts after the first wait again
 EXIT_REFUSED = 2  # a bad flag, model or port: the child's own error says which
+PARENT_ENV = "STAGEMESH_SUPERVISOR_PID"  # the supervisor's pid, in a child's environment (die_with_parent)
 
 
 @dataclass
@@ -34,12 +39,14 @@ class Child:
     failures: int = 0  # deaths in a row, each within STABLE_AFTER_S of its start
     restart_at: float | None = None  # a dead child's next start
     restarts: int = 0
+    held: bool = False  # an operation (a rolling restart, a scale-in) runs it: no restart, no policy
+    terminated: int | None = None  # the pid it sent SIGTERM to (terminate_once)
 
     def start(self) -> None:
         # a process group of its own: a terminal's Ctrl-C (SIGINT to the whole foreground group) reaches only
         # the supervisor, which drains its children in order rather than all of them at once
-        self.proc = subprocess.Popen([sys.executable, "-m", "stagemesh", *self.argv], env=self.env,
-                                     preexec_fn=_die_with_parent, process_group=0)
+        env = {**self.env, PARENT_ENV: str(os.getpid())}
+        self.proc = subprocess.Popen([sys.executable, "-m", "stagemesh", *self.argv], env=env, process_group=0)
         self.started, self.restart_at = time.monotonic(), None
         log.info("started %s (pid %d): stagemesh %s", self.name, self.proc.pid, " ".join(self.argv))
 
@@ -55,6 +62,12 @@ class Child:
     def signal(self, signum: int) -> None:
         if self.alive:
             self.proc.send_signal(signum)
+
+    def terminate_once(self) -> None:
+        """SIGTERM, unless this process already had it (a second one would cut its drain short)."""
+        if self.alive and self.terminated != self.proc.pid:
+            self.terminated = self.proc.pid
+            self.proc.send_signal(signal.SIGTERM)
 
     def tick(self, now: float, policy: str) -> str | None:
         """One look at the child: schedule or make its restart. Returns why the mesh must stop, if it must."""
@@ -98,8 +111,15 @@ def stop_all(children: list[Child], timeout: float = 15.0) -> None:
         child.stop(max(deadline - time.monotonic(), 0.1))
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """In a child a supervisor started (its pid in the environment): SIGTERM when the thread that started it
+    ends; exit at once if that already happened."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None:
+        return
     try:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if os.getppid() != int(parent):
+        raise SystemExit("stagemesh: the supervisor that started this service is gone")
