@@ -19,59 +19,21 @@ import argparse
 import logging
 import os
 import signal
-import socket
-from dataclasses import dataclass, field
 
 from stagemesh.core import internal_token
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.logs import setup_logging
-from stagemesh.core.service_options import add_service_arguments, service_argv
+from stagemesh.core.service_options import add_service_arguments
+from stagemesh.layout import Addresses, ChildSpec, cpu_stage_env, free_port, plan_commands  # noqa: F401 (API)
 from stagemesh.ray_actor import NODE_IP
 from stagemesh.local_mesh import LocalMesh, Signals
 from stagemesh.supervisor import Child
 
 log = logging.getLogger("stagemesh.serve")
 
-# OpenMP workers of a CPU stage spin this many rounds after each parallel region before they sleep
-# (libgomp's default, 300,000, is milliseconds on these machines). Stages of one host share its
-# cores: a stage that finished its micro-batch would spin on the cores the next stage computes on.
-# 20,000 still bridges the gaps between the ops of one step. Measured at batch 1, PP=2, 2 threads
-# per stage on 2 cores (benchmarks/profile_mesh_step.py --threads 2): 44-45 ms per token against
-# 58-64 ms with the default. A GOMP_SPINCOUNT or OMP_WAIT_POLICY of the user's is left alone.
-CPU_STAGE_SPIN_COUNT = "20000"
 # On Ray a stage may be lost with its node: Ray declares a node dead after missing its health checks (about
 # 15 s by default), then places the stage elsewhere and it loads its weights; 30 s would not cover that.
 RAY_STAGE_RECOVERY_TIMEOUT_S = 90.0
-
-
-@dataclass(frozen=True)
-class ChildSpec:
-    """One service of the mesh: its command line, what it adds to its environment, what it needs."""
-    name: str
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    kind: str = "stage"  # scheduler, stage or router
-    cpus: int = 0  # CPUs it asks of a Ray cluster (a stage: its TP ranks x threads; the others run on the head)
-    gpus: int = 0
-
-
-@dataclass(frozen=True)
-class Addresses:
-    """Where the services listen: all on loopback (mp), or the router and schedulers on the head node's
-    address and each stage on its own node's (NODE_IP, known once Ray placed it)."""
-    head: str = "127.0.0.1"
-    stage: str | None = None
-
-    @property
-    def local(self) -> bool:
-        return self.stage is None
-
-
-def cpu_stage_env() -> dict[str, str]:
-    """What a CPU stage process of this host gets added to its environment."""
-    if {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys():
-        return {}
-    return {"GOMP_SPINCOUNT": CPU_STAGE_SPIN_COUNT}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -165,112 +127,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_model_arguments(p)
     add_service_arguments(p)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def plan_commands(args: argparse.Namespace, model: str | None, num_layers: int, cuda: bool,
-                  addresses: Addresses = Addresses(), stage_model: list[str] | None = None) -> list[ChildSpec]:
-    """Every service of the mesh, schedulers before their stages, the router last. `model` None: each service
-    resolves the embedded default model on its own node. `stage_model`: the stages' MODEL and weight flags
-    where they differ from `model` (a GGUF, --quantization; stagemesh.core.model_source)."""
-    from stagemesh.core.model_config import layer_ranges, layer_split, parse_layer_split
-
-    pp, tp, dp = args.pipeline_parallel_size, args.tensor_parallel_size, args.data_parallel_size
-    split = (parse_layer_split(args.layer_split, num_layers, pp) if args.layer_split else layer_split(num_layers, pp))
-    if addresses.local:
-        threads = args.threads or max(1, (os.cpu_count() or 1) // (dp * pp * tp))
-    else:  # the cores of a node Ray has not chosen yet: what the stage asks of Ray
-        threads = args.threads or 1
-    device = "cuda" if cuda else "cpu"
-    model_arg = [] if model is None else [model]
-    stage_model = model_arg if stage_model is None else stage_model
-    common_sched = _flags(args, ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                                 "served_model_name", "stage_recovery_timeout", "max_request_retries",
-                                 "scheduling_policy", "resume_grace_period"))
-    if not args.enable_prefix_caching:
-        common_sched.append("--no-enable-prefix-caching")
-    if args.async_scheduling is not None:
-        common_sched.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
-    spec = speculative_config(args)
-    if spec is not None:
-        common_sched += ["--speculative-config", spec.to_json()]
-    head = [] if addresses.local else ["--host", addresses.head, "--advertise-host", addresses.head]
-    stage_host = [] if addresses.local else ["--host", addresses.stage, "--advertise-host", addresses.stage]
-    children, replicas, gpu = [], [], 0
-    ep_port = free_port() if args.enable_expert_parallel and dp > 1 else None  # replica 0's stage hosts the store
-    for r in range(dp):
-        port = free_port(addresses.head)
-        replicas.append(f"{addresses.head}:{port}")
-        role = [] if not args.prefill_replicas else ["--kv-role", "prefill" if r < args.prefill_replicas else "decode"]
-        children.append(ChildSpec(f"scheduler[{r}]", ["scheduler", *model_arg, *head, "--port", str(port),
-                                                      "--pipeline-parallel-size", str(pp), *common_sched, *role,
-                                                      *_service(args, r * (pp + 1))], kind="scheduler"))
-        for i, (a, b) in enumerate(layer_ranges(split)):
-            env = {} if cuda else cpu_stage_env()
-            if cuda and addresses.local:  # Ray gives each stage its GPUs itself
-                env = {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu + t) for t in range(tp))}
-                gpu += tp
-            argv = ["stage", *stage_model, "--scheduler", replicas[-1], "--stage-index", str(i), "--layers", f"{a}:{b}",
-                    "--tensor-parallel-size", str(tp), "--handoff", args.handoff, "--device", device,
-                    "--threads", str(threads), *stage_host, *_service(args, r * (pp + 1) + 1 + i),
-                    *(["--enforce-eager"] if args.enforce_eager else []),
-                    *(["--speculative-config", spec.to_json()] if spec is not None and spec.uses_draft_model
-                      and i == pp - 1 else []),
-                    *(["--enable-expert-parallel"] if args.enable_expert_parallel else []),
-                    *(["--enable-eplb"] if args.enable_eplb else []), *_flags(args, ("eplb_config",)),
-                    *(["--data-parallel-size", str(dp), "--data-parallel-rank", str(r), "--data-parallel-address",
-                       "127.0.0.1", "--data-parallel-rpc-port", str(ep_port)] if ep_port else []),
-                    *_flags(args, ("dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization"))]
-            children.append(ChildSpec(f"stage[{r}.{i}]", argv, env, "stage", tp * threads, tp if cuda else 0))
-    return children + router_commands(args, model_arg, replicas)
-
-
-def router_commands(args: argparse.Namespace, model_arg: list[str], replicas: list[str]) -> list[ChildSpec]:
-    """The --api-server-count routers, on one HTTP port and one gRPC port (SO_REUSEPORT when several)."""
-    n = args.api_server_count
-    router = ["router", *model_arg, "--host", args.host, "--port", str(args.port), *_service(args, None)]
-    for replica in replicas:
-        router += ["--replica", replica]
-    router += ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
-    router += ["--reuse-port"] if n > 1 else []
-    router += ["--trust-request-chat-template"] if args.trust_request_chat_template else []
-    router += _flags(args, ("grpc_port", "served_model_name", "api_key", "max_model_len", "tool_call_parser",
-                            "max_request_retries", "policy", "responses_store", "responses_store_size",
-                            "responses_store_ttl", "chat_template_timeout"))
-    return [ChildSpec("router" if n == 1 else f"router[{i}]", router, kind="router") for i in range(n)]
-
-
-def speculative_config(args: argparse.Namespace):
-    """--speculative-config parsed (None without one); refused with --async-scheduling."""
-    from stagemesh.core.speculative import ASYNC_WITH_SPECULATION, parse_speculative_config
-
-    spec = parse_speculative_config(args.speculative_config)
-    if spec is not None and args.async_scheduling:
-        raise StagemeshError(ASYNC_WITH_SPECULATION)
-    return spec
-
-
-def _service(args: argparse.Namespace, metrics_offset: int | None) -> list[str]:
-    """Logs, traces, TLS for a child; a metrics port when --metrics-port is given (not for the router,
-    whose metrics are on its HTTP port)."""
-    argv = service_argv(args)
-    if metrics_offset is not None and args.metrics_port is not None:
-        argv += ["--metrics-port", str(args.metrics_port + metrics_offset)]
-    return argv
-
-
-def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
-    out = []
-    for name in names:
-        value = getattr(args, name)
-        if value is not None:
-            out += [f"--{name.replace('_', '-')}", str(value)]
-    return out
 
 
 def run(args: argparse.Namespace) -> int:
