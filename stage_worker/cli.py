@@ -327,7 +327,10 @@ def keep_registered(scheduler: str, servicer, stop: threading.Event, shutdown=No
                     warned = True
                     log.warning("no scheduler answers at %s (%s); retrying", scheduler, err.code().name)
                 delay = min(delay * 2, interval_s)
-            (shutdown.hurry if shutdown is not None else stop).wait(DRAIN_BEAT_S if draining else delay)
+            if shutdown is None:
+                stop.wait(delay)
+            else:  # told to stop, the stage says so in its next heartbeat at once, not a beat later
+                (shutdown.hurry if draining else shutdown.requested).wait(DRAIN_BEAT_S if draining else delay)
             if shutdown is not None and shutdown.hurry.is_set():
                 stop.set()
 
