@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("stagemesh.generate", "answer one prompt in-process, without the mesh"),
     "plan": ("stagemesh.plan.cli", "plan tensor/pipeline/data parallel sizes and their memory"),
     "bench": ("stagemesh.bench.cli", "serving benchmark against a running router"),
+    "rollout": ("stagemesh.ops.rollout_cli", "restart every service of a running serve, one at a time, losing nothing"),
+    "scale": ("stagemesh.ops.scale_cli", "add or remove data-parallel replicas of a running serve"),
 }
 
 

@@ -11,7 +11,9 @@ schedulers find each other again. Only Ctrl-C or SIGTERM stop the mesh, which
 drains first (stagemesh.local_mesh; `--restart-policy never`: the first death
 stops it, for debugging). The
 services share a generated internal token (in their environment) unless one is
-given.
+given. On the mp backend an admin API (stagemesh.ops) restarts every service one
+at a time (`stagemesh rollout`) and adds or removes replicas while the mesh serves
+(`stagemesh scale`, or the autoscaler: --autoscale-max-replicas).
 """
 from __future__ import annotations
 
@@ -23,11 +25,11 @@ import signal
 from stagemesh.core import internal_token
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.logs import setup_logging
-from stagemesh.core.service_options import add_service_arguments
-from stagemesh.layout import Addresses, ChildSpec, cpu_stage_env, free_port, plan_commands  # noqa: F401 (API)
+from stagemesh.core.service_options import add_service_arguments, configure_tls
+from stagemesh.layout import Addresses, ChildSpec, MeshLayout, cpu_stage_env, free_port, plan_commands  # noqa: F401
 from stagemesh.ray_actor import NODE_IP
-from stagemesh.local_mesh import LocalMesh, Signals
-from stagemesh.supervisor import Child
+from stagemesh.local_mesh import Signals
+from stagemesh.ops import mesh as ops_mesh, serve_ops
 
 log = logging.getLogger("stagemesh.serve")
 
@@ -126,6 +128,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from stagemesh.core.model_source import add_model_arguments
 
     add_model_arguments(p)
+    serve_ops.add_arguments(p)
     add_service_arguments(p)
 
 
@@ -133,7 +136,9 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
     signals = Signals().install()  # a signal during start-up: nothing more starts, and serve exits 0
     _check_layout(args)
+    autoscale = serve_ops.autoscale_config(args)
     token = internal_token.configure(args) or internal_token.new_token()
+    configure_tls(args.tls_cert, args.tls_key, args.tls_ca)  # (serve's own calls to its children)
     if args.distributed_executor_backend == "ray":
         return _run_on_ray(args, token)
     source, cfg = _model(args)
@@ -141,11 +146,16 @@ def run(args: argparse.Namespace) -> int:
     _check_expert_parallel(cfg, args, cuda)
     _check_quantization(source, cfg, cuda)
     base_env = {**os.environ, internal_token.ENV: token}
-    children = [Child(s.name, s.argv, {**base_env, **s.env}, s.kind)
-                for s in plan_commands(args, str(source.model_dir), cfg.num_hidden_layers, cuda,
-                                       stage_model=source.stage_args())]
+    layout = MeshLayout.build(args, str(source.model_dir), cfg.num_hidden_layers, cuda,
+                              stage_model=source.stage_args(), control=True)
     metrics = _serve_metrics(args, args.data_parallel_size * (args.pipeline_parallel_size + 1))
-    return LocalMesh(children, args.restart_policy, args.shutdown_timeout, metrics, signals).run()
+    mesh = ops_mesh.build(args, layout, base_env, signals, metrics, token)
+    admin = serve_ops.Admin(args, serve_ops.controller_for(mesh, autoscale))
+    try:
+        return mesh.local.run()
+    finally:
+        admin.close()
+        mesh.rpc.close()
 
 
 def _run_on_ray(args: argparse.Namespace, token: str) -> int:
@@ -166,7 +176,11 @@ def _run_on_ray(args: argparse.Namespace, token: str) -> int:
         model = None if args.model is None else str(model_dir)
         specs = plan_commands(args, model, cfg.num_hidden_layers, cuda, Addresses(cluster.head_ip, NODE_IP))
         metrics = _serve_metrics(args, args.data_parallel_size * (args.pipeline_parallel_size + 1))
-        return cluster.serve(specs, {internal_token.ENV: token}, _on_signals(), args.restart_policy, metrics)
+        admin = serve_ops.Admin(args, serve_ops.RayRefusal())
+        try:
+            return cluster.serve(specs, {internal_token.ENV: token}, _on_signals(), args.restart_policy, metrics)
+        finally:
+            admin.close()
     finally:
         cluster.shutdown()
 

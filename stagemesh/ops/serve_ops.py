@@ -1,0 +1,161 @@
+"""serve's operations wired in: its admin and autoscale flags, the controller the admin API calls, and what serve
+starts and stops around its mesh (the admin API and its file, the autoscaler, the end of a running operation
+before the drain)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import threading
+from dataclasses import dataclass, field
+
+from stagemesh.core.errors import StagemeshError
+from stagemesh.ops import admin_file
+from stagemesh.ops.admin_api import AdminServer
+from stagemesh.ops.autoscale import AutoscaleConfig, Autoscaler, Load
+from stagemesh.ops.mesh import ServeMesh
+from stagemesh.ops.operation import Operations, Refused
+from stagemesh.ops.rollout import rollout
+from stagemesh.ops.scaling import check_scale, scale, serving
+
+log = logging.getLogger("stagemesh.serve")
+RAY_REFUSAL = ("rolling restarts and scaling are not built for --distributed-executor-backend ray yet (Ray restarts "
+               "and places the services itself): use the mp backend")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("operations: the admin API (stagemesh rollout, stagemesh scale) and the autoscaler")
+    g.add_argument("--admin-host", default="127.0.0.1", help="the admin API's address (default: loopback only)")
+    g.add_argument("--admin-port", type=int, default=0,
+                   help="the admin API's port (default 0: any free port; the commands on this host find it in the "
+                        "stagemesh cache, admin/serve-<pid>.json)")
+    g.add_argument("--admin-api-key", default=None, metavar="KEY",
+                   help=f"the key every admin call must carry (default: ${admin_file.ENV_KEY}; neither: serve "
+                        "generates one and keeps it, mode 0600, in its admin file for the commands on this host)")
+    g.add_argument("--autoscale-min-replicas", type=int, default=None, metavar="N",
+                   help="the autoscaler keeps at least N replicas (default 1, or --prefill-replicas + 1)")
+    g.add_argument("--autoscale-max-replicas", type=int, default=None, metavar="N",
+                   help="turn the autoscaler on: it adds replicas up to N under load and removes them after "
+                        "(docs/operations.md)")
+    g.add_argument("--autoscale-target-waiting", type=float, default=4.0, metavar="REQUESTS",
+                   help="grow when more requests than this wait per replica (default 4)")
+    g.add_argument("--autoscale-target-kv-usage", type=float, default=0.8, metavar="FRACTION",
+                   help="grow when the replicas' mean KV cache usage passes this (default 0.8)")
+    g.add_argument("--autoscale-scale-up-window", type=float, default=30.0, metavar="SECONDS",
+                   help="how long the load must stay above a target before a replica is added (default 30)")
+    g.add_argument("--autoscale-scale-down-window", type=float, default=300.0, metavar="SECONDS",
+                   help="how long one replica fewer must look enough before one is removed (default 300)")
+    g.add_argument("--autoscale-cooldown", type=float, default=60.0, metavar="SECONDS",
+                   help="no change this long after the last one (default 60)")
+    g.add_argument("--autoscale-interval", type=float, default=2.0, metavar="SECONDS",
+                   help="seconds between two looks at the replicas' load (default 2)")
+
+
+def autoscale_config(args: argparse.Namespace) -> AutoscaleConfig | None:
+    """The autoscaler's settings (None: it is off); StagemeshError for settings it cannot follow."""
+    if args.autoscale_max_replicas is None:
+        if args.autoscale_min_replicas is not None:
+            raise StagemeshError("--autoscale-min-replicas needs --autoscale-max-replicas (which turns it on)")
+        return None
+    if args.distributed_executor_backend == "ray":
+        raise StagemeshError(f"--autoscale-max-replicas: {RAY_REFUSAL}")
+    floor = args.prefill_replicas + 1 if args.prefill_replicas else 1
+    low = floor if args.autoscale_min_replicas is None else args.autoscale_min_replicas
+    high, dp = args.autoscale_max_replicas, args.data_parallel_size
+    if low < floor or not low <= dp <= high:
+        raise StagemeshError(f"the autoscaler needs {floor} <= --autoscale-min-replicas ({low}) <= "
+                             f"--data-parallel-size ({dp}) <= --autoscale-max-replicas ({high})")
+    if args.enable_expert_parallel:
+        raise StagemeshError("--autoscale-max-replicas is not built for --enable-expert-parallel (the experts' "
+                             "layout is fixed at start)")
+    numbers = (args.autoscale_target_waiting, args.autoscale_target_kv_usage, args.autoscale_scale_up_window,
+               args.autoscale_scale_down_window, args.autoscale_cooldown)
+    if min(numbers) < 0 or args.autoscale_interval <= 0 or not 0 < args.autoscale_target_kv_usage <= 1:
+        raise StagemeshError("the autoscaler's windows, cooldown and targets must be >= 0, its interval > 0 and "
+                             "--autoscale-target-kv-usage in (0, 1]")
+    return AutoscaleConfig(low, high, args.autoscale_target_waiting, args.autoscale_target_kv_usage,
+                           args.autoscale_scale_up_window, args.autoscale_scale_down_window, args.autoscale_cooldown,
+                           args.autoscale_interval)
+
+
+@dataclass
+class MeshController:
+    """What the admin API (and the autoscaler) call on an mp mesh."""
+    mesh: ServeMesh
+    ops: Operations = field(default_factory=Operations)
+    autoscaler: Autoscaler | None = None
+
+    def status(self) -> dict:
+        return {"backend": "mp", **self.mesh.describe(), **self.ops.status(),
+                "autoscale": self.autoscaler.describe() if self.autoscaler is not None else None}
+
+    def rollout(self, surge: bool) -> dict:
+        return self.ops.start(rollout(self.mesh, surge)).to_dict()
+
+    def scale(self, n: int, reason: str = "asked by the admin API") -> dict | None:
+        bounds = None if self.autoscaler is None else (self.autoscaler.policy.cfg.min_replicas,
+                                                       self.autoscaler.policy.cfg.max_replicas)
+        check_scale(self.mesh, n, bounds)
+        op = scale(self.mesh, n, reason)
+        return None if op is None else self.ops.start(op).to_dict()
+
+    def load(self) -> Load | None:
+        groups = serving(self.mesh)
+        views = [v for g in groups if (v := self.mesh.rpc.scheduler(g.address)) is not None]
+        if not views or len(views) < len(groups):  # one does not answer: no decision on half the figures
+            return None
+        return Load(len(views), sum(v.num_waiting for v in views), sum(v.kv_cache_usage for v in views) / len(views))
+
+    def autoscale(self, n: int, reason: str) -> None:
+        try:
+            self.scale(n, reason)
+        except Refused as err:
+            log.warning("autoscaler: scaling to %d refused: %s", n, err)
+
+
+class RayRefusal:
+    """The admin API of a mesh on Ray: status, and a clear refusal of every operation (501)."""
+
+    def status(self) -> dict:
+        return {"backend": "ray", "operation": None, "last_operation": None, "autoscale": None}
+
+    def rollout(self, surge: bool) -> dict:
+        raise Refused(501, RAY_REFUSAL)
+
+    def scale(self, n: int) -> dict | None:
+        raise Refused(501, RAY_REFUSAL)
+
+
+class Admin:
+    """The admin API and its file, and the autoscaler's thread, for the life of serve."""
+
+    def __init__(self, args: argparse.Namespace, controller):
+        key = args.admin_api_key or os.environ.get(admin_file.ENV_KEY) or None
+        generated = key is None
+        key = key or secrets.token_urlsafe(32)
+        self.server = AdminServer(controller, key, args.admin_host, args.admin_port)
+        port = self.server.start()
+        url = f"http://{args.admin_host}:{port}"
+        self.file = admin_file.write(url, key if generated else None)
+        log.info("admin API on %s (stagemesh rollout / stagemesh scale on this host find it in %s; the key is %s)",
+                 url, self.file, "there, mode 0600" if generated else "the one serve was given")
+        self.autoscaler = getattr(controller, "autoscaler", None)
+        if self.autoscaler is not None:
+            threading.Thread(target=self.autoscaler.run, name="autoscaler", daemon=True).start()
+
+    def close(self) -> None:
+        if self.autoscaler is not None:
+            self.autoscaler.stop_event.set()
+        self.server.stop()
+        self.file.unlink(missing_ok=True)
+
+
+def controller_for(mesh: ServeMesh, cfg: AutoscaleConfig | None) -> MeshController:
+    controller = MeshController(mesh)
+    if cfg is not None:
+        controller.autoscaler = Autoscaler(cfg, controller.load, controller.autoscale, lambda: controller.ops.busy)
+    mesh.local.before_drain.append(controller.ops.stop)
+    if controller.autoscaler is not None:
+        mesh.local.before_drain.insert(0, controller.autoscaler.stop_event.set)
+    return controller
