@@ -76,7 +76,7 @@ def serve_command(container: dict) -> list[str]:
 def test_every_manifest_is_here():
     names = {str(p.relative_to(KUBE_DIR)) for p in MANIFESTS}
     assert names == {"mp/stagemesh.yaml", "mp/stagemesh.cuda.yaml", "kuberay/raycluster.yaml",
-                     "kuberay/raycluster.cuda.yaml"}
+                     "kuberay/raycluster.cuda.yaml", "hpa/stagemesh-serve-hpa.yaml"}
     assert (KUBE_DIR / "README.md").is_file()
 
 
