@@ -43,13 +43,14 @@ async def errors_and_auth(request: web.Request, handler):
     lifecycle = request.app[LIFECYCLE]
     if request.path in PROBES:
         return await _answer(request, handler)
-    if lifecycle.draining:  # new work goes to another router
-        resp = APIError(503, "this router is shutting down: send the request to another one", retry_after=1).response()
-        resp.force_close()
-        return resp
+    # draining, the router listens no more (new connections go to the other routers): what still comes on a
+    # connection it had accepted is served, and the connection closed after it
     lifecycle.active += 1
     try:
-        return await _answer(request, handler)
+        resp = await _answer(request, handler)
+        if lifecycle.draining:
+            resp.force_close()
+        return resp
     finally:
         lifecycle.active -= 1
 

@@ -9,6 +9,7 @@ from stagemesh.core.heap import freeze_startup_heap
 from stagemesh.core.service_options import add_service_arguments, setup_service
 
 log = logging.getLogger("stagemesh.router")
+SHARED_PORT_WAIT_S = 300.0  # a --reuse-port router's wait for a healthy replica before it listens
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -137,6 +138,10 @@ async def _main(args: argparse.Namespace) -> int:
         AioHttpServerInstrumentor().instrument(tracer_provider=trace.get_tracer_provider())
     app = build_app(replicas, tokenizer, config)
     await _report_store(app)
+    control = await _control(args, replicas, app[LIFECYCLE])
+    checker = asyncio.create_task(replicas.health_loop())
+    if args.reuse_port:
+        await _wait_for_a_replica(replicas, shutdown)
     grpc_server = None
     if args.grpc_port is not None:
         from router.frontend import FrontendServicer, serve_frontend
@@ -144,8 +149,6 @@ async def _main(args: argparse.Namespace) -> int:
         grpc_server, grpc_port = await serve_frontend(FrontendServicer(replicas, tokenizer, config, app[LIFECYCLE]),
                                                       args.host, args.grpc_port)
         log.info("gRPC frontend (stagemesh.v1.Frontend) on %s:%d", args.host, grpc_port)
-    control = await _control(args, replicas, app[LIFECYCLE])
-    checker = asyncio.create_task(replicas.health_loop())
     # a client that disconnects cancels its handler, which aborts the request in the scheduler
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
                            keepalive_timeout=args.http_timeout_keep_alive, shutdown_timeout=1.0)
@@ -167,6 +170,24 @@ async def _main(args: argparse.Namespace) -> int:
     await runner.cleanup()
     await replicas.close()
     return 0
+
+
+async def _wait_for_a_replica(replicas, shutdown) -> None:
+    """A router that shares its ports (--reuse-port) joins them only once a replica can serve: the kernel spreads
+    new connections over every router listening there, ready or not (at most SHARED_PORT_WAIT_S, then it joins
+    anyway and answers 503 until a replica serves)."""
+    loop = asyncio.get_running_loop()
+    start = last = loop.time()
+    while not replicas.healthy() and not shutdown.requested.is_set():
+        now = loop.time()
+        if now - start > SHARED_PORT_WAIT_S:
+            log.warning("no replica is healthy after %.0fs: joining the shared port anyway", SHARED_PORT_WAIT_S)
+            return
+        if now - last >= 5 or now == start:
+            last = now
+            log.info("waiting for a healthy replica before joining the shared port (at most %.0fs left)",
+                     SHARED_PORT_WAIT_S - (now - start))
+        await asyncio.sleep(0.1)
 
 
 async def _drain(shutdown, lifecycle, site, replicas) -> None:
