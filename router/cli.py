@@ -155,6 +155,7 @@ async def _main(args: argparse.Namespace) -> int:
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, reuse_port=args.reuse_port or None)
     await site.start()
+    app[LIFECYCLE].listening = True
     port = runner.addresses[0][1]
     log.info("router serving %s on http://%s:%d over %d replica(s) (%s); OpenAI API at /v1", name, args.host, port,
              len(replicas.replicas), args.policy)
@@ -208,7 +209,8 @@ async def _control(args: argparse.Namespace, replicas, lifecycle):
     from router.control import CONTROL_HOST, serve_control
 
     server, port, follower = await serve_control(replicas, args.control_port,
-                                                 lambda: bool(replicas.healthy()) and not lifecycle.draining)
+                                                 lambda: lifecycle.listening and bool(replicas.healthy())
+                                                 and not lifecycle.draining)
     log.info("control port (stagemesh.v1.RouterControl) on %s:%d", CONTROL_HOST, port)
     return server, follower
 

@@ -18,6 +18,7 @@ class Lifecycle:
     def __init__(self) -> None:
         self.draining = False
         self.active = 0  # requests being answered (not /health, /ready or /metrics)
+        self.listening = False  # its HTTP port is bound (the control port's readiness waits for it)
 
 
 REPLICAS = web.AppKey("replicas", ReplicaSet)
