@@ -16,7 +16,7 @@ from typing import Callable
 
 from stagemesh.ops.mesh import ReplicaGroup, RouterChild, ServeMesh
 from stagemesh.ops.operation import Operation, Progress, Refused
-from stagemesh.ops.scaling import add_replica, remove_replica, serving
+from stagemesh.ops.scaling import add_replica, check_gpus, remove_replica, serving
 from stagemesh.ops.steps import replica_ready, restart_child, wait_for_another_replica, wait_for_another_router
 from stagemesh.supervisor import Child
 
@@ -26,6 +26,8 @@ def check_rollout(mesh: ServeMesh, surge: bool) -> None:
     if args.enable_expert_parallel and args.data_parallel_size > 1:
         raise Refused(400, "a rolling restart is not built for --enable-expert-parallel across replicas: their "
                            "stages form one expert group, which a restarted stage breaks for every replica")
+    if surge:
+        check_gpus(mesh, len(serving(mesh)) + 1)
     if len(serving(mesh)) < 2 and not surge:
         raise Refused(400, "a rolling restart of a mesh of one replica would leave no replica to serve while its "
                            "services restart: ask for --surge (a replica is added for the rollout's time, then "

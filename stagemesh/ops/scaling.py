@@ -43,10 +43,11 @@ def check_scale(mesh: ServeMesh, n: int, bounds: tuple[int, int] | None = None) 
     if bounds is not None and not bounds[0] <= n <= bounds[1]:
         raise Refused(400, f"--data-parallel-size {n}: the autoscaler keeps the replicas between "
                            f"--autoscale-min-replicas {bounds[0]} and --autoscale-max-replicas {bounds[1]}")
-    _check_gpus(mesh, n)
+    check_gpus(mesh, n)
 
 
-def _check_gpus(mesh: ServeMesh, n: int) -> None:
+def check_gpus(mesh: ServeMesh, n: int) -> None:
+    """Refused (400) when n replicas need more GPUs than this host has."""
     layout = mesh.layout
     if not layout.cuda:
         return
