@@ -77,7 +77,7 @@ class EventIds:
     def __post_init__(self) -> None:
         self.tokens, self.finished = [0] * self.num_choices, [False] * self.num_choices
 
-    def delta(self, choice: int, num_tokens: int, finishes: bool, events: list) -> list[tuple[str, object]]:
+    def delta(self, choice: int, num_tokens: int, finishes: bool, events: list) -> list[tuple[str | None, object]]:
         """(id, event) of a delta's events that go out; the delta covers `num_tokens` more of `choice`."""
         before = _fmt(self.tokens, self.finished)
         start = self.tokens[choice]
