@@ -16,7 +16,7 @@ import requests
 from mesh import Mesh, Router
 from parity import prompts
 from sse_client import stream
-from test_serve import alive, start_serve, wait_for
+from test_serve import alive, serving, wait_for
 from tiny_models import reference_model, reference_tokens
 
 pytestmark = pytest.mark.slow
@@ -44,8 +44,7 @@ def test_sigterm_under_8_streams_lets_them_finish_and_exits_0(wide_model_dir, tm
     ref = reference_model(wide_model_dir)
     want = [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
     log_path = tmp_path / "serve.log"
-    proc = start_serve(wide_model_dir, log_path, "--served-model-name", "m", "--shutdown-timeout", "60")
-    try:
+    with serving(wide_model_dir, log_path, "--served-model-name", "m", "--shutdown-timeout", "60") as proc:
         base, pids = _started(log_path)
         progress, lock = {}, threading.Lock()
 
@@ -79,16 +78,11 @@ def test_sigterm_under_8_streams_lets_them_finish_and_exits_0(wide_model_dir, tm
         assert "drained the routers" in log and "router: drained" in log
         with pytest.raises(requests.ConnectionError):  # nothing listens any more
             requests.get(f"{base}/health", timeout=2)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_second_signal_ends_the_drain_at_once(wide_model_dir, tmp_path):
     log_path = tmp_path / "serve.log"
-    proc = start_serve(wide_model_dir, log_path, "--served-model-name", "m", "--shutdown-timeout", "120")
-    try:
+    with serving(wide_model_dir, log_path, "--served-model-name", "m", "--shutdown-timeout", "120") as proc:
         base, pids = _started(log_path)
         with ThreadPoolExecutor(1) as pool:
             long = pool.submit(requests.post, f"{base}/v1/completions", json=_body([5, 6, 7], 480), timeout=60)
@@ -103,26 +97,17 @@ def test_a_second_signal_ends_the_drain_at_once(wide_model_dir, tmp_path):
         log = log_path.read_text()
         assert "second signal: ending the drain now" in log
         assert [p for p in pids if alive(p)] == []
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_signal_during_start_up_stops_the_mesh_cleanly(wide_model_dir, tmp_path):
     log_path = tmp_path / "serve.log"
-    proc = start_serve(wide_model_dir, log_path)
-    try:
+    with serving(wide_model_dir, log_path) as proc:
         wait_for(log_path, r"started stage\[0\.1\]")  # the stages load their weights now
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", log_path.read_text())]
         assert pids and [p for p in pids if alive(p)] == []
         assert "Traceback" not in log_path.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_draining_scheduler_hands_what_it_could_not_finish_to_another_replica(wide_model_dir, tmp_path):

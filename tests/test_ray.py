@@ -190,8 +190,10 @@ def test_pp2_on_two_ray_nodes_then_a_worker_node_dies_under_8_streams(ray_nodes,
         if client.poll() is None:
             client.kill()
     results = json.loads(out.strip().splitlines()[-1])
-    log = log_path.read_text()
-    moved = re.search(re.escape(victim_name) + r" restarted by Ray on node (\S+) \(it ran on (\S+)\)", log)
+    pattern = re.escape(victim_name) + r" restarted by Ray on node (\S+) \(it ran on (\S+)\)"
+    deadline = time.monotonic() + 60  # serve logs the move when it next reads the actor's status
+    while not (moved := re.search(pattern, log := log_path.read_text())) and time.monotonic() < deadline:
+        time.sleep(1)
     assert moved and moved.group(2) == victim.address and moved.group(1) != victim.address, log[-5000:]
     for i, result in enumerate(results):
         assert result == {"ids": want[i], "finish": "length"}, f"stream {i}: {str(result)[:300]}\n{log[-3000:]}"

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -32,6 +33,18 @@ def start_serve(model_dir, log_path, *extra: str):
         return subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model_dir),
                                  "--pipeline-parallel-size", "2", "--handoff", "grpc", "--port", "0",
                                  "--grpc-port", "0", "--threads", "1", *extra], stdout=log, stderr=subprocess.STDOUT)
+
+
+@contextmanager
+def serving(model_dir, log_path, *extra: str):
+    """start_serve; on the way out the process is killed if the test left it running."""
+    proc = start_serve(model_dir, log_path, *extra)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def wait_for(log_path, pattern: str, timeout: float = 120) -> re.Match:

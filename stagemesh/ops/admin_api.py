@@ -97,10 +97,11 @@ class AdminServer:
         self._runner: web.AppRunner | None = None
         self._started = threading.Event()
         self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, name="admin-api", daemon=True)
 
     def start(self) -> int:
         """Listen; the bound port. StagemeshError when it cannot."""
-        threading.Thread(target=self._serve, name="admin-api", daemon=True).start()
+        self._thread.start()
         if not self._started.wait(START_TIMEOUT_S):
             raise StagemeshError(f"the admin API did not start within {START_TIMEOUT_S:.0f}s")
         if self._error is not None:
@@ -114,9 +115,13 @@ class AdminServer:
         except OSError as err:
             self._error = err
             self._started.set()
+            self._loop.close()
             return
         self._started.set()
-        self._loop.run_forever()
+        try:
+            self._loop.run_forever()
+        finally:  # (a loop left open is closed by the garbage collector at exit, after its selector: a traceback)
+            self._loop.close()
 
     async def _listen(self) -> None:
         self._runner = web.AppRunner(self.app, access_log=None)
@@ -131,3 +136,4 @@ class AdminServer:
             return
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=5)
         loop.call_soon_threadsafe(loop.stop)
+        self._thread.join(timeout=5)
