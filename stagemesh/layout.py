@@ -111,6 +111,10 @@ class MeshLayout:
                               kind="scheduler")
         return address, [scheduler, *(self._stage(r, i, address) for i in range(len(self.ranges)))]
 
+    def stages(self) -> list[ChildSpec]:
+        """One replica's stages as planned: what each asks of a host or of a Ray cluster."""
+        return [self._stage(0, i, "") for i in range(len(self.ranges))]
+
     def _metrics(self, r: int, i: int = -1) -> int:
         """Replica r's scheduler's (i -1) or stage i's metrics port offset."""
         return r * (self.args.pipeline_parallel_size + 1) + 1 + i + (1 if r >= self.initial_dp else 0)

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from stagemesh.layout import ChildSpec
 from stagemesh.supervisor import Child, stop_all
 
 log = logging.getLogger("stagemesh.serve")
@@ -60,6 +61,8 @@ class LocalMesh:
     shutdown_timeout_s: float
     metrics: tuple  # (up gauge, restarts counter)
     signals: Signals = field(default_factory=Signals)
+    env: dict[str, str] = field(default_factory=dict)  # every child's base environment (the internal token in it)
+    backend: str = "mp"
     # held while the children change (the supervision loop, an operation's add / start / remove)
     lock: threading.RLock = field(default_factory=threading.RLock)
     before_drain: list[Callable[[], None]] = field(default_factory=list)  # e.g. end a running operation
@@ -119,6 +122,28 @@ class LocalMesh:
                         ", ".join(c.name for c in children), START_WAIT_S)
         return request.started
 
+    def make(self, spec: ChildSpec) -> Child:
+        """A child planned, not started (add() or run() starts it)."""
+        return Child(spec.name, spec.argv, {**self.env, **spec.env}, spec.kind)
+
+    def hold(self, children: list[Child], held: bool) -> None:
+        """An operation runs these children (the supervision neither restarts them nor reads their exit), or no
+        more."""
+        with self.lock:
+            for child in children:
+                child.held = held
+
+    def missing_room(self, replicas: int, now: int, stages: list[ChildSpec]) -> str | None:
+        """Why this host cannot run `replicas` replicas of these stages (its GPUs), or None."""
+        need = replicas * sum(s.gpus for s in stages)
+        if not need:
+            return None
+        import torch
+
+        have = torch.cuda.device_count()
+        return None if need <= have else (f"--data-parallel-size {replicas} needs {need} GPUs (TP x PP per replica); "
+                                          f"this host has {have}")
+
     def remove(self, children: list[Child]) -> None:
         """Forget children (an operation stopped them)."""
         with self.lock:
@@ -152,35 +177,44 @@ class LocalMesh:
         return None
 
     def _drain(self) -> None:
-        log.info("signal %d: draining the mesh, the routers first (at most %.0fs each step; a second signal ends "
-                 "the drain at once)", self.signals.last, self.shutdown_timeout_s)
         with self.lock:
             children = list(self.children)
-        routers = [c for c in children if c.kind == "router"]
-        rest = [c for c in children if c.kind != "router"]
-        for group, what in ((routers, "the routers"), (rest, "the schedulers and stages")):
-            if not self._drain_group(group, what):
-                return
+        drain(children, self.shutdown_timeout_s, self.signals)
 
-    def _drain_group(self, group: list[Child], what: str) -> bool:
-        """SIGTERM the group and wait for it to exit; False when a second signal cut the drain short."""
-        for child in group:
-            child.terminate_once()  # (one an operation is draining already goes on draining)
-        deadline = time.monotonic() + self.shutdown_timeout_s + EXIT_SLACK_S
-        last_log = time.monotonic()
-        while any(c.alive for c in group) and time.monotonic() < deadline:
-            if self.signals.count > 1:
-                log.warning("second signal: ending the drain now")
-                for child in self.children:
-                    child.signal(signal.SIGTERM)  # a child's second signal ends its own drain
-                return False
-            if time.monotonic() - last_log > 5:
-                last_log = time.monotonic()
-                log.info("draining: waiting for %s (%s)", what, ", ".join(c.name for c in group if c.alive))
-            time.sleep(TICK_S / 2)
-        left = [c.name for c in group if c.alive]
-        if left:
-            log.warning("draining: %s did not exit in time: %s", what, ", ".join(left))
-        else:
-            log.info("drained %s", what)
-        return True
+
+def drain(services: list, timeout_s: float, signals: Signals) -> None:
+    """Front to back: SIGTERM the routers and wait for them to exit (at most `timeout_s`, --shutdown-timeout, and
+    EXIT_SLACK_S), then the schedulers and stages the same way. A second signal ends the drain at once: it is
+    passed on to every service (a second SIGTERM ends a service's own drain). `services`: local children or
+    services under Ray actors (stagemesh.ops.mesh.Service, with signal())."""
+    log.info("signal %d: draining the mesh, the routers first (at most %.0fs each step; a second signal ends "
+             "the drain at once)", signals.last, timeout_s)
+    routers = [s for s in services if s.kind == "router"]
+    rest = [s for s in services if s.kind != "router"]
+    for group, what in ((routers, "the routers"), (rest, "the schedulers and stages")):
+        if not _drain_group(group, what, services, timeout_s, signals):
+            return
+
+
+def _drain_group(group: list, what: str, services: list, timeout_s: float, signals: Signals) -> bool:
+    """SIGTERM the group and wait for it to exit; False when a second signal cut the drain short."""
+    for service in group:
+        service.terminate_once()  # (one an operation is draining already goes on draining)
+    deadline = time.monotonic() + timeout_s + EXIT_SLACK_S
+    last_log, alive = time.monotonic(), [s for s in group if s.alive]
+    while alive and time.monotonic() < deadline:
+        if signals.count > 1:
+            log.warning("second signal: ending the drain now")
+            for service in services:
+                service.signal(signal.SIGTERM)  # a service's second signal ends its own drain
+            return False
+        if time.monotonic() - last_log > 5:
+            last_log = time.monotonic()
+            log.info("draining: waiting for %s (%s)", what, ", ".join(s.name for s in alive))
+        time.sleep(TICK_S / 2)
+        alive = [s for s in alive if s.alive]
+    if alive:
+        log.warning("draining: %s did not exit in time: %s", what, ", ".join(s.name for s in alive))
+    else:
+        log.info("drained %s", what)
+    return True

@@ -4,7 +4,9 @@ The actor is a supervisor, not a server: the service is its child process, start
 the same policy as `stagemesh serve`'s own children (stagemesh.supervisor), and talks gRPC exactly as
 it does elsewhere. When the actor itself dies (its node left the cluster, it was killed), Ray restarts
 it (max_restarts), on the same node or, for a stage whose placement group Ray moved, on another one; the
-new child registers again and the scheduler's recovery takes it from there. Everything the driver and
+new child registers again and the scheduler's recovery takes it from there. serve's operations (a rolling
+restart, a drain) hold the child (its supervisor restarts it no more), SIGTERM it and start it again through
+the methods below; each returns at once, and the driver polls `pid` for the outcome. Everything the driver and
 the actor exchange is strings and numbers: the mesh's own traffic never goes through Ray.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from stagemesh.supervisor import Child
 
 log = logging.getLogger("stagemesh.serve")
 TICK_S = 0.2
+KILL_WAIT_S = 10.0
 # In a command line: the address of the node Ray placed the service on, filled in by the actor.
 NODE_IP = "{node_ip}"
 
@@ -35,10 +38,11 @@ class ServiceActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.started = time.time()
         self.stopped_because = ""
-        argv = [a.replace(NODE_IP, self.node_ip) for a in argv]
+        self.held = False  # an operation runs the child: no restart, no policy
+        self._start_asked = False  # start the child again (on the supervising thread)
         # Ray gives the actor its GPUs in CUDA_VISIBLE_DEVICES (and its CPU count in OMP_NUM_THREADS): the
         # child inherits them with the rest of the actor's environment
-        self.child = Child(name, argv, {**os.environ, "PYTHONUNBUFFERED": "1", **env})
+        self.child = Child(name, self._argv(argv), {**os.environ, "PYTHONUNBUFFERED": "1", **env})
         self._lock = threading.Lock()
         self.child.start()
         threading.Thread(target=self._supervise, name=f"supervise {name}", daemon=True).start()
@@ -46,10 +50,18 @@ class ServiceActor:
     def __repr__(self) -> str:  # Ray prefixes the child's log lines with it: "(stage[0.1] pid=..., ip=...)"
         return self.name
 
+    def _argv(self, argv: list[str]) -> list[str]:
+        return [a.replace(NODE_IP, self.node_ip) for a in argv]
+
     def _supervise(self) -> None:
+        """The child starts on this thread only: a child dies with the thread that started it (PR_SET_PDEATHSIG),
+        and this one lives as long as the actor."""
         while not self.stopped_because:
             with self._lock:
-                if not self.stopped_because:
+                if self._start_asked:
+                    self._start_asked, self.held = False, False
+                    self.child.start()
+                elif not self.stopped_because and not self.held:
                     self.stopped_because = self.child.tick(time.monotonic(), self.policy) or ""
             time.sleep(TICK_S)
 
@@ -57,11 +69,62 @@ class ServiceActor:
         """What the driver reads each second: where the service runs, whether it does, and why it stopped."""
         from stagemesh import __version__
 
-        proc = self.child.proc
         return {"name": self.name, "node_ip": self.node_ip, "node_id": self.node_id, "actor_pid": os.getpid(),
-                "actor_started": self.started, "pid": proc.pid if proc is not None else 0,
-                "restarts": self.child.restarts, "stopped": self.stopped_because, "version": __version__,
-                "python": platform.python_version()}
+                "actor_started": self.started, "pid": self.pid(), "restarts": self.child.restarts,
+                "held": self.held, "exit_code": self._exit_code(), "stopped": self.stopped_because,
+                "version": __version__, "python": platform.python_version()}
+
+    def pid(self) -> int:
+        """The running child's pid; 0 when none runs."""
+        return self.child.proc.pid if self.child.alive else 0
+
+    def _exit_code(self) -> int | None:
+        proc = self.child.proc
+        return None if proc is None else proc.poll()
+
+    # -- an operation's hands on the child -------------------------------------------------------------
+    def hold(self, held: bool) -> bool:
+        """Hold the child (its supervisor leaves it alone, dead or alive), or let the supervisor have it again."""
+        with self._lock:
+            self.held = held
+        return True
+
+    def terminate(self) -> bool:
+        """Hold the child and SIGTERM it, once (it drains, then exits)."""
+        with self._lock:
+            self.held = True
+            self.child.terminate_once()
+        return True
+
+    def signal(self, signum: int) -> bool:
+        """Pass a signal on (a second SIGTERM ends a child's drain at once)."""
+        self.child.signal(signum)
+        return True
+
+    def kill(self) -> int | None:
+        """SIGKILL the child and reap it; its exit code."""
+        with self._lock:
+            self.held = True
+            proc = self.child.proc
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(KILL_WAIT_S)
+        return self._exit_code()
+
+    def start_again(self) -> bool:
+        """Start the held child again (its command line as last set) and supervise it again; False when the actor
+        stopped for good or the child still runs."""
+        with self._lock:
+            if self.stopped_because or self.child.alive:
+                return False
+            self._start_asked = True
+        return True
+
+    def set_argv(self, argv: list[str]) -> bool:
+        """The command line the child starts with from now on (a router's replicas changed)."""
+        with self._lock:
+            self.child.argv = self._argv(argv)
+        return True
 
     def stop(self, timeout: float) -> bool:
         """Stop the service (SIGTERM, SIGKILL after `timeout`) and supervise no more."""

@@ -8,10 +8,11 @@ each stage runs in a placement group of its own, one bundle holding its TP ranks
 bundle never spans nodes: a stage's TP followers are its child processes, and CPU TP shares memory), so
 Ray packs a stage's TP group on one node and spreads the stages over the nodes with room. A stage whose
 node leaves the cluster is placed again by Ray on another node with room and rejoins its scheduler,
-which kept its requests meanwhile (--stage-recovery-timeout).
+which kept its requests meanwhile (--stage-recovery-timeout). Replicas that serve's operations add or remove
+while the mesh serves (stagemesh.ray_mesh) are placed and let go the same way (RayCluster.add, remove).
 
 Ray's own control plane serialises with pickle and runs what it is sent (its design, and vLLM's warning
-about Ray clusters): the driver sends the actors only command lines and environment strings, and the
+about Ray clusters): the driver sends the actors only command lines, environment strings and numbers, and the
 backend inherits Ray's trust model. Keep a Ray cluster's ports on a private network (docs/ray.md).
 """
 from __future__ import annotations
@@ -20,11 +21,14 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from typing import Callable
 
 from stagemesh.core.errors import StagemeshError
+from stagemesh import ray_room as room
+from stagemesh.ray_service import RayService
 
 log = logging.getLogger("stagemesh.serve")
 
@@ -74,28 +78,21 @@ def cluster_address() -> str:
     return address
 
 
-class _Stopped(Exception):
+class Stopped(Exception):
     """SIGTERM or SIGINT while serve waited for Ray."""
 
 
-@dataclass
-class Placed:
-    """One service under its Ray actor, as the driver last saw it."""
-    spec: object  # stagemesh.serve.ChildSpec
-    actor: object
-    group: object | None = None  # the stage's placement group
-    status: dict = field(default_factory=dict)
-    unavailable: bool = False
-
-
 class RayCluster:
+    """Where the mesh's services run: the placement groups and actors of the services serve placed."""
+
     def __init__(self, ray, address: str):
         self.ray, self.address = ray, address
         self.head_id = ray.get_runtime_context().get_node_id()
         nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
         self.head_ip = nodes[self.head_id]["NodeManagerAddress"]
-        self.placed: list[Placed] = []
-        self.stop: dict = {"signal": None}
+        self.placed: list[RayService] = []
+        self.lock = threading.Lock()  # self.placed changes while serve's supervision reads it
+        self.stopping: Callable[[], bool] = lambda: False  # serve was told to stop
 
     @classmethod
     def connect(cls) -> "RayCluster":
@@ -104,7 +101,7 @@ class RayCluster:
         ray.init(address=address, namespace="stagemesh", logging_level=logging.WARNING, log_to_driver=True)
         cluster = cls(ray, address)
         log.info("connected to the Ray cluster at %s: %d node(s), %s; the router and the schedulers run on this "
-                 "node (%s)", address, len(cluster.alive_nodes()), _resources(ray.cluster_resources()),
+                 "node (%s)", address, len(cluster.alive_nodes()), room.resources(ray.cluster_resources()),
                  cluster.head_ip)
         return cluster
 
@@ -114,19 +111,25 @@ class RayCluster:
     def has_gpus(self) -> bool:
         return self.ray.cluster_resources().get("GPU", 0) > 0
 
+    def services(self) -> list[RayService]:
+        with self.lock:
+            return list(self.placed)
+
     # -- start ----------------------------------------------------------------------------------------
-    def serve(self, specs: list, env: dict[str, str], stop: dict, policy: str, metrics) -> int:
-        self.stop = stop
-        try:
-            self.wait_for_room(specs)
-            groups = self.place_stages([s for s in specs if s.kind == "stage"])
-        except _Stopped:
-            return 0
-        for spec in specs:
-            self.placed.append(self.start(spec, env, policy, groups.get(spec.name)))
-        self.first_statuses()
-        log.info("placement:\n%s", self.describe())
-        return self.supervise(stop, metrics)
+    def start_mesh(self, services: list[RayService], policy: str) -> None:
+        """Place and start every service once the cluster has room; Stopped on a signal meanwhile."""
+        self.wait_for_room([s.spec for s in services])
+        self.add(services, policy)
+
+    def add(self, services: list[RayService], policy: str) -> None:
+        """Place the stages' groups, start every service's actor and read its first status."""
+        groups = self.place_stages([s.spec for s in services if s.kind == "stage"])
+        for service in services:
+            self.start(service, policy, groups.get(service.name))
+        with self.lock:
+            self.placed += services
+        self.first_statuses(services)
+        log.info("placement:\n%s", self.describe(services))
 
     def wait_for_room(self, specs: list) -> None:
         """Until the cluster's nodes could hold every stage (nodes may still be joining: KubeRay starts the
@@ -140,36 +143,33 @@ class RayCluster:
             time.sleep(5)
 
     def _raise_if_stopped(self) -> None:
-        if self.stop["signal"]:
-            log.info("signal %d: stopping before the mesh started", self.stop["signal"])
-            raise _Stopped
+        if self.stopping():
+            log.info("serve was told to stop: placing nothing more")
+            raise Stopped
 
     def missing_room(self, stages: list) -> str | None:
-        """Why the alive nodes cannot hold the stages, or None when they can."""
-        nodes = self.alive_nodes()
-        biggest = max(nodes, key=lambda n: (n["Resources"].get("GPU", 0), n["Resources"].get("CPU", 0)))
-        for spec in stages:
-            if not any(_fits(_bundle(spec), n["Resources"]) for n in nodes):
-                return (f"{spec.name} needs {_resources(_bundle(spec))} on one node; no node of the Ray cluster has "
-                        f"that much (the largest: {_resources(biggest['Resources'])}). Use a smaller -tp or "
-                        "--threads, or add a bigger node")
-        need = {k: sum(_bundle(s).get(k, 0) for s in stages) for k in ("CPU", "GPU")}
-        total = self.ray.cluster_resources()
-        if not _fits(need, total):
-            return (f"the stages need {_resources(need)} in all; the Ray cluster has {_resources(total)}. Add "
-                    "nodes, or use smaller -tp / -pp / -dp / --threads")
-        return None
+        """Why the alive nodes could never hold the stages, or None when they could."""
+        nodes = [n["Resources"] for n in self.alive_nodes()]
+        return room.missing_room(nodes, self.ray.cluster_resources(), stages)
+
+    def missing_free_room(self, stages: list) -> str | None:
+        """Why the nodes' free resources cannot hold these stages now (a replica added), or None."""
+        from ray._private.state import available_resources_per_node  # (a developer API: there is no public one)
+
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in self.alive_nodes()}
+        free = {ips[node]: have for node, have in available_resources_per_node().items() if node in ips}
+        return room.missing_free_room(free, stages)
 
     def place_stages(self, stages: list) -> dict:
         """A placement group per stage, ready; StagemeshError naming what Ray could not place in time."""
         from ray.util.placement_group import placement_group, remove_placement_group
 
         mesh = uuid.uuid4().hex[:8]
-        groups = {s.name: placement_group([_bundle(s)], strategy="STRICT_PACK", name=f"stagemesh-{mesh}-{s.name}")
+        groups = {s.name: placement_group([room.bundle(s)], strategy="STRICT_PACK", name=f"stagemesh-{mesh}-{s.name}")
                   for s in stages}
         waiting = {g.ready(): name for name, g in groups.items()}
         deadline = time.monotonic() + PLACEMENT_TIMEOUT_S
-        while waiting and time.monotonic() < deadline and not self.stop["signal"]:
+        while waiting and time.monotonic() < deadline and not self.stopping():
             done, _ = self.ray.wait(list(waiting), num_returns=len(waiting), timeout=5)
             for ref in done:
                 waiting.pop(ref)
@@ -179,118 +179,77 @@ class RayCluster:
             for group in groups.values():
                 remove_placement_group(group)
             self._raise_if_stopped()
-            available = _resources(self.ray.available_resources())
+            available = room.resources(self.ray.available_resources())
             raise StagemeshError(f"Ray found no room for {', '.join(sorted(waiting.values()))} within "
                                  f"{PLACEMENT_TIMEOUT_S:.0f}s (available: {available})")
         return groups
 
-    def start(self, spec, env: dict[str, str], policy: str, group) -> Placed:
+    def start(self, service: RayService, policy: str, group) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
         from stagemesh.ray_actor import ServiceActor
 
-        options = dict(max_restarts=-1 if policy == "on-failure" else 0, max_task_retries=0, max_concurrency=2,
+        spec = service.spec
+        options = dict(max_restarts=-1 if policy == "on-failure" else 0, max_task_retries=0, max_concurrency=4,
                        num_cpus=spec.cpus, num_gpus=spec.gpus)
         if group is None:  # the router and the schedulers: on this node
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.head_id, soft=False)
         else:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-        actor = self.ray.remote(ServiceActor).options(**options).remote(spec.name, spec.argv, {**spec.env, **env},
-                                                                         policy)
-        return Placed(spec, actor, group)
+        service.actor = self.ray.remote(ServiceActor).options(**options).remote(spec.name, service.argv,
+                                                                                service.env, policy)
+        service.group = group
 
-    def first_statuses(self) -> None:
+    def first_statuses(self, services: list[RayService]) -> None:
         from stagemesh import __version__
 
-        refs = [p.actor.status.remote() for p in self.placed]
+        refs = [s.actor.status.remote() for s in services]
         try:
             statuses = self.ray.get(refs, timeout=FIRST_STATUS_TIMEOUT_S)
         except self.ray.exceptions.GetTimeoutError:
             raise StagemeshError(f"the services' Ray actors did not start within {FIRST_STATUS_TIMEOUT_S:.0f}s") \
                 from None
-        for placed, status in zip(self.placed, statuses):
-            placed.status = status
+        for service, status in zip(services, statuses):
+            service.status = status
             if status["version"] != __version__:
-                raise StagemeshError(f"{placed.spec.name} on node {status['node_ip']} runs stagemesh "
+                raise StagemeshError(f"{service.name} on node {status['node_ip']} runs stagemesh "
                                      f"{status['version']}; this node runs {__version__}: install the same version "
                                      "on every node")
 
-    def describe(self) -> str:
+    def describe(self, services: list[RayService]) -> str:
         """Which node runs what: one line per node."""
         by_node: dict[str, list[str]] = {}
-        for p in self.placed:
-            extra = f" ({_resources(_bundle(p.spec))})" if p.spec.kind == "stage" else ""
-            by_node.setdefault(p.status.get("node_ip", "?"), []).append(p.spec.name + extra)
+        for s in services:
+            extra = f" ({room.resources(room.bundle(s.spec))})" if s.kind == "stage" else ""
+            by_node.setdefault(s.status.get("node_ip", "?"), []).append(s.name + extra)
         return "\n".join(f"  node {ip}{' (this node)' if ip == self.head_ip else ''}: {', '.join(names)}"
                          for ip, names in sorted(by_node.items()))
 
-    # -- run ------------------------------------------------------------------------------------------
-    def supervise(self, stop: dict, metrics) -> int:
-        up, restarts = metrics
-        while stop["signal"] is None:
-            for placed in self.placed:
-                reason = self.look(placed, restarts)
-                if reason:
-                    log.error("%s", reason)
-                    return 1
-                up.labels(placed.spec.name).set(0 if placed.unavailable or not placed.status.get("pid") else 1)
-            time.sleep(POLL_S)
-        log.info("signal %d: stopping every service", stop["signal"])
-        return 0
-
-    def look(self, placed: Placed, restarts) -> str | None:
-        """Read one actor's status; log what changed. Returns why the mesh must stop, if it must."""
-        ray, name = self.ray, placed.spec.name
-        try:
-            status = ray.get(placed.actor.status.remote(), timeout=10)
-        except ray.exceptions.ActorDiedError as err:
-            return f"{name}'s Ray actor died and will not be restarted: {str(err).splitlines()[0]}; stopping the mesh"
-        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
-            if not placed.unavailable:
-                log.warning("%s (node %s) does not answer: Ray is restarting it, or placing it again if its node "
-                            "left the cluster", name, placed.status.get("node_ip", "?"))
-            placed.unavailable = True
-            return None
-        before, placed.status, placed.unavailable = placed.status, status, False
-        if status["actor_pid"] != before.get("actor_pid") or status["node_id"] != before.get("node_id"):
-            moved = status["node_ip"] != before.get("node_ip")
-            log.warning("%s restarted by Ray on node %s%s", name, status["node_ip"],
-                        f" (it ran on {before.get('node_ip')})" if moved else "")
-            restarts.labels(name).inc()
-        elif status["restarts"] > before.get("restarts", 0):
-            restarts.labels(name).inc(status["restarts"] - before.get("restarts", 0))
-        return f"{name} on node {status['node_ip']}: {status['stopped']}" if status["stopped"] else None
-
     # -- stop -----------------------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        """Stop every service (SIGTERM to each, the router first), then its actor and placement group."""
+    def remove(self, services: list[RayService]) -> None:
+        """Forget the services (stopped already): their actors and placement groups go."""
+        with self.lock:
+            self.placed = [s for s in self.placed if s not in services]
+        self._release(services)
+
+    def _release(self, services: list[RayService]) -> None:
         from ray.util.placement_group import remove_placement_group
 
-        ray = self.ray
-        refs = [p.actor.stop.remote(STOP_TIMEOUT_S - 2) for p in reversed(self.placed)]
+        for service in services:
+            service.removed = True
+            if service.actor is not None:
+                self.ray.kill(service.actor, no_restart=True)
+            if service.group is not None:
+                remove_placement_group(service.group)
+
+    def shutdown(self) -> None:
+        """Stop what still runs (SIGTERM, SIGKILL after STOP_TIMEOUT_S - 2: serve drained them already, unless
+        it failed), then every actor and placement group."""
+        services = self.services()
+        refs = [s.actor.stop.remote(STOP_TIMEOUT_S - 2) for s in reversed(services) if s.actor is not None]
         try:
-            ray.wait(refs, num_returns=len(refs), timeout=STOP_TIMEOUT_S)
+            self.ray.wait(refs, num_returns=len(refs), timeout=STOP_TIMEOUT_S)
         except Exception:  # an actor that is gone already has nothing left to stop
             pass
-        for placed in self.placed:
-            ray.kill(placed.actor, no_restart=True)
-            if placed.group is not None:
-                remove_placement_group(placed.group)
-        self.placed.clear()
-        ray.shutdown()
-
-
-def _bundle(spec) -> dict[str, float]:
-    bundle = {"CPU": float(spec.cpus)}
-    if spec.gpus:
-        bundle["GPU"] = float(spec.gpus)
-    return bundle
-
-
-def _fits(need: dict, have: dict) -> bool:
-    return all(have.get(k, 0) >= v for k, v in need.items() if v)
-
-
-def _resources(resources: dict) -> str:
-    shown = {k: v for k, v in resources.items() if k in ("CPU", "GPU")}
-    return ", ".join(f"{k} {v:g}" for k, v in sorted(shown.items())) or "no CPU or GPU"
+        self.remove(services)
+        self.ray.shutdown()

@@ -11,7 +11,7 @@ schedulers find each other again. Only Ctrl-C or SIGTERM stop the mesh, which
 drains first (stagemesh.local_mesh; `--restart-policy never`: the first death
 stops it, for debugging). The
 services share a generated internal token (in their environment) unless one is
-given. On the mp backend an admin API (stagemesh.ops) restarts every service one
+given. On either backend an admin API (stagemesh.ops) restarts every service one
 at a time (`stagemesh rollout`) and adds or removes replicas while the mesh serves
 (`stagemesh scale`, or the autoscaler: --autoscale-max-replicas).
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 
 from stagemesh.core import internal_token
 from stagemesh.core.errors import StagemeshError
@@ -140,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     token = internal_token.configure(args) or internal_token.new_token()
     configure_tls(args.tls_cert, args.tls_key, args.tls_ca)  # (serve's own calls to its children)
     if args.distributed_executor_backend == "ray":
-        return _run_on_ray(args, token)
+        return _run_on_ray(args, token, signals, autoscale)
     source, cfg = _model(args)
     cuda = args.device == "cuda" or (args.device is None and _cuda_available())
     _check_expert_parallel(cfg, args, cuda)
@@ -152,19 +151,20 @@ def run(args: argparse.Namespace) -> int:
     mesh = ops_mesh.build(args, layout, base_env, signals, metrics, token)
     admin = serve_ops.Admin(args, serve_ops.controller_for(mesh, autoscale))
     try:
-        return mesh.local.run()
+        return mesh.host.run()
     finally:
         admin.close()
         mesh.rpc.close()
 
 
-def _run_on_ray(args: argparse.Namespace, token: str) -> int:
+def _run_on_ray(args: argparse.Namespace, token: str, signals: Signals, autoscale) -> int:
+    from stagemesh import ray_mesh
     from stagemesh.ray_executor import RayCluster
 
     cluster = RayCluster.connect()  # refuses clearly when no cluster answers
+    signals.install()  # (ray.init put its own SIGTERM handler in place: it ends the process at once)
     try:
         source, cfg = _model(args)
-        model_dir = source.model_dir
         cuda = args.device == "cuda" or (args.device is None and cluster.has_gpus())
         _check_expert_parallel(cfg, args, cuda, ray=True)
         if source.quantization:
@@ -173,14 +173,17 @@ def _run_on_ray(args: argparse.Namespace, token: str) -> int:
         if args.stage_recovery_timeout is None:
             args.stage_recovery_timeout = RAY_STAGE_RECOVERY_TIMEOUT_S
         # the default model: every node converts (or finds) its own copy, as the services on one host do
-        model = None if args.model is None else str(model_dir)
-        specs = plan_commands(args, model, cfg.num_hidden_layers, cuda, Addresses(cluster.head_ip, NODE_IP))
+        model = None if args.model is None else str(source.model_dir)
+        layout = MeshLayout.build(args, model, cfg.num_hidden_layers, cuda, Addresses(cluster.head_ip, NODE_IP),
+                                  control=True)
         metrics = _serve_metrics(args, args.data_parallel_size * (args.pipeline_parallel_size + 1))
-        admin = serve_ops.Admin(args, serve_ops.RayRefusal())
+        mesh = ray_mesh.build(args, layout, cluster, {internal_token.ENV: token}, signals, metrics, token)
+        admin = serve_ops.Admin(args, serve_ops.controller_for(mesh, autoscale))
         try:
-            return cluster.serve(specs, {internal_token.ENV: token}, _on_signals(), args.restart_policy, metrics)
+            return mesh.host.run()
         finally:
             admin.close()
+            mesh.rpc.close()
     finally:
         cluster.shutdown()
 
@@ -221,14 +224,6 @@ def _check_quantization(source, cfg, cuda: bool) -> None:
     from stage_worker.quantization import check_quantization
 
     check_quantization(source.quantization, cfg, "cuda" if cuda else "cpu")
-
-
-def _on_signals() -> dict:
-    """A dict whose "signal" becomes the number of the first SIGTERM or SIGINT."""
-    stop = {"signal": None}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _: stop.update(signal=signum))
-    return stop
 
 
 def _serve_metrics(args: argparse.Namespace, offset: int):

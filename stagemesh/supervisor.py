@@ -59,6 +59,28 @@ class Child:
         """The process runs now (running: it is started, and not yet seen dead)."""
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def pid(self) -> int:
+        """The running process's pid; 0 when none runs."""
+        return self.proc.pid if self.alive else 0
+
+    @property
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def set_argv(self, argv: list[str]) -> None:
+        """The command line it starts with from now on."""
+        self.argv = argv
+
+    def describe(self) -> dict:
+        return {"name": self.name, "pid": self.pid or None, "restarts": self.restarts, "held": self.held}
+
+    def kill(self, wait_s: float = 10.0) -> None:
+        """SIGKILL and reap."""
+        if self.alive:
+            self.proc.kill()
+            self.proc.wait(wait_s)
+
     def signal(self, signum: int) -> None:
         if self.alive:
             self.proc.send_signal(signum)

@@ -25,7 +25,6 @@ from stagemesh.cli import build_parser
 from stagemesh.core.default_model import DEFAULT_MODEL_NAME
 from stagemesh.core.health import LIVENESS
 from stagemesh.local_mesh import EXIT_SLACK_S
-from stagemesh.ray_executor import STOP_TIMEOUT_S
 
 ROOT = Path(__file__).parents[1]
 KUBE_DIR = ROOT / "deploy" / "kubernetes"
@@ -236,11 +235,8 @@ def test_probes_split_readiness_from_liveness_and_the_grace_period_covers_the_dr
                     assert c["readinessProbe"]["grpc"].get("service", "") == "", c["name"]
                     assert c["livenessProbe"]["grpc"] == {"port": args.port, "service": LIVENESS}, c["name"]
                 drain = args.shutdown_timeout
-                if argv[0] == "serve" and args.distributed_executor_backend == "ray":  # on Ray, serve kills
-                    assert drain < STOP_TIMEOUT_S - 2  # every service STOP_TIMEOUT_S - 2 after its SIGTERM
-                    drain = STOP_TIMEOUT_S
-                elif argv[0] == "serve":  # mp: the routers drain, then the rest, each group within its own
-                    drain = 2 * drain + EXIT_SLACK_S  # --shutdown-timeout and slack (stagemesh.local_mesh)
+                if argv[0] == "serve":  # mp or Ray: the routers drain, then the rest, each group within its own
+                    drain = 2 * drain + EXIT_SLACK_S  # --shutdown-timeout and slack (stagemesh.local_mesh.drain)
                 assert grace >= _pre_stop_s(c) + drain + EXIT_SLACK_S, (c["name"], grace, _pre_stop_s(c), drain)
                 checked += 1
     assert checked == (3 if path.parent.name == "mp" else 1)

@@ -1,6 +1,7 @@
 """The operations' parts without processes: the autoscaler's hysteresis, the admin file and its discovery, the
 refusals of scale and rollout requests, the layout of replicas added later, the router's replica set changing
-at run time, and the admin API's authentication and a Ray mesh's refusal (real aiohttp server on loopback)."""
+at run time, the admin API's authentication and refusals (real aiohttp server on loopback), and what a Ray cluster
+without room for a replica is told."""
 from __future__ import annotations
 
 import argparse
@@ -128,11 +129,12 @@ def test_the_autoscale_flags_are_checked_before_anything_starts():
     from stagemesh.ops.serve_ops import autoscale_config
 
     assert autoscale_config(_serve_args()) is None
+    assert autoscale_config(_serve_args("--autoscale-max-replicas", "2", "--distributed-executor-backend", "ray"))
     cfg = autoscale_config(_serve_args("--autoscale-max-replicas", "4", "--prefill-replicas", "1", "-dp", "2"))
     assert (cfg.min_replicas, cfg.max_replicas) == (2, 4)
     for bad, says in ((("--autoscale-min-replicas", "2"), "needs --autoscale-max-replicas"),
                       (("--autoscale-max-replicas", "1", "-dp", "2"), "<= --autoscale-max-replicas"),
-                      (("--autoscale-max-replicas", "2", "--distributed-executor-backend", "ray"), "not built for"),
+                      (("--autoscale-max-replicas", "2", "--enable-expert-parallel"), "not built for"),
                       (("--autoscale-max-replicas", "2", "--autoscale-target-kv-usage", "1.5"), "in (0, 1]")):
         with pytest.raises(StagemeshError, match=says.replace("(", r"\(").replace("[", r"\[")):
             autoscale_config(_serve_args(*bad))
@@ -186,22 +188,41 @@ def test_the_router_takes_replicas_while_it_serves():
     asyncio.run(run())
 
 
-def test_the_admin_api_wants_its_key_and_a_ray_mesh_refuses_operations_by_name():
+def test_the_admin_api_wants_its_key_and_says_why_it_refuses():
     from aiohttp.test_utils import TestClient, TestServer
 
     from stagemesh.ops.admin_api import build_app
-    from stagemesh.ops.serve_ops import RayRefusal
+    from stagemesh.ops.serve_ops import MeshController
 
     async def run() -> None:
-        async with TestClient(TestServer(build_app(RayRefusal(), "secret-key"))) as client:
+        async with TestClient(TestServer(build_app(MeshController(_mesh()), "secret-key"))) as client:
             assert (await client.get("/admin/status")).status == 401
             assert (await client.get("/admin/status", headers={"Authorization": "Bearer nope"})).status == 403
             ok = {"Authorization": "Bearer secret-key"}
-            assert (await (await client.get("/admin/status", headers=ok)).json())["backend"] == "ray"
+            status = await (await client.get("/admin/status", headers=ok)).json()
+            assert status["backend"] == "mp" and status["data_parallel_size"] == 1 and status["operation"] is None
             resp = await client.post("/admin/rollout", json={}, headers=ok)
-            message = (await resp.json())["error"]["message"]
-            assert resp.status == 501 and "--distributed-executor-backend ray" in message
+            assert resp.status == 400 and "--surge" in (await resp.json())["error"]["message"]
             assert (await client.post("/admin/scale", json={"data_parallel_size": "2"}, headers=ok)).status == 400
             assert (await client.post("/admin/scale", data=b"[1]", headers=ok)).status == 400
 
     asyncio.run(run())
+
+
+def test_a_ray_cluster_without_room_for_a_replica_says_what_is_missing():
+    from stagemesh.layout import ChildSpec
+    from stagemesh.ray_room import missing_free_room, missing_room
+
+    stage = ChildSpec("stage[0.0]", [], cpus=2)
+    gpu = ChildSpec("stage[0.1]", [], cpus=2, gpus=4)
+    free = {"10.0.0.1": {"memory": 1e9}, "10.0.0.2": {"CPU": 3.0, "GPU": 2.0}}
+    assert missing_free_room(free, [stage]) is None
+    assert missing_free_room(free, [stage, stage]) == (
+        "no node of the Ray cluster has CPU 2 free for one of them (free now: node 10.0.0.1: CPU 0; node 10.0.0.2: "
+        "CPU 3, GPU 2): add a node, or free room")
+    assert "has CPU 2, GPU 4 free" in missing_free_room(free, [gpu])
+    nodes = [{"CPU": 4.0}, {"CPU": 4.0, "GPU": 8.0}]
+    assert missing_room(nodes, {"CPU": 8.0, "GPU": 8.0}, [gpu, gpu]) is None
+    assert "the largest: CPU 4, GPU 8" in missing_room(nodes, {"CPU": 8.0, "GPU": 8.0},
+                                                         [ChildSpec("s", [], cpus=8)])
+    assert "the stages need CPU 10, GPU 20 in all" in missing_room(nodes, {"CPU": 8.0, "GPU": 8.0}, [gpu] * 5)

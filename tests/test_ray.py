@@ -1,13 +1,16 @@
 """`stagemesh serve --distributed-executor-backend ray` on a Ray cluster the test makes itself: three
 `ray start` nodes (a head and two workers, one CPU each) in three network namespaces on one Ethernet
-segment. Each stage of a PP=2 mesh lands on a node of its own and the answers are transformers'
-greedy tokens; a worker node that holds a stage is killed outright under 8 streams, Ray places the
-stage again on the node that has room, and every stream ends with exactly the undisturbed tokens."""
+segment. serve's operations under looping streams: a replica added (its stage in a placement group of its
+own), a rolling restart of every service, the replica removed, a scale the cluster has no room for refused;
+every answer token-exact. Each stage of a PP=2 mesh lands on a node of its own and the answers are
+transformers' greedy tokens; a worker node that holds a stage is killed outright under 8 streams, Ray places
+the stage again on the node that has room, and every stream ends with exactly the undisturbed tokens."""
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -17,10 +20,14 @@ from pathlib import Path
 import pytest
 
 from netns import NetnsLan, NetnsUnavailable, clean_env
+from netns_ops import NetnsLoad, admin, command
 from parity import prompts
 from tiny_models import reference_greedy, reference_model, with_word_tokenizer
 
 NEW_TOKENS = 160  # per stream: the node dies well before the end
+OPS_TOKENS = 48  # per request of the operations' looping streams
+ROLLED = ["stage[0.0]", "stage[1.0]", "scheduler[0]", "scheduler[1]", "router[0]", "router[1]"]
+COOLDOWN_S = 20  # the autoscaler's after the scale-out: longer than the gap before the rollout (which it waits out)
 LENGTHS = (5, 40, 17, 70, 3, 33, 9, 51)
 GCS_PORT = 6379
 # Ray declares a node dead after this many missed health checks of this period (default 5 x 3 s)
@@ -141,6 +148,92 @@ def _placement(log: str) -> dict[str, str]:
         for name in re.findall(r"(router|scheduler\[\d+\]|stage\[\d+\.\d+\])", names):
             where.setdefault(name, node)
     return where
+
+
+def _wait_replicas(head, base: str, n: int, serve, log_path: Path, timeout: float = 120) -> None:
+    """Until the router (either one) balances over exactly n healthy replicas."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, body = head.http("GET", f"{base}/ready", timeout=5)
+        reps = body.get("replicas", []) if isinstance(body, dict) else []
+        if status == 200 and len(reps) == n and all(r["healthy"] and not r["cordoned"] for r in reps):
+            return
+        assert serve.poll() is None and time.monotonic() < deadline, (body, log_path.read_text()[-5000:])
+        time.sleep(0.5)
+
+
+def _wait_autoscaled(head, env: dict, serve, log_path: Path, timeout: float = 120) -> None:
+    """Until the autoscaler's scale from 2 replicas to 1 succeeded."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _, status = admin(head, env, "GET", "/admin/status")
+        last, decision = status["last_operation"], status["autoscale"]["last_decision"] or ""
+        if status["operation"] is None and decision.startswith("2 -> 1") and last["kind"] == "scale":
+            assert last["state"] == "succeeded" and status["data_parallel_size"] == 1, status
+            return
+        assert serve.poll() is None and time.monotonic() < deadline, (status, log_path.read_text()[-5000:])
+        time.sleep(0.5)
+
+
+def _pids(head, env: dict) -> dict[str, int]:
+    _, status = admin(head, env, "GET", "/admin/status")
+    services = [c for g in status["replicas"] for c in g["children"]] + status["routers"]
+    return {c["name"]: c["pid"] for c in services}
+
+
+# (before the node-death test below, which leaves its serve running and a node dead until the fixture ends)
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_scale_out_rollout_and_autoscaled_scale_in_on_ray_under_4_streams(ray_nodes, tiny_model_dir, tmp_path):
+    """1 -> 2 replicas (stagemesh scale), a rolling restart of every service (stagemesh rollout), 2 -> 1 (the
+    autoscaler, once its cooldown after the scale-out is over: it finds the load fits one replica), under 4
+    looping streams: every answer token-exact, none lost; a scale the cluster has no room for is refused with
+    what is free; SIGTERM drains the routers, then the rest."""
+    head = ray_nodes.hosts[0]
+    model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
+    batch = prompts(384, LENGTHS)
+    ref = reference_model(model_dir)
+    want = [reference_greedy(ref, p, OPS_TOKENS)[0] for p in batch]
+    log_path = tmp_path / "serve.log"
+    env = clean_env(RAY_ADDRESS=f"{head.address}:{GCS_PORT}", GLOO_SOCKET_IFNAME=head.ifname, PYTHONUNBUFFERED="1",
+                    STAGEMESH_CACHE=str(tmp_path / "cache"))
+    serve = head.spawn([sys.executable, "-m", "stagemesh", "serve", str(model_dir), "--distributed-executor-backend",
+                        "ray", "--threads", "1", "--host", head.address, "--port", "8001", "--grpc-port", "0",
+                        "--served-model-name", "m", "--kv-cache-memory", str(32 << 20), "--api-server-count", "2",
+                        "--shutdown-timeout", "2", "--resume-grace-period", "20", "--autoscale-max-replicas", "4",
+                        "--autoscale-scale-down-window", "1", "--autoscale-cooldown", str(COOLDOWN_S),
+                        "--autoscale-interval", "0.5"], env, log_path)
+    base = f"http://{head.address}:8001"
+    _wait_replicas(head, base, 1, serve, log_path)
+    code, answer = admin(head, env, "POST", "/admin/rollout", {})
+    assert code == 400 and "--surge" in answer["error"]["message"], answer
+    with NetnsLoad(head, f"{base}", "m", batch, want, OPS_TOKENS, clients=4) as load:
+        scaled = command(head, env, "scale", "--data-parallel-size", "2")
+        assert scaled.returncode == 0 and "succeeded" in scaled.stdout, scaled.stdout + log_path.read_text()[-5000:]
+        _wait_replicas(head, base, 2, serve, log_path, timeout=30)
+        # 3 nodes of one CPU: 2 stages run, 1 CPU is free; 2 replicas more need 2
+        code, answer = admin(head, env, "POST", "/admin/scale", {"data_parallel_size": 4})
+        assert code == 400 and "no node of the Ray cluster has CPU 1 free" in answer["error"]["message"], answer
+        before = _pids(head, env)
+        rolled = command(head, env, "rollout")
+        assert rolled.returncode == 0 and "succeeded" in rolled.stdout, rolled.stdout + log_path.read_text()[-5000:]
+        _wait_autoscaled(head, env, serve, log_path)
+        result = load.finish()
+    assert "error" not in result, f"{result}\n{log_path.read_text()[-5000:]}"
+    _wait_replicas(head, base, 1, serve, log_path, timeout=30)
+    after = _pids(head, env)
+    log = log_path.read_text()
+    order = [m.group(1) for m in re.finditer(r"step \d+/6: restart (\S+)", log)]
+    assert order == ROLLED, order
+    assert all(after[n] != before[n] for n in after), (before, after)  # scheduler[1] and stage[1.0] are gone
+    assert set(after) == {"scheduler[0]", "stage[0.0]", "router[0]", "router[1]"}, after
+    serve.send_signal(signal.SIGTERM)
+    assert serve.wait(timeout=90) == 0, log_path.read_text()[-5000:]
+    log = log_path.read_text()
+    assert "drained the routers" in log and "drained the schedulers and stages" in log, log[-3000:]
+    assert re.search(r"autoscaler: scaling from 2 to 1 replica\(s\): .*one replica fewer would stay under", log)
+    print(f"{result['answered']} answers token-exact, {result['resumed']} resumed stream(s), "
+          f"{len(re.findall('continuing it on another replica', log))} continuation(s)")
 
 
 @pytest.mark.slow

@@ -5,8 +5,8 @@
     POST /admin/scale     {"data_parallel_size": N}: add or remove replicas (202; 200 when it has N; 409 busy)
 
 Every call needs 'Authorization: Bearer <admin key>': none gives 401, another key 403. A refused operation
-answers 400 (a size or layout the mesh cannot have), 409 (another operation runs) or 501 (not built for this
-backend), with {"error": {"message": ...}}."""
+answers 400 (a size or layout the mesh cannot have, or no room for it), 409 (another operation runs) or 503
+(serve stops), with {"error": {"message": ...}}."""
 from __future__ import annotations
 
 import asyncio

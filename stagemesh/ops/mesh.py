@@ -1,11 +1,15 @@
 """The serve mesh as its operations see it: the replicas (each a scheduler and its stages, by index), the routers
-(each with its control port), and what every router is to balance over."""
+(each with its control port), and what every router is to balance over. The operations are written against two
+small interfaces, so that one rollout and one scaling serve both backends: a Service (one service of the mesh: a
+local child process, stagemesh.supervisor.Child, or one under a Ray actor, stagemesh.ray_service.RayService) and
+a MeshHost (what runs them: stagemesh.local_mesh.LocalMesh, or stagemesh.ray_mesh.RayHost)."""
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Callable, Protocol, cast
 
-from stagemesh.layout import MeshLayout
+from stagemesh.layout import ChildSpec, MeshLayout
 from stagemesh.local_mesh import LocalMesh
 from stagemesh.ops.rpc import MeshRPC
 from stagemesh.supervisor import Child
@@ -13,17 +17,52 @@ from stagemesh.supervisor import Child
 log = logging.getLogger("stagemesh.serve")
 
 
+class Service(Protocol):
+    """One service of the mesh, as an operation drives it."""
+    name: str
+    kind: str  # router, scheduler or stage
+    argv: list[str]
+
+    @property
+    def pid(self) -> int: ...  # the running process's; 0 when none runs
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def exit_code(self) -> int | None: ...
+
+    def terminate_once(self) -> None: ...  # SIGTERM (it drains), unless it had it already
+    def kill(self) -> None: ...  # SIGKILL and reap
+    def set_argv(self, argv: list[str]) -> None: ...  # the command line it starts with from now on
+    def describe(self) -> dict: ...
+
+
+class MeshHost(Protocol):
+    """What runs the services and restarts those that die, unless an operation holds them."""
+    backend: str  # mp or ray
+    shutdown_timeout_s: float  # --shutdown-timeout: a service's drain
+    before_drain: list[Callable[[], None]]  # run when serve was told to stop, before its drain
+
+    def make(self, spec: ChildSpec) -> Service: ...  # a service planned, not started
+    def hold(self, services: list, held: bool) -> None: ...  # its supervisor leaves it alone (or no more)
+    def start(self, service) -> bool: ...  # start a held service again; False once serve stops
+    def add(self, services: list) -> bool: ...  # place and start new services; False once serve stops
+    def remove(self, services: list) -> None: ...  # forget stopped services
+    def missing_room(self, replicas: int, now: int, stages: list[ChildSpec]) -> str | None: ...
+
+
 @dataclass
 class ReplicaGroup:
     index: int
     address: str  # its scheduler's host:port
-    scheduler: Child
-    stages: list[Child]
+    scheduler: Service
+    stages: list[Service]
     joined: bool = True  # the routers know it (a replica being added joins once it is ready)
     cordoned: bool = False  # the routers send it no new request (it is being removed)
 
     @property
-    def children(self) -> list[Child]:
+    def children(self) -> list[Service]:
         return [self.scheduler, *self.stages]
 
     @property
@@ -33,15 +72,14 @@ class ReplicaGroup:
 
 @dataclass
 class RouterChild:
-    child: Child
+    child: Service
     control: str  # its control port, host:port (router.control)
 
 
 @dataclass
 class ServeMesh:
-    local: LocalMesh
+    host: MeshHost
     layout: MeshLayout
-    env: dict[str, str]  # every child's base environment (the internal token in it)
     replicas: list[ReplicaGroup]
     routers: list[RouterChild]
     rpc: MeshRPC
@@ -50,7 +88,7 @@ class ServeMesh:
 
     @property
     def shutdown_timeout_s(self) -> float:
-        return self.local.shutdown_timeout_s
+        return self.host.shutdown_timeout_s
 
     @property
     def args(self):
@@ -66,14 +104,14 @@ class ServeMesh:
         self.version += 1
         specs = self.layout.routers(list(self.wanted()))
         for router, spec in zip(self.routers, specs):
-            router.child.argv = spec.argv
+            router.child.set_argv(spec.argv)
 
     def new_replica(self) -> ReplicaGroup:
         """The next replica (the lowest free index), planned, not started, not joined."""
         used = {g.index for g in self.replicas}
         index = next(i for i in range(len(used) + 1) if i not in used)
         address, specs = self.layout.replica(index)
-        children = [Child(s.name, s.argv, {**self.env, **s.env}, s.kind) for s in specs]
+        children = [self.host.make(s) for s in specs]
         return ReplicaGroup(index, address, children[0], children[1:], joined=False)
 
     def others(self, group: ReplicaGroup) -> list[ReplicaGroup]:
@@ -83,28 +121,30 @@ class ServeMesh:
         return [r for r in self.routers if r.child.alive]
 
     def describe(self) -> dict:
-        return {"data_parallel_size": len([g for g in self.replicas if g.joined and not g.cordoned]),
+        return {"backend": self.host.backend,
+                "data_parallel_size": len([g for g in self.replicas if g.joined and not g.cordoned]),
                 "replicas": [{"index": g.index, "address": g.address, "joined": g.joined, "cordoned": g.cordoned,
-                              "children": [_child(c) for c in g.children]} for g in self.replicas],
-                "routers": [_child(r.child) for r in self.routers]}
+                              "children": [c.describe() for c in g.children]} for g in self.replicas],
+                "routers": [r.child.describe() for r in self.routers]}
 
 
-def _child(c: Child) -> dict:
-    pid = c.proc.pid if c.proc is not None and c.alive else None
-    return {"name": c.name, "pid": pid, "restarts": c.restarts, "held": c.held}
+def assemble(host: MeshHost, layout: MeshLayout, token: str) -> ServeMesh:
+    """The mesh serve starts, planned on its host (not started): --data-parallel-size replicas and
+    --api-server-count routers, each router with its control port."""
+    replicas = []
+    for r in range(layout.args.data_parallel_size):
+        address, specs = layout.replica(r)
+        services = [host.make(s) for s in specs]
+        replicas.append(ReplicaGroup(r, address, services[0], services[1:]))
+    specs = layout.routers([g.address for g in replicas])
+    routers = [RouterChild(host.make(s), f"127.0.0.1:{port}") for s, port in zip(specs, layout.control_ports)]
+    return ServeMesh(host, layout, replicas, routers, MeshRPC(token))
 
 
 def build(args, layout: MeshLayout, env: dict[str, str], signals, metrics, token: str) -> ServeMesh:
-    """The mesh serve starts: --data-parallel-size replicas and --api-server-count routers, each router with its
-    control port, supervised by a LocalMesh (started by its run())."""
-    replicas = []
-    for r in range(args.data_parallel_size):
-        address, specs = layout.replica(r)
-        children = [Child(s.name, s.argv, {**env, **s.env}, s.kind) for s in specs]
-        replicas.append(ReplicaGroup(r, address, children[0], children[1:]))
-    specs = layout.routers([g.address for g in replicas])
-    routers = [RouterChild(Child(s.name, s.argv, {**env, **s.env}, s.kind), f"127.0.0.1:{port}")
-               for s, port in zip(specs, layout.control_ports)]
-    local = LocalMesh([c for g in replicas for c in g.children] + [r.child for r in routers], args.restart_policy,
-                      args.shutdown_timeout, metrics, signals)
-    return ServeMesh(local, layout, env, replicas, routers, MeshRPC(token))
+    """The mesh of the mp backend, supervised by a LocalMesh (started by its run())."""
+    local = LocalMesh([], args.restart_policy, args.shutdown_timeout, metrics, signals, env=env)
+    mesh = assemble(local, layout, token)
+    services = [*(c for g in mesh.replicas for c in g.children), *(r.child for r in mesh.routers)]
+    local.children = cast(list[Child], services)  # (local.make made them)
+    return mesh

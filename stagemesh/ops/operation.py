@@ -17,7 +17,7 @@ POLL_S = 0.1
 
 
 class Refused(StagemeshError):
-    """An operation that will not start: `status` is the admin API's answer (400, 409, 501, 503)."""
+    """An operation that will not start: `status` is the admin API's answer (400, 409, 503)."""
 
     def __init__(self, status: int, message: str):
         super().__init__(message)

@@ -14,11 +14,10 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable
 
-from stagemesh.ops.mesh import ReplicaGroup, RouterChild, ServeMesh
+from stagemesh.ops.mesh import ReplicaGroup, RouterChild, ServeMesh, Service
 from stagemesh.ops.operation import Operation, Progress, Refused
-from stagemesh.ops.scaling import add_replica, check_gpus, remove_replica, serving
+from stagemesh.ops.scaling import add_replica, check_room, remove_replica, serving
 from stagemesh.ops.steps import replica_ready, restart_child, wait_for_another_replica, wait_for_another_router
-from stagemesh.supervisor import Child
 
 
 def check_rollout(mesh: ServeMesh, surge: bool) -> None:
@@ -27,7 +26,7 @@ def check_rollout(mesh: ServeMesh, surge: bool) -> None:
         raise Refused(400, "a rolling restart is not built for --enable-expert-parallel across replicas: their "
                            "stages form one expert group, which a restarted stage breaks for every replica")
     if surge:
-        check_gpus(mesh, len(serving(mesh)) + 1)
+        check_room(mesh, len(serving(mesh)) + 1)
     if len(serving(mesh)) < 2 and not surge:
         raise Refused(400, "a rolling restart of a mesh of one replica would leave no replica to serve while its "
                            "services restart: ask for --surge (a replica is added for the rollout's time, then "
@@ -52,7 +51,7 @@ def rollout(mesh: ServeMesh, surge: bool) -> Operation:
                                                                                 else ""), steps)
 
 
-def _restart_stage(mesh: ServeMesh, group: ReplicaGroup, stage: Child, p: Progress) -> None:
+def _restart_stage(mesh: ServeMesh, group: ReplicaGroup, stage: Service, p: Progress) -> None:
     wait_for_another_replica(mesh, p, group)
     view = mesh.rpc.scheduler(group.address)
     epoch = view.epoch if view is not None else 0

@@ -13,6 +13,7 @@ import logging
 from functools import partial
 from typing import Callable
 
+from stagemesh.core.errors import StagemeshError
 from stagemesh.ops.mesh import ReplicaGroup, ServeMesh
 from stagemesh.ops.operation import Cancelled, Failed, Operation, Progress, Refused
 from stagemesh.ops.steps import READY_TIMEOUT_S, ROUTER_SYNC_TIMEOUT_S, routers_see, stop_child, stop_children, \
@@ -43,20 +44,15 @@ def check_scale(mesh: ServeMesh, n: int, bounds: tuple[int, int] | None = None) 
     if bounds is not None and not bounds[0] <= n <= bounds[1]:
         raise Refused(400, f"--data-parallel-size {n}: the autoscaler keeps the replicas between "
                            f"--autoscale-min-replicas {bounds[0]} and --autoscale-max-replicas {bounds[1]}")
-    check_gpus(mesh, n)
+    check_room(mesh, n)
 
 
-def check_gpus(mesh: ServeMesh, n: int) -> None:
-    """Refused (400) when n replicas need more GPUs than this host has."""
-    layout = mesh.layout
-    if not layout.cuda:
-        return
-    import torch
-
-    need = n * len(layout.ranges) * layout.args.tensor_parallel_size
-    have = torch.cuda.device_count()
-    if need > have:
-        raise Refused(400, f"--data-parallel-size {n} needs {need} GPUs (TP x PP per replica); this host has {have}")
+def check_room(mesh: ServeMesh, n: int) -> None:
+    """Refused (400) when the host (its GPUs) or the Ray cluster (its free CPUs and GPUs) has no room for n
+    replicas."""
+    why = mesh.host.missing_room(n, len(serving(mesh)), mesh.layout.stages())
+    if why is not None:
+        raise Refused(400, f"--data-parallel-size {n}: {why}" if mesh.host.backend == "ray" else why)
 
 
 def scale(mesh: ServeMesh, n: int, reason: str) -> Operation | None:
@@ -83,8 +79,12 @@ def add_replica(mesh: ServeMesh, p: Progress) -> ReplicaGroup:
     group = mesh.new_replica()
     mesh.replicas.append(group)
     log.info("adding %s: %s", group.name, ", ".join(c.name for c in group.children))
-    if not mesh.local.add(group.children):
-        raise Cancelled()
+    try:
+        if not mesh.host.add(group.children):
+            raise Cancelled()
+    except StagemeshError:  # (the host took back what it had placed)
+        mesh.replicas.remove(group)
+        raise
     try:
         p.wait_until(lambda: _formed(mesh, group), READY_TIMEOUT_S,
                      f"{group.name}'s scheduler and stages to start and form its pipeline")
@@ -125,7 +125,7 @@ def _discard(mesh: ServeMesh, p: Progress, group: ReplicaGroup) -> None:
         stop_children(mesh, p, left)
     joined = group.joined
     mesh.replicas.remove(group)
-    mesh.local.remove(group.children)
+    mesh.host.remove(group.children)
     mesh.rpc.forget(group.address)
     if joined:
         mesh.changed()

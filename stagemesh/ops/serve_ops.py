@@ -20,8 +20,6 @@ from stagemesh.ops.rollout import rollout
 from stagemesh.ops.scaling import check_scale, scale, serving
 
 log = logging.getLogger("stagemesh.serve")
-RAY_REFUSAL = ("rolling restarts and scaling are not built for --distributed-executor-backend ray yet (Ray restarts "
-               "and places the services itself): use the mp backend")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,8 +56,6 @@ def autoscale_config(args: argparse.Namespace) -> AutoscaleConfig | None:
         if args.autoscale_min_replicas is not None:
             raise StagemeshError("--autoscale-min-replicas needs --autoscale-max-replicas (which turns it on)")
         return None
-    if args.distributed_executor_backend == "ray":
-        raise StagemeshError(f"--autoscale-max-replicas: {RAY_REFUSAL}")
     floor = args.prefill_replicas + 1 if args.prefill_replicas else 1
     low = floor if args.autoscale_min_replicas is None else args.autoscale_min_replicas
     high, dp = args.autoscale_max_replicas, args.data_parallel_size
@@ -81,13 +77,13 @@ def autoscale_config(args: argparse.Namespace) -> AutoscaleConfig | None:
 
 @dataclass
 class MeshController:
-    """What the admin API (and the autoscaler) call on an mp mesh."""
+    """What the admin API (and the autoscaler) call on the mesh (mp or Ray alike)."""
     mesh: ServeMesh
     ops: Operations = field(default_factory=Operations)
     autoscaler: Autoscaler | None = None
 
     def status(self) -> dict:
-        return {"backend": "mp", **self.mesh.describe(), **self.ops.status(),
+        return {**self.mesh.describe(), **self.ops.status(),
                 "autoscale": self.autoscaler.describe() if self.autoscaler is not None else None}
 
     def rollout(self, surge: bool) -> dict:
@@ -112,19 +108,6 @@ class MeshController:
             self.scale(n, reason)
         except Refused as err:
             log.warning("autoscaler: scaling to %d refused: %s", n, err)
-
-
-class RayRefusal:
-    """The admin API of a mesh on Ray: status, and a clear refusal of every operation (501)."""
-
-    def status(self) -> dict:
-        return {"backend": "ray", "operation": None, "last_operation": None, "autoscale": None}
-
-    def rollout(self, surge: bool) -> dict:
-        raise Refused(501, RAY_REFUSAL)
-
-    def scale(self, n: int) -> dict | None:
-        raise Refused(501, RAY_REFUSAL)
 
 
 class Admin:
@@ -155,7 +138,7 @@ def controller_for(mesh: ServeMesh, cfg: AutoscaleConfig | None) -> MeshControll
     controller = MeshController(mesh)
     if cfg is not None:
         controller.autoscaler = Autoscaler(cfg, controller.load, controller.autoscale, lambda: controller.ops.busy)
-    mesh.local.before_drain.append(controller.ops.stop)
+    mesh.host.before_drain.append(controller.ops.stop)
     if controller.autoscaler is not None:
-        mesh.local.before_drain.insert(0, controller.autoscaler.stop_event.set)
+        mesh.host.before_drain.insert(0, controller.autoscaler.stop_event.set)
     return controller

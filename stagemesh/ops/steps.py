@@ -1,43 +1,38 @@
-"""The building blocks of the operations: stop a child (it drains), restart one and wait until it serves again,
-tell the routers the replicas, and the readiness each kind of child is judged by. Every wait is bounded and says
-what it waits for (ops.operation.Progress)."""
+"""The building blocks of the operations: stop a service (it drains), restart one and wait until it serves again,
+tell the routers the replicas, and the readiness each kind of service is judged by. Every wait is bounded and says
+what it waits for (ops.operation.Progress). A service is a local child or one under a Ray actor
+(ops.mesh.Service); the mesh's host holds it meanwhile, so that its supervisor does not restart it."""
 from __future__ import annotations
 
 import logging
 from typing import Callable
 
 from stagemesh.local_mesh import EXIT_SLACK_S
-from stagemesh.ops.mesh import ReplicaGroup, RouterChild, ServeMesh
+from stagemesh.ops.mesh import ReplicaGroup, RouterChild, ServeMesh, Service
 from stagemesh.ops.operation import Cancelled, Failed, Progress
-from stagemesh.supervisor import Child
 
 log = logging.getLogger("stagemesh.serve")
 READY_TIMEOUT_S = 300.0  # a started service: its start-up, its weights, its pipeline formed
 OTHERS_TIMEOUT_S = 120.0  # another replica (or router) ready to take the load before one is stopped
 ROUTER_SYNC_TIMEOUT_S = 30.0
-KILL_WAIT_S = 10.0
 
 
-def stop_child(mesh: ServeMesh, p: Progress, child: Child) -> None:
-    """SIGTERM (the child drains), and wait for it to exit: at most its --shutdown-timeout and a little more,
-    then SIGKILL. The child stays held (not restarted by the supervisor) until the caller lets it go."""
-    with mesh.local.lock:
-        child.held = True
+def stop_child(mesh: ServeMesh, p: Progress, child: Service) -> None:
+    """SIGTERM (the service drains), and wait for it to exit: at most its --shutdown-timeout and a little more,
+    then SIGKILL. The service stays held (not restarted by its supervisor) until the caller lets it go."""
+    mesh.host.hold([child], True)
     child.terminate_once()
     try:
         p.wait_until(lambda: not child.alive, mesh.shutdown_timeout_s + EXIT_SLACK_S, f"{child.name} to drain and exit")
     except Failed:
         log.warning("%s did not exit within its --shutdown-timeout and %.0fs: killing it", child.name, EXIT_SLACK_S)
-        _kill(child)
-    if child.proc is not None:
-        log.info("%s exited with code %s", child.name, child.proc.returncode)
+        child.kill()
+    log.info("%s exited with code %s", child.name, child.exit_code)
 
 
-def stop_children(mesh: ServeMesh, p: Progress, children: list[Child]) -> None:
+def stop_children(mesh: ServeMesh, p: Progress, children: list[Service]) -> None:
     """stop_child for several at once (a replica's stages, whose scheduler is gone)."""
-    with mesh.local.lock:
-        for child in children:
-            child.held = True
+    mesh.host.hold(children, True)
     for child in children:
         child.terminate_once()
     names = ", ".join(c.name for c in children)
@@ -48,26 +43,19 @@ def stop_children(mesh: ServeMesh, p: Progress, children: list[Child]) -> None:
         for child in children:
             if child.alive:
                 log.warning("%s did not exit in time: killing it", child.name)
-                _kill(child)
+                child.kill()
 
 
-def _kill(child: Child) -> None:
-    proc = child.proc
-    if proc is not None:
-        proc.kill()
-        proc.wait(KILL_WAIT_S)
-
-
-def restart_child(mesh: ServeMesh, p: Progress, child: Child, ready: Callable[[], bool], what: str) -> None:
-    """Stop the child (it drains), start it again with the same command line, and wait until ready()."""
+def restart_child(mesh: ServeMesh, p: Progress, child: Service, ready: Callable[[], bool], what: str) -> None:
+    """Stop the service (it drains), start it again with the same command line, and wait until ready()."""
     try:
         stop_child(mesh, p, child)
-        if not mesh.local.start(child):
+        if not mesh.host.start(child):
             raise Cancelled()
-        child.held = False  # started: if it dies now, the supervisor restarts it as any other
+        mesh.host.hold([child], False)  # started: if it dies now, its supervisor restarts it as any other
         p.wait_until(lambda: child.alive and ready(), READY_TIMEOUT_S, what)
     finally:
-        child.held = False
+        mesh.host.hold([child], False)
 
 
 def replica_ready(mesh: ServeMesh, group: ReplicaGroup, after_epoch: int | None = None) -> bool:
@@ -111,10 +99,11 @@ def sync_routers(mesh: ServeMesh, p: Progress) -> None:
 
     def synced() -> bool:
         pending = False
-        for router in mesh.live_routers():
-            if router.child.proc is None:
+        for router in mesh.routers:
+            pid = router.child.pid
+            if not pid:
                 continue
-            key = (router.child.proc.pid, version)
+            key = (pid, version)
             if mesh.acked.get(router.child.name) == key:
                 continue
             if mesh.rpc.set_replicas(router.control, wanted):
