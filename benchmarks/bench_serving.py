@@ -66,7 +66,7 @@ def serve_and_bench(layout: str, workload: list, extra: list[str], max_concurren
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"`stagemesh serve {layout}` did not come up")
             try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                if requests.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
                     break
             except requests.RequestException:
                 pass

@@ -144,11 +144,11 @@ def main() -> None:
 
         downtimes: list[float] = []
 
-        def watch_health() -> None:  # how long the mesh answers 503 after each kill
+        def watch_health() -> None:  # how long the mesh is not ready (/ready 503) after each kill
             down_since = None
             while not stop.wait(0.5):
                 try:
-                    up = requests.get(f"{base}/health", timeout=2).status_code == 200
+                    up = requests.get(f"{base}/ready", timeout=2).status_code == 200
                 except requests.RequestException:
                     up = False
                 if not up and down_since is None:
@@ -177,7 +177,7 @@ def wait_ready(base: str, serve: subprocess.Popen, log: Path) -> str:
         if serve.poll() is not None:
             sys.exit(f"serve exited:\n{log.read_text()[-3000:]}")
         try:
-            if requests.get(f"{base}/health", timeout=2).status_code == 200:
+            if requests.get(f"{base}/ready", timeout=2).status_code == 200:
                 return requests.get(f"{base}/v1/models", timeout=5).json()["data"][0]["id"]
         except requests.RequestException:
             pass
