@@ -148,7 +148,11 @@ def run(args: argparse.Namespace) -> int:
     layout = MeshLayout.build(args, str(source.model_dir), cfg.num_hidden_layers, cuda,
                               stage_model=source.stage_args(), control=True)
     metrics = _serve_metrics(args, args.data_parallel_size * (args.pipeline_parallel_size + 1))
-    mesh = ops_mesh.build(args, layout, base_env, signals, metrics, token)
+    return _operate(args, ops_mesh.build(args, layout, base_env, signals, metrics, token), autoscale)
+
+
+def _operate(args: argparse.Namespace, mesh, autoscale) -> int:
+    """Run a built mesh (mp or Ray) with its admin API (and autoscaler) beside it until it stops."""
     admin = serve_ops.Admin(args, serve_ops.controller_for(mesh, autoscale))
     try:
         return mesh.host.run()
@@ -177,13 +181,8 @@ def _run_on_ray(args: argparse.Namespace, token: str, signals: Signals, autoscal
         layout = MeshLayout.build(args, model, cfg.num_hidden_layers, cuda, Addresses(cluster.head_ip, NODE_IP),
                                   control=True)
         metrics = _serve_metrics(args, args.data_parallel_size * (args.pipeline_parallel_size + 1))
-        mesh = ray_mesh.build(args, layout, cluster, {internal_token.ENV: token}, signals, metrics, token)
-        admin = serve_ops.Admin(args, serve_ops.controller_for(mesh, autoscale))
-        try:
-            return mesh.host.run()
-        finally:
-            admin.close()
-            mesh.rpc.close()
+        return _operate(args, ray_mesh.build(args, layout, cluster, {internal_token.ENV: token}, signals, metrics,
+                                             token), autoscale)
     finally:
         cluster.shutdown()
 
