@@ -100,7 +100,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self.driver.release_kv(kv_source.request_id)
                 kv_source = None
             elif kv_source is not None and not self.kv_peers.knows(kv_source.scheduler_address):
-                log.warning("request %s: its kv_transfer names the scheduler %s, which is not a --kv-peer of this "
+                log.warning("request %s: its kv_transfer names the scheduler %.200s, which is not a --kv-peer of this "
                             "replica: computing the prompt here", r.request_id, kv_source.scheduler_address)
                 kv_source = None
             sink = self._sink(r, connection)

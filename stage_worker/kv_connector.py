@@ -60,8 +60,8 @@ class PeerStages:
             self._known = await self._ask()
             unknown = [a for a in unknown if a not in self._known]
         if unknown:
-            raise NotAPeer(f"PullKV refused: {unknown[0]!r} is not a stage of a prefill replica this stage's scheduler "
-                           f"fetches KV from (the scheduler's --kv-peer)")
+            raise NotAPeer(f"PullKV refused: {unknown[0][:200]!r} is not a stage of a prefill replica this stage's "
+                           "scheduler fetches KV from (the scheduler's --kv-peer)")
 
     async def _ask(self) -> frozenset[str]:
         channel = aio_channel(self.scheduler)
