@@ -95,7 +95,11 @@ def main() -> None:
     plain = {layer: balancedness(load, default) for layer, load in sorted(counts.items())}
     run(model, True, args, work / "serve-eplb.log")
     text = (work / "serve-eplb.log").read_text()
-    windows = [float(x) for x in re.findall(r"layer 0: EPLB over the last \d+ steps: balancedness ([\d.]+) ->", text)]
+    windows = [float(x) for x in re.findall(r"layer 0: EPLB over the last \d+ steps: balancedness ([\d.]+) (?:->|now,)",
+                                            text)]
+    # every layer's rebalances: (current placement's score, the new one's, applied)
+    decisions = [(float(a), float(b), how == "->") for a, how, b in re.findall(
+        r"layer \d+: EPLB over the last \d+ steps: balancedness ([\d.]+) (->|now,) ([\d.]+)", text)]
     print(f"skewed tiny Mixtral (8 experts, top-2), TP=2 expert parallel, {args.num_prompts} requests; logs in {work}")
     print("without EPLB, balancedness per layer: " + ", ".join(f"{layer} {b:.3f}" for layer, b in plain.items()))
     if len(windows) >= 2:
@@ -104,6 +108,9 @@ def main() -> None:
               f"min {min(windows[1:]):.3f} ({len(windows) - 1} windows)")
     else:
         print(f"with EPLB: only {len(windows)} window(s) logged; raise --num-prompts or lower --interval")
+    kept = [(a, b) for a, b, applied in decisions if not applied]
+    print(f"rebalances (every layer): {len(decisions) - len(kept)} applied, {len(kept)} kept (the new placement not "
+          f"better by the margin; {sum(b < a for a, b in kept)} of them scored worse than the current one)")
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ async def _main(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer(model_dir, model_config.max_position_embeddings, config.template_timeout_s)
     from router.observe import configure
 
-    configure(name, args.max_model_len or replicas.max_model_len or model_config.max_position_embeddings, args.replica)
+    configure(name, args.max_model_len or replicas.max_model_len or model_config.max_position_embeddings)
     from stagemesh.core import telemetry
 
     if telemetry.enabled():  # a span per HTTP request, its context carried on to the scheduler

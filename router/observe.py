@@ -16,19 +16,30 @@ _state = {"name": "", "engines": {}, "tokens": None}
 _counted: dict[str, tuple[int, ...]] = {}  # replica -> its counters seen so far (prefix, preemptions, spec)
 
 
-def configure(model_name: str, max_model_len: int, addresses: list[str]) -> None:
-    """The served name, the context length (the token histograms' last bucket) and the replicas, whose index
-    is their `engine` label. Once per process: the series live in one registry."""
+def configure(model_name: str, max_model_len: int) -> None:
+    """The served name and the context length (the token histograms' last bucket). Once per process: the
+    series live in one registry. The replicas' engine labels come from add_replica."""
     _state["name"] = model_name
-    _state["engines"] = {a: str(i) for i, a in enumerate(addresses)}
     if _state["tokens"] is None:
         _state["tokens"] = m.TokenHistograms(max_model_len)
 
 
-def add_replica(address: str) -> None:
-    """A replica added while the router runs: the next engine index (one an address had stays its own)."""
+def add_replica(address: str) -> str:
+    """A replica's `engine` label: the next index for an address not seen before (the router's --replica order,
+    then replicas added while it runs); one an address had stays its own."""
     engines = _state["engines"]
-    engines.setdefault(address, str(len(engines)))
+    return engines.setdefault(address, str(len(engines)))
+
+
+def forget_replica(address: str) -> None:
+    """A replica the router no longer balances over: its router series go (its vllm: counters stay)."""
+    engine = _state["engines"].get(address)
+    for gauge, labels in ((m.HEALTHY, (address, engine)), (m.ROUTER_RUNNING, (address,)),
+                          (m.ROUTER_WAITING, (address,)), (m.KV_INDEX_BLOCKS, (address,))):
+        try:
+            gauge.remove(*labels)
+        except KeyError:  # (never set)
+            pass
 
 
 def _labels(address: str | None) -> tuple[str, str]:
@@ -37,7 +48,7 @@ def _labels(address: str | None) -> tuple[str, str]:
 
 def replica_state(address: str, healthy: bool, stats=None) -> None:
     """A replica's health and, when given, its scheduler's stats (a Stats message)."""
-    m.HEALTHY.labels(address, _labels(address)[1]).set(1 if healthy else 0)
+    m.HEALTHY.labels(address, add_replica(address)).set(1 if healthy else 0)
     if stats is None or not _state["name"]:  # before the router knows the model's name
         return
     labels = _labels(address)

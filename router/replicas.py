@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.observe import add_replica, kv_index_blocks, replica_state
+from router.observe import add_replica, forget_replica, kv_index_blocks, replica_state
 from router.errors import APIError
 from router.submit_stream import ReplicaOutput, RequestFailed, RequestStream, SubmitStream
 from stagemesh.core.sampling_params import SamplingParams
@@ -36,6 +36,7 @@ class Replica:
     scheduling_policy: str = ""  # its scheduler's --scheduling-policy (fcfs or priority)
     kv_role: str = "both"  # its scheduler's --kv-role: both, prefill or decode (disaggregated prefill)
     cordoned: bool = False  # told (router.control) to take no new request: it is about to drain
+    forgotten: bool = False  # no longer balanced over (ReplicaSet.set_replicas): a late check reports nothing
     stub: scheduler_pb2_grpc.SchedulerStub | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -108,11 +109,13 @@ class Replica:
 
     def _set_load(self, stats) -> None:
         self.num_running, self.num_waiting, self.dispatched = stats.num_running, stats.num_waiting, 0
-        replica_state(self.address, self.healthy, stats)
+        if not self.forgotten:
+            replica_state(self.address, self.healthy, stats)
 
     def _set_health(self, healthy: bool, reason: str) -> None:
         was, self.healthy, self.reason = self.healthy, healthy, reason
-        replica_state(self.address, healthy)
+        if not self.forgotten:
+            replica_state(self.address, healthy)
         if was != healthy:
             log.log(logging.INFO if healthy else logging.WARNING, "replica %s is now %s%s", self.address,
                     "healthy" if healthy else "UNHEALTHY", "" if healthy else f": {reason}")
@@ -160,6 +163,8 @@ class ReplicaSet:
                  max_request_retries: int = 3):
         # replaced, never changed in place, when the replicas change (set_replicas): a loop over it that awaits
         # goes on over the list it started with
+        for a in addresses:  # each one's engine label, in the order given, before any check reports on it
+            add_replica(a)
         self.replicas = [Replica(a) for a in addresses]
         self.policy = policy
         self.interval_s = interval_s
@@ -204,10 +209,11 @@ class ReplicaSet:
         removed = [r for r in self.replicas if r.address not in wanted]
         for r in [*self.replicas, *added]:
             r.cordoned = wanted.get(r.address, r.cordoned)
+        for r in added:  # (before its first check reports on it)
+            add_replica(r.address)
         await asyncio.gather(*(r.refresh() for r in added))
         self.replicas = [r for r in self.replicas if r.address in wanted] + added
         for r in added:
-            add_replica(r.address)
             self._watch(r)
         for r in removed:
             await self._forget(r)
@@ -218,6 +224,8 @@ class ReplicaSet:
         return [r.address for r in added], [r.address for r in removed]
 
     async def _forget(self, replica: Replica) -> None:
+        replica.forgotten = True
+        forget_replica(replica.address)
         for task in (self._watchers or {}).pop(replica.address, []):
             task.cancel()
         index = getattr(self.policy, "index", None)

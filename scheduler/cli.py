@@ -56,6 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="disaggregated prefill (docs/disaggregated-prefill.md): a router sends a prefill replica "
                         "new prompts (it computes the prompt and the first token and holds the KV), and a decode "
                         "replica the rest, whose stages fetch that KV; every role also serves whole requests")
+    p.add_argument("--kv-peer", action="append", default=[], metavar="HOST:PORT",
+                   help="disaggregated prefill: the scheduler of a prefill replica whose held KV this replica may "
+                        "fetch (repeat for each); a request's kv_transfer naming any other is not fetched (the "
+                        "prompt is computed here), and this replica's stages read KV only from these replicas' "
+                        "stages (`stagemesh serve --prefill-replicas` gives it to every decode replica)")
     p.add_argument("--kv-hold-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="a prefilled request's KV blocks wait this long at most for a decode replica to fetch them")
     p.add_argument("--resume-grace-period", type=float, default=30.0, metavar="SECONDS",
@@ -64,6 +69,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "stagemesh.client by itself); then it is aborted and its KV freed. 0: abort at once")
     p.add_argument("--port-file", default=None, help="write the bound port here (for supervisors)")
     add_service_arguments(p)
+
+
+def _check_kv_peers(peers: list[str], kv_role: str) -> None:
+    for address in peers:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise StagemeshError(f"--kv-peer takes a prefill replica's scheduler as HOST:PORT; got {address!r}")
+    if peers and kv_role == "prefill":
+        raise StagemeshError("--kv-peer is for a replica that fetches KV (--kv-role decode or both), not a prefill one")
+    if kv_role == "decode" and not peers:
+        log.warning("--kv-role decode without --kv-peer: no prefill replica's KV can be fetched, every prompt is "
+                    "computed here")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,6 +92,7 @@ async def _main(args: argparse.Namespace) -> int:
     from scheduler.config import SchedulerConfig
     from scheduler.driver import Driver, DriverConfig
     from scheduler.grpc_pipeline import GrpcPipeline
+    from scheduler.kv_peers import KVPeers
     from scheduler.rendezvous import ModelIdentity, Rendezvous
     from scheduler.service import SchedulerServicer, serve
     from stagemesh.core.model_config import ModelConfig
@@ -97,6 +115,7 @@ async def _main(args: argparse.Namespace) -> int:
         raise StagemeshError("--resume-grace-period must be >= 0")
     if not args.kv_hold_timeout > 0:
         raise StagemeshError("--kv-hold-timeout must be > 0")
+    _check_kv_peers(args.kv_peer, args.kv_role)
     shutdown = Shutdown(args.shutdown_timeout, log, "scheduler")
     shutdown.install_async()
     advertise = args.advertise_host or args.host
@@ -119,7 +138,7 @@ async def _main(args: argparse.Namespace) -> int:
         GrpcPipeline(rendezvous, advertise, store.port, replace(DEADLINES, forward_s=args.forward_timeout)))
     name = args.served_model_name or source.name
     servicer = SchedulerServicer(driver, name, str(model_dir), cfg.vocab_size, args.kv_role,
-                                 args.resume_grace_period)
+                                 args.resume_grace_period, KVPeers(tuple(args.kv_peer)))
     server, port = await serve(servicer, args.host, args.port)
     driver.observer.replica = servicer.address = f"{advertise}:{port}"
     if args.port_file:

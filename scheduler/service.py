@@ -11,6 +11,7 @@ from scheduler.connection import Connection, Rejected, Update
 from scheduler.drain import Drain
 from scheduler.driver import Driver, Unavailable
 from scheduler.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
+from scheduler.kv_peers import KVPeers
 from scheduler.kv_transfer import KVSourceInfo
 from scheduler.rendezvous import ModelIdentity, StageInfo
 from scheduler.request import RequestOutput
@@ -35,8 +36,9 @@ SERVICE = "stagemesh.v1.Scheduler"
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, driver: Driver, served_model_name: str, model_path: str, vocab_size: int,
-                 kv_role: str = "both", resume_grace_s: float = 30.0):
+                 kv_role: str = "both", resume_grace_s: float = 30.0, kv_peers: KVPeers | None = None):
         self.driver = driver
+        self.kv_peers = kv_peers or KVPeers(())  # the prefill replicas whose KV this one may fetch (--kv-peer)
         self.sessions = Sessions(driver, resume_grace_s)  # resumable requests (scheduler.sessions)
         self.drain = Drain()  # why no new request is taken, while the replica serves the ones it has
         self.served_model_name, self.model_path, self.vocab_size = served_model_name, model_path, vocab_size
@@ -96,6 +98,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if kv_source is not None and kv_source.scheduler_address == self.address:  # its own prefill, held here:
                 # free it and compute the prompt (a decode replica was not to be had)
                 self.driver.release_kv(kv_source.request_id)
+                kv_source = None
+            elif kv_source is not None and not self.kv_peers.knows(kv_source.scheduler_address):
+                log.warning("request %s: its kv_transfer names the scheduler %.200s, which is not a --kv-peer of this "
+                            "replica: computing the prompt here", r.request_id, kv_source.scheduler_address)
                 kv_source = None
             sink = self._sink(r, connection)
             try:
@@ -183,10 +189,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             info.max_model_len = d.max_model_len
             info.tensor_parallel_sizes.extend(d.tp_sizes)
             info.kv_cache_tokens = d.kv_cache_tokens
+            info.stages.extend(stage_pb2.KVSource(address=x.address, layer_start=x.layer_start,
+                                                  layer_end=x.layer_end) for x in d.stages)
         return info
 
     async def ReleaseKV(self, request, context):
         return scheduler_pb2.ReleaseKVResponse(released=self.driver.release_kv(request.request_id))
+
+    async def GetKVPeers(self, request, context):
+        return scheduler_pb2.GetKVPeersResponse(stage_addresses=sorted(await self.kv_peers.stage_addresses()))
 
     def _kv_params(self, out: RequestOutput) -> scheduler_pb2.KVTransferParams:
         held = out.held_kv

@@ -201,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    from stage_worker.kv_connector import PeerStages
     from stage_worker.service import ServerThread, StageServicer
     from stage_worker.runner import SliceConfig
     from stage_worker.worker import StageConfig, StageWorker
@@ -236,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("stage %d experts: %s", args.stage_index,
                  describe_layout(cfg, args.tensor_parallel_size, args.enable_expert_parallel, worker.ep))
         watch_expert_load(args.stage_index, worker.runner.model)
-    servicer = StageServicer(worker, "")
+    servicer = StageServicer(worker, "", PeerStages(args.scheduler))
     server = ServerThread(servicer, args.host, args.port)
     stop = threading.Event()
     failed: list[BaseException] = []

@@ -7,7 +7,9 @@ fused MoE kernel and the layer's one all-reduce run as before, over physical slo
 steps TP rank 0 looks at the tokens each expert received over the last window_size steps, gives the hottest
 experts the redundant copies and packs the copies onto the ranks so that their loads even out, and has every
 rank load its slots' new experts from the checkpoint, between two steps: no request waits for more than that
-pause. Balancedness is vLLM's: mean over max of the ranks' tokens.
+pause. Balancedness is vLLM's: mean over max of the ranks' tokens. A layer keeps its placement unless the new
+one scores better on the same window by MIN_BALANCEDNESS_GAIN: the packing is greedy, and can score below a
+placement that already fits the load, and a move costs a pause for a gain too small to see.
 """
 from __future__ import annotations
 
@@ -22,6 +24,10 @@ import torch
 from stagemesh.core.errors import StagemeshError
 
 log = logging.getLogger("stagemesh.stage")
+
+# a layer's new placement is applied only when its balancedness on the window it was planned from is at least
+# this much above the current placement's (absolute, balancedness being 0 to 1); otherwise the current one stays
+MIN_BALANCEDNESS_GAIN = 0.01
 
 
 @dataclass(frozen=True)
@@ -136,12 +142,25 @@ class Balancer:
             log.info("stage %d: EPLB balancedness over the last %d steps: %s", self.stage_index, steps,
                      ", ".join(f"layer {b.layer} {b.balancedness:.3f}" for b in self.blocks))
             return None
-        plans = [plan_placement(load, self.num_ranks, len(block.stage_placement[0]))
-                 for load, block in zip(loads, self.blocks)]
-        for block, load, plan in zip(self.blocks, loads, plans):
-            log.info("stage %d layer %d: EPLB over the last %d steps: balancedness %.3f -> %.3f with the new "
-                     "placement", self.stage_index, block.layer, steps, block.balancedness, balancedness(load, plan))
+        plans = [self._decide(block, load, steps) for block, load in zip(self.blocks, loads)]
+        if all(plan is block.stage_placement for plan, block in zip(plans, self.blocks)):
+            return None  # every layer keeps its placement: nothing to move, no pause
         return plans
+
+    def _decide(self, block, load: list[float], steps: int) -> list[list[int]]:
+        """The layer's new placement when it beats the current one by the margin, else its current one (the
+        same object); the decision logged and counted (block.eplb_rebalances)."""
+        plan = plan_placement(load, self.num_ranks, len(block.stage_placement[0]))
+        now, new = block.balancedness, balancedness(load, plan)
+        applied = new >= now + MIN_BALANCEDNESS_GAIN
+        block.eplb_rebalances["applied" if applied else "kept"] += 1
+        head = f"stage {self.stage_index} layer {block.layer}: EPLB over the last {steps} steps: balancedness"
+        if applied:
+            log.info("%s %.3f -> %.3f with the new placement: applied", head, now, new)
+            return plan
+        log.info("%s %.3f now, %.3f with a new placement: the current one kept (a move needs +%s)", head, now, new,
+                 MIN_BALANCEDNESS_GAIN)
+        return block.stage_placement
 
 
 def balanced_blocks(model) -> list:

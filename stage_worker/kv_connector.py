@@ -6,6 +6,8 @@ gRPC bytes are what a CPU mesh has, and they cross any network; on GPUs an NCCL 
 device, no host copy) would sit behind the same two calls: it is not built yet (docs/disaggregated-prefill.md).
 Every field from the wire is checked before it reaches a tensor: layers, block counts, the chunks' dtype and
 sizes; a source that sends anything else fails the pull (the decode scheduler then recomputes the prompt).
+A pull reads only from the stages that this stage's own scheduler vouches for (its --kv-peer replicas'
+stages, PeerStages): the addresses in a request are checked against them before anything is dialled.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 from stagemesh.core.deadlines import DEADLINES
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.service_options import aio_channel
-from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 CHUNK_BYTES = 4 * 2**20  # k and v of one chunk together, at most (whole blocks; one block at least)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,9 +41,45 @@ async def read_chunks(worker, request: stage_pb2.ReadKVRequest):
                                           v=_bytes(part_v))
 
 
-async def pull(worker, request: stage_pb2.PullKVRequest) -> stage_pb2.PullKVResponse:
+class NotAPeer(StagemeshError):
+    """A pull names a stage that none of the replicas this stage's scheduler fetches KV from reports."""
+
+
+class PeerStages:
+    """The stages this stage may read KV from, as its own scheduler (--scheduler) reports them
+    (Scheduler.GetKVPeers); asked again when a pull names one not among those it holds."""
+
+    def __init__(self, scheduler: str):
+        self.scheduler = scheduler
+        self._known: frozenset[str] = frozenset()
+
+    async def check(self, addresses: list[str]) -> None:
+        """NotAPeer unless every address is a known peer stage."""
+        unknown = [a for a in addresses if a not in self._known]
+        if unknown:
+            self._known = await self._ask()
+            unknown = [a for a in unknown if a not in self._known]
+        if unknown:
+            raise NotAPeer(f"PullKV refused: {unknown[0][:200]!r} is not a stage of a prefill replica this stage's "
+                           "scheduler fetches KV from (the scheduler's --kv-peer)")
+
+    async def _ask(self) -> frozenset[str]:
+        channel = aio_channel(self.scheduler)
+        try:
+            reply = await scheduler_pb2_grpc.SchedulerStub(channel).GetKVPeers(scheduler_pb2.GetKVPeersRequest(),
+                                                                               timeout=DEADLINES.kv_pull_s)
+            return frozenset(reply.stage_addresses)
+        except grpc.aio.AioRpcError as err:
+            raise StagemeshError(f"PullKV: the scheduler at {self.scheduler} did not say which stages KV may be read "
+                                 f"from ({err.code().name})") from None
+        finally:
+            await channel.close()
+
+
+async def pull(worker, request: stage_pb2.PullKVRequest, peers: PeerStages) -> stage_pb2.PullKVResponse:
     """Fetch the stage's layers of the source blocks from the sources and write them into block_ids."""
     start = time.perf_counter()
+    await peers.check([src.address for src in request.sources])  # before anything else: nothing dialled otherwise
     s = worker.cfg.slice
     n = len(request.block_ids)
     if n == 0 or n != len(request.source_block_ids):
@@ -51,7 +89,7 @@ async def pull(worker, request: stage_pb2.PullKVRequest) -> stage_pb2.PullKVResp
                              f"{s.block_size}")
     cache = worker.runner.kv_caches[0][0] if worker.runner.kv_caches else None
     if cache is None or request.epoch != worker.epoch:
-        raise StagemeshError(f"KV pulled into epoch {request.epoch}; the stage is in epoch {worker.epoch}")
+        raise StagemeshError(f"KV pulled into epoch {request.epoch}, which is not the stage's")
     shape = (cache.shape[1], worker.runner.config.num_key_value_heads, cache.shape[3])
     plan = _sources_for(list(request.sources), s.layer_start, s.layer_end)
     layers: dict[int, list[torch.Tensor]] = {}

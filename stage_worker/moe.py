@@ -122,6 +122,7 @@ class SparseMoeBlock(Module):
         # EPLB: the stage's placement (every rank's slots), and the map the forward sends tokens through
         self.expert_map = self.stage_placement = None
         self.balancedness = 1.0  # of the last window EPLB looked at
+        self.eplb_rebalances = {"applied": 0, "kept": 0}  # EPLB's decisions for this layer (stage_worker.eplb)
         if eplb is not None:
             slots = (cfg.num_experts + eplb.num_redundant_experts) // tp.size
             self.stage_placement = plan_placement([1.0] * cfg.num_experts, tp.size, slots)

@@ -93,6 +93,14 @@ class ExpertLoadCollector:
             for block in balanced:
                 gauge.add_metric([self._stage, str(block.layer)], block.balancedness)
             yield gauge
+            decisions = CounterMetricFamily("stagemesh:eplb_rebalances", "EPLB's rebalances of a sparse layer: its "
+                                            "new placement applied, or the current one kept (the new one not "
+                                            "better by stage_worker.eplb's MIN_BALANCEDNESS_GAIN)",
+                                            labels=["stage", "layer", "decision"])
+            for block in balanced:
+                for decision, count in block.eplb_rebalances.items():
+                    decisions.add_metric([self._stage, str(block.layer), decision], count)
+            yield decisions
 
 
 def watch_expert_load(stage_index: int, model) -> None:

@@ -30,9 +30,10 @@ SERVICE = "stagemesh.v1.Stage"
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
-    def __init__(self, worker: StageWorker, address: str):
+    def __init__(self, worker: StageWorker, address: str, kv_peers: kv_connector.PeerStages):
         self.worker, self.steps = worker, worker.steps
         self.address = address
+        self.kv_peers = kv_peers  # where PullKV may read from: what its scheduler says
         self.draining = False  # told to stop: its replica takes no new work until it is replaced
         c, s = worker.cfg, worker.cfg.slice
         self.observer = ForwardObserver(c.stage_index, s.layer_start, s.layer_end, s.tp_size, c.handoff)
@@ -91,7 +92,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     async def PullKV(self, request, context):
         # a failed pull: the decode scheduler falls back to recomputing the prompt
-        return await kv_connector.pull(self.worker, request)
+        return await kv_connector.pull(self.worker, request, self.kv_peers)
 
     async def PushActivations(self, request, context):
         self._deliver(request)
@@ -101,7 +102,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         """Checked activations (or sampled tokens, on the first stage) into the grpc handoff's mailbox."""
         w, handoff = self.worker, self.steps.handoff
         if handoff is None or not handoff.receives_pushes or req.epoch != w.epoch:
-            raise StagemeshError(f"activations for epoch {req.epoch} arrived; the stage is in epoch {w.epoch}")
+            raise StagemeshError(f"activations for epoch {req.epoch} arrived, which is not the stage's")
         if req.HasField("hidden_states") == bool(req.sampled_tokens):
             raise InvalidStep("a PushActivations call carries activations or sampled tokens, one of them")
         if req.sampled_tokens:  # from the last stage, for a step scheduled ahead
@@ -115,9 +116,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         handoff.deliver(req)
 
 
-# what a call raises: bad input INVALID_ARGUMENT, a state the stage is not in FAILED_PRECONDITION, anything
-# else INTERNAL (logged); the stage stays up
-ERRORS = ErrorInterceptor(by_type(((InvalidStep, InvalidParameter), grpc.StatusCode.INVALID_ARGUMENT),
+# what a call raises: a PullKV source its scheduler does not vouch for PERMISSION_DENIED, bad input
+# INVALID_ARGUMENT, a state the stage is not in FAILED_PRECONDITION, anything else INTERNAL (logged); the stage
+# stays up
+ERRORS = ErrorInterceptor(by_type((kv_connector.NotAPeer, grpc.StatusCode.PERMISSION_DENIED),
+                                  ((InvalidStep, InvalidParameter), grpc.StatusCode.INVALID_ARGUMENT),
                                   (StagemeshError, grpc.StatusCode.FAILED_PRECONDITION)), log, "stage call")
 
 

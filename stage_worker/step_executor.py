@@ -109,7 +109,7 @@ class StepExecutor:
     def _queue(self, epoch: int, batch: StepBatch, step_bytes: bytes | None) -> Future:
         """Queue a step on the main loop (in step order). The future's result is (StepStats, StageOutput)."""
         if epoch != self.epoch:
-            raise StagemeshError(f"step {batch.step_id} belongs to epoch {epoch}, the stage is in {self.epoch}")
+            raise StagemeshError(f"step {batch.step_id} belongs to epoch {epoch}, which is not the stage's")
         runner, published = self.runner, None
         ahead = has_placeholders(batch)  # scheduled before the step before had sampled
         if ahead and runner.is_last_stage and not runner.is_first_stage:

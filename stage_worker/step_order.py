@@ -72,8 +72,8 @@ class StepOrder:
 
     def _check(self, epoch: int, step_id: int) -> None:
         if epoch != self.epoch:
-            where = "is between epochs" if self.epoch < 0 else f"is in epoch {self.epoch}"
-            raise OutOfOrder(f"step {step_id} belongs to epoch {epoch}; the stage {where}")
+            where = "; the stage is between epochs" if self.epoch < 0 else ", which is not the stage's"
+            raise OutOfOrder(f"step {step_id} belongs to epoch {epoch}{where}")
         if step_id < self.next_step:
             raise OutOfOrder(f"step {step_id} was taken already (the next is {self.next_step})")
         if step_id >= self.next_step + self.window:

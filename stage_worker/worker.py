@@ -158,7 +158,7 @@ class StageWorker:
     def _kv_request(self, epoch: int, block_ids: list[int], layer_start: int, layer_end: int) -> range:
         s = self.cfg.slice
         if epoch != self.epoch:
-            raise StagemeshError(f"KV blocks of epoch {epoch} asked for; the stage is in epoch {self.epoch}")
+            raise StagemeshError(f"KV blocks of epoch {epoch} asked for, which is not the stage's")
         if not block_ids or len(block_ids) > self.limits.num_kv_blocks or \
                 not all(0 <= b < self.limits.num_kv_blocks for b in block_ids):
             raise InvalidStep(f"KV block ids must be 1 to {self.limits.num_kv_blocks} ids below "

@@ -97,13 +97,19 @@ class MeshLayout:
         self.scheduler_flags = _scheduler_flags(args, self.spec)
         # replica 0's stage hosts the experts' group store
         self.ep_port = free_port() if args.enable_expert_parallel and dp > 1 else None
+        # the prefill replicas' schedulers keep their addresses for the mesh's life: every decode replica, one
+        # added later too, is given them (--kv-peer), the only replicas whose KV its stages may read
+        self.prefill_schedulers = [f"{self.addresses.head}:{free_port(self.addresses.head)}"
+                                   for _ in range(args.prefill_replicas or 0)]
 
     def replica(self, r: int) -> tuple[str, list[ChildSpec]]:
         """Replica r: its scheduler's address, and its scheduler's and stages' specs (the scheduler first)."""
         args, head = self.args, self.addresses.head
-        port = free_port(head)
-        address = f"{head}:{port}"
-        role = [] if not args.prefill_replicas else ["--kv-role", "prefill" if r < args.prefill_replicas else "decode"]
+        prefill = r < len(self.prefill_schedulers)
+        address = self.prefill_schedulers[r] if prefill else f"{head}:{free_port(head)}"
+        port = address.rpartition(":")[2]
+        role = [] if not args.prefill_replicas else ["--kv-role", "prefill"] if prefill else \
+            ["--kv-role", "decode", *(f for a in self.prefill_schedulers for f in ("--kv-peer", a))]
         listen = [] if self.addresses.local else ["--host", head, "--advertise-host", head]
         scheduler = ChildSpec(f"scheduler[{r}]", ["scheduler", *self.model_arg, *listen, "--port", str(port),
                                                   "--pipeline-parallel-size", str(args.pipeline_parallel_size),

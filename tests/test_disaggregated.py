@@ -2,20 +2,24 @@
 stages fetch it and go on; the layouts differ (PP=2 with a TP=2 stage, whose ranks gather their KV heads,
 against one TP=4 stage, whose ranks share the model's 2 KV heads). Every request ends with
 transformers' greedy tokens whether its KV was fetched or, when the fetch cannot work, computed again; held KV
-is freed when fetched or when its hold times out. Real processes on loopback."""
+is freed when fetched or when its hold times out. A decode replica reads KV only from the prefill replicas its
+scheduler was given (--kv-peer): a kv_transfer or a PullKV naming any other address is refused without a
+connection to it. Real processes on loopback."""
 from __future__ import annotations
 
 import re
+import socket
 import threading
 import time
 
+import grpc
 import pytest
 
-from mesh import Mesh
+from mesh import Mesh, internal_channel
 from parity import prompts
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.wire import sampling_to_pb
-from stagemesh.v1 import scheduler_pb2
+from stagemesh.v1 import scheduler_pb2, stage_pb2, stage_pb2_grpc
 from tiny_models import reference_greedy, reference_model, with_word_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -69,7 +73,8 @@ def meshes(tiny_model_dir, tmp_path_factory):
         (logs / name).mkdir()
     with Mesh(model_dir, [2, 2], tp=[1, 2], log_dir=logs / "p",
               scheduler_args=("--kv-role", "prefill", "--kv-hold-timeout", "3")) as p, \
-            Mesh(model_dir, [4], tp=[4], log_dir=logs / "d", scheduler_args=("--kv-role", "decode")) as d:
+            Mesh(model_dir, [4], tp=[4], log_dir=logs / "d",
+                 scheduler_args=("--kv-role", "decode", "--kv-peer", p.address)) as d:
         yield model_dir, p, d, logs
 
 
@@ -125,6 +130,89 @@ def test_a_fetch_that_cannot_work_falls_back_to_computing_the_prompt(meshes):
     log = (logs / "d" / "scheduler.log").read_text()
     assert len(re.findall(r"request f\d: fetching its prompt's KV from \S+ failed .*: computing the prompt here",
                           log)) == 2, log[-3000:]
+
+
+class Listener:
+    """A loopback port that counts the connections made to it."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.1)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # (the timeout: look at _stop again)
+                continue
+            self.accepted += 1
+            conn.close()
+
+    def __enter__(self) -> "Listener":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()
+
+
+def test_kv_is_read_only_from_the_replicas_the_decode_scheduler_was_given(meshes):
+    model_dir, p, d, logs = meshes
+    x = prompts(384, (40,), seed=6)[0]
+    want = reference_greedy(reference_model(model_dir), x, NEW_TOKENS)[0]
+    sampling = sampling_to_pb(SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    tokens, _, kv = run(p, [scheduler_pb2.SubmitRequest(request_id="u", prompt_token_ids=x, sampling=sampling,
+                                                        prefill_only=True)])["u"]
+    decode_stage = d.stub.GetModelInfo(scheduler_pb2.GetModelInfoRequest(), timeout=5).stages[0].address
+    channel = internal_channel(decode_stage)
+    stage = stage_pb2_grpc.StageStub(channel)
+    try:
+        with Listener() as stranger:
+            # kv_transfers naming the stranger as a prefill stage, and as a prefill scheduler: the prompt is
+            # computed here
+            its_stage, its_scheduler = scheduler_pb2.KVTransferParams(), scheduler_pb2.KVTransferParams()
+            its_stage.CopyFrom(kv)
+            its_stage.stages[0].address = stranger.address
+            its_scheduler.CopyFrom(kv)
+            its_scheduler.scheduler_address = stranger.address
+            done = run(d, [scheduler_pb2.SubmitRequest(request_id=f"u{i}", prompt_token_ids=x, sampling=sampling,
+                                                       generated_token_ids=tokens, kv_transfer=params)
+                           for i, params in enumerate((its_stage, its_scheduler))])
+            assert [tokens + done[f"u{i}"][0] for i in range(2)] == [want, want]
+            # a PullKV sent to a decode stage itself, naming a stage of no prefill replica its scheduler knows
+            pull = stage_pb2.PullKVRequest(epoch=0, block_ids=range(len(kv.block_ids)), source_epoch=kv.epoch,
+                                           source_block_ids=kv.block_ids, source_block_size=kv.block_size,
+                                           sources=[stage_pb2.KVSource(address=stranger.address, layer_start=0,
+                                                                       layer_end=4)])
+            with pytest.raises(grpc.RpcError) as refused:
+                stage.PullKV(pull, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert refused.value.details() == (
+                f"PullKV refused: '{stranger.address}' is not a stage of a prefill replica this stage's scheduler "
+                "fetches KV from (the scheduler's --kv-peer)")
+            time.sleep(0.3)  # (a connection on its way would be accepted by now)
+            assert stranger.accepted == 0
+        log = (logs / "d" / "scheduler.log").read_text()
+        assert re.search(r"request u0: fetching its prompt's KV from \S+ failed .*PERMISSION_DENIED.*: computing "
+                         r"the prompt here", log), log[-3000:]
+        assert f"request u1: its kv_transfer names the scheduler {stranger.address}, which is not a --kv-peer of " \
+               "this replica: computing the prompt here" in log
+        # a pull into an epoch the stage is not in is refused without telling the stage's epoch
+        pull.epoch, pull.sources[0].address = 987654, kv.stages[0].address
+        del pull.sources[1:]
+        pull.sources.add().CopyFrom(kv.stages[1])
+        with pytest.raises(grpc.RpcError) as refused:
+            stage.PullKV(pull, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert refused.value.details() == "KV pulled into epoch 987654, which is not the stage's"
+    finally:
+        channel.close()
 
 
 def test_held_kv_no_decode_replica_fetches_is_freed_after_the_hold_timeout(meshes):

@@ -1,6 +1,7 @@
 """EPLB (issue 33): the placement gives hot experts copies and evens the ranks' loads; the map sends every
 token to one copy; a TP=2 expert-parallel stage that re-places its experts every few steps, moving them
-between its ranks while 8 requests run, still gives transformers' greedy tokens; bad settings are refused."""
+between its ranks while 8 requests run, still gives transformers' greedy tokens; bad settings are refused; a
+rebalance keeps the current placement unless the new one scores better on the same window by a margin."""
 from __future__ import annotations
 
 import re
@@ -8,7 +9,8 @@ import re
 import pytest
 import torch
 
-from stage_worker.eplb import EPLBConfig, ExpertMap, balancedness, plan_placement
+from stage_worker import eplb
+from stage_worker.eplb import Balancer, EPLBConfig, ExpertMap, balancedness, plan_placement
 from stagemesh.core.errors import StagemeshError
 
 
@@ -22,6 +24,52 @@ def test_the_placement_copies_hot_experts_and_evens_out_the_ranks():
     assert balancedness(load, default) < 0.6 < 0.9 < balancedness(load, plan)
     even = plan_placement([1.0] * 8, 2, 4)
     assert sorted(map(sorted, even)) == [[0, 2, 4, 6], [1, 3, 5, 7]] and balancedness([1.0] * 8, even) == 1.0
+
+
+class Layer:
+    """What the balancer reads of a sparse layer (stage_worker.moe.SparseMoeBlock): its token counts and placement."""
+
+    def __init__(self, layer: int, placement: list[list[int]]):
+        self.layer, self.stage_placement, self.balancedness = layer, placement, 1.0
+        self.expert_tokens = torch.zeros(8, dtype=torch.long)
+        self.eplb_rebalances = {"applied": 0, "kept": 0}
+
+
+def rebalance_on(layers: list[Layer], load: list[int]):
+    """One rebalance of a balancer (window 4, every 4 steps) after 4 steps of this load (its window: the 3 between
+    its first and last snapshots): what it returns."""
+    balancer = Balancer(EPLBConfig(window_size=4, step_interval=4), layers, num_ranks=2, stage_index=0)
+    plans = None
+    for _ in range(4):
+        for block in layers:
+            block.expert_tokens += torch.tensor(load) // 4
+        plans = balancer.after_step()
+    return plans
+
+
+def test_a_rebalance_keeps_the_placement_when_the_new_one_is_not_better(caplog):
+    # the greedy packing of this window scores 0.973; the placement held (from an earlier window) scores 0.988
+    load = [8, 36, 172, 132, 196, 120, 188, 152]
+    current = [[6, 3, 7, 1], [2, 4, 5, 0]]
+    assert balancedness(load, plan_placement(load, 2, 4)) < balancedness(load, current)
+    layer = Layer(0, current)
+    with caplog.at_level("INFO", logger="stagemesh.stage"):
+        assert rebalance_on([layer], load) is None  # nothing moves: no pause
+    assert layer.stage_placement == current and layer.eplb_rebalances == {"applied": 0, "kept": 1}
+    assert "stage 0 layer 0: EPLB over the last 3 steps: balancedness 0.988 now, 0.973 with a new placement: " \
+           f"the current one kept (a move needs +{eplb.MIN_BALANCEDNESS_GAIN})" in caplog.text
+
+
+def test_a_rebalance_applies_a_placement_that_is_clearly_better(caplog):
+    load = [200, 160, 40, 32, 24, 16, 8, 8]
+    skewed, fine = Layer(0, [[0, 1, 2, 3], [4, 5, 6, 7]]), Layer(1, plan_placement(load, 2, 4))
+    with caplog.at_level("INFO", logger="stagemesh.stage"):
+        plans = rebalance_on([skewed, fine], load)
+    assert plans is not None and balancedness(load, plans[0]) > 0.95 > 0.6 > balancedness(load, skewed.stage_placement)
+    assert plans[1] == fine.stage_placement  # the layer already balanced keeps its placement (nothing reloaded)
+    assert skewed.eplb_rebalances == {"applied": 1, "kept": 0} and fine.eplb_rebalances == {"applied": 0, "kept": 1}
+    assert re.search(r"stage 0 layer 0: EPLB over the last 3 steps: balancedness 0\.\d+ -> 0\.\d+ with the new "
+                     r"placement: applied", caplog.text)
 
 
 def test_the_map_sends_each_token_to_one_copy_evenly():

@@ -14,6 +14,7 @@ PROTOBUF_EDGES = {
     "stagemesh.core.health",  # grpc.health.v1 for every service
     "scheduler.service", "stage_worker.service", "router.frontend", "router.control",  # the servicers
     "scheduler.grpc_pipeline",  # the scheduler's client of the stages
+    "scheduler.kv_peers",  # a decode scheduler's client of its prefill peers' schedulers (their stages)
     "router.submit_stream", "router.replicas",  # the router's clients of the schedulers
     "stage_worker.cli",  # the stage's registration with its scheduler
     "stage_worker.handoff",  # PushActivations between stages (grpc handoff)

@@ -159,6 +159,9 @@ def test_a_replica_added_later_has_the_first_ones_command_lines_and_ports_of_its
 
 
 def test_the_router_takes_replicas_while_it_serves():
+    from prometheus_client import generate_latest
+
+    from router import metrics
     from router.balancing import LeastLoad
     from router.control import checked_replicas
     from router.replicas import ReplicaSet
@@ -175,15 +178,29 @@ def test_the_router_takes_replicas_while_it_serves():
 
     async def run() -> None:
         replicas = ReplicaSet(["127.0.0.1:1"], LeastLoad())
+        await replicas.refresh()  # (a health check: neither answers)
         added, removed = await replicas.set_replicas(checked_replicas(request(("127.0.0.1:1", True),
                                                                               ("127.0.0.1:2", False))))
         assert (added, removed) == (["127.0.0.1:2"], [])
+        await replicas.refresh()
+        # the router's health series: one per replica, each under an engine label of its own
+        series = healthy_series()
+        assert sorted(r for r, _ in series) == ["127.0.0.1:1", "127.0.0.1:2"] and len({e for _, e in series}) == 2
         for r in replicas.replicas:
             r.healthy = True
         assert [r.address for r in replicas.healthy()] == ["127.0.0.1:2"]  # the cordoned one gets no new work
         added, removed = await replicas.set_replicas({"127.0.0.1:2": False})
         assert (added, removed) == ([], ["127.0.0.1:1"]) and len(replicas.replicas) == 1
+        assert healthy_series() == {k: v for k, v in series.items() if k[0] == "127.0.0.1:2"}  # the removed one's went
         await replicas.close()
+
+    def healthy_series() -> dict[tuple[str, str], float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        page = generate_latest(metrics.REGISTRY).decode()
+        return {(x.labels["replica"], x.labels["engine"]): x.value for f in text_string_to_metric_families(page)
+                if f.name == "stagemesh:router_replica_healthy" for x in f.samples
+                if x.labels["replica"] in ("127.0.0.1:1", "127.0.0.1:2")}
 
     asyncio.run(run())
 

@@ -57,13 +57,25 @@ def _wait(probe, log, ok, timeout=180):
     pytest.fail("not ready:\n" + log.read_text()[-3000:])
 
 
+def healthy_series(router) -> dict[tuple[str, str], float]:
+    """(replica, engine) -> value of every stagemesh:router_replica_healthy series on the router's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    page = requests.get(f"{router.base_url}/metrics", timeout=10).text
+    return {(s.labels["replica"], s.labels["engine"]): s.value for f in text_string_to_metric_families(page)
+            if f.name == "stagemesh:router_replica_healthy" for s in f.samples}
+
+
 def test_killed_replica_gets_no_new_requests_and_waiting_ones_move(tiny_model_dir, tmp_path):
+    """And the router's stagemesh:router_replica_healthy has one series per replica from its start (engine: the
+    replica's index in --replica), which goes to 0 when the replica fails (its stage, then its scheduler)."""
     model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
     args = ("--max-num-seqs", "1", "--stage-recovery-timeout", "1")
     with Mesh(model_dir, [4], scheduler_args=args, log_dir=tmp_path) as a, \
             Mesh(model_dir, [4], scheduler_args=args, log_dir=tmp_path) as b:
         with Router(model_dir, [a.address, b.address], ("--served-model-name", M, "--policy", "round-robin"),
                     log_dir=tmp_path) as router:
+            assert healthy_series(router) == {(a.address, "0"): 1.0, (b.address, "1"): 1.0}
             body = {"model": M, "prompt": [5, 6, 7], "max_tokens": 150, "ignore_eos": True}
             with ThreadPoolExecutor(6) as pool:
                 futures = [pool.submit(requests.post, f"{router.base_url}/v1/completions", json=body, timeout=120)
@@ -83,6 +95,10 @@ def test_killed_replica_gets_no_new_requests_and_waiting_ones_move(tiny_model_di
                 assert len(completion_ids(router.base_url, M, [5, 6], 4)) == 4
             # every new request ran on the healthy replica: 4 prompts of 2 tokens looked up there
             assert a.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5).prefix_cache_queries == before + 8
+            assert healthy_series(router) == {(a.address, "0"): 1.0, (b.address, "1"): 0.0}
+            a.kill_scheduler()
+            _wait(lambda: healthy_series(router), tmp_path / f"router-{router.port}.log", timeout=15,
+                  ok=lambda got: got == {(a.address, "0"): 0.0, (b.address, "1"): 0.0})
 
 
 @pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed (make install installs nginx-light)")

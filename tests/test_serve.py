@@ -213,10 +213,27 @@ def test_serve_splits_its_replicas_into_prefill_and_decode_ones():
     from stagemesh.serve import _check_layout, plan_commands
 
     args = _serve_args("-dp", "3", "--prefill-replicas", "1")
-    roles = [s.argv[s.argv.index("--kv-role") + 1] for s in plan_commands(args, "/m", 4, cuda=False)
-             if s.kind == "scheduler"]
+    schedulers = [s.argv for s in plan_commands(args, "/m", 4, cuda=False) if s.kind == "scheduler"]
+    roles = [argv[argv.index("--kv-role") + 1] for argv in schedulers]
     assert roles == ["prefill", "decode", "decode"]
+    # every decode replica may fetch KV from the prefill replica's scheduler, and from no other
+    prefill = f"127.0.0.1:{schedulers[0][schedulers[0].index('--port') + 1]}"
+    assert [[argv[i + 1] for i, flag in enumerate(argv) if flag == "--kv-peer"] for argv in schedulers] == \
+        [[], [prefill], [prefill]]
     assert all("--kv-role" not in s.argv for s in plan_commands(_serve_args("-dp", "2"), "/m", 4, cuda=False))
     for bad in (("--prefill-replicas", "1"), ("-dp", "2", "--prefill-replicas", "2")):
         with pytest.raises(StagemeshError, match="needs a decode replica too"):
             _check_layout(_serve_args(*bad))
+
+
+def test_a_schedulers_kv_peers_are_checked_by_flag():
+    from scheduler.cli import _check_kv_peers
+    from stagemesh.core.errors import StagemeshError
+
+    _check_kv_peers(["127.0.0.1:5000", "prefill-0.mesh:5000"], "decode")
+    for peers, role, words in ((["127.0.0.1"], "decode", "--kv-peer takes a prefill replica's scheduler as HOST:PORT; "
+                                                         "got '127.0.0.1'"),
+                               ([":5000"], "both", "HOST:PORT; got ':5000'"),
+                               (["127.0.0.1:5000"], "prefill", "--kv-peer is for a replica that fetches KV")):
+        with pytest.raises(StagemeshError, match=re.escape(words)):
+            _check_kv_peers(peers, role)

@@ -26,8 +26,10 @@ class Deadlines:
     store_s: float = 20.0  # joining the epoch's torch.distributed store (a half-formed world gives up this soon)
     collective_s: float = 120.0  # one collective or point-to-point transfer of the epoch's world
     ep_form_s: float = 600.0  # the expert-parallel group across replicas forming (members load at their own pace)
-    kv_pull_s: float = 60.0  # decode scheduler -> its stages: PullKV, a prefill's KV fetched (its ReadKV calls too)
-    kv_release_s: float = 5.0  # decode scheduler -> prefill scheduler: ReleaseKV of the blocks it held
+    # decode scheduler -> its stages: PullKV, a prefill's KV fetched (its ReadKV calls, and its GetKVPeers, too)
+    kv_pull_s: float = 60.0
+    # decode scheduler -> prefill scheduler: ReleaseKV of the blocks it held; GetModelInfo for its stages (KV peers)
+    kv_release_s: float = 5.0
 
     @property
     def channel_linger_s(self) -> float:

@@ -810,6 +810,7 @@ class ModelInfo(_message.Message):
     KV_CACHE_TOKENS_FIELD_NUMBER: _builtins.int
     SCHEDULING_POLICY_FIELD_NUMBER: _builtins.int
     KV_ROLE_FIELD_NUMBER: _builtins.int
+    STAGES_FIELD_NUMBER: _builtins.int
     served_model_name: _builtins.str
     """The name clients use in the OpenAI API (--served-model-name)."""
     model_path: _builtins.str
@@ -831,6 +832,13 @@ class ModelInfo(_message.Message):
     def tensor_parallel_sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """one per stage"""
 
+    @_builtins.property
+    def stages(self) -> _containers.RepeatedCompositeFieldContainer[_stage_pb2.KVSource]:
+        """The replica's stages and their layers while its pipeline is formed
+        (empty otherwise): where a decode replica's stages read the KV this
+        replica holds for it.
+        """
+
     def __init__(
         self,
         *,
@@ -845,10 +853,11 @@ class ModelInfo(_message.Message):
         kv_cache_tokens: _builtins.int = ...,
         scheduling_policy: _builtins.str = ...,
         kv_role: _builtins.str = ...,
+        stages: _abc.Iterable[_stage_pb2.KVSource] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "eos_token_ids", b"eos_token_ids", "kv_cache_tokens", b"kv_cache_tokens", "kv_role", b"kv_role", "max_model_len", b"max_model_len", "model_path", b"model_path", "pipeline_parallel_size", b"pipeline_parallel_size", "scheduling_policy", b"scheduling_policy", "served_model_name", b"served_model_name", "tensor_parallel_sizes", b"tensor_parallel_sizes", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "eos_token_ids", b"eos_token_ids", "kv_cache_tokens", b"kv_cache_tokens", "kv_role", b"kv_role", "max_model_len", b"max_model_len", "model_path", b"model_path", "pipeline_parallel_size", b"pipeline_parallel_size", "scheduling_policy", b"scheduling_policy", "served_model_name", b"served_model_name", "stages", b"stages", "tensor_parallel_sizes", b"tensor_parallel_sizes", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -943,3 +952,40 @@ class ReleaseKVResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReleaseKVResponse: _TypeAlias = ReleaseKVResponse  # noqa: Y015
+
+@_typing.final
+class GetKVPeersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetKVPeersRequest: _TypeAlias = GetKVPeersRequest  # noqa: Y015
+
+@_typing.final
+class GetKVPeersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STAGE_ADDRESSES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def stage_addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """host:port of every stage of the --kv-peer replicas (their ModelInfo.stages)."""
+
+    def __init__(
+        self,
+        *,
+        stage_addresses: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stage_addresses", b"stage_addresses"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetKVPeersResponse: _TypeAlias = GetKVPeersResponse  # noqa: Y015

@@ -69,6 +69,11 @@ class SchedulerStub:
                 request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.ReleaseKVRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.ReleaseKVResponse.FromString,
                 _registered_method=True)
+        self.GetKVPeers = channel.unary_unary(
+                '/stagemesh.v1.Scheduler/GetKVPeers',
+                request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.GetKVPeersRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.GetKVPeersResponse.FromString,
+                _registered_method=True)
         self.RegisterStage = channel.unary_unary(
                 '/stagemesh.v1.Scheduler/RegisterStage',
                 request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.RegisterStageRequest.SerializeToString,
@@ -147,6 +152,15 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetKVPeers(self, request, context):
+        """Disaggregated prefill: the stages this replica's stages may read KV from
+        (PullKV dials no other address): those of the prefill replicas whose
+        schedulers this one was given (--kv-peer), as they last reported them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterStage(self, request, context):
         """A stage announces itself, and again every few seconds for as long as it
         runs (a heartbeat, so that a restarted scheduler gets its stages back).
@@ -196,6 +210,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ReleaseKV,
                     request_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.ReleaseKVRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_scheduler__pb2.ReleaseKVResponse.SerializeToString,
+            ),
+            'GetKVPeers': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKVPeers,
+                    request_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.GetKVPeersRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_scheduler__pb2.GetKVPeersResponse.SerializeToString,
             ),
             'RegisterStage': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterStage,
@@ -392,6 +411,33 @@ class Scheduler:
             '/stagemesh.v1.Scheduler/ReleaseKV',
             stagemesh_dot_v1_dot_scheduler__pb2.ReleaseKVRequest.SerializeToString,
             stagemesh_dot_v1_dot_scheduler__pb2.ReleaseKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKVPeers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.Scheduler/GetKVPeers',
+            stagemesh_dot_v1_dot_scheduler__pb2.GetKVPeersRequest.SerializeToString,
+            stagemesh_dot_v1_dot_scheduler__pb2.GetKVPeersResponse.FromString,
             options,
             channel_credentials,
             insecure,

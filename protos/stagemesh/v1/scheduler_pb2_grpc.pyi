@@ -69,6 +69,11 @@ class SchedulerStub:
     """Disaggregated prefill: a decode replica fetched (or gave up on) the KV
     a prefill_only request left held here; its blocks are freed.
     """
+    GetKVPeers: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetKVPeersRequest, _scheduler_pb2.GetKVPeersResponse]
+    """Disaggregated prefill: the stages this replica's stages may read KV from
+    (PullKV dials no other address): those of the prefill replicas whose
+    schedulers this one was given (--kv-peer), as they last reported them.
+    """
     RegisterStage: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.RegisterStageRequest, _scheduler_pb2.RegisterStageResponse]
     """A stage announces itself, and again every few seconds for as long as it
     runs (a heartbeat, so that a restarted scheduler gets its stages back).
@@ -116,6 +121,11 @@ class SchedulerAsyncStub(SchedulerStub):
     ReleaseKV: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.ReleaseKVRequest, _scheduler_pb2.ReleaseKVResponse]  # type: ignore[assignment]
     """Disaggregated prefill: a decode replica fetched (or gave up on) the KV
     a prefill_only request left held here; its blocks are freed.
+    """
+    GetKVPeers: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetKVPeersRequest, _scheduler_pb2.GetKVPeersResponse]  # type: ignore[assignment]
+    """Disaggregated prefill: the stages this replica's stages may read KV from
+    (PullKV dials no other address): those of the prefill replicas whose
+    schedulers this one was given (--kv-peer), as they last reported them.
     """
     RegisterStage: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.RegisterStageRequest, _scheduler_pb2.RegisterStageResponse]  # type: ignore[assignment]
     """A stage announces itself, and again every few seconds for as long as it
@@ -203,6 +213,17 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_scheduler_pb2.ReleaseKVResponse, _abc.Awaitable[_scheduler_pb2.ReleaseKVResponse]]:
         """Disaggregated prefill: a decode replica fetched (or gave up on) the KV
         a prefill_only request left held here; its blocks are freed.
+        """
+
+    @_abc_1.abstractmethod
+    def GetKVPeers(
+        self,
+        request: _scheduler_pb2.GetKVPeersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_scheduler_pb2.GetKVPeersResponse, _abc.Awaitable[_scheduler_pb2.GetKVPeersResponse]]:
+        """Disaggregated prefill: the stages this replica's stages may read KV from
+        (PullKV dials no other address): those of the prefill replicas whose
+        schedulers this one was given (--kv-peer), as they last reported them.
         """
 
     @_abc_1.abstractmethod
