@@ -1,0 +1,122 @@
+"""No body gives a 5xx: every field of every endpoint's schema (and the fields vLLM knows beside them) set to
+each value of a battery of hostile ones (wrong types, huge and negative integers, NaN and infinities, nested
+garbage, huge lists, text a tokenizer drops), alone and streamed, is a success or an OpenAI-shaped 4xx that
+names a field, and nothing in a stream is an internal error. The gateway is the router's app in this process
+over a fake replica (tests/fake_replicas.py): what is checked here happens before a replica sees anything.
+Then the finding that started it: bad_words with 10,000 entries (the default model's tokenizer) is a 400
+naming bad_words, bounded as vLLM bounds it."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from fake_replicas import FakeRouter
+from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.responses_api.request import ResponsesRequest
+from stagemesh.core.sampling_params import MAX_NUM_BAD_WORDS
+from tiny_models import with_word_tokenizer
+
+M = "fake-model"
+BASES = {  # a servable body of each endpoint, and its schema
+    "/v1/completions": ({"model": M, "prompt": "w5 w6", "max_tokens": 2}, CompletionRequest),
+    "/v1/chat/completions": ({"model": M, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2},
+                             ChatCompletionRequest),
+    "/v1/responses": ({"model": M, "input": "w5", "max_output_tokens": 2}, ResponsesRequest),
+    "/tokenize": ({"model": M, "prompt": "w5"}, TokenizeRequest),
+    "/detokenize": ({"model": M, "tokens": [5]}, DetokenizeRequest),
+}
+STREAMED = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+# vLLM's fields that a schema here may lack (an unknown field is ignored, as vLLM ignores it)
+VLLM_FIELDS = ("best_of", "bad_words", "n", "logprobs", "top_logprobs", "prompt_logprobs", "min_tokens",
+               "truncate_prompt_tokens", "priority", "use_beam_search", "length_penalty", "echo", "suffix")
+HOSTILE = [-1, 0, -2**31 - 1, 2**64, 1.5, float("nan"), float("inf"), "x", " ", "\ud800", [], {}, None, True,
+           [None], [" "], [-1], ["x"] * 10_000, [{}], {"a": {"b": [1, {"c": None}]}}]
+STREAM_HOSTILE = [-1, 0, 2**31, float("nan"), [" "]]
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_model_dir, tmp_path_factory):
+    model = with_word_tokenizer(tiny_model_dir("llama"), tmp_path_factory.mktemp("hostile") / "tok")
+    with FakeRouter(model, M) as router:
+        yield router
+
+
+def bodies():
+    for path, (base, schema) in BASES.items():
+        for field in dict.fromkeys([*schema.model_fields, *VLLM_FIELDS]):
+            for value in HOSTILE:
+                yield path, {**base, field: value}
+            for value in STREAM_HOSTILE if path in STREAMED else ():
+                yield path, {**base, field: value, "stream": True}
+
+
+def test_no_hostile_value_of_any_field_gets_a_5xx(gateway):
+    local = threading.local()
+
+    def post(item: tuple[str, dict]) -> None:
+        path, body = item
+        session = local.__dict__.setdefault("session", requests.Session())
+        raw = json.dumps(body)  # (NaN and Infinity as Python writes them, which the gateway's parser reads)
+        resp = session.post(gateway.base_url + path, data=raw, headers={"Content-Type": "application/json"},
+                            timeout=30)
+        where = (path, raw[:200], resp.status_code, resp.content[:300])
+        assert resp.status_code < 500 and b"InternalServerError" not in resp.content, where
+        if resp.status_code >= 400:
+            error = resp.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["code"] == resp.status_code, where
+            assert error["message"], where
+
+    start, items = time.monotonic(), list(bodies())
+    with ThreadPoolExecutor(4) as pool:  # (the client's own work overlaps the gateway's)
+        list(pool.map(post, items))
+    print(f"{len(items)} bodies in {time.monotonic() - start:.1f} s, none answered with a 5xx")
+    assert requests.get(gateway.base_url + "/health", timeout=5).status_code == 200
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"model": M, "prompt": [" "], "max_tokens": 2}, "prompt"),
+    ("/v1/chat/completions", {"model": M, "messages": [{"role": "user", "content": " "}], "max_tokens": 2},
+     "messages"),
+    ("/v1/responses", {"model": M, "input": "", "max_output_tokens": 2}, "input"),
+])
+def test_a_prompt_of_no_tokens_is_a_400(gateway, path, body, param):
+    """Whitespace the (word) tokenizer drops, with a chat template that adds nothing: vLLM's 400, not a
+    replica's error (these were 500s)."""
+    resp = requests.post(gateway.base_url + path, json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and "prompt cannot be empty" in error["message"], error
+
+
+@pytest.fixture(scope="module")
+def default_gateway(default_model_dir):
+    with FakeRouter(default_model_dir, M) as router:
+        yield router
+
+
+@pytest.mark.slow  # loads the default model's tokenizer
+def test_ten_thousand_bad_words_are_a_400_bounded_as_vllm_bounds_them(default_gateway):
+    words = [f"word{i}" for i in range(10_000)]
+    for path, body in [("/v1/completions", {"model": M, "prompt": "Hi", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"model": M, "messages": [{"role": "user", "content": "Hi"}],
+                                                 "max_tokens": 2})]:
+        start = time.monotonic()
+        resp = requests.post(default_gateway.base_url + path, json={**body, "bad_words": words}, timeout=60)
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "bad_words" and error["message"] == (
+            f"Too many bad words after tokenization: 10000. The max number is {MAX_NUM_BAD_WORDS}."), error
+        assert time.monotonic() - start < 5  # refused by its count, not after 20,000 encodes
+    # the bound is on token sequences: a word and its spaced form may be two, as in vLLM
+    few = requests.post(default_gateway.base_url + "/v1/completions", timeout=60, json={
+        "model": M, "prompt": "Hi", "max_tokens": 2, "bad_words": ["hello", "world"]})
+    assert few.status_code == 200, few.text
+    many = requests.post(default_gateway.base_url + "/v1/completions", timeout=60, json={
+        "model": M, "prompt": "Hi", "max_tokens": 2, "bad_words": [f"w{i}x" for i in range(100)]})
+    assert many.status_code == 400 and many.json()["error"]["param"] == "bad_words", many.text
+    assert "The max number is 128." in many.json()["error"]["message"]
