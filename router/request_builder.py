@@ -49,9 +49,15 @@ class RequestBuilder:
         self.req.include_usage = bool(options and options.include_usage)
         self.req.continuous_usage = bool(options and options.continuous_usage_stats)
 
-    def choices(self, n: int) -> None:
+    def choices(self, n: int, best_of: int | None = None) -> None:
+        """n, and vLLM's best_of: at least n (vLLM's rule and words), and not more than 1 (vLLM V1 serves none)."""
         if not 1 <= n <= MAX_CHOICES:
             raise bad_request(f"'n' must be an integer in [1, {MAX_CHOICES}]", "n")
+        if best_of is not None and best_of < n:
+            raise bad_request(f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}.",
+                              "best_of")
+        if best_of is not None and best_of > 1:
+            raise bad_request("'best_of' is not supported (vLLM V1 does not support it either)", "best_of")
         self.req.n = n
 
     def stop(self, stop: str | list[str] | None, include_in_output: bool = False) -> None:

@@ -120,3 +120,42 @@ def test_ten_thousand_bad_words_are_a_400_bounded_as_vllm_bounds_them(default_ga
         "model": M, "prompt": "Hi", "max_tokens": 2, "bad_words": [f"w{i}x" for i in range(100)]})
     assert many.status_code == 400 and many.json()["error"]["param"] == "bad_words", many.text
     assert "The max number is 128." in many.json()["error"]["message"]
+
+
+COMPLETION, CHAT, RESPONSES = (BASES[p][0] for p in ("/v1/completions", "/v1/chat/completions", "/v1/responses"))
+INCLUDE = {"include": ["message.output_text.logprobs"]}
+# every integer field, out of vLLM's range or of the wrong type: (path, body, the field the 400 names)
+OUT_OF_RANGE = [
+    *[(path, {**body, "best_of": v}, "best_of") for path, body in (("/v1/completions", COMPLETION),
+                                                                     ("/v1/chat/completions", CHAT))
+      for v in (-1, 0, 2, 1.0, "1", True)],
+    ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 1}, "best_of"),
+    *[(path, {**body, field: v}, field) for path, body in (("/v1/completions", COMPLETION),
+                                                            ("/v1/chat/completions", CHAT))
+      for field, values in (("n", (0, -1, 257, 2**64, 1.5)), ("max_tokens", (0, -1, 2**31, "2")),
+                            ("top_k", (-2, 2**31, 1.5)), ("min_tokens", (-1, 2**31, 3)),
+                            ("prompt_logprobs", (-1, 21, 2**63)), ("seed", (2**63, -2**63 - 1, "7")),
+                            ("truncate_prompt_tokens", (0, -2, 2**31, 1.5)), ("priority", (2**31, -2**31 - 1, 5)))
+      for v in values],
+    *[("/v1/completions", {**COMPLETION, "logprobs": v}, "logprobs") for v in (-1, 21, True)],
+    *[("/v1/chat/completions", {**CHAT, "max_completion_tokens": v}, "max_completion_tokens") for v in (0, -1, 2**31)],
+    *[("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": v}, "top_logprobs") for v in (-1, 21, 1.0)],
+    ("/v1/chat/completions", {**CHAT, "logprobs": 1}, "logprobs"),
+    *[("/v1/responses", {**RESPONSES, "max_output_tokens": v}, "max_output_tokens") for v in (0, -1, 2**31, "2")],
+    *[("/v1/responses", {**RESPONSES, **INCLUDE, "top_logprobs": v}, "top_logprobs") for v in (-1, 21, 2.0)],
+    *[("/v1/responses", {**RESPONSES, field: v}, field) for field, values in (
+        ("top_k", (-2, 2**31)), ("seed", (2**64,)), ("priority", (2**31, 5))) for v in values],
+]
+
+
+def test_every_integer_field_out_of_range_is_a_400_naming_it(gateway):
+    for path, body, field in OUT_OF_RANGE:
+        resp = requests.post(gateway.base_url + path, json=body, timeout=30)
+        assert resp.status_code == 400, (path, body, resp.text)
+        assert resp.json()["error"]["param"] == field, (path, body, resp.text)
+    negative = requests.post(gateway.base_url + "/v1/completions", json={**COMPLETION, "best_of": -1}, timeout=30)
+    assert negative.json()["error"]["message"] == "best_of must be greater than or equal to n, got n=1 and best_of=-1."
+    for path, body in (("/v1/completions", {**COMPLETION, "best_of": 1}),
+                       ("/v1/chat/completions", {**CHAT, "best_of": 1}),
+                       ("/v1/completions", {**COMPLETION, "n": 2, "best_of": None})):
+        assert requests.post(gateway.base_url + path, json=body, timeout=30).status_code == 200
