@@ -18,6 +18,7 @@ import requests
 from mesh import free_port
 from tiny_models import with_word_tokenizer
 
+pytestmark = pytest.mark.slow  # starts a router process
 KEY = "sk-test"
 AUTH = b"Authorization: Bearer " + KEY.encode() + b"\r\n"
 BODY = b'{"model": "m", "prompt": "w5", "max_tokens": 2}'
