@@ -13,7 +13,7 @@ import logging
 import re
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 
 from router.errors import APIError
 
@@ -22,6 +22,7 @@ from router.errors import APIError
 MAX_REQUEST_LINE_BYTES = 16 * 1024
 MAX_HEADER_FIELD_BYTES = 8190  # aiohttp's default
 MAX_HEADERS = 128  # aiohttp's default
+_QUOTED = re.compile(r"\bb'|bytearray\(|['\"]")
 _HEADER_NAME = re.compile(r"b'([!#$%&*+\-.^_`|~0-9A-Za-z]+):")  # how aiohttp quotes the offending header line
 log = logging.getLogger("stagemesh.router")
 
@@ -39,7 +40,9 @@ def describe(status: int, exc: BaseException | None) -> APIError:
         text = str(exc.message or "").strip()
         if text == "Too many headers received":
             return APIError(431, f"the request has more than {MAX_HEADERS} header fields")
-        what = text.splitlines()[0].rstrip(":") if text else "malformed request"
+        # aiohttp's first line, cut before what it quotes of the request (a header's value, a credential's)
+        what = _QUOTED.split(text.splitlines()[0])[0].strip().rstrip(":") if text else ""
+        what = what or "malformed request"
         header = _HEADER_NAME.search(text)
         if header is not None:
             return APIError(400, f"the request is not valid HTTP: {what} in the header {header[1]!r}", header[1])
@@ -60,8 +63,10 @@ class JSONErrorHandler(web.RequestHandler):
         error = describe(status, exc)
         if error.status >= 500:
             log.error("error serving %s %s", request.method, request.path, exc_info=exc)
-        else:  # a client's malformed request: one line, no traceback
-            log.info("refused a malformed HTTP request from %s: %s", request.remote, error.message)
+        else:  # a client's malformed request: one line, no traceback (debug for what is not HTTP at all: TLS
+            # hellos and scanners on a public port, as aiohttp logs them)
+            level = logging.DEBUG if isinstance(exc, BadHttpMethod) else logging.INFO
+            log.log(level, "refused a malformed HTTP request from %s: %s", request.remote, error.message)
         resp = error.response()
         resp.force_close()  # the parser's state is unknown after an error: no keep-alive (as aiohttp's)
         return resp
