@@ -160,3 +160,24 @@ def test_every_integer_field_out_of_range_is_a_400_naming_it(gateway):
                        ("/v1/chat/completions", {**CHAT, "best_of": 1}),
                        ("/v1/completions", {**COMPLETION, "n": 2, "best_of": None})):
         assert requests.post(gateway.base_url + path, json=body, timeout=30).status_code == 200
+
+
+def test_a_seed_at_the_top_of_int64_with_n_choices_is_served(gateway):
+    """Choice i samples with seed + i: past 2**63 - 1 it wraps around as int64 does (it was a 500)."""
+    top = 2**63 - 1
+    gateway.replica.submitted.clear()
+    resp = requests.post(gateway.base_url + "/v1/completions", json={**COMPLETION, "seed": top, "n": 3}, timeout=30)
+    assert resp.status_code == 200 and len(resp.json()["choices"]) == 3, resp.text
+    assert sorted(s.seed for _, _, s in gateway.replica.submitted) == [-2**63, -2**63 + 1, top]
+
+
+def test_min_tokens_without_max_tokens_is_checked_against_the_room_the_prompt_leaves(gateway):
+    """As vLLM: max_tokens defaults to what the context leaves (510 here), and min_tokens is checked against it
+    (min_tokens 20 was refused against a default of 16)."""
+    body = {"model": M, "prompt": "w5 w6"}
+    assert requests.post(gateway.base_url + "/v1/completions", json={**body, "min_tokens": 20}, timeout=30
+                         ).status_code == 200
+    resp = requests.post(gateway.base_url + "/v1/completions", json={**body, "min_tokens": 511}, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"] == {"message": "min_tokens must be less than or equal to max_tokens=510, got 511.",
+                                    "type": "BadRequestError", "param": "min_tokens", "code": 400}
