@@ -63,10 +63,11 @@ async def _answer(request: web.Request, handler):
     except web.HTTPException as err:  # aiohttp's own: 404, 405, 413 (body too large), ...
         if err.status < 400:
             raise
-        message = {404: f"no route {request.method} {request.path}",
-                   405: f"{request.method} is not allowed on {request.path}"}.get(err.status, err.text or err.reason)
+        path = request.path if len(request.path) <= 200 else request.path[:200] + "..."
+        message = {404: f"no route {request.method} {path}",
+                   405: f"{request.method} is not allowed on {path}"}.get(err.status, err.text or err.reason)
         return APIError(err.status, message).response()
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, ConnectionResetError):  # the client left: nobody to answer
         raise
     except Exception:  # a bug: logged with an id the client sees, never a bare 500 page
         incident = uuid.uuid4().hex[:12]

@@ -17,6 +17,7 @@ from router.observe import group_done
 from router.replicas import ReplicaSet
 from router.request import GenerateRequest
 from router.tokenization import Tokenizer
+from stagemesh.core.sampling_params import INT64_MIN
 
 
 def plan(req: GenerateRequest, prompts: list[list[int]], base_id: str, max_model_len: int) -> list[Generation]:
@@ -25,14 +26,20 @@ def plan(req: GenerateRequest, prompts: list[list[int]], base_id: str, max_model
     for p, ids in enumerate(prompts):
         sampling = fit_max_tokens(req, req.sampling, len(ids), max_model_len)
         for i in range(req.n):
-            child = sampling if i == 0 else replace(
-                sampling, prompt_logprobs=None, seed=None if sampling.seed is None else sampling.seed + i)
+            child = sampling if i == 0 else replace(sampling, prompt_logprobs=None,
+                                                    seed=_sibling_seed(sampling.seed, i))
             index = p * req.n + i
             gens.append(Generation(base_id if single else f"{base_id}-{index}", ids, child, index,
                                    priority=req.priority, resumable=req.resumable or req.resume is not None,
                                    resume_from=None if req.resume is None else req.resume.tokens[index],
                                    sibling=i > 0))
     return gens
+
+
+def _sibling_seed(seed: int | None, i: int) -> int | None:
+    """Choice i's seed: the request's + i, wrapping around int64 as the wire's integer does (a seed near its
+    top with n > 1 is a request like any other, not an overflow)."""
+    return None if seed is None else (seed + i - INT64_MIN) % 2**64 + INT64_MIN
 
 
 async def run(req: GenerateRequest, gens: list[Generation], replicas: ReplicaSet,

@@ -89,6 +89,7 @@ async def _main(args: argparse.Namespace) -> int:
 
     from router.app import build_app
     from router.balancing import POLICIES
+    from router.http_server import GatewayRunner
     from router.replicas import ReplicaSet
     from router.tokenization import Tokenizer
     from stagemesh.core.errors import StagemeshError
@@ -150,7 +151,7 @@ async def _main(args: argparse.Namespace) -> int:
                                                       args.host, args.grpc_port)
         log.info("gRPC frontend (stagemesh.v1.Frontend) on %s:%d", args.host, grpc_port)
     # a client that disconnects cancels its handler, which aborts the request in the scheduler
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+    runner = GatewayRunner(app, access_log=None, handler_cancellation=True,
                            keepalive_timeout=args.http_timeout_keep_alive, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, reuse_port=args.reuse_port or None)

@@ -26,7 +26,7 @@ from stagemesh.core import telemetry
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grpc_errors import ErrorInterceptor
 from stagemesh.core.health import follow
-from stagemesh.core.sampling_params import InvalidParameter
+from stagemesh.core.sampling_params import MAX_LOGPROBS, InvalidParameter, check_int
 from stagemesh.core.service_options import add_port
 from stagemesh.core.step_wire import logprob_to_pb
 from stagemesh.core.wire import sampling_fields_from_pb
@@ -61,8 +61,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         else:
             b.prompts(_prompts(request))
         try:
+            _check_wire_ints(request.sampling)
             values = sampling_fields_from_pb(request.sampling)
-        except InvalidParameter as err:  # an output constraint that breaks its own rules
+        except InvalidParameter as err:  # an output constraint that breaks its own rules, ...
             raise bad_request(str(err), err.param) from None
         values.pop("max_tokens")
         constraint = values.pop("structured")
@@ -126,6 +127,15 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     async def ListModels(self, request, context):
         return frontend_pb2.ListModelsResponse(models=[self.config.served_model_name],
                                                max_model_len=self.replicas.max_model_len)
+
+
+def _check_wire_ints(sampling) -> None:
+    """The integers the wire reads past their rules (0 and -1 are top-k off, -1 is no logprobs, as the proto
+    says): anything below is the 400 the HTTP door gives, not read as off."""
+    check_int("top_k", sampling.top_k)
+    if sampling.logprobs < -1:
+        raise InvalidParameter("logprobs", f"'logprobs' must be -1 (none) or an integer in [0, {MAX_LOGPROBS}], got "
+                                           f"{sampling.logprobs}")
 
 
 def _resume(req: GenerateRequest, request) -> None:

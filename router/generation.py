@@ -78,7 +78,12 @@ def fit_max_tokens(req: GenerateRequest, sampling: SamplingParams, prompt_len: i
             raise bad_request(f"You passed {prompt_len} input tokens, which leaves no room for output tokens: the "
                               f"model's context length is only {max_model_len} tokens. Please reduce the length of "
                               "the input prompt.", "input_tokens")
-        return sampling if req.echo_only else replace(sampling, max_tokens=room)
+        if req.echo_only:
+            return sampling
+        if sampling.min_tokens > room:  # (vLLM's words, with max_tokens the room it defaults to)
+            raise bad_request(f"min_tokens must be less than or equal to max_tokens={room}, got "
+                              f"{sampling.min_tokens}.", "min_tokens")
+        return replace(sampling, max_tokens=room)
     asked = sampling.max_tokens
     if asked > max_model_len:
         raise bad_request(f"{param}={asked} cannot be greater than max_model_len={max_model_len}. Please request "

@@ -11,6 +11,8 @@ import re
 from typing import Any
 
 import numpy as np
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from router.errors import APIError, bad_request
 
@@ -27,6 +29,11 @@ async def read_json(request) -> Any:
         body = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f}s") from None
+    except (RequestPayloadError, HttpProcessingError) as err:  # a body its Content-Encoding cannot decode, ...
+        cause = err.__cause__ if isinstance(err.__cause__, HttpProcessingError) else err
+        what = str(getattr(cause, "message", "") or cause).strip().splitlines()
+        raise bad_request(f"the request body could not be read: {what[0] if what else type(err).__name__}") \
+            from None
     if len(body) <= INLINE_BYTES:
         return parse(body)
     return await asyncio.to_thread(parse, body)

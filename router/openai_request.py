@@ -21,8 +21,6 @@ def completion_request(m: CompletionRequest, served: str) -> GenerateRequest:
     b.prompts(_prompts(m.prompt))
     if m.suffix is not None:
         raise bad_request("'suffix' is not supported by this server (as in vLLM)", "suffix")
-    if m.best_of is not None and m.best_of > 1:
-        raise bad_request("'best_of' is not supported (vLLM V1 does not support it either)", "best_of")
     b.req.echo, b.req.add_special_tokens = m.echo, m.add_special_tokens
     logprobs = b.logprobs("logprobs", m.logprobs)
     b.max_tokens(m.max_tokens, "max_tokens", echo_only=m.echo and m.max_tokens == 0)
@@ -48,7 +46,7 @@ def chat_request(m: ChatCompletionRequest, served: str, tool_call_parser: str | 
 def _common(m, served: str, chat: bool) -> RequestBuilder:
     b = RequestBuilder(served, m.model, chat)
     b.streaming(m.stream, m.stream_options or None, m.prompt_logprobs)
-    b.choices(m.n)
+    b.choices(m.n, m.best_of)
     b.stop(m.stop, m.include_stop_str_in_output)
     b.priority(m.priority)
     req = b.req

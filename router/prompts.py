@@ -7,7 +7,7 @@ from dataclasses import replace
 from router.errors import APIError, bad_request
 from router.request import ChatOptions, GenerateRequest
 from router.tokenization import Tokenizer
-from stagemesh.core.sampling_params import InvalidParameter
+from stagemesh.core.sampling_params import MAX_NUM_BAD_WORDS, InvalidParameter, too_many_bad_words
 
 
 async def prepare(req: GenerateRequest, tokenizer: Tokenizer, max_model_len: int) -> list[list[int]]:
@@ -23,14 +23,28 @@ async def prepare(req: GenerateRequest, tokenizer: Tokenizer, max_model_len: int
             raise bad_request(str(err).replace("structured_outputs", req.structured_param), req.structured_param) \
                 from None
     if req.bad_words:
-        tokenizer.check_length(sum(map(len, req.bad_words)), "bad_words")
-        words = await tokenizer.run(bad_words_token_ids, tokenizer, req.bad_words)
-        req.sampling = replace(req.sampling, bad_words_token_ids=words)
+        await _ban_words(req, tokenizer)
     if req.chat:
         prompts = [await render(req.chat_options, tokenizer, req.add_special_tokens)]
     else:
         prompts = [await _completion_prompt(p, tokenizer, req.add_special_tokens) for p in req.prompts]
+    if any(not ids for ids in prompts):  # (a text of whitespace a tokenizer drops): vLLM's 400
+        raise bad_request("The decoder prompt cannot be empty (it has no tokens)", "messages" if req.chat else "prompt")
     return [truncate(req, ids, max_model_len) for ids in prompts]
+
+
+async def _ban_words(req: GenerateRequest, tokenizer: Tokenizer) -> None:
+    """req.sampling's bad words as token sequences, bounded as vLLM bounds them (MAX_NUM_BAD_WORDS sequences),
+    the bound checked before any word is tokenized where the count alone breaks it."""
+    words = [w for w in req.bad_words if w.strip()]
+    try:
+        if len(words) > MAX_NUM_BAD_WORDS:  # each word is one sequence at least
+            raise InvalidParameter("bad_words", too_many_bad_words(len(words)))
+        tokenizer.check_length(sum(map(len, words)), "bad_words")
+        ids = await tokenizer.run(bad_words_token_ids, tokenizer, words)
+        req.sampling = replace(req.sampling, bad_words_token_ids=ids)
+    except InvalidParameter as err:  # too many, too many tokens, outside the vocabulary
+        raise bad_request(str(err), "bad_words") from None
 
 
 async def render(options: ChatOptions, tokenizer: Tokenizer, add_special_tokens: bool = False) -> list[int]:
@@ -81,4 +95,6 @@ def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> tuple[tuple[i
         alone = tuple(tokenizer.encode(word, add_special_tokens=False))
         spaced = tuple(tokenizer.encode(" " + word, add_special_tokens=False))
         out += [ids for ids in dict.fromkeys((alone, spaced)) if ids]
+        if len(out) > MAX_NUM_BAD_WORDS:  # no need to tokenize the rest
+            raise InvalidParameter("bad_words", too_many_bad_words(len(out)))
     return tuple(out)

@@ -32,6 +32,7 @@ class _Sampling(Strict):
     """What completions and chat completions share."""
     model: str | None = None
     n: int = 1
+    best_of: int | None = None  # vLLM's: at least n; more than 1 is not served (vLLM V1 serves none)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
@@ -76,7 +77,6 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
-    best_of: int | None = None
     add_special_tokens: bool = True
 
 

@@ -12,8 +12,8 @@ from router.errors import APIError, bad_request
 from router.protocol import ChatMessage, StreamOptions
 from router.request import ChatOptions, GenerateRequest, Prompt
 from router.tools import plan_tools
-from stagemesh.core.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams, StructuredOutputs, \
-    check_int
+from stagemesh.core.sampling_params import INT32_MAX, MAX_LOGPROBS, InvalidParameter, SamplingParams, \
+    StructuredOutputs, check_int
 
 MAX_CHOICES = 256  # prompts x n in one request
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 4096
@@ -37,7 +37,7 @@ class RequestBuilder:
     def __init__(self, served: str, model: str | None, chat: bool):
         check_model(model, served)
         self.req = GenerateRequest(model=served, chat=chat)
-        self._max_tokens = 16  # SamplingParams' max_tokens until max_tokens() says otherwise
+        self._max_tokens = INT32_MAX  # SamplingParams' max_tokens until max_tokens() says otherwise
 
     def streaming(self, stream: bool, options: StreamOptions | None = None, prompt_logprobs: int | None = None
                   ) -> None:
@@ -49,9 +49,15 @@ class RequestBuilder:
         self.req.include_usage = bool(options and options.include_usage)
         self.req.continuous_usage = bool(options and options.continuous_usage_stats)
 
-    def choices(self, n: int) -> None:
+    def choices(self, n: int, best_of: int | None = None) -> None:
+        """n, and vLLM's best_of: at least n (vLLM's rule and words), and not more than 1 (vLLM V1 serves none)."""
         if not 1 <= n <= MAX_CHOICES:
             raise bad_request(f"'n' must be an integer in [1, {MAX_CHOICES}]", "n")
+        if best_of is not None and best_of < n:
+            raise bad_request(f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}.",
+                              "best_of")
+        if best_of is not None and best_of > 1:
+            raise bad_request("'best_of' is not supported (vLLM V1 does not support it either)", "best_of")
         self.req.n = n
 
     def stop(self, stop: str | list[str] | None, include_in_output: bool = False) -> None:
@@ -109,7 +115,9 @@ class RequestBuilder:
         with _named(req):
             if req.max_tokens_given:
                 check_int("max_tokens", max_tokens)
-        self._max_tokens = 1 if echo_only else (max_tokens or 16)
+        # not given: the room the prompt leaves (router.generation.fit_max_tokens), the most until then, so
+        # that min_tokens is checked against that room, as vLLM checks it
+        self._max_tokens = 1 if echo_only else (max_tokens or INT32_MAX)
 
     def sampling(self, values: dict, constraint: StructuredOutputs | None = None,
                  structured_param: str = "structured_outputs") -> None:

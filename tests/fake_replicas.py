@@ -18,6 +18,7 @@ from router.app import build_app
 from router.balancing import LeastLoad
 from router.config import RouterConfig
 from router.frontend import FrontendServicer, serve_frontend
+from router.http_server import GatewayRunner
 from router.replicas import Replica, ReplicaSet
 import grpc
 
@@ -122,7 +123,7 @@ class FakeRouter:
 
     def __enter__(self) -> "FakeRouter":
         self._thread.start()
-        self.runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
+        self.runner = GatewayRunner(self.app, access_log=None, handler_cancellation=True)
         asyncio.run_coroutine_threadsafe(self.runner.setup(), self._loop).result(30)
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         asyncio.run_coroutine_threadsafe(site.start(), self._loop).result(30)

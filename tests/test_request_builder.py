@@ -61,11 +61,15 @@ CASES = [
     (CHAT, {"messages": [{"role": "robot", "content": "w5"}]},
      frontend_pb2.ChatRequest(messages=[frontend_pb2.ChatMessage(role="robot", content="w5")])),
     (CHAT, {"messages": []}, frontend_pb2.ChatRequest()),
+    # the wire's top_k reads 0 and -1 as off: below is vLLM's 400 at both doors, not off at one
+    (COMP, {"prompt": "w5", "top_k": -7}, frontend_pb2.GenerateRequest(text="w5", **sampling())),
+    (COMP, {"prompt": " "}, frontend_pb2.GenerateRequest(text=" ")),  # no tokens (word tokenizer)
 ]
 # what a SamplingParams cannot hold is set on the message after it is made
 CASES[5][2].sampling.logprobs = 30
 CASES[6][2].sampling.temperature = 2.5
 CASES[8][2].sampling.min_tokens = 3
+CASES[13][2].sampling.top_k = -7
 
 
 @pytest.mark.parametrize("path,body,request_pb", CASES, ids=[str(i) for i in range(len(CASES))])

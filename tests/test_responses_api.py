@@ -84,6 +84,30 @@ def test_a_stream_is_vllms_events_in_order_and_ends_with_the_response(router):
     assert lines[-2] == b"event: response.incomplete" and b"[DONE]" not in b"".join(lines)  # as vLLM: no [DONE]
 
 
+def test_the_message_item_of_an_incomplete_response_is_incomplete_too(router):
+    """Cut at max_output_tokens, the response and its message item both say incomplete, whole and streamed (the
+    item in response.output_item.done and in the closing event's response); ended by a stop, both completed."""
+    client = router.client()
+    out = client.responses.create(model=M, input="w5 w6", max_output_tokens=2)
+    assert out.status == "incomplete" and [item.status for item in out.output] == ["incomplete"]
+    with client.responses.stream(model=M, input="w5 w6", max_output_tokens=2) as s:
+        events = list(s)
+    [done] = [e for e in events if e.type == "response.output_item.done"]
+    assert done.item.type == "message" and done.item.status == "incomplete"
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[0].status == "incomplete"
+    for stream in (False, True):
+        body = dict(model=M, input="w5 w6", max_output_tokens=5, extra_body={"stop": [" w9"]})
+        if stream:
+            with client.responses.stream(**body) as s:
+                events = list(s)
+            [done] = [e for e in events if e.type == "response.output_item.done"]
+            assert done.item.status == "completed" and events[-1].type == "response.completed"
+            out = events[-1].response
+        else:
+            out = client.responses.create(**body)
+        assert out.status == "completed" and [item.status for item in out.output] == ["completed"]
+
+
 def test_previous_response_id_continues_the_stored_conversation(router):
     client = router.client()
     first = client.responses.create(model=M, instructions="w30", input="w5", max_output_tokens=2)

@@ -76,8 +76,12 @@ class ResponseBuilder:
 
     def _output(self) -> list[dict]:
         content, calls = self.final()
-        items = [self._message(content or "", "completed")] if content or self.opened else []
+        items = [self._message(content or "", self._message_status())] if content or self.opened else []
         return items + [self._call(item_id, call, "completed") for item_id, call in calls]
+
+    def _message_status(self) -> str:
+        """The message item's status: incomplete with the response (cut at max_output_tokens), as OpenAI's."""
+        return "incomplete" if self._status()[0] == "incomplete" else "completed"
 
     def _usage(self) -> dict:
         gen = self.choice.gen
@@ -155,7 +159,8 @@ class ResponseBuilder:
             where = dict(item_id=self.message_id, output_index=0, content_index=0)
             events += [self.event("response.output_text.done", **where, text=text, logprobs=part["logprobs"]),
                        self.event("response.content_part.done", **where, part=part),
-                       self.event("response.output_item.done", output_index=0, item=self._message(text, "completed"))]
+                       self.event("response.output_item.done", output_index=0,
+                                   item=self._message(text, self._message_status()))]
         first = 1 if self.opened else 0
         for k, (item_id, call) in enumerate(calls):
             index = first + k

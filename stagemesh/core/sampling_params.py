@@ -42,6 +42,7 @@ INT_RULES: dict[str, tuple[Callable[[int], bool], str]] = {
 OPTIONAL = ("seed", "logprobs", "prompt_logprobs")
 MAX_BIAS = 100.0  # OpenAI's logit_bias range
 MAX_BAD_WORD_TOKENS = 1 << 14  # over all bad words of a request
+MAX_NUM_BAD_WORDS = 128  # token sequences after tokenization (vLLM's VLLM_MAX_NUM_BAD_WORDS default)
 
 
 class InvalidParameter(StagemeshError):
@@ -50,6 +51,10 @@ class InvalidParameter(StagemeshError):
     def __init__(self, param: str | None, message: str):
         super().__init__(message)
         self.param = param
+
+
+def too_many_bad_words(count: int) -> str:
+    return f"Too many bad words after tokenization: {count}. The max number is {MAX_NUM_BAD_WORDS}."
 
 
 def as_float32(value: float) -> float:
@@ -185,6 +190,8 @@ class SamplingParams:
         object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
         check_token_ids("allowed_token_ids", self.allowed_token_ids, None)
         words = tuple(tuple(int(t) for t in w) for w in self.bad_words_token_ids)
+        if len(words) > MAX_NUM_BAD_WORDS:
+            raise InvalidParameter("bad_words", too_many_bad_words(len(words)))
         if any(not w for w in words) or sum(map(len, words)) > MAX_BAD_WORD_TOKENS:
             raise InvalidParameter("bad_words", f"'bad_words' must be non-empty words of {MAX_BAD_WORD_TOKENS} "
                                                 "tokens in all at most")
