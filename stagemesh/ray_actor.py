@@ -71,7 +71,7 @@ class ServiceActor:
 
         return {"name": self.name, "node_ip": self.node_ip, "node_id": self.node_id, "actor_pid": os.getpid(),
                 "actor_started": self.started, "pid": self.pid(), "restarts": self.child.restarts,
-                "held": self.held, "exit_code": self._exit_code(), "stopped": self.stopped_because,
+                "held": self.held, "exit_code": self._exit_code(), "stopped": self.stopped_because, "refused": self.child.refused,
                 "version": __version__, "python": platform.python_version()}
 
     def pid(self) -> int:
