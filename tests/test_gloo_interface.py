@@ -65,6 +65,7 @@ def _stage(tiny_model_dir, host_ip: str, log_path):
                                 env={**env, HOST_IP_ENV: host_ip}, stdout=log, stderr=subprocess.STDOUT)
 
 
+@pytest.mark.slow
 def test_a_stage_on_a_ray_node_logs_its_gloo_interface_or_refuses(tiny_model_dir, tmp_path):
     name, address = _routable()
     nowhere = _not_here()

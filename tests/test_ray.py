@@ -96,6 +96,7 @@ def _serve_on_ray_at(address: str, log_path: Path) -> subprocess.Popen:
                                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_ADDRESS": address})
 
 
+@pytest.mark.slow
 def test_serve_on_ray_at_a_server_that_is_not_ray_exits_clearly_and_hears_sigterm(tmp_path):
     """ray.init at an address that accepts connections but is not a Ray GCS retries for ever and does not hear
     SIGTERM: serve refuses within 30 s, naming the address and RAY_ADDRESS, and a SIGTERM meanwhile ends it
