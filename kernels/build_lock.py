@@ -55,7 +55,13 @@ def exclusive_build(build_dir: Path) -> Iterator[None]:
     """Hold the build folder (created if need be) while the body compiles into it."""
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / LOCK_NAME, "a+") as f:
-        if not _try_lock(f):
+        try:
+            locked = _try_lock(f)
+        except OSError as err:  # a filesystem without flock (some network ones): torch's lock alone, as before
+            log.warning("cannot lock %s (%s): compiling under torch's lock file alone", f.name, err.strerror)
+            yield
+            return
+        if not locked:
             _wait(f, build_dir)
         previous = _holder(f)
         f.seek(0)
