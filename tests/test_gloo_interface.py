@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -96,3 +97,77 @@ def test_a_stage_on_a_ray_node_logs_its_gloo_interface_or_refuses(tiny_model_dir
     out = refused_log.read_text()
     assert f"stagemesh stage: error: no network interface of this host holds its Ray node address {nowhere}" in out
     assert "set GLOO_SOCKET_IFNAME" in out and "Traceback" not in out, out
+
+
+# one rank of a two-rank gloo world, one per "host"; with --pick, the stage's choice of interface first
+GLOO_RANK = """
+import sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+rank, master, port, pick = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "--pick"
+if pick:
+    import logging
+    from stage_worker.gloo_interface import configure_gloo_interface
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    configure_gloo_interface()
+store = dist.TCPStore(master, port, world_size=2, is_master=rank == 0, timeout=timedelta(seconds=20))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=8))
+total = torch.tensor([rank + 1.0])
+dist.all_reduce(total)
+print("sum", total.item(), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_gloo_between_two_hosts_whose_names_map_to_127_0_1_1_forms_on_the_ray_address(tmp_path):
+    """Two network namespaces on one segment, each host's name mapped to 127.0.1.1 in its /etc/hosts (as Debian
+    does): gloo's own choice is loopback and the world never forms; with the stage's choice it does."""
+    import socket
+    from pathlib import Path
+
+    from netns import NetnsPair, NetnsUnavailable, clean_env
+
+    pair = NetnsPair(subnet="10.79.0", tag=f"g{os.getpid()}")
+    try:
+        pair.__enter__()
+    except NetnsUnavailable as err:
+        pytest.skip(f"cannot make network namespaces: {err}")
+    etc = [Path("/etc/netns") / host.netns for host in pair.hosts]  # `ip netns exec` mounts these over /etc
+    made_root = not Path("/etc/netns").exists()
+    try:
+        for folder in etc:
+            folder.mkdir(parents=True)
+            (folder / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {socket.gethostname()}\n")
+        repo = str(Path(__file__).parents[1])
+        procs = {}
+        for variant, port in (("--pick", 29611), ("--gloo-default", 29612)):
+            for rank, host in enumerate(pair.hosts):
+                env = {k: v for k, v in clean_env(PYTHONPATH=repo, OMP_NUM_THREADS="1",
+                                                  **{HOST_IP_ENV: host.address}).items() if k != "GLOO_SOCKET_IFNAME"}
+                procs[variant, rank] = host.spawn(
+                    [sys.executable, "-c", GLOO_RANK, str(rank), pair.a.address, str(port), variant], env,
+                    tmp_path / f"{variant[2:]}-{rank}.log")
+        codes = {key: procs[key].wait(timeout=90) for key in (("--pick", 0), ("--pick", 1))}
+        deadline = time.monotonic() + 5  # by now a world that could form would have formed
+        for key in (("--gloo-default", 0), ("--gloo-default", 1)):
+            try:
+                codes[key] = procs[key].wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                procs[key].kill()
+                codes[key] = procs[key].wait()
+        logs = {key: (tmp_path / f"{key[0][2:]}-{key[1]}.log").read_text() for key in procs}
+        for rank, host in enumerate(pair.hosts):
+            assert codes["--pick", rank] == 0 and "sum 3.0" in logs["--pick", rank], logs
+            assert (f"GLOO_SOCKET_IFNAME={host.ifname} (the interface of this node's Ray address {host.address}; "
+                    "this host's name resolves to 127.0.1.1") in logs["--pick", rank]
+        # the scenario is the issue's: left to itself, gloo binds loopback and the world does not form
+        assert not any("sum" in logs["--gloo-default", rank] for rank in (0, 1)), logs
+    finally:
+        pair.__exit__()
+        for folder in etc:
+            shutil.rmtree(folder, ignore_errors=True)
+        if made_root:
+            try:
+                Path("/etc/netns").rmdir()
+            except OSError:  # another test's namespaces use it now
+                pass
