@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -122,7 +121,6 @@ print("sum", total.item(), flush=True)
 def test_gloo_between_two_hosts_whose_names_map_to_127_0_1_1_forms_on_the_ray_address(tmp_path):
     """Two network namespaces on one segment, each host's name mapped to 127.0.1.1 in its /etc/hosts (as Debian
     does): gloo's own choice is loopback and the world never forms; with the stage's choice it does."""
-    import socket
     from pathlib import Path
 
     from netns import NetnsPair, NetnsUnavailable, clean_env
@@ -132,12 +130,8 @@ def test_gloo_between_two_hosts_whose_names_map_to_127_0_1_1_forms_on_the_ray_ad
         pair.__enter__()
     except NetnsUnavailable as err:
         pytest.skip(f"cannot make network namespaces: {err}")
-    etc = [Path("/etc/netns") / host.netns for host in pair.hosts]  # `ip netns exec` mounts these over /etc
-    made_root = not Path("/etc/netns").exists()
     try:
-        for folder in etc:
-            folder.mkdir(parents=True)
-            (folder / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {socket.gethostname()}\n")
+        pair.map_hostname("127.0.1.1")
         repo = str(Path(__file__).parents[1])
         procs = {}
         for variant, port in (("--pick", 29611), ("--gloo-default", 29612)):
@@ -164,10 +158,3 @@ def test_gloo_between_two_hosts_whose_names_map_to_127_0_1_1_forms_on_the_ray_ad
         assert not any("sum" in logs["--gloo-default", rank] for rank in (0, 1)), logs
     finally:
         pair.__exit__()
-        for folder in etc:
-            shutil.rmtree(folder, ignore_errors=True)
-        if made_root:
-            try:
-                Path("/etc/netns").rmdir()
-            except OSError:  # another test's namespaces use it now
-                pass

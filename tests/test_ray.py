@@ -146,10 +146,13 @@ def ray_nodes():
     ray = str(Path(sys.executable).parent / "ray")
     temp = tempfile.mkdtemp(prefix="smray", dir="/tmp")  # short: Ray's socket paths live under it
     try:
+        # the nodes' host name maps to 127.0.1.1 (as Debian's /etc/hosts has it) and no GLOO_SOCKET_IFNAME is set:
+        # the stages bind gloo to the interface of their node's Ray address by themselves (issue 43, item 12)
+        lan.map_hostname("127.0.1.1")
         head = lan.hosts[0]
         for host in lan.hosts:
-            env = clean_env(**FAST_HEALTH_CHECKS, GLOO_SOCKET_IFNAME=host.ifname, OMP_NUM_THREADS="1",
-                            RAY_USAGE_STATS_ENABLED="0")
+            env = {k: v for k, v in clean_env(**FAST_HEALTH_CHECKS, OMP_NUM_THREADS="1",
+                                              RAY_USAGE_STATS_ENABLED="0").items() if k != "GLOO_SOCKET_IFNAME"}
             role = (["--head", f"--port={GCS_PORT}", "--include-dashboard=false"] if host is head
                     else [f"--address={head.address}:{GCS_PORT}"])
             # a temp dir per node, as separate machines have: a node's log monitor reads only its own workers
