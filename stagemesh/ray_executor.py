@@ -89,11 +89,13 @@ def check_gcs(address: str, stopping: Callable[[], bool]) -> None:
     """That `address` answers as a Ray cluster's GCS (one GetClusterId call, Ray's own protobuf messages) within
     GCS_ANSWER_TIMEOUT_S: StagemeshError when it does not, Stopped when serve is told to stop meanwhile."""
     import grpc
+    from ray._private.grpc_utils import init_grpc_channel  # Ray's own channel: RAY_USE_TLS, token auth
     from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
 
     given = os.environ.get("RAY_ADDRESS")
     where = "RAY_ADDRESS" if given else "the last `ray start` on this node"
-    with grpc.insecure_channel(address) as channel:
+    channel = init_grpc_channel(address)
+    try:
         call = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId.future(
             gcs_service_pb2.GetClusterIdRequest(), timeout=GCS_ANSWER_TIMEOUT_S, wait_for_ready=True)
         while not call.done():
@@ -105,12 +107,14 @@ def check_gcs(address: str, stopping: Callable[[], bool]) -> None:
         try:
             call.result()
         except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.UNAUTHENTICATED:  # a GCS with token authentication: ray.init has it
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:  # a GCS that wants a token ray.init may find itself
                 return
             raise StagemeshError(
                 f"--distributed-executor-backend ray: {address} (from {where}) does not answer as a Ray cluster's GCS "
                 f"within {GCS_ANSWER_TIMEOUT_S:.0f}s ({err.code().name}: {err.details()}); give RAY_ADDRESS the "
                 "head node's GCS address (HOST:6379 by default, as `ray start --head` prints it)") from None
+    finally:
+        channel.close()
 
 
 class RayCluster:
