@@ -4,7 +4,8 @@ per machine, loaded on demand.
 
 `make install` builds them (`python -m kernels`); a process that finds no
 build compiles it on first use (about half a minute, logged) into the stagemesh cache,
-keyed by the source, so an edit rebuilds.
+keyed by the source, so an edit rebuilds; one process at a time, and none held up by a compile
+that was killed (kernels.build_lock).
 Without a C++ compiler, or with STAGEMESH_KERNELS=torch, the CPU path stays on the
 torch reference. Every entry point keeps the reference's signature.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import isa, moe_reference, reference
+from kernels import build_lock, isa, moe_reference, reference
 
 log = logging.getLogger("stagemesh.kernels")
 CSRC = Path(__file__).parent / "csrc"
@@ -72,21 +73,35 @@ def load(verbose: bool = False):
         return None
     capability = _capability()
     name = _module_name(capability)
-    build_dir = _build_dir(name)
-    built = build_dir / f"{name}.so"
-    try:
-        if built.is_file():  # built before (by `make install`, an image build or another process)
-            return _import(name, built)
-        from torch.utils import cpp_extension
+    return load_module(name, SOURCES, _flags(capability), _build_dir(name), verbose)
 
-        build_dir.mkdir(parents=True, exist_ok=True)
-        log.info("compiling the CPU kernels for %s (once per machine, about a minute) into %s", capability, build_dir)
-        return cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=_flags(capability),
-                                  extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=verbose)
+
+def load_module(name: str, sources: list[Path], cflags: list[str], build_dir: Path, verbose: bool = False):
+    """compile_module, or None (the reason logged) where it cannot be built."""
+    try:
+        return compile_module(name, sources, cflags, build_dir, verbose)
+    except build_lock.KernelBuildTimeout as err:
+        log.error("CPU kernels unavailable, the CPU path uses the torch reference (slower): %s", err)
     except Exception as err:  # noqa: BLE001 - no compiler, no ninja, read-only cache: the torch reference serves
         log.warning("CPU kernels unavailable, the CPU path uses the torch reference (slower): %s",
                     (str(err).strip().splitlines() or [type(err).__name__])[0])
-        return None
+    return None
+
+
+def compile_module(name: str, sources: list[Path], cflags: list[str], build_dir: Path, verbose: bool = False):
+    """The module `name` built from `sources` in build_dir: imported when built before (by `make install`, an
+    image build or another process), else compiled there, one process at a time (kernels.build_lock)."""
+    built = build_dir / f"{name}.so"
+    if built.is_file():
+        return _import(name, built)
+    with build_lock.exclusive_build(build_dir):
+        if built.is_file():  # the process this one waited for built it
+            return _import(name, built)
+        from torch.utils import cpp_extension
+
+        log.info("compiling the CPU kernels %s (once per machine, about a minute) into %s", name, build_dir)
+        return cpp_extension.load(name=name, sources=[str(p) for p in sources], extra_cflags=cflags,
+                                  extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=verbose)
 
 
 # -- the kernel API (kernels.dispatch), on fp32 or bf16 CPU tensors (fused_moe: fp32) ----------

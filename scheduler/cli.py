@@ -150,8 +150,15 @@ async def _main(args: argparse.Namespace) -> int:
     freeze_startup_heap("scheduler")
     runner = asyncio.create_task(driver.run())
     stopping = asyncio.create_task(shutdown.wait())
-    await asyncio.wait({runner, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    refused = asyncio.create_task(driver.refused())
+    await asyncio.wait({runner, stopping, refused}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
+    if refused.done():  # exit 2: a supervisor (serve) restarts no service for a configuration it refuses
+        runner.cancel()
+        stopping.cancel()
+        await server.stop(grace=1)
+        raise StagemeshError(refused.result())
+    refused.cancel()
     if runner.done():  # the step loop must never end: exit so that a supervisor restarts the scheduler
         log.error("the step loop ended: %r", runner.exception() if not runner.cancelled() else "cancelled")
         code = 1

@@ -105,6 +105,12 @@ class Driver:
     async def form(self) -> None:
         await self.epochs.form()
 
+    async def refused(self) -> str:
+        """Returns, with the reason, once the replica's configuration turned out unable to serve at all
+        (EpochManager.refusal); the scheduler then exits."""
+        await self.epochs.refused.wait()
+        return self.epochs.refusal
+
     @property
     def healthy(self) -> bool:
         return self.epochs.healthy

@@ -29,6 +29,14 @@ from scheduler.scheduler import Scheduler
 log = logging.getLogger("stagemesh.scheduler")
 
 
+def kv_cache_too_small(max_model_len: int, kv_tokens: int) -> str:
+    """vLLM's refusal of a max_model_len the KV cache cannot hold for one request, in stagemesh's flags."""
+    return (f"The model's max seq len ({max_model_len}) is larger than the maximum number of tokens that can be "
+            f"stored in KV cache ({kv_tokens}). Based on the available memory, the estimated maximum model length "
+            f"is {kv_tokens}. Try increasing --kv-cache-memory (or --gpu-memory-utilization on GPUs) or decreasing "
+            "--max-model-len.")
+
+
 class EpochManager:
     """Owns the pipeline the replica runs on: the epoch's number, plan, context length and scheduler, and
     whether (and why not) the replica can serve. Only this class writes them; the step loop reads them and
@@ -48,6 +56,8 @@ class EpochManager:
         self.epoch = 0
         self.healthy = False
         self.reason = "waiting for stages to register"
+        self.refusal = ""  # the configuration cannot serve at all (set once; the scheduler exits with it)
+        self.refused = asyncio.Event()
         self._forming = asyncio.Lock()
         self._recovery: asyncio.Task | None = None  # fails the kept requests when the window ends
 
@@ -101,7 +111,7 @@ class EpochManager:
     async def form(self) -> None:
         """Start a new epoch once every stage is there and answers."""
         async with self._forming:
-            if self.healthy:
+            if self.healthy or self.refused.is_set():
                 return
             plan = self.pipeline.layout()
             if plan is None:
@@ -119,15 +129,21 @@ class EpochManager:
             self._start(plan, max_len)
 
     def _max_model_len(self, plan: PipelinePlan) -> int | None:
-        """The pipeline's context length, or None (the reason set) if none fits."""
+        """The pipeline's context length, or None (the reason set) if none fits. The first pipeline too small
+        for --max-model-len refuses the configuration (vLLM refuses to start); a later, smaller one (a stage
+        restarted with less memory) is waited out, its requests kept."""
         kv_tokens = plan.num_kv_blocks * self.pipeline.block_size
         max_len = self.cfg.scheduler.max_model_len or min(self.cfg.model_max_len, kv_tokens)
-        if max_len > kv_tokens:
-            self.reason = (f"--max-model-len {max_len} does not fit the KV cache of {kv_tokens:,} tokens; "
-                           "lower it or give the stages more KV memory")
-            log.error("%s", self.reason)
+        if max_len <= kv_tokens:
+            return max_len
+        if self.plan is None:
+            self.reason = self.refusal = kv_cache_too_small(max_len, kv_tokens)  # (said by the scheduler's exit)
+            self.refused.set()
             return None
-        return max_len
+        self.reason = (f"--max-model-len {max_len} does not fit the KV cache of {kv_tokens:,} tokens; "
+                       "lower it or give the stages more KV memory")
+        log.error("%s", self.reason)
+        return None
 
     def _start(self, plan: PipelinePlan, max_len: int) -> None:
         # CPU stages use every core for the model; overlapping the scheduler, router and client work with

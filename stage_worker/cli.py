@@ -169,10 +169,12 @@ def run(args: argparse.Namespace) -> int:
     from stagemesh.core.model_config import ModelConfig
     from stagemesh.core.model_source import resolve_source
     from stage_worker.ep_group import BROKEN_LINGER_S, EXIT_BROKEN, EPGroupBroken
+    from stage_worker.gloo_interface import configure_gloo_interface
     from stage_worker.runner import check_layer_range
     from stagemesh.core.shutdown import Shutdown
 
     setup_service(args, f"stagemesh-stage-{args.stage_index}")
+    configure_gloo_interface()  # on a Ray node: gloo on the interface of the node's address
     shutdown = Shutdown(args.shutdown_timeout, log, f"stage {args.stage_index}")
     for sig in (signal.SIGTERM, signal.SIGINT):  # until it serves: nothing to drain, stop at once
         signal.signal(sig, _stop_starting)

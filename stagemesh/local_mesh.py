@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from stagemesh.layout import ChildSpec
-from stagemesh.supervisor import Child, stop_all
+from stagemesh.supervisor import EXIT_REFUSED, Child, stop_all
 
 log = logging.getLogger("stagemesh.serve")
 TICK_S = 0.2
@@ -155,7 +155,7 @@ class LocalMesh:
                 reason = self._tick(time.monotonic())
             if reason is not None:
                 log.error("%s", reason)
-                return 1
+                return EXIT_REFUSED if any(c.refused for c in self.children) else 1
             time.sleep(TICK_S)
         return 0
 

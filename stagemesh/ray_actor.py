@@ -17,6 +17,7 @@ import platform
 import threading
 import time
 
+from stage_worker.gloo_interface import HOST_IP_ENV
 from stagemesh.supervisor import Child
 
 log = logging.getLogger("stagemesh.serve")
@@ -42,7 +43,9 @@ class ServiceActor:
         self._start_asked = False  # start the child again (on the supervising thread)
         # Ray gives the actor its GPUs in CUDA_VISIBLE_DEVICES (and its CPU count in OMP_NUM_THREADS): the
         # child inherits them with the rest of the actor's environment
-        self.child = Child(name, self._argv(argv), {**os.environ, "PYTHONUNBUFFERED": "1", **env})
+        # and the node's address, which a stage binds gloo to (stage_worker.gloo_interface)
+        self.child = Child(name, self._argv(argv), {**os.environ, "PYTHONUNBUFFERED": "1", HOST_IP_ENV: self.node_ip,
+                                                    **env})
         self._lock = threading.Lock()
         self.child.start()
         threading.Thread(target=self._supervise, name=f"supervise {name}", daemon=True).start()
@@ -72,6 +75,7 @@ class ServiceActor:
         return {"name": self.name, "node_ip": self.node_ip, "node_id": self.node_id, "actor_pid": os.getpid(),
                 "actor_started": self.started, "pid": self.pid(), "restarts": self.child.restarts,
                 "held": self.held, "exit_code": self._exit_code(), "stopped": self.stopped_because,
+                "refused": self.child.refused,
                 "version": __version__, "python": platform.python_version()}
 
     def pid(self) -> int:

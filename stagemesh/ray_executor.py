@@ -37,6 +37,9 @@ FIRST_STATUS_TIMEOUT_S = 120.0  # an actor's first answer (Ray may start a worke
 POLL_S = 1.0
 STOP_TIMEOUT_S = 15.0
 PROBE_TIMEOUT_S = 5.0
+# a Ray GCS answers one call in milliseconds; ray.init at an address that is not one retries for ever, deaf to
+# SIGTERM, so serve asks first, and gives up after this long
+GCS_ANSWER_TIMEOUT_S = 10.0
 
 
 def _import_ray():
@@ -82,6 +85,38 @@ class Stopped(Exception):
     """SIGTERM or SIGINT while serve waited for Ray."""
 
 
+def check_gcs(address: str, stopping: Callable[[], bool]) -> None:
+    """That `address` answers as a Ray cluster's GCS (one GetClusterId call, Ray's own protobuf messages) within
+    GCS_ANSWER_TIMEOUT_S: StagemeshError when it does not, Stopped when serve is told to stop meanwhile."""
+    import grpc
+    from ray._private.grpc_utils import init_grpc_channel  # Ray's own channel: RAY_USE_TLS, token auth
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    given = os.environ.get("RAY_ADDRESS")
+    where = "RAY_ADDRESS" if given else "the last `ray start` on this node"
+    channel = init_grpc_channel(address)
+    try:
+        call = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId.future(
+            gcs_service_pb2.GetClusterIdRequest(), timeout=GCS_ANSWER_TIMEOUT_S, wait_for_ready=True)
+        while not call.done():
+            if stopping():
+                call.cancel()
+                log.info("serve was told to stop while connecting to Ray")
+                raise Stopped
+            time.sleep(0.1)
+        try:
+            call.result()
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:  # a GCS that wants a token ray.init may find itself
+                return
+            raise StagemeshError(
+                f"--distributed-executor-backend ray: {address} (from {where}) does not answer as a Ray cluster's GCS "
+                f"within {GCS_ANSWER_TIMEOUT_S:.0f}s ({err.code().name}: {err.details()}); give RAY_ADDRESS the "
+                "head node's GCS address (HOST:6379 by default, as `ray start --head` prints it)") from None
+    finally:
+        channel.close()
+
+
 class RayCluster:
     """Where the mesh's services run: the placement groups and actors of the services serve placed."""
 
@@ -95,9 +130,12 @@ class RayCluster:
         self.stopping: Callable[[], bool] = lambda: False  # serve was told to stop
 
     @classmethod
-    def connect(cls) -> "RayCluster":
+    def connect(cls, stopping: Callable[[], bool] = lambda: False) -> "RayCluster":
+        """The cluster, once its GCS answered (check_gcs); stopping: serve was told to stop (Stopped)."""
         ray = _import_ray()
         address = cluster_address()
+        log.info("connecting to the Ray cluster at %s", address)
+        check_gcs(address, stopping)
         ray.init(address=address, namespace="stagemesh", logging_level=logging.WARNING, log_to_driver=True)
         cluster = cls(ray, address)
         log.info("connected to the Ray cluster at %s: %d node(s), %s; the router and the schedulers run on this "

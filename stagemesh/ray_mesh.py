@@ -23,6 +23,7 @@ from stagemesh.ops.mesh import ServeMesh, assemble
 from stagemesh.ray_executor import RayCluster, Stopped
 from stagemesh.ray_room import bundle, resources
 from stagemesh.ray_service import RayService
+from stagemesh.supervisor import EXIT_REFUSED
 
 log = logging.getLogger("stagemesh.serve")
 POLL_S = 1.0
@@ -111,7 +112,7 @@ class RayHost:
                 reason = service.look(restarts)
                 if reason:
                     log.error("%s", reason)
-                    return 1
+                    return EXIT_REFUSED if service.status.get("refused") else 1
                 up.labels(service.name).set(0 if service.unavailable or not service.status.get("pid") else 1)
             time.sleep(POLL_S)
         return 0

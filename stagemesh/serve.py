@@ -163,10 +163,16 @@ def _operate(args: argparse.Namespace, mesh, autoscale) -> int:
 
 def _run_on_ray(args: argparse.Namespace, token: str, signals: Signals, autoscale) -> int:
     from stagemesh import ray_mesh
-    from stagemesh.ray_executor import RayCluster
+    from stagemesh.ray_executor import RayCluster, Stopped
 
-    cluster = RayCluster.connect()  # refuses clearly when no cluster answers
+    try:  # refuses clearly when no cluster answers
+        cluster = RayCluster.connect(stopping=lambda: signals.count > 0)
+    except Stopped:
+        return 0
     signals.install()  # (ray.init put its own SIGTERM handler in place: it ends the process at once)
+    if signals.count:  # told to stop during ray.init
+        cluster.shutdown()
+        return 0
     try:
         source, cfg = _model(args)
         cuda = args.device == "cuda" or (args.device is None and cluster.has_gpus())

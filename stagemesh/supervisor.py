@@ -41,6 +41,7 @@ class Child:
     restarts: int = 0
     held: bool = False  # an operation (a rolling restart, a scale-in) runs it: no restart, no policy
     terminated: int | None = None  # the pid it sent SIGTERM to (terminate_once)
+    refused: bool = False  # it exited with EXIT_REFUSED: the mesh stops, and serve exits with that code too
 
     def start(self) -> None:
         # a process group of its own: a terminal's Ctrl-C (SIGINT to the whole foreground group) reaches only
@@ -95,7 +96,7 @@ class Child:
         """One look at the child: schedule or make its restart. Returns why the mesh must stop, if it must."""
         code = self.proc.poll() if self.proc is not None else None
         if code is not None:
-            self.proc = None
+            self.proc, self.refused = None, code == EXIT_REFUSED
             if policy == "never":
                 return f"{self.name} exited with code {code}; stopping the mesh (--restart-policy never)"
             if code == EXIT_REFUSED:

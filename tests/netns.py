@@ -123,6 +123,8 @@ class NetnsLan:
         self.hosts = [Host(f"sm{i}{tag}", f"smv{i}{tag}"[:15], f"{subnet}.{i + 1}") for i in range(size)]
         self.switch = f"smS{tag}"
         self._made: list[str] = []
+        self._etc: list[Path] = []  # per-namespace /etc files (map_hostname)
+        self._made_etc_root = False
 
     def __enter__(self):
         if shutil.which("ip") is None:
@@ -149,7 +151,28 @@ class NetnsLan:
             raise
         return self
 
+    def map_hostname(self, address: str) -> None:
+        """In every namespace this machine's host name resolves to `address` (e.g. Debian's 127.0.1.1): an
+        /etc/netns/NAME/hosts, which `ip netns exec` mounts over /etc/hosts for what it runs."""
+        import socket
+
+        root = Path("/etc/netns")
+        self._made_etc_root = self._made_etc_root or not root.exists()
+        for host in self.hosts:
+            folder = root / host.netns
+            folder.mkdir(parents=True, exist_ok=True)
+            self._etc.append(folder)
+            (folder / "hosts").write_text(f"127.0.0.1 localhost\n{address} {socket.gethostname()}\n")
+
     def __exit__(self, *exc) -> None:
+        for folder in self._etc:
+            shutil.rmtree(folder, ignore_errors=True)
+        self._etc.clear()
+        if self._made_etc_root:
+            try:
+                Path("/etc/netns").rmdir()
+            except OSError:  # other namespaces' files are there now
+                pass
         for host in self.hosts:
             host.stop_all()
             if host.netns in self._made:

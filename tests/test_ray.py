@@ -47,6 +47,87 @@ def test_serve_on_ray_refuses_clearly_when_no_cluster_answers(tmp_path):
         assert "Traceback" not in done.stderr, done.stderr
 
 
+class NotRay:
+    """A TCP server that is not Ray: it accepts, answers every connection with an HTTP error, and counts them."""
+
+    def __init__(self, host: str):
+        import socket
+        import threading
+
+        self.sock = socket.create_server((host, 0))
+        self.address = f"{host}:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            self.connections += 1
+            try:
+                conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\nnot Ray\n")
+            except OSError:
+                pass
+            finally:
+                conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _not_loopback_address() -> str:
+    """An address of this host that Ray keeps as given (it turns 127.0.0.1 into the node's address)."""
+    import ipaddress
+
+    import psutil
+
+    for addresses in psutil.net_if_addrs().values():
+        for a in addresses:
+            if a.family.name == "AF_INET" and not ipaddress.ip_address(a.address).is_loopback:
+                return a.address
+    pytest.skip("this host has no non-loopback IPv4 address")
+
+
+def _serve_on_ray_at(address: str, log_path: Path) -> subprocess.Popen:
+    with open(log_path, "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", "--distributed-executor-backend", "ray"],
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_ADDRESS": address})
+
+
+@pytest.mark.slow
+def test_serve_on_ray_at_a_server_that_is_not_ray_exits_clearly_and_hears_sigterm(tmp_path):
+    """ray.init at an address that accepts connections but is not a Ray GCS retries for ever and does not hear
+    SIGTERM: serve refuses within 30 s, naming the address and RAY_ADDRESS, and a SIGTERM meanwhile ends it
+    within 10 s."""
+    pytest.importorskip("ray", reason="Ray is not installed (the dev extras install it: make install)")
+    host = _not_loopback_address()
+    servers = [NotRay(host), NotRay(host)]
+    refused, stopped = (_serve_on_ray_at(server.address, tmp_path / f"{name}.log")
+                        for server, name in zip(servers, ("refused", "stopped")))
+    started = time.monotonic()
+    try:
+        deadline = started + 30
+        while servers[1].connections < 2 and time.monotonic() < deadline:  # its TCP probe, then a call
+            time.sleep(0.1)
+        time.sleep(1)
+        stopped.send_signal(signal.SIGTERM)
+        assert stopped.wait(timeout=10) == 0, (tmp_path / "stopped.log").read_text()
+        assert refused.wait(timeout=max(30 - (time.monotonic() - started), 1)) == 2
+        out = (tmp_path / "refused.log").read_text()
+        assert (f"--distributed-executor-backend ray: {servers[0].address} (from RAY_ADDRESS) does not answer as a "
+                "Ray cluster's GCS within 10s") in out, out
+        assert "give RAY_ADDRESS the head node's GCS address" in out and "Traceback" not in out, out
+    finally:
+        for proc in (refused, stopped):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for server in servers:
+            server.close()
+
+
 def _run(host, argv: list[str], env: dict, timeout: float = 120) -> str:
     done = subprocess.run(host.argv(*argv), capture_output=True, text=True, timeout=timeout, env=env)
     assert done.returncode == 0, f"{' '.join(argv)}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
@@ -65,10 +146,13 @@ def ray_nodes():
     ray = str(Path(sys.executable).parent / "ray")
     temp = tempfile.mkdtemp(prefix="smray", dir="/tmp")  # short: Ray's socket paths live under it
     try:
+        # the nodes' host name maps to 127.0.1.1 (as Debian's /etc/hosts has it) and no GLOO_SOCKET_IFNAME is set:
+        # the stages bind gloo to the interface of their node's Ray address by themselves (issue 43, item 12)
+        lan.map_hostname("127.0.1.1")
         head = lan.hosts[0]
         for host in lan.hosts:
-            env = clean_env(**FAST_HEALTH_CHECKS, GLOO_SOCKET_IFNAME=host.ifname, OMP_NUM_THREADS="1",
-                            RAY_USAGE_STATS_ENABLED="0")
+            env = {k: v for k, v in clean_env(**FAST_HEALTH_CHECKS, OMP_NUM_THREADS="1",
+                                              RAY_USAGE_STATS_ENABLED="0").items() if k != "GLOO_SOCKET_IFNAME"}
             role = (["--head", f"--port={GCS_PORT}", "--include-dashboard=false"] if host is head
                     else [f"--address={head.address}:{GCS_PORT}"])
             # a temp dir per node, as separate machines have: a node's log monitor reads only its own workers

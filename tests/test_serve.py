@@ -237,3 +237,26 @@ def test_a_schedulers_kv_peers_are_checked_by_flag():
                                (["127.0.0.1:5000"], "prefill", "--kv-peer is for a replica that fetches KV")):
         with pytest.raises(StagemeshError, match=re.escape(words)):
             _check_kv_peers(peers, role)
+
+
+def test_serve_exits_2_with_vllms_message_when_max_model_len_exceeds_the_kv_cache(tiny_model_dir, tmp_path):
+    """Each stage of the tiny llama (2 layers, 2 KV heads of 16, fp32) holds 8 blocks of 16 tokens in 64 KiB:
+    128 tokens, far below a --max-model-len of 512. serve stops with code 2 and says so, vLLM's way, rather than
+    logging an error every probe for ever."""
+    from tiny_models import with_word_tokenizer
+
+    log_path = tmp_path / "serve.log"
+    model = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")  # (a router that starts cleanly)
+    with serving(model, log_path, "--kv-cache-memory", str(64 * 1024),
+                 "--max-model-len", "512") as proc:
+        try:
+            code = proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            pytest.fail("serve did not exit:\n" + log_path.read_text()[-3000:])
+    out = log_path.read_text()
+    assert code == 2, out[-3000:]
+    assert ("The model's max seq len (512) is larger than the maximum number of tokens that can be stored in KV "
+            "cache (128). Based on the available memory, the estimated maximum model length is 128. Try increasing "
+            "--kv-cache-memory (or --gpu-memory-utilization on GPUs) or decreasing --max-model-len.") in out, out
+    assert out.count("is larger than the maximum number of tokens") == 1, out  # said once, not every probe
+    assert "Traceback" not in out, out
