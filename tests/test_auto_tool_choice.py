@@ -68,13 +68,18 @@ def test_plain_router_answers_auto_tool_choice_from_langchain_and_openai(mesh, d
             _router_log(mesh.logs, router)
 
 
-def test_unknown_template_keeps_the_400_naming_the_flags_and_the_off_flag_wins(mesh, default_model_dir, tmp_path):
-    unknown = tmp_path / "unknown-template"
-    unknown.mkdir()
+def _unknown_template(default_model_dir, target):
+    """The embedded model's tokenizer with a chat template that shows no tool-call format."""
+    target.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_dir / name, unknown / name)
-    (unknown / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                                                 "{% endfor %}assistant:")
+        shutil.copy(default_model_dir / name, target / name)
+    (target / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                                                "{% endfor %}assistant:")
+    return target
+
+
+def test_unknown_template_keeps_the_400_naming_the_flags_and_the_off_flag_wins(mesh, default_model_dir, tmp_path):
+    unknown = _unknown_template(default_model_dir, tmp_path / "unknown-template")
     body = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "max_tokens": 8}
     with Router(unknown, [mesh.address], ("--served-model-name", MODEL), log_dir=mesh.logs) as router:
         answer = requests.post(f"{router.base_url}/v1/chat/completions", json=body, timeout=30)
@@ -89,17 +94,11 @@ def test_unknown_template_keeps_the_400_naming_the_flags_and_the_off_flag_wins(m
         assert answer.status_code == 400 and FLAGS in answer.json()["error"]["message"]
 
 
-def test_enable_auto_tool_choice_without_a_parser_to_find_names_the_flag(mesh, tmp_path):
+def test_enable_auto_tool_choice_without_a_parser_to_find_names_the_flag(mesh, default_model_dir, tmp_path):
     import subprocess
     import sys
 
-    unknown = tmp_path / "unknown-template"
-    unknown.mkdir()
-    from stagemesh.core.default_model import default_model_dir
-
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_dir() / name, unknown / name)
-    (unknown / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    unknown = _unknown_template(default_model_dir, tmp_path / "unknown-template")
     done = subprocess.run([sys.executable, "-m", "stagemesh", "router", str(unknown), "--port", "0",
                            "--replica", mesh.address, "--enable-auto-tool-choice"],
                           capture_output=True, text=True, timeout=120)
