@@ -34,10 +34,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="close a connection that sends no complete request (headers included) for this long, "
                         "as vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE (default 5)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap below the replicas' own limit")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="tool_choice \"auto\": the model calls tools in its own format (needs --tool-call-parser)")
+    p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=None,
+                   help="tool_choice \"auto\": the model calls tools in its own format, which --tool-call-parser "
+                        "reads. Default: on when the model's chat template shows a format a parser reads (the "
+                        "start-up log names the parser it chose), else off (\"auto\" gets a 400); "
+                        "--no-enable-auto-tool-choice keeps it off")
     p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
-                   help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>) or llama3_json")
+                   help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>) or llama3_json "
+                        "(default: chosen from the chat template)")
     p.add_argument("--policy", choices=("least-load", "cache-aware", "kv-aware", "round-robin"), default="least-load",
                    help="least-load: fewest running + 4 x waiting; cache-aware: where this router sent the prompt's "
                         "prefix before (a guess); kv-aware: where the replicas' KV events say the prompt's leading "
@@ -118,15 +122,13 @@ async def _main(args: argparse.Namespace) -> int:
                                           None) or source.name
     from router.config import RouterConfig
 
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise StagemeshError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
-    config = RouterConfig(name, args.api_key, args.max_model_len, args.public_metrics,
-                          args.tool_call_parser if args.enable_auto_tool_choice else None,
+    config = RouterConfig(name, args.api_key, args.max_model_len, args.public_metrics, None,
                           responses_store=args.responses_store, responses_store_size=args.responses_store_size,
                           responses_store_ttl=args.responses_store_ttl,
                           trust_request_chat_template=args.trust_request_chat_template,
                           chat_template_timeout=args.chat_template_timeout)
     tokenizer = Tokenizer(model_dir, model_config.max_position_embeddings, config.template_timeout_s)
+    config = _auto_tool_choice(args, config, tokenizer)
     from router.observe import configure
 
     configure(name, args.max_model_len or replicas.max_model_len or model_config.max_position_embeddings)
@@ -214,6 +216,18 @@ async def _control(args: argparse.Namespace, replicas, lifecycle):
                                                  and not lifecycle.draining)
     log.info("control port (stagemesh.v1.RouterControl) on %s:%d", CONTROL_HOST, port)
     return server, follower
+
+
+def _auto_tool_choice(args: argparse.Namespace, config, tokenizer):
+    """The config with tool_choice "auto"'s parser: the flags', else the one the chat template shows
+    (router.tool_parser_choice), logged either way."""
+    import dataclasses
+
+    from router.tool_parser_choice import choose
+
+    choice = choose(args.enable_auto_tool_choice, args.tool_call_parser, tokenizer.tok.chat_template)
+    log.info("%s", choice.message)
+    return dataclasses.replace(config, tool_call_parser=choice.parser)
 
 
 def _check_store(args: argparse.Namespace) -> None:

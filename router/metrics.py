@@ -56,12 +56,25 @@ PREFIX_QUERIES = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in 
                          E, **R)
 PREFIX_HITS = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", E, **R)
 PREEMPTIONS = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", E, **R)
-# speculative decoding (vllm/v1/spec_decode/metrics.py), on replicas run with --speculative-config
-SPEC_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", E, **R)
-SPEC_DRAFT_TOKENS = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", E, **R)
-SPEC_ACCEPTED = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", E, **R)
-SPEC_ACCEPTED_PER_POS = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                "Accepted tokens per draft position.", [*E, "position"], **R)
+
+
+class SpecDecodeCounters:
+    """Speculative decoding's four families (vllm/v1/spec_decode/metrics.py), registered when the first replica
+    reports that it speculates (--speculative-config): as vLLM, a gateway whose replicas do not declares none."""
+    _made: "SpecDecodeCounters | None" = None
+
+    def __init__(self) -> None:
+        self.drafts = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", E, **R)
+        self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", E, **R)
+        self.accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", E, **R)
+        self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted tokens per draft position.", [*E, "position"], **R)
+
+    @classmethod
+    def get(cls) -> "SpecDecodeCounters":
+        if cls._made is None:
+            cls._made = cls()
+        return cls._made
 
 # -- vLLM's request series, measured at the router ------------------------------------------------------
 PROMPT = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", E, **R)

@@ -66,9 +66,11 @@ def replica_state(address: str, healthy: bool, stats=None) -> None:
     if len(before) != len(now) or any(n < b for n, b in zip(now, before)):  # the scheduler's counts restarted
         before = (0,) * len(now)  # (a new epoch, a restart)
     counters = [c.labels(*labels) for c in (m.PREFIX_QUERIES, m.PREFIX_HITS, m.PREEMPTIONS)]
-    if per_pos:
-        counters += [c.labels(*labels) for c in (m.SPEC_DRAFTS, m.SPEC_DRAFT_TOKENS, m.SPEC_ACCEPTED)]
-        counters += [m.SPEC_ACCEPTED_PER_POS.labels(*labels, str(pos)) for pos in range(len(per_pos))]
+    if per_pos:  # (the families are declared with the first replica that speculates)
+        spec_counters = m.SpecDecodeCounters.get()
+        counters += [c.labels(*labels) for c in (spec_counters.drafts, spec_counters.draft_tokens,
+                                                  spec_counters.accepted)]
+        counters += [spec_counters.accepted_per_pos.labels(*labels, str(pos)) for pos in range(len(per_pos))]
     for counter, n, b in zip(counters, now, before):
         counter.inc(max(n - b, 0))  # (a zero creates the series: a dashboard sees 0)
     _counted[address] = now

@@ -4,8 +4,8 @@
 `tool_calls` (router.responses). "none" lets the model answer in text.
 
 "auto" (OpenAI's default when tools are given) lets the model decide, in its own format, which the
-router's --tool-call-parser reads back (hermes, llama3_json; started with --enable-auto-tool-choice,
-as vLLM); without those flags it gets vLLM's 400.
+router's --tool-call-parser reads back (hermes, llama3_json; chosen from the chat template unless the
+flags say, router.tool_parser_choice); without a parser it gets vLLM's 400.
 """
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def plan_tools(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool 
 
 class HermesParser:
     """Hermes' format (Qwen, Hermes, many fine-tunes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-    one block per call, after any text."""
+    one block per call, after any text; SmolLM2's block holds a list of such calls."""
     START, END = "<tool_call>", "</tool_call>"
 
     def split(self, text: str) -> tuple[str, list[ToolCall]] | None:
@@ -145,10 +145,11 @@ class HermesParser:
             body = block.split(self.END)[0].strip()
             try:
                 value = json.loads(body)
-                calls.append(ToolCall(value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False)))
+                for call in value if isinstance(value, list) else [value]:  # SmolLM2: a list in one block
+                    calls.append(ToolCall(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
             except (ValueError, KeyError, TypeError):
                 return None  # not a well-formed call: the text is the answer, as vLLM's parser gives it
-        return content.rstrip(), calls
+        return (content.rstrip(), calls) if calls else None
 
     def may_start(self, text: str) -> int:
         """Where a call may begin in text still streaming (len(text) if nowhere): text before it can be sent."""

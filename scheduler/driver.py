@@ -48,7 +48,8 @@ class Driver:
     def __init__(self, cfg: DriverConfig, pipeline: Pipeline):
         self.cfg = cfg
         self.pipeline = pipeline
-        self.observer = Observer()
+        spec = cfg.scheduler.speculative
+        self.observer = Observer(num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0)
         self._tasks: set[asyncio.Task] = set()  # background tasks, referenced until done
         self.epochs = EpochManager(cfg, pipeline, self.observer, self.spawn,
                                    dispatch=lambda outputs: self.steps.dispatch(outputs),

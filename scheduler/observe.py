@@ -53,15 +53,30 @@ KV_PULLS = Counter("stagemesh:kv_transfer_pulls", "Prompts whose KV was fetched 
                    "(outcome ok) or computed here after a failed fetch (outcome failed)", ["outcome"])
 KV_PULL_TIME = Histogram("stagemesh:kv_transfer_pull_seconds", "Fetching one prompt's KV from a prefill replica",
                          buckets=_LATENCY)
-# speculative decoding, vLLM's spec_decode counters under the mesh's prefix (the router exports vLLM's names)
-SPEC_DRAFTS = Counter("stagemesh:spec_decode_num_drafts", "Steps of a request that carried draft tokens")
-SPEC_DRAFT_TOKENS = Counter("stagemesh:spec_decode_num_draft_tokens", "Draft tokens sent to be verified")
-SPEC_ACCEPTED = Counter("stagemesh:spec_decode_num_accepted_tokens", "Draft tokens accepted")
-SPEC_ACCEPTED_PER_POS = Counter("stagemesh:spec_decode_num_accepted_tokens_per_pos",
-                                "Draft tokens accepted, by their position in the step's drafts", ["position"])
 STEP = Histogram("stagemesh:scheduler_step_seconds", "One micro-batch through every stage", buckets=_ITL)
 STEP_COMPUTE = Histogram("stagemesh:stage_compute_seconds", "Model time of one micro-batch, summed over stages",
                          buckets=_ITL)
+
+
+class _SpecCounters:
+    """Speculative decoding, vLLM's spec_decode counters under the mesh's prefix (the router exports vLLM's
+    names): registered only on a scheduler run with --speculative-config (as vLLM declares them only with a
+    speculative config)."""
+    _made: "_SpecCounters | None" = None
+
+    def __init__(self) -> None:
+        self.drafts = Counter("stagemesh:spec_decode_num_drafts", "Steps of a request that carried draft tokens")
+        self.draft_tokens = Counter("stagemesh:spec_decode_num_draft_tokens", "Draft tokens sent to be verified")
+        self.accepted = Counter("stagemesh:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.accepted_per_pos = Counter("stagemesh:spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted, by their position in the step's drafts",
+                                        ["position"])
+
+    @classmethod
+    def get(cls) -> "_SpecCounters":
+        if cls._made is None:
+            cls._made = cls()
+        return cls._made
 
 
 @dataclass
@@ -81,11 +96,17 @@ class _Tracked:
 
 
 class Observer:
-    def __init__(self, replica: str = ""):
+    def __init__(self, replica: str = "", num_speculative_tokens: int = 0):
+        """`num_speculative_tokens`: --speculative-config's (0: none): its counters are declared, at 0, from
+        the start."""
         self.replica = replica
         self.requests: dict[str, _Tracked] = {}
         self._prefix = (0, 0)
         self._spec = SpecDecodeStats()  # counted so far: each step adds what its scheduler counted since
+        if num_speculative_tokens:
+            counters = _SpecCounters.get()
+            for pos in range(num_speculative_tokens):
+                counters.accepted_per_pos.labels(str(pos))
 
     # -- requests -------------------------------------------------------------
     def submitted(self, request_id: str, num_prompt: int, parent_ctx=None, num_generated: int = 0) -> None:
@@ -239,12 +260,13 @@ class Observer:
         before = self._spec
         if now.num_drafts < before.num_drafts:  # a new epoch's scheduler counts from zero
             before = SpecDecodeStats()
-        SPEC_DRAFTS.inc(now.num_drafts - before.num_drafts)
-        SPEC_DRAFT_TOKENS.inc(now.num_draft_tokens - before.num_draft_tokens)
-        SPEC_ACCEPTED.inc(now.num_accepted_tokens - before.num_accepted_tokens)
+        counters = _SpecCounters.get()
+        counters.drafts.inc(now.num_drafts - before.num_drafts)
+        counters.draft_tokens.inc(now.num_draft_tokens - before.num_draft_tokens)
+        counters.accepted.inc(now.num_accepted_tokens - before.num_accepted_tokens)
         for pos, n in enumerate(now.accepted_per_pos):
             was = before.accepted_per_pos[pos] if pos < len(before.accepted_per_pos) else 0
-            SPEC_ACCEPTED_PER_POS.labels(str(pos)).inc(n - was)
+            counters.accepted_per_pos.labels(str(pos)).inc(n - was)
         self._spec = SpecDecodeStats(now.num_drafts, now.num_draft_tokens, now.num_accepted_tokens,
                                      list(now.accepted_per_pos))
 

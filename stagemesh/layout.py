@@ -156,7 +156,8 @@ class MeshLayout:
         argv = ["router", *self.model_arg, "--host", args.host, "--port", str(args.port), *_service(args, None)]
         for replica in replicas:
             argv += ["--replica", replica]
-        argv += ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
+        if args.enable_auto_tool_choice is not None:  # None: the router chooses from the chat template
+            argv += ["--enable-auto-tool-choice" if args.enable_auto_tool_choice else "--no-enable-auto-tool-choice"]
         argv += ["--reuse-port"] if n > 1 else []
         argv += ["--trust-request-chat-template"] if args.trust_request_chat_template else []
         argv += _flags(args, ("grpc_port", "served_model_name", "api_key", "max_model_len", "tool_call_parser",

@@ -60,8 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--enable-auto-tool-choice", action="store_true", help="tool_choice auto (see `stagemesh router`)")
-    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None)
+    p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=None,
+                   help="tool_choice \"auto\" (default: on when the model's chat template shows a tool-call format "
+                        "a parser reads; see `stagemesh router`)")
+    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                   help="hermes or llama3_json (default: chosen from the chat template)")
     p.add_argument("--responses-store", default=None, metavar="memory|URL",
                    help="where the router keeps the Responses API's responses: memory (default) or a Redis URL "
                         "(redis://HOST:PORT/DB, rediss://, unix://) that routers of other hosts may share (see "

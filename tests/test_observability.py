@@ -239,3 +239,13 @@ def test_every_series_of_vllms_dashboard_is_on_the_gateway(mesh):
     # the dashboard's model_name variable lists the served model from vllm: series alone
     assert {ls.get("model_name") for n, ls, _ in samples if n.startswith("vllm:")} == {"m"}
     assert not [n for n, _, _ in samples if n.startswith("stagemesh:") and not n.startswith("stagemesh:router_")]
+
+
+def test_no_speculative_decoding_series_without_it(mesh):
+    """A mesh without --speculative-config declares none of the spec_decode families (vLLM declares them only
+    with a speculative config): no family without samples on the gateway's page or the scheduler's (the router
+    is ready: it has read the replica's statistics, which would say that it speculates)."""
+    for url in (mesh.router.base_url, f"http://127.0.0.1:{mesh.metrics['scheduler']}"):
+        page = _text(url)
+        assert "num_requests_running" in page  # (the page is the one that would hold them)
+        assert "spec_decode" not in page, [line for line in page.splitlines() if "spec_decode" in line]

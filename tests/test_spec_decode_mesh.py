@@ -10,7 +10,7 @@ import time
 import pytest
 import requests
 
-from mesh import Mesh, Router
+from mesh import Mesh, Router, free_port
 from parity import prompts
 from stagemesh.core.sampling_params import SamplingParams, StructuredOutputs
 from stagemesh.v1 import scheduler_pb2
@@ -88,8 +88,11 @@ def gateway(default_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("spec-gateway")
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
                        "prompt_lookup_min": 2})
-    with Mesh(default_model_dir, [30], log_dir=logs, scheduler_args=("--speculative-config", spec)) as mesh:
+    metrics = free_port()
+    with Mesh(default_model_dir, [30], log_dir=logs,
+              scheduler_args=("--speculative-config", spec, "--metrics-port", str(metrics))) as mesh:
         with Router(default_model_dir, [mesh.address], log_dir=logs) as router:
+            router.scheduler_metrics = f"http://127.0.0.1:{metrics}/metrics"
             yield router
 
 
@@ -129,3 +132,15 @@ def test_the_gateway_answers_as_transformers_with_prompt_lookup(gateway, default
     assert accepted and accepted[0] > 0, page[-2000:]
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="SmolLM2-135M-Instruct",' \
            'position="0"}' in page
+    # each of the four families declared has samples, with data, on the gateway's page and the scheduler's
+    for prefix, text in (("vllm", page), ("stagemesh", requests.get(gateway.scheduler_metrics, timeout=5).text)):
+        declared = {line.split()[2].removesuffix("_total") for line in text.splitlines()
+                    if line.startswith("# TYPE ") and line.endswith(" counter") and "spec_decode" in line}
+        assert declared == {f"{prefix}:spec_decode_num_{name}" for name in SPEC_FAMILIES}, declared
+        for family in declared:
+            values = [float(line.split()[-1]) for line in text.splitlines()
+                      if line.startswith((family + "_total{", family + "_total "))]
+            assert values and sum(values) > 0, (family, values)
+
+
+SPEC_FAMILIES = ("drafts", "draft_tokens", "accepted_tokens", "accepted_tokens_per_pos")
