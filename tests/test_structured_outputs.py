@@ -41,6 +41,7 @@ CHOICES = ["Paris", "London", "Berlin", "Madrid"]
 GRAMMAR = 'root ::= "The answer is " answer "."\nanswer ::= "yes" | "no" | "maybe"'
 GRAMMAR_RE = r"The answer is (yes|no|maybe)\."
 ASK = [{"role": "user", "content": "Describe a person as JSON, then name a city."}]
+PERSON_ASK = [{"role": "user", "content": "Describe a person as a JSON object."}]
 COMPILE_TIMEOUT_S = 2  # the router's --grammar-compile-timeout here
 
 
@@ -84,7 +85,8 @@ def test_twenty_seeded_samples_hold_the_constraint(router, case):
 
 def test_json_object_is_an_object(router):
     # any object: at temperature 1 this small model writes objects longer than any max_tokens; greedy it stops
-    out = router.client().chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=300,
+    # (asked for an object: asked for JSON and then a city, greedy it loops in a compact object's first key)
+    out = router.client().chat.completions.create(model=MODEL, messages=PERSON_ASK, temperature=0, max_tokens=300,
                                                   response_format={"type": "json_object"})
     assert out.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(out.choices[0].message.content), dict)
@@ -404,7 +406,6 @@ JSON_KINDS = {"json_object": {"response_format": {"type": "json_object"}},
               "json_schema": {"response_format": {"type": "json_schema",
                                                   "json_schema": {"name": "person", "schema": FREE_PERSON}}},
               "required_tools": {"tools": [WEATHER, TIME], "tool_choice": "required"}}
-PERSON_ASK = [{"role": "user", "content": "Describe a person as a JSON object."}]
 
 
 def parsed(kind: str, choice):
@@ -529,3 +530,23 @@ def test_a_hostile_regex_gets_a_400_quickly_while_a_stream_goes_on(router):
     assert took < 2 * (COMPILE_TIMEOUT_S + 3), took
     # the stream went on meanwhile: no gap near a compile's seconds (a step here takes tens of milliseconds)
     assert max(gaps) < 1.5, max(gaps)
+
+
+def test_a_grammar_past_the_size_bound_is_refused_naming_it(default_model_dir):
+    import asyncio
+
+    from router.grammar_pool import GrammarChecks
+    from stagemesh.core.sampling_params import InvalidParameter
+
+    async def check() -> InvalidParameter:
+        checks = GrammarChecks(str(default_model_dir), timeout_s=60, max_bytes=1 << 20)
+        try:
+            await checks.check(StructuredOutputs("regex", "[0-9]+"))  # well under it
+            with pytest.raises(InvalidParameter) as info:
+                await checks.check(StructuredOutputs("regex", hostile_regex(1)))  # about 7 MiB compiled
+            return info.value
+        finally:
+            await checks.close()
+
+    err = asyncio.run(check())
+    assert err.param == "structured_outputs" and "more than the bound of 1 MiB" in str(err), err

@@ -9,10 +9,12 @@ JSON schema, mask and apply included; compiling that schema took 7 ms once the v
 0.2 s per process). llguidance (Rust, also offered by vLLM) would do the job too; xgrammar is the default
 that vLLM users' constraints are written against, and it compiles all six kinds here.
 
-Where it runs: the router compiles each constraint once to refuse a bad one with a 400 that says why; the
-last stage compiles it again (cached by its text) and keeps a matcher per sequence beside the sequence's
-other sampling state (stage_worker.sampler), masks the row before sampling and advances the matcher with
-the token it sampled. The scheduler needs nothing: it sends the constraint once, with the sequence's
+Where it runs: the router compiles each constraint once, in a worker process bounded in time and size
+(router.grammar_pool), to refuse a bad one with a 400 that says why; the last stage compiles it again
+(cached by its text) in a thread beside the step's forward, and keeps a matcher per sequence beside the
+sequence's other sampling state (stage_worker.sampler), masks the row before sampling and advances the
+matcher with the token it sampled. JSON comes out compact unless the constraint allows whitespace, and then
+in runs of at most MAX_WHITESPACE_RUN. The scheduler needs nothing: it sends the constraint once, with the sequence's
 sampling parameters.
 """
 from __future__ import annotations
