@@ -41,14 +41,23 @@ class Sampler:
         self._grammars = grammars  # the stage's compiler, made on first use (it loads the tokenizer)
         self._compiles: ThreadPoolExecutor | None = None  # grammars compile here, beside the step's forward
 
+    def warm(self) -> None:
+        """Make the compiler (the tokenizer, its vocabulary indexed: a second or more) in the compile thread
+        now, so that the first constrained sequence does not hold a step for it; a failure shows then."""
+        if self._grammars is not None:
+            self._thread().submit(self._grammars)
+
+    def _thread(self) -> ThreadPoolExecutor:
+        if self._compiles is None:
+            self._compiles = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        return self._compiles
+
     def add_sequence(self, seq: NewSequence) -> None:
         state = SequenceState(seq.sampling, list(seq.prompt_token_ids), list(seq.output_token_ids))
         if seq.sampling.structured is not None:
             # compiled off the step path (xgrammar lets go of the GIL): the forward that comes before the
             # sequence's first sample runs meanwhile, and a grammar the cache holds costs nothing
-            if self._compiles is None:
-                self._compiles = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-            state.compiling = self._compiles.submit(self._compile, seq.sampling.structured)
+            state.compiling = self._thread().submit(self._compile, seq.sampling.structured)
         self.seqs[seq.seq_id] = state
 
     def _compile(self, structured):
