@@ -53,7 +53,6 @@ class Tokenizer:
                                   if template_timeout_s is not None else None)
 
     async def start(self) -> None:
-        self.grammars.start()
         if self.request_templates is not None:
             await self.request_templates.start()
 
