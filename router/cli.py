@@ -66,6 +66,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="with --trust-request-chat-template: the time a request's chat template may take to render "
                         "before its worker is killed and the request gets a 400 (default 5)")
+    p.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help="as vLLM's: {\"backend\": \"xgrammar\", \"disable_any_whitespace\": BOOL}. JSON constraints "
+                        "(response_format, guided_json, forced tool calls) generate compact JSON unless "
+                        "disable_any_whitespace is false (then a run of at most 16 whitespace characters may come "
+                        "between tokens); a request's structured_outputs.disable_any_whitespace overrides it. "
+                        "Default here: true (vLLM's default, false, lets a small model run away on whitespace)")
+    p.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="a request's structured-output constraint that takes longer to compile (in a worker "
+                        "process) gets a 400 naming the bound (default 5, as vLLM's regex bound)")
     p.add_argument("--max-waiting-requests", type=int, default=0,
                    help="answer 429 (with Retry-After) once this many requests wait for their first token "
                         "(0: unbounded; the schedulers' own queue limits also give 429)")
@@ -120,14 +129,17 @@ async def _main(args: argparse.Namespace) -> int:
     await replicas.refresh()
     name = args.served_model_name or next((r.served_model_name for r in replicas.replicas if r.served_model_name),
                                           None) or source.name
-    from router.config import RouterConfig
+    from router.config import RouterConfig, json_any_whitespace
 
     config = RouterConfig(name, args.api_key, args.max_model_len, args.public_metrics, None,
                           responses_store=args.responses_store, responses_store_size=args.responses_store_size,
                           responses_store_ttl=args.responses_store_ttl,
                           trust_request_chat_template=args.trust_request_chat_template,
-                          chat_template_timeout=args.chat_template_timeout)
-    tokenizer = Tokenizer(model_dir, model_config.max_position_embeddings, config.template_timeout_s)
+                          chat_template_timeout=args.chat_template_timeout,
+                          json_any_whitespace=json_any_whitespace(args.structured_outputs_config),
+                          grammar_compile_timeout=args.grammar_compile_timeout)
+    tokenizer = Tokenizer(model_dir, model_config.max_position_embeddings, config.template_timeout_s,
+                          config.grammar_compile_timeout, config.json_any_whitespace)
     config = _auto_tool_choice(args, config, tokenizer)
     from router.observe import configure
 

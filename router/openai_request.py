@@ -5,6 +5,7 @@ structured-output constraint may come in."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from router.errors import bad_request
 from router.protocol import ChatCompletionRequest, CompletionRequest
@@ -78,18 +79,16 @@ def _sampling(b: RequestBuilder, m, logprobs: int | None, prompt_logprobs: int |
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # vLLM's structured_outputs options this server does not implement: a value that asks for something is a 400
 STRUCTURED_REFUSED = {"disable_fallback": "there is one backend (xgrammar), with no fallback to disable",
-                      "disable_any_whitespace": "whitespace options are not supported",
                       "disable_additional_properties": "additionalProperties follows the schema as given",
-                      "whitespace_pattern": "whitespace options are not supported"}
+                      "whitespace_pattern": "xgrammar takes no whitespace pattern: use disable_any_whitespace"}
+BACKEND_OPTION = "disable-any-whitespace"  # vLLM's guided_decoding_backend "xgrammar:disable-any-whitespace"
 
 
 def structured(m) -> tuple[StructuredOutputs | None, str]:
     """The request's output constraint, from whichever of vLLM's spellings it uses (response_format,
     structured_outputs, guided_*), and the field it came in; two at once are a 400."""
     found: list[tuple[str, StructuredOutputs]] = []
-    if m.guided_decoding_backend not in (None, "auto", "xgrammar"):
-        raise InvalidParameter("guided_decoding_backend", f"'guided_decoding_backend' {m.guided_decoding_backend!r} "
-                                                          "is not available: this server compiles with xgrammar")
+    compact = _backend_compact(m.guided_decoding_backend)
     if m.response_format is not None:
         found += _response_format(m.response_format)
     so = m.structured_outputs
@@ -97,7 +96,7 @@ def structured(m) -> tuple[StructuredOutputs | None, str]:
         for name, why in STRUCTURED_REFUSED.items():
             if so.get(name) not in (None, False, ""):
                 raise InvalidParameter("structured_outputs", f"'structured_outputs.{name}' is not supported: {why}")
-        unknown = set(so) - set(STRUCTURED_KINDS) - set(STRUCTURED_REFUSED)
+        unknown = set(so) - set(STRUCTURED_KINDS) - set(STRUCTURED_REFUSED) - {"disable_any_whitespace"}
         if unknown:
             raise InvalidParameter("structured_outputs", f"'structured_outputs' has no field "
                                                          f"{sorted(unknown)[0]!r}")
@@ -108,6 +107,11 @@ def structured(m) -> tuple[StructuredOutputs | None, str]:
                                                          f"{', '.join(given)}")
         if given:
             found.append(("structured_outputs", _constraint("structured_outputs", given[0], so[given[0]])))
+        if so.get("disable_any_whitespace") is not None:
+            if not isinstance(so["disable_any_whitespace"], bool):
+                raise InvalidParameter("structured_outputs", "'structured_outputs.disable_any_whitespace' must be "
+                                                             "true or false")
+            compact = so["disable_any_whitespace"]
     for kind in ("json", "regex", "choice", "grammar"):
         value = getattr(m, f"guided_{kind}")
         if value is not None:
@@ -115,7 +119,26 @@ def structured(m) -> tuple[StructuredOutputs | None, str]:
     if len(found) > 1:
         raise InvalidParameter(found[1][0], f"one output constraint at a time: '{found[0][0]}' and "
                                             f"'{found[1][0]}' are both given")
-    return (found[0][1], found[0][0]) if found else (None, "structured_outputs")
+    if not found:
+        return None, "structured_outputs"
+    where, constraint = found[0]
+    if compact is not None and constraint.kind in ("json", "json_object"):  # else the server's default
+        constraint = replace(constraint, any_whitespace=not compact)
+    return constraint, where
+
+
+def _backend_compact(backend: str | None) -> bool | None:
+    """vLLM's guided_decoding_backend: "auto" or "xgrammar", with its option "disable-any-whitespace" after
+    a colon (True: compact JSON; None: not said)."""
+    if backend is None:
+        return None
+    name, _, options = backend.partition(":")
+    unknown = [o for o in options.split(",") if o and o != BACKEND_OPTION]
+    if name not in ("auto", "xgrammar") or unknown:
+        raise InvalidParameter("guided_decoding_backend", f"'guided_decoding_backend' {backend!r} is not available: "
+                                                          "this server compiles with xgrammar (auto or xgrammar, "
+                                                          f"optionally ':{BACKEND_OPTION}')")
+    return True if BACKEND_OPTION in options.split(",") else None
 
 
 def _response_format(rf: dict) -> list[tuple[str, StructuredOutputs]]:

@@ -18,7 +18,9 @@ async def prepare(req: GenerateRequest, tokenizer: Tokenizer, max_model_len: int
         raise bad_request(str(err), err.param) from None
     if req.sampling.structured is not None:  # a constraint that cannot compile is the client's 400, with why
         try:
-            await tokenizer.run(tokenizer.compile_constraint, req.sampling.structured)
+            structured = tokenizer.grammars.resolve(req.sampling.structured)
+            await tokenizer.grammars.check(structured)
+            req.sampling = replace(req.sampling, structured=structured)
         except InvalidParameter as err:
             raise bad_request(str(err).replace("structured_outputs", req.structured_param), req.structured_param) \
                 from None

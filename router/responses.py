@@ -95,15 +95,15 @@ class Answer:
 
     def _finish_reason(self, c: Choice, made: tuple | None) -> str | None:
         # OpenAI's: "tool_calls" when the model chose to call (required, auto); a named call ends with "stop"
-        return "tool_calls" if made and self.req.tool_plan.mode != "named" else c.finish_reason
+        return "tool_calls" if made and made[1] and self.req.tool_plan.mode != "named" else c.finish_reason
 
     def _choice(self, c: Choice) -> dict:
         req = self.req
         made = self._calls(c) if req.chat else None
         choice = {"index": c.gen.index, "finish_reason": self._finish_reason(c, made), "stop_reason": c.stop_reason}
-        if made:
+        if made:  # (a forced call cut short: no content and no calls)
             choice["message"] = {"role": "assistant", "content": made[0],
-                                 "tool_calls": [t.to_dict() for t in made[1]]}
+                                 **({"tool_calls": [t.to_dict() for t in made[1]]} if made[1] else {})}
             choice["logprobs"] = self._chat_logprobs(c.logprobs) if req.logprobs else None
         elif req.chat:
             choice["message"] = {"role": "assistant", "content": c.echo + c.text}
@@ -185,13 +185,14 @@ class Answer:
         made = self._calls(c)
         if made:
             content, calls = made
-            delta = {"tool_calls": [t.to_dict(i) for i, t in enumerate(calls)]}
+            delta = {"tool_calls": [t.to_dict(i) for i, t in enumerate(calls)]} if calls else {}
             if content and len(content) > c.sent:
                 delta["content"] = content[c.sent:]
         else:
             delta = {"content": c.text[c.sent:]}
-        out.append(self._chunk({"index": c.gen.index, "delta": delta, "logprobs": None, "finish_reason": None},
-                               None, c))
+        if delta:  # (nothing for a forced call cut short: the finish says so)
+            out.append(self._chunk({"index": c.gen.index, "delta": delta, "logprobs": None, "finish_reason": None},
+                                   None, c))
         out.append(self._chunk({"index": c.gen.index, "delta": {}, "logprobs": None,
                                 "finish_reason": self._finish_reason(c, made), "stop_reason": d.stop_reason}, None, c))
         return out

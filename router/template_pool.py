@@ -31,11 +31,14 @@ class TemplateWorker:
         self.proc = proc
 
     @classmethod
-    async def start(cls, max_reply_bytes: int) -> "TemplateWorker":
+    async def start(cls, max_reply_bytes: int, module: str = "router.template_process",
+                    *args: str) -> "TemplateWorker":
+        """`python -m module args...` (router.template_process; router.grammar_process uses it too), once it
+        says it is ready."""
         root = str(Path(__file__).resolve().parents[1])  # this router's own package, wherever the cwd is
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))),
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "router.template_process",
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", module, *args,
                                                     stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                                                     env=env, limit=max_reply_bytes)
         worker = cls(proc)
@@ -46,7 +49,7 @@ class TemplateWorker:
             raise
         if ready != {"ready": True}:
             await worker.stop()
-            raise RuntimeError(f"chat template worker {proc.pid} did not start: {ready}")
+            raise RuntimeError(f"{module} worker {proc.pid} did not start: {ready}")
         return worker
 
     async def ask(self, job: dict) -> dict:
@@ -59,7 +62,7 @@ class TemplateWorker:
         assert self.proc.stdout is not None
         line = await self.proc.stdout.readline()
         if not line:
-            raise ConnectionError(f"chat template worker {self.proc.pid} exited ({await self.proc.wait()})")
+            raise ConnectionError(f"worker {self.proc.pid} exited ({await self.proc.wait()})")
         return json.loads(line)
 
     async def stop(self) -> None:
@@ -69,7 +72,7 @@ class TemplateWorker:
         try:
             await asyncio.wait_for(self.proc.wait(), EXIT_TIMEOUT_S)
         except asyncio.TimeoutError:
-            log.error("chat template worker %d did not exit %.0f s after SIGKILL", self.proc.pid, EXIT_TIMEOUT_S)
+            log.error("worker %d did not exit %.0f s after SIGKILL", self.proc.pid, EXIT_TIMEOUT_S)
 
 
 class TemplatePool:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, TypeVar
 
 from router.errors import APIError, bad_request
+from router.grammar_pool import GrammarChecks
 from router.request import ChatOptions
 from router.template_pool import TemplatePool
 from router.template_render import RenderTooLong, render_chat
@@ -33,7 +33,8 @@ class Tokenizer:
     MAX_QUEUED = 256
 
     def __init__(self, model_dir: str | Path, max_positions: int | None = None,
-                 template_timeout_s: float | None = None):
+                 template_timeout_s: float | None = None, grammar_timeout_s: float = 5.0,
+                 json_any_whitespace: bool = False):
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(model_dir)
@@ -46,8 +47,8 @@ class Tokenizer:
         self.tok.encode("")
         self._pool = ThreadPoolExecutor(num_threads(), thread_name_prefix="tokenizer")
         self._queued = 0
-        self._grammars = None  # stagemesh.core.grammar.GrammarCompiler, made on the first constraint
-        self._grammars_lock = threading.Lock()
+        # requests' output constraints, compiled in worker processes to refuse a bad one early
+        self.grammars = GrammarChecks(str(model_dir), grammar_timeout_s, json_any_whitespace)
         self.request_templates = (TemplatePool(template_timeout_s, self.max_text_chars)
                                   if template_timeout_s is not None else None)
 
@@ -56,6 +57,7 @@ class Tokenizer:
             await self.request_templates.start()
 
     async def close(self) -> None:
+        await self.grammars.close()
         if self.request_templates is not None:
             await self.request_templates.close()
 
@@ -127,17 +129,6 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.tok)
-
-    def compile_constraint(self, constraint) -> None:
-        """Compile a structured-output constraint (cached), raising InvalidParameter with the reason; the
-        router compiles to refuse a bad one early, the last stage compiles to enforce it."""
-        with self._grammars_lock:  # (two threads may ask for the first one at once)
-            if self._grammars is None:
-                from stagemesh.core.grammar import GrammarCompiler
-
-                eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else None
-                self._grammars = GrammarCompiler(self.tok, len(self.tok), eos)
-        self._grammars.compile(constraint)
 
 
 class IncrementalDetokenizer:

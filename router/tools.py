@@ -44,8 +44,9 @@ class ToolPlan:
 
     @property
     def constraint(self) -> StructuredOutputs | None:
+        # compact JSON whatever the server's default: a call has no whitespace to run away on
         if self.mode == "named":
-            return StructuredOutputs("json", json.dumps(self._parameters(self.name)))
+            return StructuredOutputs("json", json.dumps(self._parameters(self.name)), any_whitespace=False)
         if self.mode == "required":
             calls = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["name"]]},
                                                                   "parameters": self._parameters(t["name"])},
@@ -53,7 +54,7 @@ class ToolPlan:
             schema = {"type": "array", "minItems": 1, "items": calls}
             if not self.parallel:
                 schema["maxItems"] = 1
-            return StructuredOutputs("json", json.dumps(schema))
+            return StructuredOutputs("json", json.dumps(schema), any_whitespace=False)
         return None
 
     def parse(self, text: str) -> list[ToolCall] | None:
@@ -75,18 +76,16 @@ class ToolPlan:
 
 
 def read_calls(plan: ToolPlan | None, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall]] | None:
-    """(content, tool calls) of a finished answer that made calls, else None: under tool_choice required /
-    named its constrained JSON (None when max_tokens cut it short: its text is the answer then, as vLLM gives
-    it), under "auto" what the tool-call parser reads in its text."""
+    """(content, tool calls) of a finished answer that made calls, else None: under "auto" what the tool-call
+    parser reads in its text; under tool_choice required / named its constrained JSON, or (None, []) when it
+    was cut short (max_tokens, a stop string): partial JSON is no answer, the finish_reason says why."""
     if plan is None or plan.mode == "none":
         return None
     if plan.mode == "auto":
         split = plan.parser.split(text)
         return (split[0] or None, split[1]) if split else None
-    if finish_reason != "stop":
-        return None
-    calls = plan.parse(text)
-    return (None, calls) if calls else None
+    calls = plan.parse(text) if finish_reason == "stop" else None
+    return (None, calls or [])
 
 
 def plan_tools(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool | None,

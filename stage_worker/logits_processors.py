@@ -6,6 +6,7 @@ has_penalty).
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,7 @@ class SequenceState:
     _allowed: torch.Tensor | None = field(default=None, repr=False)  # bool [vocab]: True where not allowed
     _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     matcher: object = None  # stagemesh.core.grammar.Matcher of a constrained sequence
+    compiling: Future | None = None  # the matcher, while its grammar compiles (stage_worker.sampler)
     constraint_error: str | None = None  # why its constraint could not be followed (the row then fails)
 
     def banned_outside_allowed(self, vocab: int, device) -> torch.Tensor:

@@ -138,6 +138,8 @@ class StageRunner:
         self.num_drafts: dict[int, int] = {}
         grammars = lazy_compiler(model_dir, cfg.vocab_size, list(cfg.eos_token_ids)) if model_dir else None
         self.sampler = Sampler(self.device, cfg.eos_token_ids, grammars) if self.is_last_stage else None
+        if self.sampler is not None and self.tp.rank == 0:  # (the rank that samples)
+            self.sampler.warm()
         # decode steps replay CUDA graphs (TP=1 on CUDA; TP>1 and CPU run eagerly: see stage_worker/cuda_graphs.py)
         self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and tp_size == 1 and ep is None
         self.max_graph_batch = max_graph_batch

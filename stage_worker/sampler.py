@@ -13,6 +13,8 @@ request; the rest of the batch is sampled as usual.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
 import torch
@@ -24,6 +26,10 @@ from stagemesh.core.step import NewSequence, SampledToken
 from stage_worker.logits_processors import SequenceState, needs_processing, process_row
 from stage_worker.rejection import draw, rejection_sample, sampling_probs
 
+# a sequence's first sample waits this long for its grammar (the router refused those that take longer than
+# its --grammar-compile-timeout, 5 s by default, to compile): past it the request fails alone
+COMPILE_WAIT_S = 30.0
+
 
 class Sampler:
     def __init__(self, device: str | torch.device = "cpu", eos_token_ids: tuple[int, ...] = (),
@@ -33,22 +39,46 @@ class Sampler:
         self.seqs: dict[int, SequenceState] = {}
         self._unseeded = torch.Generator(device="cpu").manual_seed(torch.initial_seed() % (2**63))
         self._grammars = grammars  # the stage's compiler, made on first use (it loads the tokenizer)
+        self._compiles: ThreadPoolExecutor | None = None  # grammars compile here, beside the step's forward
+
+    def warm(self) -> None:
+        """Make the compiler (the tokenizer, its vocabulary indexed: a second or more) in the compile thread
+        now, so that the first constrained sequence does not hold a step for it; a failure shows then."""
+        if self._grammars is not None:
+            self._thread().submit(self._grammars)
+
+    def _thread(self) -> ThreadPoolExecutor:
+        if self._compiles is None:
+            self._compiles = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        return self._compiles
 
     def add_sequence(self, seq: NewSequence) -> None:
         state = SequenceState(seq.sampling, list(seq.prompt_token_ids), list(seq.output_token_ids))
         if seq.sampling.structured is not None:
-            self._constrain(state)
+            # compiled off the step path (xgrammar lets go of the GIL): the forward that comes before the
+            # sequence's first sample runs meanwhile, and a grammar the cache holds costs nothing
+            state.compiling = self._thread().submit(self._compile, seq.sampling.structured)
         self.seqs[seq.seq_id] = state
 
+    def _compile(self, structured):
+        if self._grammars is None:
+            raise StagemeshError("this stage cannot compile constraints")
+        compiler = self._grammars()
+        return compiler.matcher(compiler.compile(structured))
+
     def _constrain(self, state: SequenceState) -> None:
-        """The sequence's matcher, past the tokens it generated before a preemption; a constraint that
-        cannot be followed fails the sequence's first sample (its request alone)."""
+        """The sequence's matcher once its grammar compiled (waited for at most COMPILE_WAIT_S), past the
+        tokens it generated before a preemption; a constraint that cannot be followed fails the sequence's
+        first sample (its request alone)."""
+        compiling, state.compiling = state.compiling, None
         try:
-            if self._grammars is None:
-                raise StagemeshError("this stage cannot compile constraints")
-            compiler = self._grammars()
-            state.matcher = compiler.matcher(compiler.compile(state.params.structured))
-        except StagemeshError as err:
+            state.matcher = compiling.result(timeout=COMPILE_WAIT_S)
+        except FutureTimeout:
+            compiling.cancel()
+            state.constraint_error = (f"the structured output constraint took more than {COMPILE_WAIT_S:g} s to "
+                                      "compile on the last stage")
+            return
+        except (StagemeshError, ValueError, RuntimeError) as err:  # (InvalidParameter is a ValueError)
             state.constraint_error = f"the structured output constraint cannot be followed: {err}"
             return
         for token in state.output:
@@ -57,7 +87,9 @@ class Sampler:
                 return
 
     def remove_sequence(self, seq_id: int) -> None:
-        self.seqs.pop(seq_id, None)
+        state = self.seqs.pop(seq_id, None)
+        if state is not None and state.compiling is not None:
+            state.compiling.cancel()
 
     def sample(self, logits: torch.Tensor, seq_ids: list[int], drafts: list[list[int]] | None = None,
                draft_probs: list[list[torch.Tensor] | None] | None = None) -> list[SampledToken]:
@@ -73,6 +105,9 @@ class Sampler:
         drafts = drafts or [[] for _ in seq_ids]
         draft_probs = draft_probs or [None] * len(seq_ids)
         states = [self.seqs[s] for s in seq_ids]
+        for state in states:
+            if state.compiling is not None:
+                self._constrain(state)
         firsts = _first_rows(drafts)
         raw = logits.float()
         # logprobs of the model's own distribution, before the request's processing (vLLM V1's default)

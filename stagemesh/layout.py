@@ -162,7 +162,8 @@ class MeshLayout:
         argv += ["--trust-request-chat-template"] if args.trust_request_chat_template else []
         argv += _flags(args, ("grpc_port", "served_model_name", "api_key", "max_model_len", "tool_call_parser",
                               "max_request_retries", "policy", "responses_store", "responses_store_size",
-                              "responses_store_ttl", "chat_template_timeout"))
+                              "responses_store_ttl", "chat_template_timeout", "structured_outputs_config",
+                              "grammar_compile_timeout"))
         control = [["--control-port", str(p)] for p in self.control_ports] or [[]] * n
         return [ChildSpec("router" if n == 1 else f"router[{i}]", [*argv, *control[i]], kind="router")
                 for i in range(n)]

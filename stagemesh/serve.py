@@ -79,6 +79,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template-timeout", type=float, default=None, metavar="SECONDS",
                    help="the time a request's own chat template may take to render (see `stagemesh router`; "
                         "default 5)")
+    p.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help="JSON constraints' whitespace: {\"disable_any_whitespace\": false} lets them indent (see "
+                        "`stagemesh router`; default compact)")
+    p.add_argument("--grammar-compile-timeout", type=float, default=None, metavar="SECONDS",
+                   help="the time a request's constraint may take to compile (see `stagemesh router`; default 5)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)

@@ -174,3 +174,17 @@ def test_tool_call_parsers_read_calls_and_hold_back_only_what_may_be_one():
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 2}), ("g", {})]
     assert llama.split("Paris is the capital.") is None
     assert llama.may_start('{"na') == 0 and llama.may_start("Paris") == 5
+
+
+def test_structured_outputs_config_sets_the_json_whitespace_default_and_names_its_flag():
+    from router.config import json_any_whitespace
+    from stagemesh.core.errors import StagemeshError
+
+    assert json_any_whitespace(None) is False  # compact unless told
+    assert json_any_whitespace('{"disable_any_whitespace": true, "backend": "xgrammar"}') is False
+    assert json_any_whitespace('{"disable_any_whitespace": false}') is True  # vLLM's default: indentation
+    for bad, says in (('{"backend": "outlines"}', "not available"), ('{"whitespace_pattern": " "}', "keys"),
+                      ('{"disable_any_whitespace": 1}', "true or false"), ("{", "must be JSON")):
+        with pytest.raises(StagemeshError, match=says) as info:
+            json_any_whitespace(bad)
+        assert "--structured-outputs-config" in str(info.value)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -40,6 +41,8 @@ CHOICES = ["Paris", "London", "Berlin", "Madrid"]
 GRAMMAR = 'root ::= "The answer is " answer "."\nanswer ::= "yes" | "no" | "maybe"'
 GRAMMAR_RE = r"The answer is (yes|no|maybe)\."
 ASK = [{"role": "user", "content": "Describe a person as JSON, then name a city."}]
+PERSON_ASK = [{"role": "user", "content": "Describe a person as a JSON object."}]
+COMPILE_TIMEOUT_S = 2  # the router's --grammar-compile-timeout here
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +51,9 @@ def router(default_model_dir, tmp_path_factory):
     with Mesh(default_model_dir, [15, 15], handoff="grpc", log_dir=logs,
               scheduler_args=("--async-scheduling",)) as mesh:
         # (TOOL_TEMPLATE is a request's own chat template)
-        with Router(default_model_dir, [mesh.address], ("--trust-request-chat-template",), log_dir=logs,
-                    grpc_frontend=True) as r:
+        with Router(default_model_dir, [mesh.address],
+                    ("--trust-request-chat-template", "--grammar-compile-timeout", str(COMPILE_TIMEOUT_S)),
+                    log_dir=logs, grpc_frontend=True) as r:
             r.mesh = mesh
             yield r
 
@@ -81,7 +85,8 @@ def test_twenty_seeded_samples_hold_the_constraint(router, case):
 
 def test_json_object_is_an_object(router):
     # any object: at temperature 1 this small model writes objects longer than any max_tokens; greedy it stops
-    out = router.client().chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=300,
+    # (asked for an object: asked for JSON and then a city, greedy it loops in a compact object's first key)
+    out = router.client().chat.completions.create(model=MODEL, messages=PERSON_ASK, temperature=0, max_tokens=300,
                                                   response_format={"type": "json_object"})
     assert out.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(out.choices[0].message.content), dict)
@@ -390,3 +395,158 @@ def test_structural_tags_constrain_what_follows_a_trigger(router, default_model_
     for kwargs in ({"response_format": tag}, as_extra):
         out = client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, temperature=0, max_tokens=20, **kwargs)
         assert out.choices[0].message.content
+
+
+# -- whitespace: compact JSON by default, vLLM's disable_any_whitespace both ways ---------------------------
+
+FREE_PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                                "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
+               "required": ["name", "age", "tags"]}  # no length bounds: only compact JSON keeps it short
+JSON_KINDS = {"json_object": {"response_format": {"type": "json_object"}},
+              "json_schema": {"response_format": {"type": "json_schema",
+                                                  "json_schema": {"name": "person", "schema": FREE_PERSON}}},
+              "required_tools": {"tools": [WEATHER, TIME], "tool_choice": "required"}}
+
+
+def parsed(kind: str, choice):
+    """The JSON a choice holds (its calls' arguments for tools), after checking it is whole and compact."""
+    if kind == "required_tools":
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        check_calls(choice.message.tool_calls)
+        return [json.loads(c.function.arguments) for c in choice.message.tool_calls]
+    text = choice.message.content
+    assert choice.finish_reason == "stop", text
+    assert "\n" not in text and "\t" not in text, text  # (a newline in a JSON string is escaped)
+    return json.loads(text)
+
+
+@pytest.mark.parametrize("kind", list(JSON_KINDS))
+def test_json_constraints_are_compact_and_whole_at_temperature_0_and_1(router, kind):
+    """The issue's failures: json_object greedy ran to max_tokens on indentation, a schema at temperature 1
+    on whitespace; with compact JSON the greedy answer and 10 samples come back whole in 120 tokens."""
+    client, messages = router.client(), WEATHER_ASK if kind == "required_tools" else PERSON_ASK
+    greedy = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=120,
+                                            **JSON_KINDS[kind])
+    parsed(kind, greedy.choices[0])
+    sampled = client.chat.completions.create(model=MODEL, messages=messages, temperature=1.0, seed=1, n=10,
+                                             max_tokens=120, **JSON_KINDS[kind])
+    for choice in sampled.choices:
+        if choice.finish_reason == "length":  # a long string at temperature 1: said so, never partial calls
+            assert kind != "required_tools" or (choice.message.content is None and not choice.message.tool_calls)
+            continue
+        value = parsed(kind, choice)
+        if kind == "json_schema":
+            jsonschema.validate(value, FREE_PERSON)
+    assert sum(c.finish_reason != "length" for c in sampled.choices) >= 8
+
+
+def test_disable_any_whitespace_is_honoured_both_ways(router):
+    def content(**extra) -> str:
+        out = router.client().chat.completions.create(model=MODEL, messages=PERSON_ASK, temperature=0, max_tokens=60,
+                                                      **extra)
+        return out.choices[0].message.content
+
+    loose = content(extra_body={"structured_outputs": {"json_object": True, "disable_any_whitespace": False}})
+    assert loose.startswith("{\n")  # the model's own indentation, allowed when asked for
+    assert not re.search(r"\s{17,}", loose)  # but no run longer than the bound (16)
+    compact = content(extra_body={"structured_outputs": {"json_object": True, "disable_any_whitespace": True}})
+    assert compact.startswith('{"') and "\n" not in compact
+    assert content(response_format={"type": "json_object"}) == compact  # the server's default
+    legacy = content(response_format={"type": "json_object"},
+                     extra_body={"guided_decoding_backend": "xgrammar:disable-any-whitespace"})
+    assert legacy == compact
+    bad = requests.post(f"{router.base_url}/v1/chat/completions", json={
+        "model": MODEL, "messages": PERSON_ASK, "structured_outputs": {"json_object": True,
+                                                                      "disable_any_whitespace": "yes"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs"
+    assert "disable_any_whitespace' must be true or false" in bad.json()["error"]["message"]
+
+
+# -- a forced tool call cut short is said to be cut short, with no partial JSON -----------------------------
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_a_forced_tool_call_cut_short_is_reported_as_cut_short(router, tool_choice):
+    client = router.client()
+    kwargs = dict(model=MODEL, messages=WEATHER_ASK, tools=[WEATHER, TIME], tool_choice=tool_choice, temperature=0,
+                  max_tokens=6)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "length"
+    assert whole.message.content is None and not whole.message.tool_calls
+    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+    assert [c.finish_reason for c in chunks][-1] == "length"
+    assert not any(c.delta.content or c.delta.tool_calls for c in chunks), chunks
+    responses_choice = tool_choice if tool_choice == "required" else {"type": "function", "name": "get_weather"}
+    answer = client.responses.create(model=MODEL, input=WEATHER_ASK[0]["content"], tool_choice=responses_choice,
+                                     tools=[{"type": "function", **t["function"]} for t in (WEATHER, TIME)],
+                                     max_output_tokens=6, temperature=0)
+    assert answer.status == "incomplete" and answer.incomplete_details.reason == "max_output_tokens"
+    assert answer.output == [], answer.output  # no message holding partial JSON, no call
+    events = list(client.responses.create(model=MODEL, input=WEATHER_ASK[0]["content"], tool_choice=responses_choice,
+                                          tools=[{"type": "function", **t["function"]} for t in (WEATHER, TIME)],
+                                          max_output_tokens=6, temperature=0, stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.output == []
+    assert not [e for e in events if e.type == "response.output_text.delta"]
+
+
+# -- grammar compile time: bounded, and off the paths other requests wait on --------------------------------
+
+def hostile_regex(parts: int = 12) -> str:
+    """A regex whose token-mask cache takes xgrammar seconds to build (about 7 s and 200 MiB for 12 parts on a
+    2-core EPYC): each part a wide character class repeated up to 190 times."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    return "".join(f"[{letters[i]}-z0-9 ]{{0,190}}{letters[i]}," for i in range(parts))
+
+
+def test_a_hostile_regex_gets_a_400_quickly_while_a_stream_goes_on(router):
+    gaps: list[float] = []
+
+    def stream():
+        last = None
+        chunks = router.client().chat.completions.create(model=MODEL, messages=ASK, max_tokens=300, temperature=0,
+                                                         stream=True, extra_body={"ignore_eos": True})
+        for _ in chunks:
+            now = time.monotonic()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+
+    with ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(stream)
+        while not gaps:  # the stream is under way
+            time.sleep(0.05)
+            assert not streaming.done(), streaming.result()
+        start = time.monotonic()
+        bad = requests.post(f"{router.base_url}/v1/chat/completions", json={
+            "model": MODEL, "messages": ASK, "max_tokens": 5, "structured_outputs": {"regex": hostile_regex()}})
+        took = time.monotonic() - start
+        assert bad.status_code == 400, bad.text
+        error = bad.json()["error"]
+        assert error["param"] == "structured_outputs"
+        assert f"more than {COMPILE_TIMEOUT_S} s to compile" in error["message"]
+        assert "--grammar-compile-timeout" in error["message"]
+        streaming.result()
+    # the bound, and a grammar worker's start when none was free (it loads the tokenizer: seconds when loaded)
+    assert took < COMPILE_TIMEOUT_S + 10, took
+    # the stream went on meanwhile: no gap near a compile's seconds (a step here takes tens of milliseconds)
+    assert max(gaps) < 1.5, max(gaps)
+
+
+def test_a_grammar_past_the_size_bound_is_refused_naming_it(default_model_dir):
+    import asyncio
+
+    from router.grammar_pool import GrammarChecks
+    from stagemesh.core.sampling_params import InvalidParameter
+
+    async def check() -> InvalidParameter:
+        checks = GrammarChecks(str(default_model_dir), timeout_s=60, max_bytes=1 << 20)
+        try:
+            await checks.check(StructuredOutputs("regex", "[0-9]+"))  # well under it
+            with pytest.raises(InvalidParameter) as info:
+                await checks.check(StructuredOutputs("regex", hostile_regex(1)))  # about 7 MiB compiled
+            return info.value
+        finally:
+            await checks.close()
+
+    err = asyncio.run(check())
+    assert err.param == "structured_outputs" and "more than the bound of 1 MiB" in str(err), err

@@ -46,7 +46,7 @@ class ResponseBuilder:
     def turn(self) -> dict:
         """The answer as the assistant's chat message, for the conversation a later request continues."""
         content, calls = self.final()
-        turn = {"role": "assistant", "content": content if content or not calls else None}
+        turn = {"role": "assistant", "content": (content or None) if calls else (content or "")}
         if calls:
             turn["tool_calls"] = [call.to_dict() for _, call in calls]
         return turn

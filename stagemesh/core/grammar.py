@@ -9,10 +9,12 @@ JSON schema, mask and apply included; compiling that schema took 7 ms once the v
 0.2 s per process). llguidance (Rust, also offered by vLLM) would do the job too; xgrammar is the default
 that vLLM users' constraints are written against, and it compiles all six kinds here.
 
-Where it runs: the router compiles each constraint once to refuse a bad one with a 400 that says why; the
-last stage compiles it again (cached by its text) and keeps a matcher per sequence beside the sequence's
-other sampling state (stage_worker.sampler), masks the row before sampling and advances the matcher with
-the token it sampled. The scheduler needs nothing: it sends the constraint once, with the sequence's
+Where it runs: the router compiles each constraint once, in a worker process bounded in time and size
+(router.grammar_pool), to refuse a bad one with a 400 that says why; the last stage compiles it again
+(cached by its text) in a thread beside the step's forward, and keeps a matcher per sequence beside the
+sequence's other sampling state (stage_worker.sampler), masks the row before sampling and advances the
+matcher with the token it sampled. JSON comes out compact unless the constraint allows whitespace, and then
+in runs of at most MAX_WHITESPACE_RUN. The scheduler needs nothing: it sends the constraint once, with the sequence's
 sampling parameters.
 """
 from __future__ import annotations
@@ -29,13 +31,18 @@ from stagemesh.core.sampling_params import InvalidParameter, StructuredOutputs
 log = logging.getLogger("stagemesh")
 
 CACHE_SIZE = 256  # compiled grammars kept per process, least recently used dropped
+# JSON with any_whitespace: at most this many whitespace characters in a row between tokens (a newline and an
+# indent several levels deep), so that a model that keeps choosing whitespace (xgrammar's default allows any
+# run) cannot spend max_tokens on it; without any_whitespace the output is compact: ", " and ": " only
+MAX_WHITESPACE_RUN = 16
 _NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[hh:mm:ss] /path/file.cc:123: " prefix
 
 
 class GrammarCompiler:
     """Compiles StructuredOutputs against one tokenizer; thread-safe, with an LRU cache of the results."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None,
+                 cache_size: int = CACHE_SIZE):
         import xgrammar
 
         self._xgr = xgrammar
@@ -45,6 +52,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._compiler = xgrammar.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict = OrderedDict()
+        self._cache_size = cache_size
         self._lock = threading.Lock()
 
     def compile(self, s: StructuredOutputs):
@@ -57,7 +65,7 @@ class GrammarCompiler:
         compiled = self._compile(s)
         with self._lock:
             self._cache[s.key] = compiled
-            while len(self._cache) > CACHE_SIZE:
+            while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
 
@@ -69,9 +77,9 @@ class GrammarCompiler:
                     json.loads(s.text)
                 except ValueError as err:
                     raise InvalidParameter("structured_outputs", f"the JSON schema is not JSON: {err}") from None
-                return c.compile_json_schema(s.text)
+                return c.compile_json_schema(s.text, **_whitespace(s))
             if s.kind == "json_object":  # an object, as OpenAI's json_object means (and vLLM compiles it)
-                return c.compile_json_schema('{"type": "object"}')
+                return c.compile_json_schema('{"type": "object"}', **_whitespace(s))
             if s.kind == "regex":
                 return c.compile_regex(s.text)
             if s.kind == "choice":  # one alternative per choice, each a literal
@@ -104,6 +112,12 @@ class GrammarCompiler:
 
     def matcher(self, compiled) -> "Matcher":
         return Matcher(self, compiled)
+
+
+def _whitespace(s: StructuredOutputs) -> dict:
+    if s.any_whitespace:
+        return {"any_whitespace": True, "max_whitespace_cnt": MAX_WHITESPACE_RUN}
+    return {"any_whitespace": False}
 
 
 class Matcher:

@@ -106,10 +106,13 @@ MAX_CHOICES = 4096
 class StructuredOutputs:
     """A constraint on the output (vLLM's structured_outputs): `kind` is json (a JSON schema's text),
     json_object, regex, choice (`choices`), grammar (EBNF text, root rule `root`) or structural_tag (its JSON).
-    Compiled and enforced where tokens are sampled (stagemesh.core.grammar)."""
+    Compiled and enforced where tokens are sampled (stagemesh.core.grammar). `any_whitespace` (json and
+    json_object): True lets the output put whitespace between tokens (a bounded run per gap), False makes it
+    compact (vLLM's disable_any_whitespace); None is the server's default, which the router fills in."""
     kind: str
     text: str = ""
     choices: tuple[str, ...] = ()
+    any_whitespace: bool | None = None
 
     def __post_init__(self) -> None:
         param = "structured_outputs"
@@ -132,7 +135,7 @@ class StructuredOutputs:
     @property
     def key(self) -> tuple:
         """What a compiled grammar is cached by."""
-        return self.kind, self.text, self.choices
+        return self.kind, self.text, self.choices, bool(self.any_whitespace)
 
 
 @dataclass(frozen=True)

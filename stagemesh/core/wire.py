@@ -34,6 +34,8 @@ def sampling_to_pb(p: SamplingParams, out: common_pb2.SamplingParams | None = No
             so.choice.choices.extend(s.choices)
         else:
             setattr(so, s.kind, s.text)
+        if s.any_whitespace is not None:
+            so.any_whitespace = s.any_whitespace
     return msg
 
 
@@ -41,11 +43,12 @@ def structured_from_pb(msg: common_pb2.StructuredOutputs) -> StructuredOutputs |
     kind = msg.WhichOneof("kind")
     if kind is None:
         return None
+    any_whitespace = msg.any_whitespace if msg.HasField("any_whitespace") else None
     if kind == "json_object":
-        return StructuredOutputs("json_object") if msg.json_object else None
+        return StructuredOutputs("json_object", any_whitespace=any_whitespace) if msg.json_object else None
     if kind == "choice":
         return StructuredOutputs("choice", choices=tuple(msg.choice.choices))
-    return StructuredOutputs(kind, getattr(msg, kind))
+    return StructuredOutputs(kind, getattr(msg, kind), any_whitespace=any_whitespace)
 
 
 def sampling_fields_from_pb(msg: common_pb2.SamplingParams) -> dict:

@@ -195,6 +195,7 @@ class StructuredOutputs(_message.Message):
     CHOICE_FIELD_NUMBER: _builtins.int
     GRAMMAR_FIELD_NUMBER: _builtins.int
     STRUCTURAL_TAG_FIELD_NUMBER: _builtins.int
+    ANY_WHITESPACE_FIELD_NUMBER: _builtins.int
     json: _builtins.str
     """A JSON schema, as JSON text."""
     json_object: _builtins.bool
@@ -206,6 +207,11 @@ class StructuredOutputs(_message.Message):
     structural_tag: _builtins.str
     """A structural tag (JSON: xgrammar's format, or vLLM's {"structures": [...], "triggers": [...]}):
     free text, where each trigger opens a section that must match its structure's schema.
+    """
+    any_whitespace: _builtins.bool
+    """json and json_object: true lets the output put whitespace between tokens (a bounded run per gap);
+    false makes it compact, as vLLM's disable_any_whitespace does. Unset: the router's default (compact
+    unless its --structured-outputs-config says otherwise); the router always sets it for the scheduler.
     """
     @_builtins.property
     def choice(self) -> Global___Choices:
@@ -220,13 +226,19 @@ class StructuredOutputs(_message.Message):
         choice: Global___Choices | None = ...,
         grammar: _builtins.str = ...,
         structural_tag: _builtins.str = ...,
+        any_whitespace: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json", b"json", "json_object", b"json_object", "kind", b"kind", "regex", b"regex", "structural_tag", b"structural_tag"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_any_whitespace", b"_any_whitespace", "any_whitespace", b"any_whitespace", "choice", b"choice", "grammar", b"grammar", "json", b"json", "json_object", b"json_object", "kind", b"kind", "regex", b"regex", "structural_tag", b"structural_tag"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json", b"json", "json_object", b"json_object", "kind", b"kind", "regex", b"regex", "structural_tag", b"structural_tag"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_any_whitespace", b"_any_whitespace", "any_whitespace", b"any_whitespace", "choice", b"choice", "grammar", b"grammar", "json", b"json", "json_object", b"json_object", "kind", b"kind", "regex", b"regex", "structural_tag", b"structural_tag"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__any_whitespace: _TypeAlias = _typing.Literal["any_whitespace"]  # noqa: Y015
+    _WhichOneofArgType__any_whitespace: _TypeAlias = _typing.Literal["_any_whitespace", b"_any_whitespace"]  # noqa: Y015
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__any_whitespace) -> _WhichOneofReturnType__any_whitespace | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___StructuredOutputs: _TypeAlias = StructuredOutputs  # noqa: Y015
