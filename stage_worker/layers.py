@@ -147,8 +147,47 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     if out_features is not None:
         return cpu_ops.linear_bf16(x, weight, out_features, bias)
     if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+# oneDNN keeps what it builds for a product (its JIT kernels and descriptors, ~0.4-1 MiB) for each row count it
+# meets, in two caches of 1,024 entries (ideep's and oneDNN's primitive cache), freed only when those fill. A
+# serving stage meets a new row count in most steps (the tokens of a step's chunks), so its RSS rose ~8 MiB/min
+# for an hour, up to ~1.5 GB (issue 43's soak, benchmarks/bench_soak.py). Packed products therefore run on a
+# bounded set of row counts, as vLLM's CPU backend bounds its oneDNN matmul cache: up to 16 rows as they are
+# (decode), then in pieces of at most 256 rows, a piece padded to one of 8 sizes per octave (under 12.5% more
+# rows): 48 sizes per weight shape. kernels/csrc/decoder_layer.cpp does the same (the same bits as this layer).
+ONEDNN_EXACT_ROWS = 16
+ONEDNN_PIECE_ROWS = 256
+
+
+def onednn_rows(rows: int) -> int:
+    """The row count a piece of `rows` rows (1 to ONEDNN_PIECE_ROWS) runs at: itself up to 16, else rounded
+    up to a multiple of an eighth of its octave."""
+    if rows <= ONEDNN_EXACT_ROWS:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """x W^T (+ b) with oneDNN's packed weight, on the bounded row counts above."""
+    rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
+    if rows <= ONEDNN_PIECE_ROWS and rows == onednn_rows(rows):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if x.dim() != 2:
+        return onednn_linear(x.reshape(rows, x.shape[-1]), weight, bias).reshape(*x.shape[:-1], -1)
+    outs = []
+    for start in range(0, rows, ONEDNN_PIECE_ROWS):
+        piece = x[start:start + ONEDNN_PIECE_ROWS]
+        n = piece.shape[0]
+        padded = onednn_rows(n)
+        if padded != n:
+            piece = F.pad(piece, (0, 0, 0, padded - n))
+        out = torch.ops.mkldnn._linear_pointwise(piece, weight, bias, "none", [], "")
+        outs.append(out[:n] if padded != n else out)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class Linear(Module):
