@@ -14,7 +14,7 @@ beside it. Target (issue 43): after a 10-minute warm-up every slope under 0.5 Mi
 The processes are found from serve's process tree (psutil) and named from serve's log (`started
 stage[0.1] (pid N)`), again at every sample, so a restarted process shows (its pid changes; the restart is
 counted). SIGINT or SIGTERM stops the clients, then serve (SIGTERM to its process group, SIGKILL if it does
-not exit in 120 s), and still writes what was sampled.
+not exit in 120 s), and still writes what was sampled; serve also gets SIGTERM if this script dies otherwise.
 """
 from __future__ import annotations
 
@@ -255,7 +255,9 @@ def main() -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, on_signal)
-    serve = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    # serve dies with this script even if it is SIGKILLed (stagemesh.supervisor.die_with_parent: PR_SET_PDEATHSIG)
+    env = {**os.environ, "STAGEMESH_SUPERVISOR_PID": str(os.getpid())}
+    serve = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
     base, stop = f"http://127.0.0.1:{port}", threading.Event()
     tally, kinds = Tally(), Tally()
     samples: list[dict] = []
