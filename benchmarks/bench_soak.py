@@ -290,7 +290,7 @@ def main() -> None:
             time.sleep(max(0.0, min(next_sample, start + args.minutes * 60) - time.monotonic()))
         stop.set()
     except KeyboardInterrupt as why:
-        print(f"stopped ({why or 'SIGINT'}) after {(time.monotonic() - start) / 60:.1f} min", flush=True)
+        print(f"stopped ({str(why) or 'SIGINT'}) after {(time.monotonic() - start) / 60:.1f} min", flush=True)
     finally:
         stop.set()
         stop_serve(serve)
