@@ -138,6 +138,28 @@ def pack_weights_for_cpu(model: nn.Module) -> None:
         if module.weight.dtype == torch.float32 and not module.weight.is_mkldnn:
             packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.data, _PACK_ROWS_HINT)
             module.weight = nn.Parameter(packed, requires_grad=False)
+    warm_onednn(linears)
+
+
+def warm_onednn(linears) -> None:
+    """Build oneDNN's product of each packed weight shape at each row count it runs at (onednn_rows), once
+    as the weights are packed, as vLLM warms its model up before serving: what oneDNN keeps for them (~0.5 MiB
+    each, 48 per weight shape) is then in the stage's memory from the start, rather than added by the first step
+    of each row count, some of them an hour in; and no step waits for a kernel to be built."""
+    sizes = sorted({onednn_rows(n) for n in range(1, ONEDNN_PIECE_ROWS + 1)})
+    done = set()
+    with torch.inference_mode():
+        for module in linears:
+            w, bias = module.weight, getattr(module, "bias", None)
+            if not (w.is_mkldnn and w.dtype == torch.float32):
+                continue
+            key = (tuple(w.shape), None if bias is None else (bias.dtype, tuple(bias.shape)))
+            if key in done:
+                continue
+            done.add(key)
+            x = torch.zeros(ONEDNN_PIECE_ROWS, w.shape[1], dtype=w.dtype)
+            for rows in sizes:
+                torch.ops.mkldnn._linear_pointwise(x[:rows], w, bias, "none", [], "")
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
@@ -147,8 +169,47 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     if out_features is not None:
         return cpu_ops.linear_bf16(x, weight, out_features, bias)
     if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+# oneDNN keeps what it builds for a product (its JIT kernels and descriptors, ~0.4-1 MiB) for each row count it
+# meets, in two caches of 1,024 entries (ideep's and oneDNN's primitive cache), freed only when those fill. A
+# serving stage meets a new row count in most steps (the tokens of a step's chunks), so its RSS rose ~8 MiB/min
+# for an hour, up to ~1.5 GB (issue 43's soak, benchmarks/bench_soak.py). Packed products therefore run on a
+# bounded set of row counts, as vLLM's CPU backend bounds its oneDNN matmul cache: up to 16 rows as they are
+# (decode), then in pieces of at most 256 rows, a piece padded to one of 8 sizes per octave (under 12.5% more
+# rows): 48 sizes per weight shape. kernels/csrc/decoder_layer.cpp does the same (the same bits as this layer).
+ONEDNN_EXACT_ROWS = 16
+ONEDNN_PIECE_ROWS = 256
+
+
+def onednn_rows(rows: int) -> int:
+    """The row count a piece of `rows` rows (1 to ONEDNN_PIECE_ROWS) runs at: itself up to 16, else rounded
+    up to a multiple of an eighth of its octave."""
+    if rows <= ONEDNN_EXACT_ROWS:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """x W^T (+ b) with oneDNN's packed weight, on the bounded row counts above."""
+    rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
+    if rows <= ONEDNN_PIECE_ROWS and rows == onednn_rows(rows):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if x.dim() != 2:
+        return onednn_linear(x.reshape(rows, x.shape[-1]), weight, bias).reshape(*x.shape[:-1], -1)
+    outs = []
+    for start in range(0, rows, ONEDNN_PIECE_ROWS):
+        piece = x[start:start + ONEDNN_PIECE_ROWS]
+        n = piece.shape[0]
+        padded = onednn_rows(n)
+        if padded != n:
+            piece = F.pad(piece, (0, 0, 0, padded - n))
+        out = torch.ops.mkldnn._linear_pointwise(piece, weight, bias, "none", [], "")
+        outs.append(out[:n] if padded != n else out)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class Linear(Module):

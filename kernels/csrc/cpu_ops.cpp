@@ -431,7 +431,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           c10::optional<at::Tensor>, int64_t, bool>(),
            pybind11::arg("kind"), pybind11::arg("weight"), pybind11::arg("scales") = pybind11::none(),
            pybind11::arg("mins") = pybind11::none(), pybind11::arg("bias") = pybind11::none(),
-           pybind11::arg("out_features") = 0, pybind11::arg("int8_activations") = false);
+           pybind11::arg("out_features") = 0, pybind11::arg("int8_activations") = false)
+      .def("__call__", &LayerLinear::operator(), "x W^T (+ b) as the layer's plan computes it", pybind11::arg("x"),
+           pybind11::arg("quant_family") = "", pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<DecoderLayerPlan>(m, "DecoderLayerPlan")
       .def(pybind11::init<at::Tensor, double, at::Tensor, double, LayerLinear, LayerLinear, LayerLinear, LayerLinear,
                           int64_t, int64_t, double>())

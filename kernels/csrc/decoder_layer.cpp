@@ -3,6 +3,9 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "bf16_linear.h"
 #include "quant_linear.h"
 
@@ -16,13 +19,43 @@ LayerLinear::Kind kind_of(const std::string& kind) {
   return LayerLinear::Kind::kDense;
 }
 
-at::Tensor onednn_packed_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+at::Tensor onednn_call(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, c10::string_view,
                             c10::List<c10::optional<at::Scalar>>, c10::optional<c10::string_view>)>();
   return op.call(x, w, bias, "none", c10::List<c10::optional<at::Scalar>>(), "");
+}
+
+// oneDNN keeps what it builds for each row count it meets (~0.4-1 MiB each, in caches of 1,024 entries), so
+// products run on a bounded set of row counts, as stage_worker/layers.py onednn_linear does (the same bits):
+// up to 16 rows as they are, then pieces of at most 256 rows, each padded to one of 8 sizes per octave.
+constexpr int64_t kOnednnExactRows = 16;
+constexpr int64_t kOnednnPieceRows = 256;
+
+int64_t onednn_rows(int64_t rows) {
+  if (rows <= kOnednnExactRows) return rows;
+  int bits = 0;
+  for (int64_t r = rows; r > 0; r >>= 1) ++bits;
+  const int64_t step = int64_t{1} << (bits - 4);
+  return (rows + step - 1) / step * step;
+}
+
+at::Tensor onednn_packed_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2, "a layer's product takes 2-d activations");
+  const int64_t rows = x.size(0);
+  if (rows <= kOnednnPieceRows && rows == onednn_rows(rows)) return onednn_call(x, w, bias);
+  std::vector<at::Tensor> outs;
+  for (int64_t start = 0; start < rows; start += kOnednnPieceRows) {
+    const int64_t n = std::min(kOnednnPieceRows, rows - start);
+    const int64_t padded = onednn_rows(n);
+    at::Tensor piece = x.narrow(0, start, n);
+    if (padded != n) piece = at::constant_pad_nd(piece, {0, 0, 0, padded - n});
+    at::Tensor out = onednn_call(piece, w, bias);
+    outs.push_back(padded != n ? out.narrow(0, 0, n) : out);
+  }
+  return outs.size() == 1 ? outs[0] : at::cat(outs);
 }
 
 }  // namespace
