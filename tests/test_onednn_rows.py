@@ -43,6 +43,9 @@ if mode == "engine":  # the stage's runner (the C++ layer plans, the LM head's P
     from stagemesh.local_engine import LocalEngine
     engine = LocalEngine(model_dir, max_num_batched_tokens=512, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=1, ignore_eos=True)
+    # the last stage makes its grammar compiler (xgrammar, the tokenizer: ~70 MiB) in its compile thread as it
+    # starts: waited for here, since it is not what this measures
+    engine.runners[-1].sampler._thread().submit(lambda: None).result(timeout=120)
     def step(n):  # one prefill step of n tokens
         engine.generate([[3 + (i * 7) % 300 for i in range(n)]], params)
 else:  # one packed product, through the Python layer's call or the layer plan's
@@ -71,7 +74,7 @@ def growth_mib(mode: str, model_dir: Path | str = "", every: int = 1) -> tuple[f
     env = {**os.environ, "LRU_CACHE_CAPACITY": "100000", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "100000",
            "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", GROWTH, mode, str(model_dir), str(every)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     first, second = out.stdout.strip().splitlines()[-1].split()
     return float(first), float(second)
@@ -80,9 +83,11 @@ def growth_mib(mode: str, model_dir: Path | str = "", every: int = 1) -> tuple[f
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
 def test_a_stage_s_memory_stops_growing_with_new_token_counts(tiny_model_dir):
     first, second = growth_mib("engine", tiny_model_dir("llama"), every=3)
-    # before the fix: ~180 MiB more (each of 82 new token counts adds oneDNN products for every weight shape)
-    assert second < 16
-    assert first < 16  # the products of every row count were built as the weights were packed (warm_onednn)
+    # before the fix: 180-540 MiB more (each of 82 new token counts adds oneDNN products for every weight shape);
+    # the bounds leave room for a loaded machine's noise (23 MiB seen once under load)
+    assert second < 40, second
+    # the products of every row count were built as the weights were packed (warm_onednn); without: ~113 MiB
+    assert first < 40, first
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
