@@ -35,9 +35,11 @@ from kernels import cpu_ops
 module = cpu_ops.load_module(sys.argv[1], [Path(sys.argv[2])], [], Path(sys.argv[3]))
 print("answer:", module.answer() if module is not None else None, flush=True)
 """
-# a g++ (its name is what torch accepts) that, compiling, says so in a file, then waits for the test's word
+# a g++ (its name is what torch accepts) that, compiling, says so in a file, then waits for the test's word (at
+# most 2 minutes: ninja runs it in a process group of its own, which outlives a killed loader's)
 WRAPPER = """#!/bin/sh
-case " $* " in *" -c "*) touch "$COMPILE_STARTED"; while [ ! -e "$COMPILE_GO" ]; do sleep 0.05; done;; esac
+case " $* " in *" -c "*) touch "$COMPILE_STARTED"; n=0
+  while [ ! -e "$COMPILE_GO" ] && [ $n -lt 1200 ]; do sleep 0.1; n=$((n+1)); done;; esac
 exec {cxx} "$@"
 """
 
@@ -79,6 +81,7 @@ def build(tmp_path):
     try:
         yield build
     finally:
+        build.go.touch()  # a held compile left by a killed loader (in ninja's own process group) ends too
         for proc in procs:  # each with what it started (ninja, the compiler)
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
