@@ -75,61 +75,56 @@ class TemplateWorker:
             log.error("worker %d did not exit %.0f s after SIGKILL", self.proc.pid, EXIT_TIMEOUT_S)
 
 
-class TemplatePool:
-    """Renders a request's chat template in a worker, within `timeout_s` (and the time to get a worker)."""
+class WorkerPool:
+    """A few long-lived workers (`python -m module args...`), each doing one job at a time: a job that runs past
+    its time bound, whose worker dies, or whose caller is cancelled (its client left) costs its worker a SIGKILL
+    and the pool a new worker. Workers start as jobs need them, up to `size` (TemplatePool starts them all at
+    once); a caller waits at most `wait_s` for one to free up, then gets a 503."""
 
-    def __init__(self, timeout_s: float, max_chars: int, size: int | None = None):
-        self.timeout_s, self.max_chars, self.size = timeout_s, max_chars, size or pool_size()
-        # a reply is JSON text of at most max_chars characters, each at most 12 bytes escaped
-        self._max_reply_bytes = 12 * max_chars + 2**20
+    what = "worker"  # (log lines and the 503 name the pool's workers)
+
+    def __init__(self, size: int, module: str, args: tuple[str, ...] = (), max_reply_bytes: int = 1 << 20,
+                 wait_s: float = START_TIMEOUT_S):
+        self.size, self.module, self.args, self.wait_s = size, module, args, wait_s
+        self._max_reply_bytes = max_reply_bytes
         self._idle: asyncio.Queue[TemplateWorker] = asyncio.Queue()
         self._workers: set[TemplateWorker] = set()
         self._starting: set[asyncio.Task] = set()
         self._dying: set[TemplateWorker] = set()  # killed, not yet reaped
 
-    async def start(self) -> None:
-        await asyncio.gather(*(self._spawn() for _ in range(self.size)))
-        log.info("%d chat template worker(s) for requests' own templates (pids %s; %s s each)", self.size,
-                 ", ".join(str(p) for p in self.pids()), self.timeout_s)
-
     def pids(self) -> list[int]:
         return sorted(w.proc.pid for w in self._workers)
 
-    async def render(self, job: dict) -> str:
-        """The rendered text; 400 naming chat_template past the time bound or the size bound, 503 when no
-        worker frees up in time. A caller that is cancelled (its client left) kills the worker."""
+    async def _run(self, job: dict, timeout_s: float) -> dict:
+        """A worker's reply to `job`; raises asyncio.TimeoutError past `timeout_s`, ConnectionError or ValueError
+        when the worker dies (a CPU or memory limit) or breaks the protocol, APIError 503 when none frees up."""
         worker = await self._acquire()
-        job = {**job, "max_chars": self.max_chars, "cpu_seconds": 2 * self.timeout_s}
         done = False
         try:
-            reply = await asyncio.wait_for(worker.ask(job), self.timeout_s)
+            reply = await asyncio.wait_for(worker.ask(job), timeout_s)
             done = True
+            return reply
         except asyncio.TimeoutError:
-            log.warning("a request's chat template ran past %s s: chat template worker %d killed", self.timeout_s,
-                        worker.proc.pid)
-            raise bad_request(f"'chat_template' took more than {self.timeout_s:g} s to render (the router's "
-                              f"{TIMEOUT_FLAG}): stopped", "chat_template") from None
-        except asyncio.CancelledError:
-            log.info("a request's client left while its chat template rendered: chat template worker %d killed",
-                     worker.proc.pid)
+            log.warning("a job ran past %s s: %s %d killed", timeout_s, self.what, worker.proc.pid)
             raise
-        except (ConnectionError, ValueError) as err:  # it died (a CPU limit) or broke the protocol
-            log.warning("chat template worker %d failed: %s", worker.proc.pid, err)
-            raise bad_request("'chat_template' could not be rendered: its worker process stopped (a CPU or memory "
-                              "limit)", "chat_template") from None
+        except asyncio.CancelledError:
+            log.info("a job's client left: %s %d killed", self.what, worker.proc.pid)
+            raise
+        except (ConnectionError, ValueError) as err:
+            log.warning("%s %d failed: %s", self.what, worker.proc.pid, err)
+            raise
         finally:
             if done:
                 self._idle.put_nowait(worker)
-            else:  # timed out, died, or its client left (cancelled): the render is stopped with its process
+            else:  # timed out, died, or its client left (cancelled): the job is stopped with its process
                 self._replace(worker)
-        return _text(reply, self.max_chars)
 
     async def _acquire(self) -> TemplateWorker:
-        if len(self._workers) + len(self._starting) < self.size:  # a start failed before: try again
-            self._spawn_later()
+        if self._idle.empty() and len(self._workers) + len(self._starting) < self.size:
+            self._spawn_later()  # (the first jobs, or a start that failed before)
         getter = asyncio.ensure_future(self._idle.get())
         try:
-            await asyncio.wait({getter}, timeout=self.timeout_s)
+            await asyncio.wait({getter}, timeout=self.wait_s)
         except asyncio.CancelledError:  # its client left while it waited: a worker it got goes back
             if getter.done() and not getter.cancelled():
                 self._idle.put_nowait(getter.result())
@@ -138,8 +133,8 @@ class TemplatePool:
         if getter.done():
             return getter.result()
         getter.cancel()
-        log.warning("no chat template worker free within %s s (%d busy or starting)", self.timeout_s, self.size)
-        raise APIError(503, f"all {self.size} chat template workers are busy; try again shortly", retry_after=1)
+        log.warning("no %s free within %s s (%d busy or starting)", self.what, self.wait_s, self.size)
+        raise APIError(503, f"all {self.size} {self.what}s are busy; try again shortly", retry_after=1)
 
     def _replace(self, worker: TemplateWorker) -> None:
         self._workers.discard(worker)
@@ -159,11 +154,11 @@ class TemplatePool:
             self._dying.discard(old)
         try:
             await self._spawn()
-        except Exception as err:  # logged; the next render tries again (and answers 503 meanwhile)
-            log.error("could not start a chat template worker: %s", err)
+        except Exception as err:  # logged; the next job tries again (and answers 503 meanwhile)
+            log.error("could not start a %s: %s", self.what, err)
 
     async def _spawn(self) -> None:
-        worker = await TemplateWorker.start(self._max_reply_bytes)
+        worker = await TemplateWorker.start(self._max_reply_bytes, self.module, *self.args)
         self._workers.add(worker)
         self._idle.put_nowait(worker)
 
@@ -176,6 +171,37 @@ class TemplatePool:
             if worker.proc.stdin is not None:
                 worker.proc.stdin.close()
         await asyncio.gather(*(w.stop() for w in workers))
+
+
+class TemplatePool(WorkerPool):
+    """Renders a request's chat template in a worker, within `timeout_s` (and the time to get a worker)."""
+
+    what = "chat template worker"
+
+    def __init__(self, timeout_s: float, max_chars: int, size: int | None = None):
+        # a reply is JSON text of at most max_chars characters, each at most 12 bytes escaped
+        super().__init__(size or pool_size(), "router.template_process", max_reply_bytes=12 * max_chars + 2**20,
+                         wait_s=timeout_s)
+        self.timeout_s, self.max_chars = timeout_s, max_chars
+
+    async def start(self) -> None:
+        await asyncio.gather(*(self._spawn() for _ in range(self.size)))
+        log.info("%d chat template worker(s) for requests' own templates (pids %s; %s s each)", self.size,
+                 ", ".join(str(p) for p in self.pids()), self.timeout_s)
+
+    async def render(self, job: dict) -> str:
+        """The rendered text; 400 naming chat_template past the time bound or the size bound, 503 when no
+        worker frees up in time. A caller that is cancelled (its client left) kills the worker."""
+        job = {**job, "max_chars": self.max_chars, "cpu_seconds": 2 * self.timeout_s}
+        try:
+            reply = await self._run(job, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise bad_request(f"'chat_template' took more than {self.timeout_s:g} s to render (the router's "
+                              f"{TIMEOUT_FLAG}): stopped", "chat_template") from None
+        except (ConnectionError, ValueError):
+            raise bad_request("'chat_template' could not be rendered: its worker process stopped (a CPU or memory "
+                              "limit)", "chat_template") from None
+        return _text(reply, self.max_chars)
 
 
 def _text(reply: dict, max_chars: int) -> str:
