@@ -109,10 +109,11 @@ def epoch_to_pb(spec: EpochSpec) -> stage_pb2.JoinPipelineRequest:
         epoch=spec.epoch, store_host=spec.store_host, store_port=spec.store_port, world_size=spec.world_size,
         rank_offset=spec.rank_offset, tp_sizes=spec.tp_sizes, num_kv_blocks=spec.num_kv_blocks,
         max_model_len=spec.max_model_len, max_num_batched_tokens=spec.max_num_batched_tokens,
-        next_stage_address=spec.next_stage_address, first_stage_address=spec.first_stage_address)
+        next_stage_address=spec.next_stage_address, first_stage_address=spec.first_stage_address,
+        num_host_kv_blocks=spec.num_host_kv_blocks)
 
 
 def epoch_from_pb(msg: stage_pb2.JoinPipelineRequest) -> EpochSpec:
     return EpochSpec(msg.epoch, msg.store_host, msg.store_port, msg.world_size, msg.rank_offset, tuple(msg.tp_sizes),
                      msg.num_kv_blocks, msg.max_model_len, msg.max_num_batched_tokens, msg.next_stage_address,
-                     msg.first_stage_address)
+                     msg.first_stage_address, msg.num_host_kv_blocks)

@@ -95,6 +95,8 @@ class StageDescription(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
     SPECULATIVE_MODEL_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    KV_BYTES_PER_BLOCK_FIELD_NUMBER: _builtins.int
+    KV_DISK_TIER_FIELD_NUMBER: _builtins.int
     stage_index: _builtins.int
     layer_start: _builtins.int
     """Layers [layer_start, layer_end)."""
@@ -137,6 +139,14 @@ class StageDescription(_message.Message):
     the stage leaves once none is left (RegisterStageResponse) or its
     --shutdown-timeout ends. A new instance at its index ends the drain.
     """
+    kv_bytes_per_block: _builtins.int
+    """Bytes of one KV block for this stage's layers, summed over its TP ranks
+    (a draft model's blocks included): the scheduler sizes the host and disk
+    tiers by it (--kv-offloading-size and --kv-offloading-disk-size are for
+    the whole replica).
+    """
+    kv_disk_tier: _builtins.bool
+    """Started with --kv-offloading-disk-path: this stage has a disk tier."""
     @_builtins.property
     def model(self) -> Global___ModelIdentity: ...
     def __init__(
@@ -160,10 +170,12 @@ class StageDescription(_message.Message):
         num_speculative_tokens: _builtins.int = ...,
         speculative_model: _builtins.str = ...,
         draining: _builtins.bool = ...,
+        kv_bytes_per_block: _builtins.int = ...,
+        kv_disk_tier: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "draining", b"draining", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "instance_id", b"instance_id", "layer_end", b"layer_end", "layer_start", b"layer_start", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "num_speculative_tokens", b"num_speculative_tokens", "speculative_model", b"speculative_model", "stage_index", b"stage_index", "standby", b"standby", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "draining", b"draining", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "instance_id", b"instance_id", "kv_bytes_per_block", b"kv_bytes_per_block", "kv_disk_tier", b"kv_disk_tier", "layer_end", b"layer_end", "layer_start", b"layer_start", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "num_speculative_tokens", b"num_speculative_tokens", "speculative_model", b"speculative_model", "stage_index", b"stage_index", "standby", b"standby", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -184,6 +196,7 @@ class JoinPipelineRequest(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _builtins.int
     FIRST_STAGE_ADDRESS_FIELD_NUMBER: _builtins.int
+    NUM_HOST_KV_BLOCKS_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     store_host: _builtins.str
     """The torch.distributed store the scheduler hosts."""
@@ -203,6 +216,10 @@ class JoinPipelineRequest(_message.Message):
     """host:port of the first stage, on the last stage of a pipeline of several with the grpc handoff:
     the tokens a step scheduled ahead needs go back there (stage_worker/run_ahead.py).
     """
+    num_host_kv_blocks: _builtins.int
+    """KV tiers: slots of the host tier (each holds one block of this stage's
+    layers, on every TP rank); 0: no host tier.
+    """
     @_builtins.property
     def tp_sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """TP size of every stage, in stage order (TP groups are formed from them)."""
@@ -221,10 +238,11 @@ class JoinPipelineRequest(_message.Message):
         max_model_len: _builtins.int = ...,
         max_num_batched_tokens: _builtins.int = ...,
         first_stage_address: _builtins.str = ...,
+        num_host_kv_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_stage_address", b"first_stage_address", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "next_stage_address", b"next_stage_address", "num_kv_blocks", b"num_kv_blocks", "rank_offset", b"rank_offset", "store_host", b"store_host", "store_port", b"store_port", "tp_sizes", b"tp_sizes", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_stage_address", b"first_stage_address", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "next_stage_address", b"next_stage_address", "num_host_kv_blocks", b"num_host_kv_blocks", "num_kv_blocks", b"num_kv_blocks", "rank_offset", b"rank_offset", "store_host", b"store_host", "store_port", b"store_port", "tp_sizes", b"tp_sizes", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -234,12 +252,22 @@ Global___JoinPipelineRequest: _TypeAlias = JoinPipelineRequest  # noqa: Y015
 class JoinPipelineResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    DISK_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def disk_block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The disk tier's blocks for this model and layout that every TP rank of
+        the stage holds now (their chain hashes), least recently written first;
+        empty without a disk tier. A restarted stage serves them at once.
+        """
+
     def __init__(
         self,
+        *,
+        disk_block_hashes: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["disk_block_hashes", b"disk_block_hashes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -777,3 +805,132 @@ class PullKVResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PullKVResponse: _TypeAlias = PullKVResponse  # noqa: Y015
+
+@_typing.final
+class StoreKVRequest(_message.Message):
+    """KV tiers: device block block_ids[i] (chain hash block_hashes[i]) is copied
+    into host slot host_slots[i]; those with to_disk[i] are then written to the
+    disk tier too (in the background: a write that fails is a later miss).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    HOST_SLOTS_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    TO_DISK_FIELD_NUMBER: _builtins.int
+    DISK_EVICTIONS_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def host_slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def to_disk(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]: ...
+    @_builtins.property
+    def disk_evictions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Blocks the scheduler evicted from the disk tier: their files are deleted."""
+
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        host_slots: _abc.Iterable[_builtins.int] | None = ...,
+        block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+        to_disk: _abc.Iterable[_builtins.bool] | None = ...,
+        disk_evictions: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_ids", b"block_ids", "disk_evictions", b"disk_evictions", "epoch", b"epoch", "host_slots", b"host_slots", "to_disk", b"to_disk"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoreKVRequest: _TypeAlias = StoreKVRequest  # noqa: Y015
+
+@_typing.final
+class StoreKVResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoreKVResponse: _TypeAlias = StoreKVResponse  # noqa: Y015
+
+@_typing.final
+class LoadKVRequest(_message.Message):
+    """KV tiers: device block block_ids[i] gets the KV of chain hash
+    block_hashes[i], from host slot host_slots[i], or from the disk tier when
+    host_slots[i] is -1.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    HOST_SLOTS_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def host_slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        host_slots: _abc.Iterable[_builtins.int] | None = ...,
+        block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_ids", b"block_ids", "epoch", b"epoch", "host_slots", b"host_slots"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadKVRequest: _TypeAlias = LoadKVRequest  # noqa: Y015
+
+@_typing.final
+class LoadKVResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOADED_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    bytes: _builtins.int
+    """KV bytes this stage's rank 0 read from its tiers"""
+    seconds: _builtins.float
+    @_builtins.property
+    def loaded(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """One per block: loaded on every TP rank of the stage. False: the host slot
+        holds another block, or the disk file is missing, truncated, corrupt or
+        written for another model or layout (logged; the block is computed).
+        """
+
+    def __init__(
+        self,
+        *,
+        loaded: _abc.Iterable[_builtins.bool] | None = ...,
+        bytes: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "loaded", b"loaded", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadKVResponse: _TypeAlias = LoadKVResponse  # noqa: Y015

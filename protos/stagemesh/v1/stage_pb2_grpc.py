@@ -64,6 +64,16 @@ class StageStub:
                 request_serializer=stagemesh_dot_v1_dot_stage__pb2.PullKVRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_stage__pb2.PullKVResponse.FromString,
                 _registered_method=True)
+        self.StoreKV = channel.unary_unary(
+                '/stagemesh.v1.Stage/StoreKV',
+                request_serializer=stagemesh_dot_v1_dot_stage__pb2.StoreKVRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_stage__pb2.StoreKVResponse.FromString,
+                _registered_method=True)
+        self.LoadKV = channel.unary_unary(
+                '/stagemesh.v1.Stage/LoadKV',
+                request_serializer=stagemesh_dot_v1_dot_stage__pb2.LoadKVRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_stage__pb2.LoadKVResponse.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -116,6 +126,26 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StoreKV(self, request, context):
+        """KV tiers (docs/kv-tiers.md): copy blocks of the KV cache into the
+        stage's host tier (and on into its disk tier), on every TP rank, each
+        its own shard. Runs between steps; the scheduler keeps the blocks
+        unused until the call has returned.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadKV(self, request, context):
+        """KV tiers: fill blocks of the KV cache from the host or the disk tier.
+        Files are read outside the step loop; only the copy into the cache runs
+        between steps. A block that cannot be loaded is reported, never filled
+        with anything but its own KV.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +178,16 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.PullKV,
                     request_deserializer=stagemesh_dot_v1_dot_stage__pb2.PullKVRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_stage__pb2.PullKVResponse.SerializeToString,
+            ),
+            'StoreKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.StoreKV,
+                    request_deserializer=stagemesh_dot_v1_dot_stage__pb2.StoreKVRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_stage__pb2.StoreKVResponse.SerializeToString,
+            ),
+            'LoadKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadKV,
+                    request_deserializer=stagemesh_dot_v1_dot_stage__pb2.LoadKVRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_stage__pb2.LoadKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -312,6 +352,60 @@ class Stage:
             '/stagemesh.v1.Stage/PullKV',
             stagemesh_dot_v1_dot_stage__pb2.PullKVRequest.SerializeToString,
             stagemesh_dot_v1_dot_stage__pb2.PullKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.Stage/StoreKV',
+            stagemesh_dot_v1_dot_stage__pb2.StoreKVRequest.SerializeToString,
+            stagemesh_dot_v1_dot_stage__pb2.StoreKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.Stage/LoadKV',
+            stagemesh_dot_v1_dot_stage__pb2.LoadKVRequest.SerializeToString,
+            stagemesh_dot_v1_dot_stage__pb2.LoadKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

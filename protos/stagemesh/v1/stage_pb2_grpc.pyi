@@ -54,6 +54,18 @@ class StageStub:
     stage's layers from the prefill replica's stages that hold them (ReadKV)
     and write it into these blocks of this stage's cache.
     """
+    StoreKV: _grpc.UnaryUnaryMultiCallable[_stage_pb2.StoreKVRequest, _stage_pb2.StoreKVResponse]
+    """KV tiers (docs/kv-tiers.md): copy blocks of the KV cache into the
+    stage's host tier (and on into its disk tier), on every TP rank, each
+    its own shard. Runs between steps; the scheduler keeps the blocks
+    unused until the call has returned.
+    """
+    LoadKV: _grpc.UnaryUnaryMultiCallable[_stage_pb2.LoadKVRequest, _stage_pb2.LoadKVResponse]
+    """KV tiers: fill blocks of the KV cache from the host or the disk tier.
+    Files are read outside the step loop; only the copy into the cache runs
+    between steps. A block that cannot be loaded is reported, never filled
+    with anything but its own KV.
+    """
 
 @_typing.type_check_only
 class StageAsyncStub(StageStub):
@@ -77,6 +89,18 @@ class StageAsyncStub(StageStub):
     """Disaggregated prefill, decode side: read these blocks' KV for this
     stage's layers from the prefill replica's stages that hold them (ReadKV)
     and write it into these blocks of this stage's cache.
+    """
+    StoreKV: _aio.UnaryUnaryMultiCallable[_stage_pb2.StoreKVRequest, _stage_pb2.StoreKVResponse]  # type: ignore[assignment]
+    """KV tiers (docs/kv-tiers.md): copy blocks of the KV cache into the
+    stage's host tier (and on into its disk tier), on every TP rank, each
+    its own shard. Runs between steps; the scheduler keeps the blocks
+    unused until the call has returned.
+    """
+    LoadKV: _aio.UnaryUnaryMultiCallable[_stage_pb2.LoadKVRequest, _stage_pb2.LoadKVResponse]  # type: ignore[assignment]
+    """KV tiers: fill blocks of the KV cache from the host or the disk tier.
+    Files are read outside the step loop; only the copy into the cache runs
+    between steps. A block that cannot be loaded is reported, never filled
+    with anything but its own KV.
     """
 
 class StageServicer(metaclass=_abc_1.ABCMeta):
@@ -134,6 +158,30 @@ class StageServicer(metaclass=_abc_1.ABCMeta):
         """Disaggregated prefill, decode side: read these blocks' KV for this
         stage's layers from the prefill replica's stages that hold them (ReadKV)
         and write it into these blocks of this stage's cache.
+        """
+
+    @_abc_1.abstractmethod
+    def StoreKV(
+        self,
+        request: _stage_pb2.StoreKVRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.StoreKVResponse, _abc.Awaitable[_stage_pb2.StoreKVResponse]]:
+        """KV tiers (docs/kv-tiers.md): copy blocks of the KV cache into the
+        stage's host tier (and on into its disk tier), on every TP rank, each
+        its own shard. Runs between steps; the scheduler keeps the blocks
+        unused until the call has returned.
+        """
+
+    @_abc_1.abstractmethod
+    def LoadKV(
+        self,
+        request: _stage_pb2.LoadKVRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.LoadKVResponse, _abc.Awaitable[_stage_pb2.LoadKVResponse]]:
+        """KV tiers: fill blocks of the KV cache from the host or the disk tier.
+        Files are read outside the step loop; only the copy into the cache runs
+        between steps. A block that cannot be loaded is reported, never filled
+        with anything but its own KV.
         """
 
 def add_StageServicer_to_server(servicer: StageServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
