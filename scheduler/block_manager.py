@@ -12,6 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from scheduler.kv_events import BlockRemoved, BlockStored, KVEvent
+from scheduler.tiers import KVTiers
 from stagemesh.core.block_hash import chain_hash
 
 
@@ -34,6 +35,7 @@ class BlockManager:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.events: list[KVEvent] | None = None  # recorded only while someone listens
+        self.tiers: KVTiers | None = None  # the host and disk tiers below the pool (scheduler.tiers)
 
     # -- KV events ------------------------------------------------------------------
     def start_events(self) -> None:
@@ -49,6 +51,23 @@ class BlockManager:
 
     def cached_hashes(self) -> list[int]:
         return list(self.cached)
+
+    def snapshot_hashes(self) -> list[tuple[str, list[int]]]:
+        """(medium, hashes) of every tier: the pool's cached blocks, then the host and disk tiers'."""
+        return [("device", list(self.cached)), *(self.tiers.snapshot() if self.tiers is not None else ())]
+
+    # -- pins: a block being copied to a tier is not handed out meanwhile -----------------------------
+    def pin(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def unpin(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
 
     @property
     def num_blocks(self) -> int:
@@ -139,6 +158,8 @@ class BlockManager:
                 block.block_hash = block_hash
                 self.cached[block_hash] = block.block_id
                 stored.append(i)
+                if self.tiers is not None:
+                    self.tiers.offer(block.block_id, block_hash)
         if stored and self.events is not None:  # one event per run of consecutive blocks, as vLLM sends them
             for run in _runs(stored):
                 self.events.append(BlockStored([hashes[i] for i in run], hashes[run[0] - 1] if run[0] else None,

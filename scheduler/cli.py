@@ -67,8 +67,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a streamed request whose router went away (died, or stopped) keeps running this long, its "
                         "output kept, for another router to resume it (a client's Last-Event-ID, or "
                         "stagemesh.client by itself); then it is aborted and its KV freed. 0: abort at once")
+    add_kv_tier_arguments(p)
     p.add_argument("--port-file", default=None, help="write the bound port here (for supervisors)")
     add_service_arguments(p)
+
+
+def add_kv_tier_arguments(p: argparse.ArgumentParser) -> None:
+    """The KV tiers' sizes (docs/kv-tiers.md), the scheduler's and `stagemesh serve`'s."""
+    p.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB",
+                   help="KV tiers (vLLM's flag): host memory for KV blocks below the KV cache, in GiB for the whole "
+                        "replica (every stage and TP rank together); a prefix evicted from the KV cache, or cached "
+                        "before a new epoch, is loaded back from it instead of computed")
+    p.add_argument("--kv-offloading-backend", default=None, choices=("native", "lmcache"),
+                   help="KV tiers (vLLM's flag): native, the built-in host and disk tiers (the default); lmcache is "
+                        "refused (not built in)")
+    p.add_argument("--kv-offloading-disk-size", type=float, default=None, metavar="GiB",
+                   help="KV tiers: disk for KV blocks below the host tier, in GiB for the whole replica, in the "
+                        "stages' --kv-offloading-disk-path directories; it outlives the processes, so a restarted "
+                        "replica serves the prefixes it cached before (needs --kv-offloading-size)")
+
+
+def kv_tier_bytes(args: argparse.Namespace) -> tuple[int, int]:
+    """(host, disk) bytes of the KV tiers from the flags, checked."""
+    if args.kv_offloading_backend == "lmcache":
+        raise StagemeshError("--kv-offloading-backend lmcache: LMCache is not built into stagemesh; use the built-in "
+                             "tiers (--kv-offloading-backend native, the default)")
+    sizes = []
+    for flag, value in (("--kv-offloading-size", args.kv_offloading_size),
+                        ("--kv-offloading-disk-size", args.kv_offloading_disk_size)):
+        if value is not None and not 0 <= value < 2**40:
+            raise StagemeshError(f"{flag} takes GiB >= 0, got {value}")
+        sizes.append(int((value or 0) * 2**30))
+    if sizes[1] and not sizes[0]:
+        raise StagemeshError("--kv-offloading-disk-size needs --kv-offloading-size: blocks reach the disk tier "
+                             "through the host tier")
+    if args.kv_offloading_backend == "native" and not sizes[0]:
+        raise StagemeshError("--kv-offloading-backend native needs --kv-offloading-size (vLLM's rule)")
+    return sizes[0], sizes[1]
 
 
 def _check_kv_peers(peers: list[str], kv_role: str) -> None:
@@ -116,6 +151,10 @@ async def _main(args: argparse.Namespace) -> int:
     if not args.kv_hold_timeout > 0:
         raise StagemeshError("--kv-hold-timeout must be > 0")
     _check_kv_peers(args.kv_peer, args.kv_role)
+    tier_host, tier_disk = kv_tier_bytes(args)
+    if tier_host and not args.enable_prefix_caching:
+        raise StagemeshError("--kv-offloading-size needs prefix caching: the KV tiers hold prefix-cache blocks "
+                             "(drop --no-enable-prefix-caching)")
     shutdown = Shutdown(args.shutdown_timeout, log, "scheduler")
     shutdown.install_async()
     advertise = args.advertise_host or args.host
@@ -134,7 +173,8 @@ async def _main(args: argparse.Namespace) -> int:
                         scheduling_policy=args.scheduling_policy, kv_hold_timeout_s=args.kv_hold_timeout,
                         speculative=spec),
         model_max_len=cfg.max_position_embeddings, async_scheduling=args.async_scheduling,
-        stage_recovery_timeout_s=args.stage_recovery_timeout, max_request_retries=args.max_request_retries),
+        stage_recovery_timeout_s=args.stage_recovery_timeout, max_request_retries=args.max_request_retries,
+        kv_offloading_bytes=tier_host, kv_offloading_disk_bytes=tier_disk),
         GrpcPipeline(rendezvous, advertise, store.port, replace(DEADLINES, forward_s=args.forward_timeout)))
     name = args.served_model_name or source.name
     servicer = SchedulerServicer(driver, name, str(model_dir), cfg.vocab_size, args.kv_role,

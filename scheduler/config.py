@@ -15,6 +15,9 @@ from stagemesh.core.speculative import ASYNC_WITH_SPECULATION, SpeculativeConfig
 @dataclass(frozen=True)
 class SchedulerConfig:
     num_kv_blocks: int = 0  # 0: decided when the pipeline forms
+    # the KV tiers' blocks (scheduler.tiers), decided when the pipeline forms from DriverConfig's sizes
+    num_host_kv_blocks: int = 0
+    num_disk_kv_blocks: int = 0
     max_model_len: int | None = None  # None: the model's, capped by the KV cache, when the pipeline forms
     block_size: int = 16
     max_num_seqs: int = 256
@@ -60,6 +63,10 @@ class DriverConfig:
     stage_recovery_timeout_s: float = 30.0  # how long requests are kept for a pipeline to re-form (0: fail at once)
     max_request_retries: int = 3  # pipelines that may break under a request before it fails
     async_scheduling: bool | None = None  # None: on when every stage computes on a GPU (EpochManager._start)
+    # KV tiers (docs/kv-tiers.md), bytes for the whole replica (every stage and TP rank): vLLM's
+    # --kv-offloading-size (host memory) and stagemesh's --kv-offloading-disk-size; 0: none
+    kv_offloading_bytes: int = 0
+    kv_offloading_disk_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.async_scheduling and self.scheduler.speculative is not None:

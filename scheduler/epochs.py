@@ -25,6 +25,7 @@ from scheduler.pipeline import Pipeline, StageFailure
 from scheduler.rendezvous import PipelinePlan, StageInfo
 from scheduler.request import RequestOutput
 from scheduler.scheduler import Scheduler
+from scheduler.tiers import tier_blocks
 
 log = logging.getLogger("stagemesh.scheduler")
 
@@ -119,6 +120,9 @@ class EpochManager:
             max_len = self._max_model_len(plan)
             if max_len is None:
                 return
+            plan = self._size_tiers(plan)
+            if plan is None:
+                return
             epoch = self.epoch = self.epoch + 1
             try:
                 await self.pipeline.join(epoch, plan, max_len, self.cfg.scheduler.max_num_batched_tokens)
@@ -145,6 +149,39 @@ class EpochManager:
         log.error("%s", self.reason)
         return None
 
+    def _size_tiers(self, plan: PipelinePlan) -> PipelinePlan | None:
+        """The plan with its KV tiers' blocks (scheduler.tiers): --kv-offloading-size and
+        --kv-offloading-disk-size over every stage's block; None (the configuration refused) when the stages
+        cannot have them."""
+        host, disk = self.cfg.kv_offloading_bytes, self.cfg.kv_offloading_disk_bytes
+        if not host and not disk:
+            return plan
+        per_block = sum(s.kv_bytes_per_block for s in plan.stages)
+        refusal = ""
+        if not self.cfg.scheduler.enable_prefix_caching:
+            refusal = "the KV tiers hold prefix-cache blocks: --kv-offloading-size needs --enable-prefix-caching"
+        elif disk and not host:
+            refusal = "--kv-offloading-disk-size needs --kv-offloading-size: blocks reach the disk tier through the host tier"
+        elif any(not s.kv_bytes_per_block for s in plan.stages):
+            refusal = "a stage did not report the size of its KV blocks (an older stagemesh): no KV tiers"
+        elif disk and not all(s.kv_disk_tier for s in plan.stages):
+            missing = next(s for s in plan.stages if not s.kv_disk_tier)
+            refusal = (f"--kv-offloading-disk-size needs a disk tier on every stage; {missing.name} was started "
+                       "without --kv-offloading-disk-path")
+        elif not tier_blocks(host or disk, per_block) or (host and disk and not tier_blocks(disk, per_block)):
+            refusal = (f"--kv-offloading-size / --kv-offloading-disk-size hold no KV block of {per_block:,} bytes "
+                       "(every stage's layers and TP ranks together)")
+        if refusal:
+            if self.plan is None:
+                self.reason = self.refusal = refusal
+                self.refused.set()
+            else:
+                self.reason = refusal
+                log.error("%s", refusal)
+            return None
+        return replace(plan, num_host_kv_blocks=tier_blocks(host, per_block),
+                       num_disk_kv_blocks=tier_blocks(disk, per_block))
+
     def _start(self, plan: PipelinePlan, max_len: int) -> None:
         # CPU stages use every core for the model; overlapping the scheduler, router and client work with
         # it was measured slower there (benchmarks/RESULTS.md, 2026-11-23 async scheduling), so on CPU it
@@ -154,9 +191,11 @@ class EpochManager:
             async_scheduling = all(s.device.startswith("cuda") for s in plan.stages) and \
                 self.cfg.scheduler.speculative is None
         block_size = self.pipeline.block_size
+        disk_hashes = getattr(self.pipeline, "disk_block_hashes", ())  # what the disk tier kept from before
         kept, self.scheduler = self.scheduler, Scheduler(replace(
             self.cfg.scheduler, num_kv_blocks=plan.num_kv_blocks, max_model_len=max_len, block_size=block_size,
-            async_scheduling=async_scheduling))
+            async_scheduling=async_scheduling, num_host_kv_blocks=plan.num_host_kv_blocks,
+            num_disk_kv_blocks=plan.num_disk_kv_blocks), disk_hashes)
         if self._recovery is not None:
             self._recovery.cancel()
             self._recovery = None
@@ -170,6 +209,11 @@ class EpochManager:
         kv_tokens = plan.num_kv_blocks * block_size
         log.info("KV cache size: %s tokens", f"{kv_tokens:,}")
         log.info("Maximum concurrency for %s tokens per request: %.2fx", f"{max_len:,}", kv_tokens / max_len)
+        if plan.num_host_kv_blocks or plan.num_disk_kv_blocks:
+            log.info("KV tiers: host %s tokens (%d blocks), disk %s tokens (%d blocks, %d held from before)",
+                     f"{plan.num_host_kv_blocks * block_size:,}", plan.num_host_kv_blocks,
+                     f"{plan.num_disk_kv_blocks * block_size:,}", plan.num_disk_kv_blocks,
+                     min(len(disk_hashes), plan.num_disk_kv_blocks))
         self.healthy, self.reason = True, ""
         spec = self.cfg.scheduler.speculative
         log.info("pipeline formed (epoch %d): %d stage(s), world size %d%s%s", self.epoch, len(plan.stages),

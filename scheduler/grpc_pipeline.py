@@ -38,6 +38,7 @@ class GrpcPipeline:
         self.store_host, self.store_port = store_host, store_port
         self.deadlines = deadlines
         self.plan: PipelinePlan | None = None  # of the epoch joined last
+        self.disk_block_hashes: list[int] = []  # the disk tier's blocks every stage held when it joined
         self._channels: dict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = {}
         self._tasks: set[asyncio.Task] = set()  # channels closing later, referenced until done
 
@@ -76,19 +77,23 @@ class GrpcPipeline:
         for failed in await asyncio.gather(*[self._probe(s, wait=True) for s in plan.stages]):
             if failed is not None:
                 raise failed
-        await asyncio.gather(*[self._join(plan, i, epoch, max_model_len, max_num_batched_tokens)
-                               for i in range(len(plan.stages))])
+        replies = await asyncio.gather(*[self._join(plan, i, epoch, max_model_len, max_num_batched_tokens)
+                                         for i in range(len(plan.stages))])
+        # the disk tier's blocks that every stage holds (a restart on the same directories), oldest first
+        held = set.intersection(*(set(r.disk_block_hashes) for r in replies)) if replies else set()
+        self.disk_block_hashes = [h for h in replies[0].disk_block_hashes if h in held] if replies else []
         self.plan = plan
 
     async def _join(self, plan: PipelinePlan, index: int, epoch: int, max_model_len: int,
-                    max_num_batched_tokens: int) -> None:
+                    max_num_batched_tokens: int) -> stage_pb2.JoinPipelineResponse:
         stage = plan.stages[index]
         spec = EpochSpec(
             epoch, self.store_host, self.store_port, plan.world_size, plan.rank_offsets[index], tuple(plan.tp_sizes),
             plan.num_kv_blocks, max_model_len, max_num_batched_tokens,
             next_stage_address=plan.stages[index + 1].address if index + 1 < len(plan.stages) else "",
-            first_stage_address=plan.stages[0].address if 0 < index == len(plan.stages) - 1 else "")
-        await _answer(stage, self._stub(stage).JoinPipeline(epoch_to_pb(spec), timeout=self.deadlines.join_s))
+            first_stage_address=plan.stages[0].address if 0 < index == len(plan.stages) - 1 else "",
+            num_host_kv_blocks=plan.num_host_kv_blocks)
+        return await _answer(stage, self._stub(stage).JoinPipeline(epoch_to_pb(spec), timeout=self.deadlines.join_s))
 
     # -- steps ---------------------------------------------------------------------------
     def forward(self, epoch: int, batch: StepBatch, span: trace.Span | None, trace_links: list[str]):
@@ -126,6 +131,28 @@ class GrpcPipeline:
                  for stage in self.plan.stages]
         replies = await asyncio.gather(*[_answer(stage, call) for stage, call in calls])
         return sum(r.bytes for r in replies)
+
+    # -- KV tiers ---------------------------------------------------------------------------
+    async def store_kv(self, epoch: int, job) -> None:
+        """Every stage copies the job's blocks into its host tier (and on to disk): scheduler.tiers.StoreJob."""
+        request = stage_pb2.StoreKVRequest(epoch=epoch, block_ids=job.block_ids, host_slots=job.host_slots,
+                                           block_hashes=job.hashes, to_disk=job.to_disk,
+                                           disk_evictions=job.disk_evictions)
+        await asyncio.gather(*[_answer(stage, self._stub(stage).StoreKV(request, timeout=self.deadlines.kv_tier_s))
+                               for stage in self.plan.stages])
+
+    async def load_kv(self, epoch: int, job) -> list[bool]:
+        """Every stage fills the job's blocks from its tiers (scheduler.tiers.LoadJob); per block, whether every
+        stage did."""
+        request = stage_pb2.LoadKVRequest(epoch=epoch, block_ids=job.block_ids, host_slots=job.host_slots,
+                                          block_hashes=job.hashes)
+        replies = await asyncio.gather(*[_answer(stage, self._stub(stage).LoadKV(request,
+                                                                                  timeout=self.deadlines.kv_tier_s))
+                                         for stage in self.plan.stages])
+        n = len(job.block_ids)
+        if any(len(r.loaded) != n for r in replies):
+            raise StagemeshError(f"a stage answered a load of {n} KV blocks with another count")
+        return [all(r.loaded[i] for r in replies) for i in range(n)]
 
     async def release_kv(self, source) -> None:
         channel = aio_channel(source.scheduler_address)

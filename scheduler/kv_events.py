@@ -20,11 +20,13 @@ class BlockStored:
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int] = field(default_factory=list)  # the blocks' tokens (empty in a snapshot)
+    medium: str = "device"  # the tier now holding them: "device" (the KV pool), "host" or "disk"
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: list[int]
+    medium: str = "device"  # the tier they left (another may still hold them)
 
 
 @dataclass(frozen=True)

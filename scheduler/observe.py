@@ -53,6 +53,17 @@ KV_PULLS = Counter("stagemesh:kv_transfer_pulls", "Prompts whose KV was fetched 
                    "(outcome ok) or computed here after a failed fetch (outcome failed)", ["outcome"])
 KV_PULL_TIME = Histogram("stagemesh:kv_transfer_pull_seconds", "Fetching one prompt's KV from a prefill replica",
                          buckets=_LATENCY)
+KV_TIER_STORED = Counter("stagemesh:kv_tier_stored_blocks", "KV blocks copied into a KV tier (docs/kv-tiers.md)",
+                         ["tier"])
+KV_TIER_LOADED = Counter("stagemesh:kv_tier_loaded_blocks", "KV blocks loaded back from a KV tier instead of "
+                         "computed", ["tier"])
+KV_TIER_FAILED = Counter("stagemesh:kv_tier_failed_loads", "KV blocks a KV tier was to hold but that did not load "
+                         "(computed instead; a missing, truncated, corrupt or foreign disk file)", ["tier"])
+KV_TIER_BLOCKS = Gauge("stagemesh:kv_tier_blocks", "KV blocks a KV tier holds", ["tier"])
+KV_TIER_LOAD_TIME = Histogram("stagemesh:kv_tier_load_seconds", "Loading one request's blocks from the KV tiers",
+                              buckets=_ITL)
+KV_TIER_STORE_TIME = Histogram("stagemesh:kv_tier_store_seconds", "One StoreKV round through every stage",
+                               buckets=_ITL)
 STEP = Histogram("stagemesh:scheduler_step_seconds", "One micro-batch through every stage", buckets=_ITL)
 STEP_COMPUTE = Histogram("stagemesh:stage_compute_seconds", "Model time of one micro-batch, summed over stages",
                          buckets=_ITL)
@@ -206,6 +217,17 @@ class Observer:
                  out.request_id, reason, t.num_prompt, t.num_output, f"{ttft:.3f}s" if ttft is not None else "-",
                  now - t.arrival, extra={"fields": fields})
 
+    def kv_tier_stored(self, job, ok: bool, seconds: float) -> None:
+        if ok:
+            KV_TIER_STORED.labels("host").inc(len(job.block_ids))
+            KV_TIER_STORED.labels("disk").inc(sum(job.to_disk))
+        KV_TIER_STORE_TIME.observe(seconds)
+
+    def kv_tier_loaded(self, job, flags: list[bool], seconds: float) -> None:
+        for slot, ok in zip(job.host_slots, flags):
+            (KV_TIER_LOADED if ok else KV_TIER_FAILED).labels("disk" if slot < 0 else "host").inc()
+        KV_TIER_LOAD_TIME.observe(seconds)
+
     def kv_pulled(self, ok: bool, seconds: float) -> None:
         KV_PULLS.labels("ok" if ok else "failed").inc()
         if ok:
@@ -255,6 +277,8 @@ class Observer:
             self._prefix = (queries, hits)
             if stats.spec_decode is not None:
                 self._count_spec(stats.spec_decode)
+            for tier, n in stats.tier_blocks.items():
+                KV_TIER_BLOCKS.labels(tier).set(n)
 
     def _count_spec(self, now: SpecDecodeStats) -> None:
         before = self._spec

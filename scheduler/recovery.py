@@ -24,13 +24,15 @@ def requeue_all(s: Scheduler) -> list[Request]:
     (Scheduler.fail_all). Returns them."""
     for r in s.running:  # (a waiting one lost no work)
         r.num_recoveries += 1
-    requests = s.policy.order([*s.running, *s.waiting, *s.transfers.pending()])
+    loading = s.kv.tiers.pending() if s.kv.tiers is not None else []
+    requests = s.policy.order([*s.running, *s.waiting, *s.transfers.pending(), *loading])
     s.transfers = KVTransfers(s.config.kv_hold_timeout_s)  # held KV and pulls end with the cache
     for r in requests:
         r.status, r.seq_id = Status.WAITING, -1
         r.num_computed_tokens = r.in_flight = r.num_output_placeholders = 0
         r.spec_token_ids = []
         r.kv_source, r.kv_ready = None, False  # its prompt is computed again here
+        r.tiers_checked = False
     s.running, s.waiting = [], deque(requests)
     s._finished_seq_ids = []
     s.kv = BlockManager(s.config.num_kv_blocks, s.config.block_size, s.config.enable_prefix_caching)

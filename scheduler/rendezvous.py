@@ -41,6 +41,8 @@ class StageInfo:
     instance_id: str = ""  # new at every start of the stage process
     standby: bool = False  # may be kept as a spare for its index
     num_speculative_tokens: int = 0  # drafts its draft model proposes per step (the last stage's), 0: none
+    kv_bytes_per_block: int = 0  # one KV block of its layers over its TP ranks (sizes the KV tiers)
+    kv_disk_tier: bool = False  # started with --kv-offloading-disk-path
 
     @property
     def name(self) -> str:
@@ -54,6 +56,8 @@ class PipelinePlan:
     rank_offsets: list[int]
     tp_sizes: list[int]
     num_kv_blocks: int
+    num_host_kv_blocks: int = 0  # the KV tiers' (scheduler.tiers), decided when the pipeline forms
+    num_disk_kv_blocks: int = 0
 
 
 class Rendezvous:

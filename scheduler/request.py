@@ -45,6 +45,7 @@ class Request:
     prefill_only: bool = False
     kv_source: KVSourceInfo | None = None  # its prompt's KV is held on a prefill replica, to be pulled
     kv_ready: bool = False  # its prompt's KV was pulled into its blocks: the prompt counts as computed
+    tiers_checked: bool = False  # this admission looked its prompt up in the KV tiers (scheduler.tiers)
     # prompt + output, kept up to date by append_output (the scheduler reads it every step)
     all_token_ids: list[int] = field(init=False, repr=False)
 

@@ -42,6 +42,7 @@ from scheduler.kv_transfer import KVSourceInfo, KVTransfers
 from scheduler.policy import SchedulingPolicy
 from scheduler.request import Request, RequestOutput, Status
 from scheduler.speculation import SpecDecodeStats, Speculator
+from scheduler.tiers import KVTiers, LoadJob
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import PLACEHOLDER, NewSequence, PromptLogprobs, SampledToken, ScheduledChunks, StepBatch
@@ -65,6 +66,7 @@ class SchedulerStats:
     num_kv_blocks: int
     num_preemptions: int = 0
     spec_decode: SpecDecodeStats | None = None  # with --speculative-config
+    tier_blocks: dict[str, int] = field(default_factory=dict)  # KV tier -> blocks it holds (scheduler.tiers)
 
 
 @dataclass
@@ -78,10 +80,13 @@ class _Budget:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, disk_block_hashes=()):
+        """disk_block_hashes: the blocks the stages' disk tiers hold already (a restart on the same directory)."""
         self.max_model_len = config.check_formed()
         self.config = config
         self.kv = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        if config.enable_prefix_caching and (config.num_host_kv_blocks or config.num_disk_kv_blocks):
+            self.kv.tiers = KVTiers(self.kv, config.num_host_kv_blocks, config.num_disk_kv_blocks, disk_block_hashes)
         self.policy = SchedulingPolicy(config.scheduling_policy)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -143,6 +148,23 @@ class Scheduler:
         """The driver's pull of a request's prompt KV ended (ok: its blocks hold it)."""
         self.transfers.pulled(self.kv, request_id, ok, self.waiting)
 
+    def kv_loaded(self, job: LoadJob, flags: list[bool]) -> None:
+        """The driver's load of a request's blocks from the KV tiers ended (flags: per block, loaded): it runs
+        from the first block that did not load, at the front of the waiting queue."""
+        tiers = self.kv.tiers
+        if tiers is None or job.request_id not in tiers.loading:
+            return
+        good = tiers.loaded(job, flags)
+        request = tiers.loading.pop(job.request_id)
+        if request is None:  # it ended during the load: only now may its blocks go to another request
+            self.kv.free_request(job.request_id)
+            return
+        num_pooled = len(self.kv.tables[job.request_id]) - len(job.block_ids)
+        request.num_computed_tokens = (num_pooled + good) * self.config.block_size
+        self.kv.cache_full_blocks(job.request_id, request.all_token_ids, request.num_computed_tokens)
+        request.kv_ready = True
+        self.waiting.appendleft(request)
+
     def requeue_all(self) -> list[Request]:
         """The pipeline broke: every request back to waiting, kept for the next epoch (scheduler.recovery)."""
         return recovery.requeue_all(self)
@@ -178,9 +200,11 @@ class Scheduler:
         return len(self.requests)
 
     def stats(self) -> SchedulerStats:
+        tiers = self.kv.tiers
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.kv.prefix_queries,
                               self.kv.prefix_hits, self.kv.num_blocks, self.num_preemptions,
-                              self.spec.stats if self.spec is not None else None)
+                              self.spec.stats if self.spec is not None else None,
+                              {"host": len(tiers.host), "disk": len(tiers.disk)} if tiers is not None else {})
 
     # -- one step -------------------------------------------------------------
     def schedule(self, max_seqs: int | None = None, run_ahead: bool = True) -> SchedulerOutput | None:
@@ -267,6 +291,8 @@ class Scheduler:
                     break
                 self.transfers.start_pull(self.waiting.popleft(), blocks)
                 continue
+            if self._load_from_tiers(request):
+                continue
             if request.kv_ready:  # pulled: its blocks hold the prompt; the stages get every one of them
                 num_cached, num_new = request.num_computed_tokens, min(request.num_tokens - request.num_computed_tokens,
                                                                       budget.tokens)
@@ -296,6 +322,25 @@ class Scheduler:
             budget.new_sequences.append(NewSequence(request.seq_id, list(request.prompt_token_ids), request.sampling,
                                                     list(request.output_token_ids)))
             self._add_chunk(budget, request, num_new, new_blocks)
+
+    def _load_from_tiers(self, request: Request) -> bool:
+        """Whether the waiting request at the head went loading blocks of its prompt from the KV tiers (it
+        comes back with kv_ready: scheduler.tiers). Looked up once per admission."""
+        tiers = self.kv.tiers
+        if tiers is None or request.kv_ready or request.tiers_checked or request.sampling.prompt_logprobs is not None:
+            return False
+        request.tiers_checked = True
+        bs = self.config.block_size
+        cached = self.kv.find_cached_prefix(request.all_token_ids)
+        hits = tiers.lookup(request.all_token_ids, len(cached), bs)
+        if not hits:
+            return False
+        blocks = self.kv.allocate(request.request_id, (len(cached) + len(hits)) * bs, cached)
+        if blocks is None:  # no room yet: looked up again when there is
+            request.tiers_checked = False
+            return False
+        tiers.start_load(self.waiting.popleft(), blocks[len(cached):], hits)
+        return True
 
     def _can_run_ahead(self, request: Request) -> bool:
         """Async scheduling: one step ahead of a request whose step in flight samples, unless that
@@ -343,6 +388,7 @@ class Scheduler:
         request.status = Status.WAITING
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.tiers_checked = False
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.recent_preemptions.append(request.request_id)
@@ -366,8 +412,9 @@ class Scheduler:
         request.status = Status.FINISHED
         if reason == "prefilled":
             self.transfers.hold(request.request_id, time.monotonic())
-        elif not self.transfers.abandon(request.request_id):  # (a pull's blocks are freed when it ends)
-            self.kv.free_request(request.request_id)
+        elif not self.transfers.abandon(request.request_id) and \
+                not (self.kv.tiers is not None and self.kv.tiers.abandon(request.request_id)):
+            self.kv.free_request(request.request_id)  # (a pull's or a tier load's blocks are freed when it ends)
         return RequestOutput(request.request_id, finish_reason=reason, error=error, own_fault=own_fault,
                              num_prompt_tokens=len(request.prompt_token_ids),
                              num_cached_tokens=request.num_cached_tokens)

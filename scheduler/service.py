@@ -212,7 +212,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         info = StageInfo(s.stage_index, s.layer_start, s.layer_end, s.tensor_parallel_size, s.device, s.num_kv_blocks,
                          s.block_size, ModelIdentity(m.model_type, m.num_hidden_layers, m.hidden_size, m.vocab_size,
                                                      m.num_attention_heads, m.num_key_value_heads), s.address,
-                         s.handoff, s.instance_id, s.standby, s.num_speculative_tokens)
+                         s.handoff, s.instance_id, s.standby, s.num_speculative_tokens, s.kv_bytes_per_block,
+                         s.kv_disk_tier)
         try:
             missing, first_seen = await self.driver.register_stage(info)
             self.drain.stage(s.stage_index, s.instance_id, s.draining)

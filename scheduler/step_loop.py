@@ -163,7 +163,19 @@ class StepLoop:
                     self.epochs.fail(f"internal error in the scheduler: {type(err).__name__}: {err}")
 
     def _launch(self) -> None:
-        """Fill the pipeline: schedule micro-batches until every stage has one."""
+        """Fill the pipeline, and start the KV tiers' copies that wait."""
+        self._fill()
+        scheduler = self.epochs.scheduler
+        tiers = scheduler.kv.tiers if scheduler is not None and self.epochs.healthy else None
+        if tiers is not None:
+            for load in tiers.take_loads():
+                self._spawn(self._load(self.epochs.epoch, scheduler, load))
+            store = tiers.take_store()
+            if store is not None:
+                self._spawn(self._store(self.epochs.epoch, scheduler, tiers, store))
+
+    def _fill(self) -> None:
+        """Schedule micro-batches until every stage has one."""
         epochs = self.epochs
         while epochs.healthy and len(self._in_flight) < self._depth:
             scheduler, epoch = epochs.scheduler, epochs.epoch
@@ -241,6 +253,34 @@ class StepLoop:
             scheduler.kv_pulled(pull.request_id, ok)
             self._wake.set()
         await self.pipeline.release_kv(pull.source)
+
+
+    async def _store(self, epoch: int, scheduler: Scheduler, tiers, job) -> None:
+        """Copy blocks that entered the prefix cache into the KV tiers (scheduler.tiers)."""
+        start, ok = time.perf_counter(), True
+        try:
+            await self.pipeline.store_kv(epoch, job)
+        except Exception as err:  # noqa: BLE001 - the blocks are then in no tier; a dead stage is the probe's
+            log.warning("storing %d KV block(s) in the KV tiers failed: %s", len(job.block_ids), err)
+            ok = False
+        if scheduler is self.epochs.scheduler and tiers is scheduler.kv.tiers:
+            tiers.stored(job, ok)
+            self.observer.kv_tier_stored(job, ok, time.perf_counter() - start)
+            self._wake.set()
+
+    async def _load(self, epoch: int, scheduler: Scheduler, job) -> None:
+        """Fill a waiting request's blocks from the KV tiers; it runs from the first block that did not load."""
+        start = time.perf_counter()
+        try:
+            flags = await self.pipeline.load_kv(epoch, job)
+        except Exception as err:  # noqa: BLE001 - the request computes those blocks
+            log.warning("request %s: loading %d KV block(s) from the KV tiers failed (%s): computing them",
+                        job.request_id, len(job.block_ids), err)
+            flags = [False] * len(job.block_ids)
+        if scheduler is self.epochs.scheduler:
+            scheduler.kv_loaded(job, flags)
+            self.observer.kv_tier_loaded(job, flags, time.perf_counter() - start)
+            self._wake.set()
 
 
 async def _failed(err: StageFailure) -> StepResult:

@@ -193,7 +193,8 @@ def speculative_config(args: argparse.Namespace):
 def _scheduler_flags(args: argparse.Namespace, spec) -> list[str]:
     flags = _flags(args, ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                           "served_model_name", "stage_recovery_timeout", "max_request_retries",
-                          "scheduling_policy", "resume_grace_period"))
+                          "scheduling_policy", "resume_grace_period", "kv_offloading_size",
+                          "kv_offloading_backend", "kv_offloading_disk_size"))
     if not args.enable_prefix_caching:
         flags.append("--no-enable-prefix-caching")
     if args.async_scheduling is not None:

@@ -99,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "{\"model\": DIR, \"num_speculative_tokens\": k} (a draft model on each replica's last "
                         "stage); not with --async-scheduling (docs/speculative-decoding.md)")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per stage")
+    from scheduler.cli import add_kv_tier_arguments
+
+    add_kv_tier_arguments(p)  # the schedulers' (the stages get --kv-offloading-disk-path)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="stages run decode steps without CUDA graphs")
     p.add_argument("--enable-expert-parallel", action="store_true",
@@ -202,6 +205,9 @@ def _run_on_ray(args: argparse.Namespace, token: str, signals: Signals, autoscal
 
 
 def _check_layout(args: argparse.Namespace) -> None:
+    from scheduler.cli import kv_tier_bytes
+
+    kv_tier_bytes(args)  # (the schedulers check them again: refused here before anything starts)
     if args.api_server_count < 1:
         raise StagemeshError(f"--api-server-count must be >= 1 (got {args.api_server_count})")
     if args.api_server_count > 1:  # several routers share fixed ports: "any free port" must be chosen here
