@@ -38,6 +38,7 @@ class GrpcPipeline:
         self.store_host, self.store_port = store_host, store_port
         self.deadlines = deadlines
         self.plan: PipelinePlan | None = None  # of the epoch joined last
+        self.disk_block_hashes: list[int] = []  # KV tiers: what every stage's disk tier holds, as of the last join
         self._channels: dict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = {}
         self._tasks: set[asyncio.Task] = set()  # channels closing later, referenced until done
 
@@ -76,19 +77,22 @@ class GrpcPipeline:
         for failed in await asyncio.gather(*[self._probe(s, wait=True) for s in plan.stages]):
             if failed is not None:
                 raise failed
-        await asyncio.gather(*[self._join(plan, i, epoch, max_model_len, max_num_batched_tokens)
-                               for i in range(len(plan.stages))])
+        replies = await asyncio.gather(*[self._join(plan, i, epoch, max_model_len, max_num_batched_tokens)
+                                         for i in range(len(plan.stages))])
+        others = [set(r.disk_block_hashes) for r in replies[1:]]
+        self.disk_block_hashes = [h for h in replies[0].disk_block_hashes if all(h in o for o in others)]
         self.plan = plan
 
     async def _join(self, plan: PipelinePlan, index: int, epoch: int, max_model_len: int,
-                    max_num_batched_tokens: int) -> None:
+                    max_num_batched_tokens: int) -> stage_pb2.JoinPipelineResponse:
         stage = plan.stages[index]
         spec = EpochSpec(
             epoch, self.store_host, self.store_port, plan.world_size, plan.rank_offsets[index], tuple(plan.tp_sizes),
             plan.num_kv_blocks, max_model_len, max_num_batched_tokens,
             next_stage_address=plan.stages[index + 1].address if index + 1 < len(plan.stages) else "",
-            first_stage_address=plan.stages[0].address if 0 < index == len(plan.stages) - 1 else "")
-        await _answer(stage, self._stub(stage).JoinPipeline(epoch_to_pb(spec), timeout=self.deadlines.join_s))
+            first_stage_address=plan.stages[0].address if 0 < index == len(plan.stages) - 1 else "",
+            num_host_kv_blocks=getattr(plan, "num_host_kv_blocks", 0))
+        return await _answer(stage, self._stub(stage).JoinPipeline(epoch_to_pb(spec), timeout=self.deadlines.join_s))
 
     # -- steps ---------------------------------------------------------------------------
     def forward(self, epoch: int, batch: StepBatch, span: trace.Span | None, trace_links: list[str]):
@@ -137,6 +141,28 @@ class GrpcPipeline:
                         source.scheduler_address, err.details())
         finally:
             await channel.close()
+
+    # -- KV tiers ------------------------------------------------------------------------------
+    async def store_kv(self, epoch: int, block_ids: list[int], host_slots: list[int], hashes: list[int],
+                       to_disk: list[bool], disk_evictions: list[int]) -> None:
+        """Every stage copies the blocks into its host tier (and queues the disk writes); raises StageFailure."""
+        request = stage_pb2.StoreKVRequest(epoch=epoch, block_ids=block_ids, host_slots=host_slots,
+                                           block_hashes=hashes, to_disk=to_disk, disk_evictions=disk_evictions)
+        await asyncio.gather(*[_answer(stage, self._stub(stage).StoreKV(request, timeout=self.deadlines.kv_store_s))
+                               for stage in self.plan.stages])
+
+    async def load_kv(self, epoch: int, block_ids: list[int], host_slots: list[int], hashes: list[int]
+                      ) -> list[bool]:
+        """Every stage fills the blocks from its tiers: per block, whether every stage did; raises StageFailure."""
+        request = stage_pb2.LoadKVRequest(epoch=epoch, block_ids=block_ids, host_slots=host_slots,
+                                          block_hashes=hashes)
+        replies = await asyncio.gather(*[_answer(stage, self._stub(stage).LoadKV(request,
+                                                                                timeout=self.deadlines.kv_load_s))
+                                         for stage in self.plan.stages])
+        for stage, reply in zip(self.plan.stages, replies):
+            if len(reply.loaded) != len(block_ids):
+                raise StageFailure(stage, f"LoadKV answered {len(reply.loaded)} flags for {len(block_ids)} blocks")
+        return [all(flags) for flags in zip(*(r.loaded for r in replies))]
 
     # -- probing -------------------------------------------------------------------------
     async def probe(self) -> StageFailure | None:
