@@ -23,7 +23,7 @@ HIT = (PROMPT_LEN - 1) // 16 * 16
 
 LAYOUTS = {
     "pp2": dict(split=[2, 2], tp=[1, 1], handoff="grpc"),
-    "tp2": dict(split=[4], tp=[2], handoff="nccl", pool="45056"),  # the KV heads over 2 ranks: half the bytes
+    "tp2": dict(split=[4], tp=[2], handoff="nccl"),  # 4 layers, the KV heads over 2 ranks: 11 blocks too
 }
 
 
