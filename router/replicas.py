@@ -39,6 +39,7 @@ class Replica:
     num_kv_blocks: int = 0  # its working KV pool (Stats), and its lower tiers (ModelInfo), for the KV index's cap
     num_host_kv_blocks: int = 0
     num_disk_kv_blocks: int = 0
+    info_epoch: int = 0  # the pipeline epoch its ModelInfo was read at
     cordoned: bool = False  # told (router.control) to take no new request: it is about to drain
     forgotten: bool = False  # no longer balanced over (ReplicaSet.set_replicas): a late check reports nothing
     stub: scheduler_pb2_grpc.SchedulerStub | None = field(default=None, repr=False)
@@ -58,7 +59,8 @@ class Replica:
         try:
             check = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=STATS_DEADLINE_S)
             stats = await self.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=STATS_DEADLINE_S)
-            if stats.healthy and not self.max_model_len:
+            if stats.healthy and (not self.max_model_len or stats.epoch != self.info_epoch):  # (tiers resized)
+                self.info_epoch = stats.epoch
                 info = await self.stub.GetModelInfo(scheduler_pb2.GetModelInfoRequest(), timeout=STATS_DEADLINE_S)
                 self.max_model_len, self.eos_token_ids = info.max_model_len, tuple(info.eos_token_ids)
                 self.served_model_name = info.served_model_name

@@ -200,6 +200,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             info.kv_cache_tokens = d.kv_cache_tokens
             info.stages.extend(stage_pb2.KVSource(address=x.address, layer_start=x.layer_start,
                                                   layer_end=x.layer_end) for x in d.stages)
+        scheduler = self.driver.scheduler
+        tiers = scheduler.kv.tiers if scheduler is not None else None
+        if tiers is not None:  # (what a router's KV index of this replica may hold: its bound)
+            info.num_host_kv_blocks, info.num_disk_kv_blocks = tiers.num_host_blocks, tiers.num_disk_blocks
         return info
 
     async def ReleaseKV(self, request, context):

@@ -208,6 +208,58 @@ def test_load_still_beats_a_better_tier_when_the_gap_is_large():
     assert policy.pick([idle, busy], prompt) is busy
 
 
+def test_the_tiers_events_through_the_wire_give_the_router_the_replicas_view_of_every_tier():
+    """The scheduler's tiers (scheduler/tiers.py: write-through to host and disk, LRU) emit their events into
+    the block manager's; through the hub and the wire, the router's index holds what each tier holds."""
+    from scheduler.config import SchedulerConfig
+    from scheduler.scheduler import Scheduler
+    from stagemesh.core.sampling_params import SamplingParams
+    from stagemesh.core.step import SampledToken
+
+    s = Scheduler(SchedulerConfig(num_kv_blocks=8, max_model_len=64, block_size=BS, eos_token_ids=(2,),
+                                  num_host_kv_blocks=6, num_disk_kv_blocks=10), ())
+
+    def finish(request_id: str, prompt: list[int]) -> None:
+        s.add_request(request_id, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        while s.has_unfinished():
+            out = s.schedule()
+            s.update_from_output(out, [SampledToken(c.seq_id, 9) for c in out.step_batch.chunks if c.sample])
+            job = s.kv.tiers.take_store()
+            if job is not None:
+                s.kv.tiers.stored(job, True)
+
+    async def go():
+        hub = KVEventHub(lambda: s.kv, tick_s=0.01)
+        queue = hub.subscribe()
+        index = KVIndex()
+        feed = KVFeed(index, "r")
+        prompts = [list(range(10 + 13 * i, 23 + 13 * i)) for i in range(6)]  # 3 full blocks each
+        for i, prompt in enumerate(prompts):
+            finish(f"r{i}", prompt)
+            await asyncio.sleep(0.03)
+            while not queue.empty():
+                for message in pb(queue.get_nowait()):
+                    assert feed.apply(message) is None
+        assert feed.synced
+        want = {medium: set(hashes) for medium, hashes in s.kv.snapshot_hashes() if hashes}
+        assert {medium: set(hashes) for medium, hashes in index.tiers("r").items()} == want
+        assert set(want) == {"device", "host", "disk"} and len(want["disk"]) == 10  # (LRU: the disk tier is full)
+        # a prompt's hit, block by block from the replica's own view: the best tier holding it, until a miss
+        for prompt in prompts:
+            n, score = 0, 0.0
+            for h in prefix_hashes(prompt, BS):
+                weights = [w for medium, w in (("device", 1.0), ("host", 0.8), ("disk", 0.5)) if h in want[medium]]
+                if not weights:
+                    break
+                n, score = n + 1, score + max(weights)
+            assert index.match("r", prompt + [1], {}) == (n * BS, score * BS)
+        hits = {index.match("r", p + [1], {}) for p in prompts}
+        assert {(0, 0.0), (12, 6.0), (12, 12.0)} <= hits  # gone, on disk alone, on the device
+        hub.unsubscribe(queue)
+
+    asyncio.run(go())
+
+
 # -- bounds --------------------------------------------------------------------------------------------
 
 def test_a_flood_of_stored_events_cannot_grow_the_index_past_its_cap():
