@@ -363,3 +363,6 @@ def test_a_dropped_batch_and_a_router_restart_end_with_the_index_equal_to_the_re
             assert metric(router, "stagemesh:router_kv_index_blocks", replica=replica) == 0
             assert metric(router, "stagemesh:router_kv_index_resyncs_total", replica=replica,
                           reason="stream_lost") == 1
+            mesh.start_scheduler()  # back (its stage joins it again): a new epoch, its snapshot, in sync
+            wait_until("in sync with the restarted scheduler", lambda: in_sync(control, mesh), timeout=60)
+            assert metric(router, "stagemesh:router_kv_index_degraded", replica=replica) == 0
