@@ -366,3 +366,32 @@ def test_a_dropped_batch_and_a_router_restart_end_with_the_index_equal_to_the_re
             mesh.start_scheduler()  # back (its stage joins it again): a new epoch, its snapshot, in sync
             wait_until("in sync with the restarted scheduler", lambda: in_sync(control, mesh), timeout=60)
             assert metric(router, "stagemesh:router_kv_index_degraded", replica=replica) == 0
+
+
+@pytest.mark.slow
+def test_a_routers_index_of_a_tiered_replica_holds_each_tier_as_the_replica_does(tiny_model_dir, tmp_path):
+    """Real KV tiers (docs/kv-tiers.md: a small pool, host and disk below it): the router's index of the replica,
+    per tier, is the replica's own view, and the prompt evicted from the pool is still a hit there."""
+    from mesh import Mesh, Router, free_port, internal_channel
+    from stagemesh.core.sampling_params import SamplingParams
+    from stagemesh.v1 import router_pb2_grpc
+    from tiny_models import with_word_tokenizer
+
+    model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
+    greedy = SamplingParams(max_tokens=1, ignore_eos=True)
+    mesh = Mesh(model_dir, [4], log_dir=tmp_path,
+                scheduler_args=("--kv-offloading-size", "0.001", "--kv-offloading-disk-size", "0.01"),
+                stage_args=("--kv-cache-memory", "180224", "--kv-offloading-disk-path", str(tmp_path / "disk")))
+    port = free_port()
+    with mesh, internal_channel(f"127.0.0.1:{port}") as channel, \
+            Router(model_dir, [mesh.address], ("--policy", "kv-aware", "--control-port", str(port)),
+                   log_dir=tmp_path):
+        control = router_pb2_grpc.RouterControlStub(channel)
+        prompt = list(range(10, 80))  # 4 full blocks of 16
+        mesh.generate([prompt], greedy)
+        for i in range(3):  # the pool's 11 blocks go to other prompts
+            mesh.generate([list(range(100 + i * 90, 190 + i * 90))], greedy)
+        first = prefix_hashes(prompt, 16)[:4]
+        view = replica_view(mesh)
+        assert {"host", "disk"} <= set(view) and set(first) <= view["host"] and not set(first) & view["device"]
+        wait_until("the router's index equals the replica's view, tier by tier", lambda: in_sync(control, mesh))
