@@ -295,3 +295,18 @@ def test_a_draft_models_kv_travels_with_its_blocks(tiny_model_dir, tmp_path):
     assert tiers.load([3, 4], [0, -1], [5, 5]) == [True, True]
     assert all(torch.equal(t[3], b) and torch.equal(t[4], b) for t, b in zip(tiers.caches(), before))
     ns.close()
+
+
+def test_the_stages_metrics_count_what_its_tiers_did(runner, written, caplog):
+    from stage_worker.observe import KVTierCollector
+
+    tiers, path = written
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01  # one bad file: a read miss
+    path.write_bytes(data)
+    assert tiers.load([6], [-1], [0xABC]) == [False]
+    samples = {(s.name, s.labels["event"]): s.value for family in KVTierCollector(3, tiers).collect()
+               for s in family.samples}
+    assert samples[("stagemesh:stage_kv_tier_blocks_total", "refused")] == 1
+    assert samples[("stagemesh:stage_kv_disk_blocks_total", "read_misses")] == 1
+    assert samples[("stagemesh:stage_kv_disk_blocks_total", "written")] >= 1
