@@ -58,9 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "replica the rest, whose stages fetch that KV; every role also serves whole requests")
     p.add_argument("--kv-peer", action="append", default=[], metavar="HOST:PORT",
                    help="disaggregated prefill: the scheduler of a prefill replica whose held KV this replica may "
-                        "fetch (repeat for each); a request's kv_transfer naming any other is not fetched (the "
-                        "prompt is computed here), and this replica's stages read KV only from these replicas' "
-                        "stages (`stagemesh serve --prefill-replicas` gives it to every decode replica)")
+                        "fetch (repeat for each); a request's kv_transfer naming any other is not fetched (its "
+                        "--kv-load-failure-policy applies), and this replica's stages read KV only from these "
+                        "replicas' stages (`stagemesh serve --prefill-replicas` gives it to every decode replica)")
     p.add_argument("--kv-hold-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="a prefilled request's KV blocks wait this long at most for a decode replica to fetch them")
     add_kv_load_arguments(p)

@@ -96,9 +96,11 @@ class StepLoop:
         except KVLoadFailed as err:
             self.observer.kv_load_refused("not_fit", "fail")
             log.warning("%s", err)
+            self._spawn(self.pipeline.release_kv(kv_source))  # (a --kv-peer's: the service checked) unused: freed
             raise
         if not usable:
             self.observer.kv_load_refused("not_fit", "recompute")
+            self._spawn(self.pipeline.release_kv(kv_source))
             log.warning("request %s: the KV held on %s does not fit this replica (block size %d, %d tokens held for "
                         "a prompt of %d): computing the prompt here", request_id, kv_source.scheduler_address,
                         kv_source.block_size, kv_source.num_tokens, len(prompt))

@@ -5,7 +5,9 @@ and writes them into its own blocks (PullKV).
 gRPC bytes are what a CPU mesh has, and they cross any network; on GPUs an NCCL connector (device to
 device, no host copy) would sit behind the same two calls: it is not built yet (docs/disaggregated-prefill.md).
 Every field from the wire is checked before it reaches a tensor: layers, block counts, the chunks' dtype and
-sizes; a source that sends anything else fails the pull (the decode scheduler then recomputes the prompt).
+sizes; a source that sends anything else fails the pull (the decode scheduler's --kv-load-failure-policy then
+applies: the request fails, or its prompt is computed). The reads end within the caller's bound (its deadline
+less DEADLINES.kv_write_s), so a stalled prefill replica fails the pull then, before anything is written.
 A pull reads only from the stages that this stage's own scheduler vouches for (its --kv-peer replicas'
 stages, PeerStages): the addresses in a request are checked against them before anything is dialled.
 """

@@ -4,7 +4,10 @@ against one TP=4 stage, whose ranks share the model's 2 KV heads). Every request
 transformers' greedy tokens whether its KV was fetched or, when the fetch cannot work, computed again; held KV
 is freed when fetched or when its hold times out. A decode replica reads KV only from the prefill replicas its
 scheduler was given (--kv-peer): a kv_transfer or a PullKV naming any other address is refused without a
-connection to it. Real processes on loopback."""
+connection to it. The kv_load_failure_policy (issue 44): a stalled prefill replica (SIGSTOP) holds a decode
+request no longer than --kv-load-timeout, after which it fails (fail) or computes its prompt (recompute); so do
+expired holds, stale epochs and non-peers; an abort during a pull releases the prefill replica's KV at once; the
+router leaves a stalled prefill replica. Real processes on loopback."""
 from __future__ import annotations
 
 import re
