@@ -125,3 +125,17 @@ def test_a_prefill_replica_that_stops_passing_health_checks_is_left():
     tokens = asyncio.run(asyncio.wait_for(go(), 10))
     assert tokens == list(range(8, 14))  # the whole request on the decode replica
     assert d.generated == [[]] and d.kv == [("", "")]
+
+
+def test_a_client_gone_between_the_prefill_and_the_decode_has_the_kv_released():
+    p, d = Prefill("prefill:0"), Decode()
+
+    async def go():
+        gen = Generation("r", list(PROMPT), SamplingParams(max_tokens=6, ignore_eos=True))
+        replies = _stream(gen, mesh(p, d))
+        first = await replies.__anext__()  # the prefill's token: the client has it, then goes away
+        await replies.aclose()
+        await asyncio.sleep(0.1)
+        return first.token_ids
+    assert asyncio.run(go()) == [8]
+    assert p.released == ["r"] and d.kv == []  # no decode replica was given it: the router freed it
