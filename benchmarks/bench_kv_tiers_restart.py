@@ -33,14 +33,20 @@ import requests
 from serve_process import free_port, start_serve, stop
 
 
-def metric(port: int, name: str, tier: str) -> float:
-    """A scheduler counter's value for one tier (0 before its first sample)."""
+def metric(port: int, name: str, tier: str | None = None) -> float:
+    """A scheduler metric's value (for one tier; 0 before its first sample)."""
     text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     for line in text.splitlines():
-        m = re.match(rf'{re.escape(name)}\{{(.*)\}} ([0-9.e+-]+)$', line)
-        if m and f'tier="{tier}"' in m.group(1):
+        m = re.match(rf'{re.escape(name)}(\{{.*\}})? ([0-9.e+-]+)$', line)
+        if m and (tier is None or f'tier="{tier}"' in (m.group(1) or "")):
             return float(m.group(2))
     return 0.0
+
+
+def tier_counts(port: int) -> tuple[float, float]:
+    """(blocks loaded from disk, seconds spent loading from the tiers) so far."""
+    return (metric(port, "stagemesh:kv_tier_loaded_blocks_total", "disk"),
+            metric(port, "stagemesh:kv_tier_load_seconds_sum"))
 
 
 def kv_files(disk: Path) -> int:
@@ -162,18 +168,20 @@ def main() -> None:
             order = ("disk", "cold") if r % 2 == 0 else ("cold", "disk")
             for kind in order:
                 prompt = known if kind == "disk" else draw()
-                loaded = metric(mport, "stagemesh:kv_tier_loaded_blocks_total", "disk")
+                loaded, seconds = tier_counts(mport)
                 res = complete(base, prompt, args.max_tokens)
-                res["disk_loads"] = metric(mport, "stagemesh:kv_tier_loaded_blocks_total", "disk") - loaded
-                res.update(kind=kind, restart=r + 1, ready=ready)
+                after = tier_counts(mport)
+                res["disk_loads"], res["load_s"] = after[0] - loaded, after[1] - seconds
+                res.update(kind=kind, restart=r + 1, ready=ready, first=kind == order[0])
                 if kind == "disk":
                     res["same"] = res["ids"] == ref["ids"]
                     mismatches += not res["same"]
                 rows.append(res)
                 print(f"restart {r + 1} (ready in {ready:.1f} s, {before_files} block files before) {kind}: TTFT "
                       f"{res['ttft'] * 1e3:7.0f} ms  cached {res['cached']:4d}/{res['prompt_tokens']}  disk loads "
-                      f"{res['disk_loads']:.0f} blocks" + (f"  output {'==' if res['same'] else '!='} reference"
-                                                          if kind == "disk" else ""), flush=True)
+                      f"{res['disk_loads']:.0f} blocks in {res['load_s'] * 1e3:.0f} ms"
+                      + (f"  output {'==' if res['same'] else '!='} reference" if kind == "disk" else ""),
+                      flush=True)
             wait_disk(disk, before_files + blocks)  # the cold prompt's blocks written before the SIGTERM
         finally:
             stop(serve)
@@ -182,6 +190,13 @@ def main() -> None:
 
     med = {k: statistics.median(x["ttft"] for x in rows if x["kind"] == k) for k in ("cold", "disk")}
     cached = sorted({x["cached"] for x in rows if x["kind"] == "disk"})
+    for first in (True, False):
+        disk = [x for x in rows if x["kind"] == "disk" and x["first"] == first]
+        if disk:
+            ttfts = ", ".join(f"{x['ttft'] * 1e3:.0f}" for x in disk)
+            loads = ", ".join(f"{x['load_s'] * 1e3:.0f}" for x in disk)
+            print(f"disk hit {'first after the restart' if first else 'after the cold prompt'}: TTFT {ttfts} ms, "
+                  f"of which loading {loads} ms")
     print(f"median over {args.restarts} restarts: cold TTFT {med['cold'] * 1e3:.0f} ms, disk TTFT "
           f"{med['disk'] * 1e3:.0f} ms, disk/cold {med['disk'] / med['cold']:.2f} ({med['cold'] / med['disk']:.1f}x "
           f"faster); cached tokens on the disk hits {cached}; ready in "
