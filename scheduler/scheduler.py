@@ -230,7 +230,9 @@ class Scheduler:
                          run_ahead and self.config.async_scheduling)
         made_room = self._make_room()
         preempted = self._schedule_running(budget)
-        if not preempted:  # (a request preempted in this step does not come straight back)
+        # a request preempted in this step does not come straight back, unless the step would be empty (then
+        # nothing would run, and nothing wake the loop, until a new request came)
+        if not preempted or not budget.chunks:
             self._schedule_waiting(budget)
         preempted += made_room
         if not budget.chunks:
@@ -303,6 +305,8 @@ class Scheduler:
             if request.kv_source is not None:  # its prompt's KV is elsewhere: blocks for it, then the pull
                 blocks = self.kv.allocate(request.request_id, request.kv_source.num_tokens)
                 if blocks is None:
+                    if self._unblock():
+                        continue
                     break
                 self.transfers.start_pull(self.waiting.popleft(), blocks)
                 continue
@@ -312,6 +316,8 @@ class Scheduler:
                 num_cached, num_new = request.num_computed_tokens, min(request.num_tokens - request.num_computed_tokens,
                                                                       budget.tokens)
                 if self.kv.allocate(request.request_id, self._kv_tokens(request, num_new, 0, num_cached)) is None:
+                    if self._unblock():
+                        continue
                     break
                 new_blocks, request.kv_ready = list(self.kv.tables[request.request_id]), False
             else:
@@ -321,6 +327,8 @@ class Scheduler:
                 allocated = self.kv.allocate(request.request_id, self._kv_tokens(request, num_new, 0, num_cached),
                                              cached)
                 if allocated is None:
+                    if self._unblock():
+                        continue
                     break
                 new_blocks = allocated
             self.waiting.popleft()
@@ -337,6 +345,20 @@ class Scheduler:
             budget.new_sequences.append(NewSequence(request.seq_id, list(request.prompt_token_ids), request.sampling,
                                                     list(request.output_token_ids)))
             self._add_chunk(budget, request, num_new, new_blocks)
+
+    def _unblock(self) -> bool:
+        """The first waiting request lacks blocks and nothing runs that would free some: waiting requests whose
+        prompt's KV was loaded into blocks of their own (from a KV tier, or pulled from a prefill replica) give
+        them back, still in the prefix cache, and are admitted like any request (their prefix found there).
+        Without this, a preempted request queued in front of them waits for ever for the blocks they hold.
+        Whether any did."""
+        if self.running:
+            return False
+        held = [r for r in self.waiting if r.kv_ready and r.request_id in self.kv.tables]
+        for r in held:
+            self.kv.free_request(r.request_id)
+            r.kv_ready, r.num_computed_tokens, r.tiers_checked = False, 0, False
+        return bool(held)
 
     def _load_from_tiers(self, request: Request) -> bool:
         """Whether the waiting request at the head went loading blocks of its prompt from the KV tiers (it

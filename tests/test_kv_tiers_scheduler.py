@@ -153,3 +153,36 @@ def test_requests_loading_when_the_pipeline_breaks_are_kept_for_the_next_epoch()
     s.schedule()
     kept = s.requeue_all()
     assert [r.request_id for r in kept] == ["b"] and not kept[0].tiers_checked
+
+
+def test_a_loaded_request_behind_a_preempted_one_gives_its_blocks_back_rather_than_wait_for_ever():
+    """Found by benchmarks/bench_kv_tiers.py on a small pool: b's prefix comes back from the host tier into blocks
+    of its own; d, running, cannot grow and is preempted in front of b; d's prompt needs more blocks than are
+    free while b holds its own, and nothing runs: without a way out, no step is ever scheduled again."""
+    s = make(num_kv_blocks=8, host=16)
+    prompt = list(range(10, 23))  # 3 full blocks, into the host tier
+    finish(s, "a", prompt)
+    evict_everything(s)
+    s.add_request("d", list(range(100, 119)), SamplingParams(max_tokens=12, ignore_eos=True))  # up to 8 blocks
+    out = s.schedule()
+    s.update_from_output(out, [SampledToken(out.step_batch.chunks[0].seq_id, 9)])
+    s.add_request("b", prompt + [1], SamplingParams(max_tokens=4, ignore_eos=True))
+    out = s.schedule()  # b goes loading; d decodes
+    s.update_from_output(out, [SampledToken(c.seq_id, 9) for c in out.step_batch.chunks if c.sample])
+    [load] = s.kv.tiers.take_loads()
+    s.kv_tier_loaded(load, [True] * 3)
+    for _ in range(100):
+        job = s.kv.tiers.take_store()  # (the driver's stores and loads end in their own time: here before a step)
+        if job is not None:
+            s.kv.tiers.stored(job, True)
+        for load in s.kv.tiers.take_loads():
+            s.kv_tier_loaded(load, [True] * len(load.block_ids))
+        out = s.schedule()
+        if out is None:  # a request went loading (its load ends before the next step), or nothing can run
+            assert s.kv.tiers.loading, f"stuck: waiting {[r.request_id for r in s.waiting]}, " \
+                                       f"{s.kv.num_free_blocks} blocks free"
+            continue
+        s.update_from_output(out, [SampledToken(c.seq_id, 9) for c in out.step_batch.chunks if c.sample])
+        if not s.has_unfinished():
+            break
+    assert not s.has_unfinished() and s.num_preemptions > 0
