@@ -8,7 +8,7 @@ prefix has been pushed out of a pool that holds about 1/--pool-ratio of the work
 conversations' final lengths).
 
 Configurations, a fresh `stagemesh serve` (one replica, the embedded default model) for each, alternating
-round by round (off, host, disk, off, host, disk, ...):
+round by round (off, host, disk, [ext,] off, host, disk, ...):
   off   tiers off (prefix caching on)
   host  --kv-offloading-size for the whole working set
   disk  --kv-offloading-size about one pool, --kv-offloading-disk-size the whole working set (a temp dir)
@@ -16,11 +16,13 @@ round by round (off, host, disk, off, host, disk, ...):
 Prints per configuration and round: TTFT p50/p99 of turns >= 2 and of all turns, output throughput, total time,
 the prefix-cache hit rate (router /metrics) and the scheduler's tier counters (stagemesh:kv_tier_*), and
 whether each reply matches configuration `off`'s (the same history, greedy); then medians and ratios to `off`.
-With --url the same workload runs against an external OpenAI server (vLLM) instead, --rounds times.
+With --url an external OpenAI server (vLLM, started by hand with the same KV bytes; VLLM_SERVER_DEV_MODE=1 lets
+each round start with its prefix cache reset) joins the rotation under --label (or alone with --only-url); its
+replies are compared with `off`'s too.
 
-    .venv/bin/python benchmarks/bench_kv_tiers.py [--configs off host disk --rounds 2 --conversations 16
+    .venv/bin/python benchmarks/bench_kv_tiers.py [--configs off host disk --rounds 2 --conversations 12
         --turns 4 --user-len 150:250 --output-len 28 --concurrency 4 --pool-ratio 4 --dtype bfloat16]
-    .venv/bin/python benchmarks/bench_kv_tiers.py --url http://127.0.0.1:8001 --served-model smol
+    .venv/bin/python benchmarks/bench_kv_tiers.py --url http://127.0.0.1:8001 --served-model smol --label vllm
 """
 from __future__ import annotations
 
@@ -78,7 +80,7 @@ def working_set_estimate(args, tok, systems, users) -> list[int]:
     """Each conversation's final length in tokens (the last turn's prompt + its reply), with replies of
     --output-len placeholder tokens."""
     rng = random.Random(1)
-    vocab = [i for t, i in tok.get_vocab().items() if t.startswith("Ġ") and t[1:].isalpha()]
+    vocab = sorted(i for t, i in tok.get_vocab().items() if t.startswith("Ġ") and t[1:].isalpha())
     out = []
     for sys_text, turns in zip(systems, users):
         msgs = [{"role": "system", "content": sys_text}]
@@ -257,7 +259,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--conversations", type=int, default=12)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-len", type=int, default=48, help="words of each conversation's own system prompt")
     p.add_argument("--user-len", default="150:250", help="words (about tokens) per user message, A:B")
@@ -267,10 +269,13 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--serve-arg", action="append", default=[], help="one more flag for serve (repeatable)")
-    p.add_argument("--url", default=None, help="an external OpenAI server instead of stagemesh serve")
+    p.add_argument("--url", default=None, help="an external OpenAI server (vLLM) to run in the rotation too")
+    p.add_argument("--only-url", action="store_true", help="run the external server only")
+    p.add_argument("--url-pool-tokens", type=int, default=None, help="the external server's KV pool (tokens)")
     p.add_argument("--served-model", default=None, help="the external server's model name")
     p.add_argument("--label", default=None, help="the external server's name in the table")
     p.add_argument("--json", default=None, help="write every round's summary here")
+    p.add_argument("--dry-run", action="store_true", help="print the workload and the KV pool size, run nothing")
     args = p.parse_args()
 
     from transformers import AutoTokenizer
@@ -291,52 +296,59 @@ def main() -> None:
           f"working set ~{ws_tokens:,} tokens (final lengths {min(finals)}-{max(finals)}), "
           f"{per_token:,} KV bytes/token ({args.dtype}): --kv-cache-memory {kv_bytes:,} "
           f"(~{ws_tokens / args.pool_ratio:,.0f} tokens)", flush=True)
+    if args.dry_run:
+        return
 
     results: dict[str, list[dict]] = {}
+    ext = args.label or "ext"
     if args.url:
-        name = args.label or "ext"
-        model = args.served_model or requests.get(f"{args.url}/v1/models", timeout=10).json()["data"][0]["id"]
-        for r in range(args.rounds):
-            before = scrape(f"{args.url}/metrics")
-            run = asyncio.run(run_workload(args.url, model, args, systems, users))
-            s = summarize(run, before, scrape(f"{args.url}/metrics"), None)
-            results.setdefault(name, []).append(s)
-            print(f"round {r + 1} " + fmt(name, s), flush=True)
-            print(f"      measured working set {sum(s['final_lens'].values()):,} tokens", flush=True)
-        # (the prefix cache keeps what the previous round left; rounds after the first start warm only for
-        # conversations still in the pool: with the pool 1/4 of the working set, the turn-1 prefixes are gone)
-    else:
-        log_dir = Path(tempfile.mkdtemp(prefix="stagemesh-kv-tiers-"))
-        print(f"logs in {log_dir}", flush=True)
-        configs = tuple(args.configs)
-        for r in range(args.rounds):
-            reference = None
-            for config in configs:
-                disk_dir = Path(tempfile.mkdtemp(prefix="kv-disk-", dir=args_tmp())) if config == "disk" else None
-                log = log_dir / f"serve-{config}-{r + 1}.log"
-                mport = free_port()
-                serve, base = start_serve(serve_args(config, args, kv_bytes, ws_bytes, disk_dir, mport), log)
-                try:
-                    tokens, tiers_line = pool_tokens(log, 0)
-                    model = requests.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
-                    before = {**scrape(f"{base}/metrics"), **scrape(f"http://127.0.0.1:{mport}/metrics")}
-                    run = asyncio.run(run_workload(base, model, args, systems, users))
-                    after = {**scrape(f"{base}/metrics"), **scrape(f"http://127.0.0.1:{mport}/metrics")}
-                    s = summarize(run, before, after, reference)
-                    if config == "off":
-                        reference = run["records"]
-                    ws = sum(s["final_lens"].values())
-                    s["pool_tokens"], s["ws_tokens"] = tokens, ws
-                    results.setdefault(config, []).append(s)
-                    print(f"round {r + 1} " + fmt(config, s), flush=True)
-                    print(f"      pool {tokens} tokens, measured working set {ws:,} tokens: "
-                          f"{ws / tokens if tokens else float('nan'):.2f}x the pool; {tiers_line}", flush=True)
-                finally:
-                    stop(serve)
-                    if disk_dir is not None:
-                        du = subprocess.run(["du", "-sh", str(disk_dir)], capture_output=True, text=True).stdout.split()
-                        print(f"      disk tier dir held {du[0] if du else '?'}", flush=True)
-                        shutil.rmtree(disk_dir, ignore_errors=True)
+        model_ext = args.served_model or requests.get(f"{args.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    configs = tuple(args.configs) + ((ext,) if args.url and ext not in args.configs else ())
+    if args.url and args.only_url:
+        configs = (ext,)
+    log_dir = Path(tempfile.mkdtemp(prefix="stagemesh-kv-tiers-"))
+    print(f"configurations {', '.join(configs)}; logs in {log_dir}", flush=True)
+    for r in range(args.rounds):
+        reference = None
+        for config in configs:
+            if config == ext:
+                # a cold prefix cache for each round where the server lets us (vLLM: VLLM_SERVER_DEV_MODE=1)
+                reset = requests.post(f"{args.url}/reset_prefix_cache", timeout=30).status_code
+                before = scrape(f"{args.url}/metrics")
+                run = asyncio.run(run_workload(args.url, model_ext, args, systems, users))
+                s = summarize(run, before, scrape(f"{args.url}/metrics"), reference)
+                s["pool_tokens"], s["ws_tokens"] = args.url_pool_tokens, sum(s["final_lens"].values())
+                results.setdefault(config, []).append(s)
+                print(f"round {r + 1} " + fmt(config, s), flush=True)
+                print(f"      measured working set {s['ws_tokens']:,} tokens; prefix cache reset before: HTTP {reset}",
+                      flush=True)
+                continue
+            disk_dir = Path(tempfile.mkdtemp(prefix="kv-disk-", dir=os.environ.get("KV_TIERS_DISK_TMP"))) \
+                if config == "disk" else None
+            log = log_dir / f"serve-{config}-{r + 1}.log"
+            mport = free_port()
+            serve, base = start_serve(serve_args(config, args, kv_bytes, ws_bytes, disk_dir, mport), log)
+            try:
+                tokens, tiers_line = pool_tokens(log, 0)
+                model = requests.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+                before = {**scrape(f"{base}/metrics"), **scrape(f"http://127.0.0.1:{mport}/metrics")}
+                run = asyncio.run(run_workload(base, model, args, systems, users))
+                after = {**scrape(f"{base}/metrics"), **scrape(f"http://127.0.0.1:{mport}/metrics")}
+                s = summarize(run, before, after, reference)
+                if config == "off":
+                    reference = run["records"]
+                ws = sum(s["final_lens"].values())
+                s["pool_tokens"], s["ws_tokens"] = tokens, ws
+                results.setdefault(config, []).append(s)
+                print(f"round {r + 1} " + fmt(config, s), flush=True)
+                print(f"      pool {tokens} tokens, measured working set {ws:,} tokens: "
+                      f"{ws / tokens if tokens else float('nan'):.2f}x the pool; {tiers_line}", flush=True)
+            finally:
+                stop(serve)
+                if disk_dir is not None:
+                    du = subprocess.run(["du", "-sh", str(disk_dir)], capture_output=True, text=True).stdout.split()
+                    print(f"      disk tier dir held {du[0] if du else '?'}", flush=True)
+                    shutil.rmtree(disk_dir, ignore_errors=True)
 
     keys = ("ttft_later_p50", "ttft_later_p99", "ttft_all_p50", "ttft_all_p99", "tok_s", "wall_s", "hit_rate")
     med = {c: {k: statistics.median(s[k] for s in rs) for k in keys} for c, rs in results.items()}
@@ -356,10 +368,6 @@ def main() -> None:
                       f"{ratios[4]:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
-
-
-def args_tmp() -> str | None:
-    return os.environ.get("KV_TIERS_DISK_TMP")  # where the disk tier's temp dirs go (default: $TMPDIR)
 
 
 if __name__ == "__main__":
