@@ -45,7 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=("least-load", "cache-aware", "kv-aware", "round-robin"), default="least-load",
                    help="least-load: fewest running + 4 x waiting; cache-aware: where this router sent the prompt's "
                         "prefix before (a guess); kv-aware: where the replicas' KV events say the prompt's leading "
-                        "blocks are cached, unless that replica is much busier; round-robin")
+                        "blocks are held, in any KV tier, each block weighed by the best tier holding it (device 1.0, "
+                        "host 0.8, disk 0.5), unless that replica is much busier; a replica whose events the router "
+                        "cannot trust now (a gap, its stream lost: resynced from a snapshot) counts no hit "
+                        "(docs/disaggregated-prefill.md); round-robin")
     p.add_argument("--responses-store", default="memory", metavar="memory|URL",
                    help="where the Responses API keeps its responses (store: true) for GET and DELETE /v1/responses/"
                         "{id} and previous_response_id: memory (default: this router's own), or a Redis URL that "

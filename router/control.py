@@ -58,6 +58,17 @@ class RouterControlServicer(router_pb2_grpc.RouterControlServicer):
                                     num_running=r.num_running, num_waiting=r.num_waiting)
             for r in self.replicas.replicas])
 
+    async def GetKVIndex(self, request, context):
+        index = getattr(self.replicas.policy, "index", None)
+        if index is None or request.replica not in {r.address for r in self.replicas.replicas}:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV index of replica {request.replica[:255]!r} "
+                                "(not a replica of this router, or its --policy is not kv-aware)")
+        epoch, seq = index.positions.get(request.replica, (0, 0))
+        reason = index.degraded.get(request.replica, "")
+        return router_pb2.KVIndexState(degraded=bool(reason), reason=reason, epoch=epoch, seq=seq, tiers=[
+            router_pb2.KVIndexTier(medium=medium, block_hashes=hashes)
+            for medium, hashes in sorted(index.tiers(request.replica).items())])
+
 
 async def serve_control(replicas: ReplicaSet, port: int, ready: Callable[[], bool]
                         ) -> tuple[grpc.aio.Server, int, asyncio.Task]:

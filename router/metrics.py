@@ -128,6 +128,12 @@ HEALTHY = Gauge("stagemesh:router_replica_healthy", "1 if the replica can serve;
                 ["replica", "engine"], **R)
 KV_INDEX_BLOCKS = Gauge("stagemesh:router_kv_index_blocks", "KV blocks the replica's events say it caches "
                         "(--policy kv-aware)", ["replica"], **R)
+KV_INDEX_DEGRADED = Gauge("stagemesh:router_kv_index_degraded", "1 while the router is unsure of the replica's KV "
+                          "blocks (its event stream is down, a gap was seen, a resync is under way): kv-aware routing "
+                          "counts no hit there", ["replica"], **R)
+KV_INDEX_RESYNCS = Counter("stagemesh:router_kv_index_resyncs", "Times the router subscribed again to a replica's KV "
+                           "events because it could not trust its index of it, by reason (gap, epoch, overflow, "
+                           "malformed, stream_lost, stream_ended)", ["replica", "reason"], **R)
 ROUTER_RUNNING = Gauge("stagemesh:router_replica_num_requests_running", "The replica's running requests",
                        ["replica"], **R)
 ROUTER_WAITING = Gauge("stagemesh:router_replica_num_requests_waiting", "The replica's waiting requests",

@@ -35,7 +35,8 @@ def forget_replica(address: str) -> None:
     """A replica the router no longer balances over: its router series go (its vllm: counters stay)."""
     engine = _state["engines"].get(address)
     for gauge, labels in ((m.HEALTHY, (address, engine)), (m.ROUTER_RUNNING, (address,)),
-                          (m.ROUTER_WAITING, (address,)), (m.KV_INDEX_BLOCKS, (address,))):
+                          (m.ROUTER_WAITING, (address,)), (m.KV_INDEX_BLOCKS, (address,)),
+                           (m.KV_INDEX_DEGRADED, (address,))):
         try:
             gauge.remove(*labels)
         except KeyError:  # (never set)
@@ -76,8 +77,14 @@ def replica_state(address: str, healthy: bool, stats=None) -> None:
     _counted[address] = now
 
 
-def kv_index_blocks(address: str, num_blocks: int) -> None:
+def kv_index_state(address: str, degraded: bool, num_blocks: int) -> None:
+    """The router's KV index of a replica: whether it is unsure of it, and the blocks it believes it holds."""
+    m.KV_INDEX_DEGRADED.labels(address).set(1 if degraded else 0)
     m.KV_INDEX_BLOCKS.labels(address).set(num_blocks)
+
+
+def kv_index_resync(address: str, reason: str) -> None:
+    m.KV_INDEX_RESYNCS.labels(address, reason).inc()
 
 
 async def metrics_handler(request):

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.observe import add_replica, forget_replica, kv_index_blocks, replica_state
+from router.kv_index import KVFeed
+from router.observe import add_replica, forget_replica, kv_index_resync, kv_index_state, replica_state
 from router.errors import APIError
 from router.submit_stream import ReplicaOutput, RequestFailed, RequestStream, SubmitStream
 from stagemesh.core.sampling_params import SamplingParams
@@ -35,6 +36,10 @@ class Replica:
     served_model_name: str = ""
     scheduling_policy: str = ""  # its scheduler's --scheduling-policy (fcfs or priority)
     kv_role: str = "both"  # its scheduler's --kv-role: both, prefill or decode (disaggregated prefill)
+    num_kv_blocks: int = 0  # its working KV pool (Stats), and its lower tiers (ModelInfo), for the KV index's cap
+    num_host_kv_blocks: int = 0
+    num_disk_kv_blocks: int = 0
+    info_epoch: int = 0  # the pipeline epoch its ModelInfo was read at
     cordoned: bool = False  # told (router.control) to take no new request: it is about to drain
     forgotten: bool = False  # no longer balanced over (ReplicaSet.set_replicas): a late check reports nothing
     stub: scheduler_pb2_grpc.SchedulerStub | None = field(default=None, repr=False)
@@ -54,12 +59,14 @@ class Replica:
         try:
             check = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=STATS_DEADLINE_S)
             stats = await self.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=STATS_DEADLINE_S)
-            if stats.healthy and not self.max_model_len:
+            if stats.healthy and (not self.max_model_len or stats.epoch != self.info_epoch):  # (tiers resized)
+                self.info_epoch = stats.epoch
                 info = await self.stub.GetModelInfo(scheduler_pb2.GetModelInfoRequest(), timeout=STATS_DEADLINE_S)
                 self.max_model_len, self.eos_token_ids = info.max_model_len, tuple(info.eos_token_ids)
                 self.served_model_name = info.served_model_name
                 self.scheduling_policy = info.scheduling_policy or "fcfs"
                 self.kv_role = info.kv_role or "both"
+                self.num_host_kv_blocks, self.num_disk_kv_blocks = info.num_host_kv_blocks, info.num_disk_kv_blocks
             serving = check.status == SERVING and stats.healthy
             reason = stats.unhealthy_reason or ("" if serving else "grpc.health.v1 reports NOT_SERVING")
             self._set_health(serving and bool(self.max_model_len), reason)
@@ -82,26 +89,50 @@ class Replica:
                     await asyncio.sleep(interval_ms / 1000)
 
     async def watch_kv_events(self, index) -> None:
-        """Keep the replica's part of the KV index (router.kv_index) as its scheduler's KV events tell; while
-        the stream is down the replica's part is empty (what it caches then is unknown)."""
+        """Keep the replica's part of the KV index (router.kv_index) as its scheduler's KV events tell, checked
+        (KVFeed): a gap, a new epoch without its snapshot, more blocks than the replica can hold, or a lost
+        stream make the replica degraded (its hits count for nothing) and the router subscribes again, whose
+        new stream begins with a snapshot; in sync again once that snapshot is in. While the stream is down
+        the replica's part is empty (what it caches then is unknown)."""
+        if index.mark_degraded(self.address, "not synced yet") is None:  # (the start: no warning)
+            kv_index_state(self.address, True, index.num_blocks(self.address))
         while True:
+            feed = KVFeed(index, self.address)
+            reason = None
             try:
                 call = self.stub.WatchKVEvents(scheduler_pb2.WatchKVEventsRequest(), timeout=WATCH_WINDOW_S)
                 async for batch in call:
-                    for event in batch.events:
-                        kind = event.WhichOneof("event")
-                        if kind == "block_stored":
-                            index.stored(self.address, event.block_stored.block_hashes, event.block_stored.block_size)
-                        elif kind == "block_removed":
-                            index.removed(self.address, event.block_removed.block_hashes)
-                        else:
-                            index.clear(self.address)
-                    kv_index_blocks(self.address, index.num_blocks(self.address))
+                    index.set_capacity(self.address, self.kv_capacity_blocks)
+                    reason = feed.apply(batch)
+                    if reason is not None:
+                        call.cancel()
+                        break
+                    if feed.synced and index.mark_synced(self.address):
+                        epoch, seq = index.positions.get(self.address, (0, 0))
+                        log.info("KV index of replica %s is in sync: %d blocks (epoch %016x, seq %d)", self.address,
+                                 index.num_blocks(self.address), epoch, seq)
+                    kv_index_state(self.address, index.is_degraded(self.address), index.num_blocks(self.address))
+                else:
+                    reason = "stream_ended"  # (the scheduler ended it: this router fell too far behind)
             except grpc.aio.AioRpcError as err:
                 if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # (a window's end: the next one resyncs)
+                    reason = "stream_lost"
                     index.clear(self.address)
-                    kv_index_blocks(self.address, 0)
-                    await asyncio.sleep(1.0)
+            if reason is not None:
+                was = index.mark_degraded(self.address, reason)
+                if was != reason:  # (not every retry against a replica that stays down)
+                    kv_index_resync(self.address, reason)
+                if was is None:
+                    log.warning("KV index of replica %s is DEGRADED (%s): kv-aware routing counts no hit there "
+                                "until a new snapshot is in", self.address, reason)
+                kv_index_state(self.address, True, index.num_blocks(self.address))
+                if reason in ("stream_lost", "overflow", "malformed"):
+                    await asyncio.sleep(1.0)  # (not a busy loop against a replica that is down or misbehaves)
+
+    @property
+    def kv_capacity_blocks(self) -> int:
+        """Blocks the replica can hold over every tier (0: unknown)."""
+        return self.num_kv_blocks + self.num_host_kv_blocks + self.num_disk_kv_blocks
 
     def mark_failed(self, reason: str) -> None:
         """A request saw the replica fail: stop sending it work until a health check passes."""
@@ -109,6 +140,7 @@ class Replica:
 
     def _set_load(self, stats) -> None:
         self.num_running, self.num_waiting, self.dispatched = stats.num_running, stats.num_waiting, 0
+        self.num_kv_blocks = stats.num_kv_blocks
         if not self.forgotten:
             replica_state(self.address, self.healthy, stats)
 
@@ -230,7 +262,7 @@ class ReplicaSet:
             task.cancel()
         index = getattr(self.policy, "index", None)
         if index is not None:
-            index.clear(replica.address)
+            index.forget(replica.address)
         await replica.close()
 
     async def attach(self, request_id: str, prompt: list[int]) -> tuple[Replica, RequestStream, ReplicaOutput] | None:

@@ -161,7 +161,8 @@ class EpochManager:
         if not self.cfg.scheduler.enable_prefix_caching:
             refusal = "the KV tiers hold prefix-cache blocks: --kv-offloading-size needs --enable-prefix-caching"
         elif disk and not host:
-            refusal = "--kv-offloading-disk-size needs --kv-offloading-size: blocks reach the disk tier through the host tier"
+            refusal = ("--kv-offloading-disk-size needs --kv-offloading-size: blocks reach the disk tier through the "
+                       "host tier")
         elif any(not s.kv_bytes_per_block for s in plan.stages):
             refusal = "a stage did not report the size of its KV blocks (an older stagemesh): no KV tiers"
         elif disk and not all(s.kv_disk_tier for s in plan.stages):

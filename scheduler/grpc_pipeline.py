@@ -132,28 +132,6 @@ class GrpcPipeline:
         replies = await asyncio.gather(*[_answer(stage, call) for stage, call in calls])
         return sum(r.bytes for r in replies)
 
-    # -- KV tiers ---------------------------------------------------------------------------
-    async def store_kv(self, epoch: int, job) -> None:
-        """Every stage copies the job's blocks into its host tier (and on to disk): scheduler.tiers.StoreJob."""
-        request = stage_pb2.StoreKVRequest(epoch=epoch, block_ids=job.block_ids, host_slots=job.host_slots,
-                                           block_hashes=job.hashes, to_disk=job.to_disk,
-                                           disk_evictions=job.disk_evictions)
-        await asyncio.gather(*[_answer(stage, self._stub(stage).StoreKV(request, timeout=self.deadlines.kv_tier_s))
-                               for stage in self.plan.stages])
-
-    async def load_kv(self, epoch: int, job) -> list[bool]:
-        """Every stage fills the job's blocks from its tiers (scheduler.tiers.LoadJob); per block, whether every
-        stage did."""
-        request = stage_pb2.LoadKVRequest(epoch=epoch, block_ids=job.block_ids, host_slots=job.host_slots,
-                                          block_hashes=job.hashes)
-        replies = await asyncio.gather(*[_answer(stage, self._stub(stage).LoadKV(request,
-                                                                                  timeout=self.deadlines.kv_tier_s))
-                                         for stage in self.plan.stages])
-        n = len(job.block_ids)
-        if any(len(r.loaded) != n for r in replies):
-            raise StagemeshError(f"a stage answered a load of {n} KV blocks with another count")
-        return [all(r.loaded[i] for r in replies) for i in range(n)]
-
     async def release_kv(self, source) -> None:
         channel = aio_channel(source.scheduler_address)
         try:
@@ -164,6 +142,28 @@ class GrpcPipeline:
                         source.scheduler_address, err.details())
         finally:
             await channel.close()
+
+    # -- KV tiers ------------------------------------------------------------------------------
+    async def store_kv(self, epoch: int, block_ids: list[int], host_slots: list[int], hashes: list[int],
+                       to_disk: list[bool], disk_evictions: list[int]) -> None:
+        """Every stage copies the blocks into its host tier (and queues the disk writes); raises StageFailure."""
+        request = stage_pb2.StoreKVRequest(epoch=epoch, block_ids=block_ids, host_slots=host_slots,
+                                           block_hashes=hashes, to_disk=to_disk, disk_evictions=disk_evictions)
+        await asyncio.gather(*[_answer(stage, self._stub(stage).StoreKV(request, timeout=self.deadlines.kv_store_s))
+                               for stage in self.plan.stages])
+
+    async def load_kv(self, epoch: int, block_ids: list[int], host_slots: list[int], hashes: list[int]
+                      ) -> list[bool]:
+        """Every stage fills the blocks from its tiers: per block, whether every stage did; raises StageFailure."""
+        request = stage_pb2.LoadKVRequest(epoch=epoch, block_ids=block_ids, host_slots=host_slots,
+                                          block_hashes=hashes)
+        replies = await asyncio.gather(*[_answer(stage, self._stub(stage).LoadKV(request,
+                                                                                timeout=self.deadlines.kv_load_s))
+                                         for stage in self.plan.stages])
+        for stage, reply in zip(self.plan.stages, replies):
+            if len(reply.loaded) != len(block_ids):
+                raise StageFailure(stage, f"LoadKV answered {len(reply.loaded)} flags for {len(block_ids)} blocks")
+        return [all(flags) for flags in zip(*(r.loaded for r in replies))]
 
     # -- probing -------------------------------------------------------------------------
     async def probe(self) -> StageFailure | None:

@@ -67,13 +67,15 @@ class Pipeline(Protocol):
         (pull: scheduler.kv_transfer.KVPull) into the pull's blocks; the bytes moved. Raises when it cannot
         (the request then computes its prompt): a pipeline without stage services always does."""
 
-    async def store_kv(self, epoch: int, job) -> None:
-        """KV tiers: every stage copies the job's pool blocks into its host tier, and on to disk
-        (scheduler.tiers.StoreJob). Raises when a stage could not."""
+    async def store_kv(self, epoch: int, block_ids: list[int], host_slots: list[int], hashes: list[int],
+                       to_disk: list[bool], disk_evictions: list[int]) -> None:
+        """KV tiers: every stage copies these pool blocks into its host tier, and on to disk, and deletes the
+        evicted disk blocks (scheduler.tiers.StoreJob). Raises when a stage could not."""
 
-    async def load_kv(self, epoch: int, job) -> list[bool]:
-        """KV tiers: every stage fills the job's pool blocks from its host or disk tier
-        (scheduler.tiers.LoadJob); per block, whether every stage did."""
+    async def load_kv(self, epoch: int, block_ids: list[int], host_slots: list[int], hashes: list[int]
+                      ) -> list[bool]:
+        """KV tiers: every stage fills these pool blocks from its host or disk tier (scheduler.tiers.LoadJob);
+        per block, whether every stage did."""
 
     async def release_kv(self, source) -> None:
         """Tell the prefill replica of `source` (KVSourceInfo) to free the blocks it held; errors are logged."""

@@ -31,6 +31,9 @@ FINISH = {"stop": scheduler_pb2.FINISH_REASON_STOP, "length": scheduler_pb2.FINI
           "abort": scheduler_pb2.FINISH_REASON_ABORT, "prefilled": scheduler_pb2.FINISH_REASON_PREFILLED}
 MAX_KV_SOURCE_STAGES = 1024
 MAX_ADDRESS_LEN = 255
+# hashes and token ids in one KV event message (a hash takes up to 10 bytes on the wire, a token id up to 5):
+# at most 2 MiB, under the 4 MiB a gRPC client takes by default
+MAX_KV_ITEMS_PER_MESSAGE = 200_000
 SERVICE = "stagemesh.v1.Scheduler"
 
 
@@ -175,9 +178,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         queue = self.driver.subscribe_kv_events()
         try:
             while (batch := await queue.get()) is not None:
-                yield kv_batch_to_pb(batch, self.block_size)
+                for message in kv_batch_to_pbs(batch, self.block_size):
+                    yield message
         finally:
             self.driver.unsubscribe_kv_events(queue)
+
+    async def GetKVSnapshot(self, request, context):
+        epoch, seq, tiers = self.driver.kv_events.snapshot()
+        return scheduler_pb2.KVSnapshot(epoch=epoch, seq=seq, block_size=self.block_size, tiers=[
+            scheduler_pb2.KVSnapshotTier(medium=medium, block_hashes=hashes) for medium, hashes in tiers])
 
     async def GetModelInfo(self, request, context):
         d = self.driver.status()
@@ -191,6 +200,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             info.kv_cache_tokens = d.kv_cache_tokens
             info.stages.extend(stage_pb2.KVSource(address=x.address, layer_start=x.layer_start,
                                                   layer_end=x.layer_end) for x in d.stages)
+        scheduler = self.driver.scheduler
+        tiers = scheduler.kv.tiers if scheduler is not None else None
+        if tiers is not None:  # (what a router's KV index of this replica may hold: its bound)
+            info.num_host_kv_blocks, info.num_disk_kv_blocks = tiers.num_host_blocks, tiers.num_disk_blocks
         return info
 
     async def ReleaseKV(self, request, context):
@@ -291,17 +304,41 @@ async def serve(servicer: SchedulerServicer, host: str, port: int) -> tuple[grpc
     return server, bound
 
 
-def kv_batch_to_pb(batch: KVEventBatch, block_size: int) -> scheduler_pb2.KVEventBatch:
-    out = scheduler_pb2.KVEventBatch(ts=batch.ts)
+def kv_batch_to_pbs(batch: KVEventBatch, block_size: int, limit: int = MAX_KV_ITEMS_PER_MESSAGE
+                    ) -> list[scheduler_pb2.KVEventBatch]:
+    """A batch as one message, or as several (a large snapshot) of at most `limit` hashes and token ids each, so
+    that every message stays well under gRPC's 4 MiB: the same epoch, seq and snapshot on each, `more` on all
+    but the last; an event split in two continues its chain (the second part's parent: the first's last)."""
+    out = [scheduler_pb2.KVEventBatch()]
+    room = limit
     for event in batch.events:
-        if isinstance(event, BlockStored):
-            out.events.add().block_stored.CopyFrom(scheduler_pb2.BlockStored(
-                block_hashes=event.block_hashes, parent_block_hash=event.parent_block_hash,
-                token_ids=event.token_ids, block_size=block_size))
-        elif isinstance(event, AllBlocksCleared):
-            out.events.add().all_blocks_cleared.SetInParent()
-        else:
-            out.events.add().block_removed.block_hashes.extend(event.block_hashes)
+        if isinstance(event, AllBlocksCleared):
+            out[-1].events.add().all_blocks_cleared.SetInParent()
+            continue
+        hashes = event.block_hashes
+        tokens = event.token_ids if isinstance(event, BlockStored) else []
+        per_block = 1 + (block_size if tokens else 0)
+        i = 0
+        while i < len(hashes):
+            take = min(len(hashes) - i, room // per_block)
+            if take == 0:
+                out.append(scheduler_pb2.KVEventBatch())
+                room = limit
+                continue
+            part = hashes[i:i + take]
+            if isinstance(event, BlockStored):
+                out[-1].events.add().block_stored.CopyFrom(scheduler_pb2.BlockStored(
+                    block_hashes=part, parent_block_hash=event.parent_block_hash if i == 0 else hashes[i - 1],
+                    token_ids=tokens[i * block_size:(i + take) * block_size], block_size=block_size,
+                    medium=event.medium))
+            else:
+                out[-1].events.add().block_removed.CopyFrom(scheduler_pb2.BlockRemoved(block_hashes=part,
+                                                                                       medium=event.medium))
+            room -= take * per_block
+            i += take
+    for n, msg in enumerate(out):
+        msg.ts, msg.epoch, msg.seq, msg.snapshot, msg.more = batch.ts, batch.epoch, batch.seq, batch.snapshot, \
+            n < len(out) - 1
     return out
 
 

@@ -259,7 +259,8 @@ class StepLoop:
         """Copy blocks that entered the prefix cache into the KV tiers (scheduler.tiers)."""
         start, ok = time.perf_counter(), True
         try:
-            await self.pipeline.store_kv(epoch, job)
+            await self.pipeline.store_kv(epoch, job.block_ids, job.host_slots, job.hashes, job.to_disk,
+                                         job.disk_evictions)
         except Exception as err:  # noqa: BLE001 - the blocks are then in no tier; a dead stage is the probe's
             log.warning("storing %d KV block(s) in the KV tiers failed: %s", len(job.block_ids), err)
             ok = False
@@ -272,7 +273,7 @@ class StepLoop:
         """Fill a waiting request's blocks from the KV tiers; it runs from the first block that did not load."""
         start = time.perf_counter()
         try:
-            flags = await self.pipeline.load_kv(epoch, job)
+            flags = await self.pipeline.load_kv(epoch, job.block_ids, job.host_slots, job.hashes)
         except Exception as err:  # noqa: BLE001 - the request computes those blocks
             log.warning("request %s: loading %d KV block(s) from the KV tiers failed (%s): computing them",
                         job.request_id, len(job.block_ids), err)

@@ -66,6 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the last stage's draft model for speculative decoding, as the scheduler's "
                         "--speculative-config gives it ({\"model\": DIR, \"num_speculative_tokens\": k}): the draft "
                         "runs on TP rank 0 with a KV cache of its own, in this stage's KV budget")
+    p.add_argument("--kv-offloading-disk-path", default=None, metavar="DIR",
+                   help="the disk tier of this stage's KV (docs/kv-tiers.md): blocks the scheduler moves there are "
+                        "files under DIR/<namespace>/ (a digest of the model, dtype, block size, heads, layers, TP "
+                        "size and quantization, so a changed model never reads them), kept across restarts. One "
+                        "stage process per namespace directory: give each replica a DIR of its own (a second stage "
+                        "on it is refused; `stagemesh serve` uses DIR/replica-<i>)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     p.add_argument("--cpu-affinity", default=None, metavar="CPUS", help="pin the stage (and followers) to these "
                                                                         "cores, e.g. 0 or 0,1")
@@ -192,6 +198,10 @@ def run(args: argparse.Namespace) -> int:
     ep = expert_parallel_across_replicas(args, cfg, start, end)
     balance = eplb_config(args, cfg)
     spec = stage_speculation(args, cfg, end)
+    if args.kv_offloading_disk_path:  # before the weights load: a bad directory is refused at once
+        from stage_worker.kv_disk import check_writable
+
+        check_writable(args.kv_offloading_disk_path)
     if args.cpu_affinity:
         import os
 
@@ -215,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
     worker = StageWorker(StageConfig(slice_, args.stage_index, handoff=args.handoff,
                                      kv_cache_memory=args.kv_cache_memory,
                                      gpu_memory_utilization=args.gpu_memory_utilization, threads=args.threads,
-                                     ep=ep, standby=args.standby, speculative=spec))
+                                     ep=ep, standby=args.standby, speculative=spec,
+                                     kv_disk_path=args.kv_offloading_disk_path))
     if args.standby:  # warm: a join with the stage's own number of blocks finds its cache ready
         worker.runner.allocate_kv_cache(worker.num_kv_blocks)
     internal_token.warn_if_open(f"stage {args.stage_index}")
@@ -239,6 +250,9 @@ def run(args: argparse.Namespace) -> int:
         log.info("stage %d experts: %s", args.stage_index,
                  describe_layout(cfg, args.tensor_parallel_size, args.enable_expert_parallel, worker.ep))
         watch_expert_load(args.stage_index, worker.runner.model)
+    from stage_worker.observe import watch_kv_tiers
+
+    watch_kv_tiers(args.stage_index, worker.tiers)
     servicer = StageServicer(worker, "", PeerStages(args.scheduler))
     server = ServerThread(servicer, args.host, args.port)
     stop = threading.Event()

@@ -1,8 +1,8 @@
 """The one control channel from a stage's TP rank 0 to its followers: a pipe into each follower's stdin, as
 long-lived as the follower, carrying every instruction in order: join an epoch, run a step, read or write KV
-blocks, move experts, leave. Tensors (hidden states, all-reduces, gathered KV) go over the epoch's TP group;
-instructions never do, so a follower needs no epoch to be told what to do, and rank 0 never waits on a
-follower to hand it one (a pipe write returns once the bytes are in the pipe).
+blocks, store and load KV tiers, move experts, leave. Tensors (hidden states, all-reduces, gathered KV) go over
+the epoch's TP group; instructions never do, so a follower needs no epoch to be told what to do, and rank 0 never
+waits on a follower to hand it one (a pipe write returns once the bytes are in the pipe).
 
 A message is its kind (u8), the epoch it belongs to (u32), its payload's length (u32) and the payload. A
 follower acts on an epoch's messages only while it is in that epoch: after its epoch broke under it (a peer
@@ -21,7 +21,8 @@ import time
 
 from stagemesh.core.errors import StagemeshError
 
-JOIN, FORWARD, LEAVE, KV_EXPORT, KV_IMPORT, EPLB_REBALANCE = range(6)
+# KV_TIER_*: the host and disk KV tiers (stage_worker.kv_tier_ranks)
+JOIN, FORWARD, LEAVE, KV_EXPORT, KV_IMPORT, EPLB_REBALANCE, KV_TIER_STORE, KV_TIER_READ, KV_TIER_FILL = range(9)
 HEADER = struct.Struct("<BII")
 PIPE_BYTES = 2**20  # a long prefill's step fits the pipe: rank 0 writes it without waiting for the reader
 _F_SETPIPE_SZ = 1031  # Linux's fcntl

@@ -20,6 +20,9 @@ from stagemesh.core.step_wire import epoch_from_pb, step_from_pb
 from stagemesh.v1 import stage_pb2
 from stage_worker import control, eplb, kv_transfer, run_ahead
 from stage_worker import dist as sdist
+from stage_worker.kv_disk import DiskTier
+from stage_worker.kv_tier_ranks import TierFollower
+from stage_worker.kv_tiers import KVTierStore, block_layout
 from stage_worker.runner import SliceConfig, StageRunner
 
 log = logging.getLogger("stagemesh.follower")
@@ -32,8 +35,9 @@ def die_with_parent() -> None:
         pass
 
 
-def serve(runner: StageRunner, channel: control.Reader) -> None:
+def serve(runner: StageRunner, channel: control.Reader, tiers: KVTierStore | None = None) -> None:
     """Rank 0's messages in order, until it closes the pipe."""
+    tiered = None if tiers is None else TierFollower(tiers)
     epoch = None  # the epoch this rank is in
     while (message := channel.read()) is not None:
         kind, of_epoch, payload = message
@@ -45,10 +49,15 @@ def serve(runner: StageRunner, channel: control.Reader) -> None:
                 join = epoch_from_pb(stage_pb2.JoinPipelineRequest.FromString(payload))
                 sdist.join_world(join, runner.tp, runner.device)  # leaves the world it was in first
                 runner.reset(join.num_kv_blocks)
+                tiered = tiered or TierFollower(KVTierStore(runner))
+                tiered.reset()
+                tiered.tiers.resize(join.num_host_kv_blocks)
                 epoch = of_epoch
             elif kind == control.LEAVE:
                 epoch = None
                 sdist.leave_world(runner.tp)
+            elif kind in (control.KV_TIER_STORE, control.KV_TIER_READ, control.KV_TIER_FILL) and tiered is not None:
+                tiered.handle(runner, kind, payload)
             else:
                 run(runner, kind, payload)
         except Exception as err:  # the epoch broke (a peer died): wait for the next one
@@ -77,8 +86,10 @@ def run(runner: StageRunner, kind: int, payload: bytes) -> None:
         raise ValueError(f"control message of unknown kind {kind}")
 
 
-def follower_argv(slice_: SliceConfig, tp_rank: int, threads: int) -> list[str]:
-    """The command line of TP rank `tp_rank` of `slice_` (main() reads it back)."""
+def follower_argv(slice_: SliceConfig, tp_rank: int, threads: int, kv_disk: tuple[str, str] | None = None
+                  ) -> list[str]:
+    """The command line of TP rank `tp_rank` of `slice_` (main() reads it back). `kv_disk`: the disk tier's
+    namespace directory and namespace, which rank 0 made and holds locked (stage_worker.kv_disk)."""
     argv = ["--model", str(slice_.model_dir), "--layers", f"{slice_.layer_start}:{slice_.layer_end}",
             "--tp-rank", str(tp_rank), "--tp-size", str(slice_.tp_size), "--device", slice_.device,
             "--block-size", str(slice_.block_size), "--threads", str(threads)]
@@ -90,6 +101,8 @@ def follower_argv(slice_: SliceConfig, tp_rank: int, threads: int) -> list[str]:
         argv += ["--quantization", slice_.quantization]
     if slice_.gguf_file:
         argv += ["--gguf-file", slice_.gguf_file]
+    if kv_disk is not None:
+        argv += ["--kv-disk-dir", kv_disk[0], "--kv-namespace", kv_disk[1]]
     return argv + eplb.config_argv(slice_.eplb)
 
 
@@ -107,6 +120,8 @@ def main() -> None:
     p.add_argument("--eplb-config", default=None)
     p.add_argument("--quantization", default=None)
     p.add_argument("--gguf-file", default=None)
+    p.add_argument("--kv-disk-dir", default=None)
+    p.add_argument("--kv-namespace", default=None)
     args = p.parse_args()
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s follower tp{args.tp_rank} %(levelname)s: %(message)s")
@@ -117,9 +132,11 @@ def main() -> None:
     runner = SliceConfig(args.model, start, end, args.tp_size, args.device, args.dtype, args.block_size,
                          expert_parallel=args.enable_expert_parallel, eplb=balance, quantization=args.quantization,
                          gguf_file=args.gguf_file).runner(args.tp_rank)
+    disk = DiskTier(args.kv_disk_dir, args.kv_namespace, args.tp_rank, block_layout(runner)) if args.kv_disk_dir \
+        else None
     sys.stdout.write("ready\n")
     sys.stdout.flush()
-    serve(runner, control.Reader(sys.stdin.fileno()))
+    serve(runner, control.Reader(sys.stdin.fileno()), KVTierStore(runner, disk))
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ class StageRunner:
         self.quantization = quantization
         self.model = StageModel(cfg, layer_start, layer_end, self.tp, self.dtype, self.device,
                                 expert_parallel=expert_parallel, ep=ep, eplb=eplb)
-        self.model_dir = model_dir
+        self.model_dir, self.gguf_file = model_dir, gguf_file
         if load:
             _load(self.model, model_dir, quantization, gguf_file, cfg)
         if self.device.type == "cpu":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -47,6 +48,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             weight_bytes=w.runner.model.num_parameter_bytes(), instance_id=w.instance_id, standby=c.standby,
             num_speculative_tokens=c.speculative.num_speculative_tokens if c.speculative else 0,
             speculative_model=c.speculative.model if c.speculative else "", draining=self.draining,
+            kv_bytes_per_block=w.kv_bytes_per_block, kv_disk_tier=w.disk_dir is not None,
             model=stage_pb2.ModelIdentity(model_type=cfg.model_type, num_hidden_layers=cfg.num_hidden_layers,
                                           hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                                           num_attention_heads=cfg.num_attention_heads,
@@ -64,7 +66,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         except StagemeshError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         await self.steps.join(spec, self.worker.join)  # a failure is reported to the caller, the stage stays up
-        return stage_pb2.JoinPipelineResponse()
+        hashes = await asyncio.to_thread(self.worker.disk_block_hashes)
+        return stage_pb2.JoinPipelineResponse(disk_block_hashes=hashes)
 
     async def Forward(self, request, context):
         span, start = self.observer.start(request, context.invocation_metadata())
@@ -93,6 +96,21 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     async def PullKV(self, request, context):
         # a failed pull: the decode scheduler falls back to recomputing the prompt
         return await kv_connector.pull(self.worker, request, self.kv_peers)
+
+    async def StoreKV(self, request, context):
+        await asyncio.wrap_future(self.worker.store_kv(
+            request.epoch, list(request.block_ids), list(request.host_slots), list(request.block_hashes),
+            list(request.to_disk), list(request.disk_evictions)))
+        return stage_pb2.StoreKVResponse()
+
+    async def LoadKV(self, request, context):
+        start, w = time.perf_counter(), self.worker
+        block_ids, slots, hashes = list(request.block_ids), list(request.host_slots), list(request.block_hashes)
+        load_id = w.begin_load(request.epoch, block_ids, slots, hashes)
+        reads = await asyncio.to_thread(w.tiers.read, slots, hashes)  # files are read off the step loop
+        loaded = await asyncio.wrap_future(w.finish_load(load_id, request.epoch, block_ids, slots, hashes, reads))
+        return stage_pb2.LoadKVResponse(loaded=loaded, bytes=sum(loaded) * w.tiers.bytes_per_block,
+                                        seconds=time.perf_counter() - start)
 
     async def PushActivations(self, request, context):
         self._deliver(request)

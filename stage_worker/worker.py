@@ -2,7 +2,8 @@
 
 Steps go through the stage's step executor (stage_worker.step_executor), which
 the gRPC servicer (stage_worker.service) submits them to; this class starts the
-followers, joins and leaves epochs, and reads and writes KV blocks between steps.
+followers, joins and leaves epochs, and reads and writes KV blocks between steps, and moves them between the
+cache and its host and disk tiers (stage_worker.kv_tiers) as the scheduler says.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+import itertools
 import threading
 import uuid
 from concurrent.futures import Future
@@ -23,6 +25,9 @@ from stagemesh.core.step import EpochSpec
 from stagemesh.core.step_wire import epoch_to_pb
 from stage_worker import control, eplb, kv_transfer
 from stage_worker import dist as sdist
+from stage_worker import kv_tier_ranks
+from stage_worker.kv_disk import DiskTier, NamespaceDir
+from stage_worker.kv_tiers import KVTierStore, block_layout, check_host_memory, kv_namespace
 from stage_worker.draft import DraftModel
 from stage_worker.ep_group import EPConfig, EPGroup
 from stage_worker.kv_cache import num_kv_blocks_for_budget
@@ -45,6 +50,10 @@ class StageConfig:
     ep: EPConfig | None = None  # experts spread over the data-parallel replicas' stages (stage_worker.ep_group)
     standby: bool = False  # a spare for a served index (see scheduler.rendezvous): KV allocated at start
     speculative: SpeculativeConfig | None = None  # the last stage's draft model (stage_worker.draft)
+    kv_disk_path: str | None = None  # --kv-offloading-disk-path: the disk KV tier's directory (stage_worker.kv_disk)
+
+
+MAX_DISK_EVICTIONS = 1 << 16  # per StoreKV call
 
 
 class StageWorker:
@@ -58,6 +67,14 @@ class StageWorker:
             s = cfg.slice
             self.runner.attach_drafter(DraftModel(cfg.speculative, self.runner.config, self.runner.device, s.dtype,
                                                   s.block_size))
+        # the disk tier's directory, locked for the stage's life, before the followers use it
+        self.disk_dir = None if not cfg.kv_disk_path else NamespaceDir(
+            cfg.kv_disk_path, kv_namespace(self.runner, cfg.slice.tp_size), cfg.slice.tp_size,
+            {"model_path": str(cfg.slice.model_dir), "stage_index": cfg.stage_index})
+        disk = None if self.disk_dir is None else DiskTier(self.disk_dir.path, self.disk_dir.namespace, 0,
+                                                           block_layout(self.runner))
+        self.tiers = KVTierStore(self.runner, disk)
+        self._load_ids = itertools.count()
         self.followers = [self._start_follower(t) for t in range(1, cfg.slice.tp_size)]
         for t, proc in enumerate(self.followers, start=1):
             if proc.stdout.readline().strip() != b"ready":
@@ -77,8 +94,20 @@ class StageWorker:
 
     # -- start-up ---------------------------------------------------------------
     def _start_follower(self, tp_rank: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "stage_worker.follower", *follower_argv(self.cfg.slice, tp_rank, self.cfg.threads)]
+        disk = (str(self.disk_dir.path), self.disk_dir.namespace) if self.disk_dir is not None else None
+        cmd = [sys.executable, "-m", "stage_worker.follower",
+               *follower_argv(self.cfg.slice, tp_rank, self.cfg.threads, disk)]
         return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=os.environ.copy())
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """One block of this stage's layers over every TP rank (the draft model's, on rank 0 only, once)."""
+        draft = self.runner.drafter.kv_bytes_per_block if self.runner.drafter is not None else 0
+        return (self.runner.kv_bytes_per_block - draft) * self.cfg.slice.tp_size + draft
+
+    def disk_block_hashes(self) -> list[int]:
+        """The disk tier's blocks every TP rank holds, least recently written first."""
+        return self.disk_dir.common_hashes(self.cfg.slice.tp_size) if self.disk_dir is not None else []
 
     def _kv_budget(self) -> int:
         if self.cfg.kv_cache_memory:
@@ -114,6 +143,10 @@ class StageWorker:
         c = self.cfg
         check_join(req, c.stage_index, c.slice.tp_size, self.num_kv_blocks, self.runner.config.max_position_embeddings,
                    self.runner.is_last_stage, c.handoff == "grpc" and not self.runner.is_last_stage)
+        if not 0 <= req.num_host_kv_blocks < 2**31:
+            raise InvalidStep(f"num_host_kv_blocks {req.num_host_kv_blocks} must be 0 or more")
+        if req.num_host_kv_blocks != self.tiers.num_host_blocks:
+            check_host_memory(req.num_host_kv_blocks, self.kv_bytes_per_block, f"stage {c.stage_index}'s TP ranks")
 
     def join(self, req: EpochSpec) -> None:
         """Leave the old epoch (waking anything blocked in it) and join the new one."""
@@ -126,6 +159,7 @@ class StageWorker:
             self.control.send(control.JOIN, req.epoch, epoch_to_pb(req).SerializeToString())
         rank = sdist.join_world(req, self.runner.tp, self.runner.device)
         self.steps.loop.call(self.runner.reset, req.num_kv_blocks)
+        self.steps.loop.call(self.tiers.resize, req.num_host_kv_blocks)
         self.steps.begin_epoch(req, rank)
         log.info("joined epoch %d as rank %d of %d (layers %d:%d, TP=%d, %s handoff, %d KV blocks)", req.epoch, rank,
                  req.world_size, self.cfg.slice.layer_start, self.cfg.slice.layer_end, self.cfg.slice.tp_size,
@@ -181,12 +215,72 @@ class StageWorker:
         self._tell_followers(control.KV_IMPORT, kv_transfer.encode(block_ids, layers))
         kv_transfer.import_blocks(self.runner, block_ids, layers, kvs, shape, cache.dtype)
 
+    # -- KV tiers (stage_worker.kv_tiers) -----------------------------------------------------
+    def store_kv(self, epoch: int, block_ids: list[int], host_slots: list[int], hashes: list[int],
+                 to_disk: list[bool], disk_evictions: list[int]) -> Future:
+        """Copy the blocks into the host tier (and queue the disk writes), on every TP rank, between steps."""
+        self._check_tier_call(epoch, block_ids, host_slots, hashes, to_disk)
+        if len(disk_evictions) > MAX_DISK_EVICTIONS or (disk_evictions and self.tiers.disk is None):
+            raise InvalidStep(f"{len(disk_evictions)} disk evictions: a stage with a disk tier takes up to "
+                              f"{MAX_DISK_EVICTIONS} per call")
+        return self.steps.loop.submit(self._store_tiers, epoch, block_ids, host_slots, hashes, to_disk,
+                                      disk_evictions)
+
+    def begin_load(self, epoch: int, block_ids: list[int], host_slots: list[int], hashes: list[int]) -> int:
+        """The checks of a LoadKV; the followers start reading their files. Rank 0 reads its own
+        (self.tiers.read, off the step loop), then calls finish_load with the load's id."""
+        self._check_tier_call(epoch, block_ids, host_slots, hashes)
+        load_id = next(self._load_ids)
+        if self.control is not None:
+            self.control.send(control.KV_TIER_READ, epoch, kv_tier_ranks.encode_load(load_id, block_ids, host_slots,
+                                                                                     hashes))
+        return load_id
+
+    def finish_load(self, load_id: int, epoch: int, block_ids: list[int], host_slots: list[int], hashes: list[int],
+                    reads: list) -> Future:
+        """Between steps: fill the blocks every TP rank can; a future of the flags."""
+        return self.steps.loop.submit(self._fill_tiers, load_id, epoch, block_ids, host_slots, hashes, reads)
+
+    def _check_tier_call(self, epoch: int, block_ids: list[int], host_slots: list[int], hashes: list[int],
+                         to_disk: list[bool] | None = None) -> None:
+        """A StoreKV (to_disk given) or LoadKV that does not fit the stage is refused before anything is touched."""
+        if epoch != self.epoch:
+            raise StagemeshError(f"KV tiers of epoch {epoch} asked for, which is not the stage's")
+        n, blocks, slots = len(block_ids), self.limits.num_kv_blocks, self.tiers.num_host_blocks
+        if len(host_slots) != n or len(hashes) != n or (to_disk is not None and len(to_disk) != n):
+            raise InvalidStep("block_ids, host_slots, block_hashes (and to_disk) must have one entry per block")
+        if n > blocks or not all(0 <= b < blocks for b in block_ids):
+            raise InvalidStep(f"KV tier calls take up to {blocks} block ids below {blocks}")
+        disk = self.tiers.disk is not None
+        wants_disk = [s == -1 for s in host_slots] if to_disk is None else list(to_disk)
+        if not all(0 <= s < slots or (s == -1 and wants_disk[i]) for i, s in enumerate(host_slots)):
+            raise InvalidStep(f"host slots must be below {slots} (the host tier's size), or -1 for the disk tier")
+        if any(wants_disk) and not disk:
+            raise InvalidStep("this stage has no disk tier (--kv-offloading-disk-path)")
+        used = block_ids if to_disk is None else [s for s in host_slots if s >= 0]
+        if len(set(used)) != len(used):
+            raise InvalidStep("a block id (LoadKV) or host slot (StoreKV) appears twice in one call")
+
+    def _store_tiers(self, epoch: int, *args) -> None:
+        if epoch != self.epoch:
+            raise StagemeshError(f"KV tiers of epoch {epoch} asked for, which is not the stage's")
+        self._tell_followers(control.KV_TIER_STORE, kv_tier_ranks.encode_store(*args))
+        self.tiers.store(*args)
+
+    def _fill_tiers(self, load_id: int, epoch: int, block_ids: list[int], host_slots: list[int], hashes: list[int],
+                    reads: list) -> list[bool]:
+        if epoch != self.epoch:
+            raise StagemeshError(f"KV tiers of epoch {epoch} asked for, which is not the stage's")
+        self._tell_followers(control.KV_TIER_FILL, kv_tier_ranks.encode_load(load_id, block_ids, host_slots, hashes))
+        return kv_tier_ranks.finish_load(self.tiers, self.runner, block_ids, host_slots, hashes, reads)
+
     def _tell_followers(self, kind: int, payload: bytes) -> None:
         if self.control is not None:
             self.control.send(kind, self.epoch, payload)
 
     def close(self) -> None:
         self.steps.abort()
+        self.tiers.close()
         for proc in self.followers:
             proc.kill()
             proc.wait()

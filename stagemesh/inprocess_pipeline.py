@@ -16,20 +16,30 @@ from scheduler.rendezvous import ModelIdentity, PipelinePlan, StageInfo
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.step import StepBatch
 from stage_worker import run_ahead
+from stage_worker.kv_tiers import KVTierStore, open_disk_tier
 from stage_worker.runner import StageRunner
 
 
 class InProcessPipeline:
     overlaps_stages = False
 
-    def __init__(self, runners: list[StageRunner], num_kv_blocks: int):
+    def __init__(self, runners: list[StageRunner], num_kv_blocks: int, kv_disk_path: str | None = None):
+        """kv_disk_path: the stages' disk KV tier (each its own namespace directory under it)."""
         self.runners = runners
+        disks = [open_disk_tier(kv_disk_path, r) for r in runners] if kv_disk_path else None
+        self._disk_dirs = [ns for ns, _ in disks] if disks else []
+        self.tiers = [KVTierStore(r, disks[i][1] if disks else None) for i, r in enumerate(runners)]
+        self.kv_bytes_per_block = sum(r.kv_bytes_per_block for r in runners)  # a block over every stage
+        self.has_disk_tier = kv_disk_path is not None
+        self.disk_block_hashes: list[int] = []  # what every stage's disk tier holds, as of the last join
         self.block_size, self.num_stages = runners[0].block_size, len(runners)
         c = runners[0].config
         model = ModelIdentity(c.model_type, c.num_hidden_layers, c.hidden_size, c.vocab_size, c.num_attention_heads,
                               c.num_key_value_heads)
         self.stages = [StageInfo(i, r.model.layer_start, r.model.layer_end, 1, str(r.device), num_kv_blocks,
-                                 self.block_size, model, "in-process", "in-process") for i, r in enumerate(runners)]
+                                 self.block_size, model, "in-process", "in-process",
+                                 kv_bytes_per_block=t.bytes_per_block, kv_disk_tier=self.has_disk_tier)
+                       for i, (r, t) in enumerate(zip(runners, self.tiers))]
         self.plan = PipelinePlan(self.stages, len(runners), list(range(len(runners))), [1] * len(runners),
                                  num_kv_blocks)
 
@@ -37,8 +47,25 @@ class InProcessPipeline:
         return self.plan
 
     async def join(self, epoch: int, plan: PipelinePlan, max_model_len: int, max_num_batched_tokens: int) -> None:
-        for runner in self.runners:  # a new epoch starts from empty state, as a stage service does
+        for runner, tiers in zip(self.runners, self.tiers):  # a new epoch starts from empty state, as a stage does
             runner.reset(plan.num_kv_blocks)
+            tiers.resize(plan.num_host_kv_blocks)
+        self.disk_block_hashes = _common([t.disk_hashes() for t in self.tiers])
+
+    async def store_kv(self, epoch: int, block_ids: list[int], host_slots: list[int], hashes: list[int],
+                       to_disk: list[bool], disk_evictions: list[int]) -> None:
+        """KV tiers: every stage copies the blocks into its host tier (and queues the disk writes)."""
+        for tiers in self.tiers:
+            tiers.store(block_ids, host_slots, hashes, to_disk, disk_evictions)
+
+    async def load_kv(self, epoch: int, block_ids: list[int], host_slots: list[int], hashes: list[int]
+                      ) -> list[bool]:
+        """KV tiers: the blocks every stage can load are filled (files read off the event loop); their flags."""
+        reads = [await asyncio.to_thread(t.read, host_slots, hashes) for t in self.tiers]
+        ok = [all(flags) for flags in zip(*(t.ready(host_slots, hashes, r) for t, r in zip(self.tiers, reads)))]
+        for tiers, r in zip(self.tiers, reads):
+            tiers.fill(block_ids, host_slots, r, ok)
+        return ok
 
     def forward(self, epoch: int, batch: StepBatch, span, trace_links: list[str]) -> asyncio.Future:
         done = asyncio.get_running_loop().create_future()
@@ -65,3 +92,9 @@ class InProcessPipeline:
 
     async def probe(self) -> StageFailure | None:
         return None
+
+
+def _common(per_stage: list[list[int]]) -> list[int]:
+    """The hashes every stage holds, in the first stage's order."""
+    others = [set(h) for h in per_stage[1:]]
+    return [h for h in per_stage[0] if all(h in o for o in others)] if per_stage else []

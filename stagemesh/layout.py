@@ -146,7 +146,8 @@ class MeshLayout:
                 *(["--enable-expert-parallel"] if args.enable_expert_parallel else []),
                 *(["--enable-eplb"] if args.enable_eplb else []), *_flags(args, ("eplb_config",)),
                 *(ep if self.ep_port else []),
-                *_flags(args, ("dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization"))]
+                *_flags(args, ("dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization")),
+                *_disk_tier(args, r)]
         return ChildSpec(f"stage[{r}.{i}]", argv, env, "stage", tp * self.threads, tp if self.cuda else 0)
 
     def routers(self, replicas: list[str]) -> list[ChildSpec]:
@@ -211,6 +212,12 @@ def _service(args: argparse.Namespace, metrics_offset: int | None) -> list[str]:
     if metrics_offset is not None and args.metrics_port is not None:
         argv += ["--metrics-port", str(args.metrics_port + metrics_offset)]
     return argv
+
+
+def _disk_tier(args: argparse.Namespace, replica: int) -> list[str]:
+    """Each replica's stages get a disk tier directory of their own (two stages never share a namespace)."""
+    path = getattr(args, "kv_offloading_disk_path", None)
+    return ["--kv-offloading-disk-path", os.path.join(path, f"replica-{replica}")] if path else []
 
 
 def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:

@@ -34,8 +34,10 @@ class LocalEngine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  max_model_len: int | None = None, device: str = "cpu", dtype: str | None = None,
                  async_scheduling: bool | None = None, speculative_config: str | dict | None = None,
-                 quantization: str | None = None, gguf_file: str | None = None):
-        """speculative_config: vLLM's --speculative-config, as JSON or a dict."""
+                 quantization: str | None = None, gguf_file: str | None = None,
+                 kv_offloading_disk_path: str | None = None):
+        """speculative_config: vLLM's --speculative-config, as JSON or a dict. kv_offloading_disk_path: the stages'
+        disk KV tier (stagemesh.inprocess_pipeline)."""
         cfg = ModelConfig.from_path(model_dir)
         spec = parse_speculative_config(speculative_config)
         split = split or layer_split(cfg.num_hidden_layers, 1)
@@ -46,7 +48,7 @@ class LocalEngine:
             self.runners[-1].attach_drafter(DraftModel(spec, cfg, device, dtype, block_size))
         if num_kv_blocks is None:
             num_kv_blocks = min(num_kv_blocks_for_budget(kv_cache_memory, r.kv_bytes_per_block) for r in self.runners)
-        self.pipeline = InProcessPipeline(self.runners, num_kv_blocks)
+        self.pipeline = InProcessPipeline(self.runners, num_kv_blocks, kv_offloading_disk_path)
         self.driver = Driver(DriverConfig(
             SchedulerConfig(max_model_len=max_model_len, block_size=block_size, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,

@@ -102,6 +102,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from scheduler.cli import add_kv_tier_arguments
 
     add_kv_tier_arguments(p)  # the schedulers' (the stages get --kv-offloading-disk-path)
+    p.add_argument("--kv-offloading-disk-path", default=None, metavar="DIR",
+                   help="the disk tier of the stages' KV (docs/kv-tiers.md; see `stagemesh stage`): replica i's "
+                        "stages keep their blocks under DIR/replica-<i>, so replicas never share a directory; kept "
+                        "across restarts, so a restarted replica serves its prefixes from disk at once")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="stages run decode steps without CUDA graphs")
     p.add_argument("--enable-expert-parallel", action="store_true",

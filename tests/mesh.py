@@ -63,6 +63,7 @@ class Mesh:
         self.stages: list[subprocess.Popen | None] = []
         self.spares: list[subprocess.Popen] = []
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.cached_tokens: dict[str, int] = {}  # request id -> its prompt's prefix-cache hit tokens
 
     def _spawn(self, args: list[str], name: str) -> subprocess.Popen:
         out = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else subprocess.DEVNULL
@@ -185,6 +186,8 @@ class Mesh:
                         continue
                     tokens, _ = results[update.request_id]
                     tokens.extend(update.output.token_ids)
+                    if update.output.num_prompt_tokens:  # (the first update's)
+                        self.cached_tokens[update.request_id] = update.output.num_cached_tokens
                     if update.output.finish_reason:
                         results[update.request_id] = (tokens, REASONS[update.output.finish_reason])
                         remaining.discard(update.request_id)

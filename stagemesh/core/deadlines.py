@@ -30,8 +30,10 @@ class Deadlines:
     kv_pull_s: float = 60.0
     # decode scheduler -> prefill scheduler: ReleaseKV of the blocks it held; GetModelInfo for its stages (KV peers)
     kv_release_s: float = 5.0
-    # scheduler -> its stages: StoreKV / LoadKV, blocks copied between the KV pool and the KV tiers
-    kv_tier_s: float = 30.0
+    # scheduler -> stage: StoreKV (blocks into the host tier, disk writes queued) and LoadKV (files read, blocks
+    # filled between steps) of the KV tiers
+    kv_store_s: float = 60.0
+    kv_load_s: float = 60.0
 
     @property
     def channel_linger_s(self) -> float:

@@ -169,3 +169,84 @@ class GetReplicasResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetReplicasResponse: _TypeAlias = GetReplicasResponse  # noqa: Y015
+
+@_typing.final
+class GetKVIndexRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_FIELD_NUMBER: _builtins.int
+    replica: _builtins.str
+    """the replica's address, host:port"""
+    def __init__(
+        self,
+        *,
+        replica: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replica", b"replica"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetKVIndexRequest: _TypeAlias = GetKVIndexRequest  # noqa: Y015
+
+@_typing.final
+class KVIndexTier(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEDIUM_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    medium: _builtins.str
+    """"device", "host" or "disk" """
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        medium: _builtins.str = ...,
+        block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "medium", b"medium"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVIndexTier: _TypeAlias = KVIndexTier  # noqa: Y015
+
+@_typing.final
+class KVIndexState(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEGRADED_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    TIERS_FIELD_NUMBER: _builtins.int
+    degraded: _builtins.bool
+    """The router is unsure of the replica's blocks (its event stream is down, a
+    gap was seen, a resync is under way): kv-aware routing counts no hit there.
+    """
+    reason: _builtins.str
+    """why it is degraded ("" when it is not)"""
+    epoch: _builtins.int
+    """the replica's event epoch and the last seq applied"""
+    seq: _builtins.int
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVIndexTier]: ...
+    def __init__(
+        self,
+        *,
+        degraded: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        seq: _builtins.int = ...,
+        tiers: _abc.Iterable[Global___KVIndexTier] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["degraded", b"degraded", "epoch", b"epoch", "reason", b"reason", "seq", b"seq", "tiers", b"tiers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVIndexState: _TypeAlias = KVIndexState  # noqa: Y015

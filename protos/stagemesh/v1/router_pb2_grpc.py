@@ -44,6 +44,11 @@ class RouterControlStub:
                 request_serializer=stagemesh_dot_v1_dot_router__pb2.GetReplicasRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_router__pb2.GetReplicasResponse.FromString,
                 _registered_method=True)
+        self.GetKVIndex = channel.unary_unary(
+                '/stagemesh.v1.RouterControl/GetKVIndex',
+                request_serializer=stagemesh_dot_v1_dot_router__pb2.GetKVIndexRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_router__pb2.KVIndexState.FromString,
+                _registered_method=True)
 
 
 class RouterControlServicer:
@@ -67,6 +72,15 @@ class RouterControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetKVIndex(self, request, context):
+        """What this router's KV index (--policy kv-aware) believes a replica holds,
+        per tier, and whether it is sure (NOT_FOUND: no such replica, or another
+        policy).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +93,11 @@ def add_RouterControlServicer_to_server(servicer, server):
                     servicer.GetReplicas,
                     request_deserializer=stagemesh_dot_v1_dot_router__pb2.GetReplicasRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_router__pb2.GetReplicasResponse.SerializeToString,
+            ),
+            'GetKVIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKVIndex,
+                    request_deserializer=stagemesh_dot_v1_dot_router__pb2.GetKVIndexRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_router__pb2.KVIndexState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +154,33 @@ class RouterControl:
             '/stagemesh.v1.RouterControl/GetReplicas',
             stagemesh_dot_v1_dot_router__pb2.GetReplicasRequest.SerializeToString,
             stagemesh_dot_v1_dot_router__pb2.GetReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKVIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.RouterControl/GetKVIndex',
+            stagemesh_dot_v1_dot_router__pb2.GetKVIndexRequest.SerializeToString,
+            stagemesh_dot_v1_dot_router__pb2.KVIndexState.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,11 @@ class RouterControlStub:
     """
     GetReplicas: _grpc.UnaryUnaryMultiCallable[_router_pb2.GetReplicasRequest, _router_pb2.GetReplicasResponse]
     """The replicas as this router sees them now."""
+    GetKVIndex: _grpc.UnaryUnaryMultiCallable[_router_pb2.GetKVIndexRequest, _router_pb2.KVIndexState]
+    """What this router's KV index (--policy kv-aware) believes a replica holds,
+    per tier, and whether it is sure (NOT_FOUND: no such replica, or another
+    policy).
+    """
 
 @_typing.type_check_only
 class RouterControlAsyncStub(RouterControlStub):
@@ -60,6 +65,11 @@ class RouterControlAsyncStub(RouterControlStub):
     """
     GetReplicas: _aio.UnaryUnaryMultiCallable[_router_pb2.GetReplicasRequest, _router_pb2.GetReplicasResponse]  # type: ignore[assignment]
     """The replicas as this router sees them now."""
+    GetKVIndex: _aio.UnaryUnaryMultiCallable[_router_pb2.GetKVIndexRequest, _router_pb2.KVIndexState]  # type: ignore[assignment]
+    """What this router's KV index (--policy kv-aware) believes a replica holds,
+    per tier, and whether it is sure (NOT_FOUND: no such replica, or another
+    policy).
+    """
 
 class RouterControlServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -82,5 +92,16 @@ class RouterControlServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_router_pb2.GetReplicasResponse, _abc.Awaitable[_router_pb2.GetReplicasResponse]]:
         """The replicas as this router sees them now."""
+
+    @_abc_1.abstractmethod
+    def GetKVIndex(
+        self,
+        request: _router_pb2.GetKVIndexRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.KVIndexState, _abc.Awaitable[_router_pb2.KVIndexState]]:
+        """What this router's KV index (--policy kv-aware) believes a replica holds,
+        per tier, and whether it is sure (NOT_FOUND: no such replica, or another
+        policy).
+        """
 
 def add_RouterControlServicer_to_server(servicer: RouterControlServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

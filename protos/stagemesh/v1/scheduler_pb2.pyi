@@ -644,10 +644,10 @@ Global___WatchKVEventsRequest: _TypeAlias = WatchKVEventsRequest  # noqa: Y015
 
 @_typing.final
 class BlockStored(_message.Message):
-    """Blocks now in the prefix cache. A block's hash chains its tokens to its
-    parent block's hash (stagemesh.core.block_hash.chain_hash: 64-bit BLAKE2b
-    over the parent hash and the token ids), so a router computes the same
-    hashes from a prompt.
+    """Blocks now in a tier of the replica's KV cache. A block's hash chains its
+    tokens to its parent block's hash (stagemesh.core.block_hash.chain_hash:
+    64-bit BLAKE2b over the parent hash and the token ids), so a router
+    computes the same hashes from a prompt.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -656,11 +656,17 @@ class BlockStored(_message.Message):
     PARENT_BLOCK_HASH_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    MEDIUM_FIELD_NUMBER: _builtins.int
     parent_block_hash: _builtins.int
     """The hash of the block before the first one (absent: the first block of a
     sequence, or a snapshot, which lists blocks without their chains).
     """
     block_size: _builtins.int
+    medium: _builtins.str
+    """The tier the blocks are now in (vLLM's medium): "device" (the working KV
+    pool; "" means device too), "host" (host memory) or "disk". A block may
+    be in several tiers at once.
+    """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """consecutive blocks of one sequence"""
@@ -676,10 +682,11 @@ class BlockStored(_message.Message):
         parent_block_hash: _builtins.int | None = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         block_size: _builtins.int = ...,
+        medium: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_parent_block_hash", b"_parent_block_hash", "parent_block_hash", b"parent_block_hash"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parent_block_hash", b"_parent_block_hash", "block_hashes", b"block_hashes", "block_size", b"block_size", "parent_block_hash", b"parent_block_hash", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parent_block_hash", b"_parent_block_hash", "block_hashes", b"block_hashes", "block_size", b"block_size", "medium", b"medium", "parent_block_hash", b"parent_block_hash", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__parent_block_hash: _TypeAlias = _typing.Literal["parent_block_hash"]  # noqa: Y015
     _WhichOneofArgType__parent_block_hash: _TypeAlias = _typing.Literal["_parent_block_hash", b"_parent_block_hash"]  # noqa: Y015
@@ -689,21 +696,27 @@ Global___BlockStored: _TypeAlias = BlockStored  # noqa: Y015
 
 @_typing.final
 class BlockRemoved(_message.Message):
-    """Blocks evicted from the prefix cache."""
+    """Blocks no longer in a tier (BlockStored.medium); they may still be in
+    another one.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    MEDIUM_FIELD_NUMBER: _builtins.int
+    medium: _builtins.str
+    """as BlockStored.medium"""
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
         block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+        medium: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "medium", b"medium"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -711,7 +724,7 @@ Global___BlockRemoved: _TypeAlias = BlockRemoved  # noqa: Y015
 
 @_typing.final
 class AllBlocksCleared(_message.Message):
-    """The cache is empty: forget every block this replica reported before."""
+    """Every tier is empty: forget every block this replica reported before."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -758,12 +771,37 @@ Global___KVEvent: _TypeAlias = KVEvent  # noqa: Y015
 
 @_typing.final
 class KVEventBatch(_message.Message):
+    """The events are numbered so that a follower knows it missed none:
+    - epoch: a random 64-bit id of the replica's event source, new when the
+      scheduler starts and whenever the cache it follows starts over (a new
+      pipeline epoch); never 0 (0: a scheduler from before epochs).
+    - seq: 1, 2, 3, ... per epoch, one number per batch broadcast to every
+      subscriber. The first batch of an epoch is a snapshot with seq 1.
+    - snapshot: the batch (AllBlocksCleared, then a BlockStored per tier) is
+      the whole state as of seq; the next batch of that epoch has seq + 1. A
+      subscriber's own first batch is a snapshot carrying the seq of the last
+      batch broadcast before it (0: none yet).
+    - more: one batch may be sent as several messages (a large snapshot: each
+      message stays well under gRPC's 4 MiB): all carry the same epoch, seq and
+      snapshot, and all but the last have more = true.
+    A follower that sees a seq other than the one it expects, or another epoch
+    in a batch that is not a snapshot, has missed events: it subscribes again.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TS_FIELD_NUMBER: _builtins.int
     EVENTS_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
     ts: _builtins.float
     """seconds since the epoch, when the batch was sent"""
+    epoch: _builtins.int
+    seq: _builtins.int
+    snapshot: _builtins.bool
+    more: _builtins.bool
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVEvent]: ...
     def __init__(
@@ -771,14 +809,87 @@ class KVEventBatch(_message.Message):
         *,
         ts: _builtins.float = ...,
         events: _abc.Iterable[Global___KVEvent] | None = ...,
+        epoch: _builtins.int = ...,
+        seq: _builtins.int = ...,
+        snapshot: _builtins.bool = ...,
+        more: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "ts", b"ts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "events", b"events", "more", b"more", "seq", b"seq", "snapshot", b"snapshot", "ts", b"ts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___KVEventBatch: _TypeAlias = KVEventBatch  # noqa: Y015
+
+@_typing.final
+class GetKVSnapshotRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetKVSnapshotRequest: _TypeAlias = GetKVSnapshotRequest  # noqa: Y015
+
+@_typing.final
+class KVSnapshotTier(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEDIUM_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    medium: _builtins.str
+    """"device", "host" or "disk" """
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        medium: _builtins.str = ...,
+        block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "medium", b"medium"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVSnapshotTier: _TypeAlias = KVSnapshotTier  # noqa: Y015
+
+@_typing.final
+class KVSnapshot(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    TIERS_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """as KVEventBatch (0: nobody follows the events now)"""
+    seq: _builtins.int
+    block_size: _builtins.int
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVSnapshotTier]: ...
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        seq: _builtins.int = ...,
+        block_size: _builtins.int = ...,
+        tiers: _abc.Iterable[Global___KVSnapshotTier] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "epoch", b"epoch", "seq", b"seq", "tiers", b"tiers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVSnapshot: _TypeAlias = KVSnapshot  # noqa: Y015
 
 @_typing.final
 class GetModelInfoRequest(_message.Message):
@@ -811,6 +922,8 @@ class ModelInfo(_message.Message):
     SCHEDULING_POLICY_FIELD_NUMBER: _builtins.int
     KV_ROLE_FIELD_NUMBER: _builtins.int
     STAGES_FIELD_NUMBER: _builtins.int
+    NUM_HOST_KV_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_DISK_KV_BLOCKS_FIELD_NUMBER: _builtins.int
     served_model_name: _builtins.str
     """The name clients use in the OpenAI API (--served-model-name)."""
     model_path: _builtins.str
@@ -826,6 +939,11 @@ class ModelInfo(_message.Message):
     """--kv-role: "both" (the default), "prefill" or "decode": which part of a
     disaggregated request the router sends it (every role serves whole ones).
     """
+    num_host_kv_blocks: _builtins.int
+    """Blocks the replica's lower KV tiers hold (host memory, disk; 0: no such
+    tier), for a router to bound its index of what the replica holds.
+    """
+    num_disk_kv_blocks: _builtins.int
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -854,10 +972,12 @@ class ModelInfo(_message.Message):
         scheduling_policy: _builtins.str = ...,
         kv_role: _builtins.str = ...,
         stages: _abc.Iterable[_stage_pb2.KVSource] | None = ...,
+        num_host_kv_blocks: _builtins.int = ...,
+        num_disk_kv_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "eos_token_ids", b"eos_token_ids", "kv_cache_tokens", b"kv_cache_tokens", "kv_role", b"kv_role", "max_model_len", b"max_model_len", "model_path", b"model_path", "pipeline_parallel_size", b"pipeline_parallel_size", "scheduling_policy", b"scheduling_policy", "served_model_name", b"served_model_name", "stages", b"stages", "tensor_parallel_sizes", b"tensor_parallel_sizes", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "eos_token_ids", b"eos_token_ids", "kv_cache_tokens", b"kv_cache_tokens", "kv_role", b"kv_role", "max_model_len", b"max_model_len", "model_path", b"model_path", "num_disk_kv_blocks", b"num_disk_kv_blocks", "num_host_kv_blocks", b"num_host_kv_blocks", "pipeline_parallel_size", b"pipeline_parallel_size", "scheduling_policy", b"scheduling_policy", "served_model_name", b"served_model_name", "stages", b"stages", "tensor_parallel_sizes", b"tensor_parallel_sizes", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -59,6 +59,11 @@ class SchedulerStub:
                 request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.WatchKVEventsRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.KVEventBatch.FromString,
                 _registered_method=True)
+        self.GetKVSnapshot = channel.unary_unary(
+                '/stagemesh.v1.Scheduler/GetKVSnapshot',
+                request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.GetKVSnapshotRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.KVSnapshot.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/stagemesh.v1.Scheduler/GetModelInfo',
                 request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.GetModelInfoRequest.SerializeToString,
@@ -126,12 +131,24 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchKVEvents(self, request, context):
-        """Which blocks enter and leave the replica's prefix cache (vLLM's KV
-        events), until the caller cancels: first AllBlocksCleared and a
-        BlockStored of every block cached now, then a batch every few tens of
-        milliseconds while anything changes; AllBlocksCleared again whenever the
-        cache starts over (a new epoch). A caller that falls far behind has its
-        stream ended and subscribes again.
+        """Which blocks enter and leave the replica's prefix cache and its lower
+        KV tiers (vLLM's KV events), until the caller cancels: first a snapshot
+        (AllBlocksCleared and a BlockStored per tier of every block held now),
+        then a batch every few tens of milliseconds while anything changes; a
+        snapshot again whenever the cache starts over (a new epoch). Every batch
+        carries its source's epoch and a sequence number (KVEventBatch): a
+        caller that sees a gap, or a new epoch that does not begin with a
+        snapshot, subscribes again (its new stream begins with a snapshot). A
+        caller that falls far behind has its stream ended and subscribes again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetKVSnapshot(self, request, context):
+        """What the replica's caches hold now, in every tier, with the epoch and
+        sequence number of the event stream it is consistent with (the replica's
+        own view, to compare a router's index with).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -200,6 +217,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.WatchKVEvents,
                     request_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.WatchKVEventsRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_scheduler__pb2.KVEventBatch.SerializeToString,
+            ),
+            'GetKVSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKVSnapshot,
+                    request_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.GetKVSnapshotRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_scheduler__pb2.KVSnapshot.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -357,6 +379,33 @@ class Scheduler:
             '/stagemesh.v1.Scheduler/WatchKVEvents',
             stagemesh_dot_v1_dot_scheduler__pb2.WatchKVEventsRequest.SerializeToString,
             stagemesh_dot_v1_dot_scheduler__pb2.KVEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKVSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.Scheduler/GetKVSnapshot',
+            stagemesh_dot_v1_dot_scheduler__pb2.GetKVSnapshotRequest.SerializeToString,
+            stagemesh_dot_v1_dot_scheduler__pb2.KVSnapshot.FromString,
             options,
             channel_credentials,
             insecure,

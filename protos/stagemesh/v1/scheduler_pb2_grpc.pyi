@@ -56,12 +56,20 @@ class SchedulerStub:
     WatchStats: _grpc.UnaryStreamMultiCallable[_scheduler_pb2.WatchStatsRequest, _scheduler_pb2.Stats]
     """The same figures, pushed every interval_ms until the caller cancels."""
     WatchKVEvents: _grpc.UnaryStreamMultiCallable[_scheduler_pb2.WatchKVEventsRequest, _scheduler_pb2.KVEventBatch]
-    """Which blocks enter and leave the replica's prefix cache (vLLM's KV
-    events), until the caller cancels: first AllBlocksCleared and a
-    BlockStored of every block cached now, then a batch every few tens of
-    milliseconds while anything changes; AllBlocksCleared again whenever the
-    cache starts over (a new epoch). A caller that falls far behind has its
-    stream ended and subscribes again.
+    """Which blocks enter and leave the replica's prefix cache and its lower
+    KV tiers (vLLM's KV events), until the caller cancels: first a snapshot
+    (AllBlocksCleared and a BlockStored per tier of every block held now),
+    then a batch every few tens of milliseconds while anything changes; a
+    snapshot again whenever the cache starts over (a new epoch). Every batch
+    carries its source's epoch and a sequence number (KVEventBatch): a
+    caller that sees a gap, or a new epoch that does not begin with a
+    snapshot, subscribes again (its new stream begins with a snapshot). A
+    caller that falls far behind has its stream ended and subscribes again.
+    """
+    GetKVSnapshot: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetKVSnapshotRequest, _scheduler_pb2.KVSnapshot]
+    """What the replica's caches hold now, in every tier, with the epoch and
+    sequence number of the event stream it is consistent with (the replica's
+    own view, to compare a router's index with).
     """
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetModelInfoRequest, _scheduler_pb2.ModelInfo]
     """What the replica serves."""
@@ -109,12 +117,20 @@ class SchedulerAsyncStub(SchedulerStub):
     WatchStats: _aio.UnaryStreamMultiCallable[_scheduler_pb2.WatchStatsRequest, _scheduler_pb2.Stats]  # type: ignore[assignment]
     """The same figures, pushed every interval_ms until the caller cancels."""
     WatchKVEvents: _aio.UnaryStreamMultiCallable[_scheduler_pb2.WatchKVEventsRequest, _scheduler_pb2.KVEventBatch]  # type: ignore[assignment]
-    """Which blocks enter and leave the replica's prefix cache (vLLM's KV
-    events), until the caller cancels: first AllBlocksCleared and a
-    BlockStored of every block cached now, then a batch every few tens of
-    milliseconds while anything changes; AllBlocksCleared again whenever the
-    cache starts over (a new epoch). A caller that falls far behind has its
-    stream ended and subscribes again.
+    """Which blocks enter and leave the replica's prefix cache and its lower
+    KV tiers (vLLM's KV events), until the caller cancels: first a snapshot
+    (AllBlocksCleared and a BlockStored per tier of every block held now),
+    then a batch every few tens of milliseconds while anything changes; a
+    snapshot again whenever the cache starts over (a new epoch). Every batch
+    carries its source's epoch and a sequence number (KVEventBatch): a
+    caller that sees a gap, or a new epoch that does not begin with a
+    snapshot, subscribes again (its new stream begins with a snapshot). A
+    caller that falls far behind has its stream ended and subscribes again.
+    """
+    GetKVSnapshot: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetKVSnapshotRequest, _scheduler_pb2.KVSnapshot]  # type: ignore[assignment]
+    """What the replica's caches hold now, in every tier, with the epoch and
+    sequence number of the event stream it is consistent with (the replica's
+    own view, to compare a router's index with).
     """
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetModelInfoRequest, _scheduler_pb2.ModelInfo]  # type: ignore[assignment]
     """What the replica serves."""
@@ -189,12 +205,26 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         request: _scheduler_pb2.WatchKVEventsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_scheduler_pb2.KVEventBatch], _abc.AsyncIterator[_scheduler_pb2.KVEventBatch]]:
-        """Which blocks enter and leave the replica's prefix cache (vLLM's KV
-        events), until the caller cancels: first AllBlocksCleared and a
-        BlockStored of every block cached now, then a batch every few tens of
-        milliseconds while anything changes; AllBlocksCleared again whenever the
-        cache starts over (a new epoch). A caller that falls far behind has its
-        stream ended and subscribes again.
+        """Which blocks enter and leave the replica's prefix cache and its lower
+        KV tiers (vLLM's KV events), until the caller cancels: first a snapshot
+        (AllBlocksCleared and a BlockStored per tier of every block held now),
+        then a batch every few tens of milliseconds while anything changes; a
+        snapshot again whenever the cache starts over (a new epoch). Every batch
+        carries its source's epoch and a sequence number (KVEventBatch): a
+        caller that sees a gap, or a new epoch that does not begin with a
+        snapshot, subscribes again (its new stream begins with a snapshot). A
+        caller that falls far behind has its stream ended and subscribes again.
+        """
+
+    @_abc_1.abstractmethod
+    def GetKVSnapshot(
+        self,
+        request: _scheduler_pb2.GetKVSnapshotRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_scheduler_pb2.KVSnapshot, _abc.Awaitable[_scheduler_pb2.KVSnapshot]]:
+        """What the replica's caches hold now, in every tier, with the epoch and
+        sequence number of the event stream it is consistent with (the replica's
+        own view, to compare a router's index with).
         """
 
     @_abc_1.abstractmethod
