@@ -139,8 +139,10 @@ async def run_workload(base: str, model: str, args, systems, users) -> dict:
             jobs.put_nowait((c, t))
     records = []
 
+    failed = []
+
     async def worker(session):
-        while True:
+        while not failed:  # a failed turn (an error, a stall past --turn-timeout) ends the run
             try:
                 c, t = jobs.get_nowait()
             except asyncio.QueueEmpty:
@@ -151,15 +153,24 @@ async def run_workload(base: str, model: str, args, systems, users) -> dict:
             r = await chat(session, base, model, list(history[c]), args.output_len)
             history[c].append({"role": "assistant", "content": r["text"]})
             records.append({"conv": c, "turn": t, **r})
+            if r["error"]:
+                failed.append((c, t))
+                print(f"      conversation {c} turn {t + 1} failed after {r['latency']:.0f} s: {r['error']}; "
+                      "ending this run", flush=True)
             done[c][t].set()
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.turn_timeout)) as session:
         warm = await chat(session, base, model, [{"role": "user", "content": "Say hello."}], 8)
         if warm["error"]:
             sys.exit(f"warm-up request failed: {warm['error']}")
         start = time.perf_counter()
         await asyncio.gather(*(worker(session) for _ in range(args.concurrency)))
         wall = time.perf_counter() - start
+    # turns never sent (the run ended at a failure) count as failed
+    sent = {(r["conv"], r["turn"]) for r in records}
+    records += [{"conv": c, "turn": t, "ttft": None, "text": "", "prompt_tokens": 0, "completion_tokens": 0,
+                 "error": "not sent (an earlier turn failed)", "latency": 0.0}
+                for t in range(T) for c in range(C) if (c, t) not in sent]
     return {"records": sorted(records, key=lambda r: (r["conv"], r["turn"])), "wall": wall}
 
 
@@ -265,6 +276,7 @@ def main() -> None:
     p.add_argument("--user-len", default="150:250", help="words (about tokens) per user message, A:B")
     p.add_argument("--output-len", type=int, default=28, help="max_tokens of every reply (ignore_eos)")
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--turn-timeout", type=float, default=300, help="seconds a turn may take (a stall fails it)")
     p.add_argument("--pool-ratio", type=float, default=4.0, help="working set / KV pool")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
