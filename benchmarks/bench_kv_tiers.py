@@ -184,7 +184,8 @@ def scrape(url: str) -> dict[str, float]:
     except requests.RequestException:
         return out
     for line in text.splitlines():
-        m = re.match(r"(vllm:prefix_cache_(?:queries|hits)|stagemesh:kv_tier_\w+?)(?:_total)?"
+        m = re.match(r"(vllm:prefix_cache_(?:queries|hits)|stagemesh:kv_tier_\w+?|stagemesh:scheduler_step_seconds_\w+|"
+                     r"stagemesh:stage_compute_seconds_\w+|stagemesh:num_preemptions)(?:_total)?"
                      r"(\{[^}]*\})? ([0-9.e+-]+)$", line)
         if not m or line.startswith("#") or m.group(1).endswith(("_created", "_bucket")):
             continue
@@ -225,6 +226,12 @@ def summarize(run: dict, before: dict, after: dict, reference: list[dict] | None
     if reference is not None:
         ref = {(r["conv"], r["turn"]): r["text"] for r in reference}
         out["same_as_off"] = sum(ref.get((r["conv"], r["turn"])) == r["text"] for r in recs) / len(recs)
+        out["differ_from_off"] = [(r["conv"], r["turn"] + 1) for r in recs if ref.get((r["conv"], r["turn"])) != r["text"]]
+    out["texts"] = {f"{r['conv']}.{r['turn'] + 1}": r["text"] for r in recs}
+    steps = {k.split("seconds_")[1]: v for k, v in m.items() if "scheduler_step_seconds" in k}
+    compute = {k.split("seconds_")[1]: v for k, v in m.items() if "stage_compute_seconds" in k}
+    out["steps"] = {"n": steps.get("count", 0), "step_s": steps.get("sum", 0.0), "compute_s": compute.get("sum", 0.0),
+                    "preemptions": m.get("stagemesh:num_preemptions", 0.0)}
     return out
 
 
@@ -259,11 +266,19 @@ def kv_bytes_per_token(model_dir: Path, dtype: str | None) -> int:
 def fmt(name: str, s: dict) -> str:
     tiers = " ".join(f"{k.removeprefix('stagemesh:kv_tier_')}={v:g}" for k, v in sorted(s["tiers"].items())
                      if not k.startswith("stagemesh:kv_tier_blocks") and "seconds" not in k)
-    same = f"  same-as-off {s['same_as_off']:.0%}" if "same_as_off" in s else ""
+    same = f"  same-as-off {s['same_as_off']:.0%} (differ: conv.turn {s['differ_from_off'][:6]})" \
+        if s.get("differ_from_off") else f"  same-as-off {s['same_as_off']:.0%}" if "same_as_off" in s else ""
+    t = s["tiers"]
+    loads = [f"{k} mean {t[f'stagemesh:kv_tier_{k}_seconds_sum'] / n * 1000:.0f} ms x{n:g}" for k in ("load", "store")
+             if (n := t.get(f"stagemesh:kv_tier_{k}_seconds_count"))]
+    st = s["steps"]
+    steps = f"{st['n']:g} steps, {st['step_s']:.1f} s in steps, {st['compute_s']:.1f} s stage compute, " \
+            f"{st['preemptions']:g} preemptions" if st["n"] else ""
     return (f"{name:5s} TTFT turns>=2 p50 {s['ttft_later_p50']:7.0f} p99 {s['ttft_later_p99']:7.0f} ms | all p50 "
             f"{s['ttft_all_p50']:7.0f} p99 {s['ttft_all_p99']:7.0f} ms | {s['tok_s']:5.1f} tok/s | "
             f"{s['wall_s']:6.1f} s | hit {s['hit_rate']:6.1%} | failed {s['failed']}{same}"
-            + (f"\n      tiers: {tiers}" if tiers else "") + (f"\n      errors: {s['errors']}" if s["errors"] else ""))
+            + (f"\n      tiers: {tiers}; {', '.join(loads)}" if tiers else "") + (f"\n      {steps}" if steps else "")
+            + (f"\n      errors: {s['errors']}" if s["errors"] else ""))
 
 
 def main() -> None:
