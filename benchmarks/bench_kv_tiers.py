@@ -21,7 +21,7 @@ each round start with its prefix cache reset) joins the rotation under --label (
 replies are compared with `off`'s too.
 
     .venv/bin/python benchmarks/bench_kv_tiers.py [--configs off host disk --rounds 2 --conversations 12
-        --turns 4 --user-len 150:250 --output-len 28 --concurrency 4 --pool-ratio 4 --dtype bfloat16]
+        --turns 4 --user-len 150:250 --output-len 28 --concurrency 2 --pool-ratio 4 --dtype bfloat16]
     .venv/bin/python benchmarks/bench_kv_tiers.py --url http://127.0.0.1:8001 --served-model smol --label vllm
 """
 from __future__ import annotations
@@ -290,7 +290,8 @@ def main() -> None:
     p.add_argument("--system-len", type=int, default=48, help="words of each conversation's own system prompt")
     p.add_argument("--user-len", default="150:250", help="words (about tokens) per user message, A:B")
     p.add_argument("--output-len", type=int, default=28, help="max_tokens of every reply (ignore_eos)")
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=2,
+                   help="turns in flight (4, with requests in flight beyond the pool, can deadlock the tiers: RESULTS.md)")
     p.add_argument("--turn-timeout", type=float, default=300, help="seconds a turn may take (a stall fails it)")
     p.add_argument("--pool-ratio", type=float, default=4.0, help="working set / KV pool")
     p.add_argument("--dtype", default="bfloat16")

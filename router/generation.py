@@ -11,6 +11,7 @@ this generator's detokenizer and stop strings simply go on: the client sees no e
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
@@ -26,6 +27,7 @@ from router.tokenization import IncrementalDetokenizer, StopStrings, Tokenizer
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import TokenLogprob
 
+log = logging.getLogger("stagemesh.router")
 
 
 @dataclass
@@ -167,6 +169,12 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
     # computing the prompt. Siblings of an n > 1 request run where their first choice runs.
     # (a resumed request is past that: where it runs, it goes on)
     prefill, kv_transfer = gen.pin is None and gen.resume_from is None and replicas.disaggregated(), b""
+    # a decode replica that cannot load the prompt's KV fails it (its --kv-load-failure-policy fail): the prompt is
+    # prefilled again, on another prefill replica when there is one, at most KV_LOAD_RETRIES times; that prefill's
+    # token is not the client's (it has the first one), only its KV is used
+    kv_retries, redo_prefill, kv_failed_on = 0, False, ""
+    held: tuple | None = None  # (prefill replica, request id) holding KV no decode replica has been given yet
+    prefilled_on: tuple | None = None  # ... and holding the KV of the last decode replica's kv_transfer
     try:
         while True:
             found = await _attach(gen, gen.resume_from, replicas) if gen.resume_from is not None and not tried \
@@ -177,10 +185,14 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
             else:
                 # before its first token it tries each replica once; a continuation goes to any replica it has
                 # not failed on
-                replica = replicas.pick(gen.prompt_ids, failed if generated else tried, gen.pin,
-                                        "prefill" if prefill else "whole")
+                if redo_prefill:  # (another prefill replica than the one whose KV could not be loaded, if any)
+                    replica = replicas.pick(gen.prompt_ids, failed | {kv_failed_on}, None, "prefill") or \
+                        replicas.pick(gen.prompt_ids, failed, None, "prefill")
+                else:
+                    replica = replicas.pick(gen.prompt_ids, failed if generated else tried, gen.pin,
+                                            "prefill" if prefill else "whole")
                 if replica is None and prefill:  # no prefill replica left to try: the whole request elsewhere
-                    prefill = False
+                    prefill = redo_prefill = False
                     continue
                 if replica is None and last_error is not None:
                     raise _api_error(last_error)  # nowhere else to try
@@ -190,9 +202,18 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
                     raise APIError(503, f"no replica can serve this request right now ({reasons})",
                                    retry_after=2)
                 sampling = replace(gen.sampling, prompt_logprobs=None) if generated else gen.sampling
-                stream = replica.submit(gen.request_id, gen.prompt_ids, sampling, generated, gen.priority, prefill,
-                                        kv_transfer, gen.resumable)
+                if redo_prefill:  # only its KV counts: whatever its token, it ends "prefilled"
+                    stream = replica.submit(_retry_id(gen.request_id, kv_retries), gen.prompt_ids,
+                                            replace(sampling, ignore_eos=True, stop_token_ids=(), min_tokens=0),
+                                            [], gen.priority, True)
+                else:
+                    stream = replica.submit(gen.request_id, gen.prompt_ids, sampling, generated, gen.priority, prefill,
+                                            kv_transfer, gen.resumable)
+                    if kv_transfer:  # the decode replica releases that KV from now on
+                        held = None
                 replies = _chain([], stream)
+                if prefill:  # a stalled prefill replica (it stops answering health checks) is left
+                    replies = _while_healthy(replies, replica)
             tried.add(replica.address)
             gen.replica = replica.address
             if gen.record is not None:
@@ -203,15 +224,38 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
                 async for reply in replies:
                     if waiting:
                         replicas.num_waiting, waiting = replicas.num_waiting - 1, False
+                    if redo_prefill:  # the prompt prefilled again: its KV for a decode replica, not its token
+                        if reply.finish_reason != "prefilled":
+                            raise APIError(503, f"prefilling the prompt again on {replica.address} ended "
+                                                f"{reply.finish_reason!r}", retry_after=2)
+                        prefill = redo_prefill = False
+                        kv_transfer = reply.kv_transfer
+                        held = prefilled_on = (replica, _retry_id(gen.request_id, kv_retries))
+                        break
                     generated.extend(reply.token_ids)
                     if reply.finish_reason == "prefilled":  # its first token: on to a decode replica
                         prefill, kv_transfer = False, reply.kv_transfer
+                        held = prefilled_on = (replica, gen.request_id)
                         yield replace(reply, finish_reason=None, kv_transfer=b"")
                         break
                     yield reply
                 else:
                     return
             except RequestFailed as err:
+                if err.code == grpc.StatusCode.FAILED_PRECONDITION and kv_transfer:
+                    # the decode replica could not load the prompt's KV (--kv-load-failure-policy fail)
+                    if prefilled_on is not None:  # (a decode replica that refused it never dialled it to release)
+                        _release_later(*prefilled_on)
+                        kv_failed_on = prefilled_on[0].address
+                    if kv_retries >= KV_LOAD_RETRIES:
+                        raise APIError(503, f"the decode replica {replica.address} could not load the prompt's KV "
+                                            f"(prefilled {kv_retries + 1} times): {err.details}",
+                                       retry_after=2) from None
+                    kv_retries += 1
+                    log.warning("request %s: the decode replica %s could not load its prompt's KV (%s): prefilling "
+                                "it again", gen.request_id, replica.address, err.details)
+                    prefill, redo_prefill, kv_transfer = True, True, b""
+                    continue
                 if err.code == grpc.StatusCode.UNAVAILABLE:
                     replica.mark_failed(f"a request failed there: {err.details}")
                     failed.add(replica.address)
@@ -229,6 +273,51 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
     finally:
         if waiting:
             replicas.num_waiting -= 1
+        if held is not None:  # (the client went away before a decode replica was given its KV)
+            _release_later(*held)
+
+
+KV_LOAD_RETRIES = 1  # prefills again of a prompt whose KV a decode replica could not load
+HEALTH_POLL_S = 0.25
+_background: set[asyncio.Task] = set()
+
+
+def _retry_id(request_id: str, n: int) -> str:
+    return f"{request_id}-kvretry{n}"
+
+
+def _release_later(replica, request_id: str) -> None:
+    """Free the KV a prefill replica holds for a request no decode replica will load it for."""
+    task = asyncio.get_running_loop().create_task(replica.release_kv(request_id))
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+async def _while_healthy(replies, replica):
+    """The replies, until the replica stops passing health checks before the next one comes (a stalled prefill
+    replica: its scheduler or a stage stopped): then RequestFailed UNAVAILABLE, and the request goes elsewhere."""
+    it = replies.__aiter__()
+    nxt: asyncio.Future | None = None
+    try:
+        while True:
+            nxt = asyncio.ensure_future(it.__anext__())
+            while True:
+                done, _ = await asyncio.wait({nxt}, timeout=HEALTH_POLL_S)
+                if done:
+                    break
+                if not replica.healthy:
+                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"the prefill replica {replica.address} stopped "
+                                        f"passing health checks ({replica.reason}) before the prompt was computed")
+            try:
+                reply = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield reply
+    finally:
+        if nxt is not None and not nxt.done():  # (the wait for the next reply ends before the replies are closed)
+            nxt.cancel()
+            await asyncio.wait({nxt})
+        await replies.aclose()
 
 
 async def _attach(gen: Generation, at: int, replicas: ReplicaSet):

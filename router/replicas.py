@@ -163,6 +163,18 @@ class Replica:
         return self._submit_stream().submit(request_id, prompt, sampling, generated, priority, prefill_only,
                                             kv_transfer, resumable)
 
+    async def release_kv(self, request_id: str) -> bool:
+        """Disaggregated prefill: a prefilled request's KV held here goes unused (its client went away before a
+        decode replica was given it, or a decode replica could not load it): free it now. Whether it was held."""
+        try:
+            reply = await self.stub.ReleaseKV(scheduler_pb2.ReleaseKVRequest(request_id=request_id),
+                                              timeout=STATS_DEADLINE_S)
+            return reply.released
+        except grpc.aio.AioRpcError as err:  # its hold times out by itself
+            log.warning("could not release the KV of request %s on replica %s: %s", request_id, self.address,
+                        err.details())
+            return False
+
     def attach(self, request_id: str, prompt: list[int]) -> RequestStream:
         """Attach a resumable request this replica may hold (its first update says whether it does)."""
         return self._submit_stream().attach(request_id, prompt)

@@ -58,11 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "replica the rest, whose stages fetch that KV; every role also serves whole requests")
     p.add_argument("--kv-peer", action="append", default=[], metavar="HOST:PORT",
                    help="disaggregated prefill: the scheduler of a prefill replica whose held KV this replica may "
-                        "fetch (repeat for each); a request's kv_transfer naming any other is not fetched (the "
-                        "prompt is computed here), and this replica's stages read KV only from these replicas' "
-                        "stages (`stagemesh serve --prefill-replicas` gives it to every decode replica)")
+                        "fetch (repeat for each); a request's kv_transfer naming any other is not fetched (its "
+                        "--kv-load-failure-policy applies), and this replica's stages read KV only from these "
+                        "replicas' stages (`stagemesh serve --prefill-replicas` gives it to every decode replica)")
     p.add_argument("--kv-hold-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="a prefilled request's KV blocks wait this long at most for a decode replica to fetch them")
+    add_kv_load_arguments(p)
     p.add_argument("--resume-grace-period", type=float, default=30.0, metavar="SECONDS",
                    help="a streamed request whose router went away (died, or stopped) keeps running this long, its "
                         "output kept, for another router to resume it (a client's Last-Event-ID, or "
@@ -104,6 +105,29 @@ def kv_tier_bytes(args: argparse.Namespace) -> tuple[int, int]:
     if args.kv_offloading_backend == "native" and not sizes[0]:
         raise StagemeshError("--kv-offloading-backend native needs --kv-offloading-size (vLLM's rule)")
     return sizes[0], sizes[1]
+
+
+def add_kv_load_arguments(p: argparse.ArgumentParser) -> None:
+    """The decode side's KV load flags, shared with `stagemesh serve` (docs/disaggregated-prefill.md)."""
+    # (no `choices`: a wrong value is refused with the flag's name and what it takes, by check_kv_load_arguments)
+    p.add_argument("--kv-load-failure-policy", default="fail", metavar="fail|recompute",
+                   help="vLLM's kv_load_failure_policy: what a request does whose prompt's KV cannot be loaded from "
+                        "its prefill replica (the fetch failed, ran past --kv-load-timeout, or the hold had expired): "
+                        "fail (the default, as vLLM's: it fails with the reason and the router prefills it again, "
+                        "once, on a prefill replica) or recompute (this replica computes its prompt)")
+    p.add_argument("--kv-load-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="bound on fetching a prompt's KV from a prefill replica; past it (a stalled prefill "
+                        "replica) the --kv-load-failure-policy applies")
+
+
+def check_kv_load_arguments(args: argparse.Namespace) -> None:
+    from scheduler.config import KV_LOAD_FAILURE_POLICIES
+
+    if args.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+        raise StagemeshError(f"--kv-load-failure-policy must be fail or recompute (vLLM's kv_load_failure_policy), "
+                             f"got {args.kv_load_failure_policy[:100]!r}")
+    if not args.kv_load_timeout > 0:
+        raise StagemeshError(f"--kv-load-timeout must be > 0 seconds, got {args.kv_load_timeout}")
 
 
 def _check_kv_peers(peers: list[str], kv_role: str) -> None:
@@ -155,6 +179,7 @@ async def _main(args: argparse.Namespace) -> int:
     if tier_host and not args.enable_prefix_caching:
         raise StagemeshError("--kv-offloading-size needs prefix caching: the KV tiers hold prefix-cache blocks "
                              "(drop --no-enable-prefix-caching)")
+    check_kv_load_arguments(args)
     shutdown = Shutdown(args.shutdown_timeout, log, "scheduler")
     shutdown.install_async()
     advertise = args.advertise_host or args.host
@@ -171,6 +196,7 @@ async def _main(args: argparse.Namespace) -> int:
                         enable_prefix_caching=args.enable_prefix_caching, eos_token_ids=cfg.eos_token_ids,
                         max_waiting_requests=args.max_waiting_requests, vocab_size=cfg.vocab_size,
                         scheduling_policy=args.scheduling_policy, kv_hold_timeout_s=args.kv_hold_timeout,
+                        kv_load_failure_policy=args.kv_load_failure_policy, kv_load_timeout_s=args.kv_load_timeout,
                         speculative=spec),
         model_max_len=cfg.max_position_embeddings, async_scheduling=args.async_scheduling,
         stage_recovery_timeout_s=args.stage_recovery_timeout, max_request_retries=args.max_request_retries,

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.speculative import ASYNC_WITH_SPECULATION, SpeculativeConfig
 
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")  # vLLM's kv_load_failure_policy values (its default: fail)
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -31,6 +33,11 @@ class SchedulerConfig:
     # the lowest-priority running request is preempted for a higher one that lacks KV blocks)
     scheduling_policy: str = "fcfs"
     kv_hold_timeout_s: float = 30.0  # a prefilled request's KV blocks wait this long for a decode replica at most
+    # decode side (scheduler.kv_transfer): vLLM's kv_load_failure_policy, what a request whose prompt's KV cannot be
+    # loaded from its prefill replica does: "fail" (it ends with the reason; the router may prefill it again) or
+    # "recompute" (its prompt is computed here); and the bound on that load (--kv-load-timeout)
+    kv_load_failure_policy: str = "fail"
+    kv_load_timeout_s: float = 10.0
     speculative: SpeculativeConfig | None = None  # vLLM's --speculative-config (scheduler.speculation)
 
     def __post_init__(self) -> None:
@@ -39,6 +46,11 @@ class SchedulerConfig:
                 raise StagemeshError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise StagemeshError(f"scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise StagemeshError(f"--kv-load-failure-policy must be fail or recompute, got "
+                                 f"{self.kv_load_failure_policy!r}")
+        if not self.kv_load_timeout_s > 0:
+            raise StagemeshError(f"--kv-load-timeout must be > 0 seconds, got {self.kv_load_timeout_s}")
         if self.speculative is not None and self.async_scheduling:
             raise StagemeshError(ASYNC_WITH_SPECULATION)
 

@@ -6,6 +6,7 @@ looks like through a read-only snapshot (DriverStatus).
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -21,6 +22,8 @@ from scheduler.step_loop import OutputSink, StepLoop, Unavailable
 from stagemesh.core.sampling_params import SamplingParams
 
 __all__ = ["Driver", "DriverConfig", "DriverStatus", "OutputSink", "Unavailable"]
+
+log = logging.getLogger("stagemesh.scheduler")
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,10 @@ class Driver:
     def release_kv(self, request_id: str) -> bool:
         """Free the KV a prefilled request holds here (False: none held)."""
         scheduler = self.epochs.scheduler
-        return scheduler is not None and scheduler.release_kv(request_id)
+        released = scheduler is not None and scheduler.release_kv(request_id)
+        if released:
+            log.info("request %s: its KV released (by a decode replica, or the router)", request_id)
+        return released
 
     def subscribe_kv_events(self) -> asyncio.Queue:
         """The replica's KV cache events (scheduler.kv_events.KVEventHub.subscribe)."""

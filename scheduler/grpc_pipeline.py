@@ -121,25 +121,33 @@ class GrpcPipeline:
                           drafts_from_pb(msg))
 
     # -- disaggregated prefill ------------------------------------------------------------
-    async def pull_kv(self, epoch: int, pull) -> int:
+    async def pull_kv(self, epoch: int, pull, timeout_s: float) -> int:
         src = pull.source
         request = stage_pb2.PullKVRequest(
             epoch=epoch, block_ids=pull.block_ids, source_epoch=src.epoch, source_block_ids=src.block_ids,
             source_block_size=src.block_size,
             sources=[stage_pb2.KVSource(address=a, layer_start=s, layer_end=e) for a, s, e in src.stages])
-        calls = [(stage, self._stub(stage).PullKV(request, timeout=self.deadlines.kv_pull_s))
-                 for stage in self.plan.stages]
-        replies = await asyncio.gather(*[_answer(stage, call) for stage, call in calls])
+        # each stage reads within timeout_s (its deadline less kv_write_s); the rest is for its write
+        deadline = timeout_s + self.deadlines.kv_write_s
+        calls = [(stage, self._stub(stage).PullKV(request, timeout=deadline)) for stage in self.plan.stages]
+        # every call ends before the pull does (a failed one does not leave the others writing into its blocks)
+        replies = await asyncio.gather(*[_answer(stage, call) for stage, call in calls], return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
         return sum(r.bytes for r in replies)
 
-    async def release_kv(self, source) -> None:
+    async def release_kv(self, source, timeout_s: float | None = None) -> bool | None:
         channel = aio_channel(source.scheduler_address)
         try:
-            await scheduler_pb2_grpc.SchedulerStub(channel).ReleaseKV(
-                scheduler_pb2.ReleaseKVRequest(request_id=source.request_id), timeout=self.deadlines.kv_release_s)
+            reply = await scheduler_pb2_grpc.SchedulerStub(channel).ReleaseKV(
+                scheduler_pb2.ReleaseKVRequest(request_id=source.request_id),
+                timeout=min(timeout_s or self.deadlines.kv_release_s, self.deadlines.kv_release_s))
+            return reply.released
         except grpc.aio.AioRpcError as err:  # its hold times out by itself
             log.warning("could not release the KV of request %s at %s: %s", source.request_id,
                         source.scheduler_address, err.details())
+            return None
         finally:
             await channel.close()
 

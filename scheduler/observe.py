@@ -64,6 +64,16 @@ KV_TIER_LOAD_TIME = Histogram("stagemesh:kv_tier_load_seconds", "Loading one req
                               buckets=_ITL)
 KV_TIER_STORE_TIME = Histogram("stagemesh:kv_tier_store_seconds", "One StoreKV round through every stage",
                                buckets=_ITL)
+KV_BYTES = Counter("stagemesh:kv_transfer_bytes", "Bytes of prompts' KV fetched from prefill replicas")
+KV_FAILURES = Counter("stagemesh:kv_transfer_failures", "Prompts whose KV could not be loaded from their prefill "
+                      "replica, by reason (timeout, unreachable, refused, stale, hold_expired, not_peer, not_fit, "
+                      "error)", ["reason"])
+KV_RECOMPUTES = Counter("stagemesh:kv_transfer_recomputes", "Prompts computed here because their KV could not be "
+                        "loaded (kv_load_failure_policy recompute)")
+KV_FAILED_REQUESTS = Counter("stagemesh:kv_transfer_failed_requests", "Requests that failed because their prompt's "
+                             "KV could not be loaded (kv_load_failure_policy fail)")
+KV_WAIT = Histogram("stagemesh:kv_transfer_wait_seconds", "A decode request's arrival to its prompt's KV loaded, or to "
+                    "the kv_load_failure_policy applied (bounded by --kv-load-timeout)", buckets=_LATENCY)
 STEP = Histogram("stagemesh:scheduler_step_seconds", "One micro-batch through every stage", buckets=_ITL)
 STEP_COMPUTE = Histogram("stagemesh:stage_compute_seconds", "Model time of one micro-batch, summed over stages",
                          buckets=_ITL)
@@ -228,10 +238,22 @@ class Observer:
             (KV_TIER_LOADED if ok else KV_TIER_FAILED).labels("disk" if slot < 0 else "host").inc()
         KV_TIER_LOAD_TIME.observe(seconds)
 
-    def kv_pulled(self, ok: bool, seconds: float) -> None:
-        KV_PULLS.labels("ok" if ok else "failed").inc()
-        if ok:
-            KV_PULL_TIME.observe(seconds)
+    def kv_loaded(self, result, policy: str, waited: float | None) -> None:
+        """A pull ended (result: scheduler.kv_transfer.PullResult) and `policy` applies if it failed; waited:
+        the request's arrival to now (None: it is gone)."""
+        KV_PULLS.labels("ok" if result.ok else "failed").inc()
+        if result.ok:
+            KV_PULL_TIME.observe(result.seconds)
+            KV_BYTES.inc(result.bytes)
+        else:
+            self.kv_load_refused(result.reason, policy)
+        if waited is not None:
+            KV_WAIT.observe(waited)
+
+    def kv_load_refused(self, reason: str, policy: str) -> None:
+        """A prompt's KV could not be loaded (`reason`); `policy` applies."""
+        KV_FAILURES.labels(reason).inc()
+        (KV_RECOMPUTES if policy == "recompute" else KV_FAILED_REQUESTS).inc()
 
     def gone(self, request_id: str) -> None:
         """The caller went away without a finished output (the stream was cancelled): an abort."""

@@ -62,10 +62,11 @@ class Pipeline(Protocol):
     async def probe(self) -> StageFailure | None:
         """Whether every stage of the pipeline still answers as the instance that joined."""
 
-    async def pull_kv(self, epoch: int, pull) -> int:
+    async def pull_kv(self, epoch: int, pull, timeout_s: float) -> int:
         """Disaggregated prefill: every stage fetches its layers of a prompt's KV held on a prefill replica
-        (pull: scheduler.kv_transfer.KVPull) into the pull's blocks; the bytes moved. Raises when it cannot
-        (the request then computes its prompt): a pipeline without stage services always does."""
+        (pull: scheduler.kv_transfer.KVPull) into the pull's blocks, its reads bounded by timeout_s; the bytes
+        moved. Raises when it cannot (after every stage's call ended: none writes into the blocks any more; the
+        kv_load_failure_policy then decides): a pipeline without stage services always does."""
 
     async def store_kv(self, epoch: int, block_ids: list[int], host_slots: list[int], hashes: list[int],
                        to_disk: list[bool], disk_evictions: list[int]) -> None:
@@ -77,8 +78,9 @@ class Pipeline(Protocol):
         """KV tiers: every stage fills these pool blocks from its host or disk tier (scheduler.tiers.LoadJob);
         per block, whether every stage did."""
 
-    async def release_kv(self, source) -> None:
-        """Tell the prefill replica of `source` (KVSourceInfo) to free the blocks it held; errors are logged."""
+    async def release_kv(self, source, timeout_s: float | None = None) -> bool | None:
+        """Tell the prefill replica of `source` (KVSourceInfo) to free the blocks it held: whether it held them
+        (None: it did not answer within timeout_s; errors are logged)."""
 
 
 def check_result(batch: StepBatch, result: StepResult, vocab_size: int | None) -> None:

@@ -26,13 +26,17 @@ def requeue_all(s: Scheduler) -> list[Request]:
         r.num_recoveries += 1
     loading = s.kv.tiers.pending() if s.kv.tiers is not None else []
     requests = s.policy.order([*s.running, *s.waiting, *s.transfers.pending(), *loading])
+    releases = s.transfers.take_releases()  # (the KV prefill replicas hold for requests gone: still released)
     s.transfers = KVTransfers(s.config.kv_hold_timeout_s)  # held KV and pulls end with the cache
     for r in requests:
+        if r.kv_source is not None:  # its prompt is computed again: the prefill replica may free that KV
+            releases.append(r.kv_source)
         r.status, r.seq_id = Status.WAITING, -1
         r.num_computed_tokens = r.in_flight = r.num_output_placeholders = 0
         r.spec_token_ids = []
         r.kv_source, r.kv_ready = None, False  # its prompt is computed again here
         r.tiers_checked = False
+    s.transfers.requeue_releases(releases)
     s.running, s.waiting = [], deque(requests)
     s._finished_seq_ids = []
     s.kv = BlockManager(s.config.num_kv_blocks, s.config.block_size, s.config.enable_prefix_caching)
@@ -56,4 +60,5 @@ def take_over(s: Scheduler, old: Scheduler) -> list[RequestOutput]:
         s.requests[request.request_id] = request
         s.policy.enqueue(s.waiting, request)
     old.requests, old.waiting = {}, deque()
+    s.transfers.requeue_releases(old.transfers.take_releases())
     return failed

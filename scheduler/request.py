@@ -121,6 +121,9 @@ class RequestOutput:
     prompt_logprobs_start: int = 0
     queue_seconds: float | None = None  # arrival to first scheduling, on the request's first output
     held_kv: HeldKV | None = None  # finish_reason "prefilled": where its prompt's KV waits
+    # with finish_reason "error": its prompt's KV could not be loaded from its prefill replica and the
+    # kv_load_failure_policy is fail (FAILED_PRECONDITION: the router may prefill it again)
+    kv_load_failed: bool = False
 
     @property
     def finished(self) -> bool:

@@ -38,7 +38,7 @@ from scheduler import recovery, results
 from scheduler.admission import check_request
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
-from scheduler.kv_transfer import KVSourceInfo, KVTransfers
+from scheduler.kv_transfer import KVLoadFailed, KVSourceInfo, KVTransfers, failure_message
 from scheduler.policy import SchedulingPolicy
 from scheduler.request import Request, RequestOutput, Status
 from scheduler.speculation import SpecDecodeStats, Speculator
@@ -109,7 +109,8 @@ class Scheduler:
         seed's positions and a structured-output grammar count them; its prompt logprobs were delivered).
         priority: lower is served first (--scheduling-policy priority; any other value than 0 is refused under
         fcfs, as vLLM refuses it). prefill_only / kv_source: disaggregated prefill (scheduler.kv_transfer).
-        Returns False when a kv_source cannot be used here (the prompt is then computed here)."""
+        Returns False when a kv_source cannot be used here and the kv_load_failure_policy is recompute (the
+        prompt is then computed here); under fail that raises KVLoadFailed."""
         cfg = self.config
         check_request(cfg, request_id, prompt_token_ids, sampling, generated_token_ids)
         self.policy.check(priority)
@@ -125,6 +126,12 @@ class Scheduler:
         if generated_token_ids:
             request.num_prompt_logprobs = len(prompt_token_ids) - 1
         usable = kv_source is None or self._kv_source_fits(kv_source, request)
+        if not usable and cfg.kv_load_failure_policy == "fail":
+            assert kv_source is not None
+            raise KVLoadFailed(failure_message(
+                request_id, kv_source.scheduler_address, "not_fit", f"the KV held there ({kv_source.num_tokens} "
+                f"tokens in blocks of {kv_source.block_size}) does not fit this replica (a prompt of "
+                f"{len(prompt_token_ids)}, blocks of {cfg.block_size}, no prompt logprobs, no draft model)"))
         if kv_source is not None and usable:
             request.kv_source = kv_source
         self.requests[request_id] = request
@@ -144,11 +151,19 @@ class Scheduler:
         """A decode replica is done with a prefilled request's KV here: free its blocks."""
         return self.transfers.release(self.kv, request_id)
 
-    def kv_pulled(self, request_id: str, ok: bool) -> None:
-        """The driver's pull of a request's prompt KV ended (ok: its blocks hold it)."""
-        self.transfers.pulled(self.kv, request_id, ok, self.waiting)
+    def kv_pulled(self, request_id: str, ok: bool, error: str = "") -> list[RequestOutput]:
+        """The driver's pull of a request's prompt KV ended (ok: its blocks hold it). Not ok: under the
+        kv_load_failure_policy recompute the request computes its prompt; under fail it ends (its output, with
+        `error`). The request goes to the front of the waiting queue."""
+        request = self.transfers.pulled(self.kv, request_id, ok)
+        if request is None:
+            return []
+        if ok or self.config.kv_load_failure_policy == "recompute":
+            self.waiting.appendleft(request)
+            return []
+        return [self._finish(request, "error", error=error, kv_load_failed=True)]
 
-    def kv_loaded(self, job: LoadJob, flags: list[bool]) -> None:
+    def kv_tier_loaded(self, job: LoadJob, flags: list[bool]) -> None:
         """The driver's load of a request's blocks from the KV tiers ended (flags: per block, loaded): it runs
         from the first block that did not load, at the front of the waiting queue."""
         tiers = self.kv.tiers
@@ -401,8 +416,8 @@ class Scheduler:
         scheduler.pipeline.check_result), prompt logprobs, and a draft model's proposals (scheduler.results)."""
         return results.take_step(self, output, sampled, prompt_logprobs, drafts or {})
 
-    def _finish(self, request: Request, reason: str, error: str | None = None, own_fault: bool = False
-                ) -> RequestOutput:
+    def _finish(self, request: Request, reason: str, error: str | None = None, own_fault: bool = False,
+                kv_load_failed: bool = False) -> RequestOutput:
         self.requests.pop(request.request_id, None)
         if request.status is Status.RUNNING:
             self.running.remove(request)
@@ -412,10 +427,11 @@ class Scheduler:
         request.status = Status.FINISHED
         if reason == "prefilled":
             self.transfers.hold(request.request_id, time.monotonic())
-        elif not self.transfers.abandon(request.request_id) and \
+        elif not self.transfers.abandon(request) and \
                 not (self.kv.tiers is not None and self.kv.tiers.abandon(request.request_id)):
             self.kv.free_request(request.request_id)  # (a pull's or a tier load's blocks are freed when it ends)
         return RequestOutput(request.request_id, finish_reason=reason, error=error, own_fault=own_fault,
+                             kv_load_failed=kv_load_failed,
                              num_prompt_tokens=len(request.prompt_token_ids),
                              num_cached_tokens=request.num_cached_tokens)
 

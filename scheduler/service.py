@@ -12,7 +12,7 @@ from scheduler.drain import Drain
 from scheduler.driver import Driver, Unavailable
 from scheduler.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from scheduler.kv_peers import KVPeers
-from scheduler.kv_transfer import KVSourceInfo
+from scheduler.kv_transfer import KVLoadFailed, KVSourceInfo, failure_message
 from scheduler.rendezvous import ModelIdentity, StageInfo
 from scheduler.request import RequestOutput
 from scheduler.scheduler import QueueFull
@@ -103,8 +103,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self.driver.release_kv(kv_source.request_id)
                 kv_source = None
             elif kv_source is not None and not self.kv_peers.knows(kv_source.scheduler_address):
-                log.warning("request %s: its kv_transfer names the scheduler %.200s, which is not a --kv-peer of this "
-                            "replica: computing the prompt here", r.request_id, kv_source.scheduler_address)
+                why = f"its kv_transfer names the scheduler {kv_source.scheduler_address:.200}, which is not a " \
+                      "--kv-peer of this replica"
+                if self.driver.cfg.scheduler.kv_load_failure_policy == "fail":  # (never dialled, not even to release)
+                    self.driver.observer.kv_load_refused("not_peer", "fail")
+                    log.warning("request %s: %s: the request fails (kv_load_failure_policy fail)", r.request_id, why)
+                    raise KVLoadFailed(failure_message(r.request_id, kv_source.scheduler_address, "not_peer",
+                                                       "not a --kv-peer of this replica"))
+                self.driver.observer.kv_load_refused("not_peer", "recompute")
+                log.warning("request %s: %s: computing the prompt here", r.request_id, why)
                 kv_source = None
             sink = self._sink(r, connection)
             try:
@@ -243,6 +250,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 # the status a request refused with one of these gets in its SubmitStream update, and a call that raises it;
 # anything else a call raises is INTERNAL, logged
 status_of = by_type((QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED), (Unavailable, grpc.StatusCode.UNAVAILABLE),
+                    (KVLoadFailed, grpc.StatusCode.FAILED_PRECONDITION),
                     (NotHeld, grpc.StatusCode.NOT_FOUND), (Taken, grpc.StatusCode.ABORTED),
                     (StagemeshError, grpc.StatusCode.INVALID_ARGUMENT))
 
@@ -252,6 +260,8 @@ def _error_status(out: RequestOutput) -> tuple[grpc.StatusCode, str]:
     elsewhere), UNAVAILABLE when the pipeline broke under it."""
     if out.own_fault:
         return grpc.StatusCode.INVALID_ARGUMENT, out.error or "the request failed"
+    if out.kv_load_failed:  # its prompt's KV could not be loaded (kv_load_failure_policy fail): the router may
+        return grpc.StatusCode.FAILED_PRECONDITION, out.error or "its prompt's KV could not be loaded"  # prefill again
     return grpc.StatusCode.UNAVAILABLE, out.error or "the pipeline failed"
 
 

@@ -27,7 +27,7 @@ from typing import Protocol
 from opentelemetry import trace
 
 from scheduler.epochs import EpochManager
-from scheduler.kv_transfer import run_pull
+from scheduler.kv_transfer import KVLoadFailed, failure_message, run_pull
 from scheduler.observe import Observer
 from scheduler.output_stream import OutputStream
 from scheduler.pipeline import Pipeline, StageFailure, StepResult, check_result
@@ -91,7 +91,16 @@ class StepLoop:
         scheduler = self.epochs.scheduler
         if not self.epochs.healthy or scheduler is None:
             raise Unavailable(f"the replica cannot serve: {self.epochs.reason}")
-        if not scheduler.add_request(request_id, prompt, sampling, generated, priority, prefill_only, kv_source):
+        try:
+            usable = scheduler.add_request(request_id, prompt, sampling, generated, priority, prefill_only, kv_source)
+        except KVLoadFailed as err:
+            self.observer.kv_load_refused("not_fit", "fail")
+            log.warning("%s", err)
+            self._spawn(self.pipeline.release_kv(kv_source))  # (a --kv-peer's: the service checked) unused: freed
+            raise
+        if not usable:
+            self.observer.kv_load_refused("not_fit", "recompute")
+            self._spawn(self.pipeline.release_kv(kv_source))
             log.warning("request %s: the KV held on %s does not fit this replica (block size %d, %d tokens held for "
                         "a prompt of %d): computing the prompt here", request_id, kv_source.scheduler_address,
                         kv_source.block_size, kv_source.num_tokens, len(prompt))
@@ -103,6 +112,7 @@ class StepLoop:
         """The caller is done with the request: one still running stops and frees its blocks now."""
         if self.sinks.pop(request_id, None) is not None and self.epochs.scheduler is not None:
             self.epochs.scheduler.abort([request_id])  # the caller went away
+            self._release_held(self.epochs.scheduler)  # a prefill replica's KV it had not loaded yet: freed now
         self.observer.gone(request_id)
 
     async def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
@@ -123,6 +133,7 @@ class StepLoop:
         if self.epochs.scheduler is None:
             return 0
         outputs = self.epochs.scheduler.abort(request_ids)
+        self._release_held(self.epochs.scheduler)
         self.dispatch(outputs)
         return len(outputs)
 
@@ -177,6 +188,8 @@ class StepLoop:
     def _fill(self) -> None:
         """Schedule micro-batches until every stage has one."""
         epochs = self.epochs
+        if epochs.scheduler is not None:
+            self._release_held(epochs.scheduler)
         while epochs.healthy and len(self._in_flight) < self._depth:
             scheduler, epoch = epochs.scheduler, epochs.epoch
             # split the requests over the micro-batches, so that every stage has work
@@ -246,13 +259,25 @@ class StepLoop:
         self.observer.end_step(span, seconds, result.compute_seconds, scheduler.stats())
 
     async def _pull(self, epoch: int, scheduler: Scheduler, pull) -> None:
-        """Fetch a prompt's KV from the prefill replica holding it (the request computes its prompt if that
-        fails), then let that replica free it."""
-        ok = await run_pull(self.pipeline, epoch, pull, self.observer)
+        """Fetch a prompt's KV from the prefill replica holding it and let that replica free it; if that fails
+        (or passes --kv-load-timeout), the kv_load_failure_policy decides: the request fails, or computes its
+        prompt."""
+        cfg = scheduler.config
+        result = await run_pull(self.pipeline, epoch, pull, cfg.kv_load_failure_policy, cfg.kv_load_timeout_s,
+                                scheduler.transfers.released, self._spawn)
+        request = scheduler.transfers.fetching.get(pull.request_id)
+        waited = time.monotonic() - request.arrival_time if request is not None else None
+        self.observer.kv_loaded(result, cfg.kv_load_failure_policy, waited)
         if scheduler is self.epochs.scheduler:
-            scheduler.kv_pulled(pull.request_id, ok)
+            error = "" if result.ok else failure_message(pull.request_id, pull.source.scheduler_address,
+                                                         result.reason, result.detail)
+            self.dispatch(scheduler.kv_pulled(pull.request_id, result.ok, error))
             self._wake.set()
-        await self.pipeline.release_kv(pull.source)
+
+    def _release_held(self, scheduler: Scheduler) -> None:
+        """The KV prefill replicas hold for requests that ended before loading it: released now."""
+        for source in scheduler.transfers.take_releases():
+            self._spawn(self.pipeline.release_kv(source))
 
 
     async def _store(self, epoch: int, scheduler: Scheduler, tiers, job) -> None:
@@ -279,7 +304,7 @@ class StepLoop:
                         job.request_id, len(job.block_ids), err)
             flags = [False] * len(job.block_ids)
         if scheduler is self.epochs.scheduler:
-            scheduler.kv_loaded(job, flags)
+            scheduler.kv_tier_loaded(job, flags)
             self.observer.kv_tier_loaded(job, flags, time.perf_counter() - start)
             self._wake.set()
 

@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("stage %d experts: %s", args.stage_index,
                  describe_layout(cfg, args.tensor_parallel_size, args.enable_expert_parallel, worker.ep))
         watch_expert_load(args.stage_index, worker.runner.model)
-    from stage_worker.observe import watch_kv_tiers
+    from stage_worker.kv_tier_metrics import watch_kv_tiers
 
     watch_kv_tiers(args.stage_index, worker.tiers)
     servicer = StageServicer(worker, "", PeerStages(args.scheduler))

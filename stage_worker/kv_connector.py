@@ -5,7 +5,9 @@ and writes them into its own blocks (PullKV).
 gRPC bytes are what a CPU mesh has, and they cross any network; on GPUs an NCCL connector (device to
 device, no host copy) would sit behind the same two calls: it is not built yet (docs/disaggregated-prefill.md).
 Every field from the wire is checked before it reaches a tensor: layers, block counts, the chunks' dtype and
-sizes; a source that sends anything else fails the pull (the decode scheduler then recomputes the prompt).
+sizes; a source that sends anything else fails the pull (the decode scheduler's --kv-load-failure-policy then
+applies: the request fails, or its prompt is computed). The reads end within the caller's bound (its deadline
+less DEADLINES.kv_write_s), so a stalled prefill replica fails the pull then, before anything is written.
 A pull reads only from the stages that this stage's own scheduler vouches for (its --kv-peer replicas'
 stages, PeerStages): the addresses in a request are checked against them before anything is dialled.
 """
@@ -39,6 +41,10 @@ async def read_chunks(worker, request: stage_pb2.ReadKVRequest):
             yield stage_pb2.KVBlocksChunk(layer=request.layer_start + i, first_block=first, num_blocks=len(part_k),
                                           dtype=str(k.dtype).removeprefix("torch."), k=_bytes(part_k),
                                           v=_bytes(part_v))
+
+
+class KVReadTimeout(StagemeshError):
+    """A pull's reads did not end within its bound (a stalled prefill replica): DEADLINE_EXCEEDED, nothing written."""
 
 
 class NotAPeer(StagemeshError):
@@ -76,9 +82,34 @@ class PeerStages:
             await channel.close()
 
 
-async def pull(worker, request: stage_pb2.PullKVRequest, peers: PeerStages) -> stage_pb2.PullKVResponse:
-    """Fetch the stage's layers of the source blocks from the sources and write them into block_ids."""
+def read_bound(time_remaining: float | None) -> float:
+    """How long a pull may read: its caller's deadline less the time kept for the write (the decode scheduler
+    sets the deadline to its --kv-load-timeout plus DEADLINES.kv_write_s); DEADLINES.kv_pull_s without one."""
+    if time_remaining is None:
+        return DEADLINES.kv_pull_s
+    return max(time_remaining - DEADLINES.kv_write_s, 0.05)
+
+
+async def pull(worker, request: stage_pb2.PullKVRequest, peers: PeerStages,
+               bound_s: float | None = None) -> stage_pb2.PullKVResponse:
+    """Fetch the stage's layers of the source blocks from the sources and write them into block_ids; the
+    fetching (the peers' check and the reads) ends within bound_s or fails, before anything is written."""
     start = time.perf_counter()
+    bound = DEADLINES.kv_pull_s if bound_s is None else bound_s
+    try:
+        layers = await asyncio.wait_for(_fetch(worker, request, peers), bound)
+    except TimeoutError:
+        raise KVReadTimeout(f"the prefill replica's stages did not send the KV within {bound:.1f}s "
+                            "(--kv-load-timeout)") from None
+    s = worker.cfg.slice
+    kvs = [(layers[layer][0], layers[layer][1]) for layer in range(s.layer_start, s.layer_end)]
+    await asyncio.wrap_future(worker.write_kv(request.epoch, list(request.block_ids), kvs))
+    size = sum(k.numel() * k.element_size() * 2 for k, _ in kvs)
+    return stage_pb2.PullKVResponse(bytes=size, seconds=time.perf_counter() - start)
+
+
+async def _fetch(worker, request: stage_pb2.PullKVRequest, peers: PeerStages) -> dict[int, list[torch.Tensor]]:
+    """The stage's layers of the source blocks, read from the sources (every field checked): layer -> [k, v]."""
     await peers.check([src.address for src in request.sources])  # before anything else: nothing dialled otherwise
     s = worker.cfg.slice
     n = len(request.block_ids)
@@ -96,10 +127,7 @@ async def pull(worker, request: stage_pb2.PullKVRequest, peers: PeerStages) -> s
     results = await asyncio.gather(*(_read(source, a, b, request, shape) for source, a, b in plan))
     for part in results:
         layers.update(part)
-    kvs = [(layers[layer][0], layers[layer][1]) for layer in range(s.layer_start, s.layer_end)]
-    await asyncio.wrap_future(worker.write_kv(request.epoch, list(request.block_ids), kvs))
-    size = sum(k.numel() * k.element_size() * 2 for k, _ in kvs)
-    return stage_pb2.PullKVResponse(bytes=size, seconds=time.perf_counter() - start)
+    return layers
 
 
 def _sources_for(sources: list[stage_pb2.KVSource], start: int, end: int) -> list[tuple[str, int, int]]:

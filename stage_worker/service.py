@@ -94,8 +94,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             yield chunk
 
     async def PullKV(self, request, context):
-        # a failed pull: the decode scheduler falls back to recomputing the prompt
-        return await kv_connector.pull(self.worker, request, self.kv_peers)
+        # a failed pull: the decode scheduler's kv_load_failure_policy decides (fail, or recompute the prompt)
+        return await kv_connector.pull(self.worker, request, self.kv_peers,
+                                       kv_connector.read_bound(context.time_remaining()))
 
     async def StoreKV(self, request, context):
         await asyncio.wrap_future(self.worker.store_kv(
@@ -138,6 +139,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 # INVALID_ARGUMENT, a state the stage is not in FAILED_PRECONDITION, anything else INTERNAL (logged); the stage
 # stays up
 ERRORS = ErrorInterceptor(by_type((kv_connector.NotAPeer, grpc.StatusCode.PERMISSION_DENIED),
+                                  (kv_connector.KVReadTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
                                   ((InvalidStep, InvalidParameter), grpc.StatusCode.INVALID_ARGUMENT),
                                   (StagemeshError, grpc.StatusCode.FAILED_PRECONDITION)), log, "stage call")
 

@@ -109,7 +109,8 @@ class MeshLayout:
         address = self.prefill_schedulers[r] if prefill else f"{head}:{free_port(head)}"
         port = address.rpartition(":")[2]
         role = [] if not args.prefill_replicas else ["--kv-role", "prefill"] if prefill else \
-            ["--kv-role", "decode", *(f for a in self.prefill_schedulers for f in ("--kv-peer", a))]
+            ["--kv-role", "decode", *(f for a in self.prefill_schedulers for f in ("--kv-peer", a)),
+             "--kv-load-failure-policy", args.kv_load_failure_policy, "--kv-load-timeout", str(args.kv_load_timeout)]
         listen = [] if self.addresses.local else ["--host", head, "--advertise-host", head]
         scheduler = ChildSpec(f"scheduler[{r}]", ["scheduler", *self.model_arg, *listen, "--port", str(port),
                                                   "--pipeline-parallel-size", str(args.pipeline_parallel_size),

@@ -115,6 +115,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="disaggregated prefill: of the --data-parallel-size replicas, the first N compute new prompts "
                         "(--kv-role prefill) and the others decode (--kv-role decode), fetching the prompts' KV "
                         "(docs/disaggregated-prefill.md); 0: every replica does both")
+    from scheduler.cli import add_kv_load_arguments
+
+    add_kv_load_arguments(p)  # --kv-load-failure-policy, --kv-load-timeout: the decode replicas'
     p.add_argument("--enable-eplb", action="store_true",
                    help="MoE models with --enable-expert-parallel: balance the experts' load over each stage's TP "
                         "ranks (see `stagemesh stage`)")
@@ -223,6 +226,9 @@ def _check_layout(args: argparse.Namespace) -> None:
         check_store_options(args.responses_store or MEMORY, args.responses_store_size, args.responses_store_ttl)
     except ValueError as err:
         raise StagemeshError(str(err)) from None
+    from scheduler.cli import check_kv_load_arguments
+
+    check_kv_load_arguments(args)
     if args.prefill_replicas and not 0 < args.prefill_replicas < args.data_parallel_size:
         raise StagemeshError(f"--prefill-replicas {args.prefill_replicas} needs a decode replica too: give a "
                              f"--data-parallel-size above it (now {args.data_parallel_size})")

@@ -4,18 +4,24 @@ against one TP=4 stage, whose ranks share the model's 2 KV heads). Every request
 transformers' greedy tokens whether its KV was fetched or, when the fetch cannot work, computed again; held KV
 is freed when fetched or when its hold times out. A decode replica reads KV only from the prefill replicas its
 scheduler was given (--kv-peer): a kv_transfer or a PullKV naming any other address is refused without a
-connection to it. Real processes on loopback."""
+connection to it. The kv_load_failure_policy (issue 44): a stalled prefill replica (SIGSTOP) holds a decode
+request no longer than --kv-load-timeout, after which it fails (fail) or computes its prompt (recompute); so do
+expired holds, stale epochs and non-peers; an abort during a pull releases the prefill replica's KV at once; the
+router leaves a stalled prefill replica. Real processes on loopback."""
 from __future__ import annotations
 
 import re
+import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import grpc
 import pytest
 
-from mesh import Mesh, internal_channel
+from mesh import Mesh, free_port, internal_channel
 from parity import prompts
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.wire import sampling_to_pb
@@ -71,11 +77,27 @@ def meshes(tiny_model_dir, tmp_path_factory):
     model_dir = with_word_tokenizer(tiny_model_dir("llama"), logs / "model")  # the router needs a tokenizer
     for name in ("p", "d"):
         (logs / name).mkdir()
+    (logs / "f").mkdir()
+    # d: --kv-load-failure-policy recompute (a load that fails computes the prompt there), bound 5 s;
+    # f: the default policy, fail, bound 2 s
     with Mesh(model_dir, [2, 2], tp=[1, 2], log_dir=logs / "p",
               scheduler_args=("--kv-role", "prefill", "--kv-hold-timeout", "3")) as p, \
             Mesh(model_dir, [4], tp=[4], log_dir=logs / "d",
-                 scheduler_args=("--kv-role", "decode", "--kv-peer", p.address)) as d:
-        yield model_dir, p, d, logs
+                 scheduler_args=("--kv-role", "decode", "--kv-peer", p.address,
+                                 "--kv-load-failure-policy", "recompute", "--kv-load-timeout", "5")) as d:
+        global FAIL_MESH, FAIL_METRICS
+        f = Mesh(model_dir, [4], log_dir=logs / "f",
+                 scheduler_args=("--kv-role", "decode", "--kv-peer", p.address, "--kv-load-timeout", "2"))
+        metrics_port = next(port for port in iter(free_port, None) if port not in (p.port, d.port, f.port))
+        f.scheduler_args += ["--metrics-port", str(metrics_port)]
+        FAIL_METRICS = f"http://127.0.0.1:{metrics_port}/metrics"
+        with f:
+            FAIL_MESH = f
+            yield model_dir, p, d, logs
+
+
+FAIL_MESH: Mesh | None = None  # the decode replica with the default --kv-load-failure-policy, fail
+FAIL_METRICS = ""  # its scheduler's Prometheus metrics
 
 
 def test_a_decode_replica_fetches_the_prompts_kv_and_goes_on_exactly(meshes):
@@ -271,3 +293,166 @@ def wait_for_roles(router) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.2)
     time.sleep(1.0)  # a health round after both are healthy: their model info is in
+
+
+# -- the kv_load_failure_policy (issue 44) ---------------------------------------------------------------------
+
+FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+
+
+def serving(mesh: Mesh) -> Mesh:
+    """The mesh, its scheduler started again if a test before killed it."""
+    if mesh.scheduler.poll() is not None:
+        mesh.start_scheduler()
+        mesh.wait_healthy(120)
+    return mesh
+
+
+def prefill(p: Mesh, ids: list[str], x: list[int], sampling) -> dict:
+    """request id -> (first token, kv_transfer) of prefill_only requests of prompt x."""
+    serving(p)
+    done = run(p, [scheduler_pb2.SubmitRequest(request_id=i, prompt_token_ids=x, sampling=sampling, prefill_only=True)
+                   for i in ids])
+    assert all(done[i][1] == scheduler_pb2.FINISH_REASON_PREFILLED for i in ids), done
+    return {i: (done[i][0], done[i][2]) for i in ids}
+
+
+def decode(mesh: Mesh, request_id: str, x: list[int], sampling, first: list[int], kv, timeout: float = 60):
+    return run(mesh, [scheduler_pb2.SubmitRequest(request_id=request_id, prompt_token_ids=x, sampling=sampling,
+                                                  generated_token_ids=first, kv_transfer=kv)], timeout)[request_id]
+
+
+@contextmanager
+def stalled(mesh: Mesh):
+    """A stalled prefill replica: the TP follower processes of its stages stopped (SIGSTOP), so that a ReadKV its
+    stage answers hangs in the gather of their KV heads, on a connection that is up (a stopped gRPC server fails
+    new connections within a second); continued on the way out, and the mesh healthy again."""
+    import psutil
+
+    stopped = [child for proc in mesh.stages for child in psutil.Process(proc.pid).children()]
+    assert stopped, "a mesh with TP followers"
+    try:
+        for proc in stopped:
+            proc.send_signal(signal.SIGSTOP)
+        yield
+    finally:
+        for proc in stopped:
+            proc.send_signal(signal.SIGCONT)
+        mesh.wait_healthy(120)
+
+
+def test_a_stalled_prefill_replica_holds_a_decode_request_no_longer_than_the_bound(meshes):
+    """Stalled after the prefill: under fail the decode request fails at --kv-load-timeout (2 s) with the reason;
+    under recompute it computes its prompt then (5 s) and ends with the greedy tokens."""
+    model_dir, p, d, logs = meshes
+    f = FAIL_MESH
+    x = prompts(384, (45,), seed=8)[0]
+    want = reference_greedy(reference_model(model_dir), x, NEW_TOKENS)[0]
+    sampling = sampling_to_pb(SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    held = prefill(p, ["sf", "sr"], x, sampling)
+    with stalled(p), ThreadPoolExecutor(2) as pool:
+        start = time.monotonic()
+        failing = pool.submit(lambda: (decode(f, "sf", x, sampling, *held["sf"], timeout=30), time.monotonic()))
+        recomputing = pool.submit(lambda: (decode(d, "sr", x, sampling, *held["sr"], timeout=40),
+                                           time.monotonic()))
+        (error, failed_at), ((tokens, reason, _), done_at) = failing.result(), recomputing.result()
+    assert error.code == FAILED_PRECONDITION, error
+    assert "its prompt's KV could not be loaded from the prefill replica" in error.message
+    assert "(timeout: " in error.message and "kv_load_failure_policy fail" in error.message, error.message
+    assert failed_at - start < 2 + 4, "the fail policy applied past the bound"  # (the slack: a loaded machine)
+    assert held["sr"][0] + tokens == want and reason == scheduler_pb2.FINISH_REASON_LENGTH
+    assert done_at - start < 5 + 6, "the recompute policy applied past the bound"
+    assert re.search(r"request sr: fetching its prompt's KV from \S+ failed \(timeout: .*: computing the "
+                     r"prompt here \(kv_load_failure_policy recompute\)", (logs / "d" / "scheduler.log").read_text())
+    assert re.search(r"request sf: fetching its prompt's KV from \S+ failed \(timeout: .*: the request "
+                     "fails", (logs / "f" / "scheduler.log").read_text())
+
+
+def test_kv_whose_hold_expired_or_that_is_gone_follows_the_policy(meshes):
+    """The prefill replica freed the blocks (its --kv-hold-timeout passed) before the decode replica read them: the
+    read cannot be trusted (the blocks may hold another prompt's KV by then), so the load failed. So did a load
+    from a pipeline that re-formed (another epoch) and from stages that are not there any more."""
+    model_dir, p, d, logs = meshes
+    f = FAIL_MESH
+    x = prompts(384, (37,), seed=9)[0]
+    want = reference_greedy(reference_model(model_dir), x, NEW_TOKENS)[0]
+    sampling = sampling_to_pb(SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    held = prefill(p, ["xf", "xr"], x, sampling)
+    p_log = logs / "p" / "scheduler.log"
+    deadline = time.monotonic() + 15  # --kv-hold-timeout 3, checked every probe interval (2 s)
+    while not all(f"request {i}: no decode replica fetched its KV within --kv-hold-timeout: freed" in
+                  p_log.read_text() for i in ("xf", "xr")):
+        assert time.monotonic() < deadline, "the holds never expired"
+        time.sleep(0.2)
+    error = decode(f, "xf", x, sampling, *held["xf"])
+    assert error.code == FAILED_PRECONDITION and "(hold_expired: " in error.message, error
+    tokens, reason, _ = decode(d, "xr", x, sampling, *held["xr"])
+    assert held["xr"][0] + tokens == want
+    assert re.search(r"request xr: fetching its prompt's KV from \S+ failed \(hold_expired: .*computing the prompt "
+                     "here", (logs / "d" / "scheduler.log").read_text())
+    first, kv = prefill(p, ["xg"], x, sampling)["xg"]
+    stale, elsewhere = scheduler_pb2.KVTransferParams(), scheduler_pb2.KVTransferParams()
+    stale.CopyFrom(kv)
+    stale.epoch = kv.epoch + 7
+    elsewhere.CopyFrom(kv)
+    elsewhere.scheduler_address = "127.0.0.1:1"  # not a --kv-peer: refused before anything is dialled
+    for params, reason in ((stale, "stale"), (elsewhere, "not_peer")):
+        error = decode(f, f"xg-{reason}", x, sampling, first, params)
+        assert error.code == FAILED_PRECONDITION and f"({reason}: " in error.message, (reason, error)
+    import requests
+
+    metrics = requests.get(FAIL_METRICS, timeout=10).text
+    for reason in ("hold_expired", "stale", "not_peer"):
+        assert f'stagemesh:kv_transfer_failures_total{{reason="{reason}"}}' in metrics, reason
+    failed = re.search(r"^stagemesh:kv_transfer_failed_requests_total (\S+)$", metrics, re.M)
+    assert failed and float(failed.group(1)) >= 3, metrics[-2000:]
+    assert re.search(r"^stagemesh:kv_transfer_wait_seconds_count [1-9]", metrics, re.M)
+
+
+def test_a_decode_request_that_ends_during_its_pull_releases_the_prefill_kv_at_once(meshes):
+    """The client of a decode request goes away while its KV is being pulled from a stalled prefill replica: the
+    prefill replica is told to free that KV at once, not when the pull ends (at d's 5 s bound)."""
+    model_dir, p, d, logs = meshes
+    x = prompts(384, (33,), seed=10)[0]
+    sampling = sampling_to_pb(SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    first, kv = prefill(p, ["ab"], x, sampling)["ab"]
+    p_log = logs / "p" / "scheduler.log"
+    with stalled(p):
+        try:  # the call ends (its deadline, or the request stream's end) during the pull: the request is aborted
+            tokens, _, _ = decode(d, "ab", x, sampling, first, kv, timeout=0.6)
+            assert tokens == []
+        except grpc.RpcError:
+            pass
+        gone = time.monotonic()
+        while "request ab: its KV released" not in p_log.read_text():
+            assert time.monotonic() - gone < 3, "the prefill replica's KV was not released at once"
+            time.sleep(0.05)
+
+
+def test_through_the_router_a_stalled_prefill_replica_is_left_for_the_decode_one(meshes):
+    """The prefill replica's scheduler stops (SIGSTOP) with a request on it: once it fails its health checks the
+    router stops waiting for it and the request runs whole on the decode replica; the client sees no error."""
+    from mesh import Router
+
+    model_dir, p, _, logs = meshes
+    f = FAIL_MESH
+    serving(p)  # (an earlier test killed its scheduler)
+    x = prompts(384, (29,), seed=11)[0]
+    want = reference_greedy(reference_model(model_dir), x, NEW_TOKENS)[0]
+    with Router(model_dir, [p.address, f.address], ("--served-model-name", "m"), log_dir=logs) as router:
+        client = router.client()
+        wait_for_roles(router)
+        p.scheduler.send_signal(signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            got = client.completions.create(model="m", prompt=x, max_tokens=NEW_TOKENS, temperature=0, timeout=40,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True},
+                                            extra_headers={"X-Request-Id": "stall"})
+            elapsed = time.monotonic() - start
+        finally:
+            p.scheduler.send_signal(signal.SIGCONT)
+            p.wait_healthy(120)
+        assert got.choices[0].token_ids == want
+        assert elapsed < 15, elapsed  # health checks every 0.5 s, each bounded by 2 s
+        router_log = (logs / f"router-{router.port}.log").read_text()
+    assert re.search(r"the prefill replica \S+ stopped passing health checks", router_log), router_log[-3000:]

@@ -298,7 +298,7 @@ def test_a_draft_models_kv_travels_with_its_blocks(tiny_model_dir, tmp_path):
 
 
 def test_the_stages_metrics_count_what_its_tiers_did(runner, written, caplog):
-    from stage_worker.observe import KVTierCollector
+    from stage_worker.kv_tier_metrics import KVTierCollector
 
     tiers, path = written
     data = bytearray(path.read_bytes())

@@ -38,7 +38,8 @@ def tier_counters(port: int) -> dict[tuple[str, str], float]:
 
 
 def tiered_mesh(model_dir, tmp_path: Path, disk: Path, layout: dict, name: str) -> tuple[Mesh, int]:
-    port = free_port()
+    """(the mesh, its scheduler's metrics port); stage 0's metrics port is mesh.stage_metrics_port."""
+    port, stage_port = free_port(), free_port()
     layout = dict(layout)
     pool = layout.pop("pool", POOL_BYTES)
     log_dir = tmp_path / name
@@ -46,7 +47,9 @@ def tiered_mesh(model_dir, tmp_path: Path, disk: Path, layout: dict, name: str) 
     mesh = Mesh(model_dir, log_dir=log_dir, **layout,
                 scheduler_args=("--kv-offloading-size", "0.001", "--kv-offloading-disk-size", "0.01",
                                 "--metrics-port", str(port)),
-                stage_args=("--kv-cache-memory", pool, "--kv-offloading-disk-path", str(disk)))
+                stage_args=("--kv-cache-memory", pool, "--kv-offloading-disk-path", str(disk)),
+                per_stage_args={0: ["--metrics-port", str(stage_port)]})
+    mesh.stage_metrics_port = stage_port
     return mesh, port
 
 
@@ -92,6 +95,8 @@ def run_tiers(model_dir, tmp_path: Path, layout: dict, check_disk: bool = True) 
     with mesh:
         assert ask(mesh, "corrupt", prompt) == (want, 0)
         assert tier_counters(port).get(("failed_loads", "disk")) == HIT // 16
+        stage0 = requests.get(f"http://127.0.0.1:{mesh.stage_metrics_port}/metrics", timeout=10).text
+        assert f'stagemesh:stage_kv_disk_blocks_total{{event="read_misses",stage="0"}} {HIT // 16}.0' in stage0
     logs = "".join(p.read_text() for p in (tmp_path / "corrupt").glob("stage*.log"))
     assert "checksum" in logs or "corrupt" in logs
 

@@ -65,7 +65,7 @@ def test_a_prefix_evicted_from_the_pool_is_loaded_back_from_the_host_tier_and_co
     assert s.schedule() is None  # b waits for its load
     [load] = s.kv.tiers.take_loads()
     assert len(load.block_ids) == 3 and FROM_DISK not in load.host_slots
-    s.kv_loaded(load, [True, True, True])
+    s.kv_tier_loaded(load, [True, True, True])
     out = s.schedule()
     chunk = out.step_batch.chunks[0]
     assert chunk.start_position == 3 * BS and chunk.token_ids == [22, 1]
@@ -83,7 +83,7 @@ def test_a_block_that_does_not_load_is_computed_from_there_and_leaves_its_tier()
     s.add_request("b", prompt + [1], SamplingParams(max_tokens=1))
     s.schedule()
     [load] = s.kv.tiers.take_loads()
-    s.kv_loaded(load, [True, False, True])
+    s.kv_tier_loaded(load, [True, False, True])
     chunk = s.schedule().step_batch.chunks[0]
     assert chunk.start_position == BS  # block 0 loaded; blocks 1 and 2 computed
     assert load.hashes[1] not in s.kv.tiers.host and load.hashes[2] in s.kv.tiers.host
@@ -128,7 +128,7 @@ def test_a_request_that_ends_during_its_load_frees_its_blocks_only_when_the_load
     [load] = s.kv.tiers.take_loads()
     s.abort(["b"])
     assert not set(load.block_ids) & set(s.kv.free)  # the stages may be writing into them
-    s.kv_loaded(load, [True] * 3)
+    s.kv_tier_loaded(load, [True] * 3)
     assert set(load.block_ids) <= set(s.kv.free)
 
 

@@ -28,6 +28,9 @@ class Deadlines:
     ep_form_s: float = 600.0  # the expert-parallel group across replicas forming (members load at their own pace)
     # decode scheduler -> its stages: PullKV, a prefill's KV fetched (its ReadKV calls, and its GetKVPeers, too)
     kv_pull_s: float = 60.0
+    # a PullKV given a bound (the decode scheduler's --kv-load-timeout) reads within it; its RPC deadline is the
+    # bound plus this, for the write into the stage's blocks, which waits for the step the stage is running
+    kv_write_s: float = 10.0
     # decode scheduler -> prefill scheduler: ReleaseKV of the blocks it held; GetModelInfo for its stages (KV peers)
     kv_release_s: float = 5.0
     # scheduler -> stage: StoreKV (blocks into the host tier, disk writes queued) and LoadKV (files read, blocks
