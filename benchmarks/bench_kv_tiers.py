@@ -226,7 +226,8 @@ def summarize(run: dict, before: dict, after: dict, reference: list[dict] | None
     if reference is not None:
         ref = {(r["conv"], r["turn"]): r["text"] for r in reference}
         out["same_as_off"] = sum(ref.get((r["conv"], r["turn"])) == r["text"] for r in recs) / len(recs)
-        out["differ_from_off"] = [(r["conv"], r["turn"] + 1) for r in recs if ref.get((r["conv"], r["turn"])) != r["text"]]
+        out["differ_from_off"] = [(r["conv"], r["turn"] + 1) for r in recs
+                                  if ref.get((r["conv"], r["turn"])) != r["text"]]
     out["texts"] = {f"{r['conv']}.{r['turn'] + 1}": r["text"] for r in recs}
     steps = {k.split("seconds_")[1]: v for k, v in m.items() if "scheduler_step_seconds" in k}
     compute = {k.split("seconds_")[1]: v for k, v in m.items() if "stage_compute_seconds" in k}
@@ -245,7 +246,8 @@ def serve_args(config: str, args, kv_bytes: int, ws_bytes: int, disk_dir: Path |
         argv += ["--kv-offloading-size", f"{ws_bytes * 1.25 / gib:.4f}"]
     elif config == "disk":
         argv += ["--kv-offloading-size", f"{kv_bytes * 1.0 / gib:.4f}",
-                 "--kv-offloading-disk-size", f"{ws_bytes * 1.25 / gib:.4f}", "--kv-offloading-disk-path", str(disk_dir)]
+                 "--kv-offloading-disk-size", f"{ws_bytes * 1.25 / gib:.4f}",
+                 "--kv-offloading-disk-path", str(disk_dir)]
     return argv
 
 
@@ -291,7 +293,7 @@ def main() -> None:
     p.add_argument("--user-len", default="150:250", help="words (about tokens) per user message, A:B")
     p.add_argument("--output-len", type=int, default=28, help="max_tokens of every reply (ignore_eos)")
     p.add_argument("--concurrency", type=int, default=2,
-                   help="turns in flight (4, with requests in flight beyond the pool, can deadlock the tiers: RESULTS.md)")
+                   help="turns in flight")
     p.add_argument("--turn-timeout", type=float, default=300, help="seconds a turn may take (a stall fails it)")
     p.add_argument("--pool-ratio", type=float, default=4.0, help="working set / KV pool")
     p.add_argument("--dtype", default="bfloat16")
@@ -387,7 +389,7 @@ def main() -> None:
         print(f"| {c} | {m['ttft_later_p50']:.0f} | {m['ttft_later_p99']:.0f} | {m['ttft_all_p50']:.0f} | "
               f"{m['ttft_all_p99']:.0f} | {m['tok_s']:.1f} | {m['wall_s']:.1f} | {m['hit_rate']:.1%} |")
     if "off" in med:
-        for c, m in med.items():
+        for c in med:
             if c != "off":
                 ratios = [statistics.median(x[k] / y[k] for x, y in zip(results[c], results["off"]))
                           for k in ("ttft_later_p50", "ttft_later_p99", "ttft_all_p50", "tok_s", "wall_s")]

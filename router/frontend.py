@@ -27,7 +27,7 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grpc_errors import ErrorInterceptor
 from stagemesh.core.health import follow
 from stagemesh.core.sampling_params import MAX_LOGPROBS, InvalidParameter, check_int
-from stagemesh.core.service_options import add_port
+from stagemesh.core.service_options import add_port, quiet_grpc_teardown
 from stagemesh.core.step_wire import logprob_to_pb
 from stagemesh.core.wire import sampling_fields_from_pb
 from stagemesh.v1 import frontend_pb2, frontend_pb2_grpc
@@ -193,6 +193,7 @@ async def serve_frontend(servicer: FrontendServicer, host: str, port: int) -> tu
         from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
         interceptors.append(aio_server_interceptor())
+    quiet_grpc_teardown(asyncio.get_running_loop())
     server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor(status_of, log)])
     frontend_pb2_grpc.add_FrontendServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

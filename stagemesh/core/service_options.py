@@ -14,7 +14,10 @@ TLS: ``--tls-cert``/``--tls-key`` make the service's own ports TLS; with
 from __future__ import annotations
 
 import argparse
+import asyncio
+import errno
 import logging
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +25,8 @@ import grpc
 
 from stagemesh.core import internal_token
 from stagemesh.core.errors import StagemeshError
+
+log = logging.getLogger("stagemesh")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # A peer that restarts (same address) must be reachable again within seconds: gRPC's default
@@ -149,7 +154,31 @@ def aio_server(options: list | None = None, errors: grpc.aio.ServerInterceptor |
     internal token when one is configured; errors: the service's exceptions to status codes
     (stagemesh.core.grpc_errors.ErrorInterceptor), around its handlers."""
     interceptors = [internal_token.ServerInterceptor(), *([errors] if errors is not None else [])]
+    quiet_grpc_teardown(asyncio.get_running_loop())
     return grpc.aio.server(interceptors=interceptors, options=options)
+
+
+def quiet_grpc_teardown(loop: asyncio.AbstractEventLoop) -> None:
+    """grpc.aio's poller may still run a callback on its closed file descriptor while a service stops
+    (grpc/grpc#34139: OSError EBADF from PollerCompletionQueue._handle_events). Nothing is wrong, but asyncio
+    logs it as an ERROR with a traceback in the middle of a clean shutdown; it is logged at DEBUG instead.
+    Every other exception is reported as before."""
+    previous = loop.get_exception_handler()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        err = context.get("exception")
+        if isinstance(err, OSError) and err.errno == errno.EBADF and any(
+                f.filename.endswith("completion_queue.pyx.pxi") for f in traceback.extract_tb(err.__traceback__)):
+            log.debug("grpc.aio's poller after its descriptor closed (grpc/grpc#34139): %s", err)
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    if not getattr(previous, "quiets_grpc_teardown", False):
+        handler.quiets_grpc_teardown = True  # type: ignore[attr-defined]
+        loop.set_exception_handler(handler)
 
 
 def add_port(server, address: str) -> int:
