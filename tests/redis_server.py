@@ -5,21 +5,16 @@ Debian)."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
+from mesh import free_port
 
 INSTALLED = shutil.which("redis-server") is not None
 MISSING = "redis-server is not installed (`make install` installs Debian's redis-server as root)"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

@@ -104,16 +104,18 @@ import sys
 from datetime import timedelta
 import torch, torch.distributed as dist
 rank, master, port, pick = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "--pick"
+wait = timedelta(seconds=int(sys.argv[5]))
 if pick:
     import logging
     from stage_worker.gloo_interface import configure_gloo_interface
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     configure_gloo_interface()
-store = dist.TCPStore(master, port, world_size=2, is_master=rank == 0, timeout=timedelta(seconds=20))
-dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=8))
+store = dist.TCPStore(master, port, world_size=2, is_master=rank == 0, timeout=wait)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=wait)
 total = torch.tensor([rank + 1.0])
 dist.all_reduce(total)
 print("sum", total.item(), flush=True)
+dist.destroy_process_group()  # left to interpreter exit, gloo's threads may abort it ("terminate called ...")
 """
 
 
@@ -134,15 +136,20 @@ def test_gloo_between_two_hosts_whose_names_map_to_127_0_1_1_forms_on_the_ray_ad
         pair.map_hostname("127.0.1.1")
         repo = str(Path(__file__).parents[1])
         procs = {}
-        for variant, port in (("--pick", 29611), ("--gloo-default", 29612)):
+
+        def spawn(variant: str, port: int, wait_s: int) -> None:
             for rank, host in enumerate(pair.hosts):
                 env = {k: v for k, v in clean_env(PYTHONPATH=repo, OMP_NUM_THREADS="1",
                                                   **{HOST_IP_ENV: host.address}).items() if k != "GLOO_SOCKET_IFNAME"}
                 procs[variant, rank] = host.spawn(
-                    [sys.executable, "-c", GLOO_RANK, str(rank), pair.a.address, str(port), variant], env,
-                    tmp_path / f"{variant[2:]}-{rank}.log")
+                    [sys.executable, "-c", GLOO_RANK, str(rank), pair.a.address, str(port), variant, str(wait_s)],
+                    env, tmp_path / f"{variant[2:]}-{rank}.log")
+
+        # one world at a time, and a wait that a loaded machine's two torch imports fit in: the ranks must meet
+        spawn("--pick", 29611, 60)
         codes = {key: procs[key].wait(timeout=90) for key in (("--pick", 0), ("--pick", 1))}
-        deadline = time.monotonic() + 5  # by now a world that could form would have formed
+        spawn("--gloo-default", 29612, 8)
+        deadline = time.monotonic() + 15  # by now a world that could form would have formed
         for key in (("--gloo-default", 0), ("--gloo-default", 1)):
             try:
                 codes[key] = procs[key].wait(timeout=max(deadline - time.monotonic(), 0.1))
