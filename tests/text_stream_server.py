@@ -1,5 +1,5 @@
 """A server that streams as llama-cpp-python's does, for `stagemesh bench`'s token counting: text chunks, no
-usage and no token ids whatever the request asks, and a 422 for an X-Request-Id that is not a UUID (its
+usage and no token ids whatever the request asks, and a 400 for an X-Request-Id that is not a UUID (its
 starlette_context middleware). Each chunk carries two words of a word-level vocabulary ("w7 w7 "), so that
 counting chunks gives half the tokens. `--tokenize extras` serves POST /extras/tokenize (a BOS, id 1, before
 the text's ids, as llama.cpp adds one); `--tokenize none` serves no tokenize endpoint.
@@ -25,7 +25,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         try:
             uuid.UUID(given)
         except ValueError:
-            return web.Response(status=422, text="Invalid UUID in request header X-Request-ID")
+            return web.Response(status=400)  # llama-cpp-python 0.3.36 answers 400, no body
     body = await request.json()
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
