@@ -8,7 +8,10 @@ ratio A / B.
         [--rounds 3] [-- bench flags, e.g. --num-prompts 32 --input-len-range 16:256 --output-len-range 16:128]
 
 Both servers get the same seeded requests (token ids, or their text with --prompt-format text), with
-ignore_eos so that each produces exactly the tokens asked for; give each server's model name with
+ignore_eos so that each produces exactly the tokens asked for (llama-cpp-python's server ignores it and may
+stop at an EOS: its output lengths are printed); llama-cpp-python's server streams no usage, so `stagemesh
+bench` counts its tokens again with its POST /extras/tokenize after each round (each round's line says how the
+tokens were counted; `-- --count-tokens server` counts both servers that way). Give each server's model name with
 --model-a / --model-b when /v1/models does not list the one to use first. Prefix caching should be off on
 both (the seeded prompts repeat between rounds).
 """
@@ -53,7 +56,9 @@ def main() -> None:
                 sys.exit(f"{name} ({url}) failed {s['failed_requests']} request(s): {s.get('errors')}")
             results[name].append(s)
             print(f"round {r + 1} {name} ({url}): {s['output_throughput']:.1f} tok/s, mean TTFT "
-                  f"{s['mean_ttft_ms']:.0f} ms, mean TPOT {s['mean_tpot_ms']:.1f} ms", flush=True)
+                  f"{s['mean_ttft_ms']:.0f} ms, mean TPOT {s['mean_tpot_ms']:.1f} ms; {s['total_input_tokens']} "
+                  f"prompt / {s['total_output_tokens']} output tokens, counted by "
+                  f"{', '.join(s.get('tokens_counted_by') or ['?'])}", flush=True)
     med = {name: {m: statistics.median(s[m] for s in runs) for m in METRICS} for name, runs in results.items()}
     for name in ("A", "B"):
         print(f"median {name}: {med[name]['output_throughput']:.1f} tok/s, mean TTFT "

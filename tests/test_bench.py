@@ -161,3 +161,35 @@ def test_a_dataset_goes_as_text_with_prompt_format_text_and_is_not_a_second_work
     assert [(r.prompt, r.max_tokens) for r in text] == [(decoded, 3)]
     with pytest.raises(StagemeshError, match="two workloads"):
         build_workload(p.parse_args(["--dataset", str(data), "--prefix-repetition-num-prefixes", "2"]), model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt_format", ["ids", "text"])
+def test_streams_without_usage_are_counted_again_by_the_routers_tokenize_or_the_local_tokenizer(
+        served, prompt_format, capsys):
+    """--count-tokens server / local: the client asks for no usage and no token ids (the router then sends
+    neither, as llama-cpp-python's server), and the counts made from the text equal the router's usage."""
+    def bench(*extra):
+        out = served.logs / f"count-{prompt_format}-{len(extra)}-{extra[-1] if extra else ''}.json"
+        code = main(["bench", "--base-url", served.base_url, "--model-path", str(served.model), "--num-prompts", "6",
+                     "--input-len-range", "3:12", "--output-len-range", "2:9", "--seed", "5", "--prompt-format",
+                     prompt_format, "--max-concurrency", "3", "--no-progress", "--json", str(out), *extra])
+        assert code == 0
+        return json.loads(out.read_text()), capsys.readouterr().out
+
+    usage, _ = bench()
+    assert usage["tokens_counted_by"] == ["usage (the server's)"]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(served.model))
+    reqs = synthetic(len(tok), set(tok.all_special_ids), 6, (3, 12), (2, 9), 5)
+    assert usage["output_lens"] == [r.max_tokens for r in reqs]
+    server, table = bench("--count-tokens", "server")
+    assert server["tokens_counted_by"] == ["server POST /tokenize"]
+    assert "Tokens counted by: server POST /tokenize" in table
+    local, table = bench("--count-tokens", "local")
+    assert local["tokens_counted_by"] == [f"local tokenizer ({served.model})"]
+    for s in (server, local):
+        assert s["failed_requests"] == 0 and s["output_lens"] == usage["output_lens"]
+        assert s["input_lens"] == usage["input_lens"] and s["total_output_tokens"] == sum(r.max_tokens for r in reqs)
+        assert s["mean_tpot_ms"] > 0

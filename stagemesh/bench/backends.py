@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import time
 
+from stagemesh.bench import counting
 from stagemesh.bench.report import Result
 from stagemesh.bench.workload import BenchRequest
 
@@ -21,16 +22,19 @@ def _tokens_arrived(result: Result, start: float, last: float) -> float:
 class OpenAIBackend:
     """Streaming /v1/completions (or /v1/chat/completions for messages) with aiohttp."""
 
-    def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout_s: float = 600):
+    def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout_s: float = 600,
+                 ask_usage: bool = True):
         import aiohttp
 
-        self.base_url, self.model = base_url.rstrip("/"), model
+        self.base_url, self.model, self.ask_usage = base_url.rstrip("/"), model, ask_usage
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
 
     async def send(self, req: BenchRequest) -> Result:
         body = {"model": self.model, "max_tokens": req.max_tokens, "temperature": 0, "stream": True,
-                "ignore_eos": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+                "ignore_eos": True}
+        if self.ask_usage:  # else the tokens are counted from the text afterwards (stagemesh.bench.counting)
+            body.update(return_token_ids=True, stream_options={"include_usage": True})
         if req.messages is not None:
             url, body["messages"] = f"{self.base_url}/v1/chat/completions", req.messages
         else:
@@ -59,14 +63,19 @@ class OpenAIBackend:
                     if chunk.get("usage"):
                         result.input_len = chunk["usage"]["prompt_tokens"]
                         result.output_len = chunk["usage"]["completion_tokens"]
+                        result.counted_by = counting.USAGE
                     choices = chunk.get("choices") or []
-                    # servers without return_token_ids (llama.cpp's): a chunk with text brought tokens
-                    n = sum(len(c.get("token_ids") or []) or bool(c.get("text") or (c.get("delta") or {})
-                                                                  .get("content")) for c in choices)
-                    if n:
+                    ids = sum(len(c.get("token_ids") or []) for c in choices)
+                    text = "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in choices)
+                    result.stream_token_ids += ids
+                    result.text += text
+                    if ids or text:  # servers without return_token_ids (llama.cpp's): a chunk with text
                         last = _tokens_arrived(result, start, last)
             result.latency = time.perf_counter() - start
-            result.ok = result.output_len > 0
+            if result.counted_by:
+                result.ok = result.output_len > 0
+            else:  # no usage: counted after the run, from the text (stagemesh.bench.counting)
+                result.ok = bool(result.stream_token_ids or result.text)
             if not result.ok:
                 result.error = "the stream ended without usage or tokens"
         except Exception as err:  # noqa: BLE001 - a failed request is counted, the run goes on
@@ -102,6 +111,7 @@ class GrpcBackend:
                 if reply.finish_reason:
                     result.input_len = reply.usage.prompt_tokens
                     result.output_len = reply.usage.completion_tokens
+                    result.counted_by = counting.USAGE
             result.latency = time.perf_counter() - start
             result.ok = result.output_len > 0
             if not result.ok:

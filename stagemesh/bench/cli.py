@@ -36,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                    help="send synthetic prompts as token ids (exact lengths) or as their text (servers that take "
                         "only text, e.g. llama.cpp's)")
+    p.add_argument("--count-tokens", choices=("auto", "server", "local"), default="auto",
+                   help="how prompt and completion tokens are counted (openai backend): auto: the stream's usage "
+                        "(or its token ids); for a stream with neither (llama-cpp-python's server sends no usage), "
+                        "the text again through the server's tokenize endpoint (POST /tokenize or "
+                        "/extras/tokenize), else the local tokenizer (--model-path). server / local: always "
+                        "that way, the stream not asked for usage (the same counting for two servers)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson arrivals "
                                                                         "(default inf: all at once)")
@@ -146,19 +152,33 @@ def _pick(wanted: str | None, names: list[str], where: str) -> str:
     return names[0]
 
 
-async def _serve_bench(args: argparse.Namespace, requests: list) -> tuple[list, float]:
+async def _serve_bench(args: argparse.Namespace, requests: list, model_dir) -> tuple[list, float]:
     from stagemesh.bench.backends import GrpcBackend, OpenAIBackend
 
     model = await _server_model(args)
     if args.backend == "grpc":
         backend = GrpcBackend(args.grpc_target, model, args.api_key, args.timeout)
     else:
-        backend = OpenAIBackend(args.base_url, model, args.api_key, args.timeout)
+        backend = OpenAIBackend(args.base_url, model, args.api_key, args.timeout,
+                                ask_usage=args.count_tokens == "auto")
     try:
-        return await drive(backend, requests, args.request_rate, args.max_concurrency, args.seed,
-                           not args.no_progress)
+        results, duration = await drive(backend, requests, args.request_rate, args.max_concurrency, args.seed,
+                                        not args.no_progress)
+        if args.backend == "openai":  # after the timed run: streams without usage get their tokens counted
+            from stagemesh.bench.counting import TokenCounter
+
+            counter = TokenCounter(backend.session, args.base_url, model, backend.headers, args.count_tokens,
+                                   lambda: _local_tokenizer(model_dir), str(model_dir))
+            await counter.fill(results, requests)
+        return results, duration
     finally:
         await backend.close()
+
+
+def _local_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,11 +187,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise StagemeshError("--request-rate must be > 0 and --max-concurrency at least 1")
+    if args.backend == "grpc" and args.count_tokens != "auto":
+        raise StagemeshError("--count-tokens server / local is for --backend openai (gRPC replies carry usage)")
     model_dir = resolve_model(args.model_path)
     requests = build_workload(args, model_dir)
     summary: dict = {"backend": args.backend, "num_prompts": len(requests)}
     if not args.baseline_only:
-        results, duration = asyncio.run(_serve_bench(args, requests))
+        results, duration = asyncio.run(_serve_bench(args, requests, model_dir))
         summary.update(summarize(results, duration))
     if args.baseline or args.baseline_only:
         from stagemesh.bench.baseline import transformers_static

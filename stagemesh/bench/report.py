@@ -13,6 +13,9 @@ class Result:
     ttft: float = 0.0  # seconds
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)  # seconds between streamed token chunks
+    counted_by: str = ""  # how input_len / output_len were counted (stagemesh.bench.counting); "" not yet
+    text: str = ""  # the completion's text, for counting its tokens when the stream brought no usage
+    stream_token_ids: int = 0  # token ids the stream carried (return_token_ids)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -46,6 +49,8 @@ def summarize(results: list[Result], duration: float) -> dict:
         "output_throughput": output / duration if duration else 0.0,
         "total_token_throughput": (output + total_input) / duration if duration else 0.0,
     }
+    # how the token counts were made (stagemesh.bench.counting): the server's usage, or the text counted again
+    summary["tokens_counted_by"] = sorted({r.counted_by for r in done if r.counted_by})
     summary.update(_stats("ttft", [r.ttft for r in done]))
     summary.update(_stats("tpot", tpot))
     summary.update(_stats("itl", [x for r in done for x in r.itl]))
@@ -69,6 +74,8 @@ def table(summary: dict, title: str = "Serving Benchmark Result") -> str:
             ("Output token throughput (tok/s):", f"{summary['output_throughput']:.2f}"),
             ("Total token throughput (tok/s):", f"{summary['total_token_throughput']:.2f}")]
     lines = [f"{' ' + title + ' ':=^60}"] + [f"{k:<44}{v:>16}" for k, v in rows]
+    for way in summary.get("tokens_counted_by", []):
+        lines.append(f"Tokens counted by: {way}")
     for name, label in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                         ("itl", "Inter-token Latency")):
         lines.append(f"{label:-^60}")
