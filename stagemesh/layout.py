@@ -13,14 +13,7 @@ import socket
 from dataclasses import dataclass, field
 
 from stagemesh.core.service_options import service_argv
-
-# OpenMP workers of a CPU stage spin this many rounds after each parallel region before they sleep
-# (libgomp's default, 300,000, is milliseconds on these machines). Stages of one host share its
-# cores: a stage that finished its micro-batch would spin on the cores the next stage computes on.
-# 20,000 still bridges the gaps between the ops of one step. Measured at batch 1, PP=2, 2 threads
-# per stage on 2 cores (benchmarks/profile_mesh_step.py --threads 2): 44-45 ms per token against
-# 58-64 ms with the default. A GOMP_SPINCOUNT or OMP_WAIT_POLICY of the user's is left alone.
-CPU_STAGE_SPIN_COUNT = "20000"
+from stagemesh.cpu_plan import CpuPlan, cpu_plan
 
 
 @dataclass(frozen=True)
@@ -47,10 +40,8 @@ class Addresses:
 
 
 def cpu_stage_env() -> dict[str, str]:
-    """What a CPU stage process of this host gets added to its environment."""
-    if {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys():
-        return {}
-    return {"GOMP_SPINCOUNT": CPU_STAGE_SPIN_COUNT}
+    """What a CPU stage that shares its cores with other stages (PP > 1 on one host) adds to its environment."""
+    return cpu_plan(os.cpu_count() or 1, pp=2, user_env=set(os.environ)).env
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -88,8 +79,11 @@ class MeshLayout:
         """What every replica shares, computed once: threads per stage, the schedulers' flags, the EP store."""
         args, dp = self.args, self.args.data_parallel_size
         pp, tp = args.pipeline_parallel_size, args.tensor_parallel_size
-        if self.addresses.local:  # (a replica added later keeps the first ones' threads)
-            self.threads = args.threads or max(1, (os.cpu_count() or 1) // (dp * pp * tp))
+        # (a replica added later keeps the first ones' plan)
+        self.cpu: CpuPlan | None = None
+        if self.addresses.local:
+            self.cpu = cpu_plan(os.cpu_count() or 1, dp, pp, tp, args.threads, set(os.environ))
+            self.threads = self.cpu.threads
         else:  # the cores of a node Ray has not chosen yet: what the stage asks of Ray
             self.threads = args.threads or 1
         self.initial_dp = dp
@@ -129,7 +123,7 @@ class MeshLayout:
     def _stage(self, r: int, i: int, scheduler: str) -> ChildSpec:
         args, tp, spec = self.args, self.args.tensor_parallel_size, self.spec
         a, b = self.ranges[i]
-        env = {} if self.cuda else cpu_stage_env()
+        env = {} if self.cuda else dict(self.cpu.env) if self.cpu is not None else cpu_stage_env()
         if self.cuda and self.addresses.local:  # Ray gives each stage its GPUs itself
             first = (r * len(self.ranges) + i) * tp
             env = {"CUDA_VISIBLE_DEVICES": ",".join(str(first + t) for t in range(tp))}

@@ -165,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
     base_env = {**os.environ, internal_token.ENV: token}
     layout = MeshLayout.build(args, str(source.model_dir), cfg.num_hidden_layers, cuda,
                               stage_model=source.stage_args(), control=True)
+    if layout.cpu is not None and not cuda:
+        log.info("%s", layout.cpu.describe())
     metrics = _serve_metrics(args, args.data_parallel_size * (args.pipeline_parallel_size + 1))
     return _operate(args, ops_mesh.build(args, layout, base_env, signals, metrics, token), autoscale)
 
