@@ -115,8 +115,8 @@ async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
                     gen.started.set()
                 delta = _delta(reply, req, gen, record, replicas)
                 if not req.echo_only:
-                    gen.completion_tokens += len(reply.token_ids)
-                    delta.text = stops.feed(detok.add(delta.token_ids))
+                    delta.text = _text(delta, detok, stops)
+                    gen.completion_tokens += len(delta.token_ids)
                 if stops.stopped is not None:
                     delta.finish_reason, delta.stop_reason = "stop", stops.stopped
                     record.done(gen.completion_tokens, "stop")  # before the last delta: callers stop reading there
@@ -136,6 +136,21 @@ async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
     finally:
         gen.started.set()
         record.done(gen.completion_tokens, outcome)  # no-op when the request finished above
+
+
+def _text(delta: Delta, detok: IncrementalDetokenizer, stops: StopStrings) -> str:
+    """The delta's text after the stop strings. A reply of several tokens (a resumed stream's backlog, accepted
+    drafts) is read token by token when there are stop strings: the tokens after the one that completed a stop
+    string are dropped with their logprobs, so that the stream ends where it would have ended token by token."""
+    if len(delta.token_ids) < 2 or not stops.stops:
+        return stops.feed(detok.add(delta.token_ids))
+    text = ""
+    for i, token in enumerate(delta.token_ids):
+        text += stops.feed(detok.add([token]))
+        if stops.stopped is not None:
+            delta.token_ids, delta.logprobs = delta.token_ids[:i + 1], delta.logprobs[:i + 1]
+            break
+    return text
 
 
 def _delta(reply: ReplicaOutput, req: GenerateRequest, gen: Generation, record: RequestRecord,

@@ -108,7 +108,11 @@ class GrpcPipeline:
 
     @staticmethod
     async def _result(calls) -> StepResult:
-        replies = await asyncio.gather(*[_answer(stage, call) for stage, call in calls])
+        answers = [asyncio.ensure_future(_answer(stage, call)) for stage, call in calls]
+        try:
+            replies = await asyncio.gather(*answers)
+        except StageFailure as first:
+            raise await _culprit(first, answers) from None
         msg = replies[-1].sampled
         rows = len(msg.seq_ids)
         if (len(msg.token_ids) != rows or len(msg.logprob_rows) != len(msg.logprobs)
@@ -232,12 +236,30 @@ async def _answer(stage: StageInfo, call):
     try:
         return await call
     except grpc.aio.AioRpcError as err:
-        raise StageFailure(stage, f"{err.code().name}: {err.details()}") from None
+        raise StageFailure(stage, f"{err.code().name}: {err.details()}",
+                           unreachable=err.code() == grpc.StatusCode.UNAVAILABLE) from None
     except asyncio.CancelledError:
         task = asyncio.current_task()
         if task is None or task.cancelling() > 0:  # this task is being cancelled
             raise
         raise StageFailure(stage, "the call was cancelled") from None  # the channel closed under the call
+
+
+# how long a step's failure waits for its other stages' calls to end, to name the stage that died
+CULPRIT_WAIT_S = 0.5
+
+
+async def _culprit(first: StageFailure, answers: list[asyncio.Future]) -> StageFailure:
+    """The failure to report for a step: a stage that did not answer at all, before one that answered first that
+    its handoff broke (a stage waiting on a killed peer's activations or tokens often fails before the peer's own
+    call does)."""
+    if first.unreachable:
+        return first
+    pending = [a for a in answers if not a.done()]
+    if pending:
+        await asyncio.wait(pending, timeout=CULPRIT_WAIT_S)
+    failures = [a.exception() for a in answers if a.done() and not a.cancelled()]
+    return next((f for f in failures if isinstance(f, StageFailure) and f.unreachable), first)
 
 
 async def _close_later(channel: grpc.aio.Channel, delay_s: float) -> None:

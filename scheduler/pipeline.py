@@ -37,8 +37,9 @@ class StepResult:
 class StageFailure(Exception):
     """A stage did not answer, or answered nonsense: the epoch ends and every request in it fails."""
 
-    def __init__(self, stage: StageInfo | str, detail: str):
+    def __init__(self, stage: StageInfo | str, detail: str, unreachable: bool = False):
         self.stage = stage.name if isinstance(stage, StageInfo) else stage
+        self.unreachable = unreachable  # the stage itself did not answer (not: it answered that a peer failed)
         super().__init__(f"{self.stage} failed: {detail}")
 
 

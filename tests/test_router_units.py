@@ -37,6 +37,32 @@ def test_stop_strings_release_held_text_at_the_end():
     assert stops.flush() == "cST"
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 100])
+def test_a_reply_of_many_tokens_ends_at_the_token_that_completed_the_stop_string(tokenizer, chunk):
+    """A resumed stream's backlog (or accepted drafts) arrives as one reply of several tokens: the stream must end
+    where it ends token by token, the tokens after the stop string dropped with their logprobs."""
+    from router.generation import Delta, _text
+
+    ids = tokenizer.encode("The cat sat on the mat. Then the dog ran far away home.", add_special_tokens=False)
+
+    def run(size: int) -> tuple[str, list[int], list]:
+        detok, stops = IncrementalDetokenizer(tokenizer), StopStrings(["dog"])
+        text, kept, logprobs = "", [], []
+        for start in range(0, len(ids), size):
+            delta = Delta(token_ids=ids[start:start + size], logprobs=[f"lp{t}" for t in ids[start:start + size]])
+            text += _text(delta, detok, stops)
+            kept += delta.token_ids
+            logprobs += delta.logprobs
+            if stops.stopped is not None:
+                break
+        return text, kept, logprobs
+
+    one_by_one = run(1)
+    assert one_by_one[0] == "The cat sat on the mat. Then the " and len(one_by_one[1]) < len(ids)
+    assert run(chunk) == one_by_one
+    assert one_by_one[2] == [f"lp{t}" for t in one_by_one[1]]
+
+
 @dataclass
 class FakeLoad:
     """A replica as the policies see it: an address and a load figure."""
