@@ -113,9 +113,13 @@ def products(args) -> None:
               "lm_head": (cfg.vocab_size, h, 8)}
     runs = {f.name for f in isa.running(cpu_flags())}
     module = cpu_ops.load()
-    families = [f for f in isa.KERNELS["quant"] if f in runs and (f == "avx2" or module.quant_avx512_available())]
+    built = {"avx2": True, "avx512": module.quant_avx512_available(),
+             "avx512_vnni": module.quant_avx512_available() and module.int8_vnni_available(),
+             "avx512_bf16": module.quant_bf16_available()}
+    families = [f for f in isa.KERNELS["quant"] if f in runs and built[f]]
     arms = [(f, False) for f in families if f != "avx512_vnni" or "avx512" not in families]
-    arms += [(f, True) for f in families if f != "avx512"]  # avx512's int8 products are avx2's
+    # avx512's int8 products are avx2's, avx512_bf16's avx512_vnni's
+    arms += [(f, True) for f in families if f not in ("avx512", "avx512_bf16")]
     g = torch.Generator().manual_seed(0)
     step = {arm: 0.0 for arm in arms}
     print(f"products alone, {args.threads} threads, {args.rows} rows of x, us per call (best); "

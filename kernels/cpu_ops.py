@@ -220,10 +220,14 @@ def quant_isa() -> str:
 
 
 def quant_family() -> str:
-    """The family of the quantised products here: avx512_vnni (fp32 products 16 lanes wide, w8a8's int8 ones on
-    vpdpbusd), avx512 (the fp32 ones 16 wide) where the CPU and the build have them, else avx2."""
+    """The family of the quantised products here: avx512_bf16 (avx512_vnni's, and the fp32 products of many rows
+    on vdpbf16ps), avx512_vnni (fp32 products 16 lanes wide, w8a8's int8 ones on vpdpbusd), avx512 (the fp32
+    ones 16 wide) where the CPU and the build have them, else avx2."""
     module = load()
-    return isa.family_for("quant", isa.cpu_flags(), module is not None and module.quant_isa() != "none")
+    flags = isa.cpu_flags()
+    if module is not None and not module.quant_bf16_available():  # a compiler without avx512bf16 intrinsics
+        flags = flags - {"avx512_bf16"}
+    return isa.family_for("quant", flags, module is not None and module.quant_isa() != "none")
 
 
 def quant_linear(x, qs, scales, mins, bias=None, int8_activations=False, family: str | None = None):
@@ -235,7 +239,8 @@ _pinned_quant: str | None = None
 
 
 def pin_quant_family(family: str | None) -> None:
-    """Run every later quantised product of this process on `family` ("avx2", "avx512", "avx512_vnni"; None:
+    """Run every later quantised product of this process on `family` ("avx2", "avx512", "avx512_vnni",
+    "avx512_bf16"; None:
     this CPU's best again), for benchmarks that compare the families in one process."""
     global _pinned_quant
     if family not in (None, *isa.KERNELS["quant"]):

@@ -6,7 +6,8 @@ family (AVX2 + FMA + F16C) has every kernel. Three kernels have a second family,
 for those functions alone and chosen at load where the CPU has the instructions:
 - bf16 linear (kernels/csrc/bf16_linear_avx512bf16.cpp): avx512_bf16, vdpbf16ps on bf16 pairs;
 - quantised products (kernels/csrc/quant_linear.cpp): avx512, the fp32 products of few rows 16 lanes wide;
-  avx512_vnni, those and the int8 products of w8a8 on vpdpbusd;
+  avx512_vnni, those and the int8 products of w8a8 on vpdpbusd; avx512_bf16, avx512_vnni's and the fp32
+  products of many rows (prefill, batches) on vdpbf16ps, x split into two bf16 (hi + lo, x to 2^-18);
 - decode attention (kernels/csrc/decode_attention_avx512.cpp): avx512, 16-wide FMA in 32 registers.
 AMX tiles are not written (this project's machines have no AMX to test them on); the fp32 products run
 on oneDNN, which uses AVX-512 where the CPU has it.
@@ -43,7 +44,7 @@ FAMILIES = (
 BY_NAME = {f.name: f for f in FAMILIES}
 
 # The families each kernel has, best first (avx2 has them all).
-KERNELS = {"bf16": ("avx512_bf16", "avx2"), "quant": ("avx512_vnni", "avx512", "avx2"),
+KERNELS = {"bf16": ("avx512_bf16", "avx2"), "quant": ("avx512_bf16", "avx512_vnni", "avx512", "avx2"),
            "attention": ("avx512", "avx2")}
 
 

@@ -25,7 +25,8 @@ def families(*names):
     """These families of the products; the ones this CPU cannot run are skipped by name."""
     module = cpu_ops.load()
     runs = {"avx2": True, "avx512": module.quant_avx512_available(),
-            "avx512_vnni": module.quant_avx512_available() and module.int8_vnni_available()}
+            "avx512_vnni": module.quant_avx512_available() and module.int8_vnni_available(),
+            "avx512_bf16": module.quant_bf16_available()}
     return [pytest.param(f, marks=[] if runs[f] else pytest.mark.skip(reason=f"this CPU has no {f} instructions"))
             for f in names]
 
@@ -40,7 +41,7 @@ def check(x, qs, scales, mins, bias, int8_activations, tol=2e-5, family="avx2"):
 
 # rows of x: the fused path's tiles of 1-4 (and 5-8: a 4 and a rest), the tiled path's 4-row tiles and rests;
 # rows of W: the tiled path's 3-row tiles, its 24-row blocks and rests
-@pytest.mark.parametrize("family", families("avx2", "avx512"))
+@pytest.mark.parametrize("family", families("avx2", "avx512", "avx512_bf16"))
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 33])
 @pytest.mark.parametrize("n", [1, 2, 3, 25, 50])
@@ -52,7 +53,7 @@ def test_exact_path_equals_reference(family, bits, m, n):
     check(x, qs, scales, mins, bias, False, family=family)
 
 
-@pytest.mark.parametrize("family", families("avx2", "avx512"))
+@pytest.mark.parametrize("family", families("avx2", "avx512", "avx512_bf16"))
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", [1, 2, 4, 5])
 @pytest.mark.parametrize("k,group", [(96, 32), (160, 32), (192, 64), (320, 64), (96, "K"), (160, "K")])
@@ -64,7 +65,7 @@ def test_exact_path_group_widths(family, bits, m, k, group):
     check(torch.randn(m, k), qs, scales, mins, torch.randn(19), False, family=family)
 
 
-@pytest.mark.parametrize("family", families("avx2", "avx512", "avx512_vnni"))
+@pytest.mark.parametrize("family", families("avx2", "avx512", "avx512_vnni", "avx512_bf16"))
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", [1, 3, 4, 7, 13])
 # groups of one chunk, of two, and one a row (odd and even numbers of chunks)
@@ -92,6 +93,15 @@ def test_long_k_crosses_the_tiles_and_bf16_activations(m):
         torch.testing.assert_close(got.float(), want.float(), atol=0.02 * want.abs().max().item(), rtol=1e-2)
 
 
+@pytest.mark.parametrize("family", families("avx512_bf16"))
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pair_tiles_past_a_chunk_of_rows(family, bits):
+    """avx512_bf16's many-row tiles (x split into two bf16 against the exact quants) over more than one 256-row
+    chunk of x, a last block of 16 rows cut short and a tile of W's rows cut short, within the exact tolerance."""
+    qs, scales, mins = weight(100, 192, bits, 32, seed=bits)
+    check(torch.randn(300, 192), qs, scales, mins, torch.randn(100), False, family=family)
+
+
 def test_exact_path_gives_the_dequantised_product():
     """The exact path is the fp32 product with the dequantised weights (what the fp32 model computes)."""
     qs, scales, mins = weight(40, 256, 4, 32)
@@ -100,7 +110,7 @@ def test_exact_path_gives_the_dequantised_product():
                                x @ ref.dequantize(qs, scales, mins).T, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", families("avx2", "avx512", "avx512_vnni"))
+@pytest.mark.parametrize("family", families("avx2", "avx512", "avx512_vnni", "avx512_bf16"))
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m,int8_activations", [(1, False), (3, False), (12, False), (2, True)])
 def test_fp16_scales_give_the_fp32_scales_bits(family, bits, m, int8_activations):
@@ -152,7 +162,8 @@ def test_refuses_what_does_not_fit():
         cpu_ops.quant_linear(torch.randn(2, 64), q8, s8, s8, None, False)
     with pytest.raises(RuntimeError, match="bias has 3 elements for 8 outputs"):
         cpu_ops.quant_linear(torch.randn(2, 64), q8, s8, None, torch.randn(3), False)
-    with pytest.raises(RuntimeError, match=r"no quantised kernels for the family avx9 \(avx2, avx512, avx512_vnni\)"):
+    with pytest.raises(RuntimeError,
+                       match=r"no quantised kernels for the family avx9 \(avx2, avx512, avx512_vnni, avx512_bf16\)"):
         cpu_ops.quant_linear(torch.randn(2, 64), q8, s8, None, None, True, "avx9")
 
 

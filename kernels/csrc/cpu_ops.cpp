@@ -425,6 +425,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x W^T + b with W quantised in groups along K (quant_linear.cpp)");
   m.def("int8_vnni_available", &int8_vnni_available, "whether this CPU runs the avx512_vnni int8 products");
   m.def("quant_avx512_available", &quant_avx512_available, "whether this CPU runs the avx512 fp32 quantised products");
+  m.def("quant_bf16_available", &quant_bf16_available,
+        "whether this CPU runs the avx512_bf16 quantised products (the many-row fp32 ones on vdpbf16ps)");
   m.def("quant_isa", &quant_isa, "the instruction family quant_linear was compiled for");
   pybind11::class_<LayerLinear>(m, "LayerLinear")
       .def(pybind11::init<const std::string&, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,

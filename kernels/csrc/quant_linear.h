@@ -13,8 +13,10 @@
 // blocks and dynamic per-token W8A8 do) and the products run on integers (vpmaddubsw / vpmaddwd);
 // otherwise every product is fp32 with the weights dequantised exactly. Output in x's dtype.
 // family (refused where the CPU lacks it): "avx2"; "avx512": the fp32 products 16 lanes wide, the
-// integer ones avx2's; "avx512_vnni": the fp32 products avx512's, the integer ones on vpdpbusd.
-// The few-row (decode) fp32 products have an avx512 tile; the many-row ones are avx2's in every family.
+// integer ones avx2's; "avx512_vnni": the fp32 products avx512's, the integer ones on vpdpbusd;
+// "avx512_bf16": avx512_vnni's, and the many-row fp32 products on vdpbf16ps with x split into two bf16
+// (hi + lo: x to 2^-18; the quants exact). The few-row (decode) fp32 products have an avx512 tile; the
+// many-row ones are avx2's in the other families.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
                         bool int8_activations, const std::string& family);
@@ -24,6 +26,9 @@ bool int8_vnni_available();
 
 // Whether this CPU runs the avx512 fp32 products (AVX-512 F, BW, VL, DQ).
 bool quant_avx512_available();
+
+// Whether this CPU runs the avx512_bf16 family (avx512_vnni's, and the many-row fp32 products on vdpbf16ps).
+bool quant_bf16_available();
 
 // The instruction family these kernels were compiled for ("avx2", or "none" where they are not built).
 std::string quant_isa();
