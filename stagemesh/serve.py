@@ -129,7 +129,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "scheduler`; default 30)")
     p.add_argument("--max-request-retries", type=int, default=None,
                    help="times a request may go on after a failure under it (scheduler and router; default 3)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per stage process (0: cores / processes)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per stage process (0: serve's CPU plan: the cores, less one kept for the "
+                        "frontend on 8+ cores, over the stage processes; docs/cpu-plan.md)")
     p.add_argument("--restart-policy", choices=("on-failure", "never"), default="on-failure",
                    help="on-failure: a child that dies is restarted with backoff while the rest serve; never: "
                         "the first death stops the mesh (debugging)")
