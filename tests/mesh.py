@@ -243,6 +243,36 @@ class RequestFailed(grpc.RpcError):
         return self._details
 
 
+def stop_process(proc: subprocess.Popen, grace_s: float = 10) -> None:
+    """SIGTERM, and SIGKILL if it has not exited within grace_s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def wait_http_ok(proc: subprocess.Popen, url: str, timeout_s: float, what: str, log: Path | None = None) -> None:
+    """Until GET url answers 200. If the process exits first or the time runs out, it is stopped and the error
+    says so (with its log's tail when there is one): a server that never came up is never left running."""
+    import requests
+
+    tail = lambda: f": {log.read_text()[-2000:]}" if log is not None and log.exists() else ""  # noqa: E731
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}{tail()}")
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    stop_process(proc)
+    raise TimeoutError(f"{what} not up at {url} after {timeout_s:.0f}s{tail()}")
+
+
 class Router:
     """A `stagemesh router` process over the given replicas; stopped on exit."""
 
@@ -261,27 +291,11 @@ class Router:
                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     def __enter__(self) -> "Router":
-        import requests
-
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited with {self.proc.returncode}")
-            try:
-                if requests.get(f"{self.base_url}/ready", timeout=2).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("router not healthy")
+        wait_http_ok(self.proc, f"{self.base_url}/ready", 120, "router")
+        return self
 
     def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
 
     def client(self, **kw):
         import openai

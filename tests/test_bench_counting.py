@@ -10,13 +10,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import requests
 
-from mesh import free_port
+from mesh import free_port, stop_process, wait_http_ok
 from stagemesh.bench.workload import synthetic
 from stagemesh.cli import main
 from tiny_models import with_word_tokenizer
@@ -31,26 +30,11 @@ class Server:
         self.proc = subprocess.Popen(argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
 
     def __enter__(self) -> "Server":
-        deadline = time.monotonic() + self.ready_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-            try:
-                if requests.get(f"{self.base_url}/v1/models", timeout=2).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
-        self.__exit__()
-        raise TimeoutError(f"server not up: {self.log.read_text()[-2000:]}")
+        wait_http_ok(self.proc, f"{self.base_url}/v1/models", self.ready_s, "server", self.log)
+        return self
 
     def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
 
 
 def text_server(tmp_path: Path, tokenize: str) -> Server:
