@@ -41,6 +41,7 @@ class GrpcPipeline:
         self.disk_block_hashes: list[int] = []  # the disk tier's blocks every stage held when it joined
         self._channels: dict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = {}
         self._tasks: set[asyncio.Task] = set()  # channels closing later, referenced until done
+        self._answered: set[str] = set()  # addresses of stages that answered a step since the last probe round
 
     # -- membership ----------------------------------------------------------------
     async def register(self, stage: StageInfo) -> tuple[int, bool, str | None]:
@@ -106,13 +107,13 @@ class GrpcPipeline:
                  for stage in self.plan.stages]
         return self._result(calls)
 
-    @staticmethod
-    async def _result(calls) -> StepResult:
+    async def _result(self, calls) -> StepResult:
         answers = [asyncio.ensure_future(_answer(stage, call)) for stage, call in calls]
         try:
             replies = await asyncio.gather(*answers)
         except StageFailure as first:
             raise await _culprit(first, answers) from None
+        self._answered.update(stage.address for stage, _ in calls)
         msg = replies[-1].sampled
         rows = len(msg.seq_ids)
         if (len(msg.token_ids) != rows or len(msg.logprob_rows) != len(msg.logprobs)
@@ -179,10 +180,19 @@ class GrpcPipeline:
 
     # -- probing -------------------------------------------------------------------------
     async def probe(self) -> StageFailure | None:
+        """The first stage that does not answer its health check, or None. A check that only ran out of time
+        is forgiven for a stage that answered a step since the last round: it is busy, not gone (a loaded host
+        can hold a Describe past its deadline while steps go through); a stage that hangs answers no step."""
         if not self.rendezvous.complete:
             return None
+        answered, self._answered = self._answered, set()
         stages = [self.rendezvous.stages[i] for i in range(self.rendezvous.pp)]
         results = await asyncio.gather(*[self._probe(s) for s in stages])
+        for i, (stage, failure) in enumerate(zip(stages, results)):
+            if failure is not None and failure.timed_out and stage.address in answered:
+                log.warning("%s did not answer its health check within %gs, but it answers steps: kept (a busy "
+                            "host)", stage.name, self.deadlines.probe_s)
+                results[i] = None
         for stage, failure in zip(stages, results):
             if failure is not None:
                 await self._promote_spare(stage)  # the next probe finds the pipeline whole again
@@ -237,7 +247,8 @@ async def _answer(stage: StageInfo, call):
         return await call
     except grpc.aio.AioRpcError as err:
         raise StageFailure(stage, f"{err.code().name}: {err.details()}",
-                           unreachable=err.code() == grpc.StatusCode.UNAVAILABLE) from None
+                           unreachable=err.code() == grpc.StatusCode.UNAVAILABLE,
+                           timed_out=err.code() == grpc.StatusCode.DEADLINE_EXCEEDED) from None
     except asyncio.CancelledError:
         task = asyncio.current_task()
         if task is None or task.cancelling() > 0:  # this task is being cancelled

@@ -37,9 +37,10 @@ class StepResult:
 class StageFailure(Exception):
     """A stage did not answer, or answered nonsense: the epoch ends and every request in it fails."""
 
-    def __init__(self, stage: StageInfo | str, detail: str, unreachable: bool = False):
+    def __init__(self, stage: StageInfo | str, detail: str, unreachable: bool = False, timed_out: bool = False):
         self.stage = stage.name if isinstance(stage, StageInfo) else stage
         self.unreachable = unreachable  # the stage itself did not answer (not: it answered that a peer failed)
+        self.timed_out = timed_out  # the call's deadline passed (the stage may be slow, not gone)
         super().__init__(f"{self.stage} failed: {detail}")
 
 
