@@ -18,6 +18,8 @@ from stagemesh.core.step import PromptLogprobs, SampledToken, StepBatch
 from stage_worker import prompt_logprobs
 from kernels import cpu_ops
 from stage_worker.layers import pack_weights_for_cpu
+from stage_worker.lora import LoRAManager, LoRASettings
+from stagemesh.core.lora import LoRAError
 from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from stage_worker.gguf import GGUFCheckpoint
 from stage_worker.model import AttentionMetadata, StageModel
@@ -92,6 +94,7 @@ class SliceConfig:
     eplb: object | None = None  # stage_worker.eplb.EPLBConfig: their load balanced, with redundant copies
     quantization: str | None = None  # stage_worker.quantization.METHODS
     gguf_file: str | None = None  # the weights (quantization gguf); model_dir then gives config and tokenizer
+    lora: LoRASettings | None = None  # --enable-lora: the adapters it may serve (stage_worker.lora)
 
     def runner(self, tp_rank: int, ep=None) -> "StageRunner":
         """`ep`: the stage's stage_worker.ep_group.EPGroup when its experts are spread over the replicas."""
@@ -99,7 +102,7 @@ class SliceConfig:
         return StageRunner(self.model_dir, self.layer_start, self.layer_end, tp_rank=tp_rank, tp_size=self.tp_size,
                            device=device, dtype=self.dtype, block_size=self.block_size, cuda_graphs=self.cuda_graphs,
                            expert_parallel=self.expert_parallel, ep=ep, eplb=self.eplb, quantization=self.quantization,
-                           gguf_file=self.gguf_file)
+                           gguf_file=self.gguf_file, lora=self.lora)
 
 
 class StageRunner:
@@ -107,7 +110,8 @@ class StageRunner:
                  tp_size: int = 1, tp_group=None, device: str = "cpu", dtype: torch.dtype | str | None = None,
                  block_size: int = 16, load: bool = True, config: ModelConfig | None = None,
                  cuda_graphs: bool = True, max_graph_batch: int = 256, expert_parallel: bool = False, ep=None,
-                 eplb=None, quantization: str | None = None, gguf_file: str | None = None):
+                 eplb=None, quantization: str | None = None, gguf_file: str | None = None,
+                 lora: LoRASettings | None = None):
         self.config = cfg = config or ModelConfig.from_path(model_dir)
         check_layer_range(cfg, layer_start, layer_end)
         self.tp = TPGroup(tp_rank, tp_size, tp_group)
@@ -124,6 +128,9 @@ class StageRunner:
         self.model = StageModel(cfg, layer_start, layer_end, self.tp, self.dtype, self.device,
                                 expert_parallel=expert_parallel, ep=ep, eplb=eplb)
         self.model_dir, self.gguf_file = model_dir, gguf_file
+        # adapters per sequence (multi-LoRA): its linears become LoRALinear before the weights load
+        self.lora = LoRAManager(self.model, cfg, lora, self.dtype, self.device) if lora is not None else None
+        self.seq_adapters: dict[int, str] = {}  # sequences that use an adapter: its name
         if load:
             _load(self.model, model_dir, quantization, gguf_file, cfg)
         if self.device.type == "cpu":
@@ -141,7 +148,8 @@ class StageRunner:
         if self.sampler is not None and self.tp.rank == 0:  # (the rank that samples)
             self.sampler.warm()
         # decode steps replay CUDA graphs (TP=1 on CUDA; TP>1 and CPU run eagerly: see stage_worker/cuda_graphs.py)
-        self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and tp_size == 1 and ep is None
+        self.use_cuda_graphs = (cuda_graphs and self.device.type == "cuda" and tp_size == 1 and ep is None
+                                and self.lora is None)
         self.max_graph_batch = max_graph_batch
         self.graphs = None
         self.drafter = None  # stage_worker.draft.DraftModel: a draft model on the last stage's TP rank 0
@@ -149,6 +157,8 @@ class StageRunner:
     def attach_drafter(self, drafter) -> None:
         """Speculative decoding with a draft model: it mirrors this stage's KV cache (its blocks count in
         kv_bytes_per_block) and proposes drafts after each step's sampling."""
+        if self.lora is not None:
+            raise StagemeshError("speculative decoding with a draft model does not run with --enable-lora yet")
         self.drafter = drafter
         self.kv_bytes_per_block += drafter.kv_bytes_per_block
 
@@ -174,6 +184,7 @@ class StageRunner:
     def reset(self, num_kv_blocks: int) -> None:
         """A new pipeline epoch: forget every sequence; (re)allocate the cache if its size changed."""
         self.block_tables.clear()
+        self.seq_adapters.clear()
         self.seq_lens.clear()
         self.num_drafts.clear()
         if self.sampler is not None:
@@ -191,6 +202,8 @@ class StageRunner:
         if not batch.chunks:
             return StageOutput()
         input_ids, meta, sample_rows, sample_ids, drafts = self._prepare(batch)
+        if self.lora is not None:
+            self.lora.prepare([self.seq_adapters.get(s, "") for s in batch.chunks.seq_ids], batch.chunks.num_tokens)
         graphs, num_tokens = self.graphs, meta.positions.shape[0]
         scored = prompt_logprobs.pieces_of(batch, self.sampler.seqs) if self.sampler is not None else []
         if not scored and graphs is not None and graphs.can_run(len(batch.chunks), num_tokens,
@@ -242,6 +255,7 @@ class StageRunner:
             raise InvalidStep("a new sequence's id is already in use")
         if not new <= set(batch.chunks.seq_ids):
             raise InvalidStep("a new sequence comes without a chunk")
+        self._check_adapters(batch, finished)
         c, bs, lens, tables = batch.chunks, self.block_size, self.seq_lens, self.block_tables
         max_blocks = -(-max_model_len // bs)
         for seq_id, n, start, added in zip(c.seq_ids, c.num_tokens, c.start_positions, c.num_new_blocks):
@@ -261,9 +275,25 @@ class StageRunner:
             if blocks > max_blocks:
                 raise InvalidStep(f"sequence {seq_id} would hold {blocks} KV blocks; {max_blocks} hold max_model_len")
 
+    def _check_adapters(self, batch: StepBatch, finished: set[int]) -> None:
+        """The step's adapters are ones this stage serves, no more of them than --max-loras."""
+        named = {s.seq_id: s.lora_name for s in batch.new_sequences if s.lora_name}
+        if named and self.lora is None:
+            raise InvalidStep(f"sequence {next(iter(named))} asks for LoRA adapter {next(iter(named.values()))!r}; "
+                              f"this stage runs without --enable-lora")
+        if self.lora is None:
+            return
+        names = {named.get(s) or ("" if s in finished else self.seq_adapters.get(s, "")) for s in batch.chunks.seq_ids}
+        names.discard("")
+        try:
+            self.lora.check(names)
+        except LoRAError as err:
+            raise InvalidStep(str(err)) from None
+
     def _update_state(self, batch: StepBatch) -> None:
         for seq_id in batch.finished_seq_ids:
             self.block_tables.pop(seq_id, None)
+            self.seq_adapters.pop(seq_id, None)
             self.seq_lens.pop(seq_id, None)
             self.num_drafts.pop(seq_id, None)
             if self.sampler is not None:
@@ -272,6 +302,8 @@ class StageRunner:
                 self.drafter.forget(seq_id)
         for seq in batch.new_sequences:
             self.block_tables[seq.seq_id] = []
+            if seq.lora_name:
+                self.seq_adapters[seq.seq_id] = seq.lora_name
             if self.sampler is not None:
                 self.sampler.add_sequence(seq)
         c, tables, lens, b = batch.chunks, self.block_tables, self.seq_lens, 0

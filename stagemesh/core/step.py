@@ -28,6 +28,7 @@ class NewSequence:
     sampling: SamplingParams
     # tokens generated before a preemption; they count for penalties and seeds
     output_token_ids: list[int] = field(default_factory=list)
+    lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
 
 
 @dataclass

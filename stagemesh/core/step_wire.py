@@ -21,7 +21,7 @@ def step_to_pb(batch: StepBatch, out: stage_pb2.StepBatch | None = None) -> stag
     msg.step_id = batch.step_id
     for s in batch.new_sequences:
         new = msg.new_sequences.add(seq_id=s.seq_id, prompt_token_ids=s.prompt_token_ids,
-                                    output_token_ids=s.output_token_ids)
+                                    output_token_ids=s.output_token_ids, lora_name=s.lora_name)
         sampling_to_pb(s.sampling, new.sampling)
     c, chunks = batch.chunks, msg.chunks
     chunks.SetInParent()  # present even when empty: the bytes of a message built whole
@@ -42,7 +42,7 @@ def step_from_pb(msg: stage_pb2.StepBatch) -> StepBatch:
     return StepBatch(
         step_id=msg.step_id,
         new_sequences=[NewSequence(s.seq_id, list(s.prompt_token_ids), sampling_from_pb(s.sampling),
-                                   list(s.output_token_ids)) for s in msg.new_sequences],
+                                   list(s.output_token_ids), s.lora_name) for s in msg.new_sequences],
         chunks=ScheduledChunks(list(c.seq_ids), list(c.num_tokens), list(c.token_ids), list(c.start_positions),
                                list(c.num_new_blocks), list(c.new_block_ids), list(c.sample),
                                list(c.num_draft_tokens)),

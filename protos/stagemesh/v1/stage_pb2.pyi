@@ -281,7 +281,10 @@ class NewSequence(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LORA_NAME_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.int
+    lora_name: _builtins.str
+    """The LoRA adapter it runs with (--lora-modules name); empty: the base model."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -297,10 +300,11 @@ class NewSequence(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        lora_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "seq_id", b"seq_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_name", b"lora_name", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "seq_id", b"seq_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

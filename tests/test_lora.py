@@ -1,0 +1,156 @@
+"""Multi-LoRA on the stage (issue 46): sequences with different adapters, and the base model, in one batch give
+transformers' greedy tokens with each adapter merged into its weights; over pipeline stages and over TP ranks
+in real gloo processes; slots reused as adapters come and go; every bad adapter refused with its name."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lora_cases import ATTENTION, make_adapter, merged_reference, run_mixed, runners, settings
+from mesh import free_port
+from parity import prompts
+from stagemesh.core.lora import LoRAError, LoRALimits, parse_lora_modules, read_adapter_config
+from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.step import NewSequence, ScheduledChunk, StepBatch
+from stage_worker.validate import InvalidStep
+from tiny_models import reference_greedy
+
+NEW = 12
+WORKER = Path(__file__).with_name("lora_tp_worker.py")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def adapters(model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {"all": make_adapter(root / "all", model, rank=8, seed=1),
+            "attn": make_adapter(root / "attn", model, rank=4, targets=ATTENTION, seed=2, alpha=8),
+            "rs": make_adapter(root / "rs", model, rank=16, targets=("v_proj", "down_proj"), seed=3,
+                               use_rslora=True)}
+
+
+@pytest.fixture(scope="module")
+def cases(model, adapters):
+    """(prompt, adapter) and transformers' tokens for each, with its adapter merged."""
+    ps = prompts(384, lengths=(9, 23, 5, 17, 30))
+    names = ["all", "", "attn", "rs", "all"]
+    refs = {name: merged_reference(model, adapters[name] if name else None) for name in set(names)}
+    out = [((p, n), reference_greedy(refs[n], p, NEW)[0]) for p, n in zip(ps, names)]
+    base = reference_greedy(refs[""], ps[0], NEW)[0]
+    assert base != out[0][1], "the adapter does not change the tokens: the test would prove nothing"
+    return out
+
+
+@pytest.mark.parametrize("split", ["4", "1,3"])
+def test_a_mixed_batch_gives_each_sequence_its_adapters_tokens(model, adapters, cases, split):
+    stages = runners(model, [int(x) for x in split.split(",")], settings(adapters))
+    got = run_mixed(stages, [seq for seq, _ in cases], NEW)
+    assert got == [want for _, want in cases]
+
+
+def test_slots_are_reused_as_adapters_come_and_go(model, adapters, cases):
+    """--max-loras 1: one adapter in a batch at a time (with the base model, or alone: every token on one
+    slot); each batch evicts the last."""
+    stages = runners(model, [2, 2], settings(adapters, max_loras=1, max_cpu_loras=1))
+    first = 0
+    for name, base in (("all", ""), ("attn", ""), ("all", "all"), ("rs", "rs")):
+        mine = [(seq, want) for seq, want in cases if seq[1] in (name, base)]
+        got = run_mixed(stages, [seq for seq, _ in mine], NEW, first_seq_id=first)
+        assert got == [want for _, want in mine], name
+        first += len(mine)
+
+
+def test_tp2_shards_each_adapter_like_its_base_layer(model, adapters, cases, tmp_path):
+    out, port = tmp_path / "tokens.json", free_port()
+    spec = json.dumps({"model": str(model), "adapters": {k: str(v) for k, v in adapters.items()},
+                       "seqs": [seq for seq, _ in cases], "new_tokens": NEW, "out": str(out)})
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), "2", str(port), spec],
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for rank in range(2)]
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [0, 0]
+    assert json.loads(out.read_text()) == [want for _, want in cases]
+
+
+def test_a_step_is_refused_before_it_changes_anything(model, adapters):
+    stage = runners(model, [4], settings(adapters, max_loras=1))[0]
+    plain = runners(model, [4], None)[0]
+
+    def step(*names):
+        news = [NewSequence(i, [5, 6, 7], SamplingParams(), lora_name=n) for i, n in enumerate(names)]
+        return StepBatch(0, news, [ScheduledChunk(i, [5, 6, 7], 0, [i], True) for i in range(len(names))])
+
+    with pytest.raises(InvalidStep, match="LoRA adapter 'nope' is not loaded on this stage"):
+        stage.check_state(step("nope"), 64)
+    with pytest.raises(InvalidStep, match="a step uses 2 LoRA adapters; --max-loras is 1"):
+        stage.check_state(step("all", "attn"), 64)
+    with pytest.raises(InvalidStep, match="asks for LoRA adapter 'all'; this stage runs without --enable-lora"):
+        plain.check_state(step("all"), 64)
+    stage.check_state(step("all", "", "all"), 64)  # one adapter and the base model fit one slot
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(rank=32), r"its rank 32 is above --max-lora-rank 16"),
+    (dict(targets=("q_proj", "lm_head")), r"target modules lm_head are not ones the model's LoRA layers have"),
+    (dict(config={"target_modules": ".*proj"}), r"target_modules as a regular expression"),
+    (dict(config={"bias": "all"}), r"bias='all' is not supported"),
+    (dict(config={"use_dora": True}), r"use_dora=True is not supported"),
+    (dict(config={"peft_type": "IA3"}), r"peft_type 'IA3'; only LORA adapters are served"),
+    (dict(config={"r": 0}), r"r must be a positive integer"),
+])
+def test_a_bad_adapter_config_is_refused_with_its_name(model, tmp_path, change, message):
+    path = make_adapter(tmp_path / "bad", model, **change) if "lm_head" not in str(change) else None
+    if path is None:  # a target the model's LoRA layers lack: only the config names it
+        path = make_adapter(tmp_path / "bad", model, targets=("q_proj",), config={"target_modules": ["q_proj",
+                                                                                                     "lm_head"]})
+    with pytest.raises(LoRAError, match=r"LoRA adapter 'bad' \(.*bad\): " + message):
+        read_adapter_config("bad", path, 16)
+
+
+def test_bad_adapter_weights_are_refused_when_a_step_first_needs_them(model, tiny_model_dir, tmp_path):
+    other = tiny_model_dir("llama", hidden_size=96)
+    cases = {
+        "other_model": (make_adapter(tmp_path / "other_model", other), r"has shape .* want .*another base model"),
+        "corrupt": (make_adapter(tmp_path / "corrupt", model), r"adapter_model.safetensors cannot be read"),
+        "empty_dir": (tmp_path / "empty_dir", r"no adapter_config.json"),
+        "unpaired": (make_adapter(tmp_path / "unpaired", model, targets=("q_proj",)), r"lora_A without its pair"),
+    }
+    (tmp_path / "empty_dir").mkdir()
+    blob = (tmp_path / "corrupt" / "adapter_model.safetensors").read_bytes()
+    (tmp_path / "corrupt" / "adapter_model.safetensors").write_bytes(blob[:len(blob) // 2])
+    from safetensors.torch import load_file, save_file
+
+    file = tmp_path / "unpaired" / "adapter_model.safetensors"
+    save_file({k: v for k, v in load_file(str(file)).items() if "layers.1.self_attn.q_proj.lora_B" not in k},
+              str(file))
+    stage = runners(model, [4], settings({name: path for name, (path, _) in cases.items()}))[0]
+    for name, (_, message) in cases.items():
+        with pytest.raises(LoRAError, match=f"LoRA adapter '{name}' .*" + message):
+            stage.lora.prepare([name], [3])
+
+
+def test_lora_module_flags_take_vllms_two_forms():
+    got = parse_lora_modules(["sql=/a/sql", '{"name": "chat", "path": "/b", "base_model_name": "m"}'])
+    assert [(m.name, m.path, m.base_model_name) for m in got] == [("sql", "/a/sql", None), ("chat", "/b", "m")]
+    for bad, message in [(["x"], "expected name=path"), (["a=/1", "a=/2"], "given twice"),
+                         (['{"name": "a"}'], "the JSON form is"), (["bad name=/x"], "must be 1-128")]:
+        with pytest.raises(LoRAError, match=message):
+            parse_lora_modules(bad)
+    with pytest.raises(LoRAError, match="--max-lora-rank 12: must be one of 1, 8, 16"):
+        LoRALimits(max_lora_rank=12)
+    with pytest.raises(LoRAError, match="--max-cpu-loras 1 must be at least --max-loras 2"):
+        LoRALimits(max_loras=2, max_cpu_loras=1)
