@@ -253,6 +253,18 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 10) -> None:
         proc.wait()
 
 
+def exit_codes(procs: list[subprocess.Popen], timeout_s: float = 300) -> list[int]:
+    """Each process's exit code, waiting up to timeout_s for each; any still running after that (or when the
+    wait fails) is killed, so none outlives the test."""
+    try:
+        return [p.wait(timeout=timeout_s) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def wait_http_ok(proc: subprocess.Popen, url: str, timeout_s: float, what: str, log: Path | None = None) -> None:
     """Until GET url answers 200. If the process exits first or the time runs out, it is stopped and the error
     says so (with its log's tail when there is one): a server that never came up is never left running."""

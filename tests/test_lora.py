@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lora_cases import ATTENTION, make_adapter, merged_reference, run_mixed, runners, settings
-from mesh import free_port
+from mesh import exit_codes, free_port
 from parity import prompts
 from stagemesh.core.lora import LoRAError, LoRALimits, parse_lora_modules, read_adapter_config
 from stagemesh.core.sampling_params import SamplingParams
@@ -75,13 +75,7 @@ def test_tp2_shards_each_adapter_like_its_base_layer(model, adapters, cases, tmp
                        "seqs": [seq for seq, _ in cases], "new_tokens": NEW, "out": str(out)})
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), "2", str(port), spec],
                               env={**os.environ, "OMP_NUM_THREADS": "1"}) for rank in range(2)]
-    try:
-        codes = [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    codes = exit_codes(procs)
     assert codes == [0, 0]
     assert json.loads(out.read_text()) == [want for _, want in cases]
 

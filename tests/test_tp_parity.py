@@ -14,7 +14,7 @@ from parity import prompts
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
 from stage_worker.runner import StageRunner
-from mesh import free_port
+from mesh import exit_codes, free_port
 from tiny_models import make_tiny_model, reference_greedy, reference_model
 
 WORKER = Path(__file__).with_name("tp_worker.py")
@@ -30,13 +30,7 @@ def run_tp(model_dir, world: int, split: str, prompt: list[int], new_tokens: int
                                "--out", str(out), *(["--expert-parallel"] if expert_parallel else [])],
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
              for r in range(world)]
-    try:
-        codes = [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    codes = exit_codes(procs)
     assert codes == [0] * world
     return json.loads(out.read_text())
 
