@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import time
 import uuid
 
@@ -81,13 +82,15 @@ def _key_matches(request: web.Request, key: str) -> bool:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     model = validate(CompletionRequest, await read_json(request))
-    return await _generate(request, completion_request(model, request.app[CONFIG].served_model_name))
+    config = request.app[CONFIG]
+    return await _generate(request, completion_request(model, config.served_model_name, config.adapter_names))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = validate(ChatCompletionRequest, await read_json(request))
-    return await _generate(request, chat_request(model, request.app[CONFIG].served_model_name,
-                                                request.app[CONFIG].tool_call_parser))
+    config = request.app[CONFIG]
+    return await _generate(request, chat_request(model, config.served_model_name, config.tool_call_parser,
+                                                config.adapter_names))
 
 
 async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamResponse:
@@ -167,10 +170,14 @@ async def _stream(request, req, answer, deltas, headers, ids: resume.EventIds) -
 
 
 async def models(request: web.Request) -> web.Response:
-    name = request.app[CONFIG].served_model_name
+    """The served model, then its LoRA adapters with their parent (vLLM's /v1/models)."""
+    config = request.app[CONFIG]
+    name, max_model_len = config.served_model_name, request.app[REPLICAS].max_model_len or None
     return web.json_response({"object": "list", "data": [
-        {"id": name, "object": "model", "created": 0, "owned_by": "stagemesh", "root": name,
-         "max_model_len": request.app[REPLICAS].max_model_len or None}]})
+        {"id": name, "object": "model", "created": 0, "owned_by": "stagemesh", "root": name, "parent": None,
+         "max_model_len": max_model_len},
+        *({"id": m.name, "object": "model", "created": 0, "owned_by": "stagemesh", "root": m.path,
+           "parent": m.base_model_name or name, "max_model_len": max_model_len} for m in config.lora_modules)]})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -196,8 +203,8 @@ def _state(request: web.Request) -> dict:
 
 async def tokenize(request: web.Request) -> web.Response:
     m = validate(TokenizeRequest, await read_json(request))
-    tokenizer, served = request.app[TOKENIZER], request.app[CONFIG].served_model_name
-    check_model(m.model, served)
+    tokenizer, config = request.app[TOKENIZER], request.app[CONFIG]
+    check_model(m.model, config.served_model_name, config.adapter_names)
     if m.messages is not None:
         options = chat_options(m.messages, m.add_generation_prompt, m.continue_final_message, m.chat_template,
                                m.chat_template_kwargs, m.documents)
@@ -220,6 +227,17 @@ async def detokenize(request: web.Request) -> web.Response:
     if any(not 0 <= t < tokenizer.vocab_size for t in m.tokens):
         raise bad_request(f"token ids must be in [0, {tokenizer.vocab_size})", "tokens")
     return web.json_response({"prompt": await tokenizer.run(tokenizer.decode, m.tokens, False)})
+
+
+# vLLM serves /v1/load_lora_adapter and /v1/unload_lora_adapter when this is set (without it they do not exist)
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+async def runtime_lora(request: web.Request) -> web.Response:
+    """Loading and unloading adapters at run time is not built: refused by name rather than taken and ignored."""
+    raise bad_request(f"{request.path}: loading or unloading LoRA adapters at run time is not supported yet "
+                      f"({RUNTIME_LORA_ENV} is set); give the adapters with --enable-lora --lora-modules at start "
+                      f"(docs/lora.md)", "lora_name")
 
 
 async def version(request: web.Request) -> web.Response:
@@ -245,6 +263,9 @@ def build_app(replicas: ReplicaSet, tokenizer: Tokenizer, config: RouterConfig) 
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
     app.router.add_get("/openapi.json", openapi)
+    if os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"):
+        app.router.add_post("/v1/load_lora_adapter", runtime_lora)
+        app.router.add_post("/v1/unload_lora_adapter", runtime_lora)
     responses_api.add_routes(app, open_store(config.responses_store, config.responses_store_size,
                                              config.responses_store_ttl))
     app.on_startup.append(_start_tokenizer)

@@ -30,7 +30,8 @@ def plan(req: GenerateRequest, prompts: list[list[int]], base_id: str, max_model
                                                     seed=_sibling_seed(sampling.seed, i))
             index = p * req.n + i
             gens.append(Generation(base_id if single else f"{base_id}-{index}", ids, child, index,
-                                   priority=req.priority, resumable=req.resumable or req.resume is not None,
+                                   priority=req.priority, lora_name=req.lora_name,
+                                   resumable=req.resumable or req.resume is not None,
                                    resume_from=None if req.resume is None else req.resume.tokens[index],
                                    sibling=i > 0))
     return gens

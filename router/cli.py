@@ -84,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-retries", type=int, default=3,
                    help="a request whose replica fails goes on on another one (before its first token: sent again; "
                         "after: continued from the tokens already streamed), at most this many times")
+    from stagemesh.core.lora import add_lora_arguments
+
+    add_lora_arguments(p, limits=False)
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between replica checks")
     p.add_argument("--reuse-port", action="store_true",
                    help="listen with SO_REUSEPORT, so that several routers share the HTTP (and gRPC) port and the "
@@ -140,7 +143,8 @@ async def _main(args: argparse.Namespace) -> int:
                           trust_request_chat_template=args.trust_request_chat_template,
                           chat_template_timeout=args.chat_template_timeout,
                           json_any_whitespace=json_any_whitespace(args.structured_outputs_config),
-                          grammar_compile_timeout=args.grammar_compile_timeout)
+                          grammar_compile_timeout=args.grammar_compile_timeout,
+                          lora_modules=_lora_modules(args, name))
     tokenizer = Tokenizer(model_dir, model_config.max_position_embeddings, config.template_timeout_s,
                           config.grammar_compile_timeout, config.json_any_whitespace)
     config = _auto_tool_choice(args, config, tokenizer)
@@ -266,3 +270,15 @@ async def _report_store(app) -> None:
     else:
         log.warning("Responses API store: %s is not reachable yet (%s); the requests that need it answer 503 until "
                     "it is, each trying again", store.name, problem)
+
+
+def _lora_modules(args, served: str):
+    """--enable-lora --lora-modules: the adapters a request's model may name (the replicas serve them; each
+    scheduler refuses a name it does not). A name that is the served model's is refused."""
+    from stagemesh.core.lora import LoRAError, lora_from_args
+
+    lora = lora_from_args(args)
+    modules = lora[1] if lora is not None else ()
+    if any(m.name == served for m in modules):
+        raise LoRAError(f"--lora-modules: the adapter name {served!r} is the served model's name")
+    return modules

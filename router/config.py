@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.lora import LoRAModule
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,12 @@ class RouterConfig:
     # disable_any_whitespace, true by default here): False compact, True a bounded run per gap
     json_any_whitespace: bool = False
     grammar_compile_timeout: float = 5.0  # seconds a request's constraint may take to compile (router.grammar_pool)
+    # --enable-lora --lora-modules: adapters a request picks by its model name (the replicas serve them)
+    lora_modules: tuple[LoRAModule, ...] = ()
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.lora_modules)
 
     def __post_init__(self) -> None:
         if not self.chat_template_timeout > 0:

@@ -53,7 +53,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
 
     def _request(self, request, chat: bool) -> GenerateRequest:
         """A Generate or Chat request through the request builder, step by step as the HTTP door's."""
-        b = RequestBuilder(self.config.served_model_name, request.model or None, chat)
+        b = RequestBuilder(self.config.served_model_name, request.model or None, chat, self.config.adapter_names)
         b.choices(request.n or 1)
         b.stop(list(request.stop))
         if chat:
@@ -125,7 +125,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         return frontend_pb2.TokenizeResponse(token_ids=ids, max_model_len=self.replicas.max_model_len)
 
     async def ListModels(self, request, context):
-        return frontend_pb2.ListModelsResponse(models=[self.config.served_model_name],
+        return frontend_pb2.ListModelsResponse(models=[self.config.served_model_name, *self.config.adapter_names],
                                                max_model_len=self.replicas.max_model_len)
 
 

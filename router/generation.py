@@ -55,6 +55,7 @@ class Generation:
     replica: str | None = None  # where it runs
     replays: int = 0  # times its replica failed and it went on elsewhere
     priority: int = 0  # vLLM's request priority, for the replicas' --scheduling-policy priority
+    lora_name: str = ""  # its LoRA adapter ("": the base model)
     started: asyncio.Event = field(default_factory=asyncio.Event)  # its prompt is computed (or it ended)
     resumable: bool = False  # its replica keeps it for a resume if this router goes away (router.resume)
     resume_from: int | None = None  # a resume: attach it where it runs; the client has this many of its tokens
@@ -220,10 +221,10 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
                 if redo_prefill:  # only its KV counts: whatever its token, it ends "prefilled"
                     stream = replica.submit(_retry_id(gen.request_id, kv_retries), gen.prompt_ids,
                                             replace(sampling, ignore_eos=True, stop_token_ids=(), min_tokens=0),
-                                            [], gen.priority, True)
+                                            [], gen.priority, True, lora_name=gen.lora_name)
                 else:
                     stream = replica.submit(gen.request_id, gen.prompt_ids, sampling, generated, gen.priority, prefill,
-                                            kv_transfer, gen.resumable)
+                                            kv_transfer, gen.resumable, gen.lora_name)
                     if kv_transfer:  # the decode replica releases that KV from now on
                         held = None
                 replies = _chain([], stream)

@@ -17,8 +17,8 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
                    "frequency_penalty", "seed", "min_tokens")
 
 
-def completion_request(m: CompletionRequest, served: str) -> GenerateRequest:
-    b = _common(m, served, chat=False)
+def completion_request(m: CompletionRequest, served: str, adapters: tuple[str, ...] = ()) -> GenerateRequest:
+    b = _common(m, served, chat=False, adapters=adapters)
     b.prompts(_prompts(m.prompt))
     if m.suffix is not None:
         raise bad_request("'suffix' is not supported by this server (as in vLLM)", "suffix")
@@ -29,8 +29,9 @@ def completion_request(m: CompletionRequest, served: str) -> GenerateRequest:
     return b.build()
 
 
-def chat_request(m: ChatCompletionRequest, served: str, tool_call_parser: str | None = None) -> GenerateRequest:
-    b = _common(m, served, chat=True)
+def chat_request(m: ChatCompletionRequest, served: str, tool_call_parser: str | None = None,
+                 adapters: tuple[str, ...] = ()) -> GenerateRequest:
+    b = _common(m, served, chat=True, adapters=adapters)
     b.tools(m.tools, m.tool_choice, m.parallel_tool_calls, tool_call_parser)
     b.conversation(m.messages, m.add_generation_prompt, m.continue_final_message, m.chat_template,
                    m.chat_template_kwargs, m.documents)
@@ -44,8 +45,8 @@ def chat_request(m: ChatCompletionRequest, served: str, tool_call_parser: str | 
     return b.build()
 
 
-def _common(m, served: str, chat: bool) -> RequestBuilder:
-    b = RequestBuilder(served, m.model, chat)
+def _common(m, served: str, chat: bool, adapters: tuple[str, ...] = ()) -> RequestBuilder:
+    b = RequestBuilder(served, m.model, chat, adapters)
     b.streaming(m.stream, m.stream_options or None, m.prompt_logprobs)
     b.choices(m.n, m.best_of)
     b.stop(m.stop, m.include_stop_str_in_output)

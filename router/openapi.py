@@ -17,7 +17,7 @@ ENDPOINTS = [
     ("post", "/v1/responses/{response_id}/cancel", "Cancel a background response (there are none: 400)", None),
     ("post", "/tokenize", "Token ids of a prompt or a conversation", TokenizeRequest),
     ("post", "/detokenize", "Text of token ids", DetokenizeRequest),
-    ("get", "/v1/models", "The served model", None),
+    ("get", "/v1/models", "The served model and its LoRA adapters (--lora-modules, with their parent)", None),
     ("get", "/health", "Liveness: 200 while the router serves, with its replicas' state", None),
     ("get", "/ready", "Readiness: 200 while a replica can take new work and the router is not draining, 503 "
                       "otherwise", None),

@@ -154,14 +154,14 @@ class Replica:
 
     def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams, generated: list[int] = (),
                priority: int = 0, prefill_only: bool = False, kv_transfer: bytes = b"",
-               resumable: bool = False) -> RequestStream:
+               resumable: bool = False, lora_name: str = "") -> RequestStream:
         """Send a request over the replica's SubmitStream (opened on first use, and again after it broke);
         `generated`: the tokens it produced elsewhere (a continuation); prefill_only / kv_transfer: the two
         halves of a disaggregated request (the second with the first's generated token and kv_transfer);
-        resumable: the replica keeps it for another router if this one goes away."""
+        resumable: the replica keeps it for another router if this one goes away; lora_name: its adapter."""
         self.dispatched += 1
         return self._submit_stream().submit(request_id, prompt, sampling, generated, priority, prefill_only,
-                                            kv_transfer, resumable)
+                                            kv_transfer, resumable, lora_name)
 
     async def release_kv(self, request_id: str) -> bool:
         """Disaggregated prefill: a prefilled request's KV held here goes unused (its client went away before a

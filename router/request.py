@@ -56,6 +56,7 @@ class GenerateRequest:
     add_special_tokens: bool = True
     request_id: str | None = None
     priority: int = 0  # vLLM's request priority (router.admission checks the replicas schedule by it)
+    lora_name: str = ""  # the LoRA adapter its model names ("": the base model)
     resumable: bool = False  # its replicas keep it for a resume if the router goes away (router.resume)
     resume: ResumePoint | None = None  # a resume: what the client has of each choice
 

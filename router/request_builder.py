@@ -24,9 +24,14 @@ RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_pr
                             "chat_template", "tokenize", "return_dict", "return_tensors", "conversation"}
 
 
-def check_model(model: str | None, served: str) -> None:
-    if model is not None and model != served:
-        raise APIError(404, f"the model '{model}' does not exist; this server serves '{served}'", "model")
+def check_model(model: str | None, served: str, adapters: tuple[str, ...] = ()) -> str:
+    """The LoRA adapter a request's model names ("": the served model itself); vLLM's 404 for another."""
+    if model is None or model == served:
+        return ""
+    if model in adapters:
+        return model
+    names = "', '".join((served, *adapters))
+    raise APIError(404, f"the model '{model[:200]}' does not exist; this server serves '{names}'", "model")
 
 
 class RequestBuilder:
@@ -34,9 +39,10 @@ class RequestBuilder:
     has fields for, in the order they are written here (so that the first error named is the same whichever
     door), then build()."""
 
-    def __init__(self, served: str, model: str | None, chat: bool):
-        check_model(model, served)
-        self.req = GenerateRequest(model=served, chat=chat)
+    def __init__(self, served: str, model: str | None, chat: bool, adapters: tuple[str, ...] = ()):
+        """adapters: the LoRA adapters a model name may pick (--lora-modules)."""
+        lora_name = check_model(model, served, adapters)
+        self.req = GenerateRequest(model=lora_name or served, chat=chat, lora_name=lora_name)
         self._max_tokens = INT32_MAX  # SamplingParams' max_tokens until max_tokens() says otherwise
 
     def streaming(self, stream: bool, options: StreamOptions | None = None, prompt_logprobs: int | None = None

@@ -113,7 +113,7 @@ class SubmitStream:
 
     def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
                generated: list[int] = (), priority: int = 0, prefill_only: bool = False,
-               kv_transfer: bytes = b"", resumable: bool = False) -> RequestStream:
+               kv_transfer: bytes = b"", resumable: bool = False, lora_name: str = "") -> RequestStream:
         """Queue a request (with `generated`: a continuation); its trace context is the caller's current one."""
         stream = self._requests[request_id] = RequestStream(self, request_id, resumable)
         submit = self._outbox.submits.add()
@@ -123,6 +123,7 @@ class SubmitStream:
         submit.request.priority = priority
         submit.request.prefill_only = prefill_only
         submit.request.resumable = resumable
+        submit.request.lora_name = lora_name
         if kv_transfer:
             submit.request.kv_transfer.ParseFromString(kv_transfer)
         sampling_to_pb(sampling, submit.request.sampling)

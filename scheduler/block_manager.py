@@ -84,11 +84,12 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
-        """Cached blocks holding a prefix of token_ids; at least one token is left to compute."""
+    def find_cached_prefix(self, token_ids: list[int], root: int | None = None) -> list[int]:
+        """Cached blocks holding a prefix of token_ids; at least one token is left to compute. `root`: the
+        first block's parent (block_hash.adapter_root of the request's LoRA adapter)."""
         if not self.enable_prefix_caching:
             return []
-        found, parent = [], None
+        found, parent = [], root
         usable = (len(token_ids) - 1) // self.block_size
         for i in range(usable):
             parent = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
@@ -141,8 +142,10 @@ class BlockManager:
             self.hashes[request_id] = [self.blocks[b].block_hash for b in cached_blocks]
         return added
 
-    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
-        """Register the hashes of the request's blocks that are now full and computed."""
+    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int,
+                          root: int | None = None) -> None:
+        """Register the hashes of the request's blocks that are now full and computed (`root`: as in
+        find_cached_prefix)."""
         if not self.enable_prefix_caching:
             return
         hashes = self.hashes.setdefault(request_id, [])
@@ -150,7 +153,7 @@ class BlockManager:
         full = min(num_computed_tokens // self.block_size, len(table))
         bs, stored = self.block_size, []
         for i in range(len(hashes), full):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else root
             block_hash = chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
             hashes.append(block_hash)
             block = self.blocks[table[i]]

@@ -10,6 +10,7 @@ from stagemesh.core import internal_token
 from stagemesh.core.deadlines import DEADLINES
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.heap import freeze_startup_heap
+from stagemesh.core.lora import add_lora_arguments, lora_from_args, read_adapter_config
 from stagemesh.core.service_options import add_service_arguments, setup_service
 
 log = logging.getLogger("stagemesh.scheduler")
@@ -32,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-waiting-requests", type=int, default=0, help="0: unbounded")
+    add_lora_arguments(p)
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="fcfs: requests in arrival order; priority: by the request's priority (lower first, ties by "
                         "arrival), the lowest-priority running request preempted for a higher one that lacks KV "
@@ -105,6 +107,19 @@ def kv_tier_bytes(args: argparse.Namespace) -> tuple[int, int]:
     if args.kv_offloading_backend == "native" and not sizes[0]:
         raise StagemeshError("--kv-offloading-backend native needs --kv-offloading-size (vLLM's rule)")
     return sizes[0], sizes[1]
+
+
+def _lora_adapters(args) -> tuple[str, ...]:
+    """--enable-lora's adapters, their configs read (the stages read their weights): the names requests may
+    ask for."""
+    lora = lora_from_args(args)
+    if lora is None:
+        return ()
+    limits, modules = lora
+    for m in modules:
+        read_adapter_config(m.name, m.path, limits.max_lora_rank)
+    log.info("LoRA adapters %s (--max-loras %d)", ", ".join(m.name for m in modules) or "none", limits.max_loras)
+    return tuple(m.name for m in modules)
 
 
 def add_kv_load_arguments(p: argparse.ArgumentParser) -> None:
@@ -189,7 +204,9 @@ async def _main(args: argparse.Namespace) -> int:
                              cfg.num_attention_heads, cfg.num_key_value_heads)
     spec = parse_speculative_config(args.speculative_config)
     draft_tokens = spec.num_speculative_tokens if spec is not None and spec.uses_draft_model else 0
-    rendezvous = Rendezvous(args.pipeline_parallel_size, args.block_size, identity, draft_tokens)
+    adapters = _lora_adapters(args)
+    rendezvous = Rendezvous(args.pipeline_parallel_size, args.block_size, identity, draft_tokens, adapters,
+                            args.max_loras)
     driver = Driver(DriverConfig(
         SchedulerConfig(max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -197,7 +214,7 @@ async def _main(args: argparse.Namespace) -> int:
                         max_waiting_requests=args.max_waiting_requests, vocab_size=cfg.vocab_size,
                         scheduling_policy=args.scheduling_policy, kv_hold_timeout_s=args.kv_hold_timeout,
                         kv_load_failure_policy=args.kv_load_failure_policy, kv_load_timeout_s=args.kv_load_timeout,
-                        speculative=spec),
+                        speculative=spec, lora_adapters=adapters, max_loras=args.max_loras),
         model_max_len=cfg.max_position_embeddings, async_scheduling=args.async_scheduling,
         stage_recovery_timeout_s=args.stage_recovery_timeout, max_request_retries=args.max_request_retries,
         kv_offloading_bytes=tier_host, kv_offloading_disk_bytes=tier_disk),

@@ -64,17 +64,17 @@ class Driver:
     # -- requests (scheduler.step_loop) ----------------------------------------------
     def add(self, request_id: str, prompt: list[int], sampling: SamplingParams, sink: OutputSink,
             trace_context=None, generated: list[int] = (), priority: int = 0, prefill_only: bool = False,
-            kv_source=None) -> None:
+            kv_source=None, lora_name: str = "") -> None:
         """See StepLoop.add."""
         self.steps.add(request_id, prompt, sampling, sink, trace_context, generated, priority, prefill_only,
-                       kv_source)
+                       kv_source, lora_name)
 
     def release(self, request_id: str) -> None:
         self.steps.release(request_id)
 
     def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-               trace_context=None) -> AsyncIterator[RequestOutput]:
-        return self.steps.submit(request_id, prompt, sampling, trace_context)
+               trace_context=None, lora_name: str = "") -> AsyncIterator[RequestOutput]:
+        return self.steps.submit(request_id, prompt, sampling, trace_context, lora_name)
 
     def abort(self, request_ids: list[str]) -> int:
         return self.steps.abort(request_ids)

@@ -113,7 +113,7 @@ class KVTransfers:
         assert request.kv_source is not None
         if ok:
             request.num_computed_tokens = request.kv_source.num_tokens
-            kv.cache_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
+            kv.cache_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens, request.hash_root)
         else:
             kv.free_request(request_id)
         request.kv_ready, request.kv_source = ok, None

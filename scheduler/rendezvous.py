@@ -43,6 +43,8 @@ class StageInfo:
     num_speculative_tokens: int = 0  # drafts its draft model proposes per step (the last stage's), 0: none
     kv_bytes_per_block: int = 0  # one KV block of its layers over its TP ranks (sizes the KV tiers)
     kv_disk_tier: bool = False  # started with --kv-offloading-disk-path
+    lora_adapters: tuple[str, ...] = ()  # --enable-lora: the adapters it serves
+    max_loras: int = 0  # ... and how many fit its slots at once
 
     @property
     def name(self) -> str:
@@ -62,14 +64,29 @@ class PipelinePlan:
 
 class Rendezvous:
     def __init__(self, pipeline_parallel_size: int, block_size: int, model: ModelIdentity,
-                 num_speculative_tokens: int = 0):
-        """num_speculative_tokens: the drafts per step of the draft model the last stage must run (0: none)."""
+                 num_speculative_tokens: int = 0, lora_adapters: tuple[str, ...] = (), max_loras: int = 1):
+        """num_speculative_tokens: the drafts per step of the draft model the last stage must run (0: none).
+        lora_adapters / max_loras: the LoRA adapters requests may ask for, and how many may run at once."""
         self.pp = pipeline_parallel_size
+        self.lora_adapters, self.max_loras = lora_adapters, max_loras
         self.block_size = block_size
         self.model = model
         self.num_speculative_tokens = num_speculative_tokens
         self.stages: dict[int, StageInfo] = {}
         self.spares: dict[int, dict[str, StageInfo]] = {}  # index -> address -> standby stage
+
+    def _check_lora(self, s: StageInfo, where: str) -> None:
+        """--enable-lora: every stage serves every adapter the scheduler's requests may ask for, in as many
+        slots as it runs at once."""
+        if not self.lora_adapters:
+            return
+        missing = [name for name in self.lora_adapters if name not in s.lora_adapters]
+        if missing:
+            raise StagemeshError(f"{where} does not serve the LoRA adapter(s) {', '.join(missing)} (its "
+                                 f"--enable-lora --lora-modules); the scheduler's requests may ask for them")
+        if s.max_loras < self.max_loras:
+            raise StagemeshError(f"{where} holds {s.max_loras} LoRA adapter(s) at once (--max-loras); the scheduler "
+                                 f"runs {self.max_loras}")
 
     def _check_draft(self, s: StageInfo, where: str) -> None:
         """Speculative decoding with a draft model: the last stage runs the draft the scheduler expects."""
@@ -134,6 +151,7 @@ class Rendezvous:
         if s.stage_index == self.pp - 1 and s.layer_end != self.model.num_hidden_layers:
             raise StagemeshError(f"{where}: the last stage must end at layer {self.model.num_hidden_layers}")
         self._check_draft(s, where)
+        self._check_lora(s, where)
         for o in others:
             if o.layer_start < s.layer_end and s.layer_start < o.layer_end:
                 raise StagemeshError(f"{where} overlaps stage {o.stage_index} (layers {o.layer_start}:{o.layer_end})")

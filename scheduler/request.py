@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from stagemesh.core.block_hash import adapter_root
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import PromptLogprobs, SampledToken, TokenLogprob
 
@@ -46,11 +47,14 @@ class Request:
     kv_source: KVSourceInfo | None = None  # its prompt's KV is held on a prefill replica, to be pulled
     kv_ready: bool = False  # its prompt's KV was pulled into its blocks: the prompt counts as computed
     tiers_checked: bool = False  # this admission looked its prompt up in the KV tiers (scheduler.tiers)
+    lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
     # prompt + output, kept up to date by append_output (the scheduler reads it every step)
     all_token_ids: list[int] = field(init=False, repr=False)
+    hash_root: int | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+        self.hash_root = adapter_root(self.lora_name)  # its prefix-cache blocks' root: its adapter's
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -89,4 +89,5 @@ def _take_tokens(s: Scheduler, request: Request, tokens: list[SampledToken], num
 def _cache_blocks(s: Scheduler, request: Request, computed: int) -> None:
     """Blocks full of tokens a step took in has computed (not those of a step ahead, in flight; not
     rejected drafts) may serve as a cached prefix."""
-    s.kv.cache_full_blocks(request.request_id, request.all_token_ids, min(computed, request.num_tokens))
+    s.kv.cache_full_blocks(request.request_id, request.all_token_ids, min(computed, request.num_tokens),
+                           request.hash_root)

@@ -103,17 +103,21 @@ class Scheduler:
     # -- requests in and out ------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     generated_token_ids: Sequence[int] = (), priority: int = 0, prefill_only: bool = False,
-                    kv_source: KVSourceInfo | None = None) -> bool:
+                    kv_source: KVSourceInfo | None = None, lora_name: str = "") -> bool:
         """Queue a request; generated_token_ids continues one that produced those tokens elsewhere (its replica
         failed): it goes on from prompt + them as if it had generated them here (max_tokens, min_tokens, a
         seed's positions and a structured-output grammar count them; its prompt logprobs were delivered).
         priority: lower is served first (--scheduling-policy priority; any other value than 0 is refused under
         fcfs, as vLLM refuses it). prefill_only / kv_source: disaggregated prefill (scheduler.kv_transfer).
+        lora_name: the LoRA adapter it runs with (one of config.lora_adapters; "": the base model).
         Returns False when a kv_source cannot be used here and the kv_load_failure_policy is recompute (the
         prompt is then computed here); under fail that raises KVLoadFailed."""
         cfg = self.config
         check_request(cfg, request_id, prompt_token_ids, sampling, generated_token_ids)
         self.policy.check(priority)
+        if lora_name and lora_name not in cfg.lora_adapters:
+            raise StagemeshError(f"the LoRA adapter {lora_name[:200]!r} is not served by this replica"
+                                 + ("" if cfg.lora_adapters else " (it runs without --enable-lora)"))
         if request_id in self.requests or self.transfers.in_use(request_id):
             raise StagemeshError(f"request id {request_id!r} is already in use")
         if prefill_only and (kv_source is not None or generated_token_ids):
@@ -122,7 +126,7 @@ class Scheduler:
         if cfg.max_waiting_requests and len(self.waiting) >= cfg.max_waiting_requests:
             raise QueueFull(f"the waiting queue is full ({cfg.max_waiting_requests} requests)")
         request = Request(request_id, list(prompt_token_ids), sampling, list(generated_token_ids), priority=priority,
-                          prefill_only=prefill_only)
+                          prefill_only=prefill_only, lora_name=lora_name)
         if generated_token_ids:
             request.num_prompt_logprobs = len(prompt_token_ids) - 1
         usable = kv_source is None or self._kv_source_fits(kv_source, request)
@@ -176,7 +180,8 @@ class Scheduler:
             return
         num_pooled = len(self.kv.tables[job.request_id]) - len(job.block_ids)
         request.num_computed_tokens = (num_pooled + good) * self.config.block_size
-        self.kv.cache_full_blocks(job.request_id, request.all_token_ids, request.num_computed_tokens)
+        self.kv.cache_full_blocks(job.request_id, request.all_token_ids, request.num_computed_tokens,
+                                  request.hash_root)
         request.kv_ready = True
         self.waiting.appendleft(request)
 
@@ -294,14 +299,17 @@ class Scheduler:
         """(tokens the waiting request's first chunk fills, counted from position 0; its cached blocks)."""
         # a request that scores its prompt needs every position computed: no prefix-cache hit (as vLLM)
         cached = [] if request.sampling.prompt_logprobs is not None else \
-            self.kv.find_cached_prefix(request.all_token_ids)
+            self.kv.find_cached_prefix(request.all_token_ids, request.hash_root)
         num_cached = len(cached) * self.config.block_size
         return num_cached + min(request.num_tokens - num_cached, tokens), cached
 
     def _schedule_waiting(self, budget: _Budget) -> None:
+        adapters = {r.lora_name for r in self.running if r.lora_name}  # at most --max-loras of them run at once
         while (self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs
                and len(budget.chunks) < budget.seqs):
             request = self.waiting[0]
+            if request.lora_name and request.lora_name not in adapters and len(adapters) >= self.config.max_loras:
+                break  # it waits for a running adapter's requests to end (in its turn, as for KV blocks)
             if request.kv_source is not None:  # its prompt's KV is elsewhere: blocks for it, then the pull
                 blocks = self.kv.allocate(request.request_id, request.kv_source.num_tokens)
                 if blocks is None:
@@ -342,8 +350,10 @@ class Scheduler:
             if not request.output_token_ids:
                 request.num_cached_tokens = num_cached
             self.policy.add_running(self.running, request)
+            if request.lora_name:
+                adapters.add(request.lora_name)
             budget.new_sequences.append(NewSequence(request.seq_id, list(request.prompt_token_ids), request.sampling,
-                                                    list(request.output_token_ids)))
+                                                    list(request.output_token_ids), request.lora_name))
             self._add_chunk(budget, request, num_new, new_blocks)
 
     def _unblock(self) -> bool:
@@ -368,8 +378,8 @@ class Scheduler:
             return False
         request.tiers_checked = True
         bs = self.config.block_size
-        cached = self.kv.find_cached_prefix(request.all_token_ids)
-        hits = tiers.lookup(request.all_token_ids, len(cached), bs)
+        cached = self.kv.find_cached_prefix(request.all_token_ids, request.hash_root)
+        hits = tiers.lookup(request.all_token_ids, len(cached), bs, request.hash_root)
         if not hits:
             return False
         blocks = self.kv.allocate(request.request_id, (len(cached) + len(hits)) * bs, cached)

@@ -116,7 +116,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             sink = self._sink(r, connection)
             try:
                 self.driver.add(r.request_id, list(r.prompt_token_ids), sampling_from_pb(r.sampling), sink,
-                                trace_context, list(r.generated_token_ids), r.priority, r.prefill_only, kv_source)
+                                trace_context, list(r.generated_token_ids), r.priority, r.prefill_only, kv_source,
+                                r.lora_name)
             except StagemeshError:
                 if r.resumable:  # (the session just opened for it)
                     self.sessions.drop(r.request_id)
@@ -233,7 +234,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                          s.block_size, ModelIdentity(m.model_type, m.num_hidden_layers, m.hidden_size, m.vocab_size,
                                                      m.num_attention_heads, m.num_key_value_heads), s.address,
                          s.handoff, s.instance_id, s.standby, s.num_speculative_tokens, s.kv_bytes_per_block,
-                         s.kv_disk_tier)
+                         s.kv_disk_tier, tuple(s.lora_adapters), s.max_loras)
         try:
             missing, first_seen = await self.driver.register_stage(info)
             self.drain.stage(s.stage_index, s.instance_id, s.draining)

@@ -84,7 +84,7 @@ class StepLoop:
     # -- requests -----------------------------------------------------------------
     def add(self, request_id: str, prompt: list[int], sampling: SamplingParams, sink: OutputSink,
             trace_context=None, generated: list[int] = (), priority: int = 0, prefill_only: bool = False,
-            kv_source=None) -> None:
+            kv_source=None, lora_name: str = "") -> None:
         """Queue a request whose outputs go to `sink` until it finishes (`generated`: the tokens a request
         continued from another replica produced there). Raises Unavailable, QueueFull or StagemeshError (bad
         input) when it cannot be queued; the caller must release() it when it goes away."""
@@ -92,7 +92,8 @@ class StepLoop:
         if not self.epochs.healthy or scheduler is None:
             raise Unavailable(f"the replica cannot serve: {self.epochs.reason}")
         try:
-            usable = scheduler.add_request(request_id, prompt, sampling, generated, priority, prefill_only, kv_source)
+            usable = scheduler.add_request(request_id, prompt, sampling, generated, priority, prefill_only, kv_source,
+                                           lora_name)
         except KVLoadFailed as err:
             self.observer.kv_load_refused("not_fit", "fail")
             log.warning("%s", err)
@@ -116,10 +117,10 @@ class StepLoop:
         self.observer.gone(request_id)
 
     async def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-                     trace_context=None) -> AsyncIterator[RequestOutput]:
+                     trace_context=None, lora_name: str = "") -> AsyncIterator[RequestOutput]:
         """One request's outputs, for a caller that reads them as a stream of its own."""
         stream = OutputStream()
-        self.add(request_id, prompt, sampling, stream, trace_context)
+        self.add(request_id, prompt, sampling, stream, trace_context, lora_name=lora_name)
         try:
             while True:
                 out = await stream.get()

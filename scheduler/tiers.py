@@ -83,14 +83,15 @@ class KVTiers:
     def snapshot(self) -> list[tuple[str, list[int]]]:
         return [(HOST, list(self.host)), (DISK, list(self.disk))]
 
-    def lookup(self, token_ids: list[int], num_cached_blocks: int, block_size: int) -> list[tuple[int, int]]:
+    def lookup(self, token_ids: list[int], num_cached_blocks: int, block_size: int,
+               root: int | None = None) -> list[tuple[int, int]]:
         """The blocks after the prompt's first num_cached_blocks (those in the pool) that a tier holds, as far
         as they go on: (hash, host slot or FROM_DISK) each; at least one token is left to compute."""
         usable = (len(token_ids) - 1) // block_size
         if usable <= num_cached_blocks or not (self.host or self.disk):
             return []
         hits = []
-        for h in prefix_hashes(token_ids[:usable * block_size], block_size)[num_cached_blocks:]:
+        for h in prefix_hashes(token_ids[:usable * block_size], block_size, root)[num_cached_blocks:]:
             slot = self.host.get(h)
             if slot is None and h not in self.disk:
                 break

@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from stagemesh.core.model_source import add_model_arguments
 
     add_model_arguments(p)
+    from stagemesh.core.lora import add_lora_arguments
+
+    add_lora_arguments(p)
     add_service_arguments(p)
 
 
@@ -198,6 +201,9 @@ def run(args: argparse.Namespace) -> int:
     ep = expert_parallel_across_replicas(args, cfg, start, end)
     balance = eplb_config(args, cfg)
     spec = stage_speculation(args, cfg, end)
+    from stage_worker.lora import LoRASettings
+
+    lora = LoRASettings.from_args(args)
     if args.kv_offloading_disk_path:  # before the weights load: a bad directory is refused at once
         from stage_worker.kv_disk import check_writable
 
@@ -221,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     slice_ = SliceConfig(str(model_dir), start, end, tp_size=args.tensor_parallel_size, device=args.device,
                          dtype=args.dtype, block_size=args.block_size, cuda_graphs=not args.enforce_eager,
                          expert_parallel=args.enable_expert_parallel, eplb=balance, quantization=source.quantization,
-                         gguf_file=str(source.gguf_file) if source.gguf_file else None)
+                         gguf_file=str(source.gguf_file) if source.gguf_file else None, lora=lora)
     worker = StageWorker(StageConfig(slice_, args.stage_index, handoff=args.handoff,
                                      kv_cache_memory=args.kv_cache_memory,
                                      gpu_memory_utilization=args.gpu_memory_utilization, threads=args.threads,
@@ -243,6 +249,9 @@ def run(args: argparse.Namespace) -> int:
 
         log.info("stage %d: --quantization %s%s: %s", args.stage_index, source.quantization,
                  f" from {source.gguf_file}" if source.gguf_file else "", describe(worker.runner.model))
+    if lora is not None:
+        log.info("stage %d: LoRA adapters %s (--max-loras %d, --max-lora-rank %d)", args.stage_index,
+                 ", ".join(m.name for m in lora.modules) or "none", lora.limits.max_loras, lora.limits.max_lora_rank)
     if cfg.is_moe:
         from stage_worker.moe import describe_layout
         from stage_worker.observe import watch_expert_load

@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from stagemesh.core.lora import add_lora_arguments
 from stagemesh.core.step_wire import epoch_from_pb, step_from_pb
 from stagemesh.v1 import stage_pb2
 from stage_worker import control, eplb, kv_transfer, run_ahead
@@ -23,6 +24,7 @@ from stage_worker import dist as sdist
 from stage_worker.kv_disk import DiskTier
 from stage_worker.kv_tier_ranks import TierFollower
 from stage_worker.kv_tiers import KVTierStore, block_layout
+from stage_worker.lora import LoRASettings
 from stage_worker.runner import SliceConfig, StageRunner
 
 log = logging.getLogger("stagemesh.follower")
@@ -103,6 +105,8 @@ def follower_argv(slice_: SliceConfig, tp_rank: int, threads: int, kv_disk: tupl
         argv += ["--gguf-file", slice_.gguf_file]
     if kv_disk is not None:
         argv += ["--kv-disk-dir", kv_disk[0], "--kv-namespace", kv_disk[1]]
+    if slice_.lora is not None:
+        argv += slice_.lora.argv()
     return argv + eplb.config_argv(slice_.eplb)
 
 
@@ -122,6 +126,7 @@ def main() -> None:
     p.add_argument("--gguf-file", default=None)
     p.add_argument("--kv-disk-dir", default=None)
     p.add_argument("--kv-namespace", default=None)
+    add_lora_arguments(p)
     args = p.parse_args()
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s follower tp{args.tp_rank} %(levelname)s: %(message)s")
@@ -131,7 +136,7 @@ def main() -> None:
     balance = eplb.EPLBConfig(**json.loads(args.eplb_config)) if args.eplb_config else None  # checked by rank 0
     runner = SliceConfig(args.model, start, end, args.tp_size, args.device, args.dtype, args.block_size,
                          expert_parallel=args.enable_expert_parallel, eplb=balance, quantization=args.quantization,
-                         gguf_file=args.gguf_file).runner(args.tp_rank)
+                         gguf_file=args.gguf_file, lora=LoRASettings.from_args(args)).runner(args.tp_rank)
     disk = DiskTier(args.kv_disk_dir, args.kv_namespace, args.tp_rank, block_layout(runner)) if args.kv_disk_dir \
         else None
     sys.stdout.write("ready\n")

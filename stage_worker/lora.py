@@ -15,6 +15,7 @@ in the step), the test oracle for batched kernels.
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections import OrderedDict
@@ -24,7 +25,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from stagemesh.core.lora import WEIGHTS_FILE, AdapterConfig, LoRAError, LoRALimits, LoRAModule, read_adapter_config
+from stagemesh.core.lora import (WEIGHTS_FILE, AdapterConfig, LoRAError, LoRALimits, LoRAModule, lora_from_args,
+                                  read_adapter_config)
 from stagemesh.core.model_config import ModelConfig
 from stage_worker.layers import Linear, _matmul
 
@@ -174,6 +176,22 @@ class LoRASettings:
     limits: LoRALimits
     modules: tuple[LoRAModule, ...]
 
+    @classmethod
+    def from_args(cls, args) -> LoRASettings | None:
+        found = lora_from_args(args)
+        return None if found is None else cls(*found)
+
+    def argv(self) -> list[str]:
+        """The flags that give these settings (a TP follower's command line)."""
+        lim = self.limits
+        argv = ["--enable-lora", "--max-loras", str(lim.max_loras), "--max-lora-rank", str(lim.max_lora_rank)]
+        if lim.max_cpu_loras is not None:
+            argv += ["--max-cpu-loras", str(lim.max_cpu_loras)]
+        if self.modules:
+            argv += ["--lora-modules", *(json.dumps({"name": m.name, "path": m.path,
+                                                     "base_model_name": m.base_model_name}) for m in self.modules)]
+        return argv
+
 
 class LoRAManager:
     """The stage's adapters: which are known (--lora-modules), which are in host memory, which in slots. Made
@@ -197,6 +215,12 @@ class LoRAManager:
         self.device = device
         self.host: OrderedDict[str, _Adapter] = OrderedDict()  # LRU, up to --max-cpu-loras
         self.slots: OrderedDict[str, int] = OrderedDict()  # LRU: adapter -> slot
+
+    def check_adapters(self) -> None:
+        """Read every adapter once (the stage's start): a bad one stops the stage with its name and reason,
+        rather than failing a step later. The --max-cpu-loras read last stay in host memory."""
+        for name in self.modules:
+            self._host(name)
 
     def check(self, names: set[str]) -> None:
         """A step may use these adapters: each is known, and they fit the slots at once."""

@@ -135,6 +135,8 @@ class StageRunner:
             _load(self.model, model_dir, quantization, gguf_file, cfg)
         if self.device.type == "cpu":
             pack_weights_for_cpu(self.model)
+        if self.lora is not None and load:
+            self.lora.check_adapters()
         self.num_kv_heads = HeadShard.for_rank(cfg, self.tp).num_kv_heads
         self.kv_bytes_per_block = kv_bytes_per_block(layer_end - layer_start, self.num_kv_heads, cfg.head_dim,
                                                      block_size, self.dtype)

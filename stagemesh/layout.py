@@ -12,6 +12,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from stagemesh.core.lora import lora_argv
 from stagemesh.core.service_options import service_argv
 from stagemesh.cpu_plan import CpuPlan, cpu_plan
 
@@ -142,7 +143,7 @@ class MeshLayout:
                 *(["--enable-eplb"] if args.enable_eplb else []), *_flags(args, ("eplb_config",)),
                 *(ep if self.ep_port else []),
                 *_flags(args, ("dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization")),
-                *_disk_tier(args, r)]
+                *_disk_tier(args, r), *lora_argv(args)]
         return ChildSpec(f"stage[{r}.{i}]", argv, env, "stage", tp * self.threads, tp if self.cuda else 0)
 
     def routers(self, replicas: list[str]) -> list[ChildSpec]:
@@ -160,6 +161,7 @@ class MeshLayout:
                               "max_request_retries", "policy", "responses_store", "responses_store_size",
                               "responses_store_ttl", "chat_template_timeout", "structured_outputs_config",
                               "grammar_compile_timeout"))
+        argv += lora_argv(args, limits=False)
         control = [["--control-port", str(p)] for p in self.control_ports] or [[]] * n
         return [ChildSpec("router" if n == 1 else f"router[{i}]", [*argv, *control[i]], kind="router")
                 for i in range(n)]
@@ -197,7 +199,7 @@ def _scheduler_flags(args: argparse.Namespace, spec) -> list[str]:
         flags.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     if spec is not None:
         flags += ["--speculative-config", spec.to_json()]
-    return flags
+    return flags + lora_argv(args)
 
 
 def _service(args: argparse.Namespace, metrics_offset: int | None) -> list[str]:

@@ -18,11 +18,13 @@ from stagemesh.inprocess_pipeline import InProcessPipeline
 from scheduler.output_stream import OutputStream
 from scheduler.request import RequestOutput
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.lora import LoRALimits, parse_lora_modules
 from stagemesh.core.model_config import ModelConfig, layer_ranges, layer_split
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.speculative import parse_speculative_config
 from stage_worker.draft import DraftModel
 from stage_worker.kv_cache import num_kv_blocks_for_budget
+from stage_worker.lora import LoRASettings
 from stage_worker.runner import StageRunner
 
 DEFAULT_KV_BUDGET = 512 * 2**20  # bytes per stage when nothing is said
@@ -35,14 +37,20 @@ class LocalEngine:
                  max_model_len: int | None = None, device: str = "cpu", dtype: str | None = None,
                  async_scheduling: bool | None = None, speculative_config: str | dict | None = None,
                  quantization: str | None = None, gguf_file: str | None = None,
-                 kv_offloading_disk_path: str | None = None):
+                 kv_offloading_disk_path: str | None = None, lora_modules: list[str] | None = None,
+                 max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None):
         """speculative_config: vLLM's --speculative-config, as JSON or a dict. kv_offloading_disk_path: the stages'
-        disk KV tier (stagemesh.inprocess_pipeline)."""
+        disk KV tier (stagemesh.inprocess_pipeline). lora_modules: vLLM's --lora-modules entries (LoRA on, with
+        --max-loras, --max-lora-rank and --max-cpu-loras): requests pick one by lora_name."""
         cfg = ModelConfig.from_path(model_dir)
         spec = parse_speculative_config(speculative_config)
         split = split or layer_split(cfg.num_hidden_layers, 1)
+        lora = None
+        if lora_modules is not None:
+            lora = LoRASettings(LoRALimits(max_loras, max_lora_rank, max_cpu_loras),
+                                tuple(parse_lora_modules(lora_modules)))
         self.runners = [StageRunner(model_dir, a, b, device=device, dtype=dtype, block_size=block_size, config=cfg,
-                                    quantization=quantization, gguf_file=gguf_file)
+                                    quantization=quantization, gguf_file=gguf_file, lora=lora)
                         for a, b in layer_ranges(split)]
         if spec is not None and spec.uses_draft_model:  # on the last stage, as a stage service runs it
             self.runners[-1].attach_drafter(DraftModel(spec, cfg, device, dtype, block_size))
@@ -52,7 +60,8 @@ class LocalEngine:
         self.driver = Driver(DriverConfig(
             SchedulerConfig(max_model_len=max_model_len, block_size=block_size, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-                            eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size, speculative=spec),
+                            eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size, speculative=spec,
+                            lora_adapters=tuple(m.name for m in lora.modules) if lora else (), max_loras=max_loras),
             # nothing restarts in-process: a failed step fails its requests at once
             model_max_len=cfg.max_position_embeddings, async_scheduling=async_scheduling,
             stage_recovery_timeout_s=0.0), self.pipeline)
@@ -64,11 +73,11 @@ class LocalEngine:
         self._ids = itertools.count()
 
     def stream(self, prompt_token_ids: list[int], sampling: SamplingParams,
-               request_id: str | None = None) -> Iterator[RequestOutput]:
+               request_id: str | None = None, lora_name: str = "") -> Iterator[RequestOutput]:
         """One request's outputs as the steps produce them; raises StagemeshError if it fails."""
         request_id = request_id or f"req-{next(self._ids)}"
         outputs = OutputStream()
-        self.driver.add(request_id, prompt_token_ids, sampling, outputs)
+        self.driver.add(request_id, prompt_token_ids, sampling, outputs, lora_name=lora_name)
         try:
             while True:
                 out = self._loop.run_until_complete(outputs.get())
@@ -80,21 +89,23 @@ class LocalEngine:
         finally:
             self.driver.release(request_id)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
+                 lora_names: list[str] | None = None) -> list[list[int]]:
         """Token ids generated for each prompt, in order (the prompts run as one continuous batch); one
-        sampling for all, or one per prompt."""
+        sampling for all, or one per prompt; lora_names: each prompt's LoRA adapter ("": the base model)."""
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        adapters = lora_names or [""] * len(prompts)
 
-        async def one(prompt: list[int], sampling: SamplingParams) -> list[int]:
+        async def one(prompt: list[int], sampling: SamplingParams, adapter: str) -> list[int]:
             tokens = []
-            async for out in self.driver.submit(f"req-{next(self._ids)}", prompt, sampling):
+            async for out in self.driver.submit(f"req-{next(self._ids)}", prompt, sampling, lora_name=adapter):
                 if out.finish_reason == "error":
                     raise StagemeshError(out.error or "the request failed")
                 tokens += out.new_token_ids
             return tokens
 
         async def run_all() -> list[list[int]]:
-            return list(await asyncio.gather(*map(one, prompts, samplings)))
+            return list(await asyncio.gather(*map(one, prompts, samplings, adapters)))
         return self._loop.run_until_complete(run_all())
 
     def stats(self):

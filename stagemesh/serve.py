@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import json
 import os
 
 from stagemesh.core import internal_token
@@ -102,6 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from scheduler.cli import add_kv_tier_arguments
 
     add_kv_tier_arguments(p)  # the schedulers' (the stages get --kv-offloading-disk-path)
+    from stagemesh.core.lora import add_lora_arguments
+
+    add_lora_arguments(p)  # every service's: the stages load the adapters, schedulers and routers know their names
     p.add_argument("--kv-offloading-disk-path", default=None, metavar="DIR",
                    help="the disk tier of the stages' KV (docs/kv-tiers.md; see `stagemesh stage`): replica i's "
                         "stages keep their blocks under DIR/replica-<i>, so replicas never share a directory; kept "
@@ -215,10 +219,27 @@ def _run_on_ray(args: argparse.Namespace, token: str, signals: Signals, autoscal
         cluster.shutdown()
 
 
+def _check_lora(args: argparse.Namespace) -> None:
+    """The LoRA flags and every adapter's config, checked before anything starts (the stages read the weights);
+    adapter paths made absolute for the services."""
+    from stagemesh.core.lora import lora_from_args, read_adapter_config
+
+    lora = lora_from_args(args)
+    if lora is None:
+        return
+    if args.speculative_config:
+        raise StagemeshError("--enable-lora with --speculative-config is not supported yet")
+    for m in lora[1]:
+        read_adapter_config(m.name, m.path, lora[0].max_lora_rank)
+    args.lora_modules = [json.dumps({"name": m.name, "path": os.path.abspath(m.path),
+                                     "base_model_name": m.base_model_name}) for m in lora[1]]
+
+
 def _check_layout(args: argparse.Namespace) -> None:
     from scheduler.cli import kv_tier_bytes
 
     kv_tier_bytes(args)  # (the schedulers check them again: refused here before anything starts)
+    _check_lora(args)
     if args.api_server_count < 1:
         raise StagemeshError(f"--api-server-count must be >= 1 (got {args.api_server_count})")
     if args.api_server_count > 1:  # several routers share fixed ports: "any free port" must be chosen here

@@ -4,6 +4,7 @@ in real gloo processes; slots reused as adapters come and go; every bad adapter 
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 from lora_cases import ATTENTION, make_adapter, merged_reference, run_mixed, runners, settings
 from mesh import exit_codes, free_port
 from parity import prompts
+from stagemesh.core.errors import StagemeshError
 from stagemesh.core.lora import LoRAError, LoRALimits, parse_lora_modules, read_adapter_config
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import NewSequence, ScheduledChunk, StepBatch
@@ -115,7 +117,7 @@ def test_a_bad_adapter_config_is_refused_with_its_name(model, tmp_path, change, 
         read_adapter_config("bad", path, 16)
 
 
-def test_bad_adapter_weights_are_refused_when_a_step_first_needs_them(model, tiny_model_dir, tmp_path):
+def test_bad_adapter_weights_stop_the_stage_as_it_starts(model, tiny_model_dir, tmp_path):
     other = tiny_model_dir("llama", hidden_size=96)
     cases = {
         "other_model": (make_adapter(tmp_path / "other_model", other), r"has shape .* want .*another base model"),
@@ -131,10 +133,9 @@ def test_bad_adapter_weights_are_refused_when_a_step_first_needs_them(model, tin
     file = tmp_path / "unpaired" / "adapter_model.safetensors"
     save_file({k: v for k, v in load_file(str(file)).items() if "layers.1.self_attn.q_proj.lora_B" not in k},
               str(file))
-    stage = runners(model, [4], settings({name: path for name, (path, _) in cases.items()}))[0]
-    for name, (_, message) in cases.items():
+    for name, (path, message) in cases.items():
         with pytest.raises(LoRAError, match=f"LoRA adapter '{name}' .*" + message):
-            stage.lora.prepare([name], [3])
+            runners(model, [2, 2], settings({name: path}))
 
 
 def test_lora_module_flags_take_vllms_two_forms():
@@ -148,3 +149,125 @@ def test_lora_module_flags_take_vllms_two_forms():
         LoRALimits(max_lora_rank=12)
     with pytest.raises(LoRAError, match="--max-cpu-loras 1 must be at least --max-loras 2"):
         LoRALimits(max_loras=2, max_cpu_loras=1)
+
+
+def _engine(model, adapters, **kw):
+    from stagemesh.local_engine import LocalEngine
+
+    return LocalEngine(model, split=[2, 2], lora_modules=[f"{name}={path}" for name, path in adapters.items()],
+                       **kw)
+
+
+def test_the_engine_runs_each_request_on_its_adapter(model, adapters, cases):
+    """The scheduler carries each request's adapter to the stages: a continuous batch of mixed adapters gives
+    transformers' tokens; with --max-loras 1 the other adapters' requests wait their turn."""
+    greedy = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    for max_loras in (3, 1):
+        with _engine(model, adapters, max_loras=max_loras) as engine:
+            got = engine.generate([p for (p, _), _ in cases], greedy, [n for (_, n), _ in cases])
+        assert got == [want for _, want in cases], f"--max-loras {max_loras}"
+
+
+def test_the_prefix_cache_never_shares_kv_between_adapters(model, adapters):
+    """One long prompt under the base model, then under an adapter, then again under it: the adapter's run
+    computes its own KV (the base model's cached blocks would give the wrong tokens) and the third reuses it."""
+    prompt = prompts(384, lengths=(50,), seed=7)[0]  # three full blocks of 16
+    greedy = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    want = reference_greedy(merged_reference(model, adapters["all"]), prompt, NEW)[0]
+    with _engine(model, adapters) as engine:
+        base = engine.generate([prompt], greedy)[0]
+        assert engine.generate([prompt], greedy, ["all"])[0] == want != base
+        hits = engine.stats().prefix_cache_hits
+        assert engine.generate([prompt], greedy, ["all"])[0] == want
+        assert engine.stats().prefix_cache_hits - hits == 48  # its own three blocks, cached by the run before
+        with pytest.raises(StagemeshError, match="the LoRA adapter 'nope' is not served by this replica"):
+            engine.generate([prompt], greedy, ["nope"])
+
+
+def test_serve_with_lora_answers_each_adapter_through_the_openai_client(model, adapters, cases, tmp_path):
+    """`stagemesh serve --enable-lora --lora-modules ...` (PP=2, TP=2 on its last stage's layers: the stages load
+    the adapters, the scheduler carries each request's, the router maps `model` to it): concurrent requests of
+    every adapter and the base model get transformers' tokens; /v1/models lists the adapters with their parent;
+    an unknown model is vLLM's 404."""
+    import grpc
+    import openai
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stagemesh.core.wire import sampling_to_pb
+    from stagemesh.v1 import frontend_pb2, frontend_pb2_grpc
+
+    from mesh import stop_process, wait_http_ok
+    from tiny_models import with_word_tokenizer
+
+    model = with_word_tokenizer(model, tmp_path / "model")  # the same weights, and a tokenizer for the router
+    port, grpc_port, log = free_port(), free_port(), tmp_path / "serve.log"
+    modules = [f"{name}={path}" for name, path in adapters.items()]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model), "--port", str(port),
+                                 "--grpc-port", str(grpc_port), "-pp", "2", "-tp", "2", "--threads", "1",
+                                 "--served-model-name", "base", "--enable-lora", "--max-loras", "2",
+                                 "--lora-modules", *modules],
+                                stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    try:
+        wait_http_ok(proc, f"http://127.0.0.1:{port}/ready", 180, "serve", log)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        listed = {m.id: m.model_extra.get("parent") for m in client.models.list().data}
+        assert listed == {"base": None, "all": "base", "attn": "base", "rs": "base"}
+
+        def complete(case):
+            (prompt, adapter), _ = case
+            reply = client.completions.create(model=adapter or "base", prompt=prompt, max_tokens=NEW, temperature=0,
+                                              extra_body={"ignore_eos": True, "return_token_ids": True})
+            assert reply.model == (adapter or "base")
+            return reply.choices[0].model_extra["token_ids"]
+
+        with ThreadPoolExecutor(len(cases)) as pool:
+            got = list(pool.map(complete, cases))
+        assert got == [want for _, want in cases]
+        with pytest.raises(openai.NotFoundError, match="the model 'nope' does not exist"):
+            client.completions.create(model="nope", prompt=[5, 6], max_tokens=2)
+        import requests
+
+        loaded = requests.post(f"http://127.0.0.1:{port}/v1/load_lora_adapter",
+                               json={"lora_name": "x", "lora_path": str(tmp_path)}, timeout=10)
+        assert loaded.status_code == 400 and "/v1/load_lora_adapter: loading or unloading LoRA adapters at run " \
+            "time is not supported yet" in loaded.json()["error"]["message"]
+        (prompt, adapter), want = cases[0]  # the gRPC frontend picks the adapter by its model too
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = frontend_pb2_grpc.FrontendStub(channel)
+            assert list(stub.ListModels(frontend_pb2.ListModelsRequest(), timeout=10).models) == \
+                ["base", "all", "attn", "rs"]
+            replies = stub.Generate(frontend_pb2.GenerateRequest(
+                model=adapter, token_ids=frontend_pb2.TokenIds(ids=prompt),
+                sampling=sampling_to_pb(SamplingParams(max_tokens=NEW, ignore_eos=True))), timeout=60)
+            assert [t for r in replies for t in r.token_ids] == want
+    finally:
+        stop_process(proc, 30)
+
+
+def test_serve_refuses_bad_lora_flags_before_anything_starts(model, tmp_path):
+    for argv, message in [(["--lora-modules", f"a={tmp_path}"], "--lora-modules needs --enable-lora"),
+                          (["--enable-lora", "--lora-modules", f"a={tmp_path}"], r"'a' .*no adapter_config"),
+                          (["--enable-lora", "--max-lora-rank", "12"], "--max-lora-rank 12: must be one of")]:
+        done = subprocess.run([sys.executable, "-m", "stagemesh", "serve", str(model), "--port", "0", *argv],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0 and re.search(message, done.stderr), done.stderr
+
+
+def test_the_scheduler_refuses_a_stage_without_its_adapters_or_slots():
+    from scheduler.rendezvous import ModelIdentity, Rendezvous, StageInfo
+
+    ident = ModelIdentity("llama", 4, 64, 384, 4, 2)
+
+    def stage(adapters, slots):
+        return StageInfo(0, 0, 4, 1, "cpu", 100, 16, ident, "127.0.0.1:1", "grpc", lora_adapters=adapters,
+                         max_loras=slots)
+
+    r = Rendezvous(1, 16, ident, lora_adapters=("sql", "chat"), max_loras=2)
+    with pytest.raises(StagemeshError, match=r"does not serve the LoRA adapter\(s\) chat \(its --enable-lora"):
+        r.register(stage(("sql",), 2))
+    with pytest.raises(StagemeshError, match=r"holds 1 LoRA adapter\(s\) at once \(--max-loras\); the scheduler "):
+        r.register(stage(("sql", "chat"), 1))
+    assert r.register(stage(("chat", "sql", "more"), 4)) == 0
+    assert Rendezvous(1, 16, ident).register(stage((), 0)) == 0  # without LoRA nothing is asked

@@ -16,9 +16,18 @@ def chain_hash(parent: int | None, token_ids: tuple[int, ...] | list[int]) -> in
     return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little")
 
 
-def prefix_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """The chained hashes of every full block of token_ids, in order."""
-    hashes, parent = [], None
+def adapter_root(lora_name: str) -> int | None:
+    """The parent of a prompt's first block under a LoRA adapter (None: the base model's). KV computed under
+    one adapter is another adapter's, or the base model's, under no hash."""
+    if not lora_name:
+        return None
+    return int.from_bytes(hashlib.blake2b(b"lora\0" + lora_name.encode(), digest_size=8).digest(), "little")
+
+
+def prefix_hashes(token_ids: list[int], block_size: int, root: int | None = None) -> list[int]:
+    """The chained hashes of every full block of token_ids, in order; `root`: the first block's parent
+    (adapter_root)."""
+    hashes, parent = [], root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = chain_hash(parent, token_ids[start:start + block_size])
         hashes.append(parent)

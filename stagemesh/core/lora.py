@@ -47,7 +47,8 @@ def parse_lora_modules(values: list[str]) -> list[LoRAModule]:
             except json.JSONDecodeError as err:
                 raise LoRAError(f"--lora-modules {value!r}: not valid JSON ({err.msg})") from None
             if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) \
-                    or not isinstance(spec.get("path"), str) or set(spec) - {"name", "path", "base_model_name"}:
+                    or not isinstance(spec.get("path"), str) or set(spec) - {"name", "path", "base_model_name"} \
+                    or not isinstance(spec.get("base_model_name", ""), (str, type(None))):
                 raise LoRAError(f"--lora-modules {value!r}: the JSON form is {{\"name\": ..., \"path\": ..., "
                                 f"\"base_model_name\": ... (optional)}}")
             module = LoRAModule(spec["name"], spec["path"], spec.get("base_model_name"))
@@ -144,3 +145,42 @@ def read_adapter_config(name: str, path: str | Path, max_lora_rank: int) -> Adap
         if raw.get(key, fine[0]) not in fine:
             raise LoRAError(f"{where}: {key}={raw[key]!r} is not supported")
     return AdapterConfig(name, path, rank, float(alpha), tuple(dict.fromkeys(targets)), bool(raw.get("use_rslora")))
+
+
+def add_lora_arguments(p, limits: bool = True) -> None:
+    """vLLM's LoRA flags; limits=False: --enable-lora and --lora-modules only (the router)."""
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters: a request picks one by its "
+                   "model name (docs/lora.md)")
+    p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) as name=path or vLLM's JSON "
+                        "{\"name\": ..., \"path\": ..., \"base_model_name\": ...}; needs --enable-lora")
+    if limits:
+        p.add_argument("--max-loras", type=int, default=1, help="LoRA adapters in one batch (the stages' slots)")
+        p.add_argument("--max-lora-rank", type=int, default=16,
+                       help=f"the largest adapter rank ({', '.join(map(str, MAX_LORA_RANKS))})")
+        p.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="adapters kept in host memory (default: --max-loras)")
+
+
+def lora_from_args(args) -> tuple[LoRALimits, tuple[LoRAModule, ...]] | None:
+    """The LoRA limits and adapters the flags give, or None without --enable-lora (--lora-modules without it is
+    refused, never ignored)."""
+    if not args.enable_lora:
+        if args.lora_modules:
+            raise LoRAError("--lora-modules needs --enable-lora")
+        return None
+    limits = LoRALimits(getattr(args, "max_loras", 1), getattr(args, "max_lora_rank", 16),
+                        getattr(args, "max_cpu_loras", None))
+    return limits, tuple(parse_lora_modules(args.lora_modules))
+
+
+def lora_argv(args, limits: bool = True) -> list[str]:
+    """The flags again, for a child process (serve's services); limits=False: as the router takes them."""
+    if not args.enable_lora:
+        return []
+    argv = ["--enable-lora"]
+    if limits:
+        argv += ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
+        if args.max_cpu_loras is not None:
+            argv += ["--max-cpu-loras", str(args.max_cpu_loras)]
+    return argv + (["--lora-modules", *args.lora_modules] if args.lora_modules else [])

@@ -122,6 +122,7 @@ class SubmitRequest(_message.Message):
     PREFILL_ONLY_FIELD_NUMBER: _builtins.int
     KV_TRANSFER_FIELD_NUMBER: _builtins.int
     RESUMABLE_FIELD_NUMBER: _builtins.int
+    LORA_NAME_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique per replica; the router's id of the request."""
     priority: _builtins.int
@@ -142,6 +143,11 @@ class SubmitRequest(_message.Message):
     stopped. Its outputs are kept until the submitter releases it
     (SubmitStreamRequest.release_request_ids). A request that is not
     resumable is aborted when its stream breaks.
+    """
+    lora_name: _builtins.str
+    """The LoRA adapter the request runs with (a --lora-modules name of the
+    replica's --enable-lora); empty: the base model. A name the replica does not
+    serve is refused (INVALID_ARGUMENT). Its prefix-cache blocks are its own.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -175,10 +181,11 @@ class SubmitRequest(_message.Message):
         prefill_only: _builtins.bool = ...,
         kv_transfer: Global___KVTransferParams | None = ...,
         resumable: _builtins.bool = ...,
+        lora_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_transfer", b"kv_transfer", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_token_ids", b"generated_token_ids", "kv_transfer", b"kv_transfer", "prefill_only", b"prefill_only", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resumable", b"resumable", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_token_ids", b"generated_token_ids", "kv_transfer", b"kv_transfer", "lora_name", b"lora_name", "prefill_only", b"prefill_only", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resumable", b"resumable", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -97,6 +97,8 @@ class StageDescription(_message.Message):
     DRAINING_FIELD_NUMBER: _builtins.int
     KV_BYTES_PER_BLOCK_FIELD_NUMBER: _builtins.int
     KV_DISK_TIER_FIELD_NUMBER: _builtins.int
+    LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_FIELD_NUMBER: _builtins.int
     stage_index: _builtins.int
     layer_start: _builtins.int
     """Layers [layer_start, layer_end)."""
@@ -147,8 +149,16 @@ class StageDescription(_message.Message):
     """
     kv_disk_tier: _builtins.bool
     """Started with --kv-offloading-disk-path: this stage has a disk tier."""
+    max_loras: _builtins.int
     @_builtins.property
     def model(self) -> Global___ModelIdentity: ...
+    @_builtins.property
+    def lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """--enable-lora: the adapters it serves (--lora-modules names) and how many
+        fit its slots at once (--max-loras); the scheduler refuses a stage that
+        lacks one of its adapters or has fewer slots.
+        """
+
     def __init__(
         self,
         *,
@@ -172,10 +182,12 @@ class StageDescription(_message.Message):
         draining: _builtins.bool = ...,
         kv_bytes_per_block: _builtins.int = ...,
         kv_disk_tier: _builtins.bool = ...,
+        lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
+        max_loras: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "draining", b"draining", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "instance_id", b"instance_id", "kv_bytes_per_block", b"kv_bytes_per_block", "kv_disk_tier", b"kv_disk_tier", "layer_end", b"layer_end", "layer_start", b"layer_start", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "num_speculative_tokens", b"num_speculative_tokens", "speculative_model", b"speculative_model", "stage_index", b"stage_index", "standby", b"standby", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "draining", b"draining", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "instance_id", b"instance_id", "kv_bytes_per_block", b"kv_bytes_per_block", "kv_disk_tier", b"kv_disk_tier", "layer_end", b"layer_end", "layer_start", b"layer_start", "lora_adapters", b"lora_adapters", "max_loras", b"max_loras", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "num_speculative_tokens", b"num_speculative_tokens", "speculative_model", b"speculative_model", "stage_index", b"stage_index", "standby", b"standby", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
