@@ -202,11 +202,11 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
                 # before its first token it tries each replica once; a continuation goes to any replica it has
                 # not failed on
                 if redo_prefill:  # (another prefill replica than the one whose KV could not be loaded, if any)
-                    replica = replicas.pick(gen.prompt_ids, failed | {kv_failed_on}, None, "prefill") or \
-                        replicas.pick(gen.prompt_ids, failed, None, "prefill")
+                    replica = replicas.pick(gen.prompt_ids, failed | {kv_failed_on}, None, "prefill", gen.lora_name) \
+                        or replicas.pick(gen.prompt_ids, failed, None, "prefill", gen.lora_name)
                 else:
                     replica = replicas.pick(gen.prompt_ids, failed if generated else tried, gen.pin,
-                                            "prefill" if prefill else "whole")
+                                            "prefill" if prefill else "whole", gen.lora_name)
                 if replica is None and prefill:  # no prefill replica left to try: the whole request elsewhere
                     prefill = redo_prefill = False
                     continue

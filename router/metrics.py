@@ -76,6 +76,32 @@ class SpecDecodeCounters:
             cls._made = cls()
         return cls._made
 
+class LoRAInfo:
+    """vLLM's vllm:lora_requests_info (vllm/v1/metrics/loggers.py): per replica, one series whose labels are its
+    --max-loras and its waiting and running adapters (comma-separated), set to the time of the update. Registered
+    when the first replica reports LoRA: as vLLM, a gateway whose replicas serve none declares none."""
+    _made: "LoRAInfo | None" = None
+
+    def __init__(self) -> None:
+        self.gauge = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                           [*E, "max_lora", "waiting_lora_adapters", "running_lora_adapters"], **R)
+        self.current: dict[tuple[str, ...], tuple[str, ...]] = {}  # (model, engine) -> its series' labels
+
+    @classmethod
+    def get(cls) -> "LoRAInfo":
+        if cls._made is None:
+            cls._made = cls()
+        return cls._made
+
+    def set(self, labels: tuple[str, ...], max_loras: int, waiting: list[str], running: list[str]) -> None:
+        now = (*labels, str(max_loras), ",".join(waiting), ",".join(running))
+        before = self.current.get(labels)
+        if before is not None and before != now:  # one series per replica: the old labels' goes
+            self.gauge.remove(*before)
+        self.current[labels] = now
+        self.gauge.labels(*now).set_to_current_time()
+
+
 # -- vLLM's request series, measured at the router ------------------------------------------------------
 PROMPT = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", E, **R)
 GENERATION = Counter("vllm:generation_tokens", "Number of generation tokens processed.", E, **R)

@@ -58,6 +58,9 @@ def replica_state(address: str, healthy: bool, stats=None) -> None:
     m.RUNNING.labels(*labels).set(stats.num_running)
     m.WAITING.labels(*labels).set(stats.num_waiting)
     m.KV_USAGE.labels(*labels).set(stats.kv_cache_usage)
+    if stats.max_loras:
+        m.LoRAInfo.get().set(tuple(labels), stats.max_loras, list(stats.waiting_lora_adapters),
+                             list(stats.running_lora_adapters))
     # speculative decoding's counters exist where a replica speculates (it reports one count per position)
     per_pos = list(stats.spec_decode_num_accepted_tokens_per_pos)
     spec = (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,

@@ -41,6 +41,9 @@ class Replica:
     num_disk_kv_blocks: int = 0
     info_epoch: int = 0  # the pipeline epoch its ModelInfo was read at
     cordoned: bool = False  # told (router.control) to take no new request: it is about to drain
+    # --enable-lora (Stats): its --max-loras, and the adapters its running requests use
+    max_loras: int = 0
+    running_adapters: frozenset[str] = frozenset()
     forgotten: bool = False  # no longer balanced over (ReplicaSet.set_replicas): a late check reports nothing
     stub: scheduler_pb2_grpc.SchedulerStub | None = field(default=None, repr=False)
 
@@ -141,6 +144,7 @@ class Replica:
     def _set_load(self, stats) -> None:
         self.num_running, self.num_waiting, self.dispatched = stats.num_running, stats.num_waiting, 0
         self.num_kv_blocks = stats.num_kv_blocks
+        self.max_loras, self.running_adapters = stats.max_loras, frozenset(stats.running_lora_adapters)
         if not self.forgotten:
             replica_state(self.address, self.healthy, stats)
 
@@ -323,9 +327,10 @@ class ReplicaSet:
         return [r for r in self.replicas if r.healthy and not r.cordoned]
 
     def pick(self, prompt: list[int], exclude: set[str] = frozenset(), pin: str | None = None,
-             role: str = "whole") -> Replica | None:
+             role: str = "whole", lora_name: str = "") -> Replica | None:
         """A healthy replica for the prompt (the pinned one while it is healthy: siblings share its cache). role:
-        "prefill" (a prefill replica), "decode" or "whole" (a decode or both replica, else any)."""
+        "prefill" (a prefill replica), "decode" or "whole" (a decode or both replica, else any). lora_name: the
+        request's adapter (lora_affinity narrows the replicas first)."""
         candidates = [r for r in self.healthy() if r.address not in exclude]
         pinned = [r for r in candidates if r.address == pin]
         if pinned:
@@ -334,7 +339,7 @@ class ReplicaSet:
             candidates = [r for r in candidates if r.kv_role == "prefill"]
         else:
             candidates = [r for r in candidates if r.kv_role != "prefill"] or candidates
-        return self.policy.pick(candidates, prompt) if candidates else None
+        return self.policy.pick(lora_affinity(candidates, lora_name), prompt) if candidates else None
 
     def disaggregated(self) -> bool:
         """Whether new prompts go to a prefill replica first: one of them and a decode replica are healthy."""
@@ -353,3 +358,25 @@ class ReplicaSet:
     @property
     def max_model_len(self) -> int:
         return min((r.max_model_len for r in self.healthy() if r.max_model_len), default=0)
+
+
+# load (a request running: 1, waiting: 4) a replica that runs a request's adapter, or has a free slot for it, may
+# carry above the least loaded replica and still be preferred (as CacheAware's balance_abs)
+LORA_LOAD_SLACK = 32
+
+
+def lora_affinity(replicas: list[Replica], lora_name: str) -> list[Replica]:
+    """The replicas a request for `lora_name` should go to (LoRA-aware routing, as llm-d's and Dynamo's): those
+    that run the adapter already (no slot to fill, it joins their batches), else those with a free slot under
+    --max-loras (it does not wait for a running adapter to end), unless they are loaded past LORA_LOAD_SLACK
+    above the least loaded replica; otherwise all of them. The balancing policy picks among them."""
+    if not lora_name or not replicas:
+        return replicas
+    least = min(r.load for r in replicas)
+    running = [r for r in replicas if lora_name in r.running_adapters]
+    free = running + [r for r in replicas if lora_name not in r.running_adapters
+                      and len(r.running_adapters) < r.max_loras]
+    for tier in (running, free):
+        if tier and min(r.load for r in tier) <= least + LORA_LOAD_SLACK:
+            return tier
+    return replicas

@@ -67,6 +67,9 @@ class SchedulerStats:
     num_preemptions: int = 0
     spec_decode: SpecDecodeStats | None = None  # with --speculative-config
     tier_blocks: dict[str, int] = field(default_factory=dict)  # KV tier -> blocks it holds (scheduler.tiers)
+    # --enable-lora: the adapters of the running and of the waiting requests (vLLM's lora_requests_info)
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
 
 
 @dataclass
@@ -224,7 +227,14 @@ class Scheduler:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.kv.prefix_queries,
                               self.kv.prefix_hits, self.kv.num_blocks, self.num_preemptions,
                               self.spec.stats if self.spec is not None else None,
-                              {"host": len(tiers.host), "disk": len(tiers.disk)} if tiers is not None else {})
+                              {"host": len(tiers.host), "disk": len(tiers.disk)} if tiers is not None else {},
+                              *self._adapters())
+
+    def _adapters(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        if not self.config.lora_adapters:
+            return (), ()
+        return (tuple(sorted({r.lora_name for r in self.running if r.lora_name})),
+                tuple(sorted({r.lora_name for r in self.waiting if r.lora_name})))
 
     # -- one step -------------------------------------------------------------
     def schedule(self, max_seqs: int | None = None, run_ahead: bool = True) -> SchedulerOutput | None:

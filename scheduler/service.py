@@ -156,6 +156,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             stats.num_running, stats.num_waiting, stats.kv_cache_usage = s.num_running, s.num_waiting, s.kv_cache_usage
             stats.prefix_cache_queries, stats.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
             stats.num_kv_blocks, stats.num_preemptions = s.num_kv_blocks, s.num_preemptions
+            if self.driver.cfg.scheduler.lora_adapters:
+                stats.max_loras = self.driver.cfg.scheduler.max_loras
+                stats.running_lora_adapters.extend(s.running_adapters)
+                stats.waiting_lora_adapters.extend(s.waiting_adapters)
             if s.spec_decode is not None:
                 spec = s.spec_decode
                 stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens = spec.num_drafts, \

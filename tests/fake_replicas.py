@@ -45,8 +45,9 @@ class FakeReplica(Replica):
 
     def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams, generated: list[int] = (),
                priority: int = 0, prefill_only: bool = False, kv_transfer: bytes = b"",
-               resumable: bool = False) -> "FakeStream":
+               resumable: bool = False, lora_name: str = "") -> "FakeStream":
         assert not prefill_only and not kv_transfer, "a fake replica is never part of a disaggregated mesh"
+        assert not lora_name, "a fake replica serves no LoRA adapter"
         self.submitted.append((request_id, prompt, sampling))
         self.priorities.append(priority)
         self.generated.append(list(generated))

@@ -233,6 +233,8 @@ def test_serve_with_lora_answers_each_adapter_through_the_openai_client(model, a
                                json={"lora_name": "x", "lora_path": str(tmp_path)}, timeout=10)
         assert loaded.status_code == 400 and "/v1/load_lora_adapter: loading or unloading LoRA adapters at run " \
             "time is not supported yet" in loaded.json()["error"]["message"]
+        metrics = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert re.search(r'vllm:lora_requests_info\{[^}]*max_lora="2"', metrics), metrics
         (prompt, adapter), want = cases[0]  # the gRPC frontend picks the adapter by its model too
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             stub = frontend_pb2_grpc.FrontendStub(channel)
@@ -271,3 +273,32 @@ def test_the_scheduler_refuses_a_stage_without_its_adapters_or_slots():
         r.register(stage(("sql", "chat"), 1))
     assert r.register(stage(("chat", "sql", "more"), 4)) == 0
     assert Rendezvous(1, 16, ident).register(stage((), 0)) == 0  # without LoRA nothing is asked
+
+
+def test_lora_aware_routing_prefers_a_replica_that_runs_the_adapter_or_has_a_free_slot():
+    """router.replicas.lora_affinity, on the replicas' stats (--max-loras and running adapters), weighed against
+    load: a replica running the adapter first, then one with a free slot, unless those are far busier."""
+    from dataclasses import dataclass
+
+    from router.replicas import LORA_LOAD_SLACK, lora_affinity
+
+    @dataclass
+    class R:  # what lora_affinity reads of a replica (router.replicas.Replica)
+        address: str
+        load: int = 0
+        max_loras: int = 2
+        running_adapters: frozenset = frozenset()
+
+    full = R("full", running_adapters=frozenset({"x", "y"}))
+    runs = R("runs", load=5, running_adapters=frozenset({"sql"}))
+    room = R("room", load=3, running_adapters=frozenset({"x"}))
+    idle = R("idle", load=0)
+    both = [full, runs, room, idle]
+    assert lora_affinity(both, "") == both  # the base model: every replica
+    assert lora_affinity(both, "sql") == [runs]  # it joins the batches that run it
+    assert lora_affinity(both, "chat") == [runs, room, idle]  # no replica runs it: those with a free slot
+    runs.load = LORA_LOAD_SLACK + 1  # far busier than the idle one: any with a slot
+    assert lora_affinity(both, "sql") == [runs, room, idle]
+    for r in (runs, room, idle):
+        r.load = 10 * LORA_LOAD_SLACK
+    assert lora_affinity(both, "chat") == both  # the slots are all far busier than the full one: load decides

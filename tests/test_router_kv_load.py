@@ -36,7 +36,7 @@ class Prefill(FakeReplica):
         self.kv_role, self.stall, self.released = "prefill", False, []
 
     def submit(self, request_id, prompt, sampling, generated=(), priority=0, prefill_only=False, kv_transfer=b"",
-               resumable=False):
+               resumable=False, lora_name=""):
         assert prefill_only and not generated and not kv_transfer
         self.submitted.append((request_id, prompt, sampling))
 
@@ -61,7 +61,7 @@ class Decode(FakeReplica):
         self.kv_role, self.cannot_load, self.kv = "decode", set(), []
 
     def submit(self, request_id, prompt, sampling, generated=(), priority=0, prefill_only=False, kv_transfer=b"",
-               resumable=False):
+               resumable=False, lora_name=""):
         params = scheduler_pb2.KVTransferParams()
         params.ParseFromString(kv_transfer)
         self.kv.append((params.scheduler_address, params.request_id))

@@ -568,6 +568,9 @@ class Stats(_message.Message):
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_FIELD_NUMBER: _builtins.int
+    RUNNING_LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
+    WAITING_LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     kv_cache_usage: _builtins.float
@@ -600,10 +603,20 @@ class Stats(_message.Message):
     epoch: _builtins.int
     """The pipeline's epoch: a new number each time it forms (0: never formed).
     A supervisor that restarted a stage waits for a later epoch.
-    The blocks of the prefix cache themselves: WatchKVEvents.
+    """
+    max_loras: _builtins.int
+    """--enable-lora: --max-loras (0 without LoRA), and the adapters of its
+    running and of its waiting requests (vLLM's lora_requests_info), for
+    LoRA-aware routing.
     """
     @_builtins.property
     def spec_decode_num_accepted_tokens_per_pos(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def running_lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def waiting_lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The blocks of the prefix cache themselves: WatchKVEvents."""
+
     def __init__(
         self,
         *,
@@ -625,10 +638,13 @@ class Stats(_message.Message):
         spec_decode_num_accepted_tokens: _builtins.int = ...,
         spec_decode_num_accepted_tokens_per_pos: _abc.Iterable[_builtins.int] | None = ...,
         epoch: _builtins.int = ...,
+        max_loras: _builtins.int = ...,
+        running_lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
+        waiting_lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "healthy", b"healthy", "kv_cache_usage", b"kv_cache_usage", "max_waiting_requests", b"max_waiting_requests", "num_kv_blocks", b"num_kv_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "spec_decode_num_accepted_tokens", b"spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", b"spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens", b"spec_decode_num_draft_tokens", "spec_decode_num_drafts", b"spec_decode_num_drafts", "stage_compute_seconds_total", b"stage_compute_seconds_total", "step_seconds_total", b"step_seconds_total", "unhealthy_reason", b"unhealthy_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "healthy", b"healthy", "kv_cache_usage", b"kv_cache_usage", "max_loras", b"max_loras", "max_waiting_requests", b"max_waiting_requests", "num_kv_blocks", b"num_kv_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "running_lora_adapters", b"running_lora_adapters", "spec_decode_num_accepted_tokens", b"spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", b"spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens", b"spec_decode_num_draft_tokens", "spec_decode_num_drafts", b"spec_decode_num_drafts", "stage_compute_seconds_total", b"stage_compute_seconds_total", "step_seconds_total", b"step_seconds_total", "unhealthy_reason", b"unhealthy_reason", "waiting_lora_adapters", b"waiting_lora_adapters"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
