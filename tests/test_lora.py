@@ -302,3 +302,27 @@ def test_lora_aware_routing_prefers_a_replica_that_runs_the_adapter_or_has_a_fre
     for r in (runs, room, idle):
         r.load = 10 * LORA_LOAD_SLACK
     assert lora_affinity(both, "chat") == both  # the slots are all far busier than the full one: load decides
+
+
+def test_the_kv_aware_policy_matches_an_adapters_blocks_only_for_that_adapter():
+    """The schedulers hash an adapter's blocks from its root (block_hash.adapter_root): the router's index does
+    too, so a base model's cached prefix is no hit for an adapter's request, nor the other way round."""
+    from dataclasses import dataclass
+
+    from router.kv_index import KVAware, KVIndex
+    from stagemesh.core.block_hash import adapter_root, prefix_hashes
+
+    @dataclass
+    class R:  # what the policy reads of a replica
+        address: str
+        load: int = 0
+
+    index = KVIndex()
+    policy = KVAware(index)
+    base, sql = R("base"), R("sql", load=1)
+    prompt = list(range(100, 140))
+    index.stored("base", prefix_hashes(prompt, 16), 16)
+    index.stored("sql", prefix_hashes(prompt, 16, adapter_root("sql")), 16)
+    assert policy.pick([base, sql], prompt) is base and policy.last_matched_tokens == 32
+    assert policy.pick([base, sql], prompt, "sql") is sql and policy.last_matched_tokens == 32
+    assert policy.pick([base, sql], prompt, "chat") is base and policy.last_matched_tokens == 0  # no hit: least load
