@@ -326,3 +326,28 @@ def test_the_kv_aware_policy_matches_an_adapters_blocks_only_for_that_adapter():
     assert policy.pick([base, sql], prompt) is base and policy.last_matched_tokens == 32
     assert policy.pick([base, sql], prompt, "sql") is sql and policy.last_matched_tokens == 32
     assert policy.pick([base, sql], prompt, "chat") is base and policy.last_matched_tokens == 0  # no hit: least load
+
+
+def test_steps_without_adapter_tokens_run_the_c_plus_plus_layer_plan(tiny_model_dir, tmp_path):
+    """With --enable-lora a step of base-model sequences only runs each layer as one C++ call (the plan covers
+    LoRALinear's base product), and a step with adapter tokens runs the Python layer that adds them: both give
+    transformers' tokens. (A head size the C++ attention covers: the plan runs for it.)"""
+    from unittest import mock
+
+    from kernels import cpu_ops
+    from stage_worker.layer_plan import LayerPlan
+
+    model = tiny_model_dir("llama", num_attention_heads=2)  # head size 32
+    if cpu_ops.load() is None or not cpu_ops.covers(cpu_ops.current_attention_family(), 32):
+        pytest.skip("the C++ kernels are not built here")
+    adapter = make_adapter(tmp_path / "a", model, seed=5)
+    ps = prompts(384, lengths=(11, 20), seed=3)
+    base_want = [reference_greedy(merged_reference(model, None), p, NEW)[0] for p in ps]
+    lora_want = reference_greedy(merged_reference(model, adapter), ps[0], NEW)[0]
+    assert lora_want != base_want[0]
+    stage = runners(model, [4], settings({"a": adapter}))[0]
+    with mock.patch.object(LayerPlan, "__call__", autospec=True, side_effect=LayerPlan.__call__) as plan_calls:
+        assert run_mixed([stage], [(p, "") for p in ps], NEW) == base_want
+        assert plan_calls.call_count == 4 * NEW  # every layer of every step
+        assert run_mixed([stage], [(ps[0], "a"), (ps[1], "")], NEW, first_seq_id=10) == [lora_want, base_want[1]]
+        assert plan_calls.call_count == 4 * NEW  # none: every step had adapter tokens
