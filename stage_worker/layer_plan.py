@@ -10,8 +10,9 @@ per-head q/k norm, no experts), one TP rank, every parameter on the CPU, the C++
 (kernels.dispatch), activations and KV cache in the norms' dtype, an attention family that covers the head
 dim, no forward hook on anything inside the layer (hooks on the layer itself still fire). Otherwise the
 layer's own Python runs. With LoRA (stage_worker.lora) the plan runs the base products of its LoRALinears, so it
-runs the steps whose tokens use no adapter; a step with adapter tokens runs the Python layer, which adds them. A plan is rebuilt when a parameter, buffer or submodule of any layer is replaced,
-when the model moves (.to()), or when a forward hook is registered (stage_worker.layers.changes).
+runs the steps whose tokens use no adapter; a step with adapter tokens runs the Python layer, which adds them.
+A plan is rebuilt when a parameter, buffer or submodule of any layer is replaced, when the model moves (.to()),
+or when a forward hook is registered (stage_worker.layers.changes).
 """
 from __future__ import annotations
 
