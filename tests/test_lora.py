@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lora_cases import ATTENTION, make_adapter, merged_reference, run_mixed, runners, settings
 from mesh import exit_codes, free_port
@@ -351,3 +352,33 @@ def test_steps_without_adapter_tokens_run_the_c_plus_plus_layer_plan(tiny_model_
         assert plan_calls.call_count == 4 * NEW  # every layer of every step
         assert run_mixed([stage], [(ps[0], "a"), (ps[1], "")], NEW, first_seq_id=10) == [lora_want, base_want[1]]
         assert plan_calls.call_count == 4 * NEW  # none: every step had adapter tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_triton_lora_kernel_equals_the_reference(dtype):
+    """kernels.triton_lora (TRITON_INTERPRET=1 on CPU) against kernels.reference.add_lora: tokens of three
+    adapters and of none, a rank width that is not a power of two, outputs wider than a block."""
+    triton_lora = pytest.importorskip("kernels.triton_lora")
+    from kernels import reference
+    from stage_worker.lora import LoRAMapping
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(4)
+    tokens, k, n, w, slots = 9, 96, 150, 24, 3
+    x = torch.randn(tokens, k, generator=g).to(device, dtype)
+    y = torch.randn(tokens, n, generator=g).to(device, dtype)
+    a = (torch.randn(slots, w, k, generator=g) * 0.1).to(device, dtype)
+    b = (torch.randn(slots, n, w, generator=g) * 0.1).to(device, dtype)
+    mapping = LoRAMapping(device)
+    rows = {0: [0, 1, 2, 7], 2: [4, 5], 1: [8]}  # tokens 3 and 6: the base model
+    mapping.set([(s, torch.tensor(r, device=device)) for s, r in rows.items()], tokens)
+    assert mapping.token_slots.tolist() == [0, 0, 0, -1, 2, 2, -1, 0, 1]
+    want, got = y.float().clone(), y.clone()
+    reference.add_lora(want, x.float(), a.float(), b.float(), mapping.groups)
+    triton_lora.add_lora(got, x, a, b, mapping.token_slots)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    assert torch.equal(got[3], y[3]) and torch.equal(got[6], y[6])  # no adapter: untouched
+    whole = LoRAMapping(device)
+    whole.set([(1, None)], tokens)
+    assert whole.token_slots.tolist() == [1] * tokens
