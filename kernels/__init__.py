@@ -1,5 +1,6 @@
 """Kernels: Triton on CUDA, torch references on CPU, behind one dispatch."""
 from kernels.dispatch import (  # noqa: F401
+    add_lora,
     apply_rotary,
     build_cos_sin_cache,
     fused_moe,

@@ -83,6 +83,17 @@ def silu_and_mul(x):
     return impl.silu_and_mul(x)
 
 
+def add_lora(y, x, lora_a, lora_b, mapping) -> None:
+    """Multi-LoRA's product into y, in place (stage_worker.lora: `mapping` is the step's LoRAMapping): Triton's
+    per-token kernel on CUDA, the torch reference's gather per adapter elsewhere."""
+    if _use_triton(x):
+        from kernels import triton_lora
+
+        triton_lora.add_lora(y, x, lora_a, lora_b, mapping.token_slots)
+    else:
+        reference.add_lora(y, x, lora_a, lora_b, mapping.groups)
+
+
 def fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start=0):
     if _use_triton(x) and _has("silu_and_mul"):  # triton imports: so does kernels.triton_moe
         from kernels import triton_moe as impl

@@ -208,3 +208,15 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, groups) -> None:
+    """Multi-LoRA's product, in place: y[rows] += (x[rows] A[slot]^T) B[slot]^T for each (slot, rows) of
+    `groups` (rows None: every row). The oracle of kernels.triton_lora (stage_worker.lora.LoRAMapping)."""
+    for slot, rows in groups:
+        xs = x if rows is None else x.index_select(0, rows)
+        delta = (xs @ lora_a[slot].T) @ lora_b[slot].T
+        if rows is None:
+            y += delta
+        else:
+            y.index_add_(0, rows, delta)

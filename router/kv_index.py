@@ -15,7 +15,7 @@ degraded replica's hits count for nothing: routing falls back to load there, nev
 """
 from __future__ import annotations
 
-from stagemesh.core.block_hash import prefix_hashes
+from stagemesh.core.block_hash import adapter_root, prefix_hashes
 
 DEVICE, HOST, DISK = 1, 2, 4  # a hash's tiers, as bits
 # the tier named by an event's medium ("" is the device pool, as scheduler.proto says; a tier this router does
@@ -119,17 +119,19 @@ class KVIndex:
         return address in self.degraded
 
     # -- scoring --------------------------------------------------------------------------------------
-    def match(self, address: str, prompt: list[int], hashes_by_size: dict[int, list[int]]) -> tuple[int, float]:
+    def match(self, address: str, prompt: list[int], hashes_by_size: dict[int, list[int]],
+              root: int | None = None) -> tuple[int, float]:
         """(tokens, weighted tokens): how many leading tokens of the prompt the replica holds (whole blocks,
         in any tier: a prefix goes on across tiers), and the same with each block weighed by the best tier
         holding it (TIER_WEIGHTS); (0, 0) while the replica is degraded. hashes_by_size caches the prompt's
-        hashes per block size across the replicas of one decision."""
+        hashes per block size across the replicas of one decision. root: the prompt's first block's parent
+        (block_hash.adapter_root of its LoRA adapter: the schedulers hash an adapter's blocks from it)."""
         cached = self.blocks.get(address)
         size = self.block_sizes.get(address)
         if not cached or not size or address in self.degraded:
             return 0, 0.0
         if size not in hashes_by_size:
-            hashes_by_size[size] = prefix_hashes(prompt, size)
+            hashes_by_size[size] = prefix_hashes(prompt, size, root)
         n, score = 0, 0.0
         for h in hashes_by_size[size]:
             mask = cached.get(h)
@@ -210,14 +212,15 @@ class KVAware:
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
         self.last_matched_tokens = 0  # of the latest decision, in any tier (metrics)
 
-    def pick(self, replicas, prompt):
+    def pick(self, replicas, prompt, lora_name: str = ""):
         least = min(replicas, key=lambda r: r.load)
         hashes: dict[int, list[int]] = {}
+        root = adapter_root(lora_name)
         best, best_matched, best_score = least, 0, 0.0
         for r in replicas:
             if r.load - least.load > self.balance_abs and r.load > self.balance_rel * max(least.load, 1):
                 continue  # a cache hit does not pay for a long queue
-            matched, score = self.index.match(r.address, prompt, hashes)
+            matched, score = self.index.match(r.address, prompt, hashes, root)
             if score > best_score or (score == best_score and score and r.load < best.load):
                 best, best_matched, best_score = r, matched, score
         self.last_matched_tokens = best_matched

@@ -339,7 +339,7 @@ class ReplicaSet:
             candidates = [r for r in candidates if r.kv_role == "prefill"]
         else:
             candidates = [r for r in candidates if r.kv_role != "prefill"] or candidates
-        return self.policy.pick(lora_affinity(candidates, lora_name), prompt) if candidates else None
+        return self.policy.pick(lora_affinity(candidates, lora_name), prompt, lora_name) if candidates else None
 
     def disaggregated(self) -> bool:
         """Whether new prompts go to a prefill replica first: one of them and a decode replica are healthy."""

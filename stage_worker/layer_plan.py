@@ -9,8 +9,10 @@ It runs where each of its calls is what the Python layer would call: a DecoderLa
 per-head q/k norm, no experts), one TP rank, every parameter on the CPU, the C++ kernels built and chosen
 (kernels.dispatch), activations and KV cache in the norms' dtype, an attention family that covers the head
 dim, no forward hook on anything inside the layer (hooks on the layer itself still fire). Otherwise the
-layer's own Python runs. A plan is rebuilt when a parameter, buffer or submodule of any layer is replaced,
-when the model moves (.to()), or when a forward hook is registered (stage_worker.layers.changes).
+layer's own Python runs. With LoRA (stage_worker.lora) the plan runs the base products of its LoRALinears, so it
+runs the steps whose tokens use no adapter; a step with adapter tokens runs the Python layer, which adds them.
+A plan is rebuilt when a parameter, buffer or submodule of any layer is replaced, when the model moves (.to()),
+or when a forward hook is registered (stage_worker.layers.changes).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from torch.nn.modules import module as _torch_module
 from kernels import cpu_ops, dispatch
 from kernels.reference import step_memo
 from stage_worker import layers
+from stage_worker.lora import LoRALinear
 from stage_worker.quant_weight import QuantizedWeight
 
 
@@ -33,9 +36,13 @@ def enable(on: bool) -> None:
 
 
 class LayerPlan:
-    def __init__(self, epoch: int, cpp=None, dtype: torch.dtype | None = None, head_dim: int = 0, hooked=()):
+    def __init__(self, epoch: int, cpp=None, dtype: torch.dtype | None = None, head_dim: int = 0, hooked=(),
+                 lora=None):
         self.epoch, self.cpp, self.dtype, self.head_dim = epoch, cpp, dtype, head_dim
         self.hooked = hooked  # the submodules whose hooks ruled the plan out (removing a hook is no change)
+        # the stage's stage_worker.lora.LoRAMapping when the layer's linears take adapters: the plan runs the
+        # base products only, so it runs the steps without adapter tokens (the Python layer runs the others)
+        self.lora = lora
 
     def stale(self) -> bool:
         return self.epoch != layers.changes() or (
@@ -43,6 +50,7 @@ class LayerPlan:
 
     def runs(self, x: torch.Tensor, kv_cache) -> bool:
         return (self.cpp is not None and _enabled and x.dtype == self.dtype and x.is_cpu
+                and (self.lora is None or not self.lora.groups)
                 and kv_cache[0].dtype == self.dtype
                 and not (_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
                 and cpu_ops.covers(cpu_ops.current_attention_family(), self.head_dim))
@@ -79,12 +87,14 @@ def build(layer) -> LayerPlan:
         return LayerPlan(epoch)
     cpp = module.DecoderLayerPlan(norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps, *linears,
                                   attn.num_heads, attn.num_kv_heads, attn.scale)
-    return LayerPlan(epoch, cpp, dtype, attn.head_dim)
+    mappings = {id(m.mapping): m.mapping for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                if isinstance(m, LoRALinear)}
+    return LayerPlan(epoch, cpp, dtype, attn.head_dim, lora=next(iter(mappings.values()), None))
 
 
 def _linear(module, linear):
     """The C++ form of a Linear whose product is a C++ call here (stage_worker.layers._matmul), else None."""
-    if type(linear) is not layers.Linear or (linear.reduce is not None and linear.reduce.size > 1):
+    if type(linear) not in (layers.Linear, LoRALinear) or (linear.reduce is not None and linear.reduce.size > 1):
         return None
     w, bias = linear.weight, linear.bias
     if bias is not None and not bias.is_cpu:

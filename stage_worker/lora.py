@@ -10,8 +10,8 @@ the base's partial sums before the one all-reduce.
 
 LoRAManager keeps the slots: an adapter a step needs is put in a free slot, or the least recently used slot
 that the step does not need (at most --max-loras adapters per step); adapters read from disk are kept in host
-memory, the --max-cpu-loras most recently used. The product here is the torch reference (a gather per adapter
-in the step), the test oracle for batched kernels.
+memory, the --max-cpu-loras most recently used. The product is kernels.add_lora: Triton's per-token kernel on
+CUDA (kernels/triton_lora.py), the torch reference (a gather per adapter in the step) on CPU.
 """
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 from safetensors import SafetensorError
+
+import kernels
 from safetensors.torch import load_file
 
 from stagemesh.core.lora import (WEIGHTS_FILE, AdapterConfig, LoRAError, LoRALimits, LoRAModule, lora_from_args,
@@ -39,10 +41,29 @@ _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "
 
 class LoRAMapping:
     """Which adapter slot each of the step's tokens uses, shared by the stage's LoRA layers: (slot, token
-    rows) per adapter in the step, rows None when every token uses it."""
+    rows) per adapter in the step, rows None when every token uses it; and, made on first use in a step (the
+    Triton kernel's form), each token's slot or -1."""
 
-    def __init__(self) -> None:
+    def __init__(self, device=None) -> None:
+        self.device = device
         self.groups: list[tuple[int, torch.Tensor | None]] = []
+        self.num_tokens = 0
+        self._token_slots: torch.Tensor | None = None
+
+    def set(self, groups: list[tuple[int, torch.Tensor | None]], num_tokens: int) -> None:
+        self.groups, self.num_tokens, self._token_slots = groups, num_tokens, None
+
+    @property
+    def token_slots(self) -> torch.Tensor:
+        if self._token_slots is None:
+            slots = torch.full((self.num_tokens,), -1, dtype=torch.int32, device=self.device)
+            for slot, rows in self.groups:
+                if rows is None:
+                    slots.fill_(slot)
+                else:
+                    slots[rows] = slot
+            self._token_slots = slots
+        return self._token_slots
 
 
 @dataclass(frozen=True)
@@ -68,13 +89,8 @@ class LoRALinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _matmul(x, self.weight, self.bias)
-        for slot, rows in self.mapping.groups:
-            xs = x if rows is None else x.index_select(0, rows)
-            delta = (xs @ self.lora_a[slot].T) @ self.lora_b[slot].T
-            if rows is None:
-                y += delta
-            else:
-                y.index_add_(0, rows, delta)
+        if self.mapping.groups:
+            kernels.add_lora(y, x, self.lora_a, self.lora_b, self.mapping)
         return self.reduce.all_reduce(y) if self.reduce is not None else y
 
     def fill(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
@@ -201,7 +217,7 @@ class LoRAManager:
         limits = settings.limits
         self.cfg, self.limits, self.dtype = cfg, limits, dtype
         self.modules = {m.name: m for m in settings.modules}
-        self.mapping = LoRAMapping()
+        self.mapping = LoRAMapping(device)
         self.layers: list[LoRALinear] = []
         for parent in list(model.modules()):
             for child_name, child in list(parent.named_children()):
@@ -236,11 +252,12 @@ class LoRAManager:
         needed = {n for n in chunk_adapters if n}
         self.check(needed)
         slots = {name: self._slot(name, needed) for name in needed}
-        self.mapping.groups = []
+        num_tokens = sum(chunk_tokens)
         if not needed:
+            self.mapping.set([], num_tokens)
             return
         if len(needed) == 1 and all(chunk_adapters):
-            self.mapping.groups = [(slots[chunk_adapters[0]], None)]
+            self.mapping.set([(slots[chunk_adapters[0]], None)], num_tokens)
             return
         rows: dict[str, list[int]] = {}
         at = 0
@@ -248,8 +265,8 @@ class LoRAManager:
             if name:
                 rows.setdefault(name, []).extend(range(at, at + n))
             at += n
-        self.mapping.groups = [(slots[name], torch.tensor(r, dtype=torch.int64, device=self.device))
-                               for name, r in rows.items()]
+        self.mapping.set([(slots[name], torch.tensor(r, dtype=torch.int64, device=self.device))
+                          for name, r in rows.items()], num_tokens)
 
     def _slot(self, name: str, needed: set[str]) -> int:
         if name in self.slots:

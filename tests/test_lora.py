@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lora_cases import ATTENTION, make_adapter, merged_reference, run_mixed, runners, settings
 from mesh import exit_codes, free_port
@@ -302,3 +303,112 @@ def test_lora_aware_routing_prefers_a_replica_that_runs_the_adapter_or_has_a_fre
     for r in (runs, room, idle):
         r.load = 10 * LORA_LOAD_SLACK
     assert lora_affinity(both, "chat") == both  # the slots are all far busier than the full one: load decides
+
+
+def test_the_kv_aware_policy_matches_an_adapters_blocks_only_for_that_adapter():
+    """The schedulers hash an adapter's blocks from its root (block_hash.adapter_root): the router's index does
+    too, so a base model's cached prefix is no hit for an adapter's request, nor the other way round."""
+    from dataclasses import dataclass
+
+    from router.kv_index import KVAware, KVIndex
+    from stagemesh.core.block_hash import adapter_root, prefix_hashes
+
+    @dataclass
+    class R:  # what the policy reads of a replica
+        address: str
+        load: int = 0
+
+    index = KVIndex()
+    policy = KVAware(index)
+    base, sql = R("base"), R("sql", load=1)
+    prompt = list(range(100, 140))
+    index.stored("base", prefix_hashes(prompt, 16), 16)
+    index.stored("sql", prefix_hashes(prompt, 16, adapter_root("sql")), 16)
+    assert policy.pick([base, sql], prompt) is base and policy.last_matched_tokens == 32
+    assert policy.pick([base, sql], prompt, "sql") is sql and policy.last_matched_tokens == 32
+    assert policy.pick([base, sql], prompt, "chat") is base and policy.last_matched_tokens == 0  # no hit: least load
+
+
+def test_steps_without_adapter_tokens_run_the_c_plus_plus_layer_plan(tiny_model_dir, tmp_path):
+    """With --enable-lora a step of base-model sequences only runs each layer as one C++ call (the plan covers
+    LoRALinear's base product), and a step with adapter tokens runs the Python layer that adds them: both give
+    transformers' tokens. (A head size the C++ attention covers: the plan runs for it.)"""
+    from unittest import mock
+
+    from kernels import cpu_ops
+    from stage_worker.layer_plan import LayerPlan
+
+    model = tiny_model_dir("llama", num_attention_heads=2)  # head size 32
+    if cpu_ops.load() is None or not cpu_ops.covers(cpu_ops.current_attention_family(), 32):
+        pytest.skip("the C++ kernels are not built here")
+    adapter = make_adapter(tmp_path / "a", model, seed=5)
+    ps = prompts(384, lengths=(11, 20), seed=3)
+    base_want = [reference_greedy(merged_reference(model, None), p, NEW)[0] for p in ps]
+    lora_want = reference_greedy(merged_reference(model, adapter), ps[0], NEW)[0]
+    assert lora_want != base_want[0]
+    stage = runners(model, [4], settings({"a": adapter}))[0]
+    with mock.patch.object(LayerPlan, "__call__", autospec=True, side_effect=LayerPlan.__call__) as plan_calls:
+        assert run_mixed([stage], [(p, "") for p in ps], NEW) == base_want
+        assert plan_calls.call_count == 4 * NEW  # every layer of every step
+        assert run_mixed([stage], [(ps[0], "a"), (ps[1], "")], NEW, first_seq_id=10) == [lora_want, base_want[1]]
+        assert plan_calls.call_count == 4 * NEW  # none: every step had adapter tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_triton_lora_kernel_equals_the_reference(dtype):
+    """kernels.triton_lora (TRITON_INTERPRET=1 on CPU) against kernels.reference.add_lora: tokens of three
+    adapters and of none, a rank width that is not a power of two, outputs wider than a block."""
+    triton_lora = pytest.importorskip("kernels.triton_lora")
+    from kernels import reference
+    from stage_worker.lora import LoRAMapping
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(4)
+    tokens, k, n, w, slots = 9, 96, 150, 24, 3
+    x = torch.randn(tokens, k, generator=g).to(device, dtype)
+    y = torch.randn(tokens, n, generator=g).to(device, dtype)
+    a = (torch.randn(slots, w, k, generator=g) * 0.1).to(device, dtype)
+    b = (torch.randn(slots, n, w, generator=g) * 0.1).to(device, dtype)
+    mapping = LoRAMapping(device)
+    rows = {0: [0, 1, 2, 7], 2: [4, 5], 1: [8]}  # tokens 3 and 6: the base model
+    mapping.set([(s, torch.tensor(r, device=device)) for s, r in rows.items()], tokens)
+    assert mapping.token_slots.tolist() == [0, 0, 0, -1, 2, 2, -1, 0, 1]
+    want, got = y.float().clone(), y.clone()
+    reference.add_lora(want, x.float(), a.float(), b.float(), mapping.groups)
+    triton_lora.add_lora(got, x, a, b, mapping.token_slots)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    assert torch.equal(got[3], y[3]) and torch.equal(got[6], y[6])  # no adapter: untouched
+    whole = LoRAMapping(device)
+    whole.set([(1, None)], tokens)
+    assert whole.token_slots.tolist() == [1] * tokens
+
+
+def test_disaggregated_prefill_carries_the_adapter_with_its_kv(model, adapters, cases, tmp_path):
+    """serve -dp 2 --prefill-replicas 1 --enable-lora: each request's prompt is computed on the prefill replica
+    under its adapter and its KV pulled by the decode replica, which goes on under the same adapter: transformers'
+    tokens with the adapter merged (the KV of one adapter is never another's)."""
+    import openai
+
+    from mesh import stop_process, wait_http_ok
+    from tiny_models import with_word_tokenizer
+
+    model = with_word_tokenizer(model, tmp_path / "model")
+    port, log = free_port(), tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model), "--port", str(port),
+                                 "-dp", "2", "--prefill-replicas", "1", "--threads", "1",
+                                 "--served-model-name", "base", "--enable-lora", "--max-loras", "3",
+                                 "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_http_ok(proc, f"http://127.0.0.1:{port}/ready", 180, "serve", log)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        for (prompt, adapter), want in cases[:3]:
+            reply = client.completions.create(model=adapter or "base", prompt=prompt, max_tokens=NEW, temperature=0,
+                                              extra_body={"ignore_eos": True, "return_token_ids": True})
+            assert reply.choices[0].model_extra["token_ids"] == want, adapter
+        text = log.read_text()
+        assert len(re.findall(r"its prompt's KV \(\d+ tokens.*\) fetched from", text)) == 3, text[-3000:]
+    finally:
+        stop_process(proc, 30)
