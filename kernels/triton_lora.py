@@ -1,5 +1,5 @@
 """Multi-LoRA's product in Triton (punica's BGMV shape): y[t] += B[s] (A[s] x[t]) for each token t whose adapter
-slot s = token_slots[t] is not -1, every adapter of a batch in one launch of each of two kernels.
+slot s = token_slots[t] is not -1, every adapter of a batch in two launches of one kernel:
 
 - shrink: h[t] = A[s] x[t], one program per token and block of the rank dimension;
 - expand: y[t] += B[s] h[t], one program per token and block of the output;
