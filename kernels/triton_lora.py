@@ -1,8 +1,9 @@
 """Multi-LoRA's product in Triton (punica's BGMV shape): y[t] += B[s] (A[s] x[t]) for each token t whose adapter
-slot s = token_slots[t] is not -1, every adapter of a batch in one launch of each of two kernels.
+slot s = token_slots[t] is not -1, every adapter of a batch in two launches of one kernel:
 
-- shrink: h[t] = A[s] x[t], one program per token and block of the rank dimension, summed over the input in fp32;
-- expand: y[t] += B[s] h[t], one program per token and block of the output.
+- shrink: h[t] = A[s] x[t], one program per token and block of the rank dimension;
+- expand: y[t] += B[s] h[t], one program per token and block of the output;
+both one matrix-vector kernel (_bgmv_kernel), summed in fp32.
 
 A and B are a LoRA layer's slots (stage_worker.lora.LoRALinear: A [slots, W, K], B [slots, N, W], W the parts
 times the largest rank). kernels.reference.add_lora is the oracle (tests/test_lora.py, under TRITON_INTERPRET=1
@@ -19,41 +20,25 @@ from stagemesh.core.errors import StagemeshError
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, h_ptr, slots_ptr, K, W, stride_xt, stride_as, stride_aw, stride_ht,
-                   BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
+def _bgmv_kernel(v_ptr, m_ptr, out_ptr, slots_ptr, K, R, stride_vt, stride_ms, stride_mr, stride_ot,
+                 ACCUMULATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[t, rows] (+)= M[s] v[t] over a block of M's rows, for the token t's slot s >= 0 (fp32 sums)."""
     t = tl.program_id(0)
-    wb = tl.program_id(1)
+    rb = tl.program_id(1)
     s = tl.load(slots_ptr + t).to(tl.int64)
     if s >= 0:
-        offs_w = wb * BLOCK_W + tl.arange(0, BLOCK_W)
-        acc = tl.zeros((BLOCK_W,), dtype=tl.float32)
+        offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(x_ptr + t * stride_xt + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            a = tl.load(a_ptr + s * stride_as + offs_w[:, None] * stride_aw + offs_k[None, :],
-                        mask=(offs_w[:, None] < W) & (offs_k[None, :] < K), other=0.0).to(tl.float32)
-            acc += tl.sum(a * xk[None, :], axis=1)
-        tl.store(h_ptr + t * stride_ht + offs_w, acc, mask=offs_w < W)
-
-
-@triton.jit
-def _expand_kernel(h_ptr, b_ptr, y_ptr, slots_ptr, W, N, stride_ht, stride_bs, stride_bn, stride_yt,
-                   BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
-    t = tl.program_id(0)
-    nb = tl.program_id(1)
-    s = tl.load(slots_ptr + t).to(tl.int64)
-    if s >= 0:
-        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for w0 in range(0, W, BLOCK_W):
-            offs_w = w0 + tl.arange(0, BLOCK_W)
-            hw = tl.load(h_ptr + t * stride_ht + offs_w, mask=offs_w < W, other=0.0)
-            b = tl.load(b_ptr + s * stride_bs + offs_n[:, None] * stride_bn + offs_w[None, :],
-                        mask=(offs_n[:, None] < N) & (offs_w[None, :] < W), other=0.0).to(tl.float32)
-            acc += tl.sum(b * hw[None, :], axis=1)
-        y_ptrs = y_ptr + t * stride_yt + offs_n
-        y = tl.load(y_ptrs, mask=offs_n < N, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=offs_n < N)
+            vk = tl.load(v_ptr + t * stride_vt + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            m = tl.load(m_ptr + s * stride_ms + offs_r[:, None] * stride_mr + offs_k[None, :],
+                        mask=(offs_r[:, None] < R) & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+            acc += tl.sum(m * vk[None, :], axis=1)
+        out_ptrs = out_ptr + t * stride_ot + offs_r
+        if ACCUMULATE:
+            acc += tl.load(out_ptrs, mask=offs_r < R, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=offs_r < R)
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -72,10 +57,9 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         return
     h = torch.empty(tokens, w, dtype=torch.float32, device=x.device)
     block_w = min(64, triton.next_power_of_2(w))
-    _shrink_kernel[(tokens, triton.cdiv(w, block_w))](
+    _bgmv_kernel[(tokens, triton.cdiv(w, block_w))](  # shrink: h = A x
         x, lora_a, h, token_slots, k, w, x.stride(0), lora_a.stride(0), lora_a.stride(1), h.stride(0),
-        BLOCK_W=block_w, BLOCK_K=64)
-    block_n = 64
-    _expand_kernel[(tokens, triton.cdiv(n, block_n))](
+        ACCUMULATE=False, BLOCK_R=block_w, BLOCK_K=64)
+    _bgmv_kernel[(tokens, triton.cdiv(n, 64))](  # expand: y += B h
         h, lora_b, y, token_slots, w, n, h.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        BLOCK_N=block_n, BLOCK_W=block_w)
+        ACCUMULATE=True, BLOCK_R=64, BLOCK_K=block_w)
