@@ -314,7 +314,8 @@ class Scheduler:
         return num_cached + min(request.num_tokens - num_cached, tokens), cached
 
     def _schedule_waiting(self, budget: _Budget) -> None:
-        adapters = {r.lora_name for r in self.running if r.lora_name}  # at most --max-loras of them run at once
+        # at most --max-loras adapters run at once (a set built per step only when LoRA is on)
+        adapters = {r.lora_name for r in self.running if r.lora_name} if self.config.lora_adapters else set()
         while (self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs
                and len(budget.chunks) < budget.seqs):
             request = self.waiting[0]
