@@ -184,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
 
     setup_service(args, f"stagemesh-stage-{args.stage_index}")
     configure_gloo_interface()  # on a Ray node: gloo on the interface of the node's address
-    shutdown = Shutdown(args.shutdown_timeout, log, f"stage {args.stage_index}")
+    stop = threading.Event()  # ends the main loop: the drain sets it, or a second signal, or the drain's time
+    shutdown = Shutdown(args.shutdown_timeout, log, f"stage {args.stage_index}", force_stop=stop.set)
     for sig in (signal.SIGTERM, signal.SIGINT):  # until it serves: nothing to drain, stop at once
         signal.signal(sig, _stop_starting)
     source = resolve_source(args.model, args.tokenizer, args.quantization)
@@ -264,7 +265,6 @@ def run(args: argparse.Namespace) -> int:
     watch_kv_tiers(args.stage_index, worker.tiers)
     servicer = StageServicer(worker, "", PeerStages(args.scheduler))
     server = ServerThread(servicer, args.host, args.port)
-    stop = threading.Event()
     failed: list[BaseException] = []
     try:
         if worker.ep is not None:  # the replica is not whole until its experts' group is

@@ -13,6 +13,7 @@ from typing import Callable
 DEFAULT_TIMEOUT_S = 30.0
 LOG_EVERY_S = 5.0
 POLL_S = 0.05
+FORCE_SLACK_S = 5.0  # past --shutdown-timeout, when install()'s `force_stop` ends a drain that did not end itself
 
 
 def add_argument(p, default: float = DEFAULT_TIMEOUT_S) -> None:
@@ -24,13 +25,18 @@ def add_argument(p, default: float = DEFAULT_TIMEOUT_S) -> None:
 
 
 class Shutdown:
-    def __init__(self, timeout_s: float, log: logging.Logger, what: str):
+    def __init__(self, timeout_s: float, log: logging.Logger, what: str,
+                 force_stop: Callable[[], None] | None = None):
+        """`force_stop`: ends the process's work whatever its drain is doing; called on the second signal, and
+        FORCE_SLACK_S after --shutdown-timeout (a backstop: the process exits even if the thread that drains it is
+        gone or stuck)."""
         if timeout_s < 0:
             raise ValueError("--shutdown-timeout must be >= 0")
         self.timeout_s, self.log, self.what = timeout_s, log, what
         self.requested = threading.Event()  # the first signal came: drain
         self.hurry = threading.Event()  # a second signal came: stop draining now
         self.started_at: float | None = None
+        self._force_stop = force_stop
 
     def install(self) -> None:
         """Handle SIGTERM and SIGINT (call on the main thread)."""
@@ -54,9 +60,20 @@ class Shutdown:
             self.requested.set()
             self.log.info("%s: signal %d: draining for at most %.0fs (--shutdown-timeout; a second signal ends the "
                           "drain at once)", self.what, signum, self.timeout_s)
+            if self._force_stop is not None:
+                backstop = threading.Timer(self.timeout_s + FORCE_SLACK_S, self._forced, ("its drain's time is up",))
+                backstop.daemon = True
+                backstop.start()
         elif not self.hurry.is_set():
             self.hurry.set()
             self.log.warning("%s: second signal %d: ending the drain now", self.what, signum)
+            if self._force_stop is not None:
+                self._force_stop()
+
+    def _forced(self, why: str) -> None:
+        self.log.warning("%s: %s: stopping", self.what, why)
+        if self._force_stop is not None:
+            self._force_stop()
 
     @property
     def left_s(self) -> float:

@@ -1,0 +1,53 @@
+"""A process told to stop exits whatever its drain thread does: the second signal, or the drain's time running
+out, stops its main loop (stagemesh.core.shutdown's `force_stop`, as a stage installs it)."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from stagemesh.core import shutdown as shutdown_mod
+from stagemesh.core.shutdown import Shutdown
+from stage_worker.main_loop import MainLoop
+
+log = logging.getLogger("test")
+
+
+def _serve(stop: threading.Event) -> threading.Thread:
+    """A stage's main loop, with no drain thread at all (the case a lost register thread leaves)."""
+    loop = MainLoop()
+    loop.start()
+    thread = threading.Thread(target=loop.run_until, args=(stop,), kwargs={"poll_s": 0.02}, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_second_signal_stops_the_main_loop_itself():
+    stop = threading.Event()
+    down = Shutdown(600, log, "stage 0", force_stop=stop.set)
+    thread = _serve(stop)
+    down.signal()
+    thread.join(0.3)
+    assert thread.is_alive(), "the first signal only starts the drain"
+    down.signal()
+    thread.join(5)
+    assert not thread.is_alive() and down.hurry.is_set()
+
+
+def test_the_drain_running_out_of_time_stops_the_main_loop(monkeypatch):
+    monkeypatch.setattr(shutdown_mod, "FORCE_SLACK_S", 0.1)
+    stop = threading.Event()
+    down = Shutdown(0.2, log, "stage 0", force_stop=stop.set)
+    thread = _serve(stop)
+    started = time.monotonic()
+    down.signal()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert time.monotonic() - started >= 0.3 - 0.05  # not before --shutdown-timeout and its slack
+
+
+def test_without_force_stop_a_signal_only_sets_the_events():
+    down = Shutdown(0.01, log, "router")
+    down.signal()
+    down.signal()
+    assert down.requested.is_set() and down.hurry.is_set()
