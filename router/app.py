@@ -4,13 +4,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 import time
 import uuid
 
 from aiohttp import web
 
-from router import choices, responses, resume
+from router import choices, lora_api, responses, resume
 from router.admission import launch
 from router.config import RouterConfig
 from router.errors import APIError, bad_request
@@ -176,8 +175,9 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "stagemesh", "root": name, "parent": None,
          "max_model_len": max_model_len},
-        *({"id": m.name, "object": "model", "created": 0, "owned_by": "stagemesh", "root": m.path,
-           "parent": m.base_model_name or name, "max_model_len": max_model_len} for m in config.lora_modules)]})
+        *({"id": adapter, "object": "model", "created": 0, "owned_by": "stagemesh", "root": path,
+           "parent": config.lora.parent(adapter) or name, "max_model_len": max_model_len}
+          for adapter, path in config.lora.paths().items())]})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -229,17 +229,6 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response({"prompt": await tokenizer.run(tokenizer.decode, m.tokens, False)})
 
 
-# vLLM serves /v1/load_lora_adapter and /v1/unload_lora_adapter when this is set (without it they do not exist)
-RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
-
-
-async def runtime_lora(request: web.Request) -> web.Response:
-    """Loading and unloading adapters at run time is not built: refused by name rather than taken and ignored."""
-    raise bad_request(f"{request.path}: loading or unloading LoRA adapters at run time is not supported yet "
-                      f"({RUNTIME_LORA_ENV} is set); give the adapters with --enable-lora --lora-modules at start "
-                      f"(docs/lora.md)", "lora_name")
-
-
 async def version(request: web.Request) -> web.Response:
     from stagemesh import __version__
 
@@ -263,9 +252,7 @@ def build_app(replicas: ReplicaSet, tokenizer: Tokenizer, config: RouterConfig) 
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
     app.router.add_get("/openapi.json", openapi)
-    if os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"):
-        app.router.add_post("/v1/load_lora_adapter", runtime_lora)
-        app.router.add_post("/v1/unload_lora_adapter", runtime_lora)
+    lora_api.add_routes(app)  # vLLM's run-time LoRA endpoints, under its environment variable
     responses_api.add_routes(app, open_store(config.responses_store, config.responses_store_size,
                                              config.responses_store_ttl))
     app.on_startup.append(_start_tokenizer)

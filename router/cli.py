@@ -136,6 +136,7 @@ async def _main(args: argparse.Namespace) -> int:
     name = args.served_model_name or next((r.served_model_name for r in replicas.replicas if r.served_model_name),
                                           None) or source.name
     from router.config import RouterConfig, json_any_whitespace
+    from router.lora_registry import LoRARegistry
 
     config = RouterConfig(name, args.api_key, args.max_model_len, args.public_metrics, None,
                           responses_store=args.responses_store, responses_store_size=args.responses_store_size,
@@ -144,7 +145,8 @@ async def _main(args: argparse.Namespace) -> int:
                           chat_template_timeout=args.chat_template_timeout,
                           json_any_whitespace=json_any_whitespace(args.structured_outputs_config),
                           grammar_compile_timeout=args.grammar_compile_timeout,
-                          lora_modules=_lora_modules(args, name))
+                          lora=LoRARegistry(_lora_modules(args, name), args.enable_lora,
+                                            tuple(args.allowed_local_lora_path), replica_set=replicas))
     tokenizer = Tokenizer(model_dir, model_config.max_position_embeddings, config.template_timeout_s,
                           config.grammar_compile_timeout, config.json_any_whitespace)
     config = _auto_tool_choice(args, config, tokenizer)
@@ -161,6 +163,10 @@ async def _main(args: argparse.Namespace) -> int:
     app = build_app(replicas, tokenizer, config)
     await _report_store(app)
     control = await _control(args, replicas, app[LIFECYCLE])
+    if config.lora.enabled:  # a replica that lacks an adapter loaded at run time (it restarted) gets it
+        from router import lora_api
+
+        replicas.after_refresh.append(lambda: lora_api.sync_soon(config.lora))
     checker = asyncio.create_task(replicas.health_loop())
     if args.reuse_port:
         await _wait_for_a_replica(replicas, shutdown)

@@ -1,10 +1,10 @@
 """The router's settings, from its command line (router/cli.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stagemesh.core.errors import StagemeshError
-from stagemesh.core.lora import LoRAModule
+from router.lora_registry import LoRARegistry
 
 
 @dataclass(frozen=True)
@@ -26,12 +26,12 @@ class RouterConfig:
     # disable_any_whitespace, true by default here): False compact, True a bounded run per gap
     json_any_whitespace: bool = False
     grammar_compile_timeout: float = 5.0  # seconds a request's constraint may take to compile (router.grammar_pool)
-    # --enable-lora --lora-modules: adapters a request picks by its model name (the replicas serve them)
-    lora_modules: tuple[LoRAModule, ...] = ()
+    # --enable-lora: adapters a request picks by its model name (--lora-modules, and those loaded at run time)
+    lora: LoRARegistry = field(default_factory=LoRARegistry)
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
-        return tuple(m.name for m in self.lora_modules)
+        return self.lora.names()
 
     def __post_init__(self) -> None:
         if not self.chat_template_timeout > 0:

@@ -3,18 +3,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router.lora_registry import serves
 from router.kv_index import KVFeed
 from router.observe import add_replica, forget_replica, kv_index_resync, kv_index_state, replica_state
 from router.errors import APIError
 from router.submit_stream import ReplicaOutput, RequestFailed, RequestStream, SubmitStream
+from stagemesh.core.deadlines import DEADLINES
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.service_options import aio_channel
-from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from stagemesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")
 STATS_DEADLINE_S = 2.0
@@ -44,6 +47,8 @@ class Replica:
     # --enable-lora (Stats): its --max-loras, and the adapters its running requests use
     max_loras: int = 0
     running_adapters: frozenset[str] = frozenset()
+    lora_reported: bool = False  # its stats said which adapters it serves (below), name -> directory
+    lora_adapters: dict[str, str] = field(default_factory=dict)
     forgotten: bool = False  # no longer balanced over (ReplicaSet.set_replicas): a late check reports nothing
     stub: scheduler_pb2_grpc.SchedulerStub | None = field(default=None, repr=False)
 
@@ -145,6 +150,8 @@ class Replica:
         self.num_running, self.num_waiting, self.dispatched = stats.num_running, stats.num_waiting, 0
         self.num_kv_blocks = stats.num_kv_blocks
         self.max_loras, self.running_adapters = stats.max_loras, frozenset(stats.running_lora_adapters)
+        self.lora_reported = stats.max_loras > 0
+        self.lora_adapters = {a.name: a.path for a in stats.lora_adapters}
         if not self.forgotten:
             replica_state(self.address, self.healthy, stats)
 
@@ -166,6 +173,15 @@ class Replica:
         self.dispatched += 1
         return self._submit_stream().submit(request_id, prompt, sampling, generated, priority, prefill_only,
                                             kv_transfer, resumable, lora_name)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Its scheduler loads a LoRA adapter on every stage (router.lora_api); grpc.aio.AioRpcError says why not."""
+        request = common_pb2.LoadLoRAAdapterRequest(adapter=common_pb2.LoRAAdapter(name=name, path=path))
+        await self.stub.LoadLoRAAdapter(request, timeout=DEADLINES.lora_load_s)
+
+    async def unload_lora(self, name: str) -> None:
+        await self.stub.UnloadLoRAAdapter(common_pb2.UnloadLoRAAdapterRequest(name=name),
+                                          timeout=DEADLINES.lora_load_s)
 
     async def release_kv(self, request_id: str) -> bool:
         """Disaggregated prefill: a prefilled request's KV held here goes unused (its client went away before a
@@ -220,6 +236,7 @@ class ReplicaSet:
         self.max_request_retries = max_request_retries  # times a request goes on elsewhere after its replica failed
         self.num_waiting = 0  # requests in this router still waiting for their first token
         self._watchers: dict[str, list[asyncio.Task]] | None = None  # per replica, while health_loop runs
+        self.after_refresh: list[Callable[[], None]] = []  # called after each health check of every replica
 
     async def refresh(self) -> None:
         await asyncio.gather(*(r.refresh() for r in self.replicas))
@@ -231,6 +248,8 @@ class ReplicaSet:
         try:
             while True:
                 await self.refresh()
+                for hook in self.after_refresh:
+                    hook()
                 await asyncio.sleep(self.interval_s)
         finally:
             for tasks in self._watchers.values():
@@ -339,6 +358,7 @@ class ReplicaSet:
             candidates = [r for r in candidates if r.kv_role == "prefill"]
         else:
             candidates = [r for r in candidates if r.kv_role != "prefill"] or candidates
+        candidates = [r for r in candidates if serves(r, lora_name)]
         return self.policy.pick(lora_affinity(candidates, lora_name), prompt, lora_name) if candidates else None
 
     def disaggregated(self) -> bool:

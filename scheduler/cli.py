@@ -109,17 +109,20 @@ def kv_tier_bytes(args: argparse.Namespace) -> tuple[int, int]:
     return sizes[0], sizes[1]
 
 
-def _lora_adapters(args) -> tuple[str, ...]:
-    """--enable-lora's adapters, their configs read (the stages read their weights): the names requests may
-    ask for."""
+def _lora_table(args):
+    """--enable-lora's adapters (scheduler.lora_table.LoRATable, or None), their configs read (the stages read
+    their weights): the names requests may ask for, which change as adapters are loaded at run time."""
+    from scheduler.lora_table import LoRATable
+
     lora = lora_from_args(args)
     if lora is None:
-        return ()
+        return None
     limits, modules = lora
     for m in modules:
         read_adapter_config(m.name, m.path, limits.max_lora_rank)
     log.info("LoRA adapters %s (--max-loras %d)", ", ".join(m.name for m in modules) or "none", limits.max_loras)
-    return tuple(m.name for m in modules)
+    return LoRATable(limits.max_loras, limits.max_lora_rank, tuple(args.allowed_local_lora_path),
+                     {m.name: m.path for m in modules})
 
 
 def add_kv_load_arguments(p: argparse.ArgumentParser) -> None:
@@ -204,9 +207,8 @@ async def _main(args: argparse.Namespace) -> int:
                              cfg.num_attention_heads, cfg.num_key_value_heads)
     spec = parse_speculative_config(args.speculative_config)
     draft_tokens = spec.num_speculative_tokens if spec is not None and spec.uses_draft_model else 0
-    adapters = _lora_adapters(args)
-    rendezvous = Rendezvous(args.pipeline_parallel_size, args.block_size, identity, draft_tokens, adapters,
-                            args.max_loras)
+    lora = _lora_table(args)
+    rendezvous = Rendezvous(args.pipeline_parallel_size, args.block_size, identity, draft_tokens, lora)
     driver = Driver(DriverConfig(
         SchedulerConfig(max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -214,7 +216,7 @@ async def _main(args: argparse.Namespace) -> int:
                         max_waiting_requests=args.max_waiting_requests, vocab_size=cfg.vocab_size,
                         scheduling_policy=args.scheduling_policy, kv_hold_timeout_s=args.kv_hold_timeout,
                         kv_load_failure_policy=args.kv_load_failure_policy, kv_load_timeout_s=args.kv_load_timeout,
-                        speculative=spec, lora_adapters=adapters, max_loras=args.max_loras),
+                        speculative=spec, lora=lora),
         model_max_len=cfg.max_position_embeddings, async_scheduling=args.async_scheduling,
         stage_recovery_timeout_s=args.stage_recovery_timeout, max_request_retries=args.max_request_retries,
         kv_offloading_bytes=tier_host, kv_offloading_disk_bytes=tier_disk),

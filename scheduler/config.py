@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler.lora_table import LoRATable
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.speculative import ASYNC_WITH_SPECULATION, SpeculativeConfig
 
@@ -39,10 +40,9 @@ class SchedulerConfig:
     kv_load_failure_policy: str = "fail"
     kv_load_timeout_s: float = 10.0
     speculative: SpeculativeConfig | None = None  # vLLM's --speculative-config (scheduler.speculation)
-    # --enable-lora: the adapters (--lora-modules names) requests may ask for, and --max-loras, how many of
-    # them may run at once (the stages hold that many in their slots)
-    lora_adapters: tuple[str, ...] = ()
-    max_loras: int = 1
+    # --enable-lora: the adapters requests may ask for, and --max-loras, how many of them may run at once (the
+    # stages hold that many in their slots); the table changes as adapters are loaded at run time
+    lora: LoRATable | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -57,8 +57,6 @@ class SchedulerConfig:
             raise StagemeshError(f"--kv-load-timeout must be > 0 seconds, got {self.kv_load_timeout_s}")
         if self.speculative is not None and self.async_scheduling:
             raise StagemeshError(ASYNC_WITH_SPECULATION)
-        if self.max_loras < 1:
-            raise StagemeshError(f"--max-loras must be >= 1, got {self.max_loras}")
 
     def check_formed(self) -> int:
         """The settings a scheduler runs with: the pipeline's part filled in. Returns max_model_len."""

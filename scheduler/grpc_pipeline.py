@@ -24,7 +24,7 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.service_options import aio_channel
 from stagemesh.core.step import EpochSpec, StepBatch
 from stagemesh.core.step_wire import drafts_from_pb, epoch_to_pb, prompt_logprobs_from_pb, sampled_from_pb, step_to_pb
-from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc, stage_pb2, stage_pb2_grpc
+from stagemesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.scheduler")
 
@@ -223,6 +223,23 @@ class GrpcPipeline:
             return StageFailure(stage, "another process answers at its address (the stage restarted and has not "
                                        "registered yet)")
         return None
+
+    # -- LoRA adapters at run time (scheduler.lora_admin) --------------------------------
+    def stages_and_spares(self) -> list[StageInfo]:
+        r = self.rendezvous
+        return [*r.stages.values(), *(s for i in range(r.pp) for s in r.spares_for(i))]
+
+    async def load_lora(self, stage: StageInfo, name: str, path: str) -> None:
+        """The stage reads the adapter (StageFailure with its reason when it cannot)."""
+        request = common_pb2.LoadLoRAAdapterRequest(adapter=common_pb2.LoRAAdapter(name=name, path=path))
+        await _answer(stage, self._stub(stage).LoadLoRAAdapter(request, timeout=self.deadlines.lora_load_s))
+
+    async def unload_lora(self, stage: StageInfo, name: str) -> None:
+        request = common_pb2.UnloadLoRAAdapterRequest(name=name)
+        try:
+            await _answer(stage, self._stub(stage).UnloadLoRAAdapter(request, timeout=self.deadlines.lora_load_s))
+        except StageFailure as err:  # a stage that is gone, or never had it: nothing to undo
+            log.info("LoRA adapter %r: unloading: %s", name, err)
 
     # -- channels ------------------------------------------------------------------------
     def _stub(self, stage: StageInfo) -> stage_pb2_grpc.StageStub:

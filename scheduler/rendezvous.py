@@ -11,8 +11,9 @@ fails, the pipeline promotes a spare that answers (scheduler.grpc_pipeline).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from scheduler.lora_table import LoRATable
 from stagemesh.core.errors import StagemeshError
 
 
@@ -43,7 +44,8 @@ class StageInfo:
     num_speculative_tokens: int = 0  # drafts its draft model proposes per step (the last stage's), 0: none
     kv_bytes_per_block: int = 0  # one KV block of its layers over its TP ranks (sizes the KV tiers)
     kv_disk_tier: bool = False  # started with --kv-offloading-disk-path
-    lora_adapters: tuple[str, ...] = ()  # --enable-lora: the adapters it serves
+    # --enable-lora: the adapters it serves (not part of the instance's identity: they change at run time)
+    lora_adapters: tuple[str, ...] = field(default=(), compare=False)
     max_loras: int = 0  # ... and how many fit its slots at once
 
     @property
@@ -64,11 +66,11 @@ class PipelinePlan:
 
 class Rendezvous:
     def __init__(self, pipeline_parallel_size: int, block_size: int, model: ModelIdentity,
-                 num_speculative_tokens: int = 0, lora_adapters: tuple[str, ...] = (), max_loras: int = 1):
+                 num_speculative_tokens: int = 0, lora: LoRATable | None = None):
         """num_speculative_tokens: the drafts per step of the draft model the last stage must run (0: none).
-        lora_adapters / max_loras: the LoRA adapters requests may ask for, and how many may run at once."""
+        lora: --enable-lora's adapters requests may ask for, and how many may run at once."""
         self.pp = pipeline_parallel_size
-        self.lora_adapters, self.max_loras = lora_adapters, max_loras
+        self.lora = lora
         self.block_size = block_size
         self.model = model
         self.num_speculative_tokens = num_speculative_tokens
@@ -78,15 +80,15 @@ class Rendezvous:
     def _check_lora(self, s: StageInfo, where: str) -> None:
         """--enable-lora: every stage serves every adapter the scheduler's requests may ask for, in as many
         slots as it runs at once."""
-        if not self.lora_adapters:
+        if self.lora is None:
             return
-        missing = [name for name in self.lora_adapters if name not in s.lora_adapters]
-        if missing:
+        missing = self.lora.lacking(s.lora_adapters)
+        if missing:  # (RegisterStage first tells a stage the adapters it lacks, which it then reads)
             raise StagemeshError(f"{where} does not serve the LoRA adapter(s) {', '.join(missing)} (its "
                                  f"--enable-lora --lora-modules); the scheduler's requests may ask for them")
-        if s.max_loras < self.max_loras:
+        if s.max_loras < self.lora.max_loras:
             raise StagemeshError(f"{where} holds {s.max_loras} LoRA adapter(s) at once (--max-loras); the scheduler "
-                                 f"runs {self.max_loras}")
+                                 f"runs {self.lora.max_loras}")
 
     def _check_draft(self, s: StageInfo, where: str) -> None:
         """Speculative decoding with a draft model: the last stage runs the draft the scheduler expects."""

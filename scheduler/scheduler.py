@@ -112,15 +112,15 @@ class Scheduler:
         seed's positions and a structured-output grammar count them; its prompt logprobs were delivered).
         priority: lower is served first (--scheduling-policy priority; any other value than 0 is refused under
         fcfs, as vLLM refuses it). prefill_only / kv_source: disaggregated prefill (scheduler.kv_transfer).
-        lora_name: the LoRA adapter it runs with (one of config.lora_adapters; "": the base model).
+        lora_name: the LoRA adapter it runs with (one of config.lora's; "": the base model).
         Returns False when a kv_source cannot be used here and the kv_load_failure_policy is recompute (the
         prompt is then computed here); under fail that raises KVLoadFailed."""
         cfg = self.config
         check_request(cfg, request_id, prompt_token_ids, sampling, generated_token_ids)
         self.policy.check(priority)
-        if lora_name and lora_name not in cfg.lora_adapters:
+        if lora_name and (cfg.lora is None or lora_name not in cfg.lora):
             raise StagemeshError(f"the LoRA adapter {lora_name[:200]!r} is not served by this replica"
-                                 + ("" if cfg.lora_adapters else " (it runs without --enable-lora)"))
+                                 + ("" if cfg.lora is not None else " (it runs without --enable-lora)"))
         if request_id in self.requests or self.transfers.in_use(request_id):
             raise StagemeshError(f"request id {request_id!r} is already in use")
         if prefill_only and (kv_source is not None or generated_token_ids):
@@ -231,7 +231,7 @@ class Scheduler:
                               *self._adapters())
 
     def _adapters(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        if not self.config.lora_adapters:
+        if self.config.lora is None:
             return (), ()
         return (tuple(sorted({r.lora_name for r in self.running if r.lora_name})),
                 tuple(sorted({r.lora_name for r in self.waiting if r.lora_name})))
@@ -315,11 +315,13 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: _Budget) -> None:
         # at most --max-loras adapters run at once (a set built per step only when LoRA is on)
-        adapters = {r.lora_name for r in self.running if r.lora_name} if self.config.lora_adapters else set()
+        lora = self.config.lora
+        max_loras = lora.max_loras if lora is not None else 0
+        adapters = {r.lora_name for r in self.running if r.lora_name} if lora is not None else set()
         while (self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs
                and len(budget.chunks) < budget.seqs):
             request = self.waiting[0]
-            if request.lora_name and request.lora_name not in adapters and len(adapters) >= self.config.max_loras:
+            if request.lora_name and request.lora_name not in adapters and len(adapters) >= max_loras:
                 break  # it waits for a running adapter's requests to end (in its turn, as for KV blocks)
             if request.kv_source is not None:  # its prompt's KV is elsewhere: blocks for it, then the pull
                 blocks = self.kv.allocate(request.request_id, request.kv_source.num_tokens)

@@ -13,6 +13,7 @@ from scheduler.driver import Driver, Unavailable
 from scheduler.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from scheduler.kv_peers import KVPeers
 from scheduler.kv_transfer import KVLoadFailed, KVSourceInfo, failure_message
+from scheduler.lora_admin import AdapterExists, AdapterInUse, AdapterUnknown, LoRAAdmin
 from scheduler.rendezvous import ModelIdentity, StageInfo
 from scheduler.request import RequestOutput
 from scheduler.scheduler import QueueFull
@@ -21,9 +22,10 @@ from stagemesh.core import telemetry
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grpc_errors import ErrorInterceptor, by_type
 from stagemesh.core.health import LIVENESS, follow
+from stagemesh.core.lora import LoRAError
 from stagemesh.core.service_options import add_port, aio_server
 from stagemesh.core.step_wire import logprob_to_pb
-from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc, stage_pb2
+from stagemesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, stage_pb2
 from stagemesh.core.wire import sampling_from_pb
 
 log = logging.getLogger("stagemesh.scheduler")
@@ -48,6 +50,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.kv_role = kv_role
         self.address = ""  # host:port other replicas reach this one at (set once the port is bound)
         self.block_size = driver.status().block_size  # the pipeline's, fixed
+        # --enable-lora: the replica's adapters, loaded and unloaded at run time too
+        self.lora = LoRAAdmin(driver.cfg.scheduler.lora, driver.pipeline, self._requests)
+
+    def _requests(self) -> list:
+        scheduler = self.driver.scheduler
+        return list(scheduler.requests.values()) if scheduler is not None else []
+
+    def _lora_pbs(self) -> list[common_pb2.LoRAAdapter]:
+        table = self.lora.table
+        return [] if table is None else [common_pb2.LoRAAdapter(name=n, path=p) for n, p in table.adapters.items()]
 
     async def SubmitStream(self, request_iterator, context):
         """The writer: one message per take of everything pending; a task of its own reads the actions."""
@@ -151,13 +163,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                     max_waiting_requests=d.max_waiting_requests, num_steps=d.num_steps,
                                     step_seconds_total=d.step_seconds, stage_compute_seconds_total=d.compute_seconds,
                                     epoch=d.epoch)
+        if self.lora.table is not None:  # what the routers learn the replica's adapters from
+            stats.max_loras = self.lora.table.max_loras
+            stats.lora_adapters.extend(self._lora_pbs())
         if d.scheduler is not None:
             s = d.scheduler
             stats.num_running, stats.num_waiting, stats.kv_cache_usage = s.num_running, s.num_waiting, s.kv_cache_usage
             stats.prefix_cache_queries, stats.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
             stats.num_kv_blocks, stats.num_preemptions = s.num_kv_blocks, s.num_preemptions
-            if self.driver.cfg.scheduler.lora_adapters:
-                stats.max_loras = self.driver.cfg.scheduler.max_loras
+            if self.lora.table is not None:
                 stats.running_lora_adapters.extend(s.running_adapters)
                 stats.waiting_lora_adapters.extend(s.waiting_adapters)
             if s.spec_decode is not None:
@@ -239,6 +253,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                                      m.num_attention_heads, m.num_key_value_heads), s.address,
                          s.handoff, s.instance_id, s.standby, s.num_speculative_tokens, s.kv_bytes_per_block,
                          s.kv_disk_tier, tuple(s.lora_adapters), s.max_loras)
+        if self.lora.table is not None and self.lora.table.lacking(info.lora_adapters):
+            # not part of the pipeline yet: it reads the adapters it lacks and registers again
+            return scheduler_pb2.RegisterStageResponse(num_missing_stages=self.driver.status().num_stages,
+                                                       lora_adapters=self._lora_pbs())
         try:
             missing, first_seen = await self.driver.register_stage(info)
             self.drain.stage(s.stage_index, s.instance_id, s.draining)
@@ -249,7 +267,26 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             log.info("stage %d registered: layers %d:%d, TP=%d, at %s (%d missing)", s.stage_index, s.layer_start,
                      s.layer_end, s.tensor_parallel_size, s.address, missing)
         return scheduler_pb2.RegisterStageResponse(num_missing_stages=missing, first_seen=first_seen,
-                                                   num_unfinished_requests=self.unfinished())
+                                                   num_unfinished_requests=self.unfinished(),
+                                                   lora_adapters=self._lora_pbs())
+
+    async def LoadLoRAAdapter(self, request, context):
+        try:
+            await self.lora.load(request.adapter.name, request.adapter.path)
+        except LoRAError as err:
+            await context.abort(_LORA_STATUS.get(type(err), grpc.StatusCode.INVALID_ARGUMENT), str(err))
+        return common_pb2.LoadLoRAAdapterResponse()
+
+    async def UnloadLoRAAdapter(self, request, context):
+        try:
+            await self.lora.unload(request.name)
+        except LoRAError as err:
+            await context.abort(_LORA_STATUS.get(type(err), grpc.StatusCode.INVALID_ARGUMENT), str(err))
+        return common_pb2.UnloadLoRAAdapterResponse()
+
+
+_LORA_STATUS = {AdapterExists: grpc.StatusCode.ALREADY_EXISTS, AdapterUnknown: grpc.StatusCode.NOT_FOUND,
+                AdapterInUse: grpc.StatusCode.FAILED_PRECONDITION}
 
 
 # the status a request refused with one of these gets in its SubmitStream update, and a call that raises it;

@@ -335,6 +335,8 @@ def keep_registered(scheduler: str, servicer, stop: threading.Event, shutdown=No
             try:
                 reply = stub.RegisterStage(scheduler_pb2.RegisterStageRequest(stage=servicer.describe()),
                                            timeout=DEADLINES.register_s)
+                if sync_lora(servicer.worker, reply.lora_adapters):
+                    continue  # registers again at once, serving the scheduler's adapters
                 if reply.first_seen:
                     log.info("registered with the scheduler at %s (%d stage(s) still missing)", scheduler,
                              reply.num_missing_stages)
@@ -362,6 +364,25 @@ def keep_registered(scheduler: str, servicer, stop: threading.Event, shutdown=No
 
 
 DRAIN_BEAT_S = 0.2
+LORA_LOAD_WAIT_S = 120.0
+
+
+def sync_lora(worker, adapters) -> bool:
+    """The scheduler's adapters this stage lacks (loaded at run time while the stage was away): read them now.
+    True when it read any (the stage is not in the pipeline until it serves them all)."""
+    lora = worker.runner.lora
+    if lora is None:
+        return False
+    missing = [a for a in adapters if a.name not in lora.modules]
+    for a in missing:
+        log.info("reading LoRA adapter %r (%s), which the scheduler serves (waiting at most %.0fs)", a.name, a.path,
+                 LORA_LOAD_WAIT_S)
+        try:
+            worker.load_lora(a.name, lora.settings.runtime_path(a.name, a.path)).result(LORA_LOAD_WAIT_S)
+        except (StagemeshError, TimeoutError) as err:
+            raise StagemeshError(f"the scheduler serves LoRA adapter {a.name!r}, which this stage cannot: "
+                                 f"{err}") from None
+    return bool(missing)
 
 
 def _drained(shutdown, unfinished: int, stop: threading.Event) -> bool:

@@ -21,8 +21,10 @@ import time
 
 from stagemesh.core.errors import StagemeshError
 
-# KV_TIER_*: the host and disk KV tiers (stage_worker.kv_tier_ranks)
-JOIN, FORWARD, LEAVE, KV_EXPORT, KV_IMPORT, EPLB_REBALANCE, KV_TIER_STORE, KV_TIER_READ, KV_TIER_FILL = range(9)
+# KV_TIER_*: the host and disk KV tiers (stage_worker.kv_tier_ranks); LORA_*: an adapter loaded or unloaded at
+# run time (JSON {"name", "path"}), which belongs to no epoch: a follower acts on it whatever epoch it is in
+JOIN, FORWARD, LEAVE, KV_EXPORT, KV_IMPORT, EPLB_REBALANCE, KV_TIER_STORE, KV_TIER_READ, KV_TIER_FILL, \
+    LORA_LOAD, LORA_UNLOAD = range(11)
 HEADER = struct.Struct("<BII")
 PIPE_BYTES = 2**20  # a long prefill's step fits the pipe: rank 0 writes it without waiting for the reader
 _F_SETPIPE_SZ = 1031  # Linux's fcntl

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from stagemesh.core.lora import add_lora_arguments
+from stagemesh.core.lora import LoRAError, add_lora_arguments
 from stagemesh.core.step_wire import epoch_from_pb, step_from_pb
 from stagemesh.v1 import stage_pb2
 from stage_worker import control, eplb, kv_transfer, run_ahead
@@ -43,6 +43,9 @@ def serve(runner: StageRunner, channel: control.Reader, tiers: KVTierStore | Non
     epoch = None  # the epoch this rank is in
     while (message := channel.read()) is not None:
         kind, of_epoch, payload = message
+        if kind in (control.LORA_LOAD, control.LORA_UNLOAD):
+            lora_message(runner, kind, payload)
+            continue
         if kind != control.JOIN and of_epoch != epoch:
             continue  # the rest of an epoch this rank has left, or that broke under it
         try:
@@ -66,6 +69,21 @@ def serve(runner: StageRunner, channel: control.Reader, tiers: KVTierStore | Non
             log.warning("epoch %d ended: %s", of_epoch, err)
             epoch = None
             sdist.leave_world(runner.tp)
+
+
+def lora_message(runner: StageRunner, kind: int, payload: bytes) -> None:
+    """An adapter rank 0 loaded (and checked) or unloaded at run time: this rank's shard of it too. A failure is
+    logged; a step that uses the adapter then fails here, which breaks the epoch as any failed step does."""
+    spec = json.loads(payload)
+    try:
+        if runner.lora is None:
+            raise LoRAError("this rank runs without --enable-lora")
+        if kind == control.LORA_LOAD:
+            runner.lora.add(spec["name"], spec["path"])
+        else:
+            runner.lora.remove(spec["name"])
+    except LoRAError as err:
+        log.error("LoRA adapter %r: %s", spec.get("name"), err)
 
 
 def run(runner: StageRunner, kind: int, payload: bytes) -> None:

@@ -27,8 +27,8 @@ from safetensors import SafetensorError
 import kernels
 from safetensors.torch import load_file
 
-from stagemesh.core.lora import (WEIGHTS_FILE, AdapterConfig, LoRAError, LoRALimits, LoRAModule, lora_from_args,
-                                  read_adapter_config)
+from stagemesh.core.lora import (WEIGHTS_FILE, AdapterConfig, LoRAError, LoRALimits, LoRAModule, allowed_path,
+                                  lora_from_args, read_adapter_config)
 from stagemesh.core.model_config import ModelConfig
 from stage_worker.layers import Linear, _matmul
 
@@ -191,11 +191,19 @@ class LoRASettings:
     """--enable-lora on a stage: the limits and the adapters it may serve."""
     limits: LoRALimits
     modules: tuple[LoRAModule, ...]
+    allowed_paths: tuple[str, ...] = ()  # --allowed-local-lora-path: where adapters loaded at run time may lie
 
     @classmethod
     def from_args(cls, args) -> LoRASettings | None:
         found = lora_from_args(args)
-        return None if found is None else cls(*found)
+        return None if found is None else cls(*found, tuple(args.allowed_local_lora_path))
+
+    def runtime_path(self, name: str, path: str) -> str:
+        """The directory an adapter loaded at run time is read from: one of the stage's own --lora-modules, or
+        under --allowed-local-lora-path (a path from a caller is a hostile input); LoRAError otherwise."""
+        if any(m.name == name and m.path == path for m in self.modules):
+            return path
+        return allowed_path(path, self.allowed_paths, name)
 
     def argv(self) -> list[str]:
         """The flags that give these settings (a TP follower's command line)."""
@@ -215,7 +223,7 @@ class LoRAManager:
 
     def __init__(self, model, cfg: ModelConfig, settings: LoRASettings, dtype, device):
         limits = settings.limits
-        self.cfg, self.limits, self.dtype = cfg, limits, dtype
+        self.settings, self.cfg, self.limits, self.dtype = settings, cfg, limits, dtype
         self.modules = {m.name: m for m in settings.modules}
         self.mapping = LoRAMapping(device)
         self.layers: list[LoRALinear] = []
@@ -237,6 +245,29 @@ class LoRAManager:
         rather than failing a step later. The --max-cpu-loras read last stay in host memory."""
         for name in self.modules:
             self._host(name)
+
+    def add(self, name: str, path: str) -> bool:
+        """Serve another adapter (loaded at run time): read and checked now, kept in host memory. False when it is
+        served from this path already; another adapter of the name is replaced (the scheduler makes sure no
+        request uses it)."""
+        known = self.modules.get(name)
+        if known is not None and known.path == path:
+            return False
+        module = LoRAModule(name, path)
+        adapter = load_adapter(module, self.cfg, self.layer_range, self.limits.max_lora_rank, self.dense_layers,
+                               self.dtype)
+        self.remove(name)
+        self.modules[name] = module
+        self._keep(name, adapter)
+        return True
+
+    def remove(self, name: str) -> bool:
+        """Serve the adapter no more (its slot is free again); False when it was not served."""
+        if self.modules.pop(name, None) is None:
+            return False
+        self.host.pop(name, None)
+        self.slots.pop(name, None)
+        return True
 
     def check(self, names: set[str]) -> None:
         """A step may use these adapters: each is known, and they fit the slots at once."""
@@ -273,7 +304,7 @@ class LoRAManager:
             self.slots.move_to_end(name)
             return self.slots[name]
         if len(self.slots) < self.limits.max_loras:
-            slot = len(self.slots)
+            slot = min(set(range(self.limits.max_loras)) - set(self.slots.values()))
         else:
             victim = next(n for n in self.slots if n not in needed)  # check(): the step's adapters fit
             slot = self.slots.pop(victim)
@@ -289,9 +320,12 @@ class LoRAManager:
             return self.host[name]
         adapter = load_adapter(self.modules[name], self.cfg, self.layer_range, self.limits.max_lora_rank,
                                self.dense_layers, self.dtype)
+        self._keep(name, adapter)
+        return adapter
+
+    def _keep(self, name: str, adapter: _Adapter) -> None:
         log.info("LoRA adapter %r loaded (rank %d, %s)", name, adapter.config.rank,
                  ", ".join(adapter.config.target_modules))
         self.host[name] = adapter
         while len(self.host) > self.limits.cpu_loras:
             self.host.popitem(last=False)
-        return adapter

@@ -16,10 +16,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grpc_errors import ErrorInterceptor, by_type
 from stagemesh.core.health import LIVENESS
+from stagemesh.core.lora import LoRAError, check_adapter_name
 from stagemesh.core.sampling_params import InvalidParameter
 from stagemesh.core.service_options import add_port, aio_server
 from stagemesh.core.step_wire import epoch_from_pb, sampled_to_pb, step_from_pb
-from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 from stage_worker import kv_connector
 from stage_worker.observe import ForwardObserver
 from stage_worker.ep_group import EPGroupBroken
@@ -90,6 +91,23 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if out.sampled or out.prompt_logprobs:
             reply.sampled.CopyFrom(sampled_to_pb(out.sampled, out.prompt_logprobs, out.drafts))
         return reply
+
+    async def LoadLoRAAdapter(self, request, context):
+        name, lora = request.adapter.name, self.worker.runner.lora
+        try:
+            if lora is None:
+                raise LoRAError(f"LoRA adapter {name[:64]!r}: this stage runs without --enable-lora")
+            check_adapter_name(name)
+            path = lora.settings.runtime_path(name, request.adapter.path)
+            await asyncio.wrap_future(self.worker.load_lora(name, path))
+        except LoRAError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        return common_pb2.LoadLoRAAdapterResponse()
+
+    async def UnloadLoRAAdapter(self, request, context):
+        if not await asyncio.wrap_future(self.worker.unload_lora(request.name)):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {request.name[:64]!r} is not loaded")
+        return common_pb2.UnloadLoRAAdapterResponse()
 
     async def ReadKV(self, request, context):
         async for chunk in kv_connector.read_chunks(self.worker, request):

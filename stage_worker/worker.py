@@ -7,6 +7,7 @@ cache and its host and disk tiers (stage_worker.kv_tiers) as the scheduler says.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.lora import LoRAError
 from stagemesh.core.speculative import SpeculativeConfig
 from stagemesh.core.step import EpochSpec
 from stagemesh.core.step_wire import epoch_to_pb
@@ -274,9 +276,33 @@ class StageWorker:
         self._tell_followers(control.KV_TIER_FILL, kv_tier_ranks.encode_load(load_id, block_ids, host_slots, hashes))
         return kv_tier_ranks.finish_load(self.tiers, self.runner, block_ids, host_slots, hashes, reads)
 
-    def _tell_followers(self, kind: int, payload: bytes) -> None:
+    # -- LoRA adapters at run time (on the main loop: between steps, and torch on the thread that runs them) ----
+    def load_lora(self, name: str, path: str) -> Future:
+        """Read and serve an adapter on every TP rank (rank 0 checks it first: LoRAError names what is wrong)."""
+        return self.steps.loop.submit(self._load_lora, name, path)
+
+    def unload_lora(self, name: str) -> Future:
+        return self.steps.loop.submit(self._unload_lora, name)
+
+    def _load_lora(self, name: str, path: str) -> bool:
+        if self.runner.lora is None:
+            raise LoRAError(f"LoRA adapter {name!r}: this stage runs without --enable-lora")
+        added = self.runner.lora.add(name, path)
+        if added:
+            self._tell_followers(control.LORA_LOAD, json.dumps({"name": name, "path": path}).encode(), any_epoch=True)
+        return added
+
+    def _unload_lora(self, name: str) -> bool:
+        if self.runner.lora is None or not self.runner.lora.remove(name):
+            return False
+        self._tell_followers(control.LORA_UNLOAD, json.dumps({"name": name}).encode(), any_epoch=True)
+        log.info("LoRA adapter %r unloaded", name)
+        return True
+
+    def _tell_followers(self, kind: int, payload: bytes, any_epoch: bool = False) -> None:
+        """any_epoch: a message of no epoch (the followers act on it whatever epoch they are in, or none)."""
         if self.control is not None:
-            self.control.send(kind, self.epoch, payload)
+            self.control.send(kind, 0 if any_epoch else self.epoch, payload)
 
     def close(self) -> None:
         self.steps.abort()

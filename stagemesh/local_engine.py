@@ -14,6 +14,7 @@ from typing import Iterator
 
 from scheduler.config import SchedulerConfig
 from scheduler.driver import Driver, DriverConfig
+from scheduler.lora_table import LoRATable
 from stagemesh.inprocess_pipeline import InProcessPipeline
 from scheduler.output_stream import OutputStream
 from scheduler.request import RequestOutput
@@ -61,7 +62,8 @@ class LocalEngine:
             SchedulerConfig(max_model_len=max_model_len, block_size=block_size, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
                             eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size, speculative=spec,
-                            lora_adapters=tuple(m.name for m in lora.modules) if lora else (), max_loras=max_loras),
+                            lora=LoRATable(max_loras, max_lora_rank, (), {m.name: m.path for m in lora.modules})
+                            if lora else None),
             # nothing restarts in-process: a failed step fails its requests at once
             model_max_len=cfg.max_position_embeddings, async_scheduling=async_scheduling,
             stage_recovery_timeout_s=0.0), self.pipeline)

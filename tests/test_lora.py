@@ -72,6 +72,29 @@ def test_slots_are_reused_as_adapters_come_and_go(model, adapters, cases):
         first += len(mine)
 
 
+def test_adapters_added_and_removed_at_run_time_take_free_slots(model, adapters, cases):
+    """stage_worker.lora.LoRAManager.add / remove (what a run-time load does on each stage): an adapter added
+    later gives its tokens in a mixed batch; a removed one's slot goes to the next, and a step that names it is
+    refused; adding a name again from the same path changes nothing, from another replaces it."""
+    stages = runners(model, [2, 2], settings({"all": adapters["all"]}, max_loras=2))
+    for stage in stages:
+        assert stage.lora.add("rs", str(adapters["rs"])) and stage.lora.add("attn", str(adapters["attn"]))
+        assert not stage.lora.add("rs", str(adapters["rs"]))
+    got = run_mixed(stages, [seq for seq, _ in cases if seq[1] != "all"], NEW)
+    assert got == [want for seq, want in cases if seq[1] != "all"]
+    for stage in stages:
+        assert stage.lora.remove("rs") and not stage.lora.remove("rs")
+    with pytest.raises(InvalidStep, match="LoRA adapter 'rs' is not loaded on this stage"):
+        stages[0].check_state(StepBatch(0, [NewSequence(90, [5, 6], SamplingParams(), lora_name="rs")],
+                                        [ScheduledChunk(90, [5, 6], 0, [0], True)]), 64)
+    mine = [(seq, want) for seq, want in cases if seq[1] in ("all", "")]
+    assert run_mixed(stages, [seq for seq, _ in mine], NEW, first_seq_id=100) == [want for _, want in mine]
+    for stage in stages:  # "attn" now read from rs's directory: its tokens are rs's
+        assert stage.lora.add("attn", str(adapters["rs"]))
+    rs = next((p, "attn") for (p, n), _ in cases if n == "rs")
+    assert run_mixed(stages, [rs], NEW, first_seq_id=200) == [next(w for (p, n), w in cases if n == "rs")]
+
+
 def test_tp2_shards_each_adapter_like_its_base_layer(model, adapters, cases, tmp_path):
     out, port = tmp_path / "tokens.json", free_port()
     spec = json.dumps({"model": str(model), "adapters": {k: str(v) for k, v in adapters.items()},
@@ -185,13 +208,21 @@ def test_the_prefix_cache_never_shares_kv_between_adapters(model, adapters):
             engine.generate([prompt], greedy, ["nope"])
 
 
-def test_serve_with_lora_answers_each_adapter_through_the_openai_client(model, adapters, cases, tmp_path):
-    """`stagemesh serve --enable-lora --lora-modules ...` (PP=2, TP=2 on its last stage's layers: the stages load
-    the adapters, the scheduler carries each request's, the router maps `model` to it): concurrent requests of
-    every adapter and the base model get transformers' tokens; /v1/models lists the adapters with their parent;
-    an unknown model is vLLM's 404."""
+def test_serve_with_lora_answers_each_adapter_and_loads_and_unloads_them_at_run_time(model, adapters, cases,
+                                                                                       tmp_path):
+    """`stagemesh serve --enable-lora --lora-modules ...` (PP=2, TP=2: the stages and their TP followers load the
+    adapters, the scheduler carries each request's, the router maps `model` to it): concurrent requests of every
+    adapter and the base model get transformers' tokens through the openai client and the gRPC frontend.
+    With VLLM_ALLOW_RUNTIME_LORA_UPDATING, /v1/load_lora_adapter loads an adapter while requests stream (none is
+    lost or changed), /v1/unload_lora_adapter waits for the adapter's requests to finish, and every bad load is
+    refused with its reason and leaves nothing behind."""
     import grpc
     import openai
+    import requests
+    import shutil
+    import signal
+    import threading
+    import time
     from concurrent.futures import ThreadPoolExecutor
 
     from stagemesh.core.wire import sampling_to_pb
@@ -202,39 +233,46 @@ def test_serve_with_lora_answers_each_adapter_through_the_openai_client(model, a
 
     model = with_word_tokenizer(model, tmp_path / "model")  # the same weights, and a tokenizer for the router
     port, grpc_port, log = free_port(), free_port(), tmp_path / "serve.log"
-    modules = [f"{name}={path}" for name, path in adapters.items()]
+    root = adapters["rs"].parent  # what run-time loads may read; "rs" is loaded at run time
+    modules = [f"{name}={path}" for name, path in adapters.items() if name != "rs"]
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model), "--port", str(port),
                                  "--grpc-port", str(grpc_port), "-pp", "2", "-tp", "2", "--threads", "1",
                                  "--served-model-name", "base", "--enable-lora", "--max-loras", "2",
-                                 "--lora-modules", *modules],
+                                 "--allowed-local-lora-path", str(root), "--lora-modules", *modules],
                                 stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    base_url = f"http://127.0.0.1:{port}"
+
+    def post(path, body):
+        return requests.post(base_url + path, json=body, timeout=150)
+
+    def listed():
+        return {m.id: m.model_extra.get("parent") for m in client.models.list().data}
+
+    def complete(case):
+        (prompt, adapter), _ = case
+        reply = client.completions.create(model=adapter or "base", prompt=prompt, max_tokens=NEW, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert reply.model == (adapter or "base")
+        return reply.choices[0].model_extra["token_ids"]
+
     try:
-        wait_http_ok(proc, f"http://127.0.0.1:{port}/ready", 180, "serve", log)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        listed = {m.id: m.model_extra.get("parent") for m in client.models.list().data}
-        assert listed == {"base": None, "all": "base", "attn": "base", "rs": "base"}
-
-        def complete(case):
-            (prompt, adapter), _ = case
-            reply = client.completions.create(model=adapter or "base", prompt=prompt, max_tokens=NEW, temperature=0,
-                                              extra_body={"ignore_eos": True, "return_token_ids": True})
-            assert reply.model == (adapter or "base")
-            return reply.choices[0].model_extra["token_ids"]
-
+        wait_http_ok(proc, f"{base_url}/ready", 180, "serve", log)
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+        assert listed() == {"base": None, "all": "base", "attn": "base"}
+        static = [c for c in cases if c[0][1] != "rs"]
+        with ThreadPoolExecutor(len(static)) as pool:  # loaded while these stream: none lost or changed
+            streaming = [pool.submit(complete, c) for c in static * 2]
+            loaded = post("/v1/load_lora_adapter", {"lora_name": "rs", "lora_path": str(adapters["rs"])})
+            assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'rs' added successfully."
+            assert [f.result() for f in streaming] == [want for _, want in static * 2]
+        assert listed() == {"base": None, "all": "base", "attn": "base", "rs": "base"}
         with ThreadPoolExecutor(len(cases)) as pool:
-            got = list(pool.map(complete, cases))
-        assert got == [want for _, want in cases]
+            assert list(pool.map(complete, cases)) == [want for _, want in cases]
         with pytest.raises(openai.NotFoundError, match="the model 'nope' does not exist"):
             client.completions.create(model="nope", prompt=[5, 6], max_tokens=2)
-        import requests
-
-        loaded = requests.post(f"http://127.0.0.1:{port}/v1/load_lora_adapter",
-                               json={"lora_name": "x", "lora_path": str(tmp_path)}, timeout=10)
-        assert loaded.status_code == 400 and "/v1/load_lora_adapter: loading or unloading LoRA adapters at run " \
-            "time is not supported yet" in loaded.json()["error"]["message"]
-        metrics = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        metrics = requests.get(f"{base_url}/metrics", timeout=10).text
         assert re.search(r'vllm:lora_requests_info\{[^}]*max_lora="2"', metrics), metrics
         (prompt, adapter), want = cases[0]  # the gRPC frontend picks the adapter by its model too
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
@@ -245,6 +283,76 @@ def test_serve_with_lora_answers_each_adapter_through_the_openai_client(model, a
                 model=adapter, token_ids=frontend_pb2.TokenIds(ids=prompt),
                 sampling=sampling_to_pb(SamplingParams(max_tokens=NEW, ignore_eos=True))), timeout=60)
             assert [t for r in replies for t in r.token_ids] == want
+
+        # an unload while the adapter's requests stream lets them finish token-exact (the scheduler refuses to
+        # unload an adapter in use, test_lora_admin; the router waits for that), then the name is vLLM's 404
+        rs_case = next(c for c in cases if c[0][1] == "rs")
+        started = threading.Barrier(5)
+
+        def stream_rs():
+            chunks = iter(client.completions.create(
+                model="rs", prompt=rs_case[0][0], max_tokens=NEW, temperature=0, stream=True,
+                extra_body={"ignore_eos": True, "return_token_ids": True}))
+            got = list(next(chunks).choices[0].model_extra.get("token_ids") or [])
+            started.wait(60)  # every stream runs before the unload is asked for
+            for chunk in chunks:
+                got += chunk.choices[0].model_extra.get("token_ids") or [] if chunk.choices else []
+            return got
+
+        with ThreadPoolExecutor(4) as pool:
+            using = [pool.submit(stream_rs) for _ in range(4)]
+            started.wait(60)
+            unloaded = post("/v1/unload_lora_adapter", {"lora_name": "rs"})
+            assert unloaded.status_code == 200, unloaded.text
+            assert [f.result() for f in using] == [rs_case[1]] * 4
+        assert "rs" not in listed()
+        with pytest.raises(openai.NotFoundError, match="the model 'rs' does not exist"):
+            complete(rs_case)
+        assert post("/v1/unload_lora_adapter", {"lora_name": "attn"}).status_code == 200  # a --lora-modules one
+        assert listed() == {"base": None, "all": "base"}
+        again = post("/v1/load_lora_adapter", {"lora_name": "rs", "lora_path": str(adapters["rs"])})
+        assert again.status_code == 200, again.text  # again, into a slot another adapter had
+        assert complete(rs_case) == rs_case[1]
+
+        # a stage or a scheduler that restarts after a run-time load serves the adapter again: the stage learns it
+        # from its RegisterStage reply, the scheduler from the router (which loaded it)
+        for child in ("stage[0.1]", "scheduler[0]"):
+            pid = int(re.findall(rf"started {re.escape(child)} \(pid (\d+)\)", log.read_text())[-1])
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    assert complete(rs_case) == rs_case[1]
+                    break
+                except (openai.InternalServerError, openai.APIConnectionError):
+                    assert time.monotonic() < deadline, f"the adapter was not served again after {child} restarted"
+                    time.sleep(0.5)
+
+        # bad loads: each refused with its reason (vLLM's 400 / 404), nothing listed after them
+        outside = shutil.copytree(adapters["rs"], tmp_path / "outside")
+        (root / "escape").symlink_to(outside)
+        broken = shutil.copytree(adapters["attn"], root / "broken")
+        (broken / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+        for body, status, message in [
+                ({"lora_name": "x", "lora_path": str(outside)}, 400, "is not an absolute path under "
+                 "--allowed-local-lora-path"),
+                ({"lora_name": "x", "lora_path": f"{root}/../outside"}, 400, "--allowed-local-lora-path"),
+                ({"lora_name": "x", "lora_path": str(root / "escape")}, 400, "is outside --allowed-local-lora-path"),
+                ({"lora_name": "x", "lora_path": str(broken)}, 400, "LoRA adapter 'x' .*adapter_model.safetensors "
+                 "cannot be read"),
+                ({"lora_name": "x", "lora_path": str(root / "missing")}, 400, "LoRA adapter 'x' .*not a directory"),
+                ({"lora_name": "all", "lora_path": str(adapters["rs"])}, 400, "The lora adapter 'all' has already "
+                 "been loaded"),
+                ({"lora_name": "x y", "lora_path": str(adapters["rs"])}, 400, "must be 1-128 letters"),
+                ({"lora_name": "x"}, 400, "lora_path \\(a string\\) is required"),
+                ({"lora_name": "x", "lora_path": str(adapters["rs"]), "load_inplace": True}, 400, "load_inplace")]:
+            reply = post("/v1/load_lora_adapter", body)
+            assert reply.status_code == status and re.search(message, reply.json()["error"]["message"]), \
+                (body, reply.text)
+        reply = post("/v1/unload_lora_adapter", {"lora_name": "nope"})
+        assert reply.status_code == 404 and "The lora adapter 'nope' cannot be found." in reply.text
+        assert listed() == {"base": None, "all": "base", "rs": "base"}
+        assert complete(cases[0]) == cases[0][1]  # and the mesh serves on
     finally:
         stop_process(proc, 30)
 
@@ -259,6 +367,7 @@ def test_serve_refuses_bad_lora_flags_before_anything_starts(model, tmp_path):
 
 
 def test_the_scheduler_refuses_a_stage_without_its_adapters_or_slots():
+    from scheduler.lora_table import LoRATable
     from scheduler.rendezvous import ModelIdentity, Rendezvous, StageInfo
 
     ident = ModelIdentity("llama", 4, 64, 384, 4, 2)
@@ -267,7 +376,7 @@ def test_the_scheduler_refuses_a_stage_without_its_adapters_or_slots():
         return StageInfo(0, 0, 4, 1, "cpu", 100, 16, ident, "127.0.0.1:1", "grpc", lora_adapters=adapters,
                          max_loras=slots)
 
-    r = Rendezvous(1, 16, ident, lora_adapters=("sql", "chat"), max_loras=2)
+    r = Rendezvous(1, 16, ident, lora=LoRATable(max_loras=2, adapters={"sql": "/a/sql", "chat": "/a/chat"}))
     with pytest.raises(StagemeshError, match=r"does not serve the LoRA adapter\(s\) chat \(its --enable-lora"):
         r.register(stage(("sql",), 2))
     with pytest.raises(StagemeshError, match=r"holds 1 LoRA adapter\(s\) at once \(--max-loras\); the scheduler "):

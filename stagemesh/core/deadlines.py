@@ -37,6 +37,8 @@ class Deadlines:
     # filled between steps) of the KV tiers
     kv_store_s: float = 60.0
     kv_load_s: float = 60.0
+    # router -> scheduler -> stage: an adapter loaded at run time (read from disk and checked on every TP rank)
+    lora_load_s: float = 120.0
 
     @property
     def channel_linger_s(self) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,34 @@ def parse_lora_modules(values: list[str]) -> list[LoRAModule]:
             raise LoRAError(f"--lora-modules: the adapter name {module.name!r} is given twice")
         modules.append(module)
     return modules
+
+
+def check_adapter_name(name: str, where: str = "lora_name") -> str:
+    """A sane adapter name (it appears in URLs, logs and metrics labels), or LoRAError."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise LoRAError(f"{where}: the adapter name {str(name)[:64]!r} must be 1-128 letters, digits or ._:/@+- "
+                        f"and start with a letter or digit")
+    return name
+
+
+ALLOWED_PATH_FLAG = "--allowed-local-lora-path"
+
+
+def allowed_path(path: str, roots: tuple[str, ...] | list[str], name: str) -> str:
+    """A client's lora_path (a hostile input: the server would read what it names), resolved, symlinks and all,
+    and inside one of the roots an operator allowed; LoRAError otherwise."""
+    if not roots:
+        raise LoRAError(f"LoRA adapter {name!r}: loading an adapter at run time reads a path a client gave; start "
+                        f"the server with {ALLOWED_PATH_FLAG} DIR to name the directories it may read adapters from")
+    if not isinstance(path, str) or not path or "\0" in path or len(path) > 4096 or not os.path.isabs(path):
+        raise LoRAError(f"LoRA adapter {name!r}: lora_path must be an absolute path")
+    real = os.path.realpath(path)
+    for root in roots:
+        top = os.path.realpath(root)
+        if os.path.commonpath([real, top]) == top:
+            return real
+    raise LoRAError(f"LoRA adapter {name!r}: lora_path {path!r} is outside {ALLOWED_PATH_FLAG} "
+                    f"({', '.join(roots)})")
 
 
 @dataclass(frozen=True)
@@ -154,6 +183,10 @@ def add_lora_arguments(p, limits: bool = True) -> None:
     p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (PEFT directories) as name=path or vLLM's JSON "
                         "{\"name\": ..., \"path\": ..., \"base_model_name\": ...}; needs --enable-lora")
+    p.add_argument(ALLOWED_PATH_FLAG, nargs="+", action="extend", default=[], metavar="DIR",
+                   help="directories adapters loaded at run time (/v1/load_lora_adapter, with "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true) may be read from: a client's lora_path elsewhere is "
+                        "refused (ours; default none: run-time loading refused)")
     if limits:
         p.add_argument("--max-loras", type=int, default=1, help="LoRA adapters in one batch (the stages' slots)")
         p.add_argument("--max-lora-rank", type=int, default=16,
@@ -166,9 +199,12 @@ def lora_from_args(args) -> tuple[LoRALimits, tuple[LoRAModule, ...]] | None:
     """The LoRA limits and adapters the flags give, or None without --enable-lora (--lora-modules without it is
     refused, never ignored)."""
     if not args.enable_lora:
-        if args.lora_modules:
-            raise LoRAError("--lora-modules needs --enable-lora")
+        if args.lora_modules or args.allowed_local_lora_path:
+            raise LoRAError(f"{'--lora-modules' if args.lora_modules else ALLOWED_PATH_FLAG} needs --enable-lora")
         return None
+    for root in args.allowed_local_lora_path:
+        if not os.path.isabs(root):
+            raise LoRAError(f"{ALLOWED_PATH_FLAG} {root!r}: give an absolute directory")
     limits = LoRALimits(getattr(args, "max_loras", 1), getattr(args, "max_lora_rank", 16),
                         getattr(args, "max_cpu_loras", None))
     return limits, tuple(parse_lora_modules(args.lora_modules))
@@ -183,4 +219,6 @@ def lora_argv(args, limits: bool = True) -> list[str]:
         argv += ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
         if args.max_cpu_loras is not None:
             argv += ["--max-cpu-loras", str(args.max_cpu_loras)]
+    if args.allowed_local_lora_path:
+        argv += [ALLOWED_PATH_FLAG, *args.allowed_local_lora_path]
     return argv + (["--lora-modules", *args.lora_modules] if args.lora_modules else [])

@@ -318,3 +318,110 @@ class TokenLogprob(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
+
+@_typing.final
+class LoRAAdapter(_message.Message):
+    """A LoRA adapter (--enable-lora): the name a request's model picks it by, and
+    the PEFT directory (adapter_config.json, adapter_model.safetensors) a stage
+    reads it from. A path that came from a client at run time lies under
+    --allowed-local-lora-path on every service that reads it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    path: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoRAAdapter: _TypeAlias = LoRAAdapter  # noqa: Y015
+
+@_typing.final
+class LoadLoRAAdapterRequest(_message.Message):
+    """Load an adapter at run time (vLLM's /v1/load_lora_adapter). Loading a name
+    already loaded from the same path does nothing; from another path it is
+    refused (ALREADY_EXISTS).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapter(self) -> Global___LoRAAdapter: ...
+    def __init__(
+        self,
+        *,
+        adapter: Global___LoRAAdapter | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoRAAdapterRequest: _TypeAlias = LoadLoRAAdapterRequest  # noqa: Y015
+
+@_typing.final
+class LoadLoRAAdapterResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoRAAdapterResponse: _TypeAlias = LoadLoRAAdapterResponse  # noqa: Y015
+
+@_typing.final
+class UnloadLoRAAdapterRequest(_message.Message):
+    """Unload an adapter at run time (vLLM's /v1/unload_lora_adapter): refused
+    (FAILED_PRECONDITION) while requests use it, NOT_FOUND for a name not
+    loaded.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoRAAdapterRequest: _TypeAlias = UnloadLoRAAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UnloadLoRAAdapterResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoRAAdapterResponse: _TypeAlias = UnloadLoRAAdapterResponse  # noqa: Y015

@@ -85,6 +85,7 @@ class RegisterStageResponse(_message.Message):
     NUM_MISSING_STAGES_FIELD_NUMBER: _builtins.int
     FIRST_SEEN_FIELD_NUMBER: _builtins.int
     NUM_UNFINISHED_REQUESTS_FIELD_NUMBER: _builtins.int
+    LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     num_missing_stages: _builtins.int
     """Stages still missing before the pipeline can form."""
     first_seen: _builtins.bool
@@ -95,16 +96,24 @@ class RegisterStageResponse(_message.Message):
     """Requests the replica still runs or keeps for a resume (a draining
     stage leaves when none is left).
     """
+    @_builtins.property
+    def lora_adapters(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.LoRAAdapter]:
+        """--enable-lora: the adapters the replica serves. A stage that lacks one
+        (it restarted after a run-time load) reads it and registers again; until
+        then it is not part of the pipeline.
+        """
+
     def __init__(
         self,
         *,
         num_missing_stages: _builtins.int = ...,
         first_seen: _builtins.bool = ...,
         num_unfinished_requests: _builtins.int = ...,
+        lora_adapters: _abc.Iterable[_common_pb2.LoRAAdapter] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_seen", b"first_seen", "num_missing_stages", b"num_missing_stages", "num_unfinished_requests", b"num_unfinished_requests"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_seen", b"first_seen", "lora_adapters", b"lora_adapters", "num_missing_stages", b"num_missing_stages", "num_unfinished_requests", b"num_unfinished_requests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -571,6 +580,7 @@ class Stats(_message.Message):
     MAX_LORAS_FIELD_NUMBER: _builtins.int
     RUNNING_LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     WAITING_LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
+    LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     kv_cache_usage: _builtins.float
@@ -614,8 +624,13 @@ class Stats(_message.Message):
     @_builtins.property
     def running_lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
-    def waiting_lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """The blocks of the prefix cache themselves: WatchKVEvents."""
+    def waiting_lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def lora_adapters(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.LoRAAdapter]:
+        """The adapters the replica serves (routers learn them here: /v1/models,
+        and which replicas a request for one may go to).
+        The blocks of the prefix cache themselves: WatchKVEvents.
+        """
 
     def __init__(
         self,
@@ -641,10 +656,11 @@ class Stats(_message.Message):
         max_loras: _builtins.int = ...,
         running_lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
         waiting_lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
+        lora_adapters: _abc.Iterable[_common_pb2.LoRAAdapter] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "healthy", b"healthy", "kv_cache_usage", b"kv_cache_usage", "max_loras", b"max_loras", "max_waiting_requests", b"max_waiting_requests", "num_kv_blocks", b"num_kv_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "running_lora_adapters", b"running_lora_adapters", "spec_decode_num_accepted_tokens", b"spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", b"spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens", b"spec_decode_num_draft_tokens", "spec_decode_num_drafts", b"spec_decode_num_drafts", "stage_compute_seconds_total", b"stage_compute_seconds_total", "step_seconds_total", b"step_seconds_total", "unhealthy_reason", b"unhealthy_reason", "waiting_lora_adapters", b"waiting_lora_adapters"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "healthy", b"healthy", "kv_cache_usage", b"kv_cache_usage", "lora_adapters", b"lora_adapters", "max_loras", b"max_loras", "max_waiting_requests", b"max_waiting_requests", "num_kv_blocks", b"num_kv_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "running_lora_adapters", b"running_lora_adapters", "spec_decode_num_accepted_tokens", b"spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", b"spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens", b"spec_decode_num_draft_tokens", "spec_decode_num_drafts", b"spec_decode_num_drafts", "stage_compute_seconds_total", b"stage_compute_seconds_total", "step_seconds_total", b"step_seconds_total", "unhealthy_reason", b"unhealthy_reason", "waiting_lora_adapters", b"waiting_lora_adapters"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from stagemesh.v1 import common_pb2 as stagemesh_dot_v1_dot_common__pb2
 from stagemesh.v1 import scheduler_pb2 as stagemesh_dot_v1_dot_scheduler__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -83,6 +84,16 @@ class SchedulerStub:
                 '/stagemesh.v1.Scheduler/RegisterStage',
                 request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.RegisterStageRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.RegisterStageResponse.FromString,
+                _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/stagemesh.v1.Scheduler/LoadLoRAAdapter',
+                request_serializer=stagemesh_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_common__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/stagemesh.v1.Scheduler/UnloadLoRAAdapter',
+                request_serializer=stagemesh_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
                 _registered_method=True)
 
 
@@ -190,6 +201,22 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """--enable-lora at run time (vLLM's /v1/load_lora_adapter and
+        /v1/unload_lora_adapter, which the router serves): every stage of the
+        replica reads the adapter before any request may use it; an unload is
+        refused while a request of the replica uses the adapter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -242,6 +269,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.RegisterStage,
                     request_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.RegisterStageRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_scheduler__pb2.RegisterStageResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=stagemesh_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_common__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=stagemesh_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -514,6 +551,60 @@ class Scheduler:
             '/stagemesh.v1.Scheduler/RegisterStage',
             stagemesh_dot_v1_dot_scheduler__pb2.RegisterStageRequest.SerializeToString,
             stagemesh_dot_v1_dot_scheduler__pb2.RegisterStageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.Scheduler/LoadLoRAAdapter',
+            stagemesh_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            stagemesh_dot_v1_dot_common__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.Scheduler/UnloadLoRAAdapter',
+            stagemesh_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            stagemesh_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,7 @@ where the replica's stages register.
 
 from collections import abc as _abc
 from grpc import aio as _aio
+from stagemesh.v1 import common_pb2 as _common_pb2
 from stagemesh.v1 import scheduler_pb2 as _scheduler_pb2
 import abc as _abc_1
 import grpc as _grpc
@@ -90,6 +91,13 @@ class SchedulerStub:
     out of range, or another live stage serves its index. When the stages
     cover the model, the pipeline forms.
     """
+    LoadLoRAAdapter: _grpc.UnaryUnaryMultiCallable[_common_pb2.LoadLoRAAdapterRequest, _common_pb2.LoadLoRAAdapterResponse]
+    """--enable-lora at run time (vLLM's /v1/load_lora_adapter and
+    /v1/unload_lora_adapter, which the router serves): every stage of the
+    replica reads the adapter before any request may use it; an unload is
+    refused while a request of the replica uses the adapter.
+    """
+    UnloadLoRAAdapter: _grpc.UnaryUnaryMultiCallable[_common_pb2.UnloadLoRAAdapterRequest, _common_pb2.UnloadLoRAAdapterResponse]
 
 @_typing.type_check_only
 class SchedulerAsyncStub(SchedulerStub):
@@ -151,6 +159,13 @@ class SchedulerAsyncStub(SchedulerStub):
     out of range, or another live stage serves its index. When the stages
     cover the model, the pipeline forms.
     """
+    LoadLoRAAdapter: _aio.UnaryUnaryMultiCallable[_common_pb2.LoadLoRAAdapterRequest, _common_pb2.LoadLoRAAdapterResponse]  # type: ignore[assignment]
+    """--enable-lora at run time (vLLM's /v1/load_lora_adapter and
+    /v1/unload_lora_adapter, which the router serves): every stage of the
+    replica reads the adapter before any request may use it; an unload is
+    refused while a request of the replica uses the adapter.
+    """
+    UnloadLoRAAdapter: _aio.UnaryUnaryMultiCallable[_common_pb2.UnloadLoRAAdapterRequest, _common_pb2.UnloadLoRAAdapterResponse]  # type: ignore[assignment]
 
 class SchedulerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -269,5 +284,24 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         out of range, or another live stage serves its index. When the stages
         cover the model, the pipeline forms.
         """
+
+    @_abc_1.abstractmethod
+    def LoadLoRAAdapter(
+        self,
+        request: _common_pb2.LoadLoRAAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.LoadLoRAAdapterResponse, _abc.Awaitable[_common_pb2.LoadLoRAAdapterResponse]]:
+        """--enable-lora at run time (vLLM's /v1/load_lora_adapter and
+        /v1/unload_lora_adapter, which the router serves): every stage of the
+        replica reads the adapter before any request may use it; an unload is
+        refused while a request of the replica uses the adapter.
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadLoRAAdapter(
+        self,
+        request: _common_pb2.UnloadLoRAAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.UnloadLoRAAdapterResponse, _abc.Awaitable[_common_pb2.UnloadLoRAAdapterResponse]]: ...
 
 def add_SchedulerServicer_to_server(servicer: SchedulerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

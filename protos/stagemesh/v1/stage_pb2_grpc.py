@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from stagemesh.v1 import common_pb2 as stagemesh_dot_v1_dot_common__pb2
 from stagemesh.v1 import stage_pb2 as stagemesh_dot_v1_dot_stage__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -73,6 +74,16 @@ class StageStub:
                 '/stagemesh.v1.Stage/LoadKV',
                 request_serializer=stagemesh_dot_v1_dot_stage__pb2.LoadKVRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_stage__pb2.LoadKVResponse.FromString,
+                _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/stagemesh.v1.Stage/LoadLoRAAdapter',
+                request_serializer=stagemesh_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_common__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/stagemesh.v1.Stage/UnloadLoRAAdapter',
+                request_serializer=stagemesh_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
                 _registered_method=True)
 
 
@@ -146,6 +157,21 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """--enable-lora: read an adapter, on every TP rank, so that steps may use
+        it (INVALID_ARGUMENT with the reason for one it cannot serve), or forget
+        one (the scheduler first makes sure no request uses it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -188,6 +214,16 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.LoadKV,
                     request_deserializer=stagemesh_dot_v1_dot_stage__pb2.LoadKVRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_stage__pb2.LoadKVResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=stagemesh_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_common__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=stagemesh_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -406,6 +442,60 @@ class Stage:
             '/stagemesh.v1.Stage/LoadKV',
             stagemesh_dot_v1_dot_stage__pb2.LoadKVRequest.SerializeToString,
             stagemesh_dot_v1_dot_stage__pb2.LoadKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.Stage/LoadLoRAAdapter',
+            stagemesh_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            stagemesh_dot_v1_dot_common__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.Stage/UnloadLoRAAdapter',
+            stagemesh_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            stagemesh_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

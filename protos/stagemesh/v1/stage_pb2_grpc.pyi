@@ -8,6 +8,7 @@ activations (over torch.distributed, or over PushActivations).
 
 from collections import abc as _abc
 from grpc import aio as _aio
+from stagemesh.v1 import common_pb2 as _common_pb2
 from stagemesh.v1 import stage_pb2 as _stage_pb2
 import abc as _abc_1
 import grpc as _grpc
@@ -66,6 +67,12 @@ class StageStub:
     between steps. A block that cannot be loaded is reported, never filled
     with anything but its own KV.
     """
+    LoadLoRAAdapter: _grpc.UnaryUnaryMultiCallable[_common_pb2.LoadLoRAAdapterRequest, _common_pb2.LoadLoRAAdapterResponse]
+    """--enable-lora: read an adapter, on every TP rank, so that steps may use
+    it (INVALID_ARGUMENT with the reason for one it cannot serve), or forget
+    one (the scheduler first makes sure no request uses it).
+    """
+    UnloadLoRAAdapter: _grpc.UnaryUnaryMultiCallable[_common_pb2.UnloadLoRAAdapterRequest, _common_pb2.UnloadLoRAAdapterResponse]
 
 @_typing.type_check_only
 class StageAsyncStub(StageStub):
@@ -102,6 +109,12 @@ class StageAsyncStub(StageStub):
     between steps. A block that cannot be loaded is reported, never filled
     with anything but its own KV.
     """
+    LoadLoRAAdapter: _aio.UnaryUnaryMultiCallable[_common_pb2.LoadLoRAAdapterRequest, _common_pb2.LoadLoRAAdapterResponse]  # type: ignore[assignment]
+    """--enable-lora: read an adapter, on every TP rank, so that steps may use
+    it (INVALID_ARGUMENT with the reason for one it cannot serve), or forget
+    one (the scheduler first makes sure no request uses it).
+    """
+    UnloadLoRAAdapter: _aio.UnaryUnaryMultiCallable[_common_pb2.UnloadLoRAAdapterRequest, _common_pb2.UnloadLoRAAdapterResponse]  # type: ignore[assignment]
 
 class StageServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -183,5 +196,23 @@ class StageServicer(metaclass=_abc_1.ABCMeta):
         between steps. A block that cannot be loaded is reported, never filled
         with anything but its own KV.
         """
+
+    @_abc_1.abstractmethod
+    def LoadLoRAAdapter(
+        self,
+        request: _common_pb2.LoadLoRAAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.LoadLoRAAdapterResponse, _abc.Awaitable[_common_pb2.LoadLoRAAdapterResponse]]:
+        """--enable-lora: read an adapter, on every TP rank, so that steps may use
+        it (INVALID_ARGUMENT with the reason for one it cannot serve), or forget
+        one (the scheduler first makes sure no request uses it).
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadLoRAAdapter(
+        self,
+        request: _common_pb2.UnloadLoRAAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.UnloadLoRAAdapterResponse, _abc.Awaitable[_common_pb2.UnloadLoRAAdapterResponse]]: ...
 
 def add_StageServicer_to_server(servicer: StageServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
