@@ -493,11 +493,17 @@ def test_the_triton_lora_kernel_equals_the_reference(dtype):
     assert whole.token_slots.tolist() == [1] * tokens
 
 
+def text_count(log: Path, pattern: str) -> int:
+    return len(re.findall(pattern, log.read_text()))
+
+
 def test_disaggregated_prefill_carries_the_adapter_with_its_kv(model, adapters, cases, tmp_path):
     """serve -dp 2 --prefill-replicas 1 --enable-lora: each request's prompt is computed on the prefill replica
     under its adapter and its KV pulled by the decode replica, which goes on under the same adapter: transformers'
-    tokens with the adapter merged (the KV of one adapter is never another's)."""
+    tokens with the adapter merged (the KV of one adapter is never another's). An adapter loaded at run time
+    reaches both replicas (the router passes the load to each)."""
     import openai
+    import requests
 
     from mesh import stop_process, wait_http_ok
     from tiny_models import with_word_tokenizer
@@ -508,16 +514,23 @@ def test_disaggregated_prefill_carries_the_adapter_with_its_kv(model, adapters, 
         proc = subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model), "--port", str(port),
                                  "-dp", "2", "--prefill-replicas", "1", "--threads", "1",
                                  "--served-model-name", "base", "--enable-lora", "--max-loras", "3",
-                                 "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())],
-                                stdout=out, stderr=subprocess.STDOUT)
+                                 "--allowed-local-lora-path", str(adapters["rs"].parent),
+                                 "--lora-modules", *(f"{n}={p}" for n, p in adapters.items() if n != "rs")],
+                                stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
     try:
         wait_http_ok(proc, f"http://127.0.0.1:{port}/ready", 180, "serve", log)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        for (prompt, adapter), want in cases[:3]:
+        loaded = requests.post(f"http://127.0.0.1:{port}/v1/load_lora_adapter",
+                               json={"lora_name": "rs", "lora_path": str(adapters["rs"])}, timeout=150)
+        assert loaded.status_code == 200, loaded.text
+        assert text_count(log, r"LoRA adapter 'rs' loaded at run time from .* \(1 stage\(s\)\)") == 2
+        rs = next(c for c in cases if c[0][1] == "rs")
+        for (prompt, adapter), want in [*cases[:3], rs]:
             reply = client.completions.create(model=adapter or "base", prompt=prompt, max_tokens=NEW, temperature=0,
                                               extra_body={"ignore_eos": True, "return_token_ids": True})
             assert reply.choices[0].model_extra["token_ids"] == want, adapter
         text = log.read_text()
-        assert len(re.findall(r"its prompt's KV \(\d+ tokens.*\) fetched from", text)) == 3, text[-3000:]
+        assert len(re.findall(r"its prompt's KV \(\d+ tokens.*\) fetched from", text)) == 4, text[-3000:]
     finally:
         stop_process(proc, 30)
