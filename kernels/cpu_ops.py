@@ -28,7 +28,7 @@ log = logging.getLogger("stagemesh.kernels")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "shm_comm.cpp", CSRC / "moe_ops.cpp", CSRC / "bf16_linear.cpp",
            CSRC / "bf16_linear_avx512bf16.cpp", CSRC / "quant_linear.cpp", CSRC / "decode_attention_avx2.cpp",
-           CSRC / "decode_attention_avx512.cpp", CSRC / "decoder_layer.cpp"]
+           CSRC / "decode_attention_avx512.cpp", CSRC / "decoder_layer.cpp", CSRC / "lora_ops.cpp"]
 
 
 def _capability() -> str:
@@ -188,6 +188,11 @@ _best_attention_family = functools.cache(attention_family)  # once per process
 
 def silu_and_mul(x):
     return load().silu_and_mul(x)
+
+
+def add_lora(y, x, lora_a, lora_bt, token_slots) -> None:
+    """lora_bt: B transposed, [slots, R, out] (kernels/csrc/lora_ops.h)."""
+    load().lora_add(y, x, lora_a, lora_bt, token_slots)
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start=0):

@@ -83,15 +83,28 @@ def silu_and_mul(x):
     return impl.silu_and_mul(x)
 
 
-def add_lora(y, x, lora_a, lora_b, mapping) -> None:
+# up to this many tokens a step's LoRA products run per token in C++ on CPU; a longer step's gather per adapter
+# runs torch's matrix products, which reuse each weight over many tokens (benchmarks/bench_lora.py --kernel)
+CPU_LORA_MAX_TOKENS = 128
+
+
+def add_lora(y, x, lora_a, lora_b, mapping, lora_bt=None) -> None:
     """Multi-LoRA's product into y, in place (stage_worker.lora: `mapping` is the step's LoRAMapping): Triton's
-    per-token kernel on CUDA, the torch reference's gather per adapter elsewhere."""
+    per-token kernel on CUDA; on CPU the C++ per-token kernel for decode-sized steps (it reads `lora_bt`, B
+    transposed); else the torch reference's gather per adapter."""
     if _use_triton(x):
         from kernels import triton_lora
 
         triton_lora.add_lora(y, x, lora_a, lora_b, mapping.token_slots)
+    elif lora_bt is not None and cpu_lora(x, mapping.num_tokens):
+        cpu_ops.add_lora(y, x, lora_a, lora_bt, mapping.token_slots)
     else:
         reference.add_lora(y, x, lora_a, lora_b, mapping.groups)
+
+
+def cpu_lora(x, num_tokens: int) -> bool:
+    """Whether a step's LoRA products run in the C++ kernel (kernels/csrc/lora_ops.h)."""
+    return num_tokens <= CPU_LORA_MAX_TOKENS and _cpu_impl(x) is cpu_ops
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start=0):

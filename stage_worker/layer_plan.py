@@ -9,8 +9,9 @@ It runs where each of its calls is what the Python layer would call: a DecoderLa
 per-head q/k norm, no experts), one TP rank, every parameter on the CPU, the C++ kernels built and chosen
 (kernels.dispatch), activations and KV cache in the norms' dtype, an attention family that covers the head
 dim, no forward hook on anything inside the layer (hooks on the layer itself still fire). Otherwise the
-layer's own Python runs. With LoRA (stage_worker.lora) the plan runs the base products of its LoRALinears, so it
-runs the steps whose tokens use no adapter; a step with adapter tokens runs the Python layer, which adds them.
+layer's own Python runs. With LoRA (stage_worker.lora) the plan runs its LoRALinears' base products, and adds
+the adapters' products (kernels/csrc/lora_ops.h) in a step short enough for that kernel (kernels.dispatch
+cpu_lora); a longer step with adapter tokens runs the Python layer, whose torch products suit it better.
 A plan is rebuilt when a parameter, buffer or submodule of any layer is replaced, when the model moves (.to()),
 or when a forward hook is registered (stage_worker.layers.changes).
 """
@@ -40,8 +41,8 @@ class LayerPlan:
                  lora=None):
         self.epoch, self.cpp, self.dtype, self.head_dim = epoch, cpp, dtype, head_dim
         self.hooked = hooked  # the submodules whose hooks ruled the plan out (removing a hook is no change)
-        # the stage's stage_worker.lora.LoRAMapping when the layer's linears take adapters: the plan runs the
-        # base products only, so it runs the steps without adapter tokens (the Python layer runs the others)
+        # the stage's stage_worker.lora.LoRAMapping when the layer's linears take adapters: the plan adds their
+        # products to a step short enough for the C++ LoRA kernel (the Python layer runs a longer one)
         self.lora = lora
 
     def stale(self) -> bool:
@@ -50,7 +51,7 @@ class LayerPlan:
 
     def runs(self, x: torch.Tensor, kv_cache) -> bool:
         return (self.cpp is not None and _enabled and x.dtype == self.dtype and x.is_cpu
-                and (self.lora is None or not self.lora.groups)
+                and (self.lora is None or not self.lora.groups or dispatch.cpu_lora(x, self.lora.num_tokens))
                 and kv_cache[0].dtype == self.dtype
                 and not (_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
                 and cpu_ops.covers(cpu_ops.current_attention_family(), self.head_dim))
@@ -58,9 +59,10 @@ class LayerPlan:
     def __call__(self, x, residual, meta, kv_cache, cos_sin):
         seqs, visible = step_memo("query rows", (meta.context_lens, meta.query_start_loc),
                                   lambda: cpu_ops.query_rows(meta.context_lens, meta.query_start_loc))
+        lora = self.lora.token_slots if self.lora is not None and self.lora.groups else None
         out, residual = self.cpp.forward(x, residual, meta.positions, cos_sin, kv_cache[0], kv_cache[1],
                                          meta.slot_mapping, meta.block_tables, seqs, visible,
-                                         cpu_ops.current_attention_family(), cpu_ops.current_quant_family())
+                                         cpu_ops.current_attention_family(), cpu_ops.current_quant_family(), lora)
         return out, residual
 
 
@@ -96,16 +98,19 @@ def _linear(module, linear):
     """The C++ form of a Linear whose product is a C++ call here (stage_worker.layers._matmul), else None."""
     if type(linear) not in (layers.Linear, LoRALinear) or (linear.reduce is not None and linear.reduce.size > 1):
         return None
+    lora = (linear.lora_a, linear.lora_bt) if isinstance(linear, LoRALinear) else (None, None)
+    if lora[0] is not None and lora[1] is None:  # (its slots not on the CPU)
+        return None
     w, bias = linear.weight, linear.bias
     if bias is not None and not bias.is_cpu:
         return None
     if isinstance(w, QuantizedWeight):
         if not w.qs.is_cpu or not dispatch.quant_built():
             return None
-        return module.LayerLinear("quant", w.qs, w.scales, w.mins, bias, 0, w.int8_activations)
+        return module.LayerLinear("quant", w.qs, w.scales, w.mins, bias, 0, w.int8_activations, *lora)
     if not w.is_cpu:
         return None
     out_features = getattr(w, "bf16_out_features", None)
     if out_features is not None:
-        return module.LayerLinear("bf16", w, None, None, bias, out_features)
-    return module.LayerLinear("mkldnn" if w.is_mkldnn else "dense", w, None, None, bias)
+        return module.LayerLinear("bf16", w, None, None, bias, out_features, False, *lora)
+    return module.LayerLinear("mkldnn" if w.is_mkldnn else "dense", w, None, None, bias, 0, False, *lora)

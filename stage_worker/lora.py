@@ -86,11 +86,15 @@ class LoRALinear(Linear):
                              persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, out_features, width, dtype=dtype, device=device),
                              persistent=False)
+        # on CPU, B transposed too ([slots, width, out]): the C++ kernel's expand runs along B's columns
+        on_cpu = torch.device(device).type == "cpu"
+        self.register_buffer("lora_bt", torch.zeros(max_loras, width, out_features, dtype=dtype, device=device)
+                             if on_cpu else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _matmul(x, self.weight, self.bias)
         if self.mapping.groups:
-            kernels.add_lora(y, x, self.lora_a, self.lora_b, self.mapping)
+            kernels.add_lora(y, x, self.lora_a, self.lora_b, self.mapping, self.lora_bt)
         return self.reduce.all_reduce(y) if self.reduce is not None else y
 
     def fill(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
@@ -110,6 +114,8 @@ class LoRALinear(Linear):
             else:  # row-parallel: this rank's columns of A
                 a[i * r:i * r + rank].copy_(full_a[:, part.start:part.start + part.length])
                 b[:, i * r:i * r + rank].copy_(full_b * scaling)
+        if self.lora_bt is not None:
+            self.lora_bt[slot].copy_(b.T)
 
 
 def _parts(linear: Linear) -> tuple[int, list[_Part]] | None:

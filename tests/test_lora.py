@@ -438,13 +438,14 @@ def test_the_kv_aware_policy_matches_an_adapters_blocks_only_for_that_adapter():
     assert policy.pick([base, sql], prompt, "chat") is base and policy.last_matched_tokens == 0  # no hit: least load
 
 
-def test_steps_without_adapter_tokens_run_the_c_plus_plus_layer_plan(tiny_model_dir, tmp_path):
-    """With --enable-lora a step of base-model sequences only runs each layer as one C++ call (the plan covers
-    LoRALinear's base product), and a step with adapter tokens runs the Python layer that adds them: both give
-    transformers' tokens. (A head size the C++ attention covers: the plan runs for it.)"""
+def test_the_c_plus_plus_layer_plan_runs_lora_steps_up_to_the_kernels_length(tiny_model_dir, tmp_path):
+    """With --enable-lora each layer of a step runs as one C++ call: its LoRALinears' base products, plus the
+    adapters' products (kernels/csrc/lora_ops.h) for a step of up to CPU_LORA_MAX_TOKENS tokens; a longer step
+    with adapter tokens runs the Python layer. Every way gives transformers' tokens. (A head size the C++
+    attention covers: the plan runs for it.)"""
     from unittest import mock
 
-    from kernels import cpu_ops
+    from kernels import cpu_ops, dispatch
     from stage_worker.layer_plan import LayerPlan
 
     model = tiny_model_dir("llama", num_attention_heads=2)  # head size 32
@@ -460,7 +461,11 @@ def test_steps_without_adapter_tokens_run_the_c_plus_plus_layer_plan(tiny_model_
         assert run_mixed([stage], [(p, "") for p in ps], NEW) == base_want
         assert plan_calls.call_count == 4 * NEW  # every layer of every step
         assert run_mixed([stage], [(ps[0], "a"), (ps[1], "")], NEW, first_seq_id=10) == [lora_want, base_want[1]]
-        assert plan_calls.call_count == 4 * NEW  # none: every step had adapter tokens
+        assert plan_calls.call_count == 2 * 4 * NEW  # every step: the plan adds the adapter's products
+        long = prompts(384, lengths=(dispatch.CPU_LORA_MAX_TOKENS + 9,), seed=4)[0]
+        long_want = reference_greedy(merged_reference(model, adapter), long, NEW)[0]
+        assert run_mixed([stage], [(long, "a")], NEW, first_seq_id=20) == [long_want]
+        assert plan_calls.call_count == 3 * 4 * NEW - 4  # but its prompt's step: the Python layer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -491,6 +496,32 @@ def test_the_triton_lora_kernel_equals_the_reference(dtype):
     whole = LoRAMapping(device)
     whole.set([(1, None)], tokens)
     assert whole.token_slots.tolist() == [1] * tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_lora_kernel_equals_the_reference(dtype):
+    """kernels/csrc/lora_ops.cpp (what a decode-sized CPU step runs) against kernels.reference.add_lora: tokens
+    of three adapters and of none, odd sizes; a slot out of range is refused."""
+    from kernels import cpu_ops, reference
+    from stage_worker.lora import LoRAMapping
+
+    if cpu_ops.load() is None:
+        pytest.skip("the C++ CPU kernels are not built here")
+    g = torch.Generator().manual_seed(5)
+    tokens, k, n, w, slots = 9, 97, 151, 24, 3
+    x, y = torch.randn(tokens, k, generator=g).to(dtype), torch.randn(tokens, n, generator=g).to(dtype)
+    a = (torch.randn(slots, w, k, generator=g) * 0.1).to(dtype)
+    b = (torch.randn(slots, n, w, generator=g) * 0.1).to(dtype)
+    mapping = LoRAMapping("cpu")
+    mapping.set([(s, torch.tensor(r)) for s, r in {0: [0, 1, 2, 7], 2: [4, 5], 1: [8]}.items()], tokens)
+    want, got = y.float().clone(), y.clone()
+    reference.add_lora(want, x.float(), a.float(), b.float(), mapping.groups)
+    cpu_ops.add_lora(got, x, a, b.transpose(1, 2).contiguous(), mapping.token_slots)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    assert torch.equal(got[3], y[3]) and torch.equal(got[6], y[6])  # no adapter: untouched
+    with pytest.raises(RuntimeError, match="lora_add: token 0 names slot 3 of 3"):
+        cpu_ops.add_lora(got, x, a, b.transpose(1, 2).contiguous(), torch.full((tokens,), 3, dtype=torch.int32))
 
 
 def text_count(log: Path, pattern: str) -> int:

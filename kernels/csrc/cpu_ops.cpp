@@ -10,6 +10,7 @@
 #include "bf16_linear.h"
 #include "decoder_layer.h"
 #include "decode_attention.h"
+#include "lora_ops.h"
 #include "moe_ops.h"
 #include "quant_linear.h"
 #include "shm_comm.h"
@@ -418,6 +419,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention_covers", &decode_attention_covers, "whether a family's kernel covers this head_dim here");
   m.def("attention_avx512_available", &decode_attn::avx512_available, "whether this CPU runs the avx512 decode attention");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
+  m.def("lora_add", &lora_add, "multi-LoRA's product per token, in place (lora_ops.h)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("fused_moe", &fused_moe, "the experts of a mixture-of-experts layer (moe_ops.cpp)");
   m.def("pack_bf16_weight", &pack_bf16_weight, "a weight packed for a family's linear_bf16 (bf16_linear.h)");
   m.def("bf16_avx512_available", &bf16_avx512_available, "whether this CPU runs the avx512_bf16 linear_bf16");
@@ -430,16 +433,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_isa", &quant_isa, "the instruction family quant_linear was compiled for");
   pybind11::class_<LayerLinear>(m, "LayerLinear")
       .def(pybind11::init<const std::string&, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                          c10::optional<at::Tensor>, int64_t, bool>(),
+                          c10::optional<at::Tensor>, int64_t, bool, c10::optional<at::Tensor>,
+                          c10::optional<at::Tensor>>(),
            pybind11::arg("kind"), pybind11::arg("weight"), pybind11::arg("scales") = pybind11::none(),
            pybind11::arg("mins") = pybind11::none(), pybind11::arg("bias") = pybind11::none(),
-           pybind11::arg("out_features") = 0, pybind11::arg("int8_activations") = false)
-      .def("__call__", &LayerLinear::operator(), "x W^T (+ b) as the layer's plan computes it", pybind11::arg("x"),
+           pybind11::arg("out_features") = 0, pybind11::arg("int8_activations") = false,
+           pybind11::arg("lora_a") = pybind11::none(), pybind11::arg("lora_bt") = pybind11::none())
+      .def("__call__",
+           static_cast<at::Tensor (LayerLinear::*)(const at::Tensor&, const std::string&) const>(
+               &LayerLinear::operator()),
+           "x W^T (+ b) as the layer's plan computes it", pybind11::arg("x"),
            pybind11::arg("quant_family") = "", pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<DecoderLayerPlan>(m, "DecoderLayerPlan")
       .def(pybind11::init<at::Tensor, double, at::Tensor, double, LayerLinear, LayerLinear, LayerLinear, LayerLinear,
                           int64_t, int64_t, double>())
       .def("forward", &DecoderLayerPlan::forward, "a dense decoder layer as one call (decoder_layer.h)",
+           pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("positions"), pybind11::arg("cos_sin"),
+           pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slot_mapping"),
+           pybind11::arg("block_tables"), pybind11::arg("seqs"), pybind11::arg("visible"),
+           pybind11::arg("attention_family"), pybind11::arg("quant_family"),
+           pybind11::arg("lora_slots") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<ShmComm>(m, "ShmComm")
       .def(pybind11::init<const std::string&, int64_t, int64_t, int64_t, double>())

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "bf16_linear.h"
+#include "lora_ops.h"
 #include "quant_linear.h"
 
 namespace {
@@ -62,10 +63,23 @@ at::Tensor onednn_packed_linear(const at::Tensor& x, const at::Tensor& w, const 
 
 LayerLinear::LayerLinear(const std::string& kind_name, at::Tensor weight_, c10::optional<at::Tensor> scales_,
                          c10::optional<at::Tensor> mins_, c10::optional<at::Tensor> bias_, int64_t out_features_,
-                         bool int8_activations_)
+                         bool int8_activations_, c10::optional<at::Tensor> lora_a_,
+                         c10::optional<at::Tensor> lora_bt_)
     : kind(kind_of(kind_name)), weight(std::move(weight_)), scales(std::move(scales_)), mins(std::move(mins_)),
-      bias(std::move(bias_)), out_features(out_features_), int8_activations(int8_activations_) {
+      bias(std::move(bias_)), out_features(out_features_), int8_activations(int8_activations_),
+      lora_a(std::move(lora_a_)), lora_bt(std::move(lora_bt_)) {
   TORCH_CHECK(kind != Kind::kQuant || scales.has_value(), "a quantised linear needs its scales");
+  TORCH_CHECK(lora_a.has_value() == lora_bt.has_value(), "a LoRA linear needs both lora_a and lora_bt");
+}
+
+at::Tensor LayerLinear::operator()(const at::Tensor& x, const std::string& quant_family,
+                                   const c10::optional<at::Tensor>& lora_slots) const {
+  at::Tensor y = (*this)(x, quant_family);
+  if (lora_slots.has_value() && lora_a.has_value()) {
+    if (!y.is_contiguous()) y = y.contiguous();
+    lora_add(y, x.contiguous(), *lora_a, *lora_bt, *lora_slots);
+  }
+  return y;
 }
 
 at::Tensor LayerLinear::operator()(const at::Tensor& x, const std::string& quant_family) const {
@@ -97,12 +111,13 @@ std::vector<at::Tensor> DecoderLayerPlan::forward(const at::Tensor& x, const c10
                                                   const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                                   const at::Tensor& seqs, const at::Tensor& visible,
                                                   const std::string& attention_family,
-                                                  const std::string& quant_family) const {
+                                                  const std::string& quant_family,
+                                                  const c10::optional<at::Tensor>& lora_slots) const {
   const std::vector<at::Tensor> normed = rms_norm(x, input_norm, input_eps, residual);
-  const at::Tensor q = rotary_and_cache(qkv(normed[0], quant_family), num_heads, num_kv_heads, positions, cos_sin,
-                                        k_cache, v_cache, slot_mapping);
+  const at::Tensor q = rotary_and_cache(qkv(normed[0], quant_family, lora_slots), num_heads, num_kv_heads, positions,
+                                        cos_sin, k_cache, v_cache, slot_mapping);
   const at::Tensor attn = decode_attention(q, k_cache, v_cache, block_tables, seqs, visible, scale, attention_family);
-  const at::Tensor out = o(attn.reshape({q.size(0), q.size(1) * q.size(2)}), quant_family);
+  const at::Tensor out = o(attn.reshape({q.size(0), q.size(1) * q.size(2)}), quant_family, lora_slots);
   const std::vector<at::Tensor> post = rms_norm(out, post_norm, post_eps, normed[1]);
-  return {down(silu_and_mul(gate_up(post[0], quant_family)), quant_family), post[1]};
+  return {down(silu_and_mul(gate_up(post[0], quant_family, lora_slots)), quant_family, lora_slots), post[1]};
 }

@@ -22,18 +22,24 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 
 // One linear's weight as its layer holds it. kind: "quant" (quant_linear: weight = qs, with scales, mins
 // and int8_activations), "bf16" (linear_bf16: weight packed, out_features), "mkldnn" (oneDNN's packed fp32:
-// torch.ops.mkldnn._linear_pointwise), "dense" (at::linear).
+// torch.ops.mkldnn._linear_pointwise), "dense" (at::linear). lora_a / lora_bt: a LoRALinear's adapter slots
+// (stage_worker/lora.py), whose products lora_ops.h adds for a step's tokens that use an adapter.
 struct LayerLinear {
   LayerLinear(const std::string& kind, at::Tensor weight, c10::optional<at::Tensor> scales,
               c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t out_features,
-              bool int8_activations);
+              bool int8_activations, c10::optional<at::Tensor> lora_a = c10::nullopt,
+              c10::optional<at::Tensor> lora_bt = c10::nullopt);
   at::Tensor operator()(const at::Tensor& x, const std::string& quant_family) const;
+  // the product, plus the adapters' for the tokens lora_slots names (none: the product alone)
+  at::Tensor operator()(const at::Tensor& x, const std::string& quant_family,
+                        const c10::optional<at::Tensor>& lora_slots) const;
 
   enum class Kind { kQuant, kBf16, kMkldnn, kDense } kind;
   at::Tensor weight;
   c10::optional<at::Tensor> scales, mins, bias;
   int64_t out_features;
   bool int8_activations;
+  c10::optional<at::Tensor> lora_a, lora_bt;
 };
 
 struct DecoderLayerPlan {
@@ -45,7 +51,8 @@ struct DecoderLayerPlan {
                                   const at::Tensor& positions, const at::Tensor& cos_sin, at::Tensor& k_cache,
                                   at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                   const at::Tensor& seqs, const at::Tensor& visible,
-                                  const std::string& attention_family, const std::string& quant_family) const;
+                                  const std::string& attention_family, const std::string& quant_family,
+                                  const c10::optional<at::Tensor>& lora_slots = c10::nullopt) const;
 
   at::Tensor input_norm, post_norm;
   double input_eps, post_eps;
