@@ -5,7 +5,9 @@ Arms:
 - lora-idle: --enable-lora with adapters loaded, every request on the base model (the Python layer path that
   LoRALinear forces, and nothing else);
 - one: every request on one adapter;
-- four: requests spread over four adapters (--max-loras 4).
+- four: requests spread over four adapters (--max-loras 4);
+- sixteen: requests spread over sixteen adapters, --max-loras 16 (--slots16 4: at most four run at once, the
+  rest wait their turn and slots change adapters as they go).
 
 The adapters are random PEFT adapters of rank --rank on q/k/v/o and the MLP projections. The workload is
 --num requests at once, each a --prompt-len token prompt and --output-len tokens out (ignore_eos), or one at a
@@ -26,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
-ARMS = ("base", "lora-idle", "one", "four")
+ARMS = ("base", "lora-idle", "one", "four", "sixteen")
 
 
 def make_adapters(model_dir: str, root: Path, rank: int, count: int) -> dict[str, Path]:
@@ -63,8 +65,10 @@ def run_arm(arm: str, model_dir: str, adapters: dict[str, Path], args) -> float:
     from stagemesh.local_engine import LocalEngine
 
     lora = {} if arm == "base" else dict(lora_modules=[f"{n}={p}" for n, p in adapters.items()],
-                                         max_loras=4, max_lora_rank=max(16, args.rank))
-    names = {"base": [""], "lora-idle": [""], "one": ["a0"], "four": ["a0", "a1", "a2", "a3"]}[arm]
+                                         max_loras=args.slots16 if arm == "sixteen" else 4,
+                                         max_lora_rank=max(16, args.rank), max_cpu_loras=len(adapters))
+    names = {"base": [""], "lora-idle": [""], "one": ["a0"], "four": ["a0", "a1", "a2", "a3"],
+             "sixteen": list(adapters)}[arm]
     prompts = [[100 + (i * 7 + j) % 20000 for j in range(args.prompt_len)] for i in range(args.num)]
     sampling = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     with LocalEngine(model_dir, dtype=args.dtype, enable_prefix_caching=False, **lora) as engine:
@@ -88,6 +92,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--batch1", action="store_true", help="one request at a time")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--slots16", type=int, default=16, help="--max-loras of the sixteen arm")
     args = p.parse_args()
     from stagemesh.core.default_model import default_model_dir
     from stage_worker.cpu_isa import cpu_flags, describe_isa
@@ -100,7 +105,7 @@ def main() -> None:
           f"{describe_isa(cpu_flags())}")
     results: dict[str, list[float]] = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = make_adapters(model_dir, Path(tmp), args.rank, 4)
+        adapters = make_adapters(model_dir, Path(tmp), args.rank, 16)
         for r in range(args.rounds):
             order = ARMS if r % 2 == 0 else tuple(reversed(ARMS))
             for arm in order:

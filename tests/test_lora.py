@@ -272,6 +272,14 @@ def test_serve_with_lora_answers_each_adapter_and_loads_and_unloads_them_at_run_
             assert list(pool.map(complete, cases)) == [want for _, want in cases]
         with pytest.raises(openai.NotFoundError, match="the model 'nope' does not exist"):
             client.completions.create(model="nope", prompt=[5, 6], max_tokens=2)
+        (prompt, adapter), want = cases[0]  # n > 1, logprobs and a structured output, under an adapter
+        reply = client.completions.create(model=adapter, prompt=prompt, max_tokens=NEW, temperature=0, n=2,
+                                          logprobs=2, extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert [c.model_extra["token_ids"] for c in reply.choices] == [want, want]
+        assert all(len(c.logprobs.token_logprobs) == NEW for c in reply.choices)
+        picked = client.completions.create(model=adapter, prompt=prompt, max_tokens=4, temperature=0,
+                                           extra_body={"structured_outputs": {"choice": ["w5 w6", "w9"]}})
+        assert picked.choices[0].text in ("w5 w6", "w9")
         metrics = requests.get(f"{base_url}/metrics", timeout=10).text
         assert re.search(r'vllm:lora_requests_info\{[^}]*max_lora="2"', metrics), metrics
         (prompt, adapter), want = cases[0]  # the gRPC frontend picks the adapter by its model too

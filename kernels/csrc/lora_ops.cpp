@@ -1,7 +1,7 @@
 // Multi-LoRA's product on CPU, per token (lora_ops.h). Each token's work is two small matrix-vector products:
 // the shrink, R dot products of length `in` (A's rows), then the expand, R axpys of length `out` (B^T's rows)
 // into an fp32 row that is rounded once. AVX-512 where the build has it (bf16 widened in registers), else plain
-// loops; tokens are spread over the threads. (Blocking several tokens of a slot per load of the rows measured
+// loops; tokens are spread over the threads in runs of one slot. (Blocking several tokens of a slot per load of the rows measured
 // slower here: for long steps torch's products, bf16 dot products among them, win; kernels.dispatch keeps this
 // kernel to decode-sized steps.)
 #include "lora_ops.h"
@@ -74,12 +74,26 @@ void lora_add_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, cons
   const T* xp = x.data_ptr<T>();
   const T* ap = a.data_ptr<T>();
   const T* bp = bt.data_ptr<T>();
+  // the tokens that use an adapter, ordered by slot (counting sort, stable): each thread takes a run of them,
+  // so a slot's rows stream from memory into one thread's cache once, not into every thread's
+  const int64_t num_slots = a.size(0);
+  std::vector<int64_t> start(num_slots + 1, 0), order;
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slots[t] >= 0) ++start[slots[t] + 1];
+  for (int64_t s = 0; s < num_slots; ++s) start[s + 1] += start[s];
+  order.resize(start[num_slots]);
+  {
+    std::vector<int64_t> next(start.begin(), start.end() - 1);
+    for (int64_t t = 0; t < tokens; ++t)
+      if (slots[t] >= 0) order[next[slots[t]]++] = t;
+  }
   const int64_t work = std::max<int64_t>(rank * (in + out), 1);
-  at::parallel_for(0, tokens, std::max<int64_t>((1 << 17) / work, 1), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(order.size()), std::max<int64_t>((1 << 17) / work, 1),
+                   [&](int64_t begin, int64_t end) {
     std::vector<float> xf(in), mid(rank), acc(out);
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t t = order[k];
       const int32_t s = slots[t];
-      if (s < 0) continue;
       const T* xr = xp + t * in;
       for (int64_t i = 0; i < in; ++i) xf[i] = to_float(xr[i]);
       const T* as = ap + s * rank * in;
