@@ -31,7 +31,7 @@ class OpenAIBackend:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
 
     async def send(self, req: BenchRequest) -> Result:
-        body = {"model": self.model, "max_tokens": req.max_tokens, "temperature": 0, "stream": True,
+        body = {"model": req.model or self.model, "max_tokens": req.max_tokens, "temperature": 0, "stream": True,
                 "ignore_eos": True}
         if self.ask_usage:  # else the tokens are counted from the text afterwards (stagemesh.bench.counting)
             body.update(return_token_ids=True, stream_options={"include_usage": True})

@@ -20,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the router's HTTP address")
     p.add_argument("--grpc-target", default="127.0.0.1:50050", help="the router's gRPC frontend")
     p.add_argument("--model", default=None, help="model name to send (default: the server's)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="LoRA adapters the server serves: each request names one of them as its model, picked at "
+                        "random (seeded), as vLLM bench's --lora-modules")
     p.add_argument("--model-path", default=None, help="model directory for the tokenizer and the baseline "
                                                       "(default: the embedded model)")
     p.add_argument("--api-key", default=None)
@@ -189,8 +192,16 @@ def run(args: argparse.Namespace) -> int:
         raise StagemeshError("--request-rate must be > 0 and --max-concurrency at least 1")
     if args.backend == "grpc" and args.count_tokens != "auto":
         raise StagemeshError("--count-tokens server / local is for --backend openai (gRPC replies carry usage)")
+    if args.backend == "grpc" and args.lora_modules:
+        raise StagemeshError("--lora-modules is for --backend openai (the gRPC client sends one model)")
     model_dir = resolve_model(args.model_path)
     requests = build_workload(args, model_dir)
+    if args.lora_modules:
+        import random
+
+        rng = random.Random(args.seed)
+        for req in requests:
+            req.model = rng.choice(args.lora_modules)
     summary: dict = {"backend": args.backend, "num_prompts": len(requests)}
     if not args.baseline_only:
         results, duration = asyncio.run(_serve_bench(args, requests, model_dir))

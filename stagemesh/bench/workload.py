@@ -16,6 +16,7 @@ class BenchRequest:
     prompt: str | None = None
     messages: list[dict] | None = None
     input_len: int = 0  # known for token-id prompts; from the usage otherwise
+    model: str | None = None  # --lora-modules: the adapter it names (else the run's model)
 
 
 def parse_range(text: str, flag: str) -> tuple[int, int]:
