@@ -282,6 +282,13 @@ def test_serve_with_lora_answers_each_adapter_and_loads_and_unloads_them_at_run_
         assert picked.choices[0].text.strip() in ("w5 w6", "w9")  # (a word-level tokenizer decodes " w9")
         metrics = requests.get(f"{base_url}/metrics", timeout=10).text
         assert re.search(r'vllm:lora_requests_info\{[^}]*max_lora="2"', metrics), metrics
+        for names, ok in ((["all", "attn"], 6), (["nope"], 0)):  # `stagemesh bench` spreads requests over adapters
+            bench = subprocess.run([sys.executable, "-m", "stagemesh", "bench", "--base-url", base_url, "--model-path",
+                                    str(model), "--num-prompts", "6", "--input-len-range", "4:8",
+                                    "--output-len-range", "3:3", "--lora-modules", *names, "--no-progress", "--json",
+                                    "-"], capture_output=True, text=True, timeout=120)
+            summary = json.loads(bench.stdout[bench.stdout.index("{"):])
+            assert summary["successful_requests"] == ok and summary["failed_requests"] == 6 - ok, bench.stdout[-2000:]
         (prompt, adapter), want = cases[0]  # the gRPC frontend picks the adapter by its model too
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             stub = frontend_pb2_grpc.FrontendStub(channel)
