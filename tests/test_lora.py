@@ -72,6 +72,19 @@ def test_slots_are_reused_as_adapters_come_and_go(model, adapters, cases):
         first += len(mine)
 
 
+def test_a_float_adapter_on_w8a16_base_weights(model, adapters, tmp_path):
+    """--quantization w8a16 keeps the base products quantised and adds each adapter's in float: transformers on
+    the dequantised weights, with the adapter merged on top."""
+    from test_quant_cuda import dequantised_dir
+
+    reference_dir = dequantised_dir(model, tmp_path / "dequantised", "w8a16")
+    ps = prompts(384, lengths=(13, 21), seed=7)
+    want = [reference_greedy(merged_reference(reference_dir, adapters["all"]), ps[0], NEW)[0],
+            reference_greedy(merged_reference(reference_dir, None), ps[1], NEW)[0]]
+    stages = runners(model, [2, 2], settings(adapters), quantization="w8a16")
+    assert run_mixed(stages, [(ps[0], "all"), (ps[1], "")], NEW) == want
+
+
 def test_adapters_added_and_removed_at_run_time_take_free_slots(model, adapters, cases):
     """stage_worker.lora.LoRAManager.add / remove (what a run-time load does on each stage): an adapter added
     later gives its tokens in a mixed batch; a removed one's slot goes to the next, and a step that names it is
