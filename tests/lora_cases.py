@@ -44,6 +44,21 @@ def make_adapter(path: Path, model_dir: Path, rank: int = 8, targets=ALL, seed: 
     return path
 
 
+def peft_adapter(path: Path, model_dir: Path, rank: int, targets, seed: int, alpha: float = 16.0,
+                 use_rslora: bool = False):
+    """An adapter made by PEFT itself (LoraConfig with random B, init_lora_weights=False, so that it changes the
+    tokens) on transformers' model, saved with save_pretrained; and that model with it merged by PEFT
+    (merge_and_unload): the reference."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(reference_model(model_dir), LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora, init_lora_weights=False,
+        lora_dropout=0.0, task_type="CAUSAL_LM"))
+    model.save_pretrained(str(path))
+    return path, model.merge_and_unload().eval()
+
+
 def merged_reference(model_dir: Path, adapter: Path | None):
     """transformers' model with the adapter merged into its weights."""
     model = reference_model(model_dir)

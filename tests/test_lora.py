@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lora_cases import ATTENTION, make_adapter, merged_reference, run_mixed, runners, settings
+from lora_cases import ATTENTION, make_adapter, merged_reference, peft_adapter, run_mixed, runners, settings
 from mesh import exit_codes, free_port
 from parity import prompts
 from stagemesh.core.errors import StagemeshError
@@ -51,6 +51,22 @@ def cases(model, adapters):
     base = reference_greedy(refs[""], ps[0], NEW)[0]
     assert base != out[0][1], "the adapter does not change the tokens: the test would prove nothing"
     return out
+
+
+def test_adapters_made_by_peft_give_transformers_plus_peft_merged_tokens(model, tmp_path):
+    """Adapters that PEFT itself made and saved (save_pretrained), served beside the base model in one batch over
+    two stages: each sequence gets the greedy tokens of transformers with PEFT's own merge of its adapter
+    (merge_and_unload)."""
+    pytest.importorskip("peft")
+    sql, sql_ref = peft_adapter(tmp_path / "sql", model, rank=8, targets=ATTENTION + ("down_proj",), seed=11)
+    chat, chat_ref = peft_adapter(tmp_path / "chat", model, rank=4, targets=("q_proj", "v_proj", "gate_proj",
+                                                                            "up_proj"), seed=12, use_rslora=True)
+    ps = prompts(384, lengths=(12, 7, 19), seed=9)
+    want = [reference_greedy(sql_ref, ps[0], NEW)[0], reference_greedy(merged_reference(model, None), ps[1], NEW)[0],
+            reference_greedy(chat_ref, ps[2], NEW)[0]]
+    assert want[0] != reference_greedy(merged_reference(model, None), ps[0], NEW)[0]  # the adapter matters
+    stages = runners(model, [2, 2], settings({"sql": sql, "chat": chat}))
+    assert run_mixed(stages, [(ps[0], "sql"), (ps[1], ""), (ps[2], "chat")], NEW) == want
 
 
 @pytest.mark.parametrize("split", ["4", "1,3"])
