@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 from dataclasses import dataclass, field
 
 from stagemesh.core.lora import lora_argv
+from stagemesh.core.ports import free_port
 from stagemesh.core.service_options import service_argv
 from stagemesh.cpu_plan import CpuPlan, cpu_plan
 
@@ -43,12 +43,6 @@ class Addresses:
 def cpu_stage_env() -> dict[str, str]:
     """What a CPU stage that shares its cores with other stages (PP > 1 on one host) adds to its environment."""
     return cpu_plan(os.cpu_count() or 1, pp=2, user_env=set(os.environ)).env
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import os
-import random
-import socket
 import subprocess
 import sys
 import threading
@@ -17,37 +15,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router.submit_stream import REASONS
 from stagemesh.core.model_config import layer_ranges
 from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core import ports
 from stagemesh.core.wire import sampling_to_pb
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-_EPHEMERAL_LOW = _ephemeral_low()
-_GIVEN: set[int] = set()
-
-
 def free_port() -> int:
-    """A loopback port for a server a test starts. Not from the kernel's ephemeral range (a port 0 bind would give
-    one, and any outbound connection may take it before the server binds: its start then fails), not one handed
-    out before in this run, nothing bound to it now."""
-    low = 20000 if _EPHEMERAL_LOW > 21000 else 1024
-    while True:
-        port = random.randrange(low, _EPHEMERAL_LOW)
-        if port in _GIVEN:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _GIVEN.add(port)
-        return port
+    """A loopback port for a server a test starts (stagemesh.core.ports: not from the kernel's ephemeral range,
+    not one handed out before in this run, nothing bound to it now)."""
+    return ports.free_port()
 
 
 # the processes started here (and the tests' and benchmarks' clients) share one internal token
