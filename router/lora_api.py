@@ -95,7 +95,8 @@ async def load_everywhere(registry, name: str, path: str) -> None:
               and res.code() != grpc.StatusCode.UNAVAILABLE]
     other = next((res for res in results if isinstance(res, BaseException)
                   and not isinstance(res, grpc.aio.AioRpcError)), None)
-    if other is not None:
+    if other is not None:  # (not a refusal: still, no replica keeps what it loaded)
+        await asyncio.gather(*(_unload(r, name) for r in done))
         raise other
     if failed or not done:
         await asyncio.gather(*(_unload(r, name) for r in done))
@@ -114,6 +115,8 @@ async def load_everywhere(registry, name: str, path: str) -> None:
 async def unload_lora_adapter(request: web.Request) -> web.Response:
     _, registry = _registry(request)
     body = await _body(request, ("lora_name",), ("lora_int_id",))
+    if "lora_int_id" in body:  # (vLLM's optional id; stagemesh's adapters have names only)
+        raise bad_request("lora_int_id is not supported: adapters are unloaded by lora_name", "lora_int_id")
     name = body["lora_name"]
     if name not in registry.names():
         raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
@@ -132,6 +135,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
 async def _unload_when_unused(replica, name: str) -> None:
     """The replica forgets the adapter once no request of its uses it (at most UNLOAD_WAIT_S)."""
     deadline = asyncio.get_running_loop().time() + UNLOAD_WAIT_S
+    waiting = False
     while True:
         try:
             await replica.unload_lora(name)
@@ -147,6 +151,10 @@ async def _unload_when_unused(replica, name: str) -> None:
             if asyncio.get_running_loop().time() > deadline:
                 raise APIError(400, f"{err.details()}: still so after {UNLOAD_WAIT_S:.0f}s (replica "
                                     f"{replica.address}); no new request takes it, try again", "lora_name") from None
+            if not waiting:
+                waiting = True
+                log.info("LoRA adapter %r: waiting (at most %.0fs) for replica %s's requests that use it to finish",
+                         name, UNLOAD_WAIT_S, replica.address)
             await asyncio.sleep(UNLOAD_RETRY_S)
 
 

@@ -395,6 +395,8 @@ def test_serve_with_lora_answers_each_adapter_and_loads_and_unloads_them_at_run_
                 (body, reply.text)
         reply = post("/v1/unload_lora_adapter", {"lora_name": "nope"})
         assert reply.status_code == 404 and "The lora adapter 'nope' cannot be found." in reply.text
+        reply = post("/v1/unload_lora_adapter", {"lora_name": "rs", "lora_int_id": 1})  # refused, not ignored
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "lora_int_id", reply.text
         assert listed() == {"base": None, "all": "base", "rs": "base"}
         assert complete(cases[0]) == cases[0][1]  # and the mesh serves on
     finally:
@@ -456,6 +458,38 @@ def test_lora_aware_routing_prefers_a_replica_that_runs_the_adapter_or_has_a_fre
     for r in (runs, room, idle):
         r.load = 10 * LORA_LOAD_SLACK
     assert lora_affinity(both, "chat") == both  # the slots are all far busier than the full one: load decides
+
+
+def test_a_run_time_load_that_fails_on_one_replica_is_undone_on_the_others():
+    """router.lora_api.load_everywhere: whatever stops one replica's load (a refusal, or any other exception),
+    the replicas that did load the adapter unload it again, so none keeps an adapter the router does not list."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from router.lora_api import load_everywhere
+
+    class Replica:  # the two calls load_everywhere makes of router.replicas.Replica
+        def __init__(self, address, error=None):
+            self.address, self.error, self.forgotten, self.lora_adapters, self.held = address, error, False, {}, set()
+
+        async def load_lora(self, name, path):
+            if self.error is not None:
+                raise self.error
+            self.held.add(name)
+
+        async def unload_lora(self, name):
+            self.held.discard(name)
+
+    for error, raised in [(RuntimeError("the replica's answer could not be read"), RuntimeError),
+                          (ValueError("bad"), ValueError)]:
+        good, bad = Replica("a"), Replica("b", error)
+        registry = SimpleNamespace(replica_set=SimpleNamespace(replicas=[good, bad]))
+        with pytest.raises(raised):
+            asyncio.run(load_everywhere(registry, "x", "/adapters/x"))
+        assert good.held == set() and good.lora_adapters == {}
+    good = Replica("a")
+    asyncio.run(load_everywhere(SimpleNamespace(replica_set=SimpleNamespace(replicas=[good])), "x", "/adapters/x"))
+    assert good.held == {"x"} and good.lora_adapters == {"x": "/adapters/x"}
 
 
 def test_the_kv_aware_policy_matches_an_adapters_blocks_only_for_that_adapter():
