@@ -19,6 +19,7 @@ from aiohttp import web
 
 from router.errors import APIError, bad_request
 from router.http_body import read_json
+from router.state import CONFIG
 from stagemesh.core.lora import LoRAError, check_adapter_name
 
 log = logging.getLogger("stagemesh.router")
@@ -57,8 +58,6 @@ async def _body(request: web.Request, fields: tuple[str, ...], optional: tuple[s
 
 
 def _registry(request: web.Request):
-    from router.app import CONFIG  # (app imports this module)
-
     config = request.app[CONFIG]
     if not config.lora.enabled:
         raise bad_request(f"{request.path}: this server runs without --enable-lora", "lora_name")
