@@ -27,7 +27,7 @@ from tiny_models import make_tiny_model, with_word_tokenizer  # noqa: E402
 
 from router.kv_index import KVFeed, KVIndex  # noqa: E402
 from scheduler.kv_events import AllBlocksCleared, BlockStored, KVEventBatch  # noqa: E402
-from scheduler.service import kv_batch_to_pbs  # noqa: E402
+from scheduler.replies import kv_batch_to_pbs  # noqa: E402
 from stagemesh.core.sampling_params import SamplingParams  # noqa: E402
 from stagemesh.v1 import router_pb2, router_pb2_grpc, scheduler_pb2  # noqa: E402
 

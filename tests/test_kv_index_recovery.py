@@ -15,7 +15,7 @@ import pytest
 from router.kv_index import CAP_SLACK, KVAware, KVFeed, KVIndex
 from scheduler.block_manager import BlockManager
 from scheduler.kv_events import DROP_SEQ_ENV, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventHub
-from scheduler.service import kv_batch_to_pbs
+from scheduler.replies import kv_batch_to_pbs
 from stagemesh.core.block_hash import chain_hash, prefix_hashes
 
 BS = 4

@@ -13,6 +13,7 @@ PROTOBUF_EDGES = {
     "stagemesh.core.wire", "stagemesh.core.step_wire", "stagemesh.core.tensor_wire",  # domain <-> protobuf
     "stagemesh.core.health",  # grpc.health.v1 for every service
     "scheduler.service", "stage_worker.service", "router.frontend", "router.control",  # the servicers
+    "scheduler.replies",  # the scheduler servicer's outputs and refusals as messages
     "scheduler.grpc_pipeline",  # the scheduler's client of the stages
     "scheduler.kv_peers",  # a decode scheduler's client of its prefill peers' schedulers (their stages)
     "router.submit_stream", "router.replicas",  # the router's clients of the schedulers
