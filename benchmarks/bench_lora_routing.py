@@ -1,7 +1,7 @@
 """LoRA-aware routing against round-robin (issue 46): how many adapter slot loads the router's choice avoids.
 
 A discrete-time model of N replicas, each with --max-loras slots (LRU) and a batch of running requests, fed the
-same arrival stream under each arm. The routing decision is the router's own code: router.replicas.lora_affinity
+same arrival stream under each arm. The routing decision is the router's own code: router.replica_set.lora_affinity
 in front of a policy of router.balancing, on replicas that show what a scheduler's stats show (running
 adapters, --max-loras, load). What the model counts, per arm:
 - slot loads: a request starts on a replica whose slots do not hold its adapter (the stage fills a slot from
@@ -75,7 +75,7 @@ class SimReplica:
 
 def run_arm(arm: str, args, arrivals: list[list[str]]) -> dict:
     from router.balancing import LeastLoad, RoundRobin
-    from router.replicas import lora_affinity
+    from router.replica_set import lora_affinity
 
     replicas = [SimReplica(f"r{i}", args.max_loras, args.max_num_seqs) for i in range(args.replicas)]
     policy = RoundRobin() if arm == "round-robin" else LeastLoad()

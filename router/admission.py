@@ -7,7 +7,7 @@ from router.choices import plan
 from router.errors import APIError, bad_request
 from router.generation import Generation
 from router.prompts import prepare
-from router.replicas import ReplicaSet
+from router.replica_set import ReplicaSet
 from router.request import GenerateRequest
 from router.tokenization import Tokenizer
 

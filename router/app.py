@@ -19,7 +19,7 @@ from router.openai_request import chat_request, completion_request
 from router.openapi import openapi_document
 from router.prompts import render
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, validate
-from router.replicas import ReplicaSet
+from router.replica_set import ReplicaSet
 from router.request import GenerateRequest
 from router.request_builder import chat_options, check_model
 from router.responses_api import handlers as responses_api

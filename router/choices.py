@@ -14,7 +14,7 @@ from typing import AsyncIterator
 
 from router.generation import Delta, Generation, fit_max_tokens, generate
 from router.observe import group_done
-from router.replicas import ReplicaSet
+from router.replica_set import ReplicaSet
 from router.request import GenerateRequest
 from router.tokenization import Tokenizer
 from stagemesh.core.sampling_params import INT64_MIN

@@ -109,7 +109,7 @@ async def _main(args: argparse.Namespace) -> int:
     from router.app import build_app
     from router.balancing import POLICIES
     from router.http_server import GatewayRunner
-    from router.replicas import ReplicaSet
+    from router.replica_set import ReplicaSet
     from router.tokenization import Tokenizer
     from stagemesh.core.errors import StagemeshError
     from stagemesh.core.model_source import resolve_source

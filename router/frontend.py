@@ -16,7 +16,7 @@ from router.config import RouterConfig
 from router.errors import APIError, bad_request
 from router.prompts import render
 from router.protocol import ChatMessage
-from router.replicas import ReplicaSet
+from router.replica_set import ReplicaSet
 from router.request import GenerateRequest, Prompt
 from router.request_builder import RequestBuilder, chat_options
 from router.resume import EventIds, ResumePoint

@@ -20,7 +20,7 @@ import grpc
 
 from router.errors import APIError, bad_request
 from router.observe import RequestRecord
-from router.replicas import ReplicaSet
+from router.replica_set import ReplicaSet
 from router.request import GenerateRequest
 from router.submit_stream import ReplicaOutput, RequestFailed
 from router.tokenization import IncrementalDetokenizer, StopStrings, Tokenizer

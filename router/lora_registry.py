@@ -18,7 +18,7 @@ class LoRARegistry:
     loaded: dict[str, str] = field(default_factory=dict)  # name -> path: loaded at run time through this router
     unloading: set[str] = field(default_factory=set)  # being unloaded: no new request takes them
     unloaded: set[str] = field(default_factory=set)  # unloaded through this router (and not loaded since)
-    replica_set: object = None  # router.replicas.ReplicaSet (its replicas report their adapters)
+    replica_set: object = None  # router.replica_set.ReplicaSet (its replicas report their adapters)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one load or unload at a time
     sync_task: asyncio.Task | None = None  # router.lora_api.sync, when it runs
 

@@ -8,7 +8,7 @@ from aiohttp import web
 
 from router.config import RouterConfig
 from router.errors import bad_request
-from router.replicas import ReplicaSet
+from router.replica_set import ReplicaSet
 from router.request import GenerateRequest
 from router.tokenization import Tokenizer
 

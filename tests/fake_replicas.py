@@ -19,7 +19,8 @@ from router.balancing import LeastLoad
 from router.config import RouterConfig
 from router.frontend import FrontendServicer, serve_frontend
 from router.http_server import GatewayRunner
-from router.replicas import Replica, ReplicaSet
+from router.replica_set import ReplicaSet
+from router.replicas import Replica
 import grpc
 
 from router.submit_stream import ReplicaOutput, RequestFailed

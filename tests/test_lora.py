@@ -432,11 +432,11 @@ def test_the_scheduler_refuses_a_stage_without_its_adapters_or_slots():
 
 
 def test_lora_aware_routing_prefers_a_replica_that_runs_the_adapter_or_has_a_free_slot():
-    """router.replicas.lora_affinity, on the replicas' stats (--max-loras and running adapters), weighed against
+    """router.replica_set.lora_affinity, on the replicas' stats (--max-loras and running adapters), weighed against
     load: a replica running the adapter first, then one with a free slot, unless those are far busier."""
     from dataclasses import dataclass
 
-    from router.replicas import LORA_LOAD_SLACK, lora_affinity
+    from router.replica_set import LORA_LOAD_SLACK, lora_affinity
 
     @dataclass
     class R:  # what lora_affinity reads of a replica (router.replicas.Replica)

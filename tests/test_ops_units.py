@@ -164,7 +164,7 @@ def test_the_router_takes_replicas_while_it_serves():
     from router import metrics
     from router.balancing import LeastLoad
     from router.control import checked_replicas
-    from router.replicas import ReplicaSet
+    from router.replica_set import ReplicaSet
     from stagemesh.v1 import router_pb2
 
     def request(*entries) -> router_pb2.SetReplicasRequest:

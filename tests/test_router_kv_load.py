@@ -14,7 +14,7 @@ from fake_replicas import FakeReplica, FakeStream
 from router.balancing import LeastLoad
 from router.errors import APIError
 from router.generation import Generation, _stream
-from router.replicas import ReplicaSet
+from router.replica_set import ReplicaSet
 from router.submit_stream import ReplicaOutput, RequestFailed
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import scheduler_pb2
