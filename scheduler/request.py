@@ -56,6 +56,15 @@ class Request:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
         self.hash_root = adapter_root(self.lora_name)  # its prefix-cache blocks' root: its adapter's
 
+    def restart(self) -> None:
+        """Back to waiting with nothing computed, its generated tokens kept: the pipeline broke under it
+        (Scheduler.requeue_all). Its prompt is computed again here, even if a prefill replica held its KV."""
+        self.status, self.seq_id = Status.WAITING, -1
+        self.num_computed_tokens = self.in_flight = self.num_output_placeholders = 0
+        self.spec_token_ids = []
+        self.kv_source, self.kv_ready = None, False
+        self.tiers_checked = False
+
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -4,25 +4,39 @@ prefix cache, a prefill_only request's KV held for a decode replica (scheduler.k
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from scheduler.block_manager import BlockManager
+from scheduler.config import SchedulerConfig
 from scheduler.pipeline import token_runs
 from scheduler.request import HeldKV, Request, RequestOutput
-from stagemesh.core.step import PromptLogprobs, SampledToken
-
-if TYPE_CHECKING:
-    from scheduler.scheduler import Scheduler, SchedulerOutput
+from scheduler.speculation import Speculator
+from stagemesh.core.step import PromptLogprobs, SampledToken, StepBatch
 
 
-def take_step(s: Scheduler, output: SchedulerOutput, sampled: list[SampledToken],
+class Queues(Protocol):
+    """What a step's results change of the scheduler (scheduler.scheduler.Scheduler): its requests, their
+    blocks, the speculator's figures and proposals, and finish, which ends a request."""
+    config: SchedulerConfig
+    requests: dict[str, Request]
+    kv: BlockManager
+    spec: Speculator | None
+    max_model_len: int
+
+    def finish(self, request: Request, reason: str, error: str | None = None, own_fault: bool = False,
+               kv_load_failed: bool = False) -> RequestOutput: ...
+
+
+def take_step(s: Queues, batch: StepBatch, request_ids: list[str], sampled: list[SampledToken],
               prompt_logprobs: Sequence[PromptLogprobs], drafts: dict[int, list[int]]) -> list[RequestOutput]:
     """Scheduler.update_from_output: each sampling chunk's tokens (1..N+1 for a chunk with N drafts, checked
-    by scheduler.pipeline.check_result), prompt logprobs, and a draft model's proposals (`drafts`)."""
+    by scheduler.pipeline.check_result), prompt logprobs, and a draft model's proposals (`drafts`), for the
+    step `batch` of these requests (in chunk order)."""
     by_seq = dict(token_runs(sampled))
     scored = {p.seq_id: p for p in prompt_logprobs}
     outputs: list[RequestOutput] = []
-    c = output.step_batch.chunks
-    for request_id, seq_id, start, n, sample, num_drafts in zip(output.request_ids, c.seq_ids, c.start_positions,
+    c = batch.chunks
+    for request_id, seq_id, start, n, sample, num_drafts in zip(request_ids, c.seq_ids, c.start_positions,
                                                                 c.num_tokens, c.sample, c.draft_counts()):
         request = s.requests.get(request_id)
         if request is None or request.seq_id != seq_id:
@@ -47,7 +61,7 @@ def take_step(s: Scheduler, output: SchedulerOutput, sampled: list[SampledToken]
     return outputs
 
 
-def _take_tokens(s: Scheduler, request: Request, tokens: list[SampledToken], num_drafts: int, computed: int,
+def _take_tokens(s: Queues, request: Request, tokens: list[SampledToken], num_drafts: int, computed: int,
                  proposed: list[int] | None) -> RequestOutput:
     """Append a chunk's tokens one by one, each checked against the stop conditions (a stop inside an
     accepted run ends the request there); the rejected drafts' positions count as not computed (their
@@ -64,7 +78,7 @@ def _take_tokens(s: Scheduler, request: Request, tokens: list[SampledToken], num
         result.queue_seconds = request.first_scheduled_time - request.arrival_time
     for token in tokens:
         if token.error is not None:  # this request's row failed to sample: it ends alone
-            failed = s._finish(request, "error", error=token.error, own_fault=True)
+            failed = s.finish(request, "error", error=token.error, own_fault=True)
             failed.new_token_ids, failed.new_logprobs = result.new_token_ids, result.new_logprobs
             return failed
         request.append_output(token.token_id)
@@ -77,7 +91,7 @@ def _take_tokens(s: Scheduler, request: Request, tokens: list[SampledToken], num
             result.held_kv = HeldKV(list(s.kv.tables.get(request.request_id, ())), len(request.prompt_token_ids))
         if reason is not None:
             _cache_blocks(s, request, computed)
-            s._finish(request, reason)
+            s.finish(request, reason)
             result.finish_reason, result.stop_token_id = reason, stop_id
             return result
     _cache_blocks(s, request, computed)
@@ -86,7 +100,7 @@ def _take_tokens(s: Scheduler, request: Request, tokens: list[SampledToken], num
     return result
 
 
-def _cache_blocks(s: Scheduler, request: Request, computed: int) -> None:
+def _cache_blocks(s: Queues, request: Request, computed: int) -> None:
     """Blocks full of tokens a step took in has computed (not those of a step ahead, in flight; not
     rejected drafts) may serve as a cached prefix."""
     s.kv.cache_full_blocks(request.request_id, request.all_token_ids, min(computed, request.num_tokens),

@@ -34,8 +34,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from scheduler import recovery, results
-from scheduler.admission import check_request
+from scheduler import results
+from scheduler.admission import check_request, fits_kv_cache
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.kv_transfer import KVLoadFailed, KVSourceInfo, KVTransfers, failure_message
@@ -168,7 +168,7 @@ class Scheduler:
         if ok or self.config.kv_load_failure_policy == "recompute":
             self.waiting.appendleft(request)
             return []
-        return [self._finish(request, "error", error=error, kv_load_failed=True)]
+        return [self.finish(request, "error", error=error, kv_load_failed=True)]
 
     def kv_tier_loaded(self, job: LoadJob, flags: list[bool]) -> None:
         """The driver's load of a request's blocks from the KV tiers ended (flags: per block, loaded): it runs
@@ -188,30 +188,63 @@ class Scheduler:
         request.kv_ready = True
         self.waiting.appendleft(request)
 
+    # -- a broken pipeline (docs/recovery.md): the old epoch's scheduler requeues, the next one's takes over ---
     def requeue_all(self) -> list[Request]:
-        """The pipeline broke: every request back to waiting, kept for the next epoch (scheduler.recovery)."""
-        return recovery.requeue_all(self)
+        """Every request goes back to waiting, as if preempted (generated tokens kept, its KV gone with the
+        epoch), running ones first, until a scheduler of the next epoch takes them over (take_over) or they fail
+        (fail_all). Nothing a step in flight computed was streamed, so recomputing loses and repeats nothing
+        (a seeded request draws by (seed, position); drafts are proposed again). Returns them."""
+        for r in self.running:  # (a waiting one lost no work)
+            r.num_recoveries += 1
+        loading = self.kv.tiers.pending() if self.kv.tiers is not None else []
+        requests = self.policy.order([*self.running, *self.waiting, *self.transfers.pending(), *loading])
+        releases = self.transfers.take_releases()  # (the KV prefill replicas hold for requests gone: still released)
+        self.transfers = KVTransfers(self.config.kv_hold_timeout_s)  # held KV and pulls end with the cache
+        # a request whose prompt KV a prefill replica holds computes it again here: that KV may be freed
+        releases += [r.kv_source for r in requests if r.kv_source is not None]
+        for r in requests:
+            r.restart()
+        self.transfers.requeue_releases(releases)
+        self.running, self.waiting = [], deque(requests)
+        self._finished_seq_ids = []
+        self.kv = BlockManager(self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        return requests
 
     def take_over(self, old: Scheduler) -> list[RequestOutput]:
-        """Adopt the requests `old` kept through a broken pipeline; returns the outputs of those that no longer
-        fit (scheduler.recovery)."""
-        return recovery.take_over(self, old)
+        """Adopt the requests `old` kept (after its requeue_all), in their order; those that no longer fit this
+        epoch's context length or KV cache fail (their outputs are returned)."""
+        assert not old.running, "take_over needs the old scheduler's requests requeued"
+        failed, cfg = [], self.config
+        for request in old.waiting:
+            total = len(request.prompt_token_ids) + request.sampling.max_tokens
+            if total > self.max_model_len or not fits_kv_cache(cfg, total):
+                request.status = Status.FINISHED
+                failed.append(RequestOutput(
+                    request.request_id, finish_reason="error", num_prompt_tokens=len(request.prompt_token_ids),
+                    error=f"the pipeline re-formed with room for {self.max_model_len} tokens per request "
+                          f"and a KV cache of {cfg.kv_cache_tokens}; this request needs {total}"))
+                continue
+            self.requests[request.request_id] = request
+            self.policy.enqueue(self.waiting, request)
+        old.requests, old.waiting = {}, deque()
+        self.transfers.requeue_releases(old.transfers.take_releases())
+        return failed
 
     def fail(self, request_ids, error: str) -> list[RequestOutput]:
         """End these requests with `error` (not their own fault)."""
-        return [self._finish(self.requests[r], "error", error=error) for r in request_ids if r in self.requests]
+        return [self.finish(self.requests[r], "error", error=error) for r in request_ids if r in self.requests]
 
     def abort(self, request_ids) -> list[RequestOutput]:
         outputs = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is not None:
-                outputs.append(self._finish(request, "abort"))
+                outputs.append(self.finish(request, "abort"))
         return outputs
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """The pipeline broke: every request ends with `error` (their KV is gone with the epoch)."""
-        outputs = [self._finish(r, "error", error=error) for r in list(self.requests.values())]
+        outputs = [self.finish(r, "error", error=error) for r in list(self.requests.values())]
         self._finished_seq_ids.clear()
         return outputs
 
@@ -459,10 +492,12 @@ class Scheduler:
                            drafts: dict[int, list[int]] | None = None) -> list[RequestOutput]:
         """Take a step's result in: each sampling chunk's tokens (1..N+1 for a chunk with N drafts, checked by
         scheduler.pipeline.check_result), prompt logprobs, and a draft model's proposals (scheduler.results)."""
-        return results.take_step(self, output, sampled, prompt_logprobs, drafts or {})
+        return results.take_step(self, output.step_batch, output.request_ids, sampled, prompt_logprobs, drafts or {})
 
-    def _finish(self, request: Request, reason: str, error: str | None = None, own_fault: bool = False,
+    def finish(self, request: Request, reason: str, error: str | None = None, own_fault: bool = False,
                 kv_load_failed: bool = False) -> RequestOutput:
+        """End a request for `reason` (stop, length, abort, prefilled, error): out of the queues, its sequence
+        ended on the stages, its blocks freed (or held for a decode replica: prefilled); returns its output."""
         self.requests.pop(request.request_id, None)
         if request.status is Status.RUNNING:
             self.running.remove(request)
