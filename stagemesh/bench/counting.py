@@ -113,7 +113,7 @@ class TokenCounter:
 
     async def _tokens(self, text: str, completion: bool) -> tuple[int, str]:
         if self.mode != "local" and self._endpoint == "/tokenize":
-            body = {"model": self.model, "prompt": text}
+            body: dict[str, object] = {"model": self.model, "prompt": text}
             if completion:
                 body["add_special_tokens"] = False
             return len(await self._post("/tokenize", body)), "server POST /tokenize"
