@@ -48,7 +48,7 @@ async def run(req: GenerateRequest, gens: list[Generation], replicas: ReplicaSet
     """(choice, delta) as they come, from every choice, until each has finished. The first error ends it
     all (the other choices are aborted)."""
     queue: asyncio.Queue = asyncio.Queue()
-    firsts = {}
+    firsts: dict[tuple[int, ...], Generation] = {}
     for gen in gens:
         firsts.setdefault(tuple(gen.prompt_ids), gen)
 
@@ -71,8 +71,8 @@ async def run(req: GenerateRequest, gens: list[Generation], replicas: ReplicaSet
             item = await queue.get()
             if isinstance(item, asyncio.Task):
                 running -= 1
-                if not item.cancelled() and item.exception() is not None:
-                    raise item.exception()
+                if not item.cancelled() and (err := item.exception()) is not None:
+                    raise err
                 continue
             yield item
         _count_groups(req, gens)
