@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import aclosing
 from dataclasses import replace
-from typing import AsyncIterator
+from typing import AsyncGenerator
 
 from router.generation import Delta, Generation, fit_max_tokens, generate
 from router.observe import group_done
@@ -44,7 +44,7 @@ def _sibling_seed(seed: int | None, i: int) -> int | None:
 
 
 async def run(req: GenerateRequest, gens: list[Generation], replicas: ReplicaSet,
-              tokenizer: Tokenizer) -> AsyncIterator[tuple[Generation, Delta]]:
+              tokenizer: Tokenizer) -> AsyncGenerator[tuple[Generation, Delta], None]:
     """(choice, delta) as they come, from every choice, until each has finished. The first error ends it
     all (the other choices are aborted)."""
     queue: asyncio.Queue = asyncio.Queue()
