@@ -95,7 +95,7 @@ def check_gcs(address: str, stopping: Callable[[], bool]) -> None:
     given = os.environ.get("RAY_ADDRESS")
     where = "RAY_ADDRESS" if given else "the last `ray start` on this node"
     channel = init_grpc_channel(address)
-    try:
+    try:  # (Ray's generated gcs_service_pb2 makes its message classes at run time: mypy sees none of them)
         call = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId.future(
             gcs_service_pb2.GetClusterIdRequest(), timeout=GCS_ANSWER_TIMEOUT_S, wait_for_ready=True)  # type: ignore[attr-defined]
         while not call.done():
