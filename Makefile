@@ -69,7 +69,7 @@ serve: install
 test: install check-protos
 	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
 
-# ruff (pycodestyle, pyflakes, bugbear) on everything, mypy on the layers the services share (pyproject.toml)
+# ruff (pycodestyle, pyflakes, bugbear) on everything, mypy on all five packages (pyproject.toml)
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy

@@ -61,6 +61,7 @@ def _module_name(capability: str) -> str:
 
 def _import(name: str, path: Path):
     spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None  # (a path ending in .so always has a loader)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -50,7 +50,7 @@ class AttentionPlan:
         num_seqs, device = context_lens.shape[0], context_lens.device
         self.prefills: list[tuple[int, int, int, int]] = []  # (sequence, first row, end row, context length)
         self.decode_rows = None
-        self._layout = None
+        self._layout: _GatherLayout | None = None
         if int(query_start_loc[-1]) == num_seqs:  # every query length is 1
             self.decode_seqs, self.decode_lens = torch.arange(num_seqs, device=device), context_lens
             return
@@ -184,7 +184,7 @@ def build_cos_sin_cache(head_dim: int, max_positions: int, rope_theta: float, ro
     inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = (rope_scaling or {}).get("rope_type", "default")
     if rope_type == "llama3":
-        inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+        inv_freq = _llama3_inv_freq(inv_freq, rope_scaling or {})
     elif rope_type != "default":
         raise StagemeshError(f"rope scaling {rope_type!r} is not supported (default and llama3 are)")
     positions = torch.arange(max_positions, dtype=torch.int64).float()

@@ -20,7 +20,7 @@ from router.openapi import openapi_document
 from router.prompts import render
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, validate
 from router.replica_set import ReplicaSet
-from router.request import GenerateRequest
+from router.request import GenerateRequest, Prompt
 from router.request_builder import chat_options, check_model
 from router.responses_api import handlers as responses_api
 from router.responses_api.store import open_store
@@ -98,7 +98,8 @@ async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamRes
     _resumable(request, req)
     answer_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{base}"
     prompts, gens = await launch(req, replicas, tokenizer, request.app[CONFIG].max_model_len, answer_id)
-    echoes = [await _echo_text(req, p, ids, tokenizer) for p, ids in zip(req.prompts or [None], prompts)]
+    texts: list[Prompt | None] = [*req.prompts] or [None]  # (a chat's one prompt has none)
+    echoes = [await _echo_text(req, p, ids, tokenizer) for p, ids in zip(texts, prompts)]
     answer = responses.Answer(req, answer_id, int(time.time()), gens, tokenizer, echoes)
     headers = {"X-Request-Id": base}
     deltas = choices.run(req, gens, replicas, tokenizer)
@@ -133,6 +134,7 @@ async def _echo_text(req: GenerateRequest, prompt, ids: list[int], tokenizer: To
     if not req.echo:
         return ""
     if req.chat:
+        assert req.chat_options is not None  # (the request builder sets them for a chat)
         last = req.chat_options.messages[-1]
         return (last["content"] or "") if last["role"] == "assistant" else ""
     if prompt.text is not None and req.truncate_prompt_tokens is None:

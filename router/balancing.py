@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Mapping
 
 from router.kv_index import KVAware
 
@@ -54,7 +55,7 @@ class CacheAware:
         return choice
 
     def _matched(self, address: str, prefixes: list[int]) -> int:
-        seen = self.seen.get(address, {})
+        seen: Mapping[int, None] = self.seen.get(address, {})
         n = 0
         for h in prefixes:
             if h not in seen:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import aclosing
 from dataclasses import replace
-from typing import AsyncIterator
+from typing import AsyncGenerator
 
 from router.generation import Delta, Generation, fit_max_tokens, generate
 from router.observe import group_done
@@ -44,11 +44,11 @@ def _sibling_seed(seed: int | None, i: int) -> int | None:
 
 
 async def run(req: GenerateRequest, gens: list[Generation], replicas: ReplicaSet,
-              tokenizer: Tokenizer) -> AsyncIterator[tuple[Generation, Delta]]:
+              tokenizer: Tokenizer) -> AsyncGenerator[tuple[Generation, Delta], None]:
     """(choice, delta) as they come, from every choice, until each has finished. The first error ends it
     all (the other choices are aborted)."""
     queue: asyncio.Queue = asyncio.Queue()
-    firsts = {}
+    firsts: dict[tuple[int, ...], Generation] = {}
     for gen in gens:
         firsts.setdefault(tuple(gen.prompt_ids), gen)
 
@@ -71,8 +71,8 @@ async def run(req: GenerateRequest, gens: list[Generation], replicas: ReplicaSet
             item = await queue.get()
             if isinstance(item, asyncio.Task):
                 running -= 1
-                if not item.cancelled() and item.exception() is not None:
-                    raise item.exception()
+                if not item.cancelled() and (err := item.exception()) is not None:
+                    raise err
                 continue
             yield item
         _count_groups(req, gens)

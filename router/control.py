@@ -61,7 +61,7 @@ class RouterControlServicer(router_pb2_grpc.RouterControlServicer):
     async def GetKVIndex(self, request, context):
         index = getattr(self.replicas.policy, "index", None)
         if index is None or request.replica not in {r.address for r in self.replicas.replicas}:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV index of replica {request.replica[:255]!r} "
+            return await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV index of replica {request.replica[:255]!r} "
                                 "(not a replica of this router, or its --policy is not kv-aware)")
         epoch, seq = index.positions.get(request.replica, (0, 0))
         reason = index.degraded.get(request.replica, "")

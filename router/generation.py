@@ -14,7 +14,7 @@ import asyncio
 import logging
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator
+from typing import AsyncGenerator
 
 import grpc
 
@@ -100,7 +100,7 @@ def fit_max_tokens(req: GenerateRequest, sampling: SamplingParams, prompt_len: i
 
 
 async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
-                   tokenizer: Tokenizer) -> AsyncIterator[Delta]:
+                   tokenizer: Tokenizer) -> AsyncGenerator[Delta, None]:
     """Deltas of text (and ids, logprobs) until the request finishes."""
     detok = IncrementalDetokenizer(tokenizer, req.skip_special_tokens, req.spaces_between_special_tokens,
                                    gen.prompt_ids)

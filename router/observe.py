@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TypedDict
 
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -12,7 +13,14 @@ from router import metrics as m
 
 log = logging.getLogger("stagemesh.router")
 
-_state = {"name": "", "engines": {}, "tokens": None}
+
+class _State(TypedDict):
+    name: str  # the served model's
+    engines: dict[str, str]  # replica address -> its engine label
+    tokens: m.TokenHistograms | None  # once configured
+
+
+_state: _State = {"name": "", "engines": {}, "tokens": None}
 _counted: dict[str, tuple[int, ...]] = {}  # replica -> its counters seen so far (prefix, preemptions, spec)
 
 
@@ -131,7 +139,7 @@ class RequestRecord:
             self.first_token = now
             m.ROUTER_TTFT.observe(now - self.start)
             m.TTFT.labels(*labels).observe(now - self.start)
-        else:  # tokens that arrived together share the gap since the last ones
+        elif self.last_token is not None:  # tokens that arrived together share the gap since the last ones
             for _ in range(count):
                 m.ITL.labels(*labels).observe((now - self.last_token) / count)
         self.last_token = now
@@ -181,6 +189,7 @@ class RequestRecord:
         if self.first_token is None:  # it never ran: no phases to time
             return
         prefill = max(self.first_token - self.start - self.queue_seconds, 0.0)
+        assert self.last_token is not None  # (set with first_token)
         decode = self.last_token - self.first_token
         m.QUEUE.labels(*labels).observe(self.queue_seconds)
         m.PREFILL.labels(*labels).observe(prefill)

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
+
+from pydantic import BaseModel
 
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.responses_api.request import ResponsesRequest
 
-ENDPOINTS = [
+ENDPOINTS: list[tuple[str, str, str, type[BaseModel] | None]] = [
     ("post", "/v1/completions", "Complete prompts (OpenAI's Completions API, vLLM's extensions)", CompletionRequest),
     ("post", "/v1/chat/completions", "Answer a conversation (OpenAI's Chat Completions API, vLLM's extensions)",
      ChatCompletionRequest),
@@ -32,6 +35,8 @@ STORE_PATHS = ("/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{r
 def openapi_document() -> dict:
     from stagemesh import __version__
 
+    paths: dict[str, dict[str, dict]]
+    op: dict[str, Any]
     schemas, paths = {}, {}
     for method, path, summary, model in ENDPOINTS:
         op = {"summary": summary, "responses": {"200": {"description": "OK"},

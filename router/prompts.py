@@ -27,6 +27,7 @@ async def prepare(req: GenerateRequest, tokenizer: Tokenizer, max_model_len: int
     if req.bad_words:
         await _ban_words(req, tokenizer)
     if req.chat:
+        assert req.chat_options is not None  # (the request builder sets them for a chat)
         prompts = [await render(req.chat_options, tokenizer, req.add_special_tokens)]
     else:
         prompts = [await _completion_prompt(p, tokenizer, req.add_special_tokens) for p in req.prompts]

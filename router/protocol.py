@@ -8,7 +8,7 @@ mesh's domain types), or a value other than its default is refused with a 400 th
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -170,8 +170,11 @@ def _asks_for_something(name: str, value, neutral: dict) -> bool:
 KNOWN_INERT = {"include_reasoning", "mm_processor_kwargs", "return_prompt_text"}
 
 
-def validate(model: type[BaseModel], body: Any, refused: dict[str, str] = REFUSED,
-             neutral: dict[str, tuple] = NEUTRAL) -> BaseModel:
+M = TypeVar("M", bound=BaseModel)
+
+
+def validate(model: type[M], body: Any, refused: dict[str, str] = REFUSED,
+             neutral: dict[str, tuple] = NEUTRAL) -> M:
     """The body as `model`, or a 400 that names the first field that is wrong (or that asks for something this
     server refuses: `refused` names them, with why; `neutral`, the values of theirs that ask for nothing)."""
     if not isinstance(body, dict):

@@ -3,6 +3,7 @@ prompt logprobs, echo, stop_reason, token ids."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from router.generation import Delta, Generation
@@ -71,7 +72,7 @@ class Answer:
         self.req, self.id, self.created, self.tokenizer = req, request_id, created, tokenizer
         self.choices = [Choice(g, echo_texts[g.index // req.n] if req.echo else "") for g in gens]
         self.by_gen = {id(c.gen): c for c in self.choices}
-        self.firsts = {}  # each prompt's first choice: the one that has its prompt logprobs
+        self.firsts: dict[int, Choice] = {}  # each prompt's first choice: the one that has its prompt logprobs
         for c in self.choices:
             self.firsts.setdefault(c.gen.index // req.n, c)
 
@@ -95,11 +96,13 @@ class Answer:
 
     def _finish_reason(self, c: Choice, made: tuple | None) -> str | None:
         # OpenAI's: "tool_calls" when the model chose to call (required, auto); a named call ends with "stop"
-        return "tool_calls" if made and made[1] and self.req.tool_plan.mode != "named" else c.finish_reason
+        plan = self.req.tool_plan
+        return "tool_calls" if made and made[1] and plan is not None and plan.mode != "named" else c.finish_reason
 
     def _choice(self, c: Choice) -> dict:
         req = self.req
         made = self._calls(c) if req.chat else None
+        choice: dict[str, object]
         choice = {"index": c.gen.index, "finish_reason": self._finish_reason(c, made), "stop_reason": c.stop_reason}
         if made:  # (a forced call cut short: no content and no calls)
             choice["message"] = {"role": "assistant", "content": made[0],
@@ -124,6 +127,7 @@ class Answer:
         prompts = [c.gen for c in self.firsts.values()]
         prompt = sum(len(g.prompt_ids) for g in prompts)
         completion = sum(c.gen.completion_tokens for c in self.choices)
+        out: dict[str, object]
         out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         # the prompt's cached tokens, once per prompt as its tokens are (a sibling choice finds the prompt its
         # first choice computed in the cache: counting it again would pass prompt_tokens)
@@ -170,7 +174,9 @@ class Answer:
         (held back only where a call may begin); under required / named there is none. The tokens of held text
         go out as empty deltas only when the client asked for their logprobs or ids."""
         plan, out = self.req.tool_plan, []
+        assert plan is not None  # (the chunks of a request with tools)
         if plan.mode == "auto" and not d.finish_reason:
+            assert plan.parser is not None  # (auto: the --tool-call-parser's)
             safe = plan.parser.may_start(c.text)
             if safe > c.sent:
                 out.append(self._chunk({"index": c.gen.index, "delta": {"content": c.text[c.sent:safe]},
@@ -183,6 +189,7 @@ class Answer:
         if not d.finish_reason:
             return out
         made = self._calls(c)
+        delta: dict[str, object]
         if made:
             content, calls = made
             delta = {"tool_calls": [t.to_dict(i) for i, t in enumerate(calls)]} if calls else {}
@@ -240,9 +247,14 @@ class Answer:
     def _chat_logprobs(self, entries: list[TokenLogprob]) -> dict:
         return {"content": token_logprobs(entries, self._token)}
 
-    def _completion_logprobs(self, c: Choice, token_ids: list[int], entries: list[TokenLogprob], echo: bool) -> dict:
+    def _completion_logprobs(self, c: Choice, token_ids: list[int], entries: Sequence[TokenLogprob | None], echo: bool
+                             ) -> dict:
         """tokens / token_logprobs / top_logprobs / text_offset; with echo the prompt's tokens first (the very
         first with no logprob), offsets counted over the choice's whole text."""
+        tokens: list[str]
+        values: list[float | None]
+        tops: list[dict | None]
+        offsets: list[int]
         tokens, values, tops, offsets = [], [], [], []
         if echo and c.echo:
             scored = self.firsts[c.gen.index // self.req.n].prompt_logprobs
@@ -269,7 +281,7 @@ class Answer:
     def _prompt_logprobs(self, first: Choice) -> list:
         """vLLM's prompt_logprobs: None for the first prompt token, then {token id: {logprob, rank,
         decoded_token}} with the token itself and the top N."""
-        out = [None]
+        out: list[dict | None] = [None]
         for e in first.prompt_logprobs:
             entry = {str(t): {"logprob": lp, "rank": rank, "decoded_token": self._token(t)}
                      for rank, (t, lp) in enumerate(zip(e.top_token_ids, e.top_logprobs), start=1)}

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from router.errors import bad_request
 
 HEADER = "Last-Event-ID"
 MAX_ID_CHARS = 4096
+E = TypeVar("E")  # an event: a chunk dict (HTTP) or a Delta (gRPC)
 _ID = re.compile(r"(\d{1,7}f?(?:,\d{1,7}f?)*)(?:/(?:(\d{1,4})/(\d{1,3})|(usage)|(done)|(error)))?")
 
 
@@ -77,7 +79,7 @@ class EventIds:
     def __post_init__(self) -> None:
         self.tokens, self.finished = [0] * self.num_choices, [False] * self.num_choices
 
-    def delta(self, choice: int, num_tokens: int, finishes: bool, events: list) -> list[tuple[str | None, object]]:
+    def delta(self, choice: int, num_tokens: int, finishes: bool, events: list[E]) -> list[tuple[str | None, E]]:
         """(id, event) of a delta's events that go out; the delta covers `num_tokens` more of `choice`."""
         before = _fmt(self.tokens, self.finished)
         start = self.tokens[choice]

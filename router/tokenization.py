@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -84,7 +85,8 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
                ) -> str:
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens,
+        # (transformers types decode as str | list[str], the latter for batches: one list of ids is one str)
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens,  # type: ignore[return-value]
                                spaces_between_special_tokens=spaces_between_special_tokens)
 
     async def render_chat(self, options: ChatOptions) -> str:
@@ -124,7 +126,7 @@ class Tokenizer:
                 "kwargs": {**self.tok.special_tokens_map, **kwargs}}
 
     def token_text(self, token_id: int) -> str:
-        return self.tok.decode([token_id])
+        return self.tok.decode([token_id])  # type: ignore[return-value]
 
     @property
     def vocab_size(self) -> int:
@@ -143,7 +145,7 @@ class IncrementalDetokenizer:
     CONTEXT = 5  # prompt tokens the first window starts with (vLLM's initial offset)
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True, prompt_ids: list[int] = ()):
+                 spaces_between_special_tokens: bool = True, prompt_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.options = {"skip_special_tokens": skip_special_tokens,
                         "spaces_between_special_tokens": spaces_between_special_tokens}

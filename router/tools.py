@@ -26,6 +26,7 @@ class ToolCall:
     id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
 
     def to_dict(self, index: int | None = None) -> dict:
+        out: dict[str, object]
         out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
         if index is not None:
             out["index"] = index
@@ -40,12 +41,13 @@ class ToolPlan:
     # model decides, in its own format, which `parser` reads
     name: str | None = None
     parallel: bool = True
-    parser: object = None  # HermesParser / Llama3JsonParser under "auto"
+    parser: HermesParser | Llama3JsonParser | None = None  # under "auto"
 
     @property
     def constraint(self) -> StructuredOutputs | None:
         # compact JSON whatever the server's default: a call has no whitespace to run away on
         if self.mode == "named":
+            assert self.name is not None  # (named: tool_choice names the function)
             return StructuredOutputs("json", json.dumps(self._parameters(self.name)), any_whitespace=False)
         if self.mode == "required":
             calls = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["name"]]},
@@ -64,6 +66,7 @@ class ToolPlan:
         except ValueError:
             return None
         if self.mode == "named":
+            assert self.name is not None
             return [ToolCall(self.name, json.dumps(value, ensure_ascii=False))]
         return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
 
@@ -82,6 +85,7 @@ def read_calls(plan: ToolPlan | None, text: str, finish_reason: str | None) -> t
     if plan is None or plan.mode == "none":
         return None
     if plan.mode == "auto":
+        assert plan.parser is not None  # (auto: the --tool-call-parser's)
         split = plan.parser.split(text)
         return (split[0] or None, split[1]) if split else None
     calls = plan.parse(text) if finish_reason == "stop" else None
@@ -188,4 +192,5 @@ class Llama3JsonParser:
         return len(text)
 
 
-TOOL_CALL_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+TOOL_CALL_PARSERS: dict[str, type[HermesParser | Llama3JsonParser]] = {"hermes": HermesParser,
+                                                                      "llama3_json": Llama3JsonParser}

@@ -29,6 +29,7 @@ def check_request(cfg: SchedulerConfig, request_id: str, prompt_token_ids: Seque
     if cfg.vocab_size is not None:
         sampling.check_vocab(cfg.vocab_size)
     total = len(prompt_token_ids) + sampling.max_tokens
+    assert cfg.max_model_len is not None  # (a scheduler runs on a formed config: SchedulerConfig.check_formed)
     if total > cfg.max_model_len:
         raise StagemeshError(
             f"this model's maximum context length is {cfg.max_model_len} tokens, but the request asks for "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import cast
 
 from scheduler.kv_events import BlockRemoved, BlockStored, KVEvent
 from scheduler.tiers import KVTiers
@@ -138,8 +139,8 @@ class BlockManager:
             block.ref_count = 1
             added.append(block_id)
         self.tables[request_id] = table + added
-        if cached_blocks:
-            self.hashes[request_id] = [self.blocks[b].block_hash for b in cached_blocks]
+        if cached_blocks:  # (blocks found in the prefix cache: each has its hash)
+            self.hashes[request_id] = cast("list[int]", [self.blocks[b].block_hash for b in cached_blocks])
         return added
 
     def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int,

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING, cast
 
 from scheduler.config import DriverConfig
 from scheduler.observe import Observer
@@ -26,6 +27,9 @@ from scheduler.rendezvous import PipelinePlan, StageInfo
 from scheduler.request import RequestOutput
 from scheduler.scheduler import Scheduler
 from scheduler.tiers import tier_blocks
+
+if TYPE_CHECKING:
+    from scheduler.grpc_pipeline import GrpcPipeline
 
 log = logging.getLogger("stagemesh.scheduler")
 
@@ -103,7 +107,8 @@ class EpochManager:
     async def register_stage(self, stage: StageInfo) -> tuple[int, bool]:
         """A stage's registration or heartbeat (a pipeline of stage services): (stages still missing, whether
         this instance is new here). Raises StagemeshError (the reason) when the stage does not fit."""
-        missing, new, change = await self.pipeline.register(stage)
+        # (only a pipeline of stage services has stages that register: the driver calls this for it alone)
+        missing, new, change = await cast("GrpcPipeline", self.pipeline).register(stage)
         if change is not None:
             self.fail(change)
             self._spawn(self.form())

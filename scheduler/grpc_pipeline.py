@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 import grpc
 
@@ -103,6 +104,7 @@ class GrpcPipeline:
         request = stage_pb2.ForwardRequest(epoch=epoch, trace_links=trace_links)
         step_to_pb(batch, request.step)
         metadata = telemetry.inject(trace.set_span_in_context(span)) if span is not None else None
+        assert self.plan is not None  # (steps come after the join)
         calls = [(stage, self._stub(stage).Forward(request, timeout=self.deadlines.forward_s, metadata=metadata))
                  for stage in self.plan.stages]
         return self._result(calls)
@@ -134,13 +136,14 @@ class GrpcPipeline:
             sources=[stage_pb2.KVSource(address=a, layer_start=s, layer_end=e) for a, s, e in src.stages])
         # each stage reads within timeout_s (its deadline less kv_write_s); the rest is for its write
         deadline = timeout_s + self.deadlines.kv_write_s
+        assert self.plan is not None  # (KV moves after the join, as steps do)
         calls = [(stage, self._stub(stage).PullKV(request, timeout=deadline)) for stage in self.plan.stages]
         # every call ends before the pull does (a failed one does not leave the others writing into its blocks)
         replies = await asyncio.gather(*[_answer(stage, call) for stage, call in calls], return_exceptions=True)
         for reply in replies:
             if isinstance(reply, BaseException):
                 raise reply
-        return sum(r.bytes for r in replies)
+        return sum(r.bytes for r in replies if not isinstance(r, BaseException))  # (none is, by now)
 
     async def release_kv(self, source, timeout_s: float | None = None) -> bool | None:
         channel = aio_channel(source.scheduler_address)
@@ -162,6 +165,7 @@ class GrpcPipeline:
         """Every stage copies the blocks into its host tier (and queues the disk writes); raises StageFailure."""
         request = stage_pb2.StoreKVRequest(epoch=epoch, block_ids=block_ids, host_slots=host_slots,
                                            block_hashes=hashes, to_disk=to_disk, disk_evictions=disk_evictions)
+        assert self.plan is not None
         await asyncio.gather(*[_answer(stage, self._stub(stage).StoreKV(request, timeout=self.deadlines.kv_store_s))
                                for stage in self.plan.stages])
 
@@ -170,6 +174,7 @@ class GrpcPipeline:
         """Every stage fills the blocks from its tiers: per block, whether every stage did; raises StageFailure."""
         request = stage_pb2.LoadKVRequest(epoch=epoch, block_ids=block_ids, host_slots=host_slots,
                                           block_hashes=hashes)
+        assert self.plan is not None
         replies = await asyncio.gather(*[_answer(stage, self._stub(stage).LoadKV(request,
                                                                                 timeout=self.deadlines.kv_load_s))
                                          for stage in self.plan.stages])
@@ -277,7 +282,7 @@ async def _answer(stage: StageInfo, call):
 CULPRIT_WAIT_S = 0.5
 
 
-async def _culprit(first: StageFailure, answers: list[asyncio.Future]) -> StageFailure:
+async def _culprit(first: StageFailure, answers: Sequence[asyncio.Future]) -> StageFailure:
     """The failure to report for a step: a stage that did not answer at all, before one that answered first that
     its handoff broke (a stage waiting on a killed peer's activations or tokens often fails before the peer's own
     call does)."""

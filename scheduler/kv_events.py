@@ -22,7 +22,10 @@ import secrets
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from scheduler.block_manager import BlockManager  # (which imports this module's events)
 
 log = logging.getLogger("stagemesh.scheduler")
 
@@ -73,9 +76,9 @@ def new_epoch() -> int:
 
 
 class KVEventHub:
-    def __init__(self, block_manager: Callable[[], object | None], tick_s: float = TICK_S):
+    def __init__(self, block_manager: Callable[[], BlockManager | None], tick_s: float = TICK_S):
         self._current = block_manager  # the replica's block manager now, or None (no pipeline)
-        self._followed: object | None = None
+        self._followed: BlockManager | None = None
         self._epoch_of: Callable[[], object | None] = lambda: None  # (a weak reference) the epoch's manager
         self.epoch, self.seq = new_epoch(), 0
         self._subscribers: set[asyncio.Queue] = set()

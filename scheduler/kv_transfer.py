@@ -94,6 +94,7 @@ class KVTransfers:
     # -- decode side -------------------------------------------------------------------
     def start_pull(self, request: Request, block_ids: list[int]) -> None:
         self.fetching[request.request_id] = request
+        assert request.kv_source is not None  # (a request that pulls its KV names where from)
         self._pulls.append(KVPull(request.request_id, block_ids, request.kv_source))
 
     def take_pulls(self) -> list[KVPull]:

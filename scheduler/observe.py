@@ -190,7 +190,7 @@ class Observer:
                     TTFT.observe(now - t.arrival)
                     if t.span is not None:
                         t.span.add_event("first_token")
-                else:
+                elif t.last_token is not None:  # (set with first_token)
                     ITL.observe(now - t.last_token)
                 t.last_token = now
             if out.finished:

@@ -108,9 +108,9 @@ def check_result(batch: StepBatch, result: StepResult, vocab_size: int | None) -
     errors = [tokens[-1].error for _, tokens in runs if tokens[-1].error is not None]
     if len(errors) == len(runs) > 1:  # not one request's data: the model itself is failing
         raise StagemeshError(f"every one of the {len(runs)} sequences of the step failed to sample ({errors[0]})")
-    for seq_id, tokens in result.drafts.items():
-        if seq_id not in drafts or len(tokens) > MAX_NUM_SPECULATIVE_TOKENS or \
-                any(not 0 <= t < vocab for t in tokens):
+    for seq_id, proposed in result.drafts.items():
+        if seq_id not in drafts or len(proposed) > MAX_NUM_SPECULATIVE_TOKENS or \
+                any(not 0 <= t < vocab for t in proposed):
             raise StagemeshError(f"the stage proposed drafts for sequence {seq_id} that the step cannot take")
     if result.prompt_logprobs:
         spans = {seq_id: (start, start + n) for seq_id, start, n in zip(c.seq_ids, c.start_positions, c.num_tokens)}

@@ -37,6 +37,7 @@ class FollowerChannel:
         self.followers = followers
         self._lock = threading.Lock()
         for proc in followers:
+            assert proc.stdin is not None  # (started with stdin=PIPE: stage_worker.worker)
             try:
                 fcntl.fcntl(proc.stdin.fileno(), _F_SETPIPE_SZ, PIPE_BYTES)
             except OSError:  # not Linux, or above the system's pipe-max-size: the default size works, slower
@@ -46,6 +47,7 @@ class FollowerChannel:
         message = HEADER.pack(kind, epoch, len(payload)) + payload
         with self._lock:
             for t, proc in enumerate(self.followers, start=1):
+                assert proc.stdin is not None
                 try:
                     proc.stdin.write(message)
                     proc.stdin.flush()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import cast
 
 import torch
 
@@ -29,14 +30,14 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: StageModel, kv_caches, num_kv_blocks: int, block_size: int, max_batch: int = 256):
-        cfg, dev = model.cfg, model.cos_sin.device
+        cfg, dev = model.cfg, cast(torch.Tensor, model.cos_sin).device  # (a buffer: torch types it Tensor | Module)
         self.model, self.kv_caches = model, kv_caches
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.width = min(num_kv_blocks, -(-cfg.max_position_embeddings // block_size))
         n = self.max_batch
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.hidden = None
+        self.hidden: torch.Tensor | None = None
         if not model.is_first:
             param = next(model.parameters())
             self.hidden = torch.zeros(n, cfg.hidden_size, dtype=param.dtype, device=dev)
@@ -87,6 +88,7 @@ class DecodeGraphs:
         if input_ids is not None:
             self.input_ids[:n].copy_(input_ids, non_blocking=True)
         if hidden is not None:
+            assert self.hidden is not None  # (a stage after the first)
             self.hidden[:n].copy_(hidden, non_blocking=True)
         self.positions[:n].copy_(meta.positions, non_blocking=True)
         self.slots[:n].copy_(meta.slot_mapping, non_blocking=True)

@@ -35,6 +35,7 @@ class DraftModel:
                  dtype: torch.dtype | str | None, block_size: int):
         from stage_worker.runner import StageRunner
 
+        assert spec.model is not None  # (a draft_model spec names its model: stagemesh.core.speculative)
         cfg = ModelConfig.from_path(spec.model)
         if cfg.vocab_size != target.vocab_size:
             raise StagemeshError(f"the draft model {spec.model} has a vocabulary of {cfg.vocab_size} tokens; the "
@@ -44,7 +45,7 @@ class DraftModel:
         # probabilistic drafts of each sequence's next step: (tokens, the distribution each was drawn from)
         self.proposals: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
         self._gen = torch.Generator(device="cpu").manual_seed(torch.initial_seed() % (2**63))
-        self.runner = StageRunner(spec.model, 0, cfg.num_hidden_layers, device=device, dtype=dtype,
+        self.runner = StageRunner(spec.model, 0, cfg.num_hidden_layers, device=str(device), dtype=dtype,
                                   block_size=block_size, config=cfg, cuda_graphs=False)
         self.block_size, self.device = block_size, self.runner.device
         self.max_positions = cfg.max_position_embeddings

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,8 +75,8 @@ class EPGroup:
     def __init__(self, cfg: EPConfig, stage_index: int):
         self.cfg, self.stage_index = cfg, stage_index
         self.rank, self.size = cfg.dp_rank, cfg.dp_size
-        self.pg = None
-        self.store = None
+        self.pg: Any = None  # a dist.ProcessGroupGloo once formed (torch's stubs give it none of its collectives)
+        self.store: dist.TCPStore | None = None
         self.blocks: list = []  # the stage's SparseMoeBlocks, in forward order (attach)
         self.hidden_size, self.dtype = 0, torch.float32
         self.counts: list[int] | None = None  # rows of each member in the open tick

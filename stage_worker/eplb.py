@@ -102,7 +102,7 @@ class ExpertMap:
 
     def set(self, placement: list[list[int]]) -> None:
         slots = len(placement[0])
-        table = [[] for _ in range(self.table.shape[0])]
+        table: list[list[int]] = [[] for _ in range(self.table.shape[0])]
         for rank, experts in enumerate(placement):
             for j, e in enumerate(experts):
                 table[e].append(rank * slots + j)

@@ -16,6 +16,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -87,8 +88,9 @@ class DistHandoff(Handoff):
     def send(self, step_id: int, hidden: torch.Tensor) -> int:
         return self._send(hidden.contiguous(), self.next_rank)
 
-    def _send(self, tensor: torch.Tensor, dst: int) -> int:
-        self._pending.append((dist.isend(tensor, dst=dst), tensor))
+    def _send(self, tensor: torch.Tensor, dst: int | None) -> int:
+        # (isend gives None only to a rank outside the group; the world holds every rank)
+        self._pending.append((cast(dist.Work, dist.isend(tensor, dst=dst)), tensor))
         while self._pending and (len(self._pending) > self.MAX_PENDING_SENDS or self._pending[0][0].is_completed()):
             self._pending.popleft()[0].wait()
         return tensor.numel() * tensor.element_size()
@@ -137,6 +139,7 @@ class GrpcHandoff(Handoff):
     def send(self, step_id: int, hidden: torch.Tensor) -> int:
         msg = tensor_to_pb(hidden)
         request = stage_pb2.PushActivationsRequest(epoch=self._epoch, step_id=step_id, hidden_states=msg)
+        assert self._next_stub is not None  # (the last stage sends no activations)
         self._next_stub.PushActivations(request, timeout=DEADLINES.push_activations_s)
         return len(msg.data)
 

@@ -24,7 +24,7 @@ HOST_MEMORY_MARGIN = 2**30  # kept free beside a host tier (and a tenth of what 
 
 def block_layout(runner) -> list[tuple[str, tuple[int, ...]]]:
     """(dtype, shape) of each tensor of one block on this rank, in the order a block is stored."""
-    out = []
+    out: list[tuple[str, tuple[int, ...]]] = []
     for r in (runner, *([runner.drafter.runner] if runner.drafter is not None else [])):
         dtype = str(r.dtype).removeprefix("torch.")
         shape = (r.block_size, r.num_kv_heads, r.config.head_dim)
@@ -136,7 +136,7 @@ class KVTierStore:
                 if d:
                     parts = [p[s] for p in self.pool] if s >= 0 else [c[b].cpu() for c in caches]
                     payload = torch.cat([p.reshape(-1).view(torch.uint8) for p in parts])
-                    self.disk.write(h, memoryview(payload.numpy()))
+                    self.disk.write(h, payload.numpy().data)
             self.disk.delete(disk_evictions)
 
     def _copy(self, src: list[torch.Tensor], src_rows: list[int], dst: list[torch.Tensor], dst_rows: list[int]

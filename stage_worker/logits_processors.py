@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from stagemesh.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from stagemesh.core.grammar import Matcher
 
 NEG_INF = float("-inf")
 
@@ -24,7 +28,7 @@ class SequenceState:
     output: list[int] = field(default_factory=list)
     _allowed: torch.Tensor | None = field(default=None, repr=False)  # bool [vocab]: True where not allowed
     _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
-    matcher: object = None  # stagemesh.core.grammar.Matcher of a constrained sequence
+    matcher: Matcher | None = None  # a constrained sequence's
     compiling: Future | None = None  # the matcher, while its grammar compiles (stage_worker.sampler)
     constraint_error: str | None = None  # why its constraint could not be followed (the row then fails)
 

@@ -76,6 +76,10 @@ class _Part:
 
 
 class LoRALinear(Linear):
+    lora_a: torch.Tensor  # (buffers, made in __init__)
+    lora_b: torch.Tensor
+    lora_bt: torch.Tensor | None
+
     def __init__(self, base: Linear, layer: int, parts: list[_Part], max_loras: int, max_rank: int, dtype, device,
                  mapping: LoRAMapping):
         super().__init__(base.weight, base.bias, base.reduce)

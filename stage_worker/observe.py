@@ -33,6 +33,7 @@ class ForwardObserver:
         label = str(stage_index)
         self._metrics = (FORWARD.labels(label), COMPUTE.labels(label), HANDOFF_WAIT.labels(label),
                          HANDOFF_BYTES.labels(label), TOKENS.labels(label), STEPS.labels(label))
+        self._attributes: dict[str, int | str]
         self._attributes = {"stagemesh.stage.index": stage_index, "stagemesh.stage.layer_start": layer_start,
                             "stagemesh.stage.layer_end": layer_end, "stagemesh.stage.tp_size": tp_size,
                             "stagemesh.stage.handoff": handoff}

@@ -63,6 +63,7 @@ def compute(pieces: list[_Piece], hidden: torch.Tensor, compute_logits, keep: bo
             n = top_n[lo + i]
             entry = TokenLogprob(t, lp, rank)
             if n:
+                assert top is not None  # (k: the largest n)
                 entry.top_token_ids, entry.top_logprobs = top.indices[i, :n].tolist(), top.values[i, :n].tolist()
             results.append(entry)
     if not keep:

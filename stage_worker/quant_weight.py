@@ -34,7 +34,7 @@ class QuantizedWeight(nn.Module):
         mins = None if mins is None else mins.float().contiguous()
         if self.compact_scales and scales.is_cpu:
             half = [t.half() for t in (scales, mins) if t is not None]
-            if all(torch.equal(h.float(), t) for h, t in zip(half, (scales, mins))):
+            if all(torch.equal(h.float(), t) for h, t in zip(half, (scales, mins)) if t is not None):
                 return half[0], half[1] if mins is not None else None
         return scales, mins
 

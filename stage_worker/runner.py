@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,10 @@ from stage_worker.parallel import HeadShard, TPGroup
 from stage_worker.sampler import Sampler
 from stage_worker.validate import InvalidStep
 from stage_worker.weights import load_weights
+
+if TYPE_CHECKING:
+    from stage_worker.cuda_graphs import DecodeGraphs
+    from stage_worker.eplb import EPLBConfig
 
 
 @dataclass
@@ -91,7 +96,7 @@ class SliceConfig:
     block_size: int = 16
     cuda_graphs: bool = True
     expert_parallel: bool = False  # whole experts spread over the TP ranks (stage_worker.moe)
-    eplb: object | None = None  # stage_worker.eplb.EPLBConfig: their load balanced, with redundant copies
+    eplb: EPLBConfig | None = None  # the experts' load balanced, with redundant copies
     quantization: str | None = None  # stage_worker.quantization.METHODS
     gguf_file: str | None = None  # the weights (quantization gguf); model_dir then gives config and tokenizer
     lora: LoRASettings | None = None  # --enable-lora: the adapters it may serve (stage_worker.lora)
@@ -112,7 +117,8 @@ class StageRunner:
                  cuda_graphs: bool = True, max_graph_batch: int = 256, expert_parallel: bool = False, ep=None,
                  eplb=None, quantization: str | None = None, gguf_file: str | None = None,
                  lora: LoRASettings | None = None):
-        self.config = cfg = config or ModelConfig.from_path(model_dir)
+        # (model_dir is None only where a config is given: runners made without weights, load=False)
+        self.config = cfg = config or ModelConfig.from_path(model_dir)  # type: ignore[arg-type]
         check_layer_range(cfg, layer_start, layer_end)
         self.tp = TPGroup(tp_rank, tp_size, tp_group)
         cfg.check_tp_size(tp_size)
@@ -153,7 +159,7 @@ class StageRunner:
         self.use_cuda_graphs = (cuda_graphs and self.device.type == "cuda" and tp_size == 1 and ep is None
                                 and self.lora is None)
         self.max_graph_batch = max_graph_batch
-        self.graphs = None
+        self.graphs: DecodeGraphs | None = None
         self.drafter = None  # stage_worker.draft.DraftModel: a draft model on the last stage's TP rank 0
 
     def attach_drafter(self, drafter) -> None:
@@ -207,7 +213,8 @@ class StageRunner:
         if self.lora is not None:
             self.lora.prepare([self.seq_adapters.get(s, "") for s in batch.chunks.seq_ids], batch.chunks.num_tokens)
         graphs, num_tokens = self.graphs, meta.positions.shape[0]
-        scored = prompt_logprobs.pieces_of(batch, self.sampler.seqs) if self.sampler is not None else []
+        scored: list = prompt_logprobs.pieces_of(batch, self.sampler.seqs) if self.sampler is not None else []
+        logits: torch.Tensor | None
         if not scored and graphs is not None and graphs.can_run(len(batch.chunks), num_tokens,
                                                                  meta.block_tables.shape[1]):
             out = graphs.run(input_ids, hidden_states, meta)  # the next replay reuses this buffer: copy what is kept
@@ -227,8 +234,9 @@ class StageRunner:
                 scored = prompt_logprobs.compute(scored, hidden, self.model.compute_logits, self.tp.rank == 0)
         if not sample_rows:
             return StageOutput(prompt_logprobs=scored)
-        sampled = []
+        sampled: list[SampledToken] = []
         if self.tp.rank == 0:
+            assert self.sampler is not None and logits is not None  # (the last stage, with rows to sample)
             probs = self.drafter.probs_for(sample_ids, drafts) if self.drafter is not None else None
             sampled = self.sampler.sample(logits, sample_ids, drafts, probs)
         proposed = self._propose(sampled)
@@ -319,6 +327,9 @@ class StageRunner:
 
     def _prepare(self, batch: StepBatch):
         bs, c = self.block_size, batch.chunks
+        positions: list[int]
+        slots: list[int]
+        sample_rows: list[int]
         positions, slots, context_lens, starts = [], [], [], [0]
         sample_rows, sample_ids, drafts = [], [], []
         tables = [self.block_tables[s] for s in c.seq_ids]

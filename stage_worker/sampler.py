@@ -71,6 +71,7 @@ class Sampler:
         tokens it generated before a preemption; a constraint that cannot be followed fails the sequence's
         first sample (its request alone)."""
         compiling, state.compiling = state.compiling, None
+        assert compiling is not None  # (called while it compiles)
         try:
             state.matcher = compiling.result(timeout=COMPILE_WAIT_S)
         except FutureTimeout:
@@ -137,6 +138,7 @@ class Sampler:
                     state.output.append(0)
                     out.append(SampledToken(seq_id, 0, error=error))
                     break
+                assert token is not None  # (_draw gives a token or an error)
                 state.output.append(token)
                 out.append(_with_logprobs(SampledToken(seq_id, token), state.params, logprobs_raw, row))
                 if j == len(draft) or token != draft[j]:
@@ -161,6 +163,7 @@ class Sampler:
         finally:
             del state.output[base:]
             if advanced:
+                assert matcher is not None  # (it advanced)
                 matcher.rollback(advanced)
 
     def _draw(self, row: torch.Tensor, state: SequenceState, greedy_token: int,

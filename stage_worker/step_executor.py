@@ -114,12 +114,15 @@ class StepExecutor:
         ahead = has_placeholders(batch)  # scheduled before the step before had sampled
         if ahead and runner.is_last_stage and not runner.is_first_stage:
             # once the step before has sampled, the first stage gets the tokens this one needs
+            assert self.run_ahead is not None  # (the stage joined the epoch)
             published = self.loop.submit(self.run_ahead.publish, batch)
         return self.loop.submit(self._run, batch, step_bytes, ahead, published)
 
     def _run(self, batch: StepBatch, step_bytes: bytes | None, ahead: bool, published: Future | None
              ) -> tuple[StepStats, StageOutput]:
+        filled: list[int]
         runner, sent, filled = self.runner, 0, []
+        assert self.handoff is not None and self.run_ahead is not None  # (the stage joined the step's epoch)
         if published is not None:
             published.result()  # done (it ran just before): raises if the tokens could not be handed over
         runner.check_state(batch, self.limits.max_model_len)  # before the handoff: a refused step leaves every
@@ -135,6 +138,7 @@ class StepExecutor:
         wait = time.perf_counter() - start
         start = time.perf_counter()
         if self.followers is not None:  # the step as the scheduler sent it, with the tokens filled in ahead
+            assert step_bytes is not None  # (the service encodes it whenever there are followers)
             self.followers.send(control.FORWARD, self.epoch, control.step_message(step_bytes, filled))
             if hidden is not None:
                 sdist.broadcast_hidden(hidden, runner.tp)
@@ -155,6 +159,7 @@ class StepExecutor:
 
     def _balance(self) -> None:
         """EPLB: when it is time, every rank moves experts to their new slots (before the next step)."""
+        assert self.balancer is not None
         plans = self.balancer.after_step()
         if plans is None:
             return

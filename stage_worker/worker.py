@@ -79,6 +79,7 @@ class StageWorker:
         self._load_ids = itertools.count()
         self.followers = [self._start_follower(t) for t in range(1, cfg.slice.tp_size)]
         for t, proc in enumerate(self.followers, start=1):
+            assert proc.stdout is not None  # (started with stdout=PIPE: _start_follower)
             if proc.stdout.readline().strip() != b"ready":
                 raise StagemeshError(f"TP follower {t} failed to load its shard (exit code {proc.wait()})")
         # what the followers are to do, all of it (stage_worker.control); None: no followers

@@ -47,8 +47,9 @@ def run(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer.encode(args.prompt)
     else:
         messages = [{"role": "user", "content": args.prompt}]
-        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=True)["input_ids"]
+        # (transformers types the result as str or lists; with return_dict=True it is a BatchEncoding)
+        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,  # type: ignore[call-overload]
+                                                   return_dict=True)["input_ids"]  # type: ignore[index]
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                               max_tokens=args.max_tokens)
     gguf = str(source.gguf_file) if source.gguf_file else None

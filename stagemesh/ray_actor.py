@@ -80,7 +80,7 @@ class ServiceActor:
 
     def pid(self) -> int:
         """The running child's pid; 0 when none runs."""
-        return self.child.proc.pid if self.child.alive else 0
+        return self.child.pid
 
     def _exit_code(self) -> int | None:
         proc = self.child.proc

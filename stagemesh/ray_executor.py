@@ -95,9 +95,9 @@ def check_gcs(address: str, stopping: Callable[[], bool]) -> None:
     given = os.environ.get("RAY_ADDRESS")
     where = "RAY_ADDRESS" if given else "the last `ray start` on this node"
     channel = init_grpc_channel(address)
-    try:
+    try:  # (Ray's generated gcs_service_pb2 makes its message classes at run time: mypy sees none of them)
         call = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId.future(
-            gcs_service_pb2.GetClusterIdRequest(), timeout=GCS_ANSWER_TIMEOUT_S, wait_for_ready=True)
+            gcs_service_pb2.GetClusterIdRequest(), timeout=GCS_ANSWER_TIMEOUT_S, wait_for_ready=True)  # type: ignore[attr-defined]
         while not call.done():
             if stopping():
                 call.cancel()
@@ -228,6 +228,7 @@ class RayCluster:
         from stagemesh.ray_actor import ServiceActor
 
         spec = service.spec
+        options: dict[str, object]  # (the scheduling strategy too)
         options = dict(max_restarts=-1 if policy == "on-failure" else 0, max_task_retries=0, max_concurrency=4,
                        num_cpus=spec.cpus, num_gpus=spec.gpus)
         if group is None:  # the router and the schedulers: on this node

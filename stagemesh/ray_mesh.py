@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, cast
 
 from stagemesh.core.errors import StagemeshError
 from stagemesh.layout import ChildSpec, MeshLayout
@@ -123,5 +123,6 @@ def build(args, layout: MeshLayout, cluster: RayCluster, env: dict[str, str], si
     """The mesh serve places on the cluster (started by mesh.host.run())."""
     host = RayHost(cluster, args.restart_policy, args.shutdown_timeout, metrics, signals, env)
     mesh = assemble(host, layout, token)
-    host.services = [*(c for g in mesh.replicas for c in g.children), *(r.child for r in mesh.routers)]
+    host.services = cast(list[RayService],  # (host.make made every one)
+                         [*(c for g in mesh.replicas for c in g.children), *(r.child for r in mesh.routers)])
     return mesh

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from stagemesh.layout import ChildSpec
 
@@ -26,7 +27,7 @@ class RayService:
     spec: ChildSpec
     env: dict[str, str]  # what the actor adds to its environment (the spec's own and the mesh's)
     argv: list[str] = field(default_factory=list)  # its command line (NODE_IP filled in by the actor)
-    actor: object | None = None
+    actor: Any = None  # its ray ActorHandle, once started (ray is untyped: its methods are made at run time)
     group: object | None = None  # the stage's placement group
     status: dict = field(default_factory=dict)
     unavailable: bool = False  # the last status read got no answer (Ray restarts or re-places it)

@@ -63,7 +63,7 @@ class Child:
     @property
     def pid(self) -> int:
         """The running process's pid; 0 when none runs."""
-        return self.proc.pid if self.alive else 0
+        return self.proc.pid if self.proc is not None and self.alive else 0
 
     @property
     def exit_code(self) -> int | None:
@@ -78,17 +78,17 @@ class Child:
 
     def kill(self, wait_s: float = 10.0) -> None:
         """SIGKILL and reap."""
-        if self.alive:
+        if self.proc is not None and self.alive:
             self.proc.kill()
             self.proc.wait(wait_s)
 
     def signal(self, signum: int) -> None:
-        if self.alive:
+        if self.proc is not None and self.alive:
             self.proc.send_signal(signum)
 
     def terminate_once(self) -> None:
         """SIGTERM, unless this process already had it (a second one would cut its drain short)."""
-        if self.alive and self.terminated != self.proc.pid:
+        if self.proc is not None and self.alive and self.terminated != self.proc.pid:
             self.terminated = self.proc.pid
             self.proc.send_signal(signal.SIGTERM)
 
@@ -128,7 +128,7 @@ def stop_all(children: list[Child], timeout: float = 15.0) -> None:
     """Stop every running child, the last started first, within `timeout` seconds in all."""
     running = [c for c in children if c.proc is not None and c.proc.poll() is None]
     for child in reversed(running):
-        child.proc.terminate()
+        child.signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout
     for child in running:
         child.stop(max(deadline - time.monotonic(), 0.1))

@@ -77,6 +77,7 @@ async def _remember(store: ResponseStore, m: ResponsesRequest, builder: Response
     if not m.store:
         return
     turn = builder.turn()
+    assert builder.req.chat_options is not None  # (a Responses request is a chat)
     if builder.req.chat_options.continue_final_message:  # the answer went on with the last (partial) message
         last, conversation = conversation[-1], conversation[:-1]
         turn = {**turn, "content": (last["content"] or "") + (turn["content"] or "")}

@@ -46,7 +46,7 @@ class ResponseBuilder:
     def turn(self) -> dict:
         """The answer as the assistant's chat message, for the conversation a later request continues."""
         content, calls = self.final()
-        turn = {"role": "assistant", "content": (content or None) if calls else (content or "")}
+        turn: dict[str, object] = {"role": "assistant", "content": (content or None) if calls else (content or "")}
         if calls:
             turn["tool_calls"] = [call.to_dict() for _, call in calls]
         return turn
@@ -132,7 +132,7 @@ class ResponseBuilder:
         plan, text = self.req.tool_plan, self.choice.text
         if plan is None or plan.mode == "none":
             return len(text)
-        return plan.parser.may_start(text) if plan.mode == "auto" else 0
+        return plan.parser.may_start(text) if plan.mode == "auto" and plan.parser is not None else 0
 
     def _open(self) -> list[dict]:
         if self.opened:

@@ -159,6 +159,7 @@ async def _serve_bench(args: argparse.Namespace, requests: list, model_dir) -> t
     from stagemesh.bench.backends import GrpcBackend, OpenAIBackend
 
     model = await _server_model(args)
+    backend: GrpcBackend | OpenAIBackend
     if args.backend == "grpc":
         backend = GrpcBackend(args.grpc_target, model, args.api_key, args.timeout)
     else:
@@ -167,7 +168,7 @@ async def _serve_bench(args: argparse.Namespace, requests: list, model_dir) -> t
     try:
         results, duration = await drive(backend, requests, args.request_rate, args.max_concurrency, args.seed,
                                         not args.no_progress)
-        if args.backend == "openai":  # after the timed run: streams without usage get their tokens counted
+        if isinstance(backend, OpenAIBackend):  # after the timed run: streams without usage get their tokens counted
             from stagemesh.bench.counting import TokenCounter
 
             counter = TokenCounter(backend.session, args.base_url, model, backend.headers, args.count_tokens,

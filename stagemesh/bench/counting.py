@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Callable
+from typing import Any, Callable
 
 from stagemesh.bench.report import Result
 from stagemesh.bench.workload import BenchRequest
@@ -28,7 +28,7 @@ class TokenCounter:
         self.mode, self._load_local, self.local_name = mode, local_tokenizer, local_name
         self._endpoint: str | None = None  # "/tokenize" or "/extras/tokenize" once probed
         self._probed = False
-        self._local = None
+        self._local: Any = None  # the local tokenizer, once loaded (local_tokenizer's: any transformers one)
         self._special = 0  # tokens /extras/tokenize adds to any text (BOS): not part of a completion
 
     async def fill(self, results: list[Result], requests: list[BenchRequest]) -> None:
@@ -113,7 +113,7 @@ class TokenCounter:
 
     async def _tokens(self, text: str, completion: bool) -> tuple[int, str]:
         if self.mode != "local" and self._endpoint == "/tokenize":
-            body = {"model": self.model, "prompt": text}
+            body: dict[str, object] = {"model": self.model, "prompt": text}
             if completion:
                 body["add_special_tokens"] = False
             return len(await self._post("/tokenize", body)), "server POST /tokenize"

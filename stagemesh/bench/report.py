@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -42,7 +43,7 @@ def summarize(results: list[Result], duration: float) -> dict:
     output = sum(r.output_len for r in done)
     total_input = sum(r.input_len for r in done)
     tpot = [(r.latency - r.ttft) / (r.output_len - 1) for r in done if r.output_len > 1]
-    summary = {
+    summary: dict[str, Any] = {
         "successful_requests": len(done), "failed_requests": len(results) - len(done),
         "duration_s": duration, "total_input_tokens": total_input, "total_output_tokens": output,
         "request_throughput": len(done) / duration if duration else 0.0,

@@ -157,7 +157,10 @@ class SyncClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamCl
     """Adds the token (this process's unless one is given) to every call of a blocking channel."""
 
     def __init__(self, value: str | None = None):
-        self.value = value or _token
+        value = value or _token
+        if value is None:  # (as aio_client_interceptors refuses it: no call could carry it)
+            raise ValueError("no internal token to send (set one with --internal-token or $STAGEMESH_INTERNAL_TOKEN)")
+        self.value = value
 
     def intercept_unary_unary(self, continuation, details, request):
         return continuation(_SyncDetails(details, self.value), request)

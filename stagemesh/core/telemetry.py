@@ -18,6 +18,7 @@ import logging
 import os
 
 from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from opentelemetry.trace import Link, SpanContext, TraceFlags
 
 log = logging.getLogger("stagemesh.telemetry")
@@ -94,7 +95,7 @@ def inject(context=None) -> list[tuple[str, str]]:
     return list(carrier.items())
 
 
-def extract(metadata) -> object | None:
+def extract(metadata) -> Context | None:
     """A context from gRPC invocation metadata (None when there is none)."""
     if not _enabled or not metadata:
         return None

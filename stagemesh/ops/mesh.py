@@ -19,9 +19,13 @@ log = logging.getLogger("stagemesh.serve")
 
 class Service(Protocol):
     """One service of the mesh, as an operation drives it."""
-    name: str
-    kind: str  # router, scheduler or stage
     argv: list[str]
+
+    @property
+    def name(self) -> str: ...  # (read-only: a Ray service's comes from its spec)
+
+    @property
+    def kind(self) -> str: ...  # router, scheduler or stage
 
     @property
     def pid(self) -> int: ...  # the running process's; 0 when none runs

@@ -126,4 +126,5 @@ def evaluate(cfg: ModelConfig, tp: int, pp: int, gpu_bytes: int, utilization: fl
         weights = max(weights, stage_weights)
         kv_free = free if kv_free is None else min(kv_free, free)
         tokens = stage_tokens if tokens is None else min(tokens, stage_tokens)
+    assert kv_free is not None and tokens is not None  # (a split has at least one stage)
     return Layout(tp, pp, dp, split, weights, kv_free, tokens, tokens / max_model_len)

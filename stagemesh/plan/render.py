@@ -48,6 +48,7 @@ def commands(req: PlanRequest, plan: Plan, model: str, device: str, backend: str
                + (f" --layer-split {split}" if lay.pp > 1 else "") + f"{experts} --device {device} {common}")
         return {"serve": cmd}
     # every scheduler and the router on the head node (they are light); replicas' stages fill the GPUs in order
+    workers: dict[str, list[str]]
     head, workers, replicas = [], {}, []
     ranges = layer_ranges(lay.layer_split)
     for r in range(lay.dp):
