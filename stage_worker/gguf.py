@@ -2,8 +2,9 @@
 columns) of its TP shard, the quantised ones re-laid into kernels/quant_reference.py's layouts as they are.
 
 Served: Q4_0, Q4_1, Q4_K (its 256-wide super-blocks become eight groups of 32) and Q8_0 quantised,
-F32 / F16 / BF16 dense; llama-architecture files (Llama, Mistral, SmolLM: q and k rows un-permuted as
-transformers does) and qwen2 / qwen3 ones. The config and tokenizer come from a model directory.
+F32 / F16 / BF16 dense; the families whose Family.gguf names their GGUF architecture (stagemesh.core.families:
+llama files, for Llama, Mistral and SmolLM, have q and k rows un-permuted as transformers does, and qwen2 / qwen3).
+The config and tokenizer come from a model directory.
 """
 from __future__ import annotations
 
@@ -14,12 +15,17 @@ import numpy as np
 import torch
 
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.families import FAMILIES
 from stagemesh.core.model_config import ModelConfig
 
 QUANTISED = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
 DENSE = ("F32", "F16", "BF16")
-# the GGUF architecture of each model_type served from a GGUF
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+def served_architectures() -> list[str]:
+    """The GGUF architectures of the families served from GGUF files (stagemesh.core.families: Family.gguf)."""
+    return sorted({f.gguf.architecture for f in FAMILIES.values() if f.gguf is not None})
+
+
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -101,13 +107,13 @@ class GGUFCheckpoint:
             raise StagemeshError(f"{self.path} is not a readable GGUF file: {err}") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
         arch = self._field("general.architecture")
-        want = ARCHITECTURES.get(cfg.model_type)
-        if want is None or arch != want:
+        want = cfg.family.gguf
+        if want is None or arch != want.architecture:
             raise StagemeshError(f"{self.path.name} holds a {arch!r} model and the config a {cfg.model_type}: "
-                                 f"stagemesh serves GGUF files of {', '.join(sorted(set(ARCHITECTURES.values())))} "
+                                 f"stagemesh serves GGUF files of {', '.join(served_architectures())} "
                                  "models with their own config")
         self.cfg = cfg
-        self.permuted = arch == "llama"
+        self.permuted = want.permuted_qk
 
     def _field(self, key: str):
         field = self.reader.fields.get(key)
