@@ -1,6 +1,7 @@
 """Phi-3, the family added by its module alone (stagemesh/core/families/phi3.py): fused qkv_proj and gate_up_proj
 read into the same merged linears as Llama's, token-exact against transformers on a tiny random model in slices,
-in the in-process engine, and at TP=2 x PP=2 over gloo; what it does not implement is refused by name."""
+in the in-process engine, and at TP=2 x PP=2 over gloo, from safetensors and from GGUF files; what it does not implement
+is refused by name."""
 from __future__ import annotations
 
 import json
@@ -84,10 +85,21 @@ def test_the_sliding_window_caps_the_context(phi3_dir):
     assert ModelConfig.from_dict(config).max_position_embeddings == 512
 
 
-def test_gguf_files_are_not_served():
-    from stage_worker.gguf import served_architectures
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_a_gguf_file_gives_transformers_greedy_tokens(phi3_dir, tmp_path, qtype):
+    """llama.cpp's phi3 layout (attn_qkv, ffn_up holding gate and up), quantised, against transformers on the
+    dequantised weights."""
+    from gguf_models import dequantised_model_dir, write_gguf
 
-    assert "phi3" not in served_architectures()
+    path = write_gguf(phi3_dir, tmp_path / f"phi3-{qtype}.gguf", qtype, embed_qtype="Q8_0")
+    reference = reference_model(dequantised_model_dir(phi3_dir, path, tmp_path / "dequantised"))
+    prompt = prompts(384, lengths=(37,))[0]
+    want_tokens, want_logits = reference_greedy(reference, prompt, 6)
+    tokens, logits = chained_logits(phi3_dir, [1, 3], prompt, 6, quantization="gguf", gguf_file=str(path))
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, atol=2e-4, rtol=1e-4)
+    with LocalEngine(phi3_dir, split=[2, 2], quantization="gguf", gguf_file=str(path)) as engine:
+        assert engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True)) == [want_tokens]
 
 
 def test_declared_layer_shapes_are_the_checkpoints(phi3_dir):

@@ -86,6 +86,9 @@ class GGUF:
 
     architecture: str  # general.architecture
     permuted_qk: bool = False  # llama.cpp's converter interleaves the rotary halves of each q and k head's rows
+    # (name within a layer, GGUF name) where llama.cpp names a tensor of this family otherwise than it names
+    # Llama's (stage_worker.gguf's table), e.g. a fused tensor
+    tensor_names: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
