@@ -2,8 +2,9 @@
 columns) of its TP shard, the quantised ones re-laid into kernels/quant_reference.py's layouts as they are.
 
 Served: Q4_0, Q4_1, Q4_K (its 256-wide super-blocks become eight groups of 32) and Q8_0 quantised,
-F32 / F16 / BF16 dense; llama-architecture files (Llama, Mistral, SmolLM: q and k rows un-permuted as
-transformers does) and qwen2 / qwen3 ones. The config and tokenizer come from a model directory.
+F32 / F16 / BF16 dense; the families whose Family.gguf names their GGUF architecture (stagemesh.core.families:
+llama files, for Llama, Mistral and SmolLM, have q and k rows un-permuted as transformers does, and qwen2 / qwen3).
+The config and tokenizer come from a model directory.
 """
 from __future__ import annotations
 
@@ -14,12 +15,17 @@ import numpy as np
 import torch
 
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.families import FAMILIES, GGUF
 from stagemesh.core.model_config import ModelConfig
 
 QUANTISED = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
 DENSE = ("F32", "F16", "BF16")
-# the GGUF architecture of each model_type served from a GGUF
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+def served_architectures() -> list[str]:
+    """The GGUF architectures of the families served from GGUF files (stagemesh.core.families: Family.gguf)."""
+    return sorted({f.gguf.architecture for f in FAMILIES.values() if f.gguf is not None})
+
+
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -33,13 +39,14 @@ _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight"
            "lm_head.weight": "output.weight"}
 
 
-def gguf_name(name: str) -> str:
-    """The GGUF name of a Hugging Face tensor name."""
+def gguf_name(name: str, family: GGUF | None = None) -> str:
+    """The GGUF name of a Hugging Face tensor name (`family`: the names its family declares first)."""
     if name in _GLOBAL:
         return _GLOBAL[name]
     match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if match and match.group(2) in _LAYER:
-        return f"blk.{match.group(1)}.{_LAYER[match.group(2)]}"
+    own = dict(family.tensor_names) if family is not None else {}
+    if match and (match.group(2) in own or match.group(2) in _LAYER):
+        return f"blk.{match.group(1)}.{own.get(match.group(2)) or _LAYER[match.group(2)]}"
     raise StagemeshError(f"no GGUF tensor corresponds to {name}")
 
 
@@ -101,13 +108,13 @@ class GGUFCheckpoint:
             raise StagemeshError(f"{self.path} is not a readable GGUF file: {err}") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
         arch = self._field("general.architecture")
-        want = ARCHITECTURES.get(cfg.model_type)
-        if want is None or arch != want:
+        want = cfg.family.gguf
+        if want is None or arch != want.architecture:
             raise StagemeshError(f"{self.path.name} holds a {arch!r} model and the config a {cfg.model_type}: "
-                                 f"stagemesh serves GGUF files of {', '.join(sorted(set(ARCHITECTURES.values())))} "
+                                 f"stagemesh serves GGUF files of {', '.join(served_architectures())} "
                                  "models with their own config")
-        self.cfg = cfg
-        self.permuted = arch == "llama"
+        self.cfg, self.family = cfg, want
+        self.permuted = want.permuted_qk
 
     def _field(self, key: str):
         field = self.reader.fields.get(key)
@@ -115,10 +122,13 @@ class GGUFCheckpoint:
             return None
         return bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
 
+    def _name(self, name: str) -> str:
+        return gguf_name(name, self.family)
+
     def _tensor(self, name: str):
-        tensor = self.tensors.get(gguf_name(name))
+        tensor = self.tensors.get(self._name(name))
         if tensor is None:
-            raise StagemeshError(f"{self.path.name} has no tensor {gguf_name(name)} (for {name})")
+            raise StagemeshError(f"{self.path.name} has no tensor {self._name(name)} (for {name})")
         return tensor
 
     def qtype(self, name: str) -> str:
@@ -133,7 +143,7 @@ class GGUFCheckpoint:
 
     def _rows(self, name: str, start: int, length: int, rows: int) -> np.ndarray | slice:
         if not 0 <= start <= start + length <= rows:
-            raise StagemeshError(f"{gguf_name(name)} has {rows} rows; the shard wants {start}:{start + length}")
+            raise StagemeshError(f"{self._name(name)} has {rows} rows; the shard wants {start}:{start + length}")
         if self.permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self.cfg.num_attention_heads if "q_proj" in name else self.cfg.num_key_value_heads
             return _unpermute(rows, heads)[start:start + length]
@@ -149,7 +159,7 @@ class GGUFCheckpoint:
 
             return dequantize(qs, scales, mins)
         if qtype not in DENSE:
-            raise StagemeshError(f"{gguf_name(name)} is {qtype}: stagemesh serves {', '.join(QUANTISED + DENSE)}")
+            raise StagemeshError(f"{self._name(name)} is {qtype}: stagemesh serves {', '.join(QUANTISED + DENSE)}")
         data = np.asarray(t.data).reshape(shape)
         if dim == 0:
             data = data[self._rows(name, start, length, shape[0])]
@@ -165,13 +175,13 @@ class GGUFCheckpoint:
         t, qtype = self._tensor(name), self.qtype(name)
         rows, cols = self.shape(name)
         if dim == 1 and not 0 <= start <= start + length <= cols:
-            raise StagemeshError(f"{gguf_name(name)} has {cols} columns; the shard wants {start}:{start + length}")
+            raise StagemeshError(f"{self._name(name)} has {cols} columns; the shard wants {start}:{start + length}")
         per_block, size = BLOCK[qtype]
         raw = np.asarray(t.data).reshape(rows, cols // per_block * size)
         if dim == 0:
             return convert_blocks(qtype, raw[self._rows(name, start, length, rows)])
         if start % 32 or length % 32:
-            raise StagemeshError(f"{gguf_name(name)}: a TP shard of columns {start}:{start + length} would split "
+            raise StagemeshError(f"{self._name(name)}: a TP shard of columns {start}:{start + length} would split "
                                  "a quantisation block of 32 weights; choose a --tensor-parallel-size whose "
                                  "shards of this layer's inputs are multiples of 32")
         b0, b1 = start // per_block, -(-(start + length) // per_block)  # the file's blocks that cover the shard

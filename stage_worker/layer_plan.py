@@ -6,12 +6,13 @@ weights stream through the caches between calls, that Python runs slower still. 
 kernel calls, in the same order with the same arguments, from C++: the same bits, without the Python.
 
 It runs where each of its calls is what the Python layer would call: a DecoderLayer of Attention and MLP (no
-per-head q/k norm, no experts), one TP rank, every parameter on the CPU, the C++ kernels built and chosen
-(kernels.dispatch), activations and KV cache in the norms' dtype, an attention family that covers the head
-dim, no forward hook on anything inside the layer (hooks on the layer itself still fire). Otherwise the
-layer's own Python runs. With LoRA (stage_worker.lora) the plan runs its LoRALinears' base products, and adds
-the adapters' products (kernels/csrc/lora_ops.h) in a step short enough for that kernel (kernels.dispatch
-cpu_lora); a longer step with adapter tokens runs the Python layer, whose torch products suit it better.
+per-head q/k norm, no experts) of a family that says the plan covers it (stagemesh.core.families: Family.
+fused_cpu_plan), one TP rank, every parameter on the CPU, the C++ kernels built and chosen (kernels.dispatch),
+activations and KV cache in the norms' dtype, an attention family that covers the head dim, no forward hook
+on anything inside the layer (hooks on the layer itself still fire). Otherwise the layer's own Python runs.
+With LoRA (stage_worker.lora) the plan runs its LoRALinears' base products, and adds the adapters' products
+(kernels/csrc/lora_ops.h) in a step short enough for that kernel (kernels.dispatch cpu_lora); a longer step
+with adapter tokens runs the Python layer, whose torch products suit it better.
 A plan is rebuilt when a parameter, buffer or submodule of any layer is replaced, when the model moves (.to()),
 or when a forward hook is registered (stage_worker.layers.changes).
 """
@@ -76,7 +77,8 @@ def build(layer) -> LayerPlan:
     hooked = [m for m in layer.modules() if m is not layer and (m._forward_hooks or m._forward_pre_hooks)]
     if hooked:
         return LayerPlan(epoch, hooked=hooked)
-    if (module is None or dispatch.forced() == "triton" or layer.sparse or type(attn) is not Attention
+    if (module is None or dispatch.forced() == "triton" or layer.sparse or not layer.cpu_plan
+            or type(attn) is not Attention
             or type(mlp) is not layers.MLP or attn.q_norm is not None):
         return LayerPlan(epoch)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)

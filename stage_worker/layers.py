@@ -16,6 +16,7 @@ from torch.nn.modules import module as _torch_module
 
 import kernels
 from kernels import cpu_ops
+from stagemesh.core.families import WeightNames
 from stage_worker.parallel import TPGroup, shard_range, vocab_range
 from stage_worker.quant_weight import QuantizedWeight
 
@@ -246,14 +247,18 @@ def row_parallel(prefix: str, out_features: int, start: int, cols: int, tp: TPGr
     return Linear(weight, reduce=tp if reduce else None)
 
 
+SEPARATE_NAMES = WeightNames()  # gate_proj and up_proj, each its own tensor
+
+
 class MLP(Module):
     """SwiGLU MLP: column-parallel gate/up, row-parallel down (all-reduced unless reduce=False)."""
 
     def __init__(self, prefix: str, hidden_size: int, intermediate_size: int, tp: TPGroup, dtype, device,
-                 reduce: bool = True):
+                 reduce: bool = True, names: WeightNames = SEPARATE_NAMES):
+        """names: how the family's checkpoint spells gate and up (separate tensors, or one fused)."""
         super().__init__()
         start, per = shard_range(intermediate_size, tp, f"the intermediate size of {prefix}")
-        self.gate_up_proj = column_parallel([(f"{prefix}.gate_proj", start, per), (f"{prefix}.up_proj", start, per)],
+        self.gate_up_proj = column_parallel(names.gate_up(prefix, intermediate_size, start, per),
                                             hidden_size, dtype, device)
         self.down_proj = row_parallel(f"{prefix}.down_proj", hidden_size, start, per, tp, dtype, device, reduce)
 

@@ -1,5 +1,5 @@
-"""A contiguous slice of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, and the
-mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE: stage_worker.moe).
+"""A contiguous slice of a Llama-like decoder, of any family in stagemesh.core.families (what differs between
+them, e.g. q/k norm, biases, weight names, experts: stage_worker.moe, is read from cfg.family).
 
 The forward is the plain model; tensor parallelism comes from the layers'
 shard-aware parameters (stage_worker.layers). Attention runs over the paged
@@ -39,11 +39,9 @@ class Attention(Module):
         d = self.head_dim = cfg.head_dim
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.scale = d ** -0.5
-        self.qkv_proj = column_parallel([
-            (f"{prefix}.q_proj", shard.q_start * d, shard.num_heads * d),
-            (f"{prefix}.k_proj", shard.kv_start * d, shard.num_kv_heads * d),
-            (f"{prefix}.v_proj", shard.kv_start * d, shard.num_kv_heads * d),
-        ], cfg.hidden_size, dtype, device, bias=cfg.attention_bias)
+        parts = cfg.family.weights.qkv(prefix, cfg, (shard.q_start * d, shard.num_heads * d),
+                                       (shard.kv_start * d, shard.num_kv_heads * d))
+        self.qkv_proj = column_parallel(parts, cfg.hidden_size, dtype, device, bias=cfg.attention_bias)
         self.o_proj = row_parallel(f"{prefix}.o_proj", cfg.hidden_size, shard.q_start * d, shard.num_heads * d,
                                    tp, dtype, device)
         self.q_norm = self.k_norm = None
@@ -82,10 +80,12 @@ class DecoderLayer(Module):
         self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size, eps,
                                                 dtype, device)
         self.sparse = cfg.is_sparse_layer(index)
+        self.cpu_plan = cfg.family.fused_cpu_plan  # whether stage_worker.layer_plan may run it
         if self.sparse:
             self.mlp = SparseMoeBlock(cfg, index, tp, expert_parallel, dtype, device, ep, eplb)
         else:
-            self.mlp = MLP(f"{prefix}.mlp", cfg.hidden_size, cfg.intermediate_size, tp, dtype, device)
+            self.mlp = MLP(f"{prefix}.mlp", cfg.hidden_size, cfg.intermediate_size, tp, dtype, device,
+                           names=cfg.family.weights)
 
     def forward(self, x, residual, meta, kv_cache, cos_sin):
         plan = self.__dict__.get("_plan")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import kernels
+from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
 from stage_worker.eplb import EPLBConfig, ExpertMap, plan_placement
 from stage_worker.layers import MLP, Linear, Module, Shard, full, new_param
@@ -86,9 +87,10 @@ def describe_layout(cfg: ModelConfig, tp_size: int, expert_parallel: bool, ep=No
 
 def _checkpoint_names(cfg: ModelConfig, layer: int) -> tuple[str, tuple[str, str, str]]:
     """The block's prefix and its experts' (gate, up, down) names, as the checkpoint spells them."""
-    if cfg.model_type == "mixtral":
-        return f"model.layers.{layer}.block_sparse_moe", ("w1", "w3", "w2")
-    return f"model.layers.{layer}.mlp", ("gate_proj", "up_proj", "down_proj")
+    experts = cfg.family.experts
+    if experts is None:
+        raise StagemeshError(f"{cfg.model_type} has no experts")
+    return f"model.layers.{layer}.{experts.block}", experts.names
 
 
 def _expert_shards(block: str, names: tuple[str, str, str], p: ExpertPlacement, local) -> tuple[list, list]:

@@ -1,7 +1,7 @@
 """GGUF files of the tiny test models, and the model directory that is exactly their dequantised weights.
 
 write_gguf lays a tiny model's tensors out as llama.cpp's converter does (GGUF names, q and k rows permuted
-for llama) and quantises the linear weights with the `gguf` package's quantisers (Q4_0, Q4_1, Q8_0) or
+where the family says so) and quantises the linear weights with the `gguf` package's quantisers (Q4_0, Q4_1, Q8_0) or
 quantize_q4_k below (gguf-py has no Q4_K quantiser; tests check it against gguf's dequantiser).
 dequantised_model_dir is what transformers makes of such a file (the default model's fp32 directory is
 made that way from its GGUF): the reference the GGUF path must agree with.
@@ -16,6 +16,15 @@ import numpy as np
 import torch
 
 from stage_worker.gguf import gguf_name
+from stagemesh.core.families import GGUF
+from stagemesh.core.model_config import ModelConfig
+
+
+def _gguf_family(cfg: dict) -> GGUF:
+    """How llama.cpp lays out the model's family (its declaration in stagemesh.core.families)."""
+    family = ModelConfig.from_dict(cfg).family.gguf
+    assert family is not None, f"{cfg['model_type']} is not served from GGUF files"
+    return family
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -68,23 +77,23 @@ def write_gguf(model_dir: Path, path: Path, qtype: str = "Q4_1", embed_qtype: st
     from safetensors.torch import load_file
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    arch = {"llama": "llama", "mistral": "llama"}.get(cfg["model_type"], cfg["model_type"])
+    family = _gguf_family(cfg)
     state = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         state.update(load_file(file))
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf.GGUFWriter(str(path), family.architecture)
     for name, tensor in sorted(state.items()):
         arr = tensor.float().numpy()
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if family.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             arr = _permute(arr, heads)
         table = name in ("model.embed_tokens.weight", "lm_head.weight")
         want = embed_qtype if table else qtype if arr.ndim == 2 else None
         if want is None:
-            writer.add_tensor(gguf_name(name), arr)
+            writer.add_tensor(gguf_name(name, family), arr)
         else:
             data, kind = _quantize(arr, want)
-            writer.add_tensor(gguf_name(name), data, raw_shape=data.shape, raw_dtype=kind)
+            writer.add_tensor(gguf_name(name, family), data, raw_shape=data.shape, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -106,14 +115,13 @@ def dequantised_model_dir(model_dir: Path, gguf_file: Path, out: Path) -> Path:
 
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:
-            names.update({gguf_name(n): n for n in f.keys()})
+            names.update({gguf_name(n, _gguf_family(cfg)): n for n in f.keys()})
     reader = GGUFReader(str(gguf_file))
     state = {}
     for t in reader.tensors:
         arr = dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape)))
         name = names[t.name]
-        if reader.fields["general.architecture"] and name.endswith(("q_proj.weight", "k_proj.weight")) \
-                and cfg["model_type"] in ("llama", "mistral"):
+        if _gguf_family(cfg).permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             arr = _unpermute(arr, cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"])
         state[name] = torch.from_numpy(np.array(arr, dtype=np.float32))
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

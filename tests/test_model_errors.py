@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.families import SUPPORTED_MODEL_TYPES
 from stage_worker.runner import StageRunner
 
 
@@ -27,8 +28,9 @@ def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     result = stagemesh("generate", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert ("unsupported architecture GPT2LMHeadModel (model_type 'gpt2'); supported: llama, mistral, qwen2, qwen3"
-            in result.stderr)
+    assert (f"unsupported architecture GPT2LMHeadModel (model_type 'gpt2'); supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}" in result.stderr)  # from the family registry
+    assert "llama, mistral" in result.stderr and "mixtral, qwen2_moe, qwen3_moe" in result.stderr
 
 
 @pytest.mark.parametrize("change,message", [

@@ -11,15 +11,17 @@ import torch
 
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+# the size of every tiny model (a family's test may build its own config from it: save_random_model)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=384, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
 def tiny_config(arch: str = "llama", **overrides):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=384, max_position_embeddings=512, rms_norm_eps=1e-6,
-                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = TINY
     if arch == "llama":
         cls, extra = LlamaConfig, {}
     elif arch == "llama3":
@@ -51,10 +53,14 @@ def tiny_config(arch: str = "llama", **overrides):
 def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, sharded: bool = False,
                     **overrides) -> Path:
     """Save a tiny random model of `arch` in `path` and return the path."""
+    return save_random_model(path, tiny_config(arch, **overrides), seed, sharded)
+
+
+def save_random_model(path: str | Path, config, seed: int = 0, sharded: bool = False) -> Path:
+    """Save a random model of a transformers config in `path` (safetensors) and return the path."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    config = tiny_config(arch, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the default init, so layers matter

@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stagemesh.core import families
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.families import SUPPORTED_MODEL_TYPES, Family
 
-# Decoder-only Llama-family architectures that the stage workers run (and the planner plans), dense and
-# mixture-of-experts.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+__all__ = ["ModelConfig", "SUPPORTED_MODEL_TYPES", "layer_split", "parse_layer_split", "layer_ranges"]
 
 
 @dataclass(frozen=True)
@@ -27,10 +27,11 @@ class ModelConfig:
     rope_theta: float
     # None or a dict with at least "rope_type" (e.g. llama3 scaling factors).
     rope_scaling: dict[str, Any] | None
+    # positions served: the config's, capped at its sliding window (within it, sliding attention is full attention)
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # Qwen2: bias on q/k/v projections
-    qk_norm: bool  # Qwen3: RMSNorm on each head of q and k
+    attention_bias: bool  # bias on q/k/v projections (the family says where the config keeps it)
+    qk_norm: bool  # RMSNorm on each head of q and k (the family's)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str  # as the checkpoint stores it, e.g. "bfloat16"
@@ -44,6 +45,11 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()  # Qwen-MoE: layers with a dense MLP instead of experts
     decoder_sparse_step: int = 1  # Qwen-MoE: layer i has experts when (i + 1) % step == 0
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def family(self) -> Family:
+        """What the model's family declares (stagemesh.core.families): weight names, quirks, kernels."""
+        return families.get(self.model_type)
 
     @property
     def is_moe(self) -> bool:
@@ -90,12 +96,8 @@ class ModelConfig:
         model_type = cfg.get("model_type", "")
         if "text_config" in cfg and "num_hidden_layers" not in cfg:
             return cls.from_dict({**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", model_type)})
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            archs = ", ".join(cfg.get("architectures") or [model_type or "unknown"])
-            raise StagemeshError(
-                f"unsupported architecture {archs} (model_type {model_type!r}); "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        family = families.get(model_type, cfg.get("architectures"))
+        family.check(cfg)
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -114,18 +116,20 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
                 rope_scaling=scaling,
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                max_position_embeddings=min(int(cfg.get("max_position_embeddings", 2048)),
+                                            family.sliding_window(cfg) or 1 << 62),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=_attention_bias(cfg, model_type),
-                qk_norm=model_type in ("qwen3", "qwen3_moe"),
+                attention_bias=family.attention_bias(cfg),
+                qk_norm=family.qk_norm,
                 eos_token_ids=eos_ids,
                 bos_token_id=cfg.get("bos_token_id"),
                 torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-                sliding_window=_sliding_window(cfg),
-                num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
+                sliding_window=family.sliding_window(cfg),
+                num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0) if family.experts else 0,
                 num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
                 moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0),
-                norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+                norm_topk_prob=bool(family.experts and family.experts.always_renormalize)
+                or bool(cfg.get("norm_topk_prob", False)),
                 shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
                 mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
                 decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
@@ -172,20 +176,6 @@ def _check_mlp(config: "ModelConfig", cfg: dict[str, Any]) -> None:
     if config.is_moe and not 0 < config.num_experts_per_tok <= config.num_experts:
         raise StagemeshError(f"num_experts_per_tok {config.num_experts_per_tok} must be between 1 and the model's "
                              f"{config.num_experts} experts")
-
-
-def _attention_bias(cfg: dict[str, Any], model_type: str) -> bool:
-    if model_type == "qwen2_moe":  # its config calls it qkv_bias, on unless said otherwise
-        return bool(cfg.get("qkv_bias", True))
-    return bool(cfg.get("attention_bias", model_type == "qwen2"))
-
-
-def _sliding_window(cfg: dict[str, Any]) -> int | None:
-    qwen = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
-    if cfg.get("model_type") in qwen and not cfg.get("use_sliding_window", False):
-        return None
-    window = cfg.get("sliding_window")
-    return int(window) if window else None
 
 
 def layer_split(num_layers: int, num_stages: int) -> list[int]:

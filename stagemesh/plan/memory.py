@@ -2,6 +2,7 @@
 maximum concurrency, and a layer split that evens memory across stages."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from stagemesh.core.model_config import ModelConfig, layer_ranges
@@ -35,28 +36,21 @@ class ParamCounts:
         return self.embedding + self.lm_head + self.per_layer * num_layers + self.final_norm
 
 
+def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A layer's tensors as its family names them (a sparse layer for a mixture of experts)."""
+    return cfg.family.layer_shapes(cfg, 0, sparse=cfg.is_moe)
+
+
 def param_counts(cfg: ModelConfig) -> ParamCounts:
-    h, d = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if cfg.attention_bias else 0) + (2 * d if cfg.qk_norm else 0)
-    if cfg.is_moe:
-        mlp = cfg.num_experts * 3 * h * cfg.moe_intermediate_size + h * cfg.num_experts  # experts + router
-        if cfg.shared_expert_intermediate_size:  # Qwen2-MoE: the shared expert and its gate
-            mlp += 3 * h * cfg.shared_expert_intermediate_size + h
-    else:
-        mlp = 3 * h * cfg.intermediate_size
+    h = cfg.hidden_size
+    per_layer = sum(math.prod(shape) for shape in _layer_shapes(cfg).values())
     embedding = cfg.vocab_size * h
-    return ParamCounts(embedding, 0 if cfg.tie_word_embeddings else embedding, attention + mlp + 2 * h, h)
+    return ParamCounts(embedding, 0 if cfg.tie_word_embeddings else embedding, per_layer, h)
 
 
 def linear_rows_per_layer(cfg: ModelConfig) -> int:
-    """Output rows of a layer's linear weights (q, k, v, o, gate, up, down; experts and their routers)."""
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    if cfg.is_moe:
-        mlp = cfg.num_experts * (2 * cfg.moe_intermediate_size + cfg.hidden_size) + cfg.num_experts
-    else:
-        mlp = 2 * cfg.intermediate_size + cfg.hidden_size
-    return q + 2 * kv + cfg.hidden_size + mlp
+    """Output rows of a layer's linear weights (attention, MLP or experts, routers), each with its int8 scale."""
+    return sum(shape[0] for shape in _layer_shapes(cfg).values() if len(shape) == 2)
 
 
 def weight_bytes(cfg: ModelConfig, dtype: str, layers: int, tables: int) -> float:
