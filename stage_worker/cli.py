@@ -12,76 +12,16 @@ from stagemesh.core import internal_token
 from stagemesh.core.deadlines import DEADLINES
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.heap import freeze_startup_heap
-from stagemesh.core.service_options import add_service_arguments, channel, setup_service
+from stagemesh.core.flags import add_flags
+from stagemesh.core.service_options import channel, setup_service
 
 log = logging.getLogger("stagemesh.stage")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="model directory, or a .gguf file with --tokenizer (default: the embedded model)")
-    p.add_argument("--scheduler", required=True, metavar="HOST:PORT", help="the replica's scheduler")
-    p.add_argument("--stage-index", type=int, required=True)
-    p.add_argument("--layers", default=None, metavar="A:B",
-                   help="this stage's layers [A, B); or give --pipeline-parallel-size (and --layer-split) instead")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
-                   help="without --layers: this stage takes its --stage-index's share of a split into this many "
-                        "stages (balanced, as `stagemesh serve` splits, unless --layer-split), so that every "
-                        "stage of a pipeline can run one command (a Kubernetes StatefulSet)")
-    p.add_argument("--layer-split", default=None, help="with --pipeline-parallel-size: layers per stage, e.g. 10,12,8")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--handoff", choices=("nccl", "grpc"), default="grpc", help="activation transport to the next stage")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
-    p.add_argument("--advertise-host", default=None, help="address other services use to reach this stage")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (as vLLM)")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE models: whole experts spread over the stage's TP ranks (EP size = TP size) instead of "
-                        "every expert sharded over them; attention stays TP")
-    p.add_argument("--enable-eplb", action="store_true",
-                   help="with --enable-expert-parallel: balance the experts' load over the TP ranks (vLLM's EPLB): "
-                        "redundant copies of hot experts, re-placed every step_interval steps (stage_worker.eplb)")
-    p.add_argument("--eplb-config", default=None, metavar="JSON",
-                   help='vLLM\'s EPLB settings: {"window_size": 1000, "step_interval": 3000, '
-                        '"num_redundant_experts": 0, "log_balancedness": false}')
-    # vLLM's flags for data-parallel attention with experts across the replicas (stage_worker.ep_group)
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="with --enable-expert-parallel: the experts of this stage's layers are spread over the "
-                        "stages of this many replicas (each replica runs attention on its own requests)")
-    p.add_argument("--data-parallel-rank", type=int, default=0, help="this stage's replica among them")
-    p.add_argument("--data-parallel-address", default="127.0.0.1",
-                   help="where replica 0's stage hosts the expert-parallel group's store")
-    p.add_argument("--data-parallel-rpc-port", type=int, default=29550,
-                   help="the store's port for stage 0's group (stage i's: this + i)")
-    p.add_argument("--standby", action="store_true",
-                   help="a spare: when another live stage serves this --stage-index, the scheduler keeps this one "
-                        "warm (weights loaded, KV cache allocated) and swaps it in when that stage fails; otherwise "
-                        "it serves as any stage")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="the last stage's draft model for speculative decoding, as the scheduler's "
-                        "--speculative-config gives it ({\"model\": DIR, \"num_speculative_tokens\": k}): the draft "
-                        "runs on TP rank 0 with a KV cache of its own, in this stage's KV budget")
-    p.add_argument("--kv-offloading-disk-path", default=None, metavar="DIR",
-                   help="the disk tier of this stage's KV (docs/kv-tiers.md): blocks the scheduler moves there are "
-                        "files under DIR/<namespace>/ (a digest of the model, dtype, block size, heads, layers, TP "
-                        "size and quantization, so a changed model never reads them), kept across restarts. One "
-                        "stage process per namespace directory: give each replica a DIR of its own (a second stage "
-                        "on it is refused; `stagemesh serve` uses DIR/replica-<i>)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
-    p.add_argument("--cpu-affinity", default=None, metavar="CPUS", help="pin the stage (and followers) to these "
-                                                                        "cores, e.g. 0 or 0,1")
-    from stagemesh.core.model_source import add_model_arguments
+    from stage_worker.options import StageOptions
 
-    add_model_arguments(p)
-    from stagemesh.core.lora import add_lora_arguments
-
-    add_lora_arguments(p)
-    add_service_arguments(p)
+    add_flags(p, StageOptions)
 
 
 def expert_parallel_across_replicas(args: argparse.Namespace, cfg, start: int, end: int):
