@@ -59,7 +59,7 @@ class SchedulerOptions:
         "disaggregated prefill (docs/disaggregated-prefill.md): a router sends a prefill replica new prompts (it "
         "computes the prompt and the first token and holds the KV), and a decode replica the rest, whose stages "
         "fetch that KV; every role also serves whole requests")).field()
-    kv_peer: tuple[str, ...] = Flag(("--kv-peer",), kind="append", default=[], metavar="HOST:PORT", help=(
+    kv_peer: tuple[str, ...] = Flag(("--kv-peer",), kind="append", default=(), metavar="HOST:PORT", help=(
         "disaggregated prefill: the scheduler of a prefill replica whose held KV this replica may fetch (repeat for "
         "each); a request's kv_transfer naming any other is not fetched (its --kv-load-failure-policy applies), and "
         "this replica's stages read KV only from these replicas' stages (`stagemesh serve --prefill-replicas` gives "

@@ -157,7 +157,7 @@ class MeshLayout:
         args, n = self.args, self.args.api_server_count
         options = from_args(RouterOptions, self.passed[RouterOptions], source=self.model, host=args.host,
                             port=args.port, grpc_port=args.grpc_port, replica=tuple(replicas), reuse_port=n > 1)
-        control = self.control_ports or [None] * n
+        control: list[int | None] = [*self.control_ports] or [None] * n
         return [ChildSpec("router" if n == 1 else f"router[{i}]",
                           ["router", *to_argv(replace(options, control_port=control[i]))], kind="router")
                 for i in range(n)]

@@ -36,10 +36,10 @@ class LoRAOptions:
     """vLLM's LoRA flags: the stages load the adapters, the schedulers and routers know their names."""
     enable_lora: bool = Flag(("--enable-lora",), kind="switch",
                              help="serve LoRA adapters: a request picks one by its model name (docs/lora.md)").field()
-    lora_modules: tuple[str, ...] = Flag(("--lora-modules",), kind="extend", default=[], metavar="NAME=PATH", help=(
+    lora_modules: tuple[str, ...] = Flag(("--lora-modules",), kind="extend", default=(), metavar="NAME=PATH", help=(
         "LoRA adapters (PEFT directories) as name=path or vLLM's JSON {\"name\": ..., \"path\": ..., "
         "\"base_model_name\": ...}; needs --enable-lora")).field()
-    allowed_local_lora_path: tuple[str, ...] = Flag((ALLOWED_PATH_FLAG,), kind="extend", default=[], metavar="DIR",
+    allowed_local_lora_path: tuple[str, ...] = Flag((ALLOWED_PATH_FLAG,), kind="extend", default=(), metavar="DIR",
                                                     help=(
         "directories adapters loaded at run time (/v1/load_lora_adapter, with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true) "
         "may be read from: a client's lora_path elsewhere is refused (ours; default none: run-time loading refused)"

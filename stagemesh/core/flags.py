@@ -29,7 +29,7 @@ KINDS = ("value", "switch", "bool", "append", "extend", "positional")
 @dataclass(frozen=True)
 class Flag:
     names: tuple[str, ...]  # the long name first, then aliases ("--tensor-parallel-size", "-tp")
-    default: Any = None
+    default: Any = None  # a tuple for the flags that take several values (the options are frozen)
     help: str | None = None
     kind: str = "value"
     type: Callable[[str], Any] | None = None
@@ -50,8 +50,6 @@ class Flag:
     def field(self, **changes: Any) -> Any:
         """A dataclass field declaring this flag; `changes` (default, help) make a service's variant of it."""
         flag = dataclasses.replace(self, **changes) if changes else self
-        if isinstance(flag.default, list):  # (argparse extends a list default in place: each parse gets a copy)
-            return dataclasses.field(default_factory=lambda: tuple(flag.default), metadata={FLAG: flag})
         return dataclasses.field(default=flag.default, metadata={FLAG: flag})
 
     def add_to(self, parser: Any, dest: str) -> None:
@@ -66,7 +64,7 @@ class Flag:
         if self.kind == "bool":
             parser.add_argument(*self.names, action=argparse.BooleanOptionalAction, **kw)
             return
-        if self.kind == "append":
+        if self.kind == "append":  # (a list default: argparse extends it in place, so each parser gets a copy)
             kw.update(action="append", default=None if self.default is None else list(self.default))
         elif self.kind == "extend":
             kw.update(action="extend", nargs="+", default=list(self.default))
@@ -75,8 +73,7 @@ class Flag:
 
     def argv(self, value: Any) -> list[str]:
         """The flag with `value` for a child's command line; [] where the child's default gives the same."""
-        if not self.passed_on or value is None or value == self.default or (
-                self.kind in ("append", "extend") and not value and not self.default):
+        if not self.passed_on or value is None or value == self.default:
             return []
         if self.kind == "positional":
             return [str(value)]
