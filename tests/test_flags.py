@@ -89,6 +89,8 @@ def test_options_written_as_argv_parse_back_the_same(command):
     assert _parse(command, argv) == _keep_skipped(expected, cls)
     # a service started with its defaults is given nothing but what is required
     minimal = _parse(command, _required(command))
+    required = {"router": {"replica": ("h:1",)}, "stage": {"scheduler": "h:1", "stage_index": 0}}.get(command, {})
+    assert minimal == from_args(cls, None, **required)  # the parser's defaults are the options' own
     assert _parse(command, to_argv(minimal)) == minimal
     assert to_argv(minimal) == _required(command)
 

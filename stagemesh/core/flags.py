@@ -9,7 +9,9 @@ flags every service shares: logs and TLS, the model, LoRA); its flags are flat o
 namespace, as if declared in place.
 
 A Flag constant used by several services' options (stagemesh.core.common_flags) is one flag: the same name,
-default and help wherever it appears.
+default and help wherever it appears. A variant (``FLAG.field(default=...)``) keeps the flag and changes its
+default or help, where a command means more by it (serve's, stagemesh.serve_options.SERVE_VARIANTS); the
+test of the declarations (tests/test_flags.py) allows no other difference.
 """
 from __future__ import annotations
 
@@ -36,12 +38,14 @@ class Flag:
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     required: bool = False
-    dest: str | None = None  # the namespace attribute when it is not the field's name (router's --model)
     passed_on: bool = True  # False: never written into a child's argv (secrets travel in the environment)
     title: str | None = None  # the --help section it is listed under (None: the parser's own options)
 
     def __post_init__(self) -> None:
-        assert self.kind in KINDS, self.kind
+        if self.kind not in KINDS:
+            raise ValueError(f"{self.names[0]}: kind {self.kind!r} is not one of {KINDS}")
+        if self.kind == "switch" and self.default is None:  # (off unless given)
+            object.__setattr__(self, "default", False)
 
     @property
     def name(self) -> str:
@@ -57,7 +61,7 @@ class Flag:
         if self.kind == "positional":
             parser.add_argument(dest, nargs="?", metavar=self.metavar, **kw)
             return
-        kw["dest"] = self.dest or dest
+        kw["dest"] = dest
         if self.kind == "switch":
             parser.add_argument(*self.names, action="store_true", **kw)
             return
@@ -126,11 +130,10 @@ def from_args(cls: type[T], args: argparse.Namespace | None = None, skip: tuple[
             inner = {k: values.pop(k) for k in [n for n, _ in flags(f.metadata[GROUP])] if k in values}
             kw[f.name] = values.pop(f.name, None) or from_args(f.metadata[GROUP], args, f.metadata[SKIP], **inner)
         elif FLAG in f.metadata:
-            attr = f.metadata[FLAG].dest or f.name
             if f.name in values:
                 kw[f.name] = values.pop(f.name)
-            elif args is not None and hasattr(args, attr):
-                kw[f.name] = getattr(args, attr)
+            elif args is not None and hasattr(args, f.name):
+                kw[f.name] = getattr(args, f.name)
     if values:
         raise TypeError(f"{cls.__name__} has no flags {sorted(values)}")
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()})

@@ -25,7 +25,7 @@ import grpc
 
 from stagemesh.core import internal_token, shutdown
 from stagemesh.core.errors import StagemeshError
-from stagemesh.core.flags import Flag, add_flags
+from stagemesh.core.flags import Flag
 
 log = logging.getLogger("stagemesh")
 
@@ -66,10 +66,6 @@ class ServiceOptions:
         "the same secret on the command line (visible to `ps`; prefer --internal-token-file)")).field()
     shutdown_timeout: float = Flag(("--shutdown-timeout",), type=float, default=shutdown.DEFAULT_TIMEOUT_S,
                                    metavar="SECONDS", title=TITLE, help=shutdown.HELP).field()
-
-
-def add_service_arguments(p: argparse.ArgumentParser, *, metrics_port: bool = True) -> None:
-    add_flags(p, ServiceOptions, () if metrics_port else ("metrics_port",))
 
 
 def setup_service(args: argparse.Namespace, service_name: str) -> None:
