@@ -35,6 +35,7 @@ from stagemesh.serve_options import RAY_STAGE_RECOVERY_TIMEOUT_S, ServeOptions
 
 log = logging.getLogger("stagemesh.serve")
 
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flags(p, ServeOptions)
 
