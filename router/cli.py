@@ -6,96 +6,17 @@ import asyncio
 import logging
 
 from stagemesh.core.heap import freeze_startup_heap
-from stagemesh.core.service_options import add_service_arguments, setup_service
+from stagemesh.core.flags import add_flags
+from stagemesh.core.service_options import setup_service
 
 log = logging.getLogger("stagemesh.router")
 SHARED_PORT_WAIT_S = 300.0  # a --reuse-port router's wait for a healthy replica before it listens
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="model directory, for the tokenizer and chat template "
-                                                          "(default: the embedded model)")
-    p.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
-                   help="the same as the positional MODEL (vLLM's spelling)")
-    from stagemesh.core.model_source import add_model_arguments
+    from router.config import RouterOptions
 
-    add_model_arguments(p)
-    p.add_argument("--replica", action="append", required=True, metavar="HOST:PORT",
-                   help="a replica's scheduler (repeat for data parallelism)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
-    p.add_argument("--grpc-port", type=int, default=None, help="serve the gRPC frontend on this port (0: any free "
-                                                               "port; default: off)")
-    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the replicas')")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                                                   "(and the gRPC frontend's metadata 'authorization')")
-    p.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
-    p.add_argument("--http-timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
-                   help="close a connection that sends no complete request (headers included) for this long, "
-                        "as vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE (default 5)")
-    p.add_argument("--max-model-len", type=int, default=None, help="cap below the replicas' own limit")
-    p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=None,
-                   help="tool_choice \"auto\": the model calls tools in its own format, which --tool-call-parser "
-                        "reads. Default: on when the model's chat template shows a format a parser reads (the "
-                        "start-up log names the parser it chose), else off (\"auto\" gets a 400); "
-                        "--no-enable-auto-tool-choice keeps it off")
-    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
-                   help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>) or llama3_json "
-                        "(default: chosen from the chat template)")
-    p.add_argument("--policy", choices=("least-load", "cache-aware", "kv-aware", "round-robin"), default="least-load",
-                   help="least-load: fewest running + 4 x waiting; cache-aware: where this router sent the prompt's "
-                        "prefix before (a guess); kv-aware: where the replicas' KV events say the prompt's leading "
-                        "blocks are held, in any KV tier, each block weighed by the best tier holding it (device 1.0, "
-                        "host 0.8, disk 0.5), unless that replica is much busier; a replica whose events the router "
-                        "cannot trust now (a gap, its stream lost: resynced from a snapshot) counts no hit "
-                        "(docs/disaggregated-prefill.md); round-robin")
-    p.add_argument("--responses-store", default="memory", metavar="memory|URL",
-                   help="where the Responses API keeps its responses (store: true) for GET and DELETE /v1/responses/"
-                        "{id} and previous_response_id: memory (default: this router's own), or a Redis URL that "
-                        "several routers share (redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS, unix://PATH; "
-                        "keys stagemesh:responses:<id>; each call times out after 1 s unless the URL sets "
-                        "?socket_timeout=S&socket_connect_timeout=S). While Redis is down, what needs it answers "
-                        "503, and a response that could not be kept says \"store\": false")
-    p.add_argument("--responses-store-size", type=int, default=None,
-                   help="memory store: keep this many responses, the oldest dropped first (default 1000); not with "
-                        "a Redis store, which --responses-store-ttl and the server's maxmemory bound")
-    p.add_argument("--responses-store-ttl", type=float, default=None, metavar="SECONDS",
-                   help="Redis store: each response expires this many seconds after it was made (default 3600; a "
-                        "conversation goes on as long as its last response is younger); not with memory")
-    p.add_argument("--trust-request-chat-template", action="store_true",
-                   help="render a request's own 'chat_template' (chat completions, /tokenize) instead of refusing it "
-                        "with a 400, as vLLM's flag: each renders in a worker process, killed past "
-                        "--chat-template-timeout or past the longest prompt the model can take")
-    p.add_argument("--chat-template-timeout", type=float, default=5.0, metavar="SECONDS",
-                   help="with --trust-request-chat-template: the time a request's chat template may take to render "
-                        "before its worker is killed and the request gets a 400 (default 5)")
-    p.add_argument("--structured-outputs-config", default=None, metavar="JSON",
-                   help="as vLLM's: {\"backend\": \"xgrammar\", \"disable_any_whitespace\": BOOL}. JSON constraints "
-                        "(response_format, guided_json, forced tool calls) generate compact JSON unless "
-                        "disable_any_whitespace is false (then a run of at most 16 whitespace characters may come "
-                        "between tokens); a request's structured_outputs.disable_any_whitespace overrides it. "
-                        "Default here: true (vLLM's default, false, lets a small model run away on whitespace)")
-    p.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="SECONDS",
-                   help="a request's structured-output constraint that takes longer to compile (in a worker "
-                        "process) gets a 400 naming the bound (default 5, as vLLM's regex bound)")
-    p.add_argument("--max-waiting-requests", type=int, default=0,
-                   help="answer 429 (with Retry-After) once this many requests wait for their first token "
-                        "(0: unbounded; the schedulers' own queue limits also give 429)")
-    p.add_argument("--max-request-retries", type=int, default=3,
-                   help="a request whose replica fails goes on on another one (before its first token: sent again; "
-                        "after: continued from the tokens already streamed), at most this many times")
-    from stagemesh.core.lora import add_lora_arguments
-
-    add_lora_arguments(p, limits=False)
-    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between replica checks")
-    p.add_argument("--reuse-port", action="store_true",
-                   help="listen with SO_REUSEPORT, so that several routers share the HTTP (and gRPC) port and the "
-                        "kernel spreads connections over them (`stagemesh serve --api-server-count N` sets it)")
-    p.add_argument("--control-port", type=int, default=None,
-                   help="serve stagemesh.v1.RouterControl on this loopback port (0: any free port): the mesh's "
-                        "supervisor changes the replicas while the router serves, and probes this router's own "
-                        "readiness there (grpc.health.v1); needs the internal token (`stagemesh serve` sets it)")
-    add_service_arguments(p, metrics_port=False)
+    add_flags(p, RouterOptions)
 
 
 def run(args: argparse.Namespace) -> int:

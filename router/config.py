@@ -1,10 +1,100 @@
-"""The router's settings, from its command line (router/cli.py)."""
+"""The router's flags (RouterOptions, stagemesh.core.flags), and the settings it serves with (RouterConfig)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from stagemesh.core.common_flags import (HOST, LORA_LIMITS, MAX_MODEL_LEN, MAX_REQUEST_RETRIES, SERVED_MODEL_NAME,
+                                         LoRAOptions, ModelOptions)
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.flags import Flag, group
+from stagemesh.core.service_options import ServiceOptions
 from router.lora_registry import LoRARegistry
+
+POLICIES = ("least-load", "cache-aware", "kv-aware", "round-robin")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    """`stagemesh router`'s command line, each flag declared once (serve passes the same ones on)."""
+    model_option: str | None = Flag(("--model",), metavar="MODEL",
+                                    help="the same as the positional MODEL (vLLM's spelling)").field()
+    source: ModelOptions = group(ModelOptions)
+    replica: tuple[str, ...] | None = Flag(("--replica",), kind="append", required=True, metavar="HOST:PORT",
+                                           help="a replica's scheduler (repeat for data parallelism)").field()
+    host: str = HOST.field()
+    port: int = Flag(("--port",), type=int, default=8000, help="HTTP port (0: any free port)").field()
+    grpc_port: int | None = Flag(("--grpc-port",), type=int, help=(
+        "serve the gRPC frontend on this port (0: any free port; default: off)")).field()
+    served_model_name: str | None = SERVED_MODEL_NAME.field()
+    api_key: str | None = Flag(("--api-key",), help=(
+        "require 'Authorization: Bearer KEY' on every endpoint but /health (and the gRPC frontend's metadata "
+        "'authorization')")).field()
+    public_metrics: bool = Flag(("--public-metrics",), kind="switch",
+                                help="serve /metrics without the API key").field()
+    http_timeout_keep_alive: float = Flag(("--http-timeout-keep-alive",), type=float, default=5.0, metavar="SECONDS",
+                                          help=(
+        "close a connection that sends no complete request (headers included) for this long, as vLLM's "
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE (default 5)")).field()
+    max_model_len: int | None = MAX_MODEL_LEN.field()
+    enable_auto_tool_choice: bool | None = Flag(("--enable-auto-tool-choice",), kind="bool", help=(
+        "tool_choice \"auto\": the model calls tools in its own format, which --tool-call-parser reads. Default: on "
+        "when the model's chat template shows a format a parser reads (the start-up log names the parser it chose), "
+        "else off (\"auto\" gets a 400); --no-enable-auto-tool-choice keeps it off")).field()
+    tool_call_parser: str | None = Flag(("--tool-call-parser",), choices=TOOL_CALL_PARSERS, help=(
+        "how the model writes tool calls: hermes (<tool_call>{...}</tool_call>) or llama3_json (default: chosen "
+        "from the chat template)")).field()
+    policy: str = Flag(("--policy",), default="least-load", choices=POLICIES, help=(
+        "least-load: fewest running + 4 x waiting; cache-aware: where this router sent the prompt's prefix before "
+        "(a guess); kv-aware: where the replicas' KV events say the prompt's leading blocks are held, in any KV "
+        "tier, each block weighed by the best tier holding it (device 1.0, host 0.8, disk 0.5), unless that replica "
+        "is much busier; a replica whose events the router cannot trust now (a gap, its stream lost: resynced from "
+        "a snapshot) counts no hit (docs/disaggregated-prefill.md); round-robin")).field()
+    responses_store: str = Flag(("--responses-store",), default="memory", metavar="memory|URL", help=(
+        "where the Responses API keeps its responses (store: true) for GET and DELETE /v1/responses/{id} and "
+        "previous_response_id: memory (default: this router's own), or a Redis URL that several routers share "
+        "(redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS, unix://PATH; keys stagemesh:responses:<id>; each call "
+        "times out after 1 s unless the URL sets ?socket_timeout=S&socket_connect_timeout=S). While Redis is down, "
+        "what needs it answers 503, and a response that could not be kept says \"store\": false")).field()
+    responses_store_size: int | None = Flag(("--responses-store-size",), type=int, help=(
+        "memory store: keep this many responses, the oldest dropped first (default 1000); not with a Redis store, "
+        "which --responses-store-ttl and the server's maxmemory bound")).field()
+    responses_store_ttl: float | None = Flag(("--responses-store-ttl",), type=float, metavar="SECONDS", help=(
+        "Redis store: each response expires this many seconds after it was made (default 3600; a conversation goes "
+        "on as long as its last response is younger); not with memory")).field()
+    trust_request_chat_template: bool = Flag(("--trust-request-chat-template",), kind="switch", help=(
+        "render a request's own 'chat_template' (chat completions, /tokenize) instead of refusing it with a 400, as "
+        "vLLM's flag: each renders in a worker process, killed past --chat-template-timeout or past the longest "
+        "prompt the model can take")).field()
+    chat_template_timeout: float = Flag(("--chat-template-timeout",), type=float, default=5.0, metavar="SECONDS",
+                                        help=(
+        "with --trust-request-chat-template: the time a request's chat template may take to render before its "
+        "worker is killed and the request gets a 400 (default 5)")).field()
+    structured_outputs_config: str | None = Flag(("--structured-outputs-config",), metavar="JSON", help=(
+        "as vLLM's: {\"backend\": \"xgrammar\", \"disable_any_whitespace\": BOOL}. JSON constraints (response_format, "
+        "guided_json, forced tool calls) generate compact JSON unless disable_any_whitespace is false (then a run of "
+        "at most 16 whitespace characters may come between tokens); a request's "
+        "structured_outputs.disable_any_whitespace overrides it. Default here: true (vLLM's default, false, lets a "
+        "small model run away on whitespace)")).field()
+    grammar_compile_timeout: float = Flag(("--grammar-compile-timeout",), type=float, default=5.0, metavar="SECONDS",
+                                          help=(
+        "a request's structured-output constraint that takes longer to compile (in a worker process) gets a 400 "
+        "naming the bound (default 5, as vLLM's regex bound)")).field()
+    max_waiting_requests: int = Flag(("--max-waiting-requests",), type=int, default=0, help=(
+        "answer 429 (with Retry-After) once this many requests wait for their first token (0: unbounded; the "
+        "schedulers' own queue limits also give 429)")).field()
+    max_request_retries: int = MAX_REQUEST_RETRIES.field()
+    lora: LoRAOptions = group(LoRAOptions, skip=LORA_LIMITS)
+    health_interval: float = Flag(("--health-interval",), type=float, default=1.0,
+                                  help="seconds between replica checks").field()
+    reuse_port: bool = Flag(("--reuse-port",), kind="switch", help=(
+        "listen with SO_REUSEPORT, so that several routers share the HTTP (and gRPC) port and the kernel spreads "
+        "connections over them (`stagemesh serve --api-server-count N` sets it)")).field()
+    control_port: int | None = Flag(("--control-port",), type=int, help=(
+        "serve stagemesh.v1.RouterControl on this loopback port (0: any free port): the mesh's supervisor changes "
+        "the replicas while the router serves, and probes this router's own readiness there (grpc.health.v1); "
+        "needs the internal token (`stagemesh serve` sets it)")).field()
+    service: ServiceOptions = group(ServiceOptions, skip=("metrics_port",))
 
 
 @dataclass(frozen=True)

@@ -10,84 +10,17 @@ from stagemesh.core import internal_token
 from stagemesh.core.deadlines import DEADLINES
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.heap import freeze_startup_heap
-from stagemesh.core.lora import add_lora_arguments, lora_from_args, read_adapter_config
-from stagemesh.core.service_options import add_service_arguments, setup_service
+from stagemesh.core.flags import add_flags
+from stagemesh.core.lora import lora_from_args, read_adapter_config
+from stagemesh.core.service_options import setup_service
 
 log = logging.getLogger("stagemesh.scheduler")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded model)")
-    from stagemesh.core.model_source import add_model_arguments
+    from scheduler.config import SchedulerOptions
 
-    add_model_arguments(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
-    p.add_argument("--advertise-host", default=None, help="address stages use to reach this host")
-    p.add_argument("--dist-port", type=int, default=0, help="torch.distributed store port (0: any free port)")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--max-waiting-requests", type=int, default=0, help="0: unbounded")
-    add_lora_arguments(p)
-    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
-                   help="fcfs: requests in arrival order; priority: by the request's priority (lower first, ties by "
-                        "arrival), the lowest-priority running request preempted for a higher one that lacks KV "
-                        "blocks (vLLM's); a non-zero priority under fcfs is refused")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule a step before the previous one's tokens are back, so the stages do not wait for "
-                        "the scheduler: always with one stage, with more where a micro-batch would be empty "
-                        "(default: on when the stages run on GPUs, off on CPU)")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="vLLM's speculative decoding config (JSON): method ngram (prompt lookup, proposed here: "
-                        "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min) or draft_model (\"model\": "
-                        "the draft, which the last stage runs with the same flag); not with --async-scheduling")
-    p.add_argument("--stage-recovery-timeout", type=float, default=30.0,
-                   help="when a stage fails, keep its requests this many seconds for the pipeline to re-form (the "
-                        "stage restarted, or a --standby stage took its place), then go on with them; after that "
-                        "they fail (the router continues them on another replica). 0: fail them at once")
-    p.add_argument("--max-request-retries", type=int, default=3,
-                   help="a request under which the pipeline broke more than this many times fails")
-    p.add_argument("--forward-timeout", type=float, default=DEADLINES.forward_s,
-                   help="deadline of one step on a stage, seconds")
-    p.add_argument("--kv-role", choices=("both", "prefill", "decode"), default="both",
-                   help="disaggregated prefill (docs/disaggregated-prefill.md): a router sends a prefill replica "
-                        "new prompts (it computes the prompt and the first token and holds the KV), and a decode "
-                        "replica the rest, whose stages fetch that KV; every role also serves whole requests")
-    p.add_argument("--kv-peer", action="append", default=[], metavar="HOST:PORT",
-                   help="disaggregated prefill: the scheduler of a prefill replica whose held KV this replica may "
-                        "fetch (repeat for each); a request's kv_transfer naming any other is not fetched (its "
-                        "--kv-load-failure-policy applies), and this replica's stages read KV only from these "
-                        "replicas' stages (`stagemesh serve --prefill-replicas` gives it to every decode replica)")
-    p.add_argument("--kv-hold-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="a prefilled request's KV blocks wait this long at most for a decode replica to fetch them")
-    add_kv_load_arguments(p)
-    p.add_argument("--resume-grace-period", type=float, default=30.0, metavar="SECONDS",
-                   help="a streamed request whose router went away (died, or stopped) keeps running this long, its "
-                        "output kept, for another router to resume it (a client's Last-Event-ID, or "
-                        "stagemesh.client by itself); then it is aborted and its KV freed. 0: abort at once")
-    add_kv_tier_arguments(p)
-    p.add_argument("--port-file", default=None, help="write the bound port here (for supervisors)")
-    add_service_arguments(p)
-
-
-def add_kv_tier_arguments(p: argparse.ArgumentParser) -> None:
-    """The KV tiers' sizes (docs/kv-tiers.md), the scheduler's and `stagemesh serve`'s."""
-    p.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB",
-                   help="KV tiers (vLLM's flag): host memory for KV blocks below the KV cache, in GiB for the whole "
-                        "replica (every stage and TP rank together); a prefix evicted from the KV cache, or cached "
-                        "before a new epoch, is loaded back from it instead of computed")
-    p.add_argument("--kv-offloading-backend", default=None, choices=("native", "lmcache"),
-                   help="KV tiers (vLLM's flag): native, the built-in host and disk tiers (the default); lmcache is "
-                        "refused (not built in)")
-    p.add_argument("--kv-offloading-disk-size", type=float, default=None, metavar="GiB",
-                   help="KV tiers: disk for KV blocks below the host tier, in GiB for the whole replica, in the "
-                        "stages' --kv-offloading-disk-path directories; it outlives the processes, so a restarted "
-                        "replica serves the prefixes it cached before (needs --kv-offloading-size)")
+    add_flags(p, SchedulerOptions)
 
 
 def kv_tier_bytes(args: argparse.Namespace) -> tuple[int, int]:
@@ -123,19 +56,6 @@ def _lora_table(args):
     log.info("LoRA adapters %s (--max-loras %d)", ", ".join(m.name for m in modules) or "none", limits.max_loras)
     return LoRATable(limits.max_loras, limits.max_lora_rank, tuple(args.allowed_local_lora_path),
                      {m.name: m.path for m in modules})
-
-
-def add_kv_load_arguments(p: argparse.ArgumentParser) -> None:
-    """The decode side's KV load flags, shared with `stagemesh serve` (docs/disaggregated-prefill.md)."""
-    # (no `choices`: a wrong value is refused with the flag's name and what it takes, by check_kv_load_arguments)
-    p.add_argument("--kv-load-failure-policy", default="fail", metavar="fail|recompute",
-                   help="vLLM's kv_load_failure_policy: what a request does whose prompt's KV cannot be loaded from "
-                        "its prefill replica (the fetch failed, ran past --kv-load-timeout, or the hold had expired): "
-                        "fail (the default, as vLLM's: it fails with the reason and the router prefills it again, "
-                        "once, on a prefill replica) or recompute (this replica computes its prompt)")
-    p.add_argument("--kv-load-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="bound on fetching a prompt's KV from a prefill replica; past it (a stalled prefill "
-                        "replica) the --kv-load-failure-policy applies")
 
 
 def check_kv_load_arguments(args: argparse.Namespace) -> None:

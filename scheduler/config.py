@@ -9,10 +9,89 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler.lora_table import LoRATable
+from stagemesh.core.common_flags import (ADVERTISE_HOST, BLOCK_SIZE, HOST, MAX_MODEL_LEN, MAX_REQUEST_RETRIES,
+                                         PIPELINE_PARALLEL_SIZE, SERVED_MODEL_NAME, SPECULATIVE_CONFIG, LoRAOptions,
+                                         ModelOptions)
+from stagemesh.core.deadlines import DEADLINES
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.flags import Flag, group
+from stagemesh.core.service_options import ServiceOptions
 from stagemesh.core.speculative import ASYNC_WITH_SPECULATION, SpeculativeConfig
 
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")  # vLLM's kv_load_failure_policy values (its default: fail)
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """`stagemesh scheduler`'s command line, each flag declared once (serve passes the same ones on)."""
+    source: ModelOptions = group(ModelOptions)
+    host: str = HOST.field()
+    port: int = Flag(("--port",), type=int, default=50051, help="gRPC port (0: any free port)").field()
+    advertise_host: str | None = ADVERTISE_HOST.field()
+    dist_port: int = Flag(("--dist-port",), type=int, default=0,
+                          help="torch.distributed store port (0: any free port)").field()
+    pipeline_parallel_size: int = PIPELINE_PARALLEL_SIZE.field()
+    served_model_name: str | None = SERVED_MODEL_NAME.field()
+    max_model_len: int | None = MAX_MODEL_LEN.field()
+    max_num_seqs: int = Flag(("--max-num-seqs",), type=int, default=256).field()
+    max_num_batched_tokens: int = Flag(("--max-num-batched-tokens",), type=int, default=2048).field()
+    block_size: int = BLOCK_SIZE.field()
+    enable_prefix_caching: bool = Flag(("--enable-prefix-caching",), kind="bool", default=True).field()
+    max_waiting_requests: int = Flag(("--max-waiting-requests",), type=int, default=0, help="0: unbounded").field()
+    lora: LoRAOptions = group(LoRAOptions)
+    scheduling_policy: str = Flag(("--scheduling-policy",), default="fcfs", choices=("fcfs", "priority"), help=(
+        "fcfs: requests in arrival order; priority: by the request's priority (lower first, ties by arrival), the "
+        "lowest-priority running request preempted for a higher one that lacks KV blocks (vLLM's); a non-zero "
+        "priority under fcfs is refused")).field()
+    async_scheduling: bool | None = Flag(("--async-scheduling",), kind="bool", help=(
+        "schedule a step before the previous one's tokens are back, so the stages do not wait for the scheduler: "
+        "always with one stage, with more where a micro-batch would be empty (default: on when the stages run on "
+        "GPUs, off on CPU)")).field()
+    speculative_config: str | None = SPECULATIVE_CONFIG.field()
+    stage_recovery_timeout: float = Flag(("--stage-recovery-timeout",), type=float, default=30.0, help=(
+        "when a stage fails, keep its requests this many seconds for the pipeline to re-form (the stage restarted, "
+        "or a --standby stage took its place), then go on with them; after that they fail (the router continues "
+        "them on another replica). 0: fail them at once")).field()
+    max_request_retries: int = MAX_REQUEST_RETRIES.field()
+    forward_timeout: float = Flag(("--forward-timeout",), type=float, default=DEADLINES.forward_s,
+                                  help="deadline of one step on a stage, seconds").field()
+    kv_role: str = Flag(("--kv-role",), default="both", choices=("both", "prefill", "decode"), help=(
+        "disaggregated prefill (docs/disaggregated-prefill.md): a router sends a prefill replica new prompts (it "
+        "computes the prompt and the first token and holds the KV), and a decode replica the rest, whose stages "
+        "fetch that KV; every role also serves whole requests")).field()
+    kv_peer: tuple[str, ...] = Flag(("--kv-peer",), kind="append", default=(), metavar="HOST:PORT", help=(
+        "disaggregated prefill: the scheduler of a prefill replica whose held KV this replica may fetch (repeat for "
+        "each); a request's kv_transfer naming any other is not fetched (its --kv-load-failure-policy applies), and "
+        "this replica's stages read KV only from these replicas' stages (`stagemesh serve --prefill-replicas` gives "
+        "it to every decode replica)")).field()
+    kv_hold_timeout: float = Flag(("--kv-hold-timeout",), type=float, default=30.0, metavar="SECONDS", help=(
+        "a prefilled request's KV blocks wait this long at most for a decode replica to fetch them")).field()
+    # (no `choices`: a wrong value is refused with the flag's name and what it takes, by check_kv_load_arguments)
+    kv_load_failure_policy: str = Flag(("--kv-load-failure-policy",), default="fail", metavar="fail|recompute", help=(
+        "vLLM's kv_load_failure_policy: what a request does whose prompt's KV cannot be loaded from its prefill "
+        "replica (the fetch failed, ran past --kv-load-timeout, or the hold had expired): fail (the default, as "
+        "vLLM's: it fails with the reason and the router prefills it again, once, on a prefill replica) or "
+        "recompute (this replica computes its prompt)")).field()
+    kv_load_timeout: float = Flag(("--kv-load-timeout",), type=float, default=10.0, metavar="SECONDS", help=(
+        "bound on fetching a prompt's KV from a prefill replica; past it (a stalled prefill replica) the "
+        "--kv-load-failure-policy applies")).field()
+    resume_grace_period: float = Flag(("--resume-grace-period",), type=float, default=30.0, metavar="SECONDS", help=(
+        "a streamed request whose router went away (died, or stopped) keeps running this long, its output kept, for "
+        "another router to resume it (a client's Last-Event-ID, or stagemesh.client by itself); then it is aborted "
+        "and its KV freed. 0: abort at once")).field()
+    kv_offloading_size: float | None = Flag(("--kv-offloading-size",), type=float, metavar="GiB", help=(
+        "KV tiers (vLLM's flag): host memory for KV blocks below the KV cache, in GiB for the whole replica (every "
+        "stage and TP rank together); a prefix evicted from the KV cache, or cached before a new epoch, is loaded "
+        "back from it instead of computed")).field()
+    kv_offloading_backend: str | None = Flag(("--kv-offloading-backend",), choices=("native", "lmcache"), help=(
+        "KV tiers (vLLM's flag): native, the built-in host and disk tiers (the default); lmcache is refused (not "
+        "built in)")).field()
+    kv_offloading_disk_size: float | None = Flag(("--kv-offloading-disk-size",), type=float, metavar="GiB", help=(
+        "KV tiers: disk for KV blocks below the host tier, in GiB for the whole replica, in the stages' "
+        "--kv-offloading-disk-path directories; it outlives the processes, so a restarted replica serves the "
+        "prefixes it cached before (needs --kv-offloading-size)")).field()
+    port_file: str | None = Flag(("--port-file",), help="write the bound port here (for supervisors)").field()
+    service: ServiceOptions = group(ServiceOptions)
 
 
 @dataclass(frozen=True)

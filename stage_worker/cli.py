@@ -3,85 +3,26 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
+from dataclasses import dataclass
+from typing import Any
 
-import grpc
 
 from stagemesh.core import internal_token
-from stagemesh.core.deadlines import DEADLINES
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.heap import freeze_startup_heap
-from stagemesh.core.service_options import add_service_arguments, channel, setup_service
+from stagemesh.core.flags import add_flags
+from stagemesh.core.service_options import setup_service
 
 log = logging.getLogger("stagemesh.stage")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="model directory, or a .gguf file with --tokenizer (default: the embedded model)")
-    p.add_argument("--scheduler", required=True, metavar="HOST:PORT", help="the replica's scheduler")
-    p.add_argument("--stage-index", type=int, required=True)
-    p.add_argument("--layers", default=None, metavar="A:B",
-                   help="this stage's layers [A, B); or give --pipeline-parallel-size (and --layer-split) instead")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
-                   help="without --layers: this stage takes its --stage-index's share of a split into this many "
-                        "stages (balanced, as `stagemesh serve` splits, unless --layer-split), so that every "
-                        "stage of a pipeline can run one command (a Kubernetes StatefulSet)")
-    p.add_argument("--layer-split", default=None, help="with --pipeline-parallel-size: layers per stage, e.g. 10,12,8")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--handoff", choices=("nccl", "grpc"), default="grpc", help="activation transport to the next stage")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
-    p.add_argument("--advertise-host", default=None, help="address other services use to reach this stage")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (as vLLM)")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE models: whole experts spread over the stage's TP ranks (EP size = TP size) instead of "
-                        "every expert sharded over them; attention stays TP")
-    p.add_argument("--enable-eplb", action="store_true",
-                   help="with --enable-expert-parallel: balance the experts' load over the TP ranks (vLLM's EPLB): "
-                        "redundant copies of hot experts, re-placed every step_interval steps (stage_worker.eplb)")
-    p.add_argument("--eplb-config", default=None, metavar="JSON",
-                   help='vLLM\'s EPLB settings: {"window_size": 1000, "step_interval": 3000, '
-                        '"num_redundant_experts": 0, "log_balancedness": false}')
-    # vLLM's flags for data-parallel attention with experts across the replicas (stage_worker.ep_group)
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="with --enable-expert-parallel: the experts of this stage's layers are spread over the "
-                        "stages of this many replicas (each replica runs attention on its own requests)")
-    p.add_argument("--data-parallel-rank", type=int, default=0, help="this stage's replica among them")
-    p.add_argument("--data-parallel-address", default="127.0.0.1",
-                   help="where replica 0's stage hosts the expert-parallel group's store")
-    p.add_argument("--data-parallel-rpc-port", type=int, default=29550,
-                   help="the store's port for stage 0's group (stage i's: this + i)")
-    p.add_argument("--standby", action="store_true",
-                   help="a spare: when another live stage serves this --stage-index, the scheduler keeps this one "
-                        "warm (weights loaded, KV cache allocated) and swaps it in when that stage fails; otherwise "
-                        "it serves as any stage")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="the last stage's draft model for speculative decoding, as the scheduler's "
-                        "--speculative-config gives it ({\"model\": DIR, \"num_speculative_tokens\": k}): the draft "
-                        "runs on TP rank 0 with a KV cache of its own, in this stage's KV budget")
-    p.add_argument("--kv-offloading-disk-path", default=None, metavar="DIR",
-                   help="the disk tier of this stage's KV (docs/kv-tiers.md): blocks the scheduler moves there are "
-                        "files under DIR/<namespace>/ (a digest of the model, dtype, block size, heads, layers, TP "
-                        "size and quantization, so a changed model never reads them), kept across restarts. One "
-                        "stage process per namespace directory: give each replica a DIR of its own (a second stage "
-                        "on it is refused; `stagemesh serve` uses DIR/replica-<i>)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
-    p.add_argument("--cpu-affinity", default=None, metavar="CPUS", help="pin the stage (and followers) to these "
-                                                                        "cores, e.g. 0 or 0,1")
-    from stagemesh.core.model_source import add_model_arguments
+    from stage_worker.options import StageOptions
 
-    add_model_arguments(p)
-    from stagemesh.core.lora import add_lora_arguments
-
-    add_lora_arguments(p)
-    add_service_arguments(p)
+    add_flags(p, StageOptions)
 
 
 def expert_parallel_across_replicas(args: argparse.Namespace, cfg, start: int, end: int):
@@ -174,12 +115,22 @@ def stage_layers(args: argparse.Namespace, num_layers: int) -> tuple[int, int]:
     return layer_ranges(split)[args.stage_index]
 
 
+@dataclass(frozen=True)
+class StagePlan:
+    """What the flags and the model's config make of this stage, checked before any weight is read."""
+    source: Any  # stagemesh.core.model_source.ModelSource
+    cfg: Any  # stagemesh.core.model_config.ModelConfig
+    start: int
+    end: int
+    ep: Any  # stage_worker.ep_group.EPConfig, with experts across the replicas
+    eplb: Any  # stage_worker.eplb.EPLBConfig, with --enable-eplb
+    spec: Any  # the draft model's stagemesh.core.speculative.SpeculativeConfig (the last stage's)
+    lora: Any  # stage_worker.lora.LoRASettings, with --enable-lora
+
+
 def run(args: argparse.Namespace) -> int:
-    from stagemesh.core.model_config import ModelConfig
-    from stagemesh.core.model_source import resolve_source
-    from stage_worker.ep_group import BROKEN_LINGER_S, EXIT_BROKEN, EPGroupBroken
+    """Check, load, describe, serve: each a step below. Until the stage serves, a signal stops it at once."""
     from stage_worker.gloo_interface import configure_gloo_interface
-    from stage_worker.runner import check_layer_range
     from stagemesh.core.shutdown import Shutdown
 
     setup_service(args, f"stagemesh-stage-{args.stage_index}")
@@ -188,9 +139,22 @@ def run(args: argparse.Namespace) -> int:
     shutdown = Shutdown(args.shutdown_timeout, log, f"stage {args.stage_index}", force_stop=stop.set)
     for sig in (signal.SIGTERM, signal.SIGINT):  # until it serves: nothing to drain, stop at once
         signal.signal(sig, _stop_starting)
+    plan = plan_stage(args)
+    pin_threads(args)
+    worker = load_worker(args, plan)
+    describe(args, plan, worker)
+    return serve(args, worker, plan, stop, shutdown)
+
+
+def plan_stage(args: argparse.Namespace) -> StagePlan:
+    """The model, the stage's layers and what they are served with, refused here if the flags do not fit."""
+    from stage_worker.lora import LoRASettings
+    from stage_worker.runner import check_layer_range
+    from stagemesh.core.model_config import ModelConfig
+    from stagemesh.core.model_source import resolve_source
+
     source = resolve_source(args.model, args.tokenizer, args.quantization)
-    model_dir = source.model_dir
-    cfg = ModelConfig.from_path(model_dir)
+    cfg = ModelConfig.from_path(source.model_dir)
     start, end = stage_layers(args, cfg.num_hidden_layers)
     check_layer_range(cfg, start, end)
     cfg.check_tp_size(args.tensor_parallel_size)
@@ -199,19 +163,18 @@ def run(args: argparse.Namespace) -> int:
     if args.standby and args.data_parallel_size > 1:
         raise StagemeshError("--standby with --data-parallel-size > 1 is not supported: an expert-parallel group "
                              "re-forms with the restarted member (stage_worker.ep_group)")
-    ep = expert_parallel_across_replicas(args, cfg, start, end)
-    balance = eplb_config(args, cfg)
-    spec = stage_speculation(args, cfg, end)
-    from stage_worker.lora import LoRASettings
-
-    lora = LoRASettings.from_args(args)
+    plan = StagePlan(source, cfg, start, end, expert_parallel_across_replicas(args, cfg, start, end),
+                     eplb_config(args, cfg), stage_speculation(args, cfg, end), LoRASettings.from_args(args))
     if args.kv_offloading_disk_path:  # before the weights load: a bad directory is refused at once
         from stage_worker.kv_disk import check_writable
 
         check_writable(args.kv_offloading_disk_path)
-    if args.cpu_affinity:
-        import os
+    return plan
 
+
+def pin_threads(args: argparse.Namespace) -> None:
+    """--cpu-affinity and --threads, before the model loads (its followers inherit the affinity)."""
+    if args.cpu_affinity:
         try:
             os.sched_setaffinity(0, {int(c) for c in args.cpu_affinity.split(",")})
         except (ValueError, OSError) as err:
@@ -220,73 +183,79 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from stage_worker.kv_connector import PeerStages
-    from stage_worker.service import ServerThread, StageServicer
+
+
+def load_worker(args: argparse.Namespace, plan: StagePlan):
+    """The stage's worker, its weights loaded (and a standby's KV cache allocated)."""
     from stage_worker.runner import SliceConfig
     from stage_worker.worker import StageConfig, StageWorker
 
-    slice_ = SliceConfig(str(model_dir), start, end, tp_size=args.tensor_parallel_size, device=args.device,
-                         dtype=args.dtype, block_size=args.block_size, cuda_graphs=not args.enforce_eager,
-                         expert_parallel=args.enable_expert_parallel, eplb=balance, quantization=source.quantization,
-                         gguf_file=str(source.gguf_file) if source.gguf_file else None, lora=lora)
+    source = plan.source
+    slice_ = SliceConfig(str(source.model_dir), plan.start, plan.end, tp_size=args.tensor_parallel_size,
+                         device=args.device, dtype=args.dtype, block_size=args.block_size,
+                         cuda_graphs=not args.enforce_eager, expert_parallel=args.enable_expert_parallel,
+                         eplb=plan.eplb, quantization=source.quantization,
+                         gguf_file=str(source.gguf_file) if source.gguf_file else None, lora=plan.lora)
     worker = StageWorker(StageConfig(slice_, args.stage_index, handoff=args.handoff,
                                      kv_cache_memory=args.kv_cache_memory,
                                      gpu_memory_utilization=args.gpu_memory_utilization, threads=args.threads,
-                                     ep=ep, standby=args.standby, speculative=spec,
+                                     ep=plan.ep, standby=args.standby, speculative=plan.spec,
                                      kv_disk_path=args.kv_offloading_disk_path))
     if args.standby:  # warm: a join with the stage's own number of blocks finds its cache ready
         worker.runner.allocate_kv_cache(worker.num_kv_blocks)
-    internal_token.warn_if_open(f"stage {args.stage_index}")
+    return worker
+
+
+def describe(args: argparse.Namespace, plan: StagePlan, worker) -> None:
+    """What the stage computes with, in its log (CPU path, quantization, adapters, experts), and its metrics."""
+    from stage_worker.kv_tier_metrics import watch_kv_tiers
+
+    i, source, lora = args.stage_index, plan.source, plan.lora
+    internal_token.warn_if_open(f"stage {i}")
     if args.device == "cpu":
         from kernels import cpu_ops
         from stage_worker.cpu_isa import cpu_flags, describe_cpu_path, describe_isa
 
         built = cpu_ops.load() is not None
-        log.info("stage %d: %s; %s", args.stage_index, describe_cpu_path(
-            str(worker.runner.dtype).removeprefix("torch."), cpu_flags(), kernels=built),
-            describe_isa(cpu_flags(), built))
+        log.info("stage %d: %s; %s", i, describe_cpu_path(str(worker.runner.dtype).removeprefix("torch."),
+                                                          cpu_flags(), kernels=built), describe_isa(cpu_flags(), built))
     if source.quantization:
-        from stage_worker.quantization import describe
+        from stage_worker.quantization import describe as describe_quantization
 
-        log.info("stage %d: --quantization %s%s: %s", args.stage_index, source.quantization,
-                 f" from {source.gguf_file}" if source.gguf_file else "", describe(worker.runner.model))
+        log.info("stage %d: --quantization %s%s: %s", i, source.quantization,
+                 f" from {source.gguf_file}" if source.gguf_file else "", describe_quantization(worker.runner.model))
     if lora is not None:
-        log.info("stage %d: LoRA adapters %s (--max-loras %d, --max-lora-rank %d)", args.stage_index,
+        log.info("stage %d: LoRA adapters %s (--max-loras %d, --max-lora-rank %d)", i,
                  ", ".join(m.name for m in lora.modules) or "none", lora.limits.max_loras, lora.limits.max_lora_rank)
-    if cfg.is_moe:
+    if plan.cfg.is_moe:
         from stage_worker.moe import describe_layout
         from stage_worker.observe import watch_expert_load
 
-        log.info("stage %d experts: %s", args.stage_index,
-                 describe_layout(cfg, args.tensor_parallel_size, args.enable_expert_parallel, worker.ep))
-        watch_expert_load(args.stage_index, worker.runner.model)
-    from stage_worker.kv_tier_metrics import watch_kv_tiers
+        log.info("stage %d experts: %s", i, describe_layout(plan.cfg, args.tensor_parallel_size,
+                                                            args.enable_expert_parallel, worker.ep))
+        watch_expert_load(i, worker.runner.model)
+    watch_kv_tiers(i, worker.tiers)
 
-    watch_kv_tiers(args.stage_index, worker.tiers)
+
+def serve(args: argparse.Namespace, worker, plan: StagePlan, stop: threading.Event, shutdown) -> int:
+    """Serve until told to stop (0), or until the experts' group breaks (EXIT_BROKEN: the supervisor restarts
+    the stage); the model's work runs on this thread, the one that loaded it."""
+    from stage_worker.ep_group import BROKEN_LINGER_S, EXIT_BROKEN, EPGroupBroken
+    from stage_worker.kv_connector import PeerStages
+    from stage_worker.registration import start_heartbeat
+    from stage_worker.service import ServerThread, StageServicer
+
     servicer = StageServicer(worker, "", PeerStages(args.scheduler))
     server = ServerThread(servicer, args.host, args.port)
-    failed: list[BaseException] = []
     try:
         if worker.ep is not None:  # the replica is not whole until its experts' group is
             worker.ep.form()
-        port = server.start()
-        servicer.address = f"{args.advertise_host or args.host}:{port}"
-        log.info("stage %d serving layers %d:%d at %s (TP=%d, %s, %s handoff, %d KV blocks of %d tokens)",
-                 args.stage_index, start, end, servicer.address, args.tensor_parallel_size, args.device, args.handoff,
-                 worker.num_kv_blocks, args.block_size)
+        start_server(args, server, servicer, plan)
         shutdown.install()  # a drain: the replica takes no new work, the stage leaves once its work is done
-
-        def supervise() -> None:
-            try:
-                keep_registered(args.scheduler, servicer, stop, shutdown, server)
-            except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
-                failed.append(err)
-                stop.set()
-
         freeze_startup_heap("stage")
         worker.steps.start()  # from here on the model's work waits for the loop below
-        threading.Thread(target=supervise, name="register", daemon=True).start()
-        worker.steps.run_until(stop, idle=worker.ep)  # the model's work runs here, on the thread that loaded it
+        failed = start_heartbeat(args.scheduler, servicer, stop, shutdown, server)
+        worker.steps.run_until(stop, idle=worker.ep)
         if failed:
             raise failed[0]
     except EPGroupBroken as err:
@@ -294,9 +263,7 @@ def run(args: argparse.Namespace) -> int:
             log.info("stopping: %s", err)
             return 0
         log.error("%s", err)
-        # a step the scheduler sends meanwhile gets this reason (steps now fail at once), not a refused
-        # connection
-        stop.wait(BROKEN_LINGER_S)
+        stop.wait(BROKEN_LINGER_S)  # a step the scheduler sends meanwhile gets this reason, not a refused connection
         return EXIT_BROKEN
     finally:
         server.stop(grace=1)
@@ -304,95 +271,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def start_server(args: argparse.Namespace, server, servicer, plan: StagePlan) -> None:
+    port = server.start()
+    servicer.address = f"{args.advertise_host or args.host}:{port}"
+    log.info("stage %d serving layers %d:%d at %s (TP=%d, %s, %s handoff, %d KV blocks of %d tokens)",
+             args.stage_index, plan.start, plan.end, servicer.address, args.tensor_parallel_size, args.device,
+             args.handoff, servicer.worker.num_kv_blocks, args.block_size)
+
+
 def _stop_starting(signum, _frame) -> None:
     log.info("signal %d during start-up: stopping", signum)
     raise SystemExit(0)
-
-
-def keep_registered(scheduler: str, servicer, stop: threading.Event, shutdown=None, server=None,
-                    interval_s: float = 2.0) -> None:
-    """Register with the scheduler, then again every interval for as long as the stage runs: a heartbeat
-    that a restarted scheduler answers by taking the stage back. Retries an unreachable scheduler
-    forever (with backoff); a refusal ends the stage with the scheduler's reason. A TP follower that
-    died ends it too (the stage cannot serve without it; its supervisor restarts it).
-
-    Told to stop (`shutdown`), the stage drains: its heartbeats say so, every DRAIN_BEAT_S, and the replica
-    takes no new requests; it stops once the scheduler has none left (or cannot be reached) or its
-    --shutdown-timeout ends (the scheduler keeps what is left for the stage that comes back)."""
-    from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
-
-    delay, warned = 0.2, False
-    with channel(scheduler) as chan:
-        stub = scheduler_pb2_grpc.SchedulerStub(chan)
-        while not stop.is_set():
-            if not servicer.worker.followers_alive():
-                raise StagemeshError("a TP follower of this stage died; the stage stops")
-            draining = shutdown is not None and shutdown.requested.is_set()
-            if draining and not servicer.draining:
-                servicer.draining = True
-                if server is not None:
-                    server.set_ready(False)
-            try:
-                reply = stub.RegisterStage(scheduler_pb2.RegisterStageRequest(stage=servicer.describe()),
-                                           timeout=DEADLINES.register_s)
-                if sync_lora(servicer.worker, reply.lora_adapters):
-                    continue  # registers again at once, serving the scheduler's adapters
-                if reply.first_seen:
-                    log.info("registered with the scheduler at %s (%d stage(s) still missing)", scheduler,
-                             reply.num_missing_stages)
-                delay, warned = interval_s, False
-                if draining and _drained(shutdown, reply.num_unfinished_requests, stop):
-                    return
-            except grpc.RpcError as err:
-                if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                                  grpc.StatusCode.UNAUTHENTICATED):
-                    raise StagemeshError(f"the scheduler refused this stage: {err.details()}") from None
-                if draining:  # nothing to wait for
-                    log.info("draining: no scheduler answers (%s): stopping", err.code().name)
-                    stop.set()
-                    return
-                if not warned:
-                    warned = True
-                    log.warning("no scheduler answers at %s (%s); retrying", scheduler, err.code().name)
-                delay = min(delay * 2, interval_s)
-            if shutdown is None:
-                stop.wait(delay)
-            else:  # told to stop, the stage says so in its next heartbeat at once, not a beat later
-                (shutdown.hurry if draining else shutdown.requested).wait(DRAIN_BEAT_S if draining else delay)
-            if shutdown is not None and shutdown.hurry.is_set():
-                stop.set()
-
-
-DRAIN_BEAT_S = 0.2
-LORA_LOAD_WAIT_S = 120.0
-
-
-def sync_lora(worker, adapters) -> bool:
-    """The scheduler's adapters this stage lacks (loaded at run time while the stage was away): read them now.
-    True when it read any (the stage is not in the pipeline until it serves them all)."""
-    lora = worker.runner.lora
-    if lora is None:
-        return False
-    missing = [a for a in adapters if a.name not in lora.modules]
-    for a in missing:
-        log.info("reading LoRA adapter %r (%s), which the scheduler serves (waiting at most %.0fs)", a.name, a.path,
-                 LORA_LOAD_WAIT_S)
-        try:
-            worker.load_lora(a.name, lora.settings.runtime_path(a.name, a.path)).result(LORA_LOAD_WAIT_S)
-        except (StagemeshError, TimeoutError) as err:
-            raise StagemeshError(f"the scheduler serves LoRA adapter {a.name!r}, which this stage cannot: "
-                                 f"{err}") from None
-    return bool(missing)
-
-
-def _drained(shutdown, unfinished: int, stop: threading.Event) -> bool:
-    """Whether a draining stage stops now: its replica has nothing left, or the time is up."""
-    if unfinished and shutdown.left_s > 0:
-        return False
-    if unfinished:
-        log.warning("the drain ended with %d request(s) left in the replica: they wait for this stage's "
-                    "replacement", unfinished)
-    else:
-        log.info("drained: the replica has no request left; stopping")
-    stop.set()
-    return True

@@ -1,5 +1,9 @@
 """The command lines of a `stagemesh serve` mesh: each replica's scheduler and stages, and the routers over them.
 
+Each child's command line is its service's options (RouterOptions, SchedulerOptions, StageOptions) written
+out (stagemesh.core.flags.to_argv): serve's value of every flag it declares just as the service does, and
+what serve decides per child (ports, layers, roles, and the flags it declares with a meaning of its own).
+
 A replica is planned by its index alone, so that one added while the mesh serves (`stagemesh scale`) gets the
 very command lines the first ones got; its scheduler gets a free port of its own. Metrics ports
 (--metrics-port P): the scheduler of replica r on P + r*(PP+1), its stages on the ports after it, serve's own
@@ -9,12 +13,17 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from stagemesh.core.lora import lora_argv
+from router.config import RouterOptions
+from scheduler.config import SchedulerOptions
+from stage_worker.options import StageOptions
+from stagemesh.core.common_flags import ModelOptions
+from stagemesh.core.flags import flags, from_args, parse, to_argv
 from stagemesh.core.ports import free_port
-from stagemesh.core.service_options import service_argv
 from stagemesh.cpu_plan import CpuPlan, cpu_plan
+from stagemesh.serve_options import ServeOptions
 
 
 @dataclass(frozen=True)
@@ -48,8 +57,8 @@ def cpu_stage_env() -> dict[str, str]:
 @dataclass
 class MeshLayout:
     args: argparse.Namespace
-    model_arg: list[str]  # [] : each service resolves the embedded default model on its own node
-    stage_model: list[str]  # the stages' MODEL and weight flags (a GGUF, --quantization)
+    model: ModelOptions  # the schedulers' and routers' MODEL (None: each resolves the embedded default model)
+    stage_model: ModelOptions  # the stages' MODEL and weight flags (a GGUF, --quantization)
     ranges: list[tuple[int, int]]  # each stage's layers
     cuda: bool
     addresses: Addresses = Addresses()
@@ -59,19 +68,21 @@ class MeshLayout:
     def build(cls, args: argparse.Namespace, model: str | None, num_layers: int, cuda: bool,
               addresses: Addresses = Addresses(), stage_model: list[str] | None = None,
               control: bool = False) -> "MeshLayout":
-        """`control`: each router gets a control port (router.control), for a serve that changes its replicas."""
+        """`control`: each router gets a control port (router.control), for a serve that changes its replicas.
+        `stage_model`: the stages' MODEL and weight flags where they differ from `model`."""
         from stagemesh.core.model_config import layer_ranges, layer_split, parse_layer_split
 
         pp = args.pipeline_parallel_size
         split = parse_layer_split(args.layer_split, num_layers, pp) if args.layer_split else layer_split(num_layers, pp)
-        model_arg = [] if model is None else [model]
-        layout = cls(args, model_arg, model_arg if stage_model is None else stage_model, layer_ranges(split), cuda,
-                     addresses, [free_port() for _ in range(args.api_server_count)] if control else [])
+        services = ModelOptions(model)
+        layout = cls(args, services, services if stage_model is None else parse(ModelOptions, stage_model),
+                     layer_ranges(split), cuda, addresses,
+                     [free_port() for _ in range(args.api_server_count)] if control else [])
         layout._fixed()
         return layout
 
     def _fixed(self) -> None:
-        """What every replica shares, computed once: threads per stage, the schedulers' flags, the EP store."""
+        """What every replica shares, computed once: threads per stage, the flags passed on, the EP store."""
         args, dp = self.args, self.args.data_parallel_size
         pp, tp = args.pipeline_parallel_size, args.tensor_parallel_size
         # (a replica added later keeps the first ones' plan)
@@ -83,7 +94,7 @@ class MeshLayout:
             self.threads = args.threads or 1
         self.initial_dp = dp
         self.spec = speculative_config(args)
-        self.scheduler_flags = _scheduler_flags(args, self.spec)
+        self.passed = {cls: passed_on(args, cls) for cls in (RouterOptions, SchedulerOptions, StageOptions)}
         # replica 0's stage hosts the experts' group store
         self.ep_port = free_port() if args.enable_expert_parallel and dp > 1 else None
         # the prefill replicas' schedulers keep their addresses for the mesh's life: every decode replica, one
@@ -96,24 +107,27 @@ class MeshLayout:
         args, head = self.args, self.addresses.head
         prefill = r < len(self.prefill_schedulers)
         address = self.prefill_schedulers[r] if prefill else f"{head}:{free_port(head)}"
-        port = address.rpartition(":")[2]
-        role = [] if not args.prefill_replicas else ["--kv-role", "prefill"] if prefill else \
-            ["--kv-role", "decode", *(f for a in self.prefill_schedulers for f in ("--kv-peer", a)),
-             "--kv-load-failure-policy", args.kv_load_failure_policy, "--kv-load-timeout", str(args.kv_load_timeout)]
-        listen = [] if self.addresses.local else ["--host", head, "--advertise-host", head]
-        scheduler = ChildSpec(f"scheduler[{r}]", ["scheduler", *self.model_arg, *listen, "--port", str(port),
-                                                  "--pipeline-parallel-size", str(args.pipeline_parallel_size),
-                                                  *self.scheduler_flags, *role, *_service(args, self._metrics(r))],
-                              kind="scheduler")
+        values: dict[str, Any] = {} if self.addresses.local else {"host": head, "advertise_host": head}
+        if args.prefill_replicas:  # the decode replicas fetch KV from the prefill replicas alone
+            values["kv_role"] = "prefill" if prefill else "decode"
+            values["kv_peer"] = () if prefill else tuple(self.prefill_schedulers)
+        options = from_args(SchedulerOptions, self.passed[SchedulerOptions], source=self.model,
+                            port=int(address.rpartition(":")[2]), stage_recovery_timeout=args.stage_recovery_timeout,
+                            speculative_config=None if self.spec is None else self.spec.to_json(),
+                            metrics_port=self._metrics_port(r), **values)
+        scheduler = ChildSpec(f"scheduler[{r}]", ["scheduler", *to_argv(options)], kind="scheduler")
         return address, [scheduler, *(self._stage(r, i, address) for i in range(len(self.ranges)))]
 
     def stages(self) -> list[ChildSpec]:
         """One replica's stages as planned: what each asks of a host or of a Ray cluster."""
         return [self._stage(0, i, "") for i in range(len(self.ranges))]
 
-    def _metrics(self, r: int, i: int = -1) -> int:
-        """Replica r's scheduler's (i -1) or stage i's metrics port offset."""
-        return r * (self.args.pipeline_parallel_size + 1) + 1 + i + (1 if r >= self.initial_dp else 0)
+    def _metrics_port(self, r: int, i: int = -1) -> int | None:
+        """Replica r's scheduler's (i -1) or stage i's metrics port, with --metrics-port."""
+        if self.args.metrics_port is None:
+            return None
+        offset = r * (self.args.pipeline_parallel_size + 1) + 1 + i + (1 if r >= self.initial_dp else 0)
+        return self.args.metrics_port + offset
 
     def _stage(self, r: int, i: int, scheduler: str) -> ChildSpec:
         args, tp, spec = self.args, self.args.tensor_parallel_size, self.spec
@@ -122,42 +136,30 @@ class MeshLayout:
         if self.cuda and self.addresses.local:  # Ray gives each stage its GPUs itself
             first = (r * len(self.ranges) + i) * tp
             env = {"CUDA_VISIBLE_DEVICES": ",".join(str(first + t) for t in range(tp))}
-        stage_host = [] if self.addresses.local else ["--host", self.addresses.stage, "--advertise-host",
-                                                      self.addresses.stage]
-        ep = ["--data-parallel-size", str(args.data_parallel_size), "--data-parallel-rank", str(r),
-              "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(self.ep_port)]
-        argv = ["stage", *self.stage_model, "--scheduler", scheduler, "--stage-index", str(i), "--layers", f"{a}:{b}",
-                "--tensor-parallel-size", str(tp), "--handoff", args.handoff, "--device",
-                "cuda" if self.cuda else "cpu", "--threads", str(self.threads), *stage_host,
-                *_service(args, self._metrics(r, i)),
-                *(["--enforce-eager"] if args.enforce_eager else []),
-                *(["--speculative-config", spec.to_json()] if spec is not None and spec.uses_draft_model
-                  and i == len(self.ranges) - 1 else []),
-                *(["--enable-expert-parallel"] if args.enable_expert_parallel else []),
-                *(["--enable-eplb"] if args.enable_eplb else []), *_flags(args, ("eplb_config",)),
-                *(ep if self.ep_port else []),
-                *_flags(args, ("dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization")),
-                *_disk_tier(args, r), *lora_argv(args)]
-        return ChildSpec(f"stage[{r}.{i}]", argv, env, "stage", tp * self.threads, tp if self.cuda else 0)
+        values: dict[str, Any] = {} if self.addresses.local else {"host": self.addresses.stage,
+                                                                  "advertise_host": self.addresses.stage}
+        if self.ep_port:
+            values.update(data_parallel_size=args.data_parallel_size, data_parallel_rank=r,
+                          data_parallel_address="127.0.0.1", data_parallel_rpc_port=self.ep_port)
+        draft = spec is not None and spec.uses_draft_model and i == len(self.ranges) - 1
+        options = from_args(StageOptions, self.passed[StageOptions], source=self.stage_model, scheduler=scheduler,
+                            stage_index=i, layers=f"{a}:{b}", layer_split=None, handoff=args.handoff,
+                            device="cuda" if self.cuda else "cpu", threads=self.threads,
+                            speculative_config=spec.to_json() if draft else None,
+                            kv_offloading_disk_path=_disk_tier(args, r), metrics_port=self._metrics_port(r, i),
+                            **values)
+        return ChildSpec(f"stage[{r}.{i}]", ["stage", *to_argv(options)], env, "stage", tp * self.threads,
+                         tp if self.cuda else 0)
 
     def routers(self, replicas: list[str]) -> list[ChildSpec]:
         """The --api-server-count routers over these replicas, on one HTTP port and one gRPC port (SO_REUSEPORT
         when several), each with its own control port when the layout has them."""
         args, n = self.args, self.args.api_server_count
-        argv = ["router", *self.model_arg, "--host", args.host, "--port", str(args.port), *_service(args, None)]
-        for replica in replicas:
-            argv += ["--replica", replica]
-        if args.enable_auto_tool_choice is not None:  # None: the router chooses from the chat template
-            argv += ["--enable-auto-tool-choice" if args.enable_auto_tool_choice else "--no-enable-auto-tool-choice"]
-        argv += ["--reuse-port"] if n > 1 else []
-        argv += ["--trust-request-chat-template"] if args.trust_request_chat_template else []
-        argv += _flags(args, ("grpc_port", "served_model_name", "api_key", "max_model_len", "tool_call_parser",
-                              "max_request_retries", "policy", "responses_store", "responses_store_size",
-                              "responses_store_ttl", "chat_template_timeout", "structured_outputs_config",
-                              "grammar_compile_timeout"))
-        argv += lora_argv(args, limits=False)
-        control = [["--control-port", str(p)] for p in self.control_ports] or [[]] * n
-        return [ChildSpec("router" if n == 1 else f"router[{i}]", [*argv, *control[i]], kind="router")
+        options = from_args(RouterOptions, self.passed[RouterOptions], source=self.model, host=args.host,
+                            port=args.port, grpc_port=args.grpc_port, replica=tuple(replicas), reuse_port=n > 1)
+        control: list[int | None] = [*self.control_ports] or [None] * n
+        return [ChildSpec("router" if n == 1 else f"router[{i}]",
+                          ["router", *to_argv(replace(options, control_port=control[i]))], kind="router")
                 for i in range(n)]
 
 
@@ -171,6 +173,14 @@ def plan_commands(args: argparse.Namespace, model: str | None, num_layers: int, 
     return [s for _, specs in replicas for s in specs] + layout.routers([a for a, _ in replicas])
 
 
+def passed_on(args: argparse.Namespace, cls: type) -> argparse.Namespace:
+    """serve's values of the flags it declares just as a `cls` service does (the same declaration): passed on to
+    every such child as they are. The rest of the child's options are serve's to decide (see MeshLayout)."""
+    serve = dict(flags(ServeOptions))
+    return argparse.Namespace(**{name: getattr(args, name) for name, flag in flags(cls)
+                                 if serve.get(name) == flag and hasattr(args, name)})
+
+
 def speculative_config(args: argparse.Namespace):
     """--speculative-config parsed (None without one); refused with --async-scheduling."""
     from stagemesh.core.errors import StagemeshError
@@ -182,39 +192,7 @@ def speculative_config(args: argparse.Namespace):
     return spec
 
 
-def _scheduler_flags(args: argparse.Namespace, spec) -> list[str]:
-    flags = _flags(args, ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                          "served_model_name", "stage_recovery_timeout", "max_request_retries",
-                          "scheduling_policy", "resume_grace_period", "kv_offloading_size",
-                          "kv_offloading_backend", "kv_offloading_disk_size"))
-    if not args.enable_prefix_caching:
-        flags.append("--no-enable-prefix-caching")
-    if args.async_scheduling is not None:
-        flags.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
-    if spec is not None:
-        flags += ["--speculative-config", spec.to_json()]
-    return flags + lora_argv(args)
-
-
-def _service(args: argparse.Namespace, metrics_offset: int | None) -> list[str]:
-    """Logs, traces, TLS for a child; a metrics port when --metrics-port is given (not for the router,
-    whose metrics are on its HTTP port)."""
-    argv = service_argv(args)
-    if metrics_offset is not None and args.metrics_port is not None:
-        argv += ["--metrics-port", str(args.metrics_port + metrics_offset)]
-    return argv
-
-
-def _disk_tier(args: argparse.Namespace, replica: int) -> list[str]:
+def _disk_tier(args: argparse.Namespace, replica: int) -> str | None:
     """Each replica's stages get a disk tier directory of their own (two stages never share a namespace)."""
     path = getattr(args, "kv_offloading_disk_path", None)
-    return ["--kv-offloading-disk-path", os.path.join(path, f"replica-{replica}")] if path else []
-
-
-def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
-    out = []
-    for name in names:
-        value = getattr(args, name)
-        if value is not None:
-            out += [f"--{name.replace('_', '-')}", str(value)]
-    return out
+    return os.path.join(path, f"replica-{replica}") if path else None

@@ -25,134 +25,19 @@ import os
 from stagemesh.core import internal_token
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.logs import setup_logging
-from stagemesh.core.service_options import add_service_arguments, configure_tls
+from stagemesh.core.flags import add_flags
+from stagemesh.core.service_options import configure_tls
 from stagemesh.layout import Addresses, ChildSpec, MeshLayout, cpu_stage_env, free_port, plan_commands  # noqa: F401
 from stagemesh.ray_actor import NODE_IP
 from stagemesh.local_mesh import Signals
 from stagemesh.ops import mesh as ops_mesh, serve_ops
+from stagemesh.serve_options import RAY_STAGE_RECOVERY_TIMEOUT_S, ServeOptions
 
 log = logging.getLogger("stagemesh.serve")
 
-# On Ray a stage may be lost with its node: Ray declares a node dead after missing its health checks (about
-# 15 s by default), then places the stage elsewhere and it loads its weights; 30 s would not cover that.
-RAY_STAGE_RECOVERY_TIMEOUT_S = 90.0
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="model directory, or a .gguf file with --tokenizer (default: the embedded model)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-    p.add_argument("--layer-split", default=None, help="layers per stage, e.g. 10,12,8 (default: balanced)")
-    p.add_argument("--handoff", choices=("nccl", "grpc"), default="nccl")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--host", default="127.0.0.1", help="the router's HTTP address")
-    p.add_argument("--port", type=int, default=8000, help="the router's HTTP port")
-    p.add_argument("--grpc-port", type=int, default=50050, help="the router's gRPC frontend port")
-    p.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
-                   help="routers (vLLM's API servers) over the replicas, sharing the HTTP and gRPC ports "
-                        "(SO_REUSEPORT: the kernel spreads connections over them); one that dies or is upgraded "
-                        "loses no stream a client resumes (Last-Event-ID; stagemesh.client does it by itself)")
-    p.add_argument("--resume-grace-period", type=float, default=None, metavar="SECONDS",
-                   help="a stream whose router went away keeps running this long for a client to resume it on "
-                        "another router (see `stagemesh scheduler`; default 30)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=None,
-                   help="tool_choice \"auto\" (default: on when the model's chat template shows a tool-call format "
-                        "a parser reads; see `stagemesh router`)")
-    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
-                   help="hermes or llama3_json (default: chosen from the chat template)")
-    p.add_argument("--responses-store", default=None, metavar="memory|URL",
-                   help="where the router keeps the Responses API's responses: memory (default) or a Redis URL "
-                        "(redis://HOST:PORT/DB, rediss://, unix://) that routers of other hosts may share (see "
-                        "`stagemesh router`)")
-    p.add_argument("--responses-store-size", type=int, default=None,
-                   help="responses the memory store keeps (see `stagemesh router`; default 1000)")
-    p.add_argument("--responses-store-ttl", type=float, default=None, metavar="SECONDS",
-                   help="seconds a Redis store keeps each response (see `stagemesh router`; default 3600)")
-    p.add_argument("--trust-request-chat-template", action="store_true",
-                   help="the router renders a request's own chat_template instead of refusing it (see `stagemesh "
-                        "router`)")
-    p.add_argument("--chat-template-timeout", type=float, default=None, metavar="SECONDS",
-                   help="the time a request's own chat template may take to render (see `stagemesh router`; "
-                        "default 5)")
-    p.add_argument("--structured-outputs-config", default=None, metavar="JSON",
-                   help="JSON constraints' whitespace: {\"disable_any_whitespace\": false} lets them indent (see "
-                        "`stagemesh router`; default compact)")
-    p.add_argument("--grammar-compile-timeout", type=float, default=None, metavar="SECONDS",
-                   help="the time a request's constraint may take to compile (see `stagemesh router`; default 5)")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
-                   help="the schedulers' policy (see `stagemesh scheduler`; default fcfs)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule a step before the previous one's tokens are back (default: on with GPUs, off on "
-                        "CPU; see `stagemesh scheduler`)")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="vLLM's speculative decoding config: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
-                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (prompt lookup, in the schedulers) or "
-                        "{\"model\": DIR, \"num_speculative_tokens\": k} (a draft model on each replica's last "
-                        "stage); not with --async-scheduling (docs/speculative-decoding.md)")
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per stage")
-    from scheduler.cli import add_kv_tier_arguments
-
-    add_kv_tier_arguments(p)  # the schedulers' (the stages get --kv-offloading-disk-path)
-    from stagemesh.core.lora import add_lora_arguments
-
-    add_lora_arguments(p)  # every service's: the stages load the adapters, schedulers and routers know their names
-    p.add_argument("--kv-offloading-disk-path", default=None, metavar="DIR",
-                   help="the disk tier of the stages' KV (docs/kv-tiers.md; see `stagemesh stage`): replica i's "
-                        "stages keep their blocks under DIR/replica-<i>, so replicas never share a directory; kept "
-                        "across restarts, so a restarted replica serves its prefixes from disk at once")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--enforce-eager", action="store_true", help="stages run decode steps without CUDA graphs")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE models: whole experts spread over each stage's TP ranks, or with -dp > 1 over the "
-                        "replicas' stages (data-parallel attention; see `stagemesh stage`)")
-    p.add_argument("--prefill-replicas", type=int, default=0, metavar="N",
-                   help="disaggregated prefill: of the --data-parallel-size replicas, the first N compute new prompts "
-                        "(--kv-role prefill) and the others decode (--kv-role decode), fetching the prompts' KV "
-                        "(docs/disaggregated-prefill.md); 0: every replica does both")
-    from scheduler.cli import add_kv_load_arguments
-
-    add_kv_load_arguments(p)  # --kv-load-failure-policy, --kv-load-timeout: the decode replicas'
-    p.add_argument("--enable-eplb", action="store_true",
-                   help="MoE models with --enable-expert-parallel: balance the experts' load over each stage's TP "
-                        "ranks (see `stagemesh stage`)")
-    p.add_argument("--eplb-config", default=None, metavar="JSON", help="vLLM's EPLB settings (see `stagemesh stage`)")
-    p.add_argument("--policy", choices=("least-load", "cache-aware", "kv-aware", "round-robin"), default=None,
-                   help="the router's balancing over the replicas (default least-load; see `stagemesh router`)")
-    p.add_argument("--stage-recovery-timeout", type=float, default=None,
-                   help="seconds a replica keeps its requests for a failed stage to come back (see `stagemesh "
-                        "scheduler`; default 30)")
-    p.add_argument("--max-request-retries", type=int, default=None,
-                   help="times a request may go on after a failure under it (scheduler and router; default 3)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch threads per stage process (0: serve's CPU plan: the cores, less one kept for the "
-                        "frontend on 8+ cores, over the stage processes; docs/cpu-plan.md)")
-    p.add_argument("--restart-policy", choices=("on-failure", "never"), default="on-failure",
-                   help="on-failure: a child that dies is restarted with backoff while the rest serve; never: "
-                        "the first death stops the mesh (debugging)")
-    p.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default="mp",
-                   help="mp: every service a child process of this one, on this host; ray: the services run on "
-                        "the Ray cluster this node belongs to (`ray start --head` here, `ray start --address` on "
-                        "the others, or RAY_ADDRESS): the router and the schedulers on this node, each stage with "
-                        "its TP ranks in a placement group of its own wherever Ray finds room, restarted and "
-                        "re-placed by Ray when it or its node dies (docs/ray.md). With ray, --threads is the CPUs "
-                        "each TP rank asks of Ray (default 1) and --stage-recovery-timeout defaults to "
-                        f"{RAY_STAGE_RECOVERY_TIMEOUT_S:.0f}")
-    # --metrics-port P: scheduler of replica r on P + r*(PP+1), its stages next, serve's own after them all
-    from stagemesh.core.model_source import add_model_arguments
-
-    add_model_arguments(p)
-    serve_ops.add_arguments(p)
-    add_service_arguments(p)
+    add_flags(p, ServeOptions)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ PROTOBUF_EDGES = {
     "scheduler.grpc_pipeline",  # the scheduler's client of the stages
     "scheduler.kv_peers",  # a decode scheduler's client of its prefill peers' schedulers (their stages)
     "router.submit_stream", "router.replicas",  # the router's clients of the schedulers
-    "stage_worker.cli",  # the stage's registration with its scheduler
+    "stage_worker.registration",  # the stage's registration with its scheduler
     "stage_worker.handoff",  # PushActivations between stages (grpc handoff)
     "stage_worker.follower",  # everything from rank 0 over its stdin (stage_worker.control)
     "stage_worker.validate",  # checks wire messages (activations) before they are decoded

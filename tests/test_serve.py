@@ -221,10 +221,9 @@ def test_serve_splits_its_replicas_into_prefill_and_decode_ones():
     assert [[argv[i + 1] for i, flag in enumerate(argv) if flag == "--kv-peer"] for argv in schedulers] == \
         [[], [prefill], [prefill]]
     assert all("--kv-role" not in s.argv for s in plan_commands(_serve_args("-dp", "2"), "/m", 4, cuda=False))
-    # the decode replicas' kv_load_failure_policy (vLLM's default, fail) and the bound on a load
-    policies = [(argv[argv.index("--kv-load-failure-policy") + 1], argv[argv.index("--kv-load-timeout") + 1])
-                for argv in schedulers[1:]]
-    assert policies == [("fail", "10.0")] * 2 and "--kv-load-failure-policy" not in schedulers[0]
+    # the decode replicas' kv_load_failure_policy and the bound on a load: at their defaults (vLLM's fail, 10 s) a
+    # child is given nothing (its own declaration of the flag has the same default); else serve's values
+    assert not [a for argv in schedulers for a in argv if a.startswith("--kv-load")]
     args = _serve_args("-dp", "2", "--prefill-replicas", "1", "--kv-load-failure-policy", "recompute",
                        "--kv-load-timeout", "3")
     decode = [s.argv for s in plan_commands(args, "/m", 4, cuda=False) if s.kind == "scheduler"][1]

@@ -28,14 +28,6 @@ log = logging.getLogger("stagemesh")
 _token: str | None = None
 
 
-def add_arguments(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--internal-token-file", default=None, metavar="FILE",
-                   help=f"the shared secret internal RPCs carry and check (default: ${ENV}; neither: "
-                        "internal RPCs are not authenticated)")
-    g.add_argument("--internal-token", default=None, metavar="TOKEN",
-                   help="the same secret on the command line (visible to `ps`; prefer --internal-token-file)")
-
-
 def configure(args: argparse.Namespace) -> str | None:
     """Read this process's token from its flags or the environment; returns it (None: none)."""
     global _token

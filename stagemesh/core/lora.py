@@ -177,22 +177,11 @@ def read_adapter_config(name: str, path: str | Path, max_lora_rank: int) -> Adap
 
 
 def add_lora_arguments(p, limits: bool = True) -> None:
-    """vLLM's LoRA flags; limits=False: --enable-lora and --lora-modules only (the router)."""
-    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters: a request picks one by its "
-                   "model name (docs/lora.md)")
-    p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
-                   help="LoRA adapters (PEFT directories) as name=path or vLLM's JSON "
-                        "{\"name\": ..., \"path\": ..., \"base_model_name\": ...}; needs --enable-lora")
-    p.add_argument(ALLOWED_PATH_FLAG, nargs="+", action="extend", default=[], metavar="DIR",
-                   help="directories adapters loaded at run time (/v1/load_lora_adapter, with "
-                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true) may be read from: a client's lora_path elsewhere is "
-                        "refused (ours; default none: run-time loading refused)")
-    if limits:
-        p.add_argument("--max-loras", type=int, default=1, help="LoRA adapters in one batch (the stages' slots)")
-        p.add_argument("--max-lora-rank", type=int, default=16,
-                       help=f"the largest adapter rank ({', '.join(map(str, MAX_LORA_RANKS))})")
-        p.add_argument("--max-cpu-loras", type=int, default=None,
-                       help="adapters kept in host memory (default: --max-loras)")
+    """vLLM's LoRA flags (stagemesh.core.common_flags.LoRAOptions); limits=False: the router's."""
+    from stagemesh.core.common_flags import LORA_LIMITS, LoRAOptions
+    from stagemesh.core.flags import add_flags
+
+    add_flags(p, LoRAOptions, () if limits else LORA_LIMITS)
 
 
 def lora_from_args(args) -> tuple[LoRALimits, tuple[LoRAModule, ...]] | None:
@@ -210,15 +199,3 @@ def lora_from_args(args) -> tuple[LoRALimits, tuple[LoRAModule, ...]] | None:
     return limits, tuple(parse_lora_modules(args.lora_modules))
 
 
-def lora_argv(args, limits: bool = True) -> list[str]:
-    """The flags again, for a child process (serve's services); limits=False: as the router takes them."""
-    if not args.enable_lora:
-        return []
-    argv = ["--enable-lora"]
-    if limits:
-        argv += ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
-        if args.max_cpu_loras is not None:
-            argv += ["--max-cpu-loras", str(args.max_cpu_loras)]
-    if args.allowed_local_lora_path:
-        argv += [ALLOWED_PATH_FLAG, *args.allowed_local_lora_path]
-    return argv + (["--lora-modules", *args.lora_modules] if args.lora_modules else [])

@@ -30,15 +30,11 @@ class ModelSource:
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="with a .gguf MODEL: the model directory whose config.json and tokenizer go with it "
-                        "(as vLLM's --tokenizer for a GGUF)")
-    p.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=None,
-                   help="gguf: serve a .gguf file's quantised weights as they are (Q4_0, Q4_1, Q4_K, Q8_0; with no "
-                        "MODEL, the embedded model's GGUF); w8a16: int8 weights with a scale per output channel, "
-                        "quantised at load, fp32/bf16 activations; w8a8: the same with activations quantised to "
-                        "int8 per token (dynamic), CPU stages only; fp8: float8_e4m3fn weights with a scale per "
-                        "output channel, quantised at load, weight-only, CUDA stages only")
+    """--tokenizer and --quantization (stagemesh.core.common_flags.ModelOptions), for a command with a MODEL."""
+    from stagemesh.core.common_flags import ModelOptions
+    from stagemesh.core.flags import add_flags
+
+    add_flags(p, ModelOptions, ("model",))
 
 
 def resolve_source(model: str | None, tokenizer: str | None = None, quantization: str | None = None) -> ModelSource:

@@ -1,6 +1,6 @@
 """Options every long-running service shares: logs, traces, metrics, TLS and the internal token.
 
-Each service's ``add_arguments`` calls :func:`add_service_arguments`; its
+Each service's options nest :class:`ServiceOptions` (stagemesh.core.flags); its
 ``run`` calls :func:`setup_service` once, before it opens any port. TLS and the
 internal token (stagemesh.core.internal_token) are kept per process (one service per
 process), so every place that opens a gRPC channel or server goes through
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import grpc
 
-from stagemesh.core import internal_token
+from stagemesh.core import internal_token, shutdown
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.flags import Flag
 
 log = logging.getLogger("stagemesh")
 
@@ -35,39 +36,36 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reco
                      ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
-def add_service_arguments(p: argparse.ArgumentParser, *, metrics_port: bool = True) -> None:
-    g = p.add_argument_group("logs, traces, metrics and TLS")
-    g.add_argument("--log-level", choices=LOG_LEVELS, default="info")
-    g.add_argument("--log-format", choices=("text", "json"), default="text", help="json: one JSON object per line")
-    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                   help="send OpenTelemetry traces here (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; "
-                        "neither set: tracing off)")
-    if metrics_port:
-        g.add_argument("--metrics-port", type=int, default=None,
-                       help="serve Prometheus metrics on this port at /metrics (default: off)")
-    g.add_argument("--tls-cert", default=None, metavar="PEM", help="this service's certificate (gRPC over TLS)")
-    g.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
-    g.add_argument("--tls-ca", default=None, metavar="PEM",
-                   help="CA that signs the other services' certificates: verify peers with it (mutual TLS "
-                        "when --tls-cert is given too)")
-    internal_token.add_arguments(g)
-    from stagemesh.core import shutdown
-
-    shutdown.add_argument(g)
+TITLE = "logs, traces, metrics and TLS"
 
 
-def service_argv(args: argparse.Namespace, *, metrics_port: int | None = None) -> list[str]:
-    """These options as command-line flags, for a supervisor that starts children (the internal token
-    travels in their environment instead: a command line is visible to `ps`)."""
-    argv = ["--log-level", args.log_level, "--log-format", args.log_format,
-            "--shutdown-timeout", str(args.shutdown_timeout)]
-    for flag, value in (("--otlp-traces-endpoint", args.otlp_traces_endpoint), ("--tls-cert", args.tls_cert),
-                        ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
-        if value:
-            argv += [flag, str(value)]
-    if metrics_port is not None:
-        argv += ["--metrics-port", str(metrics_port)]
-    return argv
+@dataclass(frozen=True)
+class ServiceOptions:
+    """Every service's logs, traces, metrics, TLS, internal token and drain (the router has no --metrics-port:
+    its metrics are on its HTTP port)."""
+    log_level: str = Flag(("--log-level",), default="info", choices=LOG_LEVELS, title=TITLE).field()
+    log_format: str = Flag(("--log-format",), default="text", choices=("text", "json"), title=TITLE,
+                           help="json: one JSON object per line").field()
+    otlp_traces_endpoint: str | None = Flag(("--otlp-traces-endpoint",), metavar="URL", title=TITLE, help=(
+        "send OpenTelemetry traces here (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; neither set: tracing off)"
+    )).field()
+    metrics_port: int | None = Flag(("--metrics-port",), type=int, title=TITLE,
+                                    help="serve Prometheus metrics on this port at /metrics (default: off)").field()
+    tls_cert: str | None = Flag(("--tls-cert",), metavar="PEM", title=TITLE,
+                                help="this service's certificate (gRPC over TLS)").field()
+    tls_key: str | None = Flag(("--tls-key",), metavar="PEM", title=TITLE, help="the private key of --tls-cert").field()
+    tls_ca: str | None = Flag(("--tls-ca",), metavar="PEM", title=TITLE, help=(
+        "CA that signs the other services' certificates: verify peers with it (mutual TLS when --tls-cert is given "
+        "too)")).field()
+    # (the token travels to a child in its environment: a command line is visible to `ps`)
+    internal_token_file: str | None = Flag(("--internal-token-file",), metavar="FILE", title=TITLE, passed_on=False,
+                                           help=f"the shared secret internal RPCs carry and check (default: "
+                                                f"${internal_token.ENV}; neither: internal RPCs are not "
+                                                "authenticated)").field()
+    internal_token: str | None = Flag(("--internal-token",), metavar="TOKEN", title=TITLE, passed_on=False, help=(
+        "the same secret on the command line (visible to `ps`; prefer --internal-token-file)")).field()
+    shutdown_timeout: float = Flag(("--shutdown-timeout",), type=float, default=shutdown.DEFAULT_TIMEOUT_S,
+                                   metavar="SECONDS", title=TITLE, help=shutdown.HELP).field()
 
 
 def setup_service(args: argparse.Namespace, service_name: str) -> None:

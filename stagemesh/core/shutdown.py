@@ -16,12 +16,9 @@ POLL_S = 0.05
 FORCE_SLACK_S = 5.0  # past --shutdown-timeout, when install()'s `force_stop` ends a drain that did not end itself
 
 
-def add_argument(p, default: float = DEFAULT_TIMEOUT_S) -> None:
-    p.add_argument("--shutdown-timeout", type=float, default=default, metavar="SECONDS",
-                   help="on SIGTERM (or SIGINT) drain: readiness turns false, no new work is taken, and what runs "
-                        "finishes (or moves, token-exact, to another replica) for at most this long before the "
-                        f"process exits 0; a second signal ends the drain at once (vLLM's flag; default "
-                        f"{default:.0f})")
+HELP = ("on SIGTERM (or SIGINT) drain: readiness turns false, no new work is taken, and what runs finishes (or "
+        "moves, token-exact, to another replica) for at most this long before the process exits 0; a second signal "
+        f"ends the drain at once (vLLM's flag; default {DEFAULT_TIMEOUT_S:.0f})")  # --shutdown-timeout's
 
 
 class Shutdown:

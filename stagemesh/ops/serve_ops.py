@@ -1,6 +1,6 @@
-"""serve's operations wired in: its admin and autoscale flags, the controller the admin API calls, and what serve
-starts and stops around its mesh (the admin API and its file, the autoscaler, the end of a running operation
-before the drain)."""
+"""serve's operations wired in: its admin and autoscale settings (the flags: stagemesh.serve_options.OpsOptions),
+the controller the admin API calls, and what serve starts and stops around its mesh (the admin API and its file, the
+autoscaler, the end of a running operation before the drain)."""
 from __future__ import annotations
 
 import argparse
@@ -20,34 +20,6 @@ from stagemesh.ops.rollout import rollout
 from stagemesh.ops.scaling import check_scale, scale, serving
 
 log = logging.getLogger("stagemesh.serve")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("operations: the admin API (stagemesh rollout, stagemesh scale) and the autoscaler")
-    g.add_argument("--admin-host", default="127.0.0.1", help="the admin API's address (default: loopback only)")
-    g.add_argument("--admin-port", type=int, default=0,
-                   help="the admin API's port (default 0: any free port; the commands on this host find it in the "
-                        "stagemesh cache, admin/serve-<pid>.json)")
-    g.add_argument("--admin-api-key", default=None, metavar="KEY",
-                   help=f"the key every admin call must carry (default: ${admin_file.ENV_KEY}; neither: serve "
-                        "generates one and keeps it, mode 0600, in its admin file for the commands on this host)")
-    g.add_argument("--autoscale-min-replicas", type=int, default=None, metavar="N",
-                   help="the autoscaler keeps at least N replicas (default 1, or --prefill-replicas + 1)")
-    g.add_argument("--autoscale-max-replicas", type=int, default=None, metavar="N",
-                   help="turn the autoscaler on: it adds replicas up to N under load and removes them after "
-                        "(docs/operations.md)")
-    g.add_argument("--autoscale-target-waiting", type=float, default=4.0, metavar="REQUESTS",
-                   help="grow when more requests than this wait per replica (default 4)")
-    g.add_argument("--autoscale-target-kv-usage", type=float, default=0.8, metavar="FRACTION",
-                   help="grow when the replicas' mean KV cache usage passes this (default 0.8)")
-    g.add_argument("--autoscale-scale-up-window", type=float, default=30.0, metavar="SECONDS",
-                   help="how long the load must stay above a target before a replica is added (default 30)")
-    g.add_argument("--autoscale-scale-down-window", type=float, default=300.0, metavar="SECONDS",
-                   help="how long one replica fewer must look enough before one is removed (default 300)")
-    g.add_argument("--autoscale-cooldown", type=float, default=60.0, metavar="SECONDS",
-                   help="no change this long after the last one (default 60)")
-    g.add_argument("--autoscale-interval", type=float, default=2.0, metavar="SECONDS",
-                   help="seconds between two looks at the replicas' load (default 2)")
 
 
 def autoscale_config(args: argparse.Namespace) -> AutoscaleConfig | None:

@@ -1,0 +1,73 @@
+"""The flags more than one service takes, declared once (stagemesh.core.flags): the model, LoRA, and the
+single flags `stagemesh serve` passes to several kinds of child. A service's options use these constants
+(or nest these groups); a flag one service alone takes is declared in that service's options."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stagemesh.core.flags import Flag
+from stagemesh.core.lora import ALLOWED_PATH_FLAG, MAX_LORA_RANKS
+from stagemesh.core.model_source import QUANTIZATION_METHODS
+
+MODEL = Flag(("model",), kind="positional",
+             help="model directory, or a .gguf file with --tokenizer (default: the embedded model)")
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The model a service serves: MODEL, and the flags that say how to read its weights."""
+    model: str | None = MODEL.field()
+    tokenizer: str | None = Flag(("--tokenizer",), metavar="DIR", help=(
+        "with a .gguf MODEL: the model directory whose config.json and tokenizer go with it (as vLLM's --tokenizer "
+        "for a GGUF)")).field()
+    quantization: str | None = Flag(("--quantization", "-q"), choices=QUANTIZATION_METHODS, help=(
+        "gguf: serve a .gguf file's quantised weights as they are (Q4_0, Q4_1, Q4_K, Q8_0; with no MODEL, the "
+        "embedded model's GGUF); w8a16: int8 weights with a scale per output channel, quantised at load, fp32/bf16 "
+        "activations; w8a8: the same with activations quantised to int8 per token (dynamic), CPU stages only; fp8: "
+        "float8_e4m3fn weights with a scale per output channel, quantised at load, weight-only, CUDA stages only"
+    )).field()
+
+
+LORA_LIMITS = ("max_loras", "max_lora_rank", "max_cpu_loras")  # not the router's (it holds no adapter weights)
+
+
+@dataclass(frozen=True)
+class LoRAOptions:
+    """vLLM's LoRA flags: the stages load the adapters, the schedulers and routers know their names."""
+    enable_lora: bool = Flag(("--enable-lora",), kind="switch",
+                             help="serve LoRA adapters: a request picks one by its model name (docs/lora.md)").field()
+    lora_modules: tuple[str, ...] = Flag(("--lora-modules",), kind="extend", default=(), metavar="NAME=PATH", help=(
+        "LoRA adapters (PEFT directories) as name=path or vLLM's JSON {\"name\": ..., \"path\": ..., "
+        "\"base_model_name\": ...}; needs --enable-lora")).field()
+    allowed_local_lora_path: tuple[str, ...] = Flag((ALLOWED_PATH_FLAG,), kind="extend", default=(), metavar="DIR",
+                                                    help=(
+        "directories adapters loaded at run time (/v1/load_lora_adapter, with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true) "
+        "may be read from: a client's lora_path elsewhere is refused (ours; default none: run-time loading refused)"
+    )).field()
+    max_loras: int = Flag(("--max-loras",), type=int, default=1,
+                          help="LoRA adapters in one batch (the stages' slots)").field()
+    max_lora_rank: int = Flag(("--max-lora-rank",), type=int, default=16,
+                              help=f"the largest adapter rank ({', '.join(map(str, MAX_LORA_RANKS))})").field()
+    max_cpu_loras: int | None = Flag(("--max-cpu-loras",), type=int,
+                                     help="adapters kept in host memory (default: --max-loras)").field()
+
+
+# single flags of two services (and serve, which passes them on to both)
+SERVED_MODEL_NAME = Flag(("--served-model-name",),
+                         help="the model name clients send (default: the MODEL as given; a router's: its replicas')")
+MAX_MODEL_LEN = Flag(("--max-model-len",), type=int,
+                     help="the longest context a request may have (default: the model's, capped by the KV cache; a "
+                          "router's caps below the replicas' own limit)")
+MAX_REQUEST_RETRIES = Flag(("--max-request-retries",), type=int, default=3, help=(
+    "a request whose replica fails goes on on another one (before its first token: sent again; after: continued "
+    "from the tokens already streamed), at most this many times; a scheduler fails a request under which the "
+    "pipeline broke more than this many times"))
+BLOCK_SIZE = Flag(("--block-size",), type=int, default=16)
+PIPELINE_PARALLEL_SIZE = Flag(("--pipeline-parallel-size", "-pp"), type=int, default=1)
+SPECULATIVE_CONFIG = Flag(("--speculative-config",), metavar="JSON", help=(
+    "vLLM's speculative decoding config (JSON): method ngram (prompt lookup, proposed by the scheduler: "
+    "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min) or draft_model ({\"model\": DIR, "
+    "\"num_speculative_tokens\": k}: the last stage runs the draft on TP rank 0 with a KV cache of its own, in its "
+    "KV budget); not with --async-scheduling (docs/speculative-decoding.md)"))
+HOST = Flag(("--host",), default="127.0.0.1", help="address to listen on")
+ADVERTISE_HOST = Flag(("--advertise-host",), help="address other services use to reach this service")
