@@ -84,7 +84,7 @@ def convert_blocks(qtype: str, raw: np.ndarray) -> tuple[torch.Tensor, torch.Ten
         sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12))
         scales = d[..., None] * sc.reshape(rows, nb, 8).astype(np.float32)
         mins = -(dmin[..., None] * mn.reshape(rows, nb, 8).astype(np.float32))
-        q = b[..., 16:].reshape(rows, nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+        q: np.ndarray = b[..., 16:].reshape(rows, nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
         q = (q & 0x0F).reshape(rows, nb * 8, 32)  # sub-block 2c: low nibbles of chunk c, 2c + 1: high
         qs = (q[..., :16] | (q[..., 16:] << 4)).reshape(rows, -1)
         return (torch.from_numpy(np.ascontiguousarray(qs)), torch.from_numpy(scales.reshape(rows, -1)),
@@ -103,7 +103,7 @@ class GGUFCheckpoint:
 
         self.path = Path(path)
         try:
-            self.reader = GGUFReader(self.path)
+            self.reader: GGUFReader | None = GGUFReader(self.path)  # None once closed
         except (OSError, ValueError, KeyError) as err:
             raise StagemeshError(f"{self.path} is not a readable GGUF file: {err}") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
@@ -117,6 +117,7 @@ class GGUFCheckpoint:
         self.permuted = want.permuted_qk
 
     def _field(self, key: str):
+        assert self.reader is not None, "the file's fields are read while it is open (close() drops the reader)"
         field = self.reader.fields.get(key)
         if field is None:
             return None

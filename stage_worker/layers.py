@@ -98,10 +98,20 @@ class Shard(NamedTuple):
     stack: int | None = None  # a stacked parameter (one slice per expert): which slice; None: the parameter
 
 
+# Attributes of ours kept on torch Parameters; torch's Parameter type declares neither, so they are set and read by
+# name (setattr / getattr)
+_SHARDS, _BF16_OUT_FEATURES = "shards", "bf16_out_features"
+
+
 def new_param(shape: tuple[int, ...], dtype: torch.dtype, device, shards: list[Shard]) -> nn.Parameter:
     param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-    param.shards = shards
+    setattr(param, _SHARDS, shards)
     return param
+
+
+def shards_of(param: torch.Tensor) -> list[Shard]:
+    """The checkpoint slices new_param attached to `param`: what the loaders read into it."""
+    return getattr(param, _SHARDS)
 
 
 def full(name: str, rows: int) -> list[Shard]:
@@ -128,10 +138,10 @@ def pack_weights_for_cpu(model: nn.Module) -> None:
     linears = [m for m in model.modules() if isinstance(m, (Linear, ParallelLMHead))
                and not isinstance(m.weight, QuantizedWeight)]  # those run on kernels/csrc/quant_linear.cpp
     for module in linears:
-        if module.weight.dtype == torch.bfloat16 and not hasattr(module.weight, "bf16_out_features") \
+        if module.weight.dtype == torch.bfloat16 and not hasattr(module.weight, _BF16_OUT_FEATURES) \
                 and cpu_ops.load() is not None:
             packed = nn.Parameter(cpu_ops.pack_bf16_weight(module.weight.data), requires_grad=False)
-            packed.bf16_out_features = module.weight.shape[0]
+            setattr(packed, _BF16_OUT_FEATURES, module.weight.shape[0])
             module.weight = packed
     if not torch.backends.mkldnn.is_available():
         return
@@ -166,7 +176,7 @@ def warm_onednn(linears) -> None:
 def _matmul(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     if isinstance(weight, QuantizedWeight):
         return weight.linear(x, bias)
-    out_features = getattr(weight, "bf16_out_features", None)
+    out_features = getattr(weight, _BF16_OUT_FEATURES, None)
     if out_features is not None:
         return cpu_ops.linear_bf16(x, weight, out_features, bias)
     if weight.is_mkldnn:

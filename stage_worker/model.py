@@ -44,7 +44,8 @@ class Attention(Module):
         self.qkv_proj = column_parallel(parts, cfg.hidden_size, dtype, device, bias=cfg.attention_bias)
         self.o_proj = row_parallel(f"{prefix}.o_proj", cfg.hidden_size, shard.q_start * d, shard.num_heads * d,
                                    tp, dtype, device)
-        self.q_norm = self.k_norm = None
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None  # set with q_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(f"{prefix}.q_norm.weight", d, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(f"{prefix}.k_norm.weight", d, cfg.rms_norm_eps, dtype, device)
@@ -54,7 +55,7 @@ class Attention(Module):
         tokens, d = x.shape[0], self.head_dim
         k_cache, v_cache = kv_cache
         qkv = self.qkv_proj(x)
-        if self.q_norm is None:
+        if self.q_norm is None or self.k_norm is None:
             q = kernels.rotary_and_cache(qkv, self.num_heads, self.num_kv_heads, meta.positions, cos_sin, k_cache,
                                          v_cache, meta.slot_mapping)
         else:  # q and k normed per head before the rotation
@@ -81,6 +82,7 @@ class DecoderLayer(Module):
                                                 dtype, device)
         self.sparse = cfg.is_sparse_layer(index)
         self.cpu_plan = cfg.family.fused_cpu_plan  # whether stage_worker.layer_plan may run it
+        self.mlp: SparseMoeBlock | MLP
         if self.sparse:
             self.mlp = SparseMoeBlock(cfg, index, tp, expert_parallel, dtype, device, ep, eplb)
         else:
@@ -111,7 +113,10 @@ class StageModel(Module):
         self.layer_start, self.layer_end = layer_start, layer_end
         self.is_first = layer_start == 0
         self.is_last = layer_end == cfg.num_hidden_layers
-        self.embed_tokens = self.norm = self.lm_head = None
+        # the first stage's embeddings, the last stage's norm and LM head
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        self.norm: RMSNorm | None = None
+        self.lm_head: ParallelLMHead | None = None
         if self.is_first:
             self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", cfg.vocab_size, cfg.hidden_size,
                                                        tp, dtype, device)
@@ -132,15 +137,17 @@ class StageModel(Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Embeds (first stage) or continues from `hidden`; returns the residual stream
         (non-last stages) or the final normed hidden states (last stage)."""
-        x = self.embed_tokens(input_ids) if self.is_first else hidden
+        x = self.embed_tokens(input_ids) if self.embed_tokens is not None else hidden  # is_first
+        assert x is not None, "a stage after the first continues from the hidden states it is sent"
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, meta, kv_cache, self.cos_sin)
-        if self.is_last:
+        if self.norm is not None:  # is_last
             return kernels.rms_norm(x, self.norm.weight, self.norm.eps, residual)[0]
         return x + residual if residual is not None else x  # one tensor crosses to the next stage
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "only the last stage (it holds the LM head) computes logits"
         return self.lm_head(hidden).float()
 
     def num_parameter_bytes(self) -> int:

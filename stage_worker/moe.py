@@ -114,6 +114,8 @@ def _expert_weights(block: str, names: tuple[str, str, str], p: ExpertPlacement,
 class SparseMoeBlock(Module):
     """Router, this rank's experts (and the shared expert): what they add to every token, all-reduced."""
 
+    expert_tokens: torch.Tensor | None  # a buffer (register_buffer below): TP rank 0's counts, None on other ranks
+
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, expert_parallel: bool, dtype, device, ep=None,
                  eplb: EPLBConfig | None = None):
         super().__init__()
@@ -122,7 +124,8 @@ class SparseMoeBlock(Module):
         self.layer, self.tp, self.ep = layer, tp, ep  # ep: the stage_worker.ep_group.EPGroup, across replicas
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         # EPLB: the stage's placement (every rank's slots), and the map the forward sends tokens through
-        self.expert_map = self.stage_placement = None
+        self.expert_map: ExpertMap | None = None
+        self.stage_placement: list[list[int]] | None = None
         self.balancedness = 1.0  # of the last window EPLB looked at
         self.eplb_rebalances = {"applied": 0, "kept": 0}  # EPLB's decisions for this layer (stage_worker.eplb)
         if eplb is not None:
@@ -134,7 +137,8 @@ class SparseMoeBlock(Module):
         e, h = cfg.num_experts, cfg.hidden_size
         self.gate = Linear(new_param((e, h), dtype, device, full(f"{block}.gate.weight", e)))  # the router
         self.w13, self.w2 = _expert_weights(block, names, self.placement, h, dtype, device)
-        self.shared_expert = self.shared_expert_gate = None
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: Linear | None = None  # set with shared_expert
         if cfg.shared_expert_intermediate_size:  # TP-sharded in both modes; its partial sums join the one all-reduce
             self.shared_expert = MLP(f"{block}.shared_expert", h, cfg.shared_expert_intermediate_size, tp, dtype,
                                      device, reduce=False)
@@ -149,11 +153,11 @@ class SparseMoeBlock(Module):
             return self._forward_across_replicas(x, meta)
         topk_weights, topk_ids = kernels.select_experts(self.gate(x), self.top_k, self.renormalize)
         if self.expert_tokens is not None:
-            self._count(topk_ids, meta.slot_mapping)
+            self._count(self.expert_tokens, topk_ids, meta.slot_mapping)
         if self.expert_map is not None:  # to one copy of each expert
             topk_ids = self.expert_map.physical(topk_ids)
         out = kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.placement.expert_start)
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out)
 
@@ -167,6 +171,7 @@ class SparseMoeBlock(Module):
         fill(self.w2.data, w2_shards, reader)
         self.placement = dataclasses.replace(self.placement, slots=tuple(mine))
         self.stage_placement = placement
+        assert self.expert_map is not None, "rebalance runs on the layers built with EPLB (they have the map)"
         self.expert_map.set(placement)
         return len(changed)
 
@@ -184,15 +189,16 @@ class SparseMoeBlock(Module):
         if meta is None or not x.shape[0]:
             return out
         if self.expert_tokens is not None and counted:  # this member's own tokens only
-            self._count(counted[0][first:first + x.shape[0]], meta.slot_mapping)
-        if self.shared_expert is not None:  # whole on every member (TP=1): its own tokens only
+            self._count(self.expert_tokens, counted[0][first:first + x.shape[0]], meta.slot_mapping)
+        # the shared expert: whole on every member (TP=1): its own tokens only
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
-    def _count(self, topk_ids: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def _count(self, counts: torch.Tensor, topk_ids: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # a few small ops and no host sync (CUDA graphs); padding rows of a graph's batch have slot -1
         real = (slot_mapping >= 0).to(torch.int64).repeat_interleave(self.top_k)
-        self.expert_tokens.index_add_(0, topk_ids.reshape(-1), real)
+        counts.index_add_(0, topk_ids.reshape(-1), real)
 
 
 def expert_load(model: nn.Module) -> dict[int, list[int]]:

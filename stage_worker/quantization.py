@@ -19,7 +19,7 @@ from torch import nn
 from kernels.quant_reference import quantize_fp8_per_channel, quantize_int8_per_channel
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
-from stage_worker.layers import Linear, ParallelLMHead, VocabParallelEmbedding
+from stage_worker.layers import Linear, ParallelLMHead, VocabParallelEmbedding, shards_of
 from stage_worker.quant_weight import QuantizedWeight
 
 METHODS = ("gguf", "w8a16", "w8a8", "fp8")
@@ -46,7 +46,9 @@ def check_quantization(method: str | None, cfg: ModelConfig, device) -> None:
 
 
 def _swap(module: nn.Module, weight: QuantizedWeight) -> None:
-    device = module.weight.device
+    dense = module.weight
+    assert isinstance(dense, torch.Tensor), "only a dense parameter is swapped for a quantised weight"
+    device = dense.device
     del module.weight  # the dense parameter goes
     module.weight = weight.to(device)
 
@@ -82,10 +84,10 @@ def load_gguf(model: nn.Module, ckpt) -> None:
         if not isinstance(module, (Linear, ParallelLMHead, VocabParallelEmbedding)):
             continue
         weight = module.weight
-        if isinstance(weight, QuantizedWeight) or not any(ckpt.is_quantised(s.name) for s in weight.shards):
+        if isinstance(weight, QuantizedWeight) or not any(ckpt.is_quantised(s.name) for s in shards_of(weight)):
             continue
         parts = []
-        for shard in weight.shards:
+        for shard in shards_of(weight):
             if not ckpt.is_quantised(shard.name):
                 raise StagemeshError(f"{name}: {shard.name} is {ckpt.qtype(shard.name)} in the GGUF and the other "
                                      "parts are quantised; stagemesh runs a merged layer in one format")

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from stagemesh.core.errors import StagemeshError
+from stage_worker.layers import shards_of
 
 
 class CheckpointReader:
@@ -22,7 +23,7 @@ class CheckpointReader:
         self.model_dir = Path(model_dir)
         self.files = self._index()
         self._stack = ExitStack()
-        self._handles: dict[str, object] = {}
+        self._handles: dict[Path, safe_open] = {}  # by file
 
     def _index(self) -> dict[str, Path]:
         index = self.model_dir / "model.safetensors.index.json"
@@ -38,7 +39,7 @@ class CheckpointReader:
                 names.update({name: file for name in f.keys()})
         return names
 
-    def _handle(self, file: Path):
+    def _handle(self, file: Path) -> safe_open:
         if file not in self._handles:
             self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt"))
         return self._handles[file]
@@ -62,7 +63,7 @@ def load_weights(model: nn.Module, source) -> None:
     reader = CheckpointReader(source) if isinstance(source, (str, Path)) else source
     try:
         for param in model.parameters():
-            fill(param.data, param.shards, reader)
+            fill(param.data, shards_of(param), reader)
     finally:
         reader.close()
 
