@@ -21,6 +21,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from stagemesh.core.engine_request import EngineRequest
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 TEXT = ("The lighthouse stood at the edge of the cliff, its white tower striped with red. Every night the keeper "
@@ -64,7 +65,7 @@ async def timed(engine, prompts: list[list[int]], sampling) -> list[tuple[float,
     async def one(i: int, prompt: list[int]):
         first = last = None
         tokens = []
-        async for out in engine.driver.submit(f"bench-{time.monotonic_ns()}-{i}", prompt, sampling):
+        async for out in engine.driver.submit(EngineRequest(f"bench-{time.monotonic_ns()}-{i}", prompt, sampling)):
             now = time.perf_counter()
             first = first if first is not None else now
             last = now

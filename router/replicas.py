@@ -15,7 +15,7 @@ from router.observe import add_replica, forget_replica, kv_index_resync, kv_inde
 from router.errors import APIError
 from router.submit_stream import ReplicaOutput, RequestFailed, RequestStream, SubmitStream
 from stagemesh.core.deadlines import DEADLINES
-from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.service_options import aio_channel
 from stagemesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -163,16 +163,10 @@ class Replica:
             log.log(logging.INFO if healthy else logging.WARNING, "replica %s is now %s%s", self.address,
                     "healthy" if healthy else "UNHEALTHY", "" if healthy else f": {reason}")
 
-    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams, generated: list[int] = (),
-               priority: int = 0, prefill_only: bool = False, kv_transfer: bytes = b"",
-               resumable: bool = False, lora_name: str = "") -> RequestStream:
-        """Send a request over the replica's SubmitStream (opened on first use, and again after it broke);
-        `generated`: the tokens it produced elsewhere (a continuation); prefill_only / kv_transfer: the two
-        halves of a disaggregated request (the second with the first's generated token and kv_transfer);
-        resumable: the replica keeps it for another router if this one goes away; lora_name: its adapter."""
+    def submit(self, request: EngineRequest) -> RequestStream:
+        """Send a request over the replica's SubmitStream (opened on first use, and again after it broke)."""
         self.dispatched += 1
-        return self._submit_stream().submit(request_id, prompt, sampling, generated, priority, prefill_only,
-                                            kv_transfer, resumable, lora_name)
+        return self._submit_stream().submit(request)
 
     async def load_lora(self, name: str, path: str) -> None:
         """Its scheduler loads a LoRA adapter on every stage (router.lora_api); grpc.aio.AioRpcError says why not."""
@@ -345,11 +339,13 @@ class ReplicaSet:
         """The replicas that take new requests: healthy and not cordoned."""
         return [r for r in self.replicas if r.healthy and not r.cordoned]
 
-    def pick(self, prompt: list[int], exclude: set[str] = frozenset(), pin: str | None = None,
-             role: str = "whole", lora_name: str = "") -> Replica | None:
-        """A healthy replica for the prompt (the pinned one while it is healthy: siblings share its cache). role:
-        "prefill" (a prefill replica), "decode" or "whole" (a decode or both replica, else any). lora_name: the
-        request's adapter (lora_affinity narrows the replicas first)."""
+    def pick(self, request: EngineRequest, exclude: set[str] = frozenset(), pin: str | None = None,
+             role: str = "whole") -> Replica | None:
+        """A healthy replica for the request (the pinned one while it is healthy: siblings share its cache).
+        role: "prefill" (a prefill replica), "decode" or "whole" (a decode or both replica, else any). Its
+        adapter narrows the replicas first (lora_affinity); the policy sees its prompt and its blocks' hash
+        root (cached blocks are an adapter's, a salt's)."""
+        lora_name = request.lora_name
         candidates = [r for r in self.healthy() if r.address not in exclude]
         pinned = [r for r in candidates if r.address == pin]
         if pinned:
@@ -359,7 +355,9 @@ class ReplicaSet:
         else:
             candidates = [r for r in candidates if r.kv_role != "prefill"] or candidates
         candidates = [r for r in candidates if serves(r, lora_name)]
-        return self.policy.pick(lora_affinity(candidates, lora_name), prompt, lora_name) if candidates else None
+        if not candidates:
+            return None
+        return self.policy.pick(lora_affinity(candidates, lora_name), request.prompt_token_ids, request.hash_root)
 
     def disaggregated(self) -> bool:
         """Whether new prompts go to a prefill replica first: one of them and a decode replica are healthy."""

@@ -93,7 +93,8 @@ def _sampling(max_tokens: int | None, **kw) -> SamplingParams:
 
 def _generate_request(prompt: str | list[int], model: str, stop, max_tokens, kw) -> frontend_pb2.GenerateRequest:
     msg = frontend_pb2.GenerateRequest(model=model, stop=list(stop or []), n=kw.pop("n", 1),
-                                       request_id=kw.pop("request_id", None) or uuid.uuid4().hex)
+                                       request_id=kw.pop("request_id", None) or uuid.uuid4().hex,
+                                       priority=kw.pop("priority", 0))
     if isinstance(prompt, str):
         msg.text = prompt
     else:
@@ -107,6 +108,7 @@ def _generate_request(prompt: str | list[int], model: str, stop, max_tokens, kw)
 def _chat_request(messages: list[dict], model: str, stop, max_tokens, kw) -> frontend_pb2.ChatRequest:
     msg = frontend_pb2.ChatRequest(model=model, stop=list(stop or []), n=kw.pop("n", 1),
                                    request_id=kw.pop("request_id", None) or uuid.uuid4().hex,
+                                   priority=kw.pop("priority", 0),
                                    messages=[frontend_pb2.ChatMessage(role=m["role"], content=m["content"])
                                              for m in messages])
     sampling_to_pb(_sampling(max_tokens, **kw), msg.sampling)
