@@ -9,6 +9,8 @@ Imports no torch and no protobuf: the router, the client and the scheduler use i
 """
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -44,9 +46,16 @@ class EngineRequest:
     resumable: bool = False  # its replica keeps it for another router if its own goes away (router.resume)
     traceparent: str = ""  # its W3C trace context ("": tracing off)
     tracestate: str = ""
+    # vLLM's cache_salt: its prefix-cache blocks are shared only with requests of the same salt ("": none)
+    cache_salt: str = ""
 
     @property
     def hash_root(self) -> int | None:
         """The parent of its prompt's first block hash (stagemesh.core.block_hash; None: no parent): what keeps
-        one adapter's cached blocks from another's. The router's KV index predicts hits with the same root."""
-        return adapter_root(self.lora_name)
+        one adapter's or one salt's cached blocks from another's. As vLLM's, the salt goes into the first block's
+        hash only; every later block chains on it. The router's KV index predicts hits with the same root."""
+        root = adapter_root(self.lora_name)
+        if not self.cache_salt:
+            return root
+        key = b"salt\0" + struct.pack("<Q", root or 0) + self.cache_salt.encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
