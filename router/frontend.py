@@ -57,6 +57,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         b.choices(request.n or 1)
         b.stop(list(request.stop))
         b.priority(request.priority)
+        b.per_request(cache_salt=request.cache_salt or None)  # (proto3: empty is unset, no salt)
         if chat:
             b.conversation([ChatMessage(role=m.role, content=m.content) for m in request.messages])
         else:

@@ -9,6 +9,7 @@ import pytest
 import requests
 
 from mesh import Mesh, Router
+from stagemesh.client import Client
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import frontend_pb2, frontend_pb2_grpc
 from stagemesh.core.wire import sampling_to_pb
@@ -166,6 +167,14 @@ def test_cache_salt_isolates_the_prefix_cache_and_changes_no_token(router, greed
         return (details.cached_tokens or 0) if details else 0
 
     assert chat("tenant-a") == 0 and chat("tenant-a") >= 32 and chat("tenant-b") == 0
+    # and the gRPC frontend (stagemesh.client)
+    with Client(f"127.0.0.1:{router.grpc_port}", model=M) as grpc_client:
+        def over_grpc(salt: str) -> tuple[int, list[int]]:
+            c = grpc_client.generate(prompt, max_tokens=4, cache_salt=salt)
+            return c.cached_tokens, list(c.token_ids)
+
+        assert over_grpc("tenant-c") == (0, want) and over_grpc("tenant-c") == (32, want)
+        assert over_grpc("tenant-d") == (0, want) and over_grpc("tenant-a") == (32, want)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
