@@ -40,6 +40,7 @@ class FakeReplica(Replica):
         self.submitted: list[tuple[str, list[int], SamplingParams]] = []
         self.generated: list[list[int]] = []  # of each submit: the tokens a continuation brought
         self.priorities: list[int] = []  # of each submit
+        self.requests: list[EngineRequest] = []  # each submit, whole
 
     def __post_init__(self) -> None:  # no channel: nothing to dial
         self._stream = None
@@ -51,6 +52,7 @@ class FakeReplica(Replica):
         prompt = list(r.prompt_token_ids)
         self.submitted.append((r.request_id, prompt, r.sampling))
         self.priorities.append(r.priority)
+        self.requests.append(r)
         self.generated.append(list(r.generated_token_ids))
         return FakeStream(self._outputs(prompt, r.sampling, len(r.generated_token_ids)))
 
