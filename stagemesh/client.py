@@ -88,8 +88,12 @@ class _Resumer:
         return min(0.1 * 2 ** (self.resumes - 1), 2.0)
 
 
-def _sampling(max_tokens: int | None, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens or 1, **kw)
+def _sampling(max_tokens: int | None, kw: dict, out) -> None:
+    """The sampling parameters into `out`, checked here as the router checks them; max_tokens None goes as 0,
+    the frontend's unset: the router settles it to the room the context leaves, as for an HTTP request."""
+    sampling_to_pb(SamplingParams(max_tokens=max_tokens or 1, **kw), out)
+    if max_tokens is None:
+        out.max_tokens = 0
 
 
 def _generate_request(prompt: str | list[int], model: str, stop, max_tokens, kw) -> frontend_pb2.GenerateRequest:
@@ -100,9 +104,7 @@ def _generate_request(prompt: str | list[int], model: str, stop, max_tokens, kw)
         msg.text = prompt
     else:
         msg.token_ids.ids.extend(prompt)
-    sampling_to_pb(_sampling(max_tokens, **kw), msg.sampling)
-    if max_tokens is None:
-        msg.sampling.max_tokens = 0  # the router fills what the context leaves
+    _sampling(max_tokens, kw, msg.sampling)
     return msg
 
 
@@ -112,9 +114,7 @@ def _chat_request(messages: list[dict], model: str, stop, max_tokens, kw) -> fro
                                    priority=kw.pop("priority", 0), cache_salt=kw.pop("cache_salt", ""),
                                    messages=[frontend_pb2.ChatMessage(role=m["role"], content=m["content"])
                                              for m in messages])
-    sampling_to_pb(_sampling(max_tokens, **kw), msg.sampling)
-    if max_tokens is None:
-        msg.sampling.max_tokens = 0
+    _sampling(max_tokens, kw, msg.sampling)
     return msg
 
 

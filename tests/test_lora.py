@@ -459,12 +459,13 @@ def test_lora_aware_routing_prefers_a_replica_that_runs_the_adapter_or_has_a_fre
 
 
 def test_the_kv_aware_policy_matches_an_adapters_blocks_only_for_that_adapter():
-    """The schedulers hash an adapter's blocks from its root (block_hash.adapter_root): the router's index does
+    """The schedulers hash an adapter's blocks from its root (EngineRequest.hash_root): the router's index does
     too, so a base model's cached prefix is no hit for an adapter's request, nor the other way round."""
     from dataclasses import dataclass
 
     from router.kv_index import KVAware, KVIndex
     from stagemesh.core.block_hash import adapter_root, prefix_hashes
+    from stagemesh.core.engine_request import EngineRequest
 
     @dataclass
     class R:  # what the policy reads of a replica
@@ -478,8 +479,11 @@ def test_the_kv_aware_policy_matches_an_adapters_blocks_only_for_that_adapter():
     index.stored("base", prefix_hashes(prompt, 16), 16)
     index.stored("sql", prefix_hashes(prompt, 16, adapter_root("sql")), 16)
     assert policy.pick([base, sql], prompt) is base and policy.last_matched_tokens == 32
-    assert policy.pick([base, sql], prompt, "sql") is sql and policy.last_matched_tokens == 32
-    assert policy.pick([base, sql], prompt, "chat") is base and policy.last_matched_tokens == 0  # no hit: least load
+    def root(lora_name: str) -> int | None:  # (what the replica set hands the policy: the request's hash root)
+        return EngineRequest("r", prompt, lora_name=lora_name).hash_root
+
+    assert policy.pick([base, sql], prompt, root("sql")) is sql and policy.last_matched_tokens == 32
+    assert policy.pick([base, sql], prompt, root("chat")) is base and policy.last_matched_tokens == 0  # least load
 
 
 def test_the_c_plus_plus_layer_plan_runs_lora_steps_up_to_the_kernels_length(tiny_model_dir, tmp_path):
