@@ -34,7 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from bench_moe import moe_model_dir  # noqa: E402
 from router.submit_stream import SubmitStream  # noqa: E402
-from stagemesh.core.engine_request import EngineRequest
+from stagemesh.core.engine_request import EngineRequest  # noqa: E402
 from stagemesh.core.sampling_params import SamplingParams  # noqa: E402
 from stagemesh.v1 import scheduler_pb2_grpc  # noqa: E402
 from serve_process import free_port  # noqa: E402

@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from stagemesh.core.engine_request import EngineRequest
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
@@ -60,6 +59,7 @@ def inprocess(arm: str, name: str) -> dict:
     import torch
 
     from stagemesh.core.default_model import resolve_model
+    from stagemesh.core.engine_request import EngineRequest
     from stagemesh.core.sampling_params import SamplingParams
     from stagemesh.local_engine import LocalEngine
 

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
 from mesh import Mesh  # noqa: E402
 
-from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.default_model import default_model_dir  # noqa: E402
+from stagemesh.core.engine_request import EngineRequest  # noqa: E402
 from stagemesh.core.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -30,7 +30,7 @@ from tiny_models import make_tiny_model  # noqa: E402
 
 from scheduler.config import SchedulerConfig  # noqa: E402
 from scheduler.scheduler import Scheduler  # noqa: E402
-from stagemesh.core.engine_request import EngineRequest
+from stagemesh.core.engine_request import EngineRequest  # noqa: E402
 from stagemesh.core.sampling_params import SamplingParams  # noqa: E402
 from stagemesh.core.step import SampledToken  # noqa: E402
 from stagemesh.v1 import scheduler_pb2  # noqa: E402

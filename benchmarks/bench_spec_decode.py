@@ -21,7 +21,6 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from stagemesh.core.engine_request import EngineRequest
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 TEXT = ("The lighthouse stood at the edge of the cliff, its white tower striped with red. Every night the keeper "
@@ -62,6 +61,8 @@ OPEN_ENDED = [
 
 async def timed(engine, prompts: list[list[int]], sampling) -> list[tuple[float, int, list[int]]]:
     """(TPOT, output tokens, tokens) of each request, all sent at once."""
+    from stagemesh.core.engine_request import EngineRequest
+
     async def one(i: int, prompt: list[int]):
         first = last = None
         tokens = []

@@ -172,7 +172,6 @@ SERVE_MODULES = (
 )
 _IMPORT_CHECK = """
 import importlib, json, sys
-from stagemesh.core.engine_request import EngineRequest
 missing, failed = {}, {}
 for m in sys.argv[1:]:
     try:

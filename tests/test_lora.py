@@ -465,7 +465,6 @@ def test_the_kv_aware_policy_matches_an_adapters_blocks_only_for_that_adapter():
 
     from router.kv_index import KVAware, KVIndex
     from stagemesh.core.block_hash import adapter_root, prefix_hashes
-    from stagemesh.core.engine_request import EngineRequest
 
     @dataclass
     class R:  # what the policy reads of a replica
@@ -479,11 +478,8 @@ def test_the_kv_aware_policy_matches_an_adapters_blocks_only_for_that_adapter():
     index.stored("base", prefix_hashes(prompt, 16), 16)
     index.stored("sql", prefix_hashes(prompt, 16, adapter_root("sql")), 16)
     assert policy.pick([base, sql], prompt) is base and policy.last_matched_tokens == 32
-    def root(lora_name: str) -> int | None:  # (what the replica set hands the policy: the request's hash root)
-        return EngineRequest("r", prompt, lora_name=lora_name).hash_root
-
-    assert policy.pick([base, sql], prompt, root("sql")) is sql and policy.last_matched_tokens == 32
-    assert policy.pick([base, sql], prompt, root("chat")) is base and policy.last_matched_tokens == 0  # least load
+    assert policy.pick([base, sql], prompt, adapter_root("sql")) is sql and policy.last_matched_tokens == 32
+    assert policy.pick([base, sql], prompt, adapter_root("chat")) is base and policy.last_matched_tokens == 0
 
 
 def test_the_c_plus_plus_layer_plan_runs_lora_steps_up_to_the_kernels_length(tiny_model_dir, tmp_path):
