@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from bench_moe import moe_model_dir  # noqa: E402
 from router.submit_stream import SubmitStream  # noqa: E402
+from stagemesh.core.engine_request import EngineRequest  # noqa: E402
 from stagemesh.core.sampling_params import SamplingParams  # noqa: E402
 from stagemesh.v1 import scheduler_pb2_grpc  # noqa: E402
 from serve_process import free_port  # noqa: E402
@@ -93,7 +94,7 @@ async def run_workload(addresses: list[str], jobs: list[tuple[int, list[int]]], 
 
     async def one(i: int, replica: int, prompt: list[int]) -> int:
         n = 0
-        async for out in streams[replica].submit(f"r{i}-{time.monotonic_ns()}", prompt, sampling):
+        async for out in streams[replica].submit(EngineRequest(f"r{i}-{time.monotonic_ns()}", prompt, sampling)):
             n += len(out.token_ids)
         return n
 

@@ -59,6 +59,7 @@ def inprocess(arm: str, name: str) -> dict:
     import torch
 
     from stagemesh.core.default_model import resolve_model
+    from stagemesh.core.engine_request import EngineRequest
     from stagemesh.core.sampling_params import SamplingParams
     from stagemesh.local_engine import LocalEngine
 
@@ -72,8 +73,8 @@ def inprocess(arm: str, name: str) -> dict:
         async def one(i: int, req) -> None:
             nonlocal out_tokens
             start, first, n = time.perf_counter(), None, 0
-            async for out in driver.submit(f"r{i}", req.prompt_ids, SamplingParams(
-                    max_tokens=req.max_tokens, ignore_eos=True, temperature=0.0)):
+            async for out in driver.submit(EngineRequest(f"r{i}", req.prompt_ids, SamplingParams(
+                    max_tokens=req.max_tokens, ignore_eos=True, temperature=0.0))):
                 if out.finish_reason == "error":
                     raise RuntimeError(out.error)
                 if out.new_token_ids and first is None:

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from mesh import Mesh  # noqa: E402
 
 from stagemesh.core.default_model import default_model_dir  # noqa: E402
+from stagemesh.core.engine_request import EngineRequest  # noqa: E402
 from stagemesh.core.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -54,8 +55,8 @@ def stage_step_seconds(split: list[int], batch: int, prompt: int, steps: int = 8
     scheduler = Scheduler(SchedulerConfig(num_kv_blocks=num_blocks, max_model_len=prompt + steps + 4))
     rng = random.Random(batch)
     for i in range(batch):
-        scheduler.add_request(f"r{i}", [rng.randrange(100, 40000) for _ in range(prompt)],
-                              SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+        scheduler.add_request(EngineRequest(f"r{i}", [rng.randrange(100, 40000) for _ in range(prompt)],
+                                            SamplingParams(max_tokens=steps + 4, ignore_eos=True)))
     times: list[list[float]] = [[] for _ in split]
     for step in range(steps + 2):
         output = scheduler.schedule()

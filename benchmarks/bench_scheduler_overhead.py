@@ -30,6 +30,7 @@ from tiny_models import make_tiny_model  # noqa: E402
 
 from scheduler.config import SchedulerConfig  # noqa: E402
 from scheduler.scheduler import Scheduler  # noqa: E402
+from stagemesh.core.engine_request import EngineRequest  # noqa: E402
 from stagemesh.core.sampling_params import SamplingParams  # noqa: E402
 from stagemesh.core.step import SampledToken  # noqa: E402
 from stagemesh.v1 import scheduler_pb2  # noqa: E402
@@ -39,7 +40,8 @@ def core_only(seqs: int, steps: int = 200) -> float:
     """Seconds per schedule() + update_from_output() with `seqs` decoding sequences."""
     s = Scheduler(SchedulerConfig(num_kv_blocks=100_000, max_model_len=4096, max_num_seqs=seqs))
     for i in range(seqs):
-        s.add_request(f"r{i}", list(range(3, 35)), SamplingParams(max_tokens=steps + 10, ignore_eos=True))
+        sampling = SamplingParams(max_tokens=steps + 10, ignore_eos=True)
+        s.add_request(EngineRequest(f"r{i}", list(range(3, 35)), sampling))
     out = s.schedule()
     chunks = out.step_batch.chunks
     s.update_from_output(out, [SampledToken(i, 7) for i, sample in zip(chunks.seq_ids, chunks.sample) if sample])

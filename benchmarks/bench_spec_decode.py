@@ -61,10 +61,12 @@ OPEN_ENDED = [
 
 async def timed(engine, prompts: list[list[int]], sampling) -> list[tuple[float, int, list[int]]]:
     """(TPOT, output tokens, tokens) of each request, all sent at once."""
+    from stagemesh.core.engine_request import EngineRequest
+
     async def one(i: int, prompt: list[int]):
         first = last = None
         tokens = []
-        async for out in engine.driver.submit(f"bench-{time.monotonic_ns()}-{i}", prompt, sampling):
+        async for out in engine.driver.submit(EngineRequest(f"bench-{time.monotonic_ns()}-{i}", prompt, sampling)):
             now = time.perf_counter()
             first = first if first is not None else now
             last = now

@@ -445,6 +445,7 @@ def run_mesh(serve: Serve, model_name: str, work: Workload, vocab: int, timeout:
 
 def run_inprocess(engine, work: Workload, vocab: int, timeout: float, out: dict) -> None:
     from stagemesh.bench.report import Result
+    from stagemesh.core.engine_request import EngineRequest
     from stagemesh.core.sampling_params import SamplingParams
 
     counter = iter(range(10**9))
@@ -457,7 +458,8 @@ def run_inprocess(engine, work: Workload, vocab: int, timeout: float, out: dict)
             async def consume() -> None:
                 nonlocal last
                 sampling = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True)
-                async for out in engine.driver.submit(f"gpu-check-{next(counter)}", req.prompt_ids, sampling):
+                request = EngineRequest(f"gpu-check-{next(counter)}", req.prompt_ids, sampling)
+                async for out in engine.driver.submit(request):
                     if out.finish_reason == "error":
                         result.error = out.error or "the request failed"
                         return

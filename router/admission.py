@@ -35,6 +35,7 @@ def check_priority(req: GenerateRequest, replicas: ReplicaSet) -> None:
     """A priority other than 0 needs replicas that schedule by it: vLLM's 400 otherwise (each scheduler checks
     it again when the request reaches it)."""
     policies = replicas.scheduling_policies
-    if req.priority and policies != {"priority"}:
-        raise bad_request(f"Got priority {req.priority} but Priority scheduling is not enabled (the replicas run "
+    priority = req.engine.priority
+    if priority and policies != {"priority"}:
+        raise bad_request(f"Got priority {priority} but Priority scheduling is not enabled (the replicas run "
                           f"--scheduling-policy {' and '.join(sorted(policies)) or 'fcfs'})", "priority")

@@ -1,5 +1,6 @@
-"""Load-balancing policies over healthy replicas: pick(replicas, prompt, lora_name) -> one of them. lora_name (a
-LoRA adapter, "" for the base model) keys what a cache-aware policy matches: an adapter's KV is its own."""
+"""Load-balancing policies over healthy replicas: pick(replicas, prompt, root) -> one of them. root (the request's
+EngineRequest.hash_root: None, or its LoRA adapter's and cache salt's) keys what a cache-aware policy matches:
+KV cached under one root is no other root's."""
 from __future__ import annotations
 
 import itertools
@@ -12,7 +13,7 @@ from router.kv_index import KVAware
 class LeastLoad:
     """Fewest waiting * 4 + running (from the schedulers' stats, plus what was sent since)."""
 
-    def pick(self, replicas, prompt, lora_name: str = ""):
+    def pick(self, replicas, prompt, root: int | None = None):
         return min(replicas, key=lambda r: r.load)
 
 
@@ -20,7 +21,7 @@ class RoundRobin:
     def __init__(self):
         self._counter = itertools.count()
 
-    def pick(self, replicas, prompt, lora_name: str = ""):
+    def pick(self, replicas, prompt, root: int | None = None):
         return replicas[next(self._counter) % len(replicas)]
 
 
@@ -37,13 +38,13 @@ class CacheAware:
         self.seen: dict[str, OrderedDict[int, None]] = {}
         self.fallback = LeastLoad()
 
-    def _prefixes(self, prompt: list[int], lora_name: str = "") -> list[int]:
-        return [hash((lora_name, tuple(prompt[:end]))) for end in range(self.block, len(prompt) + 1, self.block)]
+    def _prefixes(self, prompt: list[int], root: int | None = None) -> list[int]:
+        return [hash((root, tuple(prompt[:end]))) for end in range(self.block, len(prompt) + 1, self.block)]
 
-    def pick(self, replicas, prompt, lora_name: str = ""):
+    def pick(self, replicas, prompt, root: int | None = None):
         loads = [r.load for r in replicas]
         unbalanced = max(loads) - min(loads) > self.balance_abs and max(loads) > self.balance_rel * max(min(loads), 1)
-        prefixes = self._prefixes(prompt, lora_name)
+        prefixes = self._prefixes(prompt, root)
         choice = None
         if prefixes and not unbalanced:
             scores = [(self._matched(r.address, prefixes), -r.load, i) for i, r in enumerate(replicas)]

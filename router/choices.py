@@ -4,6 +4,9 @@ Parallel sampling (n > 1) computes a prompt once: the first sequence of a prompt
 its siblings follow once its prompt is computed (its first output), pinned to its replica, where the
 prefix cache holds the prompt's full blocks. Sibling i samples with the request's seed + i (as vLLM),
 so choice i equals a single request with that seed. Prompt logprobs are computed by the first only.
+
+Each choice's engine request (stagemesh.core.engine_request) is built here, once its max_tokens is
+settled (fit_max_tokens); every layer below takes it whole.
 """
 from __future__ import annotations
 
@@ -12,29 +15,67 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import AsyncGenerator
 
-from router.generation import Delta, Generation, fit_max_tokens, generate
+from router.errors import bad_request
+from router.generation import Delta, Generation, generate
 from router.observe import group_done
 from router.replica_set import ReplicaSet
 from router.request import GenerateRequest
 from router.tokenization import Tokenizer
-from stagemesh.core.sampling_params import INT64_MIN
+from stagemesh.core import telemetry
+from stagemesh.core.sampling_params import INT64_MIN, SamplingParams
 
 
 def plan(req: GenerateRequest, prompts: list[list[int]], base_id: str, max_model_len: int) -> list[Generation]:
-    """One Generation per choice, in OpenAI's order: choice index = prompt index x n + i."""
+    """One Generation per choice, in OpenAI's order: choice index = prompt index x n + i. Each one's engine
+    request is built here, once, after its max_tokens is settled (fit_max_tokens), from the per-request fields
+    the request builder gathered (req.engine) and the caller's trace context."""
     gens, single = [], len(prompts) * req.n == 1
+    trace = dict(telemetry.inject())
+    template = replace(req.engine, resumable=req.resumable or req.resume is not None,
+                       traceparent=trace.get("traceparent", ""), tracestate=trace.get("tracestate", ""))
     for p, ids in enumerate(prompts):
         sampling = fit_max_tokens(req, req.sampling, len(ids), max_model_len)
         for i in range(req.n):
             child = sampling if i == 0 else replace(sampling, prompt_logprobs=None,
                                                     seed=_sibling_seed(sampling.seed, i))
             index = p * req.n + i
-            gens.append(Generation(base_id if single else f"{base_id}-{index}", ids, child, index,
-                                   priority=req.priority, lora_name=req.lora_name,
-                                   resumable=req.resumable or req.resume is not None,
-                                   resume_from=None if req.resume is None else req.resume.tokens[index],
-                                   sibling=i > 0))
+            request = replace(template, request_id=base_id if single else f"{base_id}-{index}", prompt_token_ids=ids,
+                              sampling=child)
+            gens.append(Generation(request, index, sibling=i > 0,
+                                   resume_from=None if req.resume is None else req.resume.tokens[index]))
     return gens
+
+
+def fit_max_tokens(req: GenerateRequest, sampling: SamplingParams, prompt_len: int, max_model_len: int
+                   ) -> SamplingParams:
+    """The one place max_tokens is settled, per prompt, before its engine request is built (router.choices.plan):
+    the most tokens a choice generates, at least 1. Not given (HTTP: absent or null; the gRPC frontend: 0) it is
+    the room the context leaves after the prompt, as vLLM's; until here the request builder holds the largest
+    value, so that min_tokens is checked against that room. What cannot fit is refused with vLLM's words and
+    params: the prompt ('input_tokens'), or the max_tokens field itself when it alone passes the context."""
+    param = req.max_tokens_param
+    if not req.max_tokens_given:
+        room = max_model_len - prompt_len
+        if room < 1:
+            raise bad_request(f"You passed {prompt_len} input tokens, which leaves no room for output tokens: the "
+                              f"model's context length is only {max_model_len} tokens. Please reduce the length of "
+                              "the input prompt.", "input_tokens")
+        if req.echo_only:
+            return sampling
+        if sampling.min_tokens > room:  # (vLLM's words, with max_tokens the room it defaults to)
+            raise bad_request(f"min_tokens must be less than or equal to max_tokens={room}, got "
+                              f"{sampling.min_tokens}.", "min_tokens")
+        return replace(sampling, max_tokens=room)
+    asked = sampling.max_tokens
+    if asked > max_model_len:
+        raise bad_request(f"{param}={asked} cannot be greater than max_model_len={max_model_len}. Please request "
+                          "fewer output tokens.", param)
+    if prompt_len + asked > max_model_len:
+        raise bad_request(f"You passed {prompt_len} input tokens and requested {asked} output tokens. However, the "
+                          f"model's context length is only {max_model_len} tokens, resulting in a maximum input "
+                          f"length of {max_model_len - asked} tokens. Please reduce the length of the input "
+                          "prompt.", "input_tokens")
+    return sampling
 
 
 def _sibling_seed(seed: int | None, i: int) -> int | None:

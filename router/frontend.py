@@ -56,6 +56,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         b = RequestBuilder(self.config.served_model_name, request.model or None, chat, self.config.adapter_names)
         b.choices(request.n or 1)
         b.stop(list(request.stop))
+        b.priority(request.priority)
+        b.per_request(cache_salt=request.cache_salt or None)  # (proto3: empty is unset, no salt)
         if chat:
             b.conversation([ChatMessage(role=m.role, content=m.content) for m in request.messages])
         else:
@@ -68,7 +70,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         values.pop("max_tokens")
         constraint = values.pop("structured")
         b.logprobs("logprobs", values["logprobs"])
-        b.max_tokens(request.sampling.max_tokens or None)
+        b.max_tokens(request.sampling.max_tokens or None)  # (0: not given, the room the context leaves)
         b.sampling(values, constraint)
         return b.build()
 

@@ -14,7 +14,7 @@ import asyncio
 import logging
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import AsyncGenerator
+from typing import AsyncGenerator, Sequence
 
 import grpc
 
@@ -24,6 +24,7 @@ from router.replica_set import ReplicaSet
 from router.request import GenerateRequest
 from router.submit_stream import ReplicaOutput, RequestFailed
 from router.tokenization import IncrementalDetokenizer, StopStrings, Tokenizer
+from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import TokenLogprob
 
@@ -43,10 +44,9 @@ class Delta:
 
 @dataclass
 class Generation:
-    """One sequence of a request: a choice (prompt x n), its own sampling parameters and replica."""
-    request_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
+    """One sequence of a request: a choice (prompt x n), its own engine request (id, prompt, sampling
+    parameters, priority, adapter, ...: the replicas get it whole, or a variant of it) and replica."""
+    request: EngineRequest
     index: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -54,15 +54,24 @@ class Generation:
     pin: str | None = None  # a replica it must run on (a sibling shares its prompt's cached blocks there)
     replica: str | None = None  # where it runs
     replays: int = 0  # times its replica failed and it went on elsewhere
-    priority: int = 0  # vLLM's request priority, for the replicas' --scheduling-policy priority
-    lora_name: str = ""  # its LoRA adapter ("": the base model)
     started: asyncio.Event = field(default_factory=asyncio.Event)  # its prompt is computed (or it ended)
-    resumable: bool = False  # its replica keeps it for a resume if this router goes away (router.resume)
     resume_from: int | None = None  # a resume: attach it where it runs; the client has this many of its tokens
     sibling: bool = False  # parallel sampling's choice 1.. of a prompt (sent once the first's prompt is computed)
     # its streams on replicas, released once the answer is written (a replica keeps a resumable request's
     # outputs until then, so that a router that dies while writing them loses nothing)
     holds: list = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_ids(self) -> Sequence[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
 
     def release(self) -> None:
         for stream in self.holds:
@@ -70,40 +79,11 @@ class Generation:
         self.holds.clear()
 
 
-def fit_max_tokens(req: GenerateRequest, sampling: SamplingParams, prompt_len: int, max_model_len: int
-                   ) -> SamplingParams:
-    """Default max_tokens to the room left (as vLLM); refuse what cannot fit with vLLM's words and params:
-    the prompt ('input_tokens') or the max_tokens field itself when it alone passes the context."""
-    param = req.max_tokens_param
-    if not req.max_tokens_given:
-        room = max_model_len - prompt_len
-        if room < 1:
-            raise bad_request(f"You passed {prompt_len} input tokens, which leaves no room for output tokens: the "
-                              f"model's context length is only {max_model_len} tokens. Please reduce the length of "
-                              "the input prompt.", "input_tokens")
-        if req.echo_only:
-            return sampling
-        if sampling.min_tokens > room:  # (vLLM's words, with max_tokens the room it defaults to)
-            raise bad_request(f"min_tokens must be less than or equal to max_tokens={room}, got "
-                              f"{sampling.min_tokens}.", "min_tokens")
-        return replace(sampling, max_tokens=room)
-    asked = sampling.max_tokens
-    if asked > max_model_len:
-        raise bad_request(f"{param}={asked} cannot be greater than max_model_len={max_model_len}. Please request "
-                          "fewer output tokens.", param)
-    if prompt_len + asked > max_model_len:
-        raise bad_request(f"You passed {prompt_len} input tokens and requested {asked} output tokens. However, the "
-                          f"model's context length is only {max_model_len} tokens, resulting in a maximum input "
-                          f"length of {max_model_len - asked} tokens. Please reduce the length of the input "
-                          "prompt.", "input_tokens")
-    return sampling
-
-
 async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
                    tokenizer: Tokenizer) -> AsyncGenerator[Delta, None]:
     """Deltas of text (and ids, logprobs) until the request finishes."""
     detok = IncrementalDetokenizer(tokenizer, req.skip_special_tokens, req.spaces_between_special_tokens,
-                                   gen.prompt_ids)
+                                   list(gen.prompt_ids))
     stops = StopStrings(req.stop, req.include_stop_str_in_output)
     eos = replicas.eos_token_ids
     gen.record = record = RequestRecord(gen.request_id, len(gen.prompt_ids), gen.sampling.max_tokens)
@@ -184,7 +164,8 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
     # KV held; the request goes on on a decode replica, which fetches that KV (kv_transfer) instead of
     # computing the prompt. Siblings of an n > 1 request run where their first choice runs.
     # (a resumed request is past that: where it runs, it goes on)
-    prefill, kv_transfer = gen.pin is None and gen.resume_from is None and replicas.disaggregated(), b""
+    prefill = gen.pin is None and gen.resume_from is None and replicas.disaggregated()
+    kv_transfer: KVSourceInfo | None = None
     # a decode replica that cannot load the prompt's KV fails it (its --kv-load-failure-policy fail): the prompt is
     # prefilled again, on another prefill replica when there is one, at most KV_LOAD_RETRIES times; that prefill's
     # token is not the client's (it has the first one), only its KV is used
@@ -202,11 +183,11 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
                 # before its first token it tries each replica once; a continuation goes to any replica it has
                 # not failed on
                 if redo_prefill:  # (another prefill replica than the one whose KV could not be loaded, if any)
-                    replica = replicas.pick(gen.prompt_ids, failed | {kv_failed_on}, None, "prefill", gen.lora_name) \
-                        or replicas.pick(gen.prompt_ids, failed, None, "prefill", gen.lora_name)
+                    replica = replicas.pick(gen.request, failed | {kv_failed_on}, None, "prefill") \
+                        or replicas.pick(gen.request, failed, None, "prefill")
                 else:
-                    replica = replicas.pick(gen.prompt_ids, failed if generated else tried, gen.pin,
-                                            "prefill" if prefill else "whole", gen.lora_name)
+                    replica = replicas.pick(gen.request, failed if generated else tried, gen.pin,
+                                            "prefill" if prefill else "whole")
                 if replica is None and prefill:  # no prefill replica left to try: the whole request elsewhere
                     prefill = redo_prefill = False
                     continue
@@ -217,16 +198,10 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
                         "no replicas configured"
                     raise APIError(503, f"no replica can serve this request right now ({reasons})",
                                    retry_after=2)
-                sampling = replace(gen.sampling, prompt_logprobs=None) if generated else gen.sampling
-                if redo_prefill:  # only its KV counts: whatever its token, it ends "prefilled"
-                    stream = replica.submit(_retry_id(gen.request_id, kv_retries), gen.prompt_ids,
-                                            replace(sampling, ignore_eos=True, stop_token_ids=(), min_tokens=0),
-                                            [], gen.priority, True, lora_name=gen.lora_name)
-                else:
-                    stream = replica.submit(gen.request_id, gen.prompt_ids, sampling, generated, gen.priority, prefill,
-                                            kv_transfer, gen.resumable, gen.lora_name)
-                    if kv_transfer:  # the decode replica releases that KV from now on
-                        held = None
+                stream = replica.submit(_variant(gen.request, generated, prefill, kv_transfer, redo_prefill,
+                                                 kv_retries))
+                if kv_transfer and not redo_prefill:  # the decode replica releases that KV from now on
+                    held = None
                 replies = _chain([], stream)
                 if prefill:  # a stalled prefill replica (it stops answering health checks) is left
                     replies = _while_healthy(replies, replica)
@@ -252,7 +227,7 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
                     if reply.finish_reason == "prefilled":  # its first token: on to a decode replica
                         prefill, kv_transfer = False, reply.kv_transfer
                         held = prefilled_on = (replica, gen.request_id)
-                        yield replace(reply, finish_reason=None, kv_transfer=b"")
+                        yield replace(reply, finish_reason=None, kv_transfer=None)
                         break
                     yield reply
                 else:
@@ -270,27 +245,42 @@ async def _stream(gen: Generation, replicas: ReplicaSet):
                     kv_retries += 1
                     log.warning("request %s: the decode replica %s could not load its prompt's KV (%s): prefilling "
                                 "it again", gen.request_id, replica.address, err.details)
-                    prefill, redo_prefill, kv_transfer = True, True, b""
+                    prefill, redo_prefill, kv_transfer = True, True, None
                     continue
                 if err.code == grpc.StatusCode.UNAVAILABLE:
                     replica.mark_failed(f"a request failed there: {err.details}")
                     failed.add(replica.address)
                 if not _may_replay(err, waiting, gen, replicas.max_request_retries):
                     raise _api_error(err) from None
-                last_error, kv_transfer = err, b""  # (its KV went with the decode replica that fetched it)
+                last_error, kv_transfer = err, None  # (its KV went with the decode replica that fetched it)
                 gen.replays += 1
                 if gen.record is not None:
                     gen.record.replayed(replica.address, err.details, len(generated))
             finally:
                 await replies.aclose()
                 stream.close()  # unfinished (client gone, stop string): the scheduler aborts it
-                if gen.resumable:
+                if gen.request.resumable:
                     gen.holds.append(stream)
     finally:
         if waiting:
             replicas.num_waiting -= 1
         if held is not None:  # (the client went away before a decode replica was given its KV)
             _release_later(*held)
+
+
+def _variant(request: EngineRequest, generated: list[int], prefill: bool, kv_transfer: KVSourceInfo | None,
+             redo_prefill: bool, kv_retries: int) -> EngineRequest:
+    """What goes to a replica: the request, as a continuation of the tokens generated so far (its prompt
+    logprobs delivered), as the prefill half of a disaggregated request, or the decode half with its prompt's
+    KV (kv_transfer); or its prompt prefilled again for a decode replica (only its KV counts: whatever its
+    token, it ends "prefilled")."""
+    sampling = replace(request.sampling, prompt_logprobs=None) if generated else request.sampling
+    if redo_prefill:
+        return replace(request, request_id=_retry_id(request.request_id, kv_retries), generated_token_ids=(),
+                       sampling=replace(sampling, ignore_eos=True, stop_token_ids=(), min_tokens=0),
+                       prefill_only=True, resumable=False)
+    return replace(request, sampling=sampling, generated_token_ids=list(generated), prefill_only=prefill,
+                   kv_source=kv_transfer)
 
 
 KV_LOAD_RETRIES = 1  # prefills again of a prompt whose KV a decode replica could not load
@@ -339,7 +329,7 @@ async def _while_healthy(replies, replica):
 async def _attach(gen: Generation, at: int, replicas: ReplicaSet):
     """(replica, stream, its outputs so far cut at `at`) of a request being resumed, or the 404 when no replica
     holds it (None: send it afresh)."""
-    found = await replicas.attach(gen.request_id, gen.prompt_ids)
+    found = await replicas.attach(gen.request_id, list(gen.prompt_ids))
     if found is None and gen.sibling and not at:
         return None  # a choice that waited for its first sibling's prompt may never have been sent: send it now
     if found is None:
@@ -360,7 +350,7 @@ def _split(first: ReplicaOutput, at: int) -> list[ReplicaOutput]:
     lp = first.logprobs
     head_lp, tail_lp = (lp[:-tail], lp[-tail:]) if tail else (lp, [])
     had = replace(first, token_ids=first.token_ids[:at], logprobs=head_lp, finish_reason=None, stop_token_id=None,
-                  kv_transfer=b"")
+                  kv_transfer=None)
     rest = ReplicaOutput(first.token_ids[at:], tail_lp, first.finish_reason, first.stop_token_id,
                          kv_transfer=first.kv_transfer)
     return [had, rest] if rest.token_ids or rest.finish_reason else [had]

@@ -15,7 +15,7 @@ degraded replica's hits count for nothing: routing falls back to load there, nev
 """
 from __future__ import annotations
 
-from stagemesh.core.block_hash import adapter_root, prefix_hashes
+from stagemesh.core.block_hash import prefix_hashes
 
 DEVICE, HOST, DISK = 1, 2, 4  # a hash's tiers, as bits
 # the tier named by an event's medium ("" is the device pool, as scheduler.proto says; a tier this router does
@@ -125,7 +125,7 @@ class KVIndex:
         in any tier: a prefix goes on across tiers), and the same with each block weighed by the best tier
         holding it (TIER_WEIGHTS); (0, 0) while the replica is degraded. hashes_by_size caches the prompt's
         hashes per block size across the replicas of one decision. root: the prompt's first block's parent
-        (block_hash.adapter_root of its LoRA adapter: the schedulers hash an adapter's blocks from it)."""
+        (EngineRequest.hash_root: the schedulers hash the request's blocks from it)."""
         cached = self.blocks.get(address)
         size = self.block_sizes.get(address)
         if not cached or not size or address in self.degraded:
@@ -212,10 +212,9 @@ class KVAware:
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
         self.last_matched_tokens = 0  # of the latest decision, in any tier (metrics)
 
-    def pick(self, replicas, prompt, lora_name: str = ""):
+    def pick(self, replicas, prompt, root: int | None = None):
         least = min(replicas, key=lambda r: r.load)
         hashes: dict[int, list[int]] = {}
-        root = adapter_root(lora_name)
         best, best_matched, best_score = least, 0, 0.0
         for r in replicas:
             if r.load - least.load > self.balance_abs and r.load > self.balance_rel * max(least.load, 1):

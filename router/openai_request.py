@@ -51,6 +51,7 @@ def _common(m, served: str, chat: bool, adapters: tuple[str, ...] = ()) -> Reque
     b.choices(m.n, m.best_of)
     b.stop(m.stop, m.include_stop_str_in_output)
     b.priority(m.priority)
+    b.per_request(cache_salt=m.cache_salt)
     req = b.req
     req.bad_words, req.request_id = list(m.bad_words or []), m.request_id
     req.return_token_ids, req.return_tokens_as_token_ids = bool(m.return_token_ids), bool(m.return_tokens_as_token_ids)

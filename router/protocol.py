@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from router.errors import bad_request
 
@@ -61,6 +61,8 @@ class _Sampling(Strict):
     return_token_ids: bool | None = None
     request_id: str | None = None
     priority: int = 0  # vLLM's: lower first, with --scheduling-policy priority on the replicas
+    # vLLM's: its prefix-cache blocks are shared only with requests of the same salt (multi-tenant isolation)
+    cache_salt: str | None = None
     user: str | None = None  # OpenAI's end-user id: for the caller's own records, as in vLLM
     # constrained decoding (router.openai_request.structured): one of these at a time
     response_format: dict[str, Any] | None = None
@@ -70,6 +72,14 @@ class _Sampling(Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, salt: str | None) -> str | None:
+        if salt is not None and not salt:  # (vLLM's rule and words)
+            raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+        return salt
 
 
 class CompletionRequest(_Sampling):
@@ -139,7 +149,6 @@ REFUSED: dict[str, str] = {
     "watermarking": "watermarking is not supported",
     "logprob_token_ids": "logprob_token_ids is not supported; use logprobs / top_logprobs",
     "prompt_embeds": "prompt embeddings are not supported; send text or token ids",
-    "cache_salt": "cache_salt is not supported",
     "kv_transfer_params": "disaggregated prefill is not supported",
     "ec_transfer_params": "disaggregated encoding is not supported",
     "vllm_xargs": "vllm_xargs (extensions) are not supported",

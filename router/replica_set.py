@@ -14,6 +14,7 @@ from router.lora_registry import serves
 from router.observe import add_replica, forget_replica
 from router.replicas import Replica
 from router.submit_stream import ReplicaOutput, RequestFailed, RequestStream
+from stagemesh.core.engine_request import EngineRequest
 
 log = logging.getLogger("stagemesh.router")
 ATTACH_DEADLINE_S = 10.0  # a resume waits this long at most for the replicas to say whether they hold it
@@ -148,11 +149,13 @@ class ReplicaSet:
         """The replicas that take new requests: healthy and not cordoned."""
         return [r for r in self.replicas if r.healthy and not r.cordoned]
 
-    def pick(self, prompt: list[int], exclude: set[str] | frozenset[str] = frozenset(), pin: str | None = None,
-             role: str = "whole", lora_name: str = "") -> Replica | None:
-        """A healthy replica for the prompt (the pinned one while it is healthy: siblings share its cache). role:
-        "prefill" (a prefill replica), "decode" or "whole" (a decode or both replica, else any). lora_name: the
-        request's adapter (lora_affinity narrows the replicas first)."""
+    def pick(self, request: EngineRequest, exclude: set[str] | frozenset[str] = frozenset(), pin: str | None = None,
+             role: str = "whole") -> Replica | None:
+        """A healthy replica for the request (the pinned one while it is healthy: siblings share its cache).
+        role: "prefill" (a prefill replica), "decode" or "whole" (a decode or both replica, else any). Its
+        adapter narrows the replicas first (lora_affinity); the policy sees its prompt and its blocks' hash
+        root (cached blocks are an adapter's, a salt's)."""
+        lora_name = request.lora_name
         candidates = [r for r in self.healthy() if r.address not in exclude]
         pinned = [r for r in candidates if r.address == pin]
         if pinned:
@@ -162,7 +165,9 @@ class ReplicaSet:
         else:
             candidates = [r for r in candidates if r.kv_role != "prefill"] or candidates
         candidates = [r for r in candidates if serves(r, lora_name)]
-        return self.policy.pick(lora_affinity(candidates, lora_name), prompt, lora_name) if candidates else None
+        if not candidates:
+            return None
+        return self.policy.pick(lora_affinity(candidates, lora_name), request.prompt_token_ids, request.hash_root)
 
     def disaggregated(self) -> bool:
         """Whether new prompts go to a prefill replica first: one of them and a decode replica are healthy."""

@@ -12,7 +12,7 @@ from router.kv_index import KVFeed
 from router.observe import kv_index_resync, kv_index_state, replica_state
 from router.submit_stream import RequestStream, SubmitStream
 from stagemesh.core.deadlines import DEADLINES
-from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.service_options import aio_channel
 from stagemesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -159,16 +159,10 @@ class Replica:
             log.log(logging.INFO if healthy else logging.WARNING, "replica %s is now %s%s", self.address,
                     "healthy" if healthy else "UNHEALTHY", "" if healthy else f": {reason}")
 
-    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams, generated: list[int] = (),
-               priority: int = 0, prefill_only: bool = False, kv_transfer: bytes = b"",
-               resumable: bool = False, lora_name: str = "") -> RequestStream:
-        """Send a request over the replica's SubmitStream (opened on first use, and again after it broke);
-        `generated`: the tokens it produced elsewhere (a continuation); prefill_only / kv_transfer: the two
-        halves of a disaggregated request (the second with the first's generated token and kv_transfer);
-        resumable: the replica keeps it for another router if this one goes away; lora_name: its adapter."""
+    def submit(self, request: EngineRequest) -> RequestStream:
+        """Send a request over the replica's SubmitStream (opened on first use, and again after it broke)."""
         self.dispatched += 1
-        return self._submit_stream().submit(request_id, prompt, sampling, generated, priority, prefill_only,
-                                            kv_transfer, resumable, lora_name)
+        return self._submit_stream().submit(request)
 
     async def load_lora(self, name: str, path: str) -> None:
         """Its scheduler loads a LoRA adapter on every stage (router.lora_api); grpc.aio.AioRpcError says why not."""

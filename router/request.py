@@ -8,6 +8,7 @@ from typing import Any
 
 from router.resume import ResumePoint
 from router.tools import ToolPlan
+from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.sampling_params import SamplingParams
 
 
@@ -55,8 +56,9 @@ class GenerateRequest:
     truncation_side: str = "left"
     add_special_tokens: bool = True
     request_id: str | None = None
-    priority: int = 0  # vLLM's request priority (router.admission checks the replicas schedule by it)
-    lora_name: str = ""  # the LoRA adapter its model names ("": the base model)
+    # what every choice's engine request carries (router.choices.plan gives each its id, prompt and sampling):
+    # its priority (router.admission checks the replicas schedule by it), its LoRA adapter, ...
+    engine: EngineRequest = field(default_factory=lambda: EngineRequest("", ()))
     resumable: bool = False  # its replicas keep it for a resume if the router goes away (router.resume)
     resume: ResumePoint | None = None  # a resume: what the client has of each choice
 

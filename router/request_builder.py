@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
+from dataclasses import replace
 
 from router.errors import APIError, bad_request
 from router.protocol import ChatMessage, StreamOptions
 from router.request import ChatOptions, GenerateRequest, Prompt
 from router.tools import plan_tools
+from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.sampling_params import INT32_MAX, MAX_LOGPROBS, InvalidParameter, SamplingParams, \
     StructuredOutputs, check_int
 
@@ -42,7 +44,8 @@ class RequestBuilder:
     def __init__(self, served: str, model: str | None, chat: bool, adapters: tuple[str, ...] = ()):
         """adapters: the LoRA adapters a model name may pick (--lora-modules)."""
         lora_name = check_model(model, served, adapters)
-        self.req = GenerateRequest(model=lora_name or served, chat=chat, lora_name=lora_name)
+        self.req = GenerateRequest(model=lora_name or served, chat=chat,
+                                   engine=EngineRequest("", (), lora_name=lora_name))
         self._max_tokens = INT32_MAX  # SamplingParams' max_tokens until max_tokens() says otherwise
 
     def streaming(self, stream: bool, options: StreamOptions | None = None, prompt_logprobs: int | None = None
@@ -77,7 +80,12 @@ class RequestBuilder:
         """vLLM's request priority; whether the replicas schedule by it is router.admission's to check."""
         if priority and not -2**31 <= priority < 2**31:
             raise bad_request(f"'priority' must be a 32-bit integer, got {priority}", "priority")
-        self.req.priority = priority
+        self.per_request(priority=priority)
+
+    def per_request(self, **values) -> None:
+        """Fields every choice's engine request carries as they are given (stagemesh.core.engine_request; None:
+        not given), checked by the door's schema (router.protocol for HTTP)."""
+        self.req.engine = replace(self.req.engine, **{k: v for k, v in values.items() if v is not None})
 
     def truncation(self, truncate_prompt_tokens: int | None, side: str | None) -> None:
         if truncate_prompt_tokens is not None and (truncate_prompt_tokens < -1 or truncate_prompt_tokens == 0):
@@ -114,14 +122,14 @@ class RequestBuilder:
         return value
 
     def max_tokens(self, max_tokens: int | None, param: str = "max_tokens", echo_only: bool = False) -> None:
-        """max_tokens as given in `param` (None: what the context leaves, router.generation.fit_max_tokens)."""
+        """max_tokens as given in `param` (None: what the context leaves, router.choices.fit_max_tokens)."""
         req = self.req
         req.echo_only, req.max_tokens_param = echo_only, param
         req.max_tokens_given = max_tokens is not None and not echo_only
         with _named(req):
             if req.max_tokens_given:
                 check_int("max_tokens", max_tokens)
-        # not given: the room the prompt leaves (router.generation.fit_max_tokens), the most until then, so
+        # not given: the room the prompt leaves (router.choices.fit_max_tokens), the most until then, so
         # that min_tokens is checked against that room, as vLLM checks it
         self._max_tokens = 1 if echo_only else (max_tokens or INT32_MAX)
 

@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from stagemesh.core import telemetry
-from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
 from stagemesh.core.step import TokenLogprob
 from stagemesh.core.step_wire import logprob_from_pb
-from stagemesh.core.wire import sampling_to_pb
+from stagemesh.core.wire import engine_request_to_pb, kv_source_from_pb
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")
@@ -41,7 +40,7 @@ class ReplicaOutput:
     queue_seconds: float = 0.0  # arrival to first scheduling, on the first output
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens from prompt_logprobs_start
     prompt_logprobs_start: int = 0
-    kv_transfer: bytes = b""  # "prefilled": where the prompt's KV waits (KVTransferParams, passed on as it is)
+    kv_transfer: KVSourceInfo | None = None  # "prefilled": where the prompt's KV waits
 
     @classmethod
     def from_pb(cls, m: scheduler_pb2.SubmitResponse) -> "ReplicaOutput":
@@ -49,7 +48,7 @@ class ReplicaOutput:
                    m.stop_token_id if m.HasField("stop_token_id") else None, m.num_prompt_tokens,
                    m.num_cached_tokens, m.queue_seconds, [logprob_from_pb(e) for e in m.prompt_logprobs],
                    m.prompt_logprobs_start,
-                   m.kv_transfer.SerializeToString() if m.HasField("kv_transfer") else b"")
+                   kv_source_from_pb(m.kv_transfer) if m.HasField("kv_transfer") else None)
 
 
 class RequestFailed(Exception):
@@ -111,24 +110,10 @@ class SubmitStream:
         self._call = stub.SubmitStream(self._actions())
         self._reader = asyncio.create_task(self._read())
 
-    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-               generated: list[int] = (), priority: int = 0, prefill_only: bool = False,
-               kv_transfer: bytes = b"", resumable: bool = False, lora_name: str = "") -> RequestStream:
-        """Queue a request (with `generated`: a continuation); its trace context is the caller's current one."""
-        stream = self._requests[request_id] = RequestStream(self, request_id, resumable)
-        submit = self._outbox.submits.add()
-        submit.request.request_id = request_id
-        submit.request.prompt_token_ids.extend(prompt)
-        submit.request.generated_token_ids.extend(generated)
-        submit.request.priority = priority
-        submit.request.prefill_only = prefill_only
-        submit.request.resumable = resumable
-        submit.request.lora_name = lora_name
-        if kv_transfer:
-            submit.request.kv_transfer.ParseFromString(kv_transfer)
-        sampling_to_pb(sampling, submit.request.sampling)
-        carrier = dict(telemetry.inject())
-        submit.traceparent, submit.tracestate = carrier.get("traceparent", ""), carrier.get("tracestate", "")
+    def submit(self, request: EngineRequest) -> RequestStream:
+        """Queue a request (whole: a continuation, either half of a disaggregated one, ...)."""
+        stream = self._requests[request.request_id] = RequestStream(self, request.request_id, request.resumable)
+        engine_request_to_pb(request, self._outbox.submits.add())
         self._ready.set()
         return stream
 

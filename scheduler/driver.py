@@ -19,7 +19,7 @@ from scheduler.rendezvous import StageInfo
 from scheduler.request import RequestOutput
 from scheduler.scheduler import Scheduler, SchedulerStats
 from scheduler.step_loop import OutputSink, StepLoop, Unavailable
-from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.engine_request import EngineRequest
 
 __all__ = ["Driver", "DriverConfig", "DriverStatus", "OutputSink", "Unavailable"]
 
@@ -62,19 +62,15 @@ class Driver:
         self.kv_events = KVEventHub(lambda: self.epochs.scheduler.kv if self.epochs.scheduler is not None else None)
 
     # -- requests (scheduler.step_loop) ----------------------------------------------
-    def add(self, request_id: str, prompt: list[int], sampling: SamplingParams, sink: OutputSink,
-            trace_context=None, generated: list[int] = (), priority: int = 0, prefill_only: bool = False,
-            kv_source=None, lora_name: str = "") -> None:
+    def add(self, request: EngineRequest, sink: OutputSink) -> None:
         """See StepLoop.add."""
-        self.steps.add(request_id, prompt, sampling, sink, trace_context, generated, priority, prefill_only,
-                       kv_source, lora_name)
+        self.steps.add(request, sink)
 
     def release(self, request_id: str) -> None:
         self.steps.release(request_id)
 
-    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-               trace_context=None, lora_name: str = "") -> AsyncIterator[RequestOutput]:
-        return self.steps.submit(request_id, prompt, sampling, trace_context, lora_name)
+    def submit(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        return self.steps.submit(request)
 
     def abort(self, request_ids: list[str]) -> int:
         return self.steps.abort(request_ids)

@@ -20,21 +20,27 @@ import time
 from dataclasses import dataclass
 
 from scheduler.request import Request
+from stagemesh.core.engine_request import KVSourceInfo
 from stagemesh.core.errors import StagemeshError
+
+__all__ = ["KVSourceInfo"]  # (where a prompt's KV is held: part of the request, stagemesh.core.engine_request)
 
 log = logging.getLogger("stagemesh.scheduler")
 
 
-@dataclass(frozen=True)
-class KVSourceInfo:
-    """Where a prompt's KV is held: the prefill replica's scheduler, its request, blocks and stages."""
-    scheduler_address: str
-    request_id: str
-    epoch: int
-    block_ids: tuple[int, ...]
-    block_size: int
-    num_tokens: int
-    stages: tuple[tuple[str, int, int], ...]  # (address, layer start, layer end) per stage
+MAX_KV_SOURCE_STAGES = 1024
+MAX_ADDRESS_LEN = 255
+
+
+def check_kv_source(k: KVSourceInfo) -> KVSourceInfo:
+    """Where a prompt's KV is held, as a decode replica gets it; sizes bounded here, the rest checked where it is
+    used (the scheduler: against the prompt; each stage: the layers, blocks and chunks it reads)."""
+    if len(k.stages) > MAX_KV_SOURCE_STAGES or any(len(a) > MAX_ADDRESS_LEN for a in
+                                                   (k.scheduler_address, *(s[0] for s in k.stages))):
+        raise StagemeshError("kv_transfer: too many stages, or an address longer than 255 characters")
+    if not k.stages or any(not 0 <= s < e for _, s, e in k.stages) or k.num_tokens < 1:
+        raise StagemeshError("kv_transfer: its stages must hold layers A:B with 0 <= A < B, and its tokens be >= 1")
+    return k
 
 
 class KVLoadFailed(StagemeshError):

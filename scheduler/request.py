@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from stagemesh.core.block_hash import adapter_root
+from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import PromptLogprobs, SampledToken, TokenLogprob
 
@@ -50,11 +50,19 @@ class Request:
     lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
     # prompt + output, kept up to date by append_output (the scheduler reads it every step)
     all_token_ids: list[int] = field(init=False, repr=False)
-    hash_root: int | None = field(init=False, repr=False)
+    hash_root: int | None = field(default=None, repr=False)  # its prefix-cache blocks' root (EngineRequest's)
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
-        self.hash_root = adapter_root(self.lora_name)  # its prefix-cache blocks' root: its adapter's
+
+    @classmethod
+    def of(cls, r: EngineRequest) -> Request:
+        """The scheduler's request for an engine request: the one place one is built from the other."""
+        request = cls(r.request_id, list(r.prompt_token_ids), r.sampling, list(r.generated_token_ids),
+                      priority=r.priority, prefill_only=r.prefill_only, lora_name=r.lora_name, hash_root=r.hash_root)
+        if r.generated_token_ids:  # a continuation: its prompt logprobs were delivered where it ran before
+            request.num_prompt_logprobs = len(r.prompt_token_ids) - 1
+        return request
 
     def restart(self) -> None:
         """Back to waiting with nothing computed, its generated tokens kept: the pipeline broke under it

@@ -39,12 +39,12 @@ from scheduler.admission import check_request, fits_kv_cache
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.kv_transfer import KVLoadFailed, KVSourceInfo, KVTransfers, failure_message
+from stagemesh.core.engine_request import EngineRequest
 from scheduler.policy import SchedulingPolicy
 from scheduler.request import Request, RequestOutput, Status
 from scheduler.speculation import SpecDecodeStats, Speculator
 from scheduler.tiers import KVTiers, LoadJob
 from stagemesh.core.errors import StagemeshError
-from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import PLACEHOLDER, NewSequence, PromptLogprobs, SampledToken, ScheduledChunks, StepBatch
 
 
@@ -104,41 +104,36 @@ class Scheduler:
         self.spec = Speculator(config.speculative, self.max_model_len) if config.speculative else None
 
     # -- requests in and out ------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    generated_token_ids: Sequence[int] = (), priority: int = 0, prefill_only: bool = False,
-                    kv_source: KVSourceInfo | None = None, lora_name: str = "") -> bool:
-        """Queue a request; generated_token_ids continues one that produced those tokens elsewhere (its replica
-        failed): it goes on from prompt + them as if it had generated them here (max_tokens, min_tokens, a
-        seed's positions and a structured-output grammar count them; its prompt logprobs were delivered).
-        priority: lower is served first (--scheduling-policy priority; any other value than 0 is refused under
-        fcfs, as vLLM refuses it). prefill_only / kv_source: disaggregated prefill (scheduler.kv_transfer).
-        lora_name: the LoRA adapter it runs with (one of config.lora's; "": the base model).
-        Returns False when a kv_source cannot be used here and the kv_load_failure_policy is recompute (the
-        prompt is then computed here); under fail that raises KVLoadFailed."""
-        cfg = self.config
-        check_request(cfg, request_id, prompt_token_ids, sampling, generated_token_ids)
-        self.policy.check(priority)
-        if lora_name and (cfg.lora is None or lora_name not in cfg.lora):
-            raise StagemeshError(f"the LoRA adapter {lora_name[:200]!r} is not served by this replica"
+    def add_request(self, r: EngineRequest) -> bool:
+        """Queue a request. A continuation (generated_token_ids: it produced those tokens elsewhere, its replica
+        failed) goes on from prompt + them as if it had generated them here (max_tokens, min_tokens, a seed's
+        positions and a structured-output grammar count them; its prompt logprobs were delivered). priority:
+        lower is served first (--scheduling-policy priority; any other value than 0 is refused under fcfs, as
+        vLLM refuses it). prefill_only / kv_source: disaggregated prefill (scheduler.kv_transfer). lora_name:
+        one of config.lora's adapters. Returns False when a kv_source cannot be used here and the
+        kv_load_failure_policy is recompute (the prompt is then computed here); under fail that raises
+        KVLoadFailed."""
+        cfg, request_id, kv_source = self.config, r.request_id, r.kv_source
+        check_request(cfg, request_id, r.prompt_token_ids, r.sampling, r.generated_token_ids)
+        self.policy.check(r.priority)
+        if r.lora_name and (cfg.lora is None or r.lora_name not in cfg.lora):
+            raise StagemeshError(f"the LoRA adapter {r.lora_name[:200]!r} is not served by this replica"
                                  + ("" if cfg.lora is not None else " (it runs without --enable-lora)"))
         if request_id in self.requests or self.transfers.in_use(request_id):
             raise StagemeshError(f"request id {request_id!r} is already in use")
-        if prefill_only and (kv_source is not None or generated_token_ids):
+        if r.prefill_only and (kv_source is not None or r.generated_token_ids):
             raise StagemeshError("a prefill_only request computes its own prompt: no kv_transfer or generated "
                                  "tokens with it")
         if cfg.max_waiting_requests and len(self.waiting) >= cfg.max_waiting_requests:
             raise QueueFull(f"the waiting queue is full ({cfg.max_waiting_requests} requests)")
-        request = Request(request_id, list(prompt_token_ids), sampling, list(generated_token_ids), priority=priority,
-                          prefill_only=prefill_only, lora_name=lora_name)
-        if generated_token_ids:
-            request.num_prompt_logprobs = len(prompt_token_ids) - 1
+        request = Request.of(r)
         usable = kv_source is None or self._kv_source_fits(kv_source, request)
         if not usable and cfg.kv_load_failure_policy == "fail":
             assert kv_source is not None
             raise KVLoadFailed(failure_message(
                 request_id, kv_source.scheduler_address, "not_fit", f"the KV held there ({kv_source.num_tokens} "
                 f"tokens in blocks of {kv_source.block_size}) does not fit this replica (a prompt of "
-                f"{len(prompt_token_ids)}, blocks of {cfg.block_size}, no prompt logprobs, no draft model)"))
+                f"{len(r.prompt_token_ids)}, blocks of {cfg.block_size}, no prompt logprobs, no draft model)"))
         if kv_source is not None and usable:
             request.kv_source = kv_source
         self.requests[request_id] = request

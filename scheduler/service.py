@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -11,24 +12,22 @@ from scheduler.connection import Connection
 from scheduler.drain import Drain
 from scheduler.driver import Driver, Unavailable
 from scheduler.kv_peers import KVPeers
-from scheduler.kv_transfer import KVLoadFailed, KVSourceInfo, failure_message
+from scheduler.kv_transfer import KVLoadFailed, KVSourceInfo, check_kv_source, failure_message
 from scheduler.lora_admin import AdapterExists, AdapterInUse, AdapterUnknown, LoRAAdmin
 from scheduler.rendezvous import ModelIdentity, StageInfo
 from scheduler.replies import fill_update, kv_batch_to_pbs, status_of
 from scheduler.request import RequestOutput
 from scheduler.sessions import Sessions
-from stagemesh.core import telemetry
+from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grpc_errors import ErrorInterceptor
 from stagemesh.core.health import LIVENESS, follow
 from stagemesh.core.lora import LoRAError
 from stagemesh.core.service_options import add_port, aio_server
 from stagemesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, stage_pb2
-from stagemesh.core.wire import sampling_from_pb
+from stagemesh.core.wire import engine_request_from_pb
 
 log = logging.getLogger("stagemesh.scheduler")
-MAX_KV_SOURCE_STAGES = 1024
-MAX_ADDRESS_LEN = 255
 SERVICE = "stagemesh.v1.Scheduler"
 
 
@@ -96,43 +95,46 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             connection.close()
 
     def _add(self, submit, connection: Connection) -> None:
-        r = submit.request
-        trace_context = telemetry.extract([("traceparent", submit.traceparent), ("tracestate", submit.tracestate)]
-                                          if submit.traceparent else None)
         try:
+            r = engine_request_from_pb(submit)  # (its sampling checked: a bad value fails the request alone)
             if self.drain.reason:
                 raise Unavailable(f"the replica takes no new requests: {self.drain.reason}")
-            kv_source = kv_source_from_pb(r.kv_transfer) if r.HasField("kv_transfer") else None
-            if kv_source is not None and kv_source.scheduler_address == self.address:  # its own prefill, held here:
-                # free it and compute the prompt (a decode replica was not to be had)
-                self.driver.release_kv(kv_source.request_id)
-                kv_source = None
-            elif kv_source is not None and not self.kv_peers.knows(kv_source.scheduler_address):
-                why = f"its kv_transfer names the scheduler {kv_source.scheduler_address:.200}, which is not a " \
-                      "--kv-peer of this replica"
-                if self.driver.cfg.scheduler.kv_load_failure_policy == "fail":  # (never dialled, not even to release)
-                    self.driver.observer.kv_load_refused("not_peer", "fail")
-                    log.warning("request %s: %s: the request fails (kv_load_failure_policy fail)", r.request_id, why)
-                    raise KVLoadFailed(failure_message(r.request_id, kv_source.scheduler_address, "not_peer",
-                                                       "not a --kv-peer of this replica"))
-                self.driver.observer.kv_load_refused("not_peer", "recompute")
-                log.warning("request %s: %s: computing the prompt here", r.request_id, why)
-                kv_source = None
+            if r.kv_source is not None:
+                r = replace(r, kv_source=self._usable_kv_source(r))
             sink = self._sink(r, connection)
             try:
-                self.driver.add(r.request_id, list(r.prompt_token_ids), sampling_from_pb(r.sampling), sink,
-                                trace_context, list(r.generated_token_ids), r.priority, r.prefill_only, kv_source,
-                                r.lora_name)
+                self.driver.add(r, sink)
             except StagemeshError:
                 if r.resumable:  # (the session just opened for it)
                     self.sessions.drop(r.request_id)
                 raise
         except StagemeshError as err:
-            connection.reject(r.request_id, err)
+            connection.reject(submit.request.request_id, err)
             return
         connection.added(r.request_id)
 
-    def _sink(self, r, connection: Connection):
+    def _usable_kv_source(self, r: EngineRequest) -> KVSourceInfo | None:
+        """A decode request's kv_source, checked; None: the prompt is computed here (its own prefill, held here,
+        is freed: a decode replica was not to be had; or a source that is not a --kv-peer, under the
+        kv_load_failure_policy recompute). Raises KVLoadFailed for that source under fail."""
+        kv_source = check_kv_source(r.kv_source)
+        if kv_source.scheduler_address == self.address:
+            self.driver.release_kv(kv_source.request_id)
+            return None
+        if self.kv_peers.knows(kv_source.scheduler_address):
+            return kv_source
+        why = f"its kv_transfer names the scheduler {kv_source.scheduler_address:.200}, which is not a " \
+              "--kv-peer of this replica"
+        if self.driver.cfg.scheduler.kv_load_failure_policy == "fail":  # (never dialled, not even to release)
+            self.driver.observer.kv_load_refused("not_peer", "fail")
+            log.warning("request %s: %s: the request fails (kv_load_failure_policy fail)", r.request_id, why)
+            raise KVLoadFailed(failure_message(r.request_id, kv_source.scheduler_address, "not_peer",
+                                               "not a --kv-peer of this replica"))
+        self.driver.observer.kv_load_refused("not_peer", "recompute")
+        log.warning("request %s: %s: computing the prompt here", r.request_id, why)
+        return None
+
+    def _sink(self, r: EngineRequest, connection: Connection):
         """Where a new request's outputs go: its connection, or for a resumable one a session that keeps them."""
         if r.resumable:
             return self.sessions.open(r.request_id, list(r.prompt_token_ids), list(r.generated_token_ids), connection)
@@ -231,12 +233,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def GetKVPeers(self, request, context):
         return scheduler_pb2.GetKVPeersResponse(stage_addresses=sorted(await self.kv_peers.stage_addresses()))
 
-    def _kv_params(self, out: RequestOutput) -> scheduler_pb2.KVTransferParams:
+    def _kv_params(self, out: RequestOutput) -> KVSourceInfo:
         held = out.held_kv
-        return scheduler_pb2.KVTransferParams(
-            scheduler_address=self.address, request_id=out.request_id, epoch=held.epoch, block_ids=held.block_ids,
-            block_size=self.block_size, num_tokens=held.num_tokens,
-            stages=[stage_pb2.KVSource(address=a, layer_start=s, layer_end=e) for a, s, e in held.stages])
+        return KVSourceInfo(self.address, out.request_id, held.epoch, tuple(held.block_ids), self.block_size,
+                            held.num_tokens, held.stages)
 
     async def RegisterStage(self, request, context):
         s = request.stage
@@ -297,13 +297,3 @@ async def serve(servicer: SchedulerServicer, host: str, port: int) -> tuple[grpc
     return server, bound
 
 
-def kv_source_from_pb(p: scheduler_pb2.KVTransferParams) -> KVSourceInfo:
-    """Where a prompt's KV is held, as a decode replica gets it; sizes bounded here, the rest checked where it is
-    used (the scheduler: against the prompt; each stage: the layers, blocks and chunks it reads)."""
-    if len(p.stages) > MAX_KV_SOURCE_STAGES or any(len(a) > MAX_ADDRESS_LEN for a in
-                                                   (p.scheduler_address, *(s.address for s in p.stages))):
-        raise StagemeshError("kv_transfer: too many stages, or an address longer than 255 characters")
-    if not p.stages or any(not 0 <= s.layer_start < s.layer_end for s in p.stages) or p.num_tokens < 1:
-        raise StagemeshError("kv_transfer: its stages must hold layers A:B with 0 <= A < B, and its tokens be >= 1")
-    return KVSourceInfo(p.scheduler_address, p.request_id, p.epoch, tuple(p.block_ids), p.block_size, p.num_tokens,
-                        tuple((s.address, s.layer_start, s.layer_end) for s in p.stages))

@@ -34,8 +34,9 @@ from scheduler.pipeline import Pipeline, StageFailure, StepResult, check_result
 from scheduler.rendezvous import PipelinePlan
 from scheduler.request import RequestOutput
 from scheduler.scheduler import Scheduler, SchedulerOutput
+from stagemesh.core import telemetry
+from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
-from stagemesh.core.sampling_params import SamplingParams
 
 log = logging.getLogger("stagemesh.scheduler")
 
@@ -82,31 +83,31 @@ class StepLoop:
         return frozenset(self._in_flight)
 
     # -- requests -----------------------------------------------------------------
-    def add(self, request_id: str, prompt: list[int], sampling: SamplingParams, sink: OutputSink,
-            trace_context=None, generated: list[int] = (), priority: int = 0, prefill_only: bool = False,
-            kv_source=None, lora_name: str = "") -> None:
-        """Queue a request whose outputs go to `sink` until it finishes (`generated`: the tokens a request
-        continued from another replica produced there). Raises Unavailable, QueueFull or StagemeshError (bad
-        input) when it cannot be queued; the caller must release() it when it goes away."""
+    def add(self, request: EngineRequest, sink: OutputSink) -> None:
+        """Queue a request whose outputs go to `sink` until it finishes. Raises Unavailable, QueueFull or
+        StagemeshError (bad input) when it cannot be queued; the caller must release() it when it goes away."""
         scheduler = self.epochs.scheduler
         if not self.epochs.healthy or scheduler is None:
             raise Unavailable(f"the replica cannot serve: {self.epochs.reason}")
         try:
-            usable = scheduler.add_request(request_id, prompt, sampling, generated, priority, prefill_only, kv_source,
-                                           lora_name)
+            usable = scheduler.add_request(request)
         except KVLoadFailed as err:
             self.observer.kv_load_refused("not_fit", "fail")
             log.warning("%s", err)
-            self._spawn(self.pipeline.release_kv(kv_source))  # (a --kv-peer's: the service checked) unused: freed
+            self._spawn(self.pipeline.release_kv(request.kv_source))  # (a --kv-peer's: the service checked) unused
             raise
         if not usable:
             self.observer.kv_load_refused("not_fit", "recompute")
+            kv_source = request.kv_source
             self._spawn(self.pipeline.release_kv(kv_source))
             log.warning("request %s: the KV held on %s does not fit this replica (block size %d, %d tokens held for "
-                        "a prompt of %d): computing the prompt here", request_id, kv_source.scheduler_address,
-                        kv_source.block_size, kv_source.num_tokens, len(prompt))
-        self.observer.submitted(request_id, len(prompt), trace_context, len(generated))
-        self.sinks[request_id] = sink
+                        "a prompt of %d): computing the prompt here", request.request_id, kv_source.scheduler_address,
+                        kv_source.block_size, kv_source.num_tokens, len(request.prompt_token_ids))
+        trace_context = telemetry.extract([("traceparent", request.traceparent), ("tracestate", request.tracestate)]
+                                          if request.traceparent else None)
+        self.observer.submitted(request.request_id, len(request.prompt_token_ids), trace_context,
+                                len(request.generated_token_ids))
+        self.sinks[request.request_id] = sink
         self._wake.set()
 
     def release(self, request_id: str) -> None:
@@ -116,11 +117,10 @@ class StepLoop:
             self._release_held(self.epochs.scheduler)  # a prefill replica's KV it had not loaded yet: freed now
         self.observer.gone(request_id)
 
-    async def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-                     trace_context=None, lora_name: str = "") -> AsyncIterator[RequestOutput]:
+    async def submit(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """One request's outputs, for a caller that reads them as a stream of its own."""
         stream = OutputStream()
-        self.add(request_id, prompt, sampling, stream, trace_context, lora_name=lora_name)
+        self.add(request, stream)
         try:
             while True:
                 out = await stream.get()
@@ -128,7 +128,7 @@ class StepLoop:
                 if out.finished:
                     return
         finally:
-            self.release(request_id)
+            self.release(request.request_id)
 
     def abort(self, request_ids: list[str]) -> int:
         if self.epochs.scheduler is None:

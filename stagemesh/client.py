@@ -33,6 +33,7 @@ class Completion:
     finish_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 log = logging.getLogger("stagemesh.client")
@@ -87,31 +88,33 @@ class _Resumer:
         return min(0.1 * 2 ** (self.resumes - 1), 2.0)
 
 
-def _sampling(max_tokens: int | None, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens or 1, **kw)
+def _sampling(max_tokens: int | None, kw: dict, out) -> None:
+    """The sampling parameters into `out`, checked here as the router checks them; max_tokens None goes as 0,
+    the frontend's unset: the router settles it to the room the context leaves, as for an HTTP request."""
+    sampling_to_pb(SamplingParams(max_tokens=max_tokens or 1, **kw), out)
+    if max_tokens is None:
+        out.max_tokens = 0
 
 
 def _generate_request(prompt: str | list[int], model: str, stop, max_tokens, kw) -> frontend_pb2.GenerateRequest:
     msg = frontend_pb2.GenerateRequest(model=model, stop=list(stop or []), n=kw.pop("n", 1),
-                                       request_id=kw.pop("request_id", None) or uuid.uuid4().hex)
+                                       request_id=kw.pop("request_id", None) or uuid.uuid4().hex,
+                                       priority=kw.pop("priority", 0), cache_salt=kw.pop("cache_salt", ""))
     if isinstance(prompt, str):
         msg.text = prompt
     else:
         msg.token_ids.ids.extend(prompt)
-    sampling_to_pb(_sampling(max_tokens, **kw), msg.sampling)
-    if max_tokens is None:
-        msg.sampling.max_tokens = 0  # the router fills what the context leaves
+    _sampling(max_tokens, kw, msg.sampling)
     return msg
 
 
 def _chat_request(messages: list[dict], model: str, stop, max_tokens, kw) -> frontend_pb2.ChatRequest:
     msg = frontend_pb2.ChatRequest(model=model, stop=list(stop or []), n=kw.pop("n", 1),
                                    request_id=kw.pop("request_id", None) or uuid.uuid4().hex,
+                                   priority=kw.pop("priority", 0), cache_salt=kw.pop("cache_salt", ""),
                                    messages=[frontend_pb2.ChatMessage(role=m["role"], content=m["content"])
                                              for m in messages])
-    sampling_to_pb(_sampling(max_tokens, **kw), msg.sampling)
-    if max_tokens is None:
-        msg.sampling.max_tokens = 0
+    _sampling(max_tokens, kw, msg.sampling)
     return msg
 
 
@@ -133,6 +136,7 @@ def _fold(done: Completion, reply: frontend_pb2.GenerateResponse) -> Completion:
     if reply.finish_reason:
         done.finish_reason = reply.finish_reason
         done.prompt_tokens, done.completion_tokens = reply.usage.prompt_tokens, reply.usage.completion_tokens
+        done.cached_tokens = reply.usage.cached_tokens
     return done
 
 

@@ -18,6 +18,7 @@ from scheduler.lora_table import LoRATable
 from stagemesh.inprocess_pipeline import InProcessPipeline
 from scheduler.output_stream import OutputStream
 from scheduler.request import RequestOutput
+from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.lora import LoRALimits, parse_lora_modules
 from stagemesh.core.model_config import ModelConfig, layer_ranges, layer_split
@@ -79,7 +80,7 @@ class LocalEngine:
         """One request's outputs as the steps produce them; raises StagemeshError if it fails."""
         request_id = request_id or f"req-{next(self._ids)}"
         outputs = OutputStream()
-        self.driver.add(request_id, prompt_token_ids, sampling, outputs, lora_name=lora_name)
+        self.driver.add(EngineRequest(request_id, prompt_token_ids, sampling, lora_name=lora_name), outputs)
         try:
             while True:
                 out = self._loop.run_until_complete(outputs.get())
@@ -100,7 +101,8 @@ class LocalEngine:
 
         async def one(prompt: list[int], sampling: SamplingParams, adapter: str) -> list[int]:
             tokens = []
-            async for out in self.driver.submit(f"req-{next(self._ids)}", prompt, sampling, lora_name=adapter):
+            request = EngineRequest(f"req-{next(self._ids)}", prompt, sampling, lora_name=adapter)
+            async for out in self.driver.submit(request):
                 if out.finish_reason == "error":
                     raise StagemeshError(out.error or "the request failed")
                 tokens += out.new_token_ids

@@ -25,6 +25,7 @@ import grpc
 
 from router.submit_stream import ReplicaOutput, RequestFailed
 from router.tokenization import Tokenizer
+from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.sampling_params import SamplingParams
 
@@ -40,19 +41,21 @@ class FakeReplica(Replica):
         self.submitted: list[tuple[str, list[int], SamplingParams]] = []
         self.generated: list[list[int]] = []  # of each submit: the tokens a continuation brought
         self.priorities: list[int] = []  # of each submit
+        self.requests: list[EngineRequest] = []  # each submit, whole
 
     def __post_init__(self) -> None:  # no channel: nothing to dial
         self._stream = None
 
-    def submit(self, request_id: str, prompt: list[int], sampling: SamplingParams, generated: list[int] = (),
-               priority: int = 0, prefill_only: bool = False, kv_transfer: bytes = b"",
-               resumable: bool = False, lora_name: str = "") -> "FakeStream":
-        assert not prefill_only and not kv_transfer, "a fake replica is never part of a disaggregated mesh"
-        assert not lora_name, "a fake replica serves no LoRA adapter"
-        self.submitted.append((request_id, prompt, sampling))
-        self.priorities.append(priority)
-        self.generated.append(list(generated))
-        return FakeStream(self._outputs(prompt, sampling, len(generated)))
+    def submit(self, request: EngineRequest) -> "FakeStream":
+        r = request
+        assert not r.prefill_only and not r.kv_source, "a fake replica is never part of a disaggregated mesh"
+        assert not r.lora_name, "a fake replica serves no LoRA adapter"
+        prompt = list(r.prompt_token_ids)
+        self.submitted.append((r.request_id, prompt, r.sampling))
+        self.priorities.append(r.priority)
+        self.requests.append(r)
+        self.generated.append(list(r.generated_token_ids))
+        return FakeStream(self._outputs(prompt, r.sampling, len(r.generated_token_ids)))
 
     def attach(self, request_id: str, prompt: list[int]) -> "FakeStream":
         """A fake replica keeps nothing for a resume."""

@@ -9,6 +9,7 @@ import pytest
 import requests
 
 from mesh import Mesh, Router
+from stagemesh.client import Client
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import frontend_pb2, frontend_pb2_grpc
 from stagemesh.core.wire import sampling_to_pb
@@ -137,6 +138,56 @@ def test_n_choices_count_their_prompts_cached_tokens_once(router):
     assert again.prompt_tokens_details.cached_tokens == 32
 
 
+def test_cache_salt_isolates_the_prefix_cache_and_changes_no_token(router, greedy):
+    """vLLM's cache_salt: requests of one salt share their prompt's cached blocks, requests of another salt (or
+    none) share none of them; the answers are the model's own either way."""
+    prompt = list(range(300, 337))  # 37 tokens: two full 16-token blocks
+    want = greedy(prompt, 4)
+    client = router.client()
+
+    def run(salt: str | None = None) -> tuple[int, list[int]]:
+        extra = {"return_token_ids": True, **({"cache_salt": salt} if salt is not None else {})}
+        c = client.completions.create(model=M, prompt=prompt, max_tokens=4, temperature=0, extra_body=extra)
+        details = c.usage.prompt_tokens_details
+        return (details.cached_tokens or 0) if details else 0, c.choices[0].model_extra["token_ids"]
+
+    assert run("tenant-a") == (0, want)  # the prompt is new
+    assert run("tenant-a") == (32, want)  # the same salt: its two blocks
+    assert run("tenant-b") == (0, want)  # another salt: none of them
+    assert run() == (0, want)  # no salt: none of the salted ones
+    assert run() == (32, want)  # ... and its own
+    assert run("tenant-b") == (32, want)
+    # chat completions take it too
+    messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(400, 440))}]
+
+    def chat(salt: str) -> int:
+        c = client.chat.completions.create(model=M, messages=messages, max_tokens=2, temperature=0,
+                                           extra_body={"cache_salt": salt})
+        details = c.usage.prompt_tokens_details
+        return (details.cached_tokens or 0) if details else 0
+
+    assert chat("tenant-a") == 0 and chat("tenant-a") >= 32 and chat("tenant-b") == 0
+    # and the gRPC frontend (stagemesh.client)
+    with Client(f"127.0.0.1:{router.grpc_port}", model=M) as grpc_client:
+        def over_grpc(salt: str) -> tuple[int, list[int]]:
+            c = grpc_client.generate(prompt, max_tokens=4, cache_salt=salt)
+            return c.cached_tokens, list(c.token_ids)
+
+        assert over_grpc("tenant-c") == (0, want) and over_grpc("tenant-c") == (32, want)
+        assert over_grpc("tenant-d") == (0, want) and over_grpc("tenant-a") == (32, want)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_empty_cache_salt_is_refused_by_name(router, path):
+    body = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "w5"}]}
+    for salt, words in (("", "Parameter 'cache_salt' must be a non-empty string if provided."),
+                        (7, "'cache_salt' must be a string")):
+        resp = requests.post(f"{router.base_url}{path}", json={"model": M, "max_tokens": 2, "cache_salt": salt,
+                                                                **body}, timeout=30)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt", resp.text
+        assert words in resp.json()["error"]["message"]
+
+
 def test_a_list_of_prompts_gives_each_n_choices_in_openais_order(router, greedy):
     prompts = [[5, 6], [100, 101, 102]]
     answer = complete(router, prompt=prompts, n=2, return_token_ids=True)
@@ -218,7 +269,7 @@ def test_request_ids_in_and_out_version_and_openapi(router):
 
 @pytest.mark.parametrize("field,value", [
     ("use_beam_search", True), ("length_penalty", 2.0), ("priority", 1),
-    ("prompt_embeds", "abc"), ("cache_salt", "x"), ("stream_interval", 2),
+    ("prompt_embeds", "abc"), ("stream_interval", 2),
     ("vllm_xargs", {"a": 1}), ("logprob_token_ids", [5]), ("repetition_detection", {"n": 2}),
     ("suffix", "w5"), ("best_of", 2),
 ])

@@ -14,6 +14,7 @@ from scheduler.output_stream import OutputStream
 from scheduler.pipeline import StageFailure, StepResult
 from scheduler.rendezvous import ModelIdentity, PipelinePlan, StageInfo
 from scheduler.scheduler import Scheduler
+from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import PLACEHOLDER, SampledToken, StepBatch
@@ -109,7 +110,8 @@ async def collect(stream: OutputStream) -> tuple[list[int], str | None, str | No
 def start(driver: Driver, name: str, prompt: list[int], n: int, generated: list[int] = (), **sampling
           ) -> asyncio.Task:
     stream = OutputStream()
-    driver.add(name, prompt, SamplingParams(max_tokens=n, ignore_eos=True, **sampling), stream, generated=generated)
+    sampling_params = SamplingParams(max_tokens=n, ignore_eos=True, **sampling)
+    driver.add(EngineRequest(name, prompt, sampling_params, generated), stream)
     return asyncio.create_task(collect(stream))
 
 
@@ -189,7 +191,7 @@ def test_a_failed_stage_fails_the_epoch_and_a_late_reply_is_ignored():
         results = await asyncio.gather(*tasks)
         assert not driver.healthy and "stage 1" in driver.reason
         with pytest.raises(Unavailable):
-            driver.add("late", [1, 2], SamplingParams(max_tokens=1), OutputStream())
+            driver.add(EngineRequest("late", [1, 2], SamplingParams(max_tokens=1)), OutputStream())
         pipeline.auto = True
         while not driver.healthy:  # the probe finds every stage answering: a new epoch forms
             await asyncio.sleep(0.01)
@@ -225,7 +227,7 @@ def test_a_failed_stage_keeps_its_requests_and_they_go_on_exactly_when_the_pipel
             await asyncio.sleep(0.001)
         assert "killed" in driver.reason and not any(t.done() for t in tasks)  # kept, stalled
         with pytest.raises(Unavailable):  # new requests go elsewhere meanwhile
-            driver.add("new", [1, 2], SamplingParams(max_tokens=1), OutputStream())
+            driver.add(EngineRequest("new", [1, 2], SamplingParams(max_tokens=1)), OutputStream())
         pipeline.auto, pipeline.probe_result = True, None  # the stage is back: a new epoch takes them over
         for i in range(5, len(pipeline.sent)):  # the broken epoch's late replies are ignored
             if not pipeline.sent[i][2].done():
@@ -268,10 +270,10 @@ def test_a_continuation_goes_on_from_the_tokens_generated_elsewhere():
     assert (tokens, reason) == (want(7, 10)[4:], "length")  # the remaining six: max_tokens counts the four
     with pytest.raises(StagemeshError, match="nothing left to generate"):
         Scheduler(SchedulerConfig(num_kv_blocks=8, max_model_len=64, block_size=4, vocab_size=VOCAB)).add_request(
-            "x", [5], SamplingParams(max_tokens=2), [7, 8])
+            EngineRequest("x", [5], SamplingParams(max_tokens=2), [7, 8]))
     with pytest.raises(StagemeshError, match="generated_token_ids"):
         Scheduler(SchedulerConfig(num_kv_blocks=8, max_model_len=64, block_size=4, vocab_size=VOCAB)).add_request(
-            "x", [5], SamplingParams(max_tokens=4), [VOCAB])
+            EngineRequest("x", [5], SamplingParams(max_tokens=4), [VOCAB]))
 
 
 def test_a_stage_that_answers_nonsense_is_a_failed_stage():

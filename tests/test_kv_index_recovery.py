@@ -16,6 +16,7 @@ from router.kv_index import CAP_SLACK, KVAware, KVFeed, KVIndex
 from scheduler.block_manager import BlockManager
 from scheduler.kv_events import DROP_SEQ_ENV, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventHub
 from scheduler.replies import kv_batch_to_pbs
+from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.block_hash import chain_hash, prefix_hashes
 
 BS = 4
@@ -220,7 +221,7 @@ def test_the_tiers_events_through_the_wire_give_the_router_the_replicas_view_of_
                                   num_host_kv_blocks=6, num_disk_kv_blocks=10), ())
 
     def finish(request_id: str, prompt: list[int]) -> None:
-        s.add_request(request_id, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        s.add_request(EngineRequest(request_id, prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
         while s.has_unfinished():
             out = s.schedule()
             s.update_from_output(out, [SampledToken(c.seq_id, 9) for c in out.step_batch.chunks if c.sample])

@@ -12,6 +12,7 @@ import pytest
 from scheduler.config import SchedulerConfig
 from scheduler.kv_transfer import KVLoadFailed, KVSourceInfo
 from scheduler.scheduler import Scheduler
+from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams
 
@@ -29,7 +30,8 @@ def source(request_id: str = "r", block_size: int = 4, num_tokens: int = len(PRO
 
 
 def add(s: Scheduler, request_id: str = "r", src: KVSourceInfo | None = None) -> bool:
-    return s.add_request(request_id, PROMPT, SamplingParams(max_tokens=5), [42], kv_source=src or source(request_id))
+    return s.add_request(EngineRequest(request_id, PROMPT, SamplingParams(max_tokens=5), [42],
+                                       kv_source=src or source(request_id)))
 
 
 def test_the_default_policy_is_fail_as_vllms():

@@ -7,6 +7,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.kv_events import BlockRemoved, BlockStored
 from scheduler.scheduler import Scheduler
 from scheduler.tiers import FROM_DISK
+from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import SampledToken
 
@@ -21,7 +22,7 @@ def make(num_kv_blocks=8, host=16, disk=0, disk_hashes=()) -> Scheduler:
 
 def finish(s: Scheduler, request_id: str, prompt: list[int], max_tokens: int = 1) -> list:
     """Run one request to its end (made-up tokens), every step's stores acknowledged as stored."""
-    s.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    s.add_request(EngineRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
     outs = []
     while s.has_unfinished():
         out = s.schedule()
@@ -43,7 +44,7 @@ def evict_everything(s: Scheduler) -> None:
 
 def test_blocks_that_enter_the_prefix_cache_are_stored_in_the_host_tier_and_pinned_until_stored():
     s = make()
-    s.add_request("a", list(range(10, 19)), SamplingParams(max_tokens=1))  # 9 tokens: 2 full blocks
+    s.add_request(EngineRequest("a", list(range(10, 19)), SamplingParams(max_tokens=1)))  # 9 tokens: 2 full blocks
     out = s.schedule()
     s.update_from_output(out, [SampledToken(out.step_batch.chunks[0].seq_id, 9)])
     job = s.kv.tiers.take_store()
@@ -61,7 +62,7 @@ def test_a_prefix_evicted_from_the_pool_is_loaded_back_from_the_host_tier_and_co
     finish(s, "a", prompt)
     evict_everything(s)
     assert not s.kv.find_cached_prefix(prompt)
-    s.add_request("b", prompt + [1], SamplingParams(max_tokens=1))
+    s.add_request(EngineRequest("b", prompt + [1], SamplingParams(max_tokens=1)))
     assert s.schedule() is None  # b waits for its load
     [load] = s.kv.tiers.take_loads()
     assert len(load.block_ids) == 3 and FROM_DISK not in load.host_slots
@@ -80,7 +81,7 @@ def test_a_block_that_does_not_load_is_computed_from_there_and_leaves_its_tier()
     finish(s, "a", prompt)
     evict_everything(s)
     s.kv.start_events()
-    s.add_request("b", prompt + [1], SamplingParams(max_tokens=1))
+    s.add_request(EngineRequest("b", prompt + [1], SamplingParams(max_tokens=1)))
     s.schedule()
     [load] = s.kv.tiers.take_loads()
     s.kv_tier_loaded(load, [True, False, True])
@@ -99,7 +100,7 @@ def test_disk_tier_keeps_the_newest_blocks_and_deletes_the_rest_on_the_next_stor
     events = s.kv.drain_events()
     assert any(isinstance(e, BlockStored) and e.medium == "disk" for e in events)
     [evicted] = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "disk"]
-    s.add_request("b", list(range(50, 55)), SamplingParams(max_tokens=1))
+    s.add_request(EngineRequest("b", list(range(50, 55)), SamplingParams(max_tokens=1)))
     out = s.schedule()
     s.update_from_output(out, [SampledToken(out.step_batch.chunks[0].seq_id, 9)])
     job = s.kv.tiers.take_store()
@@ -112,7 +113,7 @@ def test_blocks_on_disk_from_before_are_loaded_at_once_by_a_new_scheduler():
     finish(first, "a", prompt)
     on_disk = list(first.kv.tiers.disk)
     s = make(num_kv_blocks=16, host=16, disk=16, disk_hashes=on_disk)  # a restart on the same directory
-    s.add_request("b", prompt, SamplingParams(max_tokens=1))
+    s.add_request(EngineRequest("b", prompt, SamplingParams(max_tokens=1)))
     s.schedule()
     [load] = s.kv.tiers.take_loads()
     assert load.host_slots == [FROM_DISK] * 3 and load.hashes == on_disk
@@ -123,7 +124,7 @@ def test_a_request_that_ends_during_its_load_frees_its_blocks_only_when_the_load
     prompt = list(range(10, 23))
     finish(s, "a", prompt)
     evict_everything(s)
-    s.add_request("b", prompt + [1], SamplingParams(max_tokens=1))
+    s.add_request(EngineRequest("b", prompt + [1], SamplingParams(max_tokens=1)))
     s.schedule()
     [load] = s.kv.tiers.take_loads()
     s.abort(["b"])
@@ -137,7 +138,7 @@ def test_a_host_slot_being_read_is_not_given_to_another_block():
     prompt = list(range(10, 23))
     finish(s, "a", prompt)  # fills the 3 host slots
     evict_everything(s)
-    s.add_request("b", prompt + [1], SamplingParams(max_tokens=1))
+    s.add_request(EngineRequest("b", prompt + [1], SamplingParams(max_tokens=1)))
     s.schedule()
     [load] = s.kv.tiers.take_loads()
     finish(s, "c", list(range(60, 73)))  # 3 new blocks want slots: every slot is being read
@@ -149,7 +150,7 @@ def test_requests_loading_when_the_pipeline_breaks_are_kept_for_the_next_epoch()
     prompt = list(range(10, 23))
     finish(s, "a", prompt)
     evict_everything(s)
-    s.add_request("b", prompt + [1], SamplingParams(max_tokens=1))
+    s.add_request(EngineRequest("b", prompt + [1], SamplingParams(max_tokens=1)))
     s.schedule()
     kept = s.requeue_all()
     assert [r.request_id for r in kept] == ["b"] and not kept[0].tiers_checked
@@ -163,10 +164,11 @@ def test_a_loaded_request_behind_a_preempted_one_gives_its_blocks_back_rather_th
     prompt = list(range(10, 23))  # 3 full blocks, into the host tier
     finish(s, "a", prompt)
     evict_everything(s)
-    s.add_request("d", list(range(100, 119)), SamplingParams(max_tokens=12, ignore_eos=True))  # up to 8 blocks
+    s.add_request(EngineRequest("d", list(range(100, 119)),
+                                SamplingParams(max_tokens=12, ignore_eos=True)))  # up to 8 blocks
     out = s.schedule()
     s.update_from_output(out, [SampledToken(out.step_batch.chunks[0].seq_id, 9)])
-    s.add_request("b", prompt + [1], SamplingParams(max_tokens=4, ignore_eos=True))
+    s.add_request(EngineRequest("b", prompt + [1], SamplingParams(max_tokens=4, ignore_eos=True)))
     out = s.schedule()  # b goes loading; d decodes
     s.update_from_output(out, [SampledToken(c.seq_id, 9) for c in out.step_batch.chunks if c.sample])
     [load] = s.kv.tiers.take_loads()

@@ -493,7 +493,7 @@ def test_a_run_time_load_that_fails_on_one_replica_is_undone_on_the_others():
 
 
 def test_the_kv_aware_policy_matches_an_adapters_blocks_only_for_that_adapter():
-    """The schedulers hash an adapter's blocks from its root (block_hash.adapter_root): the router's index does
+    """The schedulers hash an adapter's blocks from its root (EngineRequest.hash_root): the router's index does
     too, so a base model's cached prefix is no hit for an adapter's request, nor the other way round."""
     from dataclasses import dataclass
 
@@ -512,8 +512,8 @@ def test_the_kv_aware_policy_matches_an_adapters_blocks_only_for_that_adapter():
     index.stored("base", prefix_hashes(prompt, 16), 16)
     index.stored("sql", prefix_hashes(prompt, 16, adapter_root("sql")), 16)
     assert policy.pick([base, sql], prompt) is base and policy.last_matched_tokens == 32
-    assert policy.pick([base, sql], prompt, "sql") is sql and policy.last_matched_tokens == 32
-    assert policy.pick([base, sql], prompt, "chat") is base and policy.last_matched_tokens == 0  # no hit: least load
+    assert policy.pick([base, sql], prompt, adapter_root("sql")) is sql and policy.last_matched_tokens == 32
+    assert policy.pick([base, sql], prompt, adapter_root("chat")) is base and policy.last_matched_tokens == 0
 
 
 def test_the_c_plus_plus_layer_plan_runs_lora_steps_up_to_the_kernels_length(tiny_model_dir, tmp_path):

@@ -10,6 +10,7 @@ import requests
 
 from mesh import Mesh, Router
 from parity import prompts
+from stagemesh.client import Client
 from tiny_models import reference_greedy, reference_model, with_word_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -23,7 +24,7 @@ def router(tiny_model_dir, tmp_path_factory):
     model = with_word_tokenizer(tiny_model_dir("llama"), logs / "model")
     with Mesh(model, [4], scheduler_args=("--scheduling-policy", "priority"),
               stage_args=("--kv-cache-memory", "90112"), log_dir=logs) as mesh:
-        with Router(model, [mesh.address], ("--served-model-name", M), log_dir=logs) as r:
+        with Router(model, [mesh.address], ("--served-model-name", M), log_dir=logs, grpc_frontend=True) as r:
             r.logs, r.model = logs, model
             yield r
 
@@ -38,7 +39,18 @@ def stream(router, prompt: list[int], priority: int, first_token: threading.Even
     out.update(ids=ids, done=time.monotonic())
 
 
-def test_a_later_high_priority_request_preempts_the_low_ones_and_every_answer_is_exact(router):
+def stream_grpc(router, prompt: list[int], priority: int, first_token: threading.Event, out: dict) -> None:
+    """As stream(), through the gRPC frontend (stagemesh.client), which takes the same priority."""
+    ids = []
+    with Client(f"127.0.0.1:{router.grpc_port}") as client:
+        for reply in client.generate(prompt, max_tokens=NEW_TOKENS, stream=True, ignore_eos=True, priority=priority):
+            ids += reply.token_ids
+            first_token.set()
+    out.update(ids=ids, done=time.monotonic())
+
+
+@pytest.mark.parametrize("door", ["http", "grpc"])
+def test_a_later_high_priority_request_preempts_the_low_ones_and_every_answer_is_exact(router, door):
     assert "KV cache size: 80 tokens" in (router.logs / "scheduler.log").read_text()
     low_a, low_b, high = prompts(384, (16, 16, 16), seed=3)
     reference = reference_model(router.model)
@@ -52,7 +64,8 @@ def test_a_later_high_priority_request_preempts_the_low_ones_and_every_answer_is
     for ev in started[:2]:
         assert ev.wait(120)
     # both low streams run and fill the cache; the high one (lower value: served first) comes now
-    threads.append(threading.Thread(target=stream, args=(router, high, -5, started[2], results[2])))
+    high_stream = stream if door == "http" else stream_grpc
+    threads.append(threading.Thread(target=high_stream, args=(router, high, -5, started[2], results[2])))
     threads[-1].start()
     for t in threads:
         t.join(300)

@@ -172,12 +172,20 @@ def test_function_call_items_and_their_outputs_reach_the_template(router):
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "json_schema"),
     ({"input": [{"role": "wizard", "content": "w5"}]}, "input[0].role", "must be user, system"),
     ({"priority": 1}, "priority", "Priority scheduling is not enabled"),
+    ({"cache_salt": ""}, "cache_salt", "Parameter 'cache_salt' must be a non-empty string if provided."),
 ])
 def test_what_is_not_built_is_refused_by_name(router, body, param, words):
     resp = requests.post(f"{router.base_url}/v1/responses", json={"model": M, "input": "w5", **body}, timeout=30)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == param and words in error["message"] and error["code"] == 400, error
+
+
+def test_a_cache_salt_reaches_the_replica(router):
+    router.client().responses.create(model=M, input="w5", max_output_tokens=1, extra_body={"cache_salt": "t-1"})
+    assert router.replica.requests[-1].cache_salt == "t-1"
+    router.client().responses.create(model=M, input="w5", max_output_tokens=1)
+    assert router.replica.requests[-1].cache_salt == ""
 
 
 def test_logprobs_come_with_include(router):

@@ -16,16 +16,15 @@ from router.errors import APIError
 from router.generation import Generation, _stream
 from router.replica_set import ReplicaSet
 from router.submit_stream import ReplicaOutput, RequestFailed
+from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
 from stagemesh.core.sampling_params import SamplingParams
-from stagemesh.v1 import scheduler_pb2
 
 VOCAB = 1000
 PROMPT = [5, 6, 7]
 
 
-def kv_params(address: str, request_id: str) -> bytes:
-    return scheduler_pb2.KVTransferParams(scheduler_address=address, request_id=request_id, epoch=1,
-                                          block_ids=[0], block_size=16, num_tokens=len(PROMPT)).SerializeToString()
+def kv_params(address: str, request_id: str) -> KVSourceInfo:
+    return KVSourceInfo(address, request_id, 1, (0,), 16, len(PROMPT), ())
 
 
 class Prefill(FakeReplica):
@@ -35,9 +34,9 @@ class Prefill(FakeReplica):
         super().__init__("m", 512, VOCAB, address=address)
         self.kv_role, self.stall, self.released = "prefill", False, []
 
-    def submit(self, request_id, prompt, sampling, generated=(), priority=0, prefill_only=False, kv_transfer=b"",
-               resumable=False, lora_name=""):
-        assert prefill_only and not generated and not kv_transfer
+    def submit(self, request: EngineRequest):
+        request_id, prompt, sampling = request.request_id, list(request.prompt_token_ids), request.sampling
+        assert request.prefill_only and not request.generated_token_ids and not request.kv_source
         self.submitted.append((request_id, prompt, sampling))
 
         async def outputs():
@@ -60,13 +59,13 @@ class Decode(FakeReplica):
         super().__init__("m", 512, VOCAB, address="decode:0")
         self.kv_role, self.cannot_load, self.kv = "decode", set(), []
 
-    def submit(self, request_id, prompt, sampling, generated=(), priority=0, prefill_only=False, kv_transfer=b"",
-               resumable=False, lora_name=""):
-        params = scheduler_pb2.KVTransferParams()
-        params.ParseFromString(kv_transfer)
-        self.kv.append((params.scheduler_address, params.request_id))
+    def submit(self, request: EngineRequest):
+        prompt, sampling, generated = list(request.prompt_token_ids), request.sampling, request.generated_token_ids
+        kv = request.kv_source
+        source = (kv.scheduler_address, kv.request_id) if kv is not None else ("", "")  # (none: the whole request)
+        self.kv.append(source)
         self.generated.append(list(generated))
-        if (params.scheduler_address, params.request_id) in self.cannot_load:
+        if source in self.cannot_load:
             async def failing():
                 raise RequestFailed(grpc.StatusCode.FAILED_PRECONDITION, "its prompt's KV could not be loaded")
                 yield  # pragma: no cover
@@ -76,7 +75,7 @@ class Decode(FakeReplica):
 
 def generate(replicas: ReplicaSet, max_tokens: int = 6) -> list[int]:
     async def go():
-        gen = Generation("r", list(PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        gen = Generation(EngineRequest("r", list(PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
         return [t for reply in [r async for r in _stream(gen, replicas)] for t in reply.token_ids]
     return asyncio.run(asyncio.wait_for(go(), 30))
 
@@ -118,7 +117,7 @@ def test_a_prefill_replica_that_stops_passing_health_checks_is_left():
     p.stall = True
 
     async def go():
-        gen = Generation("r", list(PROMPT), SamplingParams(max_tokens=6, ignore_eos=True))
+        gen = Generation(EngineRequest("r", list(PROMPT), SamplingParams(max_tokens=6, ignore_eos=True)))
         replicas = mesh(p, d)
         asyncio.get_running_loop().call_later(0.5, p.mark_failed, "DEADLINE_EXCEEDED: health check")
         return [t for reply in [r async for r in _stream(gen, replicas)] for t in reply.token_ids]
@@ -131,7 +130,7 @@ def test_a_client_gone_between_the_prefill_and_the_decode_has_the_kv_released():
     p, d = Prefill("prefill:0"), Decode()
 
     async def go():
-        gen = Generation("r", list(PROMPT), SamplingParams(max_tokens=6, ignore_eos=True))
+        gen = Generation(EngineRequest("r", list(PROMPT), SamplingParams(max_tokens=6, ignore_eos=True)))
         replies = _stream(gen, mesh(p, d))
         first = await replies.__anext__()  # the prefill's token: the client has it, then goes away
         await replies.aclose()

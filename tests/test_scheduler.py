@@ -5,6 +5,7 @@ import pytest
 
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import QueueFull, Scheduler
+from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import PLACEHOLDER, SampledToken
@@ -25,8 +26,8 @@ def run_step(s: Scheduler, token: int = 7):
 
 def test_token_budget_chunks_prefill_and_puts_decodes_first():
     s = make(max_num_batched_tokens=10)
-    s.add_request("a", list(range(3, 9)), SamplingParams(max_tokens=5))  # 6 tokens
-    s.add_request("b", list(range(3, 23)), SamplingParams(max_tokens=5))  # 20 tokens
+    s.add_request(EngineRequest("a", list(range(3, 9)), SamplingParams(max_tokens=5)))  # 6 tokens
+    s.add_request(EngineRequest("b", list(range(3, 23)), SamplingParams(max_tokens=5)))  # 20 tokens
     out, _ = run_step(s)
     assert [len(c.token_ids) for c in out.step_batch.chunks] == [6, 4]
     assert [c.sample for c in out.step_batch.chunks] == [True, False]
@@ -39,10 +40,10 @@ def test_token_budget_chunks_prefill_and_puts_decodes_first():
 
 def test_in_flight_requests_are_not_scheduled_twice():
     s = make()
-    s.add_request("a", [3, 4, 5], SamplingParams(max_tokens=4))
-    s.add_request("b", [3, 4, 5, 6], SamplingParams(max_tokens=4))
+    s.add_request(EngineRequest("a", [3, 4, 5], SamplingParams(max_tokens=4)))
+    s.add_request(EngineRequest("b", [3, 4, 5, 6], SamplingParams(max_tokens=4)))
     first = s.schedule()
-    s.add_request("c", [5, 6], SamplingParams(max_tokens=4))
+    s.add_request(EngineRequest("c", [5, 6], SamplingParams(max_tokens=4)))
     second = s.schedule()  # micro-batch 2 while 1 is in flight: only c
     assert first.request_ids == ["a", "b"] and second.request_ids == ["c"]
     assert s.schedule() is None
@@ -50,9 +51,9 @@ def test_in_flight_requests_are_not_scheduled_twice():
 
 def test_stop_rules_eos_stop_ids_length_and_ignore_eos():
     s = make()
-    s.add_request("eos", [3], SamplingParams(max_tokens=9))
-    s.add_request("ign", [3], SamplingParams(max_tokens=2, ignore_eos=True))
-    s.add_request("stop", [3], SamplingParams(max_tokens=9, stop_token_ids=(11,)))
+    s.add_request(EngineRequest("eos", [3], SamplingParams(max_tokens=9)))
+    s.add_request(EngineRequest("ign", [3], SamplingParams(max_tokens=2, ignore_eos=True)))
+    s.add_request(EngineRequest("stop", [3], SamplingParams(max_tokens=9, stop_token_ids=(11,))))
     out = s.schedule()
     tokens = {"eos": 2, "ign": 2, "stop": 11}
     sampled = [SampledToken(c.seq_id, tokens[r]) for r, c in zip(out.request_ids, out.step_batch.chunks)]
@@ -67,8 +68,8 @@ def test_stop_rules_eos_stop_ids_length_and_ignore_eos():
 
 def test_preemption_by_recompute_when_blocks_run_out():
     s = make(num_kv_blocks=4, block_size=4)
-    s.add_request("old", [3] * 7, SamplingParams(max_tokens=8, ignore_eos=True))
-    s.add_request("new", [4] * 7, SamplingParams(max_tokens=8, ignore_eos=True))
+    s.add_request(EngineRequest("old", [3] * 7, SamplingParams(max_tokens=8, ignore_eos=True)))
+    s.add_request(EngineRequest("new", [4] * 7, SamplingParams(max_tokens=8, ignore_eos=True)))
     run_step(s)  # both prefilled: 2 blocks each, pool full
     run_step(s)  # position 7 still fits the second block
     out, _ = run_step(s)  # old needs a third block for position 8: new is preempted
@@ -86,22 +87,22 @@ def test_preemption_by_recompute_when_blocks_run_out():
 
 def test_abort_frees_blocks_at_once_and_tells_stages():
     s = make()
-    s.add_request("a", list(range(3, 20)), SamplingParams(max_tokens=4))
+    s.add_request(EngineRequest("a", list(range(3, 20)), SamplingParams(max_tokens=4)))
     out = s.schedule()
     used = s.kv.num_free_blocks
     [result] = s.abort(["a"])
     assert result.finish_reason == "abort" and s.kv.num_free_blocks == 64 > used
     assert s.update_from_output(out, [SampledToken(out.step_batch.chunks[0].seq_id, 7)]) == []
-    s.add_request("b", [3], SamplingParams(max_tokens=1))
+    s.add_request(EngineRequest("b", [3], SamplingParams(max_tokens=1)))
     assert s.schedule().step_batch.finished_seq_ids == [out.step_batch.chunks[0].seq_id]
 
 
 def test_prefix_cache_hit_skips_cached_blocks():
     s = make(block_size=4)
     prompt = list(range(3, 16))  # 13 tokens: 3 full blocks
-    s.add_request("a", prompt, SamplingParams(max_tokens=1))
+    s.add_request(EngineRequest("a", prompt, SamplingParams(max_tokens=1)))
     run_step(s)
-    s.add_request("b", prompt[:12] + [99], SamplingParams(max_tokens=1))
+    s.add_request(EngineRequest("b", prompt[:12] + [99], SamplingParams(max_tokens=1)))
     out, results = run_step(s)
     assert out.step_batch.chunks[0].start_position == 12 and out.step_batch.chunks[0].token_ids == [99]
     assert results[0].num_cached_tokens == 12
@@ -111,16 +112,16 @@ def test_prefix_cache_hit_skips_cached_blocks():
 def test_requests_that_cannot_fit_are_refused_with_the_numbers():
     s = make(max_model_len=32, max_waiting_requests=1)
     with pytest.raises(StagemeshError, match=r"maximum context length is 32 tokens.*40 \(30 in the prompt \+ 10"):
-        s.add_request("long", [3] * 30, SamplingParams(max_tokens=10))
-    s.add_request("a", [3], SamplingParams())
+        s.add_request(EngineRequest("long", [3] * 30, SamplingParams(max_tokens=10)))
+    s.add_request(EngineRequest("a", [3], SamplingParams()))
     with pytest.raises(QueueFull):
-        s.add_request("b", [3], SamplingParams())
+        s.add_request(EngineRequest("b", [3], SamplingParams()))
 
 
 def test_fail_all_ends_every_request_with_the_error():
     s = make()
-    s.add_request("a", [3], SamplingParams())
-    s.add_request("b", [4], SamplingParams())
+    s.add_request(EngineRequest("a", [3], SamplingParams()))
+    s.add_request(EngineRequest("b", [4], SamplingParams()))
     s.schedule()
     results = s.fail_all("stage 1 at 127.0.0.1:5 failed")
     assert {r.finish_reason for r in results} == {"error"} and not s.has_unfinished()
@@ -130,27 +131,27 @@ def test_fail_all_ends_every_request_with_the_error():
 def test_max_seqs_caps_a_micro_batch_so_the_next_one_has_work():
     s = make()
     for i in range(4):
-        s.add_request(f"r{i}", [3, 4, 5], SamplingParams(max_tokens=4))
+        s.add_request(EngineRequest(f"r{i}", [3, 4, 5], SamplingParams(max_tokens=4)))
     first, second = s.schedule(max_seqs=2), s.schedule(max_seqs=2)
     assert first.request_ids == ["r0", "r1"] and second.request_ids == ["r2", "r3"]
 
 
 def test_blocks_filled_by_decoding_serve_as_a_cached_prefix():
     s = make(block_size=4, max_num_batched_tokens=3)  # the prompt comes in chunks of 3: they straddle blocks
-    s.add_request("a", [3, 4, 5, 6, 8], SamplingParams(max_tokens=6, ignore_eos=True))
+    s.add_request(EngineRequest("a", [3, 4, 5, 6, 8], SamplingParams(max_tokens=6, ignore_eos=True)))
     generated = []
     while s.has_unfinished():
         generated += [t for r in run_step(s, token=9)[1] for t in r.new_token_ids]
     assert generated == [9] * 6
     # a's 11 tokens filled two blocks (the second one while decoding)
-    s.add_request("b", [3, 4, 5, 6, 8, 9, 9, 9, 1, 1], SamplingParams(max_tokens=1))
+    s.add_request(EngineRequest("b", [3, 4, 5, 6, 8, 9, 9, 9, 1, 1], SamplingParams(max_tokens=1)))
     out, _ = run_step(s)
     assert out.step_batch.chunks[0].start_position == 8 and out.step_batch.chunks[0].token_ids == [1, 1]
 
 
 def test_async_scheduling_runs_one_step_ahead_with_placeholders():
     s = make(async_scheduling=True)
-    s.add_request("a", [3, 4, 5, 6], SamplingParams(max_tokens=3))
+    s.add_request(EngineRequest("a", [3, 4, 5, 6], SamplingParams(max_tokens=3)))
     first = s.schedule()  # the prompt, sampling its first token
     ahead = s.schedule()  # before that token is back: a decode of the placeholder
     assert [(c.token_ids, c.start_position, c.sample) for c in ahead.step_batch.chunks] == [([PLACEHOLDER], 4, True)]
@@ -169,8 +170,8 @@ def test_async_scheduling_runs_one_step_ahead_with_placeholders():
 
 def test_async_scheduling_drops_the_step_ahead_of_a_request_that_stopped():
     s = make(async_scheduling=True)
-    s.add_request("a", [3, 4, 5], SamplingParams(max_tokens=9))
-    s.add_request("b", [3, 4], SamplingParams(max_tokens=9))
+    s.add_request(EngineRequest("a", [3, 4, 5], SamplingParams(max_tokens=9)))
+    s.add_request(EngineRequest("b", [3, 4], SamplingParams(max_tokens=9)))
     first, ahead = s.schedule(), s.schedule()
     seq = dict(zip(first.request_ids, first.step_batch.chunks.seq_ids))
     outs = s.update_from_output(first, [SampledToken(seq["a"], 2), SampledToken(seq["b"], 7)])  # a hits EOS
@@ -184,7 +185,7 @@ def test_async_scheduling_drops_the_step_ahead_of_a_request_that_stopped():
 
 def test_async_scheduling_caches_only_blocks_whose_tokens_are_known():
     s = make(async_scheduling=True, block_size=4)
-    s.add_request("a", [3, 4, 5], SamplingParams(max_tokens=9, ignore_eos=True))
+    s.add_request(EngineRequest("a", [3, 4, 5], SamplingParams(max_tokens=9, ignore_eos=True)))
     first, ahead = s.schedule(), s.schedule()  # prompt (positions 0-2), then position 3 ahead
     seq = first.step_batch.chunks.seq_ids[0]
     s.update_from_output(first, [SampledToken(seq, 6)])
@@ -197,8 +198,8 @@ def test_async_scheduling_caches_only_blocks_whose_tokens_are_known():
 def test_a_step_ahead_never_preempts():
     s = make(num_kv_blocks=2, block_size=2, max_num_batched_tokens=2, async_scheduling=True,
              enable_prefix_caching=False)
-    s.add_request("a", [3], SamplingParams(max_tokens=3, ignore_eos=True))
-    s.add_request("c", [4, 5], SamplingParams(max_tokens=2, ignore_eos=True))
+    s.add_request(EngineRequest("a", [3], SamplingParams(max_tokens=3, ignore_eos=True)))
+    s.add_request(EngineRequest("c", [4, 5], SamplingParams(max_tokens=2, ignore_eos=True)))
     first = s.schedule()  # a's prompt, and the first of c's two prompt tokens (the budget is 2 tokens)
     assert first.request_ids == ["a", "c"] and first.step_batch.chunks.sample == [True, False]
     ahead = s.schedule()
@@ -212,7 +213,7 @@ def test_a_step_ahead_never_preempts():
 def test_a_request_whose_row_failed_to_sample_ends_alone_as_its_own_fault():
     s = make()
     for r in ("a", "b"):
-        s.add_request(r, [3, 4], SamplingParams(max_tokens=5))
+        s.add_request(EngineRequest(r, [3, 4], SamplingParams(max_tokens=5)))
     out = s.schedule()
     seq_a, seq_b = out.step_batch.chunks.seq_ids
     results = {r.request_id: r for r in s.update_from_output(out, [SampledToken(seq_a, 7),
@@ -234,7 +235,7 @@ def test_a_request_whose_row_failed_to_sample_ends_alone_as_its_own_fault():
 def test_requests_with_ids_outside_the_vocabulary_are_refused(request_id, prompt, params, words):
     s = make(vocab_size=384)
     with pytest.raises(StagemeshError, match=words):
-        s.add_request(request_id, prompt, params)
+        s.add_request(EngineRequest(request_id, prompt, params))
     assert s.num_unfinished == 0
 
 
@@ -244,12 +245,12 @@ def priority_scheduler(num_kv_blocks=4, **kw) -> Scheduler:
 
 def test_fcfs_refuses_a_priority_as_vllm_does_and_a_priority_must_be_int32():
     s = make()
-    s.add_request("zero", [3], SamplingParams(max_tokens=1), priority=0)
+    s.add_request(EngineRequest("zero", [3], SamplingParams(max_tokens=1), priority=0))
     with pytest.raises(StagemeshError, match="Got priority 3 but Priority scheduling is not enabled"):
-        s.add_request("three", [3], SamplingParams(max_tokens=1), priority=3)
+        s.add_request(EngineRequest("three", [3], SamplingParams(max_tokens=1), priority=3))
     for bad in (2**31, True, 1.5):
         with pytest.raises(StagemeshError, match="priority must be a 32-bit integer"):
-            priority_scheduler().add_request("x", [3], SamplingParams(max_tokens=1), priority=bad)
+            priority_scheduler().add_request(EngineRequest("x", [3], SamplingParams(max_tokens=1), priority=bad))
     assert list(s.requests) == ["zero"]
     with pytest.raises(StagemeshError, match="scheduling-policy must be fcfs or priority"):
         make(scheduling_policy="lifo")
@@ -258,7 +259,7 @@ def test_fcfs_refuses_a_priority_as_vllm_does_and_a_priority_must_be_int32():
 def test_priority_admits_lower_values_first_and_ties_in_arrival_order():
     s = priority_scheduler(num_kv_blocks=64, max_num_seqs=1)
     for request_id, priority in (("late", 5), ("urgent", -2), ("first0", 0), ("second0", 0)):
-        s.add_request(request_id, [3, 4], SamplingParams(max_tokens=1), priority=priority)
+        s.add_request(EngineRequest(request_id, [3, 4], SamplingParams(max_tokens=1), priority=priority))
     order = []
     while s.has_unfinished():
         out, _ = run_step(s)
@@ -266,7 +267,7 @@ def test_priority_admits_lower_values_first_and_ties_in_arrival_order():
     assert order == ["urgent", "first0", "second0", "late"]
     fcfs = make(max_num_seqs=1)
     for request_id in ("a", "b", "c"):
-        fcfs.add_request(request_id, [3, 4], SamplingParams(max_tokens=1))
+        fcfs.add_request(EngineRequest(request_id, [3, 4], SamplingParams(max_tokens=1)))
     assert [run_step(fcfs)[0].request_ids[0] for _ in range(3)] == ["a", "b", "c"]
 
 
@@ -276,8 +277,8 @@ def test_the_victim_when_blocks_run_out_is_the_newest_or_the_lowest_priority(pol
     s = make(num_kv_blocks=4, block_size=4, scheduling_policy=policy)
     priorities = {"low": 5, "high": 0} if policy == "priority" else {"low": 0, "high": 0}
     for request_id in ("low", "high"):
-        s.add_request(request_id, [3] * 7, SamplingParams(max_tokens=8, ignore_eos=True),
-                      priority=priorities[request_id])
+        s.add_request(EngineRequest(request_id, [3] * 7, SamplingParams(max_tokens=8, ignore_eos=True),
+                                    priority=priorities[request_id]))
     run_step(s)
     run_step(s)
     out, _ = run_step(s)
@@ -288,9 +289,10 @@ def test_the_victim_when_blocks_run_out_is_the_newest_or_the_lowest_priority(pol
 def test_a_waiting_request_of_higher_priority_preempts_the_lowest_running_one():
     s = priority_scheduler(num_kv_blocks=4, block_size=4)
     for request_id, priority, token in (("mid", 3, 3), ("low", 9, 5)):
-        s.add_request(request_id, [token] * 7, SamplingParams(max_tokens=9, ignore_eos=True), priority=priority)
+        s.add_request(EngineRequest(request_id, [token] * 7, SamplingParams(max_tokens=9, ignore_eos=True),
+                                    priority=priority))
     run_step(s)  # both prefilled: the pool is full
-    s.add_request("high", [4] * 3, SamplingParams(max_tokens=2, ignore_eos=True), priority=1)
+    s.add_request(EngineRequest("high", [4] * 3, SamplingParams(max_tokens=2, ignore_eos=True), priority=1))
     out, _ = run_step(s)  # "high" needs a block: "low" (below it) is preempted, "high" admitted at once
     assert out.num_preempted == 1 and [r.request_id for r in s.waiting] == ["low"]
     assert out.request_ids == ["mid", "high"] and [r.request_id for r in s.running] == ["high", "mid"]
@@ -298,12 +300,12 @@ def test_a_waiting_request_of_higher_priority_preempts_the_lowest_running_one():
 
 def test_a_tie_in_priority_preempts_nobody():
     s = priority_scheduler(num_kv_blocks=3, block_size=4)
-    s.add_request("first", [3] * 9, SamplingParams(max_tokens=3, ignore_eos=True), priority=1)
+    s.add_request(EngineRequest("first", [3] * 9, SamplingParams(max_tokens=3, ignore_eos=True), priority=1))
     run_step(s)  # the pool is full
-    s.add_request("same", [4] * 3, SamplingParams(max_tokens=2), priority=1)
+    s.add_request(EngineRequest("same", [4] * 3, SamplingParams(max_tokens=2), priority=1))
     out, _ = run_step(s)
     assert out.num_preempted == 0 and out.request_ids == ["first"] and [r.request_id for r in s.waiting] == ["same"]
-    s.add_request("above", [5] * 3, SamplingParams(max_tokens=2), priority=0)
+    s.add_request(EngineRequest("above", [5] * 3, SamplingParams(max_tokens=2), priority=0))
     out, _ = run_step(s)
     assert out.num_preempted == 1 and out.request_ids == ["above"]
     assert [r.request_id for r in s.waiting] == ["first", "same"]  # ties by arrival
@@ -311,17 +313,17 @@ def test_a_tie_in_priority_preempts_nobody():
 
 def test_a_waiting_request_never_preempts_a_request_in_flight_or_under_fcfs():
     s = priority_scheduler(num_kv_blocks=3, block_size=4)
-    s.add_request("low", [3] * 9, SamplingParams(max_tokens=3, ignore_eos=True), priority=9)
+    s.add_request(EngineRequest("low", [3] * 9, SamplingParams(max_tokens=3, ignore_eos=True), priority=9))
     in_flight = s.schedule()  # "low" holds every block and its step is not back
-    s.add_request("high", [4] * 3, SamplingParams(max_tokens=2), priority=0)
+    s.add_request(EngineRequest("high", [4] * 3, SamplingParams(max_tokens=2), priority=0))
     assert s.schedule() is None and [r.request_id for r in s.running] == ["low"]
     s.update_from_output(in_flight, [SampledToken(in_flight.step_batch.chunks[0].seq_id, 7)])
     out = s.schedule()  # its result is back: now it can be preempted
     assert out.num_preempted == 1 and out.request_ids == ["high"]
     fcfs = make(num_kv_blocks=3, block_size=4)
-    fcfs.add_request("old", [3] * 9, SamplingParams(max_tokens=3, ignore_eos=True))
+    fcfs.add_request(EngineRequest("old", [3] * 9, SamplingParams(max_tokens=3, ignore_eos=True)))
     run_step(fcfs)
-    fcfs.add_request("new", [4] * 3, SamplingParams(max_tokens=2))
+    fcfs.add_request(EngineRequest("new", [4] * 3, SamplingParams(max_tokens=2)))
     out, _ = run_step(fcfs)
     assert out.num_preempted == 0 and out.request_ids == ["old"]
 
@@ -329,9 +331,9 @@ def test_a_waiting_request_never_preempts_a_request_in_flight_or_under_fcfs():
 def test_requeued_requests_keep_their_priority_order_through_a_broken_pipeline():
     s = priority_scheduler(num_kv_blocks=64)
     for request_id, priority in (("b", 2), ("a", 1), ("c", 3)):
-        s.add_request(request_id, [3, 4], SamplingParams(max_tokens=4), priority=priority)
+        s.add_request(EngineRequest(request_id, [3, 4], SamplingParams(max_tokens=4), priority=priority))
     run_step(s)
-    s.add_request("z", [3, 4], SamplingParams(max_tokens=4), priority=0)
+    s.add_request(EngineRequest("z", [3, 4], SamplingParams(max_tokens=4), priority=0))
     kept = s.requeue_all()
     fresh = priority_scheduler(num_kv_blocks=64)
     fresh.take_over(s)

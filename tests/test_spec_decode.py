@@ -14,6 +14,7 @@ from scheduler.driver import DriverConfig
 from scheduler.ngram import NgramProposer
 from scheduler.pipeline import StepResult, check_result
 from scheduler.scheduler import Scheduler
+from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.speculative import parse_speculative_config
@@ -93,7 +94,7 @@ def step(s: Scheduler, results: dict[str, list[int]]):
 
 def test_a_decode_step_carries_the_drafts_and_rolls_back_over_the_rejected():
     s = spec_scheduler()
-    s.add_request("a", [5, 6, 7, 5, 6], SamplingParams(max_tokens=20, ignore_eos=True))
+    s.add_request(EngineRequest("a", [5, 6, 7, 5, 6], SamplingParams(max_tokens=20, ignore_eos=True)))
     out, _ = step(s, {"a": [7]})  # prompt, then 7: "5 6 7" occurred before -> drafts 5 6 7
     assert s.requests["a"].spec_token_ids == [5, 6, 7]
     out, res = step(s, {"a": [5, 6, 9]})  # the first two drafts accepted, 9 instead of the third
@@ -118,7 +119,7 @@ def test_a_decode_step_carries_the_drafts_and_rolls_back_over_the_rejected():
 def test_the_stop_conditions_apply_token_by_token(prompt, sampling, tokens, reason):
     """The drafts (4 5 6, or 2 5 6) all accepted, then 9: a stop inside the run ends the request there."""
     s = spec_scheduler()
-    s.add_request("a", prompt, sampling)
+    s.add_request(EngineRequest("a", prompt, sampling))
     step(s, {"a": [3]})
     assert s.requests["a"].spec_token_ids[1:] == [5, 6]
     _, res = step(s, {"a": [prompt[3], 5, 6, 9]})
@@ -127,7 +128,7 @@ def test_the_stop_conditions_apply_token_by_token(prompt, sampling, tokens, reas
 
 def test_drafts_stop_at_max_tokens():
     s = spec_scheduler()
-    s.add_request("a", [5, 6, 7, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
+    s.add_request(EngineRequest("a", [5, 6, 7, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True)))
     step(s, {"a": [7]})
     out, res = step(s, {"a": [5, 6]})  # 2 more tokens to go: one draft, and the token after it
     assert out.step_batch.chunks[0].num_draft_tokens == 1
@@ -136,7 +137,7 @@ def test_drafts_stop_at_max_tokens():
 
 def test_only_accepted_tokens_fill_cached_blocks():
     s = spec_scheduler()
-    s.add_request("a", [5, 6, 7, 5, 6], SamplingParams(max_tokens=20, ignore_eos=True))
+    s.add_request(EngineRequest("a", [5, 6, 7, 5, 6], SamplingParams(max_tokens=20, ignore_eos=True)))
     step(s, {"a": [7]})
     step(s, {"a": [9]})  # every draft rejected: positions 0-5 computed, block 1 (4-7) not full
     assert s.kv.find_cached_prefix([5, 6, 7, 5, 6, 7, 5, 6, 1]) == [s.kv.tables["a"][0]]
@@ -144,7 +145,7 @@ def test_only_accepted_tokens_fill_cached_blocks():
 
 def test_the_stage_must_answer_drafts_with_tokens_that_follow_them():
     s = spec_scheduler()
-    s.add_request("a", [5, 6, 7, 5, 6], SamplingParams(max_tokens=20, ignore_eos=True))
+    s.add_request(EngineRequest("a", [5, 6, 7, 5, 6], SamplingParams(max_tokens=20, ignore_eos=True)))
     step(s, {"a": [7]})
     out = s.schedule()
     seq = out.step_batch.chunks.seq_ids[0]

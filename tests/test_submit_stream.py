@@ -10,6 +10,7 @@ import pytest
 from mesh import Mesh, internal_aio_channel
 from parity import prompts
 from router.submit_stream import RequestFailed, SubmitStream
+from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -66,7 +67,7 @@ def test_interleaved_requests_get_exactly_their_own_tokens(mesh):
     async def body(stream, stub):
         async def one(i):
             await asyncio.sleep(0.01 * i)  # each joins while the earlier ones are decoding
-            return await read(stream.submit(f"mux{i}", batch[i], samplings[i]))
+            return await read(stream.submit(EngineRequest(f"mux{i}", batch[i], samplings[i])))
 
         return await asyncio.gather(*(one(i) for i in range(len(batch))))
 
@@ -77,7 +78,8 @@ def test_interleaved_requests_get_exactly_their_own_tokens(mesh):
 
 def test_abort_over_the_stream_frees_the_request_and_the_others_go_on(mesh):
     async def body(stream, stub):
-        doomed, other = stream.submit("doomed", [5, 6, 7], LONG), stream.submit("other", [8, 9], LONG)
+        doomed = stream.submit(EngineRequest("doomed", [5, 6, 7], LONG))
+        other = stream.submit(EngineRequest("other", [8, 9], LONG))
         await read(doomed, limit=1)
         await read(other, limit=1)
         doomed.close()  # an abort action on the shared stream
@@ -93,7 +95,7 @@ def test_abort_over_the_stream_frees_the_request_and_the_others_go_on(mesh):
 
 def test_closing_the_stream_aborts_its_requests(mesh):
     async def body(stream, stub):
-        requests = [stream.submit(f"closed{i}", [5 + i, 6, 7], LONG) for i in range(3)]
+        requests = [stream.submit(EngineRequest(f"closed{i}", [5 + i, 6, 7], LONG)) for i in range(3)]
         for r in requests:
             await read(r, limit=1)
         running = (await stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)).num_running
@@ -115,16 +117,16 @@ def test_errors_belong_to_their_request_only(tiny_model_dir, tmp_path):
         want, _ = mesh.submit("ref", [5, 6, 7], short)
 
         async def body(stream, stub):
-            ok = stream.submit("ok", [5, 6, 7], short)
-            full = stream.submit("full", [8, 9], short)
-            bad = stream.submit("bad", [5, 6, 7], SamplingParams(max_tokens=1_000_000))
-            prio = stream.submit("prio", [5, 6, 7], short, priority=3)  # this replica runs fcfs
+            ok = stream.submit(EngineRequest("ok", [5, 6, 7], short))
+            full = stream.submit(EngineRequest("full", [8, 9], short))
+            bad = stream.submit(EngineRequest("bad", [5, 6, 7], SamplingParams(max_tokens=1_000_000)))
+            prio = stream.submit(EngineRequest("prio", [5, 6, 7], short, priority=3))  # this replica runs fcfs
             outcomes = []
             for r in (full, bad, prio):
                 with pytest.raises(RequestFailed) as info:
                     await read(r)
                 outcomes.append((info.value.code, info.value.details))
-            return outcomes, await read(ok), await read(stream.submit("later", [5, 6, 7], short))
+            return outcomes, await read(ok), await read(stream.submit(EngineRequest("later", [5, 6, 7], short)))
 
         (full, bad, prio), ok, later = over_one_stream(mesh.address, body)
     assert full[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "waiting queue is full" in full[1]
@@ -165,7 +167,7 @@ def test_a_broken_stream_fails_its_requests_naming_the_replica_and_is_reopened()
             async with grpc.aio.insecure_channel(address) as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
                 stream = SubmitStream(stub, address)
-                requests = [stream.submit(f"r{i}", [5, 6], LONG) for i in range(2)]
+                requests = [stream.submit(EngineRequest(f"r{i}", [5, 6], LONG)) for i in range(2)]
                 for r in requests:
                     with pytest.raises(RequestFailed) as info:
                         await read(r)
@@ -173,7 +175,7 @@ def test_a_broken_stream_fails_its_requests_naming_the_replica_and_is_reopened()
                 assert stream.closed
                 again = SubmitStream(stub, address)
                 with pytest.raises(RequestFailed):
-                    await read(again.submit("r2", [5, 6], LONG))
+                    await read(again.submit(EngineRequest("r2", [5, 6], LONG)))
         finally:
             await server.stop(None)
         return failures, servicer.streams

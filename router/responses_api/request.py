@@ -27,7 +27,7 @@ REFUSED: dict[str, str] = {
     "stream_options": "stream obfuscation is not supported", "access_programs": _NONE, "image": _NONE,
     "moderation": _NONE, "previous_response": "send previous_response_id (the response store is on)",
     "previous_input_messages": "send previous_response_id", "enable_response_messages": _NONE,
-    "cache_salt": "cache_salt is not supported", "vllm_xargs": "vllm_xargs (extensions) are not supported",
+    "vllm_xargs": "vllm_xargs (extensions) are not supported",
     "truncation": "only 'disabled' is supported: a conversation past the context length is a 400",
     "service_tier": "service tiers are not supported",
     "chat_template": "the Responses API renders the model's own chat template (chat completions take a request's "
@@ -69,6 +69,7 @@ class ResponsesRequest(Strict):
     safety_identifier: str | None = None  # (the same)
     request_id: str | None = None
     priority: int = 0
+    cache_salt: str | None = None  # vLLM's (chat completions' rule: not empty)
 
 
 def chat_body(m: ResponsesRequest, history: list[dict]) -> tuple[dict, list[str]]:
@@ -92,7 +93,7 @@ def chat_body(m: ResponsesRequest, history: list[dict]) -> tuple[dict, list[str]
             "response_format": _response_format(m.text), **_logprobs(m)}
     for name in ("temperature", "top_p", "top_k", "seed", "repetition_penalty", "logit_bias", "stop", "ignore_eos",
                  "skip_special_tokens", "include_stop_str_in_output", "structured_outputs", "user", "request_id",
-                 "priority"):
+                 "priority", "cache_salt"):
         body[name] = getattr(m, name)
     return {k: v for k, v in body.items() if v is not None}, origins
 

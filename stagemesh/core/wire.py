@@ -5,8 +5,11 @@ copied there (protobuf copies a sub-message on assignment). Imports no torch: th
 """
 from __future__ import annotations
 
+from dataclasses import fields
+
+from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
 from stagemesh.core.sampling_params import SamplingParams, StructuredOutputs
-from stagemesh.v1 import common_pb2
+from stagemesh.v1 import common_pb2, scheduler_pb2, stage_pb2
 
 
 def sampling_to_pb(p: SamplingParams, out: common_pb2.SamplingParams | None = None) -> common_pb2.SamplingParams:
@@ -52,8 +55,10 @@ def structured_from_pb(msg: common_pb2.StructuredOutputs) -> StructuredOutputs |
 
 
 def sampling_fields_from_pb(msg: common_pb2.SamplingParams) -> dict:
-    """SamplingParams' keyword values from a message, unset fields read as their defaults (max_tokens 0 as 16):
-    the router's gRPC frontend hands them to its request builder, which checks them as it checks HTTP's."""
+    """SamplingParams' keyword values from a message, unset fields read as their defaults: the router's gRPC
+    frontend hands them to its request builder, which checks them as it checks HTTP's. max_tokens is read as
+    it is: on the scheduler's wire it is settled (>= 1, a 0 is refused); the frontend reads its own 0 (as many
+    as the context leaves) before this."""
     return dict(
         temperature=msg.temperature,
         top_p=msg.top_p or 1.0,
@@ -63,7 +68,7 @@ def sampling_fields_from_pb(msg: common_pb2.SamplingParams) -> dict:
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         seed=msg.seed if msg.HasField("seed") else None,
-        max_tokens=msg.max_tokens or 16,
+        max_tokens=msg.max_tokens,
         min_tokens=msg.min_tokens,
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
@@ -78,3 +83,47 @@ def sampling_fields_from_pb(msg: common_pb2.SamplingParams) -> dict:
 
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(**sampling_fields_from_pb(msg))
+
+
+# EngineRequest's fields that travel as SubmitRequest's scalar fields of the same name (a new one needs no
+# code here); the others are written by hand below
+_SCALARS = tuple(f.name for f in fields(EngineRequest) if f.type in ("str", "int", "bool")
+                 and f.name not in ("traceparent", "tracestate"))
+
+
+def engine_request_to_pb(r: EngineRequest, out: scheduler_pb2.StreamSubmit) -> scheduler_pb2.StreamSubmit:
+    """`r` written into a StreamSubmit (its trace context beside the SubmitRequest: the stream is shared)."""
+    m = out.request
+    for name in _SCALARS:
+        setattr(m, name, getattr(r, name))
+    m.prompt_token_ids.extend(r.prompt_token_ids)
+    m.generated_token_ids.extend(r.generated_token_ids)
+    sampling_to_pb(r.sampling, m.sampling)
+    if r.kv_source is not None:
+        kv_source_to_pb(r.kv_source, m.kv_transfer)
+    out.traceparent, out.tracestate = r.traceparent, r.tracestate
+    return out
+
+
+def engine_request_from_pb(msg: scheduler_pb2.StreamSubmit) -> EngineRequest:
+    """The request a StreamSubmit carries; its sampling is checked (SamplingParams), the rest where it is used."""
+    m = msg.request
+    return EngineRequest(
+        prompt_token_ids=list(m.prompt_token_ids), sampling=sampling_from_pb(m.sampling),
+        generated_token_ids=list(m.generated_token_ids),
+        kv_source=kv_source_from_pb(m.kv_transfer) if m.HasField("kv_transfer") else None,
+        traceparent=msg.traceparent, tracestate=msg.tracestate, **{name: getattr(m, name) for name in _SCALARS})
+
+
+def kv_source_to_pb(k: KVSourceInfo, out: scheduler_pb2.KVTransferParams) -> scheduler_pb2.KVTransferParams:
+    out.scheduler_address, out.request_id, out.epoch = k.scheduler_address, k.request_id, k.epoch
+    out.block_ids.extend(k.block_ids)
+    out.block_size, out.num_tokens = k.block_size, k.num_tokens
+    out.stages.extend(stage_pb2.KVSource(address=a, layer_start=s, layer_end=e) for a, s, e in k.stages)
+    return out
+
+
+def kv_source_from_pb(p: scheduler_pb2.KVTransferParams) -> KVSourceInfo:
+    """As it came: its sizes are checked where a decode replica takes it (scheduler.service)."""
+    return KVSourceInfo(p.scheduler_address, p.request_id, p.epoch, tuple(p.block_ids), p.block_size, p.num_tokens,
+                        tuple((s.address, s.layer_start, s.layer_end) for s in p.stages))

@@ -110,7 +110,11 @@ class SamplingParams(_message.Message):
     seed: _builtins.int
     """Per-request seed: the same seed gives the same tokens whatever the batch."""
     max_tokens: _builtins.int
-    """Maximum number of generated tokens."""
+    """Maximum number of generated tokens. Where the router sends it to a
+    scheduler (SubmitRequest) it is settled: at least 1 (0 is refused). In
+    the frontend's requests, 0 (unset) means as many as the context leaves,
+    which the router settles per prompt (as vLLM's OpenAI server does).
+    """
     ignore_eos: _builtins.bool
     logprobs: _builtins.int
     """Number of top logprobs to return per generated token; -1: none; 0: only

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from stagemesh.v1 import common_pb2 as stagemesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bstagemesh/v1/frontend.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xef\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.stagemesh.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.stagemesh.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\t\n\x01n\x18\x06 \x01(\x05\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12)\n\x06resume\x18\x08 \x01(\x0b\x32\x19.stagemesh.v1.ResumePointB\x08\n\x06prompt\"<\n\x0bResumePoint\x12-\n\x07\x63hoices\x18\x01 \x03(\x0b\x32\x1c.stagemesh.v1.ChoiceProgress\"2\n\x0e\x43hoiceProgress\x12\x0e\n\x06tokens\x18\x01 \x01(\x05\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd1\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.stagemesh.v1.ChatMessage\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.stagemesh.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\t\n\x01n\x18\x05 \x01(\x05\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12)\n\x06resume\x18\x07 \x01(\x0b\x32\x19.stagemesh.v1.ResumePoint\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x93\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.stagemesh.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\x05\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\x12\x1d\n\x15prompt_logprobs_start\x18\x08 \x01(\x05\x12\x12\n\nrequest_id\x18\t \x01(\t\"U\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.stagemesh.v1.ChatRequestH\x00\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x32\xb8\x02\n\x08\x46rontend\x12K\n\x08Generate\x12\x1d.stagemesh.v1.GenerateRequest\x1a\x1e.stagemesh.v1.GenerateResponse0\x01\x12\x43\n\x04\x43hat\x12\x19.stagemesh.v1.ChatRequest\x1a\x1e.stagemesh.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.stagemesh.v1.TokenizeRequest\x1a\x1e.stagemesh.v1.TokenizeResponse\x12O\n\nListModels\x12\x1f.stagemesh.v1.ListModelsRequest\x1a .stagemesh.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bstagemesh/v1/frontend.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x95\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.stagemesh.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.stagemesh.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\t\n\x01n\x18\x06 \x01(\x05\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12)\n\x06resume\x18\x08 \x01(\x0b\x32\x19.stagemesh.v1.ResumePoint\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x12\n\ncache_salt\x18\n \x01(\tB\x08\n\x06prompt\"<\n\x0bResumePoint\x12-\n\x07\x63hoices\x18\x01 \x03(\x0b\x32\x1c.stagemesh.v1.ChoiceProgress\"2\n\x0e\x43hoiceProgress\x12\x0e\n\x06tokens\x18\x01 \x01(\x05\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf7\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.stagemesh.v1.ChatMessage\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.stagemesh.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\t\n\x01n\x18\x05 \x01(\x05\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12)\n\x06resume\x18\x07 \x01(\x0b\x32\x19.stagemesh.v1.ResumePoint\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x12\n\ncache_salt\x18\t \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x93\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.stagemesh.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\x05\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\x12\x1d\n\x15prompt_logprobs_start\x18\x08 \x01(\x05\x12\x12\n\nrequest_id\x18\t \x01(\t\"U\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.stagemesh.v1.ChatRequestH\x00\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x32\xb8\x02\n\x08\x46rontend\x12K\n\x08Generate\x12\x1d.stagemesh.v1.GenerateRequest\x1a\x1e.stagemesh.v1.GenerateResponse0\x01\x12\x43\n\x04\x43hat\x12\x19.stagemesh.v1.ChatRequest\x1a\x1e.stagemesh.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.stagemesh.v1.TokenizeRequest\x1a\x1e.stagemesh.v1.TokenizeResponse\x12O\n\nListModels\x12\x1f.stagemesh.v1.ListModelsRequest\x1a .stagemesh.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,27 +35,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=72
   _globals['_TOKENIDS']._serialized_end=95
   _globals['_GENERATEREQUEST']._serialized_start=98
-  _globals['_GENERATEREQUEST']._serialized_end=337
-  _globals['_RESUMEPOINT']._serialized_start=339
-  _globals['_RESUMEPOINT']._serialized_end=399
-  _globals['_CHOICEPROGRESS']._serialized_start=401
-  _globals['_CHOICEPROGRESS']._serialized_end=451
-  _globals['_CHATMESSAGE']._serialized_start=453
-  _globals['_CHATMESSAGE']._serialized_end=497
-  _globals['_CHATREQUEST']._serialized_start=500
-  _globals['_CHATREQUEST']._serialized_end=709
-  _globals['_USAGE']._serialized_start=711
-  _globals['_USAGE']._serialized_end=791
-  _globals['_GENERATERESPONSE']._serialized_start=794
-  _globals['_GENERATERESPONSE']._serialized_end=1069
-  _globals['_TOKENIZEREQUEST']._serialized_start=1071
-  _globals['_TOKENIZEREQUEST']._serialized_end=1156
-  _globals['_TOKENIZERESPONSE']._serialized_start=1158
-  _globals['_TOKENIZERESPONSE']._serialized_end=1218
-  _globals['_LISTMODELSREQUEST']._serialized_start=1220
-  _globals['_LISTMODELSREQUEST']._serialized_end=1239
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1241
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1300
-  _globals['_FRONTEND']._serialized_start=1303
-  _globals['_FRONTEND']._serialized_end=1615
+  _globals['_GENERATEREQUEST']._serialized_end=375
+  _globals['_RESUMEPOINT']._serialized_start=377
+  _globals['_RESUMEPOINT']._serialized_end=437
+  _globals['_CHOICEPROGRESS']._serialized_start=439
+  _globals['_CHOICEPROGRESS']._serialized_end=489
+  _globals['_CHATMESSAGE']._serialized_start=491
+  _globals['_CHATMESSAGE']._serialized_end=535
+  _globals['_CHATREQUEST']._serialized_start=538
+  _globals['_CHATREQUEST']._serialized_end=785
+  _globals['_USAGE']._serialized_start=787
+  _globals['_USAGE']._serialized_end=867
+  _globals['_GENERATERESPONSE']._serialized_start=870
+  _globals['_GENERATERESPONSE']._serialized_end=1145
+  _globals['_TOKENIZEREQUEST']._serialized_start=1147
+  _globals['_TOKENIZEREQUEST']._serialized_end=1232
+  _globals['_TOKENIZERESPONSE']._serialized_start=1234
+  _globals['_TOKENIZERESPONSE']._serialized_end=1294
+  _globals['_LISTMODELSREQUEST']._serialized_start=1296
+  _globals['_LISTMODELSREQUEST']._serialized_end=1315
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1317
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1376
+  _globals['_FRONTEND']._serialized_start=1379
+  _globals['_FRONTEND']._serialized_end=1691
 # @@protoc_insertion_point(module_scope)

@@ -53,6 +53,8 @@ class GenerateRequest(_message.Message):
     N_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     RESUME_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The served model name; empty means the only one."""
     text: _builtins.str
@@ -61,6 +63,15 @@ class GenerateRequest(_message.Message):
     request_id: _builtins.str
     """The request's id (1 to 200 printable ASCII characters; empty: the router makes one). A client that
     gives its own can resume the stream on any router if this one goes away (resume).
+    """
+    priority: _builtins.int
+    """vLLM's request priority: lower is served first, ties by arrival; any value
+    but 0 needs replicas that run --scheduling-policy priority
+    (INVALID_ARGUMENT otherwise).
+    """
+    cache_salt: _builtins.str
+    """vLLM's cache_salt: the request shares prefix-cache blocks only with
+    requests of the same salt; empty: no salt.
     """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds: ...
@@ -90,10 +101,12 @@ class GenerateRequest(_message.Message):
         n: _builtins.int = ...,
         request_id: _builtins.str = ...,
         resume: Global___ResumePoint | None = ...,
+        priority: _builtins.int = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["prompt", b"prompt", "resume", b"resume", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "n", b"n", "prompt", b"prompt", "request_id", b"request_id", "resume", b"resume", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "n", b"n", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "resume", b"resume", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
@@ -183,11 +196,16 @@ class ChatRequest(_message.Message):
     N_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     RESUME_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     n: _builtins.int
     """Choices to generate (0 means 1)."""
     request_id: _builtins.str
     """As GenerateRequest's."""
+    priority: _builtins.int
+    """As GenerateRequest's."""
+    cache_salt: _builtins.str
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]: ...
     @_builtins.property
@@ -206,10 +224,12 @@ class ChatRequest(_message.Message):
         n: _builtins.int = ...,
         request_id: _builtins.str = ...,
         resume: Global___ResumePoint | None = ...,
+        priority: _builtins.int = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["resume", b"resume", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "model", b"model", "n", b"n", "request_id", b"request_id", "resume", b"resume", "sampling", b"sampling", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "messages", b"messages", "model", b"model", "n", b"n", "priority", b"priority", "request_id", b"request_id", "resume", b"resume", "sampling", b"sampling", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -132,6 +132,7 @@ class SubmitRequest(_message.Message):
     KV_TRANSFER_FIELD_NUMBER: _builtins.int
     RESUMABLE_FIELD_NUMBER: _builtins.int
     LORA_NAME_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique per replica; the router's id of the request."""
     priority: _builtins.int
@@ -157,6 +158,12 @@ class SubmitRequest(_message.Message):
     """The LoRA adapter the request runs with (a --lora-modules name of the
     replica's --enable-lora); empty: the base model. A name the replica does not
     serve is refused (INVALID_ARGUMENT). Its prefix-cache blocks are its own.
+    """
+    cache_salt: _builtins.str
+    """vLLM's cache_salt: requests share prefix-cache blocks only with requests
+    of the same salt (and adapter); empty: no salt. Mixed into the parent of
+    the prompt's first block hash, so every block of it differs (KV events,
+    the KV tiers and a router's KV index see the salted hashes).
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -191,10 +198,11 @@ class SubmitRequest(_message.Message):
         kv_transfer: Global___KVTransferParams | None = ...,
         resumable: _builtins.bool = ...,
         lora_name: _builtins.str = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_transfer", b"kv_transfer", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_token_ids", b"generated_token_ids", "kv_transfer", b"kv_transfer", "lora_name", b"lora_name", "prefill_only", b"prefill_only", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resumable", b"resumable", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "generated_token_ids", b"generated_token_ids", "kv_transfer", b"kv_transfer", "lora_name", b"lora_name", "prefill_only", b"prefill_only", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resumable", b"resumable", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

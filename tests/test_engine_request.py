@@ -1,0 +1,36 @@
+"""The request every layer takes whole (stagemesh.core.engine_request): its one wire pair carries every field,
+and its hash root keeps one adapter's or one cache salt's prefix-cache blocks from another's."""
+from __future__ import annotations
+
+from dataclasses import fields
+
+from stagemesh.core.block_hash import prefix_hashes
+from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
+from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.wire import engine_request_from_pb, engine_request_to_pb
+from stagemesh.v1 import scheduler_pb2
+
+
+def test_every_field_crosses_the_wire_and_back():
+    r = EngineRequest("r-1", [5, 6, 7], SamplingParams(max_tokens=5, seed=3, temperature=0.5), [8], priority=-2,
+                      lora_name="sql", prefill_only=True,
+                      kv_source=KVSourceInfo("h:1", "q", 2, (1, 2), 16, 20, (("s:1", 0, 4),)), resumable=True,
+                      traceparent="00-abc-def-01", tracestate="k=v", cache_salt="tenant")
+    back = engine_request_from_pb(engine_request_to_pb(r, scheduler_pb2.StreamSubmit()))
+    differ = [f.name for f in fields(r) if getattr(back, f.name) != getattr(r, f.name)]
+    assert not differ, differ  # (a field the wire forgets shows here: each one above is set off its default)
+    assert not [f.name for f in fields(r) if getattr(r, f.name) == f.default]
+
+
+def test_a_salt_changes_every_block_hash_and_the_same_salt_finds_the_same_blocks():
+    prompt = list(range(100, 148))
+
+    def hashes(**kw) -> list[int]:
+        return prefix_hashes(prompt, 16, EngineRequest("r", prompt, **kw).hash_root)
+
+    assert hashes(cache_salt="a") == hashes(cache_salt="a") and EngineRequest("r", prompt).hash_root is None
+    variants = [hashes(), hashes(cache_salt="a"), hashes(cache_salt="b"), hashes(lora_name="sql"),
+                hashes(lora_name="sql", cache_salt="a")]
+    for i, a in enumerate(variants):  # no two share a block (the salt is in the first: every later one chains)
+        for b in variants[i + 1:]:
+            assert not set(a) & set(b)
