@@ -11,10 +11,13 @@ from router.errors import bad_request
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.request import GenerateRequest, Prompt
 from router.request_builder import RequestBuilder
-from stagemesh.core.sampling_params import InvalidParameter, StructuredOutputs
+from stagemesh.core.sampling_params import SCALAR_FIELDS, InvalidParameter, StructuredOutputs
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed", "min_tokens")
+# SamplingParams' numbers and switches that a body names alike pass straight in (the request builder checks
+# them); max_tokens and the logprobs are read apart (their defaults and names differ by endpoint)
+SAMPLING_FIELDS = tuple(name for name in SCALAR_FIELDS if name in CompletionRequest.model_fields
+                        and name in ChatCompletionRequest.model_fields
+                        and name not in ("max_tokens", "logprobs", "prompt_logprobs"))
 
 
 def completion_request(m: CompletionRequest, served: str, adapters: tuple[str, ...] = ()) -> GenerateRequest:
@@ -70,8 +73,8 @@ def _sampling(b: RequestBuilder, m, logprobs: int | None, prompt_logprobs: int |
         constraint, where = structured(m)
     except InvalidParameter as err:
         raise bad_request(str(err), err.param) from None
-    b.sampling({**values, "stop_token_ids": tuple(m.stop_token_ids or ()), "ignore_eos": m.ignore_eos,
-                "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+    b.sampling({**values, "stop_token_ids": tuple(m.stop_token_ids or ()), "logprobs": logprobs,
+                "prompt_logprobs": prompt_logprobs,
                 "logit_bias": tuple(sorted((int(k), v) for k, v in bias.items())),
                 "allowed_token_ids": tuple(m.allowed_token_ids or ())}, constraint, where)
     if m.allowed_token_ids is not None and not m.allowed_token_ids:

@@ -22,6 +22,26 @@ def test_every_field_crosses_the_wire_and_back():
     assert not [f.name for f in fields(r) if getattr(r, f.name) == f.default]
 
 
+def test_every_sampling_parameter_crosses_the_wire_and_back():
+    """The plain fields travel by name (stagemesh.core.wire): a new SamplingParams field needs its proto field
+    and nothing else; proto3's zeros read back as the defaults they stand for."""
+    from stagemesh.core.sampling_params import StructuredOutputs
+    from stagemesh.core.wire import sampling_from_pb, sampling_to_pb
+
+    p = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.5,
+                       frequency_penalty=-0.5, seed=0, max_tokens=30, min_tokens=2, stop_token_ids=(3, 4),
+                       ignore_eos=False, logprobs=0, prompt_logprobs=0, logit_bias=((5, 1.5),),
+                       allowed_token_ids=(1, 2, 5), bad_words_token_ids=((7, 8),),
+                       structured=StructuredOutputs("choice", choices=("a", "b")))
+    default = SamplingParams()
+    assert not [f.name for f in fields(p) if getattr(p, f.name) == getattr(default, f.name)
+                and f.name != "ignore_eos"]  # (every field off its default; ignore_eos cannot go with a choice)
+    for params in (p, default, SamplingParams(ignore_eos=True, top_k=0, seed=None)):
+        assert sampling_from_pb(sampling_to_pb(params)) == SamplingParams(**{
+            **{f.name: getattr(params, f.name) for f in fields(params)}, "top_k": params.top_k if params.top_k > 0
+            else -1})
+
+
 def test_a_salt_changes_every_block_hash_and_the_same_salt_finds_the_same_blocks():
     prompt = list(range(100, 148))
 

@@ -8,7 +8,7 @@ vocabulary is known. Wire conversion is in stagemesh.core.wire.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Sequence
 
 import numpy as np
@@ -222,3 +222,9 @@ class SamplingParams:
         """Whether sampling must change logits beyond temperature and top-k/p (bias, masks, bans)."""
         return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids or self.min_tokens
                     or self.structured)
+
+
+# The fields of one number or switch each (the others are token-id lists, logit_bias and the constraint): they
+# cross the wire by name (stagemesh.core.wire) and the HTTP bodies' fields of the same name pass straight in
+# (router.openai_request), so a new one is declared here, in the proto and in the HTTP schema, and used.
+SCALAR_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.type in ("float", "int", "bool", "int | None"))

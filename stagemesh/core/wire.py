@@ -8,25 +8,30 @@ from __future__ import annotations
 from dataclasses import fields
 
 from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
-from stagemesh.core.sampling_params import SamplingParams, StructuredOutputs
+from stagemesh.core.sampling_params import SCALAR_FIELDS, SamplingParams, StructuredOutputs
 from stagemesh.v1 import common_pb2, scheduler_pb2, stage_pb2
+
+
+# SamplingParams' numbers and switches travel as the SamplingParams message's fields of the same name: a new
+# one needs no code here. The rest are written by hand: token-id lists, logit_bias, bad words, the constraint,
+# and logprobs (None travels as -1).
+_PLAIN = tuple(name for name in SCALAR_FIELDS if name != "logprobs")
+# proto3 reads an unset field as 0: for these 0 is no value of the field, and reads as "off" (the default)
+_ZERO_IS_OFF = {"top_p": 1.0, "repetition_penalty": 1.0}
 
 
 def sampling_to_pb(p: SamplingParams, out: common_pb2.SamplingParams | None = None) -> common_pb2.SamplingParams:
     """`p` as a message: written into `out` (an empty field of the message it travels in) where given."""
     msg = common_pb2.SamplingParams() if out is None else out
-    msg.temperature, msg.top_p, msg.top_k, msg.min_p = p.temperature, p.top_p, p.top_k, p.min_p
-    msg.repetition_penalty, msg.presence_penalty = p.repetition_penalty, p.presence_penalty
-    msg.frequency_penalty, msg.max_tokens, msg.min_tokens = p.frequency_penalty, p.max_tokens, p.min_tokens
-    msg.ignore_eos, msg.logprobs = p.ignore_eos, -1 if p.logprobs is None else p.logprobs
+    for name in _PLAIN:
+        value = getattr(p, name)
+        if value is not None:  # (None: an optional field left unset)
+            setattr(msg, name, value)
+    msg.logprobs = -1 if p.logprobs is None else p.logprobs
     msg.stop_token_ids.extend(p.stop_token_ids)
     msg.allowed_token_ids.extend(p.allowed_token_ids)
     for word in p.bad_words_token_ids:
         msg.bad_words.add(token_ids=word)
-    if p.seed is not None:
-        msg.seed = p.seed
-    if p.prompt_logprobs is not None:
-        msg.prompt_logprobs = p.prompt_logprobs
     for token_id, bias in p.logit_bias:
         msg.logit_bias[token_id] = bias
     if p.structured is not None:
@@ -59,26 +64,24 @@ def sampling_fields_from_pb(msg: common_pb2.SamplingParams) -> dict:
     frontend hands them to its request builder, which checks them as it checks HTTP's. max_tokens is read as
     it is: on the scheduler's wire it is settled (>= 1, a 0 is refused); the frontend reads its own 0 (as many
     as the context leaves) before this."""
+    values = {name: _plain_from_pb(msg, name) for name in _PLAIN}
+    values["top_k"] = msg.top_k if msg.top_k > 0 else -1  # (0 or any negative: off)
     return dict(
-        temperature=msg.temperature,
-        top_p=msg.top_p or 1.0,
-        top_k=msg.top_k if msg.top_k > 0 else -1,
-        min_p=msg.min_p,
-        repetition_penalty=msg.repetition_penalty or 1.0,
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty,
-        seed=msg.seed if msg.HasField("seed") else None,
-        max_tokens=msg.max_tokens,
-        min_tokens=msg.min_tokens,
+        values,
         stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
         logprobs=None if msg.logprobs < 0 else msg.logprobs,
-        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         allowed_token_ids=tuple(msg.allowed_token_ids),
         bad_words_token_ids=tuple(tuple(w.token_ids) for w in msg.bad_words),
         structured=structured_from_pb(msg.structured_outputs) if msg.HasField("structured_outputs") else None,
     )
+
+
+def _plain_from_pb(msg: common_pb2.SamplingParams, name: str):
+    if msg.DESCRIPTOR.fields_by_name[name].has_presence and not msg.HasField(name):
+        return None  # an optional field (seed, prompt_logprobs) left unset
+    value = getattr(msg, name)
+    return _ZERO_IS_OFF[name] if name in _ZERO_IS_OFF and not value else value
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
