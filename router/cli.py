@@ -25,63 +25,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _main(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
-    from router.app import build_app
     from router.balancing import POLICIES
-    from router.http_server import GatewayRunner
     from router.replica_set import ReplicaSet
-    from router.tokenization import Tokenizer
-    from stagemesh.core.errors import StagemeshError
-    from stagemesh.core.model_source import resolve_source
-    from stagemesh.core.model_config import ModelConfig
     from router.state import LIFECYCLE
     from stagemesh.core.shutdown import Shutdown
 
     shutdown = Shutdown(args.shutdown_timeout, log, "router")
     shutdown.install_async()  # a signal during start-up: the router stops as soon as it is up
-    if args.model and args.model_option and args.model != args.model_option:
-        raise StagemeshError(f"two models given: '{args.model}' and --model '{args.model_option}'")
-    model = args.model_option or args.model
-    if args.max_request_retries < 0:
-        raise StagemeshError("--max-request-retries must be >= 0")
-    _check_store(args)
-    if args.max_waiting_requests < 0 or args.health_interval <= 0 or args.http_timeout_keep_alive <= 0:
-        raise StagemeshError("--max-waiting-requests must be >= 0, --health-interval and --http-timeout-keep-alive > 0")
-    source = resolve_source(model, args.tokenizer, args.quantization)  # a GGUF's tokenizer: its --tokenizer
-    model_dir = source.model_dir
-    model_config = ModelConfig.from_path(model_dir)
+    _check_args(args)
     replicas = ReplicaSet(args.replica, POLICIES[args.policy](), args.health_interval, args.max_waiting_requests,
                           args.max_request_retries)
     await replicas.refresh()
-    name = args.served_model_name or next((r.served_model_name for r in replicas.replicas if r.served_model_name),
-                                          None) or source.name
-    from router.config import RouterConfig, json_any_whitespace
-    from router.lora_registry import LoRARegistry
-
-    config = RouterConfig(name, args.api_key, args.max_model_len, args.public_metrics, None,
-                          responses_store=args.responses_store, responses_store_size=args.responses_store_size,
-                          responses_store_ttl=args.responses_store_ttl,
-                          trust_request_chat_template=args.trust_request_chat_template,
-                          chat_template_timeout=args.chat_template_timeout,
-                          json_any_whitespace=json_any_whitespace(args.structured_outputs_config),
-                          grammar_compile_timeout=args.grammar_compile_timeout,
-                          lora=LoRARegistry(_lora_modules(args, name), args.enable_lora,
-                                            tuple(args.allowed_local_lora_path), replica_set=replicas))
-    tokenizer = Tokenizer(model_dir, model_config.max_position_embeddings, config.template_timeout_s,
-                          config.grammar_compile_timeout, config.json_any_whitespace)
-    config = _auto_tool_choice(args, config, tokenizer)
-    from router.observe import configure
-
-    configure(name, args.max_model_len or replicas.max_model_len or model_config.max_position_embeddings)
-    from stagemesh.core import telemetry
-
-    if telemetry.enabled():  # a span per HTTP request, its context carried on to the scheduler
-        from opentelemetry import trace
-        from opentelemetry.instrumentation.aiohttp_server import AioHttpServerInstrumentor
-
-        AioHttpServerInstrumentor().instrument(tracer_provider=trace.get_tracer_provider())
-    app = build_app(replicas, tokenizer, config)
+    app, config = _build_app(args, replicas)
     await _report_store(app)
     control = await _control(args, replicas, app[LIFECYCLE])
     if config.lora.enabled:  # a replica that lacks an adapter loaded at run time (it restarted) gets it
@@ -91,23 +46,8 @@ async def _main(args: argparse.Namespace) -> int:
     checker = asyncio.create_task(replicas.health_loop())
     if args.reuse_port:
         await _wait_for_a_replica(replicas, shutdown)
-    grpc_server = None
-    if args.grpc_port is not None:
-        from router.frontend import FrontendServicer, serve_frontend
-
-        grpc_server, grpc_port = await serve_frontend(FrontendServicer(replicas, tokenizer, config, app[LIFECYCLE]),
-                                                      args.host, args.grpc_port)
-        log.info("gRPC frontend (stagemesh.v1.Frontend) on %s:%d", args.host, grpc_port)
-    # a client that disconnects cancels its handler, which aborts the request in the scheduler
-    runner = GatewayRunner(app, access_log=None, handler_cancellation=True,
-                           keepalive_timeout=args.http_timeout_keep_alive, shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port, reuse_port=args.reuse_port or None)
-    await site.start()
-    app[LIFECYCLE].listening = True
-    port = runner.addresses[0][1]
-    log.info("router serving %s on http://%s:%d over %d replica(s) (%s); OpenAI API at /v1", name, args.host, port,
-             len(replicas.replicas), args.policy)
+    grpc_server = await _frontend(args, replicas, app, config)
+    runner, site = await _serve_http(args, app, config.served_model_name, len(replicas.replicas))
     freeze_startup_heap("router")
     await shutdown.wait()
     await _drain(shutdown, app[LIFECYCLE], site, replicas)
@@ -120,6 +60,94 @@ async def _main(args: argparse.Namespace) -> int:
     await runner.cleanup()
     await replicas.close()
     return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    from stagemesh.core.errors import StagemeshError
+
+    if args.model and args.model_option and args.model != args.model_option:
+        raise StagemeshError(f"two models given: '{args.model}' and --model '{args.model_option}'")
+    if args.max_request_retries < 0:
+        raise StagemeshError("--max-request-retries must be >= 0")
+    _check_store(args)
+    if args.max_waiting_requests < 0 or args.health_interval <= 0 or args.http_timeout_keep_alive <= 0:
+        raise StagemeshError("--max-waiting-requests must be >= 0, --health-interval and --http-timeout-keep-alive > 0")
+
+
+def _build_app(args: argparse.Namespace, replicas):
+    """The gateway's aiohttp app over the replicas, and the router's config: the served name (the flag's, else a
+    replica's, else the model's), the tokenizer of the model (a GGUF's: its --tokenizer), LoRA, tools, traces."""
+    from router.app import build_app
+    from router.config import RouterConfig, json_any_whitespace
+    from router.lora_registry import LoRARegistry
+    from router.observe import configure
+    from router.tokenization import Tokenizer
+    from stagemesh.core.model_config import ModelConfig
+    from stagemesh.core.model_source import resolve_source
+
+    source = resolve_source(args.model_option or args.model, args.tokenizer, args.quantization)
+    model_config = ModelConfig.from_path(source.model_dir)
+    name = args.served_model_name or next((r.served_model_name for r in replicas.replicas if r.served_model_name),
+                                          None) or source.name
+    config = RouterConfig(name, args.api_key, args.max_model_len, args.public_metrics, None,
+                          responses_store=args.responses_store, responses_store_size=args.responses_store_size,
+                          responses_store_ttl=args.responses_store_ttl,
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          chat_template_timeout=args.chat_template_timeout,
+                          json_any_whitespace=json_any_whitespace(args.structured_outputs_config),
+                          grammar_compile_timeout=args.grammar_compile_timeout,
+                          lora=LoRARegistry(_lora_modules(args, name), args.enable_lora,
+                                            tuple(args.allowed_local_lora_path), replica_set=replicas))
+    tokenizer = Tokenizer(source.model_dir, model_config.max_position_embeddings, config.template_timeout_s,
+                          config.grammar_compile_timeout, config.json_any_whitespace)
+    config = _auto_tool_choice(args, config, tokenizer)
+    configure(name, args.max_model_len or replicas.max_model_len or model_config.max_position_embeddings)
+    _instrument()
+    return build_app(replicas, tokenizer, config), config
+
+
+def _instrument() -> None:
+    """With traces on (stagemesh.core.telemetry): a span per HTTP request, its context carried on to the
+    scheduler."""
+    from stagemesh.core import telemetry
+
+    if telemetry.enabled():
+        from opentelemetry import trace
+        from opentelemetry.instrumentation.aiohttp_server import AioHttpServerInstrumentor
+
+        AioHttpServerInstrumentor().instrument(tracer_provider=trace.get_tracer_provider())
+
+
+async def _frontend(args: argparse.Namespace, replicas, app, config):
+    """The gRPC frontend's server (stagemesh.v1.Frontend), or None without --grpc-port."""
+    if args.grpc_port is None:
+        return None
+    from router.frontend import FrontendServicer, serve_frontend
+    from router.state import LIFECYCLE, TOKENIZER
+
+    server, port = await serve_frontend(FrontendServicer(replicas, app[TOKENIZER], config, app[LIFECYCLE]),
+                                        args.host, args.grpc_port)
+    log.info("gRPC frontend (stagemesh.v1.Frontend) on %s:%d", args.host, port)
+    return server
+
+
+async def _serve_http(args: argparse.Namespace, app, name: str, num_replicas: int):
+    """The OpenAI HTTP API listening (SO_REUSEPORT with --reuse-port): its runner and site."""
+    from aiohttp import web
+
+    from router.http_server import GatewayRunner
+    from router.state import LIFECYCLE
+
+    # a client that disconnects cancels its handler, which aborts the request in the scheduler
+    runner = GatewayRunner(app, access_log=None, handler_cancellation=True,
+                           keepalive_timeout=args.http_timeout_keep_alive, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port, reuse_port=args.reuse_port or None)
+    await site.start()
+    app[LIFECYCLE].listening = True
+    log.info("router serving %s on http://%s:%d over %d replica(s) (%s); OpenAI API at /v1", name, args.host,
+             runner.addresses[0][1], num_replicas, args.policy)
+    return runner, site
 
 
 async def _wait_for_a_replica(replicas, shutdown) -> None:

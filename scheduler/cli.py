@@ -86,20 +86,41 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _main(args: argparse.Namespace) -> int:
-    from scheduler.config import SchedulerConfig
-    from scheduler.driver import Driver, DriverConfig
-    from scheduler.grpc_pipeline import GrpcPipeline
     from scheduler.kv_peers import KVPeers
-    from scheduler.rendezvous import ModelIdentity, Rendezvous
     from scheduler.service import SchedulerServicer, serve
     from stagemesh.core.model_config import ModelConfig
-    from stagemesh.core.shutdown import Shutdown
-    from stagemesh.core.speculative import parse_speculative_config
     from stagemesh.core.model_source import resolve_source
+    from stagemesh.core.shutdown import Shutdown
 
     source = resolve_source(args.model, args.tokenizer, args.quantization)  # a GGUF's config: its --tokenizer
-    model_dir = source.model_dir
-    cfg = ModelConfig.from_path(model_dir)
+    cfg = ModelConfig.from_path(source.model_dir)
+    tier_bytes = _check_args(args, cfg)
+    shutdown = Shutdown(args.shutdown_timeout, log, "scheduler")
+    shutdown.install_async()
+    advertise = args.advertise_host or args.host
+    store = _store(args.host, args.dist_port)
+    internal_token.warn_if_open("scheduler")
+    driver = _driver(args, cfg, tier_bytes, advertise, store.port)
+    name = args.served_model_name or source.name
+    servicer = SchedulerServicer(driver, name, str(source.model_dir), cfg.vocab_size, args.kv_role,
+                                 args.resume_grace_period, KVPeers(tuple(args.kv_peer)))
+    server, port = await serve(servicer, args.host, args.port)
+    driver.observer.replica = servicer.address = f"{advertise}:{port}"
+    if args.port_file:
+        with open(args.port_file, "w") as f:
+            f.write(f"{port}\n")
+    role = "" if args.kv_role == "both" else f"; {args.kv_role} replica of a disaggregated mesh"
+    log.info("scheduler for %s listening on %s:%d (store on port %d), waiting for %d stage(s)%s", name, args.host,
+             port, store.port, args.pipeline_parallel_size, role)
+    freeze_startup_heap("scheduler")
+    try:
+        return await _serve_until_stopped(shutdown, servicer, driver)
+    finally:
+        await server.stop(grace=1)
+
+
+def _check_args(args: argparse.Namespace, cfg) -> tuple[int, int]:
+    """StagemeshError for flags that do not go together or with the model; the KV tiers' (host, disk) bytes."""
     if args.max_model_len is not None and args.max_model_len > cfg.max_position_embeddings:
         raise StagemeshError(f"--max-model-len {args.max_model_len} exceeds the model's "
                              f"{cfg.max_position_embeddings} positions")
@@ -118,61 +139,56 @@ async def _main(args: argparse.Namespace) -> int:
         raise StagemeshError("--kv-offloading-size needs prefix caching: the KV tiers hold prefix-cache blocks "
                              "(drop --no-enable-prefix-caching)")
     check_kv_load_arguments(args)
-    shutdown = Shutdown(args.shutdown_timeout, log, "scheduler")
-    shutdown.install_async()
-    advertise = args.advertise_host or args.host
-    store = _store(args.host, args.dist_port)
-    internal_token.warn_if_open("scheduler")
+    return tier_host, tier_disk
+
+
+def _driver(args: argparse.Namespace, cfg, tier_bytes: tuple[int, int], advertise: str, store_port: int):
+    """The replica's driver: its scheduler's config from the flags and the model, over a pipeline of stages that
+    register at this scheduler (rendezvous on the store)."""
+    from scheduler.config import SchedulerConfig
+    from scheduler.driver import Driver, DriverConfig
+    from scheduler.grpc_pipeline import GrpcPipeline
+    from scheduler.rendezvous import ModelIdentity, Rendezvous
+    from stagemesh.core.speculative import parse_speculative_config
+
     identity = ModelIdentity(cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size,
                              cfg.num_attention_heads, cfg.num_key_value_heads)
     spec = parse_speculative_config(args.speculative_config)
     draft_tokens = spec.num_speculative_tokens if spec is not None and spec.uses_draft_model else 0
     lora = _lora_table(args)
     rendezvous = Rendezvous(args.pipeline_parallel_size, args.block_size, identity, draft_tokens, lora)
-    driver = Driver(DriverConfig(
-        SchedulerConfig(max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        enable_prefix_caching=args.enable_prefix_caching, eos_token_ids=cfg.eos_token_ids,
-                        max_waiting_requests=args.max_waiting_requests, vocab_size=cfg.vocab_size,
-                        scheduling_policy=args.scheduling_policy, kv_hold_timeout_s=args.kv_hold_timeout,
-                        kv_load_failure_policy=args.kv_load_failure_policy, kv_load_timeout_s=args.kv_load_timeout,
-                        speculative=spec, lora=lora),
-        model_max_len=cfg.max_position_embeddings, async_scheduling=args.async_scheduling,
+    scheduler = SchedulerConfig(
+        max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
+        eos_token_ids=cfg.eos_token_ids, max_waiting_requests=args.max_waiting_requests, vocab_size=cfg.vocab_size,
+        scheduling_policy=args.scheduling_policy, kv_hold_timeout_s=args.kv_hold_timeout,
+        kv_load_failure_policy=args.kv_load_failure_policy, kv_load_timeout_s=args.kv_load_timeout,
+        speculative=spec, lora=lora)
+    return Driver(DriverConfig(
+        scheduler, model_max_len=cfg.max_position_embeddings, async_scheduling=args.async_scheduling,
         stage_recovery_timeout_s=args.stage_recovery_timeout, max_request_retries=args.max_request_retries,
-        kv_offloading_bytes=tier_host, kv_offloading_disk_bytes=tier_disk),
-        GrpcPipeline(rendezvous, advertise, store.port, replace(DEADLINES, forward_s=args.forward_timeout)))
-    name = args.served_model_name or source.name
-    servicer = SchedulerServicer(driver, name, str(model_dir), cfg.vocab_size, args.kv_role,
-                                 args.resume_grace_period, KVPeers(tuple(args.kv_peer)))
-    server, port = await serve(servicer, args.host, args.port)
-    driver.observer.replica = servicer.address = f"{advertise}:{port}"
-    if args.port_file:
-        with open(args.port_file, "w") as f:
-            f.write(f"{port}\n")
-    role = "" if args.kv_role == "both" else f"; {args.kv_role} replica of a disaggregated mesh"
-    log.info("scheduler for %s listening on %s:%d (store on port %d), waiting for %d stage(s)%s", name, args.host,
-             port, store.port, args.pipeline_parallel_size, role)
-    freeze_startup_heap("scheduler")
+        kv_offloading_bytes=tier_bytes[0], kv_offloading_disk_bytes=tier_bytes[1]),
+        GrpcPipeline(rendezvous, advertise, store_port, replace(DEADLINES, forward_s=args.forward_timeout)))
+
+
+async def _serve_until_stopped(shutdown, servicer, driver) -> int:
+    """Run the step loop until told to stop (drained: 0), until it ends (1: a supervisor restarts the scheduler)
+    or until the stages' configuration is refused (StagemeshError, exit 2: no supervisor restarts it)."""
     runner = asyncio.create_task(driver.run())
     stopping = asyncio.create_task(shutdown.wait())
     refused = asyncio.create_task(driver.refused())
-    await asyncio.wait({runner, stopping, refused}, return_when=asyncio.FIRST_COMPLETED)
-    code = 0
-    if refused.done():  # exit 2: a supervisor (serve) restarts no service for a configuration it refuses
-        runner.cancel()
-        stopping.cancel()
-        await server.stop(grace=1)
-        raise StagemeshError(refused.result())
-    refused.cancel()
-    if runner.done():  # the step loop must never end: exit so that a supervisor restarts the scheduler
-        log.error("the step loop ended: %r", runner.exception() if not runner.cancelled() else "cancelled")
-        code = 1
-    else:
+    try:
+        await asyncio.wait({runner, stopping, refused}, return_when=asyncio.FIRST_COMPLETED)
+        if refused.done():
+            raise StagemeshError(refused.result())
+        if runner.done():  # the step loop must never end
+            log.error("the step loop ended: %r", runner.exception() if not runner.cancelled() else "cancelled")
+            return 1
         await _drain(shutdown, servicer, driver)
-    runner.cancel()
-    stopping.cancel()
-    await server.stop(grace=1)
-    return code
+        return 0
+    finally:
+        for task in (runner, stopping, refused):
+            task.cancel()
 
 
 async def _drain(shutdown, servicer, driver) -> None:
