@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from router.choices import plan
 from router.errors import APIError, bad_request
-from router.generation import Generation
+from router.dispatch import Generation
 from router.prompts import prepare
 from router.replica_set import ReplicaSet
 from router.request import GenerateRequest

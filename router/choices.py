@@ -16,7 +16,8 @@ from dataclasses import replace
 from typing import AsyncGenerator
 
 from router.errors import bad_request
-from router.generation import Delta, Generation, generate
+from router.dispatch import Generation
+from router.generation import Delta, generate
 from router.observe import group_done
 from router.replica_set import ReplicaSet
 from router.request import GenerateRequest

@@ -6,7 +6,8 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from router.generation import Delta, Generation
+from router.dispatch import Generation
+from router.generation import Delta
 from router.request import GenerateRequest
 from router.tools import read_calls
 from router.tokenization import Tokenizer

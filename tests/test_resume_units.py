@@ -1,5 +1,5 @@
 """The parts of a resumed stream, in this process: the event ids and what a resume skips (router.resume), the
-split of a request's outputs so far (router.generation), the scheduler's sessions (scheduler.sessions), and the
+split of a request's outputs so far (router.dispatch), the scheduler's sessions (scheduler.sessions), and the
 gateway's answers to resumes it cannot serve (fake replicas)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import requests
 
 from fake_replicas import FakeRouter
 from router.errors import APIError
-from router.generation import _split
+from router.dispatch import _split
 from router.resume import EventIds, ResumePoint, wants_event_ids
 from router.submit_stream import ReplicaOutput
 from scheduler.connection import Connection

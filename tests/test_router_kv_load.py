@@ -13,7 +13,7 @@ import pytest
 from fake_replicas import FakeReplica, FakeStream
 from router.balancing import LeastLoad
 from router.errors import APIError
-from router.generation import Generation, _stream
+from router.dispatch import Generation, dispatch
 from router.replica_set import ReplicaSet
 from router.submit_stream import ReplicaOutput, RequestFailed
 from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
@@ -76,7 +76,7 @@ class Decode(FakeReplica):
 def generate(replicas: ReplicaSet, max_tokens: int = 6) -> list[int]:
     async def go():
         gen = Generation(EngineRequest("r", list(PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
-        return [t for reply in [r async for r in _stream(gen, replicas)] for t in reply.token_ids]
+        return [t for reply in [r async for r in dispatch(gen, replicas)] for t in reply.token_ids]
     return asyncio.run(asyncio.wait_for(go(), 30))
 
 
@@ -120,7 +120,7 @@ def test_a_prefill_replica_that_stops_passing_health_checks_is_left():
         gen = Generation(EngineRequest("r", list(PROMPT), SamplingParams(max_tokens=6, ignore_eos=True)))
         replicas = mesh(p, d)
         asyncio.get_running_loop().call_later(0.5, p.mark_failed, "DEADLINE_EXCEEDED: health check")
-        return [t for reply in [r async for r in _stream(gen, replicas)] for t in reply.token_ids]
+        return [t for reply in [r async for r in dispatch(gen, replicas)] for t in reply.token_ids]
     tokens = asyncio.run(asyncio.wait_for(go(), 10))
     assert tokens == list(range(8, 14))  # the whole request on the decode replica
     assert d.generated == [[]] and d.kv == [("", "")]
@@ -131,7 +131,7 @@ def test_a_client_gone_between_the_prefill_and_the_decode_has_the_kv_released():
 
     async def go():
         gen = Generation(EngineRequest("r", list(PROMPT), SamplingParams(max_tokens=6, ignore_eos=True)))
-        replies = _stream(gen, mesh(p, d))
+        replies = dispatch(gen, mesh(p, d))
         first = await replies.__anext__()  # the prefill's token: the client has it, then goes away
         await replies.aclose()
         await asyncio.sleep(0.1)

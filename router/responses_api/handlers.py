@@ -18,7 +18,7 @@ from aiohttp import web
 from router import choices
 from router.admission import launch
 from router.errors import APIError, bad_request
-from router.generation import Generation
+from router.dispatch import Generation
 from router.http_body import read_json
 from router.openai_request import chat_request
 from router.protocol import ChatCompletionRequest, validate

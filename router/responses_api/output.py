@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import uuid
 
-from router.generation import Delta, Generation
+from router.dispatch import Generation
+from router.generation import Delta
 from router.request import GenerateRequest
 from router.responses import Choice, token_logprobs
 from router.responses_api.request import ResponsesRequest
