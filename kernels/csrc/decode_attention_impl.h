@@ -92,6 +92,24 @@ void heads_in_blocks(const Item<T>& it, const float* q, float* s, float* o, int6
   }
 }
 
+// A row that sees no position (a context-parallel rank's empty share): output 0, lse -inf; as a piece, one
+// that merge() weighs 0.
+template <typename T>
+void no_positions(const Problem& p, int64_t r, int64_t kvh, int64_t group, float* partial) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  if (partial != nullptr) {
+    for (int64_t h = 0; h < group; ++h) {
+      float* ph = partial + h * (p.dim + 2);
+      ph[0] = neg_inf, ph[1] = 0.f;
+      std::fill(ph + 2, ph + 2 + p.dim, 0.f);
+    }
+    return;
+  }
+  T* orow = static_cast<T*>(p.out) + (r * p.heads + kvh * group) * p.dim;
+  std::fill(orow, orow + group * p.dim, static_cast<T>(0.f));
+  for (int64_t h = 0; h < group; ++h) p.lse[r * p.heads + kvh * group + h] = neg_inf;
+}
+
 // The item's positions [first, last): with partial null, the attention of its G query heads into p.out;
 // else, for a piece of a split item, each head's max score, sum of exp(score - max) and unnormalised
 // output (dim floats) into partial [G][dim + 2], for merge() (fp32 caches only).
@@ -106,6 +124,7 @@ void attend(const Problem& p, int64_t item, int64_t first, int64_t last, std::ve
   buf.resize(2 * group * dim + 2 * group + group * len);
   float *q = buf.data(), *o = q + group * dim, *inv = o + group * dim, *top = inv + group, *s = top + group;
   const T* qrow = static_cast<const T*>(p.q) + (r * p.heads + kvh * group) * dim;
+  if (len == 0) return no_positions<T>(p, r, kvh, group, partial);  // a row of no positions: only with the lse asked
   for (int64_t i = 0; i < group * dim; ++i) q[i] = static_cast<float>(qrow[i]) * p.scale;
   heads_in_blocks<NC>(it, q, s, o, group, dim, stride, true);
   for (int64_t h = 0; h < group; ++h) {  // softmax over the row's positions, in fp32, normalised at the end
@@ -134,6 +153,8 @@ void attend(const Problem& p, int64_t item, int64_t first, int64_t last, std::ve
   T* orow = static_cast<T*>(p.out) + (r * p.heads + kvh * group) * dim;
   for (int64_t h = 0; h < group; ++h)  // bf16: rounded to nearest even once
     for (int64_t i = 0; i < dim; ++i) orow[h * dim + i] = static_cast<T>(o[h * dim + i] * inv[h]);
+  if (p.lse != nullptr)
+    for (int64_t h = 0; h < group; ++h) p.lse[r * p.heads + kvh * group + h] = top[h] - std::log(inv[h]);
 }
 
 // An item's pieces merged: each piece's sums rescaled to the largest max (flash-decoding's reduction).
@@ -154,6 +175,7 @@ inline void merge(const Problem& p, int64_t item, const float* pieces, int64_t c
     }
     const float inv = 1.f / total;
     for (int64_t i = 0; i < dim; ++i) o[i] *= inv;
+    if (p.lse != nullptr) p.lse[(item / p.kv_heads) * p.heads + (item % p.kv_heads) * group + h] = m + std::log(total);
   }
 }
 
