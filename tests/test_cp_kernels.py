@@ -236,3 +236,29 @@ def test_cpu_lse_of_a_long_row_cut_over_threads():
     want, want_lse = reference.paged_attention_lse(*args, 0.125)
     torch.testing.assert_close(out, want, **TOL)
     torch.testing.assert_close(lse, want_lse, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_prefill_chunk_over_rank_shares_by_visible_counts(dtype):
+    """The C++ kernel takes each query row's count of visible positions, so it already attends a prefill chunk
+    to a rank's share of the keys at their true positions (ring attention's rounds): row i sees the share's
+    positions up to its own, a prefix of the share's block table; rows that see none give 0 and -inf."""
+    if cpu_ops.load() is None or not cpu_ops.covers(cpu_ops.current_attention_family(), 64):
+        pytest.skip("no C++ family kernel for head_dim 64 here")
+    q, k_cache, v_cache, tables, ctx, qsl = args = paged_case([70], [150], 6, 2, 64, dtype=dtype, seed=9)
+    want, want_lse = reference.paged_attention_lse(*args, 0.125)
+    q_positions = torch.arange(150 - 70, 150)
+    for layout in ("round-robin", "contiguous"):
+        local_args = [rank_share(args, r, 3, layout) for r in range(3)]
+        parts = []
+        for r, (_, _, _, local_tables, _, _) in enumerate(local_args):
+            mine = [b for b, owner in enumerate(owners(10, 3, layout)) if owner == r]
+            positions = torch.tensor([b * 16 + i for b in mine for i in range(16) if b * 16 + i < 150])
+            visible = (positions[None, :] <= q_positions[:, None]).sum(1).to(torch.int32)
+            parts.append(cpu_ops.load().decode_attention_lse(q, k_cache, v_cache, local_tables,
+                                                              torch.zeros(70, dtype=torch.int32), visible, 0.125,
+                                                              cpu_ops.current_attention_family()))
+        outs, lses = zip(*parts)
+        out, lse = cpu_ops.merge_attention_states(torch.stack(outs), torch.stack(lses))
+        torch.testing.assert_close(out, want, **(TOL if dtype == torch.float32 else BF16_TOL))
+        torch.testing.assert_close(lse, want_lse, **(TOL if dtype == torch.float32 else dict(atol=1e-3, rtol=1e-3)))
