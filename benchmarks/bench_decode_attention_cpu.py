@@ -12,7 +12,16 @@ family covers the head_dim). Arms alternate for --rounds rounds and the medians 
 in turn (kernels.cpu_ops.pin_attention_family; "portable" is the path before the families: the portable
 decode loop and torch's attention for prefill chunks): output tokens per second, per family.
 
+--lse: instead, the cost of the log-sum-exp context parallelism asks for (kernels/csrc/decode_attention_impl.h):
+this CPU's family kernel without it (decode_attention, the serving path) and with it (decode_attention_lse), on
+the decode batch and on one long row (the split-per-thread path), arms alternating; then the merge of two
+partials of the decode batch, C++ (kernels/csrc/attention_merge.cpp) against the torch reference. --baseline
+SO: instead, the decode_attention of a build from before the lse (the stagemesh cache keeps one per source
+version; two builds cannot share a process), to compare "without the lse" with the kernel as it was: run
+both, in turn. Figures are the best round (the least disturbed by other processes) and the median.
+
     .venv/bin/python benchmarks/bench_decode_attention_cpu.py [--rows 32] [--threads N] [--rounds 5] [--model]
+    .venv/bin/python benchmarks/bench_decode_attention_cpu.py --lse [--baseline SO] [--rows 32] [--threads N]
 """
 from __future__ import annotations
 
@@ -51,10 +60,14 @@ def main() -> None:
     parser.add_argument("--prefills", type=int, default=16)
     parser.add_argument("--prefill-len", type=int, default=128)
     parser.add_argument("--model", action="store_true", help="the default model's standard batch per family")
+    parser.add_argument("--lse", action="store_true", help="the family kernel with and without the lse; the merge")
+    parser.add_argument("--baseline", help="--lse: the .so of a build from before the lse, timed beside")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.model:
         return model(args)
+    if args.lse:
+        return lse_cost(args)
     from kernels import cpu_ops, isa
 
     ops = cpu_ops.load()
@@ -83,6 +96,66 @@ def main() -> None:
                   f"30 layers, {positions * 9 * 64 * 4 / t / 1e9:5.1f} GFLOPS, {base / t:4.2f}x the portable loop")
 
     prefill(args, cpu_ops)
+
+
+def alternate(arms: dict, rounds: int, calls: int) -> dict[str, tuple[float, float]]:
+    """(best, median) seconds per call of each arm, the arms run in turn for `rounds` rounds of `calls` calls."""
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    for _ in range(rounds):
+        for arm, f in arms.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                f()
+            times[arm].append((time.perf_counter() - start) / calls)
+    return {a: (min(t), statistics.median(t)) for a, t in times.items()}
+
+
+def lse_cost(args) -> None:
+    from pathlib import Path
+
+    from kernels import cpu_ops, isa, reference
+
+    ops = cpu_ops._import(Path(args.baseline).stem, Path(args.baseline)) if args.baseline else cpu_ops.load()
+    if ops is None:
+        raise SystemExit("the CPU kernels could not be built here")
+    family = isa.family_for("attention", isa.cpu_flags(), ops.attention_avx512_available())  # of this module
+    print(isa.describe(isa.cpu_flags()))
+    print(f"family {family}, 9 heads / 3 KV heads of 64, {args.threads} threads, {args.rounds} rounds of "
+          f"{args.calls} calls: best round / median, us per call")
+    for dtype in (torch.bfloat16, torch.float32):
+        name = str(dtype).removeprefix("torch.")
+        for label, (call, _) in ((f"{args.rows} decode rows", case(args.rows, dtype)),
+                                 ("1 row of 4096 positions", long_row(dtype))):
+            arms = {"before the lse": lambda: ops.decode_attention(*call, family)}
+            if not args.baseline:
+                out, _ = ops.decode_attention_lse(*call, family)
+                assert torch.equal(out, ops.decode_attention(*call, family)), "the lse changed the output"
+                arms = {"without lse": lambda: ops.decode_attention(*call, family),
+                        "with lse": lambda: ops.decode_attention_lse(*call, family)}
+            t = alternate(arms, args.rounds, args.calls)
+            print(f"{name:9s} {label:24s}: {figures(t)}")
+        if args.baseline:
+            continue
+        parts = torch.randn(2, args.rows, 9, 64).to(dtype)
+        lses = torch.randn(2, args.rows, 9)
+        t = alternate({"C++": lambda: cpu_ops.merge_attention_states(parts, lses),
+                       "torch reference": lambda: reference.merge_attention_states(parts, lses)},
+                      args.rounds, args.calls)
+        print(f"{name:9s} merge of 2 x {args.rows} rows x 9 heads x 64: {figures(t)}")
+
+
+def figures(times: dict[str, tuple[float, float]]) -> str:
+    return ", ".join(f"{arm} {best * 1e6:.1f} / {median * 1e6:.1f}" for arm, (best, median) in times.items())
+
+
+def long_row(dtype: torch.dtype, length: int = 4096, bs: int = 16):
+    g = torch.Generator().manual_seed(1)
+    blocks = length // bs
+    k = torch.randn(blocks, bs, 3, 64, generator=g).to(dtype)
+    v = torch.randn(blocks, bs, 3, 64, generator=g).to(dtype)
+    table = torch.randperm(blocks, generator=g).to(torch.int32)[None]
+    q = torch.randn(1, 9, 64, generator=g).to(dtype)
+    return (q, k, v, table, torch.zeros(1, dtype=torch.int32), torch.tensor([length], dtype=torch.int32), 0.125), length
 
 
 def prefill(args, cpu_ops) -> None:

@@ -28,7 +28,8 @@ log = logging.getLogger("stagemesh.kernels")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "shm_comm.cpp", CSRC / "moe_ops.cpp", CSRC / "bf16_linear.cpp",
            CSRC / "bf16_linear_avx512bf16.cpp", CSRC / "quant_linear.cpp", CSRC / "decode_attention_avx2.cpp",
-           CSRC / "decode_attention_avx512.cpp", CSRC / "decoder_layer.cpp", CSRC / "lora_ops.cpp"]
+           CSRC / "decode_attention_avx512.cpp", CSRC / "decoder_layer.cpp", CSRC / "lora_ops.cpp",
+           CSRC / "attention_merge.cpp"]
 
 
 def _capability() -> str:
@@ -135,6 +136,27 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     seqs, visible = reference.step_memo("query rows", (context_lens, query_start_loc),
                                         lambda: query_rows(context_lens, query_start_loc))
     return load().decode_attention(q, k_cache, v_cache, block_tables, seqs, visible, scale, family)
+
+
+def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """paged_attention and each row's log-sum-exp, [tokens, heads] fp32 (kernels.reference.paged_attention_lse),
+    from the same family kernel, which stores it only when asked; where no family covers the head_dim, the
+    torch reference."""
+    family = current_attention_family()
+    if not covers(family, q.shape[-1]):
+        return reference.paged_attention_lse(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+    seqs, visible = reference.step_memo("query rows", (context_lens, query_start_loc),
+                                        lambda: query_rows(context_lens, query_start_loc))
+    out, lse = load().decode_attention_lse(q, k_cache, v_cache, block_tables, seqs, visible, scale, family)
+    return out, lse
+
+
+def merge_attention_states(outputs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.reference.merge_attention_states in one C++ call (kernels/csrc/attention_merge.cpp)."""
+    out, lse = load().merge_attention_states(outputs, lses)
+    return out, lse
 
 
 def query_rows(context_lens, query_start_loc):

@@ -54,6 +54,28 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     return impl.paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
 
 
+def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """paged_attention and each (query row, head)'s log-sum-exp of its scaled scores, [tokens, heads] fp32: the
+    partial result a context-parallel rank computes over its share of the keys (merge_attention_states)."""
+    impl = _triton_attention() if _use_triton(q) and _has("paged_attention") else _cpu_impl(q)
+    return impl.paged_attention_lse(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+
+
+def merge_attention_states(outputs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """R partial attentions [R, T, H, D] and their lses [R, T, H] merged into the attention over the union of
+    their keys, [T, H, D] and its lse [T, H] (kernels.reference.merge_attention_states)."""
+    impl = _triton_attention() if _use_triton(outputs) and _has("paged_attention") else _cpu_impl(outputs)
+    return impl.merge_attention_states(outputs, lses)
+
+
+def _triton_attention():
+    from kernels import triton_attention
+
+    return triton_attention
+
+
 def rms_norm(x, weight, eps, residual=None):
     impl = _triton() if _use_triton(x) and _has("rms_norm") else _cpu_impl(x)
     return impl.rms_norm(x, weight, eps, residual)

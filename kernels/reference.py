@@ -134,6 +134,68 @@ def _one_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out[0].transpose(0, 1)
 
 
+def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """paged_attention's rows (decode tokens and prefill chunks, causal as there) and beside the output the
+    log-sum-exp of each (query row, query head)'s scaled scores, [tokens, heads] fp32 (natural log): what
+    context parallelism merges partial results by (merge_attention_states). Computed in fp32, one sequence at
+    a time: the oracle of the kernels' lse, not a fast path. A sequence of no positions (a context-parallel
+    rank that holds none of it) gives output 0 and lse -inf."""
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    starts, lens = query_start_loc.tolist(), context_lens.tolist()
+    for seq in range(len(lens)):
+        lo, hi, context_len = starts[seq], starts[seq + 1], lens[seq]
+        if hi == lo or context_len == 0:
+            continue
+        k = _gather(k_cache, block_tables[seq], context_len)
+        v = _gather(v_cache, block_tables[seq], context_len)
+        # query i sits at position context_len - q_len + i and sees keys <= its position
+        positions = torch.arange(context_len, device=q.device)
+        out[lo:hi], lse[lo:hi] = attention_lse(q[lo:hi], k, v, positions[context_len - (hi - lo):], positions, scale)
+    return out, lse
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+                  k_positions: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of q [T, H, D] over keys and values [L, KVH, D] (GQA: H a multiple of KVH) at
+    explicit positions: query t sees the keys whose position is <= q_positions[t]. Returns the output
+    [T, H, D] in q's dtype and the log-sum-exp [T, H] fp32, all arithmetic in fp32. Any subset of a
+    sequence's keys may be given (a context-parallel rank's share, a ring-attention round's chunk); a row
+    that sees none of them gives output 0 and lse -inf, which merge_attention_states ignores."""
+    group = q.shape[1] // k.shape[1]
+    keys = k.float().repeat_interleave(group, 1).transpose(0, 1)  # [H, L, D]
+    values = v.float().repeat_interleave(group, 1).transpose(0, 1)
+    scores = torch.matmul(q.float().transpose(0, 1), keys.transpose(-1, -2)) * scale  # [H, T, L]
+    visible = k_positions[None, :] <= q_positions[:, None]  # [T, L]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, -1)  # [H, T]: -inf for a row that sees nothing
+    weights = torch.exp(scores - _finite(lse)[..., None])  # all 0 for a row that sees nothing
+    out = torch.matmul(weights, values)
+    return out.transpose(0, 1).to(q.dtype), lse.transpose(0, 1).contiguous()
+
+
+def merge_attention_states(outputs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """R partial attentions of the same queries over disjoint sets of keys, merged into the attention over
+    their union (flash attention's merge): outputs [R, T, H, D] (any float dtype), lses [R, T, H] fp32.
+    With m = max_r lse_r and w_r = exp(lse_r - m): out = sum_r w_r out_r / sum_r w_r, lse = m + log sum_r w_r,
+    in fp32; the output is returned in outputs' dtype, the lse in fp32. A partial of lse -inf (no keys)
+    contributes nothing, whatever its output holds (NaN included); where every partial is -inf the merged
+    output is 0 and its lse -inf (never NaN), as for a row that sees no key."""
+    m = _finite(lses.max(0).values)  # [T, H]; 0 where every partial is empty, so that no -inf - -inf is taken
+    weights = torch.exp(lses - m)  # [R, T, H]: 0 for an empty partial
+    total = weights.sum(0)
+    parts = torch.where(weights[..., None] > 0, outputs.float() * weights[..., None], 0.0)
+    out = parts.sum(0) / torch.where(total > 0, total, 1.0)[..., None]
+    return out.to(outputs.dtype), m + torch.log(total)
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (no keys) replaced by 0, to subtract from scores without -inf - -inf = NaN."""
+    return torch.where(torch.isneginf(lse), 0.0, lse)
+
+
 # Every layer of a step sees the same metadata tensors: derive what the torch path
 # needs from them once per step, not once per layer (the CPU path is overhead-bound).
 _step_memo: dict[str, tuple] = {}

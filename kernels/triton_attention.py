@@ -14,10 +14,10 @@ from stagemesh.core.errors import StagemeshError
 
 
 @triton.jit
-def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, scale, stride_qt, stride_qh, stride_cb,
-                   stride_cs, stride_ch, stride_bt, stride_ot, stride_oh, GROUP: tl.constexpr,
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_ptr, scale, stride_qt, stride_qh, stride_cb,
+                   stride_cs, stride_ch, stride_bt, stride_ot, stride_oh, stride_lt, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr,
-                   D_PAD: tl.constexpr, PRECISION: tl.constexpr):
+                   D_PAD: tl.constexpr, PRECISION: tl.constexpr, HAS_LSE: tl.constexpr):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     ctx = tl.load(ctx_ptr + s)
@@ -45,16 +45,19 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, scale, strid
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m = m_new
+    if HAS_LSE:  # compiled in only when asked
+        tl.store(lse_ptr + s * stride_lt + heads, m + tl.log(l), mask=g < GROUP)
+        l = tl.where(l > 0, l, 1.0)  # a sequence of no positions here (a CP rank's empty share): output 0
     out = acc / l[:, None]
     tl.store(out_ptr + s * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=(g < GROUP)[:, None] & dmask[None, :])
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, scale, stride_qt, stride_qh,
-                    stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh, GROUP: tl.constexpr,
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, lse_ptr, scale, stride_qt, stride_qh,
+                    stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh, stride_lt, GROUP: tl.constexpr,
                     BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                    D_PAD: tl.constexpr, PRECISION: tl.constexpr):
+                    D_PAD: tl.constexpr, PRECISION: tl.constexpr, HAS_LSE: tl.constexpr):
     s = tl.program_id(0)
     h = tl.program_id(1)
     mblock = tl.program_id(2)
@@ -91,6 +94,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, sc
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
             m = m_new
+        if HAS_LSE:
+            tl.store(lse_ptr + (q_start + rows) * stride_lt + h, m + tl.log(l), mask=row_ok)
+            l = tl.where(l > 0, l, 1.0)  # a row that sees no position: output 0
         out = acc / l[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
@@ -117,23 +123,86 @@ def _checks(q, k_cache, block_tables, context_lens, query_start_loc) -> tuple[in
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+    return _attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, None)
+
+
+def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """paged_attention and the log-sum-exp of each row's scaled scores, [tokens, heads] fp32, from the kernels'
+    own online softmax (kernels.reference.paged_attention_lse); a sequence of no positions gives output 0
+    and lse -inf."""
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    return _attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, lse), lse
+
+
+def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+               context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+               lse: torch.Tensor | None) -> torch.Tensor:
+    """Either kernel, storing each row's lse into `lse` when it is given (else the kernels are compiled
+    without it)."""
     group, bs, d = _checks(q, k_cache, block_tables, context_lens, query_start_loc)
     num_seqs, kv_heads = context_lens.shape[0], k_cache.shape[2]
     out = torch.empty_like(q)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    lse_args = (out if lse is None else lse,)  # a pointer the kernel never reads without HAS_LSE
     common = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0),
-              out.stride(1))
+              out.stride(1), 0 if lse is None else lse.stride(0))
     if q.shape[0] == num_seqs:  # all decode
         tile = max(16, bs) if q.device.type == "cpu" else max(64, bs)
-        _decode_kernel[(num_seqs, kv_heads)](q, k_cache, v_cache, block_tables, context_lens, out, scale,
+        _decode_kernel[(num_seqs, kv_heads)](q, k_cache, v_cache, block_tables, context_lens, out, *lse_args, scale,
                                              q.stride(0), q.stride(1), *common, GROUP=group,
                                              GROUP_PAD=max(16, triton.next_power_of_2(group)), BS=bs, TILE=tile, D=d,
-                                             D_PAD=triton.next_power_of_2(d), PRECISION=precision)
+                                             D_PAD=triton.next_power_of_2(d), PRECISION=precision,
+                                             HAS_LSE=lse is not None)
         return out
     max_q = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     block_m = 16 if max_q <= 16 else 64
     grid = (num_seqs, q.shape[1], triton.cdiv(max_q, block_m))
-    _prefill_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, scale, q.stride(0),
-                          q.stride(1), *common, GROUP=group, BS=bs, BLOCK_M=block_m, BLOCK_N=max(16, min(64, bs * 4)),
-                          D=d, D_PAD=triton.next_power_of_2(d), PRECISION=precision)
+    _prefill_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, *lse_args, scale,
+                          q.stride(0), q.stride(1), *common, GROUP=group, BS=bs, BLOCK_M=block_m,
+                          BLOCK_N=max(16, min(64, bs * 4)), D=d, D_PAD=triton.next_power_of_2(d),
+                          PRECISION=precision, HAS_LSE=lse is not None)
     return out
+
+
+@triton.jit
+def _merge_kernel(parts_ptr, part_lse_ptr, out_ptr, lse_ptr, R, T, H, D: tl.constexpr, D_PAD: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    """One program per (row, block of heads): the R partials of those heads merged by their lse (contiguous
+    [R, T, H, D] outputs and [R, T, H] lses in, [T, H, D] and [T, H] out)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = h < H
+    d = tl.arange(0, D_PAD)
+    mask = hmask[:, None] & (d < D)[None, :]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for r in range(R):
+        m = tl.maximum(m, tl.load(part_lse_ptr + (r * T + t) * H + h, mask=hmask, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)  # every partial empty: weights 0, no -inf - -inf
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
+    for r in range(R):
+        w = tl.exp(tl.load(part_lse_ptr + (r * T + t) * H + h, mask=hmask, other=float("-inf")) - m)
+        part = tl.load(parts_ptr + ((r * T + t) * H + h)[:, None] * D + d[None, :], mask=mask, other=0.0)
+        acc += tl.where(w[:, None] > 0, part.to(tl.float32) * w[:, None], 0.0)  # an empty partial: nothing, NaN or not
+        total += w
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + (t * H + h)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + t * H + h, m + tl.log(total), mask=hmask)
+
+
+def merge_attention_states(outputs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.reference.merge_attention_states in one kernel: outputs [R, T, H, D], lses [R, T, H] fp32."""
+    if outputs.dim() != 4 or lses.shape != outputs.shape[:3] or lses.dtype != torch.float32:
+        raise StagemeshError(f"merge_attention_states input: outputs [R, T, H, D] and lses [R, T, H] fp32, "
+                             f"not {tuple(outputs.shape)} and {tuple(lses.shape)} {lses.dtype}")
+    parts, part_lses = outputs.contiguous(), lses.contiguous()
+    r, t, h, d = parts.shape
+    out = torch.empty((t, h, d), dtype=parts.dtype, device=parts.device)
+    lse = torch.empty((t, h), dtype=torch.float32, device=parts.device)
+    block_h = min(16, triton.next_power_of_2(h))
+    if t:
+        _merge_kernel[(t, triton.cdiv(h, block_h))](parts, part_lses, out, lse, r, t, h, D=d,
+                                                    D_PAD=triton.next_power_of_2(d), BLOCK_H=block_h)
+    return out, lse

@@ -288,10 +288,11 @@ static decode_attn::Kernel family_kernel(const std::string& family, int64_t dim)
 // family covers, the loop below: one task per row, walking the row's blocks in order and reading each
 // position's keys (then values) of all KV heads as one contiguous run; softmax in fp32, two passes. A
 // bf16 cache is read as bf16 (half the bytes) and widened in registers; sums and the output row are
-// fp32 until the row is stored.
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& visible,
-                            double scale, const std::string& family) {
+// fp32 until the row is stored. With `lse` (decode_attention_lse) a family kernel also stores each row's
+// log-sum-exp there, and a row may see no position.
+static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& visible,
+                              double scale, const std::string& family, float* lse) {
   TORCH_CHECK(family == "avx512" || family == "avx2" || family == "portable", "no decode attention for the family ",
               family, " (avx512, avx2, portable)");
   check_float_or_bf16(q, "q");
@@ -312,7 +313,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   int64_t max_len = 0;
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(sq[r] >= 0 && sq[r] < tables.size(0), "row ", r, " names sequence ", sq[r], " of ", tables.size(0));
-    TORCH_CHECK(ln[r] > 0 && ln[r] <= width * block_size, "row ", r, " sees ", ln[r], " positions; its block table holds ",
+    TORCH_CHECK(ln[r] > (lse == nullptr ? 0 : -1) && ln[r] <= width * block_size, "row ", r, " sees ", ln[r], " positions; its block table holds ",
                 width * block_size);
     for (int64_t b = 0; b < (ln[r] + block_size - 1) / block_size; ++b) {
       const int32_t block = bt[static_cast<int64_t>(sq[r]) * width + b];
@@ -324,11 +325,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const float fscale = static_cast<float>(scale);
   const decode_attn::Problem problem{qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), bt, sq, ln,
                                      rows, heads, kv_heads, dim, block_size, width, max_len, fscale,
-                                     q.scalar_type() == at::kBFloat16};
+                                     q.scalar_type() == at::kBFloat16, lse};
   if (const auto kernel = family_kernel(family, dim)) {
     kernel(problem);
     return out;
   }
+  TORCH_CHECK(lse == nullptr, "the portable decode attention returns no lse (a family kernel does)");
   with_dtype(q.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     const T *qp = qc.data_ptr<T>(), *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>();
@@ -377,6 +379,21 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& visible,
+                            double scale, const std::string& family) {
+  return attend_rows(q, k_cache, v_cache, block_tables, seq, visible, scale, family, nullptr);
+}
+
+// decode_attention and each row's log-sum-exp of its scaled scores, [rows, heads] fp32, for context
+// parallelism's merge (attention_merge.cpp); a row of no positions gives output 0 and lse -inf.
+std::vector<at::Tensor> decode_attention_lse(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                             const at::Tensor& block_tables, const at::Tensor& seq,
+                                             const at::Tensor& visible, double scale, const std::string& family) {
+  at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  return {attend_rows(q, k_cache, v_cache, block_tables, seq, visible, scale, family, lse.data_ptr<float>()), lse};
+}
+
 // Whether decode_attention's `family` runs a family kernel (not the portable loop) for this head_dim here.
 bool decode_attention_covers(const std::string& family, int64_t dim) { return family_kernel(family, dim) != nullptr; }
 
@@ -416,6 +433,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "single-query attention over the paged cache (a family's kernel)",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
         pybind11::arg("seq"), pybind11::arg("visible"), pybind11::arg("scale"), pybind11::arg("family") = "portable");
+  m.def("decode_attention_lse", &decode_attention_lse, "decode_attention and each row's log-sum-exp (a family's kernel)");
+  m.def("merge_attention_states", &merge_attention_states, "partial attentions merged by their lse (attention_merge.cpp)");
   m.def("decode_attention_covers", &decode_attention_covers, "whether a family's kernel covers this head_dim here");
   m.def("attention_avx512_available", &decode_attn::avx512_available, "whether this CPU runs the avx512 decode attention");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");

@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace decode_attn {
 
@@ -23,6 +24,7 @@ struct Problem {
   int64_t rows, heads, kv_heads, dim, block_size, width, max_len;
   float scale;
   bool bf16;  // the cache and q are bf16 (else fp32)
+  float* lse = nullptr;  // [rows, heads]: each row's log-sum-exp, where asked (rows may then see no position)
 };
 
 // Whether the family runs here (the CPU has its instructions and this build could emit them) and
@@ -35,3 +37,7 @@ bool avx512_covers(int64_t dim);
 void avx512_run(const Problem& p);
 
 }  // namespace decode_attn
+
+// R partial attentions [R, T, H, D] (fp32 or bf16) and their lses [R, T, H] fp32 merged into [T, H, D] and
+// [T, H] (attention_merge.cpp; kernels.reference.merge_attention_states is the oracle).
+std::vector<at::Tensor> merge_attention_states(const at::Tensor& outputs, const at::Tensor& lses);

@@ -92,6 +92,17 @@ void heads_in_blocks(const Item<T>& it, const float* q, float* s, float* o, int6
   }
 }
 
+// A row that sees no position (a context-parallel rank's empty share, only where the lse is asked): output 0,
+// lse -inf.
+template <typename T>
+void no_positions(const Problem& p, int64_t item) {
+  const int64_t r = item / p.kv_heads, kvh = item % p.kv_heads, group = p.heads / p.kv_heads;
+  T* orow = static_cast<T*>(p.out) + (r * p.heads + kvh * group) * p.dim;
+  std::fill(orow, orow + group * p.dim, static_cast<T>(0.f));
+  std::fill(p.lse + r * p.heads + kvh * group, p.lse + r * p.heads + (kvh + 1) * group,
+            -std::numeric_limits<float>::infinity());
+}
+
 // The item's positions [first, last): with partial null, the attention of its G query heads into p.out;
 // else, for a piece of a split item, each head's max score, sum of exp(score - max) and unnormalised
 // output (dim floats) into partial [G][dim + 2], for merge() (fp32 caches only).
@@ -123,6 +134,7 @@ void attend(const Problem& p, int64_t item, int64_t first, int64_t last, std::ve
       for (int64_t t = 0; t < len; ++t) sh[t] = static_cast<float>(c10::BFloat16(sh[t]));
   }
   heads_in_blocks<NC>(it, q, s, o, group, dim, stride, false);
+  // buf now holds q, o, inv, top and s, in this order: attend_lse reads inv and top
   if (partial != nullptr) {
     for (int64_t h = 0; h < group; ++h) {
       float* ph = partial + h * (dim + 2);
@@ -134,6 +146,18 @@ void attend(const Problem& p, int64_t item, int64_t first, int64_t last, std::ve
   T* orow = static_cast<T*>(p.out) + (r * p.heads + kvh * group) * dim;
   for (int64_t h = 0; h < group; ++h)  // bf16: rounded to nearest even once
     for (int64_t i = 0; i < dim; ++i) orow[h * dim + i] = static_cast<T>(o[h * dim + i] * inv[h]);
+}
+
+// attend() of a whole item, and its heads' lse = max + log(sum) into p.lse: written apart from attend(), which
+// the path without the lse runs as it was (a second instantiation of attend in this file changes how the
+// compiler inlines the first, about 15% slower on fp32).
+template <int NC, typename T>
+void attend_lse(const Problem& p, int64_t item, int64_t len, std::vector<float>& buf) {
+  if (len == 0) return no_positions<T>(p, item);
+  attend<NC, T>(p, item, 0, len, buf);
+  const int64_t r = item / p.kv_heads, kvh = item % p.kv_heads, group = p.heads / p.kv_heads;
+  const float *inv = buf.data() + 2 * group * p.dim, *top = inv + group;
+  for (int64_t h = 0; h < group; ++h) p.lse[r * p.heads + kvh * group + h] = top[h] - std::log(inv[h]);
 }
 
 // An item's pieces merged: each piece's sums rescaled to the largest max (flash-decoding's reduction).
@@ -154,6 +178,7 @@ inline void merge(const Problem& p, int64_t item, const float* pieces, int64_t c
     }
     const float inv = 1.f / total;
     for (int64_t i = 0; i < dim; ++i) o[i] *= inv;
+    if (p.lse != nullptr) p.lse[(item / p.kv_heads) * p.heads + (item % p.kv_heads) * group + h] = m + std::log(total);
   }
 }
 
@@ -184,7 +209,8 @@ bool run_pieces(const Problem& p, int64_t items) {
     for (int64_t k = lo; k < hi; ++k) {
       const Piece& c = pieces[k];
       float* slot = c.slot < 0 ? nullptr : partials.data() + (c.item * threads + c.slot) * width;
-      attend<NC, T>(p, c.item, c.first, c.last, buf, slot);
+      if (slot == nullptr && p.lse != nullptr) attend_lse<NC, T>(p, c.item, c.last, buf);
+      else attend<NC, T>(p, c.item, c.first, c.last, buf, slot);
     }
   });
   for (int64_t i = 0; i < items; ++i)
@@ -211,7 +237,9 @@ void run_items(const Problem& p) {
       const int64_t from = total * part / parts, to = total * (part + 1) / parts;
       const int64_t first = std::upper_bound(ends.begin(), ends.end(), from) - ends.begin();
       const int64_t last = part + 1 == parts ? items : std::upper_bound(ends.begin(), ends.end(), to) - ends.begin();
-      for (int64_t i = part == 0 ? 0 : first; i < last; ++i) attend<NC, T>(p, i, 0, p.visible[i / p.kv_heads], buf);
+      for (int64_t i = part == 0 ? 0 : first; i < last; ++i)
+        if (p.lse != nullptr) attend_lse<NC, T>(p, i, p.visible[i / p.kv_heads], buf);
+        else attend<NC, T>(p, i, 0, p.visible[i / p.kv_heads], buf);
     }
   });
 }
