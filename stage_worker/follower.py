@@ -16,7 +16,9 @@ import sys
 
 import torch
 
-from stagemesh.core.lora import LoRAError, add_lora_arguments
+from stagemesh.core.common_flags import LoRAOptions
+from stagemesh.core.flags import add_flags
+from stagemesh.core.lora import LoRAError
 from stagemesh.core.step_wire import epoch_from_pb, step_from_pb
 from stagemesh.v1 import stage_pb2
 from stage_worker import control, eplb, kv_transfer, run_ahead
@@ -144,7 +146,7 @@ def main() -> None:
     p.add_argument("--gguf-file", default=None)
     p.add_argument("--kv-disk-dir", default=None)
     p.add_argument("--kv-namespace", default=None)
-    add_lora_arguments(p)
+    add_flags(p, LoRAOptions)
     args = p.parse_args()
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s follower tp{args.tp_rank} %(levelname)s: %(message)s")

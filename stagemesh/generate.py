@@ -22,9 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer-split", default=None, help="run as chained stages, e.g. 10,12,8")
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     parser.add_argument("--dtype", default=None, help="auto, float32, bfloat16")
-    from stagemesh.core.model_source import add_model_arguments
+    from stagemesh.core.common_flags import ModelOptions
+    from stagemesh.core.flags import add_flags
 
-    add_model_arguments(parser)
+    add_flags(parser, ModelOptions, ("model",))  # (--tokenizer, --quantization; its MODEL is its own)
 
 
 def run(args: argparse.Namespace) -> int:

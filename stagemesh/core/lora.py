@@ -176,14 +176,6 @@ def read_adapter_config(name: str, path: str | Path, max_lora_rank: int) -> Adap
     return AdapterConfig(name, path, rank, float(alpha), tuple(dict.fromkeys(targets)), bool(raw.get("use_rslora")))
 
 
-def add_lora_arguments(p, limits: bool = True) -> None:
-    """vLLM's LoRA flags (stagemesh.core.common_flags.LoRAOptions); limits=False: the router's."""
-    from stagemesh.core.common_flags import LORA_LIMITS, LoRAOptions
-    from stagemesh.core.flags import add_flags
-
-    add_flags(p, LoRAOptions, () if limits else LORA_LIMITS)
-
-
 def lora_from_args(args) -> tuple[LoRALimits, tuple[LoRAModule, ...]] | None:
     """The LoRA limits and adapters the flags give, or None without --enable-lora (--lora-modules without it is
     refused, never ignored)."""

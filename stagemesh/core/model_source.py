@@ -3,7 +3,6 @@ directory (vLLM's `serve ./x.gguf --tokenizer DIR`); `--quantization gguf` with 
 embedded model's own GGUF (its config and tokenizer: the converted directory)."""
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,14 +26,6 @@ class ModelSource:
         if self.gguf_file is not None:
             return [str(self.gguf_file), "--tokenizer", str(self.model_dir), "--quantization", "gguf"]
         return [str(self.model_dir)] + (["--quantization", self.quantization] if self.quantization else [])
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """--tokenizer and --quantization (stagemesh.core.common_flags.ModelOptions), for a command with a MODEL."""
-    from stagemesh.core.common_flags import ModelOptions
-    from stagemesh.core.flags import add_flags
-
-    add_flags(p, ModelOptions, ("model",))
 
 
 def resolve_source(model: str | None, tokenizer: str | None = None, quantization: str | None = None) -> ModelSource:
