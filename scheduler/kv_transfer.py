@@ -23,7 +23,6 @@ from scheduler.request import Request
 from stagemesh.core.engine_request import KVSourceInfo
 from stagemesh.core.errors import StagemeshError
 
-__all__ = ["KVSourceInfo"]  # (where a prompt's KV is held: part of the request, stagemesh.core.engine_request)
 
 log = logging.getLogger("stagemesh.scheduler")
 

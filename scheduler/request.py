@@ -11,7 +11,7 @@ from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import PromptLogprobs, SampledToken, TokenLogprob
 
 if TYPE_CHECKING:
-    from scheduler.kv_transfer import KVSourceInfo
+    from stagemesh.core.engine_request import KVSourceInfo
 
 
 class Status(enum.Enum):

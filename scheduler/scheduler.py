@@ -38,8 +38,8 @@ from scheduler import results
 from scheduler.admission import check_request, fits_kv_cache
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
-from scheduler.kv_transfer import KVLoadFailed, KVSourceInfo, KVTransfers, failure_message
-from stagemesh.core.engine_request import EngineRequest
+from scheduler.kv_transfer import KVLoadFailed, KVTransfers, failure_message
+from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
 from scheduler.policy import SchedulingPolicy
 from scheduler.request import Request, RequestOutput, Status
 from scheduler.speculation import SpecDecodeStats, Speculator

@@ -12,13 +12,13 @@ from scheduler.connection import Connection
 from scheduler.drain import Drain
 from scheduler.driver import Driver, Unavailable
 from scheduler.kv_peers import KVPeers
-from scheduler.kv_transfer import KVLoadFailed, KVSourceInfo, check_kv_source, failure_message
+from scheduler.kv_transfer import KVLoadFailed, check_kv_source, failure_message
 from scheduler.lora_admin import AdapterExists, AdapterInUse, AdapterUnknown, LoRAAdmin
 from scheduler.rendezvous import ModelIdentity, StageInfo
 from scheduler.replies import fill_update, kv_batch_to_pbs, status_of
 from scheduler.request import RequestOutput
 from scheduler.sessions import Sessions
-from stagemesh.core.engine_request import EngineRequest
+from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grpc_errors import ErrorInterceptor
 from stagemesh.core.health import LIVENESS, follow

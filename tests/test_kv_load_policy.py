@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from scheduler.config import SchedulerConfig
-from scheduler.kv_transfer import KVLoadFailed, KVSourceInfo
+from scheduler.kv_transfer import KVLoadFailed
+from stagemesh.core.engine_request import KVSourceInfo
 from scheduler.scheduler import Scheduler
 from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
