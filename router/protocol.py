@@ -11,6 +11,7 @@ import logging
 from typing import Any, Literal, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import ErrorDetails
 
 from router.errors import bad_request
 
@@ -246,7 +247,7 @@ def _path(loc: list) -> str | None:
     return out or None
 
 
-def _kind(error: dict) -> str:
+def _kind(error: ErrorDetails) -> str:
     value = error.get("input")
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
             dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)

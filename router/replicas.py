@@ -46,7 +46,7 @@ class Replica:
     lora_reported: bool = False  # its stats said which adapters it serves (below), name -> directory
     lora_adapters: dict[str, str] = field(default_factory=dict)
     forgotten: bool = False  # no longer balanced over (ReplicaSet.set_replicas): a late check reports nothing
-    stub: scheduler_pb2_grpc.SchedulerStub | None = field(default=None, repr=False)
+    stub: scheduler_pb2_grpc.SchedulerStub = field(init=False, repr=False)  # (made in __post_init__)
 
     def __post_init__(self) -> None:
         self.channel = aio_channel(self.address)

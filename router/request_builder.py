@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any
 
 from router.errors import APIError, bad_request
 from router.protocol import ChatMessage, StreamOptions
@@ -162,8 +163,9 @@ def _named(req: GenerateRequest):
     try:
         yield
     except InvalidParameter as err:
-        name = {"max_tokens": req.max_tokens_param, "structured_outputs": req.structured_param}.get(err.param,
-                                                                                                     err.param)
+        renamed: dict[str | None, str | None] = {"max_tokens": req.max_tokens_param,
+                                                 "structured_outputs": req.structured_param}
+        name = renamed.get(err.param, err.param)
         raise bad_request(str(err).replace("'max_tokens'", f"'{name}'"), name) from None
 
 
@@ -205,7 +207,7 @@ def _message(m: ChatMessage, i: int) -> dict:
             raise bad_request(f"'{where}.content' is required (null only for an assistant message with tool_calls)",
                               f"{where}.content")
         content = ""  # templates concatenate it: an agent's tool-call turn renders as vLLM renders it
-    out = {"role": m.role, "content": content}  # the developer role goes to the template as it is
+    out: dict[str, Any] = {"role": m.role, "content": content}  # the developer role goes to the template as it is
     for key in ("name", "tool_call_id"):
         if getattr(m, key) is not None:
             out[key] = getattr(m, key)

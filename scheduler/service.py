@@ -117,6 +117,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         """A decode request's kv_source, checked; None: the prompt is computed here (its own prefill, held here,
         is freed: a decode replica was not to be had; or a source that is not a --kv-peer, under the
         kv_load_failure_policy recompute). Raises KVLoadFailed for that source under fail."""
+        assert r.kv_source is not None  # (called only for a request that has one)
         kv_source = check_kv_source(r.kv_source)
         if kv_source.scheduler_address == self.address:
             self.driver.release_kv(kv_source.request_id)
@@ -235,6 +236,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def _kv_params(self, out: RequestOutput) -> KVSourceInfo:
         held = out.held_kv
+        assert held is not None  # (called only for an output that holds KV: scheduler.replies)
         return KVSourceInfo(self.address, out.request_id, held.epoch, tuple(held.block_ids), self.block_size,
                             held.num_tokens, held.stages)
 

@@ -20,20 +20,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 from opentelemetry import trace
 
 from scheduler.epochs import EpochManager
-from scheduler.kv_transfer import KVLoadFailed, failure_message, run_pull
+from scheduler.kv_transfer import KVLoadFailed, KVPull, failure_message, run_pull
 from scheduler.observe import Observer
 from scheduler.output_stream import OutputStream
 from scheduler.pipeline import Pipeline, StageFailure, StepResult, check_result
 from scheduler.rendezvous import PipelinePlan
 from scheduler.request import RequestOutput
 from scheduler.scheduler import Scheduler, SchedulerOutput
+from scheduler.tiers import KVTiers, LoadJob, StoreJob
 from stagemesh.core import telemetry
 from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
@@ -56,7 +57,7 @@ class _Sent:
     """A micro-batch in flight through the pipeline."""
     start: float  # perf_counter when the step was sent
     span: trace.Span | None
-    result: asyncio.Future | None  # the pipeline's answer
+    result: Awaitable[StepResult]  # the pipeline's answer
     after: asyncio.Future | None  # done when the step before has been taken in
     taken: asyncio.Future  # done when this step has been taken in (or failed)
 
@@ -99,6 +100,7 @@ class StepLoop:
         if not usable:
             self.observer.kv_load_refused("not_fit", "recompute")
             kv_source = request.kv_source
+            assert kv_source is not None  # (only a request's kv_source can be unusable)
             self._spawn(self.pipeline.release_kv(kv_source))
             log.warning("request %s: the KV held on %s does not fit this replica (block size %d, %d tokens held for "
                         "a prompt of %d): computing the prompt here", request.request_id, kv_source.scheduler_address,
@@ -179,7 +181,7 @@ class StepLoop:
         self._fill()
         scheduler = self.epochs.scheduler
         tiers = scheduler.kv.tiers if scheduler is not None and self.epochs.healthy else None
-        if tiers is not None:
+        if scheduler is not None and tiers is not None:
             for load in tiers.take_loads():
                 self._spawn(self._load(self.epochs.epoch, scheduler, load))
             store = tiers.take_store()
@@ -189,10 +191,12 @@ class StepLoop:
     def _fill(self) -> None:
         """Schedule micro-batches until every stage has one."""
         epochs = self.epochs
-        if epochs.scheduler is not None:
-            self._release_held(epochs.scheduler)
+        scheduler = epochs.scheduler  # (the same through the loop: nothing in it awaits)
+        if scheduler is None:  # (none without an epoch: not healthy either)
+            return
+        self._release_held(scheduler)
         while epochs.healthy and len(self._in_flight) < self._depth:
-            scheduler, epoch = epochs.scheduler, epochs.epoch
+            epoch = epochs.epoch
             # split the requests over the micro-batches, so that every stage has work
             share = max(-(-scheduler.num_unfinished // self._lanes), 1)
             single = self._lanes == 1
@@ -208,12 +212,13 @@ class StepLoop:
             self.observer.scheduled(output.request_ids, preempted)
             batch = output.step_batch
             span, links = self.observer.start_step(batch.step_id, output.request_ids, batch.num_tokens)
-            sent = _Sent(time.perf_counter(), span, None, self._last_sent, asyncio.get_running_loop().create_future())
-            self._last_sent = sent.taken
+            start = time.perf_counter()
             try:
-                sent.result = self.pipeline.forward(epoch, batch, span, links)
+                result = self.pipeline.forward(epoch, batch, span, links)
             except StageFailure as err:  # it failed at once: the step's task ends the epoch
-                sent.result = _failed(err)
+                result = _failed(err)
+            sent = _Sent(start, span, result, self._last_sent, asyncio.get_running_loop().create_future())
+            self._last_sent = sent.taken
             self._in_flight.add(asyncio.create_task(self._step(epoch, scheduler, output, sent)))
 
     async def _step(self, epoch: int, scheduler: Scheduler, output: SchedulerOutput, sent: _Sent) -> None:
@@ -244,7 +249,9 @@ class StepLoop:
         seconds = time.perf_counter() - sent.start
         self.step_seconds += seconds
         self.compute_seconds += result.compute_seconds
-        stages = self.epochs.plan.stages
+        plan = self.epochs.plan
+        assert plan is not None  # (set when the step's epoch formed; never unset)
+        stages = plan.stages
         try:
             check_result(output.step_batch, result, scheduler.config.vocab_size)
         except StagemeshError as err:  # the last stage answered nonsense: it is broken, not the requests
@@ -259,7 +266,7 @@ class StepLoop:
         self.dispatch(outputs)
         self.observer.end_step(span, seconds, result.compute_seconds, scheduler.stats())
 
-    async def _pull(self, epoch: int, scheduler: Scheduler, pull) -> None:
+    async def _pull(self, epoch: int, scheduler: Scheduler, pull: KVPull) -> None:
         """Fetch a prompt's KV from the prefill replica holding it and let that replica free it; if that fails
         (or passes --kv-load-timeout), the kv_load_failure_policy decides: the request fails, or computes its
         prompt."""
@@ -281,7 +288,7 @@ class StepLoop:
             self._spawn(self.pipeline.release_kv(source))
 
 
-    async def _store(self, epoch: int, scheduler: Scheduler, tiers, job) -> None:
+    async def _store(self, epoch: int, scheduler: Scheduler, tiers: KVTiers, job: StoreJob) -> None:
         """Copy blocks that entered the prefix cache into the KV tiers (scheduler.tiers)."""
         start, ok = time.perf_counter(), True
         try:
@@ -295,7 +302,7 @@ class StepLoop:
             self.observer.kv_tier_stored(job, ok, time.perf_counter() - start)
             self._wake.set()
 
-    async def _load(self, epoch: int, scheduler: Scheduler, job) -> None:
+    async def _load(self, epoch: int, scheduler: Scheduler, job: LoadJob) -> None:
         """Fill a waiting request's blocks from the KV tiers; it runs from the first block that did not load."""
         start = time.perf_counter()
         try:

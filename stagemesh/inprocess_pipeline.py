@@ -67,6 +67,15 @@ class InProcessPipeline:
             tiers.fill(block_ids, host_slots, r, ok)
         return ok
 
+    async def pull_kv(self, epoch: int, pull, timeout_s: float) -> int:
+        """Disaggregated prefill: no stage service here to fetch a prefill replica's KV with, so the pull fails
+        (the kv_load_failure_policy decides), as the Pipeline protocol says."""
+        raise StagemeshError("an in-process pipeline cannot pull KV from a prefill replica")
+
+    async def release_kv(self, source, timeout_s: float | None = None) -> bool | None:
+        """Not asked (no KV is ever pulled here): None, as for a prefill replica that did not answer."""
+        return None
+
     def forward(self, epoch: int, batch: StepBatch, span, trace_links: list[str]) -> asyncio.Future:
         done = asyncio.get_running_loop().create_future()
         try:
@@ -88,6 +97,7 @@ class InProcessPipeline:
             except Exception as err:  # a bug: the step fails as a stage service's would, the loop goes on
                 raise StageFailure(stage, f"internal error: {type(err).__name__}: {err}") from err
             hidden = result.hidden_states
+        assert result is not None  # (a pipeline has at least one stage)
         return StepResult(result.sampled, result.prompt_logprobs, drafts=result.drafts)
 
     async def probe(self) -> StageFailure | None:

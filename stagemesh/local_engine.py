@@ -18,6 +18,7 @@ from scheduler.lora_table import LoRATable
 from stagemesh.inprocess_pipeline import InProcessPipeline
 from scheduler.output_stream import OutputStream
 from scheduler.request import RequestOutput
+from scheduler.scheduler import SchedulerStats
 from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.lora import LoRALimits, parse_lora_modules
@@ -112,9 +113,13 @@ class LocalEngine:
             return list(await asyncio.gather(*map(one, prompts, samplings, adapters)))
         return self._loop.run_until_complete(run_all())
 
-    def stats(self):
-        """The scheduler's counters (scheduler.scheduler.SchedulerStats)."""
-        return self.driver.scheduler.stats()
+    def stats(self) -> SchedulerStats:
+        """The scheduler's counters. Raises StagemeshError once a failed step gave the requests up (nothing
+        restarts in-process: the driver has no scheduler then)."""
+        scheduler = self.driver.scheduler
+        if scheduler is None:
+            raise StagemeshError(f"the engine cannot serve: {self.driver.reason}")
+        return scheduler.stats()
 
     def close(self) -> None:
         """Stop the driver and its event loop."""
