@@ -32,7 +32,7 @@ class Request:
     status: Status = Status.WAITING
     in_flight: int = 0  # steps scheduled whose results are not back
     # output tokens scheduled whose ids are not known yet (vLLM's name): steps in flight that sample one; a
-    # step run ahead of them computes PLACEHOLDER in their place (stage_worker.run_ahead fills it in)
+    # step run ahead of them computes PLACEHOLDER in their place (stage_worker.step_executor.RunAhead fills it in)
     num_output_placeholders: int = 0
     # speculative decoding: the draft tokens its next decode step carries (scheduler.speculation)
     spec_token_ids: list[int] = field(default_factory=list)

@@ -12,7 +12,7 @@ in flight samples a token may be scheduled once more before that token is
 back, as a decode of PLACEHOLDER (Request.num_output_placeholders counts the
 tokens not yet known), which the first stage replaces with the token the last
 stage sampled for the sequence in the step before (stages run steps in order;
-stage_worker.run_ahead). So the next step is on the stages before the current one
+stage_worker.step_executor.RunAhead). So the next step is on the stages before the current one
 ends, and the scheduler's work and both RPCs overlap the model. A request
 that turns out to have finished (EOS, stop token) wastes the one token
 computed ahead; its result is dropped. schedule(run_ahead=False) leaves such

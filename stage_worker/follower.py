@@ -21,7 +21,7 @@ from stagemesh.core.flags import add_flags
 from stagemesh.core.lora import LoRAError
 from stagemesh.core.step_wire import epoch_from_pb, step_from_pb
 from stagemesh.v1 import stage_pb2
-from stage_worker import control, eplb, kv_transfer, run_ahead
+from stage_worker import control, eplb, kv_transfer
 from stage_worker import dist as sdist
 from stage_worker.kv_disk import DiskTier
 from stage_worker.kv_tier_ranks import TierFollower
@@ -98,7 +98,7 @@ def run(runner: StageRunner, kind: int, payload: bytes) -> None:
         filled, step_bytes = control.read_step_message(payload)
         step = step_from_pb(stage_pb2.StepBatch.FromString(step_bytes))
         if filled:  # a step run ahead: as rank 0 runs it
-            run_ahead.fill(step, filled)
+            step.chunks.fill_placeholders(filled)
         hidden = None
         if not runner.is_first_stage:
             buf = torch.empty((step.num_tokens, runner.config.hidden_size), dtype=runner.dtype, device=runner.device)

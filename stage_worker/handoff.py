@@ -6,7 +6,7 @@ stage's PushActivations; the receiver waits in a mailbox keyed by step id.
 Stages process steps in order, so both match steps by id.
 
 The same channel carries the sampled tokens that a step scheduled ahead needs
-back from the last stage to the first (stage_worker.run_ahead): a send on the
+back from the last stage to the first (stage_worker.step_executor.RunAhead): a send on the
 world from the last stage's rank 0 to the first's, or a PushActivations call
 on the first stage with sampled_tokens instead of activations.
 """

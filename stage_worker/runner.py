@@ -20,14 +20,12 @@ from stage_worker import prompt_logprobs
 from kernels import cpu_ops
 from stage_worker.layers import pack_weights_for_cpu
 from stage_worker.lora import LoRAManager, LoRASettings
-from stagemesh.core.lora import LoRAError
 from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from stage_worker.gguf import GGUFCheckpoint
 from stage_worker.model import AttentionMetadata, StageModel
 from stage_worker.quantization import check_quantization, load_gguf, quantize_at_load
 from stage_worker.parallel import HeadShard, TPGroup
 from stage_worker.sampler import Sampler
-from stage_worker.validate import InvalidStep
 from stage_worker.weights import load_weights
 
 if TYPE_CHECKING:
@@ -255,51 +253,6 @@ class StageRunner:
         seq_ids = [seq_id for seq_id, t in last.items() if t.error is None]
         return self.drafter.propose(self.sampler.seqs, seq_ids, self.block_tables, self.config.eos_token_ids)
 
-    def check_state(self, batch: StepBatch, max_model_len: int) -> None:
-        """The checks of a step that need the sequences' state (the rest: stage_worker.validate): new ids
-        are new, every other id is known, each chunk continues its sequence where its tokens end (or over
-        the drafts of its last chunk, some of which were rejected) and its blocks cover it. Raises
-        InvalidStep and changes nothing."""
-        finished, new = set(batch.finished_seq_ids), {s.seq_id for s in batch.new_sequences}
-        if len(new) != len(batch.new_sequences) or any(s in self.block_tables and s not in finished for s in new):
-            raise InvalidStep("a new sequence's id is already in use")
-        if not new <= set(batch.chunks.seq_ids):
-            raise InvalidStep("a new sequence comes without a chunk")
-        self._check_adapters(batch, finished)
-        c, bs, lens, tables = batch.chunks, self.block_size, self.seq_lens, self.block_tables
-        max_blocks = -(-max_model_len // bs)
-        for seq_id, n, start, added in zip(c.seq_ids, c.num_tokens, c.start_positions, c.num_new_blocks):
-            if seq_id in new:
-                blocks = added  # a prefix-cache hit starts past the cached blocks it is sent
-                if start > blocks * bs:
-                    raise InvalidStep(f"new sequence {seq_id} starts at {start} with {blocks} KV blocks")
-            elif seq_id in lens and seq_id not in finished:
-                blocks = len(tables[seq_id]) + added
-                if not lens[seq_id] - self.num_drafts.get(seq_id, 0) <= start <= lens[seq_id]:
-                    raise InvalidStep(f"sequence {seq_id} continues at position {start}; its tokens end at "
-                                      f"{lens[seq_id]}")
-            else:
-                raise InvalidStep(f"sequence {seq_id} is not known to this stage")
-            if blocks * bs < start + n:
-                raise InvalidStep(f"sequence {seq_id} has {blocks} KV blocks for {start + n} tokens")
-            if blocks > max_blocks:
-                raise InvalidStep(f"sequence {seq_id} would hold {blocks} KV blocks; {max_blocks} hold max_model_len")
-
-    def _check_adapters(self, batch: StepBatch, finished: set[int]) -> None:
-        """The step's adapters are ones this stage serves, no more of them than --max-loras."""
-        named = {s.seq_id: s.lora_name for s in batch.new_sequences if s.lora_name}
-        if named and self.lora is None:
-            raise InvalidStep(f"sequence {next(iter(named))} asks for LoRA adapter {next(iter(named.values()))!r}; "
-                              f"this stage runs without --enable-lora")
-        if self.lora is None:
-            return
-        names = {named.get(s) or ("" if s in finished else self.seq_adapters.get(s, "")) for s in batch.chunks.seq_ids}
-        names.discard("")
-        try:
-            self.lora.check(names)
-        except LoRAError as err:
-            raise InvalidStep(str(err)) from None
-
     def _update_state(self, batch: StepBatch) -> None:
         for seq_id in batch.finished_seq_ids:
             self.block_tables.pop(seq_id, None)
@@ -335,7 +288,7 @@ class StageRunner:
         tables = [self.block_tables[s] for s in c.seq_ids]
         for seq_id, table, n, p0, sample, d in zip(c.seq_ids, tables, c.num_tokens, c.start_positions, c.sample,
                                                    c.draft_counts()):
-            pos = range(p0, p0 + n)  # covered by the sequence's blocks (check_state, for steps from outside)
+            pos = range(p0, p0 + n)  # covered by the sequence's blocks (validate.check_state, for steps from outside)
             positions.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             context_lens.append(p0 + n)

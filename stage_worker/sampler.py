@@ -22,7 +22,7 @@ import torch
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grammar import GrammarCompiler
 from stagemesh.core.sampling_params import SamplingParams
-from stagemesh.core.step import NewSequence, SampledToken
+from stagemesh.core.step import NewSequence, SampledToken, StepBatch
 from stage_worker.logits_processors import SequenceState, needs_processing, process_row
 from stage_worker.rejection import draw, rejection_sample, sampling_probs
 
@@ -91,6 +91,17 @@ class Sampler:
         state = self.seqs.pop(seq_id, None)
         if state is not None and state.compiling is not None:
             state.compiling.cancel()
+
+    def last_tokens(self, batch: StepBatch) -> list[int]:
+        """The tokens a step run ahead's placeholders stand for, in their order: each sequence's last sample
+        (async scheduling: the step was scheduled before the one before it had sampled)."""
+        out = []
+        for _, seq_id in batch.chunks.placeholders():
+            state = self.seqs.get(seq_id)
+            if state is None or not state.output:
+                raise StagemeshError(f"sequence {seq_id} has no sampled token to fill a step ahead with")
+            out.append(state.output[-1])
+        return out
 
     def sample(self, logits: torch.Tensor, seq_ids: list[int], drafts: list[list[int]] | None = None,
                draft_probs: list[list[torch.Tensor] | None] | None = None) -> list[SampledToken]:

@@ -1,11 +1,19 @@
 """A stage's steps, one at a time in step order, on the process's main thread (TP rank 0).
 
-The one owner of what a decoded step goes through: its turn in the epoch's step order
-(stage_worker.step_order: a step that comes early waits as a coroutine of the gRPC server's
-event loop, never holding a thread), the run on the thread that loaded the model
-(stage_worker.main_loop), the tokens of a step run ahead (stage_worker.run_ahead), the
-message to the TP followers (stage_worker.control) and the handoff between stages
+The one owner of what a decoded step goes through: its turn in the epoch's step order (StepOrder: a
+step that comes early waits as a coroutine of the gRPC server's event loop, never holding a thread),
+the run on the thread that loaded the model (stage_worker.main_loop), the tokens of a step run ahead
+(RunAhead), the message to the TP followers (stage_worker.control) and the handoff between stages
 (stage_worker.handoff). The servicer decodes, submits here and encodes the reply.
+
+Steps run ahead (async scheduling): the scheduler may send a sequence's next step before the step in
+flight has sampled its token (scheduler.request.Request.num_output_placeholders counts them); that
+chunk ends in PLACEHOLDER, which the first stage replaces with the sampled token before it embeds the
+chunk. The last stage knows the token once it has run the step before. With one stage, it fills the
+step itself. With several, the last stage sends the tokens back to the first over the handoff the
+stages share (a send on the epoch's world with the nccl handoff, a PushActivations call carrying
+sampled_tokens with the grpc one) as soon as it has run the step before, ahead of waiting for the
+step's activations, which the first stage computes only once it has the tokens.
 """
 from __future__ import annotations
 
@@ -16,18 +24,124 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Callable
 
+from stagemesh.core.deadlines import DEADLINES
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.step import EpochSpec, StepBatch, StepStats
 from stage_worker import control, eplb
 from stage_worker import dist as sdist
 from stage_worker.handoff import DistHandoff, GrpcHandoff, Handoff
 from stage_worker.main_loop import MainLoop
-from stage_worker.run_ahead import RunAhead, has_placeholders
 from stage_worker.runner import StageOutput
-from stage_worker.step_order import StepOrder, window_for
-from stage_worker.validate import StepLimits, check_step
+from stage_worker.sampler import Sampler
+from stage_worker.validate import StepLimits, check_state, check_step
 
 log = logging.getLogger("stagemesh.stage")
+
+
+class OutOfOrder(StagemeshError):
+    """A step that is not this stage's to take (FAILED_PRECONDITION)."""
+
+
+def window_for(num_stages: int) -> int:
+    """Steps a stage accepts ahead of the next: a pipeline keeps one in flight per stage, plus one run ahead."""
+    return 16 + 2 * num_stages
+
+
+class StepOrder:
+    """The order in which a stage takes steps: its epoch's step ids, one after the other. Forward calls may
+    arrive out of order (replies and requests overtake each other on the wire). A step that comes early waits
+    for its turn here, as an awaiting coroutine of the stage's asyncio server, never a thread: at most `window`
+    steps ahead of the next one, each for at most `timeout_s`; anything else (another epoch, a step already
+    taken or far ahead, a second call for the same step) is refused at once."""
+
+    def __init__(self, window: int = 16, timeout_s: float = DEADLINES.step_turn_s):
+        self.window, self.timeout_s = window, timeout_s
+        self.epoch = -1  # -1: between epochs, every step is refused
+        self.next_step = 0
+        self._waiting: dict[int, asyncio.Future] = {}
+
+    def open(self, epoch: int, window: int | None = None) -> None:
+        """A new epoch: its steps start at 0."""
+        self.close()
+        self.epoch, self.next_step = epoch, 0
+        self.window = window or self.window
+
+    def close(self) -> None:
+        """The epoch ends: steps waiting in it are refused."""
+        self.epoch = -1
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_result(None)
+        self._waiting.clear()
+
+    async def turn(self, epoch: int, step_id: int) -> None:
+        """Returns when `step_id` is the next step of `epoch`; the caller then queues it and calls advance()."""
+        self._check(epoch, step_id)
+        if step_id == self.next_step:
+            return
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[step_id] = future
+        try:
+            await asyncio.wait_for(future, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise OutOfOrder(f"step {step_id} waited {self.timeout_s:.0f}s for step {self.next_step}, which never "
+                             "came") from None
+        finally:
+            if self._waiting.get(step_id) is future:
+                del self._waiting[step_id]
+        if self.epoch != epoch or self.next_step != step_id:
+            raise OutOfOrder(f"the epoch of step {step_id} ended while it waited")
+
+    def advance(self, step_id: int) -> None:
+        """`step_id` is queued: the next one may go."""
+        if step_id == self.next_step:
+            self.next_step += 1
+            future = self._waiting.get(self.next_step)
+            if future is not None and not future.done():
+                future.set_result(None)
+
+    def _check(self, epoch: int, step_id: int) -> None:
+        if epoch != self.epoch:
+            where = "; the stage is between epochs" if self.epoch < 0 else ", which is not the stage's"
+            raise OutOfOrder(f"step {step_id} belongs to epoch {epoch}{where}")
+        if step_id < self.next_step:
+            raise OutOfOrder(f"step {step_id} was taken already (the next is {self.next_step})")
+        if step_id >= self.next_step + self.window:
+            raise OutOfOrder(f"step {step_id} is more than {self.window} steps ahead of step {self.next_step}")
+        if step_id in self._waiting:
+            raise OutOfOrder(f"step {step_id} is already waiting for its turn")
+
+
+class RunAhead:
+    """A stage's part in the steps run ahead (the module's docstring) of one epoch: the last stage of several
+    publishes the tokens, the first fills them in."""
+
+    def __init__(self, runner, handoff, epoch: int):
+        self.runner, self.handoff, self.epoch = runner, handoff, epoch
+        self._told = False
+
+    def publish(self, batch: StepBatch) -> None:
+        """Last stage of several: send the first stage the tokens `batch` needs (the step before has run)."""
+        self.handoff.send_tokens(batch.step_id, self._sampler().last_tokens(batch))
+
+    def fill(self, batch: StepBatch) -> list[int]:
+        """First stage: the tokens from this stage's own samples (one stage) or from the last stage's; returns
+        them (the TP followers fill theirs with the same)."""
+        if self.runner.is_last_stage:
+            tokens = self._sampler().last_tokens(batch)
+        else:
+            if not self._told:
+                self._told = True
+                log.info("steps scheduled ahead take their sampled tokens from the last stage (epoch %d)",
+                         self.epoch)
+            tokens = self.handoff.recv_tokens(batch.step_id, len(batch.chunks.placeholders()))
+        batch.chunks.fill_placeholders(tokens)
+        return tokens
+
+    def _sampler(self) -> Sampler:
+        if self.runner.sampler is None:
+            raise StagemeshError("only the last stage's TP rank 0 knows the sampled tokens a step ahead needs")
+        return self.runner.sampler
 
 
 class StepExecutor:
@@ -111,7 +225,7 @@ class StepExecutor:
         if epoch != self.epoch:
             raise StagemeshError(f"step {batch.step_id} belongs to epoch {epoch}, which is not the stage's")
         runner, published = self.runner, None
-        ahead = has_placeholders(batch)  # scheduled before the step before had sampled
+        ahead = batch.chunks.has_placeholders()  # scheduled before the step before had sampled
         if ahead and runner.is_last_stage and not runner.is_first_stage:
             # once the step before has sampled, the first stage gets the tokens this one needs
             assert self.run_ahead is not None  # (the stage joined the epoch)
@@ -125,7 +239,7 @@ class StepExecutor:
         assert self.handoff is not None and self.run_ahead is not None  # (the stage joined the step's epoch)
         if published is not None:
             published.result()  # done (it ran just before): raises if the tokens could not be handed over
-        runner.check_state(batch, self.limits.max_model_len)  # before the handoff: a refused step leaves every
+        check_state(runner, batch, self.limits.max_model_len)  # before the handoff: a refused step leaves every
         # stage as it was
         hidden = None
         start = time.perf_counter()

@@ -5,17 +5,22 @@ max_model_len, block ids against the KV cache, token ids against the vocabulary,
 activations against the hidden size and the step. These checks need only the message
 and the epoch's limits, so they run when the RPC arrives (a refused step costs the
 pipeline nothing); the checks that need the sequences' state (which ids are known,
-where each one's tokens continue) run in StageRunner just before the step.
+where each one's tokens continue) run just before the step (check_state).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.lora import LoRAError
 from stagemesh.core.sampling_params import INT32_MAX, check_token_ids
 from stagemesh.core.speculative import MAX_NUM_SPECULATIVE_TOKENS
 from stagemesh.core.step import PLACEHOLDER, StepBatch
 from stagemesh.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from stage_worker.runner import StageRunner
 
 
 class InvalidStep(StagemeshError):
@@ -121,6 +126,53 @@ def check_tokens(tokens, limits: StepLimits) -> None:
              f"{len(tokens)} sampled tokens; a step has 1 to {limits.max_num_batched_tokens} sequences")
     _require(0 <= min(tokens) and max(tokens) < limits.vocab_size,
              f"sampled tokens outside the vocabulary of {limits.vocab_size}")
+
+
+def check_state(runner: StageRunner, batch: StepBatch, max_model_len: int) -> None:
+    """The checks of a step that need the sequences' state, which `runner` keeps (just before the step): new ids
+    are new, every other id is known, each chunk continues its sequence where its tokens end (or over
+    the drafts of its last chunk, some of which were rejected) and its blocks cover it. Raises
+    InvalidStep and changes nothing."""
+    finished, new = set(batch.finished_seq_ids), {s.seq_id for s in batch.new_sequences}
+    if len(new) != len(batch.new_sequences) or any(s in runner.block_tables and s not in finished for s in new):
+        raise InvalidStep("a new sequence's id is already in use")
+    if not new <= set(batch.chunks.seq_ids):
+        raise InvalidStep("a new sequence comes without a chunk")
+    _check_adapters(runner, batch, finished)
+    c, bs, lens, tables = batch.chunks, runner.block_size, runner.seq_lens, runner.block_tables
+    max_blocks = -(-max_model_len // bs)
+    for seq_id, n, start, added in zip(c.seq_ids, c.num_tokens, c.start_positions, c.num_new_blocks):
+        if seq_id in new:
+            blocks = added  # a prefix-cache hit starts past the cached blocks it is sent
+            if start > blocks * bs:
+                raise InvalidStep(f"new sequence {seq_id} starts at {start} with {blocks} KV blocks")
+        elif seq_id in lens and seq_id not in finished:
+            blocks = len(tables[seq_id]) + added
+            if not lens[seq_id] - runner.num_drafts.get(seq_id, 0) <= start <= lens[seq_id]:
+                raise InvalidStep(f"sequence {seq_id} continues at position {start}; its tokens end at "
+                                  f"{lens[seq_id]}")
+        else:
+            raise InvalidStep(f"sequence {seq_id} is not known to this stage")
+        if blocks * bs < start + n:
+            raise InvalidStep(f"sequence {seq_id} has {blocks} KV blocks for {start + n} tokens")
+        if blocks > max_blocks:
+            raise InvalidStep(f"sequence {seq_id} would hold {blocks} KV blocks; {max_blocks} hold max_model_len")
+
+
+def _check_adapters(runner: StageRunner, batch: StepBatch, finished: set[int]) -> None:
+    """The step's adapters are ones this stage serves, no more of them than --max-loras."""
+    named = {s.seq_id: s.lora_name for s in batch.new_sequences if s.lora_name}
+    if named and runner.lora is None:
+        raise InvalidStep(f"sequence {next(iter(named))} asks for LoRA adapter {next(iter(named.values()))!r}; "
+                          f"this stage runs without --enable-lora")
+    if runner.lora is None:
+        return
+    names = {named.get(s) or ("" if s in finished else runner.seq_adapters.get(s, "")) for s in batch.chunks.seq_ids}
+    names.discard("")
+    try:
+        runner.lora.check(names)
+    except LoRAError as err:
+        raise InvalidStep(str(err)) from None
 
 
 def check_join(req, stage_index: int, tp_size: int, num_kv_blocks: int, model_positions: int, last: bool,

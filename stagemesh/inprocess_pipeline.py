@@ -15,7 +15,6 @@ from scheduler.pipeline import StageFailure, StepResult
 from scheduler.rendezvous import ModelIdentity, PipelinePlan, StageInfo
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.step import StepBatch
-from stage_worker import run_ahead
 from stage_worker.kv_tiers import KVTierStore, open_disk_tier
 from stage_worker.runner import StageRunner
 
@@ -89,8 +88,9 @@ class InProcessPipeline:
         hidden, result = None, None
         for stage, runner in zip(self.stages, self.runners):
             try:
-                if runner is first and run_ahead.has_placeholders(batch):
-                    run_ahead.fill(batch, run_ahead.sampled_tokens(last.sampler, batch))
+                if runner is first and batch.chunks.has_placeholders():
+                    assert last.sampler is not None  # (the last stage's runner samples)
+                    batch.chunks.fill_placeholders(last.sampler.last_tokens(batch))
                 result = runner.execute(batch, hidden)
             except StagemeshError as err:
                 raise StageFailure(stage, str(err)) from None

@@ -20,7 +20,7 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.lora import LoRAError, LoRALimits, parse_lora_modules, read_adapter_config
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import NewSequence, ScheduledChunk, StepBatch
-from stage_worker.validate import InvalidStep
+from stage_worker.validate import InvalidStep, check_state
 from tiny_models import reference_greedy
 
 NEW = 12
@@ -114,8 +114,8 @@ def test_adapters_added_and_removed_at_run_time_take_free_slots(model, adapters,
     for stage in stages:
         assert stage.lora.remove("rs") and not stage.lora.remove("rs")
     with pytest.raises(InvalidStep, match="LoRA adapter 'rs' is not loaded on this stage"):
-        stages[0].check_state(StepBatch(0, [NewSequence(90, [5, 6], SamplingParams(), lora_name="rs")],
-                                        [ScheduledChunk(90, [5, 6], 0, [0], True)]), 64)
+        check_state(stages[0], StepBatch(0, [NewSequence(90, [5, 6], SamplingParams(), lora_name="rs")],
+                                     [ScheduledChunk(90, [5, 6], 0, [0], True)]), 64)
     mine = [(seq, want) for seq, want in cases if seq[1] in ("all", "")]
     assert run_mixed(stages, [seq for seq, _ in mine], NEW, first_seq_id=100) == [want for _, want in mine]
     for stage in stages:  # "attn" now read from rs's directory: its tokens are rs's
@@ -144,12 +144,12 @@ def test_a_step_is_refused_before_it_changes_anything(model, adapters):
         return StepBatch(0, news, [ScheduledChunk(i, [5, 6, 7], 0, [i], True) for i in range(len(names))])
 
     with pytest.raises(InvalidStep, match="LoRA adapter 'nope' is not loaded on this stage"):
-        stage.check_state(step("nope"), 64)
+        check_state(stage, step("nope"), 64)
     with pytest.raises(InvalidStep, match="a step uses 2 LoRA adapters; --max-loras is 1"):
-        stage.check_state(step("all", "attn"), 64)
+        check_state(stage, step("all", "attn"), 64)
     with pytest.raises(InvalidStep, match="asks for LoRA adapter 'all'; this stage runs without --enable-lora"):
-        plain.check_state(step("all"), 64)
-    stage.check_state(step("all", "", "all"), 64)  # one adapter and the base model fit one slot
+        check_state(plain, step("all"), 64)
+    check_state(stage, step("all", "", "all"), 64)  # one adapter and the base model fit one slot
 
 
 @pytest.mark.parametrize("change,message", [

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from stage_worker.step_order import OutOfOrder, StepOrder
+from stage_worker.step_executor import OutOfOrder, StepOrder
 
 
 def run(coro):

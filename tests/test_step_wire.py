@@ -74,7 +74,6 @@ def test_no_sampled_tokens():
 
 def test_tp_followers_take_the_step_as_received_with_the_tokens_rank_0_filled_in():
     from stagemesh.core.step import PLACEHOLDER
-    from stage_worker import run_ahead
     from stage_worker.control import read_step_message, step_message
 
     def step() -> StepBatch:
@@ -83,10 +82,10 @@ def test_tp_followers_take_the_step_as_received_with_the_tokens_rank_0_filled_in
 
     raw = step_to_pb(step()).SerializeToString()
     rank0 = step()
-    run_ahead.fill(rank0, [49151, 7])
+    rank0.chunks.fill_placeholders([49151, 7])
     filled, received = read_step_message(step_message(raw, [49151, 7]))
     assert (filled, received) == ([49151, 7], raw)
     follower = step_from_pb(stage_pb2.StepBatch.FromString(received))
-    run_ahead.fill(follower, filled)
+    follower.chunks.fill_placeholders(filled)
     assert follower == rank0
     assert read_step_message(step_message(raw, [])) == ([], raw)

@@ -12,7 +12,7 @@ from stagemesh.core.step import PLACEHOLDER, NewSequence, ScheduledChunks, StepB
 from stagemesh.v1 import common_pb2
 from stagemesh.core.wire import sampling_from_pb, sampling_to_pb
 from stage_worker.runner import StageRunner
-from stage_worker.validate import InvalidStep, StepLimits, check_activations, check_step
+from stage_worker.validate import InvalidStep, StepLimits, check_activations, check_state, check_step
 
 LIMITS = StepLimits(vocab_size=384, hidden_size=64, block_size=16, num_kv_blocks=100, max_model_len=128,
                     max_num_batched_tokens=64)
@@ -128,7 +128,7 @@ def runner(tiny_model_dir):
 def test_state_checks_know_sequences_and_where_each_continues(runner):
     runner.execute(step())  # sequence 0 holds positions 0..2 in block 4
     cont = StepBatch(2, [], ScheduledChunks([0], [1], [9], [3], [0], [], [True]))
-    runner.check_state(cont, 128)
+    check_state(runner, cont, 128)
     for bad, words in [
         (StepBatch(2, [], ScheduledChunks([0], [1], [9], [5], [0], [], [True])), "continues at position 5; its "
                                                                                      "tokens end at 3"),
@@ -144,7 +144,7 @@ def test_state_checks_know_sequences_and_where_each_continues(runner):
     ]:
         before = (dict(runner.seq_lens), {s: list(t) for s, t in runner.block_tables.items()})
         with pytest.raises(InvalidStep, match=words):
-            runner.check_state(bad, 128)
+            check_state(runner, bad, 128)
         assert (runner.seq_lens, runner.block_tables) == before  # a refusal changes nothing
     runner.execute(cont)  # the good step still runs where the sequence ends
     assert runner.seq_lens[0] == 4

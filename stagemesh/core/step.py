@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
+from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams
 
 # A token id in a step that stands for the token its sequence sampled in the previous step, which
@@ -95,6 +96,18 @@ class ScheduledChunks:
             if self.token_ids[at - 1] == PLACEHOLDER:
                 found.append((at - 1, seq_id))
         return found
+
+    def has_placeholders(self) -> bool:
+        return PLACEHOLDER in self.token_ids
+
+    def fill_placeholders(self, tokens: list[int]) -> None:
+        """Put `tokens` where the chunks end in PLACEHOLDER, in order (the first stage, and its TP followers)."""
+        found = self.placeholders()
+        if len(found) != len(tokens):
+            raise StagemeshError(f"{len(found)} tokens are scheduled ahead in the step, {len(tokens)} came to fill "
+                                 "them")
+        for (index, _), token in zip(found, tokens):
+            self.token_ids[index] = token
 
     def __iter__(self) -> Iterator[ScheduledChunk]:
         tok = blk = 0
