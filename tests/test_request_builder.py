@@ -127,13 +127,23 @@ def test_both_doors_submit_the_same_request(router):
     assert "".join(r.text for r in replies) == http["choices"][0]["text"]
 
 
-def test_tools_are_refused_by_name_over_grpc(router):
-    """A reply message cannot carry a tool call (frontend.proto): refused, not answered as if no tools."""
-    request = frontend_pb2.ChatRequest(messages=[frontend_pb2.ChatMessage(role="user", content="w5")],
-                                       tools='[{"type": "function", "function": {"name": "f"}}]')
+USER = [frontend_pb2.ChatMessage(role="user", content="w5")]
+BANS = frontend_pb2.GenerateRequest(text="w5", bad_words=["w6"])
+BANS.sampling.bad_words.add().token_ids.append(6)
+
+
+# what only the gRPC door can be sent: tools (a reply cannot carry a tool call, frontend.proto), both spellings of
+# bad_words, JSON text that is not JSON
+@pytest.mark.parametrize("field,request_pb", [
+    ("tools", frontend_pb2.ChatRequest(messages=USER, tools='[{"type": "function", "function": {"name": "f"}}]')),
+    ("bad_words", BANS),
+    ("documents", frontend_pb2.ChatRequest(messages=USER, documents="[{")),
+])
+def test_the_grpc_frontend_refuses_its_own_spellings_by_name(router, field, request_pb):
+    call = router.stub.Chat if isinstance(request_pb, frontend_pb2.ChatRequest) else router.stub.Generate
     with pytest.raises(grpc.RpcError) as err:
-        list(router.stub.Chat(request, timeout=30))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("'tools'")
+        list(call(request_pb, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(f"'{field}'")
 
 
 # (HTTP body, gRPC request's fields): the fields beside sampling's that shape the prompt, the bans and the text
