@@ -3,6 +3,7 @@ generated stubs on the client side; grpc.health.v1 and reflection included."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 
@@ -15,7 +16,7 @@ from router.admission import launch
 from router.config import RouterConfig
 from router.errors import APIError, bad_request
 from router.prompts import render
-from router.protocol import ChatMessage
+from router.protocol import ChatCompletionRequest, ChatMessage, checked_field
 from router.replica_set import ReplicaSet
 from router.request import GenerateRequest, Prompt
 from router.request_builder import RequestBuilder, chat_options
@@ -54,12 +55,17 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     def _request(self, request, chat: bool) -> GenerateRequest:
         """A Generate or Chat request through the request builder, step by step as the HTTP door's."""
         b = RequestBuilder(self.config.served_model_name, request.model or None, chat, self.config.adapter_names)
-        b.choices(request.n or 1)
-        b.stop(list(request.stop))
+        b.choices(request.n or 1, _given(request, "best_of"))
+        b.stop(list(request.stop), request.include_stop_str_in_output)
         b.priority(request.priority)
         b.per_request(cache_salt=request.cache_salt or None)  # (proto3: empty is unset, no salt)
+        _decoding(b.req, request, chat)
+        b.truncation(_given(request, "truncate_prompt_tokens"), request.truncation_side or None)
         if chat:
-            b.conversation([ChatMessage(role=m.role, content=m.content) for m in request.messages])
+            if request.tools:
+                raise bad_request("'tools' are not served by the gRPC frontend: its replies cannot carry a tool call "
+                                  "(use the HTTP API's chat completions)", "tools")
+            b.conversation(_messages(request), *_chat_args(request))
         else:
             b.prompts(_prompts(request))
         try:
@@ -119,8 +125,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
 
     async def Tokenize(self, request, context):
         if request.WhichOneof("input") == "chat":
-            messages = [ChatMessage(role=m.role, content=m.content) for m in request.chat.messages]
-            ids = await render(chat_options(messages, True, False, None, None, None), self.tokenizer)
+            chat = request.chat
+            ids = await render(chat_options(_messages(chat), *_chat_args(chat)), self.tokenizer,
+                               bool(_given(chat, "add_special_tokens")))
         else:
             self.tokenizer.check_length(len(request.text), "text")
             ids = await self.tokenizer.run(self.tokenizer.encode, request.text)
@@ -152,6 +159,48 @@ def _resume(req: GenerateRequest, request) -> None:
         raise bad_request(f"'resume' must give each of the request's {req.num_choices} choice(s) once, with tokens "
                           ">= 0", "resume")
     req.resume = ResumePoint.of_progress(progress)
+
+
+def _given(request, name: str):
+    """An optional field's value (None: not given)."""
+    return getattr(request, name) if request.HasField(name) else None
+
+
+def _decoding(req: GenerateRequest, request, chat: bool) -> None:
+    """How the prompt is tokenized and the answer decoded: values any of which is valid (bad_words are
+    tokenized and bounded with the prompt, router.prompts), set as the HTTP door sets them."""
+    if request.bad_words and request.sampling.bad_words:
+        raise bad_request("'bad_words' (words) and 'sampling.bad_words' (token ids) cannot both be given: send "
+                          "one", "bad_words")
+    req.bad_words = list(request.bad_words)
+    given = _given(request, "add_special_tokens")
+    req.add_special_tokens = (not chat) if given is None else given
+    skip, spaces = _given(request, "skip_special_tokens"), _given(request, "spaces_between_special_tokens")
+    req.skip_special_tokens = True if skip is None else skip
+    req.spaces_between_special_tokens = True if spaces is None else spaces
+
+
+def _messages(chat) -> list[ChatMessage]:
+    return [ChatMessage(role=m.role, content=m.content) for m in chat.messages]
+
+
+def _chat_args(chat) -> tuple:
+    """A ChatRequest's template options, in the order of RequestBuilder.conversation's (and chat_options')."""
+    generation_prompt = _given(chat, "add_generation_prompt")
+    return (True if generation_prompt is None else generation_prompt, chat.continue_final_message,
+            _given(chat, "chat_template"), _json_field(chat, "chat_template_kwargs"), _json_field(chat, "documents"))
+
+
+def _json_field(chat, name: str):
+    """A field that comes as JSON text, read and checked by the HTTP schema's type for it (None: empty)."""
+    text = getattr(chat, name)
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise bad_request(f"'{name}' must be JSON text", name) from None
+    return checked_field(ChatCompletionRequest, name, value)
 
 
 def _prompts(request) -> list[Prompt]:

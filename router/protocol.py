@@ -202,6 +202,17 @@ def validate(model: type[M], body: Any, refused: dict[str, str] = REFUSED,
     return parsed
 
 
+def checked_field(model: type[BaseModel], name: str, value: Any) -> Any:
+    """One field's value as `model`'s schema reads it, or its 400 in the same words as a whole body's (the gRPC
+    frontend's fields that come as JSON text: chat_template_kwargs, documents)."""
+    try:
+        instance = model.model_construct()
+        model.__pydantic_validator__.validate_assignment(instance, name, value)
+    except ValidationError as err:
+        raise bad_request(*_describe(err)) from None
+    return getattr(instance, name)
+
+
 # what a field must be, where its type is a union or a list (pydantic would name only one branch or item)
 FIELD_TEXT = {
     "prompt": "a string, an array of strings, an array of token ids, or an array of those",

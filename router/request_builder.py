@@ -89,6 +89,8 @@ class RequestBuilder:
         self.req.engine = replace(self.req.engine, **{k: v for k, v in values.items() if v is not None})
 
     def truncation(self, truncate_prompt_tokens: int | None, side: str | None) -> None:
+        if side not in (None, "left", "right"):  # (the HTTP schema refuses it first, in these words)
+            raise bad_request("'truncation_side': Input should be 'left' or 'right'", "truncation_side")
         if truncate_prompt_tokens is not None and (truncate_prompt_tokens < -1 or truncate_prompt_tokens == 0):
             raise bad_request("'truncate_prompt_tokens' must be -1 (the model's length) or an integer >= 1",
                               "truncate_prompt_tokens")

@@ -13,6 +13,7 @@ one by itself: the client names each request (request_id) and sends it again wit
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -96,26 +97,45 @@ def _sampling(max_tokens: int | None, kw: dict, out) -> None:
         out.max_tokens = 0
 
 
+# the request's own fields (not SamplingParams') a helper's keywords pass on as they are (frontend.proto says
+# what each does); Chat's dicts and lists (chat_template_kwargs, documents, tools) go as JSON text
+REQUEST_FIELDS = ("priority", "cache_salt", "include_stop_str_in_output", "skip_special_tokens",
+                  "spaces_between_special_tokens", "truncate_prompt_tokens", "truncation_side", "add_special_tokens",
+                  "bad_words", "best_of")
+CHAT_FIELDS = REQUEST_FIELDS + ("add_generation_prompt", "continue_final_message", "chat_template",
+                                "chat_template_kwargs", "documents", "tools")
+JSON_FIELDS = ("chat_template_kwargs", "documents", "tools")
+
+
+def _request(msg, fields: tuple[str, ...], stop, max_tokens, kw):
+    """`msg` with the keywords that are request fields, the sampling parameters from the rest."""
+    msg.stop.extend(stop or [])
+    msg.n, msg.request_id = kw.pop("n", 1), kw.pop("request_id", None) or uuid.uuid4().hex
+    for name in fields:
+        value = kw.pop(name, None)
+        if value is None:
+            continue
+        if name == "bad_words":
+            msg.bad_words.extend(value)
+        else:
+            setattr(msg, name, json.dumps(value) if name in JSON_FIELDS else value)
+    _sampling(max_tokens, kw, msg.sampling)
+    return msg
+
+
 def _generate_request(prompt: str | list[int], model: str, stop, max_tokens, kw) -> frontend_pb2.GenerateRequest:
-    msg = frontend_pb2.GenerateRequest(model=model, stop=list(stop or []), n=kw.pop("n", 1),
-                                       request_id=kw.pop("request_id", None) or uuid.uuid4().hex,
-                                       priority=kw.pop("priority", 0), cache_salt=kw.pop("cache_salt", ""))
+    msg = frontend_pb2.GenerateRequest(model=model)
     if isinstance(prompt, str):
         msg.text = prompt
     else:
         msg.token_ids.ids.extend(prompt)
-    _sampling(max_tokens, kw, msg.sampling)
-    return msg
+    return _request(msg, REQUEST_FIELDS, stop, max_tokens, kw)
 
 
 def _chat_request(messages: list[dict], model: str, stop, max_tokens, kw) -> frontend_pb2.ChatRequest:
-    msg = frontend_pb2.ChatRequest(model=model, stop=list(stop or []), n=kw.pop("n", 1),
-                                   request_id=kw.pop("request_id", None) or uuid.uuid4().hex,
-                                   priority=kw.pop("priority", 0), cache_salt=kw.pop("cache_salt", ""),
-                                   messages=[frontend_pb2.ChatMessage(role=m["role"], content=m["content"])
-                                             for m in messages])
-    _sampling(max_tokens, kw, msg.sampling)
-    return msg
+    msg = frontend_pb2.ChatRequest(model=model, messages=[frontend_pb2.ChatMessage(role=m["role"], content=m["content"])
+                                                          for m in messages])
+    return _request(msg, CHAT_FIELDS, stop, max_tokens, kw)
 
 
 def _credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials | None:
@@ -150,7 +170,8 @@ def _targets(target: str | Sequence[str]) -> list[str]:
 class Client:
     """Blocking client. generate()/chat() return a Completion, or with stream=True an iterator of deltas.
     `target`: a router's address, or several (a stream whose router goes away resumes on the next one, at most
-    `max_resumes` times; n, request_id and the sampling parameters go as keywords)."""
+    `max_resumes` times; n, request_id, the request's other fields (REQUEST_FIELDS, CHAT_FIELDS) and the sampling
+    parameters go as keywords)."""
 
     def __init__(self, target: str | Sequence[str] = "127.0.0.1:50050", model: str = "",
                  timeout: float | None = 300.0, tls_ca: str | None = None, tls_cert: str | None = None,

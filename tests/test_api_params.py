@@ -318,3 +318,37 @@ def test_the_grpc_frontend_maps_errors_and_serves_n_and_prompt_logprobs(router):
     assert {r.index for r in replies} == {0, 1}
     assert sum(len(r.prompt_logprobs) for r in replies) == len(PROMPT) - 1
     assert sum(len(r.token_ids) for r in replies) == 6
+
+
+def test_the_grpc_frontend_takes_the_http_fields_token_exact(router, greedy):
+    """The fields beside sampling's, through stagemesh.client's keywords, answer as over HTTP, token for token."""
+    first = greedy(PROMPT, 8)
+    text = " ".join(f"w{t}" for t in PROMPT)
+    cases = [(list(range(20, 60)), {"truncate_prompt_tokens": 7, "truncation_side": "right"}),
+             (text, {"add_special_tokens": False, "bad_words": [f"w{first[0]}"], "best_of": 1}),
+             (PROMPT, {"stop": [f"w{first[3]}"], "include_stop_str_in_output": True}),
+             (PROMPT, {"skip_special_tokens": False, "spaces_between_special_tokens": False,
+                       "logit_bias": {EOS: 100}, "ignore_eos": True})]
+    with Client(f"127.0.0.1:{router.grpc_port}", model=M) as client:
+        for prompt, fields in cases:
+            http = complete(router, prompt=prompt, return_token_ids=True,
+                            **{k: ({str(t): b for t, b in v.items()} if k == "logit_bias" else v)
+                               for k, v in fields.items()})["choices"][0]
+            over_grpc = client.generate(prompt, max_tokens=8, **{k: (tuple(v.items()) if k == "logit_bias" else v)
+                                                                 for k, v in fields.items()})
+            assert (over_grpc.token_ids, over_grpc.text) == (http["token_ids"], http["text"]), fields
+        messages = [{"role": "user", "content": "w21"}, {"role": "assistant", "content": "w23"}]
+        for options, want in (({"chat_template_kwargs": {"flag": True}, "documents": [{"title": "t", "text": "w30"}]},
+                               [12, 21, 13, 23, 16, 17, 30]),  # every option reached the template
+                              ({"add_generation_prompt": False, "continue_final_message": True}, [12, 21, 13, 23])):
+            chat = {"chat_template": TEMPLATE, **options}
+            http = requests.post(f"{router.base_url}/v1/chat/completions", json={
+                "model": M, "messages": messages, "max_tokens": 4, "temperature": 0, "return_token_ids": True,
+                **chat}, timeout=60).json()
+            tokenized = client.stub.Tokenize(frontend_pb2.TokenizeRequest(chat=frontend_pb2.ChatRequest(
+                messages=[frontend_pb2.ChatMessage(**m) for m in messages],
+                **{k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in chat.items()})), timeout=30)
+            assert http["prompt_token_ids"] == list(tokenized.token_ids) == want
+            answer = client.chat(messages, max_tokens=4, **chat)
+            assert answer.token_ids == http["choices"][0]["token_ids"] and len(answer.token_ids) == 4
+            assert answer.prompt_tokens == http["usage"]["prompt_tokens"]

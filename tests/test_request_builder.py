@@ -64,6 +64,37 @@ CASES = [
     # the wire's top_k reads 0 and -1 as off: below is vLLM's 400 at both doors, not off at one
     (COMP, {"prompt": "w5", "top_k": -7}, frontend_pb2.GenerateRequest(text="w5", **sampling())),
     (COMP, {"prompt": " "}, frontend_pb2.GenerateRequest(text=" ")),  # no tokens (word tokenizer)
+    # the fields both doors have beside sampling's (frontend.proto's GenerateRequest and ChatRequest)
+    (COMP, {"prompt": "w5", "best_of": 2}, frontend_pb2.GenerateRequest(text="w5", best_of=2)),
+    (COMP, {"prompt": "w5", "n": 2, "best_of": 1}, frontend_pb2.GenerateRequest(text="w5", n=2, best_of=1)),
+    (COMP, {"prompt": "w5", "truncate_prompt_tokens": 0}, frontend_pb2.GenerateRequest(text="w5",
+                                                                                     truncate_prompt_tokens=0)),
+    (COMP, {"prompt": "w5", "truncate_prompt_tokens": 600}, frontend_pb2.GenerateRequest(text="w5",
+                                                                                       truncate_prompt_tokens=600)),
+    (COMP, {"prompt": "w5", "truncation_side": "middle"}, frontend_pb2.GenerateRequest(text="w5",
+                                                                                      truncation_side="middle")),
+    (COMP, {"prompt": "w5", "bad_words": [f"w{i}" for i in range(129)]},
+     frontend_pb2.GenerateRequest(text="w5", bad_words=[f"w{i}" for i in range(129)])),
+    (CHAT, {"messages": [{"role": "user", "content": "w5"}], "continue_final_message": True},
+     frontend_pb2.ChatRequest(messages=[frontend_pb2.ChatMessage(role="user", content="w5")],
+                              continue_final_message=True)),
+    (CHAT, {"messages": [{"role": "user", "content": "w5"}], "add_generation_prompt": False,
+            "continue_final_message": True},
+     frontend_pb2.ChatRequest(messages=[frontend_pb2.ChatMessage(role="user", content="w5")],
+                              add_generation_prompt=False, continue_final_message=True)),
+    (CHAT, {"messages": [{"role": "user", "content": "w5"}], "chat_template_kwargs": {"tools": 1}},
+     frontend_pb2.ChatRequest(messages=[frontend_pb2.ChatMessage(role="user", content="w5")],
+                              chat_template_kwargs='{"tools": 1}')),
+    (CHAT, {"messages": [{"role": "user", "content": "w5"}], "documents": [{"text": 5}]},
+     frontend_pb2.ChatRequest(messages=[frontend_pb2.ChatMessage(role="user", content="w5")],
+                              documents='[{"text": 5}]')),
+    (CHAT, {"messages": [{"role": "user", "content": "w5"}], "chat_template_kwargs": "x"},
+     frontend_pb2.ChatRequest(messages=[frontend_pb2.ChatMessage(role="user", content="w5")],
+                              chat_template_kwargs='"x"')),
+    # this router does not trust requests' own templates (--trust-request-chat-template)
+    (CHAT, {"messages": [{"role": "user", "content": "w5"}], "chat_template": "{{ 'w7' }}"},
+     frontend_pb2.ChatRequest(messages=[frontend_pb2.ChatMessage(role="user", content="w5")],
+                              chat_template="{{ 'w7' }}")),
 ]
 # what a SamplingParams cannot hold is set on the message after it is made
 CASES[5][2].sampling.logprobs = 30
@@ -93,4 +124,48 @@ def test_both_doors_submit_the_same_request(router):
     replies = list(router.stub.Generate(request, timeout=30))
     (_, http_prompt, http_sampling), (_, grpc_prompt, grpc_sampling) = router.replica.submitted
     assert http_prompt == grpc_prompt == [5, 6] and http_sampling == grpc_sampling
+    assert "".join(r.text for r in replies) == http["choices"][0]["text"]
+
+
+USER = [frontend_pb2.ChatMessage(role="user", content="w5")]
+BANS = frontend_pb2.GenerateRequest(text="w5", bad_words=["w6"])
+BANS.sampling.bad_words.add().token_ids.append(6)
+
+
+# what only the gRPC door can be sent: tools (a reply cannot carry a tool call, frontend.proto), both spellings of
+# bad_words, JSON text that is not JSON
+@pytest.mark.parametrize("field,request_pb", [
+    ("tools", frontend_pb2.ChatRequest(messages=USER, tools='[{"type": "function", "function": {"name": "f"}}]')),
+    ("bad_words", BANS),
+    ("documents", frontend_pb2.ChatRequest(messages=USER, documents="[{")),
+])
+def test_the_grpc_frontend_refuses_its_own_spellings_by_name(router, field, request_pb):
+    call = router.stub.Chat if isinstance(request_pb, frontend_pb2.ChatRequest) else router.stub.Generate
+    with pytest.raises(grpc.RpcError) as err:
+        list(call(request_pb, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(f"'{field}'")
+
+
+# (HTTP body, gRPC request's fields): the fields beside sampling's that shape the prompt, the bans and the text
+SHAPED = [
+    ({"truncate_prompt_tokens": 2, "truncation_side": "right"}, {"truncate_prompt_tokens": 2,
+                                                                 "truncation_side": "right"}),
+    ({"truncate_prompt_tokens": 2}, {"truncate_prompt_tokens": 2}),
+    ({"add_special_tokens": False, "bad_words": ["w9", "w11 w12"], "best_of": 1},
+     {"add_special_tokens": False, "bad_words": ["w9", "w11 w12"], "best_of": 1}),
+    ({"stop": ["w9"], "include_stop_str_in_output": True}, {"stop": ["w9"], "include_stop_str_in_output": True}),
+    ({"prompt": "w0", "skip_special_tokens": False, "spaces_between_special_tokens": False},
+     {"text": "w0", "skip_special_tokens": False, "spaces_between_special_tokens": False}),
+]
+
+
+@pytest.mark.parametrize("body,fields", SHAPED, ids=[str(i) for i in range(len(SHAPED))])
+def test_both_doors_read_the_other_fields_alike(router, body, fields):
+    router.replica.submitted.clear()
+    http = requests.post(router.base_url + COMP, json={"model": M, "prompt": "w5 w6 w7", "max_tokens": 4, **body},
+                         timeout=30).json()
+    replies = list(router.stub.Generate(frontend_pb2.GenerateRequest(**{"text": "w5 w6 w7", **fields},
+                                                                     **sampling(max_tokens=4)), timeout=30))
+    (_, http_prompt, http_sampling), (_, grpc_prompt, grpc_sampling) = router.replica.submitted
+    assert http_prompt == grpc_prompt and http_sampling.bad_words_token_ids == grpc_sampling.bad_words_token_ids
     assert "".join(r.text for r in replies) == http["choices"][0]["text"]

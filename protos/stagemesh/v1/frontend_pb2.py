@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from stagemesh.v1 import common_pb2 as stagemesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bstagemesh/v1/frontend.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x95\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.stagemesh.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.stagemesh.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\t\n\x01n\x18\x06 \x01(\x05\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12)\n\x06resume\x18\x08 \x01(\x0b\x32\x19.stagemesh.v1.ResumePoint\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x12\n\ncache_salt\x18\n \x01(\tB\x08\n\x06prompt\"<\n\x0bResumePoint\x12-\n\x07\x63hoices\x18\x01 \x03(\x0b\x32\x1c.stagemesh.v1.ChoiceProgress\"2\n\x0e\x43hoiceProgress\x12\x0e\n\x06tokens\x18\x01 \x01(\x05\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf7\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.stagemesh.v1.ChatMessage\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.stagemesh.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\t\n\x01n\x18\x05 \x01(\x05\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12)\n\x06resume\x18\x07 \x01(\x0b\x32\x19.stagemesh.v1.ResumePoint\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x12\n\ncache_salt\x18\t \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x93\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.stagemesh.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\x05\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\x12\x1d\n\x15prompt_logprobs_start\x18\x08 \x01(\x05\x12\x12\n\nrequest_id\x18\t \x01(\t\"U\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.stagemesh.v1.ChatRequestH\x00\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x32\xb8\x02\n\x08\x46rontend\x12K\n\x08Generate\x12\x1d.stagemesh.v1.GenerateRequest\x1a\x1e.stagemesh.v1.GenerateResponse0\x01\x12\x43\n\x04\x43hat\x12\x19.stagemesh.v1.ChatRequest\x1a\x1e.stagemesh.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.stagemesh.v1.TokenizeRequest\x1a\x1e.stagemesh.v1.TokenizeResponse\x12O\n\nListModels\x12\x1f.stagemesh.v1.ListModelsRequest\x1a .stagemesh.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bstagemesh/v1/frontend.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x87\x05\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.stagemesh.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.stagemesh.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\t\n\x01n\x18\x06 \x01(\x05\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12)\n\x06resume\x18\x08 \x01(\x0b\x32\x19.stagemesh.v1.ResumePoint\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x12\n\ncache_salt\x18\n \x01(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0c \x01(\x08H\x01\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\r \x01(\x08H\x02\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x0e \x01(\x05H\x03\x88\x01\x01\x12\x17\n\x0ftruncation_side\x18\x0f \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x10 \x01(\x08H\x04\x88\x01\x01\x12\x11\n\tbad_words\x18\x11 \x03(\t\x12\x14\n\x07\x62\x65st_of\x18\x12 \x01(\x05H\x05\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokensB\x19\n\x17_truncate_prompt_tokensB\x15\n\x13_add_special_tokensB\n\n\x08_best_of\"<\n\x0bResumePoint\x12-\n\x07\x63hoices\x18\x01 \x03(\x0b\x32\x1c.stagemesh.v1.ChoiceProgress\"2\n\x0e\x43hoiceProgress\x12\x0e\n\x06tokens\x18\x01 \x01(\x05\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb5\x06\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.stagemesh.v1.ChatMessage\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.stagemesh.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\t\n\x01n\x18\x05 \x01(\x05\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12)\n\x06resume\x18\x07 \x01(\x0b\x32\x19.stagemesh.v1.ResumePoint\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0b \x01(\x08H\x00\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x0c \x01(\x08H\x01\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\r \x01(\x05H\x02\x88\x01\x01\x12\x17\n\x0ftruncation_side\x18\x0e \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x0f \x01(\x08H\x03\x88\x01\x01\x12\x11\n\tbad_words\x18\x10 \x03(\t\x12\x14\n\x07\x62\x65st_of\x18\x11 \x01(\x05H\x04\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x12 \x01(\x08H\x05\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x13 \x01(\x08\x12\x1a\n\rchat_template\x18\x14 \x01(\tH\x06\x88\x01\x01\x12\x1c\n\x14\x63hat_template_kwargs\x18\x15 \x01(\t\x12\x11\n\tdocuments\x18\x16 \x01(\t\x12\r\n\x05tools\x18\x17 \x01(\tB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokensB\x19\n\x17_truncate_prompt_tokensB\x15\n\x13_add_special_tokensB\n\n\x08_best_ofB\x18\n\x16_add_generation_promptB\x10\n\x0e_chat_template\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x93\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.stagemesh.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\x05\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\x12\x1d\n\x15prompt_logprobs_start\x18\x08 \x01(\x05\x12\x12\n\nrequest_id\x18\t \x01(\t\"U\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.stagemesh.v1.ChatRequestH\x00\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x32\xb8\x02\n\x08\x46rontend\x12K\n\x08Generate\x12\x1d.stagemesh.v1.GenerateRequest\x1a\x1e.stagemesh.v1.GenerateResponse0\x01\x12\x43\n\x04\x43hat\x12\x19.stagemesh.v1.ChatRequest\x1a\x1e.stagemesh.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.stagemesh.v1.TokenizeRequest\x1a\x1e.stagemesh.v1.TokenizeResponse\x12O\n\nListModels\x12\x1f.stagemesh.v1.ListModelsRequest\x1a .stagemesh.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,27 +35,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=72
   _globals['_TOKENIDS']._serialized_end=95
   _globals['_GENERATEREQUEST']._serialized_start=98
-  _globals['_GENERATEREQUEST']._serialized_end=375
-  _globals['_RESUMEPOINT']._serialized_start=377
-  _globals['_RESUMEPOINT']._serialized_end=437
-  _globals['_CHOICEPROGRESS']._serialized_start=439
-  _globals['_CHOICEPROGRESS']._serialized_end=489
-  _globals['_CHATMESSAGE']._serialized_start=491
-  _globals['_CHATMESSAGE']._serialized_end=535
-  _globals['_CHATREQUEST']._serialized_start=538
-  _globals['_CHATREQUEST']._serialized_end=785
-  _globals['_USAGE']._serialized_start=787
-  _globals['_USAGE']._serialized_end=867
-  _globals['_GENERATERESPONSE']._serialized_start=870
-  _globals['_GENERATERESPONSE']._serialized_end=1145
-  _globals['_TOKENIZEREQUEST']._serialized_start=1147
-  _globals['_TOKENIZEREQUEST']._serialized_end=1232
-  _globals['_TOKENIZERESPONSE']._serialized_start=1234
-  _globals['_TOKENIZERESPONSE']._serialized_end=1294
-  _globals['_LISTMODELSREQUEST']._serialized_start=1296
-  _globals['_LISTMODELSREQUEST']._serialized_end=1315
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1317
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1376
-  _globals['_FRONTEND']._serialized_start=1379
-  _globals['_FRONTEND']._serialized_end=1691
+  _globals['_GENERATEREQUEST']._serialized_end=745
+  _globals['_RESUMEPOINT']._serialized_start=747
+  _globals['_RESUMEPOINT']._serialized_end=807
+  _globals['_CHOICEPROGRESS']._serialized_start=809
+  _globals['_CHOICEPROGRESS']._serialized_end=859
+  _globals['_CHATMESSAGE']._serialized_start=861
+  _globals['_CHATMESSAGE']._serialized_end=905
+  _globals['_CHATREQUEST']._serialized_start=908
+  _globals['_CHATREQUEST']._serialized_end=1729
+  _globals['_USAGE']._serialized_start=1731
+  _globals['_USAGE']._serialized_end=1811
+  _globals['_GENERATERESPONSE']._serialized_start=1814
+  _globals['_GENERATERESPONSE']._serialized_end=2089
+  _globals['_TOKENIZEREQUEST']._serialized_start=2091
+  _globals['_TOKENIZEREQUEST']._serialized_end=2176
+  _globals['_TOKENIZERESPONSE']._serialized_start=2178
+  _globals['_TOKENIZERESPONSE']._serialized_end=2238
+  _globals['_LISTMODELSREQUEST']._serialized_start=2240
+  _globals['_LISTMODELSREQUEST']._serialized_end=2259
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2261
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2320
+  _globals['_FRONTEND']._serialized_start=2323
+  _globals['_FRONTEND']._serialized_end=2635
 # @@protoc_insertion_point(module_scope)

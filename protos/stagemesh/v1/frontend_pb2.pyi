@@ -55,6 +55,14 @@ class GenerateRequest(_message.Message):
     RESUME_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _builtins.int
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    TRUNCATION_SIDE_FIELD_NUMBER: _builtins.int
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    BAD_WORDS_FIELD_NUMBER: _builtins.int
+    BEST_OF_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The served model name; empty means the only one."""
     text: _builtins.str
@@ -73,6 +81,29 @@ class GenerateRequest(_message.Message):
     """vLLM's cache_salt: the request shares prefix-cache blocks only with
     requests of the same salt; empty: no salt.
     """
+    include_stop_str_in_output: _builtins.bool
+    """The fields below are the HTTP API's (vLLM's), read by the same checks: a bad value is INVALID_ARGUMENT
+    with the HTTP door's message, naming the field. The token ids of every reply are always sent (HTTP's
+    return_token_ids); Tokenize gives a prompt's. Not here: echo (the client has its prompt: Tokenize gives
+    its ids, sampling.prompt_logprobs its logprobs).
+    The stop string that ended a choice stays at the end of its text (vLLM's include_stop_str_in_output).
+    """
+    skip_special_tokens: _builtins.bool
+    """Special tokens are left out of the text (unset: true, as HTTP's default)."""
+    spaces_between_special_tokens: _builtins.bool
+    """A space between special tokens in the text, when they are kept (unset: true)."""
+    truncate_prompt_tokens: _builtins.int
+    """Keep only this many of the prompt's tokens (-1: the model's context length; unset: all of them); which
+    ones: truncation_side.
+    """
+    truncation_side: _builtins.str
+    """"left" (empty: the default) drops the prompt's first tokens, keeping the last; "right" keeps the first."""
+    add_special_tokens: _builtins.bool
+    """The tokenizer's special tokens (BOS, ...) around a text prompt (unset: true for Generate, false for Chat
+    whose template writes them, as HTTP's defaults).
+    """
+    best_of: _builtins.int
+    """vLLM's best_of: at least n; more than 1 is refused (vLLM V1 serves none). Unset: n."""
     @_builtins.property
     def token_ids(self) -> Global___TokenIds: ...
     @_builtins.property
@@ -90,6 +121,12 @@ class GenerateRequest(_message.Message):
         any more: it finished, or its --resume-grace-period passed).
         """
 
+    @_builtins.property
+    def bad_words(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Words never generated, as text (vLLM's bad_words): the router tokenizes each (alone and after a space).
+        sampling.bad_words takes token sequences instead; one or the other.
+        """
+
     def __init__(
         self,
         *,
@@ -103,13 +140,42 @@ class GenerateRequest(_message.Message):
         resume: Global___ResumePoint | None = ...,
         priority: _builtins.int = ...,
         cache_salt: _builtins.str = ...,
+        include_stop_str_in_output: _builtins.bool = ...,
+        skip_special_tokens: _builtins.bool | None = ...,
+        spaces_between_special_tokens: _builtins.bool | None = ...,
+        truncate_prompt_tokens: _builtins.int | None = ...,
+        truncation_side: _builtins.str = ...,
+        add_special_tokens: _builtins.bool | None = ...,
+        bad_words: _abc.Iterable[_builtins.str] | None = ...,
+        best_of: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt", b"prompt", "resume", b"resume", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "_best_of", b"_best_of", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "add_special_tokens", b"add_special_tokens", "best_of", b"best_of", "prompt", b"prompt", "resume", b"resume", "sampling", b"sampling", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "text", b"text", "token_ids", b"token_ids", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "n", b"n", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "resume", b"resume", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "_best_of", b"_best_of", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "add_special_tokens", b"add_special_tokens", "bad_words", b"bad_words", "best_of", b"best_of", "cache_salt", b"cache_salt", "include_stop_str_in_output", b"include_stop_str_in_output", "model", b"model", "n", b"n", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "resume", b"resume", "sampling", b"sampling", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "stop", b"stop", "text", b"text", "token_ids", b"token_ids", "truncate_prompt_tokens", b"truncate_prompt_tokens", "truncation_side", b"truncation_side"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__add_special_tokens: _TypeAlias = _typing.Literal["add_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__add_special_tokens: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__best_of: _TypeAlias = _typing.Literal["best_of"]  # noqa: Y015
+    _WhichOneofArgType__best_of: _TypeAlias = _typing.Literal["_best_of", b"_best_of"]  # noqa: Y015
+    _WhichOneofReturnType__skip_special_tokens: _TypeAlias = _typing.Literal["skip_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__skip_special_tokens: _TypeAlias = _typing.Literal["_skip_special_tokens", b"_skip_special_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__spaces_between_special_tokens: _TypeAlias = _typing.Literal["spaces_between_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__spaces_between_special_tokens: _TypeAlias = _typing.Literal["_spaces_between_special_tokens", b"_spaces_between_special_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["truncate_prompt_tokens"]  # noqa: Y015
+    _WhichOneofArgType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens"]  # noqa: Y015
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__add_special_tokens) -> _WhichOneofReturnType__add_special_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__best_of) -> _WhichOneofReturnType__best_of | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__skip_special_tokens) -> _WhichOneofReturnType__skip_special_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__spaces_between_special_tokens) -> _WhichOneofReturnType__spaces_between_special_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__truncate_prompt_tokens) -> _WhichOneofReturnType__truncate_prompt_tokens | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_prompt) -> _WhichOneofReturnType_prompt | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
@@ -198,6 +264,20 @@ class ChatRequest(_message.Message):
     RESUME_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _builtins.int
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    TRUNCATION_SIDE_FIELD_NUMBER: _builtins.int
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    BAD_WORDS_FIELD_NUMBER: _builtins.int
+    BEST_OF_FIELD_NUMBER: _builtins.int
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _builtins.int
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
+    DOCUMENTS_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     n: _builtins.int
     """Choices to generate (0 means 1)."""
@@ -206,6 +286,33 @@ class ChatRequest(_message.Message):
     priority: _builtins.int
     """As GenerateRequest's."""
     cache_salt: _builtins.str
+    include_stop_str_in_output: _builtins.bool
+    """As GenerateRequest's (add_special_tokens unset: false, the template writes them)."""
+    skip_special_tokens: _builtins.bool
+    spaces_between_special_tokens: _builtins.bool
+    truncate_prompt_tokens: _builtins.int
+    truncation_side: _builtins.str
+    add_special_tokens: _builtins.bool
+    best_of: _builtins.int
+    add_generation_prompt: _builtins.bool
+    """The template ends with the assistant's turn opened (unset: true)."""
+    continue_final_message: _builtins.bool
+    """The answer goes on from the last message, which is the assistant's, instead of starting a new turn
+    (add_generation_prompt must then be false).
+    """
+    chat_template: _builtins.str
+    """The request's own Jinja chat template instead of the model's: refused (INVALID_ARGUMENT) unless the
+    router runs with --trust-request-chat-template, as on HTTP.
+    """
+    chat_template_kwargs: _builtins.str
+    """Extra variables for the template, as a JSON object's text (e.g. {"enable_thinking": false})."""
+    documents: _builtins.str
+    """Documents for retrieval-augmented templates, as a JSON array's text of {"title": ..., "text": ...}."""
+    tools: _builtins.str
+    """Tools (a JSON array's text of OpenAI's tools): refused (INVALID_ARGUMENT) for now, since GenerateResponse
+    cannot carry a tool call; use the HTTP API's chat completions. The field is here so that a request with
+    tools is refused by name rather than answered as if it had none.
+    """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]: ...
     @_builtins.property
@@ -214,6 +321,8 @@ class ChatRequest(_message.Message):
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def resume(self) -> Global___ResumePoint: ...
+    @_builtins.property
+    def bad_words(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -226,12 +335,53 @@ class ChatRequest(_message.Message):
         resume: Global___ResumePoint | None = ...,
         priority: _builtins.int = ...,
         cache_salt: _builtins.str = ...,
+        include_stop_str_in_output: _builtins.bool = ...,
+        skip_special_tokens: _builtins.bool | None = ...,
+        spaces_between_special_tokens: _builtins.bool | None = ...,
+        truncate_prompt_tokens: _builtins.int | None = ...,
+        truncation_side: _builtins.str = ...,
+        add_special_tokens: _builtins.bool | None = ...,
+        bad_words: _abc.Iterable[_builtins.str] | None = ...,
+        best_of: _builtins.int | None = ...,
+        add_generation_prompt: _builtins.bool | None = ...,
+        continue_final_message: _builtins.bool = ...,
+        chat_template: _builtins.str | None = ...,
+        chat_template_kwargs: _builtins.str = ...,
+        documents: _builtins.str = ...,
+        tools: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["resume", b"resume", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "_add_special_tokens", b"_add_special_tokens", "_best_of", b"_best_of", "_chat_template", b"_chat_template", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "add_generation_prompt", b"add_generation_prompt", "add_special_tokens", b"add_special_tokens", "best_of", b"best_of", "chat_template", b"chat_template", "resume", b"resume", "sampling", b"sampling", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "messages", b"messages", "model", b"model", "n", b"n", "priority", b"priority", "request_id", b"request_id", "resume", b"resume", "sampling", b"sampling", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "_add_special_tokens", b"_add_special_tokens", "_best_of", b"_best_of", "_chat_template", b"_chat_template", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "add_generation_prompt", b"add_generation_prompt", "add_special_tokens", b"add_special_tokens", "bad_words", b"bad_words", "best_of", b"best_of", "cache_salt", b"cache_salt", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "continue_final_message", b"continue_final_message", "documents", b"documents", "include_stop_str_in_output", b"include_stop_str_in_output", "messages", b"messages", "model", b"model", "n", b"n", "priority", b"priority", "request_id", b"request_id", "resume", b"resume", "sampling", b"sampling", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "stop", b"stop", "tools", b"tools", "truncate_prompt_tokens", b"truncate_prompt_tokens", "truncation_side", b"truncation_side"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__add_generation_prompt: _TypeAlias = _typing.Literal["add_generation_prompt"]  # noqa: Y015
+    _WhichOneofArgType__add_generation_prompt: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt"]  # noqa: Y015
+    _WhichOneofReturnType__add_special_tokens: _TypeAlias = _typing.Literal["add_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__add_special_tokens: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__best_of: _TypeAlias = _typing.Literal["best_of"]  # noqa: Y015
+    _WhichOneofArgType__best_of: _TypeAlias = _typing.Literal["_best_of", b"_best_of"]  # noqa: Y015
+    _WhichOneofReturnType__chat_template: _TypeAlias = _typing.Literal["chat_template"]  # noqa: Y015
+    _WhichOneofArgType__chat_template: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template"]  # noqa: Y015
+    _WhichOneofReturnType__skip_special_tokens: _TypeAlias = _typing.Literal["skip_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__skip_special_tokens: _TypeAlias = _typing.Literal["_skip_special_tokens", b"_skip_special_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__spaces_between_special_tokens: _TypeAlias = _typing.Literal["spaces_between_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__spaces_between_special_tokens: _TypeAlias = _typing.Literal["_spaces_between_special_tokens", b"_spaces_between_special_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["truncate_prompt_tokens"]  # noqa: Y015
+    _WhichOneofArgType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__add_generation_prompt) -> _WhichOneofReturnType__add_generation_prompt | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__add_special_tokens) -> _WhichOneofReturnType__add_special_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__best_of) -> _WhichOneofReturnType__best_of | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__chat_template) -> _WhichOneofReturnType__chat_template | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__skip_special_tokens) -> _WhichOneofReturnType__skip_special_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__spaces_between_special_tokens) -> _WhichOneofReturnType__spaces_between_special_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__truncate_prompt_tokens) -> _WhichOneofReturnType__truncate_prompt_tokens | None: ...
 
 Global___ChatRequest: _TypeAlias = ChatRequest  # noqa: Y015
 
