@@ -237,6 +237,7 @@ def test_the_prefix_cache_never_shares_kv_between_adapters(model, adapters):
             engine.generate([prompt], greedy, ["nope"])
 
 
+@pytest.mark.slow  # (a whole mesh: serve's processes)
 def test_serve_with_lora_answers_each_adapter_and_loads_and_unloads_them_at_run_time(model, adapters, cases,
                                                                                        tmp_path):
     """`stagemesh serve --enable-lora --lora-modules ...` (PP=2, TP=2: the stages and their TP followers load the
@@ -606,6 +607,7 @@ def text_count(log: Path, pattern: str) -> int:
     return len(re.findall(pattern, log.read_text()))
 
 
+@pytest.mark.slow  # (a whole mesh: serve's processes)
 def test_disaggregated_prefill_carries_the_adapter_with_its_kv(model, adapters, cases, tmp_path):
     """serve -dp 2 --prefill-replicas 1 --enable-lora: each request's prompt is computed on the prefill replica
     under its adapter and its KV pulled by the decode replica, which goes on under the same adapter: transformers'
