@@ -7,7 +7,7 @@ import os
 import signal
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 
 from stagemesh.core import internal_token
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
 
     setup_service(args, f"stagemesh-stage-{args.stage_index}")
     configure_gloo_interface()  # on a Ray node: gloo on the interface of the node's address
-    stop = threading.Event()  # ends the main loop: the drain sets it, or a second signal, or the drain's time
+    stop = StageStop()  # ends the main loop: the drain sets it, or a second signal, or the drain's time
     shutdown = Shutdown(args.shutdown_timeout, log, f"stage {args.stage_index}", force_stop=stop.set)
     for sig in (signal.SIGTERM, signal.SIGINT):  # until it serves: nothing to drain, stop at once
         signal.signal(sig, _stop_starting)
@@ -237,7 +237,23 @@ def describe(args: argparse.Namespace, plan: StagePlan, worker) -> None:
     watch_kv_tiers(i, worker.tiers)
 
 
-def serve(args: argparse.Namespace, worker, plan: StagePlan, stop: threading.Event, shutdown) -> int:
+class StageStop(threading.Event):
+    """The stage's stop: it ends the main loop, and (on_set: the step executor's abort) wakes a step that waits on
+    another stage, for its activations or a step ahead's tokens over the grpc handoff. That stage may have
+    stopped first (a drained replica's stages stop together), and the wait would hold the main thread, and the
+    process, for up to DEADLINES.handoff_recv_s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_set: list[Callable[[], None]] = []
+
+    def set(self) -> None:
+        super().set()
+        for fn in self.on_set:
+            fn()
+
+
+def serve(args: argparse.Namespace, worker, plan: StagePlan, stop: StageStop, shutdown) -> int:
     """Serve until told to stop (0), or until the experts' group breaks (EXIT_BROKEN: the supervisor restarts
     the stage); the model's work runs on this thread, the one that loaded it."""
     from stage_worker.ep_group import BROKEN_LINGER_S, EXIT_BROKEN, EPGroupBroken
@@ -254,6 +270,7 @@ def serve(args: argparse.Namespace, worker, plan: StagePlan, stop: threading.Eve
         shutdown.install()  # a drain: the replica takes no new work, the stage leaves once its work is done
         freeze_startup_heap("stage")
         worker.steps.start()  # from here on the model's work waits for the loop below
+        stop.on_set.append(worker.steps.abort)
         failed = start_heartbeat(args.scheduler, servicer, stop, shutdown, server)
         worker.steps.run_until(stop, idle=worker.ep)
         if failed:

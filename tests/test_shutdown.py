@@ -51,3 +51,29 @@ def test_without_force_stop_a_signal_only_sets_the_events():
     down.signal()
     down.signal()
     assert down.requested.is_set() and down.hurry.is_set()
+
+
+def test_a_stage_that_stops_wakes_a_step_waiting_on_another_stage():
+    """The first stage of a drained replica may be running a step ahead whose tokens the last stage, stopped
+    first, never sends: its stop (stage_worker.cli.StageStop) aborts the handoff, so the main loop ends at once
+    instead of after the handoff's 120 s wait (a stage that outlived its serve under test_drain)."""
+    import torch
+
+    from stage_worker.cli import StageStop
+    from stage_worker.handoff import GrpcHandoff, HandoffAborted
+
+    handoff = GrpcHandoff(None, torch.device("cpu"), epoch=1)
+    stop = StageStop()
+    stop.on_set.append(handoff.abort)
+    loop = MainLoop()
+    loop.start()
+    thread = threading.Thread(target=loop.run_until, args=(stop,), kwargs={"poll_s": 0.02}, daemon=True)
+    thread.start()
+    step = loop.submit(handoff.recv_tokens, 3, 2)  # a step ahead, waiting for the last stage's tokens
+    time.sleep(0.2)
+    assert not step.done()
+    started = time.monotonic()
+    stop.set()
+    thread.join(5)
+    assert not thread.is_alive() and time.monotonic() - started < 5
+    assert isinstance(step.exception(timeout=1), HandoffAborted)
