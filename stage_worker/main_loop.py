@@ -25,7 +25,9 @@ class MainLoop:
     call runs on the caller's thread; between `start` and `run_until` calls wait for the loop."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # queue.Queue, not SimpleQueue: on Python 3.11 a SimpleQueue.get(timeout) that a signal handler (the
+        # drain's SIGTERM, on this main thread) outlasts waits for ever, and the stage never sees its stop
+        self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._running = False
 

@@ -68,3 +68,26 @@ def test_a_call_whose_caller_gave_up_still_runs_and_the_loop_goes_on():
         stop.set()
         slow_running.join(timeout=5)
     assert not slow_running.is_alive()
+
+
+def test_a_signal_handler_that_outlasts_the_poll_does_not_hang_the_loop():
+    """A stage's SIGTERM handler runs on the main thread, inside the loop's wait for a call. On Python 3.11 a
+    SimpleQueue.get(timeout) that the handler outlasts waits for ever (a stage that never saw its stop, under
+    test_drain): the loop must still see its stop. In a child process, so that a hang is bounded."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import signal, threading, time
+        from stage_worker.main_loop import MainLoop
+        stop = threading.Event()
+        def handler(signum, frame):
+            time.sleep(0.3)  # longer than what is left of the loop's poll
+            stop.set()
+        signal.signal(signal.SIGALRM, handler)
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        MainLoop().run_until(stop, poll_s=0.2)
+        print("stopped")
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "stopped", done.stderr
