@@ -193,7 +193,8 @@ def load_worker(args: argparse.Namespace, plan: StagePlan):
     source = plan.source
     slice_ = SliceConfig(str(source.model_dir), plan.start, plan.end, tp_size=args.tensor_parallel_size,
                          device=args.device, dtype=args.dtype, block_size=args.block_size,
-                         cuda_graphs=not args.enforce_eager, expert_parallel=args.enable_expert_parallel,
+                         dcp_size=args.decode_context_parallel_size, cuda_graphs=not args.enforce_eager,
+                         expert_parallel=args.enable_expert_parallel,
                          eplb=plan.eplb, quantization=source.quantization,
                          gguf_file=str(source.gguf_file) if source.gguf_file else None, lora=plan.lora)
     worker = StageWorker(StageConfig(slice_, args.stage_index, handoff=args.handoff,

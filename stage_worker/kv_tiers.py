@@ -27,7 +27,7 @@ def block_layout(runner) -> list[tuple[str, tuple[int, ...]]]:
     out: list[tuple[str, tuple[int, ...]]] = []
     for r in (runner, *([runner.drafter.runner] if runner.drafter is not None else [])):
         dtype = str(r.dtype).removeprefix("torch.")
-        shape = (r.block_size, r.num_kv_heads, r.config.head_dim)
+        shape = (r.kv_block_size, r.num_kv_heads, r.config.head_dim)
         out += [(dtype, shape)] * (2 * len(r.model.layers))
     return out
 
@@ -40,7 +40,9 @@ def kv_namespace(runner, tp_size: int) -> dict:
             "dtype": str(runner.dtype).removeprefix("torch."),
             "block_size": runner.block_size, "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
             "layers": [m.layer_start, m.layer_end], "tp_size": tp_size, "quantization": runner.quantization,
-            "draft_model": model_fingerprint(draft_model) if draft_model is not None else None}
+            "draft_model": model_fingerprint(draft_model) if draft_model is not None else None,
+            # (only where it is > 1: the namespaces of the stages made before DCP stay theirs)
+            **({"dcp_size": runner.tp.dcp_size} if runner.tp.dcp_size > 1 else {})}
 
 
 def open_disk_tier(base: str, runner) -> tuple[NamespaceDir, DiskTier]:

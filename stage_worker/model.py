@@ -30,6 +30,19 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [seqs, max_blocks] int32
     context_lens: torch.Tensor  # [seqs] int32, after this step
     query_start_loc: torch.Tensor  # [seqs + 1] int32
+    dcp: "DCPMetadata | None" = None  # with decode context parallelism: this rank's share (stage_worker.context)
+
+
+@dataclass
+class DCPMetadata:
+    """A DCP rank's view of the step (stage_worker.context.dcp_metadata): which of the step's tokens' KV it holds
+    and where, and, per query row, how many of its sequence's held positions the row sees."""
+
+    held: torch.Tensor  # [held tokens] int64: the step's tokens whose K and V this rank keeps
+    slot_mapping: torch.Tensor  # [held tokens] int64: their slots in this rank's cache
+    row_tables: torch.Tensor  # [tokens, max_blocks] int32: each query row's sequence's block table
+    row_visible: torch.Tensor  # [tokens] int32: the held positions each row sees (those <= its own)
+    row_starts: torch.Tensor  # [tokens + 1] int32: 0..tokens (each row its own query of one)
 
 
 class Attention(Module):
@@ -39,6 +52,7 @@ class Attention(Module):
         d = self.head_dim = cfg.head_dim
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.scale = d ** -0.5
+        self.tp = tp
         parts = cfg.family.weights.qkv(prefix, cfg, (shard.q_start * d, shard.num_heads * d),
                                        (shard.kv_start * d, shard.num_kv_heads * d))
         self.qkv_proj = column_parallel(parts, cfg.hidden_size, dtype, device, bias=cfg.attention_bias)
@@ -55,19 +69,48 @@ class Attention(Module):
         tokens, d = x.shape[0], self.head_dim
         k_cache, v_cache = kv_cache
         qkv = self.qkv_proj(x)
+        if meta.dcp is not None:
+            return self.o_proj(self._context_parallel(qkv, meta, meta.dcp, kv_cache, cos_sin))
         if self.q_norm is None or self.k_norm is None:
             q = kernels.rotary_and_cache(qkv, self.num_heads, self.num_kv_heads, meta.positions, cos_sin, k_cache,
                                          v_cache, meta.slot_mapping)
         else:  # q and k normed per head before the rotation
-            q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
-            q, k, v = q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)
-            q = kernels.rms_norm(q, self.q_norm.weight, self.q_norm.eps)[0]
-            k = kernels.rms_norm(k, self.k_norm.weight, self.k_norm.eps)[0]
-            q, k = kernels.apply_rotary(q, k, meta.positions, cos_sin)
+            q, k, v = self._rotated(qkv, meta, cos_sin)
             kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                       meta.query_start_loc, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * d))
+
+    def _rotated(self, qkv: torch.Tensor, meta: AttentionMetadata, cos_sin: torch.Tensor):
+        tokens, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
+        q, k, v = q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)
+        if self.q_norm is not None and self.k_norm is not None:  # q and k normed per head before the rotation
+            q = kernels.rms_norm(q, self.q_norm.weight, self.q_norm.eps)[0]
+            k = kernels.rms_norm(k, self.k_norm.weight, self.k_norm.eps)[0]
+        q, k = kernels.apply_rotary(q, k, meta.positions, cos_sin)
+        return q, k, v
+
+    def _context_parallel(self, qkv: torch.Tensor, meta: AttentionMetadata, dcp: DCPMetadata,
+                          kv_cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor) -> torch.Tensor:
+        """Decode context parallelism (vLLM's DCP): this rank keeps its share of the tokens' K and V; the DCP
+        group's queries (the heads of these KV heads) attend to each rank's share, and the partial outputs are
+        merged by their log-sum-exps, each rank keeping its own heads."""
+        tokens, d, h = qkv.shape[0], self.head_dim, self.num_heads
+        q, k, v = self._rotated(qkv, meta, cos_sin)
+        if dcp.held.numel():
+            kernels.write_kv_cache(k.index_select(0, dcp.held), v.index_select(0, dcp.held), *kv_cache,
+                                   dcp.slot_mapping)
+        group = self.tp.dcp_gather(q)  # [dcp, tokens, h, d]: the group's query heads
+        queries = group.transpose(0, 1).reshape(tokens, -1, d)
+        out, lse = kernels.paged_attention_lse(queries, *kv_cache, dcp.row_tables, dcp.row_visible, dcp.row_starts,
+                                               self.scale)
+        # one collective for both: each rank's partial output and its lse as one more fp32 column
+        partial = torch.cat([out.float(), lse[..., None]], -1)
+        parts = self.tp.dcp_gather(partial)  # [dcp, tokens, dcp * h, d + 1]
+        mine = parts[:, :, self.tp.dcp_rank * h:(self.tp.dcp_rank + 1) * h]
+        merged, _ = kernels.merge_attention_states(mine[..., :d].contiguous(), mine[..., d].contiguous())
+        return merged.to(qkv.dtype).reshape(tokens, h * d)
 
 
 class DecoderLayer(Module):
@@ -81,7 +124,8 @@ class DecoderLayer(Module):
         self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size, eps,
                                                 dtype, device)
         self.sparse = cfg.is_sparse_layer(index)
-        self.cpu_plan = cfg.family.fused_cpu_plan  # whether stage_worker.layer_plan may run it
+        # whether stage_worker.layer_plan may run it (its attention is a whole rank's: not DCP's)
+        self.cpu_plan = cfg.family.fused_cpu_plan and tp.dcp_size == 1
         self.mlp: SparseMoeBlock | MLP
         if self.sparse:
             self.mlp = SparseMoeBlock(cfg, index, tp, expert_parallel, dtype, device, ep, eplb)

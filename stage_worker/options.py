@@ -24,6 +24,11 @@ class StageOptions:
     layer_split: str | None = Flag(("--layer-split",), help=(
         "layers per stage, e.g. 10,12,8 (default: balanced; a stage's: with --pipeline-parallel-size)")).field()
     tensor_parallel_size: int = Flag(("--tensor-parallel-size", "-tp"), type=int, default=1).field()
+    decode_context_parallel_size: int = Flag(("--decode-context-parallel-size", "-dcp"), type=int, default=1, help=(
+        "vLLM's DCP: each group of this many TP ranks holds the same KV heads (sharded as if TP were tp / dcp) and "
+        "each a share of every sequence's tokens, so a replica holds dcp times the tokens where TP alone would "
+        "replicate KV heads (TP > KV heads); must divide --tensor-parallel-size and --block-size "
+        "(docs/context-parallelism.md)")).field()
     device: str | None = Flag(("--device",), default="cpu", choices=("cpu", "cuda")).field()
     handoff: str = Flag(("--handoff",), default="grpc", choices=("nccl", "grpc"),
                         help="activation transport to the next stage").field()

@@ -25,6 +25,9 @@ class TPGroup:
     group: Any = None  # a torch.distributed ProcessGroup when size > 1
     shm: Any = None  # kernels' ShmComm of this group, or None
     src: int = 0  # global rank of TP rank 0, the source of broadcasts
+    # decode context parallelism (--decode-context-parallel-size): each `dcp_size` consecutive ranks hold the same
+    # KV heads (sharded as if TP were size // dcp_size) and each a share of every sequence's tokens
+    dcp_size: int = 1
 
     def _fits_shm(self, x: torch.Tensor) -> bool:
         return (self.shm is not None and x.device.type == "cpu" and x.is_contiguous()
@@ -48,6 +51,32 @@ class TPGroup:
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[size, *x.shape]: every rank's x, in rank order."""
+        x = x.contiguous()
+        if self.size == 1:
+            return x[None]
+        if self._fits_shm(x):
+            return self.shm.all_gather(x)
+        out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather(list(out.unbind(0)), x, group=self.group)
+        return out
+
+    @property
+    def dcp_rank(self) -> int:
+        """This rank's place in its DCP group (which share of each block's tokens it holds)."""
+        return self.rank % self.dcp_size
+
+    def dcp_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[dcp_size, *x.shape]: the x of each rank of this rank's DCP group, in order. The group's collective is
+        the TP group's all-gather, the other groups' parts dropped (no process group of its own to form per
+        epoch; the same bytes when the DCP group is the whole TP group, as it is when the sizes are equal)."""
+        parts = self.all_gather(x)
+        if self.dcp_size == self.size:
+            return parts
+        first = self.rank - self.dcp_rank
+        return parts[first:first + self.dcp_size]
+
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """x from TP rank 0 to every rank, in place."""
         if self._fits_shm(x):
@@ -68,16 +97,20 @@ class HeadShard:
 
     @classmethod
     def for_rank(cls, cfg: ModelConfig, tp: TPGroup) -> "HeadShard":
+        """The query heads split over the TP group; the KV heads over its DCP groups (each group's ranks hold
+        the same KV heads: those of the group's query heads, and each a share of the tokens)."""
         cfg.check_tp_size(tp.size)
         heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
         num_heads = heads // tp.size
-        if tp.size <= kv:  # split the KV heads
-            num_kv = kv // tp.size
-            kv_start = tp.rank * num_kv
-        else:  # replicate: each KV head serves tp.size // kv consecutive ranks
+        groups, group = tp.size // tp.dcp_size, tp.rank // tp.dcp_size
+        if groups <= kv:  # split the KV heads
+            num_kv = kv // groups
+            kv_start = group * num_kv
+        else:  # replicate: each KV head serves groups // kv consecutive groups
             num_kv = 1
-            kv_start = tp.rank // (tp.size // kv)
+            kv_start = group // (groups // kv)
         return cls(tp.rank * num_heads, num_heads, kv_start, num_kv)
+
 
 
 def shard_range(total: int, tp: TPGroup, what: str) -> tuple[int, int]:

@@ -24,6 +24,7 @@ from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from stage_worker.gguf import GGUFCheckpoint
 from stage_worker.model import AttentionMetadata, StageModel
 from stage_worker.quantization import check_quantization, load_gguf, quantize_at_load
+from stage_worker.context import dcp_metadata
 from stage_worker.parallel import HeadShard, TPGroup
 from stage_worker.sampler import Sampler
 from stage_worker.weights import load_weights
@@ -92,6 +93,7 @@ class SliceConfig:
     device: str = "cpu"  # "cuda": rank t takes cuda:t
     dtype: str | None = None
     block_size: int = 16
+    dcp_size: int = 1  # --decode-context-parallel-size (stage_worker.context)
     cuda_graphs: bool = True
     expert_parallel: bool = False  # whole experts spread over the TP ranks (stage_worker.moe)
     eplb: EPLBConfig | None = None  # the experts' load balanced, with redundant copies
@@ -103,7 +105,8 @@ class SliceConfig:
         """`ep`: the stage's stage_worker.ep_group.EPGroup when its experts are spread over the replicas."""
         device = f"cuda:{tp_rank}" if self.device == "cuda" else self.device
         return StageRunner(self.model_dir, self.layer_start, self.layer_end, tp_rank=tp_rank, tp_size=self.tp_size,
-                           device=device, dtype=self.dtype, block_size=self.block_size, cuda_graphs=self.cuda_graphs,
+                           device=device, dtype=self.dtype, block_size=self.block_size, dcp_size=self.dcp_size,
+                           cuda_graphs=self.cuda_graphs,
                            expert_parallel=self.expert_parallel, ep=ep, eplb=self.eplb, quantization=self.quantization,
                            gguf_file=self.gguf_file, lora=self.lora)
 
@@ -111,20 +114,24 @@ class SliceConfig:
 class StageRunner:
     def __init__(self, model_dir: str | Path | None, layer_start: int, layer_end: int, *, tp_rank: int = 0,
                  tp_size: int = 1, tp_group=None, device: str = "cpu", dtype: torch.dtype | str | None = None,
-                 block_size: int = 16, load: bool = True, config: ModelConfig | None = None,
+                 block_size: int = 16, dcp_size: int = 1, load: bool = True, config: ModelConfig | None = None,
                  cuda_graphs: bool = True, max_graph_batch: int = 256, expert_parallel: bool = False, ep=None,
                  eplb=None, quantization: str | None = None, gguf_file: str | None = None,
                  lora: LoRASettings | None = None):
         # (model_dir is None only where a config is given: runners made without weights, load=False)
         self.config = cfg = config or ModelConfig.from_path(model_dir)  # type: ignore[arg-type]
         check_layer_range(cfg, layer_start, layer_end)
-        self.tp = TPGroup(tp_rank, tp_size, tp_group)
+        self.tp = TPGroup(tp_rank, tp_size, tp_group, dcp_size=dcp_size)
         cfg.check_tp_size(tp_size)
+        cfg.check_decode_context_parallel(tp_size, dcp_size, block_size)
+        if dcp_size > 1 and expert_parallel:
+            raise StagemeshError("--decode-context-parallel-size with --enable-expert-parallel is not built yet")
         if expert_parallel:
             cfg.check_expert_parallel(tp_size)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(cfg, dtype, device)
-        self.block_size = block_size
+        self.block_size = block_size  # the scheduler's blocks
+        self.kv_block_size = block_size // dcp_size  # the tokens of a block this rank keeps (stage_worker.context)
         if gguf_file is not None:
             quantization = quantization or "gguf"
         check_quantization(quantization, cfg, self.device)
@@ -143,7 +150,7 @@ class StageRunner:
             self.lora.check_adapters()
         self.num_kv_heads = HeadShard.for_rank(cfg, self.tp).num_kv_heads
         self.kv_bytes_per_block = kv_bytes_per_block(layer_end - layer_start, self.num_kv_heads, cfg.head_dim,
-                                                     block_size, self.dtype)
+                                                     self.kv_block_size, self.dtype)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables: dict[int, list[int]] = {}
         self.seq_lens: dict[int, int] = {}  # tokens of each sequence whose KV the steps so far compute
@@ -155,7 +162,7 @@ class StageRunner:
             self.sampler.warm()
         # decode steps replay CUDA graphs (TP=1 on CUDA; TP>1 and CPU run eagerly: see stage_worker/cuda_graphs.py)
         self.use_cuda_graphs = (cuda_graphs and self.device.type == "cuda" and tp_size == 1 and ep is None
-                                and self.lora is None)
+                                and self.lora is None)  # (so never with DCP, whose TP size is > 1)
         self.max_graph_batch = max_graph_batch
         self.graphs: DecodeGraphs | None = None
         self.drafter = None  # stage_worker.draft.DraftModel: a draft model on the last stage's TP rank 0
@@ -165,6 +172,9 @@ class StageRunner:
         kv_bytes_per_block) and proposes drafts after each step's sampling."""
         if self.lora is not None:
             raise StagemeshError("speculative decoding with a draft model does not run with --enable-lora yet")
+        if self.tp.dcp_size > 1:
+            raise StagemeshError("speculative decoding with a draft model does not run with "
+                                 "--decode-context-parallel-size yet (ngram speculation does)")
         self.drafter = drafter
         self.kv_bytes_per_block += drafter.kv_bytes_per_block
 
@@ -178,7 +188,7 @@ class StageRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.graphs = None
-        self.kv_caches = allocate_kv_cache(len(self.model.layers), num_blocks, self.block_size, self.num_kv_heads,
+        self.kv_caches = allocate_kv_cache(len(self.model.layers), num_blocks, self.kv_block_size, self.num_kv_heads,
                                            self.config.head_dim, self.dtype, self.device)
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks)
@@ -306,5 +316,10 @@ class StageRunner:
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
         )
+        if self.tp.dcp_size > 1:  # this rank's share of the tokens (its slots: there, not slot_mapping's)
+            row_seqs = torch.repeat_interleave(torch.arange(len(tables), device=dev),
+                                               torch.tensor(c.num_tokens, device=dev))
+            meta.dcp = dcp_metadata(meta.positions, row_seqs, meta.block_tables, bs, self.tp.dcp_size,
+                                    self.tp.dcp_rank)
         input_ids = torch.tensor(c.token_ids, dtype=torch.int64, device=dev) if self.is_first_stage else None
         return input_ids, meta, sample_rows, sample_ids, drafts

@@ -21,13 +21,13 @@ WORKER = Path(__file__).with_name("tp_worker.py")
 
 
 def run_tp(model_dir, world: int, split: str, prompt: list[int], new_tokens: int, tmp_path,
-           expert_parallel: bool = False) -> dict:
+           expert_parallel: bool = False, *extra: str) -> dict:
     out = tmp_path / "result.json"
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(WORKER), "--model", str(model_dir), "--rank", str(r),
                                "--world", str(world), "--port", str(port), "--split", split,
                                "--prompt", ",".join(map(str, prompt)), "--new-tokens", str(new_tokens),
-                               "--out", str(out), *(["--expert-parallel"] if expert_parallel else [])],
+                               "--out", str(out), *(["--expert-parallel"] if expert_parallel else []), *extra],
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
              for r in range(world)]
     codes = exit_codes(procs)

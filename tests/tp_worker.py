@@ -22,6 +22,8 @@ def main() -> None:
     p.add_argument("--port", type=int), p.add_argument("--split"), p.add_argument("--prompt")
     p.add_argument("--new-tokens", type=int), p.add_argument("--out")
     p.add_argument("--expert-parallel", action="store_true")
+    p.add_argument("--dcp", type=int, default=1)
+    p.add_argument("--chunk", type=int, default=16)
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world)
@@ -29,7 +31,8 @@ def main() -> None:
         split = [int(x) for x in a.split.split(",")]
         prompt = [int(x) for x in a.prompt.split(",")]
         tokens, logits = chained_logits(a.model, split, prompt, a.new_tokens, tp_rank=a.rank, tp_size=a.world,
-                                        tp_group=dist.group.WORLD, expert_parallel=a.expert_parallel)
+                                        tp_group=dist.group.WORLD, expert_parallel=a.expert_parallel,
+                                        chunk=a.chunk, **({"dcp_size": a.dcp} if a.dcp > 1 else {}))
         if a.rank == 0:
             with open(a.out, "w") as f:
                 json.dump({"tokens": tokens, "logits": logits.tolist()}, f)

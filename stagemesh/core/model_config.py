@@ -91,6 +91,25 @@ class ModelConfig:
                 f"{self.num_attention_heads} attention heads; sizes that work: {valid}"
             )
 
+    def check_decode_context_parallel(self, tp_size: int, dcp_size: int, block_size: int) -> None:
+        """--decode-context-parallel-size refused at start-up where it cannot split what it must, with the reason."""
+        flag = f"--decode-context-parallel-size {dcp_size}"
+        if dcp_size < 1:
+            raise StagemeshError(f"{flag} must be at least 1")
+        if dcp_size == 1:
+            return
+        if tp_size % dcp_size:
+            raise StagemeshError(f"{flag} does not divide --tensor-parallel-size {tp_size}: a DCP group is "
+                                 f"{dcp_size} of a stage's TP ranks (as vLLM's)")
+        if block_size % dcp_size:
+            raise StagemeshError(f"{flag} does not divide --block-size {block_size}: each rank of a DCP group holds "
+                                 f"block_size / {dcp_size} tokens of every block")
+        try:
+            self.check_tp_size(tp_size // dcp_size)
+        except StagemeshError as err:
+            raise StagemeshError(f"{flag} with --tensor-parallel-size {tp_size} shards the KV heads over "
+                                 f"{tp_size // dcp_size} groups, which the model cannot: {err}") from None
+
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         model_type = cfg.get("model_type", "")
