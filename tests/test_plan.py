@@ -224,3 +224,147 @@ def test_quantised_formats_count_their_scales():
     assert int8 == int(counts.per_layer * 30 + tables * 2 + 4 * linear_rows_per_layer(cfg) * 30)
     bf16 = evaluate(cfg, 1, 1, 2**30, 1.0, "bf16", 2048).weight_bytes_per_gpu
     assert q41 < int8 < bf16
+
+
+# Decode context parallelism (DCP): each sequence's KV split over DCP of a stage's TP ranks, which saves memory only
+# where TP replicates the KV heads (TP > KV heads).
+
+def few_kv_heads(model="Llama-3.1-70B", **changes) -> dict:
+    """A reference config with fewer KV heads (multi-query attention by default), as a config.json dict."""
+    from stagemesh.plan.cli import REFERENCE
+
+    raw = json.loads((REFERENCE / f"{model}.json").read_text())
+    return {**raw, "num_key_value_heads": 1, **changes}
+
+
+def plan_cfg(raw: dict, gpus=8, nodes=1, mem=24e9, dtype="fp16", max_len=131072, **kw):
+    return make_plan(PlanRequest(ModelConfig.from_dict(raw), gpus, nodes, int(mem), dtype, max_len, **kw))
+
+
+def test_dcp_kv_tokens_match_a_hand_computation():
+    from stagemesh.plan.memory import evaluate, kv_bytes_per_token
+
+    mqa = ModelConfig.from_dict(few_kv_heads())  # 80 layers, 1 KV head of 128
+    plain = evaluate(mqa, 8, 1, int(24e9), 0.9, "fp16", 131072)
+    dcp4 = evaluate(mqa, 8, 1, int(24e9), 0.9, "fp16", 131072, dcp=4)
+    assert dcp4.dcp == 4 and dcp4.kv_bytes_per_gpu == plain.kv_bytes_per_gpu > 0
+    # TP=8 holds the one KV head on every rank; with DCP=4 each rank holds a quarter of each sequence's tokens
+    held = 80 * 1 * 128 * 2 * 2
+    assert kv_bytes_per_token(mqa, 80, 8, "fp16", dcp=4) == held
+    assert plain.kv_cache_tokens == plain.kv_bytes_per_gpu // held
+    assert dcp4.kv_cache_tokens == plain.kv_bytes_per_gpu * 4 // held
+    assert dcp4.max_concurrency == dcp4.kv_cache_tokens / 131072
+    # Qwen3-235B: 4 KV heads, TP=8 replicates them 2x. DCP=2 shards them as TP=4 (1 head a rank) over 2 ranks;
+    # DCP=4 as TP=2 (2 heads a rank) over 4 ranks: no more saving than DCP=2
+    qwen, _ = load_config("Qwen3-235B-A22B")
+    free = evaluate(qwen, 8, 1, int(80e9), 0.9, "bf16", 40960).kv_bytes_per_gpu
+    assert kv_bytes_per_token(qwen, 94, 8, "bf16", dcp=4) == 94 * 2 * 128 * 2 * 2
+    for dcp, heads in ((1, 1), (2, 1), (4, 2)):
+        layout = evaluate(qwen, 8, 1, int(80e9), 0.9, "bf16", 40960, dcp=dcp)
+        assert layout.kv_cache_tokens == free * dcp // (94 * heads * 128 * 2 * 2), dcp
+
+
+def test_tree_proposes_dcp_where_tp_alone_cannot_hold_max_model_len():
+    p = plan_cfg(few_kv_heads(), nodes=2)
+    plain = next(c for c in p.considered if (c.tp, c.pp, c.dcp) == (8, 1, 1))
+    assert plain.kv_cache_tokens < 131072  # TP=8 alone does not hold one request
+    # DCP before a second node; DCP=2 does not fit, DCP=4 (the smallest that does) is chosen
+    assert (p.layout.tp, p.layout.pp, p.layout.dcp, p.nodes_used) == (8, 1, 4, 1)
+    assert p.layout.kv_cache_tokens >= 131072
+    assert [c.dcp for c in p.considered if c.tp == 8] == [1, 2, 4]
+    why = next(step for step in p.path if "DCP=4" in step and "replicates" in step)
+    assert why.startswith("TP=8 replicates each of the 1 KV heads 8x; DCP=4 splits each sequence's KV over 4 ranks")
+    assert "DCP=4" in p.path[-1] and p.path[-1].startswith("fits on one node")
+
+
+def test_a_real_config_with_fewer_kv_heads_than_gpus_gets_dcp():
+    qwen, _ = load_config("Qwen3-235B-A22B")  # 4 KV heads on 8 GPUs: replicated 2x
+    from stagemesh.plan.tree import dcp_sizes
+
+    assert dcp_sizes(qwen, 8) == [2]  # DCP=4 would shard as TP=2, past the 4 KV heads: no further saving
+    p = make_plan(PlanRequest(qwen, 8, 1, int(80e9), "bf16", 300000))
+    assert (p.layout.tp, p.layout.dcp, p.expert_parallel) == (8, 2, True)
+    assert any(step.startswith("TP=8 replicates each of the 4 KV heads 2x; DCP=2") for step in p.path)
+
+
+def test_dcp_is_never_proposed_where_tp_does_not_replicate_the_kv_heads():
+    from stagemesh.plan.tree import dcp_sizes
+
+    llama, _ = load_config("Llama-3.1-70B")  # 8 KV heads
+    assert dcp_sizes(llama, 8) == [] and dcp_sizes(llama, 4) == []
+    assert dcp_sizes(ModelConfig.from_dict(few_kv_heads()), 8) == [2, 4, 8]
+    # the same memory that makes the one-KV-head model take DCP: 8 KV heads at TP=8 take a second node
+    p = plan("Llama-3.1-70B", nodes=2, mem=24e9, max_len=131072)
+    assert (p.layout.tp, p.layout.pp, p.nodes_used) == (8, 2, 2)
+    assert all(c.dcp == 1 for c in p.considered) and not any("DCP" in step for step in p.path)
+    with pytest.raises(StagemeshError, match="does not fit 8 GPUs"):
+        plan("Llama-3.1-70B", mem=24e9, max_len=131072)
+
+
+def test_dcp_1_keeps_the_tree_from_proposing_dcp():
+    p = plan_cfg(few_kv_heads(), nodes=2, decode_context_parallel_size=1)
+    assert (p.layout.tp, p.layout.pp, p.layout.dcp) == (8, 2, 1) and not any("DCP" in step for step in p.path)
+
+
+def test_dcp_that_does_not_fit_either_moves_on_to_more_nodes():
+    p = plan_cfg(few_kv_heads(), nodes=2, mem=20e9)
+    assert (p.layout.tp, p.layout.pp, p.layout.dcp, p.nodes_used) == (8, 2, 1, 2)
+    assert any("does not fit 131,072 tokens either (DCP=2: " in step and "DCP=8: " in step for step in p.path)
+
+
+def test_forced_dcp_is_evaluated_and_counts_its_tokens():
+    mqa = few_kv_heads()
+    plain = plan_cfg(mqa, tensor_parallel_size=8).layout
+    dcp8 = plan_cfg(mqa, tensor_parallel_size=8, decode_context_parallel_size=8)
+    assert dcp8.layout.dcp == 8 and dcp8.layout.kv_cache_tokens == plain.kv_bytes_per_gpu * 8 // (80 * 128 * 2 * 2)
+    assert dcp8.path[0].startswith("layout as asked: TP=8 x PP=1 x DCP=8:")
+    # 8 KV heads at TP=8: DCP=2 is allowed (vLLM's rules hold) but saves nothing, and the path says so
+    llama = plan("Llama-3.1-70B", tensor_parallel_size=8).layout
+    dcp2 = plan("Llama-3.1-70B", tensor_parallel_size=8, decode_context_parallel_size=2)
+    assert dcp2.layout.kv_cache_tokens == llama.kv_cache_tokens
+    assert any(step.startswith("DCP=2 saves no KV memory") for step in dcp2.path)
+
+
+@pytest.mark.parametrize("raw,gpus,tp,dcp,why", [
+    (few_kv_heads(), 8, 8, 3, "--decode-context-parallel-size 3 does not divide --tensor-parallel-size 8"),
+    (few_kv_heads(), 32, 32, 32, "--decode-context-parallel-size 32 does not divide the default --block-size 16"),
+    # 48 heads, 4 KV heads: TP=24 is valid, TP=24 / DCP=4 = 6 splits the 4 KV heads unevenly
+    (few_kv_heads(num_attention_heads=48, num_key_value_heads=4, hidden_size=6144), 24, 24, 4,
+     "shards the KV heads as if TP were 24 // 4 = 6, which the model does not allow"),
+    (few_kv_heads(), 8, None, 2, "--decode-context-parallel-size 2 needs --tensor-parallel-size"),
+    (few_kv_heads(), 8, 8, 0, "--decode-context-parallel-size 0 must be >= 1"),
+])
+def test_forced_dcp_is_refused_where_it_cannot_run(raw, gpus, tp, dcp, why):
+    with pytest.raises(StagemeshError, match=re.escape(why)):
+        plan_cfg(raw, gpus=gpus, tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+
+
+def test_dcp_cli_flag_is_refused_with_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(few_kv_heads()))
+    result = stagemesh_plan(str(tmp_path), "--gpus-per-node", "8", "-tp", "8", "-dcp", "3")
+    assert result.returncode == 2
+    assert "--decode-context-parallel-size 3 does not divide --tensor-parallel-size 8" in result.stderr
+
+
+def test_json_and_commands_carry_the_dcp_flag(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(few_kv_heads()))
+    common = (str(tmp_path), "--gpus-per-node", "8", "--gpu-memory", "24GB", "--dtype", "fp16",
+              "--max-model-len", "131072")
+    out = json.loads(stagemesh_plan(*common, "--json").stdout)
+    assert out["decode_context_parallel_size"] == 4 and out["tensor_parallel_size"] == 8
+    assert "--tensor-parallel-size 8 --decode-context-parallel-size 4 " in out["commands"]["serve"]
+    assert out["kv_cache_tokens"] == out["kv_cache_bytes_per_gpu"] * 4 // (80 * 1 * 128 * 2 * 2)
+    text = stagemesh_plan(*common).stdout
+    assert re.search(r"TP=8 PP=1 DCP=4 .* <- chosen", text) and text.count("<- chosen") == 1
+    assert "--decode-context-parallel-size 4" in text
+    # several nodes: every stage command (mp), and the Ray backend's serve command
+    forced = ("--nodes", "2", "-tp", "8", "-pp", "2", "-dcp", "8", "--json")
+    cmds = json.loads(stagemesh_plan(*common, *forced).stdout)["commands"]
+    stages = [c for c in cmds["head"] + cmds["workers"]["node 1"] if c.startswith("stagemesh stage")]
+    assert len(stages) == 2 and all("--tensor-parallel-size 8 --decode-context-parallel-size 8 " in c
+                                    for c in stages)
+    ray = json.loads(stagemesh_plan(*common, *forced, "--distributed-executor-backend", "ray").stdout)["commands"]
+    assert "--tensor-parallel-size 8 --decode-context-parallel-size 8 " in ray["head"][1]
+    # no DCP: the key says 1 and no command has the flag
+    plain = json.loads(stagemesh_plan("Llama-3.1-70B", "--gpus-per-node", "8", "--json").stdout)
+    assert plain["decode_context_parallel_size"] == 1 and "decode-context" not in plain["commands"]["serve"]

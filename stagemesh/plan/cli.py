@@ -29,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-concurrency", type=float, default=None, help="requests at max-model-len to hold at once")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="evaluate this TP size")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, help="evaluate this PP size")
+    p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=None,
+                   help="evaluate this DCP size with -tp: each sequence's KV split over this many TP ranks (it "
+                        "divides -tp and the block size 16); without it the plan proposes DCP where TP replicates "
+                        "the KV heads and the KV of --max-model-len does not fit otherwise (-dcp 1: never)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the device the printed commands use")
     p.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default="mp",
                    help="the commands to print: services started by hand on each node (mp), or `ray start` on "
@@ -65,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     max_len = args.max_model_len or min(cfg.max_position_embeddings, 32768)
     req = PlanRequest(cfg, args.gpus_per_node, args.nodes, parse_bytes(args.gpu_memory), args.dtype, max_len,
                       args.gpu_memory_utilization, not args.no_nvlink, args.target_concurrency,
-                      args.tensor_parallel_size, args.pipeline_parallel_size)
+                      args.tensor_parallel_size, args.pipeline_parallel_size, args.decode_context_parallel_size)
     plan = make_plan(req)
     backend = args.distributed_executor_backend
     print(json.dumps(as_json(req, plan, model, args.device, backend), indent=2) if args.json

@@ -62,9 +62,13 @@ def weight_bytes(cfg: ModelConfig, dtype: str, layers: int, tables: int) -> floa
     return total
 
 
-def kv_bytes_per_token(cfg: ModelConfig, num_layers: int, tp: int, dtype: str) -> int:
-    """Per GPU: layers x KV heads on this GPU x head dim x 2 (K and V) x bytes; KV heads replicate past TP = KV."""
-    kv_heads = max(1, cfg.num_key_value_heads // tp)
+def kv_bytes_per_token(cfg: ModelConfig, num_layers: int, tp: int, dtype: str, dcp: int = 1) -> int:
+    """Per GPU, per token the GPU holds: layers x KV heads on this GPU x head dim x 2 (K and V) x bytes.
+
+    The KV heads are sharded as if TP were tp / dcp, and replicate past that = KV heads. With decode context
+    parallelism (dcp > 1) the dcp ranks of a group hold the same KV heads but each 1/dcp of every sequence's
+    tokens, so a sequence token costs a GPU this / dcp bytes (evaluate counts tokens as free * dcp // this)."""
+    kv_heads = max(1, cfg.num_key_value_heads // (tp // dcp))
     return num_layers * kv_heads * cfg.head_dim * 2 * KV_DTYPE_BYTES[dtype]
 
 
@@ -96,8 +100,9 @@ class Layout:
     layer_split: list[int]
     weight_bytes_per_gpu: int  # the heaviest GPU
     kv_bytes_per_gpu: int  # what is left for the KV cache on the tightest stage
-    kv_cache_tokens: int  # per replica: the minimum over stages
+    kv_cache_tokens: int  # per replica: the minimum over stages (a sequence's tokens, over its DCP ranks)
     max_concurrency: float  # kv_cache_tokens / max_model_len
+    dcp: int = 1  # decode context parallel size: each sequence's KV split over this many of a stage's TP ranks
 
     @property
     def gpus(self) -> int:
@@ -105,7 +110,9 @@ class Layout:
 
 
 def evaluate(cfg: ModelConfig, tp: int, pp: int, gpu_bytes: int, utilization: float, dtype: str, max_model_len: int,
-             split: list[int] | None = None, dp: int = 1) -> Layout:
+             split: list[int] | None = None, dp: int = 1, dcp: int = 1) -> Layout:
+    if dcp < 1 or tp % dcp:
+        raise ValueError(f"a DCP size ({dcp}) must divide the TP size ({tp})")
     counts = param_counts(cfg)
     split = split or balanced_split(cfg, pp)
     budget = int(gpu_bytes * utilization) - ACTIVATION_RESERVE
@@ -116,9 +123,10 @@ def evaluate(cfg: ModelConfig, tp: int, pp: int, gpu_bytes: int, utilization: fl
             tables += (counts.lm_head or counts.embedding) + counts.final_norm
         stage_weights = int(weight_bytes(cfg, dtype, b - a, tables) / tp)
         free = budget - stage_weights
-        stage_tokens = max(free, 0) // kv_bytes_per_token(cfg, b - a, tp, dtype)
+        # each of a DCP group's ranks holds 1/dcp of a sequence's tokens: dcp times the tokens it has room for
+        stage_tokens = max(free, 0) * dcp // kv_bytes_per_token(cfg, b - a, tp, dtype, dcp)
         weights = max(weights, stage_weights)
         kv_free = free if kv_free is None else min(kv_free, free)
         tokens = stage_tokens if tokens is None else min(tokens, stage_tokens)
     assert kv_free is not None and tokens is not None  # (a split has at least one stage)
-    return Layout(tp, pp, dp, split, weights, kv_free, tokens, tokens / max_model_len)
+    return Layout(tp, pp, dp, split, weights, kv_free, tokens, tokens / max_model_len, dcp)

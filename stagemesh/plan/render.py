@@ -2,7 +2,17 @@
 from __future__ import annotations
 
 from stagemesh.core.model_config import layer_ranges
+from stagemesh.plan.memory import Layout
 from stagemesh.plan.tree import GB, Plan, PlanRequest
+
+
+def _dcp(lay: Layout) -> str:
+    """The DCP flag, after --tensor-parallel-size wherever that is (its group is that many of the TP ranks)."""
+    return f" --decode-context-parallel-size {lay.dcp}" if lay.dcp > 1 else ""
+
+
+def _label(lay: Layout) -> str:
+    return f"TP={lay.tp} PP={lay.pp}" + (f" DCP={lay.dcp}" if lay.dcp > 1 else "")
 
 
 def stage_nodes(req: PlanRequest, plan: Plan) -> list[tuple[int, int, int]]:
@@ -17,7 +27,7 @@ def ray_commands(req: PlanRequest, plan: Plan, model: str, device: str) -> dict:
     where Ray will put what: the router and the schedulers on the head, a stage where its bundle fits."""
     lay = plan.layout
     split = ",".join(map(str, lay.layer_split))
-    serve = (f"stagemesh serve {model} --tensor-parallel-size {lay.tp} --pipeline-parallel-size {lay.pp}"
+    serve = (f"stagemesh serve {model} --tensor-parallel-size {lay.tp}{_dcp(lay)} --pipeline-parallel-size {lay.pp}"
              + (f" --data-parallel-size {lay.dp}" if lay.dp > 1 else "")
              + (f" --layer-split {split}" if lay.pp > 1 else "")
              # with -dp > 1 the flag means experts across the replicas, which the Ray backend does not build
@@ -43,7 +53,7 @@ def commands(req: PlanRequest, plan: Plan, model: str, device: str, backend: str
         common += f" --gpu-memory-utilization {req.utilization}"
     experts = " --enable-expert-parallel" if plan.expert_parallel else ""
     if plan.nodes_used <= 1:
-        cmd = (f"stagemesh serve {model} --tensor-parallel-size {lay.tp} --pipeline-parallel-size {lay.pp}"
+        cmd = (f"stagemesh serve {model} --tensor-parallel-size {lay.tp}{_dcp(lay)} --pipeline-parallel-size {lay.pp}"
                + (f" --data-parallel-size {lay.dp}" if lay.dp > 1 else "")
                + (f" --layer-split {split}" if lay.pp > 1 else "") + f"{experts} --device {device} {common}")
         return {"serve": cmd}
@@ -59,7 +69,7 @@ def commands(req: PlanRequest, plan: Plan, model: str, device: str, backend: str
         for _, i, node in [x for x in stage_nodes(req, plan) if x[0] == r]:
             a, b = ranges[i]
             cmd = (f"stagemesh stage {model} --scheduler $HEAD_NODE_IP:{port} --stage-index {i} --layers {a}:{b} "
-                   f"--tensor-parallel-size {lay.tp} --device {device} --handoff nccl --host 0.0.0.0 "
+                   f"--tensor-parallel-size {lay.tp}{_dcp(lay)} --device {device} --handoff nccl --host 0.0.0.0 "
                    f"--advertise-host {'$HEAD_NODE_IP' if node == 0 else '$NODE_IP'}{experts}"
                    + (f" --gpu-memory-utilization {req.utilization}" if device == "cuda" else ""))
             (head if node == 0 else workers.setdefault(f"node {node}", [])).append(cmd)
@@ -73,7 +83,8 @@ def as_json(req: PlanRequest, plan: Plan, model: str, device: str, backend: str 
     lay = plan.layout
     return {
         "model_type": req.cfg.model_type, "dtype": req.dtype, "max_model_len": req.max_model_len,
-        "tensor_parallel_size": lay.tp, "pipeline_parallel_size": lay.pp, "data_parallel_size": lay.dp,
+        "tensor_parallel_size": lay.tp, "decode_context_parallel_size": lay.dcp, "pipeline_parallel_size": lay.pp,
+        "data_parallel_size": lay.dp,
         "layer_split": lay.layer_split, "expert_parallel_size": lay.tp if plan.expert_parallel else 1,
         "nodes": plan.nodes_used, "gpus": lay.gpus,
         "weight_bytes_per_gpu": lay.weight_bytes_per_gpu, "kv_cache_bytes_per_gpu": max(lay.kv_bytes_per_gpu, 0),
@@ -88,11 +99,12 @@ def as_text(req: PlanRequest, plan: Plan, model: str, device: str, backend: str 
     lines = [f"Plan for {model} ({req.cfg.model_type}, {req.dtype}) on {req.nodes} node(s) x {req.gpus_per_node} "
              f"GPU(s) of {req.gpu_bytes / GB:.0f} GB" + ("" if req.nvlink else ", no NVLink"), "", "Decision path:"]
     lines += [f"  {i}. {step}" for i, step in enumerate(plan.path, 1)]
-    lines += ["", f"  {'layout':<14}{'weights/GPU':>13}{'KV tokens':>14}{'max concurrency':>17}"]
-    shown = [(c.tp, c.pp) for c in plan.considered]
-    for cand in plan.considered + ([lay] if (lay.tp, lay.pp) not in shown else []):
-        mark = " <- chosen" if (cand.tp, cand.pp) == (lay.tp, lay.pp) else ""
-        lines.append(f"  {f'TP={cand.tp} PP={cand.pp}':<14}{cand.weight_bytes_per_gpu / GB:>10.1f} GB"
+    width = max(14, *(len(_label(c)) + 2 for c in [*plan.considered, lay]))
+    lines += ["", f"  {'layout':<{width}}{'weights/GPU':>13}{'KV tokens':>14}{'max concurrency':>17}"]
+    shown = [(c.tp, c.pp, c.dcp) for c in plan.considered]
+    for cand in plan.considered + ([lay] if (lay.tp, lay.pp, lay.dcp) not in shown else []):
+        mark = " <- chosen" if (cand.tp, cand.pp, cand.dcp) == (lay.tp, lay.pp, lay.dcp) else ""
+        lines.append(f"  {_label(cand):<{width}}{cand.weight_bytes_per_gpu / GB:>10.1f} GB"
                      f"{cand.kv_cache_tokens:>14,}{cand.max_concurrency:>16.2f}x{mark}")
     lines += ["", f"KV cache size: {lay.kv_cache_tokens:,} tokens",
               f"Maximum concurrency for {req.max_model_len:,} tokens per request: {lay.max_concurrency:.2f}x"]

@@ -4,7 +4,9 @@ One GPU if the model fits; else quantization as a suggestion; else TP over the
 GPUs of a node; TP within nodes and PP across nodes; PP alone (TP=1) when the
 GPU count does not divide the heads or there is no NVLink; DP replicas when a
 concurrency target needs them; expert parallelism over each stage's TP ranks for
-a mixture-of-experts model. Invalid TP sizes are never proposed.
+a mixture-of-experts model. Invalid TP sizes are never proposed. Where a layout's
+TP replicates the KV heads (TP > KV heads) and max_model_len's KV does not fit,
+decode context parallelism (DCP) over the TP ranks is tried before more nodes.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from stagemesh.core.model_config import ModelConfig
 from stagemesh.plan.memory import DTYPE_BYTES, Layout, evaluate
 
 GB = 1e9
+BLOCK_SIZE = 16  # the serving commands' default --block-size: a DCP size divides it
 TIGHT = 0.8  # weights above this share of a GPU leave little for the KV cache and activations
 
 
@@ -32,6 +35,7 @@ class PlanRequest:
     target_concurrency: float | None = None
     tensor_parallel_size: int | None = None
     pipeline_parallel_size: int | None = None
+    decode_context_parallel_size: int | None = None  # None: the tree may propose DCP; 1: it may not
 
 
 @dataclass
@@ -48,15 +52,16 @@ class Plan:
 
 
 def make_plan(req: PlanRequest) -> Plan:
-    if req.tensor_parallel_size or req.pipeline_parallel_size:
+    if req.tensor_parallel_size or req.pipeline_parallel_size or req.decode_context_parallel_size not in (None, 1):
         plan = _forced(req)
     else:
         plan = _tree(req)
     return _expert_parallel(req, _data_parallel(req, plan))
 
 
-def _eval(req: PlanRequest, tp: int, pp: int, dtype: str | None = None) -> Layout:
-    return evaluate(req.cfg, tp, pp, req.gpu_bytes, req.utilization, dtype or req.dtype, req.max_model_len)
+def _eval(req: PlanRequest, tp: int, pp: int, dtype: str | None = None, dcp: int = 1) -> Layout:
+    return evaluate(req.cfg, tp, pp, req.gpu_bytes, req.utilization, dtype or req.dtype, req.max_model_len,
+                    dcp=dcp)
 
 
 def _fits(req: PlanRequest, layout: Layout) -> bool:
@@ -64,8 +69,69 @@ def _fits(req: PlanRequest, layout: Layout) -> bool:
 
 
 def _describe(layout: Layout) -> str:
-    return (f"TP={layout.tp} x PP={layout.pp}: {layout.weight_bytes_per_gpu / GB:.1f} GB of weights per GPU, "
+    dcp = f" x DCP={layout.dcp}" if layout.dcp > 1 else ""  # each sequence's KV over DCP of the TP ranks
+    return (f"TP={layout.tp} x PP={layout.pp}{dcp}: {layout.weight_bytes_per_gpu / GB:.1f} GB of weights per GPU, "
             f"KV cache {layout.kv_cache_tokens:,} tokens")
+
+
+def check_dcp(cfg: ModelConfig, tp: int, dcp: int) -> None:
+    """vLLM's rules for --decode-context-parallel-size as stagemesh builds it: the DCP group is `dcp` consecutive
+    TP ranks, each holding block_size / dcp tokens of every block, the KV heads sharded as if TP were tp / dcp."""
+    if dcp < 1:
+        raise StagemeshError(f"--decode-context-parallel-size {dcp} must be >= 1")
+    if tp % dcp:
+        raise StagemeshError(f"--decode-context-parallel-size {dcp} does not divide --tensor-parallel-size {tp}: "
+                             "a DCP group is that many of a stage's TP ranks")
+    if BLOCK_SIZE % dcp:
+        raise StagemeshError(f"--decode-context-parallel-size {dcp} does not divide the default --block-size "
+                             f"{BLOCK_SIZE}: each of a DCP group's ranks holds an equal share of every block")
+    try:
+        cfg.check_tp_size(tp // dcp)
+    except StagemeshError as err:
+        raise StagemeshError(f"--decode-context-parallel-size {dcp} shards the KV heads as if TP were "
+                             f"{tp} // {dcp} = {tp // dcp}, which the model does not allow ({err})") from None
+
+
+def dcp_sizes(cfg: ModelConfig, tp: int) -> list[int]:
+    """The DCP sizes that remove TP's duplication of the KV heads, smallest first: none where TP does not
+    replicate them (TP <= KV heads: DCP would save nothing). Past tp / DCP = KV heads DCP saves no more."""
+    kv = cfg.num_key_value_heads
+    if tp <= kv:
+        return []
+    sizes = []
+    for d in range(2, tp + 1):
+        if tp % d or BLOCK_SIZE % d or tp // d < kv:
+            continue
+        try:
+            check_dcp(cfg, tp, d)
+        except StagemeshError:
+            continue
+        sizes.append(d)
+    return sizes
+
+
+def _try_dcp(req: PlanRequest, layout: Layout, path: list[str], considered: list[Layout]) -> Layout | None:
+    """The smallest DCP size at which `layout` (which does not fit max_model_len's KV) fits, recorded in path."""
+    if req.decode_context_parallel_size is not None:  # -dcp 1 given: DCP is not wanted
+        return None
+    tp, kv = layout.tp, req.cfg.num_key_value_heads
+    sizes = dcp_sizes(req.cfg, tp)
+    if not sizes:
+        return None
+    why = f"TP={tp} replicates each of the {kv} KV heads {tp // kv}x"
+    tried = []
+    for d in sizes:
+        cand = _eval(req, tp, layout.pp, dcp=d)
+        considered.append(cand)
+        if _fits(req, cand):
+            path.append(f"{why}; DCP={d} splits each sequence's KV over {d} ranks instead "
+                        f"(--decode-context-parallel-size {d}): KV cache {cand.kv_cache_tokens:,} tokens, "
+                        f"enough for {req.max_model_len:,}")
+            return cand
+        tried.append(f"DCP={d}: {cand.kv_cache_tokens:,} tokens")
+    path.append(f"{why}, but splitting each sequence's KV over the TP ranks does not fit "
+                f"{req.max_model_len:,} tokens either ({'; '.join(tried)})")
+    return None
 
 
 def _tree(req: PlanRequest) -> Plan:
@@ -81,11 +147,14 @@ def _tree(req: PlanRequest) -> Plan:
     for nodes in range(1, req.nodes + 1):
         layout = _eval(req, node_tp, node_pp * nodes)
         considered.append(layout)
+        where = "one node" if nodes == 1 else f"{nodes} nodes: TP within each node, PP across nodes"
         if _fits(req, layout):
-            where = "one node" if nodes == 1 else f"{nodes} nodes: TP within each node, PP across nodes"
             path.append(f"fits on {where} ({_describe(layout)})")
             return Plan(layout, nodes, path, considered, suggestion)
         path.append(f"does not fit on {nodes} node(s) ({_describe(layout)})")
+        if (with_dcp := _try_dcp(req, layout, path, considered)) is not None:
+            path.append(f"fits on {where} ({_describe(with_dcp)})")
+            return Plan(with_dcp, nodes, path, considered, suggestion)
     total = req.gpus_per_node * req.nodes
     raise StagemeshError(f"{req.cfg.model_type} with {_weights_gb(req):.0f} GB of {req.dtype} weights does not fit "
                          f"{total} GPUs of {req.gpu_bytes / GB:.0f} GB with {req.max_model_len:,}-token requests; "
@@ -141,9 +210,17 @@ def _forced(req: PlanRequest) -> Plan:
     if tp * pp > req.gpus_per_node * req.nodes:
         raise StagemeshError(f"TP={tp} x PP={pp} needs {tp * pp} GPUs; {req.nodes} node(s) of {req.gpus_per_node} "
                              f"have {req.gpus_per_node * req.nodes}")
-    layout = _eval(req, tp, pp)
+    dcp = 1 if req.decode_context_parallel_size is None else req.decode_context_parallel_size
+    if dcp > 1 and not req.tensor_parallel_size:
+        raise StagemeshError(f"--decode-context-parallel-size {dcp} needs --tensor-parallel-size: a DCP group is "
+                             "that many of a stage's TP ranks")
+    check_dcp(cfg, tp, dcp)
+    layout = _eval(req, tp, pp, dcp=dcp)
     verdict = "fits" if _fits(req, layout) else "does NOT fit (no room for one request's KV cache)"
     path = [f"layout as asked: {_describe(layout)}: {verdict}"]
+    if dcp > 1 and tp <= cfg.num_key_value_heads:
+        path.append(f"DCP={dcp} saves no KV memory: TP={tp} does not replicate the {cfg.num_key_value_heads} KV "
+                    f"heads, so each sequence token costs a GPU what it costs at DCP=1")
     if layout.weight_bytes_per_gpu > TIGHT * req.gpu_bytes:
         path.append(f"tight: weights take {layout.weight_bytes_per_gpu / req.gpu_bytes:.0%} of each GPU, leaving "
                     f"little for the KV cache and activations")
