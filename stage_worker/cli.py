@@ -228,6 +228,14 @@ def describe(args: argparse.Namespace, plan: StagePlan, worker) -> None:
     if lora is not None:
         log.info("stage %d: LoRA adapters %s (--max-loras %d, --max-lora-rank %d)", i,
                  ", ".join(m.name for m in lora.modules) or "none", lora.limits.max_loras, lora.limits.max_lora_rank)
+    if args.decode_context_parallel_size > 1:
+        r = worker.runner
+        log.info("stage %d: decode context parallel %d (--decode-context-parallel-size): each of %d group(s) of "
+                 "%d TP ranks keeps %d KV head(s) per rank and %d of every block's %d tokens; %d blocks of "
+                 "%d tokens hold %s tokens", i, args.decode_context_parallel_size,
+                 args.tensor_parallel_size // args.decode_context_parallel_size, args.decode_context_parallel_size,
+                 r.num_kv_heads, r.kv_block_size, r.block_size, worker.num_kv_blocks, r.block_size,
+                 f"{worker.num_kv_blocks * r.block_size:,}")
     if plan.cfg.is_moe:
         from stage_worker.moe import describe_layout
         from stage_worker.observe import watch_expert_load

@@ -50,6 +50,23 @@ def test_tp2_matches_transformers(tiny_model_dir, tmp_path, arch, overrides, spl
     torch.testing.assert_close(torch.tensor(got["logits"]), want_logits, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch,overrides,world,dcp,chunk", [
+    ("llama", {"num_key_value_heads": 1}, 2, 2, 16),  # MQA: DCP splits the tokens TP would replicate
+    ("llama", {}, 2, 2, 5),                           # both KV heads on each rank, chunks across the shares
+    ("qwen3", {"tie_word_embeddings": True}, 2, 2, 16),  # q/k norm on the DCP path
+    ("llama", {"num_key_value_heads": 2}, 4, 2, 16),  # two DCP groups of two ranks in a TP group of four
+])
+def test_decode_context_parallel_matches_transformers(tiny_model_dir, tmp_path, arch, overrides, world, dcp, chunk):
+    """Each rank keeps block_size / dcp tokens of every block and attends its group's queries to them; the
+    partials merged by log-sum-exp give transformers' greedy tokens and logits (prefill chunks and decode)."""
+    model_dir = tiny_model_dir(arch, **overrides)
+    prompt = prompts(384, lengths=(37,))[0]
+    want_tokens, want_logits = reference_greedy(reference_model(model_dir), prompt, 32)
+    got = run_tp(model_dir, world, "2,2", prompt, 32, tmp_path, False, "--dcp", str(dcp), "--chunk", str(chunk))
+    assert got["tokens"] == want_tokens
+    torch.testing.assert_close(torch.tensor(got["logits"]), want_logits, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.slow
 def test_default_model_tp3_matches_transformers(default_model_dir, tmp_path):
     # SmolLM2 has 9 heads and 3 KV heads: TP=3 is the smallest size above 1 that divides them
