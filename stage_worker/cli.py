@@ -193,7 +193,8 @@ def load_worker(args: argparse.Namespace, plan: StagePlan):
     source = plan.source
     slice_ = SliceConfig(str(source.model_dir), plan.start, plan.end, tp_size=args.tensor_parallel_size,
                          device=args.device, dtype=args.dtype, block_size=args.block_size,
-                         dcp_size=args.decode_context_parallel_size, cuda_graphs=not args.enforce_eager,
+                         dcp_size=args.decode_context_parallel_size,
+                         pcp_size=args.prefill_context_parallel_size, cuda_graphs=not args.enforce_eager,
                          expert_parallel=args.enable_expert_parallel,
                          eplb=plan.eplb, quantization=source.quantization,
                          gguf_file=str(source.gguf_file) if source.gguf_file else None, lora=plan.lora)
@@ -228,14 +229,19 @@ def describe(args: argparse.Namespace, plan: StagePlan, worker) -> None:
     if lora is not None:
         log.info("stage %d: LoRA adapters %s (--max-loras %d, --max-lora-rank %d)", i,
                  ", ".join(m.name for m in lora.modules) or "none", lora.limits.max_loras, lora.limits.max_lora_rank)
+    r = worker.runner
     if args.decode_context_parallel_size > 1:
-        r = worker.runner
         log.info("stage %d: decode context parallel %d (--decode-context-parallel-size): each of %d group(s) of "
                  "%d TP ranks keeps %d KV head(s) per rank and %d of every block's %d tokens; %d blocks of "
                  "%d tokens hold %s tokens", i, args.decode_context_parallel_size,
                  args.tensor_parallel_size // args.decode_context_parallel_size, args.decode_context_parallel_size,
                  r.num_kv_heads, r.kv_block_size, r.block_size, worker.num_kv_blocks, r.block_size,
                  f"{worker.num_kv_blocks * r.block_size:,}")
+    if args.prefill_context_parallel_size > 1:
+        log.info("stage %d: prefill context parallel %d (--prefill-context-parallel-size): %d processes with the "
+                 "whole weights, each computing and keeping %d of every block's %d tokens; %d blocks of %d tokens "
+                 "hold %s tokens", i, r.tp.size, r.tp.size, r.kv_block_size, r.block_size, worker.num_kv_blocks,
+                 r.block_size, f"{worker.num_kv_blocks * r.block_size:,}")
     if plan.cfg.is_moe:
         from stage_worker.moe import describe_layout
         from stage_worker.observe import watch_expert_load

@@ -37,3 +37,58 @@ def dcp_metadata(positions: torch.Tensor, row_seqs: torch.Tensor, block_tables: 
     visible = held_count(positions + 1, block_size, dcp_size, dcp_rank).to(torch.int32)
     starts = torch.arange(positions.shape[0] + 1, dtype=torch.int32, device=positions.device)
     return DCPMetadata(held, slots, row_tables, visible, starts)
+
+
+class TokenSplit:
+    """Prefill context parallelism's split of a step (vLLM's PCP, stage_worker.model.Attention): each rank of the
+    group computes the step's tokens whose KV it keeps (the layout above, so no KV moves after it is computed),
+    through every layer, with the whole weights. A rank's tokens are interleaved with the others' every b
+    positions (striped: the causal mask's work is even over the ranks, as zig-zag chunks make it for
+    contiguous ones). Each rank runs `pad` rows, the most any rank has: its tokens, then padding rows (position 0,
+    token 0, hidden zeros), which keep no KV, see no key and are dropped when the rows are gathered, rank by
+    rank (so no rank runs a layer on no rows)."""
+
+    def __init__(self, positions: torch.Tensor, block_size: int, size: int, rank: int):
+        b = block_size // size
+        owner = (positions % block_size) // b
+        counts = torch.bincount(owner, minlength=size)
+        self.size, self.rank, self.pad = size, rank, int(counts.max())
+        order = torch.sort(owner, stable=True).indices  # the step's tokens, rank by rank
+        firsts = torch.cumsum(counts, 0) - counts
+        place = torch.arange(len(order), device=positions.device) - firsts[owner[order]]
+        self.gathered = torch.full((size, self.pad), -1, dtype=torch.long, device=positions.device)
+        self.gathered[owner[order], place] = order  # each rank's row r: the step's token (-1: padding)
+        self.mine = self.gathered[rank, :int(counts[rank])]  # this rank's tokens, in step order
+        self.padding = self.gathered[rank] < 0
+        flat = self.gathered.view(-1)
+        self.valid = flat >= 0
+        self.tokens = flat[self.valid]
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's `pad` rows of x [step tokens, ...]: its tokens', then zeros."""
+        out = x.index_select(0, self.gathered[self.rank].clamp(min=0))
+        return out.masked_fill_(self.padding.view(-1, *[1] * (x.dim() - 1)), 0)
+
+    def gather(self, x: torch.Tensor, group) -> torch.Tensor:
+        """Every rank's `pad` rows of x back to [step tokens, ...] in step order, on every rank."""
+        parts = group.all_gather(x).view(self.size * self.pad, *x.shape[1:])
+        out = torch.empty((len(self.tokens), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        out[self.tokens] = parts[self.valid]
+        return out
+
+    def metadata(self, positions: torch.Tensor, row_seqs: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                 rank: int):
+        """This rank's stage_worker.model.DCPMetadata: the slots of its tokens, and every gathered row's view of
+        the positions this rank keeps (a padding row sees none)."""
+        from stage_worker.model import DCPMetadata
+
+        b = block_size // self.size
+        mine = self.mine
+        blocks = block_tables[row_seqs[mine], positions[mine] // block_size].long()
+        slots = blocks * b + positions[mine] % block_size % b
+        flat = self.gathered.view(-1).clamp(min=0)
+        visible = held_count(positions[flat] + 1, block_size, self.size, rank).masked_fill(~self.valid, 0)
+        starts = torch.arange(flat.shape[0] + 1, dtype=torch.int32, device=positions.device)
+        held = torch.arange(len(mine), device=positions.device)
+        return DCPMetadata(held, slots, block_tables.index_select(0, row_seqs[flat]), visible.to(torch.int32),
+                           starts, self.pad)

@@ -114,7 +114,8 @@ def follower_argv(slice_: SliceConfig, tp_rank: int, threads: int, kv_disk: tupl
     namespace directory and namespace, which rank 0 made and holds locked (stage_worker.kv_disk)."""
     argv = ["--model", str(slice_.model_dir), "--layers", f"{slice_.layer_start}:{slice_.layer_end}",
             "--tp-rank", str(tp_rank), "--tp-size", str(slice_.tp_size), "--device", slice_.device,
-            "--block-size", str(slice_.block_size), "--dcp-size", str(slice_.dcp_size), "--threads", str(threads)]
+            "--block-size", str(slice_.block_size), "--dcp-size", str(slice_.dcp_size),
+            "--pcp-size", str(slice_.pcp_size), "--threads", str(threads)]
     if slice_.dtype:
         argv += ["--dtype", slice_.dtype]
     if slice_.expert_parallel:
@@ -140,6 +141,7 @@ def main() -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dcp-size", type=int, default=1)
+    p.add_argument("--pcp-size", type=int, default=1)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--enable-expert-parallel", action="store_true")
     p.add_argument("--eplb-config", default=None)
@@ -156,8 +158,8 @@ def main() -> None:
     start, end = (int(x) for x in args.layers.split(":"))
     balance = eplb.EPLBConfig(**json.loads(args.eplb_config)) if args.eplb_config else None  # checked by rank 0
     runner = SliceConfig(args.model, start, end, args.tp_size, args.device, args.dtype, args.block_size,
-                         dcp_size=args.dcp_size, expert_parallel=args.enable_expert_parallel, eplb=balance,
-                         quantization=args.quantization,
+                         dcp_size=args.dcp_size, pcp_size=args.pcp_size, expert_parallel=args.enable_expert_parallel,
+                         eplb=balance, quantization=args.quantization,
                          gguf_file=args.gguf_file, lora=LoRASettings.from_args(args)).runner(args.tp_rank)
     disk = DiskTier(args.kv_disk_dir, args.kv_namespace, args.tp_rank, block_layout(runner)) if args.kv_disk_dir \
         else None

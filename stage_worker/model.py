@@ -8,6 +8,7 @@ KV cache through kernels.dispatch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from stage_worker import layer_plan
 from stage_worker.moe import SparseMoeBlock
 from stage_worker.parallel import HeadShard, TPGroup
 
+if TYPE_CHECKING:
+    from stage_worker.context import TokenSplit
+
 
 @dataclass
 class AttentionMetadata:
@@ -31,6 +35,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [seqs] int32, after this step
     query_start_loc: torch.Tensor  # [seqs + 1] int32
     dcp: "DCPMetadata | None" = None  # with decode context parallelism: this rank's share (stage_worker.context)
+    split: "TokenSplit | None" = None  # with prefill context parallelism: this rank's rows of the step's tokens
 
 
 @dataclass
@@ -43,16 +48,21 @@ class DCPMetadata:
     row_tables: torch.Tensor  # [tokens, max_blocks] int32: each query row's sequence's block table
     row_visible: torch.Tensor  # [tokens] int32: the held positions each row sees (those <= its own)
     row_starts: torch.Tensor  # [tokens + 1] int32: 0..tokens (each row its own query of one)
+    # prefill context parallelism (stage_worker.context.TokenSplit): this rank computes its share of the tokens,
+    # and the rows above are every rank's, each rank's padded to this many; 0: decode context parallelism (each
+    # rank computes every token, its share of the heads)
+    pad: int = 0
 
 
 class Attention(Module):
-    def __init__(self, cfg: ModelConfig, prefix: str, tp: TPGroup, dtype, device):
+    def __init__(self, cfg: ModelConfig, prefix: str, tp: TPGroup, dtype, device, cp: TPGroup | None = None):
+        """`cp`: the group a sequence's KV is spread over (decode or prefill context parallelism), or None."""
         super().__init__()
         shard = HeadShard.for_rank(cfg, tp)
         d = self.head_dim = cfg.head_dim
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.scale = d ** -0.5
-        self.tp = tp
+        self.cp = cp
         parts = cfg.family.weights.qkv(prefix, cfg, (shard.q_start * d, shard.num_heads * d),
                                        (shard.kv_start * d, shard.num_kv_heads * d))
         self.qkv_proj = column_parallel(parts, cfg.hidden_size, dtype, device, bias=cfg.attention_bias)
@@ -70,7 +80,9 @@ class Attention(Module):
         k_cache, v_cache = kv_cache
         qkv = self.qkv_proj(x)
         if meta.dcp is not None:
-            return self.o_proj(self._context_parallel(qkv, meta, meta.dcp, kv_cache, cos_sin))
+            assert self.cp is not None, "context-parallel metadata reaches only a context-parallel stage's layers"
+            attend = self._prefill_context_parallel if meta.dcp.pad else self._context_parallel
+            return self.o_proj(attend(qkv, meta, meta.dcp, self.cp, kv_cache, cos_sin))
         if self.q_norm is None or self.k_norm is None:
             q = kernels.rotary_and_cache(qkv, self.num_heads, self.num_kv_heads, meta.positions, cos_sin, k_cache,
                                          v_cache, meta.slot_mapping)
@@ -91,41 +103,65 @@ class Attention(Module):
         q, k = kernels.apply_rotary(q, k, meta.positions, cos_sin)
         return q, k, v
 
-    def _context_parallel(self, qkv: torch.Tensor, meta: AttentionMetadata, dcp: DCPMetadata,
+    def _context_parallel(self, qkv: torch.Tensor, meta: AttentionMetadata, dcp: DCPMetadata, cp: TPGroup,
                           kv_cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor) -> torch.Tensor:
         """Decode context parallelism (vLLM's DCP): this rank keeps its share of the tokens' K and V; the DCP
         group's queries (the heads of these KV heads) attend to each rank's share, and the partial outputs are
         merged by their log-sum-exps, each rank keeping its own heads."""
         tokens, d, h = qkv.shape[0], self.head_dim, self.num_heads
         q, k, v = self._rotated(qkv, meta, cos_sin)
+        self._write_held(k, v, dcp, kv_cache)
+        group = cp.dcp_gather(q)  # [dcp, tokens, h, d]: the group's query heads
+        parts = self._partials(group.transpose(0, 1).reshape(tokens, -1, d), dcp, cp, kv_cache)
+        return self._merged(parts[:, :, cp.dcp_rank * h:(cp.dcp_rank + 1) * h], qkv.dtype).reshape(tokens, h * d)
+
+    def _prefill_context_parallel(self, qkv: torch.Tensor, meta: AttentionMetadata, dcp: DCPMetadata, cp: TPGroup,
+                                  kv_cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor) -> torch.Tensor:
+        """Prefill context parallelism (vLLM's PCP, stage_worker.context.TokenSplit): this rank's tokens, every
+        head. It keeps their K and V; every rank's queries (padded to dcp.pad rows each) attend to each rank's
+        share of the keys, and each rank merges the partials of its own rows."""
+        tokens, d, h = qkv.shape[0], self.head_dim, self.num_heads  # (tokens: dcp.pad rows)
+        q, k, v = self._rotated(qkv, meta, cos_sin)
+        self._write_held(k, v, dcp, kv_cache)
+        queries = cp.dcp_gather(q).view(-1, h, d)  # [ranks * pad, h, d]
+        parts = self._partials(queries, dcp, cp, kv_cache)  # [ranks, ranks * pad, h, d + 1]
+        first = cp.dcp_rank * dcp.pad
+        return self._merged(parts[:, first:first + tokens], qkv.dtype).reshape(tokens, h * d)
+
+    @staticmethod
+    def _write_held(k: torch.Tensor, v: torch.Tensor, dcp: DCPMetadata,
+                    kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
         if dcp.held.numel():
             kernels.write_kv_cache(k.index_select(0, dcp.held), v.index_select(0, dcp.held), *kv_cache,
                                    dcp.slot_mapping)
-        group = self.tp.dcp_gather(q)  # [dcp, tokens, h, d]: the group's query heads
-        queries = group.transpose(0, 1).reshape(tokens, -1, d)
+
+    def _partials(self, queries: torch.Tensor, dcp: DCPMetadata, cp: TPGroup,
+                  kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Each rank's attention of `queries` over its share of the keys, with its lse as one more fp32 column
+        (one collective for both), from every rank of the group: [ranks, rows, heads, head_dim + 1]."""
         out, lse = kernels.paged_attention_lse(queries, *kv_cache, dcp.row_tables, dcp.row_visible, dcp.row_starts,
                                                self.scale)
-        # one collective for both: each rank's partial output and its lse as one more fp32 column
-        partial = torch.cat([out.float(), lse[..., None]], -1)
-        parts = self.tp.dcp_gather(partial)  # [dcp, tokens, dcp * h, d + 1]
-        mine = parts[:, :, self.tp.dcp_rank * h:(self.tp.dcp_rank + 1) * h]
-        merged, _ = kernels.merge_attention_states(mine[..., :d].contiguous(), mine[..., d].contiguous())
-        return merged.to(qkv.dtype).reshape(tokens, h * d)
+        return cp.dcp_gather(torch.cat([out.float(), lse[..., None]], -1))
+
+    @staticmethod
+    def _merged(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        merged, _ = kernels.merge_attention_states(parts[..., :-1].contiguous(), parts[..., -1].contiguous())
+        return merged.to(dtype)
 
 
 class DecoderLayer(Module):
     def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup, dtype, device, expert_parallel: bool = False,
-                 ep=None, eplb=None):
+                 ep=None, eplb=None, cp: TPGroup | None = None):
         super().__init__()
         prefix = f"model.layers.{index}"
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", cfg.hidden_size, eps, dtype, device)
-        self.self_attn = Attention(cfg, f"{prefix}.self_attn", tp, dtype, device)
+        self.self_attn = Attention(cfg, f"{prefix}.self_attn", tp, dtype, device, cp)
         self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size, eps,
                                                 dtype, device)
         self.sparse = cfg.is_sparse_layer(index)
         # whether stage_worker.layer_plan may run it (its attention is a whole rank's: not DCP's)
-        self.cpu_plan = cfg.family.fused_cpu_plan and tp.dcp_size == 1
+        self.cpu_plan = cfg.family.fused_cpu_plan and cp is None
         self.mlp: SparseMoeBlock | MLP
         if self.sparse:
             self.mlp = SparseMoeBlock(cfg, index, tp, expert_parallel, dtype, device, ep, eplb)
@@ -151,7 +187,8 @@ class StageModel(Module):
 
     def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, tp: TPGroup,
                  dtype: torch.dtype, device: str | torch.device, max_positions: int | None = None,
-                 expert_parallel: bool = False, ep=None, eplb=None):
+                 expert_parallel: bool = False, ep=None, eplb=None, cp: TPGroup | None = None):
+        """`cp`: the group of decode or prefill context parallelism (stage_worker.context), or None."""
         super().__init__()
         self.cfg = cfg
         self.layer_start, self.layer_end = layer_start, layer_end
@@ -164,7 +201,7 @@ class StageModel(Module):
         if self.is_first:
             self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", cfg.vocab_size, cfg.hidden_size,
                                                        tp, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype, device, expert_parallel, ep, eplb)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype, device, expert_parallel, ep, eplb, cp)
                                     for i in range(layer_start, layer_end))
         if ep is not None:  # a member without rows of its own runs these (stage_worker.ep_group)
             ep.attach([layer.mlp for layer in self.layers if layer.sparse], cfg.hidden_size, dtype)

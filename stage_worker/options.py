@@ -29,6 +29,10 @@ class StageOptions:
         "each a share of every sequence's tokens, so a replica holds dcp times the tokens where TP alone would "
         "replicate KV heads (TP > KV heads); must divide --tensor-parallel-size and --block-size "
         "(docs/context-parallelism.md)")).field()
+    prefill_context_parallel_size: int = Flag(("--prefill-context-parallel-size", "-pcp"), type=int, default=1, help=(
+        "vLLM's PCP: the stage runs as this many processes, each with the whole weights (-tp 1), each computing "
+        "the tokens whose KV it keeps (block_size / pcp of every block), so a long prompt's prefill is split over "
+        "them and a sequence's KV too; must divide --block-size (docs/context-parallelism.md)")).field()
     device: str | None = Flag(("--device",), default="cpu", choices=("cpu", "cuda")).field()
     handoff: str = Flag(("--handoff",), default="grpc", choices=("nccl", "grpc"),
                         help="activation transport to the next stage").field()

@@ -28,6 +28,9 @@ class TPGroup:
     # decode context parallelism (--decode-context-parallel-size): each `dcp_size` consecutive ranks hold the same
     # KV heads (sharded as if TP were size // dcp_size) and each a share of every sequence's tokens
     dcp_size: int = 1
+    # prefill context parallelism (--prefill-context-parallel-size): the group is the stage's PCP ranks, each with
+    # the whole weights and a share of the step's tokens (those whose KV it keeps); dcp_size is then the group's
+    pcp: bool = False
 
     def _fits_shm(self, x: torch.Tensor) -> bool:
         return (self.shm is not None and x.device.type == "cpu" and x.is_contiguous()
@@ -99,8 +102,10 @@ class HeadShard:
     def for_rank(cls, cfg: ModelConfig, tp: TPGroup) -> "HeadShard":
         """The query heads split over the TP group; the KV heads over its DCP groups (each group's ranks hold
         the same KV heads: those of the group's query heads, and each a share of the tokens)."""
-        cfg.check_tp_size(tp.size)
         heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        if tp.pcp:  # every rank has every head (of its share of the tokens)
+            return cls(0, heads, 0, kv)
+        cfg.check_tp_size(tp.size)
         num_heads = heads // tp.size
         groups, group = tp.size // tp.dcp_size, tp.rank // tp.dcp_size
         if groups <= kv:  # split the KV heads

@@ -24,7 +24,7 @@ from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from stage_worker.gguf import GGUFCheckpoint
 from stage_worker.model import AttentionMetadata, StageModel
 from stage_worker.quantization import check_quantization, load_gguf, quantize_at_load
-from stage_worker.context import dcp_metadata
+from stage_worker.context import TokenSplit, dcp_metadata
 from stage_worker.parallel import HeadShard, TPGroup
 from stage_worker.sampler import Sampler
 from stage_worker.weights import load_weights
@@ -94,6 +94,7 @@ class SliceConfig:
     dtype: str | None = None
     block_size: int = 16
     dcp_size: int = 1  # --decode-context-parallel-size (stage_worker.context)
+    pcp_size: int = 1  # --prefill-context-parallel-size (stage_worker.context.TokenSplit)
     cuda_graphs: bool = True
     expert_parallel: bool = False  # whole experts spread over the TP ranks (stage_worker.moe)
     eplb: EPLBConfig | None = None  # the experts' load balanced, with redundant copies
@@ -101,12 +102,17 @@ class SliceConfig:
     gguf_file: str | None = None  # the weights (quantization gguf); model_dir then gives config and tokenizer
     lora: LoRASettings | None = None  # --enable-lora: the adapters it may serve (stage_worker.lora)
 
+    @property
+    def ranks(self) -> int:
+        """The stage's processes: its TP ranks, times its PCP ranks."""
+        return self.tp_size * self.pcp_size
+
     def runner(self, tp_rank: int, ep=None) -> "StageRunner":
         """`ep`: the stage's stage_worker.ep_group.EPGroup when its experts are spread over the replicas."""
         device = f"cuda:{tp_rank}" if self.device == "cuda" else self.device
         return StageRunner(self.model_dir, self.layer_start, self.layer_end, tp_rank=tp_rank, tp_size=self.tp_size,
                            device=device, dtype=self.dtype, block_size=self.block_size, dcp_size=self.dcp_size,
-                           cuda_graphs=self.cuda_graphs,
+                           pcp_size=self.pcp_size, cuda_graphs=self.cuda_graphs,
                            expert_parallel=self.expert_parallel, ep=ep, eplb=self.eplb, quantization=self.quantization,
                            gguf_file=self.gguf_file, lora=self.lora)
 
@@ -114,30 +120,41 @@ class SliceConfig:
 class StageRunner:
     def __init__(self, model_dir: str | Path | None, layer_start: int, layer_end: int, *, tp_rank: int = 0,
                  tp_size: int = 1, tp_group=None, device: str = "cpu", dtype: torch.dtype | str | None = None,
-                 block_size: int = 16, dcp_size: int = 1, load: bool = True, config: ModelConfig | None = None,
+                 block_size: int = 16, dcp_size: int = 1, pcp_size: int = 1, load: bool = True,
+                 config: ModelConfig | None = None,
                  cuda_graphs: bool = True, max_graph_batch: int = 256, expert_parallel: bool = False, ep=None,
                  eplb=None, quantization: str | None = None, gguf_file: str | None = None,
                  lora: LoRASettings | None = None):
         # (model_dir is None only where a config is given: runners made without weights, load=False)
         self.config = cfg = config or ModelConfig.from_path(model_dir)  # type: ignore[arg-type]
         check_layer_range(cfg, layer_start, layer_end)
-        self.tp = TPGroup(tp_rank, tp_size, tp_group, dcp_size=dcp_size)
         cfg.check_tp_size(tp_size)
         cfg.check_decode_context_parallel(tp_size, dcp_size, block_size)
-        if dcp_size > 1 and expert_parallel:
-            raise StagemeshError("--decode-context-parallel-size with --enable-expert-parallel is not built yet")
+        cfg.check_prefill_context_parallel(tp_size, pcp_size, block_size)
+        # the stage's group (its processes: `tp_rank` is this one's place) and the group its weights are sharded over
+        self.tp = TPGroup(tp_rank, tp_size, tp_group, dcp_size=dcp_size)
+        shard = self.tp
+        if pcp_size > 1:  # each rank the whole weights and a share of the tokens (stage_worker.context.TokenSplit)
+            self.tp, shard = TPGroup(tp_rank, pcp_size, tp_group, dcp_size=pcp_size, pcp=True), TPGroup()
+        context = next((flag for flag, size in (("--decode-context-parallel-size", dcp_size),
+                                                ("--prefill-context-parallel-size", pcp_size)) if size > 1), None)
+        for what, used in (("--enable-expert-parallel", expert_parallel), ("--enable-lora", lora is not None)):
+            if context and used and (what == "--enable-expert-parallel" or pcp_size > 1):
+                raise StagemeshError(f"{context} with {what} is not built yet")
         if expert_parallel:
             cfg.check_expert_parallel(tp_size)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(cfg, dtype, device)
         self.block_size = block_size  # the scheduler's blocks
-        self.kv_block_size = block_size // dcp_size  # the tokens of a block this rank keeps (stage_worker.context)
+        # the tokens of a block this rank keeps (stage_worker.context)
+        self.kv_block_size = block_size // self.tp.dcp_size
         if gguf_file is not None:
             quantization = quantization or "gguf"
         check_quantization(quantization, cfg, self.device)
         self.quantization = quantization
-        self.model = StageModel(cfg, layer_start, layer_end, self.tp, self.dtype, self.device,
-                                expert_parallel=expert_parallel, ep=ep, eplb=eplb)
+        self.model = StageModel(cfg, layer_start, layer_end, shard, self.dtype, self.device,
+                                expert_parallel=expert_parallel, ep=ep, eplb=eplb,
+                                cp=self.tp if self.tp.dcp_size > 1 else None)
         self.model_dir, self.gguf_file = model_dir, gguf_file
         # adapters per sequence (multi-LoRA): its linears become LoRALinear before the weights load
         self.lora = LoRAManager(self.model, cfg, lora, self.dtype, self.device) if lora is not None else None
@@ -233,7 +250,7 @@ class StageRunner:
             if return_logits:
                 logits = logits.clone()
         else:
-            hidden = self.model(input_ids, hidden_states, meta, self.kv_caches)
+            hidden = self._forward(input_ids, hidden_states, meta)
             self._mirror(batch, meta)
             if not self.is_last_stage:
                 return StageOutput(hidden_states=hidden)
@@ -250,6 +267,16 @@ class StageRunner:
         proposed = self._propose(sampled)
         return StageOutput(sampled=sampled, logits=logits if return_logits else None, prompt_logprobs=scored,
                            drafts=proposed)
+
+    def _forward(self, input_ids: torch.Tensor | None, hidden_states: torch.Tensor | None,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        split = meta.split
+        if split is None:
+            return self.model(input_ids, hidden_states, meta, self.kv_caches)
+        # prefill context parallelism: this rank's rows through the layers, every rank's gathered after them
+        mine = self.model(input_ids, None if hidden_states is None else split.rows(hidden_states), meta,
+                          self.kv_caches)
+        return split.gather(mine, self.tp)
 
     def _mirror(self, batch: StepBatch, meta: AttentionMetadata) -> None:
         if self.drafter is not None and self.tp.rank == 0:
@@ -316,10 +343,16 @@ class StageRunner:
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
         )
+        input_ids = torch.tensor(c.token_ids, dtype=torch.int64, device=dev) if self.is_first_stage else None
         if self.tp.dcp_size > 1:  # this rank's share of the tokens (its slots: there, not slot_mapping's)
             row_seqs = torch.repeat_interleave(torch.arange(len(tables), device=dev),
                                                torch.tensor(c.num_tokens, device=dev))
-            meta.dcp = dcp_metadata(meta.positions, row_seqs, meta.block_tables, bs, self.tp.dcp_size,
-                                    self.tp.dcp_rank)
-        input_ids = torch.tensor(c.token_ids, dtype=torch.int64, device=dev) if self.is_first_stage else None
+            if self.tp.pcp:  # and its rows of them
+                meta.split = split = TokenSplit(meta.positions, bs, self.tp.size, self.tp.rank)
+                meta.dcp = split.metadata(meta.positions, row_seqs, meta.block_tables, bs, self.tp.rank)
+                meta.positions = split.rows(meta.positions)
+                input_ids = None if input_ids is None else split.rows(input_ids)
+            else:
+                meta.dcp = dcp_metadata(meta.positions, row_seqs, meta.block_tables, bs, self.tp.dcp_size,
+                                        self.tp.dcp_rank)
         return input_ids, meta, sample_rows, sample_ids, drafts

@@ -43,7 +43,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     def describe(self) -> stage_pb2.StageDescription:
         w, c, s, cfg = self.worker, self.worker.cfg, self.worker.cfg.slice, self.worker.runner.config
         return stage_pb2.StageDescription(
-            stage_index=c.stage_index, layer_start=s.layer_start, layer_end=s.layer_end, tensor_parallel_size=s.tp_size,
+            stage_index=c.stage_index, layer_start=s.layer_start, layer_end=s.layer_end, tensor_parallel_size=s.ranks,
             device=s.device, free_memory_bytes=w.free_memory_bytes(), num_kv_blocks=w.num_kv_blocks,
             block_size=s.block_size, address=self.address, handoff=c.handoff, model_path=str(s.model_dir),
             weight_bytes=w.runner.model.num_parameter_bytes(), instance_id=w.instance_id, standby=c.standby,

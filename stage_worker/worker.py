@@ -71,13 +71,13 @@ class StageWorker:
                                                   s.block_size))
         # the disk tier's directory, locked for the stage's life, before the followers use it
         self.disk_dir = None if not cfg.kv_disk_path else NamespaceDir(
-            cfg.kv_disk_path, kv_namespace(self.runner, cfg.slice.tp_size), cfg.slice.tp_size,
+            cfg.kv_disk_path, kv_namespace(self.runner, cfg.slice.ranks), cfg.slice.ranks,
             {"model_path": str(cfg.slice.model_dir), "stage_index": cfg.stage_index})
         disk = None if self.disk_dir is None else DiskTier(self.disk_dir.path, self.disk_dir.namespace, 0,
                                                            block_layout(self.runner))
         self.tiers = KVTierStore(self.runner, disk)
         self._load_ids = itertools.count()
-        self.followers = [self._start_follower(t) for t in range(1, cfg.slice.tp_size)]
+        self.followers = [self._start_follower(t) for t in range(1, cfg.slice.ranks)]
         for t, proc in enumerate(self.followers, start=1):
             assert proc.stdout is not None  # (started with stdout=PIPE: _start_follower)
             if proc.stdout.readline().strip() != b"ready":
@@ -106,11 +106,11 @@ class StageWorker:
     def kv_bytes_per_block(self) -> int:
         """One block of this stage's layers over every TP rank (the draft model's, on rank 0 only, once)."""
         draft = self.runner.drafter.kv_bytes_per_block if self.runner.drafter is not None else 0
-        return (self.runner.kv_bytes_per_block - draft) * self.cfg.slice.tp_size + draft
+        return (self.runner.kv_bytes_per_block - draft) * self.cfg.slice.ranks + draft
 
     def disk_block_hashes(self) -> list[int]:
         """The disk tier's blocks every TP rank holds, least recently written first."""
-        return self.disk_dir.common_hashes(self.cfg.slice.tp_size) if self.disk_dir is not None else []
+        return self.disk_dir.common_hashes(self.cfg.slice.ranks) if self.disk_dir is not None else []
 
     def _kv_budget(self) -> int:
         if self.cfg.kv_cache_memory:
@@ -144,7 +144,7 @@ class StageWorker:
         if self.ep is not None:
             self.ep.raise_if_broken()
         c = self.cfg
-        check_join(req, c.stage_index, c.slice.tp_size, self.num_kv_blocks, self.runner.config.max_position_embeddings,
+        check_join(req, c.stage_index, c.slice.ranks, self.num_kv_blocks, self.runner.config.max_position_embeddings,
                    self.runner.is_last_stage, c.handoff == "grpc" and not self.runner.is_last_stage)
         if not 0 <= req.num_host_kv_blocks < 2**31:
             raise InvalidStep(f"num_host_kv_blocks {req.num_host_kv_blocks} must be 0 or more")
@@ -164,10 +164,10 @@ class StageWorker:
         self.steps.loop.call(self.runner.reset, req.num_kv_blocks)
         self.steps.loop.call(self.tiers.resize, req.num_host_kv_blocks)
         self.steps.begin_epoch(req, rank)
-        log.info("joined epoch %d as rank %d of %d (layers %d:%d, TP=%d, %s handoff, %d KV blocks)", req.epoch, rank,
-                 req.world_size, self.cfg.slice.layer_start, self.cfg.slice.layer_end, self.cfg.slice.tp_size,
-                 self.cfg.handoff,
-                 req.num_kv_blocks)
+        s = self.cfg.slice
+        context = f", DCP={s.dcp_size}" if s.dcp_size > 1 else f", PCP={s.pcp_size}" if s.pcp_size > 1 else ""
+        log.info("joined epoch %d as rank %d of %d (layers %d:%d, TP=%d%s, %s handoff, %d KV blocks)", req.epoch, rank,
+                 req.world_size, s.layer_start, s.layer_end, s.tp_size, context, self.cfg.handoff, req.num_kv_blocks)
 
     def _leave(self) -> None:
         epoch = self.steps.epoch

@@ -84,7 +84,7 @@ class MeshLayout:
     def _fixed(self) -> None:
         """What every replica shares, computed once: threads per stage, the flags passed on, the EP store."""
         args, dp = self.args, self.args.data_parallel_size
-        pp, tp = args.pipeline_parallel_size, args.tensor_parallel_size
+        pp, tp = args.pipeline_parallel_size, stage_ranks(args)
         # (a replica added later keeps the first ones' plan)
         self.cpu: CpuPlan | None = None
         if self.addresses.local:
@@ -130,7 +130,7 @@ class MeshLayout:
         return self.args.metrics_port + offset
 
     def _stage(self, r: int, i: int, scheduler: str) -> ChildSpec:
-        args, tp, spec = self.args, self.args.tensor_parallel_size, self.spec
+        args, tp, spec = self.args, stage_ranks(self.args), self.spec  # (tp: the stage's processes)
         a, b = self.ranges[i]
         env = {} if self.cuda else dict(self.cpu.env) if self.cpu is not None else cpu_stage_env()
         if self.cuda and self.addresses.local:  # Ray gives each stage its GPUs itself
@@ -161,6 +161,11 @@ class MeshLayout:
         return [ChildSpec("router" if n == 1 else f"router[{i}]",
                           ["router", *to_argv(replace(options, control_port=control[i]))], kind="router")
                 for i in range(n)]
+
+
+def stage_ranks(args: argparse.Namespace) -> int:
+    """A stage's processes (and GPUs): its TP ranks times its PCP ranks (each of those with the whole weights)."""
+    return args.tensor_parallel_size * getattr(args, "prefill_context_parallel_size", 1)
 
 
 def plan_commands(args: argparse.Namespace, model: str | None, num_layers: int, cuda: bool,

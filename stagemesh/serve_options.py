@@ -73,6 +73,7 @@ class OpsOptions:
 class ServeOptions:
     tensor_parallel_size: int = flag_of(W, "tensor_parallel_size")
     decode_context_parallel_size: int = flag_of(W, "decode_context_parallel_size")
+    prefill_context_parallel_size: int = flag_of(W, "prefill_context_parallel_size")
     pipeline_parallel_size: int = flag_of(S, "pipeline_parallel_size")
     data_parallel_size: int = flag_of(W, "data_parallel_size", help=None)
     layer_split: str | None = flag_of(W, "layer_split")

@@ -23,6 +23,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int), p.add_argument("--out")
     p.add_argument("--expert-parallel", action="store_true")
     p.add_argument("--dcp", type=int, default=1)
+    p.add_argument("--pcp", type=int, default=1)
     p.add_argument("--chunk", type=int, default=16)
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -30,9 +31,10 @@ def main() -> None:
     try:
         split = [int(x) for x in a.split.split(",")]
         prompt = [int(x) for x in a.prompt.split(",")]
-        tokens, logits = chained_logits(a.model, split, prompt, a.new_tokens, tp_rank=a.rank, tp_size=a.world,
+        context = {"dcp_size": a.dcp} if a.dcp > 1 else {"pcp_size": a.pcp} if a.pcp > 1 else {}
+        tokens, logits = chained_logits(a.model, split, prompt, a.new_tokens, tp_rank=a.rank, tp_size=a.world // a.pcp,
                                         tp_group=dist.group.WORLD, expert_parallel=a.expert_parallel,
-                                        chunk=a.chunk, **({"dcp_size": a.dcp} if a.dcp > 1 else {}))
+                                        chunk=a.chunk, **context)
         if a.rank == 0:
             with open(a.out, "w") as f:
                 json.dump({"tokens": tokens, "logits": logits.tolist()}, f)
