@@ -96,3 +96,36 @@ def test_attention_over_the_shares_merged_is_attention_over_the_sequence(dcp):
         rows = slice(starts[s], starts[s + 1])
         want, _ = reference.attention_lse(q[rows], k[rows], v[rows], torch.arange(n), torch.arange(n), d ** -0.5)
         torch.testing.assert_close(merged[rows], want, atol=1e-5, rtol=1e-5)
+
+
+class _OneProcess:
+    """A group of `size` ranks in one process: all_gather of what each rank gives, in rank order."""
+
+    def __init__(self, parts: list[torch.Tensor]):
+        self.parts = parts
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self.parts)
+
+
+@pytest.mark.parametrize("pcp", [2, 4])
+def test_prefill_cp_gives_each_token_to_the_rank_that_keeps_its_kv_and_gathers_them_back(pcp):
+    from stage_worker.context import TokenSplit
+
+    table, positions, seqs = _step(random.Random(20 + pcp))
+    splits = [TokenSplit(positions, BLOCK, pcp, rank) for rank in range(pcp)]
+    tokens = torch.arange(len(positions)) * 10 + 7  # anything that tells the tokens apart
+    for rank, split in enumerate(splits):
+        rows = split.rows(tokens)
+        assert len(rows) == split.pad == max(len(s.mine) for s in splits)
+        n = len(split.mine)
+        assert [owner(int(positions[t]), pcp) for t in split.mine] == [rank] * n  # its own tokens, in order
+        assert rows[:n].tolist() == tokens[split.mine].tolist() and not rows[n:].any()  # then padding
+        meta = split.metadata(positions, seqs, table, BLOCK, rank)
+        assert meta.pad == split.pad and meta.held.tolist() == list(range(n))
+        # every gathered row (each rank's rows, padded) sees the positions this rank keeps at or before it
+        gathered = [t for s in splits for t in s.gathered[s.rank].tolist()]
+        assert meta.row_visible.tolist() == [0 if t < 0 else sum(owner(q, pcp) == rank for q in
+                                                                 range(int(positions[t]) + 1)) for t in gathered]
+    group = _OneProcess([s.rows(tokens) for s in splits])
+    assert all(torch.equal(s.gather(s.rows(tokens), group), tokens) for s in splits)
