@@ -2,7 +2,8 @@
 -tp 2 -dcp 2 stage keeps half of each block's tokens on each rank, a -tp 1 stage every token; what crosses the
 wire is the canonical whole block, so either side reads what the other wrote and the decode replica's greedy
 tokens are transformers'. The tiny llama with one KV head: -tp 2 -dcp 2 shards its heads as TP 1 would (each
-rank holds the one KV head and half of the tokens). Real processes on loopback, each direction its own pair of
+rank holds the one KV head and half of the tokens); -tp 4 -dcp 2 makes 2 DCP groups that each hold it (the read
+keeps one copy). Real processes on loopback, each direction its own pair of
 replicas (one pair alive at a time)."""
 from __future__ import annotations
 
@@ -18,20 +19,23 @@ from tiny_models import reference_greedy, reference_model
 
 pytestmark = pytest.mark.slow
 DCP = ("--decode-context-parallel-size", "2")
+TP2_DCP2 = dict(tp=[2], stage_args=DCP)
+TP4_DCP2 = dict(tp=[4], stage_args=DCP)  # 2 DCP groups on the one KV head: each holds it (replicated)
+TP1: dict = dict(tp=[1])
+PAIRS = {"prefill-tp2-dcp2": (TP2_DCP2, TP1), "decode-tp2-dcp2": (TP1, TP2_DCP2),
+         "prefill-tp4-dcp2-replicated": (TP4_DCP2, TP1)}
 
 
-@pytest.mark.parametrize("prefill_dcp", [True, False], ids=["prefill-tp2-dcp2", "decode-tp2-dcp2"])
-def test_kv_crosses_between_a_dcp_stage_and_a_plain_one(tiny_model_dir, tmp_path, prefill_dcp):
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_kv_crosses_between_a_dcp_stage_and_a_plain_one(tiny_model_dir, tmp_path, pair):
     model_dir = tiny_model_dir("llama", num_key_value_heads=1)
-    dcp_side = dict(tp=[2], stage_args=DCP)
-    plain = dict(tp=[1])
+    prefill_layout, decode_layout = PAIRS[pair]
     (tmp_path / "p").mkdir()
     (tmp_path / "d").mkdir()
     with Mesh(model_dir, [4], log_dir=tmp_path / "p", scheduler_args=("--kv-role", "prefill"),
-              **(dcp_side if prefill_dcp else plain)) as p, \
+              **prefill_layout) as p, \
             Mesh(model_dir, [4], log_dir=tmp_path / "d",
-                 scheduler_args=("--kv-role", "decode", "--kv-peer", p.address),
-                 **(plain if prefill_dcp else dcp_side)) as d:
+                 scheduler_args=("--kv-role", "decode", "--kv-peer", p.address), **decode_layout) as d:
         ref = reference_model(model_dir)
         batch = prompts(384, LENGTHS, seed=5)
         want = [reference_greedy(ref, x, NEW_TOKENS)[0] for x in batch]
