@@ -121,7 +121,8 @@ async def _fetch(worker, request: stage_pb2.PullKVRequest, peers: PeerStages) ->
     cache = worker.runner.kv_caches[0][0] if worker.runner.kv_caches else None
     if cache is None or request.epoch != worker.epoch:
         raise StagemeshError(f"KV pulled into epoch {request.epoch}, which is not the stage's")
-    shape = (cache.shape[1], worker.runner.config.num_key_value_heads, cache.shape[3])
+    # whole blocks as every source sends them (stage_worker.kv_transfer), whatever either side's DCP size
+    shape = (worker.runner.block_size, worker.runner.config.num_key_value_heads, cache.shape[3])
     plan = _sources_for(list(request.sources), s.layer_start, s.layer_end)
     layers: dict[int, list[torch.Tensor]] = {}
     results = await asyncio.gather(*(_read(source, a, b, request, shape) for source, a, b in plan))

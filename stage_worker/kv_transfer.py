@@ -2,9 +2,14 @@
 
 TP rank 0 speaks for the stage: on a read its TP ranks gather their KV heads to it, on a write it
 broadcasts every head and each rank keeps its own, so the prefill and decode sides may shard the KV
-heads differently (other TP sizes). Both run on the main thread between steps (stage_worker.main_loop):
-rank 0 tells its followers with a control message (stage_worker.control's KV_EXPORT / KV_IMPORT, the block
-ids and layers as int64s) and they take part in the same collectives.
+heads differently (other TP sizes). Under decode context parallelism (TPGroup.dcp_size D > 1) a rank holds
+only its share of each block's tokens (stage_worker.context): the read gathers every rank's share over the TP
+group and reassembles the tokens within each DCP group and the KV heads across the groups (assemble_blocks),
+the write keeps on each rank its heads and its token offsets (rank_share). What crosses the wire is always the
+canonical whole block, [blocks, block_size, every KV head, head_dim], whatever D on either side.
+Both run on the main thread between steps (stage_worker.main_loop): rank 0 tells its followers with a control
+message (stage_worker.control's KV_EXPORT / KV_IMPORT, the block ids and layers as int64s) and they take part in
+the same collectives.
 """
 from __future__ import annotations
 
@@ -30,14 +35,15 @@ def export_blocks(runner, block_ids: list[int], layers: range) -> list[tuple[tor
     out = []
     for layer in layers:
         k, v = runner.kv_caches[layer]
-        out.append((_all_heads(runner, k.index_select(0, ids)).cpu(), _all_heads(runner, v.index_select(0, ids)).cpu()))
+        out.append((_whole(runner, k.index_select(0, ids)).cpu(), _whole(runner, v.index_select(0, ids)).cpu()))
     return out
 
 
 def import_blocks(runner, block_ids: list[int], layers: range, kvs: list[tuple[torch.Tensor, torch.Tensor]] | None,
                   shape: tuple[int, ...], dtype: torch.dtype) -> None:
     """Write every KV head of the blocks for each local layer (rank 0 gives kvs, its followers None and receive
-    them), each rank keeping its own heads."""
+    them), each rank keeping its own heads and, under DCP, its own token offsets. `shape`: [blocks, block_size
+    (the scheduler's), every KV head, head_dim]."""
     ids = torch.tensor(block_ids, dtype=torch.long, device=runner.device)
     shard = HeadShard.for_rank(runner.config, runner.tp)
     for i, layer in enumerate(layers):
@@ -46,7 +52,8 @@ def import_blocks(runner, block_ids: list[int], layers: range, kvs: list[tuple[t
                     else torch.empty(shape, dtype=dtype, device=runner.device))
             if runner.tp.size > 1:
                 runner.tp.broadcast(full)
-            cache.index_copy_(0, ids, full[:, :, shard.kv_start:shard.kv_start + shard.num_kv_heads].to(cache.dtype))
+            share = rank_share(full, runner.tp.dcp_size, runner.tp.dcp_rank, shard.kv_start, shard.num_kv_heads)
+            cache.index_copy_(0, ids, share.to(cache.dtype))
 
 
 def follow(runner, kind: int, payload: bytes) -> None:
@@ -56,8 +63,43 @@ def follow(runner, kind: int, payload: bytes) -> None:
         export_blocks(runner, block_ids, layers)
     else:
         k = runner.kv_caches[0][0]
-        shape = (len(block_ids), k.shape[1], runner.config.num_key_value_heads, k.shape[3])
+        shape = (len(block_ids), runner.block_size, runner.config.num_key_value_heads, k.shape[3])
         import_blocks(runner, block_ids, layers, None, shape, k.dtype)
+
+
+def assemble_blocks(parts: torch.Tensor, dcp_size: int, num_kv_heads: int) -> torch.Tensor:
+    """Every TP rank's share of n blocks, [T, n, b, local KV heads, head_dim] in TP rank order, -> the whole
+    blocks, [n, b * dcp_size, num_kv_heads, head_dim]. Rank r = g * dcp_size + c holds offsets [c * b, (c + 1) * b)
+    of each block (stage_worker.context) and the KV heads of its DCP group g (HeadShard.for_rank): split over
+    the T / dcp_size groups in order, or, where the groups outnumber the KV heads, head i replicated on groups
+    [i * r, (i + 1) * r), r = groups / num_kv_heads (one copy of each kept)."""
+    size, n, b, heads, head_dim = parts.shape
+    groups = size // dcp_size
+    # tokens within each group, in DCP rank order: [groups, n, block_size, heads, head_dim]
+    tokens = parts.reshape(groups, dcp_size, n, b, heads, head_dim).permute(0, 2, 1, 3, 4, 5)
+    tokens = tokens.reshape(groups, n, dcp_size * b, heads, head_dim)
+    if groups > num_kv_heads:
+        tokens = tokens[::groups // num_kv_heads]
+    # heads across groups, group-major
+    return tokens.permute(1, 2, 0, 3, 4).reshape(n, dcp_size * b, -1, head_dim)
+
+
+def rank_share(full: torch.Tensor, dcp_size: int, dcp_rank: int, kv_start: int, num_kv_heads: int) -> torch.Tensor:
+    """What one rank keeps of whole blocks [n, block_size, every KV head, head_dim]: its KV heads [kv_start,
+    kv_start + num_kv_heads) and its DCP rank's token offsets, [n, block_size / dcp_size, num_kv_heads, head_dim]
+    (a view)."""
+    b = full.shape[1] // dcp_size
+    return full[:, dcp_rank * b:(dcp_rank + 1) * b, kv_start:kv_start + num_kv_heads]
+
+
+def _whole(runner, x: torch.Tensor) -> torch.Tensor:
+    """[n, kv_block_size, local KV heads, head_dim] of every rank -> [n, block_size, every KV head, head_dim]."""
+    tp = runner.tp
+    if tp.dcp_size == 1:
+        return _all_heads(runner, x)
+    # float32 whatever the cache's dtype, as _all_heads gathers (exact for bf16 / fp16)
+    parts = tp.all_gather(x.float())
+    return assemble_blocks(parts, tp.dcp_size, runner.config.num_key_value_heads).to(x.dtype)
 
 
 def _all_heads(runner, x: torch.Tensor) -> torch.Tensor:

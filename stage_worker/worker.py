@@ -211,7 +211,8 @@ class StageWorker:
 
     def _import_kv(self, block_ids: list[int], layers: range, kvs) -> None:
         cache = self.runner.kv_caches[0][0]
-        shape = (len(block_ids), cache.shape[1], self.runner.config.num_key_value_heads, cache.shape[3])
+        # whole blocks (the scheduler's block_size), whatever this stage's DCP size keeps of them (kv_transfer)
+        shape = (len(block_ids), self.runner.block_size, self.runner.config.num_key_value_heads, cache.shape[3])
         for k, v in kvs:
             if tuple(k.shape) != shape or tuple(v.shape) != shape:
                 raise InvalidStep(f"KV of shape {tuple(k.shape)} for blocks of {shape}")

@@ -1,7 +1,8 @@
 """KV tiers through the real services (docs/kv-tiers.md): a prefix evicted from a small KV pool comes back
 from the host tier, and after a restart of every process from the disk tier, with transformers' greedy
 tokens and its prompt counted as cached; a corrupt file, or another model's directory, is computed instead.
-PP=2, TP=2 and a MoE model."""
+PP=2, TP=2, TP=2 with decode context parallelism (each rank stores and loads its share of every block's tokens)
+and a MoE model."""
 from __future__ import annotations
 
 import re
@@ -24,6 +25,9 @@ HIT = (PROMPT_LEN - 1) // 16 * 16
 LAYOUTS = {
     "pp2": dict(split=[2, 2], tp=[1, 1], handoff="grpc"),
     "tp2": dict(split=[4], tp=[2], handoff="nccl"),  # 4 layers, the KV heads over 2 ranks: 11 blocks too
+    # -dcp 2: both ranks hold both KV heads and 8 of each block's 16 tokens (stage_worker.context), 11 blocks too;
+    # each rank's tiers keep its own share (its host slots, its disk namespace's rank directory)
+    "tp2-dcp2": dict(split=[4], tp=[2], handoff="nccl", extra_stage_args=("--decode-context-parallel-size", "2")),
 }
 
 
@@ -42,12 +46,13 @@ def tiered_mesh(model_dir, tmp_path: Path, disk: Path, layout: dict, name: str) 
     port, stage_port = free_port(), free_port()
     layout = dict(layout)
     pool = layout.pop("pool", POOL_BYTES)
+    extra = tuple(layout.pop("extra_stage_args", ()))
     log_dir = tmp_path / name
     log_dir.mkdir()
     mesh = Mesh(model_dir, log_dir=log_dir, **layout,
                 scheduler_args=("--kv-offloading-size", "0.001", "--kv-offloading-disk-size", "0.01",
                                 "--metrics-port", str(port)),
-                stage_args=("--kv-cache-memory", pool, "--kv-offloading-disk-path", str(disk)),
+                stage_args=("--kv-cache-memory", pool, "--kv-offloading-disk-path", str(disk), *extra),
                 per_stage_args={0: ["--metrics-port", str(stage_port)]})
     mesh.stage_metrics_port = stage_port
     return mesh, port

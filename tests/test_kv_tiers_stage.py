@@ -23,10 +23,10 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 HOST_SLOTS, KV_BLOCKS = 4, 16
 
 
-def stage_cmd(model, port: int, disk, tp: int = 2) -> list[str]:
+def stage_cmd(model, port: int, disk, tp: int = 2, extra: tuple[str, ...] = ()) -> list[str]:
     return [sys.executable, "-m", "stagemesh", "stage", str(model), "--scheduler", f"127.0.0.1:{free_port()}",
             "--stage-index", "0", "--layers", "0:4", "--tensor-parallel-size", str(tp), "--port", str(port),
-            "--threads", "1", "--kv-cache-memory", str(2**20), "--kv-offloading-disk-path", str(disk)]
+            "--threads", "1", "--kv-cache-memory", str(2**20), "--kv-offloading-disk-path", str(disk), *extra]
 
 
 def wait_up(stub, proc, timeout: float = 90) -> stage_pb2.StageDescription:
@@ -42,10 +42,15 @@ def wait_up(stub, proc, timeout: float = 90) -> stage_pb2.StageDescription:
 
 @pytest.fixture(scope="module")
 def stage(tiny_model_dir, tmp_path_factory):
+    yield from running_stage(tiny_model_dir("llama"), tmp_path_factory)
+
+
+def running_stage(model, tmp_path_factory, extra: tuple[str, ...] = ()):
+    """(stub, description, store port, disk directory, process) of a TP=2 stage, stopped after."""
     disk = tmp_path_factory.mktemp("kv-disk")
     port = free_port()
     log = open(tmp_path_factory.mktemp("logs") / "stage.log", "wb")
-    proc = subprocess.Popen(stage_cmd(tiny_model_dir("llama"), port, disk), stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(stage_cmd(model, port, disk, extra=extra), stdout=log, stderr=subprocess.STDOUT)
     channel = internal_channel(f"127.0.0.1:{port}")
     stub = stage_pb2_grpc.StageStub(channel)
     store_port = free_port()
@@ -94,10 +99,30 @@ def contents(stub, epoch: int, block: int) -> list[tuple[bytes, bytes]]:
 def test_store_and_load_round_trip_on_both_ranks_through_host_and_disk(stage):
     stub, desc, store_port, disk, _ = stage
     assert desc.kv_disk_tier and desc.kv_bytes_per_block == 2 * 4 * 16 * 2 * 16 * 4  # k+v, layers, tokens, heads
+    round_trip(stub, desc, store_port, disk)
+
+
+@pytest.fixture
+def dcp_stage(tiny_model_dir, tmp_path_factory):
+    yield from running_stage(tiny_model_dir("llama"), tmp_path_factory, ("--decode-context-parallel-size", "2"))
+
+
+def test_under_dcp_each_rank_stores_and_loads_its_share_of_the_tokens(dcp_stage):
+    """-tp 2 -dcp 2: each rank holds both KV heads and 8 of each block's 16 tokens (block 4 of the prefill's 20
+    tokens lies on rank 0 only); ReadKV gives the whole blocks, so equal reads mean both shares came back."""
+    stub, desc, store_port, disk, _ = dcp_stage
+    # over both ranks: k+v, layers, 8 tokens, both heads, on each: the same bytes as TP=2 without DCP
+    assert desc.kv_disk_tier and desc.kv_bytes_per_block == 2 * (2 * 4 * 8 * 2 * 16 * 4)
+    round_trip(stub, desc, store_port, disk)
+
+
+def round_trip(stub, desc, store_port: int, disk) -> None:
     assert list(join(stub, store_port, 1).disk_block_hashes) == []
     prefill(stub, 1)
     original = {b: contents(stub, 1, b) for b in (3, 4)}
     empty = contents(stub, 1, 9)
+    # whole blocks on the wire, whatever the ranks keep: per layer k and v of 16 tokens x 2 heads x 16 fp32
+    assert len(original[3]) == 4 and all(len(k) == len(v) == 16 * 2 * 16 * 4 for k, v in original[3])
     assert original[3] != empty
     stub.StoreKV(stage_pb2.StoreKVRequest(epoch=1, block_ids=[3, 4], host_slots=[0, 2], block_hashes=[0xA3, 2**64 - 1],
                                           to_disk=[True, True]), timeout=30)

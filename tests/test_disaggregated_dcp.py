@@ -1,0 +1,58 @@
+"""Disaggregated prefill between replicas of different decode context parallelism (stage_worker.kv_transfer): a
+-tp 2 -dcp 2 stage keeps half of each block's tokens on each rank, a -tp 1 stage every token; what crosses the
+wire is the canonical whole block, so either side reads what the other wrote and the decode replica's greedy
+tokens are transformers'. The tiny llama with one KV head: -tp 2 -dcp 2 shards its heads as TP 1 would (each
+rank holds the one KV head and half of the tokens); -tp 4 -dcp 2 makes 2 DCP groups that each hold it (the read
+keeps one copy). Real processes on loopback, each direction its own pair of
+replicas (one pair alive at a time)."""
+from __future__ import annotations
+
+import pytest
+
+from mesh import Mesh
+from parity import prompts
+from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.wire import sampling_to_pb
+from stagemesh.v1 import scheduler_pb2
+from test_disaggregated import LENGTHS, NEW_TOKENS, run
+from tiny_models import reference_greedy, reference_model
+
+pytestmark = pytest.mark.slow
+DCP = ("--decode-context-parallel-size", "2")
+TP2_DCP2 = dict(tp=[2], stage_args=DCP)
+TP4_DCP2 = dict(tp=[4], stage_args=DCP)  # 2 DCP groups on the one KV head: each holds it (replicated)
+TP1: dict = dict(tp=[1])
+PAIRS = {"prefill-tp2-dcp2": (TP2_DCP2, TP1), "decode-tp2-dcp2": (TP1, TP2_DCP2),
+         "prefill-tp4-dcp2-replicated": (TP4_DCP2, TP1)}
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_kv_crosses_between_a_dcp_stage_and_a_plain_one(tiny_model_dir, tmp_path, pair):
+    model_dir = tiny_model_dir("llama", num_key_value_heads=1)
+    prefill_layout, decode_layout = PAIRS[pair]
+    (tmp_path / "p").mkdir()
+    (tmp_path / "d").mkdir()
+    with Mesh(model_dir, [4], log_dir=tmp_path / "p", scheduler_args=("--kv-role", "prefill"),
+              **prefill_layout) as p, \
+            Mesh(model_dir, [4], log_dir=tmp_path / "d",
+                 scheduler_args=("--kv-role", "decode", "--kv-peer", p.address), **decode_layout) as d:
+        ref = reference_model(model_dir)
+        batch = prompts(384, LENGTHS, seed=5)
+        want = [reference_greedy(ref, x, NEW_TOKENS)[0] for x in batch]
+        sampling = sampling_to_pb(SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        prefilled = run(p, [scheduler_pb2.SubmitRequest(request_id=f"r{i}", prompt_token_ids=x, sampling=sampling,
+                                                        prefill_only=True) for i, x in enumerate(batch)])
+        decode = []
+        for i, x in enumerate(batch):
+            tokens, reason, kv = prefilled[f"r{i}"]
+            assert reason == scheduler_pb2.FINISH_REASON_PREFILLED and tokens == want[i][:1], prefilled[f"r{i}"]
+            decode.append(scheduler_pb2.SubmitRequest(request_id=f"r{i}", prompt_token_ids=x, sampling=sampling,
+                                                      generated_token_ids=tokens, kv_transfer=kv))
+        done = run(d, decode)
+        for i in range(len(batch)):
+            tokens, reason, _ = done[f"r{i}"]
+            assert want[i][:1] + tokens == want[i] and reason == scheduler_pb2.FINISH_REASON_LENGTH, f"request {i}"
+        log = (tmp_path / "d" / "scheduler.log").read_text()
+        # every prompt's KV was fetched (none computed again on the decode replica)
+        assert log.count("its prompt's KV (") == len(batch), log[-3000:]
+        assert "failed" not in log
