@@ -42,7 +42,7 @@ def dcp_metadata(positions: torch.Tensor, row_seqs: torch.Tensor, block_tables: 
 class TokenSplit:
     """Prefill context parallelism's split of a step (vLLM's PCP, stage_worker.model.Attention): each rank of the
     group computes the step's tokens whose KV it keeps (the layout above, so no KV moves after it is computed),
-    through every layer, with the whole weights. A rank's tokens are interleaved with the others' every b
+    through every layer, with its TP shard of the weights. A rank's tokens are interleaved with the others' every b
     positions (striped: the causal mask's work is even over the ranks, as zig-zag chunks make it for
     contiguous ones). Each rank runs `pad` rows, the most any rank has: its tokens, then padding rows (position 0,
     token 0, hidden zeros), which keep no KV, see no key and are dropped when the rows are gathered, rank by
@@ -71,7 +71,7 @@ class TokenSplit:
 
     def gather(self, x: torch.Tensor, group) -> torch.Tensor:
         """Every rank's `pad` rows of x back to [step tokens, ...] in step order, on every rank."""
-        parts = group.all_gather(x).view(self.size * self.pad, *x.shape[1:])
+        parts = group.dcp_gather(x).view(self.size * self.pad, *x.shape[1:])
         out = torch.empty((len(self.tokens), *x.shape[1:]), dtype=x.dtype, device=x.device)
         out[self.tokens] = parts[self.valid]
         return out

@@ -46,7 +46,27 @@ def join_world(req: EpochSpec, tp: TPGroup, device: torch.device) -> int:
         start += size
     if tp.size > 1 and device.type == "cpu":
         tp.shm = attach_shm(store, f"tp-shm-{tp.src}", tp)
+    if tp.shard is not None and tp.shard.size > 1:
+        join_shard_group(tp, store if device.type == "cpu" else None)
     return rank
+
+
+def join_shard_group(tp: TPGroup, store=None) -> None:
+    """A PCP stage's TP group of this rank (tp.shard: the ranks of the same place in each PCP group), formed by its
+    members alone (the other stages' ranks know nothing of a stage's PCP); `store`: its shared-memory
+    collectives, on a CPU."""
+    shard, members = tp.shard, shard_members(tp)
+    assert shard is not None
+    shard.group = dist.new_group(members, use_local_synchronization=True)
+    shard.src = members[0]
+    if store is not None:
+        shard.shm = attach_shm(store, f"tp-shm-{tp.src}-pcp-{tp.dcp_rank}", shard)
+
+
+def shard_members(tp: TPGroup) -> list[int]:
+    """The global ranks of tp.shard's group: rank dcp_rank of each PCP group of the stage."""
+    assert tp.shard is not None
+    return [tp.src + t * tp.dcp_size + tp.dcp_rank for t in range(tp.shard.size)]
 
 
 def attach_shm(store, key: str, tp: TPGroup):
@@ -84,6 +104,8 @@ def attach_shm(store, key: str, tp: TPGroup):
 def leave_world(tp: TPGroup | None = None) -> None:
     if tp is not None:
         tp.group = tp.shm = None
+        if tp.shard is not None:
+            tp.shard.group = tp.shard.shm = None
     if dist.is_initialized():
         try:
             dist.destroy_process_group()

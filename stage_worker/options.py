@@ -30,9 +30,10 @@ class StageOptions:
         "replicate KV heads (TP > KV heads); must divide --tensor-parallel-size and --block-size "
         "(docs/context-parallelism.md)")).field()
     prefill_context_parallel_size: int = Flag(("--prefill-context-parallel-size", "-pcp"), type=int, default=1, help=(
-        "vLLM's PCP: the stage runs as this many processes, each with the whole weights (-tp 1), each computing "
-        "the tokens whose KV it keeps (block_size / pcp of every block), so a long prompt's prefill is split over "
-        "them and a sequence's KV too; must divide --block-size (docs/context-parallelism.md)")).field()
+        "vLLM's PCP: the stage runs as tp x pcp processes, each PCP group of pcp ranks holding the stage's weights "
+        "(TP-sharded over the groups) and each rank computing the tokens whose KV it keeps (block_size / pcp of "
+        "every block), so a long prompt's prefill is split over them and a sequence's KV too; must divide "
+        "--block-size (docs/context-parallelism.md)")).field()
     device: str | None = Flag(("--device",), default="cpu", choices=("cpu", "cuda")).field()
     handoff: str = Flag(("--handoff",), default="grpc", choices=("nccl", "grpc"),
                         help="activation transport to the next stage").field()

@@ -28,9 +28,13 @@ class TPGroup:
     # decode context parallelism (--decode-context-parallel-size): each `dcp_size` consecutive ranks hold the same
     # KV heads (sharded as if TP were size // dcp_size) and each a share of every sequence's tokens
     dcp_size: int = 1
-    # prefill context parallelism (--prefill-context-parallel-size): the group is the stage's PCP ranks, each with
-    # the whole weights and a share of the step's tokens (those whose KV it keeps); dcp_size is then the group's
+    # prefill context parallelism (--prefill-context-parallel-size): the group is the stage's tp x pcp ranks, in PCP
+    # groups of dcp_size (= pcp) consecutive ranks, each rank with a share of the step's tokens (those whose KV it
+    # keeps) and its PCP group's TP shard of the weights
     pcp: bool = False
+    # with PCP: the TP group this rank's weights are sharded over (shard rank // dcp_size, with the ranks of the
+    # same place in the other PCP groups), formed as an epoch is joined (stage_worker.dist.join_shard_group)
+    shard: "TPGroup | None" = None
 
     def _fits_shm(self, x: torch.Tensor) -> bool:
         return (self.shm is not None and x.device.type == "cpu" and x.is_contiguous()
@@ -103,18 +107,18 @@ class HeadShard:
         """The query heads split over the TP group; the KV heads over its DCP groups (each group's ranks hold
         the same KV heads: those of the group's query heads, and each a share of the tokens)."""
         heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        if tp.pcp:  # every rank has every head (of its share of the tokens)
-            return cls(0, heads, 0, kv)
-        cfg.check_tp_size(tp.size)
-        num_heads = heads // tp.size
         groups, group = tp.size // tp.dcp_size, tp.rank // tp.dcp_size
+        # (with PCP a rank has its TP shard's query heads, of its share of the tokens: the shard is its group)
+        shards, shard = (groups, group) if tp.pcp else (tp.size, tp.rank)
+        cfg.check_tp_size(shards)
+        num_heads = heads // shards
         if groups <= kv:  # split the KV heads
             num_kv = kv // groups
             kv_start = group * num_kv
         else:  # replicate: each KV head serves groups // kv consecutive groups
             num_kv = 1
             kv_start = group // (groups // kv)
-        return cls(tp.rank * num_heads, num_heads, kv_start, num_kv)
+        return cls(shard * num_heads, num_heads, kv_start, num_kv)
 
 
 

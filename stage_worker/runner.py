@@ -120,7 +120,7 @@ class SliceConfig:
 class StageRunner:
     def __init__(self, model_dir: str | Path | None, layer_start: int, layer_end: int, *, tp_rank: int = 0,
                  tp_size: int = 1, tp_group=None, device: str = "cpu", dtype: torch.dtype | str | None = None,
-                 block_size: int = 16, dcp_size: int = 1, pcp_size: int = 1, load: bool = True,
+                 block_size: int = 16, dcp_size: int = 1, pcp_size: int = 1, shard_group=None, load: bool = True,
                  config: ModelConfig | None = None,
                  cuda_graphs: bool = True, max_graph_batch: int = 256, expert_parallel: bool = False, ep=None,
                  eplb=None, quantization: str | None = None, gguf_file: str | None = None,
@@ -130,12 +130,14 @@ class StageRunner:
         check_layer_range(cfg, layer_start, layer_end)
         cfg.check_tp_size(tp_size)
         cfg.check_decode_context_parallel(tp_size, dcp_size, block_size)
-        cfg.check_prefill_context_parallel(tp_size, pcp_size, block_size)
+        cfg.check_prefill_context_parallel(tp_size, pcp_size, block_size, dcp_size)
         # the stage's group (its processes: `tp_rank` is this one's place) and the group its weights are sharded over
         self.tp = TPGroup(tp_rank, tp_size, tp_group, dcp_size=dcp_size)
         shard = self.tp
-        if pcp_size > 1:  # each rank the whole weights and a share of the tokens (stage_worker.context.TokenSplit)
-            self.tp, shard = TPGroup(tp_rank, pcp_size, tp_group, dcp_size=pcp_size, pcp=True), TPGroup()
+        if pcp_size > 1:  # each rank its TP shard of the weights, and a share of the tokens (context.TokenSplit)
+            # ranks t * pcp_size .. (t + 1) * pcp_size - 1 form a PCP group, of TP shard t
+            shard = TPGroup(tp_rank // pcp_size, tp_size, shard_group)
+            self.tp = TPGroup(tp_rank, tp_size * pcp_size, tp_group, dcp_size=pcp_size, pcp=True, shard=shard)
         context = next((flag for flag, size in (("--decode-context-parallel-size", dcp_size),
                                                 ("--prefill-context-parallel-size", pcp_size)) if size > 1), None)
         for what, used in (("--enable-expert-parallel", expert_parallel), ("--enable-lora", lora is not None)):
@@ -348,8 +350,8 @@ class StageRunner:
             row_seqs = torch.repeat_interleave(torch.arange(len(tables), device=dev),
                                                torch.tensor(c.num_tokens, device=dev))
             if self.tp.pcp:  # and its rows of them
-                meta.split = split = TokenSplit(meta.positions, bs, self.tp.size, self.tp.rank)
-                meta.dcp = split.metadata(meta.positions, row_seqs, meta.block_tables, bs, self.tp.rank)
+                meta.split = split = TokenSplit(meta.positions, bs, self.tp.dcp_size, self.tp.dcp_rank)
+                meta.dcp = split.metadata(meta.positions, row_seqs, meta.block_tables, bs, self.tp.dcp_rank)
                 meta.positions = split.rows(meta.positions)
                 input_ids = None if input_ids is None else split.rows(input_ids)
             else:

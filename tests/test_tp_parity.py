@@ -67,19 +67,20 @@ def test_decode_context_parallel_matches_transformers(tiny_model_dir, tmp_path, 
     torch.testing.assert_close(torch.tensor(got["logits"]), want_logits, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch,overrides,world,chunk", [
-    ("llama", {}, 2, 16),                                 # chunks of a block: each rank half of each
-    ("llama", {"num_key_value_heads": 1}, 2, 5),          # chunks that cut across the shares, uneven rows
-    ("qwen3", {"tie_word_embeddings": True}, 4, 37),      # the whole prompt at once over four ranks, q/k norm
+@pytest.mark.parametrize("arch,overrides,world,pcp,chunk", [
+    ("llama", {}, 2, 2, 16),                              # chunks of a block: each rank half of each
+    ("llama", {"num_key_value_heads": 1}, 2, 2, 5),       # chunks that cut across the shares, uneven rows
+    ("qwen3", {"tie_word_embeddings": True}, 4, 4, 37),   # the whole prompt at once over four ranks, q/k norm
+    ("llama", {}, 4, 2, 5),                               # -tp 2 -pcp 2: each PCP rank a TP shard of the weights
 ])
-def test_prefill_context_parallel_matches_transformers(tiny_model_dir, tmp_path, arch, overrides, world, chunk):
+def test_prefill_context_parallel_matches_transformers(tiny_model_dir, tmp_path, arch, overrides, world, pcp, chunk):
     """Each rank computes the tokens whose KV it keeps (block_size / pcp of every block) through every layer
     with the whole weights; every rank's queries attend to each rank's keys, merged by log-sum-exp: prefill
     chunks and decode rows give transformers' greedy tokens and logits."""
     model_dir = tiny_model_dir(arch, **overrides)
     prompt = prompts(384, lengths=(37,))[0]
     want_tokens, want_logits = reference_greedy(reference_model(model_dir), prompt, 32)
-    got = run_tp(model_dir, world, "2,2", prompt, 32, tmp_path, False, "--pcp", str(world), "--chunk", str(chunk))
+    got = run_tp(model_dir, world, "2,2", prompt, 32, tmp_path, False, "--pcp", str(pcp), "--chunk", str(chunk))
     assert got["tokens"] == want_tokens
     torch.testing.assert_close(torch.tensor(got["logits"]), want_logits, atol=1e-4, rtol=1e-4)
 

@@ -31,7 +31,10 @@ def main() -> None:
     try:
         split = [int(x) for x in a.split.split(",")]
         prompt = [int(x) for x in a.prompt.split(",")]
-        context = {"dcp_size": a.dcp} if a.dcp > 1 else {"pcp_size": a.pcp} if a.pcp > 1 else {}
+        context: dict = {"dcp_size": a.dcp} if a.dcp > 1 else {"pcp_size": a.pcp} if a.pcp > 1 else {}
+        if a.pcp > 1 and a.world > a.pcp:  # PCP with TP: this rank's TP group, ranks of its place in each PCP group
+            groups = [dist.new_group(list(range(c, a.world, a.pcp))) for c in range(a.pcp)]
+            context["shard_group"] = groups[a.rank % a.pcp]
         tokens, logits = chained_logits(a.model, split, prompt, a.new_tokens, tp_rank=a.rank, tp_size=a.world // a.pcp,
                                         tp_group=dist.group.WORLD, expert_parallel=a.expert_parallel,
                                         chunk=a.chunk, **context)

@@ -110,17 +110,16 @@ class ModelConfig:
             raise StagemeshError(f"{flag} with --tensor-parallel-size {tp_size} shards the KV heads over "
                                  f"{tp_size // dcp_size} groups, which the model cannot: {err}") from None
 
-    def check_prefill_context_parallel(self, tp_size: int, pcp_size: int, block_size: int) -> None:
+    def check_prefill_context_parallel(self, tp_size: int, pcp_size: int, block_size: int, dcp_size: int = 1) -> None:
         """--prefill-context-parallel-size refused at start-up where it is not built or cannot split, with why."""
         flag = f"--prefill-context-parallel-size {pcp_size}"
         if pcp_size < 1:
             raise StagemeshError(f"{flag} must be at least 1")
         if pcp_size == 1:
             return
-        if tp_size > 1:
-            raise StagemeshError(f"{flag} with --tensor-parallel-size {tp_size} is not built yet: each PCP rank holds "
-                                 "the stage's whole weights (-tp 1); for KV spread over TP ranks use "
-                                 "--decode-context-parallel-size")
+        if dcp_size > 1:
+            raise StagemeshError(f"{flag} with --decode-context-parallel-size {dcp_size} is not built yet: PCP already "
+                                 "spreads each sequence's KV over its ranks")
         if block_size % pcp_size:
             raise StagemeshError(f"{flag} does not divide --block-size {block_size}: each PCP rank keeps "
                                  f"block_size / {pcp_size} tokens of every block")
