@@ -99,12 +99,12 @@ def test_attention_over_the_shares_merged_is_attention_over_the_sequence(dcp):
 
 
 class _OneProcess:
-    """A group of `size` ranks in one process: all_gather of what each rank gives, in rank order."""
+    """A PCP group of ranks in one process: what each rank gives, gathered in rank order."""
 
     def __init__(self, parts: list[torch.Tensor]):
         self.parts = parts
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+    def dcp_gather(self, x: torch.Tensor) -> torch.Tensor:
         return torch.stack(self.parts)
 
 
