@@ -192,8 +192,9 @@ class StageRunner:
         if self.lora is not None:
             raise StagemeshError("speculative decoding with a draft model does not run with --enable-lora yet")
         if self.tp.dcp_size > 1:
-            raise StagemeshError("speculative decoding with a draft model does not run with "
-                                 "--decode-context-parallel-size yet (ngram speculation does)")
+            flag = "--prefill-context-parallel-size" if self.tp.pcp else "--decode-context-parallel-size"
+            raise StagemeshError(f"speculative decoding with a draft model does not run with {flag} yet "
+                                 "(ngram speculation does)")
         self.drafter = drafter
         self.kv_bytes_per_block += drafter.kv_bytes_per_block
 

@@ -1,0 +1,243 @@
+"""Prefill context parallelism (--prefill-context-parallel-size / -pcp) through real processes: greedy tokens equal
+transformers' (alone, with chunked prefill, preemption and async scheduling, and as stage 0 of a PP=2 replica whose
+stage 1 is -tp 2), a -pcp 2 stage holds twice the tokens of -tp 1 at the same --kv-cache-memory and serves a prompt
+-tp 1 refuses, the embedded default model (9 heads: no -tp 2) serves with -pcp 2 the text transformers generates, a
+killed PCP follower loses no request, and what PCP does not run with is refused at start-up by name."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from mesh import Mesh, Router, completion_ids, free_port, stop_process, wait_http_ok
+from parity import prompts
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.v1 import scheduler_pb2
+from test_dcp import follower_of, heads_config, stage, stagemesh, wait_for_steps
+from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+
+NEW_TOKENS = 16
+LENGTHS = (5, 40, 17, 70, 3, 33, 9, 51, 24, 12, 60, 7, 45, 30, 2, 19)  # 16 concurrent requests
+PCP2 = ["--prefill-context-parallel-size", "2"]
+# bytes per rank: the tiny llama (4 layers, 2 KV heads of 16 float32) takes 16384 bytes a block of 16 tokens with
+# -tp 1, 8192 with -pcp 2 (8 tokens of each block a rank): 11 blocks (176 tokens) and 22 (352)
+SMALL_KV = ("--kv-cache-memory", "180224")
+CHUNKED = ("--max-num-batched-tokens", "64")
+LONG_PROMPT = 250  # > 176 tokens (-tp 1), within 352 (-pcp 2) and the model's 512 positions
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny llama with 2 KV heads, with a word tokenizer (for the router)."""
+    return with_word_tokenizer(tiny_model_dir("llama"), tmp_path_factory.mktemp("pcp") / "model")
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    batch = prompts(384, LENGTHS)
+    ref = reference_model(model_dir)
+    return batch, [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
+
+
+def kv_tokens(log: str) -> int:
+    return int(re.search(r"KV cache size: ([\d,]+) tokens", log).group(1).replace(",", ""))
+
+
+@pytest.mark.slow
+def test_pcp_doubles_the_tokens_a_stage_holds_matches_transformers_and_serves_a_prompt_tp1_refuses(
+        model_dir, expected, tmp_path):
+    """One stage of the tiny llama at the same --kv-cache-memory: -tp 1 holds X tokens, -pcp 2 (two processes with
+    the whole weights, each keeping half of every block) 2X. A prompt between the two is refused by the first with
+    vLLM's 400 and served token-exact by the second. The -pcp 2 replica, with async scheduling and 64 tokens a
+    step (chunked prefill), also serves 16 concurrent requests that do not fit at once (preemption) with
+    transformers' greedy tokens."""
+    batch, want = expected
+    prompt = prompts(384, (LONG_PROMPT,), seed=7)[0]
+    want_long = reference_greedy(reference_model(model_dir), prompt, NEW_TOKENS)[0]
+    sizes, answers = {}, {}
+    for name, extra in (("tp1", []), ("pcp2", PCP2)):
+        logs = tmp_path / name
+        logs.mkdir()
+        with Mesh(model_dir, [4], log_dir=logs, stage_args=SMALL_KV, per_stage_args={0: extra},
+                  scheduler_args=("--async-scheduling", *CHUNKED)) as mesh:
+            with Router(model_dir, [mesh.address], ("--served-model-name", "m"), log_dir=logs) as router:
+                log = (logs / "scheduler.log").read_text()
+                sizes[name] = kv_tokens(log)
+                assert re.search(rf"Maximum concurrency for {sizes[name]} tokens per request: 1\.00x", log)
+                models_seen = requests.get(f"{router.base_url}/v1/models", timeout=10).json()["data"]
+                assert models_seen[0]["max_model_len"] == sizes[name]
+                if name == "tp1":
+                    body = {"model": "m", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
+                    answers[name] = requests.post(f"{router.base_url}/v1/completions", json=body, timeout=60)
+                    continue
+                answers[name] = completion_ids(router.base_url, "m", prompt, NEW_TOKENS)
+            got = mesh.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+            stats = mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+        assert got == want
+        assert "async scheduling" in log
+        assert stats.num_kv_blocks == 22 and stats.num_preemptions > 0
+        assert ("stage 0: prefill context parallel 2 (--prefill-context-parallel-size): 2 processes with the whole "
+                "weights, each computing and keeping 8 of every block's 16 tokens; 22 blocks of 16 tokens hold 352 "
+                "tokens") in (logs / "stage0.log").read_text()
+    assert sizes == {"tp1": 176, "pcp2": 352}
+    refused = answers["tp1"]
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["message"].startswith(
+        f"You passed {LONG_PROMPT} input tokens and requested {NEW_TOKENS} output tokens. However, the model's "
+        f"context length is only 176 tokens, resulting in a maximum input length of {176 - NEW_TOKENS} tokens")
+    assert error["param"] == "input_tokens"
+    assert answers["pcp2"] == want_long
+
+
+@pytest.mark.slow
+def test_pcp_stage_then_tp2_stage_over_nccl_matches_transformers(model_dir, expected, tmp_path):
+    """PP=2: stage 0 (3 layers) is -pcp 2, its hidden states gathered on rank 0 and handed over nccl to stage 1
+    (1 layer), -tp 2: 16 concurrent requests, prefill chunked at 64 tokens a step, give transformers' tokens."""
+    batch, want = expected
+    with Mesh(model_dir, [3, 1], tp=[1, 2], handoff="nccl", log_dir=tmp_path, per_stage_args={0: PCP2},
+              scheduler_args=CHUNKED) as mesh:
+        got = mesh.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert got == want
+    assert "prefill context parallel 2" in (tmp_path / "stage0.log").read_text()
+
+
+KILL_TOKENS = 64
+KILL_LENGTHS = (5, 40, 17, 70, 3, 33, 9, 51)
+
+
+@pytest.mark.slow
+def test_a_killed_pcp_follower_loses_no_request(model_dir, tmp_path):
+    """8 greedy streams on a -pcp 2 stage; its rank 1 (the follower, with the whole weights and half of every
+    block's KV) is SIGKILLed mid-stream: rank 0 sees it gone, fails the step and exits with an error. The stage is
+    restarted with the same command and every stream ends with transformers' tokens."""
+    ref = reference_model(model_dir)
+    batch = prompts(384, KILL_LENGTHS)
+    want = [reference_greedy(ref, p, KILL_TOKENS)[0] for p in batch]
+    greedy = SamplingParams(max_tokens=KILL_TOKENS, ignore_eos=True)
+    with Mesh(model_dir, [4], log_dir=tmp_path, per_stage_args={0: PCP2},
+              scheduler_args=("--stage-recovery-timeout", "90")) as mesh:
+        follower = follower_of(mesh.stages[0])
+        with ThreadPoolExecutor(1) as pool:
+            streaming = pool.submit(mesh.submit_stream, [(f"g{i}", p, greedy) for i, p in enumerate(batch)], 240)
+            wait_for_steps(mesh, 6)  # prompts computed, a few tokens streamed each
+            follower.kill()
+            assert mesh.stages[0].wait(timeout=60) == 2  # rank 0 stops on its own
+            mesh.start_stage(0)  # the same command
+            results = streaming.result(timeout=240)
+    for i in range(len(batch)):
+        assert results[f"g{i}"] == (want[i], "length"), f"greedy stream {i}"
+    log = (tmp_path / "scheduler.log").read_text()
+    assert int(re.search(r"keeping (\d+) request\(s\)", log).group(1)) == len(batch), "all were in flight"
+    assert len(re.findall(r"request g\d+ recovered after a [\d.]+s stall", log)) == len(batch)
+    assert f"TP rank 1 (pid {follower.pid}) is gone" in log
+    assert "stagemesh stage: error: a TP follower of this stage died; the stage stops" in (
+        tmp_path / "stage0.log").read_text()
+
+
+CHAT = [{"role": "user", "content": "Write two sentences about why the sky is blue, for a child of seven."}]
+CHAT_TOKENS = 32
+
+
+@pytest.mark.slow
+def test_serve_runs_the_default_model_with_pcp2_and_answers_as_transformers(default_model_dir, tmp_path):
+    """`stagemesh serve --device cpu -pcp 2` with no model (the embedded SmolLM2-135M: 9 heads, 3 KV heads, which
+    -tp 2 cannot split): the official openai client's chat completion at temperature 0 is transformers' greedy
+    generation on the same model, and the stage says it runs two processes with the whole weights."""
+    import openai
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    port, log_path = free_port(), tmp_path / "serve.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", "--device", "cpu", "-pcp", "2",
+                                 "--port", str(port), "--grpc-port", "0", "--threads", "1"],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_http_ok(proc, f"http://127.0.0.1:{port}/ready", 120, "stagemesh serve", log_path)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        name = client.models.list().data[0].id
+        reply = client.chat.completions.create(model=name, messages=CHAT, temperature=0, max_tokens=CHAT_TOKENS)
+    finally:
+        stop_process(proc, 30)
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    assert reply.usage.prompt_tokens == ids.shape[1] > 32  # (the prompt spans blocks: both ranks compute)
+    ref = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype="float32").eval()
+    out = ref.generate(ids, max_new_tokens=CHAT_TOKENS, do_sample=False)[0, ids.shape[1]:]
+    assert reply.choices[0].message.content == tok.decode(out, skip_special_tokens=True)
+    assert reply.usage.completion_tokens == len(out)
+    assert re.search(r"stage 0: prefill context parallel 2 \(--prefill-context-parallel-size\): 2 processes with the "
+                     r"whole weights, each computing and keeping 8 of every block's 16 tokens", log_path.read_text())
+
+
+# start-up refusals: no mesh
+
+@pytest.mark.parametrize("tp, pcp, block, message", [
+    (2, 2, 16, "--prefill-context-parallel-size 2 with --tensor-parallel-size 2 is not built yet: each PCP rank "
+               "holds the stage's whole weights (-tp 1); for KV spread over TP ranks use "
+               "--decode-context-parallel-size"),
+    (1, 2, 15, "--prefill-context-parallel-size 2 does not divide --block-size 15: each PCP rank keeps "
+               "block_size / 2 tokens of every block"),
+    (1, 3, 16, "--prefill-context-parallel-size 3 does not divide --block-size 16"),
+    (1, 0, 16, "--prefill-context-parallel-size 0 must be at least 1"),
+])
+def test_pcp_that_cannot_run_is_refused_with_the_reason(tp, pcp, block, message):
+    cfg = heads_config(4, 2)
+    cfg.check_tp_size(tp)  # (the TP size alone is fine)
+    with pytest.raises(StagemeshError) as err:
+        cfg.check_prefill_context_parallel(tp, pcp, block)
+    assert str(err.value).startswith(message)
+
+
+def test_pcp_that_splits_is_accepted():
+    heads_config(4, 2).check_prefill_context_parallel(1, 2, 16)
+    heads_config(4, 1).check_prefill_context_parallel(1, 4, 16)
+    heads_config(4, 2).check_prefill_context_parallel(2, 1, 15)  # -pcp 1: no split, any TP and block size
+
+
+def test_stage_refuses_pcp_with_tp(tiny_model_dir):
+    result = stage(tiny_model_dir("llama"), "-tp", "2", "-pcp", "2")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "stagemesh stage: error: --prefill-context-parallel-size 2 with --tensor-parallel-size 2 is not built yet: "
+        "each PCP rank holds the stage's whole weights (-tp 1); for KV spread over TP ranks use "
+        "--decode-context-parallel-size")
+
+
+def test_serve_refuses_pcp_with_tp_before_any_child_starts(tiny_model_dir):
+    result = stagemesh("serve", str(tiny_model_dir("llama")), "-tp", "2", "-pcp", "2", "--device", "cpu")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "started" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "stagemesh serve: error: --prefill-context-parallel-size 2 with --tensor-parallel-size 2 is not built yet: "
+        "each PCP rank holds the stage's whole weights (-tp 1); for KV spread over TP ranks use "
+        "--decode-context-parallel-size")
+
+
+def test_stage_refuses_pcp_with_lora(tiny_model_dir):
+    result = stage(tiny_model_dir("llama"), "-pcp", "2", "--enable-lora")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "stagemesh stage: error: --prefill-context-parallel-size with --enable-lora is not built yet")
+
+
+def test_stage_refuses_pcp_with_expert_parallel(tiny_model_dir):
+    result = stage(tiny_model_dir("mixtral"), "-pcp", "2", "--enable-expert-parallel")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "stagemesh stage: error: --prefill-context-parallel-size with --enable-expert-parallel is not built yet")
+
+
+def test_stage_refuses_pcp_with_a_draft_model(tiny_model_dir):
+    draft = tiny_model_dir("llama", num_hidden_layers=2)
+    result = stage(tiny_model_dir("llama"), "-pcp", "2", "--speculative-config",
+                   f'{{"model": "{draft}", "num_speculative_tokens": 2}}')
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "stagemesh stage: error: speculative decoding with a draft model does not run with "
+        "--prefill-context-parallel-size yet (ngram speculation does)")
