@@ -96,15 +96,19 @@ def test_pcp_doubles_the_tokens_a_stage_holds_matches_transformers_and_serves_a_
 
 
 @pytest.mark.slow
-def test_pcp_stage_then_tp2_stage_over_nccl_matches_transformers(model_dir, expected, tmp_path):
-    """PP=2: stage 0 (3 layers) is -pcp 2, its hidden states gathered on rank 0 and handed over nccl to stage 1
-    (1 layer), -tp 2: 16 concurrent requests, prefill chunked at 64 tokens a step, give transformers' tokens."""
+def test_tp2_pcp2_stage_then_tp2_stage_over_nccl_matches_transformers(model_dir, expected, tmp_path):
+    """PP=2: stage 0 (3 layers) is -tp 2 -pcp 2 (four ranks: two PCP groups, each a TP shard of the weights; each
+    place's TP group formed by its members as the epoch is joined), its hidden states gathered on rank 0 and
+    handed over nccl to stage 1 (1 layer), -tp 2: 16 concurrent requests, prefill chunked at 64 tokens a step,
+    give transformers' tokens."""
     batch, want = expected
-    with Mesh(model_dir, [3, 1], tp=[1, 2], handoff="nccl", log_dir=tmp_path, per_stage_args={0: PCP2},
+    with Mesh(model_dir, [3, 1], tp=[2, 2], handoff="nccl", log_dir=tmp_path, per_stage_args={0: PCP2},
               scheduler_args=CHUNKED) as mesh:
         got = mesh.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     assert got == want
-    assert "prefill context parallel 2" in (tmp_path / "stage0.log").read_text()
+    log = (tmp_path / "stage0.log").read_text()
+    assert "prefill context parallel 2 (--prefill-context-parallel-size): 4 processes (TP 2 x PCP 2)" in log
+    assert "joined epoch 1 as rank 0 of 6 (layers 0:3, TP=2, PCP=2" in log
 
 
 KILL_TOKENS = 64
@@ -171,16 +175,18 @@ def test_serve_runs_the_default_model_with_pcp2_and_answers_as_transformers(defa
     out = ref.generate(ids, max_new_tokens=CHAT_TOKENS, do_sample=False)[0, ids.shape[1]:]
     assert reply.choices[0].message.content == tok.decode(out, skip_special_tokens=True)
     assert reply.usage.completion_tokens == len(out)
-    assert re.search(r"stage 0: prefill context parallel 2 \(--prefill-context-parallel-size\): 2 processes with the "
-                     r"whole weights, each computing and keeping 8 of every block's 16 tokens", log_path.read_text())
+    assert re.search(r"stage 0: prefill context parallel 2 \(--prefill-context-parallel-size\): 2 processes \(TP 1 x "
+                     r"PCP 2\), each with its TP shard of the weights, computing and keeping 8 of every block's 16 "
+                     r"tokens", log_path.read_text())
 
 
 # start-up refusals: no mesh
 
+DCP_AND_PCP = ("--prefill-context-parallel-size 2 with --decode-context-parallel-size 2 is not built yet: PCP already "
+               "spreads each sequence's KV over its ranks")
+
+
 @pytest.mark.parametrize("tp, pcp, block, message", [
-    (2, 2, 16, "--prefill-context-parallel-size 2 with --tensor-parallel-size 2 is not built yet: each PCP rank "
-               "holds the stage's whole weights (-tp 1); for KV spread over TP ranks use "
-               "--decode-context-parallel-size"),
     (1, 2, 15, "--prefill-context-parallel-size 2 does not divide --block-size 15: each PCP rank keeps "
                "block_size / 2 tokens of every block"),
     (1, 3, 16, "--prefill-context-parallel-size 3 does not divide --block-size 16"),
@@ -194,29 +200,30 @@ def test_pcp_that_cannot_run_is_refused_with_the_reason(tp, pcp, block, message)
     assert str(err.value).startswith(message)
 
 
+def test_pcp_with_dcp_is_refused():
+    with pytest.raises(StagemeshError) as err:
+        heads_config(4, 2).check_prefill_context_parallel(2, 2, 16, dcp_size=2)
+    assert str(err.value) == DCP_AND_PCP
+
+
 def test_pcp_that_splits_is_accepted():
     heads_config(4, 2).check_prefill_context_parallel(1, 2, 16)
+    heads_config(4, 2).check_prefill_context_parallel(2, 2, 16)  # -tp 2 -pcp 2: four ranks
     heads_config(4, 1).check_prefill_context_parallel(1, 4, 16)
     heads_config(4, 2).check_prefill_context_parallel(2, 1, 15)  # -pcp 1: no split, any TP and block size
 
 
-def test_stage_refuses_pcp_with_tp(tiny_model_dir):
-    result = stage(tiny_model_dir("llama"), "-tp", "2", "-pcp", "2")
+def test_stage_refuses_pcp_with_dcp(tiny_model_dir):
+    result = stage(tiny_model_dir("llama"), "-tp", "2", "-dcp", "2", "-pcp", "2")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
-        "stagemesh stage: error: --prefill-context-parallel-size 2 with --tensor-parallel-size 2 is not built yet: "
-        "each PCP rank holds the stage's whole weights (-tp 1); for KV spread over TP ranks use "
-        "--decode-context-parallel-size")
+    assert result.stderr.strip().splitlines()[-1] == "stagemesh stage: error: " + DCP_AND_PCP
 
 
-def test_serve_refuses_pcp_with_tp_before_any_child_starts(tiny_model_dir):
-    result = stagemesh("serve", str(tiny_model_dir("llama")), "-tp", "2", "-pcp", "2", "--device", "cpu")
+def test_serve_refuses_pcp_with_dcp_before_any_child_starts(tiny_model_dir):
+    result = stagemesh("serve", str(tiny_model_dir("llama")), "-tp", "2", "-dcp", "2", "-pcp", "2", "--device", "cpu")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "started" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
-        "stagemesh serve: error: --prefill-context-parallel-size 2 with --tensor-parallel-size 2 is not built yet: "
-        "each PCP rank holds the stage's whole weights (-tp 1); for KV spread over TP ranks use "
-        "--decode-context-parallel-size")
+    assert result.stderr.strip().splitlines()[-1] == "stagemesh serve: error: " + DCP_AND_PCP
 
 
 def test_stage_refuses_pcp_with_lora(tiny_model_dir):
