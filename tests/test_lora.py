@@ -124,10 +124,12 @@ def test_adapters_added_and_removed_at_run_time_take_free_slots(model, adapters,
     assert run_mixed(stages, [rs], NEW, first_seq_id=200) == [next(w for (p, n), w in cases if n == "rs")]
 
 
-def test_tp2_shards_each_adapter_like_its_base_layer(model, adapters, cases, tmp_path):
+@pytest.mark.parametrize("dcp", [1, 2], ids=["tp2", "tp2-dcp2"])
+def test_tp2_shards_each_adapter_like_its_base_layer(model, adapters, cases, tmp_path, dcp):
+    """-dcp 2: the adapters' layers are the TP shards they are without it; attention spreads the KV."""
     out, port = tmp_path / "tokens.json", free_port()
     spec = json.dumps({"model": str(model), "adapters": {k: str(v) for k, v in adapters.items()},
-                       "seqs": [seq for seq, _ in cases], "new_tokens": NEW, "out": str(out)})
+                       "seqs": [seq for seq, _ in cases], "new_tokens": NEW, "out": str(out), "dcp": dcp})
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), "2", str(port), spec],
                               env={**os.environ, "OMP_NUM_THREADS": "1"}) for rank in range(2)]
     codes = exit_codes(procs)

@@ -1,7 +1,7 @@
 """Speculative decoding through real services: greedy tokens equal transformers' through PP, TP (prompt
-lookup) and PP x TP (a draft model) meshes of a tiny model, with preemption, chunked prefill and structured
-outputs, and through the gateway on the default model with the openai client, acceptance counted in both
-services' metrics."""
+lookup, with decode or prefill context parallelism) and PP x TP (a draft model) meshes of a tiny model, with
+preemption, chunked prefill and structured outputs, and through the gateway on the default model with the openai
+client, acceptance counted in both services' metrics."""
 from __future__ import annotations
 
 import json
@@ -24,7 +24,9 @@ LAYOUTS = {
     # a small KV cache and token budget: chunked prefill and preemption under speculation
     "pp2-grpc-preemption": dict(split=[2, 2], tp=[1, 1], handoff="grpc", stage_args=("--kv-cache-memory", "90112"),
                                 scheduler_args=("--max-num-batched-tokens", "64")),
-    "tp2-nccl": dict(split=[4], tp=[2], handoff="nccl"),
+    # decode and prefill context parallelism: a sequence's drafts are rows of its chunk, over each rank's share
+    "tp2-dcp2-nccl": dict(split=[4], tp=[2], handoff="nccl", per_stage_args={0: ["-dcp", "2"]}),
+    "pp2-pcp2-nccl": dict(split=[2, 2], tp=[1, 1], handoff="nccl", per_stage_args={0: ["-pcp", "2"], 1: ["-pcp", "2"]}),
     # a draft model (the target's first two layers) on the last stage's TP rank 0
     "pp2-tp2-nccl-draft-model": dict(split=[2, 2], tp=[2, 2], handoff="nccl"),
 }
