@@ -3,6 +3,10 @@ memory bandwidth and as a fraction of the GPU's measured device-to-device copy b
 
 Llama-3.1-8B head shape (32 query heads, 8 KV heads, head_dim 128), bf16, block size 16,
 batch 64, context 4096.   python benchmarks/bench_kernels_gpu.py
+
+Context parallelism's kernels (docs/context-parallelism.md) after it: the same decode with its log-sum-exp
+(paged_attention_lse, what a DCP / PCP rank runs over its share), and the merge of 2 and 4 ranks' partials
+(merge_attention_states), Triton against the torch reference, each checked against the reference first.
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import argparse
 import torch
 import triton.testing
 
-from kernels import reference, triton_ops
+from kernels import reference, triton_attention, triton_ops
 
 
 def copy_bandwidth() -> float:
@@ -50,6 +54,30 @@ def main() -> None:
         ms = triton.testing.do_bench(lambda: fn(*args), warmup=10, rep=100)
         achieved = kv_bytes / (ms / 1e3)
         print(f"  {name:16s} {ms:8.3f} ms  {achieved / 1e12:6.2f} TB/s  = {achieved / bw:5.2f} of copy bandwidth")
+    context_parallel(args, kv_bytes, bw)
+
+
+def context_parallel(args: tuple, kv_bytes: int, bw: float) -> None:
+    out, lse = triton_attention.paged_attention_lse(*args)
+    want, want_lse = reference.paged_attention_lse(*args)
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, want_lse, atol=2e-2, rtol=2e-2)
+    ms = triton.testing.do_bench(lambda: triton_attention.paged_attention_lse(*args), warmup=10, rep=100)
+    print(f"  {'triton with lse':16s} {ms:8.3f} ms  {kv_bytes / (ms / 1e3) / 1e12:6.2f} TB/s  = "
+          f"{kv_bytes / (ms / 1e3) / bw:5.2f} of copy bandwidth")
+    q = args[0]
+    for ranks in (2, 4):
+        outs = torch.randn(ranks, *q.shape, device="cuda", dtype=q.dtype)
+        lses = torch.randn(ranks, *q.shape[:2], device="cuda", dtype=torch.float32) * 4
+        got, got_lse = triton_attention.merge_attention_states(outs, lses)
+        ref, ref_lse = reference.merge_attention_states(outs, lses)
+        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got_lse, ref_lse, atol=1e-4, rtol=1e-4)
+        moved = outs.numel() * outs.element_size() + lses.numel() * 4 + got.numel() * got.element_size()
+        for name, fn in (("triton", triton_attention.merge_attention_states),
+                         ("torch reference", reference.merge_attention_states)):
+            ms = triton.testing.do_bench(lambda: fn(outs, lses), warmup=10, rep=100)
+            print(f"  merge of {ranks} partials ({name}): {ms * 1e3:8.1f} us  {moved / (ms / 1e3) / 1e9:7.1f} GB/s")
 
 
 if __name__ == "__main__":
