@@ -240,8 +240,8 @@ def describe(args: argparse.Namespace, plan: StagePlan, worker) -> None:
     if args.prefill_context_parallel_size > 1:
         log.info("stage %d: prefill context parallel %d (--prefill-context-parallel-size): %d processes (TP %d x "
                  "PCP %d), each with its TP shard of the weights, computing and keeping %d of every block's %d tokens; "
-                 "%d blocks of %d tokens hold %s tokens", i, r.tp.dcp_size, r.tp.size, args.tensor_parallel_size,
-                 r.tp.dcp_size, r.kv_block_size, r.block_size, worker.num_kv_blocks, r.block_size,
+                 "%d blocks of %d tokens hold %s tokens", i, r.tp.cp_size, r.tp.size, args.tensor_parallel_size,
+                 r.tp.cp_size, r.kv_block_size, r.block_size, worker.num_kv_blocks, r.block_size,
                  f"{worker.num_kv_blocks * r.block_size:,}")
     if plan.cfg.is_moe:
         from stage_worker.moe import describe_layout

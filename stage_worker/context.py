@@ -24,9 +24,9 @@ def held_count(lengths: torch.Tensor, block_size: int, dcp_size: int, dcp_rank: 
 
 def dcp_metadata(positions: torch.Tensor, row_seqs: torch.Tensor, block_tables: torch.Tensor, block_size: int,
                  dcp_size: int, dcp_rank: int):
-    """This rank's stage_worker.model.DCPMetadata of a step: `positions` [tokens] int64 and `row_seqs` [tokens]
+    """This rank's stage_worker.model.CPMetadata of a step: `positions` [tokens] int64 and `row_seqs` [tokens]
     (each token's sequence, an index into `block_tables` [seqs, max_blocks] int32)."""
-    from stage_worker.model import DCPMetadata
+    from stage_worker.model import CPMetadata
 
     b = block_size // dcp_size
     offset = positions % block_size
@@ -36,7 +36,7 @@ def dcp_metadata(positions: torch.Tensor, row_seqs: torch.Tensor, block_tables: 
     slots = (blocks * b + offset % b).index_select(0, held)
     visible = held_count(positions + 1, block_size, dcp_size, dcp_rank).to(torch.int32)
     starts = torch.arange(positions.shape[0] + 1, dtype=torch.int32, device=positions.device)
-    return DCPMetadata(held, slots, row_tables, visible, starts)
+    return CPMetadata(held, slots, row_tables, visible, starts)
 
 
 class TokenSplit:
@@ -71,16 +71,16 @@ class TokenSplit:
 
     def gather(self, x: torch.Tensor, group) -> torch.Tensor:
         """Every rank's `pad` rows of x back to [step tokens, ...] in step order, on every rank."""
-        parts = group.dcp_gather(x).view(self.size * self.pad, *x.shape[1:])
+        parts = group.cp_gather(x).view(self.size * self.pad, *x.shape[1:])
         out = torch.empty((len(self.tokens), *x.shape[1:]), dtype=x.dtype, device=x.device)
         out[self.tokens] = parts[self.valid]
         return out
 
     def metadata(self, positions: torch.Tensor, row_seqs: torch.Tensor, block_tables: torch.Tensor, block_size: int,
                  rank: int):
-        """This rank's stage_worker.model.DCPMetadata: the slots of its tokens, and every gathered row's view of
+        """This rank's stage_worker.model.CPMetadata: the slots of its tokens, and every gathered row's view of
         the positions this rank keeps (a padding row sees none)."""
-        from stage_worker.model import DCPMetadata
+        from stage_worker.model import CPMetadata
 
         b = block_size // self.size
         mine = self.mine
@@ -90,5 +90,5 @@ class TokenSplit:
         visible = held_count(positions[flat] + 1, block_size, self.size, rank).masked_fill(~self.valid, 0)
         starts = torch.arange(flat.shape[0] + 1, dtype=torch.int32, device=positions.device)
         held = torch.arange(len(mine), device=positions.device)
-        return DCPMetadata(held, slots, block_tables.index_select(0, row_seqs[flat]), visible.to(torch.int32),
+        return CPMetadata(held, slots, block_tables.index_select(0, row_seqs[flat]), visible.to(torch.int32),
                            starts, self.pad)

@@ -60,13 +60,13 @@ def join_shard_group(tp: TPGroup, store=None) -> None:
     shard.group = dist.new_group(members, use_local_synchronization=True)
     shard.src = members[0]
     if store is not None:
-        shard.shm = attach_shm(store, f"tp-shm-{tp.src}-pcp-{tp.dcp_rank}", shard)
+        shard.shm = attach_shm(store, f"tp-shm-{tp.src}-pcp-{tp.cp_rank}", shard)
 
 
 def shard_members(tp: TPGroup) -> list[int]:
-    """The global ranks of tp.shard's group: rank dcp_rank of each PCP group of the stage."""
+    """The global ranks of tp.shard's group: rank cp_rank of each PCP group of the stage."""
     assert tp.shard is not None
-    return [tp.src + t * tp.dcp_size + tp.dcp_rank for t in range(tp.shard.size)]
+    return [tp.src + t * tp.cp_size + tp.cp_rank for t in range(tp.shard.size)]
 
 
 def attach_shm(store, key: str, tp: TPGroup):

@@ -42,7 +42,7 @@ def kv_namespace(runner, tp_size: int) -> dict:
             "layers": [m.layer_start, m.layer_end], "tp_size": tp_size, "quantization": runner.quantization,
             "draft_model": model_fingerprint(draft_model) if draft_model is not None else None,
             # (only where it is > 1: the namespaces of the stages made before DCP stay theirs)
-            **({"dcp_size": runner.tp.dcp_size} if runner.tp.dcp_size > 1 else {})}
+            **({"dcp_size": runner.tp.cp_size} if runner.tp.cp_size > 1 else {})}
 
 
 def open_disk_tier(base: str, runner) -> tuple[NamespaceDir, DiskTier]:

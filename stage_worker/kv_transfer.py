@@ -2,7 +2,7 @@
 
 TP rank 0 speaks for the stage: on a read its TP ranks gather their KV heads to it, on a write it
 broadcasts every head and each rank keeps its own, so the prefill and decode sides may shard the KV
-heads differently (other TP sizes). Under decode context parallelism (TPGroup.dcp_size D > 1) a rank holds
+heads differently (other TP sizes). Under decode context parallelism (TPGroup.cp_size D > 1) a rank holds
 only its share of each block's tokens (stage_worker.context): the read gathers every rank's share over the TP
 group and reassembles the tokens within each DCP group and the KV heads across the groups (assemble_blocks),
 the write keeps on each rank its heads and its token offsets (rank_share). What crosses the wire is always the
@@ -52,7 +52,7 @@ def import_blocks(runner, block_ids: list[int], layers: range, kvs: list[tuple[t
                     else torch.empty(shape, dtype=dtype, device=runner.device))
             if runner.tp.size > 1:
                 runner.tp.broadcast(full)
-            share = rank_share(full, runner.tp.dcp_size, runner.tp.dcp_rank, shard.kv_start, shard.num_kv_heads)
+            share = rank_share(full, runner.tp.cp_size, runner.tp.cp_rank, shard.kv_start, shard.num_kv_heads)
             cache.index_copy_(0, ids, share.to(cache.dtype))
 
 
@@ -95,11 +95,11 @@ def rank_share(full: torch.Tensor, dcp_size: int, dcp_rank: int, kv_start: int, 
 def _whole(runner, x: torch.Tensor) -> torch.Tensor:
     """[n, kv_block_size, local KV heads, head_dim] of every rank -> [n, block_size, every KV head, head_dim]."""
     tp = runner.tp
-    if tp.dcp_size == 1:
+    if tp.cp_size == 1:
         return _all_heads(runner, x)
     # float32 whatever the cache's dtype, as _all_heads gathers (exact for bf16 / fp16)
     parts = tp.all_gather(x.float())
-    return assemble_blocks(parts, tp.dcp_size, runner.config.num_key_value_heads).to(x.dtype)
+    return assemble_blocks(parts, tp.cp_size, runner.config.num_key_value_heads).to(x.dtype)
 
 
 def _all_heads(runner, x: torch.Tensor) -> torch.Tensor:

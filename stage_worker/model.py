@@ -34,14 +34,15 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [seqs, max_blocks] int32
     context_lens: torch.Tensor  # [seqs] int32, after this step
     query_start_loc: torch.Tensor  # [seqs + 1] int32
-    dcp: "DCPMetadata | None" = None  # with decode context parallelism: this rank's share (stage_worker.context)
+    cp: "CPMetadata | None" = None  # with context parallelism (DCP or PCP): this rank's share (stage_worker.context)
     split: "TokenSplit | None" = None  # with prefill context parallelism: this rank's rows of the step's tokens
 
 
 @dataclass
-class DCPMetadata:
-    """A DCP rank's view of the step (stage_worker.context.dcp_metadata): which of the step's tokens' KV it holds
-    and where, and, per query row, how many of its sequence's held positions the row sees."""
+class CPMetadata:
+    """A context-parallel rank's view of the step (stage_worker.context: dcp_metadata, TokenSplit.metadata): which
+    of the step's tokens' KV it keeps and where, and, per query row, how many of its sequence's kept positions the
+    row sees."""
 
     held: torch.Tensor  # [held tokens] int64: the step's tokens whose K and V this rank keeps
     slot_mapping: torch.Tensor  # [held tokens] int64: their slots in this rank's cache
@@ -79,10 +80,10 @@ class Attention(Module):
         tokens, d = x.shape[0], self.head_dim
         k_cache, v_cache = kv_cache
         qkv = self.qkv_proj(x)
-        if meta.dcp is not None:
+        if meta.cp is not None:
             assert self.cp is not None, "context-parallel metadata reaches only a context-parallel stage's layers"
-            attend = self._prefill_context_parallel if meta.dcp.pad else self._context_parallel
-            return self.o_proj(attend(qkv, meta, meta.dcp, self.cp, kv_cache, cos_sin))
+            attend = self._prefill_context_parallel if meta.cp.pad else self._context_parallel
+            return self.o_proj(attend(qkv, meta, meta.cp, self.cp, kv_cache, cos_sin))
         if self.q_norm is None or self.k_norm is None:
             q = kernels.rotary_and_cache(qkv, self.num_heads, self.num_kv_heads, meta.positions, cos_sin, k_cache,
                                          v_cache, meta.slot_mapping)
@@ -103,45 +104,45 @@ class Attention(Module):
         q, k = kernels.apply_rotary(q, k, meta.positions, cos_sin)
         return q, k, v
 
-    def _context_parallel(self, qkv: torch.Tensor, meta: AttentionMetadata, dcp: DCPMetadata, cp: TPGroup,
+    def _context_parallel(self, qkv: torch.Tensor, meta: AttentionMetadata, share: CPMetadata, cp: TPGroup,
                           kv_cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor) -> torch.Tensor:
         """Decode context parallelism (vLLM's DCP): this rank keeps its share of the tokens' K and V; the DCP
         group's queries (the heads of these KV heads) attend to each rank's share, and the partial outputs are
         merged by their log-sum-exps, each rank keeping its own heads."""
         tokens, d, h = qkv.shape[0], self.head_dim, self.num_heads
         q, k, v = self._rotated(qkv, meta, cos_sin)
-        self._write_held(k, v, dcp, kv_cache)
-        group = cp.dcp_gather(q)  # [dcp, tokens, h, d]: the group's query heads
-        parts = self._partials(group.transpose(0, 1).reshape(tokens, -1, d), dcp, cp, kv_cache)
-        return self._merged(parts[:, :, cp.dcp_rank * h:(cp.dcp_rank + 1) * h], qkv.dtype).reshape(tokens, h * d)
+        self._write_held(k, v, share, kv_cache)
+        group = cp.cp_gather(q)  # [dcp, tokens, h, d]: the group's query heads
+        parts = self._partials(group.transpose(0, 1).reshape(tokens, -1, d), share, cp, kv_cache)
+        return self._merged(parts[:, :, cp.cp_rank * h:(cp.cp_rank + 1) * h], qkv.dtype).reshape(tokens, h * d)
 
-    def _prefill_context_parallel(self, qkv: torch.Tensor, meta: AttentionMetadata, dcp: DCPMetadata, cp: TPGroup,
+    def _prefill_context_parallel(self, qkv: torch.Tensor, meta: AttentionMetadata, share: CPMetadata, cp: TPGroup,
                                   kv_cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor) -> torch.Tensor:
         """Prefill context parallelism (vLLM's PCP, stage_worker.context.TokenSplit): this rank's tokens, every
-        head. It keeps their K and V; every rank's queries (padded to dcp.pad rows each) attend to each rank's
+        head. It keeps their K and V; every rank's queries (padded to share.pad rows each) attend to each rank's
         share of the keys, and each rank merges the partials of its own rows."""
-        tokens, d, h = qkv.shape[0], self.head_dim, self.num_heads  # (tokens: dcp.pad rows)
+        tokens, d, h = qkv.shape[0], self.head_dim, self.num_heads  # (tokens: share.pad rows)
         q, k, v = self._rotated(qkv, meta, cos_sin)
-        self._write_held(k, v, dcp, kv_cache)
-        queries = cp.dcp_gather(q).view(-1, h, d)  # [ranks * pad, h, d]
-        parts = self._partials(queries, dcp, cp, kv_cache)  # [ranks, ranks * pad, h, d + 1]
-        first = cp.dcp_rank * dcp.pad
+        self._write_held(k, v, share, kv_cache)
+        queries = cp.cp_gather(q).view(-1, h, d)  # [ranks * pad, h, d]
+        parts = self._partials(queries, share, cp, kv_cache)  # [ranks, ranks * pad, h, d + 1]
+        first = cp.cp_rank * share.pad
         return self._merged(parts[:, first:first + tokens], qkv.dtype).reshape(tokens, h * d)
 
     @staticmethod
-    def _write_held(k: torch.Tensor, v: torch.Tensor, dcp: DCPMetadata,
+    def _write_held(k: torch.Tensor, v: torch.Tensor, share: CPMetadata,
                     kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
-        if dcp.held.numel():
-            kernels.write_kv_cache(k.index_select(0, dcp.held), v.index_select(0, dcp.held), *kv_cache,
-                                   dcp.slot_mapping)
+        if share.held.numel():
+            kernels.write_kv_cache(k.index_select(0, share.held), v.index_select(0, share.held), *kv_cache,
+                                   share.slot_mapping)
 
-    def _partials(self, queries: torch.Tensor, dcp: DCPMetadata, cp: TPGroup,
+    def _partials(self, queries: torch.Tensor, share: CPMetadata, cp: TPGroup,
                   kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Each rank's attention of `queries` over its share of the keys, with its lse as one more fp32 column
         (one collective for both), from every rank of the group: [ranks, rows, heads, head_dim + 1]."""
-        out, lse = kernels.paged_attention_lse(queries, *kv_cache, dcp.row_tables, dcp.row_visible, dcp.row_starts,
-                                               self.scale)
-        return cp.dcp_gather(torch.cat([out.float(), lse[..., None]], -1))
+        out, lse = kernels.paged_attention_lse(queries, *kv_cache, share.row_tables, share.row_visible,
+                                               share.row_starts, self.scale)
+        return cp.cp_gather(torch.cat([out.float(), lse[..., None]], -1))
 
     @staticmethod
     def _merged(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

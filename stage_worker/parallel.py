@@ -13,7 +13,8 @@ from stagemesh.core.model_config import ModelConfig
 
 @dataclass
 class TPGroup:
-    """This process's place in its stage's TP group; size 1 needs no torch.distributed.
+    """This process's place in its stage's TP group; size 1 needs no torch.distributed. With prefill context
+    parallelism (`pcp`) the group is the stage's tp x pcp ranks, and `shard` the TP group of its weights.
 
     A CPU group on one host moves its collectives through shared memory (`shm`, see
     stage_worker.dist.attach_shm), gloo being a loopback-TCP round trip per collective;
@@ -25,14 +26,14 @@ class TPGroup:
     group: Any = None  # a torch.distributed ProcessGroup when size > 1
     shm: Any = None  # kernels' ShmComm of this group, or None
     src: int = 0  # global rank of TP rank 0, the source of broadcasts
-    # decode context parallelism (--decode-context-parallel-size): each `dcp_size` consecutive ranks hold the same
-    # KV heads (sharded as if TP were size // dcp_size) and each a share of every sequence's tokens
-    dcp_size: int = 1
+    # decode context parallelism (--decode-context-parallel-size): each `cp_size` consecutive ranks hold the same
+    # KV heads (sharded as if TP were size // cp_size) and each a share of every sequence's tokens
+    cp_size: int = 1  # the ranks that share a sequence's KV (DCP's or PCP's group)
     # prefill context parallelism (--prefill-context-parallel-size): the group is the stage's tp x pcp ranks, in PCP
-    # groups of dcp_size (= pcp) consecutive ranks, each rank with a share of the step's tokens (those whose KV it
+    # groups of cp_size (= pcp) consecutive ranks, each rank with a share of the step's tokens (those whose KV it
     # keeps) and its PCP group's TP shard of the weights
     pcp: bool = False
-    # with PCP: the TP group this rank's weights are sharded over (shard rank // dcp_size, with the ranks of the
+    # with PCP: the TP group this rank's weights are sharded over (shard rank // cp_size, with the ranks of the
     # same place in the other PCP groups), formed as an epoch is joined (stage_worker.dist.join_shard_group)
     shard: "TPGroup | None" = None
 
@@ -70,19 +71,19 @@ class TPGroup:
         return out
 
     @property
-    def dcp_rank(self) -> int:
+    def cp_rank(self) -> int:
         """This rank's place in its DCP group (which share of each block's tokens it holds)."""
-        return self.rank % self.dcp_size
+        return self.rank % self.cp_size
 
-    def dcp_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[dcp_size, *x.shape]: the x of each rank of this rank's DCP group, in order. The group's collective is
+    def cp_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[cp_size, *x.shape]: the x of each rank of this rank's DCP or PCP group, in order. The group's collective is
         the TP group's all-gather, the other groups' parts dropped (no process group of its own to form per
         epoch; the same bytes when the DCP group is the whole TP group, as it is when the sizes are equal)."""
         parts = self.all_gather(x)
-        if self.dcp_size == self.size:
+        if self.cp_size == self.size:
             return parts
-        first = self.rank - self.dcp_rank
-        return parts[first:first + self.dcp_size]
+        first = self.rank - self.cp_rank
+        return parts[first:first + self.cp_size]
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """x from TP rank 0 to every rank, in place."""
@@ -107,7 +108,7 @@ class HeadShard:
         """The query heads split over the TP group; the KV heads over its DCP groups (each group's ranks hold
         the same KV heads: those of the group's query heads, and each a share of the tokens)."""
         heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        groups, group = tp.size // tp.dcp_size, tp.rank // tp.dcp_size
+        groups, group = tp.size // tp.cp_size, tp.rank // tp.cp_size
         # (with PCP a rank has its TP shard's query heads, of its share of the tokens: the shard is its group)
         shards, shard = (groups, group) if tp.pcp else (tp.size, tp.rank)
         cfg.check_tp_size(shards)

@@ -132,12 +132,12 @@ class StageRunner:
         cfg.check_decode_context_parallel(tp_size, dcp_size, block_size)
         cfg.check_prefill_context_parallel(tp_size, pcp_size, block_size, dcp_size)
         # the stage's group (its processes: `tp_rank` is this one's place) and the group its weights are sharded over
-        self.tp = TPGroup(tp_rank, tp_size, tp_group, dcp_size=dcp_size)
+        self.tp = TPGroup(tp_rank, tp_size, tp_group, cp_size=dcp_size)
         shard = self.tp
         if pcp_size > 1:  # each rank its TP shard of the weights, and a share of the tokens (context.TokenSplit)
             # ranks t * pcp_size .. (t + 1) * pcp_size - 1 form a PCP group, of TP shard t
             shard = TPGroup(tp_rank // pcp_size, tp_size, shard_group)
-            self.tp = TPGroup(tp_rank, tp_size * pcp_size, tp_group, dcp_size=pcp_size, pcp=True, shard=shard)
+            self.tp = TPGroup(tp_rank, tp_size * pcp_size, tp_group, cp_size=pcp_size, pcp=True, shard=shard)
         context = next((flag for flag, size in (("--decode-context-parallel-size", dcp_size),
                                                 ("--prefill-context-parallel-size", pcp_size)) if size > 1), None)
         for what, used in (("--enable-expert-parallel", expert_parallel), ("--enable-lora", lora is not None)):
@@ -149,14 +149,14 @@ class StageRunner:
         self.dtype = resolve_dtype(cfg, dtype, device)
         self.block_size = block_size  # the scheduler's blocks
         # the tokens of a block this rank keeps (stage_worker.context)
-        self.kv_block_size = block_size // self.tp.dcp_size
+        self.kv_block_size = block_size // self.tp.cp_size
         if gguf_file is not None:
             quantization = quantization or "gguf"
         check_quantization(quantization, cfg, self.device)
         self.quantization = quantization
         self.model = StageModel(cfg, layer_start, layer_end, shard, self.dtype, self.device,
                                 expert_parallel=expert_parallel, ep=ep, eplb=eplb,
-                                cp=self.tp if self.tp.dcp_size > 1 else None)
+                                cp=self.tp if self.tp.cp_size > 1 else None)
         self.model_dir, self.gguf_file = model_dir, gguf_file
         # adapters per sequence (multi-LoRA): its linears become LoRALinear before the weights load
         self.lora = LoRAManager(self.model, cfg, lora, self.dtype, self.device) if lora is not None else None
@@ -191,7 +191,7 @@ class StageRunner:
         kv_bytes_per_block) and proposes drafts after each step's sampling."""
         if self.lora is not None:
             raise StagemeshError("speculative decoding with a draft model does not run with --enable-lora yet")
-        if self.tp.dcp_size > 1:
+        if self.tp.cp_size > 1:
             flag = "--prefill-context-parallel-size" if self.tp.pcp else "--decode-context-parallel-size"
             raise StagemeshError(f"speculative decoding with a draft model does not run with {flag} yet "
                                  "(ngram speculation does)")
@@ -347,15 +347,15 @@ class StageRunner:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
         )
         input_ids = torch.tensor(c.token_ids, dtype=torch.int64, device=dev) if self.is_first_stage else None
-        if self.tp.dcp_size > 1:  # this rank's share of the tokens (its slots: there, not slot_mapping's)
+        if self.tp.cp_size > 1:  # this rank's share of the tokens (its slots: there, not slot_mapping's)
             row_seqs = torch.repeat_interleave(torch.arange(len(tables), device=dev),
                                                torch.tensor(c.num_tokens, device=dev))
             if self.tp.pcp:  # and its rows of them
-                meta.split = split = TokenSplit(meta.positions, bs, self.tp.dcp_size, self.tp.dcp_rank)
-                meta.dcp = split.metadata(meta.positions, row_seqs, meta.block_tables, bs, self.tp.dcp_rank)
+                meta.split = split = TokenSplit(meta.positions, bs, self.tp.cp_size, self.tp.cp_rank)
+                meta.cp = split.metadata(meta.positions, row_seqs, meta.block_tables, bs, self.tp.cp_rank)
                 meta.positions = split.rows(meta.positions)
                 input_ids = None if input_ids is None else split.rows(input_ids)
             else:
-                meta.dcp = dcp_metadata(meta.positions, row_seqs, meta.block_tables, bs, self.tp.dcp_size,
-                                        self.tp.dcp_rank)
+                meta.cp = dcp_metadata(meta.positions, row_seqs, meta.block_tables, bs, self.tp.cp_size,
+                                        self.tp.cp_rank)
         return input_ids, meta, sample_rows, sample_ids, drafts

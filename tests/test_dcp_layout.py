@@ -104,7 +104,7 @@ class _OneProcess:
     def __init__(self, parts: list[torch.Tensor]):
         self.parts = parts
 
-    def dcp_gather(self, x: torch.Tensor) -> torch.Tensor:
+    def cp_gather(self, x: torch.Tensor) -> torch.Tensor:
         return torch.stack(self.parts)
 
 

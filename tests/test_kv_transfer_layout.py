@@ -25,7 +25,7 @@ def config(heads: int, kv_heads: int) -> ModelConfig:
 
 def hand_share(whole: torch.Tensor, cfg: ModelConfig, tp_size: int, dcp_size: int, rank: int) -> torch.Tensor:
     """Rank `rank`'s cache blocks, element by element: offsets [c * b, (c + 1) * b) of each block, its heads."""
-    shard = HeadShard.for_rank(cfg, TPGroup(rank, tp_size, dcp_size=dcp_size))
+    shard = HeadShard.for_rank(cfg, TPGroup(rank, tp_size, cp_size=dcp_size))
     b, c = BLOCK_SIZE // dcp_size, rank % dcp_size
     out = torch.empty(BLOCKS, b, shard.num_kv_heads, HEAD_DIM)
     for blk in range(BLOCKS):
@@ -45,9 +45,9 @@ def test_whole_blocks_reassemble_from_the_ranks_shares_and_split_back(tp_size, d
     parts = [hand_share(whole, cfg, tp_size, dcp_size, r) for r in range(tp_size)]
     assert torch.equal(assemble_blocks(torch.stack(parts), dcp_size, kv_heads), whole)
     for r in range(tp_size):
-        tp = TPGroup(r, tp_size, dcp_size=dcp_size)
+        tp = TPGroup(r, tp_size, cp_size=dcp_size)
         shard = HeadShard.for_rank(cfg, tp)
-        assert torch.equal(rank_share(whole, dcp_size, tp.dcp_rank, shard.kv_start, shard.num_kv_heads), parts[r])
+        assert torch.equal(rank_share(whole, dcp_size, tp.cp_rank, shard.kv_start, shard.num_kv_heads), parts[r])
 
 
 def test_the_shares_are_disjoint_in_tokens_within_a_group():
