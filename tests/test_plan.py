@@ -327,12 +327,13 @@ def test_forced_dcp_is_evaluated_and_counts_its_tokens():
 
 @pytest.mark.parametrize("raw,gpus,tp,dcp,why", [
     (few_kv_heads(), 8, 8, 3, "--decode-context-parallel-size 3 does not divide --tensor-parallel-size 8"),
-    (few_kv_heads(), 32, 32, 32, "--decode-context-parallel-size 32 does not divide the default --block-size 16"),
+    (few_kv_heads(), 32, 32, 32, "--decode-context-parallel-size 32 does not divide --block-size 16"),
     # 48 heads, 4 KV heads: TP=24 is valid, TP=24 / DCP=4 = 6 splits the 4 KV heads unevenly
     (few_kv_heads(num_attention_heads=48, num_key_value_heads=4, hidden_size=6144), 24, 24, 4,
-     "shards the KV heads as if TP were 24 // 4 = 6, which the model does not allow"),
+     "--decode-context-parallel-size 4 with --tensor-parallel-size 24 shards the KV heads over 6 groups, which "
+     "the model cannot"),
     (few_kv_heads(), 8, None, 2, "--decode-context-parallel-size 2 needs --tensor-parallel-size"),
-    (few_kv_heads(), 8, 8, 0, "--decode-context-parallel-size 0 must be >= 1"),
+    (few_kv_heads(), 8, 8, 0, "--decode-context-parallel-size 0 must be at least 1"),
 ])
 def test_forced_dcp_is_refused_where_it_cannot_run(raw, gpus, tp, dcp, why):
     with pytest.raises(StagemeshError, match=re.escape(why)):

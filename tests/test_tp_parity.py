@@ -50,37 +50,23 @@ def test_tp2_matches_transformers(tiny_model_dir, tmp_path, arch, overrides, spl
     torch.testing.assert_close(torch.tensor(got["logits"]), want_logits, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch,overrides,world,dcp,chunk", [
-    ("llama", {"num_key_value_heads": 1}, 2, 2, 16),  # MQA: DCP splits the tokens TP would replicate
-    ("llama", {}, 2, 2, 5),                           # both KV heads on each rank, chunks across the shares
-    ("qwen3", {"tie_word_embeddings": True}, 2, 2, 16),  # q/k norm on the DCP path
-    ("llama", {"num_key_value_heads": 2}, 4, 2, 16),  # two DCP groups of two ranks in a TP group of four
+@pytest.mark.parametrize("arch,overrides,world,flag,size,chunk", [
+    # DCP: the KV heads a DCP group's ranks share (as if TP were world / size), each half of every block's tokens
+    ("llama", {"num_key_value_heads": 1}, 2, "--dcp", 2, 16),  # MQA: DCP splits the tokens TP would replicate
+    ("llama", {}, 2, "--dcp", 2, 5),                           # both KV heads on each rank, chunks across shares
+    ("llama", {"num_key_value_heads": 2}, 4, "--dcp", 2, 16),  # two DCP groups of two ranks in a TP group of four
+    # PCP: each rank computes the tokens whose KV it keeps, through every layer
+    ("llama", {"num_key_value_heads": 1}, 2, "--pcp", 2, 5),   # chunks that cut across the shares, uneven rows
+    ("qwen3", {"tie_word_embeddings": True}, 4, "--pcp", 4, 37),  # the whole prompt over four ranks, q/k norm
+    ("llama", {}, 4, "--pcp", 2, 5),                           # -tp 2 -pcp 2: each PCP group a TP shard
 ])
-def test_decode_context_parallel_matches_transformers(tiny_model_dir, tmp_path, arch, overrides, world, dcp, chunk):
-    """Each rank keeps block_size / dcp tokens of every block and attends its group's queries to them; the
-    partials merged by log-sum-exp give transformers' greedy tokens and logits (prefill chunks and decode)."""
+def test_context_parallel_matches_transformers(tiny_model_dir, tmp_path, arch, overrides, world, flag, size, chunk):
+    """Each rank keeps block_size / size tokens of every block; every query row attends to each rank's share,
+    and the partials merged by log-sum-exp give transformers' greedy tokens and logits (prefill chunks, decode)."""
     model_dir = tiny_model_dir(arch, **overrides)
     prompt = prompts(384, lengths=(37,))[0]
     want_tokens, want_logits = reference_greedy(reference_model(model_dir), prompt, 32)
-    got = run_tp(model_dir, world, "2,2", prompt, 32, tmp_path, False, "--dcp", str(dcp), "--chunk", str(chunk))
-    assert got["tokens"] == want_tokens
-    torch.testing.assert_close(torch.tensor(got["logits"]), want_logits, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("arch,overrides,world,pcp,chunk", [
-    ("llama", {}, 2, 2, 16),                              # chunks of a block: each rank half of each
-    ("llama", {"num_key_value_heads": 1}, 2, 2, 5),       # chunks that cut across the shares, uneven rows
-    ("qwen3", {"tie_word_embeddings": True}, 4, 4, 37),   # the whole prompt at once over four ranks, q/k norm
-    ("llama", {}, 4, 2, 5),                               # -tp 2 -pcp 2: each PCP rank a TP shard of the weights
-])
-def test_prefill_context_parallel_matches_transformers(tiny_model_dir, tmp_path, arch, overrides, world, pcp, chunk):
-    """Each rank computes the tokens whose KV it keeps (block_size / pcp of every block) through every layer
-    with the whole weights; every rank's queries attend to each rank's keys, merged by log-sum-exp: prefill
-    chunks and decode rows give transformers' greedy tokens and logits."""
-    model_dir = tiny_model_dir(arch, **overrides)
-    prompt = prompts(384, lengths=(37,))[0]
-    want_tokens, want_logits = reference_greedy(reference_model(model_dir), prompt, 32)
-    got = run_tp(model_dir, world, "2,2", prompt, 32, tmp_path, False, "--pcp", str(pcp), "--chunk", str(chunk))
+    got = run_tp(model_dir, world, "2,2", prompt, 32, tmp_path, False, flag, str(size), "--chunk", str(chunk))
     assert got["tokens"] == want_tokens
     torch.testing.assert_close(torch.tensor(got["logits"]), want_logits, atol=1e-4, rtol=1e-4)
 

@@ -75,21 +75,10 @@ def _describe(layout: Layout) -> str:
 
 
 def check_dcp(cfg: ModelConfig, tp: int, dcp: int) -> None:
-    """vLLM's rules for --decode-context-parallel-size as stagemesh builds it: the DCP group is `dcp` consecutive
-    TP ranks, each holding block_size / dcp tokens of every block, the KV heads sharded as if TP were tp / dcp."""
-    if dcp < 1:
-        raise StagemeshError(f"--decode-context-parallel-size {dcp} must be >= 1")
-    if tp % dcp:
-        raise StagemeshError(f"--decode-context-parallel-size {dcp} does not divide --tensor-parallel-size {tp}: "
-                             "a DCP group is that many of a stage's TP ranks")
-    if BLOCK_SIZE % dcp:
-        raise StagemeshError(f"--decode-context-parallel-size {dcp} does not divide the default --block-size "
-                             f"{BLOCK_SIZE}: each of a DCP group's ranks holds an equal share of every block")
-    try:
-        cfg.check_tp_size(tp // dcp)
-    except StagemeshError as err:
-        raise StagemeshError(f"--decode-context-parallel-size {dcp} shards the KV heads as if TP were "
-                             f"{tp} // {dcp} = {tp // dcp}, which the model does not allow ({err})") from None
+    """--decode-context-parallel-size as a stage checks it (ModelConfig.check_decode_context_parallel), at the
+    default block size: the DCP group is `dcp` consecutive TP ranks, each holding block_size / dcp tokens of
+    every block, the KV heads sharded as if TP were tp / dcp."""
+    cfg.check_decode_context_parallel(tp, dcp, BLOCK_SIZE)
 
 
 def dcp_sizes(cfg: ModelConfig, tp: int) -> list[int]:
