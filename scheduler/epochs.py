@@ -210,7 +210,7 @@ class EpochManager:
             log.info("resuming %d request(s) kept from the broken epoch", self.scheduler.num_unfinished)
         self.plan, self.max_model_len = plan, max_len
         for s in plan.stages:
-            log.info("stage %d: layers %d:%d, TP=%d, %s, %s handoff, at %s", s.stage_index, s.layer_start,
+            log.info("stage %d: layers %d:%d, %d rank(s), %s, %s handoff, at %s", s.stage_index, s.layer_start,
                      s.layer_end, s.tp_size, s.device, s.handoff, s.address)
         kv_tokens = plan.num_kv_blocks * block_size
         log.info("KV cache size: %s tokens", f"{kv_tokens:,}")

@@ -259,7 +259,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             log.error("refused a stage: %s", err)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         if first_seen:
-            log.info("stage %d registered: layers %d:%d, TP=%d, at %s (%d missing)", s.stage_index, s.layer_start,
+            log.info("stage %d registered: layers %d:%d, %d rank(s), at %s (%d missing)", s.stage_index, s.layer_start,
                      s.layer_end, s.tensor_parallel_size, s.address, missing)
         return scheduler_pb2.RegisterStageResponse(num_missing_stages=missing, first_seen=first_seen,
                                                    num_unfinished_requests=self.unfinished(),

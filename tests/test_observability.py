@@ -217,7 +217,7 @@ def test_json_log_line_per_finished_request(mesh):
     assert entry["output_tokens"] == 2 and entry["finish_reason"] == "length" and entry["ttft_s"] >= 0
     assert entry["replica"].endswith(f":{mesh.port}") and entry["level"] == "info"
     assert any("KV cache size" in e["message"] for e in lines)
-    assert any(re.match(r"stage 1: layers 2:4, TP=1", e["message"]) for e in lines)
+    assert any(re.match(r"stage 1: layers 2:4, 1 rank\(s\)", e["message"]) for e in lines)
     router_log = next(mesh.logs.glob("router-*.log")).read_text()
     assert re.search(rf"request {out.id} on {mesh.address}: length, \d+ prompt \+ 2 output tokens", router_log)
 
