@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.model_config import ModelConfig
+
 
 def held_count(lengths: torch.Tensor, block_size: int, dcp_size: int, dcp_rank: int) -> torch.Tensor:
     """How many of positions [0, n) rank `dcp_rank` holds, for each n in `lengths` (any integer tensor)."""
@@ -92,3 +95,30 @@ class TokenSplit:
         held = torch.arange(len(mine), device=positions.device)
         return CPMetadata(held, slots, block_tables.index_select(0, row_seqs[flat]), visible.to(torch.int32),
                            starts, self.pad)
+
+
+def check_context_parallel(cfg: ModelConfig, tp_size: int, dcp_size: int, pcp_size: int, block_size: int,
+                           expert_parallel: bool, lora: bool) -> None:
+    """The sizes' own checks (stagemesh.core.model_config), and what context parallelism does not run with yet."""
+    cfg.check_decode_context_parallel(tp_size, dcp_size, block_size)
+    cfg.check_prefill_context_parallel(tp_size, pcp_size, block_size, dcp_size)
+    flag = "--decode-context-parallel-size" if dcp_size > 1 else "--prefill-context-parallel-size"
+    if max(dcp_size, pcp_size) > 1 and expert_parallel:
+        raise StagemeshError(f"{flag} with --enable-expert-parallel is not built yet")
+    if pcp_size > 1 and lora:
+        raise StagemeshError(f"{flag} with --enable-lora is not built yet")
+
+
+def share_step(meta, input_ids: torch.Tensor | None, num_tokens: list[int], block_size: int,
+               tp) -> torch.Tensor | None:
+    """This rank's share of a step, set in `meta` (stage_worker.model.AttentionMetadata: its `cp`, and with PCP its
+    `split` and this rank's rows of the positions); returns this rank's rows of `input_ids` (PCP) or them all."""
+    row_seqs = torch.repeat_interleave(torch.arange(len(num_tokens), device=meta.positions.device),
+                                       torch.tensor(num_tokens, device=meta.positions.device))
+    if not tp.pcp:
+        meta.cp = dcp_metadata(meta.positions, row_seqs, meta.block_tables, block_size, tp.cp_size, tp.cp_rank)
+        return input_ids
+    meta.split = split = TokenSplit(meta.positions, block_size, tp.cp_size, tp.cp_rank)
+    meta.cp = split.metadata(meta.positions, row_seqs, meta.block_tables, block_size, tp.cp_rank)
+    meta.positions = split.rows(meta.positions)
+    return None if input_ids is None else split.rows(input_ids)

@@ -94,6 +94,18 @@ class TPGroup:
         return x
 
 
+def stage_groups(rank: int, tp_size: int, dcp_size: int = 1, pcp_size: int = 1, group=None,
+                 shard_group=None) -> tuple[TPGroup, TPGroup]:
+    """The stage's group of process `rank` (its tp x pcp ranks), and the TP group its weights are sharded over:
+    the same group without PCP; with it, ranks t * pcp .. (t + 1) * pcp - 1 form PCP group t, which holds TP
+    shard t (its TP group formed as an epoch is joined: stage_worker.dist.join_shard_group, or `shard_group`)."""
+    if pcp_size == 1:
+        tp = TPGroup(rank, tp_size, group, cp_size=dcp_size)
+        return tp, tp
+    shard = TPGroup(rank // pcp_size, tp_size, shard_group)
+    return TPGroup(rank, tp_size * pcp_size, group, cp_size=pcp_size, pcp=True, shard=shard), shard
+
+
 @dataclass(frozen=True)
 class HeadShard:
     """Which query heads and KV heads one TP rank owns."""

@@ -24,8 +24,8 @@ from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from stage_worker.gguf import GGUFCheckpoint
 from stage_worker.model import AttentionMetadata, StageModel
 from stage_worker.quantization import check_quantization, load_gguf, quantize_at_load
-from stage_worker.context import TokenSplit, dcp_metadata
-from stage_worker.parallel import HeadShard, TPGroup
+from stage_worker.context import check_context_parallel, share_step
+from stage_worker.parallel import HeadShard, stage_groups
 from stage_worker.sampler import Sampler
 from stage_worker.weights import load_weights
 
@@ -129,20 +129,9 @@ class StageRunner:
         self.config = cfg = config or ModelConfig.from_path(model_dir)  # type: ignore[arg-type]
         check_layer_range(cfg, layer_start, layer_end)
         cfg.check_tp_size(tp_size)
-        cfg.check_decode_context_parallel(tp_size, dcp_size, block_size)
-        cfg.check_prefill_context_parallel(tp_size, pcp_size, block_size, dcp_size)
+        check_context_parallel(cfg, tp_size, dcp_size, pcp_size, block_size, expert_parallel, lora is not None)
         # the stage's group (its processes: `tp_rank` is this one's place) and the group its weights are sharded over
-        self.tp = TPGroup(tp_rank, tp_size, tp_group, cp_size=dcp_size)
-        shard = self.tp
-        if pcp_size > 1:  # each rank its TP shard of the weights, and a share of the tokens (context.TokenSplit)
-            # ranks t * pcp_size .. (t + 1) * pcp_size - 1 form a PCP group, of TP shard t
-            shard = TPGroup(tp_rank // pcp_size, tp_size, shard_group)
-            self.tp = TPGroup(tp_rank, tp_size * pcp_size, tp_group, cp_size=pcp_size, pcp=True, shard=shard)
-        context = next((flag for flag, size in (("--decode-context-parallel-size", dcp_size),
-                                                ("--prefill-context-parallel-size", pcp_size)) if size > 1), None)
-        for what, used in (("--enable-expert-parallel", expert_parallel), ("--enable-lora", lora is not None)):
-            if context and used and (what == "--enable-expert-parallel" or pcp_size > 1):
-                raise StagemeshError(f"{context} with {what} is not built yet")
+        self.tp, shard = stage_groups(tp_rank, tp_size, dcp_size, pcp_size, tp_group, shard_group)
         if expert_parallel:
             cfg.check_expert_parallel(tp_size)
         self.device = torch.device(device)
@@ -348,14 +337,5 @@ class StageRunner:
         )
         input_ids = torch.tensor(c.token_ids, dtype=torch.int64, device=dev) if self.is_first_stage else None
         if self.tp.cp_size > 1:  # this rank's share of the tokens (its slots: there, not slot_mapping's)
-            row_seqs = torch.repeat_interleave(torch.arange(len(tables), device=dev),
-                                               torch.tensor(c.num_tokens, device=dev))
-            if self.tp.pcp:  # and its rows of them
-                meta.split = split = TokenSplit(meta.positions, bs, self.tp.cp_size, self.tp.cp_rank)
-                meta.cp = split.metadata(meta.positions, row_seqs, meta.block_tables, bs, self.tp.cp_rank)
-                meta.positions = split.rows(meta.positions)
-                input_ids = None if input_ids is None else split.rows(input_ids)
-            else:
-                meta.cp = dcp_metadata(meta.positions, row_seqs, meta.block_tables, bs, self.tp.cp_size,
-                                        self.tp.cp_rank)
+            input_ids = share_step(meta, input_ids, c.num_tokens, bs, self.tp)
         return input_ids, meta, sample_rows, sample_ids, drafts
