@@ -160,7 +160,8 @@ def test_poison_through_every_entry_point_hurts_no_stream_pp2(model, references,
             under_load(r.base_url, references, poison)
             assert requests.get(f"{r.base_url}/health", timeout=5).status_code == 200  # the router is alive
             assert requests.get(f"{r.base_url}/ready", timeout=5).status_code == 200  # and its replica serves
-    assert not _broken([tmp_path])
+        # while the mesh still runs: as it stops, a stage may exit before its scheduler, which logs that
+        assert not _broken([tmp_path])
 
 
 def test_a_request_that_fails_for_its_own_data_is_not_retried_on_another_replica(model, references, tmp_path):
@@ -177,9 +178,9 @@ def test_a_request_that_fails_for_its_own_data_is_not_retried_on_another_replica
             under_load(r.base_url, references, poison)
             health = requests.get(f"{r.base_url}/health", timeout=5).json()
             assert [rep["healthy"] for rep in health["replicas"]] == [True, True]
+        assert not _broken(logs)  # while the meshes still run (see above)
     failed = sum((log / "scheduler.log").read_text().count("finished: error") for log in logs)
     assert failed == 3  # each poison request ran once, on one replica
-    assert not _broken(logs)
 
 
 def _broken(logs) -> list[str]:

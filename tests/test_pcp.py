@@ -51,8 +51,8 @@ def kv_tokens(log: str) -> int:
 @pytest.mark.slow
 def test_pcp_doubles_the_tokens_a_stage_holds_matches_transformers_and_serves_a_prompt_tp1_refuses(
         model_dir, expected, tmp_path):
-    """One stage of the tiny llama at the same --kv-cache-memory: -tp 1 holds X tokens, -pcp 2 (two processes with
-    the whole weights, each keeping half of every block) 2X. A prompt between the two is refused by the first with
+    """One stage of the tiny llama at the same --kv-cache-memory: -tp 1 holds X tokens, -pcp 2 (two processes, each
+    with the whole weights and half of every block) 2X. A prompt between the two is refused by the first with
     vLLM's 400 and served token-exact by the second. The -pcp 2 replica, with async scheduling and 64 tokens a
     step (chunked prefill), also serves 16 concurrent requests that do not fit at once (preemption) with
     transformers' greedy tokens."""
@@ -81,9 +81,9 @@ def test_pcp_doubles_the_tokens_a_stage_holds_matches_transformers_and_serves_a_
         assert got == want
         assert "async scheduling" in log
         assert stats.num_kv_blocks == 22 and stats.num_preemptions > 0
-        assert ("stage 0: prefill context parallel 2 (--prefill-context-parallel-size): 2 processes with the whole "
-                "weights, each computing and keeping 8 of every block's 16 tokens; 22 blocks of 16 tokens hold 352 "
-                "tokens") in (logs / "stage0.log").read_text()
+        assert ("stage 0: prefill context parallel 2 (--prefill-context-parallel-size): 2 processes (TP 1 x PCP 2), "
+                "each with its TP shard of the weights, computing and keeping 8 of every block's 16 tokens; 22 "
+                "blocks of 16 tokens hold 352 tokens") in (logs / "stage0.log").read_text()
     assert sizes == {"tp1": 176, "pcp2": 352}
     refused = answers["tp1"]
     assert refused.status_code == 400, refused.text
@@ -117,7 +117,7 @@ KILL_LENGTHS = (5, 40, 17, 70, 3, 33, 9, 51)
 
 @pytest.mark.slow
 def test_a_killed_pcp_follower_loses_no_request(model_dir, tmp_path):
-    """8 greedy streams on a -pcp 2 stage; its rank 1 (the follower, with the whole weights and half of every
+    """8 greedy streams on a -pcp 2 stage; its rank 1 (the follower, with the (-tp 1) whole weights and half of every
     block's KV) is SIGKILLed mid-stream: rank 0 sees it gone, fails the step and exits with an error. The stage is
     restarted with the same command and every stream ends with transformers' tokens."""
     ref = reference_model(model_dir)
@@ -152,7 +152,7 @@ CHAT_TOKENS = 32
 def test_serve_runs_the_default_model_with_pcp2_and_answers_as_transformers(default_model_dir, tmp_path):
     """`stagemesh serve --device cpu -pcp 2` with no model (the embedded SmolLM2-135M: 9 heads, 3 KV heads, which
     -tp 2 cannot split): the official openai client's chat completion at temperature 0 is transformers' greedy
-    generation on the same model, and the stage says it runs two processes with the whole weights."""
+    generation on the same model, and the stage says it runs two processes (TP 1 x PCP 2)."""
     import openai
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
