@@ -1,11 +1,10 @@
-"""Disaggregated prefill between replicas of different decode context parallelism (stage_worker.kv_transfer): a
--tp 2 -dcp 2 stage keeps half of each block's tokens on each rank, a -tp 1 stage every token; what crosses the
-wire is the canonical whole block, so either side reads what the other wrote and the decode replica's greedy
-tokens are transformers'. The tiny llama with one KV head: -tp 2 -dcp 2 shards its heads as TP 1 would (each
-rank holds the one KV head and half of the tokens); -tp 4 -dcp 2 makes 2 DCP groups that each hold it (the read
-keeps one copy); a -tp 2 -pcp 2 stage (prefill context parallelism: the same layout, its 2 PCP groups a TP shard
-each) feeds a -tp 2 -dcp 2 one. Real processes on loopback, each direction its own pair of replicas (one pair
-alive at a time)."""
+"""Disaggregated prefill between replicas of different context parallelism (stage_worker.kv_transfer): a -tp 2
+-dcp 2 stage keeps half of each block's tokens on each rank, a -tp 1 stage every token; what crosses the wire is
+the canonical whole block, so either side reads what the other wrote and the decode replica's greedy tokens are
+transformers'. The tiny llama with one KV head: -tp 2 -dcp 2 shards its heads as TP 1 would (each rank holds the
+one KV head and half of the tokens); a -tp 2 -pcp 2 stage (prefill context parallelism: the same layout, its 2
+PCP groups a TP shard each) feeds a -tp 2 -dcp 2 one. Real processes on loopback, one pair of replicas alive at a
+time."""
 from __future__ import annotations
 
 import pytest
@@ -21,11 +20,10 @@ from tiny_models import reference_greedy, reference_model
 pytestmark = pytest.mark.slow
 DCP = ("--decode-context-parallel-size", "2")
 TP2_DCP2 = dict(tp=[2], stage_args=DCP)
-TP4_DCP2 = dict(tp=[4], stage_args=DCP)  # 2 DCP groups on the one KV head: each holds it (replicated)
 TP2_PCP2 = dict(tp=[2], stage_args=("--prefill-context-parallel-size", "2"))  # 4 ranks: 2 PCP groups, a TP shard each
 TP1: dict = dict(tp=[1])
-PAIRS = {"prefill-tp2-dcp2": (TP2_DCP2, TP1), "prefill-tp2-pcp2-decode-tp2-dcp2": (TP2_PCP2, TP2_DCP2),
-         "prefill-tp4-dcp2-replicated": (TP4_DCP2, TP1)}
+# (-tp 4 -dcp 2, two DCP groups that each hold the one KV head: its reassembly is tests/test_kv_transfer_layout.py's)
+PAIRS = {"prefill-tp2-dcp2": (TP2_DCP2, TP1), "prefill-tp2-pcp2-decode-tp2-dcp2": (TP2_PCP2, TP2_DCP2)}
 
 
 @pytest.mark.parametrize("pair", list(PAIRS))
