@@ -241,6 +241,7 @@ def test_stage_refuses_dcp_with_expert_parallel(tiny_model_dir):
         "stagemesh stage: error: --decode-context-parallel-size with --enable-expert-parallel is not built yet")
 
 
+@pytest.mark.slow  # (a stage process that loads its draft model)
 def test_stage_refuses_dcp_with_a_draft_model(tiny_model_dir):
     draft = tiny_model_dir("llama", num_hidden_layers=2)
     result = stage(tiny_model_dir("llama"), "-tp", "2", "-dcp", "2", "--speculative-config",

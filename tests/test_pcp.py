@@ -240,6 +240,7 @@ def test_stage_refuses_pcp_with_expert_parallel(tiny_model_dir):
         "stagemesh stage: error: --prefill-context-parallel-size with --enable-expert-parallel is not built yet")
 
 
+@pytest.mark.slow  # (a stage process that loads its draft model)
 def test_stage_refuses_pcp_with_a_draft_model(tiny_model_dir):
     draft = tiny_model_dir("llama", num_hidden_layers=2)
     result = stage(tiny_model_dir("llama"), "-pcp", "2", "--speculative-config",

@@ -20,6 +20,11 @@ from tiny_models import make_tiny_model, reference_greedy, reference_model
 WORKER = Path(__file__).with_name("tp_worker.py")
 
 
+def slow_case(case: tuple) -> object:
+    """A case `make test` runs and `make test-fast` leaves out."""
+    return pytest.param(*case, marks=pytest.mark.slow)
+
+
 def run_tp(model_dir, world: int, split: str, prompt: list[int], new_tokens: int, tmp_path,
            expert_parallel: bool = False, *extra: str) -> dict:
     out = tmp_path / "result.json"
@@ -52,13 +57,15 @@ def test_tp2_matches_transformers(tiny_model_dir, tmp_path, arch, overrides, spl
 
 @pytest.mark.parametrize("arch,overrides,world,flag,size,chunk", [
     # DCP: the KV heads a DCP group's ranks share (as if TP were world / size), each half of every block's tokens
-    ("llama", {"num_key_value_heads": 1}, 2, "--dcp", 2, 16),  # MQA: DCP splits the tokens TP would replicate
-    ("llama", {}, 2, "--dcp", 2, 5),                           # both KV heads on each rank, chunks across shares
-    ("llama", {"num_key_value_heads": 2}, 4, "--dcp", 2, 16),  # two DCP groups of two ranks in a TP group of four
+    # MQA: DCP splits the tokens TP would replicate
+    slow_case(("llama", {"num_key_value_heads": 1}, 2, "--dcp", 2, 16)),
+    ("llama", {}, 2, "--dcp", 2, 5),  # both KV heads on each rank, chunks across the shares
+    # two DCP groups of two ranks in a TP group of four
+    slow_case(("llama", {"num_key_value_heads": 2}, 4, "--dcp", 2, 16)),
     # PCP: each rank computes the tokens whose KV it keeps, through every layer
-    ("llama", {"num_key_value_heads": 1}, 2, "--pcp", 2, 5),   # chunks that cut across the shares, uneven rows
-    ("qwen3", {"tie_word_embeddings": True}, 4, "--pcp", 4, 37),  # the whole prompt over four ranks, q/k norm
-    ("llama", {}, 4, "--pcp", 2, 5),                           # -tp 2 -pcp 2: each PCP group a TP shard
+    ("llama", {"num_key_value_heads": 1}, 2, "--pcp", 2, 5),  # chunks that cut across the shares, uneven rows
+    slow_case(("qwen3", {"tie_word_embeddings": True}, 4, "--pcp", 4, 37)),  # the whole prompt over 4, q/k norm
+    slow_case(("llama", {}, 4, "--pcp", 2, 5)),  # -tp 2 -pcp 2: each PCP group a TP shard
 ])
 def test_context_parallel_matches_transformers(tiny_model_dir, tmp_path, arch, overrides, world, flag, size, chunk):
     """Each rank keeps block_size / size tokens of every block; every query row attends to each rank's share,
