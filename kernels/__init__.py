@@ -7,6 +7,7 @@ from kernels.dispatch import (  # noqa: F401
     merge_attention_states,
     paged_attention,
     paged_attention_lse,
+    paged_attention_rows_lse,
     quant_linear,
     rms_norm,
     rotary_and_cache,

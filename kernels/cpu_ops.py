@@ -153,6 +153,19 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out, lse
 
 
+def paged_attention_rows_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                             row_seqs: torch.Tensor, row_visible: torch.Tensor,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.reference.paged_attention_rows_lse from the family kernel, whose rows are given just so (each
+    row's sequence and count of visible positions); where no family covers the head_dim, the reference."""
+    family = current_attention_family()
+    if not covers(family, q.shape[-1]):
+        return reference.paged_attention_rows_lse(q, k_cache, v_cache, block_tables, row_seqs, row_visible, scale)
+    out, lse = load().decode_attention_lse(q, k_cache, v_cache, block_tables, row_seqs.to(torch.int32),
+                                           row_visible.to(torch.int32), scale, family)
+    return out, lse
+
+
 def merge_attention_states(outputs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.reference.merge_attention_states in one C++ call (kernels/csrc/attention_merge.cpp)."""
     out, lse = load().merge_attention_states(outputs, lses)

@@ -63,6 +63,16 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return impl.paged_attention_lse(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
 
 
+def paged_attention_rows_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                             row_seqs: torch.Tensor, row_visible: torch.Tensor,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row t over the first row_visible[t] positions of sequence row_seqs[t]'s block table, and its
+    lse (kernels.reference.paged_attention_rows_lse): a context-parallel rank's attention over its share of the
+    keys, where the positions a row sees are a prefix of the share (stage_worker.context)."""
+    impl = _triton_attention() if _use_triton(q) and _has("paged_attention") else _cpu_impl(q)
+    return impl.paged_attention_rows_lse(q, k_cache, v_cache, block_tables, row_seqs, row_visible, scale)
+
+
 def merge_attention_states(outputs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """R partial attentions [R, T, H, D] and their lses [R, T, H] merged into the attention over the union of
     their keys, [T, H, D] and its lse [T, H] (kernels.reference.merge_attention_states)."""

@@ -157,6 +157,17 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out, lse
 
 
+def paged_attention_rows_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                             row_seqs: torch.Tensor, row_visible: torch.Tensor,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row t over the first row_visible[t] positions of sequence row_seqs[t]'s block table, with its
+    lse (a row of 0 positions: output 0, lse -inf): what a context-parallel rank computes over its share, whose
+    positions seen by a row are a prefix of the share (stage_worker.context). Each row as a one-query sequence."""
+    rows = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return paged_attention_lse(q, k_cache, v_cache, block_tables.index_select(0, row_seqs.long()), row_visible,
+                               rows, scale)
+
+
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
                   k_positions: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of q [T, H, D] over keys and values [L, KVH, D] (GQA: H a multiple of KVH) at

@@ -54,10 +54,13 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_ptr, sca
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, lse_ptr, scale, stride_qt, stride_qh,
-                    stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh, stride_lt, GROUP: tl.constexpr,
-                    BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                    D_PAD: tl.constexpr, PRECISION: tl.constexpr, HAS_LSE: tl.constexpr):
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, lse_ptr, vis_ptr, scale, stride_qt,
+                    stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh, stride_lt,
+                    GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    D: tl.constexpr, D_PAD: tl.constexpr, PRECISION: tl.constexpr, HAS_LSE: tl.constexpr,
+                    HAS_VISIBLE: tl.constexpr):
+    """HAS_VISIBLE: each row sees the first vis[row] positions of the block table (a context-parallel rank's
+    share, paged_attention_rows_lse), not those up to its place at the end of the context."""
     s = tl.program_id(0)
     h = tl.program_id(1)
     mblock = tl.program_id(2)
@@ -73,11 +76,15 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, ls
         dmask = d < D
         q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :],
                     mask=row_ok[:, None] & dmask[None, :], other=0.0)
-        q_pos = offset + rows
+        if HAS_VISIBLE:
+            seen = tl.load(vis_ptr + q_start + rows, mask=row_ok, other=0)  # positions [0, seen) for each row
+            last = tl.max(seen)
+        else:
+            seen = offset + rows + 1  # causal: its own position and those before it
+            last = tl.minimum(ctx, offset + (mblock + 1) * BLOCK_M)  # no key past the tile's last query
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        last = tl.minimum(ctx, offset + (mblock + 1) * BLOCK_M)  # causal: no key past the tile's last query
         for start in range(0, last, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             valid = n < last
@@ -86,11 +93,15 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, ls
             k = tl.load(kc_ptr + offs, mask=valid[:, None] & dmask[None, :], other=0.0)
             v = tl.load(vc_ptr + offs, mask=valid[:, None] & dmask[None, :], other=0.0)
             scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
-            keep = (n[None, :] <= q_pos[:, None]) & valid[None, :]
+            keep = (n[None, :] < seen[:, None]) & valid[None, :]
             scores = tl.where(keep, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m - m_new)
+            if HAS_VISIBLE:  # a row that has seen no position yet (or sees none): its -inf scores weigh 0, not NaN
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_use = m_new
+            p = tl.exp(scores - m_use[:, None])
+            alpha = tl.exp(m - m_use)
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
             m = m_new
@@ -156,14 +167,45 @@ def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bl
                                              D_PAD=triton.next_power_of_2(d), PRECISION=precision,
                                              HAS_LSE=lse is not None)
         return out
+    _prefill(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, lse, None, scale)
+    return out
+
+
+def _prefill(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, lse, visible, scale) -> None:
+    group, bs, d = _checks(q, k_cache, block_tables, context_lens, query_start_loc)
     max_q = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     block_m = 16 if max_q <= 16 else 64
-    grid = (num_seqs, q.shape[1], triton.cdiv(max_q, block_m))
-    _prefill_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, *lse_args, scale,
-                          q.stride(0), q.stride(1), *common, GROUP=group, BS=bs, BLOCK_M=block_m,
-                          BLOCK_N=max(16, min(64, bs * 4)), D=d, D_PAD=triton.next_power_of_2(d),
-                          PRECISION=precision, HAS_LSE=lse is not None)
-    return out
+    grid = (context_lens.shape[0], q.shape[1], triton.cdiv(max_q, block_m))
+    _prefill_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
+                          out if lse is None else lse, out if visible is None else visible, scale, q.stride(0),
+                          q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+                          out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0), GROUP=group, BS=bs,
+                          BLOCK_M=block_m, BLOCK_N=max(16, min(64, bs * 4)), D=d, D_PAD=triton.next_power_of_2(d),
+                          PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_LSE=lse is not None,
+                          HAS_VISIBLE=visible is not None)
+
+
+def paged_attention_rows_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                             row_seqs: torch.Tensor, row_visible: torch.Tensor,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.reference.paged_attention_rows_lse: the rows cut into runs of one sequence (a prefill chunk's rows
+    run together, sharing their key loads, as the prefill kernel's tiles do), each row seeing its own count of
+    the run's positions. Where every run is one row (decode), the decode kernel, a row a sequence."""
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    if q.shape[0] == 0:
+        return torch.empty_like(q), lse
+    seqs, counts = torch.unique_consecutive(row_seqs.long(), return_counts=True)
+    if seqs.shape[0] == q.shape[0]:
+        rows = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+        return _attention(q, k_cache, v_cache, block_tables.index_select(0, seqs), row_visible.to(torch.int32),
+                          rows, scale, lse), lse
+    starts = torch.zeros(seqs.shape[0] + 1, dtype=torch.int32, device=q.device)
+    starts[1:] = torch.cumsum(counts, 0)
+    out = torch.empty_like(q)
+    # (context_lens, which HAS_VISIBLE leaves unread, only sizes the grid: one program row per run)
+    _prefill(q, k_cache, v_cache, block_tables.index_select(0, seqs).contiguous(), counts.to(torch.int32), starts,
+             out, lse, row_visible.to(torch.int32).contiguous(), scale)
+    return out, lse
 
 
 @triton.jit

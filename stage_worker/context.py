@@ -34,12 +34,10 @@ def dcp_metadata(positions: torch.Tensor, row_seqs: torch.Tensor, block_tables: 
     b = block_size // dcp_size
     offset = positions % block_size
     held = ((offset // b) == dcp_rank).nonzero().squeeze(1)
-    row_tables = block_tables.index_select(0, row_seqs)
-    blocks = row_tables.gather(1, (positions // block_size)[:, None]).squeeze(1).long()
+    blocks = block_tables[row_seqs, positions // block_size].long()
     slots = (blocks * b + offset % b).index_select(0, held)
     visible = held_count(positions + 1, block_size, dcp_size, dcp_rank).to(torch.int32)
-    starts = torch.arange(positions.shape[0] + 1, dtype=torch.int32, device=positions.device)
-    return CPMetadata(held, slots, row_tables, visible, starts)
+    return CPMetadata(held, slots, row_seqs.to(torch.int32), visible)
 
 
 class TokenSplit:
@@ -91,10 +89,8 @@ class TokenSplit:
         slots = blocks * b + positions[mine] % block_size % b
         flat = self.gathered.view(-1).clamp(min=0)
         visible = held_count(positions[flat] + 1, block_size, self.size, rank).masked_fill(~self.valid, 0)
-        starts = torch.arange(flat.shape[0] + 1, dtype=torch.int32, device=positions.device)
         held = torch.arange(len(mine), device=positions.device)
-        return CPMetadata(held, slots, block_tables.index_select(0, row_seqs[flat]), visible.to(torch.int32),
-                           starts, self.pad)
+        return CPMetadata(held, slots, row_seqs[flat].to(torch.int32), visible.to(torch.int32), self.pad)
 
 
 def check_context_parallel(cfg: ModelConfig, tp_size: int, dcp_size: int, pcp_size: int, block_size: int,

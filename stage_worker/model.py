@@ -46,9 +46,8 @@ class CPMetadata:
 
     held: torch.Tensor  # [held tokens] int64: the step's tokens whose K and V this rank keeps
     slot_mapping: torch.Tensor  # [held tokens] int64: their slots in this rank's cache
-    row_tables: torch.Tensor  # [tokens, max_blocks] int32: each query row's sequence's block table
-    row_visible: torch.Tensor  # [tokens] int32: the held positions each row sees (those <= its own)
-    row_starts: torch.Tensor  # [tokens + 1] int32: 0..tokens (each row its own query of one)
+    row_seqs: torch.Tensor  # [rows] int32: each query row's sequence (a row of AttentionMetadata.block_tables)
+    row_visible: torch.Tensor  # [rows] int32: the kept positions each row sees (those <= its own)
     # prefill context parallelism (stage_worker.context.TokenSplit): this rank computes its share of the tokens,
     # and the rows above are every rank's, each rank's padded to this many; 0: decode context parallelism (each
     # rank computes every token, its share of the heads)
@@ -113,7 +112,7 @@ class Attention(Module):
         q, k, v = self._rotated(qkv, meta, cos_sin)
         self._write_held(k, v, share, kv_cache)
         group = cp.cp_gather(q)  # [dcp, tokens, h, d]: the group's query heads
-        parts = self._partials(group.transpose(0, 1).reshape(tokens, -1, d), share, cp, kv_cache)
+        parts = self._partials(group.transpose(0, 1).reshape(tokens, -1, d), meta, share, cp, kv_cache)
         return self._merged(parts[:, :, cp.cp_rank * h:(cp.cp_rank + 1) * h], qkv.dtype).reshape(tokens, h * d)
 
     def _prefill_context_parallel(self, qkv: torch.Tensor, meta: AttentionMetadata, share: CPMetadata, cp: TPGroup,
@@ -125,7 +124,7 @@ class Attention(Module):
         q, k, v = self._rotated(qkv, meta, cos_sin)
         self._write_held(k, v, share, kv_cache)
         queries = cp.cp_gather(q).view(-1, h, d)  # [ranks * pad, h, d]
-        parts = self._partials(queries, share, cp, kv_cache)  # [ranks, ranks * pad, h, d + 1]
+        parts = self._partials(queries, meta, share, cp, kv_cache)  # [ranks, ranks * pad, h, d + 1]
         first = cp.cp_rank * share.pad
         return self._merged(parts[:, first:first + tokens], qkv.dtype).reshape(tokens, h * d)
 
@@ -136,12 +135,12 @@ class Attention(Module):
             kernels.write_kv_cache(k.index_select(0, share.held), v.index_select(0, share.held), *kv_cache,
                                    share.slot_mapping)
 
-    def _partials(self, queries: torch.Tensor, share: CPMetadata, cp: TPGroup,
+    def _partials(self, queries: torch.Tensor, meta: AttentionMetadata, share: CPMetadata, cp: TPGroup,
                   kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Each rank's attention of `queries` over its share of the keys, with its lse as one more fp32 column
         (one collective for both), from every rank of the group: [ranks, rows, heads, head_dim + 1]."""
-        out, lse = kernels.paged_attention_lse(queries, *kv_cache, share.row_tables, share.row_visible,
-                                               share.row_starts, self.scale)
+        out, lse = kernels.paged_attention_rows_lse(queries, *kv_cache, meta.block_tables, share.row_seqs,
+                                                    share.row_visible, self.scale)
         return cp.cp_gather(torch.cat([out.float(), lse[..., None]], -1))
 
     @staticmethod

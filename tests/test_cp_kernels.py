@@ -262,3 +262,40 @@ def test_cpu_kernel_prefill_chunk_over_rank_shares_by_visible_counts(dtype):
         out, lse = cpu_ops.merge_attention_states(torch.stack(outs), torch.stack(lses))
         torch.testing.assert_close(out, want, **(TOL if dtype == torch.float32 else BF16_TOL))
         torch.testing.assert_close(lse, want_lse, **(TOL if dtype == torch.float32 else dict(atol=1e-3, rtol=1e-3)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_rows_over_a_share_equal_reference(dtype):
+    """paged_attention_rows_lse, what a context-parallel rank runs: each row its sequence and its count of visible
+    positions, in runs of one sequence (a prefill chunk's rows, which Triton's prefill kernel runs together) and
+    single rows (decode), counts of 0 among them (output 0, lse -inf); each kernel against the reference, and
+    the reference against attention over each row's positions."""
+    q, k_cache, v_cache, tables, _, _ = paged_case([1, 1, 1], [150, 60, 33], 8, 2, 64, dtype=dtype, seed=11)
+    g = torch.Generator().manual_seed(12)
+    seqs = torch.tensor([0] * 40 + [2] + [1] * 20 + [0, 2, 2, 1], dtype=torch.int32)
+    limits = torch.tensor([150, 60, 33])[seqs.long()]
+    visible = (torch.rand(len(seqs), generator=g) * (limits + 1)).long().clamp(max=limits).to(torch.int32)
+    visible[[3, 41, 50]] = 0
+    queries = torch.randn(len(seqs), 8, 64, generator=g).to(dtype)
+    want, want_lse = reference.paged_attention_rows_lse(queries, k_cache, v_cache, tables, seqs, visible, 0.125)
+    bs = k_cache.shape[1]
+    for t in (0, 5, 41, 63):  # the oracle itself: row t over its sequence's first visible[t] positions
+        n, s = int(visible[t]), int(seqs[t])
+        if n == 0:
+            assert not want[t].any() and torch.isneginf(want_lse[t]).all()
+            continue
+        pos = torch.arange(n)
+        k = k_cache[tables[s, pos // bs].long(), pos % bs]
+        v = v_cache[tables[s, pos // bs].long(), pos % bs]
+        out, lse = reference.attention_lse(queries[t:t + 1], k, v, torch.tensor([n]), pos, 0.125)
+        torch.testing.assert_close(want[t:t + 1], out, **(TOL if dtype == torch.float32 else BF16_TOL))
+    for impl in implementations(dtype):
+        out, lse = impl.paged_attention_rows_lse(queries, k_cache, v_cache, tables, seqs, visible, 0.125)
+        torch.testing.assert_close(out, want, **(TOL if dtype == torch.float32 else BF16_TOL))
+        torch.testing.assert_close(lse, want_lse, **(TOL if dtype == torch.float32 else dict(atol=1e-3, rtol=1e-3)))
+        single = torch.arange(3, dtype=torch.int32)  # every run one row: Triton's decode kernel
+        out, lse = impl.paged_attention_rows_lse(queries[:3], k_cache, v_cache, tables, single, visible[:3], 0.125)
+        want3, want3_lse = reference.paged_attention_rows_lse(queries[:3], k_cache, v_cache, tables, single,
+                                                              visible[:3], 0.125)
+        torch.testing.assert_close(out, want3, **(TOL if dtype == torch.float32 else BF16_TOL))
+        torch.testing.assert_close(lse, want3_lse, **(TOL if dtype == torch.float32 else dict(atol=1e-3, rtol=1e-3)))

@@ -60,7 +60,7 @@ def test_each_rank_writes_its_tokens_to_distinct_slots_and_each_row_sees_its_pre
         assert len(set(meta.slot_mapping.tolist())) == len(held)
         assert meta.row_visible.tolist() == [sum(owner(q, dcp) == rank for q in range(p + 1))
                                              for p in positions.tolist()]
-        assert torch.equal(meta.row_tables, table[seqs])
+        assert meta.row_seqs.tolist() == seqs.tolist()
         kept += held
     assert sorted(kept) == list(range(len(positions)))
 
@@ -84,8 +84,8 @@ def test_attention_over_the_shares_merged_is_attention_over_the_sequence(dcp):
         k_cache = torch.full((64, BLOCK // dcp, kv_heads, d), float("nan"))  # what no one wrote is never read
         v_cache = torch.full_like(k_cache, float("nan"))
         kernels.write_kv_cache(k[meta.held], v[meta.held], k_cache, v_cache, meta.slot_mapping)
-        out, lse = kernels.paged_attention_lse(q, k_cache, v_cache, meta.row_tables, meta.row_visible,
-                                               meta.row_starts, d ** -0.5)
+        out, lse = kernels.paged_attention_rows_lse(q, k_cache, v_cache, table, meta.row_seqs, meta.row_visible,
+                                                    d ** -0.5)
         outs.append(out)
         lses.append(lse)
     merged, _ = kernels.merge_attention_states(torch.stack(outs), torch.stack(lses))

@@ -26,14 +26,14 @@ def slow_case(case: tuple) -> object:
 
 
 def run_tp(model_dir, world: int, split: str, prompt: list[int], new_tokens: int, tmp_path,
-           expert_parallel: bool = False, *extra: str) -> dict:
+           expert_parallel: bool = False, *extra: str, env: dict | None = None) -> dict:
     out = tmp_path / "result.json"
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(WORKER), "--model", str(model_dir), "--rank", str(r),
                                "--world", str(world), "--port", str(port), "--split", split,
                                "--prompt", ",".join(map(str, prompt)), "--new-tokens", str(new_tokens),
                                "--out", str(out), *(["--expert-parallel"] if expert_parallel else []), *extra],
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+                              env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
              for r in range(world)]
     codes = exit_codes(procs)
     assert codes == [0] * world
@@ -74,6 +74,21 @@ def test_context_parallel_matches_transformers(tiny_model_dir, tmp_path, arch, o
     prompt = prompts(384, lengths=(37,))[0]
     want_tokens, want_logits = reference_greedy(reference_model(model_dir), prompt, 32)
     got = run_tp(model_dir, world, "2,2", prompt, 32, tmp_path, False, flag, str(size), "--chunk", str(chunk))
+    assert got["tokens"] == want_tokens
+    torch.testing.assert_close(torch.tensor(got["logits"]), want_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["--dcp", "--pcp"])
+def test_context_parallel_on_the_triton_kernels_matches_transformers(tiny_model_dir, tmp_path, flag):
+    """The same on the Triton kernels (interpreted on a CPU: STAGEMESH_KERNELS=triton), as CUDA stages run them:
+    a prefill chunk's rows over a rank's share in one prefill-kernel run (paged_attention_rows_lse), decode rows on
+    the decode kernel, the merge kernel."""
+    model_dir = tiny_model_dir("llama")
+    prompt = prompts(384, lengths=(37,))[0]
+    want_tokens, want_logits = reference_greedy(reference_model(model_dir), prompt, 8)
+    got = run_tp(model_dir, 2, "2,2", prompt, 8, tmp_path, False, flag, "2", "--chunk", "16",
+                 env={"STAGEMESH_KERNELS": "triton", "TRITON_INTERPRET": "1"})
     assert got["tokens"] == want_tokens
     torch.testing.assert_close(torch.tensor(got["logits"]), want_logits, atol=1e-4, rtol=1e-4)
 
