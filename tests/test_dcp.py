@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
@@ -20,6 +19,7 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import scheduler_pb2
+from test_recovery import wait_for_steps
 from tiny_models import reference_greedy, reference_model, with_word_tokenizer
 
 NEW_TOKENS = 16
@@ -123,15 +123,6 @@ def test_dcp_doubles_the_tokens_a_replica_holds_and_serves_a_prompt_plain_tp_ref
     assert answers["tp2-dcp2"] == want
 
 
-def wait_for_steps(mesh: Mesh, steps: int) -> None:
-    stats = lambda: mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)  # noqa: E731
-    start = stats().num_steps
-    deadline = time.monotonic() + 60
-    while stats().num_steps < start + steps:
-        assert time.monotonic() < deadline, "the streams did not start"
-        time.sleep(0.01)
-
-
 KILL_TOKENS = 64
 KILL_LENGTHS = (5, 40, 17, 70, 3, 33, 9, 51)
 
@@ -143,17 +134,20 @@ def follower_of(stage) -> psutil.Process:
 
 
 @pytest.mark.slow
-def test_a_killed_dcp_rank_loses_no_request(models, tmp_path):
-    """8 greedy streams on a -tp 2 -dcp 2 stage (the MQA model); rank 1 (the follower, half of every block's KV) is
-    SIGKILLed mid-stream; rank 0 sees it gone, fails the step and exits with an error. The stage is restarted with
-    the same command and every stream ends with transformers' tokens. (A killed rank 0 takes its follower with it
-    and is a stage killed mid-stream, as tests/test_recovery.py has it.)"""
-    model_dir = models["mqa"]
+@pytest.mark.parametrize("model, tp, flags", [("mqa", 2, DCP2), ("kv2", 1, ["--prefill-context-parallel-size", "2"])],
+                         ids=["tp2-dcp2", "pcp2"])
+def test_a_killed_context_parallel_rank_loses_no_request(models, tmp_path, model, tp, flags):
+    """8 greedy streams on a -tp 2 -dcp 2 stage (the MQA model) or a -pcp 2 one; rank 1 (the follower: half of
+    every block's KV, and with PCP the whole weights) is SIGKILLed mid-stream; rank 0 sees it gone, fails the step
+    and exits with an error. The stage is restarted with the same command and every stream ends with
+    transformers' tokens. (A killed rank 0 takes its follower with it and is a stage killed mid-stream, as
+    tests/test_recovery.py has it.)"""
+    model_dir = models[model]
     ref = reference_model(model_dir)
     batch = prompts(384, KILL_LENGTHS)
     want = [reference_greedy(ref, p, KILL_TOKENS)[0] for p in batch]
     greedy = SamplingParams(max_tokens=KILL_TOKENS, ignore_eos=True)
-    with Mesh(model_dir, [4], tp=[2], handoff="nccl", log_dir=tmp_path, per_stage_args={0: DCP2},
+    with Mesh(model_dir, [4], tp=[tp], handoff="nccl", log_dir=tmp_path, per_stage_args={0: flags},
               scheduler_args=("--stage-recovery-timeout", "90")) as mesh:
         follower = follower_of(mesh.stages[0])
         with ThreadPoolExecutor(1) as pool:

@@ -1,14 +1,14 @@
 """Prefill context parallelism (--prefill-context-parallel-size / -pcp) through real processes: greedy tokens equal
-transformers' (alone, with chunked prefill, preemption and async scheduling, and as stage 0 of a PP=2 replica whose
-stage 1 is -tp 2), a -pcp 2 stage holds twice the tokens of -tp 1 at the same --kv-cache-memory and serves a prompt
--tp 1 refuses, the embedded default model (9 heads: no -tp 2) serves with -pcp 2 the text transformers generates, a
-killed PCP follower loses no request, and what PCP does not run with is refused at start-up by name."""
+transformers' (alone, with chunked prefill, preemption and async scheduling, and as a -tp 2 -pcp 2 stage 0 of a
+PP=2 replica whose stage 1 is -tp 2), a -pcp 2 stage holds twice the tokens of -tp 1 at the same
+--kv-cache-memory and serves a prompt -tp 1 refuses, the embedded default model (9 heads: no -tp 2) serves with
+-pcp 2 the text transformers generates, and what PCP does not run with is refused at start-up by name. (A killed
+PCP follower loses no request: tests/test_dcp.py's killed-rank test, its pcp2 case.)"""
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -18,7 +18,7 @@ from parity import prompts
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import scheduler_pb2
-from test_dcp import follower_of, heads_config, stage, stagemesh, wait_for_steps
+from test_dcp import heads_config, stage, stagemesh
 from tiny_models import reference_greedy, reference_model, with_word_tokenizer
 
 NEW_TOKENS = 16
@@ -109,39 +109,6 @@ def test_tp2_pcp2_stage_then_tp2_stage_over_nccl_matches_transformers(model_dir,
     log = (tmp_path / "stage0.log").read_text()
     assert "prefill context parallel 2 (--prefill-context-parallel-size): 4 processes (TP 2 x PCP 2)" in log
     assert "joined epoch 1 as rank 0 of 6 (layers 0:3, TP=2, PCP=2" in log
-
-
-KILL_TOKENS = 64
-KILL_LENGTHS = (5, 40, 17, 70, 3, 33, 9, 51)
-
-
-@pytest.mark.slow
-def test_a_killed_pcp_follower_loses_no_request(model_dir, tmp_path):
-    """8 greedy streams on a -pcp 2 stage; its rank 1 (the follower, with the (-tp 1) whole weights and half of every
-    block's KV) is SIGKILLed mid-stream: rank 0 sees it gone, fails the step and exits with an error. The stage is
-    restarted with the same command and every stream ends with transformers' tokens."""
-    ref = reference_model(model_dir)
-    batch = prompts(384, KILL_LENGTHS)
-    want = [reference_greedy(ref, p, KILL_TOKENS)[0] for p in batch]
-    greedy = SamplingParams(max_tokens=KILL_TOKENS, ignore_eos=True)
-    with Mesh(model_dir, [4], log_dir=tmp_path, per_stage_args={0: PCP2},
-              scheduler_args=("--stage-recovery-timeout", "90")) as mesh:
-        follower = follower_of(mesh.stages[0])
-        with ThreadPoolExecutor(1) as pool:
-            streaming = pool.submit(mesh.submit_stream, [(f"g{i}", p, greedy) for i, p in enumerate(batch)], 240)
-            wait_for_steps(mesh, 6)  # prompts computed, a few tokens streamed each
-            follower.kill()
-            assert mesh.stages[0].wait(timeout=60) == 2  # rank 0 stops on its own
-            mesh.start_stage(0)  # the same command
-            results = streaming.result(timeout=240)
-    for i in range(len(batch)):
-        assert results[f"g{i}"] == (want[i], "length"), f"greedy stream {i}"
-    log = (tmp_path / "scheduler.log").read_text()
-    assert int(re.search(r"keeping (\d+) request\(s\)", log).group(1)) == len(batch), "all were in flight"
-    assert len(re.findall(r"request g\d+ recovered after a [\d.]+s stall", log)) == len(batch)
-    assert f"TP rank 1 (pid {follower.pid}) is gone" in log
-    assert "stagemesh stage: error: a TP follower of this stage died; the stage stops" in (
-        tmp_path / "stage0.log").read_text()
 
 
 CHAT = [{"role": "user", "content": "Write two sentences about why the sky is blue, for a child of seven."}]
