@@ -102,25 +102,34 @@ def test_dcp_doubles_the_tokens_a_replica_holds_and_serves_a_prompt_plain_tp_ref
         with Mesh(model_dir, [4], tp=[2], handoff="nccl", log_dir=logs, stage_args=SMALL_KV,
                   per_stage_args={0: extra}) as mesh:
             with Router(model_dir, [mesh.address], ("--served-model-name", "m"), log_dir=logs) as router:
-                log = (logs / "scheduler.log").read_text()
-                sizes[name] = int(re.search(r"KV cache size: ([\d,]+) tokens", log).group(1).replace(",", ""))
-                assert re.search(rf"Maximum concurrency for {sizes[name]} tokens per request: 1\.00x", log)
-                models_seen = requests.get(f"{router.base_url}/v1/models", timeout=10).json()["data"]
-                assert models_seen[0]["max_model_len"] == sizes[name]
-                if name == "tp2":
-                    body = {"model": "m", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
-                    answers[name] = requests.post(f"{router.base_url}/v1/completions", json=body, timeout=60)
-                else:
-                    answers[name] = completion_ids(router.base_url, "m", prompt, NEW_TOKENS)
+                sizes[name], answers[name] = capacity_and_answer(logs, router.base_url, prompt, name == "tp2")
     assert sizes == {"tp2": 176, "tp2-dcp2": 352}
-    refused = answers["tp2"]
-    assert refused.status_code == 400, refused.text
-    error = refused.json()["error"]
-    assert error["message"].startswith(
-        f"You passed {LONG_PROMPT} input tokens and requested {NEW_TOKENS} output tokens. However, the model's "
-        f"context length is only 176 tokens, resulting in a maximum input length of {176 - NEW_TOKENS} tokens")
-    assert error["param"] == "input_tokens"
+    assert_refused_for_input_tokens(answers["tp2"], LONG_PROMPT, 176)
     assert answers["tp2-dcp2"] == want
+
+
+def capacity_and_answer(logs, base_url: str, prompt: list[int], refused: bool) -> tuple[int, object]:
+    """A replica's KV cache size in tokens (its scheduler's log, its max_model_len and 1.00x concurrency), and
+    its answer to `prompt`: the HTTP response where it is to be refused, else the greedy token ids."""
+    log = (logs / "scheduler.log").read_text()
+    size = int(re.search(r"KV cache size: ([\d,]+) tokens", log).group(1).replace(",", ""))
+    assert re.search(rf"Maximum concurrency for {size} tokens per request: 1\.00x", log)
+    assert requests.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["max_model_len"] == size
+    if refused:
+        body = {"model": "m", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
+        return size, requests.post(f"{base_url}/v1/completions", json=body, timeout=60)
+    return size, completion_ids(base_url, "m", prompt, NEW_TOKENS)
+
+
+def assert_refused_for_input_tokens(resp, prompt_tokens: int, context: int) -> None:
+    """vLLM's 400 for a prompt that does not fit the context, naming input_tokens."""
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["message"].startswith(
+        f"You passed {prompt_tokens} input tokens and requested {NEW_TOKENS} output tokens. However, the model's "
+        f"context length is only {context} tokens, resulting in a maximum input length of {context - NEW_TOKENS} "
+        "tokens")
+    assert error["param"] == "input_tokens"
 
 
 KILL_TOKENS = 64

@@ -11,14 +11,13 @@ import subprocess
 import sys
 
 import pytest
-import requests
 
-from mesh import Mesh, Router, completion_ids, free_port, stop_process, wait_http_ok
+from mesh import Mesh, Router, free_port, stop_process, wait_http_ok
 from parity import prompts
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import scheduler_pb2
-from test_dcp import heads_config, stage, stagemesh
+from test_dcp import assert_refused_for_input_tokens, capacity_and_answer, heads_config, stage, stagemesh
 from tiny_models import reference_greedy, reference_model, with_word_tokenizer
 
 NEW_TOKENS = 16
@@ -44,10 +43,6 @@ def expected(model_dir):
     return batch, [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
 
 
-def kv_tokens(log: str) -> int:
-    return int(re.search(r"KV cache size: ([\d,]+) tokens", log).group(1).replace(",", ""))
-
-
 @pytest.mark.slow
 def test_pcp_doubles_the_tokens_a_stage_holds_matches_transformers_and_serves_a_prompt_tp1_refuses(
         model_dir, expected, tmp_path):
@@ -66,16 +61,10 @@ def test_pcp_doubles_the_tokens_a_stage_holds_matches_transformers_and_serves_a_
         with Mesh(model_dir, [4], log_dir=logs, stage_args=SMALL_KV, per_stage_args={0: extra},
                   scheduler_args=("--async-scheduling", *CHUNKED)) as mesh:
             with Router(model_dir, [mesh.address], ("--served-model-name", "m"), log_dir=logs) as router:
-                log = (logs / "scheduler.log").read_text()
-                sizes[name] = kv_tokens(log)
-                assert re.search(rf"Maximum concurrency for {sizes[name]} tokens per request: 1\.00x", log)
-                models_seen = requests.get(f"{router.base_url}/v1/models", timeout=10).json()["data"]
-                assert models_seen[0]["max_model_len"] == sizes[name]
+                sizes[name], answers[name] = capacity_and_answer(logs, router.base_url, prompt, name == "tp1")
                 if name == "tp1":
-                    body = {"model": "m", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
-                    answers[name] = requests.post(f"{router.base_url}/v1/completions", json=body, timeout=60)
                     continue
-                answers[name] = completion_ids(router.base_url, "m", prompt, NEW_TOKENS)
+            log = (logs / "scheduler.log").read_text()
             got = mesh.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
             stats = mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
         assert got == want
@@ -85,13 +74,7 @@ def test_pcp_doubles_the_tokens_a_stage_holds_matches_transformers_and_serves_a_
                 "each with its TP shard of the weights, computing and keeping 8 of every block's 16 tokens; 22 "
                 "blocks of 16 tokens hold 352 tokens") in (logs / "stage0.log").read_text()
     assert sizes == {"tp1": 176, "pcp2": 352}
-    refused = answers["tp1"]
-    assert refused.status_code == 400, refused.text
-    error = refused.json()["error"]
-    assert error["message"].startswith(
-        f"You passed {LONG_PROMPT} input tokens and requested {NEW_TOKENS} output tokens. However, the model's "
-        f"context length is only 176 tokens, resulting in a maximum input length of {176 - NEW_TOKENS} tokens")
-    assert error["param"] == "input_tokens"
+    assert_refused_for_input_tokens(answers["tp1"], LONG_PROMPT, 176)
     assert answers["pcp2"] == want_long
 
 
