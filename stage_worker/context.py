@@ -97,7 +97,7 @@ def check_context_parallel(cfg: ModelConfig, tp_size: int, dcp_size: int, pcp_si
                            expert_parallel: bool, lora: bool) -> None:
     """The sizes' own checks (stagemesh.core.model_config), and what context parallelism does not run with yet."""
     cfg.check_decode_context_parallel(tp_size, dcp_size, block_size)
-    cfg.check_prefill_context_parallel(tp_size, pcp_size, block_size, dcp_size)
+    cfg.check_prefill_context_parallel(pcp_size, block_size, dcp_size)
     flag = "--decode-context-parallel-size" if dcp_size > 1 else "--prefill-context-parallel-size"
     if max(dcp_size, pcp_size) > 1 and expert_parallel:
         raise StagemeshError(f"{flag} with --enable-expert-parallel is not built yet")

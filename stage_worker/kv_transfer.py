@@ -93,22 +93,11 @@ def rank_share(full: torch.Tensor, dcp_size: int, dcp_rank: int, kv_start: int, 
 
 
 def _whole(runner, x: torch.Tensor) -> torch.Tensor:
-    """[n, kv_block_size, local KV heads, head_dim] of every rank -> [n, block_size, every KV head, head_dim]."""
+    """[n, kv_block_size, local KV heads, head_dim] of every rank -> [n, block_size, every KV head, head_dim]: every
+    rank's share gathered over the TP group and reassembled (assemble_blocks; DCP size 1: the heads side by side)."""
     tp = runner.tp
-    if tp.cp_size == 1:
-        return _all_heads(runner, x)
-    # float32 whatever the cache's dtype, as _all_heads gathers (exact for bf16 / fp16)
-    parts = tp.all_gather(x.float())
-    return assemble_blocks(parts, tp.cp_size, runner.config.num_key_value_heads).to(x.dtype)
-
-
-def _all_heads(runner, x: torch.Tensor) -> torch.Tensor:
-    """[n, block_size, local KV heads, head_dim] of every rank -> every KV head, in order."""
-    tp, kv = runner.tp, runner.config.num_key_value_heads
     if tp.size == 1:
         return x
-    # gathered along the last dim in rank order; float32 whatever the cache's dtype (exact for bf16 / fp16)
-    gathered = tp.all_gather_last_dim(x.float().transpose(2, 3).contiguous()).transpose(2, 3)
-    if tp.size > kv:  # KV heads replicated: rank r holds head r // (tp / kv)
-        gathered = gathered[:, :, ::tp.size // kv]
-    return gathered.to(x.dtype)
+    # float32 whatever the cache's dtype (exact for bf16 / fp16)
+    parts = tp.all_gather(x.float())
+    return assemble_blocks(parts, tp.cp_size, runner.config.num_key_value_heads).to(x.dtype)

@@ -134,7 +134,6 @@ class HeadShard:
         return cls(shard * num_heads, num_heads, kv_start, num_kv)
 
 
-
 def shard_range(total: int, tp: TPGroup, what: str) -> tuple[int, int]:
     """[start, stop) of an evenly split dimension (intermediate size)."""
     if total % tp.size:

@@ -246,8 +246,12 @@ class StageRunner:
             self._mirror(batch, meta)
             if not self.is_last_stage:
                 return StageOutput(hidden_states=hidden)
+            # every TP rank takes part (the LM head all-gathers); rank 0 keeps the results. With PCP only the TP group
+            # of rank 0's place: the others would compute the same logits for nothing
+            if self.tp.pcp and self.tp.cp_rank:
+                sample_rows, scored = [], []
             logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None
-            if scored:  # every TP rank takes part (the LM head all-gathers); rank 0 keeps the results
+            if scored:
                 scored = prompt_logprobs.compute(scored, hidden, self.model.compute_logits, self.tp.rank == 0)
         if not sample_rows:
             return StageOutput(prompt_logprobs=scored)
@@ -319,7 +323,8 @@ class StageRunner:
                                                    c.draft_counts()):
             pos = range(p0, p0 + n)  # covered by the sequence's blocks (validate.check_state, for steps from outside)
             positions.extend(pos)
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if self.tp.cp_size == 1:  # (a context-parallel rank's slots are its share's: stage_worker.context)
+                slots.extend(table[p // bs] * bs + p % bs for p in pos)
             context_lens.append(p0 + n)
             starts.append(starts[-1] + n)
             if sample:  # the logits of the chunk's last token, and of each draft (verified against them)

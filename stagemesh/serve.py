@@ -154,7 +154,7 @@ def _model(args: argparse.Namespace):
     cfg = ModelConfig.from_path(source.model_dir)
     cfg.check_tp_size(args.tensor_parallel_size)
     cfg.check_decode_context_parallel(args.tensor_parallel_size, args.decode_context_parallel_size, args.block_size)
-    cfg.check_prefill_context_parallel(args.tensor_parallel_size, args.prefill_context_parallel_size, args.block_size,
+    cfg.check_prefill_context_parallel(args.prefill_context_parallel_size, args.block_size,
                                        args.decode_context_parallel_size)
     if args.served_model_name is None and source.gguf_file is not None:
         args.served_model_name = source.name

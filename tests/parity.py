@@ -38,7 +38,11 @@ def chained_logits(model_dir, split, prompt, new_tokens, chunk=16, tp_rank=0, tp
             out = r.execute(batch, hidden, return_logits=True)
             hidden = out.hidden_states
         pos, step = pos + n, step + 1
-        if out.logits is not None:  # every TP rank has the gathered logits; greedy is argmax
-            tokens.append(int(out.logits[0].argmax()))
-            logits.append(out.logits[0])
+        row = out.logits[0] if out.logits is not None else None  # every TP rank has the gathered logits,
+        if runners[-1].tp.pcp and pos == len(tokens):  # but with PCP only rank 0's place: every rank takes rank 0's
+            row = row if row is not None else torch.empty(runners[-1].config.vocab_size)
+            torch.distributed.broadcast(row, src=0, group=tp_group)
+        if row is not None:  # greedy is argmax
+            tokens.append(int(row.argmax()))
+            logits.append(row)
     return tokens[len(prompt):], torch.stack(logits)

@@ -136,31 +136,28 @@ DCP_AND_PCP = ("--prefill-context-parallel-size 2 with --decode-context-parallel
                "spreads each sequence's KV over its ranks")
 
 
-@pytest.mark.parametrize("tp, pcp, block, message", [
-    (1, 2, 15, "--prefill-context-parallel-size 2 does not divide --block-size 15: each PCP rank keeps "
-               "block_size / 2 tokens of every block"),
-    (1, 3, 16, "--prefill-context-parallel-size 3 does not divide --block-size 16"),
-    (1, 0, 16, "--prefill-context-parallel-size 0 must be at least 1"),
+@pytest.mark.parametrize("pcp, block, message", [
+    (2, 15, "--prefill-context-parallel-size 2 does not divide --block-size 15: each PCP rank keeps "
+            "block_size / 2 tokens of every block"),
+    (3, 16, "--prefill-context-parallel-size 3 does not divide --block-size 16"),
+    (0, 16, "--prefill-context-parallel-size 0 must be at least 1"),
 ])
-def test_pcp_that_cannot_run_is_refused_with_the_reason(tp, pcp, block, message):
-    cfg = heads_config(4, 2)
-    cfg.check_tp_size(tp)  # (the TP size alone is fine)
+def test_pcp_that_cannot_run_is_refused_with_the_reason(pcp, block, message):
     with pytest.raises(StagemeshError) as err:
-        cfg.check_prefill_context_parallel(tp, pcp, block)
+        heads_config(4, 2).check_prefill_context_parallel(pcp, block)
     assert str(err.value).startswith(message)
 
 
 def test_pcp_with_dcp_is_refused():
     with pytest.raises(StagemeshError) as err:
-        heads_config(4, 2).check_prefill_context_parallel(2, 2, 16, dcp_size=2)
+        heads_config(4, 2).check_prefill_context_parallel(2, 16, dcp_size=2)
     assert str(err.value) == DCP_AND_PCP
 
 
 def test_pcp_that_splits_is_accepted():
-    heads_config(4, 2).check_prefill_context_parallel(1, 2, 16)
-    heads_config(4, 2).check_prefill_context_parallel(2, 2, 16)  # -tp 2 -pcp 2: four ranks
-    heads_config(4, 1).check_prefill_context_parallel(1, 4, 16)
-    heads_config(4, 2).check_prefill_context_parallel(2, 1, 15)  # -pcp 1: no split, any TP and block size
+    heads_config(4, 2).check_prefill_context_parallel(2, 16)
+    heads_config(4, 1).check_prefill_context_parallel(4, 16)
+    heads_config(4, 2).check_prefill_context_parallel(1, 15)  # -pcp 1: no split, any block size
 
 
 def test_stage_refuses_pcp_with_dcp(tiny_model_dir):

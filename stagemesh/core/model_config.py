@@ -110,7 +110,7 @@ class ModelConfig:
             raise StagemeshError(f"{flag} with --tensor-parallel-size {tp_size} shards the KV heads over "
                                  f"{tp_size // dcp_size} groups, which the model cannot: {err}") from None
 
-    def check_prefill_context_parallel(self, tp_size: int, pcp_size: int, block_size: int, dcp_size: int = 1) -> None:
+    def check_prefill_context_parallel(self, pcp_size: int, block_size: int, dcp_size: int = 1) -> None:
         """--prefill-context-parallel-size refused at start-up where it is not built or cannot split, with why."""
         flag = f"--prefill-context-parallel-size {pcp_size}"
         if pcp_size < 1:
