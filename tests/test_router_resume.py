@@ -24,7 +24,7 @@ from tiny_models import reference_model, reference_tokens
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 96
 GRACE_S = 2
-LONG = 500  # tokens the non-resuming clients ask: far more than run in the grace period on this model
+LONG = 1500  # tokens the non-resuming clients ask: about 3x what runs in the grace period (and the sweep) here
 
 
 CHAT = "/v1/chat/completions"
@@ -43,8 +43,14 @@ def _late_word(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def model_dir(wide_model_dir):
-    return wide_model_dir  # a step takes long enough that LONG tokens outlast the grace period
+def model_dir(tiny_model_dir, tmp_path_factory):
+    """The wide model (a step takes a few milliseconds) with room for LONG tokens: a request that asks for them
+    outlasts the grace period even on a fast machine (500 tokens once finished inside 2s plus the sweep's 1s)."""
+    from tiny_models import with_word_tokenizer
+
+    wide = tiny_model_dir("llama", hidden_size=512, intermediate_size=2048, num_attention_heads=8,
+                          max_position_embeddings=2048)
+    return with_word_tokenizer(wide, tmp_path_factory.mktemp("wide_long") / "model")
 
 
 def test_router_killed_under_16_streams_loses_none(model_dir, tmp_path):
