@@ -137,8 +137,11 @@ def run(args: argparse.Namespace) -> int:
     configure_gloo_interface()  # on a Ray node: gloo on the interface of the node's address
     stop = StageStop()  # ends the main loop: the drain sets it, or a second signal, or the drain's time
     shutdown = Shutdown(args.shutdown_timeout, log, f"stage {args.stage_index}", force_stop=stop.set)
-    for sig in (signal.SIGTERM, signal.SIGINT):  # until it serves: nothing to drain, stop at once
-        signal.signal(sig, _stop_starting)
+    starting = StartingStop().install()  # until it serves: nothing to drain, stop at once
+    return starting.call(_start_and_serve, args, stop, shutdown)
+
+
+def _start_and_serve(args: argparse.Namespace, stop: StageStop, shutdown) -> int:
     plan = plan_stage(args)
     pin_threads(args)
     worker = load_worker(args, plan)
@@ -312,6 +315,33 @@ def start_server(args: argparse.Namespace, server, servicer, plan: StagePlan) ->
              args.handoff, servicer.worker.num_kv_blocks, args.block_size)
 
 
-def _stop_starting(signum, _frame) -> None:
-    log.info("signal %d during start-up: stopping", signum)
-    raise SystemExit(0)
+class StartingStop:
+    """SIGTERM or SIGINT before the stage serves (its drain's handlers not yet installed): stop at once, exit 0.
+
+    The handler raises SystemExit wherever the main thread is, which may be inside a library's import or a C
+    extension's set-up, and that code may turn it into another error (numpy's: "cannot load module more than once
+    per process"). So whatever unwinds once a stop was asked is the stop, not a failure: `call` returns 0."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def install(self) -> "StartingStop":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        if self.signum is not None:  # already unwinding: a second exception would only interrupt the clean-up
+            return
+        self.signum = signum
+        log.info("signal %d during start-up: stopping", signum)
+        raise SystemExit(0)
+
+    def call(self, fn: Callable[..., int], *args) -> int:
+        try:
+            return fn(*args)
+        except BaseException as err:
+            if self.signum is None:
+                raise
+            log.info("stopped during start-up (%s unwound it)", type(err).__name__)
+            return 0

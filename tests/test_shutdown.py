@@ -3,8 +3,12 @@ out, stops its main loop (stagemesh.core.shutdown's `force_stop`, as a stage ins
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
+
+import pytest
 
 from stagemesh.core import shutdown as shutdown_mod
 from stagemesh.core.shutdown import Shutdown
@@ -77,3 +81,37 @@ def test_a_stage_that_stops_wakes_a_step_waiting_on_another_stage():
     thread.join(5)
     assert not thread.is_alive() and time.monotonic() - started < 5
     assert isinstance(step.exception(timeout=1), HandoffAborted)
+
+
+@pytest.fixture
+def saved_signal_handlers():
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def test_a_signal_during_a_stages_start_up_exits_0_whatever_the_interrupted_code_made_of_it(saved_signal_handlers):
+    """SIGTERM while a stage starts raises SystemExit wherever it loads; an import it interrupts may turn that
+    into another error (numpy: "cannot load module more than once per process", a Traceback test_drain met).
+    The stage exits 0 all the same; an error with no signal behind it still propagates."""
+    from stage_worker.cli import StartingStop
+
+    def loading() -> int:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here
+        except SystemExit:
+            raise ImportError("cannot load module more than once per process") from None
+        return 1
+
+    starting = StartingStop().install()
+    started = time.monotonic()
+    assert starting.call(loading) == 0 and starting.signum == signal.SIGTERM
+    assert time.monotonic() - started < 5
+
+    def broken() -> int:
+        raise ImportError("a real one")
+
+    with pytest.raises(ImportError, match="a real one"):
+        StartingStop().install().call(broken)
