@@ -96,6 +96,28 @@ def meshes(tiny_model_dir, tmp_path_factory):
             yield model_dir, p, d, logs
 
 
+def prefill_all(p: Mesh, batch: list[list[int]], want: list[list[int]]) -> list[scheduler_pb2.SubmitRequest]:
+    """Each prompt of the batch prefilled on p, request r{i}, checked to give its first greedy token: the requests
+    that decode them from there on another replica, each with its KV's handle."""
+    sampling = sampling_to_pb(SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    prefilled = run(p, [scheduler_pb2.SubmitRequest(request_id=f"r{i}", prompt_token_ids=x, sampling=sampling,
+                                                    prefill_only=True) for i, x in enumerate(batch)])
+    decode = []
+    for i, x in enumerate(batch):
+        tokens, reason, kv = prefilled[f"r{i}"]
+        assert reason == scheduler_pb2.FINISH_REASON_PREFILLED and tokens == want[i][:1], prefilled[f"r{i}"]
+        decode.append(scheduler_pb2.SubmitRequest(request_id=f"r{i}", prompt_token_ids=x, sampling=sampling,
+                                                  generated_token_ids=tokens, kv_transfer=kv))
+    return decode
+
+
+def assert_decoded(done: dict, want: list[list[int]]) -> None:
+    """The decode replica's results (run's) go on from each prefill's first token to the greedy tokens."""
+    for i in range(len(want)):
+        tokens, reason, _ = done[f"r{i}"]
+        assert want[i][:1] + tokens == want[i] and reason == scheduler_pb2.FINISH_REASON_LENGTH, f"request {i}"
+
+
 FAIL_MESH: Mesh | None = None  # the decode replica with the default --kv-load-failure-policy, fail
 FAIL_METRICS = ""  # its scheduler's Prometheus metrics
 
@@ -105,21 +127,12 @@ def test_a_decode_replica_fetches_the_prompts_kv_and_goes_on_exactly(meshes):
     ref = reference_model(model_dir)
     batch = prompts(384, LENGTHS, seed=3)
     want = [reference_greedy(ref, x, NEW_TOKENS)[0] for x in batch]
-    sampling = sampling_to_pb(SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
-    prefilled = run(p, [scheduler_pb2.SubmitRequest(request_id=f"r{i}", prompt_token_ids=x, sampling=sampling,
-                                                    prefill_only=True) for i, x in enumerate(batch)])
-    decode = []
-    for i, x in enumerate(batch):
-        tokens, reason, kv = prefilled[f"r{i}"]
-        assert reason == scheduler_pb2.FINISH_REASON_PREFILLED and tokens == want[i][:1], prefilled[f"r{i}"]
+    decode = prefill_all(p, batch, want)
+    for x, r in zip(batch, decode):
+        kv = r.kv_transfer
         assert kv.num_tokens == len(x) and len(kv.block_ids) == -(-len(x) // 16) and len(kv.stages) == 2
-        decode.append(scheduler_pb2.SubmitRequest(request_id=f"r{i}", prompt_token_ids=x, sampling=sampling,
-                                                  generated_token_ids=tokens, kv_transfer=kv))
     assert kv_usage(p) > 0  # the prefills' KV is held
-    done = run(d, decode)
-    for i in range(len(batch)):
-        tokens, reason, _ = done[f"r{i}"]
-        assert want[i][:1] + tokens == want[i] and reason == scheduler_pb2.FINISH_REASON_LENGTH, f"request {i}"
+    assert_decoded(run(d, decode), want)
     log = (logs / "d" / "scheduler.log").read_text()
     assert len(re.findall(r"request r\d: its prompt's KV \(\d+ tokens", log)) == len(batch), log[-3000:]
     assert "failed" not in log

@@ -11,10 +11,7 @@ import pytest
 
 from mesh import Mesh
 from parity import prompts
-from stagemesh.core.sampling_params import SamplingParams
-from stagemesh.core.wire import sampling_to_pb
-from stagemesh.v1 import scheduler_pb2
-from test_disaggregated import LENGTHS, NEW_TOKENS, run
+from test_disaggregated import LENGTHS, NEW_TOKENS, assert_decoded, prefill_all, run
 from tiny_models import reference_greedy, reference_model
 
 pytestmark = pytest.mark.slow
@@ -39,19 +36,7 @@ def test_kv_crosses_between_a_dcp_stage_and_a_plain_one(tiny_model_dir, tmp_path
         ref = reference_model(model_dir)
         batch = prompts(384, LENGTHS, seed=5)
         want = [reference_greedy(ref, x, NEW_TOKENS)[0] for x in batch]
-        sampling = sampling_to_pb(SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
-        prefilled = run(p, [scheduler_pb2.SubmitRequest(request_id=f"r{i}", prompt_token_ids=x, sampling=sampling,
-                                                        prefill_only=True) for i, x in enumerate(batch)])
-        decode = []
-        for i, x in enumerate(batch):
-            tokens, reason, kv = prefilled[f"r{i}"]
-            assert reason == scheduler_pb2.FINISH_REASON_PREFILLED and tokens == want[i][:1], prefilled[f"r{i}"]
-            decode.append(scheduler_pb2.SubmitRequest(request_id=f"r{i}", prompt_token_ids=x, sampling=sampling,
-                                                      generated_token_ids=tokens, kv_transfer=kv))
-        done = run(d, decode)
-        for i in range(len(batch)):
-            tokens, reason, _ = done[f"r{i}"]
-            assert want[i][:1] + tokens == want[i] and reason == scheduler_pb2.FINISH_REASON_LENGTH, f"request {i}"
+        assert_decoded(run(d, prefill_all(p, batch, want)), want)
         log = (tmp_path / "d" / "scheduler.log").read_text()
         # every prompt's KV was fetched (none computed again on the decode replica)
         assert log.count("its prompt's KV (") == len(batch), log[-3000:]
