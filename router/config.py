@@ -90,6 +90,11 @@ class RouterOptions:
     reuse_port: bool = Flag(("--reuse-port",), kind="switch", help=(
         "listen with SO_REUSEPORT, so that several routers share the HTTP (and gRPC) port and the kernel spreads "
         "connections over them (`stagemesh serve --api-server-count N` sets it)")).field()
+    listen_when_ready: bool = Flag(("--listen-when-ready",), kind="switch", help=(
+        "open the HTTP and gRPC ports only once a replica can answer a request, as vLLM's server opens its port "
+        "only once its engine serves: a start-up script that waits for /health sends at once (`stagemesh serve` "
+        "sets it for its routers). Without it the router listens at once: /health is its liveness, /ready its "
+        "readiness")).field()
     control_port: int | None = Flag(("--control-port",), type=int, help=(
         "serve stagemesh.v1.RouterControl on this loopback port (0: any free port): the mesh's supervisor changes "
         "the replicas while the router serves, and probes this router's own readiness there (grpc.health.v1); "
