@@ -79,6 +79,7 @@ def _build_app(args: argparse.Namespace, replicas):
     replica's, else the model's), the tokenizer of the model (a GGUF's: its --tokenizer), LoRA, tools, traces."""
     from router.app import build_app
     from router.config import RouterConfig, json_any_whitespace
+    from router.generation_config import load, report
     from router.lora_registry import LoRARegistry
     from router.observe import configure
     from router.tokenization import Tokenizer
@@ -96,6 +97,8 @@ def _build_app(args: argparse.Namespace, replicas):
                           chat_template_timeout=args.chat_template_timeout,
                           json_any_whitespace=json_any_whitespace(args.structured_outputs_config),
                           grammar_compile_timeout=args.grammar_compile_timeout,
+                          sampling_defaults=report(load(source.model_dir, args.generation_config,
+                                                        args.override_generation_config)),
                           lora=LoRARegistry(_lora_modules(args, name), args.enable_lora,
                                             tuple(args.allowed_local_lora_path), replica_set=replicas))
     tokenizer = Tokenizer(source.model_dir, model_config.max_position_embeddings, config.template_timeout_s,

@@ -8,6 +8,7 @@ from stagemesh.core.common_flags import (HOST, LORA_LIMITS, MAX_MODEL_LEN, MAX_R
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.flags import Flag, group
 from stagemesh.core.service_options import ServiceOptions
+from router.generation_config import SamplingDefaults
 from router.lora_registry import LoRARegistry
 
 POLICIES = ("least-load", "cache-aware", "kv-aware", "round-robin")
@@ -83,6 +84,16 @@ class RouterOptions:
     max_waiting_requests: int = Flag(("--max-waiting-requests",), type=int, default=0, help=(
         "answer 429 (with Retry-After) once this many requests wait for their first token (0: unbounded; the "
         "schedulers' own queue limits also give 429)")).field()
+    generation_config: str = Flag(("--generation-config",), default="auto", metavar="auto|vllm|FOLDER", help=(
+        "the default sampling of a request that leaves some unset (vLLM's flag): auto takes the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as the "
+        "default max_tokens); vllm ignores it (the API's own defaults: chat and completions' temperature 1.0, "
+        "max_tokens the room the context leaves); FOLDER takes FOLDER/generation_config.json, whose "
+        "max_new_tokens then also caps every request's max_tokens, as in vLLM. A request's own values win. The "
+        "start-up log says which defaults were taken")).field()
+    override_generation_config: str | None = Flag(("--override-generation-config",), metavar="JSON", help=(
+        "defaults over --generation-config's (vLLM's flag), e.g. '{\"temperature\": 0.5}'; its max_new_tokens "
+        "also caps every request's max_tokens, as in vLLM")).field()
     max_request_retries: int = MAX_REQUEST_RETRIES.field()
     lora: LoRAOptions = group(LoRAOptions, skip=LORA_LIMITS)
     health_interval: float = Flag(("--health-interval",), type=float, default=1.0,
@@ -116,6 +127,8 @@ class RouterConfig:
     # disable_any_whitespace, true by default here): False compact, True a bounded run per gap
     json_any_whitespace: bool = False
     grammar_compile_timeout: float = 5.0  # seconds a request's constraint may take to compile (router.grammar_pool)
+    # the model's generation config (--generation-config): defaults of what a request's sampling leaves unset
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # --enable-lora: adapters a request picks by its model name (--lora-modules, and those loaded at run time)
     lora: LoRARegistry = field(default_factory=LoRARegistry)
 

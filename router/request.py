@@ -39,6 +39,10 @@ class GenerateRequest:
     tool_plan: ToolPlan | None = None  # chat with tools (router.tools)
     max_tokens_given: bool = False
     max_tokens_param: str = "max_tokens"  # the field max_tokens came in (max_completion_tokens, ...)
+    # the model's generation config (router.generation_config): the max_tokens of a request that sets none (None:
+    # the room its context leaves), and vLLM's cap on every request's (None: none)
+    max_tokens_default: int | None = None
+    max_tokens_cap: int | None = None
     n: int = 1
     stream: bool = False
     include_usage: bool = False

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from router.errors import APIError, bad_request
+from router.generation_config import SamplingDefaults
 from router.protocol import ChatMessage, StreamOptions
 from router.request import ChatOptions, GenerateRequest, Prompt
 from router.tools import plan_tools
@@ -42,11 +43,14 @@ class RequestBuilder:
     has fields for, in the order they are written here (so that the first error named is the same whichever
     door), then build()."""
 
-    def __init__(self, served: str, model: str | None, chat: bool, adapters: tuple[str, ...] = ()):
-        """adapters: the LoRA adapters a model name may pick (--lora-modules)."""
+    def __init__(self, served: str, model: str | None, chat: bool, adapters: tuple[str, ...] = (),
+                 defaults: SamplingDefaults | None = None):
+        """adapters: the LoRA adapters a model name may pick (--lora-modules); defaults: the model's generation
+        config, for the sampling parameters the request leaves unset."""
         lora_name = check_model(model, served, adapters)
         self.req = GenerateRequest(model=lora_name or served, chat=chat,
                                    engine=EngineRequest("", (), lora_name=lora_name))
+        self.defaults = defaults or SamplingDefaults()
         self._max_tokens = INT32_MAX  # SamplingParams' max_tokens until max_tokens() says otherwise
 
     def streaming(self, stream: bool, options: StreamOptions | None = None, prompt_logprobs: int | None = None
@@ -125,22 +129,27 @@ class RequestBuilder:
         return value
 
     def max_tokens(self, max_tokens: int | None, param: str = "max_tokens", echo_only: bool = False) -> None:
-        """max_tokens as given in `param` (None: what the context leaves, router.choices.fit_max_tokens)."""
+        """max_tokens as given in `param` (None: the model's default, else what the context leaves;
+        router.choices.fit_max_tokens settles it per prompt, under the model's cap)."""
         req = self.req
         req.echo_only, req.max_tokens_param = echo_only, param
         req.max_tokens_given = max_tokens is not None and not echo_only
+        req.max_tokens_default, req.max_tokens_cap = self.defaults.max_tokens, self.defaults.max_tokens_cap
         with _named(req):
             if req.max_tokens_given:
                 check_int("max_tokens", max_tokens)
-        # not given: the room the prompt leaves (router.choices.fit_max_tokens), the most until then, so
-        # that min_tokens is checked against that room, as vLLM checks it
-        self._max_tokens = 1 if echo_only else (max_tokens or INT32_MAX)
+        # not given: the model's default, or the room the prompt leaves (router.choices.fit_max_tokens), the
+        # most until then, so that min_tokens is checked against that room, as vLLM checks it
+        self._max_tokens = 1 if echo_only else (max_tokens or req.max_tokens_default or INT32_MAX)
 
     def sampling(self, values: dict, constraint: StructuredOutputs | None = None,
-                 structured_param: str = "structured_outputs") -> None:
+                 structured_param: str = "structured_outputs", neutral: dict | None = None) -> None:
         """The sampling parameters (SamplingParams' keyword values, but max_tokens and the output constraint),
-        checked by the rules every service shares; a tool plan's constraint joins the request's own."""
+        checked by the rules every service shares; a tool plan's constraint joins the request's own. A value the
+        request leaves out is the model's default (its generation config), else the door's `neutral` one, else
+        SamplingParams' own."""
         req = self.req
+        values = self.defaults.fill(values, neutral)
         req.structured_param = structured_param
         with _named(req):
             forced = req.tool_plan.constraint if req.tool_plan is not None else None

@@ -92,7 +92,7 @@ async def _prepare(request: web.Request, chat: dict) -> tuple[GenerateRequest, s
     """The chat path: the request checked and built, admitted, its prompt rendered and tokenized."""
     config = request.app[CONFIG]
     req = chat_request(validate(ChatCompletionRequest, chat), config.served_model_name, config.tool_call_parser,
-                       config.adapter_names)
+                       config.adapter_names, config.sampling_defaults)
     base = request_id(request, req)
     _, gens = await launch(req, request.app[REPLICAS], request.app[TOKENIZER], config.max_model_len, f"resp_{base}")
     return req, base, gens

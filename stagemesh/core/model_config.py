@@ -1,12 +1,13 @@
 """Read a Hugging Face config.json into the few fields every service needs."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stagemesh.core import families
+from stagemesh.core import families, generation_config
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.families import SUPPORTED_MODEL_TYPES, Family
 
@@ -186,7 +187,9 @@ class ModelConfig:
             raise StagemeshError(f"{file} is not valid JSON: {err}") from None
         if not isinstance(cfg, dict):
             raise StagemeshError(f"{file} is not a model config (not a JSON object)")
-        return cls.from_dict(cfg)
+        config = cls.from_dict(cfg)
+        extra = [i for i in generation_config.eos_token_ids(file.parent) if i not in config.eos_token_ids]
+        return dataclasses.replace(config, eos_token_ids=config.eos_token_ids + tuple(extra)) if extra else config
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
