@@ -10,6 +10,7 @@ from stagemesh.core.flags import Flag, group
 from stagemesh.core.service_options import ServiceOptions
 from router.generation_config import SamplingDefaults
 from router.lora_registry import LoRARegistry
+from router.reasoning import REASONING_PARSERS
 
 POLICIES = ("least-load", "cache-aware", "kv-aware", "round-robin")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
@@ -45,6 +46,13 @@ class RouterOptions:
     tool_call_parser: str | None = Flag(("--tool-call-parser",), choices=TOOL_CALL_PARSERS, help=(
         "how the model writes tool calls: hermes (<tool_call>{...}</tool_call>) or llama3_json (default: chosen "
         "from the chat template)")).field()
+    reasoning_parser: str | None = Flag(("--reasoning-parser",), choices=REASONING_PARSERS, help=(
+        "split a reasoning model's thinking off its chat answers, as vLLM's parser of that name: <think> ... "
+        "</think> goes to the message's reasoning / reasoning_content (streamed as such deltas; a reasoning item "
+        "in the Responses API), the rest is the content; include_reasoning false drops it. A model whose chat "
+        "template has no thinking part answers as without it. A request with an output constraint "
+        "(structured outputs, tool_choice required or named) is refused while the model thinks: vLLM applies "
+        "it after the reasoning ends, which is not built here yet")).field()
     policy: str = Flag(("--policy",), default="least-load", choices=POLICIES, help=(
         "least-load: fewest running + 4 x waiting; cache-aware: where this router sent the prompt's prefix before "
         "(a guess); kv-aware: where the replicas' KV events say the prompt's leading blocks are held, in any KV "
@@ -115,6 +123,8 @@ class RouterConfig:
     max_model_len: int | None = None  # a cap below the replicas' own
     public_metrics: bool = False  # /metrics without the API key
     tool_call_parser: str | None = None  # tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser)
+    reasoning_parser: str | None = None  # --reasoning-parser: chat answers' thinking split off (router.reasoning)
+    template_thinks: bool = False  # the model's chat template has a thinking part (router.reasoning)
     # the Responses API's stored responses: "memory" (this router's, the last responses_store_size, default 1000)
     # or a Redis URL that several routers share (each response kept responses_store_ttl seconds, default 3600);
     # None: not given (router.responses_api.store refuses a bound that is not its store's)

@@ -8,7 +8,7 @@ import json
 from dataclasses import replace
 
 from router.errors import bad_request
-from router.generation_config import SamplingDefaults
+from router.config import RouterConfig
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.request import GenerateRequest, Prompt
 from router.request_builder import RequestBuilder
@@ -24,9 +24,8 @@ SAMPLING_FIELDS = tuple(name for name in SCALAR_FIELDS if name in CompletionRequ
                         and name not in ("max_tokens", "logprobs", "prompt_logprobs"))
 
 
-def completion_request(m: CompletionRequest, served: str, adapters: tuple[str, ...] = (),
-                       defaults: SamplingDefaults | None = None) -> GenerateRequest:
-    b = _common(m, served, chat=False, adapters=adapters, defaults=defaults)
+def completion_request(m: CompletionRequest, config: RouterConfig) -> GenerateRequest:
+    b = _common(m, config, chat=False)
     b.prompts(_prompts(m.prompt))
     if m.suffix is not None:
         raise bad_request("'suffix' is not supported by this server (as in vLLM)", "suffix")
@@ -37,12 +36,12 @@ def completion_request(m: CompletionRequest, served: str, adapters: tuple[str, .
     return b.build()
 
 
-def chat_request(m: ChatCompletionRequest, served: str, tool_call_parser: str | None = None,
-                 adapters: tuple[str, ...] = (), defaults: SamplingDefaults | None = None) -> GenerateRequest:
-    b = _common(m, served, chat=True, adapters=adapters, defaults=defaults)
-    b.tools(m.tools, m.tool_choice, m.parallel_tool_calls, tool_call_parser)
+def chat_request(m: ChatCompletionRequest, config: RouterConfig) -> GenerateRequest:
+    b = _common(m, config, chat=True)
+    b.tools(m.tools, m.tool_choice, m.parallel_tool_calls, config.tool_call_parser)
     b.conversation(m.messages, m.add_generation_prompt, m.continue_final_message, m.chat_template,
                    m.chat_template_kwargs, m.documents)
+    b.reasoning(config.reasoning_parser, config.template_thinks, m.include_reasoning)
     b.req.echo, b.req.add_special_tokens = m.echo, m.add_special_tokens
     top = b.logprobs("top_logprobs", m.top_logprobs)
     if top and not m.logprobs:
@@ -53,9 +52,8 @@ def chat_request(m: ChatCompletionRequest, served: str, tool_call_parser: str | 
     return b.build()
 
 
-def _common(m, served: str, chat: bool, adapters: tuple[str, ...] = (),
-            defaults: SamplingDefaults | None = None) -> RequestBuilder:
-    b = RequestBuilder(served, m.model, chat, adapters, defaults)
+def _common(m, config: RouterConfig, chat: bool) -> RequestBuilder:
+    b = RequestBuilder(config.served_model_name, m.model, chat, config.adapter_names, config.sampling_defaults)
     b.streaming(m.stream, m.stream_options or None, m.prompt_logprobs)
     b.choices(m.n, m.best_of)
     b.stop(m.stop, m.include_stop_str_in_output)

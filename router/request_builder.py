@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
+from router import reasoning
 from router.errors import APIError, bad_request
 from router.generation_config import SamplingDefaults
 from router.protocol import ChatMessage, StreamOptions
@@ -24,6 +25,12 @@ MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 4096
 MAX_TEMPLATE_CHARS = 64 * 1024
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # what a request's chat_template_kwargs may not set: the router sets these itself
+# vLLM starts a constraint where the reasoning ends (its reasoning parser tells the engine where); here the
+# stages would apply it from the first token, so a model that starts in thinking could not think
+REASONING_CONSTRAINT = ("'{}' is not supported with --reasoning-parser while the model thinks (its chat template "
+                        "starts the answer in a <think> block): an output constraint applies after the reasoning in "
+                        "vLLM, which is not built here yet (a Qwen3 request with chat_template_kwargs "
+                        "{{\"enable_thinking\": false}} may have one)")
 RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
                             "chat_template", "tokenize", "return_dict", "return_tensors", "conversation"}
 
@@ -121,6 +128,14 @@ class RequestBuilder:
             options.template_kwargs["tools"] = self.req.tool_plan.tools
         self.req.chat_options = options
 
+    def reasoning(self, parser: str | None, template_thinks: bool, include: bool = True) -> None:
+        """How the answer's reasoning is split off (--reasoning-parser): after conversation(), whose template and
+        its kwargs say whether the output starts in thinking (router.reasoning)."""
+        options = self.req.chat_options
+        assert options is not None  # (a chat: conversation() came first)
+        thinks = template_thinks if options.chat_template is None else reasoning.template_thinks(options.chat_template)
+        self.req.reasoning = reasoning.plan(parser, thinks, options.template_kwargs, include)
+
     def logprobs(self, name: str, value: int | None) -> int | None:
         """A count of top logprobs (logprobs, top_logprobs), checked by vLLM's limit."""
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -158,6 +173,8 @@ class RequestBuilder:
                     raise InvalidParameter(structured_param, f"one output constraint at a time: 'tool_choice' and "
                                                              f"'{structured_param}' are both given")
                 constraint, req.structured_param = forced, "tool_choice"
+            if constraint is not None and req.reasoning is not None and req.reasoning.implicit:
+                raise InvalidParameter(req.structured_param, REASONING_CONSTRAINT.format(req.structured_param))
             req.sampling = SamplingParams(**values, max_tokens=self._max_tokens, structured=constraint)
 
     def build(self) -> GenerateRequest:
@@ -219,7 +236,7 @@ def _message(m: ChatMessage, i: int) -> dict:
                               f"{where}.content")
         content = ""  # templates concatenate it: an agent's tool-call turn renders as vLLM renders it
     out: dict[str, Any] = {"role": m.role, "content": content}  # the developer role goes to the template as it is
-    for key in ("name", "tool_call_id"):
+    for key in ("name", "tool_call_id", "reasoning", "reasoning_content"):
         if getattr(m, key) is not None:
             out[key] = getattr(m, key)
     if m.tool_calls is not None:

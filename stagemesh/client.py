@@ -30,6 +30,7 @@ from stagemesh.core.wire import sampling_to_pb
 @dataclass
 class Completion:
     text: str = ""
+    reasoning: str = ""  # chat under the router's --reasoning-parser: the model's thinking, split off text
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
     prompt_tokens: int = 0
@@ -160,6 +161,7 @@ def _credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.Chan
 
 def _fold(done: Completion, reply: frontend_pb2.GenerateResponse) -> Completion:
     done.text += reply.text
+    done.reasoning += reply.reasoning
     done.token_ids.extend(reply.token_ids)
     if reply.finish_reason:
         done.finish_reason = reply.finish_reason

@@ -93,6 +93,7 @@ class ServeOptions:
     max_model_len: int | None = flag_of(R, "max_model_len")
     enable_auto_tool_choice: bool | None = flag_of(R, "enable_auto_tool_choice")
     tool_call_parser: str | None = flag_of(R, "tool_call_parser")
+    reasoning_parser: str | None = flag_of(R, "reasoning_parser")
     responses_store: str = flag_of(R, "responses_store")
     responses_store_size: int | None = flag_of(R, "responses_store_size")
     responses_store_ttl: float | None = flag_of(R, "responses_store_ttl")

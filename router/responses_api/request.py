@@ -106,7 +106,9 @@ def _partial(item) -> bool:
 
 def _refuse_options(m: ResponsesRequest) -> None:
     if m.reasoning and any(v is not None for v in m.reasoning.values()):
-        raise bad_request("'reasoning' is not supported by this server: it has no reasoning parser", "reasoning")
+        raise bad_request("'reasoning' (effort, summary) is not supported by this server: its reasoning parsers "
+                          "(--reasoning-parser) split the model's thinking off, with no effort or summary to set",
+                          "reasoning")
     if m.text and m.text.get("verbosity") is not None:
         raise bad_request("'text.verbosity' is not supported by this server", "text.verbosity")
     if m.previous_response_id is not None and not m.previous_response_id:
