@@ -258,8 +258,10 @@ def build_cos_sin_cache(head_dim: int, max_positions: int, rope_theta: float, ro
     rope_type = (rope_scaling or {}).get("rope_type", "default")
     if rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, rope_scaling or {})
+    elif rope_type == "linear":  # positions divided by the factor (Gemma 3's global layers)
+        inv_freq = inv_freq / float((rope_scaling or {})["factor"])
     elif rope_type != "default":
-        raise StagemeshError(f"rope scaling {rope_type!r} is not supported (default and llama3 are)")
+        raise StagemeshError(f"rope scaling {rope_type!r} is not supported (default, linear and llama3 are)")
     positions = torch.arange(max_positions, dtype=torch.int64).float()
     freqs = positions[:, None] * inv_freq[None, :]
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype=dtype, device=device)
