@@ -116,6 +116,9 @@ class Family:
     # stage_worker's module of the family's own stage model (its STAGE_MODEL), where its layers are not the
     # Llama-like decoder's (stage_worker.model.StageModel); None: that decoder
     stage_model: str | None = None
+    # every checkpoint tensor of a decoder layer and its shape, where the family's are not what layer_shapes
+    # derives from the fields above (gpt-oss's stacked experts, sinks and biases)
+    layer_shapes_of: Callable[[ModelConfig, int], Shapes] | None = None
     # what of the family's configs stagemesh does not implement: a message naming it, or None (checked at start-up)
     refuse: Callable[[dict[str, Any]], str | None] | None = None
 
@@ -138,6 +141,8 @@ class Family:
 
     def layer_shapes(self, cfg: ModelConfig, index: int, sparse: bool) -> Shapes:
         """Every checkpoint tensor of decoder layer `index` and its shape (`sparse`: the layer has experts)."""
+        if self.layer_shapes_of is not None:
+            return self.layer_shapes_of(cfg, index)
         h, prefix = cfg.hidden_size, f"model.layers.{index}"
         shapes: Shapes = {**{f"{prefix}.{norm}.weight": (h,) for norm in self.layer_norms},
                           **self.weights.attention_shapes(f"{prefix}.self_attn", cfg)}
