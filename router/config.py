@@ -50,7 +50,9 @@ class RouterOptions:
         "split a reasoning model's thinking off its chat answers, as vLLM's parser of that name: <think> ... "
         "</think> goes to the message's reasoning / reasoning_content (streamed as such deltas; a reasoning item "
         "in the Responses API), the rest is the content; include_reasoning false drops it. A model whose chat "
-        "template has no thinking part answers as without it. A request with an output constraint "
+        "template has no thinking part answers as without it; openai_gptoss reads gpt-oss's harmony channels "
+        "(analysis: reasoning, final: content; its tool calls not yet, so requests with tools are refused). A "
+        "request with an output constraint "
         "(structured outputs, tool_choice required or named) is refused while the model thinks: vLLM applies "
         "it after the reasoning ends, which is not built here yet")).field()
     policy: str = Flag(("--policy",), default="least-load", choices=POLICIES, help=(

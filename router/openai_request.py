@@ -41,6 +41,7 @@ def chat_request(m: ChatCompletionRequest, config: RouterConfig) -> GenerateRequ
     b.tools(m.tools, m.tool_choice, m.parallel_tool_calls, config.tool_call_parser)
     b.conversation(m.messages, m.add_generation_prompt, m.continue_final_message, m.chat_template,
                    m.chat_template_kwargs, m.documents)
+    b.reasoning_effort(m.reasoning_effort)
     b.reasoning(config.reasoning_parser, config.template_thinks, m.include_reasoning)
     b.req.echo, b.req.add_special_tokens = m.echo, m.add_special_tokens
     top = b.logprobs("top_logprobs", m.top_logprobs)

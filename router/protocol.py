@@ -123,6 +123,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
     include_reasoning: bool = True  # vLLM's: false drops the reasoning (--reasoning-parser) from the answer
+    reasoning_effort: Literal["none", "low", "medium", "high"] | None = None  # to the chat template (gpt-oss's)
 
 
 class TokenizeRequest(Strict):
@@ -159,7 +160,6 @@ REFUSED: dict[str, str] = {
     "vllm_xargs": "vllm_xargs (extensions) are not supported",
     "repetition_detection": "repetition_detection is not supported",
     "thinking_token_budget": "thinking_token_budget is not supported",
-    "reasoning_effort": "reasoning_effort is not supported by this server",
     "stream_interval": "stream_interval is not supported: every token is streamed as it comes",
     "return_token_offsets": "return_token_offsets is only for the render endpoints, which this server lacks",
     "session_id": "session_id is not supported",

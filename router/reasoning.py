@@ -11,6 +11,9 @@ tags. A model whose template has no thinking part answers as it would without th
 template's switch: chat_template_kwargs {"enable_thinking": false} makes the output all answer (the template
 closes an empty block in the prompt).
 
+openai_gptoss reads gpt-oss's harmony channels instead (router.harmony): analysis is the reasoning, final the
+answer; the answer is decoded with its special tokens for it.
+
 The text is split as it streams (ReasoningSplit): a tag cut across two deltas is held back until it is whole,
 so a stream's reasoning and content deltas add up to the whole answer's.
 """
@@ -18,8 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.harmony import HarmonySplit
+
 START, END = "<think>", "</think>"
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+HARMONY = "openai_gptoss"  # gpt-oss's harmony channels (router.harmony)
+REASONING_PARSERS = ("deepseek_r1", "qwen3", HARMONY)
 
 
 @dataclass(frozen=True)
@@ -29,8 +35,8 @@ class ReasoningPlan:
     implicit: bool  # text before </think> is reasoning even without an opening <think> (the template opened it)
     include: bool = True  # include_reasoning: the reasoning is returned (else dropped, the content kept)
 
-    def splitter(self) -> "ReasoningSplit":
-        return ReasoningSplit(self.implicit)
+    def splitter(self) -> "Splitter":
+        return HarmonySplit() if self.parser == HARMONY else ReasoningSplit(self.implicit)
 
 
 def template_thinks(chat_template) -> bool:
@@ -44,7 +50,7 @@ def plan(parser: str | None, thinks: bool, template_kwargs: dict, include: bool)
     has a thinking part (template_thinks)."""
     if parser is None:
         return None
-    implicit = thinks
+    implicit = thinks or parser == HARMONY  # (a harmony answer opens in its analysis channel)
     if parser == "qwen3" and template_kwargs.get("enable_thinking", True) is False:
         implicit = False  # (the template closed an empty block: the output is the answer)
     return ReasoningPlan(parser, implicit, include)
@@ -90,6 +96,10 @@ class ReasoningSplit:
         self.content += content
         return reasoning, content
 
+    def thinking(self) -> bool:
+        """Whether the text fed next is not the answer yet (its tokens count as reasoning tokens)."""
+        return self.state != "content"
+
     def result(self) -> tuple[str | None, str | None]:
         """The whole answer's (reasoning, content), as vLLM's message gives them: reasoning None when the output
         did not think, content None when empty."""
@@ -102,3 +112,6 @@ def _partial(text: str, tag: str) -> int:
         if tag.startswith(text[-keep:]):
             return keep
     return 0
+
+
+Splitter = ReasoningSplit | HarmonySplit  # what splits one choice's text as it streams

@@ -135,6 +135,17 @@ class RequestBuilder:
         assert options is not None  # (a chat: conversation() came first)
         thinks = template_thinks if options.chat_template is None else reasoning.template_thinks(options.chat_template)
         self.req.reasoning = reasoning.plan(parser, thinks, options.template_kwargs, include)
+        if parser == reasoning.HARMONY:
+            if self.req.tool_plan is not None:
+                raise bad_request("'tools' are not supported with --reasoning-parser openai_gptoss yet: tool calls "
+                                  "in harmony's commentary channel are not read", "tools")
+            self.req.skip_special_tokens = False  # (the channels' headers are special tokens: router.harmony)
+
+    def reasoning_effort(self, effort: str | None) -> None:
+        """vLLM's reasoning_effort: given to the chat template (gpt-oss's reads it), unless its kwargs set it."""
+        options = self.req.chat_options
+        if effort is not None and options is not None:
+            options.template_kwargs.setdefault("reasoning_effort", effort)
 
     def logprobs(self, name: str, value: int | None) -> int | None:
         """A count of top logprobs (logprobs, top_logprobs), checked by vLLM's limit."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from router.dispatch import Generation
 from router.generation import Delta
-from router.reasoning import ReasoningSplit
+from router.reasoning import Splitter
 from router.request import GenerateRequest
 from router.tools import read_calls
 from router.tokenization import Tokenizer
@@ -56,7 +56,7 @@ class Choice:
     opened: bool = False  # a stream has sent its first chunk
     sent: int = 0  # characters of content a stream has sent (tool calls: content may be held back)
     prompt_ids_due: bool = False  # a completions stream still owes this choice's prompt_token_ids
-    split: ReasoningSplit | None = None  # under --reasoning-parser: the text's thinking split off as it comes
+    split: Splitter | None = None  # under --reasoning-parser: the text's thinking split off as it comes
     content: str = ""  # the answer: the text less its reasoning (all of it without a reasoning parser)
     reasoning_tokens: int = 0  # generated while the answer thought (its reasoning and the tag that ends it)
 
@@ -71,7 +71,7 @@ class Choice:
         if self.split is None:
             self.content += d.text
             return "", d.text
-        thinking = self.split.state != "content"
+        thinking = self.split.thinking()
         reasoning, content = self.split.feed(d.text, bool(d.finish_reason))
         self.reasoning_tokens += len(d.token_ids) if thinking and self.split.opened else 0
         self.content += content

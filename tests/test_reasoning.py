@@ -228,3 +228,82 @@ def test_an_earlier_answers_reasoning_reaches_the_template():
     turn = ChatMessage(role="assistant", content="four", reasoning_content="two plus two")
     options = chat_options([ChatMessage(role="user", content="hi"), turn], True, False, None, None, None)
     assert options.messages[1] == {"role": "assistant", "content": "four", "reasoning_content": "two plus two"}
+
+
+# --- gpt-oss's harmony channels (router.harmony) -----------------------------------------------------------------
+
+HARMONY = ("<|channel|>analysis<|message|>User asks for the capital. It is Paris.<|end|><|start|>assistant"
+           "<|channel|>commentary<|message|>Let me say it.<|end|><|start|>assistant<|channel|>final<|message|>"
+           "The capital of France is Paris.")
+HARMONY_SPLITS = [  # (recorded text, reasoning, content)
+    (HARMONY, "User asks for the capital. It is Paris.\nLet me say it.", "The capital of France is Paris."),
+    ("<|channel|>analysis<|message|>Cut short while thi", "Cut short while thi", None),
+    ("Plain text <b>with tags</b>", None, "Plain text <b>with tags</b>"),
+    ("<|channel|>analysis<|message|>x<|end|><|start|>assistant to=functions.f<|channel|>commentary "
+     "<|constrain|>json<|message|>{\"a\": 1}<|call|>", "x", None),
+]
+
+
+@pytest.mark.parametrize("text, reasoning, content", HARMONY_SPLITS)
+@pytest.mark.parametrize("size", [1, 2, 5, 1000])
+def test_harmony_recorded_outputs_split_whole_and_in_any_pieces(text, reasoning, content, size):
+    from router.harmony import HarmonySplit
+
+    s, pieces = HarmonySplit(), [text[i:i + size] for i in range(0, len(text), size)]
+    deltas = [s.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    assert s.result() == (reasoning, content)
+    assert ("".join(r for r, _ in deltas), "".join(c for _, c in deltas)) == (reasoning or "", content or "")
+    assert all("<|" not in r + c for r, c in deltas)
+
+
+HARMONY_WORDS = ["<unk>", "<s>", "</s>", "<|channel|>", "<|message|>", "<|end|>", "<|start|>", "analysis", "final",
+                 "assistant", "Okay", "the", "user", "asks", "The", "answer", "is", "four", "hi", "low", "high"]
+HARMONY_ANSWER = ("<|channel|> analysis <|message|> Okay the user asks <|end|> <|start|> assistant <|channel|> final "
+                  "<|message|> The answer is four")
+
+
+@pytest.fixture(scope="module")
+def harmony_router(tiny_model_dir, tmp_path_factory):
+    """A router with --reasoning-parser openai_gptoss over a tokenizer whose harmony tokens are special, and a
+    template that writes the reasoning effort it is given."""
+    import shutil
+
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    target = tmp_path_factory.mktemp("harmony") / "m"
+    shutil.copytree(tiny_model_dir("llama"), target)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(HARMONY_WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in HARMONY_WORDS[3:7]])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                          "{% if reasoning_effort is defined %}{{ reasoning_effort }} {% endif %}<|start|> assistant")
+    fast.save_pretrained(target)
+    r = FakeRouter(target, M, replica_class=Recorded, reasoning_parser="openai_gptoss")
+    r.replica.answer = AutoTokenizer.from_pretrained(target).encode(HARMONY_ANSWER, add_special_tokens=False)
+    with r:
+        yield r
+
+
+def test_harmony_analysis_is_the_reasoning_and_final_the_answer(harmony_router):
+    client = harmony_router.client()
+    reasoning, content = reasoning_of(client.chat.completions.create(model=M, messages=ASK).choices[0].message)
+    assert (reasoning.strip(), content.strip()) == ("Okay the user asks", "The answer is four")
+    assert "<|" not in reasoning + content
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(model=M, messages=ASK, stream=True)
+              if c.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == content
+
+
+def test_reasoning_effort_reaches_the_template_and_tools_are_refused_under_harmony(harmony_router):
+    client = harmony_router.client()
+    client.chat.completions.create(model=M, messages=ASK, reasoning_effort="high")
+    assert HARMONY_WORDS.index("high") in harmony_router.replica.submitted[-1][1]
+    client.responses.create(model=M, input="hi", reasoning={"effort": "low"})
+    assert HARMONY_WORDS.index("low") in harmony_router.replica.submitted[-1][1]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=M, messages=ASK, tools=[{"type": "function", "function": {"name": "f"}}],
+                                       tool_choice="none")
+    assert err.value.body["param"] == "tools" and "openai_gptoss" in err.value.body["message"]
