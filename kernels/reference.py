@@ -256,13 +256,45 @@ def build_cos_sin_cache(head_dim: int, max_positions: int, rope_theta: float, ro
     """cat(cos, sin) per position, [max_positions, head_dim], as transformers computes them in fp32."""
     inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = (rope_scaling or {}).get("rope_type", "default")
-    if rope_type == "llama3":
+    attention_factor = 1.0  # cos and sin are scaled by it (YaRN's)
+    if rope_type == "yarn":
+        inv_freq, attention_factor = _yarn(head_dim, rope_theta, rope_scaling or {})
+    elif rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, rope_scaling or {})
+    elif rope_type == "linear":  # positions divided by the factor (Gemma 3's global layers)
+        inv_freq = inv_freq / float((rope_scaling or {})["factor"])
     elif rope_type != "default":
-        raise StagemeshError(f"rope scaling {rope_type!r} is not supported (default and llama3 are)")
+        raise StagemeshError(f"rope scaling {rope_type!r} is not supported (default, linear, llama3 and yarn are)")
     positions = torch.arange(max_positions, dtype=torch.int64).float()
     freqs = positions[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype=dtype, device=device)
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    if attention_factor != 1.0:
+        cos_sin = cos_sin * attention_factor
+    return cos_sin.to(dtype=dtype, device=device)
+
+
+def _yarn(dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss): frequencies past the correction range interpolated by the factor, those before it kept,
+    a linear ramp between; cos and sin scaled by the attention factor (0.1 ln(factor) + 1 unless given), as
+    transformers computes them."""
+    factor, original = float(scaling["factor"]), scaling["original_max_position_embeddings"]
+    if scaling.get("mscale") or scaling.get("mscale_all_dim"):
+        raise StagemeshError("yarn rope scaling with mscale / mscale_all_dim (DeepSeek's) is not supported")
+    attention = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high + 0.001 if low == high else high)
+                                                                              - low), 0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    return 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation, float(attention)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

@@ -82,14 +82,13 @@ def _key_matches(request: web.Request, key: str) -> bool:
 async def completions(request: web.Request) -> web.StreamResponse:
     model = validate(CompletionRequest, await read_json(request))
     config = request.app[CONFIG]
-    return await _generate(request, completion_request(model, config.served_model_name, config.adapter_names))
+    return await _generate(request, completion_request(model, config))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = validate(ChatCompletionRequest, await read_json(request))
     config = request.app[CONFIG]
-    return await _generate(request, chat_request(model, config.served_model_name, config.tool_call_parser,
-                                                config.adapter_names))
+    return await _generate(request, chat_request(model, config))
 
 
 async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamResponse:

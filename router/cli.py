@@ -81,6 +81,7 @@ def _build_app(args: argparse.Namespace, replicas):
     replica's, else the model's), the tokenizer of the model (a GGUF's: its --tokenizer), LoRA, tools, traces."""
     from router.app import build_app
     from router.config import RouterConfig, json_any_whitespace
+    from router.generation_config import load, report
     from router.lora_registry import LoRARegistry
     from router.observe import configure
     from router.tokenization import Tokenizer
@@ -98,11 +99,14 @@ def _build_app(args: argparse.Namespace, replicas):
                           chat_template_timeout=args.chat_template_timeout,
                           json_any_whitespace=json_any_whitespace(args.structured_outputs_config),
                           grammar_compile_timeout=args.grammar_compile_timeout,
+                          sampling_defaults=report(load(source.model_dir, args.generation_config,
+                                                        args.override_generation_config)),
                           lora=LoRARegistry(_lora_modules(args, name), args.enable_lora,
                                             tuple(args.allowed_local_lora_path), replica_set=replicas))
     tokenizer = Tokenizer(source.model_dir, model_config.max_position_embeddings, config.template_timeout_s,
                           config.grammar_compile_timeout, config.json_any_whitespace)
     config = _auto_tool_choice(args, config, tokenizer)
+    config = _reasoning(args, config, tokenizer)
     configure(name, args.max_model_len or replicas.max_model_len or model_config.max_position_embeddings)
     _instrument()
     return build_app(replicas, tokenizer, config), config
@@ -218,6 +222,21 @@ def _auto_tool_choice(args: argparse.Namespace, config, tokenizer):
     choice = choose(args.enable_auto_tool_choice, args.tool_call_parser, tokenizer.tok.chat_template)
     log.info("%s", choice.message)
     return dataclasses.replace(config, tool_call_parser=choice.parser)
+
+
+def _reasoning(args: argparse.Namespace, config, tokenizer):
+    """The config with --reasoning-parser, and whether the model's chat template thinks, logged."""
+    import dataclasses
+
+    from router.reasoning import template_thinks
+
+    if args.reasoning_parser is None:
+        return config
+    thinks = template_thinks(tokenizer.tok.chat_template)
+    log.info("reasoning parser %s: %s", args.reasoning_parser,
+             "the chat template has a thinking part: answers that do not open <think> start in it" if thinks else
+             "the chat template has no thinking part: only answers that open with <think> are split")
+    return dataclasses.replace(config, reasoning_parser=args.reasoning_parser, template_thinks=thinks)
 
 
 def _check_store(args: argparse.Namespace) -> None:
