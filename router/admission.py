@@ -23,19 +23,23 @@ async def launch(req: GenerateRequest, replicas: ReplicaSet, tokenizer: Tokenize
 
 def admit(req: GenerateRequest, replicas: ReplicaSet, max_model_len: int | None) -> int:
     """The context length the request runs under."""
+    return admit_engine(replicas, req.engine.priority, max_model_len)
+
+
+def admit_engine(replicas: ReplicaSet, priority: int, max_model_len: int | None) -> int:
+    """The context length a request of this priority runs under (a pooling call's too), or why it cannot run."""
     if not replicas.healthy():
         raise APIError(503, "no healthy replica: " + "; ".join(f"{r.address}: {r.reason}" for r in replicas.replicas),
                        retry_after=2)
     max_len = min(filter(None, (replicas.max_model_len, max_model_len)))
-    check_priority(req, replicas)
+    check_priority(priority, replicas)
     return max_len
 
 
-def check_priority(req: GenerateRequest, replicas: ReplicaSet) -> None:
+def check_priority(priority: int, replicas: ReplicaSet) -> None:
     """A priority other than 0 needs replicas that schedule by it: vLLM's 400 otherwise (each scheduler checks
     it again when the request reaches it)."""
     policies = replicas.scheduling_policies
-    priority = req.engine.priority
     if priority and policies != {"priority"}:
         raise bad_request(f"Got priority {priority} but Priority scheduling is not enabled (the replicas run "
                           f"--scheduling-policy {' and '.join(sorted(policies)) or 'fcfs'})", "priority")

@@ -9,7 +9,7 @@ import uuid
 
 from aiohttp import web
 
-from router import choices, lora_api, responses, resume
+from router import choices, lora_api, pooling_api, responses, resume
 from router.admission import launch
 from router.config import RouterConfig
 from router.errors import APIError, bad_request
@@ -79,13 +79,21 @@ def _key_matches(request: web.Request, key: str) -> bool:
     return hmac.compare_digest(request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode())
 
 
+def _generates(request: web.Request, api: str) -> None:
+    """A pooling model generates nothing: vLLM's 400 for the generation APIs."""
+    if request.app[CONFIG].pooler is not None:
+        raise bad_request(f"The model does not support {api}")
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
+    _generates(request, "Completions API")
     model = validate(CompletionRequest, await read_json(request))
     config = request.app[CONFIG]
     return await _generate(request, completion_request(model, config))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    _generates(request, "Chat Completions API")
     model = validate(ChatCompletionRequest, await read_json(request))
     config = request.app[CONFIG]
     return await _generate(request, chat_request(model, config))
@@ -256,6 +264,7 @@ def build_app(replicas: ReplicaSet, tokenizer: Tokenizer, config: RouterConfig) 
     app.router.add_get("/version", version)
     app.router.add_get("/openapi.json", openapi)
     lora_api.add_routes(app)  # vLLM's run-time LoRA endpoints, under its environment variable
+    pooling_api.add_routes(app)  # --runner pooling's endpoints (vLLM's 400 on a generative model)
     responses_api.add_routes(app, open_store(config.responses_store, config.responses_store_size,
                                              config.responses_store_ttl))
     app.on_startup.append(_start_tokenizer)

@@ -87,6 +87,8 @@ def _build_app(args: argparse.Namespace, replicas):
     from router.tokenization import Tokenizer
     from stagemesh.core.model_config import ModelConfig
     from stagemesh.core.model_source import resolve_source
+    from stagemesh.core.common_flags import PoolingOptions
+    from stagemesh.core.flags import from_args
 
     source = resolve_source(args.model_option or args.model, args.tokenizer, args.quantization)
     model_config = ModelConfig.from_path(source.model_dir)
@@ -102,7 +104,8 @@ def _build_app(args: argparse.Namespace, replicas):
                           sampling_defaults=report(load(source.model_dir, args.generation_config,
                                                         args.override_generation_config)),
                           lora=LoRARegistry(_lora_modules(args, name), args.enable_lora,
-                                            tuple(args.allowed_local_lora_path), replica_set=replicas))
+                                            tuple(args.allowed_local_lora_path), replica_set=replicas),
+                          pooler=from_args(PoolingOptions, args).resolve(source.model_dir, model_config.raw))
     tokenizer = Tokenizer(source.model_dir, model_config.max_position_embeddings, config.template_timeout_s,
                           config.grammar_compile_timeout, config.json_any_whitespace)
     config = _auto_tool_choice(args, config, tokenizer)

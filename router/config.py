@@ -4,12 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from stagemesh.core.common_flags import (HOST, LORA_LIMITS, MAX_MODEL_LEN, MAX_REQUEST_RETRIES, SERVED_MODEL_NAME,
-                                         LoRAOptions, ModelOptions)
+                                         LoRAOptions, ModelOptions, PoolingOptions)
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.flags import Flag, group
 from stagemesh.core.service_options import ServiceOptions
 from router.generation_config import SamplingDefaults
 from router.lora_registry import LoRARegistry
+from stagemesh.core.pooling import PoolerConfig
 from router.reasoning import REASONING_PARSERS
 
 POLICIES = ("least-load", "cache-aware", "kv-aware", "round-robin")
@@ -106,6 +107,7 @@ class RouterOptions:
         "also caps every request's max_tokens, as in vLLM")).field()
     max_request_retries: int = MAX_REQUEST_RETRIES.field()
     lora: LoRAOptions = group(LoRAOptions, skip=LORA_LIMITS)
+    pooling: PoolingOptions = group(PoolingOptions)
     health_interval: float = Flag(("--health-interval",), type=float, default=1.0,
                                   help="seconds between replica checks").field()
     reuse_port: bool = Flag(("--reuse-port",), kind="switch", help=(
@@ -148,6 +150,8 @@ class RouterConfig:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # --enable-lora: adapters a request picks by its model name (--lora-modules, and those loaded at run time)
     lora: LoRARegistry = field(default_factory=LoRARegistry)
+    # --runner pooling: how the replicas pool, which endpoints serve (router.pooling_api); None: generation
+    pooler: PoolerConfig | None = None
 
     @property
     def adapter_names(self) -> tuple[str, ...]:

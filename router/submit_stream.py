@@ -17,7 +17,8 @@ import grpc
 from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
 from stagemesh.core.step import TokenLogprob
 from stagemesh.core.step_wire import logprob_from_pb
-from stagemesh.core.wire import engine_request_to_pb, kv_source_from_pb
+from stagemesh.core.pooling import Pooled
+from stagemesh.core.wire import engine_request_to_pb, kv_source_from_pb, pooled_from_pb
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")
@@ -41,6 +42,7 @@ class ReplicaOutput:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens from prompt_logprobs_start
     prompt_logprobs_start: int = 0
     kv_transfer: KVSourceInfo | None = None  # "prefilled": where the prompt's KV waits
+    pooled: Pooled | None = None  # a pooling request's pooled prompt, on its last output
 
     @classmethod
     def from_pb(cls, m: scheduler_pb2.SubmitResponse) -> "ReplicaOutput":
@@ -48,7 +50,8 @@ class ReplicaOutput:
                    m.stop_token_id if m.HasField("stop_token_id") else None, m.num_prompt_tokens,
                    m.num_cached_tokens, m.queue_seconds, [logprob_from_pb(e) for e in m.prompt_logprobs],
                    m.prompt_logprobs_start,
-                   kv_source_from_pb(m.kv_transfer) if m.HasField("kv_transfer") else None)
+                   kv_source_from_pb(m.kv_transfer) if m.HasField("kv_transfer") else None,
+                   pooled_from_pb(m.pooled) if m.HasField("pooled") else None)
 
 
 class RequestFailed(Exception):

@@ -28,15 +28,36 @@ def check_request(cfg: SchedulerConfig, request_id: str, prompt_token_ids: Seque
                              f"to generate (max_tokens {sampling.max_tokens})")
     if cfg.vocab_size is not None:
         sampling.check_vocab(cfg.vocab_size)
-    total = len(prompt_token_ids) + sampling.max_tokens
+    check_runner(cfg.pooling_tasks, sampling)
+    total = request_tokens(len(prompt_token_ids), sampling)
     assert cfg.max_model_len is not None  # (a scheduler runs on a formed config: SchedulerConfig.check_formed)
     if total > cfg.max_model_len:
+        asked = "" if sampling.pooling is not None else f" + {sampling.max_tokens} max_tokens"
         raise StagemeshError(
             f"this model's maximum context length is {cfg.max_model_len} tokens, but the request asks for "
-            f"{total} ({len(prompt_token_ids)} in the prompt + {sampling.max_tokens} max_tokens)"
+            f"{total} ({len(prompt_token_ids)} in the prompt{asked})"
         )
     if not fits_kv_cache(cfg, total):
         raise StagemeshError(f"a request of {total} tokens can never fit the KV cache of {cfg.kv_cache_tokens} tokens")
+
+
+def check_runner(pooling_tasks: tuple[str, ...], sampling: SamplingParams) -> None:
+    """A pooling replica pools and a generating one generates: a request for the other is refused here, alone
+    (at the last stage it would fail a step)."""
+    pooling = sampling.pooling
+    if pooling_tasks and pooling is None:
+        raise StagemeshError("this replica runs --runner pooling: it pools prompts and generates no tokens")
+    if pooling is not None and not pooling_tasks:
+        raise StagemeshError("this replica generates (--runner generate): it pools nothing")
+    if pooling is not None and pooling.task not in pooling_tasks:
+        raise StagemeshError(f"this replica's model does not serve the {pooling.task} task (it serves "
+                             f"{', '.join(pooling_tasks)})")
+
+
+def request_tokens(num_prompt_tokens: int, sampling: SamplingParams) -> int:
+    """The positions a request may fill: its prompt and max_tokens; a pooling request's prompt alone (its one
+    output is the pool, not a token), so a prompt of max_model_len tokens pools as in vLLM."""
+    return num_prompt_tokens + (0 if sampling.pooling is not None else sampling.max_tokens)
 
 
 def fits_kv_cache(cfg: SchedulerConfig, num_tokens: int) -> bool:

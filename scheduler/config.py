@@ -122,6 +122,9 @@ class SchedulerConfig:
     # --enable-lora: the adapters requests may ask for, and --max-loras, how many of them may run at once (the
     # stages hold that many in their slots); the table changes as adapters are loaded at run time
     lora: LoRATable | None = None
+    # --runner pooling: the pooling tasks the pipeline's last stage serves, as it describes itself when the
+    # pipeline forms (empty: it generates); requests it does not serve are refused (scheduler.admission)
+    pooling_tasks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

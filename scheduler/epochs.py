@@ -205,7 +205,8 @@ class EpochManager:
                 self.cfg.scheduler.speculative is None
         return replace(self.cfg.scheduler, num_kv_blocks=plan.num_kv_blocks, max_model_len=max_len,
                        block_size=self.pipeline.block_size, async_scheduling=async_scheduling,
-                       num_host_kv_blocks=plan.num_host_kv_blocks, num_disk_kv_blocks=plan.num_disk_kv_blocks)
+                       num_host_kv_blocks=plan.num_host_kv_blocks, num_disk_kv_blocks=plan.num_disk_kv_blocks,
+                       pooling_tasks=plan.stages[-1].pooling_tasks)
 
     def _start(self, plan: PipelinePlan, config: SchedulerConfig, warm: Scheduler | None) -> None:
         """The epoch serves: its scheduler made (after the warm-up's steps, or taking over the kept requests)."""

@@ -119,12 +119,16 @@ class GrpcPipeline:
         msg = replies[-1].sampled
         rows = len(msg.seq_ids)
         if (len(msg.token_ids) != rows or len(msg.logprob_rows) != len(msg.logprobs)
-                or len(msg.error_rows) != len(msg.errors)
-                or any(not 0 <= r < rows for r in (*msg.logprob_rows, *msg.error_rows))
+                or len(msg.error_rows) != len(msg.errors) or len(msg.pooled_rows) != len(msg.pooled)
+                or any(not 0 <= r < rows for r in (*msg.logprob_rows, *msg.error_rows, *msg.pooled_rows))
                 or len(msg.draft_seq_ids) != len(msg.num_draft_tokens)
                 or any(n < 0 for n in msg.num_draft_tokens) or sum(msg.num_draft_tokens) != len(msg.draft_token_ids)):
             raise StageFailure(calls[-1][0], "the stage's sampled-token columns do not line up")
-        return StepResult(sampled_from_pb(msg), prompt_logprobs_from_pb(msg), sum(r.compute_seconds for r in replies),
+        try:
+            sampled = sampled_from_pb(msg)
+        except (ValueError, StagemeshError) as err:  # a pooled output whose bytes do not fill its shape
+            raise StageFailure(calls[-1][0], f"the stage's pooled outputs are malformed: {err}") from None
+        return StepResult(sampled, prompt_logprobs_from_pb(msg), sum(r.compute_seconds for r in replies),
                           drafts_from_pb(msg))
 
     # -- disaggregated prefill ------------------------------------------------------------

@@ -42,4 +42,4 @@ def merged(first: RequestOutput, later: RequestOutput) -> RequestOutput:
                          first.prompt_logprobs + later.prompt_logprobs,
                          first.prompt_logprobs_start if first.prompt_logprobs else later.prompt_logprobs_start,
                          first.queue_seconds if first.queue_seconds is not None else later.queue_seconds,
-                         later.held_kv, later.kv_load_failed)
+                         later.held_kv, later.kv_load_failed, later.pooled or first.pooled)

@@ -47,6 +47,7 @@ class StageInfo:
     # --enable-lora: the adapters it serves (not part of the instance's identity: they change at run time)
     lora_adapters: tuple[str, ...] = field(default=(), compare=False)
     max_loras: int = 0  # ... and how many fit its slots at once
+    pooling_tasks: tuple[str, ...] = ()  # --runner pooling: the tasks it serves (empty: it generates)
 
     @property
     def name(self) -> str:

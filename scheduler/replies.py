@@ -14,7 +14,7 @@ from scheduler.sessions import NotHeld, Taken
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grpc_errors import by_type
 from stagemesh.core.step_wire import logprob_to_pb
-from stagemesh.core.wire import kv_source_to_pb
+from stagemesh.core.wire import kv_source_to_pb, pooled_to_pb
 from stagemesh.v1 import scheduler_pb2
 
 FINISH = {"stop": scheduler_pb2.FINISH_REASON_STOP, "length": scheduler_pb2.FINISH_REASON_LENGTH,
@@ -59,6 +59,8 @@ def fill_output(reply: scheduler_pb2.SubmitResponse, out: RequestOutput, first: 
             reply.stop_token_id = out.stop_token_id
         if out.held_kv is not None:
             kv_source_to_pb(kv_params(out), reply.kv_transfer)
+    if out.pooled is not None:
+        pooled_to_pb(out.pooled, reply.pooled)
 
 
 def fill_update(msg: scheduler_pb2.RequestUpdate, update: Update, kv_params) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from stagemesh.core.engine_request import EngineRequest
+from stagemesh.core.pooling import Pooled
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import PromptLogprobs, SampledToken, TokenLogprob
 
@@ -145,6 +146,7 @@ class RequestOutput:
     # with finish_reason "error": its prompt's KV could not be loaded from its prefill replica and the
     # kv_load_failure_policy is fail (FAILED_PRECONDITION: the router may prefill it again)
     kv_load_failed: bool = False
+    pooled: Pooled | None = None  # a pooling request's pooled prompt, on its last output
 
     @property
     def finished(self) -> bool:

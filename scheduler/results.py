@@ -83,6 +83,8 @@ def _take_tokens(s: Queues, request: Request, tokens: list[SampledToken], num_dr
             return failed
         request.append_output(token.token_id)
         result.new_token_ids.append(token.token_id)
+        if token.pooled is not None:  # a pooling request: its one output (max_tokens 1) ends it
+            result.pooled = token.pooled
         if token.logprob is not None:
             result.new_logprobs.append(token)
         reason, stop_id = request.stop_reason(token.token_id, s.config.eos_token_ids, s.max_model_len)

@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from scheduler import results
-from scheduler.admission import check_request, fits_kv_cache
+from scheduler.admission import check_request, fits_kv_cache, request_tokens
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.kv_transfer import KVLoadFailed, KVTransfers, failure_message
@@ -154,7 +154,7 @@ class Scheduler:
             return False
         return (src.block_size == self.config.block_size and src.num_tokens == len(request.prompt_token_ids)
                 and len(src.block_ids) == self.kv.blocks_needed(src.num_tokens) and bool(request.output_token_ids)
-                and request.sampling.prompt_logprobs is None)
+                and not request.sampling.computes_whole_prompt)
 
     def release_kv(self, request_id: str) -> bool:
         """A decode replica is done with a prefilled request's KV here: free its blocks."""
@@ -218,7 +218,7 @@ class Scheduler:
         assert not old.running, "take_over needs the old scheduler's requests requeued"
         failed, cfg = [], self.config
         for request in old.waiting:
-            total = len(request.prompt_token_ids) + request.sampling.max_tokens
+            total = request_tokens(len(request.prompt_token_ids), request.sampling)
             if total > self.max_model_len or not fits_kv_cache(cfg, total):
                 request.status = Status.FINISHED
                 failed.append(RequestOutput(
@@ -342,8 +342,8 @@ class Scheduler:
 
     def _first_chunk(self, request: Request, tokens: int) -> tuple[int, list[int]]:
         """(tokens the waiting request's first chunk fills, counted from position 0; its cached blocks)."""
-        # a request that scores its prompt needs every position computed: no prefix-cache hit (as vLLM)
-        cached = [] if request.sampling.prompt_logprobs is not None else \
+        # a request that scores or pools its prompt needs every position computed: no prefix-cache hit (as vLLM)
+        cached = [] if request.sampling.computes_whole_prompt else \
             self.kv.find_cached_prefix(request.all_token_ids, request.hash_root)
         num_cached = len(cached) * self.config.block_size
         return num_cached + min(request.num_tokens - num_cached, tokens), cached
@@ -422,7 +422,7 @@ class Scheduler:
         """Whether the waiting request at the head went loading blocks of its prompt from the KV tiers (it
         comes back with kv_ready: scheduler.tiers). Looked up once per admission."""
         tiers = self.kv.tiers
-        if tiers is None or request.kv_ready or request.tiers_checked or request.sampling.prompt_logprobs is not None:
+        if tiers is None or request.kv_ready or request.tiers_checked or request.sampling.computes_whole_prompt:
             return False
         request.tiers_checked = True
         bs = self.config.block_size

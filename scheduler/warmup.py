@@ -21,6 +21,7 @@ from scheduler.pipeline import Pipeline, check_result
 from scheduler.scheduler import Scheduler
 from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.pooling import PoolingParams
 from stagemesh.core.sampling_params import SamplingParams
 
 log = logging.getLogger("stagemesh.scheduler")
@@ -42,6 +43,10 @@ def warmup_requests(config: SchedulerConfig) -> list[EngineRequest]:
                             logprobs=1, prompt_logprobs=1)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=0, max_tokens=WARMUP_OUTPUT_TOKENS,
                              min_tokens=WARMUP_OUTPUT_TOKENS, ignore_eos=True)
+    if config.pooling_tasks:  # a pooling replica: its first and last tasks (a sequence pool and a token-wise one)
+        tasks = config.pooling_tasks
+        return [EngineRequest(f"warmup-{task}", p, SamplingParams(max_tokens=1, pooling=PoolingParams(task)))
+                for task, p in ((tasks[0], prompt), (tasks[-1], prompt[::-1]))]
     return [EngineRequest("warmup-greedy", prompt, greedy), EngineRequest("warmup-sampled", prompt[::-1], sampled)]
 
 

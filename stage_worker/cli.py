@@ -126,6 +126,7 @@ class StagePlan:
     eplb: Any  # stage_worker.eplb.EPLBConfig, with --enable-eplb
     spec: Any  # the draft model's stagemesh.core.speculative.SpeculativeConfig (the last stage's)
     lora: Any  # stage_worker.lora.LoRASettings, with --enable-lora
+    pooling: Any = None  # stagemesh.core.common_flags.PoolingOptions, with --runner pooling
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,11 +169,31 @@ def plan_stage(args: argparse.Namespace) -> StagePlan:
                              "re-forms with the restarted member (stage_worker.ep_group)")
     plan = StagePlan(source, cfg, start, end, expert_parallel_across_replicas(args, cfg, start, end),
                      eplb_config(args, cfg), stage_speculation(args, cfg, end), LoRASettings.from_args(args))
+    plan = pooling_plan(args, plan)
     if args.kv_offloading_disk_path:  # before the weights load: a bad directory is refused at once
         from stage_worker.kv_disk import check_writable
 
         check_writable(args.kv_offloading_disk_path)
     return plan
+
+
+def pooling_plan(args: argparse.Namespace, plan: StagePlan) -> StagePlan:
+    """--runner pooling checked against the model before any weight is read, and said in the log."""
+    from dataclasses import replace
+
+    from stagemesh.core.common_flags import PoolingOptions
+    from stagemesh.core.flags import from_args
+
+    options = from_args(PoolingOptions, args)
+    pooler = options.resolve(plan.source.model_dir, plan.cfg.raw)
+    if pooler is None:
+        return plan
+    if plan.spec is not None:
+        raise StagemeshError("--speculative-config does not run with --runner pooling (a pooling request generates "
+                             "nothing)")
+    log.info("stage %d: --runner pooling --convert %s: %s pooling, tasks %s", args.stage_index, pooler.convert,
+             pooler.pooling_type, ", ".join(pooler.tasks))
+    return replace(plan, pooling=options)
 
 
 def pin_threads(args: argparse.Namespace) -> None:
@@ -200,7 +221,8 @@ def load_worker(args: argparse.Namespace, plan: StagePlan):
                          pcp_size=args.prefill_context_parallel_size, cuda_graphs=not args.enforce_eager,
                          expert_parallel=args.enable_expert_parallel,
                          eplb=plan.eplb, quantization=source.quantization,
-                         gguf_file=str(source.gguf_file) if source.gguf_file else None, lora=plan.lora)
+                         gguf_file=str(source.gguf_file) if source.gguf_file else None, lora=plan.lora,
+                         pooling=plan.pooling)
     worker = StageWorker(StageConfig(slice_, args.stage_index, handoff=args.handoff,
                                      kv_cache_memory=args.kv_cache_memory,
                                      gpu_memory_utilization=args.gpu_memory_utilization, threads=args.threads,

@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from stagemesh.core.common_flags import LoRAOptions
-from stagemesh.core.flags import add_flags
+from stagemesh.core.common_flags import LoRAOptions, PoolingOptions
+from stagemesh.core.flags import add_flags, from_args
 from stagemesh.core.lora import LoRAError
 from stagemesh.core.step_wire import epoch_from_pb, step_from_pb
 from stagemesh.v1 import stage_pb2
@@ -128,6 +128,8 @@ def follower_argv(slice_: SliceConfig, tp_rank: int, threads: int, kv_disk: tupl
         argv += ["--kv-disk-dir", kv_disk[0], "--kv-namespace", kv_disk[1]]
     if slice_.lora is not None:
         argv += slice_.lora.argv()
+    if slice_.pooling is not None:
+        argv += slice_.pooling.argv()
     return argv + eplb.config_argv(slice_.eplb)
 
 
@@ -150,6 +152,7 @@ def main() -> None:
     p.add_argument("--kv-disk-dir", default=None)
     p.add_argument("--kv-namespace", default=None)
     add_flags(p, LoRAOptions)
+    add_flags(p, PoolingOptions)
     args = p.parse_args()
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s follower tp{args.tp_rank} %(levelname)s: %(message)s")
@@ -160,7 +163,8 @@ def main() -> None:
     runner = SliceConfig(args.model, start, end, args.tp_size, args.device, args.dtype, args.block_size,
                          dcp_size=args.dcp_size, pcp_size=args.pcp_size, expert_parallel=args.enable_expert_parallel,
                          eplb=balance, quantization=args.quantization,
-                         gguf_file=args.gguf_file, lora=LoRASettings.from_args(args)).runner(args.tp_rank)
+                         gguf_file=args.gguf_file, lora=LoRASettings.from_args(args),
+                         pooling=from_args(PoolingOptions, args)).runner(args.tp_rank)
     disk = DiskTier(args.kv_disk_dir, args.kv_namespace, args.tp_rank, block_layout(runner)) if args.kv_disk_dir \
         else None
     sys.stdout.write("ready\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stagemesh.core.common_flags import (ADVERTISE_HOST, BLOCK_SIZE, HOST, PIPELINE_PARALLEL_SIZE, SPECULATIVE_CONFIG,
-                                         LoRAOptions, ModelOptions)
+                                         LoRAOptions, ModelOptions, PoolingOptions)
 from stagemesh.core.flags import Flag, group
 from stagemesh.core.service_options import ServiceOptions
 
@@ -83,4 +83,5 @@ class StageOptions:
                                     help="pin the stage (and followers) to these cores, e.g. 0 or 0,1").field()
     source: ModelOptions = group(ModelOptions)
     lora: LoRAOptions = group(LoRAOptions)
+    pooling: PoolingOptions = group(PoolingOptions)
     service: ServiceOptions = group(ServiceOptions)

@@ -15,6 +15,8 @@ import torch
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grammar import lazy_compiler
 from stagemesh.core.model_config import ModelConfig
+from stagemesh.core.common_flags import PoolingOptions
+from stagemesh.core.pooling import PoolerConfig
 from stagemesh.core.step import PromptLogprobs, SampledToken, StepBatch
 from stage_worker import prompt_logprobs
 from kernels import cpu_ops
@@ -26,6 +28,7 @@ from stage_worker.model import AttentionMetadata, StageModel, build as build_sta
 from stage_worker.quantization import check_quantization, load_gguf, quantize_at_load
 from stage_worker.context import check_context_parallel, share_step
 from stage_worker.parallel import HeadShard, stage_groups
+from stage_worker import pooler as pooling_runner
 from stage_worker.sampler import Sampler
 from stage_worker.weights import load_weights
 
@@ -101,6 +104,7 @@ class SliceConfig:
     quantization: str | None = None  # stage_worker.quantization.METHODS
     gguf_file: str | None = None  # the weights (quantization gguf); model_dir then gives config and tokenizer
     lora: LoRASettings | None = None  # --enable-lora: the adapters it may serve (stage_worker.lora)
+    pooling: PoolingOptions | None = None  # --runner, --convert, --pooler-config (stage_worker.pooler)
 
     @property
     def ranks(self) -> int:
@@ -114,7 +118,13 @@ class SliceConfig:
                            device=device, dtype=self.dtype, block_size=self.block_size, dcp_size=self.dcp_size,
                            pcp_size=self.pcp_size, cuda_graphs=self.cuda_graphs,
                            expert_parallel=self.expert_parallel, ep=ep, eplb=self.eplb, quantization=self.quantization,
-                           gguf_file=self.gguf_file, lora=self.lora)
+                           gguf_file=self.gguf_file, lora=self.lora, pooling=self.pooler_config())
+
+    def pooler_config(self) -> PoolerConfig | None:
+        """What the pooling flags make of the model (None: it generates)."""
+        if self.pooling is None:
+            return None
+        return self.pooling.resolve(self.model_dir, ModelConfig.from_path(self.model_dir).raw)
 
 
 class StageRunner:
@@ -124,7 +134,7 @@ class StageRunner:
                  config: ModelConfig | None = None,
                  cuda_graphs: bool = True, max_graph_batch: int = 256, expert_parallel: bool = False, ep=None,
                  eplb=None, quantization: str | None = None, gguf_file: str | None = None,
-                 lora: LoRASettings | None = None):
+                 lora: LoRASettings | None = None, pooling: PoolerConfig | None = None):
         # (model_dir is None only where a config is given: runners made without weights, load=False)
         self.config = cfg = config or ModelConfig.from_path(model_dir)  # type: ignore[arg-type]
         check_layer_range(cfg, layer_start, layer_end)
@@ -147,6 +157,12 @@ class StageRunner:
                                 expert_parallel=expert_parallel, ep=ep, eplb=eplb,
                                 cp=self.tp if self.tp.cp_size > 1 else None)
         self.model_dir, self.gguf_file = model_dir, gguf_file
+        if pooling is not None and lora is not None:
+            raise StagemeshError("--enable-lora does not run with --runner pooling yet")
+        # --runner pooling: the last stage pools its prompts instead of sampling (no LM head, no sampler)
+        self.pooler = None if pooling is None else pooling_runner.attach(self.model, pooling, model_dir, self.dtype,
+                                                                         self.device)
+        self.pooling_tasks = pooling.tasks if pooling is not None else ()  # (every stage says them: describe)
         # adapters per sequence (multi-LoRA): its linears become LoRALinear before the weights load
         self.lora = LoRAManager(self.model, cfg, lora, self.dtype, self.device) if lora is not None else None
         self.seq_adapters: dict[int, str] = {}  # sequences that use an adapter: its name
@@ -165,12 +181,14 @@ class StageRunner:
         # drafts of each sequence's last chunk: its next chunk may start that much earlier (those rejected)
         self.num_drafts: dict[int, int] = {}
         grammars = lazy_compiler(model_dir, cfg.vocab_size, list(cfg.eos_token_ids)) if model_dir else None
-        self.sampler = Sampler(self.device, cfg.eos_token_ids, grammars) if self.is_last_stage else None
+        self.sampler = Sampler(self.device, cfg.eos_token_ids, grammars) \
+            if self.is_last_stage and pooling is None else None
         if self.sampler is not None and self.tp.rank == 0:  # (the rank that samples)
             self.sampler.warm()
         # decode steps replay CUDA graphs (TP=1 on CUDA; TP>1 and CPU run eagerly: see stage_worker/cuda_graphs.py)
         self.use_cuda_graphs = (cuda_graphs and self.device.type == "cuda" and tp_size == 1 and ep is None
-                                and self.lora is None and self.model.cuda_graphs)  # (never DCP: its TP size is > 1)
+                                and self.lora is None and pooling is None  # (never DCP: its TP size is > 1)
+                                and self.model.cuda_graphs)
         self.max_graph_batch = max_graph_batch
         self.graphs: DecodeGraphs | None = None
         self.drafter = None  # stage_worker.draft.DraftModel: a draft model on the last stage's TP rank 0
@@ -178,8 +196,9 @@ class StageRunner:
     def attach_drafter(self, drafter) -> None:
         """Speculative decoding with a draft model: it mirrors this stage's KV cache (its blocks count in
         kv_bytes_per_block) and proposes drafts after each step's sampling."""
-        if self.lora is not None:
-            raise StagemeshError("speculative decoding with a draft model does not run with --enable-lora yet")
+        if self.lora is not None or self.pooler is not None:
+            flag = "--enable-lora" if self.lora is not None else "--runner pooling"
+            raise StagemeshError(f"speculative decoding with a draft model does not run with {flag} yet")
         if self.tp.cp_size > 1:
             flag = "--prefill-context-parallel-size" if self.tp.pcp else "--decode-context-parallel-size"
             raise StagemeshError(f"speculative decoding with a draft model does not run with {flag} yet "
@@ -216,6 +235,8 @@ class StageRunner:
             self.sampler.seqs.clear()
         if self.drafter is not None:
             self.drafter.proposals.clear()
+        if self.pooler is not None:
+            self.pooler.reset()
         if not self.kv_caches or self.kv_caches[0][0].shape[0] != num_kv_blocks:
             self.kv_caches = []
             self.allocate_kv_cache(num_kv_blocks)
@@ -224,6 +245,8 @@ class StageRunner:
     def execute(self, batch: StepBatch, hidden_states: torch.Tensor | None = None,
                 return_logits: bool = False) -> StageOutput:
         self._update_state(batch)
+        if self.pooler is not None:
+            self.pooler.update(batch)
         if not batch.chunks:
             return StageOutput()
         input_ids, meta, sample_rows, sample_ids, drafts = self._prepare(batch)
@@ -246,6 +269,8 @@ class StageRunner:
             self._mirror(batch, meta)
             if not self.is_last_stage:
                 return StageOutput(hidden_states=hidden)
+            if self.pooler is not None:  # (rank 0 keeps the pools, as it keeps sampled tokens)
+                return StageOutput(sampled=self.pooler.pool(batch, hidden) if self.tp.rank == 0 else [])
             # every TP rank takes part (the LM head all-gathers); rank 0 keeps the results. With PCP only the TP group
             # of rank 0's place: the others would compute the same logits for nothing
             if self.tp.pcp and self.tp.cp_rank:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from router.config import RouterOptions
 from scheduler.config import SchedulerOptions
 from stage_worker.options import StageOptions
-from stagemesh.core.common_flags import LoRAOptions, ModelOptions
+from stagemesh.core.common_flags import LoRAOptions, ModelOptions, PoolingOptions
 from stagemesh.core.flags import Flag, flag_of, group
 from stagemesh.core.service_options import ServiceOptions
 from stagemesh.ops.admin_file import ENV_KEY as ADMIN_KEY_ENV
@@ -115,6 +115,7 @@ class ServeOptions:
     kv_offloading_backend: str | None = flag_of(S, "kv_offloading_backend")
     kv_offloading_disk_size: float | None = flag_of(S, "kv_offloading_disk_size")
     lora: LoRAOptions = group(LoRAOptions)
+    pooling: PoolingOptions = group(PoolingOptions)
     kv_offloading_disk_path: str | None = flag_of(W, "kv_offloading_disk_path")
     gpu_memory_utilization: float = flag_of(W, "gpu_memory_utilization")
     enforce_eager: bool = flag_of(W, "enforce_eager")

@@ -42,6 +42,8 @@ def add_routes(app: web.Application, store: ResponseStore) -> None:
 
 
 async def create(request: web.Request) -> web.StreamResponse:
+    if request.app[CONFIG].pooler is not None:  # (--runner pooling: vLLM's 400)
+        raise bad_request("The model does not support Responses API")
     if "Last-Event-ID" in request.headers:  # (router.resume covers chat and completions streams)
         raise bad_request("resuming a Responses API stream (Last-Event-ID) is not built: resume chat completions "
                           "or completions streams, or send the request again", "Last-Event-ID")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from stagemesh.core.flags import Flag
 from stagemesh.core.lora import ALLOWED_PATH_FLAG, MAX_LORA_RANKS
 from stagemesh.core.model_source import QUANTIZATION_METHODS
+from stagemesh.core.pooling import CONVERTS, RUNNERS, PoolerConfig, resolve
 
 MODEL = Flag(("model",), kind="positional",
              help="model directory, or a .gguf file with --tokenizer (default: the embedded model)")
@@ -26,6 +27,32 @@ class ModelOptions:
         "activations; w8a8: the same with activations quantised to int8 per token (dynamic), CPU stages only; fp8: "
         "float8_e4m3fn weights with a scale per output channel, quantised at load, weight-only, CUDA stages only"
     )).field()
+
+
+@dataclass(frozen=True)
+class PoolingOptions:
+    """vLLM's pooling runner flags: the stages pool with them, the routers serve the pooling endpoints by them
+    (stagemesh.core.pooling resolves both the same way from the model's config)."""
+    runner: str = Flag(("--runner",), default="auto", choices=RUNNERS, help=(
+        "generate: a generative model; pooling: the last stage pools the prompt's hidden states instead of sampling "
+        "(/v1/embeddings, /classify, /score, /rerank, /pooling); auto (default): pooling for a "
+        "*ForSequenceClassification or reward architecture, as vLLM's")).field()
+    convert: str = Flag(("--convert",), default="auto", choices=CONVERTS, help=(
+        "with --runner pooling, what the model is served as (vLLM's): embed (last-token pooled, normalized), "
+        "classify (its score head, softmax; a single label: a cross-encoder for /score and /rerank) or reward "
+        "(every token's hidden state, softmaxed); auto: by the architecture (a generative model: embed)")).field()
+    pooler_config: str | None = Flag(("--pooler-config",), metavar="JSON", help=(
+        "vLLM's pooler config over the model's and its sentence-transformers config: {\"pooling_type\": "
+        "\"LAST|MEAN|CLS|ALL|STEP\", \"normalize\": BOOL, \"dimensions\": N, \"activation\": BOOL, "
+        "\"step_tag_id\": ID, \"returned_token_ids\": [IDS]}")).field()
+
+    def resolve(self, model_dir, raw: dict) -> PoolerConfig | None:
+        """The pooler these flags give the model (None: the generate runner), or a start-up error naming why."""
+        return resolve(model_dir, raw, self.runner, self.convert, self.pooler_config)
+
+    def argv(self) -> list[str]:
+        out = ["--runner", self.runner, "--convert", self.convert]
+        return out + (["--pooler-config", self.pooler_config] if self.pooler_config is not None else [])
 
 
 LORA_LIMITS = ("max_loras", "max_lora_rank", "max_cpu_loras")  # not the router's (it holds no adapter weights)

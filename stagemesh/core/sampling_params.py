@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.pooling import PoolingParams
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -158,6 +159,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()  # not empty: only these can be sampled
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never generated
     structured: StructuredOutputs | None = None  # constrained decoding
+    # a pooling request (--runner pooling, stagemesh.core.pooling): the last stage pools its prompt instead of
+    # sampling; it ends there, its one output carrying the pooled values
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         for name in FLOAT_RULES:  # stored as the wire carries them, so every service sees one value
@@ -205,6 +209,12 @@ class SamplingParams:
         if self.structured is not None and self.ignore_eos:
             raise InvalidParameter("ignore_eos", "'ignore_eos' cannot go with a structured output constraint: the "
                                                  "output ends where the constraint's language does, with EOS")
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether every prompt position must be computed here: no prefix-cache or KV-tier hit (prompt logprobs,
+        as vLLM; pooling, whose MEAN, CLS and token-wise pools read every position's hidden state)."""
+        return self.prompt_logprobs is not None or self.pooling is not None
 
     @property
     def greedy(self) -> bool:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.pooling import Pooled
 from stagemesh.core.sampling_params import SamplingParams
 
 # A token id in a step that stands for the token its sequence sampled in the previous step, which
@@ -191,3 +192,5 @@ class SampledToken:
     top_logprobs: list[float] = field(default_factory=list)
     # set when this sequence's row could not be sampled: its request fails alone (token_id is meaningless)
     error: str | None = None
+    # a pooling sequence's pooled prompt (token_id is meaningless): its request ends with it
+    pooled: Pooled | None = None

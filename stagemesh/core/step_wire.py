@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from stagemesh.core.step import (EpochSpec, NewSequence, PromptLogprobs, SampledToken, ScheduledChunks, StepBatch,
                             TokenLogprob)
 from stagemesh.v1 import common_pb2, stage_pb2
-from stagemesh.core.wire import sampling_from_pb, sampling_to_pb
+from stagemesh.core.wire import pooled_from_pb, pooled_to_pb, sampling_from_pb, sampling_to_pb
 
 
 def step_to_pb(batch: StepBatch, out: stage_pb2.StepBatch | None = None) -> stage_pb2.StepBatch:
@@ -62,6 +62,9 @@ def sampled_to_pb(sampled: list[SampledToken], prompt_logprobs: Sequence[PromptL
     for p in prompt_logprobs:
         msg.prompt_logprobs.add(seq_id=p.seq_id, start=p.start, logprobs=[logprob_to_pb(e) for e in p.entries])
     for row, t in enumerate(sampled):
+        if t.pooled is not None:
+            msg.pooled_rows.append(row)
+            pooled_to_pb(t.pooled, msg.pooled.add())
         if t.error is not None:
             msg.error_rows.append(row)
             msg.errors.append(t.error)
@@ -101,6 +104,8 @@ def sampled_from_pb(msg: stage_pb2.SampledTokens) -> list[SampledToken]:
         t.logprob, t.top_token_ids, t.top_logprobs = lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs)
     for row, error in zip(msg.error_rows, msg.errors):
         sampled[row].error = error or "sampling failed"
+    for row, pooled in zip(msg.pooled_rows, msg.pooled):
+        sampled[row].pooled = pooled_from_pb(pooled)
     return sampled
 
 

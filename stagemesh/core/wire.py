@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
+from stagemesh.core.pooling import Pooled, PoolingParams
 from stagemesh.core.sampling_params import SCALAR_FIELDS, SamplingParams, StructuredOutputs
 from stagemesh.v1 import common_pb2, scheduler_pb2, stage_pb2
 
@@ -44,7 +45,31 @@ def sampling_to_pb(p: SamplingParams, out: common_pb2.SamplingParams | None = No
             setattr(so, s.kind, s.text)
         if s.any_whitespace is not None:
             so.any_whitespace = s.any_whitespace
+    if p.pooling is not None:
+        pp = p.pooling
+        msg.pooling.task, msg.pooling.normalize, msg.pooling.activation = pp.task, pp.normalize, pp.activation
+        if pp.dimensions is not None:
+            msg.pooling.dimensions = pp.dimensions
     return msg
+
+
+def pooling_from_pb(msg: common_pb2.PoolingParams) -> PoolingParams:
+    return PoolingParams(msg.task, msg.dimensions if msg.HasField("dimensions") else None, msg.normalize,
+                         msg.activation)
+
+
+def pooled_to_pb(p: Pooled, out: common_pb2.Tensor) -> common_pb2.Tensor:
+    out.dtype = "float32"
+    out.shape.extend(p.shape)
+    out.data = p.data
+    return out
+
+
+def pooled_from_pb(msg: common_pb2.Tensor) -> Pooled:
+    """A pooled output off the wire; its size is checked against its shape (Pooled)."""
+    if msg.dtype != "float32":
+        raise ValueError(f"a pooled output is float32, got {msg.dtype}")
+    return Pooled(tuple(msg.shape), msg.data)
 
 
 def structured_from_pb(msg: common_pb2.StructuredOutputs) -> StructuredOutputs | None:
@@ -76,6 +101,7 @@ def sampling_fields_from_pb(msg: common_pb2.SamplingParams) -> dict:
         allowed_token_ids=tuple(msg.allowed_token_ids),
         bad_words_token_ids=tuple(tuple(w.token_ids) for w in msg.bad_words),
         structured=structured_from_pb(msg.structured_outputs) if msg.HasField("structured_outputs") else None,
+        pooling=pooling_from_pb(msg.pooling) if msg.HasField("pooling") else None,
     )
 
 

@@ -94,6 +94,7 @@ class SamplingParams(_message.Message):
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     BAD_WORDS_FIELD_NUMBER: _builtins.int
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
+    POOLING_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """temperature, top_p, top_k, min_p, repetition_penalty: left unset in a
     frontend request, each takes the model's default (its
@@ -157,6 +158,12 @@ class SamplingParams(_message.Message):
         the constraint's language; unset means none.
         """
 
+    @_builtins.property
+    def pooling(self) -> Global___PoolingParams:
+        """A pooling request (--runner pooling): the last stage pools the prompt's hidden states instead of sampling,
+        and the request ends with its pooled output (SubmitResponse.pooled); unset means generation.
+        """
+
     def __init__(
         self,
         *,
@@ -178,10 +185,11 @@ class SamplingParams(_message.Message):
         allowed_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         bad_words: _abc.Iterable[Global___TokenSequence] | None = ...,
         structured_outputs: Global___StructuredOutputs | None = ...,
+        pooling: Global___PoolingParams | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_min_p", b"_min_p", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "min_p", b"min_p", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "structured_outputs", b"structured_outputs", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_min_p", b"_min_p", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "min_p", b"min_p", "pooling", b"pooling", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "structured_outputs", b"structured_outputs", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_p", b"_min_p", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "allowed_token_ids", b"allowed_token_ids", "bad_words", b"bad_words", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_p", b"_min_p", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "allowed_token_ids", b"allowed_token_ids", "bad_words", b"bad_words", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "pooling", b"pooling", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__min_p: _TypeAlias = _typing.Literal["min_p"]  # noqa: Y015
     _WhichOneofArgType__min_p: _TypeAlias = _typing.Literal["_min_p", b"_min_p"]  # noqa: Y015
@@ -213,6 +221,42 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class PoolingParams(_message.Message):
+    """What a pooling request asks (vLLM's PoolingParams), its defaults settled by the router."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_FIELD_NUMBER: _builtins.int
+    DIMENSIONS_FIELD_NUMBER: _builtins.int
+    NORMALIZE_FIELD_NUMBER: _builtins.int
+    ACTIVATION_FIELD_NUMBER: _builtins.int
+    task: _builtins.str
+    """"embed", "classify", "score", "token_embed" or "token_classify"."""
+    dimensions: _builtins.int
+    """embed: keep the first N values (a Matryoshka model), before normalizing; unset: all."""
+    normalize: _builtins.bool
+    """embed, token_embed: L2-normalize each vector."""
+    activation: _builtins.bool
+    """classify, score, token_classify: softmax over the labels (sigmoid for a single label)."""
+    def __init__(
+        self,
+        *,
+        task: _builtins.str = ...,
+        dimensions: _builtins.int | None = ...,
+        normalize: _builtins.bool = ...,
+        activation: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions", "dimensions", b"dimensions"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions", "activation", b"activation", "dimensions", b"dimensions", "normalize", b"normalize", "task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__dimensions: _TypeAlias = _typing.Literal["dimensions"]  # noqa: Y015
+    _WhichOneofArgType__dimensions: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__dimensions) -> _WhichOneofReturnType__dimensions | None: ...
+
+Global___PoolingParams: _TypeAlias = PoolingParams  # noqa: Y015
 
 @_typing.final
 class StructuredOutputs(_message.Message):

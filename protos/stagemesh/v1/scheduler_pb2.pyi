@@ -222,6 +222,7 @@ class SubmitResponse(_message.Message):
     PROMPT_LOGPROBS_START_FIELD_NUMBER: _builtins.int
     QUEUE_SECONDS_FIELD_NUMBER: _builtins.int
     KV_TRANSFER_FIELD_NUMBER: _builtins.int
+    POOLED_FIELD_NUMBER: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     """Set on the last message only."""
     stop_token_id: _builtins.int
@@ -252,6 +253,12 @@ class SubmitResponse(_message.Message):
     def kv_transfer(self) -> Global___KVTransferParams:
         """With FINISH_REASON_PREFILLED: where the prompt's KV is held."""
 
+    @_builtins.property
+    def pooled(self) -> _common_pb2.Tensor:
+        """A pooling request (SamplingParams.pooling): its pooled output, float32, on its last message (whose token
+        is no output of the model's).
+        """
+
     def __init__(
         self,
         *,
@@ -265,10 +272,11 @@ class SubmitResponse(_message.Message):
         prompt_logprobs_start: _builtins.int = ...,
         queue_seconds: _builtins.float = ...,
         kv_transfer: Global___KVTransferParams | None = ...,
+        pooled: _common_pb2.Tensor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "kv_transfer", b"kv_transfer", "stop_token_id", b"stop_token_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "kv_transfer", b"kv_transfer", "pooled", b"pooled", "stop_token_id", b"stop_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "finish_reason", b"finish_reason", "kv_transfer", b"kv_transfer", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "prompt_logprobs", b"prompt_logprobs", "prompt_logprobs_start", b"prompt_logprobs_start", "queue_seconds", b"queue_seconds", "stop_token_id", b"stop_token_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "finish_reason", b"finish_reason", "kv_transfer", b"kv_transfer", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "pooled", b"pooled", "prompt_logprobs", b"prompt_logprobs", "prompt_logprobs_start", b"prompt_logprobs_start", "queue_seconds", b"queue_seconds", "stop_token_id", b"stop_token_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__stop_token_id: _TypeAlias = _typing.Literal["stop_token_id"]  # noqa: Y015
     _WhichOneofArgType__stop_token_id: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id"]  # noqa: Y015

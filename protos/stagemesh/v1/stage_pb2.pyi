@@ -99,6 +99,7 @@ class StageDescription(_message.Message):
     KV_DISK_TIER_FIELD_NUMBER: _builtins.int
     LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     MAX_LORAS_FIELD_NUMBER: _builtins.int
+    POOLING_TASKS_FIELD_NUMBER: _builtins.int
     stage_index: _builtins.int
     layer_start: _builtins.int
     """Layers [layer_start, layer_end)."""
@@ -159,6 +160,12 @@ class StageDescription(_message.Message):
         lacks one of its adapters or has fewer slots.
         """
 
+    @_builtins.property
+    def pooling_tasks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """--runner pooling: the pooling tasks its model serves (stagemesh.core.pooling); empty: it generates. The
+        scheduler refuses requests the last stage's runner does not serve.
+        """
+
     def __init__(
         self,
         *,
@@ -184,10 +191,11 @@ class StageDescription(_message.Message):
         kv_disk_tier: _builtins.bool = ...,
         lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
         max_loras: _builtins.int = ...,
+        pooling_tasks: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "draining", b"draining", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "instance_id", b"instance_id", "kv_bytes_per_block", b"kv_bytes_per_block", "kv_disk_tier", b"kv_disk_tier", "layer_end", b"layer_end", "layer_start", b"layer_start", "lora_adapters", b"lora_adapters", "max_loras", b"max_loras", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "num_speculative_tokens", b"num_speculative_tokens", "speculative_model", b"speculative_model", "stage_index", b"stage_index", "standby", b"standby", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "draining", b"draining", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "instance_id", b"instance_id", "kv_bytes_per_block", b"kv_bytes_per_block", "kv_disk_tier", b"kv_disk_tier", "layer_end", b"layer_end", "layer_start", b"layer_start", "lora_adapters", b"lora_adapters", "max_loras", b"max_loras", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "num_speculative_tokens", b"num_speculative_tokens", "pooling_tasks", b"pooling_tasks", "speculative_model", b"speculative_model", "stage_index", b"stage_index", "standby", b"standby", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -481,6 +489,8 @@ class SampledTokens(_message.Message):
     DRAFT_SEQ_IDS_FIELD_NUMBER: _builtins.int
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    POOLED_ROWS_FIELD_NUMBER: _builtins.int
+    POOLED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -516,6 +526,14 @@ class SampledTokens(_message.Message):
     def num_draft_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def draft_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def pooled_rows(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Pooling requests (SamplingParams.pooling): the rows (indices into seq_ids) whose sequence's prompt was
+        pooled in this step, in order, and each one's pooled output as float32 (token_ids holds 0 there).
+        """
+
+    @_builtins.property
+    def pooled(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]: ...
     def __init__(
         self,
         *,
@@ -529,10 +547,12 @@ class SampledTokens(_message.Message):
         draft_seq_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_draft_tokens: _abc.Iterable[_builtins.int] | None = ...,
         draft_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        pooled_rows: _abc.Iterable[_builtins.int] | None = ...,
+        pooled: _abc.Iterable[_common_pb2.Tensor] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_seq_ids", b"draft_seq_ids", "draft_token_ids", b"draft_token_ids", "error_rows", b"error_rows", "errors", b"errors", "logprob_rows", b"logprob_rows", "logprobs", b"logprobs", "num_draft_tokens", b"num_draft_tokens", "prompt_logprobs", b"prompt_logprobs", "seq_ids", b"seq_ids", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_seq_ids", b"draft_seq_ids", "draft_token_ids", b"draft_token_ids", "error_rows", b"error_rows", "errors", b"errors", "logprob_rows", b"logprob_rows", "logprobs", b"logprobs", "num_draft_tokens", b"num_draft_tokens", "pooled", b"pooled", "pooled_rows", b"pooled_rows", "prompt_logprobs", b"prompt_logprobs", "seq_ids", b"seq_ids", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,209 @@
+"""vLLM's pooling endpoints (--runner pooling): /v1/embeddings, /pooling, /classify, /score (/v1/score) and
+/rerank (/v1/rerank, /v2/rerank), with vLLM's shapes and errors. A model serves the endpoints of its tasks
+(stagemesh.core.pooling); the others answer vLLM's 400 ("The model does not support ... API"), as every pooling
+endpoint does on a generative model. Score and rerank run the cross-encoder (a classify model with one label) on
+each pair, else embed both sides and take the cosine, as vLLM does."""
+from __future__ import annotations
+
+import base64
+import math
+import time
+import uuid
+
+from aiohttp import web
+
+from router.admission import admit_engine
+from router.errors import bad_request
+from router.http_body import read_json
+from router.pooling_protocol import (REFUSED_POOLING, ClassificationRequest, EmbeddingRequest, PoolingRequest,
+                                     RerankRequest, ScoreRequest)
+from router.pooling_run import PoolingJob, fit, run, tokenize
+from router.protocol import validate
+from router.request_builder import check_model
+from router.state import CONFIG, REPLICAS, TOKENIZER
+from stagemesh.core.pooling import TASKS, Pooled, PoolerConfig, PoolingParams
+
+API_NAMES = {"embed": "Embeddings API", "classify": "Classification API", "score": "Score API",
+             "rerank": "Rerank (Score) API", "pooling": "Pooling API"}
+
+
+def _pooler(request: web.Request, api: str, *tasks: str) -> PoolerConfig:
+    """The server's pooler when its model serves one of `tasks`, else vLLM's refusal of the API."""
+    pooler = request.app[CONFIG].pooler
+    if pooler is None or not set(tasks) & set(pooler.tasks):
+        raise bad_request(f"The model does not support {API_NAMES[api]}")
+    return pooler
+
+
+async def _body(request: web.Request, model):
+    body = validate(model, await read_json(request), refused=REFUSED_POOLING)
+    config = request.app[CONFIG]
+    check_model(body.model, config.served_model_name, ())
+    return body
+
+
+def _usage(prompts: list[list[int]]) -> dict:
+    n = sum(map(len, prompts))
+    return {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0, "prompt_tokens_details": None}
+
+
+async def _pool(request: web.Request, body, prompts: list[list[int]], params: PoolingParams, operation: str,
+                prefix: str) -> tuple[str, list[list[int]], list[Pooled]]:
+    """(answer id, the prompts as run, their pooled outputs)."""
+    replicas, config = request.app[REPLICAS], request.app[CONFIG]
+    max_len = admit_engine(replicas, body.priority, config.max_model_len)
+    prompts = fit(prompts, max_len, body.truncate_prompt_tokens, operation)
+    base = request.headers.get("X-Request-Id") or body.request_id or uuid.uuid4().hex
+    pooled = await run(PoolingJob(f"{prefix}-{base}", prompts, params, body.priority), replicas)
+    return f"{prefix}-{base}", prompts, pooled
+
+
+def _embed_params(pooler: PoolerConfig, model_name: str, dimensions: int | None, normalize: bool | None,
+                  task: str = "embed") -> PoolingParams:
+    """vLLM's checks of `dimensions`: only a Matryoshka model changes its output size, and only to the sizes its
+    config lists (when it lists any)."""
+    dimensions = dimensions if dimensions is not None else pooler.dimensions
+    if dimensions is not None:
+        if dimensions < 1:
+            raise bad_request("Dimensions must be greater than 0", "dimensions")
+        if not pooler.is_matryoshka:
+            raise bad_request(f'Model "{model_name}" does not support matryoshka representation, changing output '
+                              "dimensions will lead to poor results.", "dimensions")
+        allowed = pooler.matryoshka_dimensions
+        if allowed and dimensions not in allowed:
+            raise bad_request(f'Model "{model_name}" only supports {list(allowed)} matryoshka dimensions, use other '
+                              "output dimensions will lead to poor results.", "dimensions")
+    return PoolingParams(task, dimensions, pooler.normalize if normalize is None else normalize)
+
+
+def _encoded(p: Pooled, encoding_format: str):
+    if encoding_format == "base64":  # the float32 bytes, as vLLM and OpenAI send them
+        return base64.b64encode(p.data).decode()
+    return p.values()
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    pooler = _pooler(request, "embed", "embed")
+    body = await _body(request, EmbeddingRequest)
+    name = request.app[CONFIG].served_model_name
+    params = _embed_params(pooler, name, body.dimensions, body.normalize)
+    prompts = await tokenize(body.input, request.app[TOKENIZER], body.add_special_tokens)
+    answer_id, prompts, pooled = await _pool(request, body, prompts, params, "embedding generation", "embd")
+    data = [{"index": i, "object": "embedding", "embedding": _encoded(p, body.encoding_format)}
+            for i, p in enumerate(pooled)]
+    return web.json_response({"id": answer_id, "object": "list", "created": int(time.time()), "model": name,
+                              "data": data, "usage": _usage(prompts)})
+
+
+async def pooling(request: web.Request) -> web.Response:
+    pooler = _pooler(request, "pooling", *TASKS)
+    body = await _body(request, PoolingRequest)
+    task = body.task or pooler.token_task
+    if task not in pooler.tasks:
+        raise bad_request(f"Task {task} is not supported, it must be one of {sorted(pooler.tasks)}", "task")
+    name = request.app[CONFIG].served_model_name
+    if task in ("embed", "token_embed"):
+        params = _embed_params(pooler, name, body.dimensions, body.normalize, task)
+    else:
+        params = PoolingParams(task, activation=pooler.activation if body.activation is None else body.activation)
+    prompts = await tokenize(body.input, request.app[TOKENIZER], body.add_special_tokens)
+    answer_id, prompts, pooled = await _pool(request, body, prompts, params, "embedding generation", "pool")
+    data = [{"index": i, "object": "pooling", "data": _encoded(p, body.encoding_format)}
+            for i, p in enumerate(pooled)]
+    return web.json_response({"id": answer_id, "object": "list", "created": int(time.time()), "model": name,
+                              "data": data, "usage": _usage(prompts)})
+
+
+async def classify(request: web.Request) -> web.Response:
+    pooler = _pooler(request, "classify", "classify")
+    body = await _body(request, ClassificationRequest)
+    params = PoolingParams("classify", activation=pooler.activation if body.activation is None else body.activation)
+    prompts = await tokenize(body.input, request.app[TOKENIZER], body.add_special_tokens)
+    answer_id, prompts, pooled = await _pool(request, body, prompts, params, "classification", "classify")
+    data = []
+    for i, p in enumerate(pooled):
+        probs = p.values()
+        best = max(range(len(probs)), key=probs.__getitem__)
+        data.append({"index": i, "label": pooler.id2label.get(best), "probs": probs, "num_classes": len(probs)})
+    return web.json_response({"id": answer_id, "object": "list", "created": int(time.time()),
+                              "model": request.app[CONFIG].served_model_name, "data": data,
+                              "usage": _usage(prompts)})
+
+
+async def _scores(request: web.Request, body, queries: list[str], documents: list[str], operation: str,
+                  prefix: str) -> tuple[str, list[float], int]:
+    """(answer id, one score per (query, document) pair, the tokens they took): the cross-encoder on each pair,
+    or the cosine of the two sides' embeddings (an embedding model)."""
+    pooler = request.app[CONFIG].pooler
+    assert pooler is not None
+    tokenizer, add_special = request.app[TOKENIZER], body.add_special_tokens
+    activation = pooler.activation if body.activation is None else body.activation
+    if "score" in pooler.tasks:
+        pairs = [await tokenizer.run(_encode_pair, tokenizer, q, d, add_special) for q, d in zip(queries, documents)]
+        answer_id, pairs, pooled = await _pool(request, body, pairs, PoolingParams("score", activation=activation),
+                                               operation, prefix)
+        return answer_id, [p.values()[0] for p in pooled], sum(map(len, pairs))
+    texts = list(dict.fromkeys([*queries, *documents]))  # each text embedded once
+    prompts = [await tokenizer.run(tokenizer.encode, t, add_special) for t in texts]
+    answer_id, prompts, pooled = await _pool(request, body, prompts, PoolingParams("embed"), operation, prefix)
+    vectors = {t: p.values() for t, p in zip(texts, pooled)}
+    return answer_id, [_cosine(vectors[q], vectors[d]) for q, d in zip(queries, documents)], sum(map(len, prompts))
+
+
+def _encode_pair(tokenizer, query: str, document: str, add_special_tokens: bool) -> list[int]:
+    """A cross-encoder's input: the tokenizer's own pair encoding (text, text_pair), as vLLM builds it."""
+    return tokenizer.tok(text=query, text_pair=document, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b))
+    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return dot / max(norm, 1e-8)  # (torch's cosine_similarity's eps, which vLLM uses)
+
+
+def _check_score_model(request: web.Request, api: str) -> None:
+    _pooler(request, api, "score", "embed")
+
+
+async def score(request: web.Request) -> web.Response:
+    _check_score_model(request, "score")
+    body = await _body(request, ScoreRequest)
+    queries = [body.text_1] if isinstance(body.text_1, str) else list(body.text_1)
+    documents = [body.text_2] if isinstance(body.text_2, str) else list(body.text_2)
+    if not queries or not documents:
+        raise bad_request("At least one text element must be given", "text_1" if not queries else "text_2")
+    if len(queries) > 1 and len(queries) != len(documents):
+        raise bad_request("Input lengths must be either 1:1, 1:N or N:N", "text_1")
+    if len(queries) == 1:
+        queries = queries * len(documents)
+    answer_id, scores, tokens = await _scores(request, body, queries, documents, "score", "score")
+    data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
+    return web.json_response({"id": answer_id, "object": "list", "created": int(time.time()),
+                              "model": request.app[CONFIG].served_model_name, "data": data, "usage": usage})
+
+
+async def rerank(request: web.Request) -> web.Response:
+    _check_score_model(request, "rerank")
+    body = await _body(request, RerankRequest)
+    if not body.documents:
+        raise bad_request("At least one text element must be given", "documents")
+    if body.top_n < 0:
+        raise bad_request("'top_n' must be 0 (every document) or more", "top_n")
+    answer_id, scores, tokens = await _scores(request, body, [body.query] * len(body.documents), body.documents,
+                                              "embedding generation", "rerank")
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    top = order[:body.top_n] if 0 < body.top_n < len(order) else order
+    results = [{"index": i, "document": {"text": body.documents[i]}, "relevance_score": scores[i]} for i in top]
+    return web.json_response({"id": answer_id, "model": request.app[CONFIG].served_model_name,
+                              "usage": {"total_tokens": tokens}, "results": results})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/pooling", pooling)
+    app.router.add_post("/classify", classify)
+    for path in ("/score", "/v1/score"):
+        app.router.add_post(path, score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.router.add_post(path, rerank)

@@ -1,0 +1,150 @@
+"""vLLM's pooling endpoints through the router over real meshes run with --runner pooling, with the official openai
+client where it has the call: an embedding model on PP=2, a cross-encoder (a sequence-classification checkpoint
+with one label) on TP=2, each against transformers on the same weights."""
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+import requests
+import torch
+
+from mesh import Mesh, Router
+from test_pooling import seq_cls_model
+from tiny_models import make_tiny_model, with_word_tokenizer
+
+pytestmark = pytest.mark.slow
+POOLING = ("--runner", "pooling")
+TEXTS = ["w5 w6 w7 w8", "w9 w10 w11", "w12 w13 w14 w15 w16 w17"]
+
+
+@pytest.fixture(scope="module")
+def embed_router(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pool-embed")
+    model = with_word_tokenizer(make_tiny_model(root / "raw", "llama"), root / "model")
+    with Mesh(model, [2, 2], stage_args=POOLING, log_dir=root) as mesh:
+        with Router(model, [mesh.address], extra=POOLING, log_dir=root) as r:
+            r.model_dir, r.mesh = model, mesh
+            yield r
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pool-cls")
+    model = with_word_tokenizer(seq_cls_model(root / "raw", 1), root / "model")
+    with Mesh(model, [4], tp=[2], stage_args=POOLING, log_dir=root) as mesh:
+        with Router(model, [mesh.address], log_dir=root) as r:  # (--runner auto: a classification checkpoint)
+            r.model_dir = model
+            yield r
+
+
+def post(router, path: str, body: dict) -> requests.Response:
+    return requests.post(f"{router.base_url}{path}", json={"model": str(router.model_dir), **body}, timeout=120)
+
+
+@torch.inference_mode()
+def last_hidden(model_dir, ids: list[int]) -> np.ndarray:
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    h = model(torch.tensor([ids])).last_hidden_state[0, -1]
+    return torch.nn.functional.normalize(h, dim=0).numpy()
+
+
+def ids_of(text: str) -> list[int]:
+    return [int(w[1:]) for w in text.split()]  # the word tokenizer: "w5" is token 5
+
+
+def test_embeddings_equal_transformers_normalized_last_hidden_state(embed_router):
+    client, name = embed_router.client(), str(embed_router.model_dir)
+    out = client.embeddings.create(model=name, input=TEXTS)  # (the openai client asks for base64 and decodes it)
+    assert [d.index for d in out.data] == [0, 1, 2]
+    assert out.usage.prompt_tokens == out.usage.total_tokens == sum(len(t.split()) for t in TEXTS)
+    for text, d in zip(TEXTS, out.data):
+        np.testing.assert_allclose(d.embedding, last_hidden(embed_router.model_dir, ids_of(text)), atol=1e-4)
+    floats = post(embed_router, "/v1/embeddings", {"input": [ids_of(TEXTS[0])], "encoding_format": "float"}).json()
+    np.testing.assert_allclose(floats["data"][0]["embedding"], out.data[0].embedding, atol=1e-6)
+    b64 = post(embed_router, "/v1/embeddings", {"input": TEXTS[1], "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(decoded, out.data[1].embedding, atol=1e-6)
+    assert floats["object"] == "list" and floats["id"].startswith("embd-")
+
+
+def test_embedding_errors_are_vllms(embed_router):
+    name = str(embed_router.model_dir)
+    r = post(embed_router, "/v1/embeddings", {"input": "w5", "dimensions": 8})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (f'Model "{name}" does not support matryoshka representation, changing '
+                                            "output dimensions will lead to poor results.")
+    long = [5 + i % 300 for i in range(600)]  # token ids: the tiny model's context is 512
+    r = post(embed_router, "/v1/embeddings", {"input": long})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "This model's maximum context length is 512 tokens. However, you requested 600 tokens in the input for "
+        "embedding generation. Please reduce the length of the input.")
+    r = post(embed_router, "/v1/embeddings", {"input": long, "truncate_prompt_tokens": 4, "encoding_format": "float"})
+    np.testing.assert_allclose(r.json()["data"][0]["embedding"],
+                               last_hidden(embed_router.model_dir, long[-4:]), atol=1e-4)
+    assert r.json()["usage"]["prompt_tokens"] == 4
+    assert post(embed_router, "/classify", {"input": "w5"}).json()["error"]["message"] == \
+        "The model does not support Classification API"
+    chat = post(embed_router, "/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}]})
+    assert chat.status_code == 400 and chat.json()["error"]["message"] == "The model does not support Chat " \
+                                                                          "Completions API"
+
+
+def test_a_generative_router_refuses_embeddings_with_vllms_text(embed_router):
+    with Router(embed_router.model_dir, [embed_router.mesh.address]) as generative:
+        generative.model_dir = embed_router.model_dir
+        r = post(generative, "/v1/embeddings", {"input": "w5"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "The model does not support Embeddings API"
+
+
+def test_score_and_rerank_of_an_embedding_model_are_cosines(embed_router):
+    score = post(embed_router, "/score", {"text_1": TEXTS[0], "text_2": TEXTS[1:]}).json()
+    e = [last_hidden(embed_router.model_dir, ids_of(t)) for t in TEXTS]
+    np.testing.assert_allclose([d["score"] for d in score["data"]], [e[0] @ e[1], e[0] @ e[2]], atol=1e-4)
+    ranked = post(embed_router, "/v1/rerank", {"query": TEXTS[0], "documents": TEXTS[1:]}).json()["results"]
+    assert sorted(r["relevance_score"] for r in ranked) == pytest.approx(sorted(d["score"] for d in score["data"]))
+
+
+@torch.inference_mode()
+def classifier_logits(model_dir, pairs: list[tuple[str, str]]) -> list[float]:
+    """transformers' logit of each (query, document) pair, tokenized as a pair by the model's tokenizer."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return [float(model(torch.tensor([tok(text=q, text_pair=d)["input_ids"]])).logits[0, 0]) for q, d in pairs]
+
+
+def test_score_and_rerank_agree_with_each_other_and_the_classifier(cross_encoder):
+    query, docs = "w20 w21 w22", TEXTS
+    logits = classifier_logits(cross_encoder.model_dir, [(query, d) for d in docs])
+    expected = torch.sigmoid(torch.tensor(logits)).tolist()
+    for path in ("/score", "/v1/score"):
+        score = post(cross_encoder, path, {"text_1": query, "text_2": docs}).json()
+        assert [d["index"] for d in score["data"]] == [0, 1, 2]
+        assert [d["score"] for d in score["data"]] == pytest.approx(expected, abs=1e-4)
+    order = sorted(range(3), key=lambda i: -expected[i])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        body = post(cross_encoder, path, {"query": query, "documents": docs, "top_n": 2}).json()
+        assert [r["index"] for r in body["results"]] == order[:2]
+        assert [r["relevance_score"] for r in body["results"]] == pytest.approx([expected[i] for i in order[:2]],
+                                                                                abs=1e-4)
+        assert body["results"][0]["document"]["text"] == docs[order[0]] and body["usage"]["total_tokens"] > 0
+    pairwise = post(cross_encoder, "/score", {"text_1": [query, query], "text_2": docs[:2]}).json()
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx(expected[:2], abs=1e-4)
+    bad = post(cross_encoder, "/score", {"text_1": [query, query], "text_2": docs})
+    assert bad.json()["error"]["message"] == "Input lengths must be either 1:1, 1:N or N:N"
+
+
+def test_classify_and_pooling_on_the_cross_encoder(cross_encoder):
+    [logit] = classifier_logits(cross_encoder.model_dir, [("w5", "w6")])  # (the pair is tokens 5, 6)
+    body = post(cross_encoder, "/classify", {"input": [[5, 6]]}).json()
+    assert body["data"][0]["probs"] == pytest.approx([float(torch.sigmoid(torch.tensor(logit)))], abs=1e-4)
+    assert body["data"][0]["label"] == "LABEL_0" and body["data"][0]["num_classes"] == 1
+    assert post(cross_encoder, "/v1/embeddings", {"input": "w5"}).json()["error"]["message"] == \
+        "The model does not support Embeddings API"
+    rows = post(cross_encoder, "/pooling", {"input": [[5, 6, 7]], "task": "token_classify"}).json()
+    assert len(rows["data"][0]["data"]) == 3  # one row per token (the score head's, sigmoid on its one label)
