@@ -9,7 +9,7 @@ import uuid
 
 from aiohttp import web
 
-from router import choices, lora_api, pooling_api, responses, resume
+from router import beam_choices, choices, lora_api, pooling_api, responses, resume
 from router.admission import launch
 from router.config import RouterConfig
 from router.errors import APIError, bad_request
@@ -109,7 +109,7 @@ async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamRes
     echoes = [await _echo_text(req, p, ids, tokenizer) for p, ids in zip(texts, prompts)]
     answer = responses.Answer(req, answer_id, int(time.time()), gens, tokenizer, echoes)
     headers = {"X-Request-Id": base}
-    deltas = choices.run(req, gens, replicas, tokenizer)
+    deltas = (beam_choices if req.beam is not None else choices).run(req, gens, replicas, tokenizer)
     try:  # closing it cancels every choice, so the scheduler aborts them and frees their blocks
         if not req.stream:
             async for gen, delta in deltas:
@@ -125,9 +125,12 @@ def _resumable(request: web.Request, req: GenerateRequest) -> None:
     """A stream to a client that accepts event streams is resumable (router.resume); with Last-Event-ID the
     request is a resume of one that such a client started."""
     last = request.headers.get(resume.HEADER)
-    req.resumable = req.stream and resume.wants_event_ids(request.headers.get("Accept", ""))
+    # (a beam search's steps are requests of their own, kept nowhere for a resume)
+    req.resumable = req.stream and req.beam is None and resume.wants_event_ids(request.headers.get("Accept", ""))
     if last is None:
         return
+    if req.beam is not None:
+        raise bad_request(f"{resume.HEADER}: a beam search's stream is not resumable", resume.HEADER)
     if not req.stream:
         raise bad_request(f"{resume.HEADER} resumes a stream: 'stream' must be true", resume.HEADER)
     if not (request.headers.get("X-Request-Id") or req.request_id):

@@ -11,6 +11,7 @@ from router.errors import bad_request
 from router.config import RouterConfig
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.request import GenerateRequest, Prompt
+from router.beam_search import MAX_WIDTH, BeamOptions
 from router.request_builder import RequestBuilder
 from stagemesh.core.sampling_params import SCALAR_FIELDS, InvalidParameter, StructuredOutputs
 
@@ -33,6 +34,7 @@ def completion_request(m: CompletionRequest, config: RouterConfig) -> GenerateRe
     logprobs = b.logprobs("logprobs", m.logprobs)
     b.max_tokens(m.max_tokens, "max_tokens", echo_only=m.echo and m.max_tokens == 0)
     _sampling(b, m, logprobs, m.prompt_logprobs if m.prompt_logprobs is not None else (logprobs if m.echo else None))
+    _beam_search(b, m)
     return b.build()
 
 
@@ -50,6 +52,7 @@ def chat_request(m: ChatCompletionRequest, config: RouterConfig) -> GenerateRequ
     given = m.max_completion_tokens is not None
     b.max_tokens(m.max_completion_tokens if given else m.max_tokens, "max_completion_tokens" if given else "max_tokens")
     _sampling(b, m, (top or 0) if m.logprobs else None, m.prompt_logprobs)
+    _beam_search(b, m)
     return b.build()
 
 
@@ -66,6 +69,34 @@ def _common(m, config: RouterConfig, chat: bool) -> RequestBuilder:
     req.skip_special_tokens, req.spaces_between_special_tokens = m.skip_special_tokens, m.spaces_between_special_tokens
     b.truncation(m.truncate_prompt_tokens, m.truncation_side)
     return b
+
+
+# what beam search does not use (vLLM's neither): a 400 naming the field when one asks for something
+BEAM_REFUSED = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
+                "logit_bias", "allowed_token_ids", "bad_words", "stop", "stop_token_ids", "min_tokens", "logprobs",
+                "top_logprobs", "prompt_logprobs", "response_format", "structured_outputs", "guided_json",
+                "guided_regex", "guided_choice", "guided_grammar", "tools", "echo")
+
+
+def _beam_search(b: RequestBuilder, m) -> None:
+    """use_beam_search with n as the width (at most MAX_WIDTH), length_penalty and early_stopping, as vLLM's
+    beam search; the switches of sampling it does not use are refused by name."""
+    if not m.use_beam_search:
+        for name, neutral in (("length_penalty", 1.0), ("early_stopping", False)):
+            if getattr(m, name) != neutral:
+                raise bad_request(f"'{name}' only applies to beam search: send 'use_beam_search': true", name)
+        return
+    for name in BEAM_REFUSED:
+        value = getattr(m, name, None)
+        if name in m.model_fields_set and value not in (None, False, 0, [], {}, ""):
+            raise bad_request(f"'{name}' does not apply to beam search (beams follow the model's own logprobs)",
+                              name)
+    if m.n > MAX_WIDTH:
+        raise bad_request(f"beam search's width 'n' is at most {MAX_WIDTH} (2 x n logprobs a step, vLLM's "
+                          "max_logprobs 20)", "n")
+    if not m.length_penalty == m.length_penalty or abs(m.length_penalty) > 100:  # (NaN, or past any use)
+        raise bad_request("'length_penalty' must be a number in [-100, 100]", "length_penalty")
+    b.req.beam = BeamOptions(float(m.length_penalty), bool(m.early_stopping))
 
 
 def _sampling(b: RequestBuilder, m, logprobs: int | None, prompt_logprobs: int | None) -> None:

@@ -73,6 +73,10 @@ class _Sampling(Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    # vLLM's beam search (router.beam_search): n is its width
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
 
     @field_validator("cache_salt")
@@ -150,8 +154,6 @@ _MULTIMODAL = "multimodal inputs are not supported"
 _TOOLS = "functions are not supported (tool calling is not supported yet)"
 _STORED = "stored completions are not supported"
 REFUSED: dict[str, str] = {
-    "use_beam_search": "beam search is not supported",
-    "length_penalty": "length_penalty only applies to beam search, which is not supported",
     "watermarking": "watermarking is not supported",
     "logprob_token_ids": "logprob_token_ids is not supported; use logprobs / top_logprobs",
     "prompt_embeds": "prompt embeddings are not supported; send text or token ids",
@@ -172,7 +174,7 @@ REFUSED: dict[str, str] = {
     "service_tier": "service tiers are not supported", "verbosity": "verbosity is not supported",
 }
 # the value each refused field may still have: it asks for nothing (the others: None, false, empty)
-NEUTRAL = {"length_penalty": (1, 1.0), "routed_experts_prompt_start": (0,),
+NEUTRAL = {"routed_experts_prompt_start": (0,),
            "service_tier": ("auto", "default"), "modalities": (["text"],)}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.beam_search import BeamOptions
 from router.reasoning import ReasoningPlan
 from router.resume import ResumePoint
 from router.tools import ToolPlan
@@ -67,6 +68,7 @@ class GenerateRequest:
     engine: EngineRequest = field(default_factory=lambda: EngineRequest("", ()))
     resumable: bool = False  # its replicas keep it for a resume if the router goes away (router.resume)
     resume: ResumePoint | None = None  # a resume: what the client has of each choice
+    beam: BeamOptions | None = None  # use_beam_search: n is the width (router.beam_search)
 
     @property
     def logprobs(self) -> bool:

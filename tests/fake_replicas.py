@@ -23,6 +23,7 @@ from router.replica_set import ReplicaSet
 from router.replicas import Replica
 import grpc
 
+from stagemesh.core.step import TokenLogprob
 from router.submit_stream import ReplicaOutput, RequestFailed
 from router.tokenization import Tokenizer
 from stagemesh.core.engine_request import EngineRequest
@@ -73,12 +74,20 @@ class FakeReplica(Replica):
                 raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"replica {self.address} died")
             stop = token in sampling.stop_token_ids
             last = stop or i + 1 == sampling.max_tokens
-            yield ReplicaOutput([token], finish_reason=("stop" if stop else "length") if last else None,
+            yield ReplicaOutput([token], self._logprobs(token, sampling),
+                                finish_reason=("stop" if stop else "length") if last else None,
                                 stop_token_id=token if stop else None,
                                 num_prompt_tokens=len(prompt) if i == num_generated else 0)
             if last:
                 return
             token = (token + 1) % self.vocab_size
+
+    def _logprobs(self, token: int, sampling: SamplingParams) -> list[TokenLogprob]:
+        """The token as the most likely, and its next ones as the top N after it, as a replica answers logprobs."""
+        if sampling.logprobs is None:
+            return []
+        top = [(token + k) % self.vocab_size for k in range(sampling.logprobs)]
+        return [TokenLogprob(token, -0.1, 1, top, [-0.1 * (k + 1) for k in range(len(top))])]
 
     async def close(self) -> None:
         pass

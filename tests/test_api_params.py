@@ -268,7 +268,7 @@ def test_request_ids_in_and_out_version_and_openapi(router):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("use_beam_search", True), ("length_penalty", 2.0), ("priority", 1),
+    ("length_penalty", 2.0), ("priority", 1),
     ("prompt_embeds", "abc"), ("stream_interval", 2),
     ("vllm_xargs", {"a": 1}), ("logprob_token_ids", [5]), ("repetition_detection", {"n": 2}),
     ("suffix", "w5"), ("best_of", 2),
