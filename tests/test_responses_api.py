@@ -155,7 +155,7 @@ def test_function_call_items_and_their_outputs_reach_the_template(router):
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "only function tools"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "web_search"}}, "tool_choice",
      "not supported"),
-    ({"background": True}, "background", "background mode is not supported"),
+    ({"background": True, "store": False}, "background", "background can only be used when `store` is true"),
     ({"conversation": "conv_1"}, "conversation", "use previous_response_id"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt", "prompt templates"),
     ({"truncation": "auto"}, "truncation", "only 'disabled'"),
@@ -192,6 +192,7 @@ def test_a_cache_salt_reaches_the_replica(router):
 def test_logprobs_come_with_include(router):
     out = router.client().responses.create(model=M, input="w5", max_output_tokens=2, top_logprobs=0,
                                            include=["message.output_text.logprobs"])
-    # the fake replica sends no logprobs: the field is there, empty (a real model's are in tests/test_agents.py)
-    assert out.output[0].content[0].logprobs == []
-    assert json.loads(out.model_dump_json())["output"][0]["content"][0]["logprobs"] == []
+    # the fake replica's logprobs (-0.1 for its token: tests/fake_replicas.py), one per output token (a real
+    # model's are in tests/test_agents.py)
+    logprobs = json.loads(out.model_dump_json())["output"][0]["content"][0]["logprobs"]
+    assert [e["token"] for e in logprobs] == ["w6", "w7"] and {round(e["logprob"], 3) for e in logprobs} == {-0.1}

@@ -19,8 +19,8 @@ MSG = [{"role": "user", "content": "hi"}]
 CASES = [
     (CHAT, b"{not json", 400, "not valid JSON", None),
     (CHAT, b"[1, 2]", 400, "must be a JSON object", None),
-    (CHAT, {"model": "gpt-4", "messages": MSG, "use_beam_search": True}, 400,
-     "'use_beam_search' is not supported by this server: beam search", "use_beam_search"),
+    (CHAT, {"model": M, "messages": MSG, "use_beam_search": True, "top_p": 0.5}, 400,
+     "'top_p' does not apply to beam search", "top_p"),
     (CHAT, {"model": 5, "messages": MSG}, 400, "'model' must be a string", "model"),
     (CHAT, {"model": "gpt-4", "messages": MSG}, 404, "the model 'gpt-4' does not exist", "model"),
     (CHAT, {"model": M}, 400, "'messages' is required", "messages"),
@@ -162,7 +162,7 @@ CASES = [
     (COMP, {"model": M, "prompt": [5] * 600}, 400, "You passed 600 input tokens, which leaves no room for output",
      "input_tokens"),
     (COMP, {"model": M, "prompt": "hi", "logprobs": 30}, 400, "'logprobs' must be an integer in [0, 20]", "logprobs"),
-    ("/v1/embeddings", {"model": M, "input": "x"}, 404, "no route POST /v1/embeddings", None),
+    ("/v1/embeddings", {"model": M, "input": "x"}, 400, "The model does not support Embeddings API", None),
     ("/tokenize", {"nothing": 1}, 400, "'prompt' (a string) or 'messages' is required", "prompt"),
     ("/detokenize", {"tokens": "abc"}, 400, "'tokens' must be an array of integers", "tokens"),
 ]

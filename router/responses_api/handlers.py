@@ -1,6 +1,6 @@
 """The Responses API's endpoints, as vLLM serves them: POST /v1/responses (whole or streamed as Server-Sent
 Events `event: <type>` / `data: <json>`, with no [DONE]), GET and DELETE /v1/responses/{id} over the store,
-and POST /v1/responses/{id}/cancel (only background responses can be cancelled, and there are none).
+and POST /v1/responses/{id}/cancel (a background response's: router.responses_api.background).
 
 A store: true response that the store fails to keep is still answered (its generation is not thrown away),
 with "store": false in it, as vLLM answers when it keeps nothing, and a warning in the log; the calls that
@@ -23,6 +23,8 @@ from router.http_body import read_json
 from router.openai_request import chat_request
 from router.protocol import ChatCompletionRequest, validate
 from router.request import GenerateRequest
+from router.resume import ResumePoint
+from router.responses_api import background
 from router.responses_api.output import ResponseBuilder
 from router.responses_api.request import NEUTRAL, REFUSED, ResponsesRequest, chat_body, renamed
 from router.responses_api.store import ResponseStore, Stored, StoreUnavailable
@@ -34,6 +36,7 @@ log = logging.getLogger("stagemesh.router")
 
 def add_routes(app: web.Application, store: ResponseStore) -> None:
     app[STORE] = store
+    background.init(app)
     app.on_cleanup.append(lambda _: store.close())
     app.router.add_post("/v1/responses", create)
     app.router.add_get("/v1/responses/{response_id}", retrieve)
@@ -47,20 +50,25 @@ async def create(request: web.Request) -> web.StreamResponse:
     if "Last-Event-ID" in request.headers:  # (router.resume covers chat and completions streams)
         raise bad_request("resuming a Responses API stream (Last-Event-ID) is not built: resume chat completions "
                           "or completions streams, or send the request again", "Last-Event-ID")
-    m = validate(ResponsesRequest, await read_json(request), REFUSED, NEUTRAL)
+    raw = await read_json(request)
+    m = validate(ResponsesRequest, raw, REFUSED, NEUTRAL)
+    if m.background and not m.store:  # (vLLM's words)
+        raise bad_request("background can only be used when `store` is true", "background")
     store = request.app[STORE]
-    history = []
-    if m.previous_response_id is not None:
-        history = (await _stored(store, m.previous_response_id, "previous_response_id")).messages
-    chat, origins = chat_body(m, history)
+    chat, origins = await _chat(store, m)
     try:
-        req, base, gens = await _prepare(request, chat)
+        req = chat_request(validate(ChatCompletionRequest, chat), request.app[CONFIG])
+        base = request_id(request, req)
+        gens = await _launch(request.app, req, base, m.background)
     except APIError as err:
         raise renamed(err, origins) from None
     builder = ResponseBuilder(m, req, f"resp_{base}", int(time.time()), gens[0], request.app[TOKENIZER])
-    # what a later request continues: this one's messages (not its instructions) and its answer
-    conversation = chat["messages"][1:] if m.instructions else chat["messages"]
+    conversation = _conversation(m, chat)
     deltas = choices.run(req, gens, request.app[REPLICAS], request.app[TOKENIZER])
+    if m.background:
+        job = background.Job(store, builder, conversation, {"request": raw, "request_id": base},
+                             request.app[background.OWNER])
+        return await _in_background(request, job, deltas)
     headers = {"X-Request-Id": base}
     try:  # closing it cancels the generation, so the scheduler aborts it and frees its blocks
         if not m.stream:
@@ -73,30 +81,102 @@ async def create(request: web.Request) -> web.StreamResponse:
         await deltas.aclose()
 
 
-async def _remember(store: ResponseStore, m: ResponsesRequest, builder: ResponseBuilder,
-                    conversation: list[dict]) -> None:
-    """Keeps a store: true response; when the store fails, the response says "store": false instead."""
-    if not m.store:
-        return
+async def _chat(store: ResponseStore, m: ResponsesRequest) -> tuple[dict, list[str]]:
+    """The chat body the request asks for, after the conversation it continues (previous_response_id)."""
+    history = []
+    if m.previous_response_id is not None:
+        history = (await _stored(store, m.previous_response_id, "previous_response_id")).messages
+    return chat_body(m, history)
+
+
+def _conversation(m: ResponsesRequest, chat: dict) -> list[dict]:
+    """What a later request continues: this one's messages (not its instructions), before its answer."""
+    return chat["messages"][1:] if m.instructions else chat["messages"]
+
+
+async def _launch(app: web.Application, req: GenerateRequest, base: str, background_run: bool,
+                  resume: bool = False) -> list[Generation]:
+    """The chat path: the request admitted, its prompt rendered and tokenized. A background one is resumable (its
+    replica keeps it if this router dies, for the router that takes it over); `resume`: that router's attach."""
+    config = app[CONFIG]
+    req.resumable = background_run
+    req.resume = ResumePoint([0], [False]) if resume else None
+    _, gens = await launch(req, app[REPLICAS], app[TOKENIZER], config.max_model_len, f"resp_{base}")
+    return gens
+
+
+def _final(builder: ResponseBuilder, conversation: list[dict]) -> tuple[dict, list[dict]]:
+    """The finished response and the conversation a later request continues, its answer last."""
     turn = builder.turn()
     assert builder.req.chat_options is not None  # (a Responses request is a chat)
     if builder.req.chat_options.continue_final_message:  # the answer went on with the last (partial) message
         last, conversation = conversation[-1], conversation[:-1]
         turn = {**turn, "content": (last["content"] or "") + (turn["content"] or "")}
+    return builder.body(), [*conversation, turn]
+
+
+async def _remember(store: ResponseStore, m: ResponsesRequest, builder: ResponseBuilder,
+                    conversation: list[dict]) -> None:
+    """Keeps a store: true response; when the store fails, the response says "store": false instead."""
+    if not m.store:
+        return
+    body, messages = _final(builder, conversation)
     try:
-        await store.put(builder.id, Stored(builder.body(), [*conversation, turn]))
+        await store.put(builder.id, Stored(body, messages))
     except StoreUnavailable as err:
         builder.stored = False
         log.warning("response %s is answered unstored (\"store\": false): %s", builder.id, err.message)
 
 
-async def _prepare(request: web.Request, chat: dict) -> tuple[GenerateRequest, str, list[Generation]]:
-    """The chat path: the request checked and built, admitted, its prompt rendered and tokenized."""
-    config = request.app[CONFIG]
-    req = chat_request(validate(ChatCompletionRequest, chat), config)
-    base = request_id(request, req)
-    _, gens = await launch(req, request.app[REPLICAS], request.app[TOKENIZER], config.max_model_len, f"resp_{base}")
-    return req, base, gens
+async def _in_background(request: web.Request, job: background.Job, deltas) -> web.StreamResponse:
+    """Stored as queued (a background response needs its store: 503 without it), run in a task of this router;
+    answered at once, or as its events' stream."""
+    b = job.builder
+    queued = b.body("queued")
+    try:
+        await job.save(queued)
+        await job.emit([b.event("response.created", response=queued)])
+        await job.store.claim(job.id, job.owner, background.LEASE_S)
+    except BaseException:
+        await deltas.aclose()
+        raise
+    background.start(request.app, job, deltas, lambda j: _final(j.builder, j.conversation))
+    if b.m.stream:
+        return await background.events_stream(request, job.store, job.id, -1, _taker(request.app))
+    return web.json_response(queued, headers={"X-Request-Id": job.job["request_id"]})
+
+
+def _taker(app: web.Application):
+    async def take_over(entry: Stored) -> None:
+        await _take_over(app, entry)
+    return take_over
+
+
+async def _take_over(app: web.Application, entry: Stored) -> None:
+    """Run a background response whose router died (its lease expired) here: its request attached where its
+    replica kept it, its events going on from those kept. One that cannot be attached fails, with why."""
+    store, rid = app[STORE], entry.body.get("id", "")
+    if entry.job is None or entry.body.get("status") in background.TERMINAL or rid in app[background.RUNNING]:
+        return
+    if not await store.claim(rid, app[background.OWNER], background.LEASE_S):
+        return
+    log.info("background response %s: its router stopped running it; taking it over", rid)
+    m = validate(ResponsesRequest, entry.job["request"], REFUSED, NEUTRAL)
+    try:
+        chat, _ = await _chat(store, m)
+        req = chat_request(validate(ChatCompletionRequest, chat), app[CONFIG])
+        gens = await _launch(app, req, entry.job["request_id"], True, resume=True)
+    except APIError as err:
+        await store.put(rid, Stored({**entry.body, "status": "failed", "error": {
+            "code": str(err.status), "message": f"its router stopped and it could not be taken over: {err.message}"}},
+            [], entry.job))
+        return
+    builder = ResponseBuilder(m, req, rid, entry.body.get("created_at", int(time.time())), gens[0], app[TOKENIZER])
+    background.restore(builder, await store.events(rid, 0))
+    job = background.Job(store, builder, _conversation(m, chat), entry.job, app[background.OWNER],
+                         status=entry.body["status"])
+    background.start(app, job, choices.run(req, gens, app[REPLICAS], app[TOKENIZER]),
+                     lambda j: _final(j.builder, j.conversation))
 
 
 async def _stream(request, builder: ResponseBuilder, deltas, headers, finished) -> web.StreamResponse:
@@ -144,16 +224,36 @@ def _not_found(store: ResponseStore, response_id: str, param: str | None = None)
                          f"deleted, {store.missing_hint()}", param)
 
 
-def _no_query(request: web.Request) -> None:
-    for name, value in request.query.items():
-        if not (name == "stream" and value.lower() == "false"):
-            raise bad_request(f"'{name}' is not supported by this server here: it keeps no stream events, only "
-                              "the finished response", name)
+def _stream_query(request: web.Request, entry: Stored) -> int | None:
+    """GET's stream=true and starting_after N (a background response's events after number N: -1, all), or None
+    for the response itself."""
+    query = dict(request.query)
+    stream = query.pop("stream", "false").lower()
+    after = query.pop("starting_after", None)
+    for name in query:
+        raise bad_request(f"'{name}' is not supported by this server here", name)
+    if stream not in ("true", "false"):
+        raise bad_request("'stream' must be true or false", "stream")
+    if stream == "false":
+        if after is not None:
+            raise bad_request("'starting_after' goes with stream=true", "starting_after")
+        return None
+    if entry.job is None:  # (only a background response keeps its events)
+        raise bad_request("only a background response can be streamed again: this one kept no stream events",
+                          "stream")
+    if after is not None and not after.lstrip("-").isdigit():
+        raise bad_request("'starting_after' must be an event's sequence_number", "starting_after")
+    return -1 if after is None else max(-1, int(after))
 
 
-async def retrieve(request: web.Request) -> web.Response:
-    _no_query(request)
-    return web.json_response((await _stored(request.app[STORE], request.match_info["response_id"])).body)
+async def retrieve(request: web.Request) -> web.StreamResponse:
+    store, rid = request.app[STORE], request.match_info["response_id"]
+    entry = await _stored(store, rid)
+    after = _stream_query(request, entry)
+    await _take_over(request.app, entry)
+    if after is not None:
+        return await background.events_stream(request, store, rid, after, _taker(request.app))
+    return web.json_response(entry.body)
 
 
 async def delete(request: web.Request) -> web.Response:
@@ -164,6 +264,16 @@ async def delete(request: web.Request) -> web.Response:
 
 
 async def cancel(request: web.Request) -> web.Response:
-    await _stored(request.app[STORE], request.match_info["response_id"])
-    raise bad_request("Cannot cancel a synchronous response: only background responses can be cancelled, and "
-                      "this server runs none")
+    """A queued or running background response: cancelled (the router running it aborts its request within
+    background.WATCH_S), answered with its cancelled body; anything else is vLLM's 400."""
+    store, rid = request.app[STORE], request.match_info["response_id"]
+    entry = await _stored(store, rid)
+    if entry.job is None or entry.body.get("status") not in ("queued", "in_progress"):
+        raise bad_request("Cannot cancel a synchronous response.")
+    await store.request_cancel(rid)
+    body = {**entry.body, "status": "cancelled"}
+    await store.put(rid, Stored(body, entry.messages, entry.job))
+    task = request.app[background.RUNNING].get(rid)
+    if task is not None:  # (here: its request is aborted before the answer)
+        await asyncio.wait([task], timeout=background.LEASE_S)
+    return web.json_response(body)

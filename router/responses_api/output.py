@@ -33,6 +33,8 @@ class ResponseBuilder:
         self.thought = False  # ... and closed it
         self.sent = 0  # characters of text a stream has sent
         self.stored = m.store  # False once a store: true response could not be kept (the store failed)
+        self.background = m.background
+        self.quiet_reasoning = False  # a response taken over (background): its reasoning deltas were sent
         self._final: tuple[str | None, list[tuple[str, ToolCall]]] | None = None
 
     # -- the answer --------------------------------------------------------------------------------
@@ -73,7 +75,7 @@ class ResponseBuilder:
                "tool_choice": m.tool_choice or "auto", "tools": m.tools or [],
                "top_p": 1.0 if m.top_p is None else m.top_p, "top_logprobs": m.top_logprobs or 0,
                "truncation": "disabled", "usage": None, "user": m.user, "metadata": m.metadata or {},
-               "background": False, "max_tool_calls": None, "service_tier": "default"}
+               "background": self.background, "max_tool_calls": None, "service_tier": "default"}
         if status is None:
             out["status"], out["incomplete_details"] = self._status()
             out["output"], out["usage"] = self._output(), self._usage()
@@ -140,7 +142,7 @@ class ResponseBuilder:
     def deltas(self, d: Delta) -> list[dict]:
         """The events of one delta: the reasoning it adds, the text that may be shown now."""
         reasoning = self.add(d)
-        events = self._think(reasoning) if reasoning else []
+        events = self._think(reasoning) if reasoning and not self.quiet_reasoning else []
         if d.finish_reason:
             return events  # the rest comes with the closing events, once the calls are read
         visible = self._visible()

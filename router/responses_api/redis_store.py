@@ -21,6 +21,16 @@ from router.errors import APIError
 from router.responses_api.store import ResponseStore, Stored, StoreUnavailable
 
 KEY_PREFIX = "stagemesh:responses:"
+# a background response's events (a list), its runner's lease and its cancel flag, each beside its response
+EVENTS_PREFIX, LEASE_PREFIX, CANCEL_PREFIX = "stagemesh:response-events:", "stagemesh:response-lease:", \
+    "stagemesh:response-cancel:"
+# take the lease when it is free or this owner's, and (re)set its expiry: one round trip, atomic
+_CLAIM = """
+local held = redis.call('GET', KEYS[1])
+if held and held ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
 # socket_timeout and socket_connect_timeout unless the URL sets them (?socket_timeout=0.5): a store on the
 # same network answers in milliseconds, and a hung one must not hold a request longer than this
 TIMEOUT_S = 1.0
@@ -71,7 +81,35 @@ class RedisStore(ResponseStore):
                                 f"{err}") from None
 
     async def delete(self, response_id: str) -> bool:
-        return bool(await self._call(lambda: self._client.delete(KEY_PREFIX + response_id)))
+        keys = [prefix + response_id for prefix in (KEY_PREFIX, EVENTS_PREFIX, LEASE_PREFIX, CANCEL_PREFIX)]
+        return bool(await self._call(lambda: self._client.delete(*keys)))
+
+    async def append_events(self, response_id: str, events: list[str]) -> None:
+        if not events:
+            return
+        key, ttl_ms = EVENTS_PREFIX + response_id, max(1, round(self.ttl_s * 1000))
+
+        async def push():
+            async with self._client.pipeline(transaction=True) as pipe:
+                pipe.rpush(key, *events)
+                pipe.pexpire(key, ttl_ms)
+                await pipe.execute()
+        await self._call(push)
+
+    async def events(self, response_id: str, start: int) -> list[str]:
+        raw = await self._call(lambda: self._client.lrange(EVENTS_PREFIX + response_id, start, -1))
+        return [e.decode() if isinstance(e, bytes) else e for e in raw]
+
+    async def claim(self, response_id: str, owner: str, ttl_s: float) -> bool:
+        ms = max(1, round(ttl_s * 1000))
+        return bool(await self._call(lambda: self._client.eval(_CLAIM, 1, LEASE_PREFIX + response_id, owner, ms)))
+
+    async def request_cancel(self, response_id: str) -> None:
+        ttl_ms = max(1, round(self.ttl_s * 1000))
+        await self._call(lambda: self._client.set(CANCEL_PREFIX + response_id, b"1", px=ttl_ms))
+
+    async def cancel_requested(self, response_id: str) -> bool:
+        return bool(await self._call(lambda: self._client.exists(CANCEL_PREFIX + response_id)))
 
     def missing_hint(self) -> str:
         return f"or has expired (responses are kept {self.ttl_s:g} s, --responses-store-ttl)"

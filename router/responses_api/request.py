@@ -5,7 +5,7 @@ become chat tools, text.format the output constraint, include's logprobs chat's 
 request's own fields.
 
 What this server does not build is refused by name: built-in tools (web search, file search, code
-interpreter, MCP, ...), background mode, conversations, prompt templates, a chat template of its own,
+interpreter, MCP, ...), background options, conversations, prompt templates, a chat template of its own,
 reasoning options, truncation "auto", item references and reasoning items in the input.
 """
 from __future__ import annotations
@@ -17,8 +17,7 @@ from router.protocol import Strict
 
 _NONE = "this server does not build it"
 REFUSED: dict[str, str] = {
-    "background": "background mode is not supported: send the request and wait for it (or stream it)",
-    "background_options": "background mode is not supported",
+    "background_options": "background options are not supported (background: true runs with the defaults)",
     "conversation": "conversations are not supported: use previous_response_id",
     "prompt": "prompt templates are not supported (as in vLLM)",
     "max_tool_calls": "it limits built-in tool calls, and this server runs no built-in tool",
@@ -64,6 +63,7 @@ class ResponsesRequest(Strict):
     reasoning: dict[str, Any] | None = None
     stream: bool = False
     store: bool = True
+    background: bool = False  # router.responses_api.background
     metadata: dict[str, str] | None = None
     user: str | None = None  # for the caller's records, as OpenAI's
     safety_identifier: str | None = None  # (the same)

@@ -21,9 +21,15 @@ DEFAULT_TTL_S = 3600.0
 class Stored:
     body: dict  # the Response object
     messages: list[dict]  # its conversation as chat messages, its own answer last (without instructions)
+    # a background response: what any router needs to run it on (router.responses_api.background): the request's
+    # body and id; None for the others
+    job: dict | None = None
 
     def to_json(self) -> str:
-        return json.dumps({"body": self.body, "messages": self.messages}, ensure_ascii=False)
+        value = {"body": self.body, "messages": self.messages}
+        if self.job is not None:
+            value["job"] = self.job
+        return json.dumps(value, ensure_ascii=False)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Stored:
@@ -32,7 +38,8 @@ class Stored:
         if not (isinstance(value, dict) and isinstance(value.get("body"), dict)
                 and isinstance(value.get("messages"), list) and all(isinstance(m, dict) for m in value["messages"])):
             raise ValueError("not a stored response: a JSON object with 'body' (an object) and 'messages' expected")
-        return cls(value["body"], value["messages"])
+        job = value.get("job")
+        return cls(value["body"], value["messages"], job if isinstance(job, dict) else None)
 
 
 class StoreUnavailable(APIError):
@@ -66,6 +73,25 @@ class ResponseStore(ABC):
     @abstractmethod
     def describe(self) -> str:
         """The store and its bound, for the router's start-up log."""
+
+    # -- background responses (router.responses_api.background): their events, who runs them, their cancel ------
+    @abstractmethod
+    async def append_events(self, response_id: str, events: list[str]) -> None:
+        """Add a background response's stream events (JSON texts), in order."""
+
+    @abstractmethod
+    async def events(self, response_id: str, start: int) -> list[str]:
+        """Its events from index `start` on."""
+
+    @abstractmethod
+    async def claim(self, response_id: str, owner: str, ttl_s: float) -> bool:
+        """Take (or keep) the lease on running it for `ttl_s` seconds: False while another owner holds it."""
+
+    @abstractmethod
+    async def request_cancel(self, response_id: str) -> None: ...
+
+    @abstractmethod
+    async def cancel_requested(self, response_id: str) -> bool: ...
 
     async def unreachable(self) -> str | None:
         """Why the store does not answer now (None: it does)."""
