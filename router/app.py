@@ -268,11 +268,32 @@ def build_app(replicas: ReplicaSet, tokenizer: Tokenizer, config: RouterConfig) 
     app.router.add_get("/openapi.json", openapi)
     lora_api.add_routes(app)  # vLLM's run-time LoRA endpoints, under its environment variable
     pooling_api.add_routes(app)  # --runner pooling's endpoints (vLLM's 400 on a generative model)
+    _batch_api(app, replicas, config)
     responses_api.add_routes(app, open_store(config.responses_store, config.responses_store_size,
                                              config.responses_store_ttl))
     app.on_startup.append(_start_tokenizer)
     app.on_cleanup.append(_close_tokenizer)
     return app
+
+
+def _batch_api(app: web.Application, replicas: ReplicaSet, config: RouterConfig) -> None:
+    """The Batch API under --batch-dir (router.batch); without it, its endpoints say how to turn it on."""
+    if config.batch_dir is None:
+        async def off(request: web.Request) -> web.Response:
+            raise bad_request("the Batch API is off on this server: start it with --batch-dir DIR")
+        for path in ("/v1/files", "/v1/batches"):
+            app.router.add_route("*", path, off)
+            app.router.add_route("*", path + "/{tail:.*}", off)
+        return
+    from pathlib import Path
+
+    from router.batch import api as batch_api
+    from router.batch.files import FileStore
+    from router.batch.runner import BatchRunner
+
+    files = FileStore(Path(config.batch_dir), config.batch_max_file_bytes)
+    batch_api.add_routes(app, files, BatchRunner(files.root, files, config.batch_concurrency, replicas,
+                                                 config.api_key))
 
 
 async def _start_tokenizer(app: web.Application) -> None:

@@ -50,6 +50,7 @@ async def _main(args: argparse.Namespace) -> int:
         _starting(app[LIFECYCLE], replicas)
     grpc_server = await _frontend(args, replicas, app, config)
     runner, site = await _serve_http(args, app, config.served_model_name, len(replicas.replicas))
+    _run_batches(args, app, runner.addresses[0][1])
     freeze_startup_heap("router")
     await shutdown.wait()
     await _drain(shutdown, app[LIFECYCLE], site, replicas)
@@ -105,7 +106,9 @@ def _build_app(args: argparse.Namespace, replicas):
                                                         args.override_generation_config)),
                           lora=LoRARegistry(_lora_modules(args, name), args.enable_lora,
                                             tuple(args.allowed_local_lora_path), replica_set=replicas),
-                          pooler=from_args(PoolingOptions, args).resolve(source.model_dir, model_config.raw))
+                          pooler=from_args(PoolingOptions, args).resolve(source.model_dir, model_config.raw),
+                          batch_dir=args.batch_dir, batch_max_file_bytes=args.batch_max_file_bytes,
+                          batch_concurrency=args.batch_concurrency)
     tokenizer = Tokenizer(source.model_dir, model_config.max_position_embeddings, config.template_timeout_s,
                           config.grammar_compile_timeout, config.json_any_whitespace)
     config = _auto_tool_choice(args, config, tokenizer)
@@ -178,6 +181,16 @@ async def _wait_for_a_replica(replicas, shutdown) -> None:
                      STARTUP_WAIT_S - (now - start),
                      "; ".join(f"{r.address}: {r.reason or 'healthy'}" for r in replicas.replicas))
         await asyncio.sleep(0.1)
+
+
+def _run_batches(args: argparse.Namespace, app, port: int) -> None:
+    """With --batch-dir: this router runs batches (its own and those nobody runs), each line sent to itself."""
+    from router.batch.api import RUNNER
+
+    if RUNNER in app:
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        app[RUNNER].serve(f"http://{host if ':' not in host else f'[{host}]'}:{port}")
+        log.info("Batch API: files and batches under %s", args.batch_dir)
 
 
 def _starting(lifecycle, replicas) -> None:

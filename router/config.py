@@ -122,6 +122,15 @@ class RouterOptions:
         "serve stagemesh.v1.RouterControl on this loopback port (0: any free port): the mesh's supervisor changes "
         "the replicas while the router serves, and probes this router's own readiness there (grpc.health.v1); "
         "needs the internal token (`stagemesh serve` sets it)")).field()
+    batch_dir: str | None = Flag(("--batch-dir",), metavar="DIR", help=(
+        "serve the Batch API (/v1/files with purpose batch, /v1/batches), keeping files and batches under DIR: they "
+        "survive a restart, and a batch in progress goes on (on any router given the same DIR, one at a time). "
+        "Default: off (vLLM has no online Batch API)")).field()
+    batch_max_file_bytes: int = Flag(("--batch-max-file-bytes",), type=int, default=200 << 20, help=(
+        "a larger upload to /v1/files is refused with a 413 that says this limit (default 200 MiB, OpenAI's)")).field()
+    batch_concurrency: int = Flag(("--batch-concurrency",), type=int, default=8, help=(
+        "a batch's requests in flight at once (default 8); under --scheduling-policy priority on the replicas, they "
+        "run below interactive requests")).field()
     service: ServiceOptions = group(ServiceOptions, skip=("metrics_port",))
 
 
@@ -152,6 +161,10 @@ class RouterConfig:
     lora: LoRARegistry = field(default_factory=LoRARegistry)
     # --runner pooling: how the replicas pool, which endpoints serve (router.pooling_api); None: generation
     pooler: PoolerConfig | None = None
+    # --batch-dir: the Batch API's files and batches (router.batch); None: the Batch API is off
+    batch_dir: str | None = None
+    batch_max_file_bytes: int = 200 << 20
+    batch_concurrency: int = 8
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
@@ -162,6 +175,8 @@ class RouterConfig:
             raise StagemeshError(f"--chat-template-timeout must be > 0, got {self.chat_template_timeout}")
         if not self.grammar_compile_timeout > 0:
             raise StagemeshError(f"--grammar-compile-timeout must be > 0, got {self.grammar_compile_timeout}")
+        if self.batch_max_file_bytes < 1 or self.batch_concurrency < 1:
+            raise StagemeshError("--batch-max-file-bytes and --batch-concurrency must be >= 1")
 
     @property
     def template_timeout_s(self) -> float | None:

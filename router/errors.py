@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
-         408: "BadRequestError", 413: "BadRequestError", 414: "BadRequestError",
+         408: "BadRequestError", 409: "ConflictError", 413: "BadRequestError", 414: "BadRequestError",
          431: "BadRequestError", 429: "RateLimitError", 500: "InternalServerError",
          503: "ServiceUnavailableError"}
 

@@ -15,6 +15,7 @@ import threading
 from aiohttp import web
 
 from router.app import build_app
+from router.batch.api import RUNNER as BATCH_RUNNER
 from router.balancing import LeastLoad
 from router.config import RouterConfig
 from router.frontend import FrontendServicer, serve_frontend
@@ -143,6 +144,10 @@ class FakeRouter:
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         asyncio.run_coroutine_threadsafe(site.start(), self._loop).result(30)
         self.base_url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        if BATCH_RUNNER in self.app:  # (--batch-dir: it runs batches, each line sent to itself)
+            async def serve_batches() -> None:
+                self.app[BATCH_RUNNER].serve(self.base_url)
+            asyncio.run_coroutine_threadsafe(serve_batches(), self._loop).result(30)
         if self.frontend is not None:
             self._grpc_server, self.grpc_port = asyncio.run_coroutine_threadsafe(
                 serve_frontend(self.frontend, "127.0.0.1", 0), self._loop).result(30)

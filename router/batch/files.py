@@ -1,0 +1,101 @@
+"""The Files API's store (purpose "batch"): each file's bytes and its OpenAI File object under --batch-dir/files,
+written whole before they are seen (a temporary name, then a rename), so that a file survives a restart and a
+router killed while one uploads leaves none half-written. Several routers on one host share the directory."""
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+from router.errors import APIError
+
+PURPOSES = ("batch", "batch_output")  # what a client uploads, what a batch writes
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+@dataclass
+class FileStore:
+    root: Path
+    max_bytes: int  # --batch-max-file-bytes: an upload past it is a 413 that says so
+
+    def __post_init__(self) -> None:
+        (self.root / "files").mkdir(parents=True, exist_ok=True)
+
+    def _meta(self, file_id: str) -> Path:
+        return self.root / "files" / f"{file_id}.json"
+
+    def path(self, file_id: str) -> Path:
+        return self.root / "files" / f"{file_id}.jsonl"
+
+    async def upload(self, chunks: AsyncIterator[bytes], filename: str, purpose: str) -> dict:
+        """Keep an uploaded file, read chunk by chunk and refused (413) once past max_bytes."""
+        file_id = f"file-{uuid.uuid4().hex}"
+        tmp = self.root / "files" / f".{file_id}.upload"
+        size = 0
+        try:
+            with open(tmp, "wb") as out:
+                async for chunk in chunks:
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        raise APIError(413, f"the file is larger than this server's limit of {self.max_bytes:,} "
+                                            "bytes (--batch-max-file-bytes)", "file")
+                    out.write(chunk)
+            os.replace(tmp, self.path(file_id))
+        finally:
+            tmp.unlink(missing_ok=True)
+        return self.add_meta(file_id, filename, purpose, size)
+
+    def add_meta(self, file_id: str, filename: str, purpose: str, size: int) -> dict:
+        meta = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()), "filename": filename,
+                "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
+        write_atomically(self._meta(file_id), json.dumps(meta).encode())
+        return meta
+
+    def write(self, data: bytes, filename: str, purpose: str) -> dict:
+        """A file the server makes (a batch's output or errors)."""
+        file_id = f"file-{uuid.uuid4().hex}"
+        write_atomically(self.path(file_id), data)
+        return self.add_meta(file_id, filename, purpose, len(data))
+
+    def get(self, file_id: str) -> dict:
+        meta = self._meta(file_id) if _valid_id(file_id, "file-") else None
+        if meta is None or not meta.is_file():
+            raise APIError(404, f"No such File object: {file_id[:80]}", "file_id")
+        return json.loads(meta.read_text())
+
+    def content(self, file_id: str) -> bytes:
+        self.get(file_id)
+        return self.path(file_id).read_bytes()
+
+    def delete(self, file_id: str) -> dict:
+        self.get(file_id)
+        self._meta(file_id).unlink(missing_ok=True)
+        self.path(file_id).unlink(missing_ok=True)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    def list(self, purpose: str | None = None) -> list[dict]:
+        """Every file's object, the newest first."""
+        out = []
+        for meta in (self.root / "files").glob("file-*.json"):
+            try:
+                value = json.loads(meta.read_text())
+            except (OSError, ValueError):  # (deleted meanwhile)
+                continue
+            if purpose is None or value.get("purpose") == purpose:
+                out.append(value)
+        return sorted(out, key=lambda f: (f["created_at"], f["id"]), reverse=True)
+
+
+def _valid_id(value: str, prefix: str) -> bool:
+    """An id this server made: its prefix and hex digits, never a path."""
+    rest = value[len(prefix):]
+    return value.startswith(prefix) and 0 < len(rest) <= 64 and all(c in "0123456789abcdef" for c in rest)
