@@ -42,17 +42,22 @@ async def _body(request: web.Request, model):
     return body
 
 
+def _first(*values):
+    """The first value given (vLLM 0.32's name before 0.11's, then the server's default)."""
+    return next((v for v in values if v is not None), None)
+
+
 def _usage(prompts: list[list[int]]) -> dict:
     n = sum(map(len, prompts))
     return {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0, "prompt_tokens_details": None}
 
 
-async def _pool(request: web.Request, body, prompts: list[list[int]], params: PoolingParams, operation: str,
-                prefix: str) -> tuple[str, list[list[int]], list[Pooled]]:
+async def _pool(request: web.Request, body, prompts: list[list[int]], params: PoolingParams, prefix: str
+                ) -> tuple[str, list[list[int]], list[Pooled]]:
     """(answer id, the prompts as run, their pooled outputs)."""
     replicas, config = request.app[REPLICAS], request.app[CONFIG]
     max_len = admit_engine(replicas, body.priority, config.max_model_len)
-    prompts = fit(prompts, max_len, body.truncate_prompt_tokens, operation)
+    prompts = fit(prompts, max_len, body.truncate_prompt_tokens, body.truncation_side)
     base = request.headers.get("X-Request-Id") or body.request_id or uuid.uuid4().hex
     pooled = await run(PoolingJob(f"{prefix}-{base}", prompts, params, body.priority), replicas)
     return f"{prefix}-{base}", prompts, pooled
@@ -60,19 +65,20 @@ async def _pool(request: web.Request, body, prompts: list[list[int]], params: Po
 
 def _embed_params(pooler: PoolerConfig, model_name: str, dimensions: int | None, normalize: bool | None,
                   task: str = "embed") -> PoolingParams:
-    """vLLM's checks of `dimensions`: only a Matryoshka model changes its output size, and only to the sizes its
-    config lists (when it lists any)."""
+    """vLLM's checks of `dimensions` (0.32's words): only a Matryoshka model changes its output size, within its
+    hidden size and to the sizes its config lists (when it lists any)."""
     dimensions = dimensions if dimensions is not None else pooler.dimensions
     if dimensions is not None:
-        if dimensions < 1:
-            raise bad_request("Dimensions must be greater than 0", "dimensions")
         if not pooler.is_matryoshka:
-            raise bad_request(f'Model "{model_name}" does not support matryoshka representation, changing output '
-                              "dimensions will lead to poor results.", "dimensions")
+            raise bad_request(f"Model {model_name!r} does not support Matryoshka embeddings; dimensions must be unset "
+                              f"(received dimensions={dimensions}).", "dimensions")
+        if not 1 <= dimensions <= pooler.hidden_size:
+            raise bad_request(f"Model {model_name!r} only supports dimensions in range [1, {pooler.hidden_size}], "
+                              f"got {dimensions}.", "dimensions")
         allowed = pooler.matryoshka_dimensions
         if allowed and dimensions not in allowed:
-            raise bad_request(f'Model "{model_name}" only supports {list(allowed)} matryoshka dimensions, use other '
-                              "output dimensions will lead to poor results.", "dimensions")
+            raise bad_request(f"Model {model_name!r} only supports Matryoshka dimensions {list(allowed)}, got "
+                              f"{dimensions}.", "dimensions")
     return PoolingParams(task, dimensions, pooler.normalize if normalize is None else normalize)
 
 
@@ -86,9 +92,9 @@ async def embeddings(request: web.Request) -> web.Response:
     pooler = _pooler(request, "embed", "embed")
     body = await _body(request, EmbeddingRequest)
     name = request.app[CONFIG].served_model_name
-    params = _embed_params(pooler, name, body.dimensions, body.normalize)
+    params = _embed_params(pooler, name, body.dimensions, _first(body.use_activation, body.normalize))
     prompts = await tokenize(body.input, request.app[TOKENIZER], body.add_special_tokens)
-    answer_id, prompts, pooled = await _pool(request, body, prompts, params, "embedding generation", "embd")
+    answer_id, prompts, pooled = await _pool(request, body, prompts, params, "embd")
     data = [{"index": i, "object": "embedding", "embedding": _encoded(p, body.encoding_format)}
             for i, p in enumerate(pooled)]
     return web.json_response({"id": answer_id, "object": "list", "created": int(time.time()), "model": name,
@@ -103,11 +109,11 @@ async def pooling(request: web.Request) -> web.Response:
         raise bad_request(f"Task {task} is not supported, it must be one of {sorted(pooler.tasks)}", "task")
     name = request.app[CONFIG].served_model_name
     if task in ("embed", "token_embed"):
-        params = _embed_params(pooler, name, body.dimensions, body.normalize, task)
+        params = _embed_params(pooler, name, body.dimensions, _first(body.use_activation, body.normalize), task)
     else:
-        params = PoolingParams(task, activation=pooler.activation if body.activation is None else body.activation)
+        params = PoolingParams(task, activation=_first(body.use_activation, body.activation, pooler.activation))
     prompts = await tokenize(body.input, request.app[TOKENIZER], body.add_special_tokens)
-    answer_id, prompts, pooled = await _pool(request, body, prompts, params, "embedding generation", "pool")
+    answer_id, prompts, pooled = await _pool(request, body, prompts, params, "pool")
     data = [{"index": i, "object": "pooling", "data": _encoded(p, body.encoding_format)}
             for i, p in enumerate(pooled)]
     return web.json_response({"id": answer_id, "object": "list", "created": int(time.time()), "model": name,
@@ -117,9 +123,9 @@ async def pooling(request: web.Request) -> web.Response:
 async def classify(request: web.Request) -> web.Response:
     pooler = _pooler(request, "classify", "classify")
     body = await _body(request, ClassificationRequest)
-    params = PoolingParams("classify", activation=pooler.activation if body.activation is None else body.activation)
+    params = PoolingParams("classify", activation=_first(body.use_activation, body.activation, pooler.activation))
     prompts = await tokenize(body.input, request.app[TOKENIZER], body.add_special_tokens)
-    answer_id, prompts, pooled = await _pool(request, body, prompts, params, "classification", "classify")
+    answer_id, prompts, pooled = await _pool(request, body, prompts, params, "classify")
     data = []
     for i, p in enumerate(pooled):
         probs = p.values()
@@ -130,22 +136,22 @@ async def classify(request: web.Request) -> web.Response:
                               "usage": _usage(prompts)})
 
 
-async def _scores(request: web.Request, body, queries: list[str], documents: list[str], operation: str,
-                  prefix: str) -> tuple[str, list[float], int]:
+async def _scores(request: web.Request, body, queries: list[str], documents: list[str], prefix: str
+                  ) -> tuple[str, list[float], int]:
     """(answer id, one score per (query, document) pair, the tokens they took): the cross-encoder on each pair,
     or the cosine of the two sides' embeddings (an embedding model)."""
     pooler = request.app[CONFIG].pooler
     assert pooler is not None
     tokenizer, add_special = request.app[TOKENIZER], body.add_special_tokens
-    activation = pooler.activation if body.activation is None else body.activation
+    activation = _first(body.use_activation, body.activation, pooler.activation)
     if "score" in pooler.tasks:
         pairs = [await tokenizer.run(_encode_pair, tokenizer, q, d, add_special) for q, d in zip(queries, documents)]
         answer_id, pairs, pooled = await _pool(request, body, pairs, PoolingParams("score", activation=activation),
-                                               operation, prefix)
+                                               prefix)
         return answer_id, [p.values()[0] for p in pooled], sum(map(len, pairs))
     texts = list(dict.fromkeys([*queries, *documents]))  # each text embedded once
     prompts = [await tokenizer.run(tokenizer.encode, t, add_special) for t in texts]
-    answer_id, prompts, pooled = await _pool(request, body, prompts, PoolingParams("embed"), operation, prefix)
+    answer_id, prompts, pooled = await _pool(request, body, prompts, PoolingParams("embed"), prefix)
     vectors = {t: p.values() for t, p in zip(texts, pooled)}
     return answer_id, [_cosine(vectors[q], vectors[d]) for q, d in zip(queries, documents)], sum(map(len, prompts))
 
@@ -168,15 +174,18 @@ def _check_score_model(request: web.Request, api: str) -> None:
 async def score(request: web.Request) -> web.Response:
     _check_score_model(request, "score")
     body = await _body(request, ScoreRequest)
-    queries = [body.text_1] if isinstance(body.text_1, str) else list(body.text_1)
-    documents = [body.text_2] if isinstance(body.text_2, str) else list(body.text_2)
+    sides = body.sides()
+    if sides is None:
+        raise bad_request("send 'queries' and 'documents' (or 'text_1' and 'text_2')", "queries")
+    queries = [sides[0]] if isinstance(sides[0], str) else list(sides[0])
+    documents = [sides[1]] if isinstance(sides[1], str) else list(sides[1])
     if not queries or not documents:
-        raise bad_request("At least one text element must be given", "text_1" if not queries else "text_2")
+        raise bad_request("At least one text element must be given", "queries" if not queries else "documents")
     if len(queries) > 1 and len(queries) != len(documents):
-        raise bad_request("Input lengths must be either 1:1, 1:N or N:N", "text_1")
+        raise bad_request("Input lengths must be either 1:1, 1:N or N:N", "queries")
     if len(queries) == 1:
         queries = queries * len(documents)
-    answer_id, scores, tokens = await _scores(request, body, queries, documents, "score", "score")
+    answer_id, scores, tokens = await _scores(request, body, queries, documents, "score")
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
     usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
     return web.json_response({"id": answer_id, "object": "list", "created": int(time.time()),
@@ -191,12 +200,12 @@ async def rerank(request: web.Request) -> web.Response:
     if body.top_n < 0:
         raise bad_request("'top_n' must be 0 (every document) or more", "top_n")
     answer_id, scores, tokens = await _scores(request, body, [body.query] * len(body.documents), body.documents,
-                                              "embedding generation", "rerank")
+                                              "rerank")
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
     top = order[:body.top_n] if 0 < body.top_n < len(order) else order
     results = [{"index": i, "document": {"text": body.documents[i]}, "relevance_score": scores[i]} for i in top]
     return web.json_response({"id": answer_id, "model": request.app[CONFIG].served_model_name,
-                              "usage": {"total_tokens": tokens}, "results": results})
+                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "results": results})
 
 
 def add_routes(app: web.Application) -> None:

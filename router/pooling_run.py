@@ -73,23 +73,23 @@ async def tokenize(inputs, tokenizer: Tokenizer, add_special_tokens: bool, param
     return out
 
 
-def fit(prompts: list[list[int]], max_model_len: int, truncate_prompt_tokens: int | None, operation: str
+def fit(prompts: list[list[int]], max_model_len: int, truncate_prompt_tokens: int | None, side: str = "left"
         ) -> list[list[int]]:
-    """truncate_prompt_tokens (the last N tokens; -1: max_model_len), then vLLM's 400 for an input past the
-    context, in its words; an empty input is refused."""
+    """truncate_prompt_tokens (-1: max_model_len; the last N tokens, or with `side` right the first N), then
+    vLLM's 400 for an input past the context, in its words (vLLM 0.32's renderer); an empty input is refused."""
     if truncate_prompt_tokens is not None:
         k = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
         if k > max_model_len:
-            raise bad_request(f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_model_len}). "
-                              "Please, select a smaller truncation size.", "truncate_prompt_tokens")
+            raise bad_request(f"truncate_prompt_tokens={k} cannot be greater than max_model_len = {max_model_len}. "
+                              "Please request a smaller truncation size.", "truncate_prompt_tokens")
         if k < 1:
             raise bad_request("truncate_prompt_tokens must be -1 or at least 1", "truncate_prompt_tokens")
-        prompts = [ids[-k:] for ids in prompts]
+        prompts = [ids[-k:] if side == "left" else ids[:k] for ids in prompts]
     for ids in prompts:
         if not ids:
             raise bad_request("an input has no tokens", "input")
         if len(ids) > max_model_len:
-            raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, you "
-                              f"requested {len(ids)} tokens in the input for {operation}. Please reduce the length "
-                              "of the input.", "input")
+            raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                              f"contains {len(ids)} input tokens, which exceeds this limit even without any output "
+                              "tokens. Please reduce the length of the input prompt.", "input_tokens")
     return prompts

@@ -76,6 +76,7 @@ async def warm_up(pipeline: Pipeline, epoch: int, config: SchedulerConfig) -> Sc
     if warm.has_unfinished():  # (not expected: the requests fit the pipeline by construction)
         log.warning("warm-up: %d request(s) did not finish in %d steps; serving anyway", warm.num_unfinished, steps)
         warm.fail_all("warm-up ended")
-    log.info("warm-up: %d steps (2 prompts of %d tokens, then decode at batch 2) in %.2fs before serving", steps,
-             len(requests[0].prompt_token_ids), time.perf_counter() - start)
+    what = "pooled" if config.pooling_tasks else "then decode at batch 2"
+    log.info("warm-up: %d steps (2 prompts of %d tokens, %s) in %.2fs before serving", steps,
+             len(requests[0].prompt_token_ids), what, time.perf_counter() - start)
     return warm

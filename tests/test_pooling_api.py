@@ -44,12 +44,12 @@ def post(router, path: str, body: dict) -> requests.Response:
 
 
 @torch.inference_mode()
-def last_hidden(model_dir, ids: list[int]) -> np.ndarray:
+def last_hidden(model_dir, ids: list[int], normalize: bool = True) -> np.ndarray:
     from transformers import AutoModel
 
     model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
     h = model(torch.tensor([ids])).last_hidden_state[0, -1]
-    return torch.nn.functional.normalize(h, dim=0).numpy()
+    return (torch.nn.functional.normalize(h, dim=0) if normalize else h).numpy()
 
 
 def ids_of(text: str) -> list[int]:
@@ -75,17 +75,21 @@ def test_embedding_errors_are_vllms(embed_router):
     name = str(embed_router.model_dir)
     r = post(embed_router, "/v1/embeddings", {"input": "w5", "dimensions": 8})
     assert r.status_code == 400
-    assert r.json()["error"]["message"] == (f'Model "{name}" does not support matryoshka representation, changing '
-                                            "output dimensions will lead to poor results.")
+    assert r.json()["error"]["message"] == (f"Model {name!r} does not support Matryoshka embeddings; dimensions must "
+                                            "be unset (received dimensions=8).")
     long = [5 + i % 300 for i in range(600)]  # token ids: the tiny model's context is 512
     r = post(embed_router, "/v1/embeddings", {"input": long})
     assert r.status_code == 400 and r.json()["error"]["message"] == (
-        "This model's maximum context length is 512 tokens. However, you requested 600 tokens in the input for "
-        "embedding generation. Please reduce the length of the input.")
+        "This model's maximum context length is 512 tokens. However, your prompt contains 600 input tokens, which "
+        "exceeds this limit even without any output tokens. Please reduce the length of the input prompt.")
     r = post(embed_router, "/v1/embeddings", {"input": long, "truncate_prompt_tokens": 4, "encoding_format": "float"})
     np.testing.assert_allclose(r.json()["data"][0]["embedding"],
                                last_hidden(embed_router.model_dir, long[-4:]), atol=1e-4)
     assert r.json()["usage"]["prompt_tokens"] == 4
+    r = post(embed_router, "/v1/embeddings", {"input": long, "truncate_prompt_tokens": 4, "truncation_side": "right",
+                                              "use_activation": False, "encoding_format": "float"})
+    raw = last_hidden(embed_router.model_dir, long[:4], normalize=False)  # the first 4 tokens, not normalized
+    np.testing.assert_allclose(r.json()["data"][0]["embedding"], raw, atol=1e-4)
     assert post(embed_router, "/classify", {"input": "w5"}).json()["error"]["message"] == \
         "The model does not support Classification API"
     chat = post(embed_router, "/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}]})
@@ -122,8 +126,8 @@ def test_score_and_rerank_agree_with_each_other_and_the_classifier(cross_encoder
     query, docs = "w20 w21 w22", TEXTS
     logits = classifier_logits(cross_encoder.model_dir, [(query, d) for d in docs])
     expected = torch.sigmoid(torch.tensor(logits)).tolist()
-    for path in ("/score", "/v1/score"):
-        score = post(cross_encoder, path, {"text_1": query, "text_2": docs}).json()
+    for path, names in (("/score", ("text_1", "text_2")), ("/v1/score", ("queries", "documents"))):
+        score = post(cross_encoder, path, {names[0]: query, names[1]: docs}).json()
         assert [d["index"] for d in score["data"]] == [0, 1, 2]
         assert [d["score"] for d in score["data"]] == pytest.approx(expected, abs=1e-4)
     order = sorted(range(3), key=lambda i: -expected[i])
