@@ -169,8 +169,10 @@ class StageRunner:
         if self.sampler is not None and self.tp.rank == 0:  # (the rank that samples)
             self.sampler.warm()
         # decode steps replay CUDA graphs (TP=1 on CUDA; TP>1 and CPU run eagerly: see stage_worker/cuda_graphs.py)
+        # (not with MLA, whose step plan reads the batch's layout on the host: stage_worker.mla)
         self.use_cuda_graphs = (cuda_graphs and self.device.type == "cuda" and tp_size == 1 and ep is None
-                                and self.lora is None)  # (so never with DCP, whose TP size is > 1)
+                                and self.lora is None  # (so never with DCP, whose TP size is > 1)
+                                and cfg.family.attention == "mha")
         self.max_graph_batch = max_graph_batch
         self.graphs: DecodeGraphs | None = None
         self.drafter = None  # stage_worker.draft.DraftModel: a draft model on the last stage's TP rank 0

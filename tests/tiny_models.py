@@ -11,6 +11,7 @@ import torch
 
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+DEEPSEEK_ARCHS = ("deepseek_v3", "deepseek_v2")  # multi-head latent attention (tests/test_deepseek.py)
 # the size of every tiny model (a family's test may build its own config from it: save_random_model)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=384, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -45,9 +46,30 @@ def tiny_config(arch: str = "llama", **overrides):
     elif arch == "qwen3_moe":  # q/k norm, renormalised top-k
         cls, extra = Qwen3MoeConfig, dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                           norm_topk_prob=True, use_sliding_window=False)
+    elif arch in DEEPSEEK_ARCHS:
+        cls, extra = _deepseek(arch)
     else:
         raise ValueError(arch)
     return cls(**{**common, **extra, **overrides})
+
+
+def _deepseek(arch: str):
+    """DeepSeek-V3: a dense first layer, then 8 routed experts in 2 groups (a token's top-2 from its best group,
+    sigmoid scores, the correction bias), a shared expert, q and kv through their LoRA ranks, YaRN (both mscales:
+    cos and sin scaled, and the softmax). V2-Lite: q straight from the hidden states, a softmax gate, two shared
+    experts. v_head_dim differs from qk_nope_head_dim to catch one taken for the other."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    mla = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24,
+               moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
+               rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+                                "beta_slow": 1, "original_max_position_embeddings": 128, "mscale": 1.0,
+                                "mscale_all_dim": 0.707})
+    if arch == "deepseek_v3":
+        return DeepseekV3Config, dict(mla, q_lora_rank=48, n_group=2, topk_group=1, n_shared_experts=1,
+                                      routed_scaling_factor=2.5, norm_topk_prob=True)
+    return DeepseekV2Config, dict(mla, q_lora_rank=None, n_shared_experts=2, topk_method="greedy",
+                                  routed_scaling_factor=1.0)
 
 
 def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, sharded: bool = False,
@@ -69,6 +91,9 @@ def save_random_model(path: str | Path, config, seed: int = 0, sharded: bool = F
                 p.normal_(0, 0.08)
             else:
                 p.uniform_(0.8, 1.2)
+        for name, b in model.named_buffers():  # DeepSeek-V3's gate bias (zeros as transformers makes it)
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.05)
     model.save_pretrained(path, safe_serialization=True, max_shard_size="100KB" if sharded else "10GB")
     return path
 
