@@ -35,8 +35,9 @@ LATENT_NORM_EPS = 1e-6
 
 
 class MLAttention(Module):
-    # how decode rows attend: absorbed (True), or expanded as prefill chunks are (the benchmark's baseline)
+    # how decode rows and prefill chunks attend: absorbed or expanded (benchmarks/bench_mla.py measures both ways)
     absorb_decode = True
+    absorb_prefill = False
 
     def __init__(self, cfg: ModelConfig, prefix: str, tp: TPGroup, dtype, device, cp: TPGroup | None = None):
         super().__init__()
@@ -105,29 +106,39 @@ class MLAttention(Module):
 
     def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """[tokens, heads, v]: decode rows absorbed in one batch, prefill chunks expanded one sequence at a time."""
+        """[tokens, heads, v]: decode rows absorbed in one batch, prefill chunks expanded one sequence at a time
+        (absorbed too with absorb_prefill)."""
         plan = step_memo("attention", (meta.block_tables, meta.context_lens, meta.query_start_loc),
                          lambda: AttentionPlan(meta.context_lens, meta.query_start_loc))
+        tables = meta.block_tables
         if plan.decode_rows is None:  # every row decodes
-            return self._decode(q_nope, q_pe, kv_cache, meta.block_tables, plan)
+            return self._decode(q_nope, q_pe, kv_cache, tables, plan.decode_seqs, plan.decode_lens)
         out = q_nope.new_empty(*q_nope.shape[:2], self.dims.v_head_dim)
         if plan.decode_rows.numel():
             rows = plan.decode_rows
-            out[rows] = self._decode(q_nope[rows], q_pe[rows], kv_cache, meta.block_tables, plan)
+            out[rows] = self._decode(q_nope[rows], q_pe[rows], kv_cache, tables, plan.decode_seqs, plan.decode_lens)
+        if self.absorb_prefill:
+            rows, seqs, visible = _prefill_rows(plan.prefills, q_nope.device)
+            out[rows] = self._absorbed(q_nope[rows], q_pe[rows], kv_cache, tables, seqs, visible)
+            return out
         for seq, lo, hi, context_len in plan.prefills:
-            out[lo:hi] = self._expanded(q_nope[lo:hi], q_pe[lo:hi], kv_cache, meta.block_tables[seq], context_len)
+            out[lo:hi] = self._expanded(q_nope[lo:hi], q_pe[lo:hi], kv_cache, tables[seq], context_len)
         return out
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                block_tables: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+                block_tables: torch.Tensor, seqs: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """Decode rows, row i of sequence seqs[i] at the end of its lens[i] positions."""
         if self.absorb_decode:
-            out, _ = kernels.mla_attention_rows(self._absorbed_query(q_nope, q_pe), kv_cache[0], kv_cache[1],
-                                                block_tables, plan.decode_seqs, plan.decode_lens, self.scale,
-                                                self.dims.kv_lora_rank)
-            return self._through_w_uv(out)
-        seqs, lens = plan.decode_seqs.tolist(), plan.decode_lens.tolist()
+            return self._absorbed(q_nope, q_pe, kv_cache, block_tables, seqs, lens)
         return torch.cat([self._expanded(q_nope[i:i + 1], q_pe[i:i + 1], kv_cache, block_tables[s], n)
-                          for i, (s, n) in enumerate(zip(seqs, lens))])
+                          for i, (s, n) in enumerate(zip(seqs.tolist(), lens.tolist()))])
+
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                  block_tables: torch.Tensor, row_seqs: torch.Tensor, row_visible: torch.Tensor) -> torch.Tensor:
+        """Rows, each over the first row_visible latents of its sequence, absorbed: [rows, heads, v]."""
+        out, _ = kernels.mla_attention_rows(self._absorbed_query(q_nope, q_pe), kv_cache[0], kv_cache[1], block_tables,
+                                            row_seqs, row_visible, self.scale, self.dims.kv_lora_rank)
+        return self._through_w_uv(out)
 
     def _absorbed_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """cat(q_nope W_UK, q_pe) per head, [rows, heads, latent]: a query scored against the latents."""
@@ -177,3 +188,14 @@ class MLAttention(Module):
         parts = cp.cp_gather(torch.cat([out.float(), lse[..., None]], -1))[:, :, cp.cp_rank * h:(cp.cp_rank + 1) * h]
         merged, _ = kernels.merge_attention_states(parts[..., :-1].contiguous(), parts[..., -1].contiguous())
         return self._through_w_uv(merged.to(q_nope.dtype))
+
+
+def _prefill_rows(prefills: list[tuple[int, int, int, int]], device) -> tuple[torch.Tensor, ...]:
+    """The rows of a step's prefill chunks (AttentionPlan.prefills), their sequences, and how many positions each
+    sees (its own and those before it)."""
+    rows, seqs, visible = [], [], []
+    for seq, lo, hi, context_len in prefills:
+        rows.append(torch.arange(lo, hi))
+        seqs.append(torch.full((hi - lo,), seq))
+        visible.append(torch.arange(context_len - (hi - lo) + 1, context_len + 1))
+    return tuple(torch.cat(x).to(device) for x in (rows, seqs, visible))

@@ -35,6 +35,21 @@ def test_slices_match_transformers(tiny_model_dir, arch, overrides):
         torch.testing.assert_close(logits, want_logits, **TOL)
 
 
+def test_the_other_ways_of_attending_match_transformers(tiny_model_dir, monkeypatch):
+    """Prefill chunks absorbed and decode rows expanded (what benchmarks/bench_mla.py weighs against the
+    defaults) give the same logits."""
+    from stage_worker.mla import MLAttention
+
+    monkeypatch.setattr(MLAttention, "absorb_prefill", True)
+    monkeypatch.setattr(MLAttention, "absorb_decode", False)
+    model_dir = tiny_model_dir("deepseek_v3")
+    prompt = prompts(384, lengths=(37,))[0]
+    want_tokens, want_logits = reference_greedy(reference_model(model_dir), prompt, 8)
+    tokens, logits = chained_logits(model_dir, [4], prompt, 8, chunk=16)
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, **TOL)
+
+
 @pytest.mark.parametrize("arch,extra", [
     ("deepseek_v3", ()),
     ("deepseek_v3", ("--expert-parallel",)),
@@ -46,6 +61,19 @@ def test_tp2_matches_transformers(tiny_model_dir, tmp_path, arch, extra):
     prompt = prompts(384, lengths=(37,))[0]
     want_tokens, want_logits = reference_greedy(reference_model(model_dir), prompt, 16)
     got = run_tp(model_dir, 2, "3,1", prompt, 16, tmp_path, False, *extra)
+    assert got["tokens"] == want_tokens
+    torch.testing.assert_close(torch.tensor(got["logits"]), want_logits, **TOL)
+
+
+@pytest.mark.slow
+def test_dcp_on_the_triton_kernels_matches_transformers(tiny_model_dir, tmp_path):
+    """-tp 2 -dcp 2 on the Triton kernels (interpreted on a CPU: STAGEMESH_KERNELS=triton), as CUDA stages run
+    them: kernels.triton_mla for every row of a rank's share, the merge kernel."""
+    model_dir = tiny_model_dir("deepseek_v3")
+    prompt = prompts(384, lengths=(37,))[0]
+    want_tokens, want_logits = reference_greedy(reference_model(model_dir), prompt, 6)
+    got = run_tp(model_dir, 2, "4", prompt, 6, tmp_path, False, "--dcp", "2", "--chunk", "16",
+                 env={"STAGEMESH_KERNELS": "triton", "TRITON_INTERPRET": "1"})
     assert got["tokens"] == want_tokens
     torch.testing.assert_close(torch.tensor(got["logits"]), want_logits, **TOL)
 
