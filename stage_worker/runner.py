@@ -237,7 +237,7 @@ class StageRunner:
         if not scored and graphs is not None and graphs.can_run(len(batch.chunks), num_tokens,
                                                                  meta.block_tables.shape[1]):
             out = graphs.run(input_ids, hidden_states, meta)  # the next replay reuses this buffer: copy what is kept
-            self._mirror(batch, meta)
+            self._mirror(batch, meta, None)
             if not self.is_last_stage:
                 return StageOutput(hidden_states=out.clone())
             logits = out if len(sample_rows) == num_tokens else out[sample_rows]
@@ -245,7 +245,7 @@ class StageRunner:
                 logits = logits.clone()
         else:
             hidden = self._forward(input_ids, hidden_states, meta)
-            self._mirror(batch, meta)
+            self._mirror(batch, meta, hidden)
             if not self.is_last_stage:
                 return StageOutput(hidden_states=hidden)
             # every TP rank takes part (the LM head all-gathers); rank 0 keeps the results. With PCP only the TP group
@@ -256,6 +256,7 @@ class StageRunner:
             if scored:
                 scored = prompt_logprobs.compute(scored, hidden, self.model.compute_logits, self.tp.rank == 0)
         if not sample_rows:
+            self._propose([])  # (an MTP layer reads the step's hidden states all the same: stage_worker.mtp)
             return StageOutput(prompt_logprobs=scored)
         sampled: list[SampledToken] = []
         if self.tp.rank == 0:
@@ -276,13 +277,15 @@ class StageRunner:
                           self.kv_caches)
         return split.gather(mine, self.tp)
 
-    def _mirror(self, batch: StepBatch, meta: AttentionMetadata) -> None:
+    def _mirror(self, batch: StepBatch, meta: AttentionMetadata, hidden: torch.Tensor | None) -> None:
+        """The step's tokens (and, on the last stage, their final hidden states) to the drafter."""
         if self.drafter is not None and self.tp.rank == 0:
-            self.drafter.mirror(batch.chunks.token_ids, meta)
+            self.drafter.mirror(batch.chunks, meta, hidden)
 
     def _propose(self, sampled: list[SampledToken]) -> dict[int, list[int]]:
-        """The draft model's next drafts for the sequences this step sampled (not those whose row failed)."""
-        if self.drafter is None or not sampled:
+        """The draft model's next drafts for the sequences this step sampled (not those whose row failed); asked of
+        every step (none sampled: an MTP layer still reads the step)."""
+        if self.drafter is None:
             return {}
         last = {t.seq_id: t for t in sampled}  # each sequence's last token
         seq_ids = [seq_id for seq_id, t in last.items() if t.error is None]

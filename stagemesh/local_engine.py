@@ -25,7 +25,7 @@ from stagemesh.core.lora import LoRALimits, parse_lora_modules
 from stagemesh.core.model_config import ModelConfig, layer_ranges, layer_split
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.speculative import parse_speculative_config
-from stage_worker.draft import DraftModel
+from stage_worker.draft import make_drafter
 from stage_worker.kv_cache import num_kv_blocks_for_budget
 from stage_worker.lora import LoRASettings
 from stage_worker.runner import StageRunner
@@ -56,7 +56,7 @@ class LocalEngine:
                                     quantization=quantization, gguf_file=gguf_file, lora=lora)
                         for a, b in layer_ranges(split)]
         if spec is not None and spec.uses_draft_model:  # on the last stage, as a stage service runs it
-            self.runners[-1].attach_drafter(DraftModel(spec, cfg, device, dtype, block_size))
+            self.runners[-1].attach_drafter(make_drafter(spec, cfg, model_dir, device, dtype, block_size))
         if num_kv_blocks is None:
             num_kv_blocks = min(num_kv_blocks_for_budget(kv_cache_memory, r.kv_bytes_per_block) for r in self.runners)
         self.pipeline = InProcessPipeline(self.runners, num_kv_blocks, kv_offloading_disk_path)

@@ -2,9 +2,11 @@
 run it on, in as few mesh starts as cover them: one stage whose evicted prefix comes back from the host tier
 (its KV cache counted in latents, in the log and /metrics); -pp 2 of a -tp 2 --enable-expert-parallel stage and a
 plain -tp 2 one; -dp 2 --enable-expert-parallel; disaggregated prefill from a -tp 2 replica into a -tp 2 -dcp 2
-one (the latents cross whole, each DCP rank keeps its share)."""
+one (the latents cross whole, each DCP rank keeps its share); MTP speculation on a -pp 2 mesh, its acceptance in
+the scheduler's /metrics."""
 from __future__ import annotations
 
+import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +18,7 @@ from parity import prompts
 from stagemesh.core.sampling_params import SamplingParams
 from test_disaggregated import NEW_TOKENS, assert_decoded, prefill_all, run
 from test_dp_ep import two_replicas
-from tiny_models import reference_greedy, reference_model
+from tiny_models import make_tiny_model, reference_greedy, reference_model, with_mtp_layer
 
 pytestmark = pytest.mark.slow
 LENGTHS = (5, 40, 17, 70, 3, 33)
@@ -91,3 +93,22 @@ def test_disaggregated_prefill_into_a_dcp_replica(expected, tmp_path):
     log = (tmp_path / "d" / "scheduler.log").read_text()
     assert log.count("its prompt's KV (") == len(batch), log[-3000:]  # every prompt's latents fetched
     assert not re.search(r"failed|recompute", log)
+
+
+def test_mtp_speculation_through_a_pp2_mesh(tmp_path):
+    """deepseek_mtp on the last stage (given to it and to the scheduler, as a draft model is): transformers' tokens,
+    and most of the drafts of an MTP layer that copies the main path accepted, as /metrics counts them."""
+    base = make_tiny_model(tmp_path / "base", "deepseek_v3", num_hidden_layers=2, first_k_dense_replace=0)
+    model_dir = with_mtp_layer(base, tmp_path / "mtp", copy_of=1)
+    ref = reference_model(model_dir)
+    batch = prompts(384, LENGTHS)
+    want = [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
+    spec, port = json.dumps({"method": "deepseek_mtp", "num_speculative_tokens": 2}), free_port()
+    with Mesh(model_dir, [1, 1], log_dir=tmp_path, per_stage_args={1: ["--speculative-config", spec]},
+              scheduler_args=("--speculative-config", spec, "--metrics-port", str(port))) as mesh:
+        assert mesh.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)) == want
+        accepted = metric(port, "stagemesh:spec_decode_num_accepted_tokens_total")
+        drafted = metric(port, "stagemesh:spec_decode_num_draft_tokens_total")
+    assert 0 < accepted <= drafted
+    assert "speculative decoding: deepseek_mtp (the model's MTP layer), 2 tokens" in \
+        (tmp_path / "scheduler.log").read_text()

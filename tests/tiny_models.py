@@ -166,3 +166,49 @@ def first_layers(model_dir: str | Path, target: str | Path, num_layers: int) -> 
                 tensors[name] = t
     save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
     return target
+
+
+def with_mtp_layer(model_dir: str | Path, target: str | Path, copy_of: int | None = None, seed: int = 0) -> Path:
+    """A copy of a tiny DeepSeek-V3 with a multi-token-prediction layer, model.layers.{num_hidden_layers}, as the
+    V3 checkpoint holds it (enorm, hnorm, eh_proj, a decoder layer, shared_head's norm and head, its embedding).
+    copy_of: the MTP layer copies the main path: decoder layer `copy_of`'s weights, eh_proj passing the token's
+    embedding through, the final norm and LM head; the embedding rows scaled to an RMS of 1 (so that enorm, whose
+    weight is 1, leaves them as the main path sees them). With one layer (copy_of 0) its drafts are close to the
+    model's own next tokens. Else random weights."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, target = Path(model_dir), Path(target)
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    config = json.loads((source / "config.json").read_text())
+    n, h = config["num_hidden_layers"], config["hidden_size"]
+    files = sorted(target.glob("*.safetensors"))
+    tensors = {k: v for f in files for k, v in load_file(f).items()}
+    g = torch.Generator().manual_seed(seed)
+    prefix = f"model.layers.{n}"
+    if copy_of is not None:
+        embed = tensors["model.embed_tokens.weight"]
+        tensors["model.embed_tokens.weight"] = embed / embed.pow(2).mean(-1, keepdim=True).sqrt()
+        layer = f"model.layers.{copy_of}."
+        tensors.update({f"{prefix}.{k[len(layer):]}": v.clone() for k, v in tensors.items() if k.startswith(layer)})
+        eh_proj = torch.cat([torch.eye(h), torch.zeros(h, h)], 1)
+        norms = torch.ones(h), torch.ones(h), tensors["model.norm.weight"].clone()
+    else:
+        layer = f"model.layers.{n - 1}."
+        tensors.update({f"{prefix}.{k[len(layer):]}": torch.randn(v.shape, generator=g) * 0.08 if "norm" not in k
+                        else v.clone() for k, v in tensors.items() if k.startswith(layer)})
+        eh_proj = torch.randn(h, 2 * h, generator=g) * 0.08
+        norms = torch.ones(h), torch.ones(h), torch.ones(h)
+    tensors.update({f"{prefix}.enorm.weight": norms[0], f"{prefix}.hnorm.weight": norms[1],
+                    f"{prefix}.eh_proj.weight": eh_proj, f"{prefix}.shared_head.norm.weight": norms[2],
+                    f"{prefix}.shared_head.head.weight": tensors["lm_head.weight"].clone(),
+                    f"{prefix}.embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()})
+    for f in files:
+        f.unlink()
+    (target / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, target / "model.safetensors", metadata={"format": "pt"})
+    config["num_nextn_predict_layers"] = 1
+    (target / "config.json").write_text(json.dumps(config))
+    return target

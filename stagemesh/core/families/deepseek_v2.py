@@ -216,12 +216,12 @@ def gate_settings(cfg: ModelConfig) -> GateSettings:
                         float(get("routed_scaling_factor") or 1.0), variant.correction_bias)
 
 
-def make_family(model_type: str, architecture: str, variant: Variant) -> DeepseekFamily:
+def make_family(model_type: str, architecture: str, variant: Variant, mtp_layers: str | None = None) -> DeepseekFamily:
     return DeepseekFamily(model_type, (architecture,), experts=Experts(shared="shared_experts", shared_gate=False,
                                                                        router="grouped"),
                           weights=WeightNames(), fused_cpu_plan=False, attention="mla",
                           refuse=functools.partial(_refuse, variant), fields=functools.partial(_fields, variant),
-                          variant=variant)
+                          mtp_layers=mtp_layers, variant=variant)
 
 
 FAMILY = make_family("deepseek_v2", "DeepseekV2ForCausalLM", V2)

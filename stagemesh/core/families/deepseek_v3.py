@@ -12,4 +12,4 @@ V3 = Variant(defaults=dict(first_k_dense_replace=3, kv_lora_rank=512, q_lora_ran
              scoring_funcs=("sigmoid",), topk_methods=("noaux_tc",), correction_bias=True, rope_interleave=None,
              norm_topk_prob=True)
 
-FAMILY = make_family("deepseek_v3", "DeepseekV3ForCausalLM", V3)
+FAMILY = make_family("deepseek_v3", "DeepseekV3ForCausalLM", V3, mtp_layers="num_nextn_predict_layers")

@@ -121,6 +121,9 @@ class Family:
     # ModelConfig fields the family derives from its config its own way (e.g. its experts' count under another
     # name), over what stagemesh.core.model_config reads: {field: value}
     fields: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # the config key that counts the checkpoint's multi-token-prediction layers, after the model's own (DeepSeek-V3's
+    # num_nextn_predict_layers): what speculation's deepseek_mtp runs (stage_worker.mtp); None: the family has none
+    mtp_layers: str | None = None
 
     def check(self, raw: dict[str, Any]) -> None:
         """Refuse, naming it, what of this config stagemesh does not implement."""
