@@ -1,6 +1,7 @@
 """DeepSeek-V3 and V2-Lite (multi-head latent attention, DeepSeekMoE) as stage slices: transformers' logits and
 greedy tokens at TP=1 (whole and split), TP=2, TP=2 with expert parallelism and TP=2 with DCP over real gloo
-processes; the latent KV cache's size; every config field honoured or refused by name."""
+processes; the latent KV cache's size, in the stage and in `stagemesh plan`; every config field honoured or
+refused by name."""
 from __future__ import annotations
 
 import pytest
@@ -117,3 +118,26 @@ def test_layouts_not_built_with_latent_attention_are_refused(tiny_model_dir):
     model_dir = tiny_model_dir("deepseek_v3")
     with pytest.raises(StagemeshError, match=r"--prefill-context-parallel-size with multi-head latent attention"):
         StageRunner(model_dir, 0, 4, tp_rank=0, tp_size=1, pcp_size=2, load=False)
+
+
+def test_the_plan_of_deepseek_v3_671b_counts_the_latent():
+    """`stagemesh plan DeepSeek-V3-671B`: the released block-FP8 checkpoint's 671 B parameters on one node of
+    8 H200s at TP=8 with EP=8, or as 8 replicas with the experts across them; BF16 on two nodes, PP=2 across them
+    or 16 replicas. A token's KV is the latent: 61 layers x 576 values, 2 bytes each, on every TP rank."""
+    from stagemesh.plan.memory import param_counts
+    from stagemesh.plan.tree import GB, PlanRequest, make_plan
+    from stagemesh.plan.cli import load_config
+
+    cfg, _ = load_config("DeepSeek-V3-671B")
+    assert 670e9 < param_counts(cfg).total(cfg.num_hidden_layers) < 673e9
+    per_token = 61 * (512 + 64) * 2
+    fp8 = make_plan(PlanRequest(cfg, 8, 1, int(141e9), "fp8", 32768))
+    lay = fp8.layout
+    assert (lay.tp, lay.pp, lay.dp, fp8.expert_parallel) == (8, 1, 1, True)
+    assert 80 * GB < lay.weight_bytes_per_gpu < 90 * GB and lay.kv_cache_tokens == lay.kv_bytes_per_gpu // per_token
+    assert fp8.alternatives[0].startswith("DP=8 x EP=8 (--data-parallel-size 8 --enable-expert-parallel)")
+    assert fp8.alternatives[0].endswith(": fits")
+    bf16 = make_plan(PlanRequest(cfg, 8, 2, int(141e9), "bf16", 32768))
+    assert "does not fit on 1 node(s)" in " ".join(bf16.path)
+    assert (bf16.layout.tp, bf16.layout.pp, bf16.expert_parallel) == (8, 2, True)
+    assert bf16.alternatives[0].startswith("DP=16 x EP=16") and bf16.alternatives[0].endswith(": fits")
