@@ -142,17 +142,26 @@ class MLAttention(Module):
 
     def _absorbed_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """cat(q_nope W_UK, q_pe) per head, [rows, heads, latent]: a query scored against the latents."""
-        w_uk = self._w_ukv()[:, :self.dims.qk_nope_head_dim]  # [heads, nope, kv_lora_rank]
+        w_uk, _ = self._absorbing()
         return torch.cat([torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe], -1)
 
     def _through_w_uv(self, latent_out: torch.Tensor) -> torch.Tensor:
         """[rows, heads, kv_lora_rank] -> [rows, heads, v]: each head's W_UV."""
-        w_uv = self._w_ukv()[:, self.dims.qk_nope_head_dim:]  # [heads, v, kv_lora_rank]
-        return torch.bmm(latent_out.transpose(0, 1).to(w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1)
+        _, w_uv_t = self._absorbing()
+        return torch.bmm(latent_out.transpose(0, 1).to(w_uv_t.dtype), w_uv_t).transpose(0, 1)
 
-    def _w_ukv(self) -> torch.Tensor:
-        """kv_b_proj per head, [heads, nope + v, kv_lora_rank]."""
-        return self.kv_b_proj.view(self.num_heads, -1, self.dims.kv_lora_rank)
+    def _absorbing(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [heads, nope, kv_lora_rank] and W_UV transposed [heads, kv_lora_rank, v], contiguous (a strided
+        view of kv_b_proj makes CPU products ~3x slower): made from kv_b_proj when first used after it is loaded,
+        again whenever it changes. (Kept in the instance's dict: not a submodule or parameter of the layer.)"""
+        key = (self.kv_b_proj.data_ptr(), self.kv_b_proj._version)
+        made = self.__dict__.get("_w_absorbed")
+        if made is None or made[0] != key:
+            w = self.kv_b_proj.view(self.num_heads, -1, self.dims.kv_lora_rank)
+            nope = self.dims.qk_nope_head_dim
+            made = (key, w[:, :nope].contiguous(), w[:, nope:].transpose(1, 2).contiguous())
+            self.__dict__["_w_absorbed"] = made
+        return made[1], made[2]
 
     def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                   block_table: torch.Tensor, context_len: int) -> torch.Tensor:
