@@ -1,9 +1,9 @@
 """DeepSeek-V3 (and V2-Lite) through the real services, token-exact with transformers on every layout the seeds
 run it on, in as few mesh starts as cover them: one stage whose evicted prefix comes back from the host tier
-(its KV cache counted in latents, in the log and /metrics); -pp 2 of a -tp 2 --enable-expert-parallel stage and a
-plain -tp 2 one; -dp 2 --enable-expert-parallel; disaggregated prefill from a -tp 2 replica into a -tp 2 -dcp 2
-one (the latents cross whole, each DCP rank keeps its share); MTP speculation on a -pp 2 mesh, its acceptance in
-the scheduler's /metrics."""
+(its KV cache counted in latents, in the log and /metrics); -pp 2 of a -tp 2 --enable-expert-parallel stage
+(balanced by EPLB) and a plain -tp 2 one; -dp 2 --enable-expert-parallel; disaggregated prefill from a -tp 2
+replica into a -tp 2 -dcp 2 one (the latents cross whole, each DCP rank keeps its share); MTP speculation on a
+-pp 2 mesh, its acceptance in the scheduler's /metrics."""
 from __future__ import annotations
 
 import json
@@ -64,12 +64,15 @@ def test_one_stage_counts_its_cache_in_latents_and_takes_a_prefix_back_from_the_
 
 
 def test_pp2_of_a_tp2_expert_parallel_stage_and_a_tp2_stage(expected, tmp_path):
+    """The expert-parallel stage balances its experts as it goes (EPLB, two redundant experts)."""
     model_dir, batch, want = expected("deepseek_v3")
-    with Mesh(model_dir, [2, 2], tp=[2, 2], handoff="nccl", log_dir=tmp_path,
-              per_stage_args={0: ["--enable-expert-parallel"]}) as mesh:
+    eplb = ["--enable-expert-parallel", "--enable-eplb", "--eplb-config",
+            '{"window_size": 4, "step_interval": 3, "num_redundant_experts": 2}']
+    with Mesh(model_dir, [2, 2], tp=[2, 2], handoff="nccl", log_dir=tmp_path, per_stage_args={0: eplb}) as mesh:
         assert mesh.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)) == want
-    assert ("expert parallel (EP=2, 4 of 8 experts per rank): rank 0: experts 0-3; rank 1: experts 4-7"
-            in (tmp_path / "stage0.log").read_text())
+    log = (tmp_path / "stage0.log").read_text()
+    assert "expert parallel (EP=2, 4 of 8 experts per rank)" in log
+    assert any(int(n) > 0 for n in re.findall(r"EPLB moved experts into (\d+) slot\(s\)", log)), log[-3000:]
 
 
 def test_dp2_with_the_experts_over_the_replicas(expected, tmp_path):
