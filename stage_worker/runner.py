@@ -278,13 +278,11 @@ class StageRunner:
         return split.gather(mine, self.tp)
 
     def _mirror(self, batch: StepBatch, meta: AttentionMetadata, hidden: torch.Tensor | None) -> None:
-        """The step's tokens (and, on the last stage, their final hidden states) to the drafter."""
         if self.drafter is not None and self.tp.rank == 0:
             self.drafter.mirror(batch.chunks, meta, hidden)
 
     def _propose(self, sampled: list[SampledToken]) -> dict[int, list[int]]:
-        """The draft model's next drafts for the sequences this step sampled (not those whose row failed); asked of
-        every step (none sampled: an MTP layer still reads the step)."""
+        """The drafter's next drafts for the sequences this step sampled (not those whose row failed): every step."""
         if self.drafter is None:
             return {}
         last = {t.seq_id: t for t in sampled}  # each sequence's last token
