@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from kernels import cpu_ops, mla_reference, moe_reference, quant_reference, reference
+from kernels import cpu_ops, masked_attention, mla_reference, moe_reference, quant_reference, reference
 
 
 # Read once: a process keeps one choice (the kernels are picked per call, so a lookup here is paid by
@@ -49,7 +49,14 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     impl.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, *, window=None,
+                    softcap=None, sinks=None):
+    """Causal attention over the paged cache. A layer with a sliding `window`, attention-score `softcap` or
+    attention `sinks` runs kernels.masked_attention's torch reference on every device (the fused kernels do
+    not have them yet)."""
+    if window is not None or softcap is not None or sinks is not None:
+        return masked_attention.paged_attention_masked(q, k_cache, v_cache, block_tables, context_lens,
+                                                       query_start_loc, scale, window, softcap, sinks)
     impl = _triton() if _use_triton(q) and _has("paged_attention") else _cpu_impl(q)
     return impl.paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
 

@@ -258,10 +258,12 @@ def build_cos_sin_cache(head_dim: int, max_positions: int, rope_theta: float, ro
     rope_type, attention_factor = (rope_scaling or {}).get("rope_type", "default"), 1.0
     if rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, rope_scaling or {})
-    elif rope_type == "yarn":
+    elif rope_type == "yarn":  # (DeepSeek's with mscale / mscale_all_dim, gpt-oss's)
         inv_freq, attention_factor = _yarn_inv_freq(head_dim, rope_theta, rope_scaling or {})
+    elif rope_type == "linear":  # positions divided by the factor (Gemma 3's global layers)
+        inv_freq = inv_freq / float((rope_scaling or {})["factor"])
     elif rope_type != "default":
-        raise StagemeshError(f"rope scaling {rope_type!r} is not supported (default, llama3 and yarn are)")
+        raise StagemeshError(f"rope scaling {rope_type!r} is not supported (default, linear, llama3 and yarn are)")
     positions = torch.arange(max_positions, dtype=torch.int64).float()
     freqs = positions[:, None] * inv_freq[None, :]
     # (transformers scales cos and sin by YaRN's attention factor, so q and k both carry it)

@@ -82,14 +82,13 @@ def _key_matches(request: web.Request, key: str) -> bool:
 async def completions(request: web.Request) -> web.StreamResponse:
     model = validate(CompletionRequest, await read_json(request))
     config = request.app[CONFIG]
-    return await _generate(request, completion_request(model, config.served_model_name, config.adapter_names))
+    return await _generate(request, completion_request(model, config))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = validate(ChatCompletionRequest, await read_json(request))
     config = request.app[CONFIG]
-    return await _generate(request, chat_request(model, config.served_model_name, config.tool_call_parser,
-                                                config.adapter_names))
+    return await _generate(request, chat_request(model, config))
 
 
 async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamResponse:
@@ -184,8 +183,10 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     """Liveness (vLLM's /health): 200 while this process serves, whatever its replicas' state (a router whose
-    replicas are down must not be restarted for it); the body says what /ready judges by."""
-    return web.json_response(_state(request))
+    replicas are down must not be restarted for it); the body says what /ready judges by. A router started with
+    --listen-when-ready (serve's) says 503 until a replica has served once: vLLM's start-up, where /health 200
+    means a request can be answered."""
+    return web.json_response(_state(request), status=503 if request.app[LIFECYCLE].starting else 200)
 
 
 async def ready(request: web.Request) -> web.Response:

@@ -19,6 +19,8 @@ class Lifecycle:
         self.draining = False
         self.active = 0  # requests being answered (not /health, /ready or /metrics)
         self.listening = False  # its HTTP port is bound (the control port's readiness waits for it)
+        # --listen-when-ready: /health says 503 until a replica has served once (then it is liveness)
+        self.starting = False
 
 
 REPLICAS = web.AppKey("replicas", ReplicaSet)

@@ -162,6 +162,9 @@ class DriverConfig:
     # --kv-offloading-size (host memory) and stagemesh's --kv-offloading-disk-size; 0: none
     kv_offloading_bytes: int = 0
     kv_offloading_disk_bytes: int = 0
+    # dummy steps through each new pipeline before the replica serves (scheduler.warmup); off only where a test's
+    # pipeline answers each step by hand
+    warm_up: bool = True
 
     def __post_init__(self) -> None:
         if self.async_scheduling and self.scheduler.speculative is not None:

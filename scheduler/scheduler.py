@@ -103,6 +103,13 @@ class Scheduler:
         self.transfers = KVTransfers(config.kv_hold_timeout_s)  # disaggregated prefill's holds and pulls
         self.spec = Speculator(config.speculative, self.max_model_len) if config.speculative else None
 
+    def continue_after(self, warm: Scheduler) -> None:
+        """`warm` ran steps in this epoch before this scheduler (scheduler.warmup): its step and sequence ids stay
+        spent on the stages, and its finished sequences are dropped there with this scheduler's first step."""
+        self._step_ids = itertools.count(next(warm._step_ids))
+        self._seq_ids = itertools.count(next(warm._seq_ids))
+        self._finished_seq_ids = [*warm._finished_seq_ids, *self._finished_seq_ids]
+
     # -- requests in and out ------------------------------------------------
     def add_request(self, r: EngineRequest) -> bool:
         """Queue a request. A continuation (generated_token_ids: it produced those tokens elsewhere, its replica

@@ -7,6 +7,7 @@ KV cache through kernels.dispatch.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -194,6 +195,7 @@ class DecoderLayer(Module):
 
 class StageModel(Module):
     """Layers [layer_start, layer_end) of one TP rank, plus embeddings (first) or norm + LM head (last)."""
+    cuda_graphs = True  # its decode steps may be captured (no host synchronisation in its forward)
 
     def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, tp: TPGroup,
                  dtype: torch.dtype, device: str | torch.device, max_positions: int | None = None,
@@ -211,7 +213,7 @@ class StageModel(Module):
         if self.is_first:
             self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", cfg.vocab_size, cfg.hidden_size,
                                                        tp, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype, device, expert_parallel, ep, eplb, cp)
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, i, tp, dtype, device, expert_parallel, ep, eplb, cp)
                                     for i in range(layer_start, layer_end))
         if ep is not None:  # a member without rows of its own runs these (stage_worker.ep_group)
             ep.attach([layer.mlp for layer in self.layers if layer.sparse], cfg.hidden_size, dtype)
@@ -224,6 +226,11 @@ class StageModel(Module):
             attention_class(cfg).rotary_dim(cfg), positions, cfg.rope_theta, cfg.rope_scaling, dtype=torch.float32,
             device=device),
             persistent=False)
+
+    def decoder_layer(self, cfg: ModelConfig, index: int, tp: TPGroup, dtype, device, expert_parallel: bool, ep, eplb,
+                      cp: TPGroup | None) -> Module:
+        """Decoder layer `index` (a family's own stage model makes its own: build())."""
+        return DecoderLayer(cfg, index, tp, dtype, device, expert_parallel, ep, eplb, cp)
 
     def forward(self, input_ids: torch.Tensor | None, hidden: torch.Tensor | None, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -247,3 +254,12 @@ class StageModel(Module):
 
         quantised = sum(m.nbytes() for m in self.modules() if isinstance(m, QuantizedWeight))
         return sum(p.numel() * p.element_size() for p in self.parameters()) + quantised
+
+
+def build(cfg: ModelConfig, *args, **kwargs) -> StageModel:
+    """The stage model of cfg's family: StageModel, or the family's own (Family.stage_model: a stage_worker module
+    whose STAGE_MODEL subclasses it) where its layers differ from the Llama-like decoder's."""
+    cls = StageModel
+    if cfg.family.stage_model is not None:
+        cls = importlib.import_module(cfg.family.stage_model).STAGE_MODEL
+    return cls(cfg, *args, **kwargs)

@@ -22,7 +22,7 @@ from stage_worker.layers import pack_weights_for_cpu
 from stage_worker.lora import LoRAManager, LoRASettings
 from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from stage_worker.gguf import GGUFCheckpoint
-from stage_worker.model import AttentionMetadata, StageModel
+from stage_worker.model import AttentionMetadata, StageModel, build as build_stage_model
 from stage_worker.quantization import check_quantization, load_gguf, quantize_at_load
 from stage_worker.context import check_context_parallel, share_step
 from stage_worker.parallel import HeadShard, stage_groups
@@ -143,7 +143,7 @@ class StageRunner:
             quantization = quantization or "gguf"
         check_quantization(quantization, cfg, self.device)
         self.quantization = quantization
-        self.model = StageModel(cfg, layer_start, layer_end, shard, self.dtype, self.device,
+        self.model = build_stage_model(cfg, layer_start, layer_end, shard, self.dtype, self.device,
                                 expert_parallel=expert_parallel, ep=ep, eplb=eplb,
                                 cp=self.tp if self.tp.cp_size > 1 else None)
         self.model_dir, self.gguf_file = model_dir, gguf_file
@@ -171,7 +171,7 @@ class StageRunner:
         # decode steps replay CUDA graphs (TP=1 on CUDA; TP>1 and CPU run eagerly: see stage_worker/cuda_graphs.py)
         # (not with MLA, whose step plan reads the batch's layout on the host: stage_worker.mla)
         self.use_cuda_graphs = (cuda_graphs and self.device.type == "cuda" and tp_size == 1 and ep is None
-                                and self.lora is None  # (so never with DCP, whose TP size is > 1)
+                                and self.lora is None and self.model.cuda_graphs  # (never DCP: its TP size is > 1)
                                 and cfg.family.attention == "mha")
         self.max_graph_batch = max_graph_batch
         self.graphs: DecodeGraphs | None = None

@@ -156,7 +156,8 @@ class MeshLayout:
         when several), each with its own control port when the layout has them."""
         args, n = self.args, self.args.api_server_count
         options = from_args(RouterOptions, self.passed[RouterOptions], source=self.model, host=args.host,
-                            port=args.port, grpc_port=args.grpc_port, replica=tuple(replicas), reuse_port=n > 1)
+                            port=args.port, grpc_port=args.grpc_port, replica=tuple(replicas), reuse_port=n > 1,
+                            listen_when_ready=True)
         control: list[int | None] = [*self.control_ports] or [None] * n
         return [ChildSpec("router" if n == 1 else f"router[{i}]",
                           ["router", *to_argv(replace(options, control_port=control[i]))], kind="router")

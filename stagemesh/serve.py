@@ -158,7 +158,18 @@ def _model(args: argparse.Namespace):
                                        args.decode_context_parallel_size)
     if args.served_model_name is None and source.gguf_file is not None:
         args.served_model_name = source.name
+    _check_generation_config(args, source.model_dir)
     return source, cfg
+
+
+def _check_generation_config(args: argparse.Namespace, model_dir) -> None:
+    """The routers' sampling defaults, refused here rather than by a router child restarted over and over; a
+    FOLDER made absolute for the children."""
+    from router.generation_config import MODES, load
+
+    load(model_dir, args.generation_config, args.override_generation_config)
+    if args.generation_config not in MODES:
+        args.generation_config = os.path.abspath(os.path.expanduser(args.generation_config))
 
 
 def _check_quantization(source, cfg, cuda: bool) -> None:

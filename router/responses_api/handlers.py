@@ -91,8 +91,7 @@ async def _remember(store: ResponseStore, m: ResponsesRequest, builder: Response
 async def _prepare(request: web.Request, chat: dict) -> tuple[GenerateRequest, str, list[Generation]]:
     """The chat path: the request checked and built, admitted, its prompt rendered and tokenized."""
     config = request.app[CONFIG]
-    req = chat_request(validate(ChatCompletionRequest, chat), config.served_model_name, config.tool_call_parser,
-                       config.adapter_names)
+    req = chat_request(validate(ChatCompletionRequest, chat), config)
     base = request_id(request, req)
     _, gens = await launch(req, request.app[REPLICAS], request.app[TOKENIZER], config.max_model_len, f"resp_{base}")
     return req, base, gens

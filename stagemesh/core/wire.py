@@ -60,12 +60,14 @@ def structured_from_pb(msg: common_pb2.StructuredOutputs) -> StructuredOutputs |
 
 
 def sampling_fields_from_pb(msg: common_pb2.SamplingParams) -> dict:
-    """SamplingParams' keyword values from a message, unset fields read as their defaults: the router's gRPC
-    frontend hands them to its request builder, which checks them as it checks HTTP's. max_tokens is read as
+    """SamplingParams' keyword values from a message, unset fields read as their defaults, an unset optional one
+    left out (SamplingParams' default, or the model's where the router's gRPC frontend reads it): the frontend
+    hands them to its request builder, which checks them as it checks HTTP's. max_tokens is read as
     it is: on the scheduler's wire it is settled (>= 1, a 0 is refused); the frontend reads its own 0 (as many
     as the context leaves) before this."""
-    values = {name: _plain_from_pb(msg, name) for name in _PLAIN}
-    values["top_k"] = msg.top_k if msg.top_k > 0 else -1  # (0 or any negative: off)
+    values = {name: value for name in _PLAIN if (value := _plain_from_pb(msg, name)) is not None}
+    if "top_k" in values:
+        values["top_k"] = msg.top_k if msg.top_k > 0 else -1  # (0 or any negative: off)
     return dict(
         values,
         stop_token_ids=tuple(msg.stop_token_ids),

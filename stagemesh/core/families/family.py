@@ -113,6 +113,17 @@ class Family:
     # the fused C++ CPU layer (stage_worker.layer_plan, kernels/csrc/decoder_layer.cpp) runs its dense layers;
     # False: the Python layer runs them (no per-head q/k norm there)
     fused_cpu_plan: bool = True
+    # the norms of each decoder layer, in the checkpoint's names (Gemma's sandwich adds two around the MLP)
+    layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    # sliding_window applies to the layers config.json's layer_types names sliding_attention, which attend within
+    # it (the stage runs the window): the context is not capped at it (Gemma 3, gpt-oss)
+    sliding_layers: bool = False
+    # stage_worker's module of the family's own stage model (its STAGE_MODEL), where its layers are not the
+    # Llama-like decoder's (stage_worker.model.StageModel); None: that decoder
+    stage_model: str | None = None
+    # every checkpoint tensor of a decoder layer and its shape, where the family's are not what layer_shapes
+    # derives from the fields above (gpt-oss's stacked experts, sinks and biases)
+    layer_shapes_of: Callable[[ModelConfig, int], Shapes] | None = None
     # what of the family's configs stagemesh does not implement: a message naming it, or None (checked at start-up)
     refuse: Callable[[dict[str, Any]], str | None] | None = None
     # "mha": multi-head attention over K and V heads (stage_worker.model.Attention); "mla": DeepSeek's multi-head
@@ -144,9 +155,11 @@ class Family:
 
     def layer_shapes(self, cfg: ModelConfig, index: int, sparse: bool) -> Shapes:
         """Every checkpoint tensor of decoder layer `index` and its shape (`sparse`: the layer has experts)."""
+        if self.layer_shapes_of is not None:
+            return self.layer_shapes_of(cfg, index)
         h, prefix = cfg.hidden_size, f"model.layers.{index}"
-        shapes: Shapes = {f"{prefix}.input_layernorm.weight": (h,), f"{prefix}.post_attention_layernorm.weight": (h,),
-                  **self.attention_shapes(f"{prefix}.self_attn", cfg)}
+        shapes: Shapes = {**{f"{prefix}.{norm}.weight": (h,) for norm in self.layer_norms},
+                          **self.attention_shapes(f"{prefix}.self_attn", cfg)}
         if not sparse or self.experts is None:
             return {**shapes, **self.weights.mlp_shapes(f"{prefix}.mlp", h, cfg.intermediate_size)}
         block, (gate, up, down) = f"{prefix}.{self.experts.block}", self.experts.names
