@@ -224,8 +224,10 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    m = validate(DetokenizeRequest, await read_json(request))
-    tokenizer = request.app[TOKENIZER]
+    body, tokenizer = await read_json(request), request.app[TOKENIZER]
+    if isinstance(body, dict) and isinstance(body.get("tokens"), list):  # counted before each id is checked
+        tokenizer.check_token_count(len(body["tokens"]), "tokens")
+    m = validate(DetokenizeRequest, body)
     if any(not 0 <= t < tokenizer.vocab_size for t in m.tokens):
         raise bad_request(f"token ids must be in [0, {tokenizer.vocab_size})", "tokens")
     return web.json_response({"prompt": await tokenizer.run(tokenizer.decode, m.tokens, False)})
