@@ -21,6 +21,7 @@ from scheduler.sessions import Sessions
 from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grpc_errors import ErrorInterceptor
+from stagemesh.core.hash_parts import tier_parts
 from stagemesh.core.health import LIVENESS, follow
 from stagemesh.core.lora import LoRAError
 from stagemesh.core.service_options import add_port, aio_server
@@ -207,8 +208,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def GetKVSnapshot(self, request, context):
         epoch, seq, tiers = self.driver.kv_events.snapshot()
-        return scheduler_pb2.KVSnapshot(epoch=epoch, seq=seq, block_size=self.block_size, tiers=[
-            scheduler_pb2.KVSnapshotTier(medium=medium, block_hashes=hashes) for medium, hashes in tiers])
+        parts = list(tier_parts(tiers))
+        for i, part in enumerate(parts):
+            yield scheduler_pb2.KVSnapshot(epoch=epoch, seq=seq, block_size=self.block_size, more=i < len(parts) - 1,
+                                           tiers=[scheduler_pb2.KVSnapshotTier(medium=medium, block_hashes=hashes)
+                                                  for medium, hashes in part])
 
     async def GetModelInfo(self, request, context):
         d = self.driver.status()

@@ -910,18 +910,25 @@ Global___KVSnapshotTier: _TypeAlias = KVSnapshotTier  # noqa: Y015
 
 @_typing.final
 class KVSnapshot(_message.Message):
+    """One part of a snapshot: epoch, seq and block_size the same on every part."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     EPOCH_FIELD_NUMBER: _builtins.int
     SEQ_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     TIERS_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """as KVEventBatch (0: nobody follows the events now)"""
     seq: _builtins.int
     block_size: _builtins.int
+    more: _builtins.bool
+    """another part follows"""
     @_builtins.property
-    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVSnapshotTier]: ...
+    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVSnapshotTier]:
+        """a tier may go on in the next part"""
+
     def __init__(
         self,
         *,
@@ -929,10 +936,11 @@ class KVSnapshot(_message.Message):
         seq: _builtins.int = ...,
         block_size: _builtins.int = ...,
         tiers: _abc.Iterable[Global___KVSnapshotTier] | None = ...,
+        more: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "epoch", b"epoch", "seq", b"seq", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "epoch", b"epoch", "more", b"more", "seq", b"seq", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
