@@ -50,6 +50,9 @@ class Pipeline(Protocol):
     # whether the stages compute different steps at the same time (separate processes): the driver keeps
     # one micro-batch in flight per stage; otherwise one step runs at a time through all of them
     overlaps_stages: bool
+    # disaggregated prefill: the key of the read tickets of the KV this replica holds (stagemesh.core.kv_ticket);
+    # the stages get it at each join
+    kv_read_key: bytes
 
     def layout(self) -> PipelinePlan | None:
         """The stages that would form the next epoch, or None while some are missing."""

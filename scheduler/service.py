@@ -21,6 +21,7 @@ from scheduler.sessions import Sessions
 from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grpc_errors import ErrorInterceptor
+from stagemesh.core import kv_ticket
 from stagemesh.core.hash_parts import tier_parts
 from stagemesh.core.health import LIVENESS, follow
 from stagemesh.core.lora import LoRAError
@@ -242,7 +243,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         held = out.held_kv
         assert held is not None  # (called only for an output that holds KV: scheduler.replies)
         return KVSourceInfo(self.address, out.request_id, held.epoch, tuple(held.block_ids), self.block_size,
-                            held.num_tokens, held.stages)
+                            held.num_tokens, held.stages,
+                            kv_ticket.ticket(self.driver.pipeline.kv_read_key, held.epoch, held.block_ids))
 
     async def RegisterStage(self, request, context):
         s = request.stage

@@ -155,9 +155,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         handoff.deliver(req)
 
 
-# what a call raises: a PullKV source its scheduler does not vouch for PERMISSION_DENIED, bad input
-# INVALID_ARGUMENT, a state the stage is not in FAILED_PRECONDITION, anything else INTERNAL (logged); the stage
-# stays up
+# what a call raises: a PullKV source its scheduler does not vouch for, or a ReadKV without the blocks' ticket,
+# PERMISSION_DENIED; bad input INVALID_ARGUMENT, a state the stage is not in FAILED_PRECONDITION, anything else
+# INTERNAL (logged); the stage stays up
 ERRORS = ErrorInterceptor(by_type((kv_connector.NotAPeer, grpc.StatusCode.PERMISSION_DENIED),
                                   (kv_connector.KVReadTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
                                   ((InvalidStep, InvalidParameter), grpc.StatusCode.INVALID_ARGUMENT),

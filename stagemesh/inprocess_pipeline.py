@@ -21,6 +21,7 @@ from stage_worker.runner import StageRunner
 
 class InProcessPipeline:
     overlaps_stages = False
+    kv_read_key = b""  # (no stage services: no KV is handed out)
 
     def __init__(self, runners: list[StageRunner], num_kv_blocks: int, kv_disk_path: str | None = None):
         """kv_disk_path: the stages' disk KV tier (each its own namespace directory under it)."""

@@ -29,6 +29,7 @@ class KVSourceInfo:
     block_size: int
     num_tokens: int
     stages: tuple[tuple[str, int, int], ...]  # (address, layer start, layer end) per stage
+    read_ticket: bytes = b""  # what its stages ask of a reader of these blocks (stagemesh.core.kv_ticket)
 
 
 @dataclass(frozen=True)

@@ -123,10 +123,11 @@ def kv_source_to_pb(k: KVSourceInfo, out: scheduler_pb2.KVTransferParams) -> sch
     out.block_ids.extend(k.block_ids)
     out.block_size, out.num_tokens = k.block_size, k.num_tokens
     out.stages.extend(stage_pb2.KVSource(address=a, layer_start=s, layer_end=e) for a, s, e in k.stages)
+    out.read_ticket = k.read_ticket
     return out
 
 
 def kv_source_from_pb(p: scheduler_pb2.KVTransferParams) -> KVSourceInfo:
     """As it came: its sizes are checked where a decode replica takes it (scheduler.service)."""
     return KVSourceInfo(p.scheduler_address, p.request_id, p.epoch, tuple(p.block_ids), p.block_size, p.num_tokens,
-                        tuple((s.address, s.layer_start, s.layer_end) for s in p.stages))
+                        tuple((s.address, s.layer_start, s.layer_end) for s in p.stages), p.read_ticket)

@@ -1053,6 +1053,7 @@ class KVTransferParams(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     STAGES_FIELD_NUMBER: _builtins.int
+    READ_TICKET_FIELD_NUMBER: _builtins.int
     scheduler_address: _builtins.str
     """the prefill replica's scheduler (ReleaseKV)"""
     request_id: _builtins.str
@@ -1062,6 +1063,10 @@ class KVTransferParams(_message.Message):
     block_size: _builtins.int
     num_tokens: _builtins.int
     """tokens whose KV the blocks hold: the prompt"""
+    read_ticket: _builtins.bytes
+    """What the prefill replica's stages ask of a reader of these blocks
+    (ReadKV): an HMAC of the epoch and blocks under a key of its scheduler's.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """its blocks there, in order"""
@@ -1080,10 +1085,11 @@ class KVTransferParams(_message.Message):
         block_size: _builtins.int = ...,
         num_tokens: _builtins.int = ...,
         stages: _abc.Iterable[_stage_pb2.KVSource] | None = ...,
+        read_ticket: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "block_size", b"block_size", "epoch", b"epoch", "num_tokens", b"num_tokens", "request_id", b"request_id", "scheduler_address", b"scheduler_address", "stages", b"stages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "block_size", b"block_size", "epoch", b"epoch", "num_tokens", b"num_tokens", "read_ticket", b"read_ticket", "request_id", b"request_id", "scheduler_address", b"scheduler_address", "stages", b"stages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -122,7 +122,8 @@ class StageServicer:
     def ReadKV(self, request, context):
         """Disaggregated prefill, prefill side: the KV of some of this stage's
         blocks (those a prefill request left held), every KV head, streamed in
-        chunks of whole blocks of one layer.
+        chunks of whole blocks of one layer; only to a reader with their ticket
+        (PERMISSION_DENIED otherwise, naming nothing of the stage's state).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

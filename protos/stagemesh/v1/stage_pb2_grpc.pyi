@@ -48,7 +48,8 @@ class StageStub:
     ReadKV: _grpc.UnaryStreamMultiCallable[_stage_pb2.ReadKVRequest, _stage_pb2.KVBlocksChunk]
     """Disaggregated prefill, prefill side: the KV of some of this stage's
     blocks (those a prefill request left held), every KV head, streamed in
-    chunks of whole blocks of one layer.
+    chunks of whole blocks of one layer; only to a reader with their ticket
+    (PERMISSION_DENIED otherwise, naming nothing of the stage's state).
     """
     PullKV: _grpc.UnaryUnaryMultiCallable[_stage_pb2.PullKVRequest, _stage_pb2.PullKVResponse]
     """Disaggregated prefill, decode side: read these blocks' KV for this
@@ -90,7 +91,8 @@ class StageAsyncStub(StageStub):
     ReadKV: _aio.UnaryStreamMultiCallable[_stage_pb2.ReadKVRequest, _stage_pb2.KVBlocksChunk]  # type: ignore[assignment]
     """Disaggregated prefill, prefill side: the KV of some of this stage's
     blocks (those a prefill request left held), every KV head, streamed in
-    chunks of whole blocks of one layer.
+    chunks of whole blocks of one layer; only to a reader with their ticket
+    (PERMISSION_DENIED otherwise, naming nothing of the stage's state).
     """
     PullKV: _aio.UnaryUnaryMultiCallable[_stage_pb2.PullKVRequest, _stage_pb2.PullKVResponse]  # type: ignore[assignment]
     """Disaggregated prefill, decode side: read these blocks' KV for this
@@ -159,7 +161,8 @@ class StageServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_stage_pb2.KVBlocksChunk], _abc.AsyncIterator[_stage_pb2.KVBlocksChunk]]:
         """Disaggregated prefill, prefill side: the KV of some of this stage's
         blocks (those a prefill request left held), every KV head, streamed in
-        chunks of whole blocks of one layer.
+        chunks of whole blocks of one layer; only to a reader with their ticket
+        (PERMISSION_DENIED otherwise, naming nothing of the stage's state).
         """
 
     @_abc_1.abstractmethod
