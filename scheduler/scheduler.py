@@ -35,7 +35,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from scheduler import results
-from scheduler.admission import check_request, fits_kv_cache
+from scheduler.admission import check_generated_logprobs, check_request, fits_kv_cache
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.kv_transfer import KVLoadFailed, KVTransfers, failure_message
@@ -117,6 +117,7 @@ class Scheduler:
         KVLoadFailed."""
         cfg, request_id, kv_source = self.config, r.request_id, r.kv_source
         check_request(cfg, request_id, r.prompt_token_ids, r.sampling, r.generated_token_ids)
+        check_generated_logprobs(r.generated_token_ids, r.generated_logprobs, r.sampling)
         self.policy.check(r.priority)
         if r.lora_name and (cfg.lora is None or r.lora_name not in cfg.lora):
             raise StagemeshError(f"the LoRA adapter {r.lora_name[:200]!r} is not served by this replica"

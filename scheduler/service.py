@@ -140,14 +140,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def _sink(self, r: EngineRequest, connection: Connection):
         """Where a new request's outputs go: its connection, or for a resumable one a session that keeps them."""
         if r.resumable:
-            return self.sessions.open(r.request_id, list(r.prompt_token_ids), list(r.generated_token_ids), connection)
+            return self.sessions.open(r, connection)
         if r.request_id in self.sessions:
             raise StagemeshError(f"request id {r.request_id!r} is already in use (by a resumable request)")
         return connection
 
     def _attach(self, attach, connection: Connection) -> None:
         try:
-            self.sessions.attach(attach.request_id, list(attach.prompt_token_ids), connection)
+            self.sessions.attach(attach.request_id, list(attach.prompt_token_ids), attach.owner, connection)
         except StagemeshError as err:
             connection.reject(attach.request_id, err)
 
