@@ -278,7 +278,82 @@ def test_the_event_id_grammar_rejects_nothing_it_produces():
                 ResumePoint.parse(value, 2)
 
 
-def test_a_responses_api_stream_cannot_be_resumed_and_says_so(router):
-    resp = requests.post(f"{router.base_url}/v1/responses", timeout=30, headers={"Last-Event-ID": "3"},
-                         json={"model": "m", "input": "w5 w6", "stream": True})
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "Last-Event-ID"
+class _Builder:
+    """A Responses stream's groups of events as router.responses_api.output.ResponseBuilder makes them: the
+    opening, per delta the message's opening (with its first visible text) and a text delta, and the closing;
+    numbered in order, the text each delta's token ids."""
+
+    def __init__(self):
+        self.sequence, self.opened, self.text = 0, False, []
+
+    def event(self, kind: str, **fields) -> dict:
+        self.sequence += 1
+        return {"type": kind, "sequence_number": self.sequence - 1, **fields}
+
+    def opening(self) -> list[dict]:
+        return [self.event("response.created"), self.event("response.in_progress")]
+
+    def deltas(self, tokens: list[int]) -> list[dict]:
+        self.text += tokens
+        visible = [t for t in tokens if t >= 0]  # (a negative token: text held back, as before a tool call)
+        if not visible:
+            return []
+        opening = [] if self.opened else [self.event("output_item.added"), self.event("content_part.added")]
+        self.opened = True
+        return opening + [self.event("output_text.delta", delta=visible)]
+
+    def closing(self) -> list[dict]:
+        return [self.event("output_text.done", text=list(self.text)), self.event("content_part.done"),
+                self.event("output_item.done"), self.event("response.completed")]
+
+
+def _responses_stream(groups: list[list[int]], last_event_id: str | None = None) -> list[tuple[str, dict]]:
+    """The events a stream of these deltas writes, or (resumed from last_event_id) the rest of them: the
+    tokens the client has come back as one delta (what a replica's journal gives a router that attaches)."""
+    from router.responses_api.stream_ids import Point, ResponseEventIds
+
+    builder, point = _Builder(), Point.parse(last_event_id) if last_event_id else None
+    ids = ResponseEventIds(True, point)
+    if point is not None:  # the journal, cut where the client's copy ends
+        tokens = [t for g in groups for t in g]
+        groups = [tokens[:point.tokens], tokens[point.tokens:]]
+    out = ids.opening(builder, builder.opening)
+    for group in groups:
+        out += ids.delta(builder, lambda: builder.deltas(group), len(group))  # noqa: B023 (called at once)
+    return out + ids.closing(builder, builder.closing)
+
+
+def _merged(events: list[dict]) -> list[tuple]:
+    """The events as a client reads them, text deltas in a row joined (a resume sends what its replica made
+    meanwhile as one delta), sequence numbers aside."""
+    out: list[tuple] = []
+    for e in events:
+        if e["type"] == "output_text.delta" and out and out[-1][0] == "output_text.delta":
+            out[-1] = ("output_text.delta", out[-1][1] + e["delta"])
+        else:
+            out.append((e["type"], e.get("delta") or e.get("text")))
+    return out
+
+
+def test_a_responses_stream_resumed_after_any_event_goes_on_with_the_events_the_client_lacks():
+    """Whatever event the client read last, what it has and what the resumed stream writes make the undisturbed
+    stream: nothing repeated, nothing missing, the same text, sequence numbers going on from its last one; the
+    last event's id says the stream is complete, and a resume from it writes nothing."""
+    for groups in ([[-1, 5], [6, 7], [-2], [8, 9, 10]], [[-1], [-2, -3]], [[4], [5]]):
+        whole = _responses_stream(groups)
+        events = [e for _, e in whole]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert whole[-1][0] == f"{sum(map(len, groups))}f/{len(events) - 1}"
+        for k, (event_id, _) in enumerate(whole):
+            rest = [e for _, e in _responses_stream(groups, event_id)]
+            assert _merged(events[:k + 1] + rest) == _merged(events), (groups, event_id)
+            assert [e["sequence_number"] for e in rest] == list(range(k + 1, k + 1 + len(rest))), (groups, event_id)
+
+
+def test_a_responses_event_id_this_server_did_not_send_is_a_400():
+    from router.responses_api.stream_ids import Point
+
+    for value in ("3", "1f/2/0", "a/1", "1/2/3/4", "9" * 8 + "/1"):
+        with pytest.raises(APIError) as err:
+            Point.parse(value)
+        assert err.value.status == 400 and err.value.param == "Last-Event-ID"

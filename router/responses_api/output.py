@@ -24,7 +24,8 @@ class ResponseBuilder:
                  tokenizer: Tokenizer):
         self.m, self.req, self.id, self.created, self.tokenizer = m, req, response_id, created, tokenizer
         self.choice = Choice(gen)
-        self.message_id = f"msg_{uuid.uuid4().hex}"
+        # the same on every router: a resumed stream's items are the ones its client was told of
+        self.message_id = "msg_" + response_id.removeprefix("resp_")
         self.sequence = 0
         self.opened = False  # a stream announced the message item
         self.sent = 0  # characters of text a stream has sent
