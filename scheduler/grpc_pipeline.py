@@ -19,13 +19,14 @@ from opentelemetry import trace
 
 from scheduler.pipeline import StageFailure, StepResult
 from scheduler.rendezvous import PipelinePlan, Rendezvous, StageInfo
-from stagemesh.core import kv_ticket
-from stagemesh.core import telemetry
+from stagemesh.core import kv_ticket, telemetry
 from stagemesh.core.deadlines import DEADLINES, Deadlines
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.sampling_params import InvalidParameter, SamplingParams, StructuredOutputs
 from stagemesh.core.service_options import aio_channel
 from stagemesh.core.step import EpochSpec, StepBatch
 from stagemesh.core.step_wire import drafts_from_pb, epoch_to_pb, prompt_logprobs_from_pb, sampled_from_pb, step_to_pb
+from stagemesh.core.wire import sampling_to_pb
 from stagemesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.scheduler")
@@ -128,6 +129,22 @@ class GrpcPipeline:
             raise StageFailure(calls[-1][0], "the stage's sampled-token columns do not line up")
         return StepResult(sampled_from_pb(msg), prompt_logprobs_from_pb(msg), sum(r.compute_seconds for r in replies),
                           drafts_from_pb(msg))
+
+    # -- structured outputs --------------------------------------------------------------
+    async def compile_grammar(self, structured: StructuredOutputs, timeout_s: float) -> None:
+        if self.plan is None:
+            raise StagemeshError("no pipeline is formed to compile the constraint on")
+        last = self.plan.stages[-1]
+        request = stage_pb2.CompileGrammarRequest()
+        sampling_to_pb(SamplingParams(structured=structured), request.sampling)
+        try:
+            await self._stub(last).CompileGrammar(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidParameter("structured_outputs", err.details() or "it does not compile") from None
+            if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TimeoutError from None
+            raise StagemeshError(f"{last.name} did not compile the constraint: {err.code().name}") from None
 
     # -- disaggregated prefill ------------------------------------------------------------
     async def pull_kv(self, epoch: int, pull, timeout_s: float) -> int:

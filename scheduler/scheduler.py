@@ -228,9 +228,16 @@ class Scheduler:
         self.transfers.requeue_releases(old.transfers.take_releases())
         return failed
 
-    def fail(self, request_ids, error: str) -> list[RequestOutput]:
-        """End these requests with `error` (not their own fault)."""
-        return [self.finish(self.requests[r], "error", error=error) for r in request_ids if r in self.requests]
+    def fail(self, request_ids, error: str, own_fault: bool = False) -> list[RequestOutput]:
+        """End these requests with `error` (own_fault: their own data failed them, never to be retried)."""
+        return [self.finish(self.requests[r], "error", error=error, own_fault=own_fault) for r in request_ids
+                if r in self.requests]
+
+    def wait_for_grammar(self, request_id: str, waiting: bool) -> None:
+        """A structured request waits, unscheduled, while its constraint compiles (vLLM's WAITING_FOR_FSM)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.waiting_for_grammar = waiting
 
     def abort(self, request_ids) -> list[RequestOutput]:
         outputs = []
@@ -358,8 +365,9 @@ class Scheduler:
         while (self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs
                and len(budget.chunks) < budget.seqs):
             request = self.waiting[0]
-            if lora is not None and not self.lora_slots.admits(request, busy, lora.max_loras):
-                skipped.append(self.waiting.popleft())  # its adapter has no slot: those behind it go on
+            if request.waiting_for_grammar or (lora is not None and not self.lora_slots.admits(request, busy,
+                                                                                               lora.max_loras)):
+                skipped.append(self.waiting.popleft())  # its constraint compiles, or its adapter has no slot
                 continue
             if request.kv_source is not None:  # its prompt's KV is elsewhere: blocks for it, then the pull
                 blocks = self.kv.allocate(request.request_id, request.kv_source.num_tokens)

@@ -23,6 +23,48 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class CompileGrammarRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SAMPLING_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def sampling(self) -> _common_pb2.SamplingParams:
+        """The request's sampling parameters; only their constraint is read."""
+
+    def __init__(
+        self,
+        *,
+        sampling: _common_pb2.SamplingParams | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompileGrammarRequest: _TypeAlias = CompileGrammarRequest  # noqa: Y015
+
+@_typing.final
+class CompileGrammarResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SECONDS_FIELD_NUMBER: _builtins.int
+    seconds: _builtins.float
+    """how long the compile took (0: it was compiled before)"""
+    def __init__(
+        self,
+        *,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompileGrammarResponse: _TypeAlias = CompileGrammarResponse  # noqa: Y015
+
+@_typing.final
 class ModelIdentity(_message.Message):
     """The model a stage serves, so that the scheduler refuses mixed models."""
 
