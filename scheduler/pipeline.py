@@ -18,6 +18,7 @@ from typing import Awaitable, Protocol
 from opentelemetry import trace
 
 from scheduler.rendezvous import PipelinePlan, StageInfo
+from stagemesh.core.sampling_params import StructuredOutputs
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.speculative import MAX_NUM_SPECULATIVE_TOKENS
 from stagemesh.core.step import PromptLogprobs, SampledToken, StepBatch
@@ -50,6 +51,9 @@ class Pipeline(Protocol):
     # whether the stages compute different steps at the same time (separate processes): the driver keeps
     # one micro-batch in flight per stage; otherwise one step runs at a time through all of them
     overlaps_stages: bool
+    # disaggregated prefill: the key of the read tickets of the KV this replica holds (stagemesh.core.kv_ticket);
+    # the stages get it at each join
+    kv_read_key: bytes
 
     def layout(self) -> PipelinePlan | None:
         """The stages that would form the next epoch, or None while some are missing."""
@@ -63,6 +67,11 @@ class Pipeline(Protocol):
 
     async def probe(self) -> StageFailure | None:
         """Whether every stage of the pipeline still answers as the instance that joined."""
+
+    async def compile_grammar(self, structured: StructuredOutputs, timeout_s: float) -> None:
+        """Structured outputs: the last stage compiles a request's constraint and keeps it for the sequence (the
+        scheduler does not schedule the request until then: vLLM's WAITING_FOR_FSM). Raises InvalidParameter for
+        a constraint that does not compile, TimeoutError past timeout_s, StagemeshError when no stage answers."""
 
     async def pull_kv(self, epoch: int, pull, timeout_s: float) -> int:
         """Disaggregated prefill: every stage fetches its layers of a prompt's KV held on a prefill replica

@@ -88,6 +88,7 @@ class StageWorker:
         self.instance_id = uuid.uuid4().hex  # a restarted stage is another instance to the scheduler
         model = self.runner.config
         self._joining = threading.Lock()  # one join at a time (a second waits for the first to end)
+        self.kv_read_key = b""  # the scheduler's, from each join: ReadKV's tickets (none before a join)
         balancer = None if cfg.slice.eplb is None else eplb.Balancer(
             cfg.slice.eplb, eplb.balanced_blocks(self.runner.model), cfg.slice.tp_size, cfg.stage_index)
         # nothing is allowed before a join
@@ -158,6 +159,7 @@ class StageWorker:
 
     def _join(self, req: EpochSpec) -> None:
         self._leave()
+        self.kv_read_key = req.kv_read_key  # (ReadKV answers only a reader with a ticket under it)
         if self.control is not None:
             self.control.send(control.JOIN, req.epoch, epoch_to_pb(req).SerializeToString())
         rank = sdist.join_world(req, self.runner.tp, self.runner.device)

@@ -14,6 +14,7 @@ import asyncio
 from scheduler.pipeline import StageFailure, StepResult
 from scheduler.rendezvous import ModelIdentity, PipelinePlan, StageInfo
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.sampling_params import StructuredOutputs
 from stagemesh.core.step import StepBatch
 from stage_worker.kv_tiers import KVTierStore, open_disk_tier
 from stage_worker.runner import StageRunner
@@ -21,6 +22,7 @@ from stage_worker.runner import StageRunner
 
 class InProcessPipeline:
     overlaps_stages = False
+    kv_read_key = b""  # (no stage services: no KV is handed out)
 
     def __init__(self, runners: list[StageRunner], num_kv_blocks: int, kv_disk_path: str | None = None):
         """kv_disk_path: the stages' disk KV tier (each its own namespace directory under it)."""
@@ -65,6 +67,12 @@ class InProcessPipeline:
         for tiers, r in zip(self.tiers, reads):
             tiers.fill(block_ids, host_slots, r, ok)
         return ok
+
+    async def compile_grammar(self, structured: StructuredOutputs, timeout_s: float) -> None:
+        """The last runner's sampler compiles it (in its compile thread) and keeps it for the sequence."""
+        sampler = self.runners[-1].sampler
+        assert sampler is not None  # (the last runner samples)
+        await asyncio.wait_for(asyncio.wrap_future(sampler.prepare(structured)), timeout_s)
 
     async def pull_kv(self, epoch: int, pull, timeout_s: float) -> int:
         """Disaggregated prefill: no stage service here to fetch a prefill replica's KV with, so the pull fails

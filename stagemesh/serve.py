@@ -21,6 +21,7 @@ import argparse
 import logging
 import json
 import os
+import shutil
 
 from stagemesh.core import internal_token
 from stagemesh.core.errors import StagemeshError
@@ -70,6 +71,7 @@ def _operate(args: argparse.Namespace, mesh, autoscale) -> int:
     finally:
         admin.close()
         mesh.rpc.close()
+        shutil.rmtree(mesh.layout.metrics_dir, ignore_errors=True)  # the routers' shared metrics
 
 
 def _run_on_ray(args: argparse.Namespace, token: str, signals: Signals, autoscale) -> int:

@@ -62,6 +62,12 @@ MAX_REQUEST_RETRIES = Flag(("--max-request-retries",), type=int, default=3, help
     "a request whose replica fails goes on on another one (before its first token: sent again; after: continued "
     "from the tokens already streamed), at most this many times; a scheduler fails a request under which the "
     "pipeline broke more than this many times"))
+# the router's bound on its own check of a constraint, and the scheduler's on its last stage's compile (while it
+# waits, a structured request is not scheduled: vLLM's WAITING_FOR_FSM); past it, the request's 400
+GRAMMAR_COMPILE_TIMEOUT = Flag(("--grammar-compile-timeout",), type=float, default=5.0, metavar="SECONDS", help=(
+    "a request's structured-output constraint that takes longer to compile gets a 400 naming the bound (default "
+    "5, as vLLM's regex bound): on the router (in a worker process) and on the replica's last stage, where the "
+    "request waits, unscheduled, while its constraint compiles"))
 BLOCK_SIZE = Flag(("--block-size",), type=int, default=16)
 PIPELINE_PARALLEL_SIZE = Flag(("--pipeline-parallel-size", "-pp"), type=int, default=1)
 SPECULATIVE_CONFIG = Flag(("--speculative-config",), metavar="JSON", help=(

@@ -154,6 +154,7 @@ class EpochSpec:
     next_stage_address: str = ""  # grpc handoff: the next stage's, empty on the last
     first_stage_address: str = ""  # grpc handoff: the first stage's, on the last stage of several
     num_host_kv_blocks: int = 0  # slots of the stage's host KV tier (docs/kv-tiers.md); 0: none
+    kv_read_key: bytes = b""  # disaggregated prefill: the key of its scheduler's read tickets (core.kv_ticket)
 
 
 @dataclass(frozen=True)
