@@ -116,11 +116,12 @@ def _holder(serve: Serve, client_port: int) -> int:
 
 
 def _kill_router(serve: Serve, pid: int) -> None:
-    """SIGKILL a router and wait until serve started it again."""
-    starts = serve.text().count("started router")
+    """SIGKILL a router and wait until serve started it again and it listens (it joins the shared port only once
+    a replica serves: until then the other router alone takes every connection)."""
+    listening = serve.text().count("router serving")
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while serve.text().count("started router") == starts:
+    deadline = time.monotonic() + 120
+    while serve.text().count("router serving") == listening:
         assert time.monotonic() < deadline, "serve did not start the router again"
         time.sleep(0.1)
 
