@@ -23,11 +23,14 @@ from stage_worker.lora import LoRAManager, LoRASettings
 from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from stage_worker.gguf import GGUFCheckpoint
 from stage_worker.model import AttentionMetadata, StageModel
+from stage_worker.coverage import check_all_read
 from stage_worker.quantization import check_quantization, load_gguf, quantize_at_load
+from stage_worker.quant_methods.loader import load_quantised
+from stage_worker.quant_methods.method import QuantMethod
 from stage_worker.context import check_context_parallel, share_step
 from stage_worker.parallel import HeadShard, stage_groups
 from stage_worker.sampler import Sampler
-from stage_worker.weights import load_weights
+from stage_worker.weights import CheckpointReader, load_weights
 
 if TYPE_CHECKING:
     from stage_worker.cuda_graphs import DecodeGraphs
@@ -72,14 +75,21 @@ def resolve_dtype(cfg: ModelConfig, dtype: torch.dtype | str | None, device: str
     return getattr(torch, name)
 
 
-def _load(model: StageModel, model_dir, quantization: str | None, gguf_file: str | None, cfg: ModelConfig) -> None:
+def _load(model: StageModel, model_dir, quantization: str | None, gguf_file: str | None, cfg: ModelConfig,
+          method: QuantMethod | None) -> None:
+    """`method`: the checkpoint's own quantization (stage_worker.quant_methods); else `quantization` quantises
+    an unquantised checkpoint at load (or names a GGUF's)."""
     if quantization == "gguf":
         if gguf_file is None:
             raise StagemeshError("--quantization gguf needs a .gguf file as the model")
         load_gguf(model, GGUFCheckpoint(gguf_file, cfg))
         return
-    load_weights(model, model_dir)
-    if quantization is not None:
+    reader = CheckpointReader(model_dir)
+    if method is not None:
+        load_quantised(model, method, reader)
+    load_weights(model, reader)
+    check_all_read(reader.files, reader.read, model)
+    if quantization is not None and method is None:
         quantize_at_load(model, quantization)
 
 
@@ -141,8 +151,8 @@ class StageRunner:
         self.kv_block_size = block_size // self.tp.cp_size
         if gguf_file is not None:
             quantization = quantization or "gguf"
-        check_quantization(quantization, cfg, self.device)
-        self.quantization = quantization
+        self.quant_method = check_quantization(quantization, cfg, self.device)
+        self.quantization = quantization or (self.quant_method.name if self.quant_method else None)
         self.model = StageModel(cfg, layer_start, layer_end, shard, self.dtype, self.device,
                                 expert_parallel=expert_parallel, ep=ep, eplb=eplb,
                                 cp=self.tp if self.tp.cp_size > 1 else None)
@@ -151,7 +161,7 @@ class StageRunner:
         self.lora = LoRAManager(self.model, cfg, lora, self.dtype, self.device) if lora is not None else None
         self.seq_adapters: dict[int, str] = {}  # sequences that use an adapter: its name
         if load:
-            _load(self.model, model_dir, quantization, gguf_file, cfg)
+            _load(self.model, model_dir, quantization, gguf_file, cfg, self.quant_method)
         if self.device.type == "cpu":
             pack_weights_for_cpu(self.model)
         if self.lora is not None and load:

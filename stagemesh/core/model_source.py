@@ -10,8 +10,10 @@ from stagemesh.core.default_model import DEFAULT_MODEL_NAME, default_model_dir, 
 from stagemesh.core.errors import StagemeshError
 
 # gguf: a .gguf file's weights as they are; w8a16 / w8a8: int8 weights quantised at load; fp8: fp8 weights
-# quantised at load, CUDA (stage_worker.quantization)
-QUANTIZATION_METHODS = ("gguf", "w8a16", "w8a8", "fp8")
+# quantised at load, CUDA (stage_worker.quantization), or an fp8 checkpoint's; the rest name a quantised
+# checkpoint's format, vLLM's names (stage_worker.quant_methods; test_quant_formats checks the two agree)
+QUANTIZATION_METHODS = ("gguf", "w8a16", "w8a8", "fp8", "compressed-tensors", "fbgemm_fp8", "gptq", "awq",
+                        "gptq_marlin", "awq_marlin")
 
 
 @dataclass(frozen=True)
