@@ -156,7 +156,7 @@ def plan_stage(args: argparse.Namespace) -> StagePlan:
     from stagemesh.core.model_config import ModelConfig
     from stagemesh.core.model_source import resolve_source
 
-    source = resolve_source(args.model, args.tokenizer, args.quantization)
+    source = resolve_source(args.model, args.tokenizer, args.quantization, args.quantization_activations)
     cfg = ModelConfig.from_path(source.model_dir)
     start, end = stage_layers(args, cfg.num_hidden_layers)
     check_layer_range(cfg, start, end)
@@ -200,6 +200,7 @@ def load_worker(args: argparse.Namespace, plan: StagePlan):
                          pcp_size=args.prefill_context_parallel_size, cuda_graphs=not args.enforce_eager,
                          expert_parallel=args.enable_expert_parallel,
                          eplb=plan.eplb, quantization=source.quantization,
+                         quantization_activations=source.activations,
                          gguf_file=str(source.gguf_file) if source.gguf_file else None, lora=plan.lora)
     worker = StageWorker(StageConfig(slice_, args.stage_index, handoff=args.handoff,
                                      kv_cache_memory=args.kv_cache_memory,

@@ -23,6 +23,7 @@ from stage_worker.lora import LoRAManager, LoRASettings
 from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from stage_worker.gguf import GGUFCheckpoint
 from stage_worker.model import AttentionMetadata, StageModel
+from stage_worker.activations import choose_activations
 from stage_worker.coverage import check_all_read
 from stage_worker.quantization import check_quantization, load_gguf, quantize_at_load
 from stage_worker.quant_methods.loader import load_quantised
@@ -109,6 +110,7 @@ class SliceConfig:
     expert_parallel: bool = False  # whole experts spread over the TP ranks (stage_worker.moe)
     eplb: EPLBConfig | None = None  # the experts' load balanced, with redundant copies
     quantization: str | None = None  # stage_worker.quantization.METHODS
+    quantization_activations: str | None = None  # --quantization-activations (stage_worker.activations)
     gguf_file: str | None = None  # the weights (quantization gguf); model_dir then gives config and tokenizer
     lora: LoRASettings | None = None  # --enable-lora: the adapters it may serve (stage_worker.lora)
 
@@ -124,7 +126,8 @@ class SliceConfig:
                            device=device, dtype=self.dtype, block_size=self.block_size, dcp_size=self.dcp_size,
                            pcp_size=self.pcp_size, cuda_graphs=self.cuda_graphs,
                            expert_parallel=self.expert_parallel, ep=ep, eplb=self.eplb, quantization=self.quantization,
-                           gguf_file=self.gguf_file, lora=self.lora)
+                           gguf_file=self.gguf_file, lora=self.lora,
+                           quantization_activations=self.quantization_activations)
 
 
 class StageRunner:
@@ -134,7 +137,7 @@ class StageRunner:
                  config: ModelConfig | None = None,
                  cuda_graphs: bool = True, max_graph_batch: int = 256, expert_parallel: bool = False, ep=None,
                  eplb=None, quantization: str | None = None, gguf_file: str | None = None,
-                 lora: LoRASettings | None = None):
+                 lora: LoRASettings | None = None, quantization_activations: str | None = None):
         # (model_dir is None only where a config is given: runners made without weights, load=False)
         self.config = cfg = config or ModelConfig.from_path(model_dir)  # type: ignore[arg-type]
         check_layer_range(cfg, layer_start, layer_end)
@@ -160,8 +163,11 @@ class StageRunner:
         # adapters per sequence (multi-LoRA): its linears become LoRALinear before the weights load
         self.lora = LoRAManager(self.model, cfg, lora, self.dtype, self.device) if lora is not None else None
         self.seq_adapters: dict[int, str] = {}  # sequences that use an adapter: its name
+        self.activations: str | None = None  # --quantization-activations as it runs (stage_worker.activations)
         if load:
             _load(self.model, model_dir, quantization, gguf_file, cfg, self.quant_method)
+            self.activations = choose_activations(self.model, quantization_activations, self.quantization,
+                                                  self.device)
         if self.device.type == "cpu":
             pack_weights_for_cpu(self.model)
         if self.lora is not None and load:

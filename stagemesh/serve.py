@@ -150,7 +150,7 @@ def _model(args: argparse.Namespace):
     from stagemesh.core.model_config import ModelConfig
     from stagemesh.core.model_source import resolve_source
 
-    source = resolve_source(args.model, args.tokenizer, args.quantization)
+    source = resolve_source(args.model, args.tokenizer, args.quantization, args.quantization_activations)
     cfg = ModelConfig.from_path(source.model_dir)
     cfg.check_tp_size(args.tensor_parallel_size)
     cfg.check_decode_context_parallel(args.tensor_parallel_size, args.decode_context_parallel_size, args.block_size)

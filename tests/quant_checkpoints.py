@@ -9,6 +9,7 @@ pack (along N in the order 0 2 4 6 1 3 5 7), DeepSeek-V3's weight_scale_inv per 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import zlib
 from pathlib import Path
@@ -36,7 +37,8 @@ def _ct_group(weights: dict, strategy: str, activations: dict | None, fmt: str, 
     args = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": strategy,
             "block_structure": None, "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {}}
     return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-            "global_compression_ratio": 1.5, "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {},
+            "global_compression_ratio": 1.5, "ignore": ["lm_head", "re:.*mlp.gate$"], "kv_cache_scheme": None,
+            "sparsity_config": {},
             "version": "0.9.1", "config_groups": {"group_0": {"targets": ["Linear"], "output_activations": None,
                                                               "weights": {**args, **weights},
                                                               "input_activations": activations}}, **extra}
@@ -147,6 +149,11 @@ def _int_linear(w: torch.Tensor, fmt: str, prefix: str, gen: torch.Generator) ->
             f"{prefix}.scales": scales.T.half(), f"{prefix}.g_idx": g_idx.to(torch.int32)}, deq
 
 
+def _linear(prefix: str) -> bool:
+    """An attention or MLP linear, or an expert's (a mixture of experts' routers stay dense)."""
+    return prefix.split(".", 3)[-1] in LINEARS or re.search(r"\.experts\.\d+\.(gate|up|down)_proj$", prefix) is not None
+
+
 def _skipped(fmt: str, prefix: str) -> bool:
     return fmt == "fbgemm-fp8" and ".layers.1.self_attn." in prefix + "."
 
@@ -162,7 +169,7 @@ def write_quantized(model_dir: str | Path, target: str | Path, fmt: str, seed: i
     out, dense = {}, {}
     for name, t in tensors.items():
         prefix = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and prefix.split(".", 3)[-1] in LINEARS) or _skipped(fmt, prefix):
+        if not (name.endswith(".weight") and _linear(prefix)) or _skipped(fmt, prefix):
             out[name] = dense[name] = t
             continue
         written, deq = (_fp8_linear(t, fmt, prefix) if "fp8" in fmt else _int_linear(t, fmt, prefix, gen))

@@ -46,9 +46,18 @@ def test_every_checkpoint_method_is_a_quantization_flag():
     assert set(flag_names()) <= set(QUANTIZATION_METHODS)
 
 
+# Static activation scales round x to fp8 with 3 mantissa bits: where x / s lies within an fp32 rounding of a
+# boundary between two fp8 values, a product summed in another order (the C++ kernels') rounds the next layer's
+# input by a whole fp8 step, and the tiny model amplifies it. So these formats' products run on the torch
+# reference (x @ W^T, transformers' own order); the kernels are checked against it in test_quant_kernels.
+STATIC = ("ct-fp8-tensor-static",)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_format_gives_transformers_greedy_tokens(checkpoint, fmt):
+def test_format_gives_transformers_greedy_tokens(checkpoint, fmt, monkeypatch):
     """One stage (logits within fp32 tolerance of transformers on the dequantised weights) and two stages."""
+    if fmt in STATIC:
+        monkeypatch.setattr("kernels.cpu_ops.quant_takes", lambda qs: False)
     path, reference = checkpoint(fmt)
     prompt = prompts(384, lengths=(29,))[0]
     want_tokens, want_logits = reference_greedy(reference, prompt, 8)
@@ -63,7 +72,7 @@ def test_format_tp2_pp2_gives_transformers_greedy_tokens(checkpoint, fmt, tmp_pa
     """-tp 2 (scales sharded with their weights; desc_act's columns cut across groups) over two stages."""
     path, reference = checkpoint(fmt)
     prompt = prompts(384, lengths=(21,))[0]
-    got = run_tp(path, 2, "2,2", prompt, 8, tmp_path)
+    got = run_tp(path, 2, "2,2", prompt, 8, tmp_path, env={"STAGEMESH_KERNELS": "torch"} if fmt in STATIC else None)
     assert got["tokens"] == reference_greedy(reference, prompt, 8)[0]
 
 
@@ -178,3 +187,42 @@ def test_an_unquantised_checkpoint_with_an_extra_tensor_is_refused(tiny_model_di
     StageRunner(path, 0, 2)  # layer 3 is another stage's
     with pytest.raises(StagemeshError, match="does not read: model.layers.3.self_attn.q_proj.weight_scale"):
         StageRunner(path, 2, 4)
+
+
+def test_the_plan_counts_the_quantised_bytes(checkpoint):
+    from stagemesh.core.model_config import ModelConfig
+    from stagemesh.plan.cli import weights_dtype
+    from stagemesh.plan.memory import weight_bytes
+
+    for fmt, dtype in (("gptq-int4", "int4"), ("fbgemm-fp8", "fp8"), ("ct-int8", "int8"), ("ct-w4a16", "int4")):
+        cfg = ModelConfig.from_path(checkpoint(fmt)[0])
+        assert weights_dtype(cfg, None) == dtype
+    assert weight_bytes(cfg, "int4", 4, 0) < 0.3 * weight_bytes(cfg, "bf16", 4, 0)
+    with pytest.raises(StagemeshError, match="stored as int4 .* --dtype bf16"):
+        weights_dtype(cfg, "bf16")
+
+
+@pytest.fixture(scope="module")
+def fp8_moe(tiny_model_dir, tmp_path_factory):
+    """A tiny Qwen3-MoE in compressed-tensors FP8 (experts too; routers dense), and its reference."""
+    quantised, twin = write_quantized(tiny_model_dir("qwen3_moe"), tmp_path_factory.mktemp("moe"), "ct-fp8-channel")
+    return quantised, reference_model(twin)
+
+
+def test_fp8_moe_gives_transformers_greedy_tokens(fp8_moe):
+    path, reference = fp8_moe
+    prompt = prompts(384, lengths=(23,))[0]
+    want_tokens, want_logits = reference_greedy(reference, prompt, 6)
+    tokens, logits = chained_logits(path, [2, 2], prompt, 6)
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, atol=2e-4, rtol=1e-4)
+    experts = StageRunner(path, 0, 1).model.layers[0].mlp.quantised
+    assert experts is not None and experts.w13[0].qs.dtype == torch.float8_e4m3fn
+
+
+def test_fp8_moe_expert_parallel_gives_transformers_greedy_tokens(fp8_moe, tmp_path):
+    """-tp 2 --enable-expert-parallel: each rank reads its experts' quants and scales only."""
+    path, reference = fp8_moe
+    prompt = prompts(384, lengths=(19,))[0]
+    got = run_tp(path, 2, "2,2", prompt, 6, tmp_path, True)
+    assert got["tokens"] == reference_greedy(reference, prompt, 6)[0]

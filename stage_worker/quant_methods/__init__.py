@@ -14,7 +14,7 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
 from stage_worker.quant_methods.method import QuantMethod
 
-_SKIP = {"method", "layout", "loader", "packing"}  # the package's own modules, not methods
+_SKIP = {"method", "layout", "loader", "packing", "experts"}  # the package's own modules, not methods
 
 
 def _discover() -> dict[str, type[QuantMethod]]:

@@ -106,6 +106,12 @@ class CompressedTensors(QuantMethod):
         self.ignore = list(qc.get("ignore") or [])
         self.bits = min(s.bits for s in self.schemes)
 
+    @property
+    def plan_dtype(self) -> str:
+        if self.bits == 4:
+            return "int4"
+        return "fp8" if any(s.type == "float" for s in self.schemes) else "int8"
+
     def scheme(self, prefix: str) -> Scheme | None:
         if matches(self.ignore, prefix):
             return None

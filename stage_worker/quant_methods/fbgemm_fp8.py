@@ -24,6 +24,8 @@ class FbgemmFp8(QuantMethod):
         self.bound = float(ub)
         self.skip = list(qc.get("modules_to_not_convert") or [])
 
+    plan_dtype = "fp8"
+
     def quantised(self, prefix, reader):
         return prefix != "lm_head" and not matches(self.skip, prefix)
 

@@ -32,6 +32,8 @@ class Fp8(QuantMethod):
         self.block = block
         self.skip = list(qc.get("modules_to_not_convert") or []) + list(qc.get("ignored_layers") or [])
 
+    plan_dtype = "fp8"
+
     def quantised(self, prefix, reader):
         return prefix != "lm_head" and not matches(self.skip, prefix)
 

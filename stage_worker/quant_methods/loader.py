@@ -9,6 +9,7 @@ from torch import nn
 from stagemesh.core.errors import StagemeshError
 from stage_worker.layers import Linear, ParallelLMHead, shards_of
 from stage_worker.moe import SparseMoeBlock
+from stage_worker.quant_methods.experts import load_experts
 from stage_worker.quant_methods.layout import layout
 from stage_worker.quant_methods.method import Part, QuantMethod
 from stage_worker.quant_weight import InputTransform, QuantizedWeight
@@ -17,10 +18,14 @@ EMBEDDING = "model.embed_tokens"  # a tied LM head's tensor: an embedding, which
 
 
 def load_quantised(model: nn.Module, method: QuantMethod, reader) -> None:
-    for name, module in model.named_modules():
+    # the routers of experts stay dense, as vLLM keeps them (a quantised one would be refused: fill, coverage)
+    routers = {id(m.gate) for m in model.modules() if isinstance(m, SparseMoeBlock)} | \
+        {id(m.shared_expert_gate) for m in model.modules() if isinstance(m, SparseMoeBlock)}
+    for name, module in list(model.named_modules()):
         if isinstance(module, SparseMoeBlock):
-            _refuse_quantised_experts(module, method, reader)
-        if not isinstance(module, (Linear, ParallelLMHead)) or isinstance(module.weight, QuantizedWeight):
+            load_experts(module, method, reader)
+        if not isinstance(module, (Linear, ParallelLMHead)) or isinstance(module.weight, QuantizedWeight) or \
+                id(module) in routers:
             continue
         shards = shards_of(module.weight)
         prefixes = [s.name.removesuffix(".weight") for s in shards]
@@ -36,14 +41,6 @@ def load_quantised(model: nn.Module, method: QuantMethod, reader) -> None:
         device = module.weight.device
         del module.weight  # the dense parameter goes
         module.weight = assemble(name, rows, width, parts).to(device)  # type: ignore[assignment]
-
-
-def _refuse_quantised_experts(block: SparseMoeBlock, method: QuantMethod, reader) -> None:
-    gate = block.names[0]
-    for e in block.placement.slots[:1]:
-        if method.quantised(f"{block.block}.experts.{e}.{gate}", reader):
-            raise StagemeshError(f"{block.block}.experts: quantised experts ({method.name}) are not built yet; "
-                                 "the experts' kernels take dense weights")
 
 
 def assemble(name: str, rows: int, width: int, parts: list[tuple[int, Part]]) -> QuantizedWeight:

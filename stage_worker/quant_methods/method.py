@@ -47,7 +47,12 @@ class QuantMethod:
 
     name: ClassVar[str]
     fields: ClassVar[frozenset[str]]
-    bits: int = 8  # the weights' bits, for the planner
+    bits: int = 8  # the weights' bits
+
+    @property
+    def plan_dtype(self) -> str:
+        """The weights' format as `stagemesh plan --dtype` counts it (stagemesh.plan.memory.DTYPE_BYTES)."""
+        return "int4" if self.bits == 4 else "int8"
 
     def __init__(self, qc: dict[str, Any]):
         self.qc = qc
