@@ -165,7 +165,10 @@ def _check_quantization(source, cfg, cuda: bool) -> None:
     """What the stages would refuse, refused before any starts."""
     from stage_worker.quantization import check_quantization
 
-    check_quantization(source.quantization, cfg, "cuda" if cuda else "cpu")
+    method = check_quantization(source.quantization, cfg, "cuda" if cuda else "cpu")
+    from stage_worker.activations import check_allowed
+
+    check_allowed(source.activations, source.quantization or (method.name if method is not None else None))
 
 
 def _serve_metrics(args: argparse.Namespace, offset: int):

@@ -7,6 +7,7 @@ import torch
 
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import NewSequence, ScheduledChunk, StepBatch
+from stage_worker import layers
 from stage_worker.quant_weight import QuantizedWeight
 
 MAX_KL_RATIO = 0.1
@@ -54,6 +55,7 @@ def set_int8_activations(model, on: bool) -> int:
         if isinstance(m, QuantizedWeight) and m.qs.dtype in (torch.int8, torch.uint8):
             m.int8_activations = on
             count += 1
+    layers._changed()  # the layers' C++ plans took the old flag: they rebuild (stage_worker.layer_plan)
     return count
 
 
