@@ -226,3 +226,19 @@ def test_fp8_moe_expert_parallel_gives_transformers_greedy_tokens(fp8_moe, tmp_p
     prompt = prompts(384, lengths=(19,))[0]
     got = run_tp(path, 2, "2,2", prompt, 6, tmp_path, True)
     assert got["tokens"] == reference_greedy(reference, prompt, 6)[0]
+
+
+def test_lora_on_a_quantised_checkpoint(checkpoint, tiny_model_dir, tmp_path):
+    """An adapter on GPTQ desc_act weights (their products gather x's columns; the adapter's take x as it is):
+    transformers on the dequantised weights with the adapter merged."""
+    from lora_cases import make_adapter, merged_reference, run_mixed, runners, settings
+
+    path, _ = checkpoint("gptq-int4-desc-act")
+    twin = path.parent / "dequantised"
+    adapter = make_adapter(tmp_path / "all", tiny_model_dir("llama"), rank=8, seed=1)
+    ps = prompts(384, lengths=(13, 21), seed=7)
+    want = [reference_greedy(merged_reference(twin, adapter), ps[0], 8)[0],
+            reference_greedy(merged_reference(twin, None), ps[1], 8)[0]]
+    assert want[0] != reference_greedy(merged_reference(twin, None), ps[0], 8)[0], "the adapter changes nothing"
+    stages = runners(path, [2, 2], settings({"all": adapter}))
+    assert run_mixed(stages, [(ps[0], "all"), (ps[1], "")], 8) == want
