@@ -225,11 +225,12 @@ def describe(args: argparse.Namespace, plan: StagePlan, worker) -> None:
         built = cpu_ops.load() is not None
         log.info("stage %d: %s; %s", i, describe_cpu_path(str(worker.runner.dtype).removeprefix("torch."),
                                                           cpu_flags(), kernels=built), describe_isa(cpu_flags(), built))
-    if source.quantization:
+    if worker.runner.quantization:  # the flag's, or the checkpoint's own quantization_config
         from stage_worker.quantization import describe as describe_quantization
 
-        log.info("stage %d: --quantization %s%s: %s", i, source.quantization,
-                 f" from {source.gguf_file}" if source.gguf_file else "", describe_quantization(worker.runner.model))
+        log.info("stage %d: --quantization %s%s: %s; activations %s", i, worker.runner.quantization,
+                 f" from {source.gguf_file}" if source.gguf_file else "", describe_quantization(worker.runner.model),
+                 worker.runner.activations)
     if lora is not None:
         log.info("stage %d: LoRA adapters %s (--max-loras %d, --max-lora-rank %d)", i,
                  ", ".join(m.name for m in lora.modules) or "none", lora.limits.max_loras, lora.limits.max_lora_rank)

@@ -242,3 +242,21 @@ def test_lora_on_a_quantised_checkpoint(checkpoint, tiny_model_dir, tmp_path):
     assert want[0] != reference_greedy(merged_reference(twin, None), ps[0], 8)[0], "the adapter changes nothing"
     stages = runners(path, [2, 2], settings({"all": adapter}))
     assert run_mixed(stages, [(ps[0], "all"), (ps[1], "")], 8) == want
+
+
+@pytest.mark.slow
+def test_an_fp8_checkpoint_served_by_a_mesh(checkpoint, tmp_path):
+    """The user's path: stage processes (a -tp 2 stage with its follower, and a second stage) read an fbgemm_fp8
+    checkpoint's own quantization_config, and the router answers with transformers' tokens on its dequantised
+    weights."""
+    from mesh import Mesh, Router, completion_ids
+    from tiny_models import with_word_tokenizer
+
+    path, reference = checkpoint("fbgemm-fp8")
+    served = with_word_tokenizer(path, tmp_path / "served")
+    with Mesh(served, [2, 2], tp=[2, 1], log_dir=tmp_path) as mesh:
+        with Router(served, [mesh.address], log_dir=tmp_path) as router:
+            for prompt in prompts(384, lengths=(7, 30)):
+                assert completion_ids(router.base_url, str(served), prompt, 6) == reference_greedy(reference, prompt,
+                                                                                                  6)[0]
+    assert "--quantization fbgemm_fp8: " in "".join(f.read_text() for f in tmp_path.glob("*.log"))
