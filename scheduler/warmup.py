@@ -64,6 +64,7 @@ async def warm_up(pipeline: Pipeline, epoch: int, config: SchedulerConfig) -> Sc
         output = warm.schedule()
         if output is None:
             break
+        output.step_batch.warmup = True
         result = await pipeline.forward(epoch, output.step_batch, None, [])
         check_result(output.step_batch, result, config.vocab_size)
         warm.update_from_output(output, result.sampled, result.prompt_logprobs, result.drafts)

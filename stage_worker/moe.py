@@ -11,6 +11,8 @@ every token routed to them, and one all-reduce sums the ranks (why: below).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -231,3 +233,16 @@ def expert_load(model: nn.Module) -> dict[int, list[int]]:
     """Tokens routed to each expert so far, per sparse layer of the model (TP rank 0's counts)."""
     return {m.layer: m.expert_tokens.tolist() for m in model.modules()
             if isinstance(m, SparseMoeBlock) and m.expert_tokens is not None}
+
+
+@contextmanager
+def uncounted(model: nn.Module) -> Iterator[None]:
+    """The experts' token counts left as they were (a warm-up step counts no load: StepBatch.warmup); restored
+    after the step rather than skipped in it, so that a replayed CUDA graph's counting is undone too."""
+    counts = [m.expert_tokens for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    saved = [(c, c.clone()) for c in counts if c is not None]
+    try:
+        yield
+    finally:
+        for live, before in saved:
+            live.copy_(before)
