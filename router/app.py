@@ -24,7 +24,7 @@ from router.request import GenerateRequest, Prompt
 from router.request_builder import chat_options, check_model
 from router.responses_api import handlers as responses_api
 from router.responses_api.store import open_store
-from router.state import CONFIG, LIFECYCLE, PROBES, REPLICAS, TOKENIZER, Lifecycle, request_id
+from router.state import CONFIG, LIFECYCLE, PROBES, REPLICAS, TOKENIZER, Lifecycle, request_id, resumable
 from router.tokenization import Tokenizer
 
 MAX_BODY_BYTES = 32 * 2**20
@@ -122,20 +122,15 @@ async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamRes
 
 
 def _resumable(request: web.Request, req: GenerateRequest) -> None:
-    """A stream to a client that accepts event streams is resumable (router.resume); with Last-Event-ID the
-    request is a resume of one that such a client started."""
-    last = request.headers.get(resume.HEADER)
-    # (a beam search's steps are requests of their own, kept nowhere for a resume)
-    req.resumable = req.stream and req.beam is None and resume.wants_event_ids(request.headers.get("Accept", ""))
-    if last is None:
-        return
-    if req.beam is not None:
+    """With Last-Event-ID the request is a resume of a stream (router.state.resumable); a beam search's steps are
+    requests of their own, kept nowhere for a resume."""
+    if req.beam is not None and resume.HEADER in request.headers:
         raise bad_request(f"{resume.HEADER}: a beam search's stream is not resumable", resume.HEADER)
-    if not req.stream:
-        raise bad_request(f"{resume.HEADER} resumes a stream: 'stream' must be true", resume.HEADER)
-    if not (request.headers.get("X-Request-Id") or req.request_id):
-        raise bad_request(f"{resume.HEADER} resumes the stream of a request id: send it (X-Request-Id)", "request_id")
-    req.resumable, req.resume = True, resume.ResumePoint.parse(last, req.num_choices)
+    last = resumable(request, req, req.stream)
+    if req.beam is not None:
+        req.resumable = False
+    if last is not None:
+        req.resume = resume.ResumePoint.parse(last, req.num_choices)
 
 
 async def _echo_text(req: GenerateRequest, prompt, ids: list[int], tokenizer: Tokenizer) -> str:
@@ -236,8 +231,10 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    m = validate(DetokenizeRequest, await read_json(request))
-    tokenizer = request.app[TOKENIZER]
+    body, tokenizer = await read_json(request), request.app[TOKENIZER]
+    if isinstance(body, dict) and isinstance(body.get("tokens"), list):  # counted before each id is checked
+        tokenizer.check_token_count(len(body["tokens"]), "tokens")
+    m = validate(DetokenizeRequest, body)
     if any(not 0 <= t < tokenizer.vocab_size for t in m.tokens):
         raise bad_request(f"token ids must be in [0, {tokenizer.vocab_size})", "tokens")
     return web.json_response({"prompt": await tokenizer.run(tokenizer.decode, m.tokens, False)})

@@ -12,6 +12,8 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import replace
+from functools import partial
 
 from aiohttp import web
 
@@ -28,7 +30,8 @@ from router.responses_api import background
 from router.responses_api.output import ResponseBuilder
 from router.responses_api.request import NEUTRAL, REFUSED, ResponsesRequest, chat_body, renamed
 from router.responses_api.store import ResponseStore, Stored, StoreUnavailable
-from router.state import CONFIG, REPLICAS, TOKENIZER, request_id
+from router.responses_api.stream_ids import Point, ResponseEventIds
+from router.state import CONFIG, REPLICAS, TOKENIZER, request_id, resumable
 
 STORE = web.AppKey("responses_store", ResponseStore)
 log = logging.getLogger("stagemesh.router")
@@ -47,9 +50,6 @@ def add_routes(app: web.Application, store: ResponseStore) -> None:
 async def create(request: web.Request) -> web.StreamResponse:
     if request.app[CONFIG].pooler is not None:  # (--runner pooling: vLLM's 400)
         raise bad_request("The model does not support Responses API")
-    if "Last-Event-ID" in request.headers:  # (router.resume covers chat and completions streams)
-        raise bad_request("resuming a Responses API stream (Last-Event-ID) is not built: resume chat completions "
-                          "or completions streams, or send the request again", "Last-Event-ID")
     raw = await read_json(request)
     m = validate(ResponsesRequest, raw, REFUSED, NEUTRAL)
     if m.background and not m.store:  # (vLLM's words)
@@ -59,15 +59,16 @@ async def create(request: web.Request) -> web.StreamResponse:
     try:
         req = chat_request(validate(ChatCompletionRequest, chat), request.app[CONFIG])
         base = request_id(request, req)
-        gens = await _launch(request.app, req, base, m.background)
+        ids = _event_ids(request, req, m.stream, m.background)
+        gens = await _launch(request.app, req, base)
     except APIError as err:
         raise renamed(err, origins) from None
     builder = ResponseBuilder(m, req, f"resp_{base}", int(time.time()), gens[0], request.app[TOKENIZER])
     conversation = _conversation(m, chat)
     deltas = choices.run(req, gens, request.app[REPLICAS], request.app[TOKENIZER])
     if m.background:
-        job = background.Job(store, builder, conversation, {"request": raw, "request_id": base},
-                             request.app[background.OWNER])
+        run = {"request": raw, "request_id": base, "client": req.engine.owner}  # (client: whom it belongs to)
+        job = background.Job(store, builder, conversation, run, request.app[background.OWNER])
         return await _in_background(request, job, deltas)
     headers = {"X-Request-Id": base}
     try:  # closing it cancels the generation, so the scheduler aborts it and frees its blocks
@@ -76,7 +77,8 @@ async def create(request: web.Request) -> web.StreamResponse:
                 builder.add(d)
             await _remember(store, m, builder, conversation)
             return web.json_response(builder.body(), headers=headers)
-        return await _stream(request, builder, deltas, headers, lambda: _remember(store, m, builder, conversation))
+        return await _stream(request, builder, deltas, headers, lambda: _remember(store, m, builder, conversation),
+                             ids)
     finally:
         await deltas.aclose()
 
@@ -94,15 +96,30 @@ def _conversation(m: ResponsesRequest, chat: dict) -> list[dict]:
     return chat["messages"][1:] if m.instructions else chat["messages"]
 
 
-async def _launch(app: web.Application, req: GenerateRequest, base: str, background_run: bool,
-                  resume: bool = False) -> list[Generation]:
-    """The chat path: the request admitted, its prompt rendered and tokenized. A background one is resumable (its
-    replica keeps it if this router dies, for the router that takes it over); `resume`: that router's attach."""
-    config = app[CONFIG]
-    req.resumable = background_run
-    req.resume = ResumePoint([0], [False]) if resume else None
-    _, gens = await launch(req, app[REPLICAS], app[TOKENIZER], config.max_model_len, f"resp_{base}")
+async def _launch(app: web.Application, req: GenerateRequest, base: str) -> list[Generation]:
+    """The chat path: the request admitted (or attached where it runs, for a resume), its prompt rendered and
+    tokenized."""
+    _, gens = await launch(req, app[REPLICAS], app[TOKENIZER], app[CONFIG].max_model_len, f"resp_{base}")
     return gens
+
+
+def _event_ids(request: web.Request, req: GenerateRequest, stream: bool, background_run: bool) -> ResponseEventIds:
+    """As chat and completions streams (router.state.resumable): event ids for a client that accepts event
+    streams, and with Last-Event-ID a resume of the stream it had. A background response is resumable whatever
+    its client accepts (its replica keeps it if this router dies, for the router that takes it over); its stream
+    is read again with GET's starting_after, not Last-Event-ID."""
+    last = resumable(request, req, stream)
+    if background_run:
+        if last is not None:
+            raise bad_request("a background response's stream is read again with GET /v1/responses/{id}?stream=true"
+                              "&starting_after=N, not with Last-Event-ID", "Last-Event-ID")
+        req.resumable = True
+        return ResponseEventIds(False)
+    if last is None:
+        return ResponseEventIds(req.resumable)
+    point = Point.parse(last)
+    req.resume = point.resume_point()
+    return ResponseEventIds(True, point)
 
 
 def _final(builder: ResponseBuilder, conversation: list[dict]) -> tuple[dict, list[dict]]:
@@ -165,7 +182,9 @@ async def _take_over(app: web.Application, entry: Stored) -> None:
     try:
         chat, _ = await _chat(store, m)
         req = chat_request(validate(ChatCompletionRequest, chat), app[CONFIG])
-        gens = await _launch(app, req, entry.job["request_id"], True, resume=True)
+        req.resumable, req.resume = True, ResumePoint([0], [False])  # an attach, as its first client
+        req.engine = replace(req.engine, owner=entry.job.get("client", ""))
+        gens = await _launch(app, req, entry.job["request_id"])
     except APIError as err:
         await store.put(rid, Stored({**entry.body, "status": "failed", "error": {
             "code": str(err.status), "message": f"its router stopped and it could not be taken over: {err.message}"}},
@@ -179,32 +198,36 @@ async def _take_over(app: web.Application, entry: Stored) -> None:
                      lambda j: _final(j.builder, j.conversation))
 
 
-async def _stream(request, builder: ResponseBuilder, deltas, headers, finished) -> web.StreamResponse:
+async def _stream(request, builder: ResponseBuilder, deltas, headers, finished,
+                  ids: ResponseEventIds) -> web.StreamResponse:
+    """The events, each with its id when the client asked for them (stream_ids); a resume writes only what its
+    client lacks."""
     first = await anext(deltas, None)  # errors before the first output still get an HTTP status
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     await resp.prepare(request)
     try:
-        await _write(resp, builder.opening())
+        await _write(resp, ids.opening(builder, builder.opening))
         item = first
         while item is not None:
-            await _write(resp, builder.deltas(item[1]))
+            await _write(resp, ids.delta(builder, partial(builder.deltas, item[1]), len(item[1].token_ids)))
             item = await anext(deltas, None)
         await finished()  # before the closing events: the last one says whether the response was stored
-        await _write(resp, builder.closing())
+        await _write(resp, ids.closing(builder, builder.closing))
     except APIError as err:
-        await _write(resp, [_error_event(builder, err)])
+        await _write(resp, [(None, _error_event(builder, err))])
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:  # the status line is sent: the error goes in the stream, as an error event
         incident = uuid.uuid4().hex[:12]
         log.exception("unexpected error while streaming %s (incident %s)", builder.id, incident)
-        await _write(resp, [_error_event(builder, APIError(500, f"internal error (incident {incident})"))])
+        await _write(resp, [(None, _error_event(builder, APIError(500, f"internal error (incident {incident})")))])
     return resp
 
 
-async def _write(resp: web.StreamResponse, events: list[dict]) -> None:
-    for event in events:
-        await resp.write(f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
+async def _write(resp: web.StreamResponse, events: list[tuple[str | None, dict]]) -> None:
+    for event_id, event in events:
+        head = f"id: {event_id}\n" if event_id is not None else ""
+        await resp.write(f"{head}event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
 
 
 def _error_event(builder: ResponseBuilder, err: APIError) -> dict:
