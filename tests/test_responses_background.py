@@ -107,6 +107,9 @@ def test_a_background_stream_is_read_again_from_starting_after(model_dir):
         assert text == events[-1].response.output_text == " w6 w7 w8 w9 w10 w11 w12 w13"
         again = list(client.responses.retrieve(rid, stream=True, starting_after=2))
         assert [e.sequence_number for e in again] == list(range(3, len(events)))
+        with pytest.raises(openai.BadRequestError, match="read again with GET"):  # (not a foreground resume)
+            client.responses.create(model=M, input="w5", background=True, stream=True,
+                                    extra_headers={"Last-Event-ID": "3", "X-Request-Id": "r1"})
 
 
 @needs_redis
