@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import logging
 
+from stagemesh.core import event_loop
 from stagemesh.core.heap import freeze_startup_heap
 from stagemesh.core.flags import add_flags
 from stagemesh.core.service_options import setup_service
@@ -21,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     setup_service(args, "stagemesh-router")
-    return asyncio.run(_main(args))
+    return event_loop.run(_main(args))
 
 
 async def _main(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 from dataclasses import replace
 
-from stagemesh.core import internal_token
+from stagemesh.core import event_loop, internal_token
 from stagemesh.core.deadlines import DEADLINES
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.heap import freeze_startup_heap
@@ -82,7 +82,7 @@ def _check_kv_peers(peers: list[str], kv_role: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     setup_service(args, "stagemesh-scheduler")
-    return asyncio.run(_main(args))
+    return event_loop.run(_main(args))
 
 
 async def _main(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from stagemesh.core import event_loop
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grpc_errors import ErrorInterceptor, by_type
 from stagemesh.core.health import LIVENESS
@@ -169,7 +170,7 @@ class ServerThread:
 
     def __init__(self, servicer: StageServicer, host: str, port: int):
         self.servicer, self._host, self._port = servicer, host, port
-        self._loop = asyncio.new_event_loop()
+        self._loop = event_loop.new_event_loop()
         self._started = threading.Event()
         self._error: BaseException | None = None
         self.port = 0
