@@ -180,7 +180,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def ready(self) -> bool:
         """Readiness: the pipeline is formed and the replica is not draining."""
-        return self.driver.status().healthy and not self.drain.reason
+        return self.driver.healthy and not self.drain.reason  # (polled: not the whole status)
 
     def unfinished(self) -> int:
         """Requests it runs, or keeps for a resume (a drain waits for none to be left)."""
