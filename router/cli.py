@@ -103,7 +103,8 @@ def _build_app(args: argparse.Namespace, replicas):
                           sampling_defaults=report(load(source.model_dir, args.generation_config,
                                                         args.override_generation_config)),
                           lora=LoRARegistry(_lora_modules(args, name), args.enable_lora,
-                                            tuple(args.allowed_local_lora_path), replica_set=replicas))
+                                            tuple(args.allowed_local_lora_path), replica_set=replicas),
+                          stream_interval=args.stream_interval)
     tokenizer = Tokenizer(source.model_dir, model_config.max_position_embeddings, config.template_timeout_s,
                           config.grammar_compile_timeout, config.json_any_whitespace)
     config = _auto_tool_choice(args, config, tokenizer)

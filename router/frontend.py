@@ -55,7 +55,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     def _request(self, request, chat: bool) -> GenerateRequest:
         """A Generate or Chat request through the request builder, step by step as the HTTP door's."""
         b = RequestBuilder(self.config.served_model_name, request.model or None, chat, self.config.adapter_names,
-                           self.config.sampling_defaults)
+                           self.config.sampling_defaults, self.config.stream_interval)
         b.choices(request.n or 1, _given(request, "best_of"))
         b.stop(list(request.stop), request.include_stop_str_in_output)
         b.priority(request.priority)

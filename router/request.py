@@ -67,6 +67,7 @@ class GenerateRequest:
     engine: EngineRequest = field(default_factory=lambda: EngineRequest("", ()))
     resumable: bool = False  # its replicas keep it for a resume if the router goes away (router.resume)
     resume: ResumePoint | None = None  # a resume: what the client has of each choice
+    stream_interval: int = 1  # --stream-interval: tokens a choice's outputs gather before they go out
 
     @property
     def logprobs(self) -> bool:

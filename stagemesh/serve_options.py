@@ -128,6 +128,7 @@ class ServeOptions:
     enable_eplb: bool = flag_of(W, "enable_eplb")
     eplb_config: str | None = flag_of(W, "eplb_config")
     policy: str = flag_of(R, "policy")
+    stream_interval: int = flag_of(R, "stream_interval")
     stage_recovery_timeout: float | None = flag_of(S, "stage_recovery_timeout", default=None, help=(
         "seconds a replica keeps its requests for a failed stage to come back (see `stagemesh scheduler`; default "
         f"30, or {RAY_STAGE_RECOVERY_TIMEOUT_S:.0f} on Ray)"))
