@@ -98,6 +98,15 @@ async def run(req: GenerateRequest, gens: list[Generation], replicas: ReplicaSet
               tokenizer: Tokenizer) -> AsyncGenerator[tuple[Generation, Delta], None]:
     """(choice, delta) as they come, from every choice, until each has finished. The first error ends it
     all (the other choices are aborted)."""
+    if len(gens) == 1:  # one choice (most requests): its deltas straight through, no task and queue per token
+        try:
+            async with aclosing(generate(req, gens[0], replicas, tokenizer)) as deltas:
+                async for delta in deltas:
+                    yield gens[0], delta
+            _count_groups(req, gens)
+        finally:
+            gens[0].release()  # (as below)
+        return
     queue: asyncio.Queue = asyncio.Queue()
     firsts: dict[tuple[int, ...], Generation] = {}
     for gen in gens:
