@@ -264,6 +264,7 @@ def main() -> None:
         return
     WORKLOADS["batch1"] = dict(num=args.bs1_requests, input_len=(32, 32), output_len=(args.bs1_tokens,) * 2,
                                concurrency=1)
+    WORKLOADS["warm-up"] = dict(num=2, input_len=(32, 32), output_len=(16, 16), concurrency=1)
     if args.inprocess:
         print(json.dumps(inprocess(args.model, args.inprocess)))
         return
@@ -308,7 +309,7 @@ def run(args, names: list[str], model: Path, trees: list[Path], tmp: Path) -> di
             print(f"{label}: {tree} serving {model.name} at {base}: "
                   f"{', '.join(f'{r} {v}' for r, v in pids.items())}", flush=True)
         for label, (_, base, pids, _) in servers.items():
-            served(base, "batch1")  # warm-up: the router's and the scheduler's first requests
+            served(base, "warm-up")  # the router's and the scheduler's first requests
             idle = figures["idle"][label] = idle_rates(pids, args.idle_seconds)
             print(f"{label} idle CPU ms/s: " + " ".join(f"{r} {1e3 * v:.2f}" for r, v in idle.items()), flush=True)
         sides = [*servers, *([] if args.no_inprocess else ["in-process"])]
