@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from kernels import cpu_ops, masked_attention, moe_reference, quant_reference, reference
+from kernels import cpu_ops, masked_attention, mla_reference, moe_reference, quant_reference, reference
 
 
 # Read once: a process keeps one choice (the kernels are picked per call, so a lookup here is paid by
@@ -93,6 +93,24 @@ def _triton_attention():
     return triton_attention
 
 
+def write_latent(latent, k_cache, v_cache, slot_mapping) -> None:
+    """Multi-head latent attention's cache write (kernels.mla_reference): each token's latent, halved into the
+    k and v tensors of its slot."""
+    mla_reference.write_latent(latent, k_cache, v_cache, slot_mapping)
+
+
+def mla_attention_rows(q, k_cache, v_cache, block_tables, row_seqs, row_visible, scale, kv_lora_rank):
+    """Absorbed latent attention of query rows [rows, heads, latent], each over the first row_visible latents of
+    its sequence: (weighted c_kv [rows, heads, kv_lora_rank], lse [rows, heads] fp32), kernels.mla_reference."""
+    if _use_triton(q) and _has("silu_and_mul"):  # triton imports: so does kernels.triton_mla
+        from kernels import triton_mla
+
+        return triton_mla.mla_attention_rows(q, k_cache, v_cache, block_tables, row_seqs, row_visible, scale,
+                                             kv_lora_rank)
+    return mla_reference.mla_attention_rows(q, k_cache, v_cache, block_tables, row_seqs, row_visible, scale,
+                                            kv_lora_rank)
+
+
 def rms_norm(x, weight, eps, residual=None):
     impl = _triton() if _use_triton(x) and _has("rms_norm") else _cpu_impl(x)
     return impl.rms_norm(x, weight, eps, residual)
@@ -159,7 +177,7 @@ def quant_linear(x, qs, scales, mins, bias=None, int8_activations=False):
     kernel on CPU where it is built, else the reference."""
     if _use_triton(x) and _has("quant_linear"):
         return _triton().quant_linear(x, qs, scales, mins, bias, int8_activations)
-    impl = cpu_ops if _cpu_impl(x) is cpu_ops and quant_built() else quant_reference
+    impl = cpu_ops if _cpu_impl(x) is cpu_ops and quant_built() and cpu_ops.quant_takes(qs) else quant_reference
     return impl.quant_linear(x, qs, scales, mins, bias, int8_activations)
 
 
@@ -169,6 +187,7 @@ def quant_built() -> bool:  # once per process: asked by every product
 
 
 build_cos_sin_cache = reference.build_cos_sin_cache
+gather_latent = mla_reference.gather_latent  # a sequence's latents, [length, latent]: an index_select on any device
 select_experts = moe_reference.select_experts  # softmax and top-k: a few small ops on any device
 
 

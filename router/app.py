@@ -24,7 +24,7 @@ from router.request import GenerateRequest, Prompt
 from router.request_builder import chat_options, check_model
 from router.responses_api import handlers as responses_api
 from router.responses_api.store import open_store
-from router.state import CONFIG, LIFECYCLE, PROBES, REPLICAS, TOKENIZER, Lifecycle, request_id
+from router.state import CONFIG, LIFECYCLE, PROBES, REPLICAS, TOKENIZER, Lifecycle, request_id, resumable
 from router.tokenization import Tokenizer
 
 MAX_BODY_BYTES = 32 * 2**20
@@ -114,17 +114,10 @@ async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamRes
 
 
 def _resumable(request: web.Request, req: GenerateRequest) -> None:
-    """A stream to a client that accepts event streams is resumable (router.resume); with Last-Event-ID the
-    request is a resume of one that such a client started."""
-    last = request.headers.get(resume.HEADER)
-    req.resumable = req.stream and resume.wants_event_ids(request.headers.get("Accept", ""))
-    if last is None:
-        return
-    if not req.stream:
-        raise bad_request(f"{resume.HEADER} resumes a stream: 'stream' must be true", resume.HEADER)
-    if not (request.headers.get("X-Request-Id") or req.request_id):
-        raise bad_request(f"{resume.HEADER} resumes the stream of a request id: send it (X-Request-Id)", "request_id")
-    req.resumable, req.resume = True, resume.ResumePoint.parse(last, req.num_choices)
+    """With Last-Event-ID the request is a resume of a stream (router.state.resumable)."""
+    last = resumable(request, req, req.stream)
+    if last is not None:
+        req.resume = resume.ResumePoint.parse(last, req.num_choices)
 
 
 async def _echo_text(req: GenerateRequest, prompt, ids: list[int], tokenizer: Tokenizer) -> str:
@@ -225,8 +218,10 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    m = validate(DetokenizeRequest, await read_json(request))
-    tokenizer = request.app[TOKENIZER]
+    body, tokenizer = await read_json(request), request.app[TOKENIZER]
+    if isinstance(body, dict) and isinstance(body.get("tokens"), list):  # counted before each id is checked
+        tokenizer.check_token_count(len(body["tokens"]), "tokens")
+    m = validate(DetokenizeRequest, body)
     if any(not 0 <= t < tokenizer.vocab_size for t in m.tokens):
         raise bad_request(f"token ids must be in [0, {tokenizer.vocab_size})", "tokens")
     return web.json_response({"prompt": await tokenizer.run(tokenizer.decode, m.tokens, False)})

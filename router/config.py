@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stagemesh.core.common_flags import (HOST, LORA_LIMITS, MAX_MODEL_LEN, MAX_REQUEST_RETRIES, SERVED_MODEL_NAME,
-                                         LoRAOptions, ModelOptions)
+from stagemesh.core.common_flags import (GRAMMAR_COMPILE_TIMEOUT, HOST, LORA_LIMITS, MAX_MODEL_LEN, MAX_REQUEST_RETRIES,
+                                         SERVED_MODEL_NAME, LoRAOptions, ModelOptions)
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.flags import Flag, group
 from stagemesh.core.service_options import ServiceOptions
@@ -87,10 +87,7 @@ class RouterOptions:
         "at most 16 whitespace characters may come between tokens); a request's "
         "structured_outputs.disable_any_whitespace overrides it. Default here: true (vLLM's default, false, lets a "
         "small model run away on whitespace)")).field()
-    grammar_compile_timeout: float = Flag(("--grammar-compile-timeout",), type=float, default=5.0, metavar="SECONDS",
-                                          help=(
-        "a request's structured-output constraint that takes longer to compile (in a worker process) gets a 400 "
-        "naming the bound (default 5, as vLLM's regex bound)")).field()
+    grammar_compile_timeout: float = GRAMMAR_COMPILE_TIMEOUT.field()
     max_waiting_requests: int = Flag(("--max-waiting-requests",), type=int, default=0, help=(
         "answer 429 (with Retry-After) once this many requests wait for their first token (0: unbounded; the "
         "schedulers' own queue limits also give 429)")).field()

@@ -226,6 +226,7 @@ class EpochManager:
                      s.layer_end, s.tp_size, s.device, s.handoff, s.address)
         kv_tokens = plan.num_kv_blocks * block_size
         log.info("KV cache size: %s tokens", f"{kv_tokens:,}")
+        self.observer.formed(kv_tokens)
         log.info("Maximum concurrency for %s tokens per request: %.2fx", f"{max_len:,}", kv_tokens / max_len)
         if plan.num_host_kv_blocks or plan.num_disk_kv_blocks:
             log.info("KV tiers: host %s tokens (%d blocks), disk %s tokens (%d blocks, %d held from before)",

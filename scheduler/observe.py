@@ -33,6 +33,8 @@ _ITL = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 
 RUNNING = Gauge("stagemesh:num_requests_running", "Requests in the running batch")
 WAITING = Gauge("stagemesh:num_requests_waiting", "Requests waiting to be scheduled")
 KV_USAGE = Gauge("stagemesh:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%)")
+KV_TOKENS = Gauge("stagemesh:kv_cache_size_tokens", "Tokens the KV cache holds (the minimum over the stages, as "
+                  "the start-up log's KV cache size)")
 PREFIX_QUERIES = Counter("stagemesh:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
 PREFIX_HITS = Counter("stagemesh:prefix_cache_hits", "Prompt tokens found in the prefix cache")
 PREEMPTIONS = Counter("stagemesh:num_preemptions", "Requests preempted (recomputed later)")
@@ -163,6 +165,10 @@ class Observer:
                 QUEUE.observe(now - t.arrival)
                 if t.span is not None:
                     t.span.add_event("scheduled")
+
+    def formed(self, kv_tokens: int) -> None:
+        """A pipeline formed with a KV cache of kv_tokens tokens."""
+        KV_TOKENS.set(kv_tokens)
 
     def stalled(self, request_ids: list[str], failure: str) -> None:
         """The pipeline broke under these requests; they are kept for the next epoch."""

@@ -19,6 +19,7 @@ from stagemesh.core.model_config import ModelConfig
 from stage_worker.layers import (MLP, Module, RMSNorm, ParallelLMHead, VocabParallelEmbedding, column_parallel,
                                  row_parallel)
 from stage_worker import layer_plan
+from stage_worker.mla import MLAttention
 from stage_worker.moe import SparseMoeBlock
 from stage_worker.parallel import HeadShard, TPGroup
 
@@ -74,6 +75,10 @@ class Attention(Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(f"{prefix}.q_norm.weight", d, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(f"{prefix}.k_norm.weight", d, cfg.rms_norm_eps, dtype, device)
+
+    @staticmethod
+    def rotary_dim(cfg: ModelConfig) -> int:
+        return cfg.head_dim
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 cos_sin: torch.Tensor) -> torch.Tensor:
@@ -150,6 +155,11 @@ class Attention(Module):
         return merged.to(dtype)
 
 
+def attention_class(cfg: ModelConfig) -> type[Attention] | type[MLAttention]:
+    """The family's attention: multi-head over K and V heads, or DeepSeek's latent attention (stage_worker.mla)."""
+    return MLAttention if cfg.family.attention == "mla" else Attention
+
+
 class DecoderLayer(Module):
     def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup, dtype, device, expert_parallel: bool = False,
                  ep=None, eplb=None, cp: TPGroup | None = None):
@@ -157,7 +167,7 @@ class DecoderLayer(Module):
         prefix = f"model.layers.{index}"
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", cfg.hidden_size, eps, dtype, device)
-        self.self_attn = Attention(cfg, f"{prefix}.self_attn", tp, dtype, device, cp)
+        self.self_attn = attention_class(cfg)(cfg, f"{prefix}.self_attn", tp, dtype, device, cp)
         self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size, eps,
                                                 dtype, device)
         self.sparse = cfg.is_sparse_layer(index)
@@ -213,7 +223,8 @@ class StageModel(Module):
             self.lm_head = ParallelLMHead(head, cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         positions = max_positions or cfg.max_position_embeddings
         self.register_buffer("cos_sin", kernels.build_cos_sin_cache(
-            cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling, dtype=torch.float32, device=device),
+            attention_class(cfg).rotary_dim(cfg), positions, cfg.rope_theta, cfg.rope_scaling, dtype=torch.float32,
+            device=device),
             persistent=False)
 
     def decoder_layer(self, cfg: ModelConfig, index: int, tp: TPGroup, dtype, device, expert_parallel: bool, ep, eplb,

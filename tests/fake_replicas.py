@@ -57,7 +57,7 @@ class FakeReplica(Replica):
         self.generated.append(list(r.generated_token_ids))
         return FakeStream(self._outputs(prompt, r.sampling, len(r.generated_token_ids)))
 
-    def attach(self, request_id: str, prompt: list[int]) -> "FakeStream":
+    def attach(self, request_id: str, prompt: list[int], owner: str) -> "FakeStream":
         """A fake replica keeps nothing for a resume."""
         async def none():
             raise RequestFailed(grpc.StatusCode.NOT_FOUND, f"no request {request_id!r} is held here")

@@ -26,7 +26,9 @@ class ResponseBuilder:
                  tokenizer: Tokenizer):
         self.m, self.req, self.id, self.created, self.tokenizer = m, req, response_id, created, tokenizer
         self.choice = Choice(gen, split=req.reasoning.splitter() if req.reasoning else None)
-        self.message_id, self.reasoning_id = f"msg_{uuid.uuid4().hex}", f"rs_{uuid.uuid4().hex}"
+        # the same on every router: a resumed stream's items are the ones its client was told of
+        self.message_id = "msg_" + response_id.removeprefix("resp_")
+        self.reasoning_id = "rs_" + response_id.removeprefix("resp_")
         self.sequence = 0
         self.opened = False  # a stream announced the message item
         self.thinking = False  # a stream announced the reasoning item

@@ -22,6 +22,8 @@ class ModelConfig:
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
+    # of a KV head as the paged cache holds it (and of an attention head, but with MLA: there the cache's one "head"
+    # is half the latent per token, stagemesh.core.families.deepseek_v2)
     head_dim: int
     vocab_size: int
     rms_norm_eps: float
@@ -177,6 +179,8 @@ class ModelConfig:
             )
         except (KeyError, TypeError, ValueError) as err:
             raise StagemeshError(f"config.json is missing or has a bad field: {err}") from None
+        if family.fields is not None:
+            config = dataclasses.replace(config, **family.fields(cfg))
         _check_mlp(config, cfg)
         return config
 
