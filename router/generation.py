@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import AsyncGenerator, AsyncIterator
+from typing import AsyncGenerator
 
 from router.dispatch import Generation, dispatch
 from router.errors import APIError
@@ -70,7 +70,7 @@ async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
         record.done(gen.completion_tokens, outcome)  # no-op when the request finished above
 
 
-async def every(replies: AsyncGenerator[ReplicaOutput, None], interval: int) -> AsyncIterator[ReplicaOutput]:
+async def every(replies: AsyncGenerator[ReplicaOutput, None], interval: int) -> AsyncGenerator[ReplicaOutput, None]:
     """vLLM's --stream-interval: the replies gathered into one every `interval` tokens; the first goes out at once
     (the time to first token stays), the last with its finish. Tokens gathered when the request fails go out
     before the failure."""

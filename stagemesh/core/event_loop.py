@@ -16,7 +16,7 @@ T = TypeVar("T")
 try:
     import uvloop
 except ImportError:  # (Windows: uvloop does not build there)
-    uvloop = None
+    uvloop = None  # type: ignore[assignment]
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
