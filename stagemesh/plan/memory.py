@@ -72,9 +72,35 @@ def linear_rows_per_layer(cfg: ModelConfig) -> int:
 def weight_bytes(cfg: ModelConfig, dtype: str, layers: int, tables: int) -> float:
     """Bytes of `layers` decoder layers and `tables` embedding / LM-head parameters in `dtype`."""
     counts = param_counts(cfg)
-    total = counts.per_layer * layers * DTYPE_BYTES[dtype] + tables * TABLE_BYTES.get(dtype, DTYPE_BYTES[dtype])
+    table_bytes = tables * TABLE_BYTES.get(dtype, DTYPE_BYTES[dtype])
+    block = fp8_block(cfg) if dtype == "fp8" else None
+    if block is not None:
+        per_layer = sum(n * _block_fp8_bytes(shapes, block) for shapes, n in _layer_kinds(cfg)) / cfg.num_hidden_layers
+        return per_layer * layers + table_bytes
+    total = counts.per_layer * layers * DTYPE_BYTES[dtype] + table_bytes
     if dtype in ("int8", "fp8"):  # an fp32 scale per output row
         total += 4 * linear_rows_per_layer(cfg) * layers
+    return total
+
+
+def fp8_block(cfg: ModelConfig) -> tuple[int, int] | None:
+    """The [rows, columns] of a block-FP8 checkpoint's scales (DeepSeek-V3's weight_block_size), from its
+    quantization_config, or for a reference config the released checkpoint's (`_fp8_quantization_config`)."""
+    qc = cfg.raw.get("quantization_config") or cfg.raw.get("_fp8_quantization_config") or {}
+    block = qc.get("weight_block_size") if qc.get("quant_method") == "fp8" else None
+    return (int(block[0]), int(block[1])) if block else None
+
+
+def _block_fp8_bytes(shapes: dict[str, tuple[int, ...]], block: tuple[int, int]) -> int:
+    """A layer's bytes as a block-FP8 checkpoint stores it (DeepSeek-V3's): each linear one byte a weight and an
+    fp32 weight_scale_inv per block (a partial block too); a mixture of experts' router and the norms in bf16, its
+    e_score_correction_bias in fp32."""
+    total = 0
+    for name, shape in shapes.items():
+        if len(shape) == 2 and not name.endswith(".gate.weight"):
+            total += math.prod(shape) + 4 * math.ceil(shape[0] / block[0]) * math.ceil(shape[1] / block[1])
+        else:
+            total += math.prod(shape) * (4 if name.endswith("e_score_correction_bias") else 2)
     return total
 
 
