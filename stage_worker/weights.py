@@ -94,7 +94,8 @@ def fill(data: torch.Tensor, shards, reader: CheckpointReader) -> None:
     """Copy each shard's checkpoint slice into its place in `data` (a parameter's tensor)."""
     for shard in shards:
         part = reader.read_slice(shard.name, shard.dim, shard.start, shard.length)
-        if not part.is_floating_point() or part.element_size() == 1:
+        # (a packed format's bytes go only where its layer declares them so: MXFP4's uint8 blocks and scales)
+        if (not part.is_floating_point() or part.element_size() == 1) and part.dtype != data.dtype:
             raise StagemeshError(f"{shard.name} is stored as {part.dtype}: quantised, and nothing in config.json's "
                                  "quantization_config says how to read it (a dense tensor is float32, bfloat16 or "
                                  "float16)")

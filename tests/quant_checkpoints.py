@@ -210,3 +210,27 @@ def static_activation_hooks(model, scale: float = INPUT_SCALE) -> None:
             module.register_forward_pre_hook(
                 lambda _m, args: ((args[0] / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale,))
 
+
+MXFP4_CONFIG = {"quant_method": "mxfp4",  # as OpenAI's gpt-oss checkpoints say it
+                "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                           "model.embed_tokens", "lm_head"]}
+
+
+def write_mxfp4(model_dir: str | Path, target: str | Path) -> tuple[Path, Path]:
+    """(MXFP4 checkpoint, dequantised twin) of the float32 gpt-oss in model_dir, as OpenAI's is written: each
+    layer's stacked experts gate_up_proj [E, H, 2I] and down_proj [E, I, H] as `_blocks` and `_scales` of their
+    transposes ([E, out, in / 32, 16] and [E, out, in / 32]); everything else as it is."""
+    from stage_worker.quant_methods.mxfp4 import dequantise, quantise
+
+    source, target = Path(model_dir), Path(target)
+    tensors = {k: v for f in source.glob("*.safetensors") for k, v in load_file(f).items()}
+    out, dense = {}, {}
+    for name, t in tensors.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name] = dense[name] = t
+            continue
+        packed = [quantise(w.T.contiguous()) for w in t]  # per expert: [out, in]
+        out[f"{name}_blocks"] = torch.stack([b for b, _ in packed])
+        out[f"{name}_scales"] = torch.stack([s for _, s in packed])
+        dense[name] = torch.stack([dequantise(b, s, torch.float32).T for b, s in packed])
+    return _write_pair(source, target, out, dense, MXFP4_CONFIG)

@@ -56,6 +56,7 @@ class QuantMethod:
     name: ClassVar[str]
     fields: ClassVar[frozenset[str]]
     bits: int = 8  # the weights' bits
+    families: ClassVar[tuple[str, ...] | None] = None  # the model types whose layers it is built for (None: any)
 
     @property
     def plan_dtype(self) -> str:
