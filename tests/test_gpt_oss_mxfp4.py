@@ -62,6 +62,9 @@ def test_the_experts_stay_packed(mxfp4):
     assert not hasattr(experts, "gate_up") and not hasattr(experts, "down")
     weights = 8 * 3 * 64 * 64  # experts x (gate, up, down) x hidden x intermediate
     assert experts.packed.nbytes() == weights // 32 * 17  # 16 bytes of e2m1 values and one scale a block of 32
+    from stage_worker.quantization import describe
+
+    assert describe(experts) == "1 x mxfp4 experts (0.0 MiB quantised)"  # (the start-up line: 51 KiB)
 
 
 def test_tp2_pp2_over_gloo_gives_transformers_tokens(mxfp4, tmp_path):

@@ -64,6 +64,8 @@ def packed_experts(cfg: ModelConfig, module: str, start: int, per: int, device) 
 class Mxfp4Experts(Module):
     """Every expert's gate_up and down, packed: blocks [E, rows, groups, 16] and scales [E, rows, groups]."""
 
+    kind = "mxfp4 experts"  # (the stage's start-up line: stage_worker.quantization.describe)
+
     def __init__(self, module: str, num: int, hidden: int, start: int, per: int, device):
         super().__init__()
         if hidden % GROUP or start % GROUP or per % GROUP:
