@@ -38,7 +38,8 @@ async def _main(args: argparse.Namespace) -> int:
     await replicas.refresh()
     app, config = _build_app(args, replicas)
     await _report_store(app)
-    control = await _control(args, replicas, app[LIFECYCLE])
+    _reload_on_sighup(config)
+    control = await _control(args, replicas, app[LIFECYCLE], config)
     if config.lora.enabled:  # a replica that lacks an adapter loaded at run time (it restarted) gets it
         from router import lora_api
 
@@ -84,6 +85,7 @@ def _build_app(args: argparse.Namespace, replicas):
     from router.generation_config import load, report
     from router.lora_registry import LoRARegistry
     from router.observe import configure
+    from router.tenants import Tenants
     from router.tokenization import Tokenizer
     from stagemesh.core.model_config import ModelConfig
     from stagemesh.core.model_source import resolve_source
@@ -92,7 +94,8 @@ def _build_app(args: argparse.Namespace, replicas):
     model_config = ModelConfig.from_path(source.model_dir)
     name = args.served_model_name or next((r.served_model_name for r in replicas.replicas if r.served_model_name),
                                           None) or source.name
-    config = RouterConfig(name, args.api_key, args.max_model_len, args.public_metrics, None,
+    tenants = Tenants.from_file(args.api_keys_file) if args.api_keys_file else None
+    config = RouterConfig(name, args.api_key, args.max_model_len, args.public_metrics, None, tenants=tenants,
                           responses_store=args.responses_store, responses_store_size=args.responses_store_size,
                           responses_store_ttl=args.responses_store_ttl,
                           trust_request_chat_template=args.trust_request_chat_template,
@@ -198,7 +201,26 @@ async def _drain(shutdown, lifecycle, site, replicas) -> None:
         replicas.detach()
 
 
-async def _control(args: argparse.Namespace, replicas, lifecycle):
+def _reload_on_sighup(config) -> None:
+    """--api-keys-file is read again on SIGHUP (a file that does not parse keeps the tenants: logged)."""
+    import signal
+
+    from stagemesh.core.errors import StagemeshError
+
+    tenants = config.tenants
+    if tenants is None or tenants.path is None:
+        return
+
+    def reload() -> None:
+        try:
+            tenants.reload()
+        except StagemeshError:
+            pass  # (logged by reload)
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+
+
+async def _control(args: argparse.Namespace, replicas, lifecycle, config):
     """The control port's server (router.control) and its health task (held while it runs), or None without
     --control-port."""
     if args.control_port is None:
@@ -207,7 +229,7 @@ async def _control(args: argparse.Namespace, replicas, lifecycle):
 
     server, port, follower = await serve_control(replicas, args.control_port,
                                                  lambda: lifecycle.listening and bool(replicas.healthy())
-                                                 and not lifecycle.draining)
+                                                 and not lifecycle.draining, config.tenants)
     log.info("control port (stagemesh.v1.RouterControl) on %s:%d", CONTROL_HOST, port)
     return server, follower
 

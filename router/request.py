@@ -8,6 +8,7 @@ from typing import Any
 
 from router.reasoning import ReasoningPlan
 from router.resume import ResumePoint
+from router.tenants import Tenant
 from router.tools import ToolPlan
 from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.sampling_params import SamplingParams
@@ -66,6 +67,7 @@ class GenerateRequest:
     # its priority (router.admission checks the replicas schedule by it), its LoRA adapter, ...
     engine: EngineRequest = field(default_factory=lambda: EngineRequest("", ()))
     resumable: bool = False  # its replicas keep it for a resume if the router goes away (router.resume)
+    tenant: Tenant | None = None  # who sent it (router.tenants; None: the router takes no keys)
     resume: ResumePoint | None = None  # a resume: what the client has of each choice
 
     @property

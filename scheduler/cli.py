@@ -163,7 +163,8 @@ def _driver(args: argparse.Namespace, cfg, tier_bytes: tuple[int, int], advertis
         max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         eos_token_ids=cfg.eos_token_ids, max_waiting_requests=args.max_waiting_requests, vocab_size=cfg.vocab_size,
-        scheduling_policy=args.scheduling_policy, kv_hold_timeout_s=args.kv_hold_timeout,
+        scheduling_policy=args.scheduling_policy, tenant_fair_share=args.tenant_fair_share,
+        kv_hold_timeout_s=args.kv_hold_timeout,
         kv_load_failure_policy=args.kv_load_failure_policy, kv_load_timeout_s=args.kv_load_timeout,
         speculative=spec, lora=lora)
     return Driver(DriverConfig(

@@ -43,6 +43,11 @@ class SchedulerOptions:
         "fcfs: requests in arrival order; priority: by the request's priority (lower first, ties by arrival), the "
         "lowest-priority running request preempted for a higher one that lacks KV blocks (vLLM's); a non-zero "
         "priority under fcfs is refused")).field()
+    tenant_fair_share: bool = Flag(("--tenant-fair-share",), kind="bool", default=True, help=(
+        "share the steps between the tenants of the requests (the router's --api-keys-file) by their weights: "
+        "token-weighted fair queueing (the Virtual Token Counter), and a tenant under its share of --max-num-seqs "
+        "takes a place from the tenant furthest over its own; within a tenant, --scheduling-policy's order. Off: "
+        "the queues ignore tenants (first come, first served across them)")).field()
     async_scheduling: bool | None = Flag(("--async-scheduling",), kind="bool", help=(
         "schedule a step before the previous one's tokens are back, so the stages do not wait for the scheduler: "
         "always with one stage, with more where a micro-batch would be empty (default: on when the stages run on "
@@ -113,6 +118,7 @@ class SchedulerConfig:
     # vLLM's --scheduling-policy: "fcfs" (arrival order) or "priority" (lower value first, ties by arrival;
     # the lowest-priority running request is preempted for a higher one that lacks KV blocks)
     scheduling_policy: str = "fcfs"
+    tenant_fair_share: bool = True  # the steps shared between tenants by weight (scheduler.policy.FairShare)
     kv_hold_timeout_s: float = 30.0  # a prefilled request's KV blocks wait this long for a decode replica at most
     # decode side (scheduler.kv_transfer): vLLM's kv_load_failure_policy, what a request whose prompt's KV cannot be
     # loaded from its prefill replica does: "fail" (it ends with the reason; the router may prefill it again) or

@@ -23,7 +23,7 @@ request's last token and its draft tokens as one chunk; the last stage verifies 
 tokens, appended one by one under the stop conditions; num_computed_tokens rolls back over the rejected.
 
 The queues' order, and so who gets the budget first and who is preempted, is the scheduling policy's
-(scheduler.policy: fcfs or priority).
+(scheduler.policy: fcfs or priority, within each tenant; across tenants, its fair share by weight).
 """
 from __future__ import annotations
 
@@ -91,8 +91,8 @@ class Scheduler:
         self.kv = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         if config.enable_prefix_caching and (config.num_host_kv_blocks or config.num_disk_kv_blocks):
             self.kv.tiers = KVTiers(self.kv, config.num_host_kv_blocks, config.num_disk_kv_blocks, disk_block_hashes)
-        self.policy = SchedulingPolicy(config.scheduling_policy)
-        self.waiting: deque[Request] = deque()
+        self.policy = SchedulingPolicy(config.scheduling_policy, config.tenant_fair_share)
+        self.waiting = self.policy.waiting()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_seq_ids: list[int] = []
@@ -125,7 +125,7 @@ class Scheduler:
         cfg, request_id, kv_source = self.config, r.request_id, r.kv_source
         check_request(cfg, request_id, r.prompt_token_ids, r.sampling, r.generated_token_ids)
         check_generated_logprobs(r.generated_token_ids, r.generated_logprobs, r.sampling)
-        self.policy.check(r.priority)
+        self.policy.check(r.priority, r.tenant, r.tenant_weight)
         if r.lora_name and (cfg.lora is None or r.lora_name not in cfg.lora):
             raise StagemeshError(f"the LoRA adapter {r.lora_name[:200]!r} is not served by this replica"
                                  + ("" if cfg.lora is not None else " (it runs without --enable-lora)"))
@@ -147,7 +147,8 @@ class Scheduler:
         if kv_source is not None and usable:
             request.kv_source = kv_source
         self.requests[request_id] = request
-        self.policy.enqueue(self.waiting, request)
+        self.policy.arrived(request)
+        self.waiting.add(request)
         return usable
 
     def _kv_source_fits(self, src: KVSourceInfo, request: Request) -> bool:
@@ -210,7 +211,7 @@ class Scheduler:
         for r in requests:
             r.restart()
         self.transfers.requeue_releases(releases)
-        self.running, self.waiting = [], deque(requests)
+        self.running, self.waiting = [], self.policy.waiting(requests)
         self._finished_seq_ids = []
         self.kv = BlockManager(self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
         return requests
@@ -230,8 +231,9 @@ class Scheduler:
                           f"and a KV cache of {cfg.kv_cache_tokens}; this request needs {total}"))
                 continue
             self.requests[request.request_id] = request
-            self.policy.enqueue(self.waiting, request)
-        old.requests, old.waiting = {}, deque()
+            self.policy.arrived(request)
+            self.waiting.add(request)
+        old.requests, old.waiting = {}, old.policy.waiting()
         self.transfers.requeue_releases(old.transfers.take_releases())
         return failed
 
@@ -308,7 +310,7 @@ class Scheduler:
         for request in list(self.running):
             if budget.tokens <= 0 or len(budget.chunks) >= budget.seqs:
                 break
-            if request.status is not Status.RUNNING:
+            if request.status is not Status.RUNNING or request.yield_slot:
                 continue
             if request.in_flight and not (budget.run_ahead and self._can_run_ahead(request)):
                 continue
@@ -338,16 +340,44 @@ class Scheduler:
     def _make_room(self) -> int:
         """Priority policy: the first waiting request, if its first chunk lacks KV blocks, preempts running
         requests of lower priority (the lowest first) until it fits, before the step is built; returns how
-        many. It is then admitted in this step unless a running request of higher priority takes the room."""
-        if not self.waiting or not self.policy.by_priority:
+        many. It is then admitted in this step unless a running request of higher priority takes the room.
+        Fair share: a tenant under its share takes a place from one over its own (_take_fair_share)."""
+        if not self.waiting or not (self.policy.by_priority or self.policy.fair is not None):
             return 0
         head, preempted = self.waiting[0], 0
-        while not self.kv.can_allocate(head.request_id, *self._first_chunk(head, self.config.max_num_batched_tokens)):
+        while self.policy.by_priority and not self._fits(head):
             victim = self.policy.victim_for(self.running, head)
             if victim is None:
                 break
             self._preempt(victim)
             preempted += 1
+        return preempted + self._take_fair_share(head)
+
+    def _fits(self, head: Request) -> bool:
+        return self.kv.can_allocate(head.request_id, *self._first_chunk(head, self.config.max_num_batched_tokens))
+
+    def _take_fair_share(self, head: Request) -> int:
+        """The head of the waiting queue cannot start (no place left under --max-num-seqs, or no KV blocks):
+        running requests of a tenant over its share give it their places (FairShare.victim), preempted now, or,
+        in flight, once their step is back (until then not scheduled: Request.yield_slot). Returns how many
+        now."""
+        fair, preempted = self.policy.fair, 0
+        if fair is None or (fair.yielding is None and len(fair.present) < 2):
+            return 0
+        held, fair.yielding = fair.yielding, None
+        if held is not None and held.status is not Status.RUNNING:
+            held = None  # (it ended, or was preempted for blocks)
+        while len(self.running) >= self.config.max_num_seqs or not self._fits(head):
+            victim, held = held or fair.victim(self.running, head, self.config.max_num_seqs), None
+            if victim is None:
+                break
+            if victim.in_flight:
+                victim.yield_slot, fair.yielding = True, victim
+                return preempted
+            self._preempt(victim)
+            preempted += 1
+        if held is not None:  # the head starts without its place after all
+            held.yield_slot = False
         return preempted
 
     def _first_chunk(self, request: Request, tokens: int) -> tuple[int, list[int]]:
@@ -482,13 +512,19 @@ class Scheduler:
         sample = request.num_computed_tokens - len(drafts) == request.num_tokens + request.num_output_placeholders
         if sample:
             request.num_output_placeholders += 1
+        if self.policy.fair is not None:
+            self.policy.fair.served(request, num_new, sample)
         budget.chunks.append(request.seq_id, tokens, start, new_blocks, sample, len(drafts))
         budget.request_ids.append(request.request_id)
         budget.tokens -= num_new
 
     def _pick_victim(self) -> Request | None:
         """The last running request that is not in flight (its blocks are not in use): the newest under fcfs,
-        the lowest-priority (then newest) under the priority policy, the running queue being in that order."""
+        the lowest-priority (then newest) under the priority policy, the running queue being in that order;
+        with several tenants, of the one that runs the most for its weight (FairShare.kv_victim)."""
+        fair = self.policy.fair.kv_victim(self.running) if self.policy.fair is not None else None
+        if fair is not None:
+            return fair
         for request in reversed(self.running):
             if not request.in_flight:
                 return request
@@ -501,11 +537,11 @@ class Scheduler:
         request.status = Status.WAITING
         request.num_computed_tokens = 0
         request.spec_token_ids = []
-        request.tiers_checked = False
+        request.tiers_checked = request.yield_slot = False
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.recent_preemptions.append(request.request_id)
-        self.policy.enqueue(self.waiting, request, preempted=True)
+        self.waiting.add(request, preempted=True)
 
     def update_from_output(self, output: SchedulerOutput, sampled: list[SampledToken],
                            prompt_logprobs: Sequence[PromptLogprobs] = (),
@@ -518,7 +554,8 @@ class Scheduler:
                 kv_load_failed: bool = False) -> RequestOutput:
         """End a request for `reason` (stop, length, abort, prefilled, error): out of the queues, its sequence
         ended on the stages, its blocks freed (or held for a decode replica: prefilled); returns its output."""
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None:
+            self.policy.left(request)
         if request.status is Status.RUNNING:
             self.running.remove(request)
             self._finished_seq_ids.append(request.seq_id)

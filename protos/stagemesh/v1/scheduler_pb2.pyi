@@ -135,6 +135,8 @@ class SubmitRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     GENERATED_LOGPROBS_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    TENANT_WEIGHT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique per replica; the router's id of the request."""
     priority: _builtins.int
@@ -169,7 +171,18 @@ class SubmitRequest(_message.Message):
     """
     owner: _builtins.str
     """resumable: who submitted it (a digest of the credential its client
-    presented, never the credential); an attach must name the same owner.
+    presented, never the credential, or of its tenant's name when the router
+    has tenants); an attach must name the same owner.
+    """
+    tenant: _builtins.str
+    """The tenant that sent it (the router's --api-keys-file, or --api-key as
+    one tenant; empty: none). The scheduler shares its steps between tenants
+    by weight (--tenant-fair-share); within a tenant, its --scheduling-policy.
+    """
+    tenant_weight: _builtins.float
+    """The tenant's weight (> 0; 0: unset, read as 1): its share of the steps
+    against the other tenants' is in proportion to it. The latest request of a
+    tenant sets it.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -214,10 +227,12 @@ class SubmitRequest(_message.Message):
         cache_salt: _builtins.str = ...,
         generated_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         owner: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        tenant_weight: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_transfer", b"kv_transfer", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "generated_logprobs", b"generated_logprobs", "generated_token_ids", b"generated_token_ids", "kv_transfer", b"kv_transfer", "lora_name", b"lora_name", "owner", b"owner", "prefill_only", b"prefill_only", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resumable", b"resumable", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "generated_logprobs", b"generated_logprobs", "generated_token_ids", b"generated_token_ids", "kv_transfer", b"kv_transfer", "lora_name", b"lora_name", "owner", b"owner", "prefill_only", b"prefill_only", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resumable", b"resumable", "sampling", b"sampling", "tenant", b"tenant", "tenant_weight", b"tenant_weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
