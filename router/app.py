@@ -93,11 +93,11 @@ async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamRes
     base = request_id(request, req)
     _resumable(request, req)
     answer_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{base}"
-    prompts, gens = await launch(req, replicas, tokenizer, request.app[CONFIG].max_model_len, answer_id)
+    prompts, gens = await launch(req, replicas, tokenizer, request.app[CONFIG], answer_id)
     texts: list[Prompt | None] = [*req.prompts] or [None]  # (a chat's one prompt has none)
     echoes = [await _echo_text(req, p, ids, tokenizer) for p, ids in zip(texts, prompts)]
     answer = responses.Answer(req, answer_id, int(time.time()), gens, tokenizer, echoes)
-    headers = {"X-Request-Id": base}
+    headers = {"X-Request-Id": base, **req.rate_headers}
     deltas = choices.run(req, gens, replicas, tokenizer)
     try:  # closing it cancels every choice, so the scheduler aborts them and frees their blocks
         if not req.stream:

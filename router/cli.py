@@ -85,7 +85,6 @@ def _build_app(args: argparse.Namespace, replicas):
     from router.generation_config import load, report
     from router.lora_registry import LoRARegistry
     from router.observe import configure
-    from router.tenants import Tenants
     from router.tokenization import Tokenizer
     from stagemesh.core.model_config import ModelConfig
     from stagemesh.core.model_source import resolve_source
@@ -94,8 +93,9 @@ def _build_app(args: argparse.Namespace, replicas):
     model_config = ModelConfig.from_path(source.model_dir)
     name = args.served_model_name or next((r.served_model_name for r in replicas.replicas if r.served_model_name),
                                           None) or source.name
-    tenants = Tenants.from_file(args.api_keys_file) if args.api_keys_file else None
+    tenants, limits = _tenants(args)
     config = RouterConfig(name, args.api_key, args.max_model_len, args.public_metrics, None, tenants=tenants,
+                          limits=limits, max_queue_wait=args.max_queue_wait,
                           responses_store=args.responses_store, responses_store_size=args.responses_store_size,
                           responses_store_ttl=args.responses_store_ttl,
                           trust_request_chat_template=args.trust_request_chat_template,
@@ -113,6 +113,28 @@ def _build_app(args: argparse.Namespace, replicas):
     configure(name, args.max_model_len or replicas.max_model_len or model_config.max_position_embeddings)
     _instrument()
     return build_app(replicas, tokenizer, config), config
+
+
+def _tenants(args: argparse.Namespace):
+    """(--api-keys-file's tenants, their limits counted where the routers share them: the Redis store of
+    --responses-store, else this router), or (None, None). Routers that share a port (--reuse-port) without a
+    Redis store would each count a tenant's per-minute limits apart: a file that sets one is refused."""
+    from router.limits import MemoryWindows, TenantLimits
+    from router.responses_api.store import REDIS_SCHEMES
+    from router.tenants import Tenants
+
+    if not args.api_keys_file:
+        return None, None
+    redis = args.responses_store.startswith(REDIS_SCHEMES)
+    unshared = "this router shares its port with others (--reuse-port, --api-server-count) and no Redis store " \
+               "(--responses-store redis://...) would count it for all of them" if args.reuse_port and not redis \
+        else None
+    tenants = Tenants.from_file(args.api_keys_file, unshared)
+    if redis:
+        from router.limits_redis import RedisWindows
+
+        return tenants, TenantLimits(RedisWindows(args.responses_store))
+    return tenants, TenantLimits(MemoryWindows())
 
 
 def _instrument() -> None:

@@ -11,6 +11,7 @@ from stagemesh.core.service_options import ServiceOptions
 from router.generation_config import SamplingDefaults
 from router.lora_registry import LoRARegistry
 from router.reasoning import REASONING_PARSERS
+from router.limits import TenantLimits
 from router.tenants import Tenants
 
 POLICIES = ("least-load", "cache-aware", "kv-aware", "round-robin")
@@ -96,6 +97,11 @@ class RouterOptions:
         "structured_outputs.disable_any_whitespace overrides it. Default here: true (vLLM's default, false, lets a "
         "small model run away on whitespace)")).field()
     grammar_compile_timeout: float = GRAMMAR_COMPILE_TIMEOUT.field()
+    max_queue_wait: float = Flag(("--max-queue-wait",), type=float, default=0.0, metavar="SECONDS", help=(
+        "saturation shedding: a new request whose tenant's oldest waiting request has waited this long on every "
+        "replica (the schedulers' queues, as their stats say) gets a 503 with Retry-After instead of queueing; a "
+        "tenant of weight w sheds at SECONDS x w / the file's largest weight, so the lowest-weight tenants are "
+        "shed first (0: never)")).field()
     max_waiting_requests: int = Flag(("--max-waiting-requests",), type=int, default=0, help=(
         "answer 429 (with Retry-After) once this many requests wait for their first token (0: unbounded; the "
         "schedulers' own queue limits also give 429)")).field()
@@ -153,6 +159,8 @@ class RouterConfig:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # --enable-lora: adapters a request picks by its model name (--lora-modules, and those loaded at run time)
     lora: LoRARegistry = field(default_factory=LoRARegistry)
+    max_queue_wait: float = 0.0  # --max-queue-wait (router.admission.shed; 0: no shedding)
+    limits: TenantLimits | None = None  # the tenants' limits, counted (router.limits)
     # the keys every endpoint but /health (and /metrics when public) needs, by tenant (router.tenants): the
     # --api-keys-file's, or --api-key's one tenant; None: no key needed
     tenants: Tenants | None = None
@@ -171,6 +179,8 @@ class RouterConfig:
             raise StagemeshError(f"--chat-template-timeout must be > 0, got {self.chat_template_timeout}")
         if not self.grammar_compile_timeout > 0:
             raise StagemeshError(f"--grammar-compile-timeout must be > 0, got {self.grammar_compile_timeout}")
+        if not self.max_queue_wait >= 0:
+            raise StagemeshError(f"--max-queue-wait must be >= 0 seconds, got {self.max_queue_wait}")
 
     @property
     def template_timeout_s(self) -> float | None:

@@ -89,6 +89,8 @@ async def dispatch(gen: Generation, replicas: ReplicaSet) -> AsyncGenerator[Repl
     try:
         while True:
             replica, stream, replies = await route.next_attempt()
+            tenant = gen.request.tenant
+            replica.tenants[tenant] += 1
             try:
                 async for reply in replies:
                     if route.waiting:
@@ -103,6 +105,9 @@ async def dispatch(gen: Generation, replicas: ReplicaSet) -> AsyncGenerator[Repl
             except RequestFailed as err:
                 route.on_failure(err, replica)  # (raises when it cannot go on)
             finally:
+                replica.tenants[tenant] -= 1
+                if replica.tenants[tenant] <= 0:
+                    del replica.tenants[tenant]
                 await replies.aclose()
                 stream.close()  # unfinished (client gone, stop string): the scheduler aborts it
                 if gen.request.resumable:

@@ -107,7 +107,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         _resume(req, request)
         tenants = self.config.tenants  # (the interceptor let only a tenant's key in)
         req.tenant = tenants.tenant(dict(context.invocation_metadata() or ())) if tenants is not None else None
-        prompts, gens = await launch(req, self.replicas, self.tokenizer, self.config.max_model_len,
+        prompts, gens = await launch(req, self.replicas, self.tokenizer, self.config,
                                      f"{'chatcmpl' if chat else 'cmpl'}-{request_id}")
         usage = frontend_pb2.Usage(prompt_tokens=len(prompts[0]))
         ids = EventIds(req.num_choices, req.resume, enabled=False)  # a resume sends only what its client lacks

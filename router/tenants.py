@@ -56,9 +56,11 @@ def _digest(key: str) -> bytes:
 class Tenants:
     """Who a key belongs to, as the file said when it was last read well."""
 
-    def __init__(self, by_key: dict[bytes, Tenant], path: str | None = None):
-        self._by_key = by_key
-        self.path = path
+    def __init__(self, by_key: dict[bytes, Tenant], path: str | None = None, unshared: str | None = None):
+        """unshared: why per-minute limits cannot be honoured here (several routers counting them apart): a file
+        that sets one is refused, with that reason."""
+        self.path, self.unshared = path, unshared
+        self._by_key = self._checked(by_key)
 
     @classmethod
     def of_api_key(cls, key: str) -> Tenants:
@@ -67,9 +69,9 @@ class Tenants:
         return cls({_digest(key): Tenant(DEFAULT_TENANT)})
 
     @classmethod
-    def from_file(cls, path: str) -> Tenants:
+    def from_file(cls, path: str, unshared: str | None = None) -> Tenants:
         """--api-keys-file, read at start-up: StagemeshError naming the line when it does not parse."""
-        tenants = cls(_read(path), path)
+        tenants = cls(_read(path), path, unshared)
         log.info("API keys: %s", tenants.describe())
         return tenants
 
@@ -79,7 +81,7 @@ class Tenants:
         if self.path is None:
             raise StagemeshError("the router takes one --api-key, no --api-keys-file: there is nothing to reload")
         try:
-            self._by_key = _read(self.path)
+            self._by_key = self._checked(_read(self.path))
         except StagemeshError as err:
             log.error("--api-keys-file %s: not reloaded, the %d tenant(s) read before stay: %s", self.path,
                       len(self.names), err)
@@ -87,6 +89,16 @@ class Tenants:
         message = self.describe()
         log.info("API keys reloaded: %s", message)
         return message
+
+    def _checked(self, by_key: dict[bytes, Tenant]) -> dict[bytes, Tenant]:
+        limited = sorted({t.name for t in by_key.values() if t.requests_per_minute or t.tokens_per_minute})
+        if limited and self.unshared:
+            raise StagemeshError(f"{self.path}: tenant {limited[0]!r} has a per-minute limit, but {self.unshared}")
+        return by_key
+
+    @property
+    def top_weight(self) -> float:
+        return max((t.weight for t in self._by_key.values()), default=1.0)
 
     def tenant(self, headers: Mapping[str, str]) -> Tenant | None:
         """The tenant of the key a request presents (None: no key, or one of no tenant)."""

@@ -248,6 +248,14 @@ class WaitingQueue:
     def __bool__(self) -> bool:
         return self._len > 0
 
+    def oldest_waits(self, now: float) -> dict[str, float]:
+        """Per tenant, how long its oldest waiting request has waited (seconds)."""
+        oldest: dict[str, float] = {}
+        for request in self:
+            tenant = request.tenant
+            oldest[tenant] = min(oldest.get(tenant, now), request.arrival_time)
+        return {tenant: now - arrival for tenant, arrival in oldest.items()}
+
     def __iter__(self) -> Iterator[Request]:
         for queue in list(self._queues.values()):
             yield from list(queue)

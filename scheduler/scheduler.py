@@ -71,6 +71,7 @@ class SchedulerStats:
     # --enable-lora: the adapters of the running and of the waiting requests (vLLM's lora_requests_info)
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
+    queue_wait: dict[str, float] = field(default_factory=dict)  # tenant -> its oldest waiting request's wait, s
 
 
 @dataclass
@@ -275,7 +276,7 @@ class Scheduler:
                               self.kv.prefix_hits, self.kv.num_blocks, self.num_preemptions,
                               self.spec.stats if self.spec is not None else None,
                               {"host": len(tiers.host), "disk": len(tiers.disk)} if tiers is not None else {},
-                              *self._adapters())
+                              *self._adapters(), self.waiting.oldest_waits(time.monotonic()))
 
     def _adapters(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         if self.config.lora is None:

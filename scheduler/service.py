@@ -169,6 +169,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             stats.num_running, stats.num_waiting, stats.kv_cache_usage = s.num_running, s.num_waiting, s.kv_cache_usage
             stats.prefix_cache_queries, stats.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
             stats.num_kv_blocks, stats.num_preemptions = s.num_kv_blocks, s.num_preemptions
+            stats.tenant_queue_wait_seconds.update(s.queue_wait)
             if self.lora.table is not None:
                 stats.running_lora_adapters.extend(s.running_adapters)
                 stats.waiting_lora_adapters.extend(s.waiting_adapters)

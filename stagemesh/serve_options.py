@@ -91,6 +91,7 @@ class ServeOptions:
     served_model_name: str | None = flag_of(R, "served_model_name")
     api_key: str | None = flag_of(R, "api_key")
     api_keys_file: str | None = flag_of(R, "api_keys_file")
+    max_queue_wait: float = flag_of(R, "max_queue_wait")
     max_model_len: int | None = flag_of(R, "max_model_len")
     enable_auto_tool_choice: bool | None = flag_of(R, "enable_auto_tool_choice")
     tool_call_parser: str | None = flag_of(R, "tool_call_parser")

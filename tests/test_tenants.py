@@ -188,3 +188,26 @@ def _eventually(check, timeout: float = 30.0) -> bool:
     return False
 
 
+
+
+def test_a_tenants_flood_spreads_over_the_replicas_and_a_light_tenant_follows_the_policy():
+    """router.replica_set.tenant_spread: a replica holding TENANT_SLACK more of a tenant's requests than another
+    is left out for that tenant only; the policy (here: always the first) picks among the rest."""
+    from fake_replicas import FakeReplica
+    from router.replica_set import TENANT_SLACK, ReplicaSet
+    from stagemesh.core.engine_request import EngineRequest
+
+    class First:
+        def pick(self, replicas, prompt, root=None):
+            return replicas[0]
+
+    a, b = (FakeReplica(M, 512, 100, address=f"fake:{i}") for i in range(2))
+    replicas = ReplicaSet([], First())
+    replicas.replicas = [a, b]
+    picks = []
+    for _ in range(3 * TENANT_SLACK):
+        replica = replicas.pick(EngineRequest("r", [1, 2], tenant="alpha"))
+        replica.tenants["alpha"] += 1
+        picks.append(replica.address)
+    assert abs(a.tenants["alpha"] - b.tenants["alpha"]) <= TENANT_SLACK + 1 and b.tenants["alpha"] > 0
+    assert replicas.pick(EngineRequest("r", [1, 2], tenant="beta")) is a  # (beta has none anywhere)

@@ -603,6 +603,26 @@ Global___WatchStatsRequest: _TypeAlias = WatchStatsRequest  # noqa: Y015
 class Stats(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class TenantQueueWaitSecondsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NUM_RUNNING_FIELD_NUMBER: _builtins.int
     NUM_WAITING_FIELD_NUMBER: _builtins.int
     KV_CACHE_USAGE_FIELD_NUMBER: _builtins.int
@@ -625,6 +645,7 @@ class Stats(_message.Message):
     RUNNING_LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     WAITING_LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
+    TENANT_QUEUE_WAIT_SECONDS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     kv_cache_usage: _builtins.float
@@ -673,6 +694,13 @@ class Stats(_message.Message):
     def lora_adapters(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.LoRAAdapter]:
         """The adapters the replica serves (routers learn them here: /v1/models,
         and which replicas a request for one may go to).
+        """
+
+    @_builtins.property
+    def tenant_queue_wait_seconds(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Per tenant of the waiting requests (SubmitRequest.tenant; "" for those
+        without one): how long its oldest waiting request has waited, seconds.
+        What a router's --max-queue-wait sheds by.
         The blocks of the prefix cache themselves: WatchKVEvents.
         """
 
@@ -701,10 +729,11 @@ class Stats(_message.Message):
         running_lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
         waiting_lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
         lora_adapters: _abc.Iterable[_common_pb2.LoRAAdapter] | None = ...,
+        tenant_queue_wait_seconds: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "healthy", b"healthy", "kv_cache_usage", b"kv_cache_usage", "lora_adapters", b"lora_adapters", "max_loras", b"max_loras", "max_waiting_requests", b"max_waiting_requests", "num_kv_blocks", b"num_kv_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "running_lora_adapters", b"running_lora_adapters", "spec_decode_num_accepted_tokens", b"spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", b"spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens", b"spec_decode_num_draft_tokens", "spec_decode_num_drafts", b"spec_decode_num_drafts", "stage_compute_seconds_total", b"stage_compute_seconds_total", "step_seconds_total", b"step_seconds_total", "unhealthy_reason", b"unhealthy_reason", "waiting_lora_adapters", b"waiting_lora_adapters"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "healthy", b"healthy", "kv_cache_usage", b"kv_cache_usage", "lora_adapters", b"lora_adapters", "max_loras", b"max_loras", "max_waiting_requests", b"max_waiting_requests", "num_kv_blocks", b"num_kv_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "running_lora_adapters", b"running_lora_adapters", "spec_decode_num_accepted_tokens", b"spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", b"spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens", b"spec_decode_num_draft_tokens", "spec_decode_num_drafts", b"spec_decode_num_drafts", "stage_compute_seconds_total", b"stage_compute_seconds_total", "step_seconds_total", b"step_seconds_total", "tenant_queue_wait_seconds", b"tenant_queue_wait_seconds", "unhealthy_reason", b"unhealthy_reason", "waiting_lora_adapters", b"waiting_lora_adapters"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
