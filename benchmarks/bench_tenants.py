@@ -9,6 +9,9 @@ TTFT and ITL p50 / p99 and the end-to-end latency, beta's latency under the floo
 target: within 5% of FCFS).
 
     .venv/bin/python benchmarks/bench_tenants.py [--model MODEL] [--seconds 60] [--flood-clients 16]
+
+Without --model it serves the tests' wide tiny llama (random weights, a word tokenizer: a step takes a few
+milliseconds on CPU, so the figures show the scheduling, as on a GPU, rather than a loaded CPU's matmuls).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from pathlib import Path
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from serve_process import start_serve, stop  # noqa: E402
 
@@ -84,17 +88,30 @@ def flood(base: str, args) -> tuple[list[Sample], list[Sample], float, float]:
                 out.append(s)
             time.sleep(pause)
 
-    threads = [threading.Thread(target=client, args=("alpha", f"Tell a long story about ship {i}.",
-                                                     args.flood_tokens, alpha, 0.0))
+    threads = [threading.Thread(target=client, args=("alpha", prompt(args, i), args.flood_tokens, alpha, 0.0))
                for i in range(args.flood_clients)]
     for t in threads:
         t.start()
     time.sleep(args.seconds / 10)  # beta comes once the flood fills the queue
-    threads.append(threading.Thread(target=client, args=("beta", "Say hello.", args.light_tokens, beta, 0.5)))
+    threads.append(threading.Thread(target=client, args=("beta", prompt(args, -1), args.light_tokens, beta, 0.5)))
     threads[-1].start()
     for t in threads:
         t.join()
     return alpha, beta, start, stop_at
+
+
+def prompt(args, i: int) -> str:
+    """Client i's prompt (-1: beta's), in the model's words."""
+    if not args.words:
+        return "Say hello." if i < 0 else f"Tell a long story about ship {i}."
+    return " ".join(f"w{3 + (7 * i + k) % 300}" for k in range(8 if i < 0 else 24))
+
+
+def tiny_model(log_dir: Path) -> str:
+    from tiny_models import make_tiny_model, with_word_tokenizer
+
+    wide = make_tiny_model(log_dir / "wide", hidden_size=512, intermediate_size=2048, num_attention_heads=8)
+    return str(with_word_tokenizer(wide, log_dir / "model"))
 
 
 def report(mode: str, solo: list[Sample], alpha: list[Sample], beta: list[Sample], start: float, end: float
@@ -120,12 +137,11 @@ def report(mode: str, solo: list[Sample], alpha: list[Sample], beta: list[Sample
 
 def run_mode(mode: str, args, keys_file: Path, log_dir: Path) -> dict:
     extra = ["--no-tenant-fair-share"] if mode == "fcfs" else []
-    model = [args.model] if args.model else []
-    proc, base = start_serve([*model, "--served-model-name", NAME, "--max-num-seqs", "8", "--api-keys-file",
+    proc, base = start_serve([args.model, "--served-model-name", NAME, "--max-num-seqs", "8", "--api-keys-file",
                               str(keys_file), *extra], log_dir / f"serve-{mode}.log")
     try:
-        one(base, "beta", "Warm up.", 4)
-        solo = [one(base, "beta", "Say hello.", args.light_tokens) for _ in range(args.solo)]
+        one(base, "beta", prompt(args, -1), 4)
+        solo = [one(base, "beta", prompt(args, -1), args.light_tokens) for _ in range(args.solo)]
         alpha, beta, start, end = flood(base, args)
         return report(mode, solo, alpha, beta, start, end)
     finally:
@@ -134,7 +150,7 @@ def run_mode(mode: str, args, keys_file: Path, log_dir: Path) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="default: the embedded model")
+    p.add_argument("--model", default=None, help="default: the tests' wide tiny llama")
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--flood-clients", type=int, default=16)
     p.add_argument("--flood-tokens", type=int, default=128)
@@ -144,11 +160,15 @@ def main() -> int:
     from stage_worker.cpu_isa import cpu_flags, describe_isa
 
     print(f"alpha: {args.flood_clients} clients x {args.flood_tokens} tokens back to back for {args.seconds:.0f} s; "
-          f"beta: {args.light_tokens}-token requests one after another; --max-num-seqs 8; {describe_isa(cpu_flags())}")
+          f"beta: {args.light_tokens}-token requests one after another; --max-num-seqs 8; model "
+          f"{args.model or 'the wide tiny llama'}; {describe_isa(cpu_flags())}")
     log_dir = Path(tempfile.mkdtemp(prefix="stagemesh-tenants-"))
+    model = args.model or tiny_model(log_dir)
     keys_file = log_dir / "keys.json"
     keys_file.write_text(json.dumps({"tenants": {t: {"keys": [k]} for t, k in KEYS.items()}}))
-    rows = {mode: run_mode(mode, args, keys_file, log_dir) for mode in ("fcfs", "fair")}
+    rows = {mode: run_mode(mode, argparse.Namespace(**{**vars(args), "model": model, "words": not args.model}),
+                           keys_file, log_dir)
+            for mode in ("fcfs", "fair")}
     fair, fcfs = rows["fair"], rows["fcfs"]
     print(f"fair share against FCFS: throughput {fair['throughput'] / fcfs['throughput']:.3f}x (target >= 0.95); "
           f"beta's worst e2e against solo {fcfs['beta_e2e_max'] / fcfs['solo_e2e']:.1f}x -> "

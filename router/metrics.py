@@ -195,6 +195,8 @@ ROUTER_RUNNING = Gauge("stagemesh:router_replica_num_requests_running", "The rep
 ROUTER_WAITING = Gauge("stagemesh:router_replica_num_requests_waiting", "The replica's waiting requests",
                        ["replica"], **MERGE_LATEST)
 IN_FLIGHT = Gauge("stagemesh:router_requests_in_flight", "Requests the routers are serving now", **MERGE_SUM)
+MIGRATED = Counter("stagemesh:migrated_requests", "Running requests a draining replica handed on that went on on "
+                   "another replica: with their KV (how=kv) or computed again there (how=recompute)", ["how"], **R)
 # per tenant (router.tenants): the label's values are the names of the --api-keys-file's tenants
 TENANT_REQUESTS = Counter("stagemesh:tenant_requests", "Requests finished, by tenant and finish reason",
                           ["tenant", "finished_reason"], **R)

@@ -125,6 +125,11 @@ async def metrics_handler(request):
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+def migrated(how: str) -> None:
+    """A request a draining replica handed on goes on elsewhere: "kv" (with its KV) or "recompute"."""
+    m.MIGRATED.labels(how).inc()
+
+
 def tenant_refused(tenant: str, code: int, reason: str) -> None:
     """A request of the tenant refused by its limits (429) or shed (503); reason: the limit or bound."""
     m.TENANT_REFUSED.labels(tenant or "none", str(code), reason).inc()

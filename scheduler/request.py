@@ -137,7 +137,8 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[SampledToken] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "prefilled" (prefill_only)
+    # "stop" | "length" | "abort" | "error" | "prefilled" (prefill_only) | "migrated" (on to another replica)
+    finish_reason: str | None = None
     stop_token_id: int | None = None
     error: str | None = None
     # with finish_reason "error": whether the request's own data failed it (True: an invalid-argument
@@ -149,7 +150,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs_start: int = 0
     queue_seconds: float | None = None  # arrival to first scheduling, on the request's first output
-    held_kv: HeldKV | None = None  # finish_reason "prefilled": where its prompt's KV waits
+    held_kv: HeldKV | None = None  # "prefilled" (or "migrated" with its KV): where its KV waits
     # with finish_reason "error": its prompt's KV could not be loaded from its prefill replica and the
     # kv_load_failure_policy is fail (FAILED_PRECONDITION: the router may prefill it again)
     kv_load_failed: bool = False

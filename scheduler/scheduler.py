@@ -42,7 +42,7 @@ from scheduler.kv_transfer import KVLoadFailed, KVTransfers, failure_message
 from scheduler.lora_slots import LoRASlots
 from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
 from scheduler.policy import SchedulingPolicy
-from scheduler.request import Request, RequestOutput, Status
+from scheduler.request import HeldKV, Request, RequestOutput, Status
 from scheduler.speculation import SpecDecodeStats, Speculator
 from scheduler.tiers import KVTiers, LoadJob
 from stagemesh.core.errors import StagemeshError
@@ -143,8 +143,9 @@ class Scheduler:
             assert kv_source is not None
             raise KVLoadFailed(failure_message(
                 request_id, kv_source.scheduler_address, "not_fit", f"the KV held there ({kv_source.num_tokens} "
-                f"tokens in blocks of {kv_source.block_size}) does not fit this replica (a prompt of "
-                f"{len(r.prompt_token_ids)}, blocks of {cfg.block_size}, no prompt logprobs, no draft model)"))
+                f"tokens in blocks of {kv_source.block_size}) does not fit this replica (the KV of "
+                f"{request.num_tokens - 1} tokens, its prompt and generated tokens but the last, in blocks of "
+                f"{cfg.block_size}; no prompt logprobs, no draft model)"))
         if kv_source is not None and usable:
             request.kv_source = kv_source
         self.requests[request_id] = request
@@ -153,11 +154,12 @@ class Scheduler:
         return usable
 
     def _kv_source_fits(self, src: KVSourceInfo, request: Request) -> bool:
-        """The held KV is exactly the prompt's, in blocks of this replica's size, with the first token after it;
-        not with a draft model, whose own KV cache mirrors only what the target computes here."""
+        """The held KV is exactly that of the request's tokens but the last (the prompt's, with its first token
+        after it; or a migrated request's, with the tokens it generated), in blocks of this replica's size; not
+        with a draft model, whose own KV cache mirrors only what the target computes here."""
         if self.spec is not None and self.spec.config.uses_draft_model:
             return False
-        return (src.block_size == self.config.block_size and src.num_tokens == len(request.prompt_token_ids)
+        return (src.block_size == self.config.block_size and src.num_tokens == request.num_tokens - 1
                 and len(src.block_ids) == self.kv.blocks_needed(src.num_tokens) and bool(request.output_token_ids)
                 and request.sampling.prompt_logprobs is None)
 
@@ -261,6 +263,26 @@ class Scheduler:
         """The pipeline broke: every request ends with `error` (their KV is gone with the epoch)."""
         outputs = [self.finish(r, "error", error=error) for r in list(self.requests.values())]
         self._finished_seq_ids.clear()
+        return outputs
+
+    def migrate_all(self, with_kv: bool) -> list[RequestOutput]:
+        """The replica drains: every request not in flight ends "migrated", for its router to go on with it on
+        another replica. A running one whose tokens but the last are computed, with with_kv, keeps its KV blocks
+        held here (RequestOutput.held_kv) until the replica that takes it has read them (ReleaseKV) or
+        --kv-hold-timeout; the others go without (computed again there). Those in flight are left (their step's
+        result first): the caller calls again."""
+        outputs = []
+        for request in [*self.running, *self.waiting]:
+            if request.in_flight:
+                continue
+            n = request.num_computed_tokens
+            movable = (with_kv and request.status is Status.RUNNING and n == request.num_tokens - 1
+                       and not request.num_output_placeholders)
+            table = self.kv.tables.get(request.request_id, [])[:self.kv.blocks_needed(n)] if movable else []
+            out = self.finish(request, "migrated", hold_kv=movable)
+            if movable:
+                out.held_kv = HeldKV(list(table), n)
+            outputs.append(out)
         return outputs
 
     def has_unfinished(self) -> bool:
@@ -552,9 +574,10 @@ class Scheduler:
         return results.take_step(self, output.step_batch, output.request_ids, sampled, prompt_logprobs, drafts or {})
 
     def finish(self, request: Request, reason: str, error: str | None = None, own_fault: bool = False,
-                kv_load_failed: bool = False) -> RequestOutput:
-        """End a request for `reason` (stop, length, abort, prefilled, error): out of the queues, its sequence
-        ended on the stages, its blocks freed (or held for a decode replica: prefilled); returns its output."""
+               kv_load_failed: bool = False, hold_kv: bool = False) -> RequestOutput:
+        """End a request for `reason` (stop, length, abort, prefilled, migrated, error): out of the queues, its
+        sequence ended on the stages, its blocks freed (or held for another replica: prefilled, hold_kv);
+        returns its output."""
         if self.requests.pop(request.request_id, None) is not None:
             self.policy.left(request)
         if request.status is Status.RUNNING:
@@ -563,7 +586,7 @@ class Scheduler:
         elif request.status is Status.WAITING and request in self.waiting:
             self.waiting.remove(request)
         request.status = Status.FINISHED
-        if reason == "prefilled":
+        if reason == "prefilled" or hold_kv:
             self.transfers.hold(request.request_id, time.monotonic())
         elif not self.transfers.abandon(request) and \
                 not (self.kv.tiers is not None and self.kv.tiers.abandon(request.request_id)):

@@ -186,9 +186,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return self.driver.status().healthy and not self.drain.reason
 
     def unfinished(self) -> int:
-        """Requests it runs, or keeps for a resume (a drain waits for none to be left)."""
+        """Requests it runs, keeps for a resume, or whose KV it holds for another replica (a drain, its stages'
+        too, waits for none to be left)."""
         scheduler = self.driver.scheduler
-        return (scheduler.num_unfinished if scheduler is not None else 0) + self.sessions.num_kept
+        return (scheduler.num_unfinished if scheduler is not None else 0) + self.sessions.num_kept + \
+            self.driver.holds_kv()
 
     async def GetStats(self, request, context):
         return self._stats()

@@ -110,6 +110,7 @@ class ServeOptions:
     block_size: int = flag_of(S, "block_size")
     scheduling_policy: str = flag_of(S, "scheduling_policy")
     tenant_fair_share: bool = flag_of(S, "tenant_fair_share")
+    migration_policy: str = flag_of(S, "migration_policy")
     enable_prefix_caching: bool = flag_of(S, "enable_prefix_caching")
     async_scheduling: bool | None = flag_of(S, "async_scheduling")
     speculative_config: str | None = flag_of(S, "speculative_config")

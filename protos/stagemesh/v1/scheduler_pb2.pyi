@@ -41,6 +41,12 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """prefill_only: the prompt is computed and the first token sampled; the
     request goes on on a decode replica (SubmitResponse.kv_transfer).
     """
+    FINISH_REASON_MIGRATED: _FinishReason.ValueType  # 5
+    """The replica drains (its --shutdown-timeout ended): the request goes on on
+    another replica as a continuation of the tokens it streamed, with its KV
+    when SubmitResponse.kv_transfer is set (held here until ReleaseKV or
+    --kv-hold-timeout: all but its last token's), else computed again there.
+    """
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper): ...
 
@@ -55,6 +61,12 @@ FINISH_REASON_ABORT: FinishReason.ValueType  # 3
 FINISH_REASON_PREFILLED: FinishReason.ValueType  # 4
 """prefill_only: the prompt is computed and the first token sampled; the
 request goes on on a decode replica (SubmitResponse.kv_transfer).
+"""
+FINISH_REASON_MIGRATED: FinishReason.ValueType  # 5
+"""The replica drains (its --shutdown-timeout ended): the request goes on on
+another replica as a continuation of the tokens it streamed, with its KV
+when SubmitResponse.kv_transfer is set (held here until ReleaseKV or
+--kv-hold-timeout: all but its last token's), else computed again there.
 """
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
@@ -280,7 +292,9 @@ class SubmitResponse(_message.Message):
 
     @_builtins.property
     def kv_transfer(self) -> Global___KVTransferParams:
-        """With FINISH_REASON_PREFILLED: where the prompt's KV is held."""
+        """With FINISH_REASON_PREFILLED: where the prompt's KV is held; with
+        FINISH_REASON_MIGRATED: where the request's KV is held, if it moves with it.
+        """
 
     def __init__(
         self,
