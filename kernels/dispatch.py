@@ -177,7 +177,7 @@ def quant_linear(x, qs, scales, mins, bias=None, int8_activations=False):
     kernel on CPU where it is built, else the reference."""
     if _use_triton(x) and _has("quant_linear"):
         return _triton().quant_linear(x, qs, scales, mins, bias, int8_activations)
-    impl = cpu_ops if _cpu_impl(x) is cpu_ops and quant_built() else quant_reference
+    impl = cpu_ops if _cpu_impl(x) is cpu_ops and quant_built() and cpu_ops.quant_takes(qs) else quant_reference
     return impl.quant_linear(x, qs, scales, mins, bias, int8_activations)
 
 

@@ -94,10 +94,12 @@ class Pipeline(Protocol):
         (None: it did not answer within timeout_s; errors are logged)."""
 
 
-def check_result(batch: StepBatch, result: StepResult, vocab_size: int | None) -> None:
+def check_result(batch: StepBatch, result: StepResult, vocab_size: int | None,
+                 all_failed_is_fault: bool = True) -> None:
     """Raises StagemeshError unless `result` answers `batch`: tokens for each sampling chunk, in order, in
     the vocabulary (with drafts: the accepted ones equal to the drafts, at most one more); prompt logprobs
-    only within the chunks the step computed; proposals only for sequences that sampled."""
+    only within the chunks the step computed; proposals only for sequences that sampled. With
+    `all_failed_is_fault`, a step whose every sequence (more than one) failed to sample is the model failing."""
     c = batch.chunks
     vocab = vocab_size or (1 << 31)
     drafts = {seq_id: (c.token_ids[end - d:end] if d else [])
@@ -115,7 +117,7 @@ def check_result(batch: StepBatch, result: StepResult, vocab_size: int | None) -
     if any(not 0 <= t.token_id < vocab for t in result.sampled if t.error is None):
         raise StagemeshError(f"the stage sampled a token id outside the vocabulary of {vocab}")
     errors = [tokens[-1].error for _, tokens in runs if tokens[-1].error is not None]
-    if len(errors) == len(runs) > 1:  # not one request's data: the model itself is failing
+    if all_failed_is_fault and len(errors) == len(runs) > 1:  # not one request's data: the model itself is failing
         raise StagemeshError(f"every one of the {len(runs)} sequences of the step failed to sample ({errors[0]})")
     for seq_id, proposed in result.drafts.items():
         if seq_id not in drafts or len(proposed) > MAX_NUM_SPECULATIVE_TOKENS or \

@@ -21,12 +21,16 @@ from scheduler.pipeline import Pipeline, check_result
 from scheduler.scheduler import Scheduler
 from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
-from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.sampling_params import InvalidParameter, SamplingParams, StructuredOutputs
 
 log = logging.getLogger("stagemesh.scheduler")
 WARMUP_PROMPT_TOKENS = 256  # each warm-up prompt's length at most (and within the step's token budget)
 WARMUP_OUTPUT_TOKENS = 4
 MAX_WARMUP_STEPS = 64  # a bound on the loop (two prompts and their outputs take a handful)
+# the last stage's constraint compiler is made once (the tokenizer's vocabulary indexed: seconds on a busy CPU);
+# made before serving, the first structured request's --grammar-compile-timeout counts its own compile only
+WARMUP_GRAMMAR = StructuredOutputs("regex", "[a-z]+")
+WARMUP_COMPILE_S = 120.0
 
 
 def warmup_requests(config: SchedulerConfig) -> list[EngineRequest]:
@@ -64,13 +68,30 @@ async def warm_up(pipeline: Pipeline, epoch: int, config: SchedulerConfig) -> Sc
         output = warm.schedule()
         if output is None:
             break
+        output.step_batch.warmup = True
         result = await pipeline.forward(epoch, output.step_batch, None, [])
-        check_result(output.step_batch, result, config.vocab_size)
+        # (the warm-up's prompts are arbitrary tokens: one the model answers with non-finite logits fails its
+        # sequence, as it fails a request; the steps still warmed the paths, and serving decides per request)
+        check_result(output.step_batch, result, config.vocab_size, all_failed_is_fault=False)
+        failed = [t.error for t in result.sampled if t.error is not None]
+        if failed:
+            log.warning("warm-up: %d sequence(s) failed to sample (%s); the model fails some inputs", len(failed),
+                        failed[0])
         warm.update_from_output(output, result.sampled, result.prompt_logprobs, result.drafts)
         steps += 1
     if warm.has_unfinished():  # (not expected: the requests fit the pipeline by construction)
         log.warning("warm-up: %d request(s) did not finish in %d steps; serving anyway", warm.num_unfinished, steps)
         warm.fail_all("warm-up ended")
-    log.info("warm-up: %d steps (2 prompts of %d tokens, then decode at batch 2) in %.2fs before serving", steps,
-             len(requests[0].prompt_token_ids), time.perf_counter() - start)
+    await _warm_grammar(pipeline)
+    log.info("warm-up: %d steps (2 prompts of %d tokens, then decode at batch 2) and a constraint's compile in "
+             "%.2fs before serving", steps, len(requests[0].prompt_token_ids), time.perf_counter() - start)
     return warm
+
+
+async def _warm_grammar(pipeline: Pipeline) -> None:
+    try:
+        await pipeline.compile_grammar(WARMUP_GRAMMAR, WARMUP_COMPILE_S)
+    except TimeoutError:
+        log.warning("warm-up: the last stage did not compile a constraint in %gs; serving anyway", WARMUP_COMPILE_S)
+    except (InvalidParameter, StagemeshError) as err:  # (a model without a tokenizer compiles none)
+        log.info("warm-up: no constraint compiled (%s)", err)

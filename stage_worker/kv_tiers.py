@@ -42,7 +42,9 @@ def kv_namespace(runner, tp_size: int) -> dict:
             "layers": [m.layer_start, m.layer_end], "tp_size": tp_size, "quantization": runner.quantization,
             "draft_model": model_fingerprint(draft_model) if draft_model is not None else None,
             # (only where it is > 1: the namespaces of the stages made before DCP stay theirs)
-            **({"dcp_size": runner.tp.cp_size} if runner.tp.cp_size > 1 else {})}
+            **({"dcp_size": runner.tp.cp_size} if runner.tp.cp_size > 1 else {}),
+            # (only where the int8 path runs: its KV differs from the exact path's)
+            **({"activations": "int8"} if getattr(runner, "activations", None) == "int8" else {})}
 
 
 def open_disk_tier(base: str, runner) -> tuple[NamespaceDir, DiskTier]:

@@ -11,6 +11,8 @@ every token routed to them, and one all-reduce sums the ranks (why: below).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -145,6 +147,8 @@ class SparseMoeBlock(Module):
         else:
             self.gate = Linear(new_param((e, h), dtype, device, full(f"{block}.gate.weight", e)))
         self.w13, self.w2 = _expert_weights(block, names, self.placement, h, dtype, device)
+        # a quantised checkpoint's experts, in w13's and w2's place (stage_worker.quant_methods.experts)
+        self.quantised: nn.Module | None = None
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: Linear | None = None  # Qwen2-MoE's sigmoid gate on the shared expert
         if cfg.shared_expert_intermediate_size:  # TP-sharded in both modes; its partial sums join the one all-reduce
@@ -164,7 +168,7 @@ class SparseMoeBlock(Module):
             self._count(self.expert_tokens, topk_ids, meta.slot_mapping)
         if self.expert_map is not None:  # to one copy of each expert
             topk_ids = self.expert_map.physical(topk_ids)
-        out = kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.placement.expert_start)
+        out = self._experts(x, topk_weights, topk_ids)
         return self.tp.all_reduce(self._add_shared(out, x))
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,6 +184,11 @@ class SparseMoeBlock(Module):
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out + shared
+
+    def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantised is not None:
+            return self.quantised(x, topk_weights, topk_ids, self.placement.expert_start)
+        return kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.placement.expert_start)
 
     def rebalance(self, placement: list[list[int]], reader) -> int:
         """EPLB: hold `placement` from now on: this rank's slots whose expert changed load it from the checkpoint
@@ -203,7 +212,7 @@ class SparseMoeBlock(Module):
         def experts(everyone: torch.Tensor) -> torch.Tensor:
             weights, ids = self._route(everyone)
             counted.append(ids)
-            return kernels.fused_moe(everyone, self.w13, self.w2, weights, ids, self.placement.expert_start)
+            return self._experts(everyone, weights, ids)
 
         out, first = self.ep.moe(x, experts)
         if meta is None or not x.shape[0]:
@@ -224,3 +233,16 @@ def expert_load(model: nn.Module) -> dict[int, list[int]]:
     """Tokens routed to each expert so far, per sparse layer of the model (TP rank 0's counts)."""
     return {m.layer: m.expert_tokens.tolist() for m in model.modules()
             if isinstance(m, SparseMoeBlock) and m.expert_tokens is not None}
+
+
+@contextmanager
+def uncounted(model: nn.Module) -> Iterator[None]:
+    """The experts' token counts left as they were (a warm-up step counts no load: StepBatch.warmup); restored
+    after the step rather than skipped in it, so that a replayed CUDA graph's counting is undone too."""
+    counts = [m.expert_tokens for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    saved = [(c, c.clone()) for c in counts if c is not None]
+    try:
+        yield
+    finally:
+        for live, before in saved:
+            live.copy_(before)

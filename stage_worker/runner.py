@@ -23,11 +23,15 @@ from stage_worker.lora import LoRAManager, LoRASettings
 from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from stage_worker.gguf import GGUFCheckpoint
 from stage_worker.model import AttentionMetadata, StageModel, build as build_stage_model
+from stage_worker.activations import choose_activations
+from stage_worker.coverage import check_all_read
 from stage_worker.quantization import check_quantization, load_gguf, quantize_at_load
+from stage_worker.quant_methods.loader import load_quantised
+from stage_worker.quant_methods.method import QuantMethod
 from stage_worker.context import check_context_parallel, share_step
 from stage_worker.parallel import HeadShard, stage_groups
 from stage_worker.sampler import Sampler
-from stage_worker.weights import load_weights
+from stage_worker.weights import CheckpointReader, load_weights
 
 if TYPE_CHECKING:
     from stage_worker.cuda_graphs import DecodeGraphs
@@ -72,14 +76,21 @@ def resolve_dtype(cfg: ModelConfig, dtype: torch.dtype | str | None, device: str
     return getattr(torch, name)
 
 
-def _load(model: StageModel, model_dir, quantization: str | None, gguf_file: str | None, cfg: ModelConfig) -> None:
+def _load(model: StageModel, model_dir, quantization: str | None, gguf_file: str | None, cfg: ModelConfig,
+          method: QuantMethod | None) -> None:
+    """`method`: the checkpoint's own quantization (stage_worker.quant_methods); else `quantization` quantises
+    an unquantised checkpoint at load (or names a GGUF's)."""
     if quantization == "gguf":
         if gguf_file is None:
             raise StagemeshError("--quantization gguf needs a .gguf file as the model")
         load_gguf(model, GGUFCheckpoint(gguf_file, cfg))
         return
-    load_weights(model, model_dir)
-    if quantization is not None:
+    reader = CheckpointReader(model_dir)
+    if method is not None:
+        load_quantised(model, method, reader)
+    load_weights(model, reader)
+    check_all_read(reader.files, reader.read, model)
+    if quantization is not None and method is None:
         quantize_at_load(model, quantization)
 
 
@@ -99,6 +110,7 @@ class SliceConfig:
     expert_parallel: bool = False  # whole experts spread over the TP ranks (stage_worker.moe)
     eplb: EPLBConfig | None = None  # the experts' load balanced, with redundant copies
     quantization: str | None = None  # stage_worker.quantization.METHODS
+    quantization_activations: str | None = None  # --quantization-activations (stage_worker.activations)
     gguf_file: str | None = None  # the weights (quantization gguf); model_dir then gives config and tokenizer
     lora: LoRASettings | None = None  # --enable-lora: the adapters it may serve (stage_worker.lora)
 
@@ -114,7 +126,8 @@ class SliceConfig:
                            device=device, dtype=self.dtype, block_size=self.block_size, dcp_size=self.dcp_size,
                            pcp_size=self.pcp_size, cuda_graphs=self.cuda_graphs,
                            expert_parallel=self.expert_parallel, ep=ep, eplb=self.eplb, quantization=self.quantization,
-                           gguf_file=self.gguf_file, lora=self.lora)
+                           gguf_file=self.gguf_file, lora=self.lora,
+                           quantization_activations=self.quantization_activations)
 
 
 class StageRunner:
@@ -124,7 +137,7 @@ class StageRunner:
                  config: ModelConfig | None = None,
                  cuda_graphs: bool = True, max_graph_batch: int = 256, expert_parallel: bool = False, ep=None,
                  eplb=None, quantization: str | None = None, gguf_file: str | None = None,
-                 lora: LoRASettings | None = None):
+                 lora: LoRASettings | None = None, quantization_activations: str | None = None):
         # (model_dir is None only where a config is given: runners made without weights, load=False)
         self.config = cfg = config or ModelConfig.from_path(model_dir)  # type: ignore[arg-type]
         check_layer_range(cfg, layer_start, layer_end)
@@ -141,8 +154,8 @@ class StageRunner:
         self.kv_block_size = block_size // self.tp.cp_size
         if gguf_file is not None:
             quantization = quantization or "gguf"
-        check_quantization(quantization, cfg, self.device)
-        self.quantization = quantization
+        self.quant_method = check_quantization(quantization, cfg, self.device)
+        self.quantization = quantization or (self.quant_method.name if self.quant_method else None)
         self.model = build_stage_model(cfg, layer_start, layer_end, shard, self.dtype, self.device,
                                 expert_parallel=expert_parallel, ep=ep, eplb=eplb,
                                 cp=self.tp if self.tp.cp_size > 1 else None)
@@ -150,8 +163,11 @@ class StageRunner:
         # adapters per sequence (multi-LoRA): its linears become LoRALinear before the weights load
         self.lora = LoRAManager(self.model, cfg, lora, self.dtype, self.device) if lora is not None else None
         self.seq_adapters: dict[int, str] = {}  # sequences that use an adapter: its name
+        self.activations: str | None = None  # --quantization-activations as it runs (stage_worker.activations)
         if load:
-            _load(self.model, model_dir, quantization, gguf_file, cfg)
+            _load(self.model, model_dir, quantization, gguf_file, cfg, self.quant_method)
+            self.activations = choose_activations(self.model, quantization_activations, self.quantization,
+                                                  self.device)
         if self.device.type == "cpu":
             pack_weights_for_cpu(self.model)
         if self.lora is not None and load:

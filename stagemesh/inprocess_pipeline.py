@@ -10,6 +10,7 @@ driver's unit tests.
 from __future__ import annotations
 
 import asyncio
+from contextlib import nullcontext
 
 from scheduler.pipeline import StageFailure, StepResult
 from scheduler.rendezvous import ModelIdentity, PipelinePlan, StageInfo
@@ -17,6 +18,7 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import StructuredOutputs
 from stagemesh.core.step import StepBatch
 from stage_worker.kv_tiers import KVTierStore, open_disk_tier
+from stage_worker.moe import uncounted
 from stage_worker.runner import StageRunner
 
 
@@ -99,7 +101,8 @@ class InProcessPipeline:
                 if runner is first and batch.chunks.has_placeholders():
                     assert last.sampler is not None  # (the last stage's runner samples)
                     batch.chunks.fill_placeholders(last.sampler.last_tokens(batch))
-                result = runner.execute(batch, hidden)
+                with uncounted(runner.model) if batch.warmup else nullcontext():
+                    result = runner.execute(batch, hidden)
             except StagemeshError as err:
                 raise StageFailure(stage, str(err)) from None
             except Exception as err:  # a bug: the step fails as a stage service's would, the loop goes on

@@ -40,7 +40,8 @@ class LocalEngine:
                  max_model_len: int | None = None, device: str = "cpu", dtype: str | None = None,
                  async_scheduling: bool | None = None, speculative_config: str | dict | None = None,
                  quantization: str | None = None, gguf_file: str | None = None,
-                 kv_offloading_disk_path: str | None = None, lora_modules: list[str] | None = None,
+                 quantization_activations: str | None = None, kv_offloading_disk_path: str | None = None,
+                 lora_modules: list[str] | None = None,
                  max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None):
         """speculative_config: vLLM's --speculative-config, as JSON or a dict. kv_offloading_disk_path: the stages'
         disk KV tier (stagemesh.inprocess_pipeline). lora_modules: vLLM's --lora-modules entries (LoRA on, with
@@ -53,7 +54,8 @@ class LocalEngine:
             lora = LoRASettings(LoRALimits(max_loras, max_lora_rank, max_cpu_loras),
                                 tuple(parse_lora_modules(lora_modules)))
         self.runners = [StageRunner(model_dir, a, b, device=device, dtype=dtype, block_size=block_size, config=cfg,
-                                    quantization=quantization, gguf_file=gguf_file, lora=lora)
+                                    quantization=quantization, gguf_file=gguf_file, lora=lora,
+                                    quantization_activations=quantization_activations)
                         for a, b in layer_ranges(split)]
         if spec is not None and spec.uses_draft_model:  # on the last stage, as a stage service runs it
             self.runners[-1].attach_drafter(make_drafter(spec, cfg, model_dir, device, dtype, block_size))

@@ -178,7 +178,7 @@ def _model(args: argparse.Namespace):
     from stagemesh.core.model_config import ModelConfig
     from stagemesh.core.model_source import resolve_source
 
-    source = resolve_source(args.model, args.tokenizer, args.quantization)
+    source = resolve_source(args.model, args.tokenizer, args.quantization, args.quantization_activations)
     cfg = ModelConfig.from_path(source.model_dir)
     cfg.check_tp_size(args.tensor_parallel_size)
     cfg.check_decode_context_parallel(args.tensor_parallel_size, args.decode_context_parallel_size, args.block_size)
@@ -204,7 +204,10 @@ def _check_quantization(source, cfg, cuda: bool) -> None:
     """What the stages would refuse, refused before any starts."""
     from stage_worker.quantization import check_quantization
 
-    check_quantization(source.quantization, cfg, "cuda" if cuda else "cpu")
+    method = check_quantization(source.quantization, cfg, "cuda" if cuda else "cpu")
+    from stage_worker.activations import check_allowed
+
+    check_allowed(source.activations, source.quantization or (method.name if method is not None else None))
 
 
 def _serve_metrics(args: argparse.Namespace, offset: int):

@@ -149,6 +149,7 @@ def test_logprobs_survive_a_continuation_and_then_a_router_death(serve, model_di
                        stream=True, timeout=120) as resp:
         undisturbed = _logprobs([c for _, c in _read(resp)])
     assert [t for t, _ in undisturbed] == want
+    _wait_idle(serve)  # (the router's view of u-1's replica as busy would name the wrong replica below)
     with requests.post(f"{serve.base_url}/v1/completions", json=body, headers={**head, "X-Request-Id": "c-1"},
                        stream=True, timeout=120) as resp:
         client_port = _client_port(resp)
@@ -170,6 +171,14 @@ def test_logprobs_survive_a_continuation_and_then_a_router_death(serve, model_di
     got = _logprobs([c for _, c in have + rest])
     assert [t for t, _ in got] == want
     assert all(abs(a[1] - b[1]) < 1e-3 for a, b in zip(got, undisturbed)), (got[:5], undisturbed[:5])
+
+
+def _wait_idle(serve: Serve) -> None:
+    """Until the router sees no replica running a request (its view of the replicas' load refreshes on a period)."""
+    deadline = time.monotonic() + 30
+    while any(r["running"] for r in serve.replicas()):
+        assert time.monotonic() < deadline, f"a replica still runs a request: {serve.replicas()}"
+        time.sleep(0.05)
 
 
 def _decode_replica_running(serve: Serve) -> int:

@@ -48,6 +48,7 @@ class FakePipeline:
         self.probe_result: StageFailure | None = None
         self.fail_join: StageFailure | None = None
         self.lengths: dict[int, int] = {}  # seq_id -> tokens computed, as a stage tracks them
+        self.compiled: list = []  # the constraints the last stage was asked to compile
 
     def layout(self) -> PipelinePlan:
         return self.plan
@@ -57,6 +58,9 @@ class FakePipeline:
             raise self.fail_join
         self.joined.append(epoch)
         self.lengths.clear()
+
+    async def compile_grammar(self, structured, timeout_s) -> None:
+        self.compiled.append(structured)
 
     def forward(self, epoch, batch, span, trace_links) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
@@ -149,6 +153,8 @@ def test_a_new_pipeline_warms_up_before_it_serves_and_leaves_nothing_behind():
     async def body():
         warm = list(pipeline.sent)  # every step sent before the first request came
         assert driver.healthy and warm, "the pipeline served before any warm-up step"
+        assert len(pipeline.compiled) == 1, "the last stage's constraint compiler was not made before serving"
+        assert all(b.warmup for _, b, _ in warm)
         prompt = list(warm[0][1].new_sequences[0].prompt_token_ids)  # the warm-up's own prompt
         result = await start(driver, "r", prompt, 3)
         return warm, prompt, result, pipeline.sent[len(warm)][1]
@@ -160,7 +166,7 @@ def test_a_new_pipeline_warms_up_before_it_serves_and_leaves_nothing_behind():
                                        for _, b, _ in warm), "no decode step at batch 2"
     # the stages drop the warm-up's sequences with the first real step, whose ids follow the warm-up's
     assert set(first.finished_seq_ids) == warm_seqs
-    assert first.step_id > max(b.step_id for _, b, _ in warm)
+    assert first.step_id > max(b.step_id for _, b, _ in warm) and not first.warmup
     assert not warm_seqs & {s.seq_id for s in first.new_sequences}
     # nothing the warm-up computed is a prefix-cache hit: the whole prompt was computed again
     assert first.chunks.start_positions[0] == 0 and driver.scheduler.stats().prefix_cache_hits == 0

@@ -129,6 +129,9 @@ class StepBatch:
     chunks: ScheduledChunks = field(default_factory=ScheduledChunks)
     # sequences whose state (block table, history) the stage must drop
     finished_seq_ids: list[int] = field(default_factory=list)
+    # a warm-up step before the replica serves (scheduler.warmup): computed as any other, counted in no load
+    # statistic (the experts' token counts EPLB reads, the stage's step and token counters)
+    warmup: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunks, ScheduledChunks):

@@ -34,6 +34,7 @@ def step_to_pb(batch: StepBatch, out: stage_pb2.StepBatch | None = None) -> stag
     chunks.sample.extend(c.sample)
     chunks.num_draft_tokens.extend(c.num_draft_tokens)
     msg.finished_seq_ids.extend(batch.finished_seq_ids)
+    msg.warmup = batch.warmup
     return msg
 
 
@@ -47,6 +48,7 @@ def step_from_pb(msg: stage_pb2.StepBatch) -> StepBatch:
                                list(c.num_new_blocks), list(c.new_block_ids), list(c.sample),
                                list(c.num_draft_tokens)),
         finished_seq_ids=list(msg.finished_seq_ids),
+        warmup=msg.warmup,
     )
 
 

@@ -10,13 +10,13 @@ from stagemesh.core.model_config import ModelConfig, layer_ranges
 # Bytes a layer's parameter takes as a stage holds it, in the kernels' layouts (kernels/quant_reference.py):
 # 4-bit quants with an fp32 scale and min per group of 32 (the GGUF files hold less: Q4_0 18 and Q4_1 20 bytes a
 # block of 32, Q4_K 144 a block of 256), Q8_0 8 bits with an fp32 scale per 32; int8 (w8a16 / w8a8) and fp8
-# 8 bits, their fp32 scale per output row counted apart (weight_bytes). int4 is what a GPU int4 format would
-# take (not built: stagemesh's 4-bit is GGUF's).
-DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int4": 0.5,
+# 8 bits, their fp32 scale per output row counted apart (weight_bytes). int4: a GPTQ / AWQ / compressed-tensors
+# W4A16 checkpoint's (stage_worker.quant_methods), 4 bits with an fp32 scale and min per group of 128.
+DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int4": 0.5625,
                "q4_0": 0.75, "q4_1": 0.75, "q4_k": 0.75, "q8_0": 1.125, "int8": 1.0}
 # The embedding table and LM head: a GGUF's as the embedded model's file holds them (Q8_0); int8 and fp8 keep
 # them in bf16.
-TABLE_BYTES = {"q4_0": 1.125, "q4_1": 1.125, "q4_k": 1.125, "q8_0": 1.125, "int8": 2.0, "fp8": 2.0}
+TABLE_BYTES = {"q4_0": 1.125, "q4_1": 1.125, "q4_k": 1.125, "q8_0": 1.125, "int8": 2.0, "fp8": 2.0, "int4": 2.0}
 KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2, "int4": 2,  # KV stays 16-bit when weights are quantized
                   "q4_0": 2, "q4_1": 2, "q4_k": 2, "q8_0": 2, "int8": 2}
 # What a GPU keeps besides weights and KV: activations of a step, CUDA graphs and

@@ -451,7 +451,12 @@ class StepBatch(_message.Message):
     NEW_SEQUENCES_FIELD_NUMBER: _builtins.int
     FINISHED_SEQ_IDS_FIELD_NUMBER: _builtins.int
     CHUNKS_FIELD_NUMBER: _builtins.int
+    WARMUP_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
+    warmup: _builtins.bool
+    """A warm-up step before the replica serves: computed as any other, counted in no
+    load statistic (experts' token counts, the stage's step and token counters).
+    """
     @_builtins.property
     def new_sequences(self) -> _containers.RepeatedCompositeFieldContainer[Global___NewSequence]:
         """Sequences sent for the first time (or again after a preemption)."""
@@ -469,10 +474,11 @@ class StepBatch(_message.Message):
         new_sequences: _abc.Iterable[Global___NewSequence] | None = ...,
         finished_seq_ids: _abc.Iterable[_builtins.int] | None = ...,
         chunks: Global___ScheduledChunks | None = ...,
+        warmup: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "finished_seq_ids", b"finished_seq_ids", "new_sequences", b"new_sequences", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "finished_seq_ids", b"finished_seq_ids", "new_sequences", b"new_sequences", "step_id", b"step_id", "warmup", b"warmup"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
