@@ -40,7 +40,8 @@ def tiny_model(root: Path) -> Path:
 
 
 def one_run(model: Path, policy: str, context: int, log_dir: Path) -> dict:
-    log_dir.mkdir(parents=True)
+    for sub in ("a", "b"):  # Mesh writes its logs there but makes no folder
+        (log_dir / sub).mkdir(parents=True)
     words = " ".join(f"w{3 + (i * 7) % 380}" for i in range(context))
     body = {"model": "m", "prompt": words, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
