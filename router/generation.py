@@ -34,7 +34,8 @@ async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
                                    list(gen.prompt_ids))
     stops = StopStrings(req.stop, req.include_stop_str_in_output)
     eos = replicas.eos_token_ids
-    gen.record = record = RequestRecord(gen.request_id, len(gen.prompt_ids), gen.sampling.max_tokens)
+    gen.record = record = RequestRecord(gen.request_id, len(gen.prompt_ids), gen.sampling.max_tokens,
+                                        gen.request.tenant)
     outcome = "abort"  # unless the request finished: the client went away (or the handler was cancelled)
     try:
         # closed as soon as this generator ends, so that a request left unfinished is aborted at once

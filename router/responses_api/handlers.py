@@ -58,7 +58,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     # what a later request continues: this one's messages (not its instructions) and its answer
     conversation = chat["messages"][1:] if m.instructions else chat["messages"]
     deltas = choices.run(req, gens, request.app[REPLICAS], request.app[TOKENIZER])
-    headers = {"X-Request-Id": base}
+    headers = {"X-Request-Id": base, **req.rate_headers}
     try:  # closing it cancels the generation, so the scheduler aborts it and frees its blocks
         if not m.stream:
             async for _, d in deltas:
@@ -96,7 +96,7 @@ async def _prepare(request: web.Request, chat: dict, stream: bool
     req = chat_request(validate(ChatCompletionRequest, chat), config)
     base = request_id(request, req)
     ids = _event_ids(request, req, stream)
-    _, gens = await launch(req, request.app[REPLICAS], request.app[TOKENIZER], config.max_model_len, f"resp_{base}")
+    _, gens = await launch(req, request.app[REPLICAS], request.app[TOKENIZER], config, f"resp_{base}")
     return req, base, gens, ids
 
 
