@@ -54,8 +54,9 @@ def engine_kwargs(arm: str) -> dict:
     return {**kw, "dtype": {"bf16": "bfloat16", "fp32": "float32"}[arm]}
 
 
-def inprocess(arm: str, name: str) -> dict:
-    """One in-process run (this process): the engine as serve's stage gets it (all the cores), warmed up."""
+def inprocess(arm: str, name: str, model: Path | None = None) -> dict:
+    """One in-process run (this process): the engine as serve's stage gets it (all the cores), warmed up; `model`:
+    another model directory than the embedded model's."""
     import torch
 
     from stagemesh.core.default_model import resolve_model
@@ -64,7 +65,7 @@ def inprocess(arm: str, name: str) -> dict:
     from stagemesh.local_engine import LocalEngine
 
     requests = workload(name)
-    engine = LocalEngine(resolve_model(None), **engine_kwargs(arm))
+    engine = LocalEngine(model or resolve_model(None), **engine_kwargs(arm))
     try:
         engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         loop, driver = engine._loop, engine.driver
@@ -123,7 +124,8 @@ def served(base: str, name: str) -> dict:
     s = summarize(results, duration)
     if s["failed_requests"]:
         sys.exit(f"served run failed: {s.get('errors')}")
-    return {k: s[k] for k in ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")}
+    return {k: s[k] for k in ("output_throughput", "mean_tpot_ms", "mean_ttft_ms", "total_output_tokens",
+                              "duration_s")}
 
 
 def isa() -> str:

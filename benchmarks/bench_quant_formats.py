@@ -65,15 +65,26 @@ def main() -> None:
     base = default_model_dir()
     print(describe_isa(cpu_flags()))
     formats = args.formats.split(",")
-    results: dict[str, list[dict]] = {f: [] for f in formats}
     with tempfile.TemporaryDirectory() as tmp:
         paths = {f: str(base) if f in ("bf16", "fp32") or f.startswith("gguf") else
                  str(write_quantized(base, Path(tmp) / f, f)[0]) for f in formats}
-        for _ in range(args.rounds):
-            for f in formats:
-                out = subprocess.run([sys.executable, __file__, "--one", paths[f], f, "--tokens", str(args.tokens),
-                                      "--threads", str(args.threads)], capture_output=True, text=True, check=True)
-                results[f].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        results = run_arms(paths, args.rounds, args.tokens, args.threads)
+    print_table(results)
+
+
+def run_arms(paths: dict[str, str], rounds: int, tokens: int, threads: int) -> dict[str, list[dict]]:
+    """Each arm (format: model directory) in its own process, the arms alternating each round."""
+    results: dict[str, list[dict]] = {f: [] for f in paths}
+    for _ in range(rounds):
+        for f, path in paths.items():
+            out = subprocess.run([sys.executable, __file__, "--one", path, f, "--tokens", str(tokens),
+                                  "--threads", str(threads)], capture_output=True, text=True, check=True)
+            results[f].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return results
+
+
+def print_table(results: dict[str, list[dict]]) -> None:
+    formats = list(results)
     bf16 = statistics.median(r["tpot_ms"] for r in results.get("bf16", [{"tpot_ms": float("nan")}]))
     bf16_rss = statistics.median(r["rss_mib"] for r in results.get("bf16", [{"rss_mib": float("nan")}]))
     print("| format | batch-1 TPOT (ms) | decode tok/s | vs bf16 | weights held (MiB) | peak RSS (MiB) | vs bf16 |")

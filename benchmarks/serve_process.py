@@ -19,14 +19,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_serve(args: list[str], log: Path | None = None, env: dict | None = None, timeout: float = 600
-                ) -> tuple[subprocess.Popen, str]:
-    """(the process, its base URL) once /health says every replica is healthy; exits with its log if it fails."""
+def start_serve(args: list[str], log: Path | None = None, env: dict | None = None, timeout: float = 600,
+                cwd: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """(the process, its base URL) once /health says every replica is healthy; exits with its log if it fails.
+    `cwd`: where it runs (`python -m stagemesh` from a checkout there, first on its path)."""
     port = free_port()
     out = open(log, "ab") if log is not None else subprocess.DEVNULL
     proc = subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", "--port", str(port), "--grpc-port",
                              str(free_port()), *args], stdout=out, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+                            start_new_session=True, cwd=cwd)
     base, start = f"http://127.0.0.1:{port}", time.monotonic()
     while True:
         if proc.poll() is not None or time.monotonic() - start > timeout:

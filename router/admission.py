@@ -1,24 +1,57 @@
 """A built request's one way in, whichever door it came by: a healthy replica, the context length it runs
-under, its priority against the replicas' scheduling policy; then its prompts as token ids and its choices,
-ready for router.choices.run."""
+under, its priority against the replicas' scheduling policy, its tenant's queue not past --max-queue-wait;
+then its prompts as token ids and its choices, counted against its tenant's per-minute limits
+(router.limits), ready for router.choices.run (which counts it against max_concurrency while it runs)."""
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 from router.choices import plan
+from router.config import RouterConfig
 from router.errors import APIError, bad_request
 from router.dispatch import Generation
 from router.prompts import prepare
 from router.replica_set import ReplicaSet
+from router.observe import tenant_refused
 from router.request import GenerateRequest
+from router.state import tenant_owner
 from router.tokenization import Tokenizer
 
 
-async def launch(req: GenerateRequest, replicas: ReplicaSet, tokenizer: Tokenizer, max_model_len: int | None,
+async def launch(req: GenerateRequest, replicas: ReplicaSet, tokenizer: Tokenizer, config: RouterConfig,
                  answer_id: str) -> tuple[list[list[int]], list[Generation]]:
-    """(each prompt's token ids, one Generation per choice), or the error that keeps the request out;
-    `max_model_len` is the router's own cap (--max-model-len), if any."""
-    max_len = admit(req, replicas, max_model_len)
+    """(each prompt's token ids, one Generation per choice), or the error that keeps the request out."""
+    _stamp_tenant(req)
+    max_len = admit(req, replicas, config.max_model_len)
+    fresh = req.resume is None  # (a resume was counted when it came first)
+    if fresh:
+        shed(req, replicas, config.max_queue_wait, config.tenants.top_weight if config.tenants else 1.0)
     prompts = await prepare(req, tokenizer, max_len)
-    return prompts, plan(req, prompts, answer_id, max_len)
+    gens = plan(req, prompts, answer_id, max_len)
+    if config.limits is not None and req.tenant is not None:
+        req.limits = config.limits
+        if fresh:
+            tokens = sum(len(g.prompt_ids) + g.sampling.max_tokens for g in gens)
+            req.rate_headers = await config.limits.admit(req.tenant, tokens)
+    return prompts, gens
+
+
+def shed(req: GenerateRequest, replicas: ReplicaSet, max_queue_wait: float, top_weight: float) -> None:
+    """--max-queue-wait: the 503 when the request's tenant's oldest waiting request has waited past its bound on
+    every replica (a tenant of weight w: max_queue_wait x w / top_weight, so the lowest weights are shed first);
+    a tenant with nothing waiting somewhere is not."""
+    if not max_queue_wait:
+        return
+    tenant, weight = req.engine.tenant, req.engine.tenant_weight
+    bound = max_queue_wait * weight / top_weight
+    wait = min((r.queue_wait.get(tenant, 0.0) for r in replicas.healthy()), default=0.0)
+    if wait > bound:
+        tenant_refused(tenant, 503, "max_queue_wait")
+        raise APIError(503, f"the server is saturated: {'tenant ' + repr(tenant) + chr(39) + 's' if tenant else 'the'}"
+                            f" waiting requests have waited {wait:.1f} s, past {bound:.1f} s (--max-queue-wait "
+                            f"{max_queue_wait:g}{' for its weight' if tenant else ''})",
+                       retry_after=max(1, math.ceil(wait - bound)))
 
 
 def admit(req: GenerateRequest, replicas: ReplicaSet, max_model_len: int | None) -> int:
@@ -34,6 +67,14 @@ def admit_engine(replicas: ReplicaSet, priority: int, max_model_len: int | None)
     max_len = min(filter(None, (replicas.max_model_len, max_model_len)))
     check_priority(priority, replicas)
     return max_len
+
+
+def _stamp_tenant(req: GenerateRequest) -> None:
+    """Its tenant travels with each of its engine requests (continuations and resumes included), and is their
+    owner: a resume from any key of the tenant finds them, none from another tenant's."""
+    t = req.tenant
+    if t is not None:
+        req.engine = replace(req.engine, tenant=t.name, tenant_weight=t.weight, owner=tenant_owner(t.name))
 
 
 def check_priority(priority: int, replicas: ReplicaSet) -> None:

@@ -24,7 +24,9 @@ from router.request import GenerateRequest, Prompt
 from router.request_builder import chat_options, check_model
 from router.responses_api import handlers as responses_api
 from router.responses_api.store import open_store
-from router.state import CONFIG, LIFECYCLE, PROBES, REPLICAS, TOKENIZER, Lifecycle, request_id, resumable
+from router.state import (BATCH_CREDENTIAL, BATCH_TENANT_HEADER, CONFIG, LIFECYCLE, PROBES, REPLICAS, TENANT, TOKENIZER,
+                          Lifecycle, request_id, resumable)
+from router.tenants import Tenant, Tenants
 from router.tokenization import Tokenizer
 
 MAX_BODY_BYTES = 32 * 2**20
@@ -36,10 +38,12 @@ async def errors_and_auth(request: web.Request, handler):
     """Every answer but a success is an OpenAI-shaped JSON error, whatever went wrong; every endpoint but
     /health (and /metrics with --public-metrics) needs the API key when one is set."""
     config = request.app[CONFIG]
-    key = config.api_key
     open_paths = ("/health", "/ready", "/metrics") if config.public_metrics else ("/health", "/ready")
-    if key and request.path not in open_paths and not _key_matches(request, key):
-        return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')").response()
+    if config.tenants is not None and request.path not in open_paths:
+        tenant = config.tenants.tenant(request.headers) or _batch_line_tenant(request, config.tenants)
+        if tenant is None:
+            return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')").response()
+        request[TENANT] = tenant
     lifecycle = request.app[LIFECYCLE]
     if request.path in PROBES:
         return await _answer(request, handler)
@@ -53,6 +57,15 @@ async def errors_and_auth(request: web.Request, handler):
         return resp
     finally:
         lifecycle.active -= 1
+
+
+def _batch_line_tenant(request: web.Request, tenants: Tenants) -> Tenant | None:
+    """A Batch API line this router's runner sends (router.batch.runner): the tenant that created its batch."""
+    credential = request.app.get(BATCH_CREDENTIAL)
+    if credential is None or not hmac.compare_digest(request.headers.get("Authorization", "").encode(),
+                                                     f"Bearer {credential}".encode()):
+        return None
+    return tenants.by_name(request.headers.get(BATCH_TENANT_HEADER, ""))
 
 
 async def _answer(request: web.Request, handler):
@@ -73,10 +86,6 @@ async def _answer(request: web.Request, handler):
         incident = uuid.uuid4().hex[:12]
         log.exception("unexpected error serving %s %s (incident %s)", request.method, request.path, incident)
         return APIError(500, f"internal error (incident {incident}); the server log has the details").response()
-
-
-def _key_matches(request: web.Request, key: str) -> bool:
-    return hmac.compare_digest(request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode())
 
 
 def _generates(request: web.Request, api: str) -> None:
@@ -104,11 +113,11 @@ async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamRes
     base = request_id(request, req)
     _resumable(request, req)
     answer_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{base}"
-    prompts, gens = await launch(req, replicas, tokenizer, request.app[CONFIG].max_model_len, answer_id)
+    prompts, gens = await launch(req, replicas, tokenizer, request.app[CONFIG], answer_id)
     texts: list[Prompt | None] = [*req.prompts] or [None]  # (a chat's one prompt has none)
     echoes = [await _echo_text(req, p, ids, tokenizer) for p, ids in zip(texts, prompts)]
     answer = responses.Answer(req, answer_id, int(time.time()), gens, tokenizer, echoes)
-    headers = {"X-Request-Id": base}
+    headers = {"X-Request-Id": base, **req.rate_headers}
     deltas = (beam_choices if req.beam is not None else choices).run(req, gens, replicas, tokenizer)
     try:  # closing it cancels every choice, so the scheduler aborts them and frees their blocks
         if not req.stream:
@@ -289,8 +298,9 @@ def _batch_api(app: web.Application, replicas: ReplicaSet, config: RouterConfig)
     from router.batch.runner import BatchRunner
 
     files = FileStore(Path(config.batch_dir), config.batch_max_file_bytes)
-    batch_api.add_routes(app, files, BatchRunner(files.root, files, config.batch_concurrency, replicas,
-                                                 config.api_key))
+    runner = BatchRunner(files.root, files, config.batch_concurrency, replicas, config.tenants is not None)
+    app[BATCH_CREDENTIAL] = runner.credential
+    batch_api.add_routes(app, files, runner)
 
 
 async def _start_tokenizer(app: web.Application) -> None:

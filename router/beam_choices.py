@@ -25,15 +25,22 @@ async def run(req: GenerateRequest, gens: list[Generation], replicas: ReplicaSet
     """(choice, its whole answer) for every choice: the beams of each prompt, best first."""
     assert req.beam is not None
     width = req.n
-    for p in range(0, len(gens), width):
-        group = gens[p:p + width]
-        first = group[0]
-        eos = tuple(sorted(replicas.eos_token_ids))
-        params = BeamParams(width, first.sampling.max_tokens, eos, first.sampling.ignore_eos,
-                            req.beam.length_penalty, req.beam.early_stopping, req.include_stop_str_in_output)
-        beams = await search(list(first.prompt_ids), params, Steps(first, width, replicas).step)
-        for gen, beam in zip(group, beams):
-            yield gen, await _delta(req, gen, beam, eos, tokenizer)
+    limits, tenant = req.limits, req.tenant
+    if limits is not None and tenant is not None:  # its tenant's max_concurrency, as router.choices.run counts it
+        limits.enter(tenant)
+    try:
+        for p in range(0, len(gens), width):
+            group = gens[p:p + width]
+            first = group[0]
+            eos = tuple(sorted(replicas.eos_token_ids))
+            params = BeamParams(width, first.sampling.max_tokens, eos, first.sampling.ignore_eos,
+                                req.beam.length_penalty, req.beam.early_stopping, req.include_stop_str_in_output)
+            beams = await search(list(first.prompt_ids), params, Steps(first, width, replicas).step)
+            for gen, beam in zip(group, beams):
+                yield gen, await _delta(req, gen, beam, eos, tokenizer)
+    finally:
+        if limits is not None and tenant is not None:
+            limits.leave(tenant)
 
 
 async def _delta(req: GenerateRequest, gen: Generation, beam: Beam, eos: tuple[int, ...], tokenizer: Tokenizer

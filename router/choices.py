@@ -98,6 +98,20 @@ async def run(req: GenerateRequest, gens: list[Generation], replicas: ReplicaSet
               tokenizer: Tokenizer) -> AsyncGenerator[tuple[Generation, Delta], None]:
     """(choice, delta) as they come, from every choice, until each has finished. The first error ends it
     all (the other choices are aborted)."""
+    limits, tenant = req.limits, req.tenant
+    if limits is not None and tenant is not None:  # (the 429 at max_concurrency: nothing started yet)
+        limits.enter(tenant)
+    if len(gens) == 1:  # one choice (most requests): its deltas straight through, no task and queue per token
+        try:
+            async with aclosing(generate(req, gens[0], replicas, tokenizer)) as deltas:
+                async for delta in deltas:
+                    yield gens[0], delta
+            _count_groups(req, gens)
+        finally:
+            gens[0].release()  # (as below)
+            if limits is not None and tenant is not None:
+                limits.leave(tenant)
+        return
     queue: asyncio.Queue = asyncio.Queue()
     firsts: dict[tuple[int, ...], Generation] = {}
     for gen in gens:
@@ -133,6 +147,8 @@ async def run(req: GenerateRequest, gens: list[Generation], replicas: ReplicaSet
         await asyncio.gather(*tasks, return_exceptions=True)
         for gen in gens:  # the answer is written (or abandoned): the replicas may forget what they kept
             gen.release()
+        if limits is not None and tenant is not None:
+            limits.leave(tenant)
 
 
 def _count_groups(req: GenerateRequest, gens: list[Generation]) -> None:

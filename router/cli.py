@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import logging
 
+from stagemesh.core import event_loop
 from stagemesh.core.heap import freeze_startup_heap
 from stagemesh.core.flags import add_flags
 from stagemesh.core.service_options import setup_service
@@ -21,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     setup_service(args, "stagemesh-router")
-    return asyncio.run(_main(args))
+    return event_loop.run(_main(args))
 
 
 async def _main(args: argparse.Namespace) -> int:
@@ -38,7 +39,8 @@ async def _main(args: argparse.Namespace) -> int:
     await replicas.refresh()
     app, config = _build_app(args, replicas)
     await _report_store(app)
-    control = await _control(args, replicas, app[LIFECYCLE])
+    _reload_on_sighup(config)
+    control = await _control(args, replicas, app[LIFECYCLE], config)
     if config.lora.enabled:  # a replica that lacks an adapter loaded at run time (it restarted) gets it
         from router import lora_api
 
@@ -95,7 +97,9 @@ def _build_app(args: argparse.Namespace, replicas):
     model_config = ModelConfig.from_path(source.model_dir)
     name = args.served_model_name or next((r.served_model_name for r in replicas.replicas if r.served_model_name),
                                           None) or source.name
-    config = RouterConfig(name, args.api_key, args.max_model_len, args.public_metrics, None,
+    tenants, limits = _tenants(args)
+    config = RouterConfig(name, args.api_key, args.max_model_len, args.public_metrics, None, tenants=tenants,
+                          limits=limits, max_queue_wait=args.max_queue_wait,
                           responses_store=args.responses_store, responses_store_size=args.responses_store_size,
                           responses_store_ttl=args.responses_store_ttl,
                           trust_request_chat_template=args.trust_request_chat_template,
@@ -108,7 +112,8 @@ def _build_app(args: argparse.Namespace, replicas):
                                             tuple(args.allowed_local_lora_path), replica_set=replicas),
                           pooler=from_args(PoolingOptions, args).resolve(source.model_dir, model_config.raw),
                           batch_dir=args.batch_dir, batch_max_file_bytes=args.batch_max_file_bytes,
-                          batch_concurrency=args.batch_concurrency)
+                          batch_concurrency=args.batch_concurrency,
+                          stream_interval=args.stream_interval)
     tokenizer = Tokenizer(source.model_dir, model_config.max_position_embeddings, config.template_timeout_s,
                           config.grammar_compile_timeout, config.json_any_whitespace)
     config = _auto_tool_choice(args, config, tokenizer)
@@ -116,6 +121,28 @@ def _build_app(args: argparse.Namespace, replicas):
     configure(name, args.max_model_len or replicas.max_model_len or model_config.max_position_embeddings)
     _instrument()
     return build_app(replicas, tokenizer, config), config
+
+
+def _tenants(args: argparse.Namespace):
+    """(--api-keys-file's tenants, their limits counted where the routers share them: the Redis store of
+    --responses-store, else this router), or (None, None). Routers that share a port (--reuse-port) without a
+    Redis store would each count a tenant's per-minute limits apart: a file that sets one is refused."""
+    from router.limits import MemoryWindows, TenantLimits
+    from router.responses_api.store import REDIS_SCHEMES
+    from router.tenants import Tenants
+
+    if not args.api_keys_file:
+        return None, None
+    redis = args.responses_store.startswith(REDIS_SCHEMES)
+    unshared = "this router shares its port with others (--reuse-port, --api-server-count) and no Redis store " \
+               "(--responses-store redis://...) would count it for all of them" if args.reuse_port and not redis \
+        else None
+    tenants = Tenants.from_file(args.api_keys_file, unshared)
+    if redis:
+        from router.limits_redis import RedisWindows
+
+        return tenants, TenantLimits(RedisWindows(args.responses_store))
+    return tenants, TenantLimits(MemoryWindows())
 
 
 def _instrument() -> None:
@@ -214,7 +241,26 @@ async def _drain(shutdown, lifecycle, site, replicas) -> None:
         replicas.detach()
 
 
-async def _control(args: argparse.Namespace, replicas, lifecycle):
+def _reload_on_sighup(config) -> None:
+    """--api-keys-file is read again on SIGHUP (a file that does not parse keeps the tenants: logged)."""
+    import signal
+
+    from stagemesh.core.errors import StagemeshError
+
+    tenants = config.tenants
+    if tenants is None or tenants.path is None:
+        return
+
+    def reload() -> None:
+        try:
+            tenants.reload()
+        except StagemeshError:
+            pass  # (logged by reload)
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+
+
+async def _control(args: argparse.Namespace, replicas, lifecycle, config):
     """The control port's server (router.control) and its health task (held while it runs), or None without
     --control-port."""
     if args.control_port is None:
@@ -223,7 +269,7 @@ async def _control(args: argparse.Namespace, replicas, lifecycle):
 
     server, port, follower = await serve_control(replicas, args.control_port,
                                                  lambda: lifecycle.listening and bool(replicas.healthy())
-                                                 and not lifecycle.draining)
+                                                 and not lifecycle.draining, config.tenants)
     log.info("control port (stagemesh.v1.RouterControl) on %s:%d", CONTROL_HOST, port)
     return server, follower
 

@@ -12,6 +12,8 @@ from router.generation_config import SamplingDefaults
 from router.lora_registry import LoRARegistry
 from stagemesh.core.pooling import PoolerConfig
 from router.reasoning import REASONING_PARSERS
+from router.limits import TenantLimits
+from router.tenants import Tenants
 
 POLICIES = ("least-load", "cache-aware", "kv-aware", "round-robin")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
@@ -31,8 +33,15 @@ class RouterOptions:
         "serve the gRPC frontend on this port (0: any free port; default: off)")).field()
     served_model_name: str | None = SERVED_MODEL_NAME.field()
     api_key: str | None = Flag(("--api-key",), help=(
-        "require 'Authorization: Bearer KEY' on every endpoint but /health (and the gRPC frontend's metadata "
-        "'authorization')")).field()
+        "require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every endpoint but /health (and the gRPC "
+        "frontend's metadata 'authorization'): one tenant, \"default\", of weight 1 and no limits")).field()
+    api_keys_file: str | None = Flag(("--api-keys-file",), metavar="FILE", help=(
+        "the API keys by tenant, JSON: {\"tenants\": {NAME: {\"keys\": [...], \"weight\": W, "
+        "\"requests_per_minute\": R, \"tokens_per_minute\": T, \"max_concurrency\": C}}}, every field but keys "
+        "optional. A key of no tenant gets a 401; a tenant's weight is its share of the replicas' steps against the "
+        "others' (the schedulers' --tenant-fair-share). Read again on SIGHUP (or serve's POST "
+        "/admin/reload-api-keys) without a restart; a file that does not parse then keeps the tenants it had, "
+        "and the log says why (at start-up it is refused, naming the line). Not with --api-key")).field()
     public_metrics: bool = Flag(("--public-metrics",), kind="switch",
                                 help="serve /metrics without the API key").field()
     http_timeout_keep_alive: float = Flag(("--http-timeout-keep-alive",), type=float, default=5.0, metavar="SECONDS",
@@ -89,6 +98,11 @@ class RouterOptions:
         "structured_outputs.disable_any_whitespace overrides it. Default here: true (vLLM's default, false, lets a "
         "small model run away on whitespace)")).field()
     grammar_compile_timeout: float = GRAMMAR_COMPILE_TIMEOUT.field()
+    max_queue_wait: float = Flag(("--max-queue-wait",), type=float, default=0.0, metavar="SECONDS", help=(
+        "saturation shedding: a new request whose tenant's oldest waiting request has waited this long on every "
+        "replica (the schedulers' queues, as their stats say) gets a 503 with Retry-After instead of queueing; a "
+        "tenant of weight w sheds at SECONDS x w / the file's largest weight, so the lowest-weight tenants are "
+        "shed first (0: never)")).field()
     max_waiting_requests: int = Flag(("--max-waiting-requests",), type=int, default=0, help=(
         "answer 429 (with Retry-After) once this many requests wait for their first token (0: unbounded; the "
         "schedulers' own queue limits also give 429)")).field()
@@ -103,6 +117,10 @@ class RouterOptions:
         "defaults over --generation-config's (vLLM's flag), e.g. '{\"temperature\": 0.5}'; its max_new_tokens "
         "also caps every request's max_tokens, as in vLLM")).field()
     max_request_retries: int = MAX_REQUEST_RETRIES.field()
+    stream_interval: int = Flag(("--stream-interval",), type=int, default=1, metavar="TOKENS", help=(
+        "vLLM's: a choice's output goes out every TOKENS tokens (its first token at once, its last with the finish), "
+        "so that a stream sends fewer, larger chunks and the router spends less per token; 1 (the default): every "
+        "token as it comes")).field()
     lora: LoRAOptions = group(LoRAOptions, skip=LORA_LIMITS)
     pooling: PoolingOptions = group(PoolingOptions)
     health_interval: float = Flag(("--health-interval",), type=float, default=1.0,
@@ -134,7 +152,7 @@ class RouterOptions:
 @dataclass(frozen=True)
 class RouterConfig:
     served_model_name: str
-    api_key: str | None = None  # every endpoint but /health (and /metrics when public) needs it
+    api_key: str | None = None  # every endpoint but /health (and /metrics when public) needs it: one tenant
     max_model_len: int | None = None  # a cap below the replicas' own
     public_metrics: bool = False  # /metrics without the API key
     tool_call_parser: str | None = None  # tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser)
@@ -162,18 +180,33 @@ class RouterConfig:
     batch_dir: str | None = None
     batch_max_file_bytes: int = 200 << 20
     batch_concurrency: int = 8
+    stream_interval: int = 1  # --stream-interval: tokens a choice's outputs gather before they go out
+    max_queue_wait: float = 0.0  # --max-queue-wait (router.admission.shed; 0: no shedding)
+    limits: TenantLimits | None = None  # the tenants' limits, counted (router.limits)
+    # the keys every endpoint but /health (and /metrics when public) needs, by tenant (router.tenants): the
+    # --api-keys-file's, or --api-key's one tenant; None: no key needed
+    tenants: Tenants | None = None
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
         return self.lora.names()
 
     def __post_init__(self) -> None:
+        if self.api_key is not None:
+            if self.tenants is not None:
+                raise StagemeshError("--api-key and --api-keys-file cannot both be given: add the key to a tenant "
+                                     "of the file")
+            object.__setattr__(self, "tenants", Tenants.of_api_key(self.api_key))  # (derived once, when built)
         if not self.chat_template_timeout > 0:
             raise StagemeshError(f"--chat-template-timeout must be > 0, got {self.chat_template_timeout}")
         if not self.grammar_compile_timeout > 0:
             raise StagemeshError(f"--grammar-compile-timeout must be > 0, got {self.grammar_compile_timeout}")
         if self.batch_max_file_bytes < 1 or self.batch_concurrency < 1:
             raise StagemeshError("--batch-max-file-bytes and --batch-concurrency must be >= 1")
+        if self.stream_interval < 1:
+            raise StagemeshError(f"--stream-interval must be >= 1, got {self.stream_interval}")
+        if not self.max_queue_wait >= 0:
+            raise StagemeshError(f"--max-queue-wait must be >= 0 seconds, got {self.max_queue_wait}")
 
     @property
     def template_timeout_s(self) -> float | None:

@@ -1,6 +1,7 @@
 """The router's control port (stagemesh.v1.RouterControl): the mesh's supervisor changes the replicas the router
-balances over while it serves (runtime scaling), and reads this one router's readiness (grpc.health.v1 "") on a
-port of its own, where the HTTP port may be shared by several routers (SO_REUSEPORT).
+balances over while it serves (runtime scaling), has it read its --api-keys-file again, and reads this one
+router's readiness (grpc.health.v1 "") on a port of its own, where the HTTP port may be shared by several
+routers (SO_REUSEPORT).
 
 Loopback only, and every call but health needs the mesh's internal token: a router started with --control-port
 and no token refuses to start."""
@@ -14,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.replica_set import ReplicaSet
+from router.tenants import Tenants
 from stagemesh.core import internal_token
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grpc_errors import ErrorInterceptor, by_type
@@ -46,8 +48,18 @@ def checked_replicas(request: router_pb2.SetReplicasRequest) -> dict[str, bool]:
 
 
 class RouterControlServicer(router_pb2_grpc.RouterControlServicer):
-    def __init__(self, replicas: ReplicaSet):
-        self.replicas = replicas
+    def __init__(self, replicas: ReplicaSet, tenants: Tenants | None = None):
+        self.replicas, self.tenants = replicas, tenants
+
+    async def ReloadApiKeys(self, request, context):
+        tenants = self.tenants
+        if tenants is None or tenants.path is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this router has no --api-keys-file to reload")
+            return None
+        try:
+            return router_pb2.ReloadApiKeysResponse(tenants=tenants.reload())
+        except StagemeshError as err:  # (the tenants stay as they were)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
 
     async def SetReplicas(self, request, context):
         added, removed = await self.replicas.set_replicas(checked_replicas(request))
@@ -75,14 +87,14 @@ class RouterControlServicer(router_pb2_grpc.RouterControlServicer):
                                               for medium, hashes in part])
 
 
-async def serve_control(replicas: ReplicaSet, port: int, ready: Callable[[], bool]
+async def serve_control(replicas: ReplicaSet, port: int, ready: Callable[[], bool], tenants: Tenants | None = None
                         ) -> tuple[grpc.aio.Server, int, asyncio.Task]:
     """The control server on loopback; its health "" follows ready() (the router's /ready)."""
     if internal_token.token() is None:
         raise StagemeshError("--control-port needs the mesh's internal token (--internal-token-file or "
                              f"${internal_token.ENV}): without it anyone on this host could change the replicas")
     server = aio_server(errors=ErrorInterceptor(by_type((StagemeshError, grpc.StatusCode.INVALID_ARGUMENT)), log))
-    router_pb2_grpc.add_RouterControlServicer_to_server(RouterControlServicer(replicas), server)
+    router_pb2_grpc.add_RouterControlServicer_to_server(RouterControlServicer(replicas, tenants), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = add_port(server, f"{CONTROL_HOST}:{port}")

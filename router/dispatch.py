@@ -27,7 +27,7 @@ from typing import AsyncGenerator, Sequence
 import grpc
 
 from router.errors import APIError, bad_request
-from router.observe import RequestRecord
+from router.observe import RequestRecord, migrated
 from router.replica_set import ReplicaSet
 from router.replicas import Replica
 from router.submit_stream import ReplicaOutput, RequestFailed, RequestStream
@@ -89,6 +89,8 @@ async def dispatch(gen: Generation, replicas: ReplicaSet) -> AsyncGenerator[Repl
     try:
         while True:
             replica, stream, replies = await route.next_attempt()
+            tenant = gen.request.tenant
+            replica.tenants[tenant] += 1
             try:
                 async for reply in replies:
                     if route.waiting:
@@ -103,6 +105,9 @@ async def dispatch(gen: Generation, replicas: ReplicaSet) -> AsyncGenerator[Repl
             except RequestFailed as err:
                 route.on_failure(err, replica)  # (raises when it cannot go on)
             finally:
+                replica.tenants[tenant] -= 1
+                if replica.tenants[tenant] <= 0:
+                    del replica.tenants[tenant]
                 await replies.aclose()
                 stream.close()  # unfinished (client gone, stop string): the scheduler aborts it
                 if gen.request.resumable:
@@ -133,6 +138,7 @@ class Route:
     kv_failed_on: str = ""  # the prefill replica whose KV a decode replica could not load
     held: tuple | None = None  # (prefill replica, request id) holding KV no decode replica has been given yet
     prefilled_on: tuple | None = None  # ... and holding the KV of the last decode replica's kv_transfer
+    migrating: bool = False  # its replica drained and handed it on: it goes on elsewhere (with kv_transfer: its KV)
 
     async def next_attempt(self) -> tuple[Replica, RequestStream, AsyncGenerator[ReplicaOutput, None]]:
         """(replica, its stream, the replies to read): a resume attached where the request runs, or the request
@@ -192,8 +198,17 @@ class Route:
             self.kv_transfer = reply.kv_transfer
             self.held = self.prefilled_on = (replica, _retry_id(self.gen.request_id, self.kv_retries))
             return None, True
+        if self.migrating:  # handed on by a draining replica, it goes on here
+            migrated("kv" if self.kv_transfer is not None else "recompute")
+            self.migrating = False
         self.generated.extend(reply.token_ids)
         self.generated_logprobs.extend(reply.logprobs)
+        if reply.finish_reason == "migrated":  # its replica drains: on to another, with its KV if it holds it
+            self.failed.add(replica.address)
+            self.migrating, self.kv_transfer = True, reply.kv_transfer
+            if reply.kv_transfer is not None:
+                self.held = self.prefilled_on = (replica, self.gen.request_id)
+            return (replace(reply, finish_reason=None, kv_transfer=None) if reply.token_ids else None), True
         if reply.finish_reason == "prefilled":  # its first token: on to a decode replica
             self.prefill, self.kv_transfer = False, reply.kv_transfer
             self.held = self.prefilled_on = (replica, self.gen.request_id)
@@ -204,6 +219,14 @@ class Route:
         """The replica failed the request: it goes on elsewhere (prefilled again, for a decode replica that could
         not load its KV), or the APIError the client gets is raised."""
         gen = self.gen
+        if err.code == grpc.StatusCode.FAILED_PRECONDITION and self.kv_transfer and self.migrating:
+            # the replica it was handed to could not load its KV: computed again (its policy: recompute)
+            if self.prefilled_on is not None:
+                _release_later(*self.prefilled_on)
+            log.warning("request %s: %s could not load its KV (%s): it goes on computed again", gen.request_id,
+                        replica.address, err.details)
+            self.kv_transfer = self.held = None
+            return
         if err.code == grpc.StatusCode.FAILED_PRECONDITION and self.kv_transfer:
             # the decode replica could not load the prompt's KV (--kv-load-failure-policy fail)
             if self.prefilled_on is not None:  # (a decode replica that refused it never dialled it to release)

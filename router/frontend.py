@@ -22,6 +22,7 @@ from router.request import GenerateRequest, Prompt
 from router.request_builder import RequestBuilder, chat_options
 from router.resume import EventIds, ResumePoint
 from router.state import Lifecycle, checked_request_id
+from router.tenants import Tenants
 from router.tokenization import Tokenizer
 from stagemesh.core import telemetry
 from stagemesh.core.errors import StagemeshError
@@ -55,7 +56,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     def _request(self, request, chat: bool) -> GenerateRequest:
         """A Generate or Chat request through the request builder, step by step as the HTTP door's."""
         b = RequestBuilder(self.config.served_model_name, request.model or None, chat, self.config.adapter_names,
-                           self.config.sampling_defaults)
+                           self.config.sampling_defaults, self.config.stream_interval)
         b.choices(request.n or 1, _given(request, "best_of"))
         b.stop(list(request.stop), request.include_stop_str_in_output)
         b.priority(request.priority)
@@ -95,16 +96,18 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             raise APIError(503, "this router is shutting down: send the request to another one")
         self.lifecycle.active += 1
         try:
-            async for reply in self._answer(request, chat):
+            async for reply in self._answer(request, chat, context):
                 yield reply
         finally:
             self.lifecycle.active -= 1
 
-    async def _answer(self, request, chat: bool):
+    async def _answer(self, request, chat: bool, context):
         req = self._request(request, chat)
         request_id = checked_request_id(request.request_id) if request.request_id else uuid.uuid4().hex
         _resume(req, request)
-        prompts, gens = await launch(req, self.replicas, self.tokenizer, self.config.max_model_len,
+        tenants = self.config.tenants  # (the interceptor let only a tenant's key in)
+        req.tenant = tenants.tenant(dict(context.invocation_metadata() or ())) if tenants is not None else None
+        prompts, gens = await launch(req, self.replicas, self.tokenizer, self.config,
                                      f"{'chatcmpl' if chat else 'cmpl'}-{request_id}")
         usage = frontend_pb2.Usage(prompt_tokens=len(prompts[0]))
         ids = EventIds(req.num_choices, req.resume, enabled=False)  # a resume sends only what its client lacks
@@ -216,16 +219,17 @@ def _prompts(request) -> list[Prompt]:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """--api-key on the gRPC frontend: 'authorization: Bearer KEY' metadata, as on the HTTP API."""
+    """--api-key or --api-keys-file on the gRPC frontend: 'authorization: Bearer KEY' (or 'x-api-key: KEY')
+    metadata, as on the HTTP API."""
 
-    def __init__(self, api_key: str):
-        self.expected = f"Bearer {api_key}"
+    def __init__(self, tenants: Tenants):
+        self.tenants = tenants
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or not details.method.startswith("/stagemesh.v1.Frontend/"):
             return handler  # health and reflection stay open
-        if dict(details.invocation_metadata or ()).get("authorization") == self.expected:
+        if self.tenants.tenant(dict(details.invocation_metadata or ())) is not None:
             return handler
         message = "a valid API key is required: send metadata 'authorization: Bearer KEY'"
 
@@ -243,8 +247,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 async def serve_frontend(servicer: FrontendServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    key = servicer.config.api_key
-    interceptors: list = [ApiKeyInterceptor(key)] if key else []
+    tenants = servicer.config.tenants
+    interceptors: list = [ApiKeyInterceptor(tenants)] if tenants is not None else []
     if telemetry.enabled():
         from opentelemetry.instrumentation.grpc import aio_server_interceptor
 

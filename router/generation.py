@@ -4,7 +4,7 @@ and prompt logprobs."""
 from __future__ import annotations
 
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncGenerator
 
 from router.dispatch import Generation, dispatch
@@ -34,11 +34,15 @@ async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
                                    list(gen.prompt_ids))
     stops = StopStrings(req.stop, req.include_stop_str_in_output)
     eos = replicas.eos_token_ids
-    gen.record = record = RequestRecord(gen.request_id, len(gen.prompt_ids), gen.sampling.max_tokens)
+    gen.record = record = RequestRecord(gen.request_id, len(gen.prompt_ids), gen.sampling.max_tokens,
+                                        gen.request.tenant)
     outcome = "abort"  # unless the request finished: the client went away (or the handler was cancelled)
     try:
         # closed as soon as this generator ends, so that a request left unfinished is aborted at once
-        async with aclosing(dispatch(gen, replicas)) as replies:
+        replies_of = dispatch(gen, replicas)
+        if req.stream_interval > 1:
+            replies_of = every(replies_of, req.stream_interval)
+        async with aclosing(replies_of) as replies:
             async for reply in replies:
                 if reply.token_ids or reply.finish_reason:  # the prompt is computed: siblings may follow
                     gen.started.set()
@@ -65,6 +69,35 @@ async def generate(req: GenerateRequest, gen: Generation, replicas: ReplicaSet,
     finally:
         gen.started.set()
         record.done(gen.completion_tokens, outcome)  # no-op when the request finished above
+
+
+async def every(replies: AsyncGenerator[ReplicaOutput, None], interval: int) -> AsyncGenerator[ReplicaOutput, None]:
+    """vLLM's --stream-interval: the replies gathered into one every `interval` tokens; the first goes out at once
+    (the time to first token stays), the last with its finish. Tokens gathered when the request fails go out
+    before the failure."""
+    held: ReplicaOutput | None = None
+    sent = False
+    async with aclosing(replies):
+        try:
+            async for reply in replies:
+                held = reply if held is None else _merged(held, reply)
+                if not sent or reply.finish_reason or len(held.token_ids) >= interval:
+                    sent, out, held = sent or bool(held.token_ids), held, None
+                    yield out
+        except APIError:
+            if held is not None:
+                yield held
+            raise
+
+
+def _merged(first: ReplicaOutput, later: ReplicaOutput) -> ReplicaOutput:
+    """One output with both one's tokens and logprobs: the prompt figures of the first, the finish of the later."""
+    return replace(first, token_ids=first.token_ids + later.token_ids, logprobs=first.logprobs + later.logprobs,
+                   finish_reason=later.finish_reason, stop_token_id=later.stop_token_id,
+                   prompt_logprobs=first.prompt_logprobs + later.prompt_logprobs,
+                   prompt_logprobs_start=first.prompt_logprobs_start if first.prompt_logprobs
+                   else later.prompt_logprobs_start,
+                   queue_seconds=first.queue_seconds or later.queue_seconds, kv_transfer=later.kv_transfer)
 
 
 def _text(delta: Delta, detok: IncrementalDetokenizer, stops: StopStrings) -> str:

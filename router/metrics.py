@@ -195,3 +195,17 @@ ROUTER_RUNNING = Gauge("stagemesh:router_replica_num_requests_running", "The rep
 ROUTER_WAITING = Gauge("stagemesh:router_replica_num_requests_waiting", "The replica's waiting requests",
                        ["replica"], **MERGE_LATEST)
 IN_FLIGHT = Gauge("stagemesh:router_requests_in_flight", "Requests the routers are serving now", **MERGE_SUM)
+MIGRATED = Counter("stagemesh:migrated_requests", "Running requests a draining replica handed on that went on on "
+                   "another replica: with their KV (how=kv) or computed again there (how=recompute)", ["how"], **R)
+# per tenant (router.tenants): the label's values are the names of the --api-keys-file's tenants
+TENANT_REQUESTS = Counter("stagemesh:tenant_requests", "Requests finished, by tenant and finish reason",
+                          ["tenant", "finished_reason"], **R)
+TENANT_PROMPT_TOKENS = Counter("stagemesh:tenant_prompt_tokens", "Prompt tokens of finished requests, by tenant",
+                               ["tenant"], **R)
+TENANT_GENERATION_TOKENS = Counter("stagemesh:tenant_generation_tokens", "Tokens generated, by tenant", ["tenant"],
+                                   **R)
+TENANT_QUEUE = Histogram("stagemesh:tenant_request_queue_time_seconds", "Time requests waited in their scheduler's "
+                         "queue, by tenant", ["tenant"], buckets=REQUEST_BUCKETS, **R)
+TENANT_REFUSED = Counter("stagemesh:tenant_requests_refused", "Requests refused by their tenant's limits (429: "
+                         "requests_per_minute, tokens_per_minute, max_concurrency) or shed under saturation (503: "
+                         "max_queue_wait)", ["tenant", "code", "reason"], **R)

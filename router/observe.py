@@ -125,6 +125,16 @@ async def metrics_handler(request):
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+def migrated(how: str) -> None:
+    """A request a draining replica handed on goes on elsewhere: "kv" (with its KV) or "recompute"."""
+    m.MIGRATED.labels(how).inc()
+
+
+def tenant_refused(tenant: str, code: int, reason: str) -> None:
+    """A request of the tenant refused by its limits (429) or shed (503); reason: the limit or bound."""
+    m.TENANT_REFUSED.labels(tenant or "none", str(code), reason).inc()
+
+
 def group_done(n: int, max_generated: int, replica: str | None) -> None:
     """A prompt's n choices have all finished: vLLM's per-request n and the most tokens one of them made."""
     labels = _labels(replica)
@@ -138,8 +148,9 @@ class RequestRecord:
 
     FINISHED = ("stop", "length", "abort")  # what vLLM counts as finished (not errors, not refusals)
 
-    def __init__(self, request_id: str, num_prompt: int, max_tokens: int = 0):
+    def __init__(self, request_id: str, num_prompt: int, max_tokens: int = 0, tenant: str = ""):
         self.request_id, self.num_prompt, self.max_tokens = request_id, num_prompt, max_tokens
+        self.tenant = tenant  # ("": none; the router takes no keys)
         self.start = time.monotonic()
         self.queue_seconds = 0.0  # arrival to first scheduling, as its scheduler measured it
         self.first_token: float | None = None
@@ -191,6 +202,12 @@ class RequestRecord:
         m.GENERATION_TOKENS.labels(replica).inc(num_output)
         m.ROUTER_E2E.observe(total)
         m.GENERATION.labels(*_labels(self.replica)).inc(num_output)
+        if self.tenant:
+            m.TENANT_REQUESTS.labels(self.tenant, reason).inc()
+            m.TENANT_PROMPT_TOKENS.labels(self.tenant).inc(self.num_prompt)
+            m.TENANT_GENERATION_TOKENS.labels(self.tenant).inc(num_output)
+            if self.first_token is not None:
+                m.TENANT_QUEUE.labels(self.tenant).observe(self.queue_seconds)
         if reason in self.FINISHED:
             self._finished(num_output, reason, total)
         self._log(num_output, reason, total)

@@ -57,7 +57,8 @@ def chat_request(m: ChatCompletionRequest, config: RouterConfig) -> GenerateRequ
 
 
 def _common(m, config: RouterConfig, chat: bool) -> RequestBuilder:
-    b = RequestBuilder(config.served_model_name, m.model, chat, config.adapter_names, config.sampling_defaults)
+    b = RequestBuilder(config.served_model_name, m.model, chat, config.adapter_names, config.sampling_defaults,
+                       config.stream_interval)
     b.streaming(m.stream, m.stream_options or None, m.prompt_logprobs)
     b.choices(m.n, m.best_of)
     b.stop(m.stop, m.include_stop_str_in_output)

@@ -20,7 +20,7 @@ from router.pooling_protocol import (REFUSED_POOLING, ClassificationRequest, Emb
 from router.pooling_run import PoolingJob, fit, run, tokenize
 from router.protocol import validate
 from router.request_builder import check_model
-from router.state import CONFIG, REPLICAS, TOKENIZER
+from router.state import CONFIG, REPLICAS, TENANT, TOKENIZER
 from stagemesh.core.pooling import TASKS, Pooled, PoolerConfig, PoolingParams
 
 API_NAMES = {"embed": "Embeddings API", "classify": "Classification API", "score": "Score API",
@@ -59,7 +59,18 @@ async def _pool(request: web.Request, body, prompts: list[list[int]], params: Po
     max_len = admit_engine(replicas, body.priority, config.max_model_len)
     prompts = fit(prompts, max_len, body.truncate_prompt_tokens, body.truncation_side)
     base = request.headers.get("X-Request-Id") or body.request_id or uuid.uuid4().hex
-    pooled = await run(PoolingJob(f"{prefix}-{base}", prompts, params, body.priority), replicas)
+    tenant = request.get(TENANT)
+    limits = config.limits
+    # its tenant's limits, as a generation's (router.admission, router.choices): one request, its prompt tokens,
+    # one running while it runs (its answer carries no x-ratelimit-* headers)
+    if limits is not None and tenant is not None:
+        await limits.admit(tenant, sum(map(len, prompts)))
+        limits.enter(tenant)
+    try:
+        pooled = await run(PoolingJob(f"{prefix}-{base}", prompts, params, body.priority, tenant), replicas)
+    finally:
+        if limits is not None and tenant is not None:
+            limits.leave(tenant)
     return f"{prefix}-{base}", prompts, pooled
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from router.dispatch import Generation, dispatch
 from router.errors import APIError, bad_request
 from router.replica_set import ReplicaSet
+from router.tenants import Tenant
 from router.tokenization import Tokenizer
 from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.pooling import Pooled, PoolingParams
@@ -24,14 +25,17 @@ class PoolingJob:
     prompts: list[list[int]]
     params: PoolingParams
     priority: int = 0
+    tenant: Tenant | None = None  # who sent it (router.tenants): the schedulers' fair share weighs it
 
 
 async def run(job: PoolingJob, replicas: ReplicaSet) -> list[Pooled]:
     """Every prompt's pooled output, in order; the first error ends them all (the others are aborted)."""
     sampling = SamplingParams(max_tokens=1, pooling=job.params)
+    tenant, weight = (job.tenant.name, job.tenant.weight) if job.tenant is not None else ("", 1.0)
     single = len(job.prompts) == 1
     gens = [Generation(EngineRequest(job.request_id if single else f"{job.request_id}-{i}", ids, sampling,
-                                     priority=job.priority), i) for i, ids in enumerate(job.prompts)]
+                                     priority=job.priority, tenant=tenant, tenant_weight=weight), i)
+            for i, ids in enumerate(job.prompts)]
     tasks = [asyncio.create_task(_one(gen, replicas)) for gen in gens]
     try:
         return list(await asyncio.gather(*tasks))

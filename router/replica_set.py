@@ -169,7 +169,8 @@ class ReplicaSet:
         candidates = [r for r in candidates if serves(r, lora_name)]
         if not candidates:
             return None
-        return self.policy.pick(lora_affinity(candidates, lora_name), request.prompt_token_ids, request.hash_root)
+        candidates = tenant_spread(lora_affinity(candidates, lora_name), request.tenant)
+        return self.policy.pick(candidates, request.prompt_token_ids, request.hash_root)
 
     def disaggregated(self) -> bool:
         """Whether new prompts go to a prefill replica first: one of them and a decode replica are healthy."""
@@ -193,6 +194,21 @@ class ReplicaSet:
 # load (a request running: 1, waiting: 4) a replica that runs a request's adapter, or has a free slot for it, may
 # carry above the least loaded replica and still be preferred (as CacheAware's balance_abs)
 LORA_LOAD_SLACK = 32
+
+
+# requests of one tenant a replica may have from this router above the replica that has the fewest, and still
+# be picked: a tenant's flood spreads over the replicas (each one's fair share then sees it), a tenant's few
+# requests follow the balancing policy (a prefix's replica)
+TENANT_SLACK = 4
+
+
+def tenant_spread(replicas: list[Replica], tenant: str) -> list[Replica]:
+    """The replicas a request of `tenant` may go to: those where this router has at most TENANT_SLACK more of the
+    tenant's requests than on the replica with the fewest."""
+    if not tenant or len(replicas) < 2:
+        return replicas
+    fewest = min(r.tenants[tenant] for r in replicas)
+    return [r for r in replicas if r.tenants[tenant] <= fewest + TENANT_SLACK]
 
 
 def lora_affinity(replicas: list[Replica], lora_name: str) -> list[Replica]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 import grpc
@@ -46,6 +47,9 @@ class Replica:
     lora_reported: bool = False  # its stats said which adapters it serves (below), name -> directory
     lora_adapters: dict[str, str] = field(default_factory=dict)
     forgotten: bool = False  # no longer balanced over (ReplicaSet.set_replicas): a late check reports nothing
+    # requests this router has there now, per tenant (router.replica_set.tenant_spread)
+    tenants: Counter[str] = field(default_factory=Counter)
+    queue_wait: dict[str, float] = field(default_factory=dict)  # tenant -> its oldest waiting request's wait there
     stub: scheduler_pb2_grpc.SchedulerStub = field(init=False, repr=False)  # (made in __post_init__)
 
     def __post_init__(self) -> None:
@@ -148,6 +152,7 @@ class Replica:
         self.max_loras, self.running_adapters = stats.max_loras, frozenset(stats.running_lora_adapters)
         self.lora_reported = stats.max_loras > 0
         self.lora_adapters = {a.name: a.path for a in stats.lora_adapters}
+        self.queue_wait = dict(stats.tenant_queue_wait_seconds)
         if not self.forgotten:
             replica_state(self.address, self.healthy, stats)
 

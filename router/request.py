@@ -9,6 +9,8 @@ from typing import Any
 from router.beam_search import BeamOptions
 from router.reasoning import ReasoningPlan
 from router.resume import ResumePoint
+from router.limits import TenantLimits
+from router.tenants import Tenant
 from router.tools import ToolPlan
 from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.sampling_params import SamplingParams
@@ -67,8 +69,12 @@ class GenerateRequest:
     # its priority (router.admission checks the replicas schedule by it), its LoRA adapter, ...
     engine: EngineRequest = field(default_factory=lambda: EngineRequest("", ()))
     resumable: bool = False  # its replicas keep it for a resume if the router goes away (router.resume)
+    tenant: Tenant | None = None  # who sent it (router.tenants; None: the router takes no keys)
+    limits: TenantLimits | None = None  # its tenant's limits, which count it while it runs (router.choices.run)
+    rate_headers: dict[str, str] = field(default_factory=dict)  # OpenAI's x-ratelimit-* for its answer
     resume: ResumePoint | None = None  # a resume: what the client has of each choice
     beam: BeamOptions | None = None  # use_beam_search: n is the width (router.beam_search)
+    stream_interval: int = 1  # --stream-interval: tokens a choice's outputs gather before they go out
 
     @property
     def logprobs(self) -> bool:

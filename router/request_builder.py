@@ -51,12 +51,12 @@ class RequestBuilder:
     door), then build()."""
 
     def __init__(self, served: str, model: str | None, chat: bool, adapters: tuple[str, ...] = (),
-                 defaults: SamplingDefaults | None = None):
+                 defaults: SamplingDefaults | None = None, stream_interval: int = 1):
         """adapters: the LoRA adapters a model name may pick (--lora-modules); defaults: the model's generation
-        config, for the sampling parameters the request leaves unset."""
+        config, for the sampling parameters the request leaves unset; stream_interval: the router's."""
         lora_name = check_model(model, served, adapters)
         self.req = GenerateRequest(model=lora_name or served, chat=chat,
-                                   engine=EngineRequest("", (), lora_name=lora_name))
+                                   engine=EngineRequest("", (), lora_name=lora_name), stream_interval=stream_interval)
         self.defaults = defaults or SamplingDefaults()
         self._max_tokens = INT32_MAX  # SamplingParams' max_tokens until max_tokens() says otherwise
 

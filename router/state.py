@@ -1,5 +1,5 @@
 """What every HTTP handler of the gateway reads: the app's shared parts (replicas, tokenizer, settings) and a
-generation's request id and owner."""
+generation's request id, tenant and owner."""
 from __future__ import annotations
 
 import hashlib
@@ -13,6 +13,7 @@ from router.config import RouterConfig
 from router.errors import bad_request
 from router.replica_set import ReplicaSet
 from router.request import GenerateRequest
+from router.tenants import Tenant
 from router.tokenization import Tokenizer
 
 class Lifecycle:
@@ -30,6 +31,11 @@ REPLICAS = web.AppKey("replicas", ReplicaSet)
 TOKENIZER = web.AppKey("tokenizer", Tokenizer)
 CONFIG = web.AppKey("config", RouterConfig)
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
+TENANT = web.RequestKey("tenant", Tenant)  # the tenant of the key the request presented (router.tenants)
+# the Batch API's runner (router.batch.runner) sends each line to this router as its batch's tenant: with this
+# process's own credential (made at start, never stored) and the tenant's name in BATCH_TENANT_HEADER
+BATCH_CREDENTIAL = web.AppKey("batch_credential", str)
+BATCH_TENANT_HEADER = "X-Stagemesh-Batch-Tenant"
 PROBES = ("/health", "/ready", "/metrics")  # answered while draining, not counted as work
 MAX_REQUEST_ID = 200
 
@@ -41,20 +47,26 @@ def request_id(request: web.Request, req: GenerateRequest) -> str:
     return uuid.uuid4().hex if given is None else checked_request_id(given)
 
 
-def owner_of(request: web.Request) -> str:
-    """Whom a resumable request belongs to: a digest of the credential its client presented (Authorization), never
-    the credential. A resume must present the same one: another key's finds no such request (a 404)."""
-    given = request.headers.get("Authorization", "").encode()
-    return hashlib.blake2b(given, digest_size=16, person=b"stagemesh-owner").hexdigest()
+def owner_of(authorization: str) -> str:
+    """Whom a resumable request belongs to without tenants: a digest of the credential its client presented
+    (Authorization), never the credential. A resume must present the same one: another key's finds no such
+    request (a 404). With tenants, the tenant is the owner (router.admission)."""
+    return hashlib.blake2b(authorization.encode(), digest_size=16, person=b"stagemesh-owner").hexdigest()
+
+
+def tenant_owner(name: str) -> str:
+    """A tenant's requests' owner: any key of the tenant resumes them, no other tenant's."""
+    return hashlib.blake2b(name.encode(), digest_size=16, person=b"stagemesh-tenant").hexdigest()
 
 
 def resumable(request: web.Request, req: GenerateRequest, stream: bool) -> str | None:
     """A stream to a client that accepts event streams is resumable (router.resume), and belongs to that client
-    (owner_of); returns the client's Last-Event-ID when the request resumes one such a client started (a stream,
-    with its request id: checked here)."""
+    (owner_of) or its tenant; returns the client's Last-Event-ID when the request resumes one such a client
+    started (a stream, with its request id: checked here)."""
     last = request.headers.get(resume.HEADER)
     req.resumable = stream and resume.wants_event_ids(request.headers.get("Accept", ""))
-    req.engine = replace(req.engine, owner=owner_of(request))
+    req.tenant = request.get(TENANT)
+    req.engine = replace(req.engine, owner=owner_of(request.headers.get("Authorization", "")))
     if last is None:
         return None
     if not stream:

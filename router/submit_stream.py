@@ -26,7 +26,8 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 REASONS = {scheduler_pb2.FINISH_REASON_STOP: "stop", scheduler_pb2.FINISH_REASON_LENGTH: "length",
-           scheduler_pb2.FINISH_REASON_ABORT: "abort", scheduler_pb2.FINISH_REASON_PREFILLED: "prefilled"}
+           scheduler_pb2.FINISH_REASON_ABORT: "abort", scheduler_pb2.FINISH_REASON_PREFILLED: "prefilled",
+           scheduler_pb2.FINISH_REASON_MIGRATED: "migrated"}
 
 
 @dataclass

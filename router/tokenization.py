@@ -47,6 +47,12 @@ class Tokenizer:
         # an encode before any thread runs: it leaves the backend with no truncation or padding to reset later
         # (a reset borrows the Rust tokenizer mutably, which fails while another thread encodes)
         self.tok.encode("")
+        # the per-token path (IncrementalDetokenizer, logprobs' token texts) calls a fast tokenizer's Rust decoder
+        # itself: transformers' decode wraps it in Python that costs twice the decode, and adds nothing unless the
+        # tokenizer cleans up spaces (then, and for a slow tokenizer, transformers' decode is called)
+        backend = getattr(self.tok, "_tokenizer", None)
+        self._rust_decode = backend.decode if backend is not None and hasattr(backend, "decode") and \
+            not getattr(self.tok, "clean_up_tokenization_spaces", False) else None
         self._pool = ThreadPoolExecutor(num_threads(), thread_name_prefix="tokenizer")
         self._queued = 0
         # requests' output constraints, compiled in worker processes to refuse a bad one early
@@ -91,6 +97,8 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
                ) -> str:
+        if self._rust_decode is not None:  # (a fast tokenizer has no use for spaces_between_special_tokens)
+            return self._rust_decode(ids, skip_special_tokens=skip_special_tokens)
         # (transformers types decode as str | list[str], the latter for batches: one list of ids is one str)
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens,  # type: ignore[return-value]
                                spaces_between_special_tokens=spaces_between_special_tokens)
@@ -132,6 +140,8 @@ class Tokenizer:
                 "kwargs": {**self.tok.special_tokens_map, **kwargs}}
 
     def token_text(self, token_id: int) -> str:
+        if self._rust_decode is not None:
+            return self._rust_decode([token_id], skip_special_tokens=False)
         return self.tok.decode([token_id])  # type: ignore[return-value]
 
     @property

@@ -6,7 +6,7 @@ import asyncio
 import logging
 from dataclasses import replace
 
-from stagemesh.core import internal_token
+from stagemesh.core import event_loop, internal_token
 from stagemesh.core.deadlines import DEADLINES
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.heap import freeze_startup_heap
@@ -82,7 +82,7 @@ def _check_kv_peers(peers: list[str], kv_role: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     setup_service(args, "stagemesh-scheduler")
-    return asyncio.run(_main(args))
+    return event_loop.run(_main(args))
 
 
 async def _main(args: argparse.Namespace) -> int:
@@ -163,7 +163,8 @@ def _driver(args: argparse.Namespace, cfg, tier_bytes: tuple[int, int], advertis
         max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         eos_token_ids=cfg.eos_token_ids, max_waiting_requests=args.max_waiting_requests, vocab_size=cfg.vocab_size,
-        scheduling_policy=args.scheduling_policy, kv_hold_timeout_s=args.kv_hold_timeout,
+        scheduling_policy=args.scheduling_policy, tenant_fair_share=args.tenant_fair_share,
+        kv_hold_timeout_s=args.kv_hold_timeout, migration_policy=args.migration_policy,
         kv_load_failure_policy=args.kv_load_failure_policy, kv_load_timeout_s=args.kv_load_timeout,
         speculative=spec, lora=lora)
     return Driver(DriverConfig(
@@ -196,12 +197,23 @@ async def _serve_until_stopped(shutdown, servicer, driver) -> int:
 
 async def _drain(shutdown, servicer, driver) -> None:
     """Readiness off (routers send new work elsewhere), the requests it has finish; those left when
-    --shutdown-timeout ends fail as UNAVAILABLE, which their routers continue on another replica, token-exact."""
+    --shutdown-timeout ends are handed back to their routers (Driver.migrate), which continue them on another
+    replica, token-exact: with their KV under --migration-policy kv, which this replica's stages serve until the
+    other replica has read it (at most --kv-hold-timeout), else computed again there."""
     servicer.drain.stopping = True
-    if not await shutdown.drain(lambda: servicer.unfinished() == 0, lambda: f"{servicer.unfinished()} request(s)"):
-        moved = driver.evacuate("the replica shut down (its --shutdown-timeout ended)")
-        log.warning("%d request(s) handed back to their routers to go on on another replica", moved)
-        await asyncio.sleep(0.5)  # their failures reach the routers before the streams close
+    if await shutdown.drain(lambda: servicer.unfinished() == 0, lambda: f"{servicer.unfinished()} request(s)"):
+        return
+    with_kv, without = await driver.migrate("the replica shut down (its --shutdown-timeout ended)",
+                                            driver.cfg.scheduler.kv_hold_timeout_s)
+    log.warning("%d request(s) handed back to their routers to go on on another replica (%d with their KV)",
+                with_kv + without, with_kv)
+    await asyncio.sleep(0.5)  # their outputs reach the routers before the streams close
+    deadline = asyncio.get_running_loop().time() + driver.cfg.scheduler.kv_hold_timeout_s
+    while driver.holds_kv() and asyncio.get_running_loop().time() < deadline and not shutdown.hurry.is_set():
+        await asyncio.sleep(0.1)
+    if driver.holds_kv():
+        log.warning("%d request(s)' KV not read by another replica within --kv-hold-timeout: they go on computed "
+                    "again there", driver.holds_kv())
 
 
 def _store(host: str, port: int):

@@ -19,6 +19,7 @@ from stagemesh.core.service_options import ServiceOptions
 from stagemesh.core.speculative import ASYNC_WITH_SPECULATION, SpeculativeConfig
 
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")  # vLLM's kv_load_failure_policy values (its default: fail)
+MIGRATION_POLICIES = ("kv", "recompute")  # how a draining replica's running requests move (--migration-policy)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,11 @@ class SchedulerOptions:
         "fcfs: requests in arrival order; priority: by the request's priority (lower first, ties by arrival), the "
         "lowest-priority running request preempted for a higher one that lacks KV blocks (vLLM's); a non-zero "
         "priority under fcfs is refused")).field()
+    tenant_fair_share: bool = Flag(("--tenant-fair-share",), kind="bool", default=True, help=(
+        "share the steps between the tenants of the requests (the router's --api-keys-file) by their weights: "
+        "token-weighted fair queueing (the Virtual Token Counter), and a tenant under its share of --max-num-seqs "
+        "takes a place from the tenant furthest over its own; within a tenant, --scheduling-policy's order. Off: "
+        "the queues ignore tenants (first come, first served across them)")).field()
     async_scheduling: bool | None = Flag(("--async-scheduling",), kind="bool", help=(
         "schedule a step before the previous one's tokens are back, so the stages do not wait for the scheduler: "
         "always with one stage, with more where a micro-batch would be empty (default: on when the stages run on "
@@ -61,10 +67,18 @@ class SchedulerOptions:
         "computes the prompt and the first token and holds the KV), and a decode replica the rest, whose stages "
         "fetch that KV; every role also serves whole requests")).field()
     kv_peer: tuple[str, ...] = Flag(("--kv-peer",), kind="append", default=(), metavar="HOST:PORT", help=(
-        "disaggregated prefill: the scheduler of a prefill replica whose held KV this replica may fetch (repeat for "
-        "each); a request's kv_transfer naming any other is not fetched (its --kv-load-failure-policy applies), and "
-        "this replica's stages read KV only from these replicas' stages (`stagemesh serve --prefill-replicas` gives "
-        "it to every decode replica)")).field()
+        "the scheduler of a replica whose held KV this replica may fetch (repeat for each): a prefill replica's "
+        "(disaggregated prefill), or another replica's whose requests move here with their KV when it drains "
+        "(--migration-policy kv); a request's kv_transfer naming any other is not fetched (its "
+        "--kv-load-failure-policy applies), and this replica's stages read KV only from these replicas' stages "
+        "(`stagemesh serve` gives every decode replica the prefill ones, and without those every replica the "
+        "others)")).field()
+    migration_policy: str = Flag(("--migration-policy",), default="kv", choices=MIGRATION_POLICIES, help=(
+        "what the running requests a draining replica could not finish within --shutdown-timeout do: kv (the "
+        "default) goes on on another replica with their KV, read from this replica's stages over the KV transfer "
+        "of disaggregated prefill (the other replica must name this one with --kv-peer; where it cannot load it, "
+        "or a request is not between two steps of its decode, it is computed again there); recompute computes "
+        "every one again there")).field()
     kv_hold_timeout: float = Flag(("--kv-hold-timeout",), type=float, default=30.0, metavar="SECONDS", help=(
         "a prefilled request's KV blocks wait this long at most for a decode replica to fetch them")).field()
     # (no `choices`: a wrong value is refused with the flag's name and what it takes, by check_kv_load_arguments)
@@ -113,7 +127,9 @@ class SchedulerConfig:
     # vLLM's --scheduling-policy: "fcfs" (arrival order) or "priority" (lower value first, ties by arrival;
     # the lowest-priority running request is preempted for a higher one that lacks KV blocks)
     scheduling_policy: str = "fcfs"
+    tenant_fair_share: bool = True  # the steps shared between tenants by weight (scheduler.policy.FairShare)
     kv_hold_timeout_s: float = 30.0  # a prefilled request's KV blocks wait this long for a decode replica at most
+    migration_policy: str = "kv"  # how a draining replica's running requests move on (--migration-policy)
     # decode side (scheduler.kv_transfer): vLLM's kv_load_failure_policy, what a request whose prompt's KV cannot be
     # loaded from its prefill replica does: "fail" (it ends with the reason; the router may prefill it again) or
     # "recompute" (its prompt is computed here); and the bound on that load (--kv-load-timeout)
@@ -133,6 +149,8 @@ class SchedulerConfig:
                 raise StagemeshError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise StagemeshError(f"scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.migration_policy not in MIGRATION_POLICIES:
+            raise StagemeshError(f"--migration-policy must be kv or recompute, got {self.migration_policy!r}")
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise StagemeshError(f"--kv-load-failure-policy must be fail or recompute, got "
                                  f"{self.kv_load_failure_policy!r}")

@@ -75,15 +75,28 @@ class Driver:
     def abort(self, request_ids: list[str]) -> int:
         return self.steps.abort(request_ids)
 
-    def evacuate(self, reason: str) -> int:
-        """Fail every request with `reason` (not their own fault: UNAVAILABLE), for their routers to continue
-        them elsewhere; returns how many."""
-        scheduler = self.epochs.scheduler
+    async def migrate(self, reason: str, timeout_s: float) -> tuple[int, int]:
+        """The drain's end: no step more; once the steps in flight are back (at most timeout_s), every request
+        ends "migrated" for its router to go on with it elsewhere, with its KV under --migration-policy kv
+        (Scheduler.migrate_all); any still in flight then fails with `reason` (UNAVAILABLE: continued by
+        recompute). Returns (moved with their KV, moved without)."""
+        self.steps.paused = True
+        if self.steps.in_flight:
+            await asyncio.wait(self.steps.in_flight, timeout=timeout_s)
+        scheduler = self.epochs.scheduler  # (after the wait: the one of the epoch now)
         if scheduler is None:
-            return 0
-        outputs = scheduler.fail_all(reason)
+            return 0, 0
+        outputs = scheduler.migrate_all(self.cfg.scheduler.migration_policy == "kv")
+        self.steps.stamp_held(outputs)
+        with_kv = sum(1 for out in outputs if out.held_kv is not None)
+        outputs += scheduler.fail_all(reason)  # (in flight still, pulling their prompt's KV, loading from a tier)
         self.steps.dispatch(outputs)
-        return len(outputs)
+        return with_kv, len(outputs) - with_kv
+
+    def holds_kv(self) -> int:
+        """Requests whose KV is held here for another replica (migrated, prefilled)."""
+        scheduler = self.epochs.scheduler
+        return len(scheduler.transfers.held) if scheduler is not None else 0
 
     def release_kv(self, request_id: str) -> bool:
         """Free the KV a prefilled request holds here (False: none held)."""

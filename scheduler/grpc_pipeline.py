@@ -19,6 +19,7 @@ from opentelemetry import trace
 
 from scheduler.pipeline import StageFailure, StepResult
 from scheduler.rendezvous import PipelinePlan, Rendezvous, StageInfo
+from scheduler.step_stream import StepStream
 from stagemesh.core import kv_ticket, telemetry
 from stagemesh.core.deadlines import DEADLINES, Deadlines
 from stagemesh.core.errors import StagemeshError
@@ -43,6 +44,7 @@ class GrpcPipeline:
         self.plan: PipelinePlan | None = None  # of the epoch joined last
         self.disk_block_hashes: list[int] = []  # the disk tier's blocks every stage held when it joined
         self._channels: dict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = {}
+        self._steps: dict[str, StepStream] = {}  # each stage's step path (scheduler.step_stream)
         self._tasks: set[asyncio.Task] = set()  # channels closing later, referenced until done
         self._answered: set[str] = set()  # addresses of stages that answered a step since the last probe round
         self.kv_read_key = kv_ticket.new_key()  # what the stages ask of a reader of held KV (given at each join)
@@ -102,20 +104,21 @@ class GrpcPipeline:
 
     # -- steps ---------------------------------------------------------------------------
     def forward(self, epoch: int, batch: StepBatch, span: trace.Span | None, trace_links: list[str]):
-        """Start the step's Forward calls now (not when the result is first awaited), so that they go out
-        ahead of the stream writes queued behind them."""
+        """Send the step to every stage now, on each one's step stream (not when the result is first awaited), so
+        that it goes out ahead of the stream writes queued behind it."""
         request = stage_pb2.ForwardRequest(epoch=epoch, trace_links=trace_links)
         step_to_pb(batch, request.step)
-        metadata = telemetry.inject(trace.set_span_in_context(span)) if span is not None else None
+        if span is not None:
+            context = dict(telemetry.inject(trace.set_span_in_context(span)))
+            request.traceparent, request.tracestate = context.get("traceparent", ""), context.get("tracestate", "")
         assert self.plan is not None  # (steps come after the join)
-        calls = [(stage, self._stub(stage).Forward(request, timeout=self.deadlines.forward_s, metadata=metadata))
-                 for stage in self.plan.stages]
-        return self._result(calls)
+        return self._result([(stage, self._step_stream(stage).send(request)) for stage in self.plan.stages])
 
     async def _result(self, calls) -> StepResult:
-        answers = [asyncio.ensure_future(_answer(stage, call)) for stage, call in calls]
+        """The step's replies (each stage's step stream's future gives it, or raises StageFailure naming it)."""
+        answers = [answer for _, answer in calls]
         try:
-            replies = await asyncio.gather(*answers)
+            replies = [await answers[0]] if len(answers) == 1 else await asyncio.gather(*answers)
         except StageFailure as first:
             raise await _culprit(first, answers) from None
         self._answered.update(stage.address for stage, _ in calls)
@@ -277,9 +280,19 @@ class GrpcPipeline:
             self._channels[stage.address] = (channel, stage_pb2_grpc.StageStub(channel))
         return self._channels[stage.address][1]
 
+    def _step_stream(self, stage: StageInfo) -> StepStream:
+        stream = self._steps.get(stage.address)
+        if stream is None or stream.closed:
+            stream = self._steps[stage.address] = StepStream(stage, self._stub(stage), self.deadlines.forward_s)
+        return stream
+
     def _drop_channel(self, address: str) -> None:
         """A new process answers at this address: dial it afresh (the old channel may be backing off).
-        The old one closes once every call on it is past its deadline (closing cancels its calls)."""
+        The old one closes once every call on it is past its deadline (closing cancels its calls); its step
+        stream ends now (its steps fail: the epoch they belong to is over)."""
+        stream = self._steps.pop(address, None)
+        if stream is not None:
+            stream.close()
         entry = self._channels.pop(address, None)
         if entry is not None:
             task = asyncio.create_task(_close_later(entry[0], self.deadlines.channel_linger_s))

@@ -18,7 +18,8 @@ from stagemesh.core.wire import kv_source_to_pb, pooled_to_pb
 from stagemesh.v1 import scheduler_pb2
 
 FINISH = {"stop": scheduler_pb2.FINISH_REASON_STOP, "length": scheduler_pb2.FINISH_REASON_LENGTH,
-          "abort": scheduler_pb2.FINISH_REASON_ABORT, "prefilled": scheduler_pb2.FINISH_REASON_PREFILLED}
+          "abort": scheduler_pb2.FINISH_REASON_ABORT, "prefilled": scheduler_pb2.FINISH_REASON_PREFILLED,
+          "migrated": scheduler_pb2.FINISH_REASON_MIGRATED}
 # hashes and token ids in one KV event message (a hash takes up to 10 bytes on the wire, a token id up to 5):
 # at most 2 MiB, under the 4 MiB a gRPC client takes by default
 MAX_KV_ITEMS_PER_MESSAGE = 200_000

@@ -49,6 +49,11 @@ class Request:
     kv_ready: bool = False  # its prompt's KV was pulled into its blocks: the prompt counts as computed
     tiers_checked: bool = False  # this admission looked its prompt up in the KV tiers (scheduler.tiers)
     lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
+    tenant: str = ""  # who sent it, and its weight: the fair share across tenants (scheduler.policy.FairShare)
+    tenant_weight: float = 1.0
+    # it gives its place to another tenant's request (FairShare.victim) once its step in flight is back: not
+    # scheduled until it is preempted
+    yield_slot: bool = False
     # its constraint compiles on the last stage: not scheduled until it can be sampled (vLLM's WAITING_FOR_FSM)
     waiting_for_grammar: bool = False
     # prompt + output, kept up to date by append_output (the scheduler reads it every step)
@@ -62,7 +67,8 @@ class Request:
     def of(cls, r: EngineRequest) -> Request:
         """The scheduler's request for an engine request: the one place one is built from the other."""
         request = cls(r.request_id, list(r.prompt_token_ids), r.sampling, list(r.generated_token_ids),
-                      priority=r.priority, prefill_only=r.prefill_only, lora_name=r.lora_name, hash_root=r.hash_root)
+                      priority=r.priority, prefill_only=r.prefill_only, lora_name=r.lora_name, hash_root=r.hash_root,
+                      tenant=r.tenant, tenant_weight=r.tenant_weight)
         if r.generated_token_ids:  # a continuation: its prompt logprobs were delivered where it ran before
             request.num_prompt_logprobs = len(r.prompt_token_ids) - 1
         return request
@@ -74,7 +80,7 @@ class Request:
         self.num_computed_tokens = self.in_flight = self.num_output_placeholders = 0
         self.spec_token_ids = []
         self.kv_source, self.kv_ready = None, False
-        self.tiers_checked = False
+        self.tiers_checked = self.yield_slot = False
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -132,7 +138,8 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[SampledToken] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "prefilled" (prefill_only)
+    # "stop" | "length" | "abort" | "error" | "prefilled" (prefill_only) | "migrated" (on to another replica)
+    finish_reason: str | None = None
     stop_token_id: int | None = None
     error: str | None = None
     # with finish_reason "error": whether the request's own data failed it (True: an invalid-argument
@@ -144,7 +151,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs_start: int = 0
     queue_seconds: float | None = None  # arrival to first scheduling, on the request's first output
-    held_kv: HeldKV | None = None  # finish_reason "prefilled": where its prompt's KV waits
+    held_kv: HeldKV | None = None  # "prefilled" (or "migrated" with its KV): where its KV waits
     # with finish_reason "error": its prompt's KV could not be loaded from its prefill replica and the
     # kv_load_failure_policy is fail (FAILED_PRECONDITION: the router may prefill it again)
     kv_load_failed: bool = False

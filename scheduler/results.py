@@ -24,7 +24,7 @@ class Queues(Protocol):
     max_model_len: int
 
     def finish(self, request: Request, reason: str, error: str | None = None, own_fault: bool = False,
-               kv_load_failed: bool = False) -> RequestOutput: ...
+               kv_load_failed: bool = False, hold_kv: bool = False) -> RequestOutput: ...
 
 
 def take_step(s: Queues, batch: StepBatch, request_ids: list[str], sampled: list[SampledToken],

@@ -23,7 +23,7 @@ request's last token and its draft tokens as one chunk; the last stage verifies 
 tokens, appended one by one under the stop conditions; num_computed_tokens rolls back over the rejected.
 
 The queues' order, and so who gets the budget first and who is preempted, is the scheduling policy's
-(scheduler.policy: fcfs or priority).
+(scheduler.policy: fcfs or priority, within each tenant; across tenants, its fair share by weight).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from scheduler.kv_transfer import KVLoadFailed, KVTransfers, failure_message
 from scheduler.lora_slots import LoRASlots
 from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
 from scheduler.policy import SchedulingPolicy
-from scheduler.request import Request, RequestOutput, Status
+from scheduler.request import HeldKV, Request, RequestOutput, Status
 from scheduler.speculation import SpecDecodeStats, Speculator
 from scheduler.tiers import KVTiers, LoadJob
 from stagemesh.core.errors import StagemeshError
@@ -71,6 +71,7 @@ class SchedulerStats:
     # --enable-lora: the adapters of the running and of the waiting requests (vLLM's lora_requests_info)
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
+    queue_wait: dict[str, float] = field(default_factory=dict)  # tenant -> its oldest waiting request's wait, s
 
 
 @dataclass
@@ -91,8 +92,8 @@ class Scheduler:
         self.kv = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         if config.enable_prefix_caching and (config.num_host_kv_blocks or config.num_disk_kv_blocks):
             self.kv.tiers = KVTiers(self.kv, config.num_host_kv_blocks, config.num_disk_kv_blocks, disk_block_hashes)
-        self.policy = SchedulingPolicy(config.scheduling_policy)
-        self.waiting: deque[Request] = deque()
+        self.policy = SchedulingPolicy(config.scheduling_policy, config.tenant_fair_share)
+        self.waiting = self.policy.waiting()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_seq_ids: list[int] = []
@@ -125,7 +126,7 @@ class Scheduler:
         cfg, request_id, kv_source = self.config, r.request_id, r.kv_source
         check_request(cfg, request_id, r.prompt_token_ids, r.sampling, r.generated_token_ids)
         check_generated_logprobs(r.generated_token_ids, r.generated_logprobs, r.sampling)
-        self.policy.check(r.priority)
+        self.policy.check(r.priority, r.tenant, r.tenant_weight)
         if r.lora_name and (cfg.lora is None or r.lora_name not in cfg.lora):
             raise StagemeshError(f"the LoRA adapter {r.lora_name[:200]!r} is not served by this replica"
                                  + ("" if cfg.lora is not None else " (it runs without --enable-lora)"))
@@ -142,20 +143,23 @@ class Scheduler:
             assert kv_source is not None
             raise KVLoadFailed(failure_message(
                 request_id, kv_source.scheduler_address, "not_fit", f"the KV held there ({kv_source.num_tokens} "
-                f"tokens in blocks of {kv_source.block_size}) does not fit this replica (a prompt of "
-                f"{len(r.prompt_token_ids)}, blocks of {cfg.block_size}, no prompt logprobs, no draft model)"))
+                f"tokens in blocks of {kv_source.block_size}) does not fit this replica (the KV of "
+                f"{request.num_tokens - 1} tokens, its prompt and generated tokens but the last, in blocks of "
+                f"{cfg.block_size}; no prompt logprobs, no draft model)"))
         if kv_source is not None and usable:
             request.kv_source = kv_source
         self.requests[request_id] = request
-        self.policy.enqueue(self.waiting, request)
+        self.policy.arrived(request)
+        self.waiting.add(request)
         return usable
 
     def _kv_source_fits(self, src: KVSourceInfo, request: Request) -> bool:
-        """The held KV is exactly the prompt's, in blocks of this replica's size, with the first token after it;
-        not with a draft model, whose own KV cache mirrors only what the target computes here."""
+        """The held KV is exactly that of the request's tokens but the last (the prompt's, with its first token
+        after it; or a migrated request's, with the tokens it generated), in blocks of this replica's size; not
+        with a draft model, whose own KV cache mirrors only what the target computes here."""
         if self.spec is not None and self.spec.config.uses_draft_model:
             return False
-        return (src.block_size == self.config.block_size and src.num_tokens == len(request.prompt_token_ids)
+        return (src.block_size == self.config.block_size and src.num_tokens == request.num_tokens - 1
                 and len(src.block_ids) == self.kv.blocks_needed(src.num_tokens) and bool(request.output_token_ids)
                 and not request.sampling.computes_whole_prompt)
 
@@ -210,7 +214,7 @@ class Scheduler:
         for r in requests:
             r.restart()
         self.transfers.requeue_releases(releases)
-        self.running, self.waiting = [], deque(requests)
+        self.running, self.waiting = [], self.policy.waiting(requests)
         self._finished_seq_ids = []
         self.kv = BlockManager(self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
         return requests
@@ -230,8 +234,9 @@ class Scheduler:
                           f"and a KV cache of {cfg.kv_cache_tokens}; this request needs {total}"))
                 continue
             self.requests[request.request_id] = request
-            self.policy.enqueue(self.waiting, request)
-        old.requests, old.waiting = {}, deque()
+            self.policy.arrived(request)
+            self.waiting.add(request)
+        old.requests, old.waiting = {}, old.policy.waiting()
         self.transfers.requeue_releases(old.transfers.take_releases())
         return failed
 
@@ -260,6 +265,26 @@ class Scheduler:
         self._finished_seq_ids.clear()
         return outputs
 
+    def migrate_all(self, with_kv: bool) -> list[RequestOutput]:
+        """The replica drains: every request not in flight ends "migrated", for its router to go on with it on
+        another replica. A running one whose tokens but the last are computed, with with_kv, keeps its KV blocks
+        held here (RequestOutput.held_kv) until the replica that takes it has read them (ReleaseKV) or
+        --kv-hold-timeout; the others go without (computed again there). Those in flight are left (their step's
+        result first): the caller calls again."""
+        outputs = []
+        for request in [*self.running, *self.waiting]:
+            if request.in_flight:
+                continue
+            n = request.num_computed_tokens
+            movable = (with_kv and request.status is Status.RUNNING and n == request.num_tokens - 1
+                       and not request.num_output_placeholders)
+            table = self.kv.tables.get(request.request_id, [])[:self.kv.blocks_needed(n)] if movable else []
+            out = self.finish(request, "migrated", hold_kv=movable)
+            if movable:
+                out.held_kv = HeldKV(list(table), n)
+            outputs.append(out)
+        return outputs
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -273,7 +298,7 @@ class Scheduler:
                               self.kv.prefix_hits, self.kv.num_blocks, self.num_preemptions,
                               self.spec.stats if self.spec is not None else None,
                               {"host": len(tiers.host), "disk": len(tiers.disk)} if tiers is not None else {},
-                              *self._adapters())
+                              *self._adapters(), self.waiting.oldest_waits(time.monotonic()))
 
     def _adapters(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         if self.config.lora is None:
@@ -308,7 +333,7 @@ class Scheduler:
         for request in list(self.running):
             if budget.tokens <= 0 or len(budget.chunks) >= budget.seqs:
                 break
-            if request.status is not Status.RUNNING:
+            if request.status is not Status.RUNNING or request.yield_slot:
                 continue
             if request.in_flight and not (budget.run_ahead and self._can_run_ahead(request)):
                 continue
@@ -338,16 +363,44 @@ class Scheduler:
     def _make_room(self) -> int:
         """Priority policy: the first waiting request, if its first chunk lacks KV blocks, preempts running
         requests of lower priority (the lowest first) until it fits, before the step is built; returns how
-        many. It is then admitted in this step unless a running request of higher priority takes the room."""
-        if not self.waiting or not self.policy.by_priority:
+        many. It is then admitted in this step unless a running request of higher priority takes the room.
+        Fair share: a tenant under its share takes a place from one over its own (_take_fair_share)."""
+        if not self.waiting or not (self.policy.by_priority or self.policy.fair is not None):
             return 0
         head, preempted = self.waiting[0], 0
-        while not self.kv.can_allocate(head.request_id, *self._first_chunk(head, self.config.max_num_batched_tokens)):
+        while self.policy.by_priority and not self._fits(head):
             victim = self.policy.victim_for(self.running, head)
             if victim is None:
                 break
             self._preempt(victim)
             preempted += 1
+        return preempted + self._take_fair_share(head)
+
+    def _fits(self, head: Request) -> bool:
+        return self.kv.can_allocate(head.request_id, *self._first_chunk(head, self.config.max_num_batched_tokens))
+
+    def _take_fair_share(self, head: Request) -> int:
+        """The head of the waiting queue cannot start (no place left under --max-num-seqs, or no KV blocks):
+        running requests of a tenant over its share give it their places (FairShare.victim), preempted now, or,
+        in flight, once their step is back (until then not scheduled: Request.yield_slot). Returns how many
+        now."""
+        fair, preempted = self.policy.fair, 0
+        if fair is None or (fair.yielding is None and len(fair.present) < 2):
+            return 0
+        held, fair.yielding = fair.yielding, None
+        if held is not None and held.status is not Status.RUNNING:
+            held = None  # (it ended, or was preempted for blocks)
+        while len(self.running) >= self.config.max_num_seqs or not self._fits(head):
+            victim, held = held or fair.victim(self.running, head, self.config.max_num_seqs), None
+            if victim is None:
+                break
+            if victim.in_flight:
+                victim.yield_slot, fair.yielding = True, victim
+                return preempted
+            self._preempt(victim)
+            preempted += 1
+        if held is not None:  # the head starts without its place after all
+            held.yield_slot = False
         return preempted
 
     def _first_chunk(self, request: Request, tokens: int) -> tuple[int, list[int]]:
@@ -482,13 +535,19 @@ class Scheduler:
         sample = request.num_computed_tokens - len(drafts) == request.num_tokens + request.num_output_placeholders
         if sample:
             request.num_output_placeholders += 1
+        if self.policy.fair is not None:
+            self.policy.fair.served(request, num_new, sample)
         budget.chunks.append(request.seq_id, tokens, start, new_blocks, sample, len(drafts))
         budget.request_ids.append(request.request_id)
         budget.tokens -= num_new
 
     def _pick_victim(self) -> Request | None:
         """The last running request that is not in flight (its blocks are not in use): the newest under fcfs,
-        the lowest-priority (then newest) under the priority policy, the running queue being in that order."""
+        the lowest-priority (then newest) under the priority policy, the running queue being in that order;
+        with several tenants, of the one that runs the most for its weight (FairShare.kv_victim)."""
+        fair = self.policy.fair.kv_victim(self.running) if self.policy.fair is not None else None
+        if fair is not None:
+            return fair
         for request in reversed(self.running):
             if not request.in_flight:
                 return request
@@ -501,11 +560,11 @@ class Scheduler:
         request.status = Status.WAITING
         request.num_computed_tokens = 0
         request.spec_token_ids = []
-        request.tiers_checked = False
+        request.tiers_checked = request.yield_slot = False
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.recent_preemptions.append(request.request_id)
-        self.policy.enqueue(self.waiting, request, preempted=True)
+        self.waiting.add(request, preempted=True)
 
     def update_from_output(self, output: SchedulerOutput, sampled: list[SampledToken],
                            prompt_logprobs: Sequence[PromptLogprobs] = (),
@@ -515,17 +574,19 @@ class Scheduler:
         return results.take_step(self, output.step_batch, output.request_ids, sampled, prompt_logprobs, drafts or {})
 
     def finish(self, request: Request, reason: str, error: str | None = None, own_fault: bool = False,
-                kv_load_failed: bool = False) -> RequestOutput:
-        """End a request for `reason` (stop, length, abort, prefilled, error): out of the queues, its sequence
-        ended on the stages, its blocks freed (or held for a decode replica: prefilled); returns its output."""
-        self.requests.pop(request.request_id, None)
+               kv_load_failed: bool = False, hold_kv: bool = False) -> RequestOutput:
+        """End a request for `reason` (stop, length, abort, prefilled, migrated, error): out of the queues, its
+        sequence ended on the stages, its blocks freed (or held for another replica: prefilled, hold_kv);
+        returns its output."""
+        if self.requests.pop(request.request_id, None) is not None:
+            self.policy.left(request)
         if request.status is Status.RUNNING:
             self.running.remove(request)
             self._finished_seq_ids.append(request.seq_id)
         elif request.status is Status.WAITING and request in self.waiting:
             self.waiting.remove(request)
         request.status = Status.FINISHED
-        if reason == "prefilled":
+        if reason == "prefilled" or hold_kv:
             self.transfers.hold(request.request_id, time.monotonic())
         elif not self.transfers.abandon(request) and \
                 not (self.kv.tiers is not None and self.kv.tiers.abandon(request.request_id)):

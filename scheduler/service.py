@@ -169,6 +169,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             stats.num_running, stats.num_waiting, stats.kv_cache_usage = s.num_running, s.num_waiting, s.kv_cache_usage
             stats.prefix_cache_queries, stats.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
             stats.num_kv_blocks, stats.num_preemptions = s.num_kv_blocks, s.num_preemptions
+            stats.tenant_queue_wait_seconds.update(s.queue_wait)
             if self.lora.table is not None:
                 stats.running_lora_adapters.extend(s.running_adapters)
                 stats.waiting_lora_adapters.extend(s.waiting_adapters)
@@ -182,12 +183,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def ready(self) -> bool:
         """Readiness: the pipeline is formed and the replica is not draining."""
-        return self.driver.status().healthy and not self.drain.reason
+        return self.driver.healthy and not self.drain.reason  # (polled: not the whole status)
 
     def unfinished(self) -> int:
-        """Requests it runs, or keeps for a resume (a drain waits for none to be left)."""
+        """Requests it runs, keeps for a resume, or whose KV it holds for another replica (a drain, its stages'
+        too, waits for none to be left)."""
         scheduler = self.driver.scheduler
-        return (scheduler.num_unfinished if scheduler is not None else 0) + self.sessions.num_kept
+        return (scheduler.num_unfinished if scheduler is not None else 0) + self.sessions.num_kept + \
+            self.driver.holds_kv()
 
     async def GetStats(self, request, context):
         return self._stats()

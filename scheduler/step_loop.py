@@ -79,6 +79,7 @@ class StepLoop:
         self.step_seconds = 0.0
         self.compute_seconds = 0.0
         self._wake = asyncio.Event()
+        self.paused = False  # no step is scheduled (a drain hands its requests on: Driver.migrate)
 
     @property
     def in_flight(self) -> frozenset[asyncio.Task]:
@@ -212,7 +213,7 @@ class StepLoop:
         if scheduler is None:  # (none without an epoch: not healthy either)
             return
         self._release_held(scheduler)
-        while epochs.healthy and len(self._in_flight) < self._depth:
+        while epochs.healthy and not self.paused and len(self._in_flight) < self._depth:
             epoch = epochs.epoch
             # split the requests over the micro-batches, so that every stage has work
             share = max(-(-scheduler.num_unfinished // self._lanes), 1)
@@ -274,14 +275,22 @@ class StepLoop:
         except StagemeshError as err:  # the last stage answered nonsense: it is broken, not the requests
             raise StageFailure(stages[-1], str(err)) from None
         outputs = scheduler.update_from_output(output, result.sampled, result.prompt_logprobs, result.drafts)
-        for out in outputs:
-            if out.held_kv is not None:  # where its KV waits for a decode replica
-                out.held_kv = replace(out.held_kv, epoch=epoch, stages=tuple(
-                    (s.address, s.layer_start, s.layer_end) for s in stages))
+        self.stamp_held(outputs, epoch)
         self._in_flight.discard(asyncio.current_task())
         self._launch()  # the next micro-batch first: the streams are served while the stages compute it
         self.dispatch(outputs)
         self.observer.end_step(span, seconds, result.compute_seconds, scheduler.stats())
+
+    def stamp_held(self, outputs: list[RequestOutput], epoch: int | None = None) -> None:
+        """Where the KV of outputs that hold some waits for another replica: the epoch and its stages."""
+        plan = self.epochs.plan
+        if plan is None:
+            return
+        stages = tuple((s.address, s.layer_start, s.layer_end) for s in plan.stages)
+        for out in outputs:
+            if out.held_kv is not None:
+                out.held_kv = replace(out.held_kv, epoch=self.epochs.epoch if epoch is None else epoch,
+                                      stages=stages)
 
     async def _pull(self, epoch: int, scheduler: Scheduler, pull: KVPull) -> None:
         """Fetch a prompt's KV from the prefill replica holding it and let that replica free it; if that fails

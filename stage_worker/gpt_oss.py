@@ -1,4 +1,4 @@
-"""gpt-oss's decoder (stagemesh.core.families.gpt_oss), bf16 dequantized: where its layers differ from Llama's.
+"""gpt-oss's decoder (stagemesh.core.families.gpt_oss): where its layers differ from Llama's.
 
 - attention: q/k/v biases (the merged column-parallel linear's), an o_proj bias added once after the
   row-parallel reduction, a learned sink logit per head (each TP rank its heads'), and on the layers that
@@ -7,7 +7,9 @@
   expert is gate_up = x W + b (gate and up interleaved column by column), gate clamped above at the limit, up
   clamped both sides, (up + 1) * gate * sigmoid(alpha * gate), then down with its bias. Written out expert by
   expert in torch (the fused MoE kernels compute SiLU's); TP splits every expert's intermediate columns, the
-  down bias joins on TP rank 0 before the reduction. Expert parallelism is not built for it.
+  down bias joins on TP rank 0 before the reduction. The published checkpoint's experts stay MXFP4, each
+  dequantised for the product of a step that routes tokens to it (stage_worker.quant_methods.mxfp4). Expert
+  parallelism is not built for it.
 
 Norms, the residual stream, embeddings and the LM head are Llama's; the rotary table is the model's (YaRN)."""
 from __future__ import annotations
@@ -19,6 +21,7 @@ import kernels
 from stage_worker.layers import Module, RMSNorm, Shard, full, new_param
 from stage_worker.model import Attention, AttentionMetadata, StageModel
 from stage_worker.parallel import HeadShard, TPGroup, shard_range
+from stage_worker.quant_methods.mxfp4 import packed_experts
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.families.gpt_oss import layer_types
 from stagemesh.core.model_config import ModelConfig
@@ -55,11 +58,14 @@ class GptOssExperts(Module):
         self.router_weight = new_param((num, h), dtype, device, full(f"{prefix}.router.weight", num))
         self.router_bias = new_param((num,), dtype, device, full(f"{prefix}.router.bias", num))
         e = f"{prefix}.experts"  # gate and up interleaved: this rank's pairs of columns are contiguous
-        self.gate_up = new_param((num, h, 2 * per), dtype, device,
-                                 [Shard(f"{e}.gate_up_proj", 2, 2 * start, 2 * per, 0)])
+        # the published checkpoint's MXFP4 experts, kept packed (each dequantised at use); else bf16
+        self.packed = packed_experts(cfg, e, start, per, device)
+        if self.packed is None:
+            self.gate_up = new_param((num, h, 2 * per), dtype, device,
+                                     [Shard(f"{e}.gate_up_proj", 2, 2 * start, 2 * per, 0)])
+            self.down = new_param((num, per, h), dtype, device, [Shard(f"{e}.down_proj", 1, start, per, 0)])
         self.gate_up_bias = new_param((num, 2 * per), dtype, device,
                                       [Shard(f"{e}.gate_up_proj_bias", 1, 2 * start, 2 * per, 0)])
-        self.down = new_param((num, per, h), dtype, device, [Shard(f"{e}.down_proj", 1, start, per, 0)])
         self.down_bias = new_param((num, h), dtype, device, full(f"{e}.down_proj_bias", num))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,14 +74,24 @@ class GptOssExperts(Module):
         out = torch.zeros_like(x)
         for expert in chosen.unique().tolist():
             rows, slot = torch.where(chosen == expert)
-            gate_up = x[rows] @ self.gate_up[expert] + self.gate_up_bias[expert]
+            gate_up_of, down_of = self._weights(expert, x.dtype)
+            gate_up = gate_up_of(x[rows]) + self.gate_up_bias[expert]
             gate = gate_up[..., ::2].clamp(max=self.limit)
             up = gate_up[..., 1::2].clamp(-self.limit, self.limit)
-            y = ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ self.down[expert]
+            y = down_of((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
             if self.tp.rank == 0:  # (the bias once, before the ranks' partial sums meet)
                 y = y + self.down_bias[expert]
             out.index_add_(0, rows, y * weights[rows, slot, None])
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
+
+
+    def _weights(self, expert: int, dtype: torch.dtype):
+        """Expert `expert`'s gate_up and down products (MXFP4: its weights dequantised for this step only)."""
+        if self.packed is None:
+            gate_up, down = self.gate_up[expert], self.down[expert]
+            return (lambda x: x @ gate_up), (lambda y: y @ down)
+        gate_up, down = self.packed.expert(expert, dtype)
+        return (lambda x: F.linear(x, gate_up)), (lambda y: F.linear(y, down))
 
 
 class GptOssDecoderLayer(Module):

@@ -100,7 +100,7 @@ class Shard(NamedTuple):
 
 # Attributes of ours kept on torch Parameters; torch's Parameter type declares neither, so they are set and read by
 # name (setattr / getattr)
-_SHARDS, _BF16_OUT_FEATURES = "shards", "bf16_out_features"
+_SHARDS, _BF16_OUT_FEATURES, _DEQUANTISED = "shards", "bf16_out_features", "dequantised_at_load"
 
 
 def new_param(shape: tuple[int, ...], dtype: torch.dtype, device, shards: list[Shard]) -> nn.Parameter:
@@ -112,6 +112,17 @@ def new_param(shape: tuple[int, ...], dtype: torch.dtype, device, shards: list[S
 def shards_of(param: torch.Tensor) -> list[Shard]:
     """The checkpoint slices new_param attached to `param`: what the loaders read into it."""
     return getattr(param, _SHARDS)
+
+
+def dequantised_at_load(param: nn.Parameter) -> nn.Parameter:
+    """Mark a linear's weight that its layer reads as a dense tensor (not through a product): a quantised
+    checkpoint's is dequantised into it once at load (stage_worker.quant_methods.loader), in the stage's dtype."""
+    setattr(param, _DEQUANTISED, True)
+    return param
+
+
+def is_dequantised_at_load(param: torch.Tensor) -> bool:
+    return bool(getattr(param, _DEQUANTISED, False))
 
 
 def full(name: str, rows: int) -> list[Shard]:

@@ -24,7 +24,8 @@ from kernels.reference import AttentionPlan, step_memo
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.families.deepseek_v2 import mla_dims
 from stagemesh.core.model_config import ModelConfig
-from stage_worker.layers import Linear, Module, RMSNorm, Shard, column_parallel, new_param, row_parallel
+from stage_worker.layers import (Linear, Module, RMSNorm, Shard, column_parallel, dequantised_at_load, new_param,
+                                 row_parallel)
 from stage_worker.parallel import HeadShard, TPGroup
 
 if TYPE_CHECKING:
@@ -63,9 +64,11 @@ class MLAttention(Module):
             self.q_b_proj = column_parallel([(f"{prefix}.q_b_proj", first * qk, h * qk)], d.q_lora_rank, dtype, device)
         self.kv_a_layernorm = RMSNorm(f"{prefix}.kv_a_layernorm.weight", d.kv_lora_rank, LATENT_NORM_EPS, dtype, device)
         # this rank's heads of kv_b_proj, [heads x (nope + v), kv_lora_rank]: a plain parameter (never re-laid for
-        # the CPU's products), read per head as W_UK (its nope rows) and W_UV (its v rows)
-        self.kv_b_proj = new_param((h * kv_rows, d.kv_lora_rank), dtype, device,
-                                   [Shard(f"{prefix}.kv_b_proj.weight", 0, first * kv_rows, h * kv_rows, 0)])
+        # the CPU's products), read per head as W_UK (its nope rows) and W_UV (its v rows); a quantised checkpoint's
+        # (DeepSeek-V3's block FP8) dequantised into it once at load, as vLLM and SGLang make W_UK and W_UV
+        self.kv_b_proj = dequantised_at_load(new_param(
+            (h * kv_rows, d.kv_lora_rank), dtype, device,
+            [Shard(f"{prefix}.kv_b_proj.weight", 0, first * kv_rows, h * kv_rows, 0)]))
         self.o_proj = row_parallel(f"{prefix}.o_proj", cfg.hidden_size, first * d.v_head_dim, h * d.v_head_dim, tp,
                                    dtype, device)
 

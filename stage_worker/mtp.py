@@ -31,6 +31,8 @@ from stage_worker.layers import (Linear, Module, ParallelLMHead, RMSNorm, VocabP
 from stage_worker.logits_processors import SequenceState
 from stage_worker.model import AttentionMetadata, DecoderLayer, attention_class
 from stage_worker.parallel import TPGroup
+from stage_worker.quant_methods import checkpoint_method
+from stage_worker.quant_methods.loader import load_quantised
 from stage_worker.weights import CheckpointReader, load_weights
 
 log = logging.getLogger("stagemesh.stage")
@@ -55,6 +57,21 @@ def mtp_tensor_names(cfg: ModelConfig, model_dir) -> dict[str, str]:
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     return {"embed": next(n for n in (f"{prefix}.embed_tokens.weight", "model.embed_tokens.weight") if n in held),
             "head": next(n for n in (f"{prefix}.shared_head.head.weight", head) if n in held)}
+
+
+def _load(model: MTPModel, cfg: ModelConfig, model_dir) -> None:
+    """The layer's weights as the checkpoint holds them (DeepSeek-V3's: its decoder layer in block FP8 through the
+    quantization method, eh_proj, norms, embedding and head dense), every tensor of it read."""
+    reader = CheckpointReader(model_dir)
+    method = checkpoint_method(cfg, None)
+    filled = load_quantised(model, method, reader) if method is not None else frozenset()
+    names, read = list(reader.files), reader.read
+    load_weights(model, reader, filled)  # (closes the reader)
+    prefix = f"model.layers.{cfg.num_hidden_layers}."
+    unread = sorted(n for n in names if n.startswith(prefix) and n not in read)
+    if unread:
+        raise StagemeshError("deepseek_mtp: the MTP layer has tensors stagemesh does not read: "
+                             f"{', '.join(unread[:6])}")
 
 
 class MTPModel(Module):
@@ -95,7 +112,7 @@ class MTPRunner:
         self.config, self.model_dir, self.device, self.dtype = cfg, model_dir, torch.device(device), dtype
         self.kv_block_size, self.num_kv_heads = block_size, cfg.num_key_value_heads
         self.model = MTPModel(cfg, mtp_tensor_names(cfg, model_dir), dtype, self.device, cfg.max_position_embeddings)
-        load_weights(self.model, model_dir)
+        _load(self.model, cfg, model_dir)
         if self.device.type == "cpu":
             pack_weights_for_cpu(self.model)
         self.kv_bytes_per_block = kv_bytes_per_block(1, self.num_kv_heads, cfg.head_dim, block_size, dtype)

@@ -22,6 +22,7 @@ from stagemesh.core.model_config import ModelConfig
 from stage_worker.layers import Linear, ParallelLMHead, VocabParallelEmbedding, shards_of
 from stage_worker.quant_methods import checkpoint_method
 from stage_worker.quant_methods.method import QuantMethod
+from stage_worker.quant_methods.mxfp4 import Mxfp4Experts
 from stage_worker.quant_weight import QuantizedWeight
 
 METHODS = ("gguf", "w8a16", "w8a8", "fp8")  # quantised at load (or a GGUF's); checkpoints': stage_worker.quant_methods
@@ -121,9 +122,9 @@ def quantize_at_load(model: nn.Module, method: str) -> None:
 def describe(model: nn.Module) -> str:
     """What the stage holds quantised, for its start-up line: formats and bytes."""
     kinds: dict[str, int] = {}
-    for module in model.modules():
-        if isinstance(module, QuantizedWeight):
-            kinds[module.kind] = kinds.get(module.kind, 0) + 1
-    total = sum(m.nbytes() for m in model.modules() if isinstance(m, QuantizedWeight))
+    held = [m for m in model.modules() if isinstance(m, (QuantizedWeight, Mxfp4Experts))]
+    for module in held:
+        kinds[module.kind] = kinds.get(module.kind, 0) + 1
+    total = sum(m.nbytes() for m in held)
     listed = ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items()))
     return f"{listed} ({total / 2**20:.1f} MiB quantised)" if kinds else "nothing quantised"

@@ -89,9 +89,8 @@ def _load(model: StageModel, model_dir, quantization: str | None, gguf_file: str
         load_gguf(model, GGUFCheckpoint(gguf_file, cfg))
         return
     reader = CheckpointReader(model_dir)
-    if method is not None:
-        load_quantised(model, method, reader)
-    load_weights(model, reader)
+    filled = load_quantised(model, method, reader) if method is not None else frozenset()
+    load_weights(model, reader, filled)
     check_all_read(reader.files, reader.read, model)
     if quantization is not None and method is None:
         quantize_at_load(model, quantization)

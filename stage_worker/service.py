@@ -13,6 +13,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from stagemesh.core import event_loop
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grpc_errors import ErrorInterceptor, by_type
 from stagemesh.core.health import LIVENESS
@@ -74,7 +75,47 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return stage_pb2.JoinPipelineResponse(disk_block_hashes=hashes)
 
     async def Forward(self, request, context):
-        span, start = self.observer.start(request, context.invocation_metadata())
+        return await self._observed(request, context.invocation_metadata())
+
+    async def ForwardStream(self, request_iterator, context):
+        """Steps over one stream (the scheduler's step path): each answered with its step id when it ends; a
+        step that fails ends the stream, raising what Forward would have raised (ERRORS maps it alike)."""
+        replies: asyncio.Queue = asyncio.Queue()
+        steps: set[asyncio.Task] = set()
+
+        async def step(request) -> None:
+            trace = [("traceparent", request.traceparent), ("tracestate", request.tracestate)] \
+                if request.traceparent else None
+            try:
+                reply = await self._observed(request, trace)
+                reply.step_id = request.step.step_id
+                replies.put_nowait(reply)
+            except Exception as err:  # noqa: BLE001 - raised where the stream is written
+                replies.put_nowait(err)
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:  # steps run side by side, as Forward calls do
+                    task = asyncio.create_task(step(request))
+                    steps.add(task)
+                    task.add_done_callback(steps.discard)
+            except Exception as err:  # noqa: BLE001 - the stream broke: it ends with that
+                replies.put_nowait(err)
+                return
+            await asyncio.gather(*steps)  # the scheduler ended its side: the steps it sent still answer
+            replies.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await replies.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            reader.cancel()  # (a step already queued still runs: the step executor shields it)
+
+    async def _observed(self, request, trace_metadata) -> stage_pb2.ForwardResponse:
+        span, start = self.observer.start(request, trace_metadata)
         reply = None
         try:  # a failed step is reported (ERRORS), the service stays up
             reply = await self._forward(request)
@@ -181,7 +222,7 @@ class ServerThread:
 
     def __init__(self, servicer: StageServicer, host: str, port: int):
         self.servicer, self._host, self._port = servicer, host, port
-        self._loop = asyncio.new_event_loop()
+        self._loop = event_loop.new_event_loop()
         self._started = threading.Event()
         self._error: BaseException | None = None
         self.port = 0

@@ -51,6 +51,10 @@ class CheckpointReader:
     def shape(self, name: str) -> list[int]:
         return list(self._slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """How the file stores `name`: safetensors' dtype name (F32, BF16, F8_E4M3, I32, U8 ...)."""
+        return str(self._slice(name).get_dtype())
+
     def read_whole(self, name: str) -> torch.Tensor:
         """A small tensor whole (scales of a tensor, a g_idx)."""
         self.read.add(name)
@@ -73,13 +77,15 @@ class CheckpointReader:
         self._handles.clear()
 
 
-def load_weights(model: nn.Module, source) -> None:
-    """Fill every parameter of `model` from its `shards` (see stage_worker.layers). `source`: a model
-    directory of safetensors, or a reader with the same read_slice (stage_worker.gguf.GGUFCheckpoint)."""
+def load_weights(model: nn.Module, source, filled: frozenset[int] = frozenset()) -> None:
+    """Fill every parameter of `model` from its `shards` (see stage_worker.layers), but those whose id is in
+    `filled` (a quantised checkpoint's, dequantised already). `source`: a model directory of safetensors, or a
+    reader with the same read_slice (stage_worker.gguf.GGUFCheckpoint)."""
     reader = CheckpointReader(source) if isinstance(source, (str, Path)) else source
     try:
         for param in model.parameters():
-            fill(param.data, shards_of(param), reader)
+            if id(param) not in filled:
+                fill(param.data, shards_of(param), reader)
     finally:
         reader.close()
 
@@ -88,7 +94,8 @@ def fill(data: torch.Tensor, shards, reader: CheckpointReader) -> None:
     """Copy each shard's checkpoint slice into its place in `data` (a parameter's tensor)."""
     for shard in shards:
         part = reader.read_slice(shard.name, shard.dim, shard.start, shard.length)
-        if not part.is_floating_point() or part.element_size() == 1:
+        # (a packed format's bytes go only where its layer declares them so: MXFP4's uint8 blocks and scales)
+        if (not part.is_floating_point() or part.element_size() == 1) and part.dtype != data.dtype:
             raise StagemeshError(f"{shard.name} is stored as {part.dtype}: quantised, and nothing in config.json's "
                                  "quantization_config says how to read it (a dense tensor is float32, bfloat16 or "
                                  "float16)")

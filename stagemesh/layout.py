@@ -106,6 +106,11 @@ class MeshLayout:
         # added later too, is given them (--kv-peer), the only replicas whose KV its stages may read
         self.prefill_schedulers = [f"{self.addresses.head}:{free_port(self.addresses.head)}"
                                    for _ in range(args.prefill_replicas or 0)]
+        # without them, every replica's scheduler address is chosen here, so that each one names the others as
+        # --kv-peer: a draining replica's requests move on with their KV (--migration-policy kv); a replica added
+        # later names every one known then (the older ones do not know it: its requests move by recompute)
+        self.schedulers: list[str] = [] if args.prefill_replicas else [
+            f"{self.addresses.head}:{free_port(self.addresses.head)}" for _ in range(dp)]
 
     def replica(self, r: int) -> tuple[str, list[ChildSpec]]:
         """Replica r: its scheduler's address, and its scheduler's and stages' specs (the scheduler first)."""
@@ -116,6 +121,11 @@ class MeshLayout:
         if args.prefill_replicas:  # the decode replicas fetch KV from the prefill replicas alone
             values["kv_role"] = "prefill" if prefill else "decode"
             values["kv_peer"] = () if prefill else tuple(self.prefill_schedulers)
+        else:  # every replica may read a draining one's KV (scheduler.driver.Driver.migrate)
+            while len(self.schedulers) <= r:
+                self.schedulers.append(f"{head}:{free_port(head)}")
+            address = self.schedulers[r]
+            values["kv_peer"] = tuple(a for a in self.schedulers if a != address)
         options = from_args(SchedulerOptions, self.passed[SchedulerOptions], source=self.model,
                             port=int(address.rpartition(":")[2]), stage_recovery_timeout=args.stage_recovery_timeout,
                             speculative_config=None if self.spec is None else self.spec.to_json(),

@@ -22,6 +22,8 @@ import logging
 import json
 import os
 import shutil
+import signal
+import threading
 
 from stagemesh.core import internal_token
 from stagemesh.core.errors import StagemeshError
@@ -65,13 +67,23 @@ def run(args: argparse.Namespace) -> int:
 
 def _operate(args: argparse.Namespace, mesh, autoscale) -> int:
     """Run a built mesh (mp or Ray) with its admin API (and autoscaler) beside it until it stops."""
-    admin = serve_ops.Admin(args, serve_ops.controller_for(mesh, autoscale))
+    controller = serve_ops.controller_for(mesh, autoscale)
+    admin = serve_ops.Admin(args, controller)
+    _reload_api_keys_on_sighup(args, controller)
     try:
         return mesh.host.run()
     finally:
         admin.close()
         mesh.rpc.close()
         shutil.rmtree(mesh.layout.metrics_dir, ignore_errors=True)  # the routers' shared metrics
+
+
+def _reload_api_keys_on_sighup(args: argparse.Namespace, controller) -> None:
+    """SIGHUP to serve: every router reads its --api-keys-file again (on a thread: a signal handler must not
+    wait for the routers)."""
+    if args.api_keys_file:
+        signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=controller.reload_api_keys, daemon=True,
+                                                                  name="reload-api-keys").start())
 
 
 def _run_on_ray(args: argparse.Namespace, token: str, signals: Signals, autoscale) -> int:
@@ -129,6 +141,7 @@ def _check_layout(args: argparse.Namespace) -> None:
     _check_lora(args)
     if args.api_server_count < 1:
         raise StagemeshError(f"--api-server-count must be >= 1 (got {args.api_server_count})")
+    _check_api_keys(args)
     if args.api_server_count > 1:  # several routers share fixed ports: "any free port" must be chosen here
         args.port = args.port or free_port(args.host)
         args.grpc_port = args.grpc_port or free_port(args.host) if args.grpc_port is not None else None
@@ -144,6 +157,19 @@ def _check_layout(args: argparse.Namespace) -> None:
     if args.prefill_replicas and not 0 < args.prefill_replicas < args.data_parallel_size:
         raise StagemeshError(f"--prefill-replicas {args.prefill_replicas} needs a decode replica too: give a "
                              f"--data-parallel-size above it (now {args.data_parallel_size})")
+
+
+def _check_api_keys(args: argparse.Namespace) -> None:
+    """--api-keys-file refused here, naming the line, rather than by router children restarted over and over;
+    made absolute for them."""
+    if not args.api_keys_file:
+        return
+    from router.tenants import Tenants
+
+    if args.api_key:
+        raise StagemeshError("--api-key and --api-keys-file cannot both be given: add the key to a tenant of the file")
+    Tenants.from_file(args.api_keys_file)
+    args.api_keys_file = os.path.abspath(os.path.expanduser(args.api_keys_file))
 
 
 def _model(args: argparse.Namespace):

@@ -90,6 +90,8 @@ class ServeOptions:
     resume_grace_period: float = flag_of(S, "resume_grace_period")
     served_model_name: str | None = flag_of(R, "served_model_name")
     api_key: str | None = flag_of(R, "api_key")
+    api_keys_file: str | None = flag_of(R, "api_keys_file")
+    max_queue_wait: float = flag_of(R, "max_queue_wait")
     max_model_len: int | None = flag_of(R, "max_model_len")
     enable_auto_tool_choice: bool | None = flag_of(R, "enable_auto_tool_choice")
     tool_call_parser: str | None = flag_of(R, "tool_call_parser")
@@ -107,6 +109,8 @@ class ServeOptions:
     max_num_batched_tokens: int = flag_of(S, "max_num_batched_tokens")
     block_size: int = flag_of(S, "block_size")
     scheduling_policy: str = flag_of(S, "scheduling_policy")
+    tenant_fair_share: bool = flag_of(S, "tenant_fair_share")
+    migration_policy: str = flag_of(S, "migration_policy")
     enable_prefix_caching: bool = flag_of(S, "enable_prefix_caching")
     async_scheduling: bool | None = flag_of(S, "async_scheduling")
     speculative_config: str | None = flag_of(S, "speculative_config")
@@ -132,6 +136,7 @@ class ServeOptions:
     batch_dir: str | None = flag_of(R, "batch_dir")
     batch_max_file_bytes: int = flag_of(R, "batch_max_file_bytes")
     batch_concurrency: int = flag_of(R, "batch_concurrency")
+    stream_interval: int = flag_of(R, "stream_interval")
     stage_recovery_timeout: float | None = flag_of(S, "stage_recovery_timeout", default=None, help=(
         "seconds a replica keeps its requests for a failed stage to come back (see `stagemesh scheduler`; default "
         f"30, or {RAY_STAGE_RECOVERY_TIMEOUT_S:.0f} on Ray)"))

@@ -161,7 +161,8 @@ class Mesh:
                       stub=None) -> dict:
         """Requests sent together over one SubmitStream, read until each has finished or failed:
         request id -> (token ids, finish reason: "stop", "length" or "abort"), or the RequestError of a request
-        that failed. A sampling given as protobuf goes as it is (a test's malformed one)."""
+        that failed. A sampling given as protobuf goes as it is (a test's malformed one). The messages the
+        scheduler wrote are counted in self.stream_messages."""
         message = scheduler_pb2.SubmitStreamRequest()
         for request_id, prompt, sampling in requests:
             if isinstance(sampling, SamplingParams):
@@ -177,8 +178,10 @@ class Mesh:
         results: dict = {request_id: ([], None) for request_id, _, _ in requests}
         remaining = set(results)
         call = (stub or self.stub).SubmitStream(actions(), timeout=timeout)
+        self.stream_messages = 0
         try:
             for reply in call:
+                self.stream_messages += 1
                 for update in reply.updates:
                     if update.HasField("error"):
                         results[update.request_id] = update.error

@@ -4,7 +4,8 @@ format means (w = s * (q - z)), for transformers to be the reference.
 
 The packing follows each quantizer's own code: compressed-tensors' pack_to_int32 (offset codes, low bits
 first along K), AutoGPTQ's pack (qweight along K, qzeros along N, zeros stored minus one), AutoAWQ's GEMM
-pack (along N in the order 0 2 4 6 1 3 5 7), DeepSeek-V3's weight_scale_inv per block.
+pack (along N in the order 0 2 4 6 1 3 5 7), DeepSeek-V3's weight_scale_inv per block (a partial block's scale
+from its zero-padded block, as DeepSeek's README says).
 """
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ from safetensors.torch import load_file, save_file
 from stage_worker.quant_methods.packing import pack_int32
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj")
+           "mlp.up_proj", "mlp.down_proj",
+           # DeepSeek's latent attention and shared experts (its gate, norms, embeddings and MTP eh_proj stay dense)
+           "self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",
+           "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 FP8_MAX = 448.0
 
@@ -51,7 +55,7 @@ STATIC_TENSOR = {**DYNAMIC_TOKEN, "dynamic": False, "strategy": "tensor", "obser
 INPUT_SCALE = 0.02  # static activations: |x| past 448 * 0.02 saturates (the tiny models' do not reach it)
 
 
-def config_of(fmt: str) -> dict:
+def config_of(fmt: str, block: int = 32) -> dict:
     if fmt == "ct-fp8-channel":
         return _ct_group({"strategy": "channel"}, "channel", DYNAMIC_TOKEN, "float-quantized")
     if fmt == "ct-fp8-tensor-static":
@@ -68,7 +72,8 @@ def config_of(fmt: str) -> dict:
         return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
                 "modules_to_not_convert": ["lm_head", "model.layers.1.self_attn"]}
     if fmt == "fp8-block":
-        return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [32, 32]}
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                "weight_block_size": [block, block]}
     if fmt.startswith("gptq"):
         return {"quant_method": "gptq", "bits": 8 if fmt == "gptq-int8" else 4,
                 "group_size": -1 if fmt == "gptq-int8" else 32, "desc_act": fmt == "gptq-int4-desc-act",
@@ -81,13 +86,14 @@ def config_of(fmt: str) -> dict:
     raise ValueError(fmt)
 
 
-def _fp8_linear(w: torch.Tensor, fmt: str, prefix: str) -> tuple[dict, torch.Tensor]:
-    """(tensors, dequantised weight) of an fp8 format."""
+def _fp8_linear(w: torch.Tensor, fmt: str, prefix: str, b: int = 32) -> tuple[dict, torch.Tensor]:
+    """(tensors, dequantised weight) of an fp8 format (`b`: fp8-block's blocks, b x b)."""
     if fmt in ("ct-fp8-block", "fp8-block"):
-        n, k = w.shape
-        blocks = w.reshape(n // 32, 32, k // 32, 32).abs().amax((1, 3))
+        n, k = w.shape  # a weight not a whole number of blocks: zero-padded to one to take its scales (DeepSeek's)
+        padded = torch.nn.functional.pad(w, (0, -k % b, 0, -n % b))
+        blocks = padded.reshape(-(-n // b), b, -(-k // b), b).abs().amax((1, 3))
         scale = blocks / FP8_MAX
-        full = scale.repeat_interleave(32, 0).repeat_interleave(32, 1)
+        full = scale.repeat_interleave(b, 0).repeat_interleave(b, 1)[:n, :k]
         q = _fp8(w, full)
         name = "weight_scale_inv" if fmt == "fp8-block" else "weight_scale"
         return {f"{prefix}.weight": q, f"{prefix}.{name}": scale}, q.float() * full
@@ -158,10 +164,11 @@ def _skipped(fmt: str, prefix: str) -> bool:
     return fmt == "fbgemm-fp8" and ".layers.1.self_attn." in prefix + "."
 
 
-def write_quantized(model_dir: str | Path, target: str | Path, fmt: str, seed: int = 0) -> tuple[Path, Path]:
-    """(quantised checkpoint, dequantised twin) of the float32 model in model_dir, in `fmt` (FORMATS)."""
+def write_quantized(model_dir: str | Path, target: str | Path, fmt: str, seed: int = 0,
+                    block: int = 32) -> tuple[Path, Path]:
+    """(quantised checkpoint, dequantised twin) of the float32 model in model_dir, in `fmt` (FORMATS; fp8-block's
+    blocks `block` x `block`)."""
     source, target = Path(model_dir), Path(target)
-    quantised, twin = target / "quantised", target / "dequantised"
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for f in source.glob("*.safetensors"):
@@ -172,17 +179,24 @@ def write_quantized(model_dir: str | Path, target: str | Path, fmt: str, seed: i
         if not (name.endswith(".weight") and _linear(prefix)) or _skipped(fmt, prefix):
             out[name] = dense[name] = t
             continue
-        written, deq = (_fp8_linear(t, fmt, prefix) if "fp8" in fmt else _int_linear(t, fmt, prefix, gen))
+        written, deq = (_fp8_linear(t, fmt, prefix, block) if "fp8" in fmt else _int_linear(t, fmt, prefix, gen))
         out.update(written)
         dense[name] = deq.float()
+    return _write_pair(source, target, out, dense, config_of(fmt, block))
+
+
+def _write_pair(source: Path, target: Path, out: dict, dense: dict, qc: dict) -> tuple[Path, Path]:
+    """target/quantised (the tensors `out`, config.json with quantization_config `qc`) and target/dequantised
+    (`dense`, no quantization_config), each with the other files of the model in `source`."""
+    quantised, twin = target / "quantised", target / "dequantised"
     config = json.loads((source / "config.json").read_text())
-    for path, tensors_of, qc in ((quantised, out, config_of(fmt)), (twin, dense, None)):
+    for path, tensors_of, quant in ((quantised, out, qc), (twin, dense, None)):
         path.mkdir(parents=True, exist_ok=True)
         for f in source.iterdir():
             if f.is_file() and f.name != "config.json" and not f.name.endswith(".safetensors") \
                     and not f.name.endswith(".index.json"):
                 shutil.copy(f, path / f.name)
-        (path / "config.json").write_text(json.dumps({**config, **({"quantization_config": qc} if qc else {})}))
+        (path / "config.json").write_text(json.dumps({**config, **({"quantization_config": quant} if quant else {})}))
         save_file({k: v.contiguous() for k, v in tensors_of.items()}, path / "model.safetensors",
                   metadata={"format": "pt"})
     return quantised, twin
@@ -195,3 +209,28 @@ def static_activation_hooks(model, scale: float = INPUT_SCALE) -> None:
         if isinstance(module, torch.nn.Linear) and name.split(".", 3)[-1] in LINEARS:
             module.register_forward_pre_hook(
                 lambda _m, args: ((args[0] / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale,))
+
+
+MXFP4_CONFIG = {"quant_method": "mxfp4",  # as OpenAI's gpt-oss checkpoints say it
+                "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                           "model.embed_tokens", "lm_head"]}
+
+
+def write_mxfp4(model_dir: str | Path, target: str | Path) -> tuple[Path, Path]:
+    """(MXFP4 checkpoint, dequantised twin) of the float32 gpt-oss in model_dir, as OpenAI's is written: each
+    layer's stacked experts gate_up_proj [E, H, 2I] and down_proj [E, I, H] as `_blocks` and `_scales` of their
+    transposes ([E, out, in / 32, 16] and [E, out, in / 32]); everything else as it is."""
+    from stage_worker.quant_methods.mxfp4 import dequantise, quantise
+
+    source, target = Path(model_dir), Path(target)
+    tensors = {k: v for f in source.glob("*.safetensors") for k, v in load_file(f).items()}
+    out, dense = {}, {}
+    for name, t in tensors.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name] = dense[name] = t
+            continue
+        packed = [quantise(w.T.contiguous()) for w in t]  # per expert: [out, in]
+        out[f"{name}_blocks"] = torch.stack([b for b, _ in packed])
+        out[f"{name}_scales"] = torch.stack([s for _, s in packed])
+        dense[name] = torch.stack([dequantise(b, s, torch.float32).T for b, s in packed])
+    return _write_pair(source, target, out, dense, MXFP4_CONFIG)

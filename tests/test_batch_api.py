@@ -168,3 +168,27 @@ def test_a_router_sigkilled_mid_batch_loses_nothing(tmp_path):
                 direct = client.completions.create(model=str(model), prompt=f"w{5 + i} w9", max_tokens=40,
                                                    temperature=0, extra_body={"ignore_eos": True})
                 assert out[i]["response"]["body"]["choices"][0]["text"] == direct.choices[0].text
+
+
+def test_a_batchs_lines_run_as_its_tenants_requests(model_dir, tmp_path):
+    """Under --api-keys-file, a batch's lines run as requests of the tenant that created it (no key of it kept):
+    they answer, and count against its requests_per_minute as its direct calls do; another tenant's are not."""
+    from router.limits import MemoryWindows, TenantLimits
+    from router.tenants import Tenants
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"tenants": {"alpha": {"keys": ["ka"]},
+                                            "gamma": {"keys": ["kc"], "requests_per_minute": 3}}}))
+    with FakeRouter(model_dir, M, batch_dir=str(tmp_path / "batches"), tenants=Tenants.from_file(str(keys)),
+                    limits=TenantLimits(MemoryWindows())) as router:
+        client = router.client(api_key="kc")
+        f = upload(client, [chat_line(f"req-{i}", f"w{5 + i}") for i in range(3)])
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        done = wait_batch(client, batch.id)
+        assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 3, 0)
+        assert "stagemesh_tenant" not in done.model_dump()
+        assert {r["response"]["status_code"] for r in jsonl(client, done.output_file_id)} == {200}
+        with pytest.raises(openai.RateLimitError):  # gamma's 3 a minute went to its batch
+            client.chat.completions.create(model=M, messages=[{"role": "user", "content": "w5"}], max_tokens=2)
+        other = router.client(api_key="ka")
+        assert other.chat.completions.create(model=M, messages=[{"role": "user", "content": "w5"}], max_tokens=2)

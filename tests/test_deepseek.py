@@ -103,8 +103,6 @@ def test_the_cache_holds_the_latent(tiny_model_dir):
     ("deepseek_v3", {"moe_layer_freq": 2}, r"moe_layer_freq 2"),
     ("deepseek_v3", {"n_group": 3}, r"n_group 3 with topk_group 1 over 8 experts"),
     ("deepseek_v3", {"attention_bias": True}, r"attention_bias"),
-    ("deepseek_v3", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
-     r"quantization_config \(quant_method 'fp8': a quantized DeepSeek checkpoint; serve the BF16 one\)"),
     ("deepseek_v3", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
      r"rope scaling 'linear'"),
 ])

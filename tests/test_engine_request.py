@@ -18,7 +18,8 @@ def test_every_field_crosses_the_wire_and_back():
                       kv_source=KVSourceInfo("h:1", "q", 2, (1, 2), 16, 20, (("s:1", 0, 4),), b"ticket"),
                       resumable=True,
                       traceparent="00-abc-def-01", tracestate="k=v", cache_salt="tenant",
-                      generated_logprobs=[TokenLogprob(8, -0.5, 1, [8, 3], [-0.5, -2.0])], owner="0a1b")
+                      generated_logprobs=[TokenLogprob(8, -0.5, 1, [8, 3], [-0.5, -2.0])], owner="0a1b",
+                      tenant="beta", tenant_weight=2.5)
     back = engine_request_from_pb(engine_request_to_pb(r, scheduler_pb2.StreamSubmit()))
     differ = [f.name for f in fields(r) if getattr(back, f.name) != getattr(r, f.name)]
     assert not differ, differ  # (a field the wire forgets shows here: each one above is set off its default)

@@ -45,6 +45,11 @@ CASES = [
     ("a bad sampling value", "Forward", None, INVALID, "'temperature'"),
     ("a step far ahead of the order", "Forward", forward(step_id=10**6, new=False, seq_ids=(0,)), PRECONDITION,
      "steps ahead of step"),
+    # the scheduler's step path: a step that fails ends the stream with the status Forward would have had
+    ("position 10**6 on the step stream", "ForwardStream", forward(start_positions=(10**6,)), INVALID,
+     "outside [0, 512)"),
+    ("a step far ahead on the step stream", "ForwardStream", forward(step_id=10**6, new=False, seq_ids=(0,)),
+     PRECONDITION, "steps ahead of step"),
     ("bytes that do not match the shape", "PushActivations", push(nbytes=10), INVALID, "need 768 bytes"),
     ("a wrong hidden size", "PushActivations", push(shape=(3, 32)), INVALID, "this model's are [tokens, 64]"),
     ("a huge tensor", "PushActivations", push(shape=(1 << 20, 64), nbytes=16), INVALID, "a step has 1 to"),
@@ -75,10 +80,17 @@ def test_crafted_internal_calls_are_refused_and_the_replica_still_serves(mesh, n
     request_.epoch = epoch_of(mesh)  # the current epoch: only the checks can refuse it
     with internal_channel(mesh.stage_address) as channel:
         with pytest.raises(grpc.RpcError) as err:
-            getattr(stage_pb2_grpc.StageStub(channel), method)(request_, timeout=10)
+            call(stage_pb2_grpc.StageStub(channel), method, request_)
     assert err.value.code() == code and words in err.value.details(), err.value.details()
     tokens, _ = mesh.submit(f"after-{name}", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), timeout=60)
     assert len(tokens) == 4
+
+
+def call(stub: stage_pb2_grpc.StageStub, method: str, request):
+    """A unary call's reply, or a stream's replies to the one request."""
+    if method == "ForwardStream":
+        return list(stub.ForwardStream(iter([request]), timeout=10))
+    return getattr(stub, method)(request, timeout=10)
 
 
 def join(**fields) -> stage_pb2.JoinPipelineRequest:
@@ -126,9 +138,9 @@ def test_calls_without_the_internal_token_are_refused_but_health_stays_open(mesh
                                              tp_sizes=[1], num_kv_blocks=10, max_model_len=64,
                                              max_num_batched_tokens=64)
         for method, request in (("JoinPipeline", join), ("Describe", stage_pb2.DescribeRequest()),
-                                ("Forward", forward()), ("PushActivations", push())):
+                                ("Forward", forward()), ("ForwardStream", forward()), ("PushActivations", push())):
             with pytest.raises(grpc.RpcError) as err:
-                getattr(stub, method)(request, timeout=10)
+                call(stub, method, request)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, method
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 

@@ -146,7 +146,8 @@ REFUSALS = [
     ("ct-int8", dict(tensors=lambda t: t.__setitem__(f"{L0}.mlp.up_proj.weight_zero_point",
                                                      torch.ones(128, 1, dtype=torch.int8))),
      "up_proj.weight_zero_point holds non-zero zero points"),
-    ("ct-fp8-channel", dict(config=_set("quant_method", "mxfp4")), "mxfp4.*gpt-oss"),
+    ("ct-fp8-channel", dict(config=_set("quant_method", "mxfp4")),
+     "'mxfp4' is built for model_type gpt_oss, not llama"),
     ("ct-fp8-channel", dict(config=_set("quant_method", "nonesuch")), "'nonesuch' is not built"),
     # an extra tensor of a layer (an adapter, a scale the config does not mention) is never ignored
     ("gptq-int4", dict(tensors=lambda t: t.__setitem__(f"{L0}.mlp.down_proj.weight_scale", torch.ones(1))),

@@ -24,6 +24,22 @@ def test_incremental_detokenization_equals_decoding_all_at_once(tokenizer, text)
     assert all("\ufffd" not in p for p in pieces)  # half a character is never sent
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_routers_decode_is_transformers_decode(tokenizer, skip):
+    """The per-token path calls the Rust decoder itself: the same text as transformers' decode, special tokens
+    and broken characters included."""
+    import random
+
+    rng = random.Random(0)
+    specials = tokenizer.tok.all_special_ids
+    windows = [[rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 8))] for _ in range(300)]
+    windows += [[specials[0], *w, specials[-1]] for w in windows[:50]]
+    assert tokenizer._rust_decode is not None  # (the default model's is a fast tokenizer)
+    for ids in windows:
+        assert tokenizer.decode(ids, skip) == tokenizer.tok.decode(ids, skip_special_tokens=skip), ids
+    assert [tokenizer.token_text(i) for i in windows[0]] == [tokenizer.tok.decode([i]) for i in windows[0]]
+
+
 def test_stop_strings_never_leak_across_deltas():
     stops = StopStrings(["STOP", "\n\n"])
     sent = "".join(stops.feed(d) for d in ["Hello wo", "rld S", "TO", "P and more"])

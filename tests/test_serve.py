@@ -221,6 +221,11 @@ def test_serve_splits_its_replicas_into_prefill_and_decode_ones():
     assert [[argv[i + 1] for i, flag in enumerate(argv) if flag == "--kv-peer"] for argv in schedulers] == \
         [[], [prefill], [prefill]]
     assert all("--kv-role" not in s.argv for s in plan_commands(_serve_args("-dp", "2"), "/m", 4, cuda=False))
+    # without prefill replicas, each replica may read the others' KV (a draining one's requests move with it)
+    plain = [s.argv for s in plan_commands(_serve_args("-dp", "3"), "/m", 4, cuda=False) if s.kind == "scheduler"]
+    ports = [f"127.0.0.1:{argv[argv.index('--port') + 1]}" for argv in plain]
+    assert [[argv[i + 1] for i, flag in enumerate(argv) if flag == "--kv-peer"] for argv in plain] == \
+        [[p for p in ports if p != own] for own in ports]
     # the decode replicas' kv_load_failure_policy and the bound on a load: at their defaults (vLLM's fail, 10 s) a
     # child is given nothing (its own declaration of the flag has the same default); else serve's values
     assert not [a for argv in schedulers for a in argv if a.startswith("--kv-load")]

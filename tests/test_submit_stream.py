@@ -76,6 +76,22 @@ def test_interleaved_requests_get_exactly_their_own_tokens(mesh):
     assert [num_prompt for _, _, num_prompt in got] == [len(p) for p in batch]
 
 
+def test_a_steps_outputs_for_every_sequence_come_in_one_message(mesh):
+    """The scheduler writes what a step produced for all of a stream's requests as one message (never one per
+    token per request): counted, not timed."""
+    n, tokens = 8, 24
+    before = mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+    got = mesh.submit_stream([(f"count{i}", [5 + i, 6, 7], SamplingParams(max_tokens=tokens, ignore_eos=True))
+                              for i in range(n)])
+    steps = mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5).num_steps - before.num_steps
+    assert all(len(t) == tokens and reason == "length" for t, reason in got.values())
+    # at most one message a step (a reader that falls behind gets several steps' in one); the two micro-batches
+    # of the pipeline share the 8 sequences, so a message carries about 4 of them (one per token per request
+    # would be n * tokens)
+    assert mesh.stream_messages <= steps
+    assert mesh.stream_messages <= n * tokens / 2
+
+
 def test_abort_over_the_stream_frees_the_request_and_the_others_go_on(mesh):
     async def body(stream, stub):
         doomed = stream.submit(EngineRequest("doomed", [5, 6, 7], LONG))

@@ -10,6 +10,7 @@ from router.batch.runner import BatchRunner
 from router.batch.state import COMPLETION_WINDOW, ENDPOINTS, BatchState
 from router.errors import APIError, bad_request
 from router.http_body import read_json
+from router.state import TENANT
 
 FILES = web.AppKey("batch_files", FileStore)
 RUNNER = web.AppKey("batch_runner", BatchRunner)
@@ -111,7 +112,8 @@ async def create_batch(request: web.Request) -> web.Response:
     files = request.app[FILES]
     if files.get(input_file_id)["purpose"] != "batch":
         raise bad_request(f"the file {input_file_id} is not a batch input (purpose 'batch')", "input_file_id")
-    state = BatchState.create(files.root, input_file_id, endpoint, metadata)
+    tenant = request.get(TENANT)
+    state = BatchState.create(files.root, input_file_id, endpoint, metadata, tenant.name if tenant else None)
     request.app[RUNNER].poke()
     return web.json_response(state.view())
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import logging
+import secrets
 from pathlib import Path
 
 import aiohttp
 
-from router.batch.state import (ACTIVE, BATCH_PRIORITY, BatchState, error_record, load_lines, parse_line,
-                                result_record)
+from router.batch.state import (ACTIVE, BATCH_PRIORITY, TENANT_FIELD, BatchState, error_record, load_lines,
+                                parse_line, result_record)
 from router.batch.files import FileStore
+from router.state import BATCH_TENANT_HEADER
 
 log = logging.getLogger("stagemesh.router")
 SCAN_S = 2.0
@@ -25,9 +27,12 @@ MAX_TRIES = 60  # ... at most this many times, then it is an error line
 
 
 class BatchRunner:
-    def __init__(self, root: Path, files: FileStore, concurrency: int, replicas, api_key: str | None):
+    def __init__(self, root: Path, files: FileStore, concurrency: int, replicas, keyed: bool):
         self.root, self.files, self.concurrency = root, files, concurrency
-        self.replicas, self.api_key = replicas, api_key
+        self.replicas, self.keyed = replicas, keyed  # keyed: the router takes keys (tenants)
+        # this process's own credential for its lines (router.app's middleware takes it with the tenant's name):
+        # no tenant's key is kept, on disk or here
+        self.credential = secrets.token_urlsafe(32)
         self.base_url: str | None = None  # this router's own HTTP address, once it listens
         self.running: dict[str, asyncio.Task] = {}
         self._scan: asyncio.Task | None = None
@@ -112,7 +117,7 @@ class BatchRunner:
             body = dict(request["body"])
             if "priority" not in body and self.replicas.scheduling_policies == {"priority"}:
                 body["priority"] = BATCH_PRIORITY  # below interactive requests (vLLM's: larger is later)
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            headers = self._headers(state)
             for attempt in range(MAX_TRIES):
                 async with session.post(f"{self.base_url}{state.body['endpoint']}", json=body, headers=headers) as r:
                     status, payload, rid = r.status, await _json(r), r.headers.get("X-Request-Id", "")
@@ -125,6 +130,13 @@ class BatchRunner:
             log.warning("batch %s line %d: %s (it runs again when the batch is taken up)", state.id, index, err)
         finally:
             gate.release()
+
+    def _headers(self, state: BatchState) -> dict[str, str]:
+        """Each line runs as a request of the tenant that created its batch: counted against that tenant's
+        limits and scheduled by its weight, as any of its requests."""
+        if not self.keyed:
+            return {}
+        return {"Authorization": f"Bearer {self.credential}", BATCH_TENANT_HEADER: state.body.get(TENANT_FIELD, "")}
 
 
 async def _json(response: aiohttp.ClientResponse):

@@ -17,6 +17,7 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 BATCH_PRIORITY = 10  # a batch line's priority under --scheduling-policy priority (interactive requests: 0)
 COMPLETION_WINDOW = "24h"  # the only one OpenAI takes
+TENANT_FIELD = "stagemesh_tenant"  # (in the batch's file, not in the Batch object: BatchState.view)
 
 
 @dataclass
@@ -47,7 +48,8 @@ class BatchState:
         return self._dir(self.root) / f"{self.id}.cancel"
 
     @classmethod
-    def create(cls, root: Path, input_file_id: str, endpoint: str, metadata: dict | None) -> BatchState:
+    def create(cls, root: Path, input_file_id: str, endpoint: str, metadata: dict | None,
+               tenant: str | None = None) -> BatchState:
         now = int(time.time())
         body = {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": endpoint, "errors": None,
                 "input_file_id": input_file_id, "completion_window": COMPLETION_WINDOW, "status": "validating",
@@ -55,6 +57,8 @@ class BatchState:
                 "expires_at": now + 24 * 3600, "finalizing_at": None, "completed_at": None, "failed_at": None,
                 "expired_at": None, "cancelling_at": None, "cancelled_at": None,
                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
+        if tenant is not None:  # (its lines run as that tenant's requests: router.batch.runner)
+            body[TENANT_FIELD] = tenant
         state = cls(root, body)
         state.save()
         return state
@@ -82,8 +86,12 @@ class BatchState:
     def view(self) -> dict:
         """The Batch object as a client sees it: cancelling once a cancel is asked, until the runner ends it."""
         if self.body["status"] in ACTIVE and self.cancel_requested() and self.body["status"] != "cancelling":
-            return {**self.body, "status": "cancelling", "cancelling_at": int(self._cancel.stat().st_mtime)}
-        return self.body
+            return {**self._public, "status": "cancelling", "cancelling_at": int(self._cancel.stat().st_mtime)}
+        return self._public
+
+    @property
+    def _public(self) -> dict:
+        return {k: v for k, v in self.body.items() if k != TENANT_FIELD}
 
     # -- cancelling ---------------------------------------------------------------------------------
     def request_cancel(self) -> None:

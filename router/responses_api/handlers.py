@@ -66,11 +66,13 @@ async def create(request: web.Request) -> web.StreamResponse:
     builder = ResponseBuilder(m, req, f"resp_{base}", int(time.time()), gens[0], request.app[TOKENIZER])
     conversation = _conversation(m, chat)
     deltas = choices.run(req, gens, request.app[REPLICAS], request.app[TOKENIZER])
+    headers = {"X-Request-Id": base, **req.rate_headers}
     if m.background:
-        run = {"request": raw, "request_id": base, "client": req.engine.owner}  # (client: whom it belongs to)
+        # client: whom it belongs to, for a take-over's resume: its tenant's owner (router.admission stamped it on
+        # req.engine in launch), else a digest of its client's credential
+        run = {"request": raw, "request_id": base, "client": req.engine.owner}
         job = background.Job(store, builder, conversation, run, request.app[background.OWNER])
-        return await _in_background(request, job, deltas)
-    headers = {"X-Request-Id": base}
+        return await _in_background(request, job, deltas, headers)
     try:  # closing it cancels the generation, so the scheduler aborts it and frees its blocks
         if not m.stream:
             async for _, d in deltas:
@@ -99,7 +101,7 @@ def _conversation(m: ResponsesRequest, chat: dict) -> list[dict]:
 async def _launch(app: web.Application, req: GenerateRequest, base: str) -> list[Generation]:
     """The chat path: the request admitted (or attached where it runs, for a resume), its prompt rendered and
     tokenized."""
-    _, gens = await launch(req, app[REPLICAS], app[TOKENIZER], app[CONFIG].max_model_len, f"resp_{base}")
+    _, gens = await launch(req, app[REPLICAS], app[TOKENIZER], app[CONFIG], f"resp_{base}")
     return gens
 
 
@@ -145,7 +147,8 @@ async def _remember(store: ResponseStore, m: ResponsesRequest, builder: Response
         log.warning("response %s is answered unstored (\"store\": false): %s", builder.id, err.message)
 
 
-async def _in_background(request: web.Request, job: background.Job, deltas) -> web.StreamResponse:
+async def _in_background(request: web.Request, job: background.Job, deltas, headers: dict[str, str]
+                         ) -> web.StreamResponse:
     """Stored as queued (a background response needs its store: 503 without it), run in a task of this router;
     answered at once, or as its events' stream."""
     b = job.builder
@@ -160,7 +163,7 @@ async def _in_background(request: web.Request, job: background.Job, deltas) -> w
     background.start(request.app, job, deltas, lambda j: _final(j.builder, j.conversation))
     if b.m.stream:
         return await background.events_stream(request, job.store, job.id, -1, _taker(request.app))
-    return web.json_response(queued, headers={"X-Request-Id": job.job["request_id"]})
+    return web.json_response(queued, headers=headers)
 
 
 def _taker(app: web.Application):

@@ -36,7 +36,6 @@ ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 AT_LOAD = {"fp8"}
 # formats people publish that are not built yet: refused with what they are
 NOT_BUILT = {
-    "mxfp4": "gpt-oss's MXFP4 experts (4-bit e2m1 with e8m0 block scales): not built yet",
     "bitsandbytes": "bitsandbytes' 4-bit / 8-bit weights: not built",
     "hqq": "HQQ: not built", "eetq": "EETQ: not built", "quark": "AMD Quark: not built",
     "torchao": "torchao's tensor subclasses: not built", "modelopt": "NVIDIA ModelOpt: not built",
@@ -64,7 +63,11 @@ def checkpoint_method(cfg: ModelConfig, flag: str | None) -> QuantMethod | None:
     if flag is not None and ALIASES.get(flag, flag) != name:
         raise StagemeshError(f"--quantization {flag} does not match the checkpoint's quantization_config.quant_method "
                              f"{name!r} (give --quantization {name}, or none)")
-    return METHODS[name](qc)
+    method = METHODS[name]
+    if method.families is not None and cfg.model_type not in method.families:
+        raise StagemeshError(f"quantization_config.quant_method {name!r} is built for model_type "
+                             f"{', '.join(method.families)}, not {cfg.model_type}")
+    return method(qc)
 
 
 def flag_names() -> tuple[str, ...]:

@@ -35,7 +35,12 @@ class Fp8(QuantMethod):
     plan_dtype = "fp8"
 
     def quantised(self, prefix, reader):
-        return prefix != "lm_head" and not matches(self.skip, prefix)
+        # a linear its quantizer left dense without saying so (DeepSeek-V3's MTP eh_proj: bf16, no scale, as vLLM
+        # builds it unquantised) is read dense; an fp8 weight is read here, its scale refused by name if missing
+        scale = "weight_scale_inv" if self.block is not None else "weight_scale"
+        if prefix == "lm_head" or matches(self.skip, prefix):
+            return False
+        return reader.has(f"{prefix}.{scale}") or reader.dtype(f"{prefix}.weight") == "F8_E4M3"
 
     def read(self, reader, prefix, dim, start, length):
         total_rows, width = reader.shape(f"{prefix}.weight")

@@ -35,6 +35,14 @@ class Part:
     input_scale: float | None = None
     input_bound: float | None = None  # fbgemm's activation_scale_ub: |x| clamped to it before the product
 
+    def dequantised(self, dtype: torch.dtype) -> torch.Tensor:
+        """W [rows, cols] in `dtype`: the numbers the format means (for the few weights a layer reads dense, as
+        MLA's kv_b_proj; a linear's product runs on the quants)."""
+        w = self.q.float()
+        if self.zeros is not None:
+            w -= self.zeros[:, self.gid]
+        return (w * self.scales[:, self.gid]).to(dtype)
+
 
 def refuse(method: str, what: str) -> StagemeshError:
     return StagemeshError(f"quantization_config ({method}): {what}")
@@ -48,6 +56,7 @@ class QuantMethod:
     name: ClassVar[str]
     fields: ClassVar[frozenset[str]]
     bits: int = 8  # the weights' bits
+    families: ClassVar[tuple[str, ...] | None] = None  # the model types whose layers it is built for (None: any)
 
     @property
     def plan_dtype(self) -> str:

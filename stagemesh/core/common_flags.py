@@ -26,7 +26,8 @@ class ModelOptions:
         "embedded model's GGUF); w8a16: int8 weights with a scale per output channel, quantised at load, fp32/bf16 "
         "activations; w8a8: the same with activations quantised to int8 per token (dynamic), CPU stages only; fp8: "
         "float8_e4m3fn weights with a scale per output channel, quantised at load, weight-only, CUDA stages only "
-        "(or an fp8 checkpoint's own); compressed-tensors, fbgemm_fp8, gptq (gptq_marlin), awq (awq_marlin): name the "
+        "(or an fp8 checkpoint's own); compressed-tensors, fbgemm_fp8, gptq (gptq_marlin), awq (awq_marlin), mxfp4 "
+        "(gpt-oss's experts): name the "
         "format of a quantised checkpoint (read from its quantization_config anyway; a mismatch is refused: "
         "docs/quantization.md)"
     )).field()

@@ -53,7 +53,11 @@ class EngineRequest:
     # a continuation's logprobs of generated_token_ids, one each (sampling.logprobs set): kept with its outputs
     # for a router that resumes it
     generated_logprobs: Sequence[TokenLogprob] = ()
-    owner: str = ""  # resumable: a digest of its client's credential; a resume must present the same
+    owner: str = ""  # resumable: a digest of its client's credential (or tenant); a resume must present the same
+    # the tenant that sent it ("": none) and its weight: the schedulers share their steps between tenants by
+    # weight (scheduler.policy.FairShare), the router counts its limits (router.tenants)
+    tenant: str = ""
+    tenant_weight: float = 1.0
 
     @property
     def hash_root(self) -> int | None:

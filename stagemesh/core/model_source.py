@@ -13,7 +13,7 @@ from stagemesh.core.errors import StagemeshError
 # quantised at load, CUDA (stage_worker.quantization), or an fp8 checkpoint's; the rest name a quantised
 # checkpoint's format, vLLM's names (stage_worker.quant_methods; test_quant_formats checks the two agree)
 QUANTIZATION_METHODS = ("gguf", "w8a16", "w8a8", "fp8", "compressed-tensors", "fbgemm_fp8", "gptq", "awq",
-                        "gptq_marlin", "awq_marlin")
+                        "mxfp4", "gptq_marlin", "awq_marlin")
 # --quantization-activations (stage_worker.activations)
 ACTIVATION_MODES = ("exact", "int8")
 

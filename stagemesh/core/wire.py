@@ -119,7 +119,7 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
 
 # EngineRequest's fields that travel as SubmitRequest's scalar fields of the same name (a new one needs no
 # code here); the others are written by hand below
-_SCALARS = tuple(f.name for f in fields(EngineRequest) if f.type in ("str", "int", "bool")
+_SCALARS = tuple(f.name for f in fields(EngineRequest) if f.type in ("str", "int", "bool", "float")
                  and f.name not in ("traceparent", "tracestate"))
 
 
@@ -143,13 +143,15 @@ def engine_request_to_pb(r: EngineRequest, out: scheduler_pb2.StreamSubmit) -> s
 def engine_request_from_pb(msg: scheduler_pb2.StreamSubmit) -> EngineRequest:
     """The request a StreamSubmit carries; its sampling is checked (SamplingParams), the rest where it is used."""
     m = msg.request
+    scalars = {name: getattr(m, name) for name in _SCALARS}
+    scalars["tenant_weight"] = m.tenant_weight or 1.0  # (proto3: 0 is unset)
     return EngineRequest(
         prompt_token_ids=list(m.prompt_token_ids), sampling=sampling_from_pb(m.sampling),
         generated_token_ids=list(m.generated_token_ids),
         generated_logprobs=[TokenLogprob(e.token_id, e.logprob, e.rank, list(e.top_token_ids), list(e.top_logprobs))
                             for e in m.generated_logprobs],
         kv_source=kv_source_from_pb(m.kv_transfer) if m.HasField("kv_transfer") else None,
-        traceparent=msg.traceparent, tracestate=msg.tracestate, **{name: getattr(m, name) for name in _SCALARS})
+        traceparent=msg.traceparent, tracestate=msg.tracestate, **scalars)
 
 
 def kv_source_to_pb(k: KVSourceInfo, out: scheduler_pb2.KVTransferParams) -> scheduler_pb2.KVTransferParams:

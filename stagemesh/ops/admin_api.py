@@ -3,6 +3,8 @@
     GET  /admin/status    the mesh, the running (and the last) operation, the autoscaler
     POST /admin/rollout   {"surge": false}: a rolling restart of every service (202; 409 while one runs)
     POST /admin/scale     {"data_parallel_size": N}: add or remove replicas (202; 200 when it has N; 409 busy)
+    POST /admin/reload-api-keys   every router reads its --api-keys-file again, as on serve's SIGHUP (200;
+                          400 when a router could not: its tenants stay as they were, the answer says why)
 
 Every call needs 'Authorization: Bearer <admin key>': none gives 401, another key 403. A refused operation
 answers 400 (a size or layout the mesh cannot have, or no room for it), 409 (another operation runs) or 503
@@ -34,6 +36,7 @@ class Controller(Protocol):
     def status(self) -> dict: ...
     def rollout(self, surge: bool) -> dict: ...
     def scale(self, n: int) -> dict | None: ...
+    def reload_api_keys(self) -> dict: ...
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -81,10 +84,18 @@ def build_app(controller: Controller, key: str) -> web.Application:
         op = controller.scale(n)
         return web.json_response({"operation": op}, status=200 if op is None else 202)
 
+    async def reload_api_keys(request: web.Request) -> web.Response:
+        answer = await asyncio.to_thread(controller.reload_api_keys)
+        failed = [r for r in answer["routers"] if not r["reloaded"]]
+        if failed:
+            return _error(400, "; ".join(f"{r['router']}: {r['error']}" for r in failed))
+        return web.json_response(answer)
+
     app = web.Application(middlewares=[auth], client_max_size=MAX_BODY_BYTES)
     app.router.add_get("/admin/status", status)
     app.router.add_post("/admin/rollout", rollout)
     app.router.add_post("/admin/scale", scale)
+    app.router.add_post("/admin/reload-api-keys", reload_api_keys)
     return app
 
 

@@ -84,6 +84,15 @@ class MeshRPC:
             return False
         return True
 
+    def reload_api_keys(self, control: str) -> tuple[bool, str]:
+        """Have a router read its --api-keys-file again: (whether it did, what it holds now or why not)."""
+        try:
+            reply = router_pb2_grpc.RouterControlStub(self._channel(control)).ReloadApiKeys(
+                router_pb2.ReloadApiKeysRequest(), timeout=DEADLINE_S)
+        except grpc.RpcError as err:
+            return False, err.details() or str(err.code())
+        return True, reply.tenants
+
     def forget(self, address: str) -> None:
         with self._lock:
             chan = self._channels.pop(address, None)

@@ -68,6 +68,17 @@ class MeshController:
         op = scale(self.mesh, n, reason)
         return None if op is None else self.ops.start(op).to_dict()
 
+    def reload_api_keys(self) -> dict:
+        """Every live router reads its --api-keys-file again (a router whose file does not parse keeps its
+        tenants): {"routers": [{"router", "reloaded", "tenants" or "error"}]}."""
+        results = []
+        for router in self.mesh.live_routers():
+            ok, said = self.mesh.rpc.reload_api_keys(router.control)
+            results.append({"router": router.child.name, "reloaded": ok, "tenants" if ok else "error": said})
+            if not ok:
+                log.error("%s did not reload --api-keys-file: %s", router.child.name, said)
+        return {"routers": results}
+
     def load(self) -> Load | None:
         groups = serving(self.mesh)
         views = [v for g in groups if (v := self.mesh.rpc.scheduler(g.address)) is not None]

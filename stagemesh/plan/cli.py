@@ -19,11 +19,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=int, default=1)
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (or, with --device cpu, of one process)")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp8", "int4", "q4_0", "q4_1", "q4_k", "q8_0", "int8"),
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp8", "int4", "q4_0", "q4_1", "q4_k", "q8_0", "int8",
+                                       "mxfp4"),
                    default=None, help="the weights' format: q4_0 / q4_1 / q4_k / q8_0 (--quantization gguf), int8 "
                                       "(w8a16 / w8a8) and fp8 (--quantization fp8) count their scales as a stage "
-                                      "holds them; int4: GPTQ / AWQ / W4A16 checkpoints (default: a quantised "
-                                      "checkpoint's own format, read from its quantization_config; else bf16)")
+                                      "holds them (a block-FP8 checkpoint's per block); int4: GPTQ / AWQ / W4A16 "
+                                      "checkpoints; mxfp4: gpt-oss's MXFP4 experts, the rest bf16 (default: a "
+                                      "quantised checkpoint's own format, read from its quantization_config; else "
+                                      "bf16)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's, at most 32768")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-nvlink", action="store_true", help="GPUs talk over PCIe: prefer pipeline parallelism")

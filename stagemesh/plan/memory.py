@@ -12,13 +12,15 @@ from stagemesh.core.model_config import ModelConfig, layer_ranges
 # block of 32, Q4_K 144 a block of 256), Q8_0 8 bits with an fp32 scale per 32; int8 (w8a16 / w8a8) and fp8
 # 8 bits, their fp32 scale per output row counted apart (weight_bytes). int4: a GPTQ / AWQ / compressed-tensors
 # W4A16 checkpoint's (stage_worker.quant_methods), 4 bits with an fp32 scale and min per group of 128.
+# mxfp4: gpt-oss's experts, 4-bit e2m1 with an e8m0 scale per 32 (17 bytes a block); the rest of it bf16.
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int4": 0.5625,
-               "q4_0": 0.75, "q4_1": 0.75, "q4_k": 0.75, "q8_0": 1.125, "int8": 1.0}
+               "q4_0": 0.75, "q4_1": 0.75, "q4_k": 0.75, "q8_0": 1.125, "int8": 1.0, "mxfp4": 17 / 32}
 # The embedding table and LM head: a GGUF's as the embedded model's file holds them (Q8_0); int8 and fp8 keep
 # them in bf16.
-TABLE_BYTES = {"q4_0": 1.125, "q4_1": 1.125, "q4_k": 1.125, "q8_0": 1.125, "int8": 2.0, "fp8": 2.0, "int4": 2.0}
+TABLE_BYTES = {"q4_0": 1.125, "q4_1": 1.125, "q4_k": 1.125, "q8_0": 1.125, "int8": 2.0, "fp8": 2.0, "int4": 2.0,
+               "mxfp4": 2.0}
 KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2, "int4": 2,  # KV stays 16-bit when weights are quantized
-                  "q4_0": 2, "q4_1": 2, "q4_k": 2, "q8_0": 2, "int8": 2}
+                  "q4_0": 2, "q4_1": 2, "q4_k": 2, "q8_0": 2, "int8": 2, "mxfp4": 2}
 # What a GPU keeps besides weights and KV: activations of a step, CUDA graphs and
 # the allocator's slack. vLLM measures it by profiling; a plan without the weights
 # has to assume it.
@@ -72,9 +74,39 @@ def linear_rows_per_layer(cfg: ModelConfig) -> int:
 def weight_bytes(cfg: ModelConfig, dtype: str, layers: int, tables: int) -> float:
     """Bytes of `layers` decoder layers and `tables` embedding / LM-head parameters in `dtype`."""
     counts = param_counts(cfg)
-    total = counts.per_layer * layers * DTYPE_BYTES[dtype] + tables * TABLE_BYTES.get(dtype, DTYPE_BYTES[dtype])
+    table_bytes = tables * TABLE_BYTES.get(dtype, DTYPE_BYTES[dtype])
+    block = fp8_block(cfg) if dtype == "fp8" else None
+    if block is not None:
+        per_layer = sum(n * _block_fp8_bytes(shapes, block) for shapes, n in _layer_kinds(cfg)) / cfg.num_hidden_layers
+        return per_layer * layers + table_bytes
+    if dtype == "mxfp4":  # the experts' weights packed (not their biases), the rest of each layer bf16
+        experts = sum(n * sum(math.prod(shape) for name, shape in shapes.items() if name.endswith("_proj"))
+                      for shapes, n in _layer_kinds(cfg)) / cfg.num_hidden_layers
+        return ((counts.per_layer - experts) * 2 + experts * DTYPE_BYTES[dtype]) * layers + table_bytes
+    total = counts.per_layer * layers * DTYPE_BYTES[dtype] + table_bytes
     if dtype in ("int8", "fp8"):  # an fp32 scale per output row
         total += 4 * linear_rows_per_layer(cfg) * layers
+    return total
+
+
+def fp8_block(cfg: ModelConfig) -> tuple[int, int] | None:
+    """The [rows, columns] of a block-FP8 checkpoint's scales (DeepSeek-V3's weight_block_size), from its
+    quantization_config, or for a reference config the released checkpoint's (`_fp8_quantization_config`)."""
+    qc = cfg.raw.get("quantization_config") or cfg.raw.get("_fp8_quantization_config") or {}
+    block = qc.get("weight_block_size") if qc.get("quant_method") == "fp8" else None
+    return (int(block[0]), int(block[1])) if block else None
+
+
+def _block_fp8_bytes(shapes: dict[str, tuple[int, ...]], block: tuple[int, int]) -> int:
+    """A layer's bytes as a block-FP8 checkpoint stores it (DeepSeek-V3's): each linear one byte a weight and an
+    fp32 weight_scale_inv per block (a partial block too); a mixture of experts' router and the norms in bf16, its
+    e_score_correction_bias in fp32."""
+    total = 0
+    for name, shape in shapes.items():
+        if len(shape) == 2 and not name.endswith(".gate.weight"):
+            total += math.prod(shape) + 4 * math.ceil(shape[0] / block[0]) * math.ceil(shape[1] / block[1])
+        else:
+            total += math.prod(shape) * (4 if name.endswith("e_score_correction_bias") else 2)
     return total
 
 

@@ -24,31 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stagemesh/v1/router.proto\x12\x0cstagemesh.v1\"1\n\x0cReplicaEntry\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08\x63ordoned\x18\x02 \x01(\x08\"B\n\x12SetReplicasRequest\x12,\n\x08replicas\x18\x01 \x03(\x0b\x32\x1a.stagemesh.v1.ReplicaEntry\"5\n\x13SetReplicasResponse\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x01 \x03(\t\x12\x0f\n\x07removed\x18\x02 \x03(\t\"\x14\n\x12GetReplicasRequest\"|\n\x0cReplicaState\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x10\n\x08\x63ordoned\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\"C\n\x13GetReplicasResponse\x12,\n\x08replicas\x18\x01 \x03(\x0b\x32\x1a.stagemesh.v1.ReplicaState\"$\n\x11GetKVIndexRequest\x12\x0f\n\x07replica\x18\x01 \x01(\t\"3\n\x0bKVIndexTier\x12\x0e\n\x06medium\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\"\x84\x01\n\x0cKVIndexState\x12\x10\n\x08\x64\x65graded\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12(\n\x05tiers\x18\x05 \x03(\x0b\x32\x19.stagemesh.v1.KVIndexTier\x12\x0c\n\x04more\x18\x06 \x01(\x08\x32\x84\x02\n\rRouterControl\x12R\n\x0bSetReplicas\x12 .stagemesh.v1.SetReplicasRequest\x1a!.stagemesh.v1.SetReplicasResponse\x12R\n\x0bGetReplicas\x12 .stagemesh.v1.GetReplicasRequest\x1a!.stagemesh.v1.GetReplicasResponse\x12K\n\nGetKVIndex\x12\x1f.stagemesh.v1.GetKVIndexRequest\x1a\x1a.stagemesh.v1.KVIndexState0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stagemesh/v1/router.proto\x12\x0cstagemesh.v1\"\x16\n\x14ReloadApiKeysRequest\"(\n\x15ReloadApiKeysResponse\x12\x0f\n\x07tenants\x18\x01 \x01(\t\"1\n\x0cReplicaEntry\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08\x63ordoned\x18\x02 \x01(\x08\"B\n\x12SetReplicasRequest\x12,\n\x08replicas\x18\x01 \x03(\x0b\x32\x1a.stagemesh.v1.ReplicaEntry\"5\n\x13SetReplicasResponse\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x01 \x03(\t\x12\x0f\n\x07removed\x18\x02 \x03(\t\"\x14\n\x12GetReplicasRequest\"|\n\x0cReplicaState\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x10\n\x08\x63ordoned\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\"C\n\x13GetReplicasResponse\x12,\n\x08replicas\x18\x01 \x03(\x0b\x32\x1a.stagemesh.v1.ReplicaState\"$\n\x11GetKVIndexRequest\x12\x0f\n\x07replica\x18\x01 \x01(\t\"3\n\x0bKVIndexTier\x12\x0e\n\x06medium\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\"\x84\x01\n\x0cKVIndexState\x12\x10\n\x08\x64\x65graded\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12(\n\x05tiers\x18\x05 \x03(\x0b\x32\x19.stagemesh.v1.KVIndexTier\x12\x0c\n\x04more\x18\x06 \x01(\x08\x32\xde\x02\n\rRouterControl\x12R\n\x0bSetReplicas\x12 .stagemesh.v1.SetReplicasRequest\x1a!.stagemesh.v1.SetReplicasResponse\x12R\n\x0bGetReplicas\x12 .stagemesh.v1.GetReplicasRequest\x1a!.stagemesh.v1.GetReplicasResponse\x12K\n\nGetKVIndex\x12\x1f.stagemesh.v1.GetKVIndexRequest\x1a\x1a.stagemesh.v1.KVIndexState0\x01\x12X\n\rReloadApiKeys\x12\".stagemesh.v1.ReloadApiKeysRequest\x1a#.stagemesh.v1.ReloadApiKeysResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stagemesh.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REPLICAENTRY']._serialized_start=43
-  _globals['_REPLICAENTRY']._serialized_end=92
-  _globals['_SETREPLICASREQUEST']._serialized_start=94
-  _globals['_SETREPLICASREQUEST']._serialized_end=160
-  _globals['_SETREPLICASRESPONSE']._serialized_start=162
-  _globals['_SETREPLICASRESPONSE']._serialized_end=215
-  _globals['_GETREPLICASREQUEST']._serialized_start=217
-  _globals['_GETREPLICASREQUEST']._serialized_end=237
-  _globals['_REPLICASTATE']._serialized_start=239
-  _globals['_REPLICASTATE']._serialized_end=363
-  _globals['_GETREPLICASRESPONSE']._serialized_start=365
-  _globals['_GETREPLICASRESPONSE']._serialized_end=432
-  _globals['_GETKVINDEXREQUEST']._serialized_start=434
-  _globals['_GETKVINDEXREQUEST']._serialized_end=470
-  _globals['_KVINDEXTIER']._serialized_start=472
-  _globals['_KVINDEXTIER']._serialized_end=523
-  _globals['_KVINDEXSTATE']._serialized_start=526
-  _globals['_KVINDEXSTATE']._serialized_end=658
-  _globals['_ROUTERCONTROL']._serialized_start=661
-  _globals['_ROUTERCONTROL']._serialized_end=921
+  _globals['_RELOADAPIKEYSREQUEST']._serialized_start=43
+  _globals['_RELOADAPIKEYSREQUEST']._serialized_end=65
+  _globals['_RELOADAPIKEYSRESPONSE']._serialized_start=67
+  _globals['_RELOADAPIKEYSRESPONSE']._serialized_end=107
+  _globals['_REPLICAENTRY']._serialized_start=109
+  _globals['_REPLICAENTRY']._serialized_end=158
+  _globals['_SETREPLICASREQUEST']._serialized_start=160
+  _globals['_SETREPLICASREQUEST']._serialized_end=226
+  _globals['_SETREPLICASRESPONSE']._serialized_start=228
+  _globals['_SETREPLICASRESPONSE']._serialized_end=281
+  _globals['_GETREPLICASREQUEST']._serialized_start=283
+  _globals['_GETREPLICASREQUEST']._serialized_end=303
+  _globals['_REPLICASTATE']._serialized_start=305
+  _globals['_REPLICASTATE']._serialized_end=429
+  _globals['_GETREPLICASRESPONSE']._serialized_start=431
+  _globals['_GETREPLICASRESPONSE']._serialized_end=498
+  _globals['_GETKVINDEXREQUEST']._serialized_start=500
+  _globals['_GETKVINDEXREQUEST']._serialized_end=536
+  _globals['_KVINDEXTIER']._serialized_start=538
+  _globals['_KVINDEXTIER']._serialized_end=589
+  _globals['_KVINDEXSTATE']._serialized_start=592
+  _globals['_KVINDEXSTATE']._serialized_end=724
+  _globals['_ROUTERCONTROL']._serialized_start=727
+  _globals['_ROUTERCONTROL']._serialized_end=1077
 # @@protoc_insertion_point(module_scope)

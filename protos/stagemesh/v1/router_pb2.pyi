@@ -26,6 +26,41 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class ReloadApiKeysRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReloadApiKeysRequest: _TypeAlias = ReloadApiKeysRequest  # noqa: Y015
+
+@_typing.final
+class ReloadApiKeysResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANTS_FIELD_NUMBER: _builtins.int
+    tenants: _builtins.str
+    """what the file holds now, in words (names, weights, limits; never a key)"""
+    def __init__(
+        self,
+        *,
+        tenants: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tenants", b"tenants"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReloadApiKeysResponse: _TypeAlias = ReloadApiKeysResponse  # noqa: Y015
+
+@_typing.final
 class ReplicaEntry(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -49,6 +49,11 @@ class RouterControlStub:
                 request_serializer=stagemesh_dot_v1_dot_router__pb2.GetKVIndexRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_router__pb2.KVIndexState.FromString,
                 _registered_method=True)
+        self.ReloadApiKeys = channel.unary_unary(
+                '/stagemesh.v1.RouterControl/ReloadApiKeys',
+                request_serializer=stagemesh_dot_v1_dot_router__pb2.ReloadApiKeysRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_router__pb2.ReloadApiKeysResponse.FromString,
+                _registered_method=True)
 
 
 class RouterControlServicer:
@@ -81,6 +86,16 @@ class RouterControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReloadApiKeys(self, request, context):
+        """Read the router's --api-keys-file again (its tenants, keys, weights and
+        limits), as SIGHUP does. A file that does not parse leaves the tenants as
+        they were: FAILED_PRECONDITION with what is wrong (the line); a router
+        without the file: FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +113,11 @@ def add_RouterControlServicer_to_server(servicer, server):
                     servicer.GetKVIndex,
                     request_deserializer=stagemesh_dot_v1_dot_router__pb2.GetKVIndexRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_router__pb2.KVIndexState.SerializeToString,
+            ),
+            'ReloadApiKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReloadApiKeys,
+                    request_deserializer=stagemesh_dot_v1_dot_router__pb2.ReloadApiKeysRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_router__pb2.ReloadApiKeysResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +201,33 @@ class RouterControl:
             '/stagemesh.v1.RouterControl/GetKVIndex',
             stagemesh_dot_v1_dot_router__pb2.GetKVIndexRequest.SerializeToString,
             stagemesh_dot_v1_dot_router__pb2.KVIndexState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReloadApiKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.RouterControl/ReloadApiKeys',
+            stagemesh_dot_v1_dot_router__pb2.ReloadApiKeysRequest.SerializeToString,
+            stagemesh_dot_v1_dot_router__pb2.ReloadApiKeysResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,6 +52,12 @@ class RouterControlStub:
     per tier, and whether it is sure (NOT_FOUND: no such replica, or another
     policy). In parts, as Scheduler.GetKVSnapshot: `more` on all but the last.
     """
+    ReloadApiKeys: _grpc.UnaryUnaryMultiCallable[_router_pb2.ReloadApiKeysRequest, _router_pb2.ReloadApiKeysResponse]
+    """Read the router's --api-keys-file again (its tenants, keys, weights and
+    limits), as SIGHUP does. A file that does not parse leaves the tenants as
+    they were: FAILED_PRECONDITION with what is wrong (the line); a router
+    without the file: FAILED_PRECONDITION.
+    """
 
 @_typing.type_check_only
 class RouterControlAsyncStub(RouterControlStub):
@@ -69,6 +75,12 @@ class RouterControlAsyncStub(RouterControlStub):
     """What this router's KV index (--policy kv-aware) believes a replica holds,
     per tier, and whether it is sure (NOT_FOUND: no such replica, or another
     policy). In parts, as Scheduler.GetKVSnapshot: `more` on all but the last.
+    """
+    ReloadApiKeys: _aio.UnaryUnaryMultiCallable[_router_pb2.ReloadApiKeysRequest, _router_pb2.ReloadApiKeysResponse]  # type: ignore[assignment]
+    """Read the router's --api-keys-file again (its tenants, keys, weights and
+    limits), as SIGHUP does. A file that does not parse leaves the tenants as
+    they were: FAILED_PRECONDITION with what is wrong (the line); a router
+    without the file: FAILED_PRECONDITION.
     """
 
 class RouterControlServicer(metaclass=_abc_1.ABCMeta):
@@ -102,6 +114,18 @@ class RouterControlServicer(metaclass=_abc_1.ABCMeta):
         """What this router's KV index (--policy kv-aware) believes a replica holds,
         per tier, and whether it is sure (NOT_FOUND: no such replica, or another
         policy). In parts, as Scheduler.GetKVSnapshot: `more` on all but the last.
+        """
+
+    @_abc_1.abstractmethod
+    def ReloadApiKeys(
+        self,
+        request: _router_pb2.ReloadApiKeysRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.ReloadApiKeysResponse, _abc.Awaitable[_router_pb2.ReloadApiKeysResponse]]:
+        """Read the router's --api-keys-file again (its tenants, keys, weights and
+        limits), as SIGHUP does. A file that does not parse leaves the tenants as
+        they were: FAILED_PRECONDITION with what is wrong (the line); a router
+        without the file: FAILED_PRECONDITION.
         """
 
 def add_RouterControlServicer_to_server(servicer: RouterControlServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

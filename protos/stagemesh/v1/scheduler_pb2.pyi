@@ -41,6 +41,12 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """prefill_only: the prompt is computed and the first token sampled; the
     request goes on on a decode replica (SubmitResponse.kv_transfer).
     """
+    FINISH_REASON_MIGRATED: _FinishReason.ValueType  # 5
+    """The replica drains (its --shutdown-timeout ended): the request goes on on
+    another replica as a continuation of the tokens it streamed, with its KV
+    when SubmitResponse.kv_transfer is set (held here until ReleaseKV or
+    --kv-hold-timeout: all but its last token's), else computed again there.
+    """
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper): ...
 
@@ -55,6 +61,12 @@ FINISH_REASON_ABORT: FinishReason.ValueType  # 3
 FINISH_REASON_PREFILLED: FinishReason.ValueType  # 4
 """prefill_only: the prompt is computed and the first token sampled; the
 request goes on on a decode replica (SubmitResponse.kv_transfer).
+"""
+FINISH_REASON_MIGRATED: FinishReason.ValueType  # 5
+"""The replica drains (its --shutdown-timeout ended): the request goes on on
+another replica as a continuation of the tokens it streamed, with its KV
+when SubmitResponse.kv_transfer is set (held here until ReleaseKV or
+--kv-hold-timeout: all but its last token's), else computed again there.
 """
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
@@ -135,6 +147,8 @@ class SubmitRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     GENERATED_LOGPROBS_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    TENANT_WEIGHT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique per replica; the router's id of the request."""
     priority: _builtins.int
@@ -169,7 +183,18 @@ class SubmitRequest(_message.Message):
     """
     owner: _builtins.str
     """resumable: who submitted it (a digest of the credential its client
-    presented, never the credential); an attach must name the same owner.
+    presented, never the credential, or of its tenant's name when the router
+    has tenants); an attach must name the same owner.
+    """
+    tenant: _builtins.str
+    """The tenant that sent it (the router's --api-keys-file, or --api-key as
+    one tenant; empty: none). The scheduler shares its steps between tenants
+    by weight (--tenant-fair-share); within a tenant, its --scheduling-policy.
+    """
+    tenant_weight: _builtins.float
+    """The tenant's weight (> 0; 0: unset, read as 1): its share of the steps
+    against the other tenants' is in proportion to it. The latest request of a
+    tenant sets it.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -214,10 +239,12 @@ class SubmitRequest(_message.Message):
         cache_salt: _builtins.str = ...,
         generated_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         owner: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        tenant_weight: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_transfer", b"kv_transfer", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "generated_logprobs", b"generated_logprobs", "generated_token_ids", b"generated_token_ids", "kv_transfer", b"kv_transfer", "lora_name", b"lora_name", "owner", b"owner", "prefill_only", b"prefill_only", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resumable", b"resumable", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "generated_logprobs", b"generated_logprobs", "generated_token_ids", b"generated_token_ids", "kv_transfer", b"kv_transfer", "lora_name", b"lora_name", "owner", b"owner", "prefill_only", b"prefill_only", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resumable", b"resumable", "sampling", b"sampling", "tenant", b"tenant", "tenant_weight", b"tenant_weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -266,7 +293,9 @@ class SubmitResponse(_message.Message):
 
     @_builtins.property
     def kv_transfer(self) -> Global___KVTransferParams:
-        """With FINISH_REASON_PREFILLED: where the prompt's KV is held."""
+        """With FINISH_REASON_PREFILLED: where the prompt's KV is held; with
+        FINISH_REASON_MIGRATED: where the request's KV is held, if it moves with it.
+        """
 
     @_builtins.property
     def pooled(self) -> _common_pb2.Tensor:
@@ -596,6 +625,26 @@ Global___WatchStatsRequest: _TypeAlias = WatchStatsRequest  # noqa: Y015
 class Stats(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class TenantQueueWaitSecondsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NUM_RUNNING_FIELD_NUMBER: _builtins.int
     NUM_WAITING_FIELD_NUMBER: _builtins.int
     KV_CACHE_USAGE_FIELD_NUMBER: _builtins.int
@@ -618,6 +667,7 @@ class Stats(_message.Message):
     RUNNING_LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     WAITING_LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
+    TENANT_QUEUE_WAIT_SECONDS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     kv_cache_usage: _builtins.float
@@ -666,6 +716,13 @@ class Stats(_message.Message):
     def lora_adapters(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.LoRAAdapter]:
         """The adapters the replica serves (routers learn them here: /v1/models,
         and which replicas a request for one may go to).
+        """
+
+    @_builtins.property
+    def tenant_queue_wait_seconds(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Per tenant of the waiting requests (SubmitRequest.tenant; "" for those
+        without one): how long its oldest waiting request has waited, seconds.
+        What a router's --max-queue-wait sheds by.
         The blocks of the prefix cache themselves: WatchKVEvents.
         """
 
@@ -694,10 +751,11 @@ class Stats(_message.Message):
         running_lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
         waiting_lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
         lora_adapters: _abc.Iterable[_common_pb2.LoRAAdapter] | None = ...,
+        tenant_queue_wait_seconds: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "healthy", b"healthy", "kv_cache_usage", b"kv_cache_usage", "lora_adapters", b"lora_adapters", "max_loras", b"max_loras", "max_waiting_requests", b"max_waiting_requests", "num_kv_blocks", b"num_kv_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "running_lora_adapters", b"running_lora_adapters", "spec_decode_num_accepted_tokens", b"spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", b"spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens", b"spec_decode_num_draft_tokens", "spec_decode_num_drafts", b"spec_decode_num_drafts", "stage_compute_seconds_total", b"stage_compute_seconds_total", "step_seconds_total", b"step_seconds_total", "unhealthy_reason", b"unhealthy_reason", "waiting_lora_adapters", b"waiting_lora_adapters"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "healthy", b"healthy", "kv_cache_usage", b"kv_cache_usage", "lora_adapters", b"lora_adapters", "max_loras", b"max_loras", "max_waiting_requests", b"max_waiting_requests", "num_kv_blocks", b"num_kv_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "running_lora_adapters", b"running_lora_adapters", "spec_decode_num_accepted_tokens", b"spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", b"spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens", b"spec_decode_num_draft_tokens", "spec_decode_num_drafts", b"spec_decode_num_drafts", "stage_compute_seconds_total", b"stage_compute_seconds_total", "step_seconds_total", b"step_seconds_total", "tenant_queue_wait_seconds", b"tenant_queue_wait_seconds", "unhealthy_reason", b"unhealthy_reason", "waiting_lora_adapters", b"waiting_lora_adapters"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -499,7 +499,14 @@ class ForwardRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     TRACE_LINKS_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    TRACESTATE_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
+    traceparent: _builtins.str
+    """ForwardStream: the W3C trace context of the scheduler's step span (a
+    Forward call carries it in its metadata); empty when tracing is off.
+    """
+    tracestate: _builtins.str
     @_builtins.property
     def step(self) -> Global___StepBatch: ...
     @_builtins.property
@@ -514,10 +521,12 @@ class ForwardRequest(_message.Message):
         epoch: _builtins.int = ...,
         step: Global___StepBatch | None = ...,
         trace_links: _abc.Iterable[_builtins.str] | None = ...,
+        traceparent: _builtins.str = ...,
+        tracestate: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "step", b"step", "trace_links", b"trace_links"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "step", b"step", "trace_links", b"trace_links", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -650,11 +659,14 @@ class ForwardResponse(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
     HANDOFF_WAIT_SECONDS_FIELD_NUMBER: _builtins.int
     HANDOFF_BYTES_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
     compute_seconds: _builtins.float
     """Time in the model, and waiting for the previous stage's activations."""
     handoff_wait_seconds: _builtins.float
     handoff_bytes: _builtins.int
     """Bytes of activations sent to the next stage."""
+    step_id: _builtins.int
+    """ForwardStream: the step (StepBatch.step_id) this answers."""
     @_builtins.property
     def sampled(self) -> Global___SampledTokens:
         """Last stage only: the sampled tokens."""
@@ -666,10 +678,11 @@ class ForwardResponse(_message.Message):
         compute_seconds: _builtins.float = ...,
         handoff_wait_seconds: _builtins.float = ...,
         handoff_bytes: _builtins.int = ...,
+        step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampled", b"sampled"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_seconds", b"compute_seconds", "handoff_bytes", b"handoff_bytes", "handoff_wait_seconds", b"handoff_wait_seconds", "sampled", b"sampled"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_seconds", b"compute_seconds", "handoff_bytes", b"handoff_bytes", "handoff_wait_seconds", b"handoff_wait_seconds", "sampled", b"sampled", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -50,6 +50,11 @@ class StageStub:
                 request_serializer=stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_stage__pb2.ForwardResponse.FromString,
                 _registered_method=True)
+        self.ForwardStream = channel.stream_stream(
+                '/stagemesh.v1.Stage/ForwardStream',
+                request_serializer=stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_stage__pb2.ForwardResponse.FromString,
+                _registered_method=True)
         self.PushActivations = channel.unary_unary(
                 '/stagemesh.v1.Stage/PushActivations',
                 request_serializer=stagemesh_dot_v1_dot_stage__pb2.PushActivationsRequest.SerializeToString,
@@ -112,6 +117,19 @@ class StageServicer:
 
     def Forward(self, request, context):
         """Run one micro-batch step. The last stage replies with the sampled tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForwardStream(self, request_iterator, context):
+        """Forward over one long-lived stream, the scheduler's step path: each
+        request is a step, answered by one response carrying its step_id when
+        the step ends (steps end in step order). A step that fails ends the
+        stream with the status its Forward call would have ended with; the
+        scheduler then ends the epoch, as for a failed Forward. The trace
+        context travels in the request (traceparent), not in the metadata. A
+        message on a stream costs a fraction of a call's CPU at both ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -204,6 +222,11 @@ def add_StageServicer_to_server(servicer, server):
             ),
             'Forward': grpc.unary_unary_rpc_method_handler(
                     servicer.Forward,
+                    request_deserializer=stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_stage__pb2.ForwardResponse.SerializeToString,
+            ),
+            'ForwardStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ForwardStream,
                     request_deserializer=stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_stage__pb2.ForwardResponse.SerializeToString,
             ),
@@ -327,6 +350,33 @@ class Stage:
             request,
             target,
             '/stagemesh.v1.Stage/Forward',
+            stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.SerializeToString,
+            stagemesh_dot_v1_dot_stage__pb2.ForwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForwardStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/stagemesh.v1.Stage/ForwardStream',
             stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.SerializeToString,
             stagemesh_dot_v1_dot_stage__pb2.ForwardResponse.FromString,
             options,

@@ -43,6 +43,15 @@ class StageStub:
     """
     Forward: _grpc.UnaryUnaryMultiCallable[_stage_pb2.ForwardRequest, _stage_pb2.ForwardResponse]
     """Run one micro-batch step. The last stage replies with the sampled tokens."""
+    ForwardStream: _grpc.StreamStreamMultiCallable[_stage_pb2.ForwardRequest, _stage_pb2.ForwardResponse]
+    """Forward over one long-lived stream, the scheduler's step path: each
+    request is a step, answered by one response carrying its step_id when
+    the step ends (steps end in step order). A step that fails ends the
+    stream with the status its Forward call would have ended with; the
+    scheduler then ends the epoch, as for a failed Forward. The trace
+    context travels in the request (traceparent), not in the metadata. A
+    message on a stream costs a fraction of a call's CPU at both ends.
+    """
     PushActivations: _grpc.UnaryUnaryMultiCallable[_stage_pb2.PushActivationsRequest, _stage_pb2.PushActivationsResponse]
     """The grpc handoff: the previous stage's output activations of one step."""
     ReadKV: _grpc.UnaryStreamMultiCallable[_stage_pb2.ReadKVRequest, _stage_pb2.KVBlocksChunk]
@@ -93,6 +102,15 @@ class StageAsyncStub(StageStub):
     """
     Forward: _aio.UnaryUnaryMultiCallable[_stage_pb2.ForwardRequest, _stage_pb2.ForwardResponse]  # type: ignore[assignment]
     """Run one micro-batch step. The last stage replies with the sampled tokens."""
+    ForwardStream: _aio.StreamStreamMultiCallable[_stage_pb2.ForwardRequest, _stage_pb2.ForwardResponse]  # type: ignore[assignment]
+    """Forward over one long-lived stream, the scheduler's step path: each
+    request is a step, answered by one response carrying its step_id when
+    the step ends (steps end in step order). A step that fails ends the
+    stream with the status its Forward call would have ended with; the
+    scheduler then ends the epoch, as for a failed Forward. The trace
+    context travels in the request (traceparent), not in the metadata. A
+    message on a stream costs a fraction of a call's CPU at both ends.
+    """
     PushActivations: _aio.UnaryUnaryMultiCallable[_stage_pb2.PushActivationsRequest, _stage_pb2.PushActivationsResponse]  # type: ignore[assignment]
     """The grpc handoff: the previous stage's output activations of one step."""
     ReadKV: _aio.UnaryStreamMultiCallable[_stage_pb2.ReadKVRequest, _stage_pb2.KVBlocksChunk]  # type: ignore[assignment]
@@ -158,6 +176,21 @@ class StageServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_stage_pb2.ForwardResponse, _abc.Awaitable[_stage_pb2.ForwardResponse]]:
         """Run one micro-batch step. The last stage replies with the sampled tokens."""
+
+    @_abc_1.abstractmethod
+    def ForwardStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_stage_pb2.ForwardRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_stage_pb2.ForwardResponse], _abc.AsyncIterator[_stage_pb2.ForwardResponse]]:
+        """Forward over one long-lived stream, the scheduler's step path: each
+        request is a step, answered by one response carrying its step_id when
+        the step ends (steps end in step order). A step that fails ends the
+        stream with the status its Forward call would have ended with; the
+        scheduler then ends the epoch, as for a failed Forward. The trace
+        context travels in the request (traceparent), not in the metadata. A
+        message on a stream costs a fraction of a call's CPU at both ends.
+        """
 
     @_abc_1.abstractmethod
     def PushActivations(

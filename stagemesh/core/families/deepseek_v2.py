@@ -7,6 +7,10 @@ The paged KV cache holds MLA's latent: kv_lora_rank + qk_rope_head_dim values pe
 KV and the rotated key every head shares), not K and V heads. ModelConfig sees it as one KV head of half the
 latent, its two halves in the k and v tensors of a layer's cache (stage_worker.mla), so that what moves blocks
 (sizing, the planner, host and disk tiers, disaggregated transfers, DCP) moves the latent as it moves any KV.
+
+A quantized checkpoint (DeepSeek-V3's as published: block FP8, weight_scale_inv per 128x128 block) is read by its
+quant method (stage_worker.quant_methods): attention's, the MLPs' and the experts' linears stay quantized, and
+kv_b_proj, which latent attention reads as a matrix (W_UK, W_UV), is dequantized once at load (stage_worker.mla).
 """
 from __future__ import annotations
 
@@ -114,9 +118,6 @@ def _refuse(variant: Variant, raw: dict[str, Any]) -> str | None:
     def get(key: str) -> Any:
         return _get(variant, raw, key)
 
-    if raw.get("quantization_config"):
-        method = (raw["quantization_config"] or {}).get("quant_method", "?")
-        return f"quantization_config (quant_method {method!r}: a quantized DeepSeek checkpoint; serve the BF16 one)"
     for switch in ("attention_bias", "mlp_bias"):
         if raw.get(switch):
             return f"{switch} (biases on the attention or MLP projections)"

@@ -1,11 +1,13 @@
-"""gpt-oss (GptOssForCausalLM), in its bf16 dequantized form: attention with biases (o_proj's too) and a learned
-sink logit per head, sliding-window (layer_types sliding_attention, 128 tokens) and full layers alternating,
-YaRN rope, and a mixture of experts whose router (with a bias) keeps the top k logits and softmaxes them, each
-expert a clamped SwiGLU (alpha 1.702, limit 7.0, up + 1) with biases, gate and up interleaved in one stacked
-tensor. Its layers are stage_worker.gpt_oss's; the window runs in the attention (kernels.masked_attention).
+"""gpt-oss (GptOssForCausalLM), as published (MXFP4 experts) or in its bf16 dequantized form: attention with
+biases (o_proj's too) and a learned sink logit per head, sliding-window (layer_types sliding_attention, 128 tokens)
+and full layers alternating, YaRN rope, and a mixture of experts whose router (with a bias) keeps the top k logits
+and softmaxes them, each expert a clamped SwiGLU (alpha 1.702, limit 7.0, up + 1) with biases, gate and up
+interleaved in one stacked tensor. Its layers are stage_worker.gpt_oss's; the window runs in the attention
+(kernels.masked_attention).
 
-Refused by name: a quantization_config (the published checkpoint's MXFP4 experts: its bf16 dequantized form is
-served; MXFP4 comes with quantized checkpoints), layer types other than sliding and full attention."""
+The published checkpoint's MXFP4 experts (quantization_config mxfp4) stay packed and are computed from the packed
+weights (stage_worker.quant_methods.mxfp4). Refused by name: other quantization_configs, layer types other than
+sliding and full attention."""
 from typing import Any
 
 from stagemesh.core.families.family import Experts, Family
@@ -24,8 +26,9 @@ def _refuse(raw: dict[str, Any]) -> str | None:
     quant = raw.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        return (f"quantization_config {method!r} (serve the bf16 dequantized checkpoint: quantized gpt-oss experts "
-                "come with quantized checkpoint formats)")
+        if method != "mxfp4":  # (its fields: stage_worker.quant_methods.mxfp4)
+            return (f"quantization_config {method!r} (gpt-oss is served from its published MXFP4 checkpoint or its "
+                    "bf16 dequantized one)")
     kinds = layer_types(raw)
     other = sorted(set(kinds) - set(LAYER_TYPES))
     if other or len(kinds) != raw.get("num_hidden_layers"):
