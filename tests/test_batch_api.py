@@ -192,3 +192,15 @@ def test_a_batchs_lines_run_as_its_tenants_requests(model_dir, tmp_path):
             client.chat.completions.create(model=M, messages=[{"role": "user", "content": "w5"}], max_tokens=2)
         other = router.client(api_key="ka")
         assert other.chat.completions.create(model=M, messages=[{"role": "user", "content": "w5"}], max_tokens=2)
+        # a tenant's files and batches are not there for another: 404 to every call, and out of its lists
+        for call in (lambda: other.files.retrieve(f.id), lambda: other.files.content(done.output_file_id),
+                     lambda: other.files.delete(f.id), lambda: other.batches.retrieve(batch.id),
+                     lambda: other.batches.cancel(batch.id),
+                     lambda: other.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                  completion_window="24h")):
+            with pytest.raises(openai.NotFoundError):
+                call()
+        assert [x.id for x in other.files.list()] == [] and [x.id for x in other.batches.list()] == []
+        assert {x.id for x in client.files.list()} == {f.id, done.output_file_id}
+        assert [x.id for x in client.batches.list()] == [batch.id]
+        assert client.files.retrieve(done.output_file_id).model_dump().get("stagemesh_owner") is None

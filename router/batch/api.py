@@ -13,6 +13,7 @@ from router.http_body import read_json
 from router.state import TENANT
 
 FILES = web.AppKey("batch_files", FileStore)
+# (with tenants, each call sees only its tenant's files and batches: router.batch.files)
 RUNNER = web.AppKey("batch_runner", BatchRunner)
 MAX_LIST = 10_000
 
@@ -46,10 +47,17 @@ async def upload(request: web.Request) -> web.Response:
             if purpose != "batch":
                 raise bad_request(f"'purpose' must be 'batch' (sent before the file), got {purpose!r}: this server "
                                   "keeps files for batches only", "purpose")
-            meta = await request.app[FILES].upload(_chunks(part), part.filename or "upload.jsonl", purpose)
+            meta = await request.app[FILES].upload(_chunks(part), part.filename or "upload.jsonl", purpose,
+                                                   _owner(request))
     if meta is None:
         raise bad_request("'file' is required", "file")
     return web.json_response(meta)
+
+
+def _owner(request: web.Request) -> str | None:
+    """The tenant of the key the call presented (None without tenants)."""
+    tenant = request.get(TENANT)
+    return tenant.name if tenant is not None else None
 
 
 async def _chunks(part):
@@ -78,20 +86,20 @@ def _page(items: list[dict], request: web.Request) -> dict:
 
 
 async def list_files(request: web.Request) -> web.Response:
-    return web.json_response(_page(request.app[FILES].list(request.query.get("purpose")), request))
+    return web.json_response(_page(request.app[FILES].list(request.query.get("purpose"), _owner(request)), request))
 
 
 async def retrieve_file(request: web.Request) -> web.Response:
-    return web.json_response(request.app[FILES].get(request.match_info["file_id"]))
+    return web.json_response(request.app[FILES].get(request.match_info["file_id"], _owner(request)))
 
 
 async def file_content(request: web.Request) -> web.Response:
-    data = request.app[FILES].content(request.match_info["file_id"])
+    data = request.app[FILES].content(request.match_info["file_id"], _owner(request))
     return web.Response(body=data, content_type="application/octet-stream")
 
 
 async def delete_file(request: web.Request) -> web.Response:
-    return web.json_response(request.app[FILES].delete(request.match_info["file_id"]))
+    return web.json_response(request.app[FILES].delete(request.match_info["file_id"], _owner(request)))
 
 
 async def create_batch(request: web.Request) -> web.Response:
@@ -110,24 +118,27 @@ async def create_batch(request: web.Request) -> web.Response:
             isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in metadata.items())):
         raise bad_request("'metadata' must be at most 16 string keys (64 characters) to strings (512)", "metadata")
     files = request.app[FILES]
-    if files.get(input_file_id)["purpose"] != "batch":
+    owner = _owner(request)
+    if files.get(input_file_id, owner)["purpose"] != "batch":
         raise bad_request(f"the file {input_file_id} is not a batch input (purpose 'batch')", "input_file_id")
-    tenant = request.get(TENANT)
-    state = BatchState.create(files.root, input_file_id, endpoint, metadata, tenant.name if tenant else None)
+    state = BatchState.create(files.root, input_file_id, endpoint, metadata, owner)
     request.app[RUNNER].poke()
     return web.json_response(state.view())
 
 
 async def retrieve_batch(request: web.Request) -> web.Response:
-    return web.json_response(BatchState.load(request.app[FILES].root, request.match_info["batch_id"]).view())
+    return web.json_response(BatchState.load(request.app[FILES].root, request.match_info["batch_id"],
+                                             _owner(request)).view())
 
 
 async def list_batches(request: web.Request) -> web.Response:
-    return web.json_response(_page([s.view() for s in BatchState.all(request.app[FILES].root)], request))
+    owner = _owner(request)
+    mine = [s.view() for s in BatchState.all(request.app[FILES].root) if s.owner == owner]
+    return web.json_response(_page(mine, request))
 
 
 async def cancel_batch(request: web.Request) -> web.Response:
-    state = BatchState.load(request.app[FILES].root, request.match_info["batch_id"])
+    state = BatchState.load(request.app[FILES].root, request.match_info["batch_id"], _owner(request))
     if state.body["status"] not in ("validating", "in_progress", "finalizing", "cancelling"):
         raise APIError(409, f"Cannot cancel a batch with status '{state.body['status']}'.", "batch_id")
     state.request_cancel()

@@ -1,6 +1,10 @@
 """The Files API's store (purpose "batch"): each file's bytes and its OpenAI File object under --batch-dir/files,
 written whole before they are seen (a temporary name, then a rename), so that a file survives a restart and a
-router killed while one uploads leaves none half-written. Several routers on one host share the directory."""
+router killed while one uploads leaves none half-written. Several routers on one host share the directory.
+
+With tenants (--api-keys-file), a file belongs to the tenant that uploaded it (or whose batch wrote it): another
+tenant's id is a 404 to every call, and lists hold the caller's own files only, as OpenAI's organisations keep
+theirs apart. The owner is kept in the file's object on disk, never shown."""
 from __future__ import annotations
 
 import json
@@ -14,6 +18,7 @@ from typing import AsyncIterator
 from router.errors import APIError
 
 PURPOSES = ("batch", "batch_output")  # what a client uploads, what a batch writes
+OWNER_FIELD = "stagemesh_owner"  # the tenant a file belongs to (None: no tenants)
 
 
 def write_atomically(path: Path, data: bytes) -> None:
@@ -36,7 +41,8 @@ class FileStore:
     def path(self, file_id: str) -> Path:
         return self.root / "files" / f"{file_id}.jsonl"
 
-    async def upload(self, chunks: AsyncIterator[bytes], filename: str, purpose: str) -> dict:
+    async def upload(self, chunks: AsyncIterator[bytes], filename: str, purpose: str,
+                     owner: str | None = None) -> dict:
         """Keep an uploaded file, read chunk by chunk and refused (413) once past max_bytes."""
         file_id = f"file-{uuid.uuid4().hex}"
         tmp = self.root / "files" / f".{file_id}.upload"
@@ -52,47 +58,53 @@ class FileStore:
             os.replace(tmp, self.path(file_id))
         finally:
             tmp.unlink(missing_ok=True)
-        return self.add_meta(file_id, filename, purpose, size)
+        return self.add_meta(file_id, filename, purpose, size, owner)
 
-    def add_meta(self, file_id: str, filename: str, purpose: str, size: int) -> dict:
+    def add_meta(self, file_id: str, filename: str, purpose: str, size: int, owner: str | None = None) -> dict:
         meta = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()), "filename": filename,
                 "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
-        write_atomically(self._meta(file_id), json.dumps(meta).encode())
+        write_atomically(self._meta(file_id), json.dumps({**meta, OWNER_FIELD: owner}).encode())
         return meta
 
-    def write(self, data: bytes, filename: str, purpose: str) -> dict:
-        """A file the server makes (a batch's output or errors)."""
+    def write(self, data: bytes, filename: str, purpose: str, owner: str | None = None) -> dict:
+        """A file the server makes (a batch's output or errors), the batch's tenant's."""
         file_id = f"file-{uuid.uuid4().hex}"
         write_atomically(self.path(file_id), data)
-        return self.add_meta(file_id, filename, purpose, len(data))
+        return self.add_meta(file_id, filename, purpose, len(data), owner)
 
-    def get(self, file_id: str) -> dict:
+    def get(self, file_id: str, owner: str | None = None) -> dict:
+        """The File object, if `owner` owns it (404 otherwise, as for an id that never was)."""
         meta = self._meta(file_id) if _valid_id(file_id, "file-") else None
-        if meta is None or not meta.is_file():
+        value = json.loads(meta.read_text()) if meta is not None and meta.is_file() else None
+        if value is None or value.get(OWNER_FIELD) != owner:
             raise APIError(404, f"No such File object: {file_id[:80]}", "file_id")
-        return json.loads(meta.read_text())
+        return _public(value)
 
-    def content(self, file_id: str) -> bytes:
-        self.get(file_id)
+    def content(self, file_id: str, owner: str | None = None) -> bytes:
+        self.get(file_id, owner)
         return self.path(file_id).read_bytes()
 
-    def delete(self, file_id: str) -> dict:
-        self.get(file_id)
+    def delete(self, file_id: str, owner: str | None = None) -> dict:
+        self.get(file_id, owner)
         self._meta(file_id).unlink(missing_ok=True)
         self.path(file_id).unlink(missing_ok=True)
         return {"id": file_id, "object": "file", "deleted": True}
 
-    def list(self, purpose: str | None = None) -> list[dict]:
-        """Every file's object, the newest first."""
+    def list(self, purpose: str | None = None, owner: str | None = None) -> list[dict]:
+        """`owner`'s files' objects, the newest first."""
         out = []
         for meta in (self.root / "files").glob("file-*.json"):
             try:
                 value = json.loads(meta.read_text())
             except (OSError, ValueError):  # (deleted meanwhile)
                 continue
-            if purpose is None or value.get("purpose") == purpose:
-                out.append(value)
+            if value.get(OWNER_FIELD) == owner and (purpose is None or value.get("purpose") == purpose):
+                out.append(_public(value))
         return sorted(out, key=lambda f: (f["created_at"], f["id"]), reverse=True)
+
+
+def _public(meta: dict) -> dict:
+    return {k: v for k, v in meta.items() if k != OWNER_FIELD}
 
 
 def _valid_id(value: str, prefix: str) -> bool:

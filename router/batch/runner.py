@@ -73,7 +73,7 @@ class BatchRunner:
 
     async def _run(self, batch_id: str, lock) -> None:
         try:
-            state = BatchState.load(self.root, batch_id)  # (again, under the lock)
+            state = BatchState.read(self.root, batch_id)  # (again, under the lock)
             if state.body["status"] not in ACTIVE:
                 return
             lines = load_lines(self.files.path(state.body["input_file_id"]))
@@ -87,7 +87,7 @@ class BatchRunner:
             raise
         except Exception as err:  # (a bug, or its files gone): the batch fails saying why, never hangs
             log.exception("batch %s failed", batch_id)
-            BatchState.load(self.root, batch_id).fail(f"{type(err).__name__}: {err}")
+            BatchState.read(self.root, batch_id).fail(f"{type(err).__name__}: {err}")
         finally:
             lock.close()
 

@@ -29,6 +29,11 @@ class BatchState:
     def id(self) -> str:
         return self.body["id"]
 
+    @property
+    def owner(self) -> str | None:
+        """The tenant whose batch it is (None: no tenants); its output files are that tenant's too."""
+        return self.body.get(TENANT_FIELD)
+
     @staticmethod
     def _dir(root: Path) -> Path:
         path = root / "batches"
@@ -64,11 +69,21 @@ class BatchState:
         return state
 
     @classmethod
-    def load(cls, root: Path, batch_id: str) -> BatchState:
+    def read(cls, root: Path, batch_id: str) -> BatchState:
+        """The batch, whoever owns it (the runner's read; a client's is load)."""
         path = cls._dir(root) / f"{batch_id}.json"
         if not _valid_id(batch_id, "batch_") or not path.is_file():
             raise APIError(404, f"No such Batch object: {batch_id[:80]}", "batch_id")
         return cls(root, json.loads(path.read_text()))
+
+    @classmethod
+    def load(cls, root: Path, batch_id: str, owner: str | None) -> BatchState:
+        """The batch, if `owner` owns it (404 otherwise, as for an id that never was: another tenant's batches
+        are not there for it)."""
+        state = cls.read(root, batch_id)
+        if state.owner != owner:
+            raise APIError(404, f"No such Batch object: {batch_id[:80]}", "batch_id")
+        return state
 
     @classmethod
     def all(cls, root: Path) -> list[BatchState]:
@@ -147,10 +162,10 @@ class BatchState:
         bad = [json.dumps(r["record"]) for r in ordered if not r["ok"]]
         if ok:
             b["output_file_id"] = files.write(("\n".join(ok) + "\n").encode(), f"{self.id}_output.jsonl",
-                                              "batch_output")["id"]
+                                              "batch_output", self.owner)["id"]
         if bad:
             b["error_file_id"] = files.write(("\n".join(bad) + "\n").encode(), f"{self.id}_error.jsonl",
-                                             "batch_output")["id"]
+                                             "batch_output", self.owner)["id"]
         b["request_counts"].update(total=total, completed=len(ok), failed=len(bad))
         now = int(time.time())
         if cancelled:
