@@ -124,6 +124,10 @@ def follower_argv(slice_: SliceConfig, tp_rank: int, threads: int, kv_disk: tupl
         argv += ["--quantization", slice_.quantization]
     if slice_.gguf_file:
         argv += ["--gguf-file", slice_.gguf_file]
+    if slice_.kv_cache_dtype:
+        argv += ["--kv-cache-dtype", slice_.kv_cache_dtype]
+    if slice_.calculate_kv_scales:
+        argv.append("--calculate-kv-scales")
     if kv_disk is not None:
         argv += ["--kv-disk-dir", kv_disk[0], "--kv-namespace", kv_disk[1]]
     if slice_.lora is not None:
@@ -147,6 +151,8 @@ def main() -> None:
     p.add_argument("--eplb-config", default=None)
     p.add_argument("--quantization", default=None)
     p.add_argument("--gguf-file", default=None)
+    p.add_argument("--kv-cache-dtype", default=None)
+    p.add_argument("--calculate-kv-scales", action="store_true")
     p.add_argument("--kv-disk-dir", default=None)
     p.add_argument("--kv-namespace", default=None)
     add_flags(p, LoRAOptions)
@@ -160,7 +166,9 @@ def main() -> None:
     runner = SliceConfig(args.model, start, end, args.tp_size, args.device, args.dtype, args.block_size,
                          dcp_size=args.dcp_size, pcp_size=args.pcp_size, expert_parallel=args.enable_expert_parallel,
                          eplb=balance, quantization=args.quantization,
-                         gguf_file=args.gguf_file, lora=LoRASettings.from_args(args)).runner(args.tp_rank)
+                         gguf_file=args.gguf_file, lora=LoRASettings.from_args(args),
+                         kv_cache_dtype=args.kv_cache_dtype,
+                         calculate_kv_scales=args.calculate_kv_scales).runner(args.tp_rank)
     disk = DiskTier(args.kv_disk_dir, args.kv_namespace, args.tp_rank, block_layout(runner)) if args.kv_disk_dir \
         else None
     sys.stdout.write("ready\n")

@@ -44,6 +44,15 @@ class CheckpointReader:
             self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt"))
         return self._handles[file]
 
+    def has(self, name: str) -> bool:
+        return name in self.files
+
+    def read(self, name: str) -> torch.Tensor:
+        """A whole tensor (a scalar scale)."""
+        if name not in self.files:
+            raise StagemeshError(f"the checkpoint in {self.model_dir} has no tensor {name}")
+        return self._handle(self.files[name]).get_tensor(name)
+
     def read_slice(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
         if name not in self.files:
             raise StagemeshError(f"the checkpoint in {self.model_dir} has no tensor {name}")

@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+from stagemesh.core.common_flags import KV_CACHE_DTYPE
 from stagemesh.core.errors import StagemeshError
 
 REFERENCE = Path(__file__).with_name("reference_configs")
@@ -24,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                         "(w8a16 / w8a8) and fp8 (--quantization fp8) count their scales as a stage "
                                         "holds them; int4 is a format stagemesh does not serve")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's, at most 32768")
+    KV_CACHE_DTYPE.add_to(p, "kv_cache_dtype")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-nvlink", action="store_true", help="GPUs talk over PCIe: prefer pipeline parallelism")
     p.add_argument("--target-concurrency", type=float, default=None, help="requests at max-model-len to hold at once")
@@ -69,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     max_len = args.max_model_len or min(cfg.max_position_embeddings, 32768)
     req = PlanRequest(cfg, args.gpus_per_node, args.nodes, parse_bytes(args.gpu_memory), args.dtype, max_len,
                       args.gpu_memory_utilization, not args.no_nvlink, args.target_concurrency,
-                      args.tensor_parallel_size, args.pipeline_parallel_size, args.decode_context_parallel_size)
+                      args.tensor_parallel_size, args.pipeline_parallel_size, args.decode_context_parallel_size,
+                      args.kv_cache_dtype)
     plan = make_plan(req)
     backend = args.distributed_executor_backend
     print(json.dumps(as_json(req, plan, model, args.device, backend), indent=2) if args.json
