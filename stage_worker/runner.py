@@ -24,7 +24,7 @@ from stage_worker.kv_cache import (allocate_kv_cache, check_kv_cache_device, che
                                    resolve_kv_cache_dtype)
 from stage_worker.kv_scales import KVScales, read_checkpoint_scales, stage_scales
 from stage_worker.gguf import GGUFCheckpoint
-from stage_worker.model import AttentionMetadata, StageModel
+from stage_worker.model import AttentionMetadata, DecoderLayer, StageModel
 from stage_worker.quantization import check_quantization, load_gguf, quantize_at_load
 from stage_worker.context import check_context_parallel, share_step
 from stage_worker.parallel import HeadShard, stage_groups
@@ -181,6 +181,7 @@ class StageRunner:
         self.kv_scales: KVScales = stage_scales(layer_end - layer_start, found, kv_cache_dtype, calculate_kv_scales,
                                                 layer_start, self.tp)
         for layer, scale in zip(self.model.layers, self.kv_scales.layers):
+            assert isinstance(layer, DecoderLayer)
             layer.self_attn.kv_scale = scale
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables: dict[int, list[int]] = {}
