@@ -67,7 +67,7 @@ serve: install
 	$(BIN)/stagemesh serve $(SERVE_ARGS)
 
 test: install check-protos
-	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs --durations=40 $(PYTEST_ARGS)
 
 # ruff (pycodestyle, pyflakes, bugbear) on everything, mypy on all five packages (pyproject.toml)
 lint: install

@@ -28,22 +28,23 @@ from tiny_models import make_tiny_model, with_word_tokenizer  # noqa: E402
 from router.kv_index import KVFeed, KVIndex  # noqa: E402
 from scheduler.kv_events import AllBlocksCleared, BlockStored, KVEventBatch  # noqa: E402
 from scheduler.replies import kv_batch_to_pbs  # noqa: E402
+from stagemesh.core.hash_parts import joined_tiers  # noqa: E402
 from stagemesh.core.sampling_params import SamplingParams  # noqa: E402
 from stagemesh.v1 import router_pb2, router_pb2_grpc, scheduler_pb2  # noqa: E402
 
 
 def replica_view(mesh) -> dict[str, set[int]]:
-    snap = mesh.stub.GetKVSnapshot(scheduler_pb2.GetKVSnapshotRequest(), timeout=30)
-    return {t.medium: set(t.block_hashes) for t in snap.tiers if t.block_hashes}
+    _, tiers = joined_tiers(mesh.stub.GetKVSnapshot(scheduler_pb2.GetKVSnapshotRequest(), timeout=30))
+    return {medium: set(hashes) for medium, hashes in tiers.items() if hashes}
 
 
 def in_sync(control, mesh) -> bool:
     try:
-        state = control.GetKVIndex(router_pb2.GetKVIndexRequest(replica=mesh.address), timeout=5)
+        parts, tiers = joined_tiers(control.GetKVIndex(router_pb2.GetKVIndexRequest(replica=mesh.address), timeout=5))
     except Exception:  # noqa: BLE001  (the control port is not up yet)
         return False
-    view = {t.medium: set(t.block_hashes) for t in state.tiers if t.block_hashes}
-    return not state.degraded and view == replica_view(mesh)
+    view = {medium: set(hashes) for medium, hashes in tiers.items() if hashes}
+    return not parts[0].degraded and view == replica_view(mesh)
 
 
 def restart_once(model_dir: Path, meshes: list[Mesh], log_dir: Path) -> tuple[float, float]:

@@ -4,7 +4,9 @@ from kernels.dispatch import (  # noqa: F401
     apply_rotary,
     build_cos_sin_cache,
     fused_moe,
+    gather_latent,
     merge_attention_states,
+    mla_attention_rows,
     paged_attention,
     paged_attention_lse,
     paged_attention_rows_lse,
@@ -14,4 +16,5 @@ from kernels.dispatch import (  # noqa: F401
     select_experts,
     silu_and_mul,
     write_kv_cache,
+    write_latent,
 )

@@ -279,6 +279,17 @@ def quant_family() -> str:
     return isa.family_for("quant", flags, module is not None and module.quant_isa() != "none")
 
 
+def quant_takes(qs: torch.Tensor) -> bool:
+    """Whether the built kernels take weights of qs's dtype (4-bit, int8; fp8 where the build decodes it)."""
+    return qs.dtype != torch.float8_e4m3fn or _fp8_built()
+
+
+@functools.cache
+def _fp8_built() -> bool:
+    module = load()
+    return module is not None and hasattr(module, "quant_fp8")
+
+
 def quant_linear(x, qs, scales, mins, bias=None, int8_activations=False, family: str | None = None):
     """x W^T + b in x's dtype, W quantised in groups along K (kernels/quant_reference.py has the layouts)."""
     return load().quant_linear(x, qs, scales, mins, bias, int8_activations, family or current_quant_family())

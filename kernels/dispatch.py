@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from kernels import cpu_ops, moe_reference, quant_reference, reference
+from kernels import cpu_ops, masked_attention, mla_reference, moe_reference, quant_reference, reference
 from kernels.kv_quant import is_fp8
 
 
@@ -54,7 +54,14 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale: float = 1.0,
-                    v_scale: float = 1.0):
+                    v_scale: float = 1.0, *, window=None, softcap=None, sinks=None):
+    """Causal attention over the paged cache (an fp8 cache read as stored * k_scale / v_scale). A layer with a
+    sliding `window`, attention-score `softcap` or attention `sinks` runs kernels.masked_attention's torch
+    reference on every device (the fused kernels do not have them yet)."""
+    if window is not None or softcap is not None or sinks is not None:
+        return masked_attention.paged_attention_masked(q, k_cache, v_cache, block_tables, context_lens,
+                                                       query_start_loc, scale, window, softcap, sinks,
+                                                       k_scale=k_scale, v_scale=v_scale)
     impl = _triton() if _use_triton(q) and _has("paged_attention") else _cpu_impl(q)
     return impl.paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
                                 k_scale=k_scale, v_scale=v_scale)
@@ -92,6 +99,24 @@ def _triton_attention():
     from kernels import triton_attention
 
     return triton_attention
+
+
+def write_latent(latent, k_cache, v_cache, slot_mapping) -> None:
+    """Multi-head latent attention's cache write (kernels.mla_reference): each token's latent, halved into the
+    k and v tensors of its slot."""
+    mla_reference.write_latent(latent, k_cache, v_cache, slot_mapping)
+
+
+def mla_attention_rows(q, k_cache, v_cache, block_tables, row_seqs, row_visible, scale, kv_lora_rank):
+    """Absorbed latent attention of query rows [rows, heads, latent], each over the first row_visible latents of
+    its sequence: (weighted c_kv [rows, heads, kv_lora_rank], lse [rows, heads] fp32), kernels.mla_reference."""
+    if _use_triton(q) and _has("silu_and_mul"):  # triton imports: so does kernels.triton_mla
+        from kernels import triton_mla
+
+        return triton_mla.mla_attention_rows(q, k_cache, v_cache, block_tables, row_seqs, row_visible, scale,
+                                             kv_lora_rank)
+    return mla_reference.mla_attention_rows(q, k_cache, v_cache, block_tables, row_seqs, row_visible, scale,
+                                            kv_lora_rank)
 
 
 def rms_norm(x, weight, eps, residual=None):
@@ -161,7 +186,7 @@ def quant_linear(x, qs, scales, mins, bias=None, int8_activations=False):
     kernel on CPU where it is built, else the reference."""
     if _use_triton(x) and _has("quant_linear"):
         return _triton().quant_linear(x, qs, scales, mins, bias, int8_activations)
-    impl = cpu_ops if _cpu_impl(x) is cpu_ops and quant_built() else quant_reference
+    impl = cpu_ops if _cpu_impl(x) is cpu_ops and quant_built() and cpu_ops.quant_takes(qs) else quant_reference
     return impl.quant_linear(x, qs, scales, mins, bias, int8_activations)
 
 
@@ -171,6 +196,7 @@ def quant_built() -> bool:  # once per process: asked by every product
 
 
 build_cos_sin_cache = reference.build_cos_sin_cache
+gather_latent = mla_reference.gather_latent  # a sequence's latents, [length, latent]: an index_select on any device
 select_experts = moe_reference.select_experts  # softmax and top-k: a few small ops on any device
 
 

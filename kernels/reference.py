@@ -262,14 +262,49 @@ def build_cos_sin_cache(head_dim: int, max_positions: int, rope_theta: float, ro
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> torch.Tensor:
     """cat(cos, sin) per position, [max_positions, head_dim], as transformers computes them in fp32."""
     inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    rope_type, attention_factor = (rope_scaling or {}).get("rope_type", "default"), 1.0
     if rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, rope_scaling or {})
+    elif rope_type == "yarn":  # (DeepSeek's with mscale / mscale_all_dim, gpt-oss's)
+        inv_freq, attention_factor = _yarn_inv_freq(head_dim, rope_theta, rope_scaling or {})
+    elif rope_type == "linear":  # positions divided by the factor (Gemma 3's global layers)
+        inv_freq = inv_freq / float((rope_scaling or {})["factor"])
     elif rope_type != "default":
-        raise StagemeshError(f"rope scaling {rope_type!r} is not supported (default and llama3 are)")
+        raise StagemeshError(f"rope scaling {rope_type!r} is not supported (default, linear, llama3 and yarn are)")
     positions = torch.arange(max_positions, dtype=torch.int64).float()
     freqs = positions[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype=dtype, device=device)
+    # (transformers scales cos and sin by YaRN's attention factor, so q and k both carry it)
+    return (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor).to(dtype=dtype, device=device)
+
+
+def _yarn_inv_freq(dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN's frequencies and attention factor, as transformers' _compute_yarn_parameters: low frequencies
+    interpolated by `factor`, high ones kept, a linear ramp between the dims of beta_slow and beta_fast turns;
+    the factor from mscale / mscale_all_dim where both are given (DeepSeek), else 0.1 ln(factor) + 1."""
+    if not scaling.get("factor") or not scaling.get("original_max_position_embeddings"):
+        raise StagemeshError("rope scaling yarn needs its factor and original_max_position_embeddings")
+    factor, old_len = float(scaling["factor"]), scaling["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

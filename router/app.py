@@ -24,7 +24,7 @@ from router.request import GenerateRequest, Prompt
 from router.request_builder import chat_options, check_model
 from router.responses_api import handlers as responses_api
 from router.responses_api.store import open_store
-from router.state import CONFIG, LIFECYCLE, PROBES, REPLICAS, TOKENIZER, Lifecycle, request_id
+from router.state import CONFIG, LIFECYCLE, PROBES, REPLICAS, TOKENIZER, Lifecycle, request_id, resumable
 from router.tokenization import Tokenizer
 
 MAX_BODY_BYTES = 32 * 2**20
@@ -82,14 +82,13 @@ def _key_matches(request: web.Request, key: str) -> bool:
 async def completions(request: web.Request) -> web.StreamResponse:
     model = validate(CompletionRequest, await read_json(request))
     config = request.app[CONFIG]
-    return await _generate(request, completion_request(model, config.served_model_name, config.adapter_names))
+    return await _generate(request, completion_request(model, config))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = validate(ChatCompletionRequest, await read_json(request))
     config = request.app[CONFIG]
-    return await _generate(request, chat_request(model, config.served_model_name, config.tool_call_parser,
-                                                config.adapter_names))
+    return await _generate(request, chat_request(model, config))
 
 
 async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamResponse:
@@ -115,17 +114,10 @@ async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamRes
 
 
 def _resumable(request: web.Request, req: GenerateRequest) -> None:
-    """A stream to a client that accepts event streams is resumable (router.resume); with Last-Event-ID the
-    request is a resume of one that such a client started."""
-    last = request.headers.get(resume.HEADER)
-    req.resumable = req.stream and resume.wants_event_ids(request.headers.get("Accept", ""))
-    if last is None:
-        return
-    if not req.stream:
-        raise bad_request(f"{resume.HEADER} resumes a stream: 'stream' must be true", resume.HEADER)
-    if not (request.headers.get("X-Request-Id") or req.request_id):
-        raise bad_request(f"{resume.HEADER} resumes the stream of a request id: send it (X-Request-Id)", "request_id")
-    req.resumable, req.resume = True, resume.ResumePoint.parse(last, req.num_choices)
+    """With Last-Event-ID the request is a resume of a stream (router.state.resumable)."""
+    last = resumable(request, req, req.stream)
+    if last is not None:
+        req.resume = resume.ResumePoint.parse(last, req.num_choices)
 
 
 async def _echo_text(req: GenerateRequest, prompt, ids: list[int], tokenizer: Tokenizer) -> str:
@@ -184,8 +176,10 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     """Liveness (vLLM's /health): 200 while this process serves, whatever its replicas' state (a router whose
-    replicas are down must not be restarted for it); the body says what /ready judges by."""
-    return web.json_response(_state(request))
+    replicas are down must not be restarted for it); the body says what /ready judges by. A router started with
+    --listen-when-ready (serve's) says 503 until a replica has served once: vLLM's start-up, where /health 200
+    means a request can be answered."""
+    return web.json_response(_state(request), status=503 if request.app[LIFECYCLE].starting else 200)
 
 
 async def ready(request: web.Request) -> web.Response:
@@ -224,8 +218,10 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    m = validate(DetokenizeRequest, await read_json(request))
-    tokenizer = request.app[TOKENIZER]
+    body, tokenizer = await read_json(request), request.app[TOKENIZER]
+    if isinstance(body, dict) and isinstance(body.get("tokens"), list):  # counted before each id is checked
+        tokenizer.check_token_count(len(body["tokens"]), "tokens")
+    m = validate(DetokenizeRequest, body)
     if any(not 0 <= t < tokenizer.vocab_size for t in m.tokens):
         raise bad_request(f"token ids must be in [0, {tokenizer.vocab_size})", "tokens")
     return web.json_response({"prompt": await tokenizer.run(tokenizer.decode, m.tokens, False)})

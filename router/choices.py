@@ -51,9 +51,11 @@ def fit_max_tokens(req: GenerateRequest, sampling: SamplingParams, prompt_len: i
                    ) -> SamplingParams:
     """The one place max_tokens is settled, per prompt, before its engine request is built (router.choices.plan):
     the most tokens a choice generates, at least 1. Not given (HTTP: absent or null; the gRPC frontend: 0) it is
-    the room the context leaves after the prompt, as vLLM's; until here the request builder holds the largest
-    value, so that min_tokens is checked against that room. What cannot fit is refused with vLLM's words and
-    params: the prompt ('input_tokens'), or the max_tokens field itself when it alone passes the context."""
+    the model's default (its generation config's max_new_tokens) within the room the context leaves after the
+    prompt, else that room, as vLLM's; until here the request builder holds the largest value, so that min_tokens
+    is checked against that room. What cannot fit is refused with vLLM's words and params: the prompt
+    ('input_tokens'), or the max_tokens field itself when it alone passes the context. Given or not, the model's
+    cap (vLLM's override_max_tokens) bounds it last."""
     param = req.max_tokens_param
     if not req.max_tokens_given:
         room = max_model_len - prompt_len
@@ -63,10 +65,8 @@ def fit_max_tokens(req: GenerateRequest, sampling: SamplingParams, prompt_len: i
                               "the input prompt.", "input_tokens")
         if req.echo_only:
             return sampling
-        if sampling.min_tokens > room:  # (vLLM's words, with max_tokens the room it defaults to)
-            raise bad_request(f"min_tokens must be less than or equal to max_tokens={room}, got "
-                              f"{sampling.min_tokens}.", "min_tokens")
-        return replace(sampling, max_tokens=room)
+        return _with_max_tokens(sampling, min(v for v in (room, req.max_tokens_default, req.max_tokens_cap)
+                                              if v is not None))
     asked = sampling.max_tokens
     if asked > max_model_len:
         raise bad_request(f"{param}={asked} cannot be greater than max_model_len={max_model_len}. Please request "
@@ -76,7 +76,16 @@ def fit_max_tokens(req: GenerateRequest, sampling: SamplingParams, prompt_len: i
                           f"model's context length is only {max_model_len} tokens, resulting in a maximum input "
                           f"length of {max_model_len - asked} tokens. Please reduce the length of the input "
                           "prompt.", "input_tokens")
+    if req.max_tokens_cap is not None and asked > req.max_tokens_cap:
+        return _with_max_tokens(sampling, req.max_tokens_cap)
     return sampling
+
+
+def _with_max_tokens(sampling: SamplingParams, max_tokens: int) -> SamplingParams:
+    if sampling.min_tokens > max_tokens:  # (vLLM's words, with max_tokens what it settled on)
+        raise bad_request(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got "
+                          f"{sampling.min_tokens}.", "min_tokens")
+    return replace(sampling, max_tokens=max_tokens)
 
 
 def _sibling_seed(seed: int | None, i: int) -> int | None:

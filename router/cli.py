@@ -10,7 +10,7 @@ from stagemesh.core.flags import add_flags
 from stagemesh.core.service_options import setup_service
 
 log = logging.getLogger("stagemesh.router")
-SHARED_PORT_WAIT_S = 300.0  # a --reuse-port router's wait for a healthy replica before it listens
+STARTUP_WAIT_S = 600.0  # a --reuse-port / --listen-when-ready router's wait for a healthy replica before it listens
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,8 +44,10 @@ async def _main(args: argparse.Namespace) -> int:
 
         replicas.after_refresh.append(lambda: lora_api.sync_soon(config.lora))
     checker = asyncio.create_task(replicas.health_loop())
-    if args.reuse_port:
+    if args.reuse_port or args.listen_when_ready:
         await _wait_for_a_replica(replicas, shutdown)
+    if args.listen_when_ready and not replicas.healthy():  # (past the wait) /health: 503 until a replica serves
+        _starting(app[LIFECYCLE], replicas)
     grpc_server = await _frontend(args, replicas, app, config)
     runner, site = await _serve_http(args, app, config.served_model_name, len(replicas.replicas))
     freeze_startup_heap("router")
@@ -79,6 +81,7 @@ def _build_app(args: argparse.Namespace, replicas):
     replica's, else the model's), the tokenizer of the model (a GGUF's: its --tokenizer), LoRA, tools, traces."""
     from router.app import build_app
     from router.config import RouterConfig, json_any_whitespace
+    from router.generation_config import load, report
     from router.lora_registry import LoRARegistry
     from router.observe import configure
     from router.tokenization import Tokenizer
@@ -96,11 +99,14 @@ def _build_app(args: argparse.Namespace, replicas):
                           chat_template_timeout=args.chat_template_timeout,
                           json_any_whitespace=json_any_whitespace(args.structured_outputs_config),
                           grammar_compile_timeout=args.grammar_compile_timeout,
+                          sampling_defaults=report(load(source.model_dir, args.generation_config,
+                                                        args.override_generation_config)),
                           lora=LoRARegistry(_lora_modules(args, name), args.enable_lora,
                                             tuple(args.allowed_local_lora_path), replica_set=replicas))
     tokenizer = Tokenizer(source.model_dir, model_config.max_position_embeddings, config.template_timeout_s,
                           config.grammar_compile_timeout, config.json_any_whitespace)
     config = _auto_tool_choice(args, config, tokenizer)
+    config = _reasoning(args, config, tokenizer)
     configure(name, args.max_model_len or replicas.max_model_len or model_config.max_position_embeddings)
     _instrument()
     return build_app(replicas, tokenizer, config), config
@@ -151,21 +157,35 @@ async def _serve_http(args: argparse.Namespace, app, name: str, num_replicas: in
 
 
 async def _wait_for_a_replica(replicas, shutdown) -> None:
-    """A router that shares its ports (--reuse-port) joins them only once a replica can serve: the kernel spreads
-    new connections over every router listening there, ready or not (at most SHARED_PORT_WAIT_S, then it joins
-    anyway and answers 503 until a replica serves)."""
+    """A router opens its ports only once a replica can serve when it shares them (--reuse-port: the kernel
+    spreads new connections over every router listening there, ready or not) or is told to (--listen-when-ready:
+    vLLM's start-up, where an open port means "send now"). At most STARTUP_WAIT_S, then it listens anyway and
+    answers 503 until a replica serves."""
     loop = asyncio.get_running_loop()
     start = last = loop.time()
     while not replicas.healthy() and not shutdown.requested.is_set():
         now = loop.time()
-        if now - start > SHARED_PORT_WAIT_S:
-            log.warning("no replica is healthy after %.0fs: joining the shared port anyway", SHARED_PORT_WAIT_S)
+        if now - start > STARTUP_WAIT_S:
+            log.warning("no replica is healthy after %.0fs: listening anyway (/health and /ready answer 503 until "
+                        "one serves)", STARTUP_WAIT_S)
             return
         if now - last >= 5 or now == start:
             last = now
-            log.info("waiting for a healthy replica before joining the shared port (at most %.0fs left)",
-                     SHARED_PORT_WAIT_S - (now - start))
+            log.info("waiting for a replica to serve before listening (at most %.0fs left): %s",
+                     STARTUP_WAIT_S - (now - start),
+                     "; ".join(f"{r.address}: {r.reason or 'healthy'}" for r in replicas.replicas))
         await asyncio.sleep(0.1)
+
+
+def _starting(lifecycle, replicas) -> None:
+    """/health says 503 until a health check finds a replica that serves."""
+    def check() -> None:
+        if lifecycle.starting and replicas.healthy():
+            lifecycle.starting = False
+            log.info("a replica serves: /health says 200")
+
+    lifecycle.starting = True
+    replicas.after_refresh.append(check)
 
 
 async def _drain(shutdown, lifecycle, site, replicas) -> None:
@@ -202,6 +222,21 @@ def _auto_tool_choice(args: argparse.Namespace, config, tokenizer):
     choice = choose(args.enable_auto_tool_choice, args.tool_call_parser, tokenizer.tok.chat_template)
     log.info("%s", choice.message)
     return dataclasses.replace(config, tool_call_parser=choice.parser)
+
+
+def _reasoning(args: argparse.Namespace, config, tokenizer):
+    """The config with --reasoning-parser, and whether the model's chat template thinks, logged."""
+    import dataclasses
+
+    from router.reasoning import template_thinks
+
+    if args.reasoning_parser is None:
+        return config
+    thinks = template_thinks(tokenizer.tok.chat_template)
+    log.info("reasoning parser %s: %s", args.reasoning_parser,
+             "the chat template has a thinking part: answers that do not open <think> start in it" if thinks else
+             "the chat template has no thinking part: only answers that open with <think> are split")
+    return dataclasses.replace(config, reasoning_parser=args.reasoning_parser, template_thinks=thinks)
 
 
 def _check_store(args: argparse.Namespace) -> None:

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stagemesh.core.common_flags import (HOST, LORA_LIMITS, MAX_MODEL_LEN, MAX_REQUEST_RETRIES, SERVED_MODEL_NAME,
-                                         LoRAOptions, ModelOptions)
+from stagemesh.core.common_flags import (GRAMMAR_COMPILE_TIMEOUT, HOST, LORA_LIMITS, MAX_MODEL_LEN, MAX_REQUEST_RETRIES,
+                                         SERVED_MODEL_NAME, LoRAOptions, ModelOptions)
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.flags import Flag, group
 from stagemesh.core.service_options import ServiceOptions
+from router.generation_config import SamplingDefaults
 from router.lora_registry import LoRARegistry
+from router.reasoning import REASONING_PARSERS
 
 POLICIES = ("least-load", "cache-aware", "kv-aware", "round-robin")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
@@ -44,6 +46,15 @@ class RouterOptions:
     tool_call_parser: str | None = Flag(("--tool-call-parser",), choices=TOOL_CALL_PARSERS, help=(
         "how the model writes tool calls: hermes (<tool_call>{...}</tool_call>) or llama3_json (default: chosen "
         "from the chat template)")).field()
+    reasoning_parser: str | None = Flag(("--reasoning-parser",), choices=REASONING_PARSERS, help=(
+        "split a reasoning model's thinking off its chat answers, as vLLM's parser of that name: <think> ... "
+        "</think> goes to the message's reasoning / reasoning_content (streamed as such deltas; a reasoning item "
+        "in the Responses API), the rest is the content; include_reasoning false drops it. A model whose chat "
+        "template has no thinking part answers as without it; openai_gptoss reads gpt-oss's harmony channels "
+        "(analysis: reasoning, final: content; its tool calls not yet, so requests with tools are refused). A "
+        "request with an output constraint "
+        "(structured outputs, tool_choice required or named) is refused while the model thinks: vLLM applies "
+        "it after the reasoning ends, which is not built here yet")).field()
     policy: str = Flag(("--policy",), default="least-load", choices=POLICIES, help=(
         "least-load: fewest running + 4 x waiting; cache-aware: where this router sent the prompt's prefix before "
         "(a guess); kv-aware: where the replicas' KV events say the prompt's leading blocks are held, in any KV "
@@ -76,13 +87,20 @@ class RouterOptions:
         "at most 16 whitespace characters may come between tokens); a request's "
         "structured_outputs.disable_any_whitespace overrides it. Default here: true (vLLM's default, false, lets a "
         "small model run away on whitespace)")).field()
-    grammar_compile_timeout: float = Flag(("--grammar-compile-timeout",), type=float, default=5.0, metavar="SECONDS",
-                                          help=(
-        "a request's structured-output constraint that takes longer to compile (in a worker process) gets a 400 "
-        "naming the bound (default 5, as vLLM's regex bound)")).field()
+    grammar_compile_timeout: float = GRAMMAR_COMPILE_TIMEOUT.field()
     max_waiting_requests: int = Flag(("--max-waiting-requests",), type=int, default=0, help=(
         "answer 429 (with Retry-After) once this many requests wait for their first token (0: unbounded; the "
         "schedulers' own queue limits also give 429)")).field()
+    generation_config: str = Flag(("--generation-config",), default="auto", metavar="auto|vllm|FOLDER", help=(
+        "the default sampling of a request that leaves some unset (vLLM's flag): auto takes the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as the "
+        "default max_tokens); vllm ignores it (the API's own defaults: chat and completions' temperature 1.0, "
+        "max_tokens the room the context leaves); FOLDER takes FOLDER/generation_config.json, whose "
+        "max_new_tokens then also caps every request's max_tokens, as in vLLM. A request's own values win. The "
+        "start-up log says which defaults were taken")).field()
+    override_generation_config: str | None = Flag(("--override-generation-config",), metavar="JSON", help=(
+        "defaults over --generation-config's (vLLM's flag), e.g. '{\"temperature\": 0.5}'; its max_new_tokens "
+        "also caps every request's max_tokens, as in vLLM")).field()
     max_request_retries: int = MAX_REQUEST_RETRIES.field()
     lora: LoRAOptions = group(LoRAOptions, skip=LORA_LIMITS)
     health_interval: float = Flag(("--health-interval",), type=float, default=1.0,
@@ -90,6 +108,11 @@ class RouterOptions:
     reuse_port: bool = Flag(("--reuse-port",), kind="switch", help=(
         "listen with SO_REUSEPORT, so that several routers share the HTTP (and gRPC) port and the kernel spreads "
         "connections over them (`stagemesh serve --api-server-count N` sets it)")).field()
+    listen_when_ready: bool = Flag(("--listen-when-ready",), kind="switch", help=(
+        "open the HTTP and gRPC ports only once a replica can answer a request, as vLLM's server opens its port "
+        "only once its engine serves: a start-up script that waits for /health sends at once (`stagemesh serve` "
+        "sets it for its routers). Without it the router listens at once: /health is its liveness, /ready its "
+        "readiness")).field()
     control_port: int | None = Flag(("--control-port",), type=int, help=(
         "serve stagemesh.v1.RouterControl on this loopback port (0: any free port): the mesh's supervisor changes "
         "the replicas while the router serves, and probes this router's own readiness there (grpc.health.v1); "
@@ -104,6 +127,8 @@ class RouterConfig:
     max_model_len: int | None = None  # a cap below the replicas' own
     public_metrics: bool = False  # /metrics without the API key
     tool_call_parser: str | None = None  # tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser)
+    reasoning_parser: str | None = None  # --reasoning-parser: chat answers' thinking split off (router.reasoning)
+    template_thinks: bool = False  # the model's chat template has a thinking part (router.reasoning)
     # the Responses API's stored responses: "memory" (this router's, the last responses_store_size, default 1000)
     # or a Redis URL that several routers share (each response kept responses_store_ttl seconds, default 3600);
     # None: not given (router.responses_api.store refuses a bound that is not its store's)
@@ -116,6 +141,8 @@ class RouterConfig:
     # disable_any_whitespace, true by default here): False compact, True a bounded run per gap
     json_any_whitespace: bool = False
     grammar_compile_timeout: float = 5.0  # seconds a request's constraint may take to compile (router.grammar_pool)
+    # the model's generation config (--generation-config): defaults of what a request's sampling leaves unset
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # --enable-lora: adapters a request picks by its model name (--lora-modules, and those loaded at run time)
     lora: LoRARegistry = field(default_factory=LoRARegistry)
 

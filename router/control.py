@@ -17,6 +17,7 @@ from router.replica_set import ReplicaSet
 from stagemesh.core import internal_token
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grpc_errors import ErrorInterceptor, by_type
+from stagemesh.core.hash_parts import tier_parts
 from stagemesh.core.health import LIVENESS, follow
 from stagemesh.core.service_options import add_port, aio_server
 from stagemesh.v1 import router_pb2, router_pb2_grpc
@@ -61,13 +62,17 @@ class RouterControlServicer(router_pb2_grpc.RouterControlServicer):
     async def GetKVIndex(self, request, context):
         index = getattr(self.replicas.policy, "index", None)
         if index is None or request.replica not in {r.address for r in self.replicas.replicas}:
-            return await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV index of replica {request.replica[:255]!r} "
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV index of replica {request.replica[:255]!r} "
                                 "(not a replica of this router, or its --policy is not kv-aware)")
+            return
         epoch, seq = index.positions.get(request.replica, (0, 0))
         reason = index.degraded.get(request.replica, "")
-        return router_pb2.KVIndexState(degraded=bool(reason), reason=reason, epoch=epoch, seq=seq, tiers=[
-            router_pb2.KVIndexTier(medium=medium, block_hashes=hashes)
-            for medium, hashes in sorted(index.tiers(request.replica).items())])
+        parts = list(tier_parts(sorted(index.tiers(request.replica).items())))
+        for i, part in enumerate(parts):
+            yield router_pb2.KVIndexState(degraded=bool(reason), reason=reason, epoch=epoch, seq=seq,
+                                          more=i < len(parts) - 1, tiers=[
+                                              router_pb2.KVIndexTier(medium=medium, block_hashes=hashes)
+                                              for medium, hashes in part])
 
 
 async def serve_control(replicas: ReplicaSet, port: int, ready: Callable[[], bool]

@@ -33,6 +33,7 @@ from router.replicas import Replica
 from router.submit_stream import ReplicaOutput, RequestFailed, RequestStream
 from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
 from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.step import TokenLogprob
 
 log = logging.getLogger("stagemesh.router")
 KV_LOAD_RETRIES = 1  # prefills again of a prompt whose KV a decode replica could not load
@@ -124,6 +125,7 @@ class Route:
     tried: set[str] = field(default_factory=set)  # replicas it was sent to
     failed: set[str] = field(default_factory=set)  # replicas that failed under it
     generated: list[int] = field(default_factory=list)  # tokens streamed so far
+    generated_logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when the request asks logprobs
     last_error: RequestFailed | None = None
     kv_transfer: KVSourceInfo | None = None  # its prompt's KV, held on a prefill replica
     kv_retries: int = 0
@@ -143,8 +145,8 @@ class Route:
             replies = _chain(so_far, stream)
         else:
             replica = self._pick()
-            stream = replica.submit(_variant(gen.request, self.generated, self.prefill, self.kv_transfer,
-                                             self.redo_prefill, self.kv_retries))
+            stream = replica.submit(_variant(gen.request, self.generated, self.generated_logprobs, self.prefill,
+                                             self.kv_transfer, self.redo_prefill, self.kv_retries))
             if self.kv_transfer and not self.redo_prefill:  # the decode replica releases that KV from now on
                 self.held = None
             replies = _chain([], stream)
@@ -191,6 +193,7 @@ class Route:
             self.held = self.prefilled_on = (replica, _retry_id(self.gen.request_id, self.kv_retries))
             return None, True
         self.generated.extend(reply.token_ids)
+        self.generated_logprobs.extend(reply.logprobs)
         if reply.finish_reason == "prefilled":  # its first token: on to a decode replica
             self.prefill, self.kv_transfer = False, reply.kv_transfer
             self.held = self.prefilled_on = (replica, self.gen.request_id)
@@ -225,19 +228,22 @@ class Route:
             gen.record.replayed(replica.address, err.details, len(self.generated))
 
 
-def _variant(request: EngineRequest, generated: list[int], prefill: bool, kv_transfer: KVSourceInfo | None,
-             redo_prefill: bool, kv_retries: int) -> EngineRequest:
+def _variant(request: EngineRequest, generated: list[int], logprobs: list[TokenLogprob], prefill: bool,
+             kv_transfer: KVSourceInfo | None, redo_prefill: bool, kv_retries: int) -> EngineRequest:
     """What goes to a replica: the request, as a continuation of the tokens generated so far (its prompt
-    logprobs delivered), as the prefill half of a disaggregated request, or the decode half with its prompt's
-    KV (kv_transfer); or its prompt prefilled again for a decode replica (only its KV counts: whatever its
-    token, it ends "prefilled")."""
+    logprobs delivered; the generated tokens' logprobs kept there for a resume), as the prefill half of a
+    disaggregated request, or the decode half with its prompt's KV (kv_transfer); or its prompt prefilled again
+    for a decode replica (only its KV counts: whatever its token, it ends "prefilled")."""
     sampling = replace(request.sampling, prompt_logprobs=None) if generated else request.sampling
     if redo_prefill:
         return replace(request, request_id=_retry_id(request.request_id, kv_retries), generated_token_ids=(),
-                       sampling=replace(sampling, ignore_eos=True, stop_token_ids=(), min_tokens=0),
-                       prefill_only=True, resumable=False)
-    return replace(request, sampling=sampling, generated_token_ids=list(generated), prefill_only=prefill,
-                   kv_source=kv_transfer)
+                       generated_logprobs=(), sampling=replace(sampling, ignore_eos=True, stop_token_ids=(),
+                                                                min_tokens=0), prefill_only=True, resumable=False)
+    # (a prefill half is not kept for a resume: its one token goes on on a decode replica, which a resume must
+    # find, not the prefill replica's finished half)
+    return replace(request, sampling=sampling, generated_token_ids=list(generated),
+                   generated_logprobs=list(logprobs) if len(logprobs) == len(generated) else [],
+                   prefill_only=prefill, kv_source=kv_transfer, resumable=request.resumable and not prefill)
 
 
 def _retry_id(request_id: str, n: int) -> str:
@@ -281,7 +287,7 @@ async def _while_healthy(replies, replica):
 async def _attach(gen: Generation, at: int, replicas: ReplicaSet):
     """(replica, stream, its outputs so far cut at `at`) of a request being resumed, or the 404 when no replica
     holds it (None: send it afresh)."""
-    found = await replicas.attach(gen.request_id, list(gen.prompt_ids))
+    found = await replicas.attach(gen.request_id, list(gen.prompt_ids), gen.request.owner)
     if found is None and gen.sibling and not at:
         return None  # a choice that waited for its first sibling's prompt may never have been sent: send it now
     if found is None:
@@ -298,7 +304,7 @@ def _split(first: ReplicaOutput, at: int) -> list[ReplicaOutput]:
     if at > n:
         raise bad_request(f"Last-Event-ID is past the end of the stream: a choice has {n} token(s), the client "
                           f"claims {at}", "Last-Event-ID")
-    tail = n - at  # (a continuation's earlier tokens have no logprobs: the list lacks its head then)
+    tail = n - at  # (a replica from before continuations kept their logprobs lacks the list's head then)
     lp = first.logprobs
     head_lp, tail_lp = (lp[:-tail], lp[-tail:]) if tail else (lp, [])
     had = replace(first, token_ids=first.token_ids[:at], logprobs=head_lp, finish_reason=None, stop_token_id=None,

@@ -54,7 +54,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
 
     def _request(self, request, chat: bool) -> GenerateRequest:
         """A Generate or Chat request through the request builder, step by step as the HTTP door's."""
-        b = RequestBuilder(self.config.served_model_name, request.model or None, chat, self.config.adapter_names)
+        b = RequestBuilder(self.config.served_model_name, request.model or None, chat, self.config.adapter_names,
+                           self.config.sampling_defaults)
         b.choices(request.n or 1, _given(request, "best_of"))
         b.stop(list(request.stop), request.include_stop_str_in_output)
         b.priority(request.priority)
@@ -66,6 +67,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 raise bad_request("'tools' are not served by the gRPC frontend: its replies cannot carry a tool call "
                                   "(use the HTTP API's chat completions)", "tools")
             b.conversation(_messages(request), *_chat_args(request))
+            b.reasoning(self.config.reasoning_parser, self.config.template_thinks)
         else:
             b.prompts(_prompts(request))
         try:
@@ -106,11 +108,14 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                                      f"{'chatcmpl' if chat else 'cmpl'}-{request_id}")
         usage = frontend_pb2.Usage(prompt_tokens=len(prompts[0]))
         ids = EventIds(req.num_choices, req.resume, enabled=False)  # a resume sends only what its client lacks
+        splits = {g.index: req.reasoning.splitter() for g in gens} if req.reasoning else {}
         first = True
         async for gen, d in choices.run(req, gens, self.replicas, self.tokenizer):
+            reasoning, text = splits[gen.index].feed(d.text, bool(d.finish_reason)) if splits else ("", d.text)
             if not ids.delta(gen.index, len(d.token_ids), bool(d.finish_reason), [d]):
                 continue
-            reply = frontend_pb2.GenerateResponse(text=d.text, token_ids=d.token_ids, index=gen.index,
+            reply = frontend_pb2.GenerateResponse(text=text, reasoning=reasoning, token_ids=d.token_ids,
+                                                  index=gen.index,
                                                   finish_reason=d.finish_reason or "",
                                                   prompt_logprobs=[logprob_to_pb(e) for e in d.prompt_logprobs],
                                                   prompt_logprobs_start=d.prompt_logprobs_start,

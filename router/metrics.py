@@ -9,9 +9,16 @@ the request series (tokens, finish reasons, latencies) are measured here, where 
 
 The schedulers' and stages' own pages (--metrics-port) keep the `stagemesh:` prefix: a Prometheus that
 scrapes every service then counts no request twice under vLLM's names.
+
+The routers of one `stagemesh serve` (--api-server-count N, and every router restarted in it) share their
+series as vLLM's API servers do: prometheus_client's multiprocess mode, each process's values in files of the
+directory serve gives them (PROMETHEUS_MULTIPROC_DIR), every /metrics page the sum over all of them
+(router.metrics_shared). Gauges say how they merge (MERGE_*); the engine counters, which every router counts
+from the same statistics stream, merge by their maximum.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge,
@@ -34,6 +41,28 @@ REGISTRY = CollectorRegistry()
 for _collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
     REGISTRY.register(_collector)
 R: dict[str, Any] = dict(registry=REGISTRY)
+# set (by serve) before prometheus_client was imported: values live in files there, shared by the routers
+MULTIPROC_DIR = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+if MULTIPROC_DIR:  # (before the first series is made: its file goes there)
+    os.makedirs(MULTIPROC_DIR, exist_ok=True)
+# how a gauge merges over the routers: the latest value any live router set (the same replica's state, as each
+# router reads it from the same stream), or the sum over live routers (what each serves now)
+MERGE_LATEST: dict[str, Any] = dict(multiprocess_mode="livemostrecent", **R)
+MERGE_SUM: dict[str, Any] = dict(multiprocess_mode="livesum", **R)
+# engine counters merged by their maximum (router.metrics_shared shows them as counters): every router adds the
+# same scheduler's counts, so a sum would count them once per router; a dead router's stays, so none goes back
+ENGINE_COUNTERS = frozenset({"vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
+                             "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                             "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos"})
+
+
+def engine_counter(name: str, documentation: str, labels: list[str]) -> Any:
+    """A counter of a replica's own counts (as its scheduler's stats stream reports them): a Counter in one
+    process, a gauge merged by its maximum when routers share their series."""
+    assert name in ENGINE_COUNTERS  # (what the shared page shows as a counter)
+    if not MULTIPROC_DIR:
+        return Counter(name, documentation, labels, **R)
+    return Gauge(name, documentation, labels, multiprocess_mode="max", **R)
 
 
 def buckets_1_2_5(max_value: int) -> list[int]:
@@ -49,13 +78,13 @@ def buckets_1_2_5(max_value: int) -> list[int]:
 
 
 # -- vLLM's engine state, per replica, from its scheduler's stats ------------------------------------------
-RUNNING = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", E, **R)
-WAITING = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", E, **R)
-KV_USAGE = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", E, **R)
-PREFIX_QUERIES = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                         E, **R)
-PREFIX_HITS = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", E, **R)
-PREEMPTIONS = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", E, **R)
+RUNNING = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", E, **MERGE_LATEST)
+WAITING = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", E, **MERGE_LATEST)
+KV_USAGE = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", E, **MERGE_LATEST)
+PREFIX_QUERIES = engine_counter("vllm:prefix_cache_queries",
+                                "Prefix cache queries, in terms of number of queried tokens.", E)
+PREFIX_HITS = engine_counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", E)
+PREEMPTIONS = engine_counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", E)
 
 
 class SpecDecodeCounters:
@@ -64,11 +93,11 @@ class SpecDecodeCounters:
     _made: "SpecDecodeCounters | None" = None
 
     def __init__(self) -> None:
-        self.drafts = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", E, **R)
-        self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", E, **R)
-        self.accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", E, **R)
-        self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                        "Accepted tokens per draft position.", [*E, "position"], **R)
+        self.drafts = engine_counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", E)
+        self.draft_tokens = engine_counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", E)
+        self.accepted = engine_counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", E)
+        self.accepted_per_pos = engine_counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                               "Accepted tokens per draft position.", [*E, "position"])
 
     @classmethod
     def get(cls) -> "SpecDecodeCounters":
@@ -84,7 +113,7 @@ class LoRAInfo:
 
     def __init__(self) -> None:
         self.gauge = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
-                           [*E, "max_lora", "waiting_lora_adapters", "running_lora_adapters"], **R)
+                           [*E, "max_lora", "waiting_lora_adapters", "running_lora_adapters"], **MERGE_LATEST)
         self.current: dict[tuple[str, ...], tuple[str, ...]] = {}  # (model, engine) -> its series' labels
 
     @classmethod
@@ -96,7 +125,8 @@ class LoRAInfo:
     def set(self, labels: tuple[str, ...], max_loras: int, waiting: list[str], running: list[str]) -> None:
         now = (*labels, str(max_loras), ",".join(waiting), ",".join(running))
         before = self.current.get(labels)
-        if before is not None and before != now:  # one series per replica: the old labels' goes
+        if before is not None and before != now and not MULTIPROC_DIR:  # one series per replica: the old
+            # labels' goes (shared between routers it stays, with its older time, as vLLM's API servers leave it)
             self.gauge.remove(*before)
         self.current[labels] = now
         self.gauge.labels(*now).set_to_current_time()
@@ -151,9 +181,9 @@ REPLAYS = Counter("stagemesh:router_request_replays",
 ROUTER_E2E = Histogram("stagemesh:router_e2e_request_latency_seconds", "Request latency seen by the router",
                        buckets=_ROUTER_LATENCY, **R)
 HEALTHY = Gauge("stagemesh:router_replica_healthy", "1 if the replica can serve; engine: its vllm: series' label",
-                ["replica", "engine"], **R)
+                ["replica", "engine"], **MERGE_LATEST)
 KV_INDEX_BLOCKS = Gauge("stagemesh:router_kv_index_blocks", "KV blocks the replica's events say it caches "
-                        "(--policy kv-aware)", ["replica"], **R)
+                        "(--policy kv-aware)", ["replica"], **MERGE_LATEST)
 KV_INDEX_DEGRADED = Gauge("stagemesh:router_kv_index_degraded", "1 while the router is unsure of the replica's KV "
                           "blocks (its event stream is down, a gap was seen, a resync is under way): kv-aware routing "
                           "counts no hit there", ["replica"], **R)
@@ -161,7 +191,7 @@ KV_INDEX_RESYNCS = Counter("stagemesh:router_kv_index_resyncs", "Times the route
                            "events because it could not trust its index of it, by reason (gap, epoch, overflow, "
                            "malformed, stream_lost, stream_ended)", ["replica", "reason"], **R)
 ROUTER_RUNNING = Gauge("stagemesh:router_replica_num_requests_running", "The replica's running requests",
-                       ["replica"], **R)
+                       ["replica"], **MERGE_LATEST)
 ROUTER_WAITING = Gauge("stagemesh:router_replica_num_requests_waiting", "The replica's waiting requests",
-                       ["replica"], **R)
-IN_FLIGHT = Gauge("stagemesh:router_requests_in_flight", "Requests the router is serving now", **R)
+                       ["replica"], **MERGE_LATEST)
+IN_FLIGHT = Gauge("stagemesh:router_requests_in_flight", "Requests the routers are serving now", **MERGE_SUM)

@@ -2,9 +2,10 @@
 a log line per request."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -18,9 +19,10 @@ class _State(TypedDict):
     name: str  # the served model's
     engines: dict[str, str]  # replica address -> its engine label
     tokens: m.TokenHistograms | None  # once configured
+    page: Any  # the registry /metrics shows, once made (page_registry)
 
 
-_state: _State = {"name": "", "engines": {}, "tokens": None}
+_state: _State = {"name": "", "engines": {}, "tokens": None, "page": None}
 _counted: dict[str, tuple[int, ...]] = {}  # replica -> its counters seen so far (prefix, preemptions, spec)
 
 
@@ -40,11 +42,16 @@ def add_replica(address: str) -> str:
 
 
 def forget_replica(address: str) -> None:
-    """A replica the router no longer balances over: its router series go (its vllm: counters stay)."""
+    """A replica the router no longer balances over: its router series go (its vllm: counters stay). Shared
+    between routers (router.metrics) a series cannot be removed: they go to 0 instead."""
     engine = _state["engines"].get(address)
     for gauge, labels in ((m.HEALTHY, (address, engine)), (m.ROUTER_RUNNING, (address,)),
                           (m.ROUTER_WAITING, (address,)), (m.KV_INDEX_BLOCKS, (address,)),
-                           (m.KV_INDEX_DEGRADED, (address,))):
+                          (m.KV_INDEX_DEGRADED, (address,))):
+        if m.MULTIPROC_DIR:
+            if None not in labels:
+                gauge.labels(*labels).set(0)
+            continue
         try:
             gauge.remove(*labels)
         except KeyError:  # (never set)
@@ -98,10 +105,24 @@ def kv_index_resync(address: str, reason: str) -> None:
     m.KV_INDEX_RESYNCS.labels(address, reason).inc()
 
 
+def page_registry():
+    """What /metrics shows: this router's registry, or with routers that share their series (router.metrics) every
+    router's, merged."""
+    if not m.MULTIPROC_DIR:
+        return m.REGISTRY
+    if _state["page"] is None:
+        from router.metrics_shared import shared_registry
+
+        _state["page"] = shared_registry(m.MULTIPROC_DIR)
+    return _state["page"]
+
+
 async def metrics_handler(request):
     from aiohttp import web
 
-    return web.Response(body=generate_latest(m.REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    # (the merge reads every router's files: off the event loop)
+    body = await asyncio.to_thread(generate_latest, page_registry())
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def group_done(n: int, max_generated: int, replica: str | None) -> None:

@@ -8,6 +8,7 @@ import json
 from dataclasses import replace
 
 from router.errors import bad_request
+from router.config import RouterConfig
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.request import GenerateRequest, Prompt
 from router.request_builder import RequestBuilder
@@ -15,13 +16,16 @@ from stagemesh.core.sampling_params import SCALAR_FIELDS, InvalidParameter, Stru
 
 # SamplingParams' numbers and switches that a body names alike pass straight in (the request builder checks
 # them); max_tokens and the logprobs are read apart (their defaults and names differ by endpoint)
+# the value of a sampling parameter a body and the model's generation config both leave unset (OpenAI's
+# temperature; vLLM's other neutral values are SamplingParams' own)
+OPENAI_NEUTRAL = {"temperature": 1.0}
 SAMPLING_FIELDS = tuple(name for name in SCALAR_FIELDS if name in CompletionRequest.model_fields
                         and name in ChatCompletionRequest.model_fields
                         and name not in ("max_tokens", "logprobs", "prompt_logprobs"))
 
 
-def completion_request(m: CompletionRequest, served: str, adapters: tuple[str, ...] = ()) -> GenerateRequest:
-    b = _common(m, served, chat=False, adapters=adapters)
+def completion_request(m: CompletionRequest, config: RouterConfig) -> GenerateRequest:
+    b = _common(m, config, chat=False)
     b.prompts(_prompts(m.prompt))
     if m.suffix is not None:
         raise bad_request("'suffix' is not supported by this server (as in vLLM)", "suffix")
@@ -32,12 +36,13 @@ def completion_request(m: CompletionRequest, served: str, adapters: tuple[str, .
     return b.build()
 
 
-def chat_request(m: ChatCompletionRequest, served: str, tool_call_parser: str | None = None,
-                 adapters: tuple[str, ...] = ()) -> GenerateRequest:
-    b = _common(m, served, chat=True, adapters=adapters)
-    b.tools(m.tools, m.tool_choice, m.parallel_tool_calls, tool_call_parser)
+def chat_request(m: ChatCompletionRequest, config: RouterConfig) -> GenerateRequest:
+    b = _common(m, config, chat=True)
+    b.tools(m.tools, m.tool_choice, m.parallel_tool_calls, config.tool_call_parser)
     b.conversation(m.messages, m.add_generation_prompt, m.continue_final_message, m.chat_template,
                    m.chat_template_kwargs, m.documents)
+    b.reasoning_effort(m.reasoning_effort)
+    b.reasoning(config.reasoning_parser, config.template_thinks, m.include_reasoning)
     b.req.echo, b.req.add_special_tokens = m.echo, m.add_special_tokens
     top = b.logprobs("top_logprobs", m.top_logprobs)
     if top and not m.logprobs:
@@ -48,8 +53,8 @@ def chat_request(m: ChatCompletionRequest, served: str, tool_call_parser: str | 
     return b.build()
 
 
-def _common(m, served: str, chat: bool, adapters: tuple[str, ...] = ()) -> RequestBuilder:
-    b = RequestBuilder(served, m.model, chat, adapters)
+def _common(m, config: RouterConfig, chat: bool) -> RequestBuilder:
+    b = RequestBuilder(config.served_model_name, m.model, chat, config.adapter_names, config.sampling_defaults)
     b.streaming(m.stream, m.stream_options or None, m.prompt_logprobs)
     b.choices(m.n, m.best_of)
     b.stop(m.stop, m.include_stop_str_in_output)
@@ -65,7 +70,6 @@ def _common(m, served: str, chat: bool, adapters: tuple[str, ...] = ()) -> Reque
 
 def _sampling(b: RequestBuilder, m, logprobs: int | None, prompt_logprobs: int | None) -> None:
     values = {name: getattr(m, name) for name in SAMPLING_FIELDS if getattr(m, name) is not None}
-    values.setdefault("temperature", 1.0)  # OpenAI's default
     bias = m.logit_bias or {}
     try:
         if any(not k.lstrip("-").isdigit() for k in bias):
@@ -76,7 +80,7 @@ def _sampling(b: RequestBuilder, m, logprobs: int | None, prompt_logprobs: int |
     b.sampling({**values, "stop_token_ids": tuple(m.stop_token_ids or ()), "logprobs": logprobs,
                 "prompt_logprobs": prompt_logprobs,
                 "logit_bias": tuple(sorted((int(k), v) for k, v in bias.items())),
-                "allowed_token_ids": tuple(m.allowed_token_ids or ())}, constraint, where)
+                "allowed_token_ids": tuple(m.allowed_token_ids or ())}, constraint, where, OPENAI_NEUTRAL)
     if m.allowed_token_ids is not None and not m.allowed_token_ids:
         raise bad_request("'allowed_token_ids' must not be empty", "allowed_token_ids")
 

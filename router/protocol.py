@@ -97,6 +97,9 @@ class ChatMessage(Strict):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # an earlier answer's thinking (--reasoning-parser), given back: it reaches the chat template, as vLLM gives it
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 REQUEST_TEMPLATE = ("A Jinja chat template of the request's own, instead of the model's: refused (400) unless the "
@@ -119,6 +122,8 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True  # vLLM's: false drops the reasoning (--reasoning-parser) from the answer
+    reasoning_effort: Literal["none", "low", "medium", "high"] | None = None  # to the chat template (gpt-oss's)
 
 
 class TokenizeRequest(Strict):
@@ -155,7 +160,6 @@ REFUSED: dict[str, str] = {
     "vllm_xargs": "vllm_xargs (extensions) are not supported",
     "repetition_detection": "repetition_detection is not supported",
     "thinking_token_budget": "thinking_token_budget is not supported",
-    "reasoning_effort": "reasoning_effort is not supported by this server",
     "stream_interval": "stream_interval is not supported: every token is streamed as it comes",
     "return_token_offsets": "return_token_offsets is only for the render endpoints, which this server lacks",
     "session_id": "session_id is not supported",
@@ -177,7 +181,7 @@ def _asks_for_something(name: str, value, neutral: dict) -> bool:
         return False
     return not any(type(value) is type(v) and value == v for v in neutral.get(name, ()))
 # fields the OpenAI or vLLM schemas define that change nothing here (so no warning when they come)
-KNOWN_INERT = {"include_reasoning", "mm_processor_kwargs", "return_prompt_text"}
+KNOWN_INERT = {"mm_processor_kwargs", "return_prompt_text"}
 
 
 M = TypeVar("M", bound=BaseModel)

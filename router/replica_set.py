@@ -104,12 +104,14 @@ class ReplicaSet:
             index.forget(replica.address)
         await replica.close()
 
-    async def attach(self, request_id: str, prompt: list[int]) -> tuple[Replica, RequestStream, ReplicaOutput] | None:
+    async def attach(self, request_id: str, prompt: list[int], owner: str
+                     ) -> tuple[Replica, RequestStream, ReplicaOutput] | None:
         """Find the replica that holds a resumable request and attach it there: (replica, its stream, its outputs
         so far as one), or None when none holds it. Every replica is asked at once (a request moved on to a
         replica that is not healthy now is still there); one that does not answer within ATTACH_DEADLINE_S
         counts as not holding it."""
-        asks = {asyncio.create_task(_first(s)): (r, s) for r in self.replicas for s in [r.attach(request_id, prompt)]}
+        asks = {asyncio.create_task(_first(s)): (r, s)
+                for r in self.replicas for s in [r.attach(request_id, prompt, owner)]}
         found, refusal = None, None
         pending = set(asks)
         deadline = asyncio.get_running_loop().time() + ATTACH_DEADLINE_S

@@ -185,9 +185,9 @@ class Replica:
                         err.details())
             return False
 
-    def attach(self, request_id: str, prompt: list[int]) -> RequestStream:
+    def attach(self, request_id: str, prompt: list[int], owner: str) -> RequestStream:
         """Attach a resumable request this replica may hold (its first update says whether it does)."""
-        return self._submit_stream().attach(request_id, prompt)
+        return self._submit_stream().attach(request_id, prompt, owner)
 
     def _submit_stream(self) -> SubmitStream:
         if self._stream is None or self._stream.closed:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.reasoning import ReasoningPlan
 from router.resume import ResumePoint
 from router.tools import ToolPlan
 from stagemesh.core.engine_request import EngineRequest
@@ -37,8 +38,13 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     structured_param: str = "structured_outputs"  # the field the output constraint came in (for its 400s)
     tool_plan: ToolPlan | None = None  # chat with tools (router.tools)
+    reasoning: ReasoningPlan | None = None  # chat under --reasoning-parser: how its thinking is split off
     max_tokens_given: bool = False
     max_tokens_param: str = "max_tokens"  # the field max_tokens came in (max_completion_tokens, ...)
+    # the model's generation config (router.generation_config): the max_tokens of a request that sets none (None:
+    # the room its context leaves), and vLLM's cap on every request's (None: none)
+    max_tokens_default: int | None = None
+    max_tokens_cap: int | None = None
     n: int = 1
     stream: bool = False
     include_usage: bool = False

@@ -10,7 +10,9 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
+from router import reasoning
 from router.errors import APIError, bad_request
+from router.generation_config import SamplingDefaults
 from router.protocol import ChatMessage, StreamOptions
 from router.request import ChatOptions, GenerateRequest, Prompt
 from router.tools import plan_tools
@@ -23,6 +25,12 @@ MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 4096
 MAX_TEMPLATE_CHARS = 64 * 1024
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # what a request's chat_template_kwargs may not set: the router sets these itself
+# vLLM starts a constraint where the reasoning ends (its reasoning parser tells the engine where); here the
+# stages would apply it from the first token, so a model that starts in thinking could not think
+REASONING_CONSTRAINT = ("'{}' is not supported with --reasoning-parser while the model thinks (its chat template "
+                        "starts the answer in a <think> block): an output constraint applies after the reasoning in "
+                        "vLLM, which is not built here yet (a Qwen3 request with chat_template_kwargs "
+                        "{{\"enable_thinking\": false}} may have one)")
 RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
                             "chat_template", "tokenize", "return_dict", "return_tensors", "conversation"}
 
@@ -42,11 +50,14 @@ class RequestBuilder:
     has fields for, in the order they are written here (so that the first error named is the same whichever
     door), then build()."""
 
-    def __init__(self, served: str, model: str | None, chat: bool, adapters: tuple[str, ...] = ()):
-        """adapters: the LoRA adapters a model name may pick (--lora-modules)."""
+    def __init__(self, served: str, model: str | None, chat: bool, adapters: tuple[str, ...] = (),
+                 defaults: SamplingDefaults | None = None):
+        """adapters: the LoRA adapters a model name may pick (--lora-modules); defaults: the model's generation
+        config, for the sampling parameters the request leaves unset."""
         lora_name = check_model(model, served, adapters)
         self.req = GenerateRequest(model=lora_name or served, chat=chat,
                                    engine=EngineRequest("", (), lora_name=lora_name))
+        self.defaults = defaults or SamplingDefaults()
         self._max_tokens = INT32_MAX  # SamplingParams' max_tokens until max_tokens() says otherwise
 
     def streaming(self, stream: bool, options: StreamOptions | None = None, prompt_logprobs: int | None = None
@@ -117,6 +128,25 @@ class RequestBuilder:
             options.template_kwargs["tools"] = self.req.tool_plan.tools
         self.req.chat_options = options
 
+    def reasoning(self, parser: str | None, template_thinks: bool, include: bool = True) -> None:
+        """How the answer's reasoning is split off (--reasoning-parser): after conversation(), whose template and
+        its kwargs say whether the output starts in thinking (router.reasoning)."""
+        options = self.req.chat_options
+        assert options is not None  # (a chat: conversation() came first)
+        thinks = template_thinks if options.chat_template is None else reasoning.template_thinks(options.chat_template)
+        self.req.reasoning = reasoning.plan(parser, thinks, options.template_kwargs, include)
+        if parser == reasoning.HARMONY:
+            if self.req.tool_plan is not None:
+                raise bad_request("'tools' are not supported with --reasoning-parser openai_gptoss yet: tool calls "
+                                  "in harmony's commentary channel are not read", "tools")
+            self.req.skip_special_tokens = False  # (the channels' headers are special tokens: router.harmony)
+
+    def reasoning_effort(self, effort: str | None) -> None:
+        """vLLM's reasoning_effort: given to the chat template (gpt-oss's reads it), unless its kwargs set it."""
+        options = self.req.chat_options
+        if effort is not None and options is not None:
+            options.template_kwargs.setdefault("reasoning_effort", effort)
+
     def logprobs(self, name: str, value: int | None) -> int | None:
         """A count of top logprobs (logprobs, top_logprobs), checked by vLLM's limit."""
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -125,22 +155,27 @@ class RequestBuilder:
         return value
 
     def max_tokens(self, max_tokens: int | None, param: str = "max_tokens", echo_only: bool = False) -> None:
-        """max_tokens as given in `param` (None: what the context leaves, router.choices.fit_max_tokens)."""
+        """max_tokens as given in `param` (None: the model's default, else what the context leaves;
+        router.choices.fit_max_tokens settles it per prompt, under the model's cap)."""
         req = self.req
         req.echo_only, req.max_tokens_param = echo_only, param
         req.max_tokens_given = max_tokens is not None and not echo_only
+        req.max_tokens_default, req.max_tokens_cap = self.defaults.max_tokens, self.defaults.max_tokens_cap
         with _named(req):
             if req.max_tokens_given:
                 check_int("max_tokens", max_tokens)
-        # not given: the room the prompt leaves (router.choices.fit_max_tokens), the most until then, so
-        # that min_tokens is checked against that room, as vLLM checks it
-        self._max_tokens = 1 if echo_only else (max_tokens or INT32_MAX)
+        # not given: the model's default, or the room the prompt leaves (router.choices.fit_max_tokens), the
+        # most until then, so that min_tokens is checked against that room, as vLLM checks it
+        self._max_tokens = 1 if echo_only else (max_tokens or req.max_tokens_default or INT32_MAX)
 
     def sampling(self, values: dict, constraint: StructuredOutputs | None = None,
-                 structured_param: str = "structured_outputs") -> None:
+                 structured_param: str = "structured_outputs", neutral: dict | None = None) -> None:
         """The sampling parameters (SamplingParams' keyword values, but max_tokens and the output constraint),
-        checked by the rules every service shares; a tool plan's constraint joins the request's own."""
+        checked by the rules every service shares; a tool plan's constraint joins the request's own. A value the
+        request leaves out is the model's default (its generation config), else the door's `neutral` one, else
+        SamplingParams' own."""
         req = self.req
+        values = self.defaults.fill(values, neutral)
         req.structured_param = structured_param
         with _named(req):
             forced = req.tool_plan.constraint if req.tool_plan is not None else None
@@ -149,6 +184,8 @@ class RequestBuilder:
                     raise InvalidParameter(structured_param, f"one output constraint at a time: 'tool_choice' and "
                                                              f"'{structured_param}' are both given")
                 constraint, req.structured_param = forced, "tool_choice"
+            if constraint is not None and req.reasoning is not None and req.reasoning.implicit:
+                raise InvalidParameter(req.structured_param, REASONING_CONSTRAINT.format(req.structured_param))
             req.sampling = SamplingParams(**values, max_tokens=self._max_tokens, structured=constraint)
 
     def build(self) -> GenerateRequest:
@@ -210,7 +247,7 @@ def _message(m: ChatMessage, i: int) -> dict:
                               f"{where}.content")
         content = ""  # templates concatenate it: an agent's tool-call turn renders as vLLM renders it
     out: dict[str, Any] = {"role": m.role, "content": content}  # the developer role goes to the template as it is
-    for key in ("name", "tool_call_id"):
+    for key in ("name", "tool_call_id", "reasoning", "reasoning_content"):
         if getattr(m, key) is not None:
             out[key] = getattr(m, key)
     if m.tool_calls is not None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from router.dispatch import Generation
 from router.generation import Delta
+from router.reasoning import Splitter
 from router.request import GenerateRequest
 from router.tools import read_calls
 from router.tokenization import Tokenizer
@@ -53,16 +54,36 @@ class Choice:
     stop_reason: int | str | None = None
     offset: int = 0  # characters of this choice's text already covered by logprobs' text_offset
     opened: bool = False  # a stream has sent its first chunk
-    sent: int = 0  # characters of text a stream has sent as content (tool calls: text may be held back)
+    sent: int = 0  # characters of content a stream has sent (tool calls: content may be held back)
     prompt_ids_due: bool = False  # a completions stream still owes this choice's prompt_token_ids
+    split: Splitter | None = None  # under --reasoning-parser: the text's thinking split off as it comes
+    content: str = ""  # the answer: the text less its reasoning (all of it without a reasoning parser)
+    reasoning_tokens: int = 0  # generated while the answer thought (its reasoning and the tag that ends it)
 
-    def add(self, d: Delta) -> None:
+    def add(self, d: Delta) -> tuple[str, str]:
+        """Take a delta; return the (reasoning, content) text it adds (the reasoning "" without a parser)."""
         self.text += d.text
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs
         self.prompt_logprobs += d.prompt_logprobs
         self.finish_reason = d.finish_reason or self.finish_reason
         self.stop_reason = d.stop_reason if d.stop_reason is not None else self.stop_reason
+        if self.split is None:
+            self.content += d.text
+            return "", d.text
+        thinking = self.split.thinking()
+        reasoning, content = self.split.feed(d.text, bool(d.finish_reason))
+        self.reasoning_tokens += len(d.token_ids) if thinking and self.split.opened else 0
+        self.content += content
+        return reasoning, content
+
+    def reasoning(self, include: bool = True) -> dict:
+        """The message's reasoning fields under a reasoning parser (vLLM's `reasoning` and its older name), None
+        when the answer did not think or include_reasoning is false; {} without a parser."""
+        if self.split is None:
+            return {}
+        text = self.split.result()[0] if include else None
+        return {"reasoning": text, "reasoning_content": text}
 
 
 class Answer:
@@ -71,7 +92,8 @@ class Answer:
     def __init__(self, req: GenerateRequest, request_id: str, created: int, gens: list[Generation],
                  tokenizer: Tokenizer, echo_texts: list[str]):
         self.req, self.id, self.created, self.tokenizer = req, request_id, created, tokenizer
-        self.choices = [Choice(g, echo_texts[g.index // req.n] if req.echo else "") for g in gens]
+        self.choices = [Choice(g, echo_texts[g.index // req.n] if req.echo else "",
+                               split=req.reasoning.splitter() if req.reasoning else None) for g in gens]
         self.by_gen = {id(c.gen): c for c in self.choices}
         self.firsts: dict[int, Choice] = {}  # each prompt's first choice: the one that has its prompt logprobs
         for c in self.choices:
@@ -93,7 +115,7 @@ class Answer:
         return out
 
     def _calls(self, c: Choice) -> tuple[str | None, list] | None:
-        return read_calls(self.req.tool_plan, c.text, c.finish_reason)
+        return read_calls(self.req.tool_plan, c.content, c.finish_reason)
 
     def _finish_reason(self, c: Choice, made: tuple | None) -> str | None:
         # OpenAI's: "tool_calls" when the model chose to call (required, auto); a named call ends with "stop"
@@ -105,12 +127,14 @@ class Answer:
         made = self._calls(c) if req.chat else None
         choice: dict[str, object]
         choice = {"index": c.gen.index, "finish_reason": self._finish_reason(c, made), "stop_reason": c.stop_reason}
+        thought = c.reasoning(bool(req.reasoning and req.reasoning.include))
         if made:  # (a forced call cut short: no content and no calls)
-            choice["message"] = {"role": "assistant", "content": made[0],
+            choice["message"] = {"role": "assistant", "content": made[0], **thought,
                                  **({"tool_calls": [t.to_dict() for t in made[1]]} if made[1] else {})}
             choice["logprobs"] = self._chat_logprobs(c.logprobs) if req.logprobs else None
         elif req.chat:
-            choice["message"] = {"role": "assistant", "content": c.echo + c.text}
+            content = c.echo + c.content
+            choice["message"] = {"role": "assistant", "content": (content or None) if thought else content, **thought}
             choice["logprobs"] = self._chat_logprobs(c.logprobs) if req.logprobs else None
         else:
             choice["text"] = c.echo + c.text
@@ -135,6 +159,8 @@ class Answer:
         cached = sum(g.cached_tokens for g in prompts)
         if cached:
             out["prompt_tokens_details"] = {"cached_tokens": cached}
+        if self.req.reasoning is not None:  # (vLLM's, with a reasoning parser)
+            out["completion_tokens_details"] = {"reasoning_tokens": sum(c.reasoning_tokens for c in self.choices)}
         return out
 
     # -- streamed answers ------------------------------------------------------------------
@@ -154,13 +180,20 @@ class Answer:
         if self.req.logprobs:
             logprobs = self._chat_logprobs(d.logprobs) if self.req.chat else \
                 self._completion_logprobs(c, d.token_ids, d.logprobs, echo=False)
-        c.add(d)
+        reasoning, text = c.add(d)
+        carrier: Delta | None = d  # the chunk that carries this delta's token ids (the first one sent)
+        if self.req.chat and reasoning and self.req.reasoning is not None and self.req.reasoning.include:
+            out.append(self._chunk({"index": c.gen.index, "delta": {"reasoning": reasoning, "reasoning_content":
+                                    reasoning}, "logprobs": logprobs, "finish_reason": None}, d, c))
+            logprobs, carrier = None, None
+            if not text and not d.finish_reason:
+                return out
         if self.req.chat and self.req.tool_plan is not None and self.req.tool_plan.mode != "none":
-            return out + self._tool_chunks(c, d, logprobs)
+            return out + self._tool_chunks(c, d, logprobs, carrier)
         if self.req.chat:
-            delta = {"content": d.text} if d.text or not d.finish_reason else {}
+            delta = {"content": text} if text or not d.finish_reason else {}
             out.append(self._chunk({"index": c.gen.index, "delta": delta, "logprobs": logprobs,
-                                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}, d, c))
+                                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}, carrier, c))
         else:
             choice = {"index": c.gen.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason,
                       "stop_reason": d.stop_reason}
@@ -169,7 +202,7 @@ class Answer:
             out.append(self._chunk(choice, d, c))
         return out
 
-    def _tool_chunks(self, c: Choice, d: Delta, logprobs) -> list[dict]:
+    def _tool_chunks(self, c: Choice, d: Delta, logprobs, carrier: Delta | None) -> list[dict]:
         """Calls stream as OpenAI's tool-call deltas: each whole call (id, name, arguments) in one delta once the
         output is complete, then the finish. Under "auto" the text before a call streams as content as it comes
         (held back only where a call may begin); under required / named there is none. The tokens of held text
@@ -178,13 +211,14 @@ class Answer:
         assert plan is not None  # (the chunks of a request with tools)
         if plan.mode == "auto" and not d.finish_reason:
             assert plan.parser is not None  # (auto: the --tool-call-parser's)
-            safe = plan.parser.may_start(c.text)
+            safe = plan.parser.may_start(c.content)
             if safe > c.sent:
-                out.append(self._chunk({"index": c.gen.index, "delta": {"content": c.text[c.sent:safe]},
-                                        "logprobs": logprobs, "finish_reason": None}, d, c))
+                out.append(self._chunk({"index": c.gen.index, "delta": {"content": c.content[c.sent:safe]},
+                                        "logprobs": logprobs, "finish_reason": None}, carrier, c))
                 c.sent = safe
                 return out
-        if (self.req.logprobs or self.req.return_token_ids) and (d.token_ids or not d.finish_reason):
+        if carrier is not None and (self.req.logprobs or self.req.return_token_ids) \
+                and (d.token_ids or not d.finish_reason):
             out.append(self._chunk({"index": c.gen.index, "delta": {}, "logprobs": logprobs, "finish_reason": None},
                                    d, c))
         if not d.finish_reason:
@@ -197,7 +231,7 @@ class Answer:
             if content and len(content) > c.sent:
                 delta["content"] = content[c.sent:]
         else:
-            delta = {"content": c.text[c.sent:]}
+            delta = {"content": c.content[c.sent:]}
         if delta:  # (nothing for a forced call cut short: the finish says so)
             out.append(self._chunk({"index": c.gen.index, "delta": delta, "logprobs": None, "finish_reason": None},
                                    None, c))

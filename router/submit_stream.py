@@ -117,10 +117,11 @@ class SubmitStream:
         self._ready.set()
         return stream
 
-    def attach(self, request_id: str, prompt: list[int]) -> RequestStream:
-        """Take over a resumable request another router submitted: its outputs so far come first."""
+    def attach(self, request_id: str, prompt: list[int], owner: str) -> RequestStream:
+        """Take over a resumable request another router submitted (for the same owner): its outputs so far
+        come first."""
         stream = self._requests[request_id] = RequestStream(self, request_id, resumable=True)
-        self._outbox.attaches.add(request_id=request_id, prompt_token_ids=prompt)
+        self._outbox.attaches.add(request_id=request_id, prompt_token_ids=prompt, owner=owner)
         self._ready.set()
         return stream
 

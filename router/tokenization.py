@@ -43,6 +43,7 @@ class Tokenizer:
         # never fit the model: refused before it costs seconds of tokenizing
         longest = max((len(t) for t in self.tok.convert_ids_to_tokens(list(range(len(self.tok)))) if t), default=1)
         self.max_text_chars = (max_positions or 1 << 20) * max(longest, 1)
+        self.max_tokens = max_positions or 1 << 20  # no sequence of the model is longer (/detokenize's bound)
         # an encode before any thread runs: it leaves the backend with no truncation or padding to reset later
         # (a reset borrows the Rust tokenizer mutably, which fails while another thread encodes)
         self.tok.encode("")
@@ -79,6 +80,11 @@ class Tokenizer:
         if num_chars > self.max_text_chars:
             raise bad_request(f"'{param}' has {num_chars:,} characters: more than any prompt this model can take "
                               f"({self.max_text_chars:,} characters at most)", param)
+
+    def check_token_count(self, num_tokens: int, param: str) -> None:
+        if num_tokens > self.max_tokens:
+            raise bad_request(f"'{param}' has {num_tokens:,} token ids: more than any sequence this model takes "
+                              f"({self.max_tokens:,} at most)", param)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens)

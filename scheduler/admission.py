@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from scheduler.config import SchedulerConfig
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams, check_token_ids
+from stagemesh.core.step import TokenLogprob
 
 MAX_REQUEST_ID_LEN = 256
 
@@ -37,6 +38,21 @@ def check_request(cfg: SchedulerConfig, request_id: str, prompt_token_ids: Seque
         )
     if not fits_kv_cache(cfg, total):
         raise StagemeshError(f"a request of {total} tokens can never fit the KV cache of {cfg.kv_cache_tokens} tokens")
+
+
+def check_generated_logprobs(generated_token_ids: Sequence[int], logprobs: Sequence[TokenLogprob],
+                             sampling: SamplingParams) -> None:
+    """A continuation's logprobs (kept for a resume only): none, or one per generated token, of that token, with
+    at most sampling.logprobs top ones."""
+    if not logprobs:
+        return
+    top = sampling.logprobs if sampling.logprobs is not None else -1
+    if len(logprobs) != len(generated_token_ids) or top < 0 or any(
+            e.token_id != t or len(e.top_token_ids) != len(e.top_logprobs) or len(e.top_token_ids) > top + 1
+            for e, t in zip(logprobs, generated_token_ids)):
+        raise StagemeshError(f"a continuation's generated_logprobs must be one per generated token ({len(logprobs)} "
+                             f"for {len(generated_token_ids)}), of that token, with at most sampling.logprobs top "
+                             "ones (and its own), and only when sampling.logprobs is set")
 
 
 def fits_kv_cache(cfg: SchedulerConfig, num_tokens: int) -> bool:

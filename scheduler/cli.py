@@ -133,6 +133,8 @@ def _check_args(args: argparse.Namespace, cfg) -> tuple[int, int]:
         raise StagemeshError("--resume-grace-period must be >= 0")
     if not args.kv_hold_timeout > 0:
         raise StagemeshError("--kv-hold-timeout must be > 0")
+    if not args.grammar_compile_timeout > 0:
+        raise StagemeshError(f"--grammar-compile-timeout must be > 0, got {args.grammar_compile_timeout}")
     _check_kv_peers(args.kv_peer, args.kv_role)
     tier_host, tier_disk = kv_tier_bytes(args)
     if tier_host and not args.enable_prefix_caching:
@@ -168,7 +170,8 @@ def _driver(args: argparse.Namespace, cfg, tier_bytes: tuple[int, int], advertis
     return Driver(DriverConfig(
         scheduler, model_max_len=cfg.max_position_embeddings, async_scheduling=args.async_scheduling,
         stage_recovery_timeout_s=args.stage_recovery_timeout, max_request_retries=args.max_request_retries,
-        kv_offloading_bytes=tier_bytes[0], kv_offloading_disk_bytes=tier_bytes[1]),
+        kv_offloading_bytes=tier_bytes[0], kv_offloading_disk_bytes=tier_bytes[1],
+        grammar_compile_timeout_s=args.grammar_compile_timeout),
         GrpcPipeline(rendezvous, advertise, store_port, replace(DEADLINES, forward_s=args.forward_timeout)))
 
 

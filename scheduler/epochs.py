@@ -20,13 +20,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
-from scheduler.config import DriverConfig
+from scheduler.config import DriverConfig, SchedulerConfig
 from scheduler.observe import Observer
 from scheduler.pipeline import Pipeline, StageFailure
 from scheduler.rendezvous import PipelinePlan, StageInfo
 from scheduler.request import RequestOutput
 from scheduler.scheduler import Scheduler
 from scheduler.tiers import tier_blocks
+from scheduler.warmup import warm_up
 
 if TYPE_CHECKING:
     from scheduler.grpc_pipeline import GrpcPipeline
@@ -129,13 +130,18 @@ class EpochManager:
             if plan is None:
                 return
             epoch = self.epoch = self.epoch + 1
+            config = self._formed_config(plan, max_len)
             try:
                 await self.pipeline.join(epoch, plan, max_len, self.cfg.scheduler.max_num_batched_tokens)
+                warm = None
+                if self.cfg.warm_up and self.scheduler is None:  # (kept requests resume at once, unwarmed)
+                    self.reason = "warming up"
+                    warm = await warm_up(self.pipeline, epoch, config)
             except StageFailure as err:
                 self.reason = f"pipeline did not form: {err}"
                 log.error("%s", self.reason)
                 return
-            self._start(plan, max_len)
+            self._start(plan, config, warm)
 
     def _max_model_len(self, plan: PipelinePlan) -> int | None:
         """The pipeline's context length, or None (the reason set) if none fits. The first pipeline too small
@@ -188,7 +194,8 @@ class EpochManager:
         return replace(plan, num_host_kv_blocks=tier_blocks(host, per_block),
                        num_disk_kv_blocks=tier_blocks(disk, per_block))
 
-    def _start(self, plan: PipelinePlan, max_len: int) -> None:
+    def _formed_config(self, plan: PipelinePlan, max_len: int) -> SchedulerConfig:
+        """The scheduler's settings for an epoch of `plan`."""
         # CPU stages use every core for the model; overlapping the scheduler, router and client work with
         # it was measured slower there (benchmarks/RESULTS.md, 2026-11-23 async scheduling), so on CPU it
         # is on only when asked for
@@ -196,12 +203,17 @@ class EpochManager:
         if async_scheduling is None:  # (speculation refuses it: scheduler.config)
             async_scheduling = all(s.device.startswith("cuda") for s in plan.stages) and \
                 self.cfg.scheduler.speculative is None
-        block_size = self.pipeline.block_size
+        return replace(self.cfg.scheduler, num_kv_blocks=plan.num_kv_blocks, max_model_len=max_len,
+                       block_size=self.pipeline.block_size, async_scheduling=async_scheduling,
+                       num_host_kv_blocks=plan.num_host_kv_blocks, num_disk_kv_blocks=plan.num_disk_kv_blocks)
+
+    def _start(self, plan: PipelinePlan, config: SchedulerConfig, warm: Scheduler | None) -> None:
+        """The epoch serves: its scheduler made (after the warm-up's steps, or taking over the kept requests)."""
+        block_size, max_len, async_scheduling = config.block_size, config.max_model_len or 0, config.async_scheduling
         disk_hashes = getattr(self.pipeline, "disk_block_hashes", ())  # what the disk tier kept from before
-        kept, self.scheduler = self.scheduler, Scheduler(replace(
-            self.cfg.scheduler, num_kv_blocks=plan.num_kv_blocks, max_model_len=max_len, block_size=block_size,
-            async_scheduling=async_scheduling, num_host_kv_blocks=plan.num_host_kv_blocks,
-            num_disk_kv_blocks=plan.num_disk_kv_blocks), disk_hashes)
+        kept, self.scheduler = self.scheduler, Scheduler(config, disk_hashes)
+        if warm is not None:
+            self.scheduler.continue_after(warm)
         if self._recovery is not None:
             self._recovery.cancel()
             self._recovery = None
@@ -214,6 +226,7 @@ class EpochManager:
                      s.layer_end, s.tp_size, s.device, s.handoff, s.address)
         kv_tokens = plan.num_kv_blocks * block_size
         log.info("KV cache size: %s tokens", f"{kv_tokens:,}")
+        self.observer.formed(kv_tokens)
         log.info("Maximum concurrency for %s tokens per request: %.2fx", f"{max_len:,}", kv_tokens / max_len)
         per_token = sum(s.kv_bytes_per_block for s in plan.stages) // block_size
         dtype = plan.stages[0].kv_cache_dtype

@@ -19,12 +19,14 @@ from opentelemetry import trace
 
 from scheduler.pipeline import StageFailure, StepResult
 from scheduler.rendezvous import PipelinePlan, Rendezvous, StageInfo
-from stagemesh.core import telemetry
+from stagemesh.core import kv_ticket, telemetry
 from stagemesh.core.deadlines import DEADLINES, Deadlines
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.sampling_params import InvalidParameter, SamplingParams, StructuredOutputs
 from stagemesh.core.service_options import aio_channel
 from stagemesh.core.step import EpochSpec, StepBatch
 from stagemesh.core.step_wire import drafts_from_pb, epoch_to_pb, prompt_logprobs_from_pb, sampled_from_pb, step_to_pb
+from stagemesh.core.wire import sampling_to_pb
 from stagemesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.scheduler")
@@ -43,6 +45,7 @@ class GrpcPipeline:
         self._channels: dict[str, tuple[grpc.aio.Channel, stage_pb2_grpc.StageStub]] = {}
         self._tasks: set[asyncio.Task] = set()  # channels closing later, referenced until done
         self._answered: set[str] = set()  # addresses of stages that answered a step since the last probe round
+        self.kv_read_key = kv_ticket.new_key()  # what the stages ask of a reader of held KV (given at each join)
 
     # -- membership ----------------------------------------------------------------
     async def register(self, stage: StageInfo) -> tuple[int, bool, str | None]:
@@ -94,7 +97,7 @@ class GrpcPipeline:
             plan.num_kv_blocks, max_model_len, max_num_batched_tokens,
             next_stage_address=plan.stages[index + 1].address if index + 1 < len(plan.stages) else "",
             first_stage_address=plan.stages[0].address if 0 < index == len(plan.stages) - 1 else "",
-            num_host_kv_blocks=plan.num_host_kv_blocks)
+            num_host_kv_blocks=plan.num_host_kv_blocks, kv_read_key=self.kv_read_key)
         return await _answer(stage, self._stub(stage).JoinPipeline(epoch_to_pb(spec), timeout=self.deadlines.join_s))
 
     # -- steps ---------------------------------------------------------------------------
@@ -127,13 +130,30 @@ class GrpcPipeline:
         return StepResult(sampled_from_pb(msg), prompt_logprobs_from_pb(msg), sum(r.compute_seconds for r in replies),
                           drafts_from_pb(msg))
 
+    # -- structured outputs --------------------------------------------------------------
+    async def compile_grammar(self, structured: StructuredOutputs, timeout_s: float) -> None:
+        if self.plan is None:
+            raise StagemeshError("no pipeline is formed to compile the constraint on")
+        last = self.plan.stages[-1]
+        request = stage_pb2.CompileGrammarRequest()
+        sampling_to_pb(SamplingParams(structured=structured), request.sampling)
+        try:
+            await self._stub(last).CompileGrammar(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidParameter("structured_outputs", err.details() or "it does not compile") from None
+            if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TimeoutError from None
+            raise StagemeshError(f"{last.name} did not compile the constraint: {err.code().name}") from None
+
     # -- disaggregated prefill ------------------------------------------------------------
     async def pull_kv(self, epoch: int, pull, timeout_s: float) -> int:
         src = pull.source
         request = stage_pb2.PullKVRequest(
             epoch=epoch, block_ids=pull.block_ids, source_epoch=src.epoch, source_block_ids=src.block_ids,
             source_block_size=src.block_size,
-            sources=[stage_pb2.KVSource(address=a, layer_start=s, layer_end=e) for a, s, e in src.stages])
+            sources=[stage_pb2.KVSource(address=a, layer_start=s, layer_end=e) for a, s, e in src.stages],
+            source_ticket=src.read_ticket)
         # each stage reads within timeout_s (its deadline less kv_write_s); the rest is for its write
         deadline = timeout_s + self.deadlines.kv_write_s
         assert self.plan is not None  # (KV moves after the join, as steps do)

@@ -36,6 +36,8 @@ KV_USAGE = Gauge("stagemesh:kv_cache_usage_perc", "Fraction of KV cache blocks i
 CACHE_CONFIG = Gauge("stagemesh:cache_config_info", "The formed pipeline's KV cache (vLLM's cache_config_info): 1, "
                      "with its dtype (--kv-cache-dtype), block size, blocks and bytes per token (every stage and "
                      "rank together) as labels", ["cache_dtype", "block_size", "num_gpu_blocks", "kv_bytes_per_token"])
+KV_TOKENS = Gauge("stagemesh:kv_cache_size_tokens", "Tokens the KV cache holds (the minimum over the stages, as "
+                  "the start-up log's KV cache size)")
 PREFIX_QUERIES = Counter("stagemesh:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
 PREFIX_HITS = Counter("stagemesh:prefix_cache_hits", "Prompt tokens found in the prefix cache")
 PREEMPTIONS = Counter("stagemesh:num_preemptions", "Requests preempted (recomputed later)")
@@ -167,6 +169,10 @@ class Observer:
                 QUEUE.observe(now - t.arrival)
                 if t.span is not None:
                     t.span.add_event("scheduled")
+
+    def formed(self, kv_tokens: int) -> None:
+        """A pipeline formed with a KV cache of kv_tokens tokens."""
+        KV_TOKENS.set(kv_tokens)
 
     def stalled(self, request_ids: list[str], failure: str) -> None:
         """The pipeline broke under these requests; they are kept for the next epoch."""

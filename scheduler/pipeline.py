@@ -18,6 +18,7 @@ from typing import Awaitable, Protocol
 from opentelemetry import trace
 
 from scheduler.rendezvous import PipelinePlan, StageInfo
+from stagemesh.core.sampling_params import StructuredOutputs
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.speculative import MAX_NUM_SPECULATIVE_TOKENS
 from stagemesh.core.step import PromptLogprobs, SampledToken, StepBatch
@@ -50,6 +51,9 @@ class Pipeline(Protocol):
     # whether the stages compute different steps at the same time (separate processes): the driver keeps
     # one micro-batch in flight per stage; otherwise one step runs at a time through all of them
     overlaps_stages: bool
+    # disaggregated prefill: the key of the read tickets of the KV this replica holds (stagemesh.core.kv_ticket);
+    # the stages get it at each join
+    kv_read_key: bytes
 
     def layout(self) -> PipelinePlan | None:
         """The stages that would form the next epoch, or None while some are missing."""
@@ -63,6 +67,11 @@ class Pipeline(Protocol):
 
     async def probe(self) -> StageFailure | None:
         """Whether every stage of the pipeline still answers as the instance that joined."""
+
+    async def compile_grammar(self, structured: StructuredOutputs, timeout_s: float) -> None:
+        """Structured outputs: the last stage compiles a request's constraint and keeps it for the sequence (the
+        scheduler does not schedule the request until then: vLLM's WAITING_FOR_FSM). Raises InvalidParameter for
+        a constraint that does not compile, TimeoutError past timeout_s, StagemeshError when no stage answers."""
 
     async def pull_kv(self, epoch: int, pull, timeout_s: float) -> int:
         """Disaggregated prefill: every stage fetches its layers of a prompt's KV held on a prefill replica
@@ -85,10 +94,12 @@ class Pipeline(Protocol):
         (None: it did not answer within timeout_s; errors are logged)."""
 
 
-def check_result(batch: StepBatch, result: StepResult, vocab_size: int | None) -> None:
+def check_result(batch: StepBatch, result: StepResult, vocab_size: int | None,
+                 all_failed_is_fault: bool = True) -> None:
     """Raises StagemeshError unless `result` answers `batch`: tokens for each sampling chunk, in order, in
     the vocabulary (with drafts: the accepted ones equal to the drafts, at most one more); prompt logprobs
-    only within the chunks the step computed; proposals only for sequences that sampled."""
+    only within the chunks the step computed; proposals only for sequences that sampled. With
+    `all_failed_is_fault`, a step whose every sequence (more than one) failed to sample is the model failing."""
     c = batch.chunks
     vocab = vocab_size or (1 << 31)
     drafts = {seq_id: (c.token_ids[end - d:end] if d else [])
@@ -106,7 +117,7 @@ def check_result(batch: StepBatch, result: StepResult, vocab_size: int | None) -
     if any(not 0 <= t.token_id < vocab for t in result.sampled if t.error is None):
         raise StagemeshError(f"the stage sampled a token id outside the vocabulary of {vocab}")
     errors = [tokens[-1].error for _, tokens in runs if tokens[-1].error is not None]
-    if len(errors) == len(runs) > 1:  # not one request's data: the model itself is failing
+    if all_failed_is_fault and len(errors) == len(runs) > 1:  # not one request's data: the model itself is failing
         raise StagemeshError(f"every one of the {len(runs)} sequences of the step failed to sample ({errors[0]})")
     for seq_id, proposed in result.drafts.items():
         if seq_id not in drafts or len(proposed) > MAX_NUM_SPECULATIVE_TOKENS or \

@@ -48,6 +48,8 @@ class Request:
     kv_ready: bool = False  # its prompt's KV was pulled into its blocks: the prompt counts as computed
     tiers_checked: bool = False  # this admission looked its prompt up in the KV tiers (scheduler.tiers)
     lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
+    # its constraint compiles on the last stage: not scheduled until it can be sampled (vLLM's WAITING_FOR_FSM)
+    waiting_for_grammar: bool = False
     # prompt + output, kept up to date by append_output (the scheduler reads it every step)
     all_token_ids: list[int] = field(init=False, repr=False)
     hash_root: int | None = field(default=None, repr=False)  # its prefix-cache blocks' root (EngineRequest's)

@@ -31,14 +31,15 @@ from collections.abc import Sequence
 
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from scheduler import results
-from scheduler.admission import check_request, fits_kv_cache
+from scheduler.admission import check_generated_logprobs, check_request, fits_kv_cache
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.kv_transfer import KVLoadFailed, KVTransfers, failure_message
+from scheduler.lora_slots import LoRASlots
 from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
 from scheduler.policy import SchedulingPolicy
 from scheduler.request import Request, RequestOutput, Status
@@ -102,6 +103,14 @@ class Scheduler:
         self.num_preemptions = 0
         self.transfers = KVTransfers(config.kv_hold_timeout_s)  # disaggregated prefill's holds and pulls
         self.spec = Speculator(config.speculative, self.max_model_len) if config.speculative else None
+        self.lora_slots = LoRASlots()  # --max-loras: which waiting request's adapter may start
+
+    def continue_after(self, warm: Scheduler) -> None:
+        """`warm` ran steps in this epoch before this scheduler (scheduler.warmup): its step and sequence ids stay
+        spent on the stages, and its finished sequences are dropped there with this scheduler's first step."""
+        self._step_ids = itertools.count(next(warm._step_ids))
+        self._seq_ids = itertools.count(next(warm._seq_ids))
+        self._finished_seq_ids = [*warm._finished_seq_ids, *self._finished_seq_ids]
 
     # -- requests in and out ------------------------------------------------
     def add_request(self, r: EngineRequest) -> bool:
@@ -115,6 +124,7 @@ class Scheduler:
         KVLoadFailed."""
         cfg, request_id, kv_source = self.config, r.request_id, r.kv_source
         check_request(cfg, request_id, r.prompt_token_ids, r.sampling, r.generated_token_ids)
+        check_generated_logprobs(r.generated_token_ids, r.generated_logprobs, r.sampling)
         self.policy.check(r.priority)
         if r.lora_name and (cfg.lora is None or r.lora_name not in cfg.lora):
             raise StagemeshError(f"the LoRA adapter {r.lora_name[:200]!r} is not served by this replica"
@@ -225,9 +235,16 @@ class Scheduler:
         self.transfers.requeue_releases(old.transfers.take_releases())
         return failed
 
-    def fail(self, request_ids, error: str) -> list[RequestOutput]:
-        """End these requests with `error` (not their own fault)."""
-        return [self.finish(self.requests[r], "error", error=error) for r in request_ids if r in self.requests]
+    def fail(self, request_ids, error: str, own_fault: bool = False) -> list[RequestOutput]:
+        """End these requests with `error` (own_fault: their own data failed them, never to be retried)."""
+        return [self.finish(self.requests[r], "error", error=error, own_fault=own_fault) for r in request_ids
+                if r in self.requests]
+
+    def wait_for_grammar(self, request_id: str, waiting: bool) -> None:
+        """A structured request waits, unscheduled, while its constraint compiles (vLLM's WAITING_FOR_FSM)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.waiting_for_grammar = waiting
 
     def abort(self, request_ids) -> list[RequestOutput]:
         outputs = []
@@ -342,15 +359,23 @@ class Scheduler:
         return num_cached + min(request.num_tokens - num_cached, tokens), cached
 
     def _schedule_waiting(self, budget: _Budget) -> None:
-        # at most --max-loras adapters run at once (a set built per step only when LoRA is on)
+        skipped: list[Request] = []  # requests that cannot start yet: they keep their places in the queue
+        try:
+            self._admit_waiting(budget, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _admit_waiting(self, budget: _Budget, skipped: list[Request]) -> None:
+        # at most --max-loras adapters run at once (scheduler.lora_slots; counted per step only when LoRA is on)
         lora = self.config.lora
-        max_loras = lora.max_loras if lora is not None else 0
-        adapters = {r.lora_name for r in self.running if r.lora_name} if lora is not None else set()
+        busy = self.lora_slots.busy(self.running) if lora is not None else Counter[str]()
         while (self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs
                and len(budget.chunks) < budget.seqs):
             request = self.waiting[0]
-            if request.lora_name and request.lora_name not in adapters and len(adapters) >= max_loras:
-                break  # it waits for a running adapter's requests to end (in its turn, as for KV blocks)
+            if request.waiting_for_grammar or (lora is not None and not self.lora_slots.admits(request, busy,
+                                                                                               lora.max_loras)):
+                skipped.append(self.waiting.popleft())  # its constraint compiles, or its adapter has no slot
+                continue
             if request.kv_source is not None:  # its prompt's KV is elsewhere: blocks for it, then the pull
                 blocks = self.kv.allocate(request.request_id, request.kv_source.num_tokens)
                 if blocks is None:
@@ -392,7 +417,7 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             self.policy.add_running(self.running, request)
             if request.lora_name:
-                adapters.add(request.lora_name)
+                busy[request.lora_name] += 1
             budget.new_sequences.append(NewSequence(request.seq_id, list(request.prompt_token_ids), request.sampling,
                                                     list(request.output_token_ids), request.lora_name))
             self._add_chunk(budget, request, num_new, new_blocks)

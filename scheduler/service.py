@@ -21,6 +21,8 @@ from scheduler.sessions import Sessions
 from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grpc_errors import ErrorInterceptor
+from stagemesh.core import kv_ticket
+from stagemesh.core.hash_parts import tier_parts
 from stagemesh.core.health import LIVENESS, follow
 from stagemesh.core.lora import LoRAError
 from stagemesh.core.service_options import add_port, aio_server
@@ -138,14 +140,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def _sink(self, r: EngineRequest, connection: Connection):
         """Where a new request's outputs go: its connection, or for a resumable one a session that keeps them."""
         if r.resumable:
-            return self.sessions.open(r.request_id, list(r.prompt_token_ids), list(r.generated_token_ids), connection)
+            return self.sessions.open(r, connection)
         if r.request_id in self.sessions:
             raise StagemeshError(f"request id {r.request_id!r} is already in use (by a resumable request)")
         return connection
 
     def _attach(self, attach, connection: Connection) -> None:
         try:
-            self.sessions.attach(attach.request_id, list(attach.prompt_token_ids), connection)
+            self.sessions.attach(attach.request_id, list(attach.prompt_token_ids), attach.owner, connection)
         except StagemeshError as err:
             connection.reject(attach.request_id, err)
 
@@ -207,8 +209,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def GetKVSnapshot(self, request, context):
         epoch, seq, tiers = self.driver.kv_events.snapshot()
-        return scheduler_pb2.KVSnapshot(epoch=epoch, seq=seq, block_size=self.block_size, tiers=[
-            scheduler_pb2.KVSnapshotTier(medium=medium, block_hashes=hashes) for medium, hashes in tiers])
+        parts = list(tier_parts(tiers))
+        for i, part in enumerate(parts):
+            yield scheduler_pb2.KVSnapshot(epoch=epoch, seq=seq, block_size=self.block_size, more=i < len(parts) - 1,
+                                           tiers=[scheduler_pb2.KVSnapshotTier(medium=medium, block_hashes=hashes)
+                                                  for medium, hashes in part])
 
     async def GetModelInfo(self, request, context):
         d = self.driver.status()
@@ -238,7 +243,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         held = out.held_kv
         assert held is not None  # (called only for an output that holds KV: scheduler.replies)
         return KVSourceInfo(self.address, out.request_id, held.epoch, tuple(held.block_ids), self.block_size,
-                            held.num_tokens, held.stages)
+                            held.num_tokens, held.stages,
+                            kv_ticket.ticket(self.driver.pipeline.kv_read_key, held.epoch, held.block_ids))
 
     async def RegisterStage(self, request, context):
         s = request.stage

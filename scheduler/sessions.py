@@ -11,6 +11,7 @@ forgotten; one its router releases (the answer is written) is forgotten at once.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -18,6 +19,8 @@ from typing import Protocol
 
 from scheduler.connection import Connection
 from scheduler.request import RequestOutput
+from stagemesh.core.engine_request import EngineRequest
+from stagemesh.core.step import SampledToken
 from stagemesh.core.errors import StagemeshError
 
 log = logging.getLogger("stagemesh.scheduler")
@@ -45,6 +48,7 @@ class Session:
     connection: Connection | None
     journal: RequestOutput  # everything so far, merged (a continuation's earlier tokens first)
     error: RequestOutput | None = None  # the failure that ended it, after the journal's tokens
+    owner: str = ""  # who submitted it (EngineRequest.owner): an attach must name the same
     expires: float | None = None  # detached: when its grace ends
     released: bool = field(default=False, repr=False)
 
@@ -103,24 +107,29 @@ class Sessions:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._sessions
 
-    def open(self, request_id: str, prompt: list[int], generated: list[int], connection: Connection) -> Session:
-        """A session for a request about to be added (its sink); `generated`: a continuation's earlier tokens."""
-        if request_id in self._sessions:
-            raise StagemeshError(f"request id {request_id!r} is already in use (a stream of that id can be resumed "
+    def open(self, r: EngineRequest, connection: Connection) -> Session:
+        """A session for a request about to be added (its sink); a continuation's earlier tokens (and their
+        logprobs) begin its journal."""
+        if r.request_id in self._sessions:
+            raise StagemeshError(f"request id {r.request_id!r} is already in use (a stream of that id can be resumed "
                                  "for --resume-grace-period after its router went away)")
-        session = Session(request_id, list(prompt), connection, RequestOutput(request_id, list(generated)))
-        self._sessions[request_id] = session
+        earlier = [SampledToken(-1, e.token_id, e.logprob, list(e.top_token_ids), list(e.top_logprobs))
+                   for e in r.generated_logprobs]
+        journal = RequestOutput(r.request_id, list(r.generated_token_ids), new_logprobs=earlier)
+        session = Session(r.request_id, list(r.prompt_token_ids), connection, journal, owner=r.owner)
+        self._sessions[r.request_id] = session
         return session
 
     def drop(self, request_id: str) -> None:
         """A session whose request was refused when it was added."""
         self._sessions.pop(request_id, None)
 
-    def attach(self, request_id: str, prompt: list[int], connection: Connection) -> None:
-        """Send the request's outputs to `connection` from now on, its journal first. Raises NotHeld, or
-        StagemeshError when the prompt is not the request's."""
+    def attach(self, request_id: str, prompt: list[int], owner: str, connection: Connection) -> None:
+        """Send the request's outputs to `connection` from now on, its journal first. Raises NotHeld (also for
+        another owner than the request's: no other client learns that the id is in use), or StagemeshError when
+        the prompt is not the request's."""
         session = self._sessions.get(request_id)
-        if session is None:
+        if session is None or not hmac.compare_digest(owner.encode(), session.owner.encode()):
             raise NotHeld(f"no request {request_id!r} is held here to resume (unknown, released, or its "
                           "--resume-grace-period passed)")
         if list(prompt) != session.prompt:

@@ -27,6 +27,7 @@ from typing import Protocol
 from opentelemetry import trace
 
 from scheduler.epochs import EpochManager
+from scheduler.grammar_wait import compile_for
 from scheduler.kv_transfer import KVLoadFailed, KVPull, failure_message, run_pull
 from scheduler.observe import Observer
 from scheduler.output_stream import OutputStream
@@ -110,7 +111,23 @@ class StepLoop:
         self.observer.submitted(request.request_id, len(request.prompt_token_ids), trace_context,
                                 len(request.generated_token_ids))
         self.sinks[request.request_id] = sink
+        if request.sampling.structured is not None:  # scheduled once its last stage compiled it (grammar_wait)
+            scheduler.wait_for_grammar(request.request_id, True)
+            self._spawn(self._admit_when_compiled(request))
         self._wake.set()
+
+    async def _admit_when_compiled(self, request: EngineRequest) -> None:
+        assert request.sampling.structured is not None  # (a structured request's)
+        error = await compile_for(self.pipeline, request.request_id, request.sampling.structured,
+                                  self.epochs.cfg.grammar_compile_timeout_s)
+        scheduler = self.epochs.scheduler  # (the one that has it now: a new epoch requeues it into another)
+        if scheduler is None:
+            return
+        if error is None:
+            scheduler.wait_for_grammar(request.request_id, False)
+            self._wake.set()
+        else:
+            self.dispatch(scheduler.fail([request.request_id], error, own_fault=True))
 
     def release(self, request_id: str) -> None:
         """The caller is done with the request: one still running stops and frees its blocks now."""

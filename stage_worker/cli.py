@@ -156,7 +156,7 @@ def plan_stage(args: argparse.Namespace) -> StagePlan:
     from stagemesh.core.model_config import ModelConfig
     from stagemesh.core.model_source import resolve_source
 
-    source = resolve_source(args.model, args.tokenizer, args.quantization)
+    source = resolve_source(args.model, args.tokenizer, args.quantization, args.quantization_activations)
     cfg = ModelConfig.from_path(source.model_dir)
     start, end = stage_layers(args, cfg.num_hidden_layers)
     check_layer_range(cfg, start, end)
@@ -212,6 +212,7 @@ def load_worker(args: argparse.Namespace, plan: StagePlan):
                          pcp_size=args.prefill_context_parallel_size, cuda_graphs=not args.enforce_eager,
                          expert_parallel=args.enable_expert_parallel,
                          eplb=plan.eplb, quantization=source.quantization,
+                         quantization_activations=source.activations,
                          gguf_file=str(source.gguf_file) if source.gguf_file else None, lora=plan.lora,
                          kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales)
     worker = StageWorker(StageConfig(slice_, args.stage_index, handoff=args.handoff,
@@ -237,11 +238,12 @@ def describe(args: argparse.Namespace, plan: StagePlan, worker) -> None:
         built = cpu_ops.load() is not None
         log.info("stage %d: %s; %s", i, describe_cpu_path(str(worker.runner.dtype).removeprefix("torch."),
                                                           cpu_flags(), kernels=built), describe_isa(cpu_flags(), built))
-    if source.quantization:
+    if worker.runner.quantization:  # the flag's, or the checkpoint's own quantization_config
         from stage_worker.quantization import describe as describe_quantization
 
-        log.info("stage %d: --quantization %s%s: %s", i, source.quantization,
-                 f" from {source.gguf_file}" if source.gguf_file else "", describe_quantization(worker.runner.model))
+        log.info("stage %d: --quantization %s%s: %s; activations %s", i, worker.runner.quantization,
+                 f" from {source.gguf_file}" if source.gguf_file else "", describe_quantization(worker.runner.model),
+                 worker.runner.activations)
     if lora is not None:
         log.info("stage %d: LoRA adapters %s (--max-loras %d, --max-lora-rank %d)", i,
                  ", ".join(m.name for m in lora.modules) or "none", lora.limits.max_loras, lora.limits.max_lora_rank)

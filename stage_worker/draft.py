@@ -23,6 +23,7 @@ import torch
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.speculative import SpeculativeConfig
+from stagemesh.core.step import ScheduledChunks
 from stage_worker.logits_processors import SequenceState
 from stage_worker.model import AttentionMetadata
 from stage_worker.rejection import draw, sampling_probs
@@ -73,9 +74,10 @@ class DraftModel:
         return out
 
     @torch.inference_mode()
-    def mirror(self, token_ids: list[int], meta: AttentionMetadata) -> None:
-        """Write the draft's KV of the step's tokens where the target wrote its own."""
-        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+    def mirror(self, chunks: ScheduledChunks, meta: AttentionMetadata, hidden: torch.Tensor | None = None) -> None:
+        """Write the draft's KV of the step's tokens where the target wrote its own (the target's hidden states are
+        not the draft's business)."""
+        ids = torch.tensor(chunks.token_ids, dtype=torch.int64, device=self.device)
         self.runner.model(ids, None, meta, self.runner.kv_caches)
 
     @torch.inference_mode()
@@ -87,7 +89,7 @@ class DraftModel:
         for seq_id in seq_ids:
             state = seqs[seq_id]
             want = min(self.k, state.params.max_tokens - len(state.output) - 1)
-            if want > 0 and not _ends(state, eos_token_ids):
+            if want > 0 and not ends(state, eos_token_ids):
                 position = len(state.prompt) + len(state.output) - 1
                 limit = min(len(tables[seq_id]) * self.block_size, self.max_positions)
                 active.append([seq_id, state.output[-1], position, min(position + want, limit)])
@@ -131,9 +133,20 @@ class DraftModel:
         return model.compute_logits(model(ids, None, meta, self.runner.kv_caches))
 
 
-def _ends(state: SequenceState, eos_token_ids: tuple[int, ...]) -> bool:
+def ends(state: SequenceState, eos_token_ids: tuple[int, ...]) -> bool:
     """Whether the sequence's last token stops it (the scheduler will finish it: no drafts needed)."""
     p, token = state.params, state.output[-1]
     if len(state.output) < p.min_tokens:
         return False
     return token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids)
+
+
+def make_drafter(spec: SpeculativeConfig, target: ModelConfig, model_dir, device, dtype: torch.dtype | str | None,
+                 block_size: int):
+    """The last stage's drafter of a spec that proposes there: a draft model, or the target's MTP layer."""
+    if spec.is_mtp:
+        from stage_worker.mtp import MTPDrafter
+        from stage_worker.runner import resolve_dtype
+
+        return MTPDrafter(spec, target, model_dir, device, resolve_dtype(target, dtype, str(device)), block_size)
+    return DraftModel(spec, target, device, dtype, block_size)

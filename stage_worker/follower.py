@@ -124,6 +124,8 @@ def follower_argv(slice_: SliceConfig, tp_rank: int, threads: int, kv_disk: tupl
         argv += ["--quantization", slice_.quantization]
     if slice_.gguf_file:
         argv += ["--gguf-file", slice_.gguf_file]
+    if slice_.quantization_activations:
+        argv += ["--quantization-activations", slice_.quantization_activations]
     if slice_.kv_cache_dtype:
         argv += ["--kv-cache-dtype", slice_.kv_cache_dtype]
     if slice_.calculate_kv_scales:
@@ -153,6 +155,7 @@ def main() -> None:
     p.add_argument("--gguf-file", default=None)
     p.add_argument("--kv-cache-dtype", default=None)
     p.add_argument("--calculate-kv-scales", action="store_true")
+    p.add_argument("--quantization-activations", default=None)
     p.add_argument("--kv-disk-dir", default=None)
     p.add_argument("--kv-namespace", default=None)
     add_flags(p, LoRAOptions)
@@ -166,6 +169,7 @@ def main() -> None:
     runner = SliceConfig(args.model, start, end, args.tp_size, args.device, args.dtype, args.block_size,
                          dcp_size=args.dcp_size, pcp_size=args.pcp_size, expert_parallel=args.enable_expert_parallel,
                          eplb=balance, quantization=args.quantization,
+                         quantization_activations=args.quantization_activations,
                          gguf_file=args.gguf_file, lora=LoRASettings.from_args(args),
                          kv_cache_dtype=args.kv_cache_dtype,
                          calculate_kv_scales=args.calculate_kv_scales).runner(args.tp_rank)

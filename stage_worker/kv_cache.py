@@ -20,12 +20,7 @@ def resolve_kv_cache_dtype(name: str | None, model_dtype: torch.dtype) -> torch.
 
 def check_kv_cache_dtype(name: str | None, cfg: ModelConfig) -> None:
     """Refuse, by name, the layouts whose fp8 cache is not built."""
-    if not kv_cache_dtype.is_fp8(name):
-        return
-    if cfg.raw.get("kv_lora_rank"):  # (hook for MLA, built on its own branch: its cache is a latent, not k and v)
-        raise StagemeshError(f"--kv-cache-dtype {name} with multi-head latent attention ({cfg.model_type}: "
-                             "kv_lora_rank) is not built yet: the fp8 cache quantises per-layer k and v tensors; "
-                             "MLA's latent cache takes --kv-cache-dtype auto")
+    kv_cache_dtype.check_attention(name, cfg)
 
 
 def check_kv_cache_device(name: str | None, device: torch.device) -> None:

@@ -23,6 +23,7 @@ import grpc
 import torch
 
 from kernels.kv_quant import is_fp8
+from stagemesh.core import kv_ticket
 from stagemesh.core.deadlines import DEADLINES
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.service_options import aio_channel
@@ -35,8 +36,12 @@ MAX_MESSAGE = 256 * 2**20
 
 
 async def read_chunks(worker, request: stage_pb2.ReadKVRequest):
-    """ReadKV's chunks: the blocks' KV, layer by layer, in chunks of whole blocks."""
+    """ReadKV's chunks: the blocks' KV, layer by layer, in chunks of whole blocks; only for a reader with their
+    ticket (stagemesh.core.kv_ticket), checked before anything else and refused naming nothing of the stage's."""
     block_ids = list(request.block_ids)
+    if not kv_ticket.valid(worker.kv_read_key, request.ticket, request.epoch, block_ids):
+        raise NotAPeer("ReadKV refused: the request carries no read ticket for these blocks (a decode replica gets "
+                       "it with the request's kv_transfer from the prefill replica's scheduler)")
     kvs = await asyncio.wrap_future(worker.read_kv(request.epoch, block_ids, request.layer_start, request.layer_end))
     scales = worker.runner.kv_scales.values()
     for i, (k, v) in enumerate(kvs):
@@ -56,7 +61,8 @@ class KVReadTimeout(StagemeshError):
 
 
 class NotAPeer(StagemeshError):
-    """A pull names a stage that none of the replicas this stage's scheduler fetches KV from reports."""
+    """A pull names a stage that none of the replicas this stage's scheduler fetches KV from reports, or a read
+    comes without the blocks' ticket: PERMISSION_DENIED."""
 
 
 class PeerStages:
@@ -173,8 +179,8 @@ async def _read(address: str, first: int, end: int, request, shape
     channel = aio_channel(address, [("grpc.max_receive_message_length", MAX_MESSAGE)])
     try:
         call = stage_pb2_grpc.StageStub(channel).ReadKV(stage_pb2.ReadKVRequest(
-            epoch=request.source_epoch, block_ids=request.source_block_ids, layer_start=first, layer_end=end),
-            timeout=DEADLINES.kv_pull_s)
+            epoch=request.source_epoch, block_ids=request.source_block_ids, layer_start=first, layer_end=end,
+            ticket=request.source_ticket), timeout=DEADLINES.kv_pull_s)
         async for chunk in call:
             dtype = DTYPES.get(chunk.dtype)
             if dtype is None or not first <= chunk.layer < end or chunk.num_blocks < 1 or \

@@ -127,7 +127,7 @@ def _names(prefix: str, compressed_tensors: bool) -> dict[str, list[str]]:
 
 
 def _scalar(reader, name: str) -> float:
-    t = reader.read(name)
+    t = reader.read_whole(name)
     if t.numel() != 1:
         raise StagemeshError(f"{name}: a KV cache scale of shape {list(t.shape)}; only per-tensor scales (one value "
                              "per layer, as vLLM's fp8 KV cache) are built, not per-head or per-channel ones")
@@ -145,7 +145,7 @@ def _one(reader, names: list[str], layer: int) -> float | None:
 
 
 def read_checkpoint_scales(reader, cfg: ModelConfig, layer_start: int, layer_end: int) -> CheckpointScales:
-    """The KV cache scales `reader` (stage_worker.weights.CheckpointReader, or any reader with has and read) holds
+    """The KV cache scales `reader` (stage_worker.weights.CheckpointReader, or any reader with has and read_whole) holds
     for layers [layer_start, layer_end), every one read and checked."""
     compressed = check_kv_cache_scheme(cfg)
     layers: list[tuple[float, float] | None] = []

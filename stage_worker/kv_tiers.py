@@ -55,7 +55,9 @@ def kv_namespace(runner, tp_size: int) -> dict:
             **({"kv_cache_dtype": kv_cache_dtype_name(runner.kv_cache_dtype)} if is_fp8(runner.kv_cache_dtype)
                else {}),
             # (only where it is > 1: the namespaces of the stages made before DCP stay theirs)
-            **({"dcp_size": runner.tp.cp_size} if runner.tp.cp_size > 1 else {})}
+            **({"dcp_size": runner.tp.cp_size} if runner.tp.cp_size > 1 else {}),
+            # (only where the int8 path runs: its KV differs from the exact path's)
+            **({"activations": "int8"} if getattr(runner, "activations", None) == "int8" else {})}
 
 
 def open_disk_tier(base: str, runner) -> tuple[NamespaceDir, DiskTier]:

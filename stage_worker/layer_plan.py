@@ -112,7 +112,7 @@ def _linear(module, linear):
     if bias is not None and not bias.is_cpu:
         return None
     if isinstance(w, QuantizedWeight):
-        if not w.qs.is_cpu or not dispatch.quant_built():
+        if not w.qs.is_cpu or not dispatch.quant_built() or not w.plain:
             return None
         return module.LayerLinear("quant", w.qs, w.scales, w.mins, bias, 0, w.int8_activations, *lora)
     if not w.is_cpu:

@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 
 from stagemesh.core.lora import (WEIGHTS_FILE, AdapterConfig, LoRAError, LoRALimits, LoRAModule, allowed_path,
                                   lora_from_args, read_adapter_config)
+from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
 from stage_worker.layers import Linear, _matmul
 
@@ -232,6 +233,8 @@ class LoRAManager:
     before the weights load: it puts LoRALinear in the place of each linear an adapter may target."""
 
     def __init__(self, model, cfg: ModelConfig, settings: LoRASettings, dtype, device):
+        if cfg.family.attention != "mha":
+            raise StagemeshError(f"--enable-lora with multi-head latent attention ({cfg.model_type}) is not built yet")
         limits = settings.limits
         self.settings, self.cfg, self.limits, self.dtype = settings, cfg, limits, dtype
         self.modules = {m.name: m for m in settings.modules}

@@ -7,6 +7,7 @@ KV cache through kernels.dispatch.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ from stage_worker.layers import (MLP, Module, RMSNorm, ParallelLMHead, VocabPara
                                  row_parallel)
 from stage_worker import layer_plan
 from stage_worker.kv_scales import KVScale
+from stage_worker.mla import MLAttention
 from stage_worker.moe import SparseMoeBlock
 from stage_worker.parallel import HeadShard, TPGroup
 
@@ -77,6 +79,10 @@ class Attention(Module):
         # an fp8 cache's scales (the runner sets the layer's: stage_worker.kv_scales); a cache of the model's dtype
         # ignores them
         self.kv_scale = KVScale()
+
+    @staticmethod
+    def rotary_dim(cfg: ModelConfig) -> int:
+        return cfg.head_dim
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 cos_sin: torch.Tensor) -> torch.Tensor:
@@ -157,6 +163,11 @@ class Attention(Module):
         return merged.to(dtype)
 
 
+def attention_class(cfg: ModelConfig) -> type[Attention] | type[MLAttention]:
+    """The family's attention: multi-head over K and V heads, or DeepSeek's latent attention (stage_worker.mla)."""
+    return MLAttention if cfg.family.attention == "mla" else Attention
+
+
 class DecoderLayer(Module):
     def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup, dtype, device, expert_parallel: bool = False,
                  ep=None, eplb=None, cp: TPGroup | None = None):
@@ -164,7 +175,7 @@ class DecoderLayer(Module):
         prefix = f"model.layers.{index}"
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", cfg.hidden_size, eps, dtype, device)
-        self.self_attn = Attention(cfg, f"{prefix}.self_attn", tp, dtype, device, cp)
+        self.self_attn = attention_class(cfg)(cfg, f"{prefix}.self_attn", tp, dtype, device, cp)
         self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size, eps,
                                                 dtype, device)
         self.sparse = cfg.is_sparse_layer(index)
@@ -192,6 +203,7 @@ class DecoderLayer(Module):
 
 class StageModel(Module):
     """Layers [layer_start, layer_end) of one TP rank, plus embeddings (first) or norm + LM head (last)."""
+    cuda_graphs = True  # its decode steps may be captured (no host synchronisation in its forward)
 
     def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, tp: TPGroup,
                  dtype: torch.dtype, device: str | torch.device, max_positions: int | None = None,
@@ -209,7 +221,7 @@ class StageModel(Module):
         if self.is_first:
             self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", cfg.vocab_size, cfg.hidden_size,
                                                        tp, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype, device, expert_parallel, ep, eplb, cp)
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, i, tp, dtype, device, expert_parallel, ep, eplb, cp)
                                     for i in range(layer_start, layer_end))
         if ep is not None:  # a member without rows of its own runs these (stage_worker.ep_group)
             ep.attach([layer.mlp for layer in self.layers if layer.sparse], cfg.hidden_size, dtype)
@@ -219,8 +231,14 @@ class StageModel(Module):
             self.lm_head = ParallelLMHead(head, cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         positions = max_positions or cfg.max_position_embeddings
         self.register_buffer("cos_sin", kernels.build_cos_sin_cache(
-            cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling, dtype=torch.float32, device=device),
+            attention_class(cfg).rotary_dim(cfg), positions, cfg.rope_theta, cfg.rope_scaling, dtype=torch.float32,
+            device=device),
             persistent=False)
+
+    def decoder_layer(self, cfg: ModelConfig, index: int, tp: TPGroup, dtype, device, expert_parallel: bool, ep, eplb,
+                      cp: TPGroup | None) -> Module:
+        """Decoder layer `index` (a family's own stage model makes its own: build())."""
+        return DecoderLayer(cfg, index, tp, dtype, device, expert_parallel, ep, eplb, cp)
 
     def forward(self, input_ids: torch.Tensor | None, hidden: torch.Tensor | None, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -244,3 +262,12 @@ class StageModel(Module):
 
         quantised = sum(m.nbytes() for m in self.modules() if isinstance(m, QuantizedWeight))
         return sum(p.numel() * p.element_size() for p in self.parameters()) + quantised
+
+
+def build(cfg: ModelConfig, *args, **kwargs) -> StageModel:
+    """The stage model of cfg's family: StageModel, or the family's own (Family.stage_model: a stage_worker module
+    whose STAGE_MODEL subclasses it) where its layers differ from the Llama-like decoder's."""
+    cls = StageModel
+    if cfg.family.stage_model is not None:
+        cls = importlib.import_module(cfg.family.stage_model).STAGE_MODEL
+    return cls(cfg, *args, **kwargs)

@@ -1,5 +1,6 @@
-"""The mixture-of-experts block of a sparse decoder layer: top-k routing, the experts this TP
-rank holds, and Qwen2-MoE's gated shared expert, ending in the layer's one all-reduce.
+"""The mixture-of-experts block of a sparse decoder layer: top-k routing (or DeepSeek's grouped gate,
+stage_worker.grouped_gate), the experts this TP rank holds, and the shared expert (Qwen2-MoE's behind a sigmoid
+gate, DeepSeek's added as is), ending in the layer's one all-reduce.
 
 Which experts a rank holds is decided by the shard-aware parameters, not in the forward:
 tensor parallel (default) shards every expert's intermediate size like a dense MLP; expert
@@ -10,6 +11,8 @@ every token routed to them, and one all-reduce sums the ranks (why: below).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +22,7 @@ import kernels
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
 from stage_worker.eplb import EPLBConfig, ExpertMap, plan_placement
+from stage_worker.grouped_gate import GroupedGate
 from stage_worker.layers import MLP, Linear, Module, Shard, full, new_param
 from stage_worker.parallel import TPGroup, shard_range
 from stage_worker.weights import fill
@@ -135,15 +139,23 @@ class SparseMoeBlock(Module):
             self.expert_map.set(self.stage_placement)
         self.placement = ExpertPlacement.for_rank(cfg, tp, expert_parallel, ep, self.stage_placement)
         e, h = cfg.num_experts, cfg.hidden_size
-        self.gate = Linear(new_param((e, h), dtype, device, full(f"{block}.gate.weight", e)))  # the router
+        experts = cfg.family.experts
+        assert experts is not None  # (_checkpoint_names refuses a family without)
+        self.gate: Linear | GroupedGate  # the router: logits for kernels.select_experts, or DeepSeek's whole gate
+        if experts.router == "grouped":
+            self.gate = GroupedGate(cfg, block, device)
+        else:
+            self.gate = Linear(new_param((e, h), dtype, device, full(f"{block}.gate.weight", e)))
         self.w13, self.w2 = _expert_weights(block, names, self.placement, h, dtype, device)
+        # a quantised checkpoint's experts, in w13's and w2's place (stage_worker.quant_methods.experts)
+        self.quantised: nn.Module | None = None
         self.shared_expert: MLP | None = None
-        self.shared_expert_gate: Linear | None = None  # set with shared_expert
+        self.shared_expert_gate: Linear | None = None  # Qwen2-MoE's sigmoid gate on the shared expert
         if cfg.shared_expert_intermediate_size:  # TP-sharded in both modes; its partial sums join the one all-reduce
-            self.shared_expert = MLP(f"{block}.shared_expert", h, cfg.shared_expert_intermediate_size, tp, dtype,
-                                     device, reduce=False)
-            self.shared_expert_gate = Linear(new_param((1, h), dtype, device,
-                                                       full(f"{block}.shared_expert_gate.weight", 1)))
+            shared = f"{block}.{experts.shared}"
+            self.shared_expert = MLP(shared, h, cfg.shared_expert_intermediate_size, tp, dtype, device, reduce=False)
+            if experts.shared_gate:
+                self.shared_expert_gate = Linear(new_param((1, h), dtype, device, full(f"{shared}_gate.weight", 1)))
         # tokens routed to each expert (TP rank 0 counts: routing is the same on every rank)
         counts = torch.zeros(e, dtype=torch.int64, device=device) if tp.rank == 0 else None
         self.register_buffer("expert_tokens", counts, persistent=False)
@@ -151,15 +163,32 @@ class SparseMoeBlock(Module):
     def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
         if self.ep is not None:
             return self._forward_across_replicas(x, meta)
-        topk_weights, topk_ids = kernels.select_experts(self.gate(x), self.top_k, self.renormalize)
+        topk_weights, topk_ids = self._route(x)
         if self.expert_tokens is not None:
             self._count(self.expert_tokens, topk_ids, meta.slot_mapping)
         if self.expert_map is not None:  # to one copy of each expert
             topk_ids = self.expert_map.physical(topk_ids)
-        out = kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.placement.expert_start)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.tp.all_reduce(out)
+        out = self._experts(x, topk_weights, topk_ids)
+        return self.tp.all_reduce(self._add_shared(out, x))
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k weights (fp32) and experts (int64)."""
+        if isinstance(self.gate, GroupedGate):
+            return self.gate(x)
+        return kernels.select_experts(self.gate(x), self.top_k, self.renormalize)
+
+    def _add_shared(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.shared_expert is None:
+            return out
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out + shared
+
+    def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantised is not None:
+            return self.quantised(x, topk_weights, topk_ids, self.placement.expert_start)
+        return kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.placement.expert_start)
 
     def rebalance(self, placement: list[list[int]], reader) -> int:
         """EPLB: hold `placement` from now on: this rank's slots whose expert changed load it from the checkpoint
@@ -181,23 +210,22 @@ class SparseMoeBlock(Module):
         counted = []
 
         def experts(everyone: torch.Tensor) -> torch.Tensor:
-            weights, ids = kernels.select_experts(self.gate(everyone), self.top_k, self.renormalize)
+            weights, ids = self._route(everyone)
             counted.append(ids)
-            return kernels.fused_moe(everyone, self.w13, self.w2, weights, ids, self.placement.expert_start)
+            return self._experts(everyone, weights, ids)
 
         out, first = self.ep.moe(x, experts)
         if meta is None or not x.shape[0]:
             return out
         if self.expert_tokens is not None and counted:  # this member's own tokens only
             self._count(self.expert_tokens, counted[0][first:first + x.shape[0]], meta.slot_mapping)
-        # the shared expert: whole on every member (TP=1): its own tokens only
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self._add_shared(out, x)  # the shared expert: whole on every member (TP=1): its own tokens only
 
     def _count(self, counts: torch.Tensor, topk_ids: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        # a few small ops and no host sync (CUDA graphs); padding rows of a graph's batch have slot -1
-        real = (slot_mapping >= 0).to(torch.int64).repeat_interleave(self.top_k)
+        # a few small ops and no host sync (CUDA graphs); padding rows of a graph's batch have slot -1 (a
+        # context-parallel step has its slots in meta.cp, none here: every row is real)
+        real = (slot_mapping >= 0) if slot_mapping.numel() else topk_ids.new_ones(topk_ids.shape[0], dtype=torch.bool)
+        real = real.to(torch.int64).repeat_interleave(self.top_k)
         counts.index_add_(0, topk_ids.reshape(-1), real)
 
 
@@ -205,3 +233,16 @@ def expert_load(model: nn.Module) -> dict[int, list[int]]:
     """Tokens routed to each expert so far, per sparse layer of the model (TP rank 0's counts)."""
     return {m.layer: m.expert_tokens.tolist() for m in model.modules()
             if isinstance(m, SparseMoeBlock) and m.expert_tokens is not None}
+
+
+@contextmanager
+def uncounted(model: nn.Module) -> Iterator[None]:
+    """The experts' token counts left as they were (a warm-up step counts no load: StepBatch.warmup); restored
+    after the step rather than skipped in it, so that a replayed CUDA graph's counting is undone too."""
+    counts = [m.expert_tokens for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    saved = [(c, c.clone()) for c in counts if c is not None]
+    try:
+        yield
+    finally:
+        for live, before in saved:
+            live.copy_(before)

@@ -60,8 +60,9 @@ class ForwardObserver:
             compute.observe(reply.compute_seconds)
             wait.observe(reply.handoff_wait_seconds)
             sent.inc(reply.handoff_bytes)
-            tokens.inc(len(request.step.chunks.token_ids))
-            steps.inc()
+            if not request.step.warmup:
+                tokens.inc(len(request.step.chunks.token_ids))
+                steps.inc()
         if span is None:
             return
         if reply is not None:

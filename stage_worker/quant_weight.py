@@ -18,8 +18,11 @@ class QuantizedWeight(nn.Module):
     Its tensors are set once: a change is a new QuantizedWeight in the layer's place (the layers see that)."""
 
     def __init__(self, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, kind: str,
-                 int8_activations: bool = False, compact_scales: bool = True):
+                 int8_activations: bool = False, compact_scales: bool = True, inputs: InputTransform | None = None):
         super().__init__()
+        # how x reaches the kernel: its columns reordered (GPTQ's desc_act), its static activation quantization
+        # (stage_worker.quant_methods); None: as it is
+        self.inputs = inputs
         # plain attributes, not buffers: every product reads them, and a buffer is a lookup through
         # nn.Module.__getattr__ (~0.5 us each); _apply moves them as it would move buffers (.to(device))
         self.qs = qs.contiguous()
@@ -40,10 +43,20 @@ class QuantizedWeight(nn.Module):
 
     @property
     def shape(self) -> tuple[int, int]:
+        """[rows, K]: K the inputs the layer takes (the kernel's may be more: padded columns, `inputs`)."""
         rows, width = self.qs.shape
+        if self.inputs is not None and self.inputs.in_features is not None:
+            return rows, self.inputs.in_features
         return rows, width * 2 if self.qs.dtype == torch.uint8 else width
 
+    @property
+    def plain(self) -> bool:
+        """Whether a product is the kernel's call alone (the fused C++ layer may run it: stage_worker.layer_plan)."""
+        return self.inputs is None and self.qs.dtype != torch.float8_e4m3fn
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.inputs is not None:
+            x = self.inputs(x)
         return kernels.quant_linear(x, self.qs, self.scales, self.mins, bias, self.int8_activations)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -55,6 +68,8 @@ class QuantizedWeight(nn.Module):
 
     def _apply(self, fn, recurse=True):
         self.qs = fn(self.qs)
+        if self.inputs is not None:
+            self.inputs = self.inputs.to(fn)
         self.scales, self.mins = self._stored(fn(self.scales), None if self.mins is None else fn(self.mins))
         return self
 
@@ -63,3 +78,41 @@ class QuantizedWeight(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.kind}, shape={self.shape}, groups={self.scales.shape[1]}, a8={self.int8_activations}"
+
+
+class InputTransform:
+    """What a checkpoint's format does to x before its product, for the product to be the checkpoint's:
+    - columns: x's columns in the order of the kernel's (GPTQ's desc_act groups made contiguous), the index
+      in_features meaning a zero column (padding of a group to a multiple of 32);
+    - activation "fp8" / "int8" with input_scale: static activation quantization, x rounded as the quantizer's
+      kernels round it (x / s to float8_e4m3fn or to int8 saturated, times s), so the product is the format's;
+    - input_bound: fbgemm's activation_scale_ub, whose per-row scale never exceeds it: |x| clamped to it."""
+
+    def __init__(self, in_features: int | None = None, columns: torch.Tensor | None = None,
+                 activation: str | None = None, input_scale: float | None = None, input_bound: float | None = None):
+        self.in_features, self.columns = in_features, columns
+        self.activation, self.input_scale, self.input_bound = activation, input_scale, input_bound
+
+    def to(self, fn) -> "InputTransform":
+        columns = None if self.columns is None else fn(self.columns)
+        return InputTransform(self.in_features, columns, self.activation, self.input_scale, self.input_bound)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_bound is not None:
+            x = x.clamp(-self.input_bound, self.input_bound)
+        if self.activation is not None and self.input_scale is not None:
+            x = static_quantize(x, self.activation, self.input_scale)
+        if self.columns is not None:
+            x = torch.cat([x, x.new_zeros(*x.shape[:-1], 1)], -1).index_select(-1, self.columns)
+        return x
+
+
+def static_quantize(x: torch.Tensor, activation: str, scale: float) -> torch.Tensor:
+    """x as a static per-tensor activation quantization gives it to the product: round(x / s) saturated (int8),
+    or x / s cast to float8_e4m3fn saturated (fp8), times s."""
+    xf = x.float() / scale
+    if activation == "int8":
+        q = torch.round(xf).clamp(-128, 127)
+    else:
+        q = xf.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    return (q * scale).to(x.dtype)

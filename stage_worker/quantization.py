@@ -20,15 +20,21 @@ from kernels.quant_reference import quantize_fp8_per_channel, quantize_int8_per_
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
 from stage_worker.layers import Linear, ParallelLMHead, VocabParallelEmbedding, shards_of
+from stage_worker.quant_methods import checkpoint_method
+from stage_worker.quant_methods.method import QuantMethod
 from stage_worker.quant_weight import QuantizedWeight
 
-METHODS = ("gguf", "w8a16", "w8a8", "fp8")
+METHODS = ("gguf", "w8a16", "w8a8", "fp8")  # quantised at load (or a GGUF's); checkpoints': stage_worker.quant_methods
 
 
-def check_quantization(method: str | None, cfg: ModelConfig, device) -> None:
-    """Refuse, by name, what is not built."""
+def check_quantization(method: str | None, cfg: ModelConfig, device) -> QuantMethod | None:
+    """Refuse, by name, what is not built; the checkpoint's own quantization method (its quantization_config),
+    or None."""
+    checkpoint = checkpoint_method(cfg, None if method == "gguf" else method)
+    if checkpoint is not None:
+        return checkpoint
     if method is None:
-        return
+        return None
     if method not in METHODS:
         raise StagemeshError(f"--quantization {method!r} is not built; stagemesh has {', '.join(METHODS)} "
                              "(gguf: a .gguf file's weights; w8a16 / w8a8: int8 weights quantised at load; "
@@ -43,6 +49,7 @@ def check_quantization(method: str | None, cfg: ModelConfig, device) -> None:
     if cfg.is_moe:
         raise StagemeshError(f"--quantization {method} with a mixture-of-experts model ({cfg.model_type}) is not "
                              "built: the experts' kernels take dense weights")
+    return None
 
 
 def _swap(module: nn.Module, weight: QuantizedWeight) -> None:

@@ -22,10 +22,14 @@ from stage_worker.layers import pack_weights_for_cpu
 from stage_worker.lora import LoRAManager, LoRASettings
 from stage_worker.kv_cache import (allocate_kv_cache, check_kv_cache_device, check_kv_cache_dtype, kv_bytes_per_block,
                                    resolve_kv_cache_dtype)
-from stage_worker.kv_scales import KVScales, read_checkpoint_scales, stage_scales
+from stage_worker.kv_scales import CheckpointScales, KVScales, read_checkpoint_scales, stage_scales
 from stage_worker.gguf import GGUFCheckpoint
-from stage_worker.model import AttentionMetadata, DecoderLayer, StageModel
+from stage_worker.model import Attention, AttentionMetadata, StageModel, build as build_stage_model
+from stage_worker.activations import choose_activations
+from stage_worker.coverage import check_all_read
 from stage_worker.quantization import check_quantization, load_gguf, quantize_at_load
+from stage_worker.quant_methods.loader import load_quantised
+from stage_worker.quant_methods.method import QuantMethod
 from stage_worker.context import check_context_parallel, share_step
 from stage_worker.parallel import HeadShard, stage_groups
 from stage_worker.sampler import Sampler
@@ -74,24 +78,25 @@ def resolve_dtype(cfg: ModelConfig, dtype: torch.dtype | str | None, device: str
     return getattr(torch, name)
 
 
-def _load(model: StageModel, model_dir, quantization: str | None, gguf_file: str | None, cfg: ModelConfig) -> None:
+def _load(model: StageModel, model_dir, quantization: str | None, gguf_file: str | None, cfg: ModelConfig,
+          method: QuantMethod | None) -> CheckpointScales | None:
+    """`method`: the checkpoint's own quantization (stage_worker.quant_methods); else `quantization` quantises
+    an unquantised checkpoint at load (or names a GGUF's). Returns the KV cache scales the checkpoint holds for
+    the stage's layers (stage_worker.kv_scales, every one checked; a GGUF has none)."""
     if quantization == "gguf":
         if gguf_file is None:
             raise StagemeshError("--quantization gguf needs a .gguf file as the model")
         load_gguf(model, GGUFCheckpoint(gguf_file, cfg))
-        return
-    load_weights(model, model_dir)
-    if quantization is not None:
-        quantize_at_load(model, quantization)
-
-
-def read_kv_scales(model_dir, cfg: ModelConfig, layer_start: int, layer_end: int):
-    """The KV cache scales the checkpoint holds for these layers (stage_worker.kv_scales), every one checked."""
+        return None
     reader = CheckpointReader(model_dir)
-    try:
-        return read_checkpoint_scales(reader, cfg, layer_start, layer_end)
-    finally:
-        reader.close()
+    if method is not None:
+        load_quantised(model, method, reader)
+    load_weights(model, reader)
+    scales = read_checkpoint_scales(reader, cfg, model.layer_start, model.layer_end)  # (read before the check)
+    check_all_read(reader.files, reader.read, model)
+    if quantization is not None and method is None:
+        quantize_at_load(model, quantization)
+    return scales
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,7 @@ class SliceConfig:
     expert_parallel: bool = False  # whole experts spread over the TP ranks (stage_worker.moe)
     eplb: EPLBConfig | None = None  # the experts' load balanced, with redundant copies
     quantization: str | None = None  # stage_worker.quantization.METHODS
+    quantization_activations: str | None = None  # --quantization-activations (stage_worker.activations)
     gguf_file: str | None = None  # the weights (quantization gguf); model_dir then gives config and tokenizer
     lora: LoRASettings | None = None  # --enable-lora: the adapters it may serve (stage_worker.lora)
     kv_cache_dtype: str | None = None  # --kv-cache-dtype (None: auto, the model's dtype)
@@ -127,7 +133,8 @@ class SliceConfig:
                            device=device, dtype=self.dtype, block_size=self.block_size, dcp_size=self.dcp_size,
                            pcp_size=self.pcp_size, cuda_graphs=self.cuda_graphs,
                            expert_parallel=self.expert_parallel, ep=ep, eplb=self.eplb, quantization=self.quantization,
-                           gguf_file=self.gguf_file, lora=self.lora, kv_cache_dtype=self.kv_cache_dtype,
+                           gguf_file=self.gguf_file, lora=self.lora,
+                           quantization_activations=self.quantization_activations, kv_cache_dtype=self.kv_cache_dtype,
                            calculate_kv_scales=self.calculate_kv_scales)
 
 
@@ -138,8 +145,8 @@ class StageRunner:
                  config: ModelConfig | None = None,
                  cuda_graphs: bool = True, max_graph_batch: int = 256, expert_parallel: bool = False, ep=None,
                  eplb=None, quantization: str | None = None, gguf_file: str | None = None,
-                 lora: LoRASettings | None = None, kv_cache_dtype: str | None = None,
-                 calculate_kv_scales: bool = False):
+                 lora: LoRASettings | None = None, quantization_activations: str | None = None,
+                 kv_cache_dtype: str | None = None, calculate_kv_scales: bool = False):
         # (model_dir is None only where a config is given: runners made without weights, load=False)
         self.config = cfg = config or ModelConfig.from_path(model_dir)  # type: ignore[arg-type]
         check_layer_range(cfg, layer_start, layer_end)
@@ -159,17 +166,21 @@ class StageRunner:
         self.kv_block_size = block_size // self.tp.cp_size
         if gguf_file is not None:
             quantization = quantization or "gguf"
-        check_quantization(quantization, cfg, self.device)
-        self.quantization = quantization
-        self.model = StageModel(cfg, layer_start, layer_end, shard, self.dtype, self.device,
+        self.quant_method = check_quantization(quantization, cfg, self.device)
+        self.quantization = quantization or (self.quant_method.name if self.quant_method else None)
+        self.model = build_stage_model(cfg, layer_start, layer_end, shard, self.dtype, self.device,
                                 expert_parallel=expert_parallel, ep=ep, eplb=eplb,
                                 cp=self.tp if self.tp.cp_size > 1 else None)
         self.model_dir, self.gguf_file = model_dir, gguf_file
         # adapters per sequence (multi-LoRA): its linears become LoRALinear before the weights load
         self.lora = LoRAManager(self.model, cfg, lora, self.dtype, self.device) if lora is not None else None
         self.seq_adapters: dict[int, str] = {}  # sequences that use an adapter: its name
+        self.activations: str | None = None  # --quantization-activations as it runs (stage_worker.activations)
+        found = None  # the checkpoint's KV cache scales
         if load:
-            _load(self.model, model_dir, quantization, gguf_file, cfg)
+            found = _load(self.model, model_dir, quantization, gguf_file, cfg, self.quant_method)
+            self.activations = choose_activations(self.model, quantization_activations, self.quantization,
+                                                  self.device)
         if self.device.type == "cpu":
             pack_weights_for_cpu(self.model)
         if self.lora is not None and load:
@@ -177,12 +188,12 @@ class StageRunner:
         self.num_kv_heads = HeadShard.for_rank(cfg, self.tp).num_kv_heads
         self.kv_bytes_per_block = kv_bytes_per_block(layer_end - layer_start, self.num_kv_heads, cfg.head_dim,
                                                      self.kv_block_size, self.kv_cache_dtype)
-        found = read_kv_scales(model_dir, cfg, layer_start, layer_end) if load and not gguf_file else None
         self.kv_scales: KVScales = stage_scales(layer_end - layer_start, found, kv_cache_dtype, calculate_kv_scales,
                                                 layer_start, self.tp)
         for layer, scale in zip(self.model.layers, self.kv_scales.layers):
-            assert isinstance(layer, DecoderLayer)
-            layer.self_attn.kv_scale = scale
+            attention = getattr(layer, "self_attn", None)
+            if isinstance(attention, Attention):  # (MLA's latent cache is not built in fp8: check_kv_cache_dtype)
+                attention.kv_scale = scale
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables: dict[int, list[int]] = {}
         self.seq_lens: dict[int, int] = {}  # tokens of each sequence whose KV the steps so far compute
@@ -193,8 +204,10 @@ class StageRunner:
         if self.sampler is not None and self.tp.rank == 0:  # (the rank that samples)
             self.sampler.warm()
         # decode steps replay CUDA graphs (TP=1 on CUDA; TP>1 and CPU run eagerly: see stage_worker/cuda_graphs.py)
+        # (not with MLA, whose step plan reads the batch's layout on the host: stage_worker.mla)
         self.use_cuda_graphs = (cuda_graphs and self.device.type == "cuda" and tp_size == 1 and ep is None
-                                and self.lora is None)  # (so never with DCP, whose TP size is > 1)
+                                and self.lora is None and self.model.cuda_graphs  # (never DCP: its TP size is > 1)
+                                and cfg.family.attention == "mha")
         self.max_graph_batch = max_graph_batch
         self.graphs: DecodeGraphs | None = None
         self.graph_scales: list[tuple[float, float]] = []  # the KV scales the graphs were captured with
@@ -273,7 +286,7 @@ class StageRunner:
         if not scored and not calibrating and graphs is not None and \
                 graphs.can_run(len(batch.chunks), num_tokens, meta.block_tables.shape[1]):
             out = graphs.run(input_ids, hidden_states, meta)  # the next replay reuses this buffer: copy what is kept
-            self._mirror(batch, meta)
+            self._mirror(batch, meta, None)
             if not self.is_last_stage:
                 return StageOutput(hidden_states=out.clone())
             logits = out if len(sample_rows) == num_tokens else out[sample_rows]
@@ -284,7 +297,7 @@ class StageRunner:
             hidden = self._forward(input_ids, hidden_states, meta)
             if calibrating:
                 self.kv_scales.settle()
-            self._mirror(batch, meta)
+            self._mirror(batch, meta, hidden)
             if not self.is_last_stage:
                 return StageOutput(hidden_states=hidden)
             # every TP rank takes part (the LM head all-gathers); rank 0 keeps the results. With PCP only the TP group
@@ -295,6 +308,7 @@ class StageRunner:
             if scored:
                 scored = prompt_logprobs.compute(scored, hidden, self.model.compute_logits, self.tp.rank == 0)
         if not sample_rows:
+            self._propose([])  # (an MTP layer reads the step's hidden states all the same: stage_worker.mtp)
             return StageOutput(prompt_logprobs=scored)
         sampled: list[SampledToken] = []
         if self.tp.rank == 0:
@@ -315,13 +329,13 @@ class StageRunner:
                           self.kv_caches)
         return split.gather(mine, self.tp)
 
-    def _mirror(self, batch: StepBatch, meta: AttentionMetadata) -> None:
+    def _mirror(self, batch: StepBatch, meta: AttentionMetadata, hidden: torch.Tensor | None) -> None:
         if self.drafter is not None and self.tp.rank == 0:
-            self.drafter.mirror(batch.chunks.token_ids, meta)
+            self.drafter.mirror(batch.chunks, meta, hidden)
 
     def _propose(self, sampled: list[SampledToken]) -> dict[int, list[int]]:
-        """The draft model's next drafts for the sequences this step sampled (not those whose row failed)."""
-        if self.drafter is None or not sampled:
+        """The drafter's next drafts for the sequences this step sampled (not those whose row failed): every step."""
+        if self.drafter is None:
             return {}
         last = {t.seq_id: t for t in sampled}  # each sequence's last token
         seq_ids = [seq_id for seq_id, t in last.items() if t.error is None]

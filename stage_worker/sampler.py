@@ -13,7 +13,7 @@ request; the rest of the batch is sampled as usual.
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
@@ -39,13 +39,25 @@ class Sampler:
         self.seqs: dict[int, SequenceState] = {}
         self._unseeded = torch.Generator(device="cpu").manual_seed(torch.initial_seed() % (2**63))
         self._grammars = grammars  # the stage's compiler, made on first use (it loads the tokenizer)
+        self._compiler: GrammarCompiler | None = None  # ... once made (in the compile thread)
         self._compiles: ThreadPoolExecutor | None = None  # grammars compile here, beside the step's forward
 
     def warm(self) -> None:
         """Make the compiler (the tokenizer, its vocabulary indexed: a second or more) in the compile thread
         now, so that the first constrained sequence does not hold a step for it; a failure shows then."""
         if self._grammars is not None:
-            self._thread().submit(self._grammars)
+            self._thread().submit(self._made)
+
+    def _made(self) -> GrammarCompiler:
+        if self._grammars is None:
+            raise StagemeshError("this stage cannot compile constraints")
+        self._compiler = self._grammars()
+        return self._compiler
+
+    def prepare(self, structured) -> Future:
+        """Compile a constraint into the compiler's cache, in the compile thread (the scheduler holds its request
+        until this is done: vLLM's WAITING_FOR_FSM); the sequence that comes with it then finds it there."""
+        return self._thread().submit(lambda: self._made().compile(structured))
 
     def _thread(self) -> ThreadPoolExecutor:
         if self._compiles is None:
@@ -54,16 +66,19 @@ class Sampler:
 
     def add_sequence(self, seq: NewSequence) -> None:
         state = SequenceState(seq.sampling, list(seq.prompt_token_ids), list(seq.output_token_ids))
-        if seq.sampling.structured is not None:
+        structured = seq.sampling.structured
+        compiled = self._compiler.cached(structured) if structured is not None and self._compiler else None
+        if compiled is not None:  # prepared (its scheduler waited for it): no wait behind another compile
+            assert self._compiler is not None
+            state.compiling = _done(self._compiler.matcher(compiled))
+        elif structured is not None:
             # compiled off the step path (xgrammar lets go of the GIL): the forward that comes before the
-            # sequence's first sample runs meanwhile, and a grammar the cache holds costs nothing
-            state.compiling = self._thread().submit(self._compile, seq.sampling.structured)
+            # sequence's first sample runs meanwhile (a stage that re-formed under a request has not seen it)
+            state.compiling = self._thread().submit(self._compile, structured)
         self.seqs[seq.seq_id] = state
 
     def _compile(self, structured):
-        if self._grammars is None:
-            raise StagemeshError("this stage cannot compile constraints")
-        compiler = self._grammars()
+        compiler = self._made()
         return compiler.matcher(compiler.compile(structured))
 
     def _constrain(self, state: SequenceState) -> None:
@@ -223,3 +238,9 @@ def _with_logprobs(tok: SampledToken, p: SamplingParams, logprobs: torch.Tensor 
         tok.top_token_ids = top.indices.tolist()
         tok.top_logprobs = top.values.tolist()
     return tok
+
+
+def _done(value) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future

@@ -20,6 +20,7 @@ from stagemesh.core.lora import LoRAError, check_adapter_name
 from stagemesh.core.sampling_params import InvalidParameter
 from stagemesh.core.service_options import add_port, aio_server
 from stagemesh.core.step_wire import epoch_from_pb, sampled_to_pb, step_from_pb
+from stagemesh.core.wire import sampling_from_pb
 from stagemesh.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 from stage_worker import kv_connector
 from stage_worker.observe import ForwardObserver
@@ -111,6 +112,17 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {request.name[:64]!r} is not loaded")
         return common_pb2.UnloadLoRAAdapterResponse()
 
+    async def CompileGrammar(self, request, context):
+        sampler = self.worker.runner.sampler
+        structured = sampling_from_pb(request.sampling).structured
+        if sampler is None:  # (the service is the stage's TP rank 0, the one that samples on the last stage)
+            raise StagemeshError("CompileGrammar goes to the last stage, which samples")
+        if structured is None:
+            raise InvalidStep("CompileGrammar needs sampling parameters with a structured-output constraint")
+        start = time.perf_counter()
+        await asyncio.wrap_future(sampler.prepare(structured))  # (InvalidParameter: the client's constraint)
+        return stage_pb2.CompileGrammarResponse(seconds=time.perf_counter() - start)
+
     async def ReadKV(self, request, context):
         async for chunk in kv_connector.read_chunks(self.worker, request):
             yield chunk
@@ -157,9 +169,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         handoff.deliver(req)
 
 
-# what a call raises: a PullKV source its scheduler does not vouch for PERMISSION_DENIED, bad input
-# INVALID_ARGUMENT, a state the stage is not in FAILED_PRECONDITION, anything else INTERNAL (logged); the stage
-# stays up
+# what a call raises: a PullKV source its scheduler does not vouch for, or a ReadKV without the blocks' ticket,
+# PERMISSION_DENIED; bad input INVALID_ARGUMENT, a state the stage is not in FAILED_PRECONDITION, anything else
+# INTERNAL (logged); the stage stays up
 ERRORS = ErrorInterceptor(by_type((kv_connector.NotAPeer, grpc.StatusCode.PERMISSION_DENIED),
                                   (kv_connector.KVReadTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
                                   ((InvalidStep, InvalidParameter), grpc.StatusCode.INVALID_ARGUMENT),

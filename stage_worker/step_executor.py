@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Callable
 
@@ -31,6 +32,7 @@ from stage_worker import control, eplb
 from stage_worker import dist as sdist
 from stage_worker.handoff import DistHandoff, GrpcHandoff, Handoff
 from stage_worker.main_loop import MainLoop
+from stage_worker.moe import uncounted
 from stage_worker.runner import StageOutput
 from stage_worker.sampler import Sampler
 from stage_worker.validate import StepLimits, check_state, check_step
@@ -256,18 +258,19 @@ class StepExecutor:
             self.followers.send(control.FORWARD, self.epoch, control.step_message(step_bytes, filled))
             if hidden is not None:
                 sdist.broadcast_hidden(hidden, runner.tp)
-        if self.ep is None:
-            out = runner.execute(batch, hidden)
-        else:  # the MoE layers meet the other replicas' stages in this tick
-            self.ep.begin(batch.num_tokens)
-            try:
+        with uncounted(runner.model) if batch.warmup else nullcontext():
+            if self.ep is None:
                 out = runner.execute(batch, hidden)
-            finally:
-                self.ep.end()
+            else:  # the MoE layers meet the other replicas' stages in this tick
+                self.ep.begin(batch.num_tokens)
+                try:
+                    out = runner.execute(batch, hidden)
+                finally:
+                    self.ep.end()
         compute = time.perf_counter() - start
         if out.hidden_states is not None:
             sent = self.handoff.send(batch.step_id, out.hidden_states)
-        if self.balancer is not None:
+        if self.balancer is not None and not batch.warmup:
             self._balance()
         return StepStats(compute, wait, sent), out
 

@@ -24,6 +24,7 @@ class CheckpointReader:
         self.files = self._index()
         self._stack = ExitStack()
         self._handles: dict[Path, safe_open] = {}  # by file
+        self.read: set[str] = set()  # the tensors read so far (stage_worker.coverage: none may be left unread)
 
     def _index(self) -> dict[str, Path]:
         index = self.model_dir / "model.safetensors.index.json"
@@ -47,16 +48,22 @@ class CheckpointReader:
     def has(self, name: str) -> bool:
         return name in self.files
 
-    def read(self, name: str) -> torch.Tensor:
-        """A whole tensor (a scalar scale)."""
+    def shape(self, name: str) -> list[int]:
+        return list(self._slice(name).get_shape())
+
+    def read_whole(self, name: str) -> torch.Tensor:
+        """A small tensor whole (scales of a tensor, a g_idx)."""
+        self.read.add(name)
+        return self._handle(self.files[name]).get_tensor(name) if name in self.files else self._slice(name)[:]
+
+    def _slice(self, name: str):
         if name not in self.files:
             raise StagemeshError(f"the checkpoint in {self.model_dir} has no tensor {name}")
-        return self._handle(self.files[name]).get_tensor(name)
+        return self._handle(self.files[name]).get_slice(name)
 
     def read_slice(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
-        if name not in self.files:
-            raise StagemeshError(f"the checkpoint in {self.model_dir} has no tensor {name}")
-        tensor = self._handle(self.files[name]).get_slice(name)
+        tensor = self._slice(name)
+        self.read.add(name)
         index = [slice(None)] * len(tensor.get_shape())
         index[dim] = slice(start, start + length)
         return tensor[tuple(index)]
@@ -81,6 +88,10 @@ def fill(data: torch.Tensor, shards, reader: CheckpointReader) -> None:
     """Copy each shard's checkpoint slice into its place in `data` (a parameter's tensor)."""
     for shard in shards:
         part = reader.read_slice(shard.name, shard.dim, shard.start, shard.length)
+        if not part.is_floating_point() or part.element_size() == 1:
+            raise StagemeshError(f"{shard.name} is stored as {part.dtype}: quantised, and nothing in config.json's "
+                                 "quantization_config says how to read it (a dense tensor is float32, bfloat16 or "
+                                 "float16)")
         target = data if shard.stack is None else data[shard.stack]
         target = target.narrow(shard.dim, shard.dest, shard.length)
         if part.shape != target.shape:

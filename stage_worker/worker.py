@@ -30,7 +30,7 @@ from stage_worker import dist as sdist
 from stage_worker import kv_tier_ranks
 from stage_worker.kv_disk import DiskTier, NamespaceDir
 from stage_worker.kv_tiers import KVTierStore, block_layout, check_host_memory, kv_namespace
-from stage_worker.draft import DraftModel
+from stage_worker.draft import make_drafter
 from stage_worker.ep_group import EPConfig, EPGroup
 from stage_worker.kv_cache import num_kv_blocks_for_budget
 from stage_worker.follower import follower_argv
@@ -67,8 +67,8 @@ class StageWorker:
         self.runner = cfg.slice.runner(0, self.ep)
         if cfg.speculative is not None:  # before the KV budget is shared out: the draft's blocks count
             s = cfg.slice
-            self.runner.attach_drafter(DraftModel(cfg.speculative, self.runner.config, self.runner.device, s.dtype,
-                                                  s.block_size))
+            self.runner.attach_drafter(make_drafter(cfg.speculative, self.runner.config, s.model_dir,
+                                                    self.runner.device, s.dtype, s.block_size))
         # the disk tier's directory, locked for the stage's life, before the followers use it
         self.disk_dir = None if not cfg.kv_disk_path else NamespaceDir(
             cfg.kv_disk_path, kv_namespace(self.runner, cfg.slice.ranks), cfg.slice.ranks,
@@ -88,6 +88,7 @@ class StageWorker:
         self.instance_id = uuid.uuid4().hex  # a restarted stage is another instance to the scheduler
         model = self.runner.config
         self._joining = threading.Lock()  # one join at a time (a second waits for the first to end)
+        self.kv_read_key = b""  # the scheduler's, from each join: ReadKV's tickets (none before a join)
         balancer = None if cfg.slice.eplb is None else eplb.Balancer(
             cfg.slice.eplb, eplb.balanced_blocks(self.runner.model), cfg.slice.tp_size, cfg.stage_index)
         # nothing is allowed before a join
@@ -158,6 +159,7 @@ class StageWorker:
 
     def _join(self, req: EpochSpec) -> None:
         self._leave()
+        self.kv_read_key = req.kv_read_key  # (ReadKV answers only a reader with a ticket under it)
         if self.control is not None:
             self.control.send(control.JOIN, req.epoch, epoch_to_pb(req).SerializeToString())
         rank = sdist.join_world(req, self.runner.tp, self.runner.device)

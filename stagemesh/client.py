@@ -30,6 +30,7 @@ from stagemesh.core.wire import sampling_to_pb
 @dataclass
 class Completion:
     text: str = ""
+    reasoning: str = ""  # chat under the router's --reasoning-parser: the model's thinking, split off text
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
     prompt_tokens: int = 0
@@ -89,10 +90,18 @@ class _Resumer:
         return min(0.1 * 2 ** (self.resumes - 1), 2.0)
 
 
+# the sampling parameters a request may leave to the model's defaults (its generation config, on the router)
+MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 def _sampling(max_tokens: int | None, kw: dict, out) -> None:
     """The sampling parameters into `out`, checked here as the router checks them; max_tokens None goes as 0,
-    the frontend's unset: the router settles it to the room the context leaves, as for an HTTP request."""
+    the frontend's unset: the router settles it to the model's default or the room the context leaves, as for
+    an HTTP request. The parameters of MODEL_DEFAULTS not given stay unset, for the model's defaults."""
     sampling_to_pb(SamplingParams(max_tokens=max_tokens or 1, **kw), out)
+    for name in MODEL_DEFAULTS:
+        if kw.get(name) is None:
+            out.ClearField(name)
     if max_tokens is None:
         out.max_tokens = 0
 
@@ -152,6 +161,7 @@ def _credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.Chan
 
 def _fold(done: Completion, reply: frontend_pb2.GenerateResponse) -> Completion:
     done.text += reply.text
+    done.reasoning += reply.reasoning
     done.token_ids.extend(reply.token_ids)
     if reply.finish_reason:
         done.finish_reason = reply.finish_reason

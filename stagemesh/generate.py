@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from stagemesh.core.model_config import ModelConfig, parse_layer_split
     from stagemesh.core.model_source import resolve_source
 
-    source = resolve_source(args.model, args.tokenizer, args.quantization)
+    source = resolve_source(args.model, args.tokenizer, args.quantization, args.quantization_activations)
     model_dir = source.model_dir
     cfg = ModelConfig.from_path(model_dir)  # fails early, with one line, on a bad directory
     split = None
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
                               max_tokens=args.max_tokens)
     gguf = str(source.gguf_file) if source.gguf_file else None
     with LocalEngine(model_dir, split=split, dtype=args.dtype, quantization=source.quantization,
-                     gguf_file=gguf) as engine:
+                     quantization_activations=source.activations, gguf_file=gguf) as engine:
         [tokens] = engine.generate([list(prompt_ids)], sampling)
     print(tokenizer.decode(tokens, skip_special_tokens=True))
     return 0

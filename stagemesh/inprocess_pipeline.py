@@ -10,18 +10,22 @@ driver's unit tests.
 from __future__ import annotations
 
 import asyncio
+from contextlib import nullcontext
 
 from scheduler.pipeline import StageFailure, StepResult
 from scheduler.rendezvous import ModelIdentity, PipelinePlan, StageInfo
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.sampling_params import StructuredOutputs
 from stagemesh.core.step import StepBatch
 from stage_worker.kv_cache import kv_cache_dtype_name
 from stage_worker.kv_tiers import KVTierStore, open_disk_tier
+from stage_worker.moe import uncounted
 from stage_worker.runner import StageRunner
 
 
 class InProcessPipeline:
     overlaps_stages = False
+    kv_read_key = b""  # (no stage services: no KV is handed out)
 
     def __init__(self, runners: list[StageRunner], num_kv_blocks: int, kv_disk_path: str | None = None):
         """kv_disk_path: the stages' disk KV tier (each its own namespace directory under it)."""
@@ -68,6 +72,12 @@ class InProcessPipeline:
             tiers.fill(block_ids, host_slots, r, ok)
         return ok
 
+    async def compile_grammar(self, structured: StructuredOutputs, timeout_s: float) -> None:
+        """The last runner's sampler compiles it (in its compile thread) and keeps it for the sequence."""
+        sampler = self.runners[-1].sampler
+        assert sampler is not None  # (the last runner samples)
+        await asyncio.wait_for(asyncio.wrap_future(sampler.prepare(structured)), timeout_s)
+
     async def pull_kv(self, epoch: int, pull, timeout_s: float) -> int:
         """Disaggregated prefill: no stage service here to fetch a prefill replica's KV with, so the pull fails
         (the kv_load_failure_policy decides), as the Pipeline protocol says."""
@@ -93,7 +103,8 @@ class InProcessPipeline:
                 if runner is first and batch.chunks.has_placeholders():
                     assert last.sampler is not None  # (the last stage's runner samples)
                     batch.chunks.fill_placeholders(last.sampler.last_tokens(batch))
-                result = runner.execute(batch, hidden)
+                with uncounted(runner.model) if batch.warmup else nullcontext():
+                    result = runner.execute(batch, hidden)
             except StagemeshError as err:
                 raise StageFailure(stage, str(err)) from None
             except Exception as err:  # a bug: the step fails as a stage service's would, the loop goes on

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
+import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -63,6 +65,9 @@ class MeshLayout:
     cuda: bool
     addresses: Addresses = Addresses()
     control_ports: list[int] = field(default_factory=list)  # each router's control port (none: no control port)
+    # where the routers keep their metrics, shared: every router's /metrics counts them all (router.metrics)
+    metrics_dir: str = field(default_factory=lambda: os.path.join(tempfile.gettempdir(),
+                                                                  f"stagemesh-router-metrics-{uuid.uuid4().hex}"))
 
     @classmethod
     def build(cls, args: argparse.Namespace, model: str | None, num_layers: int, cuda: bool,
@@ -153,13 +158,15 @@ class MeshLayout:
 
     def routers(self, replicas: list[str]) -> list[ChildSpec]:
         """The --api-server-count routers over these replicas, on one HTTP port and one gRPC port (SO_REUSEPORT
-        when several), each with its own control port when the layout has them."""
+        when several), each with its own control port when the layout has them, all sharing their metrics."""
         args, n = self.args, self.args.api_server_count
         options = from_args(RouterOptions, self.passed[RouterOptions], source=self.model, host=args.host,
-                            port=args.port, grpc_port=args.grpc_port, replica=tuple(replicas), reuse_port=n > 1)
+                            port=args.port, grpc_port=args.grpc_port, replica=tuple(replicas), reuse_port=n > 1,
+                            listen_when_ready=True)
         control: list[int | None] = [*self.control_ports] or [None] * n
+        env = {"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}  # (on Ray too: the routers share the head node)
         return [ChildSpec("router" if n == 1 else f"router[{i}]",
-                          ["router", *to_argv(replace(options, control_port=control[i]))], kind="router")
+                          ["router", *to_argv(replace(options, control_port=control[i]))], env, kind="router")
                 for i in range(n)]
 
 

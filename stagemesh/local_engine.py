@@ -25,7 +25,7 @@ from stagemesh.core.lora import LoRALimits, parse_lora_modules
 from stagemesh.core.model_config import ModelConfig, layer_ranges, layer_split
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.speculative import parse_speculative_config
-from stage_worker.draft import DraftModel
+from stage_worker.draft import make_drafter
 from stage_worker.kv_cache import num_kv_blocks_for_budget
 from stage_worker.lora import LoRASettings
 from stage_worker.runner import StageRunner
@@ -40,7 +40,8 @@ class LocalEngine:
                  max_model_len: int | None = None, device: str = "cpu", dtype: str | None = None,
                  async_scheduling: bool | None = None, speculative_config: str | dict | None = None,
                  quantization: str | None = None, gguf_file: str | None = None,
-                 kv_offloading_disk_path: str | None = None, lora_modules: list[str] | None = None,
+                 quantization_activations: str | None = None, kv_offloading_disk_path: str | None = None,
+                 lora_modules: list[str] | None = None,
                  max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
                  kv_cache_dtype: str | None = None, calculate_kv_scales: bool = False):
         """speculative_config: vLLM's --speculative-config, as JSON or a dict. kv_offloading_disk_path: the stages'
@@ -56,10 +57,11 @@ class LocalEngine:
                                 tuple(parse_lora_modules(lora_modules)))
         self.runners = [StageRunner(model_dir, a, b, device=device, dtype=dtype, block_size=block_size, config=cfg,
                                     quantization=quantization, gguf_file=gguf_file, lora=lora,
+                                    quantization_activations=quantization_activations,
                                     kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales)
                         for a, b in layer_ranges(split)]
         if spec is not None and spec.uses_draft_model:  # on the last stage, as a stage service runs it
-            self.runners[-1].attach_drafter(DraftModel(spec, cfg, device, dtype, block_size))
+            self.runners[-1].attach_drafter(make_drafter(spec, cfg, model_dir, device, dtype, block_size))
         if num_kv_blocks is None:
             num_kv_blocks = min(num_kv_blocks_for_budget(kv_cache_memory, r.kv_bytes_per_block) for r in self.runners)
         self.pipeline = InProcessPipeline(self.runners, num_kv_blocks, kv_offloading_disk_path)

@@ -21,6 +21,7 @@ import argparse
 import logging
 import json
 import os
+import shutil
 
 from stagemesh.core import internal_token
 from stagemesh.core.errors import StagemeshError
@@ -70,6 +71,7 @@ def _operate(args: argparse.Namespace, mesh, autoscale) -> int:
     finally:
         admin.close()
         mesh.rpc.close()
+        shutil.rmtree(mesh.layout.metrics_dir, ignore_errors=True)  # the routers' shared metrics
 
 
 def _run_on_ray(args: argparse.Namespace, token: str, signals: Signals, autoscale) -> int:
@@ -150,7 +152,7 @@ def _model(args: argparse.Namespace):
     from stagemesh.core.model_config import ModelConfig
     from stagemesh.core.model_source import resolve_source
 
-    source = resolve_source(args.model, args.tokenizer, args.quantization)
+    source = resolve_source(args.model, args.tokenizer, args.quantization, args.quantization_activations)
     cfg = ModelConfig.from_path(source.model_dir)
     cfg.check_tp_size(args.tensor_parallel_size)
     cfg.check_decode_context_parallel(args.tensor_parallel_size, args.decode_context_parallel_size, args.block_size)
@@ -158,14 +160,28 @@ def _model(args: argparse.Namespace):
                                        args.decode_context_parallel_size)
     if args.served_model_name is None and source.gguf_file is not None:
         args.served_model_name = source.name
+    _check_generation_config(args, source.model_dir)
     return source, cfg
+
+
+def _check_generation_config(args: argparse.Namespace, model_dir) -> None:
+    """The routers' sampling defaults, refused here rather than by a router child restarted over and over; a
+    FOLDER made absolute for the children."""
+    from router.generation_config import MODES, load
+
+    load(model_dir, args.generation_config, args.override_generation_config)
+    if args.generation_config not in MODES:
+        args.generation_config = os.path.abspath(os.path.expanduser(args.generation_config))
 
 
 def _check_quantization(source, cfg, cuda: bool) -> None:
     """What the stages would refuse, refused before any starts."""
     from stage_worker.quantization import check_quantization
 
-    check_quantization(source.quantization, cfg, "cuda" if cuda else "cpu")
+    method = check_quantization(source.quantization, cfg, "cuda" if cuda else "cpu")
+    from stage_worker.activations import check_allowed
+
+    check_allowed(source.activations, source.quantization or (method.name if method is not None else None))
 
 
 def _serve_metrics(args: argparse.Namespace, offset: int):

@@ -57,7 +57,7 @@ class FakeReplica(Replica):
         self.generated.append(list(r.generated_token_ids))
         return FakeStream(self._outputs(prompt, r.sampling, len(r.generated_token_ids)))
 
-    def attach(self, request_id: str, prompt: list[int]) -> "FakeStream":
+    def attach(self, request_id: str, prompt: list[int], owner: str) -> "FakeStream":
         """A fake replica keeps nothing for a resume."""
         async def none():
             raise RequestFailed(grpc.StatusCode.NOT_FOUND, f"no request {request_id!r} is held here")
@@ -110,9 +110,10 @@ class FakeRouter:
 
     def __init__(self, model_dir, served_model_name: str, api_key: str | None = None, num_replicas: int = 1,
                  max_request_retries: int = 3, scheduling_policy: str = "fcfs", grpc_frontend: bool = False,
-                 **config):
+                 replica_class: type[FakeReplica] = FakeReplica, **config):
+        """replica_class: FakeReplica or one that answers otherwise (its _outputs)."""
         cfg = ModelConfig.from_path(model_dir)
-        self.replicas = [FakeReplica(served_model_name, 512, cfg.vocab_size, cfg.eos_token_ids, f"fake:{i}",
+        self.replicas = [replica_class(served_model_name, 512, cfg.vocab_size, cfg.eos_token_ids, f"fake:{i}",
                                      scheduling_policy) for i in range(num_replicas)]
         self.replica = self.replicas[0]
         replicas = ReplicaSet([], LeastLoad(), max_request_retries=max_request_retries)

@@ -34,17 +34,20 @@ def layer_scales(num_layers: int, k: float = 0.011, v: float = 0.007, names=("k_
     return out
 
 
-def fp8_reference(model_dir, scales: list[tuple[float, float]], dtype=torch.float8_e4m3fn):
+def fp8_reference(model_dir, scales: list[tuple[float, float]], dtype=torch.float8_e4m3fn, forward=None):
     """transformers on the model's weights, each layer's keys (after the rotation) and values read back as an fp8
-    cache of these scales holds them: what --kv-cache-dtype fp8 computes."""
+    cache of these scales holds them: what --kv-cache-dtype fp8 computes. forward: the attention that then runs
+    (sdpa; a family's eager one where sdpa lacks what it needs, gpt-oss's sinks)."""
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    forward = forward or sdpa_attention_forward
 
     def attention(module, query, key, value, attention_mask, **kw):
         k_scale, v_scale = scales[module.layer_idx]
         key = kv_quant.dequantize(kv_quant.quantize(key, k_scale, dtype), k_scale, key.dtype)
         value = kv_quant.dequantize(kv_quant.quantize(value, v_scale, dtype), v_scale, value.dtype)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+        return forward(module, query, key, value, attention_mask, **kw)
 
     AttentionInterface.register("stagemesh_fp8_kv", attention)
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,

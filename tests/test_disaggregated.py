@@ -250,6 +250,38 @@ def test_kv_is_read_only_from_the_replicas_the_decode_scheduler_was_given(meshes
         channel.close()
 
 
+def test_a_prefill_stage_hands_kv_only_to_a_reader_with_the_blocks_ticket(meshes):
+    """ReadKV straight to a prefill stage, from a holder of the internal token but not of the blocks' read ticket
+    (none, a forged one, the ticket of other blocks): PERMISSION_DENIED, naming nothing of the stage's state.
+    The ticket the prefill replica wrote into the kv_transfer reads them."""
+    _, p, _, _ = meshes
+    sampling = sampling_to_pb(SamplingParams(max_tokens=4, ignore_eos=True))
+    _, _, kv = run(p, [scheduler_pb2.SubmitRequest(request_id="t", prompt_token_ids=list(range(10, 50)),
+                                                   sampling=sampling, prefill_only=True)])["t"]
+    assert len(kv.read_ticket) == 32
+    source = kv.stages[0]
+    channel = internal_channel(source.address)
+    try:
+        stage = stage_pb2_grpc.StageStub(channel)
+        read = stage_pb2.ReadKVRequest(epoch=kv.epoch, block_ids=kv.block_ids, layer_start=source.layer_start,
+                                       layer_end=source.layer_end)
+        forged = bytes([kv.read_ticket[0] ^ 1]) + kv.read_ticket[1:]
+        for ticket, blocks in ((b"", kv.block_ids), (forged, kv.block_ids), (kv.read_ticket, kv.block_ids[:1])):
+            read.ticket, read.block_ids[:] = ticket, blocks
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stage.ReadKV(read, timeout=30))
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value
+            details = refused.value.details()
+            assert details.startswith("ReadKV refused: the request carries no read ticket for these blocks")
+            assert str(kv.epoch) not in details and not re.search(r"\d", details), details
+        read.ticket, read.block_ids[:] = kv.read_ticket, kv.block_ids
+        chunks = list(stage.ReadKV(read, timeout=30))
+        assert {c.layer for c in chunks} == set(range(source.layer_start, source.layer_end))
+    finally:
+        channel.close()
+        p.stub.ReleaseKV(scheduler_pb2.ReleaseKVRequest(request_id="t"), timeout=10)
+
+
 def test_held_kv_no_decode_replica_fetches_is_freed_after_the_hold_timeout(meshes):
     _, p, _, logs = meshes
     sampling = sampling_to_pb(SamplingParams(max_tokens=4, ignore_eos=True))
@@ -384,7 +416,8 @@ def test_a_stalled_prefill_replica_holds_a_decode_request_no_longer_than_the_bou
 def test_kv_whose_hold_expired_or_that_is_gone_follows_the_policy(meshes):
     """The prefill replica freed the blocks (its --kv-hold-timeout passed) before the decode replica read them: the
     read cannot be trusted (the blocks may hold another prompt's KV by then), so the load failed. So did a load
-    from a pipeline that re-formed (another epoch) and from stages that are not there any more."""
+    whose kv_transfer names another epoch (its read ticket no longer fits it: refused by the prefill stages) and
+    one from a scheduler that is not a --kv-peer."""
     model_dir, p, d, logs = meshes
     f = FAIL_MESH
     x = prompts(384, (37,), seed=9)[0]
@@ -409,13 +442,13 @@ def test_kv_whose_hold_expired_or_that_is_gone_follows_the_policy(meshes):
     stale.epoch = kv.epoch + 7
     elsewhere.CopyFrom(kv)
     elsewhere.scheduler_address = "127.0.0.1:1"  # not a --kv-peer: refused before anything is dialled
-    for params, reason in ((stale, "stale"), (elsewhere, "not_peer")):
+    for params, reason in ((stale, "refused"), (elsewhere, "not_peer")):
         error = decode(f, f"xg-{reason}", x, sampling, first, params)
         assert error.code == FAILED_PRECONDITION and f"({reason}: " in error.message, (reason, error)
     import requests
 
     metrics = requests.get(FAIL_METRICS, timeout=10).text
-    for reason in ("hold_expired", "stale", "not_peer"):
+    for reason in ("hold_expired", "refused", "not_peer"):
         assert f'stagemesh:kv_transfer_failures_total{{reason="{reason}"}}' in metrics, reason
     failed = re.search(r"^stagemesh:kv_transfer_failed_requests_total (\S+)$", metrics, re.M)
     assert failed and float(failed.group(1)) >= 3, metrics[-2000:]

@@ -48,6 +48,7 @@ class FakePipeline:
         self.probe_result: StageFailure | None = None
         self.fail_join: StageFailure | None = None
         self.lengths: dict[int, int] = {}  # seq_id -> tokens computed, as a stage tracks them
+        self.compiled: list = []  # the constraints the last stage was asked to compile
 
     def layout(self) -> PipelinePlan:
         return self.plan
@@ -57,6 +58,9 @@ class FakePipeline:
             raise self.fail_join
         self.joined.append(epoch)
         self.lengths.clear()
+
+    async def compile_grammar(self, structured, timeout_s) -> None:
+        self.compiled.append(structured)
 
     def forward(self, epoch, batch, span, trace_links) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
@@ -90,12 +94,13 @@ class FakePipeline:
 
 
 def make_driver(pipeline, recovery_s: float = 0.0, retries: int = 3, async_scheduling: bool | None = None,
-                **scheduler) -> Driver:
+                warm_up: bool = False, **scheduler) -> Driver:
     """A driver over `pipeline`; recovery_s 0: a broken pipeline fails its requests at once."""
     scheduler.setdefault("block_size", 4)
     return Driver(DriverConfig(SchedulerConfig(vocab_size=VOCAB, **scheduler), model_max_len=256,
                                probe_interval_s=0.01, stage_recovery_timeout_s=recovery_s,
-                               max_request_retries=retries, async_scheduling=async_scheduling), pipeline)
+                               max_request_retries=retries, async_scheduling=async_scheduling, warm_up=warm_up),
+                  pipeline)
 
 
 async def collect(stream: OutputStream) -> tuple[list[int], str | None, str | None]:
@@ -141,12 +146,38 @@ def test_steps_flow_and_tokens_reach_their_requests():
     assert max(len(b.chunks) for _, b, _ in pipeline.sent) < 3
 
 
+def test_a_new_pipeline_warms_up_before_it_serves_and_leaves_nothing_behind():
+    pipeline = FakePipeline(num_stages=2)
+    driver = make_driver(pipeline, warm_up=True)
+
+    async def body():
+        warm = list(pipeline.sent)  # every step sent before the first request came
+        assert driver.healthy and warm, "the pipeline served before any warm-up step"
+        assert len(pipeline.compiled) == 1, "the last stage's constraint compiler was not made before serving"
+        assert all(b.warmup for _, b, _ in warm)
+        prompt = list(warm[0][1].new_sequences[0].prompt_token_ids)  # the warm-up's own prompt
+        result = await start(driver, "r", prompt, 3)
+        return warm, prompt, result, pipeline.sent[len(warm)][1]
+
+    warm, prompt, result, first = asyncio.run(with_driver(driver, body))
+    assert result == (want(len(prompt), 3), "length", None)
+    warm_seqs = {seq for _, b, _ in warm for seq in b.chunks.seq_ids}
+    assert len(warm_seqs) == 2 and any(len(b.chunks.seq_ids) == 2 and max(b.chunks.num_tokens) == 1
+                                       for _, b, _ in warm), "no decode step at batch 2"
+    # the stages drop the warm-up's sequences with the first real step, whose ids follow the warm-up's
+    assert set(first.finished_seq_ids) == warm_seqs
+    assert first.step_id > max(b.step_id for _, b, _ in warm) and not first.warmup
+    assert not warm_seqs & {s.seq_id for s in first.new_sequences}
+    # nothing the warm-up computed is a prefix-cache hit: the whole prompt was computed again
+    assert first.chunks.start_positions[0] == 0 and driver.scheduler.stats().prefix_cache_hits == 0
+
+
 def test_replies_out_of_order_are_taken_in_step_order():
     # one stage with async scheduling: a step runs ahead on the sequences of the step before it, so the
     # later reply overtaking the earlier one must not put its tokens first
     pipeline = FakePipeline(num_stages=1, auto=False)
     driver = Driver(DriverConfig(SchedulerConfig(vocab_size=VOCAB, block_size=4), model_max_len=256,
-                                 async_scheduling=True), pipeline)
+                                 async_scheduling=True, warm_up=False), pipeline)
 
     async def body():
         tasks = [start(driver, f"r{i}", [7] * (4 + i), 6) for i in range(2)]
@@ -169,7 +200,7 @@ def test_replies_out_of_order_are_taken_in_step_order():
 def test_run_ahead_keeps_two_steps_in_flight_with_placeholders():
     pipeline = FakePipeline(num_stages=1)
     driver = Driver(DriverConfig(SchedulerConfig(vocab_size=VOCAB, block_size=4), model_max_len=256,
-                                 async_scheduling=True), pipeline)
+                                 async_scheduling=True, warm_up=False), pipeline)
 
     async def body():
         return await start(driver, "r", [9] * 6, 8)

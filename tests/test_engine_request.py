@@ -7,6 +7,7 @@ from dataclasses import fields
 from stagemesh.core.block_hash import prefix_hashes
 from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
 from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.step import TokenLogprob
 from stagemesh.core.wire import engine_request_from_pb, engine_request_to_pb
 from stagemesh.v1 import scheduler_pb2
 
@@ -14,8 +15,10 @@ from stagemesh.v1 import scheduler_pb2
 def test_every_field_crosses_the_wire_and_back():
     r = EngineRequest("r-1", [5, 6, 7], SamplingParams(max_tokens=5, seed=3, temperature=0.5), [8], priority=-2,
                       lora_name="sql", prefill_only=True,
-                      kv_source=KVSourceInfo("h:1", "q", 2, (1, 2), 16, 20, (("s:1", 0, 4),)), resumable=True,
-                      traceparent="00-abc-def-01", tracestate="k=v", cache_salt="tenant")
+                      kv_source=KVSourceInfo("h:1", "q", 2, (1, 2), 16, 20, (("s:1", 0, 4),), b"ticket"),
+                      resumable=True,
+                      traceparent="00-abc-def-01", tracestate="k=v", cache_salt="tenant",
+                      generated_logprobs=[TokenLogprob(8, -0.5, 1, [8, 3], [-0.5, -2.0])], owner="0a1b")
     back = engine_request_from_pb(engine_request_to_pb(r, scheduler_pb2.StreamSubmit()))
     differ = [f.name for f in fields(r) if getattr(back, f.name) != getattr(r, f.name)]
     assert not differ, differ  # (a field the wire forgets shows here: each one above is set off its default)

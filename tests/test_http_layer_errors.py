@@ -10,6 +10,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -25,7 +26,7 @@ BODY = b'{"model": "m", "prompt": "w5", "max_tokens": 2}'
 
 
 @pytest.fixture(scope="module")
-def router(tiny_model_dir, tmp_path_factory):
+def router_process(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("http-errors")
     model = with_word_tokenizer(tiny_model_dir("llama"), logs / "tok")
     port = free_port()
@@ -44,7 +45,7 @@ def router(tiny_model_dir, tmp_path_factory):
                 pass
             assert time.monotonic() < deadline, "the router did not start"
             time.sleep(0.1)
-        yield port
+        yield port, proc
     finally:
         proc.terminate()
         try:
@@ -52,6 +53,11 @@ def router(tiny_model_dir, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def router(router_process):
+    return router_process[0]
 
 
 def exchange(port: int, raw: bytes) -> tuple[int, dict, bytes]:
@@ -108,3 +114,74 @@ def test_a_well_formed_request_beside_them_is_answered(router):
     body = gzip.compress(b'{"prompt": "w5 w6"}')
     code, _, answer = exchange(router, raw % len(body) + body)
     assert code == 200 and json.loads(answer)["tokens"][-2:] == [5, 6], answer
+
+
+def _memory_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line.split()[1] for line in f if line.startswith(field + ":")))
+
+
+def _send_chunked(port: int, body: bytes, headers: bytes) -> bytes:
+    """POST `body` to /v1/completions with Transfer-Encoding: chunked (1 MiB chunks, no Content-Length) while
+    reading the answer; the answer's bytes (the router may answer, and close, before the body is all sent)."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + headers +
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        def send() -> None:
+            try:
+                s.sendall(head)
+                for at in range(0, len(body), 1 << 20):
+                    part = body[at:at + (1 << 20)]
+                    s.sendall(b"%x\r\n" % len(part) + part + b"\r\n")
+                s.sendall(b"0\r\n\r\n")
+            except OSError:  # the router closed the connection after its answer
+                pass
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        data = b""
+        while b"}}" not in data and (more := s.recv(65536)):
+            data += more
+        sender.join(timeout=60)
+    return data
+
+
+@pytest.mark.parametrize("encoding", ["identity", "gzip"])
+def test_a_chunked_body_past_the_bound_is_a_413_without_the_router_holding_it(router_process, encoding):
+    """Transfer-Encoding: chunked, no Content-Length: 64 MiB of body, or a gzip body of 256 KB that inflates to
+    256 MiB. The router answers 413 once what arrived (inflated) passes its 32 MiB bound, holding no more than
+    that (its peak RSS grows by under 48 MiB; aiohttp's own read() inflated the gzip body whole, 408 MiB), and
+    goes on serving."""
+    port, proc = router_process
+    with open(f"/proc/{proc.pid}/clear_refs", "w") as f:
+        f.write("5")  # (the peak RSS starts over from the RSS now)
+    before = _memory_kib(proc.pid, "VmRSS")
+    if encoding == "gzip":
+        data = _send_chunked(port, gzip.compress(b" " * (256 << 20)), b"Content-Encoding: gzip\r\n")
+    else:
+        data = _send_chunked(port, b" " * (64 << 20), b"")
+    status_line, _, rest = data.partition(b"\r\n")
+    assert status_line.split()[1] == b"413", data[:300]
+    error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == 413 and "larger than 33,554,432 bytes" in error["message"], error
+    grown_mib = (_memory_kib(proc.pid, "VmHWM") - before) / 1024
+    print(f"{encoding}: the router's peak RSS grew by {grown_mib:.0f} MiB")
+    assert grown_mib < 48, grown_mib
+    assert requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+
+
+def test_detokenize_and_tokenize_bound_their_token_counts(router):
+    """/detokenize takes no more token ids than the model's positions (counted before each is checked);
+    /tokenize no more text than they can hold."""
+    base, auth = f"http://127.0.0.1:{router}", {"Authorization": f"Bearer {KEY}"}
+    resp = requests.post(f"{base}/detokenize", json={"model": "m", "tokens": [5] * 3_000_000}, headers=auth,
+                         timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "tokens", resp.text[:300]
+    message = resp.json()["error"]["message"]
+    assert "'tokens' has 3,000,000 token ids: more than any sequence this model takes" in message
+    resp = requests.post(f"{base}/tokenize", json={"model": "m", "prompt": "w5 " * 3_000_000}, headers=auth,
+                         timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text[:300]
+    ok = requests.post(f"{base}/detokenize", json={"model": "m", "tokens": [5, 6]}, headers=auth, timeout=60)
+    assert ok.status_code == 200 and ok.json()["prompt"] == "w5 w6", ok.text
+

@@ -190,12 +190,16 @@ def test_scales_the_model_cannot_honour_are_refused_by_name(model64, tmp_path, s
             StageRunner(ckpt, 0, 4, kv_cache_dtype=dtype)
 
 
-def test_what_is_not_built_is_refused_by_name(model64, capsys):
+def test_what_is_not_built_is_refused_by_name(model64, tiny_model_dir, capsys):
+    import argparse
+
+    from stagemesh.plan.cli import add_arguments, run as plan_run
     from stagemesh.core.flags import parse
     from stage_worker.kv_cache import check_kv_cache_dtype
     from stage_worker.options import StageOptions
     from stagemesh.core.model_config import ModelConfig
 
+    add_arguments(plan_parser := argparse.ArgumentParser())
     with pytest.raises(StagemeshError, match=r"--kv-cache-dtype 'fp4' is not built; stagemesh has auto, fp8, "):
         StageRunner(model64, 0, 4, kv_cache_dtype="fp4")
     with pytest.raises(SystemExit):
@@ -203,10 +207,11 @@ def test_what_is_not_built_is_refused_by_name(model64, capsys):
     assert "argument --kv-cache-dtype: invalid choice: 'int8'" in capsys.readouterr().err
     with pytest.raises(StagemeshError, match="--calculate-kv-scales sets an fp8 KV cache's scales: it needs "):
         StageRunner(model64, 0, 4, calculate_kv_scales=True)
-    cfg = ModelConfig.from_path(model64)
-    mla = ModelConfig(**{**cfg.__dict__, "raw": {**cfg.raw, "kv_lora_rank": 512}})
+    mla = ModelConfig.from_path(tiny_model_dir("deepseek_v3"))
     with pytest.raises(StagemeshError, match="with multi-head latent attention .* is not built yet"):
         check_kv_cache_dtype("fp8", mla)
+    with pytest.raises(StagemeshError, match="with multi-head latent attention .* is not built yet"):
+        plan_run(plan_parser.parse_args([str(tiny_model_dir("deepseek_v3")), "--kv-cache-dtype", "fp8"]))
     check_kv_cache_dtype("auto", mla)
     runner = StageRunner(model64, 0, 4, kv_cache_dtype="fp8")
     with pytest.raises(StagemeshError, match="draft model does not run with an fp8 KV cache yet"):
@@ -274,6 +279,7 @@ def test_the_plan_counts_an_fp8_cache(tmp_path):
         req = PlanRequest(cfg, 8, 1, parse_bytes("80GiB"), "bf16", 32768, tensor_parallel_size=8, kv_cache_dtype=kv)
         plans[kv] = as_json(req, make_plan(req), model, "cuda")
     assert plans["fp8"]["kv_cache_tokens"] >= 1.9 * plans["auto"]["kv_cache_tokens"]
+    assert plans["fp8"]["kv_bytes_per_token"] * 2 == plans["auto"]["kv_bytes_per_token"]
     assert "--kv-cache-dtype fp8" in plans["fp8"]["commands"]["serve"]
     assert "--kv-cache-dtype" not in plans["auto"]["commands"]["serve"]
 

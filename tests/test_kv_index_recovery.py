@@ -283,6 +283,46 @@ def test_a_flood_of_stored_events_cannot_grow_the_index_past_its_cap():
     assert index.num_blocks("r") == 0
 
 
+def test_a_snapshot_past_grpcs_4_mib_limit_is_received_whole():
+    """GetKVSnapshot over a real gRPC server in this process (default message limits on both ends): a replica
+    whose host tier holds 700,000 blocks (some 7 MB of hashes) streams its snapshot in parts, and the caller
+    joins them into the replica's whole view, in order."""
+    import grpc
+    from types import SimpleNamespace
+
+    from scheduler.service import SchedulerServicer
+    from stagemesh.core.hash_parts import joined_tiers
+    from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    kv = TieredBlockManager(8, BS)
+    h = fill(kv, "a", list(range(8)))
+    kv.host = [(2**64 - 1 - i) for i in range(700_000)]  # (varints of 10 bytes: the largest a hash takes)
+    hub = KVEventHub(lambda: kv)
+    # the servicer's driver: what GetKVSnapshot reads (its KV event hub), nothing more
+    driver = SimpleNamespace(kv_events=hub, status=lambda: SimpleNamespace(block_size=BS), pipeline=None,
+                             cfg=SimpleNamespace(scheduler=SimpleNamespace(lora=None)))
+
+    async def go():
+        server = grpc.aio.server()
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(driver, "m", "/m", 16), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = scheduler_pb2_grpc.SchedulerStub(channel).GetKVSnapshot(scheduler_pb2.GetKVSnapshotRequest(),
+                                                                               timeout=30)
+                return [part async for part in call]
+        finally:
+            await server.stop(None)
+
+    parts = asyncio.run(go())
+    assert sum(p.ByteSize() for p in parts) > 4 * 2**20 and len(parts) == 4
+    assert all(p.ByteSize() < 4 * 2**20 for p in parts) and [p.more for p in parts] == [True, True, True, False]
+    assert {(p.epoch, p.seq, p.block_size) for p in parts} == {(*hub.snapshot()[:2], BS)}
+    _, tiers = joined_tiers(iter(parts))
+    assert tiers == {"device": h, "host": kv.host}
+
+
 # -- real processes ------------------------------------------------------------------------------------
 
 def metric(router, name: str, **labels: str) -> float:
@@ -297,17 +337,19 @@ def metric(router, name: str, **labels: str) -> float:
 
 
 def replica_view(mesh) -> dict[str, set[int]]:
+    from stagemesh.core.hash_parts import joined_tiers
     from stagemesh.v1 import scheduler_pb2
 
-    snap = mesh.stub.GetKVSnapshot(scheduler_pb2.GetKVSnapshotRequest(), timeout=5)
-    return {t.medium: set(t.block_hashes) for t in snap.tiers if t.block_hashes}
+    _, tiers = joined_tiers(mesh.stub.GetKVSnapshot(scheduler_pb2.GetKVSnapshotRequest(), timeout=5))
+    return {medium: set(hashes) for medium, hashes in tiers.items() if hashes}
 
 
 def router_view(control, address: str) -> tuple[bool, dict[str, set[int]]]:
+    from stagemesh.core.hash_parts import joined_tiers
     from stagemesh.v1 import router_pb2
 
-    state = control.GetKVIndex(router_pb2.GetKVIndexRequest(replica=address), timeout=5)
-    return state.degraded, {t.medium: set(t.block_hashes) for t in state.tiers if t.block_hashes}
+    parts, tiers = joined_tiers(control.GetKVIndex(router_pb2.GetKVIndexRequest(replica=address), timeout=5))
+    return parts[0].degraded, {medium: set(hashes) for medium, hashes in tiers.items() if hashes}
 
 
 def wait_until(what: str, ok, timeout: float = 30) -> None:

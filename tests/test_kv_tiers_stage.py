@@ -14,6 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from mesh import free_port, internal_channel
+from stagemesh.core import kv_ticket
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.wire import sampling_to_pb
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
@@ -21,6 +22,7 @@ from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 pytestmark = pytest.mark.slow
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 HOST_SLOTS, KV_BLOCKS = 4, 16
+READ_KEY = b"k" * 32  # (the test joins the stage as its scheduler would: with a read key)
 
 
 def stage_cmd(model, port: int, disk, tp: int = 2, extra: tuple[str, ...] = ()) -> list[str]:
@@ -73,8 +75,8 @@ def running_stage(model, tmp_path_factory, extra: tuple[str, ...] = ()):
 def join(stub, store_port: int, epoch: int) -> stage_pb2.JoinPipelineResponse:
     return stub.JoinPipeline(stage_pb2.JoinPipelineRequest(
         epoch=epoch, store_host="127.0.0.1", store_port=store_port, world_size=2, rank_offset=0, tp_sizes=[2],
-        num_kv_blocks=KV_BLOCKS, max_model_len=64, max_num_batched_tokens=64, num_host_kv_blocks=HOST_SLOTS),
-        timeout=60)
+        num_kv_blocks=KV_BLOCKS, max_model_len=64, max_num_batched_tokens=64, num_host_kv_blocks=HOST_SLOTS,
+        kv_read_key=READ_KEY), timeout=60)
 
 
 def prefill(stub, epoch: int) -> None:
@@ -89,7 +91,8 @@ def prefill(stub, epoch: int) -> None:
 
 def read(stub, epoch: int, block_ids: list[int]) -> list[tuple[int, int, bytes, bytes]]:
     return [(c.layer, c.first_block, c.k, c.v) for c in stub.ReadKV(stage_pb2.ReadKVRequest(
-        epoch=epoch, block_ids=block_ids, layer_start=0, layer_end=4), timeout=30)]
+        epoch=epoch, block_ids=block_ids, layer_start=0, layer_end=4,
+        ticket=kv_ticket.ticket(READ_KEY, epoch, block_ids)), timeout=30)]
 
 
 def contents(stub, epoch: int, block: int) -> list[tuple[bytes, bytes]]:

@@ -226,6 +226,45 @@ def test_the_admin_api_wants_its_key_and_says_why_it_refuses():
     asyncio.run(run())
 
 
+def test_the_admin_api_answers_every_error_in_json_even_those_aiohttp_makes():
+    """An unknown path, a wrong method, a body past the bound and a request the HTTP parser refuses each get the
+    gateway's JSON error with its own status, never aiohttp's text/plain (a real server on loopback)."""
+    import json
+    import socket
+
+    import requests
+
+    from stagemesh.ops.admin_api import AdminServer
+    from stagemesh.ops.serve_ops import MeshController
+
+    server = AdminServer(MeshController(_mesh()), "secret-key", "127.0.0.1", 0)
+    port = server.start()
+    base, ok = f"http://127.0.0.1:{port}", {"Authorization": "Bearer secret-key"}
+
+    def check(resp: requests.Response, status: int, words: str) -> None:
+        assert resp.status_code == status and resp.headers["Content-Type"].startswith("application/json"), resp.text
+        error = resp.json()["error"]
+        assert error["code"] == status and words in error["message"], error
+
+    try:
+        check(requests.get(f"{base}/admin/nothing", headers=ok, timeout=10), 404, "no route GET /admin/nothing")
+        check(requests.get(f"{base}/admin/rollout", headers=ok, timeout=10), 405,
+              "GET is not allowed on /admin/rollout")
+        check(requests.post(f"{base}/admin/scale", data=b"{" + b" " * 8192 + b"}", headers=ok, timeout=10), 413,
+              "Maximum request body size")
+        check(requests.get(f"{base}/admin/nothing", timeout=10), 401, "Authorization: Bearer")
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:  # no HTTP client sends this
+            sock.sendall(b"GET /admin/status HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")
+            raw = b""
+            while chunk := sock.recv(65536):
+                raw += chunk
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert head.split()[1] == b"400" and b"application/json" in head, raw[:300]
+        assert json.loads(body)["error"]["message"].startswith("the request is not valid HTTP"), body
+    finally:
+        server.stop()
+
+
 def test_a_ray_cluster_without_room_for_a_replica_says_what_is_missing():
     from stagemesh.layout import ChildSpec
     from stagemesh.ray_room import missing_free_room, missing_room

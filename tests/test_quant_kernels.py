@@ -18,6 +18,10 @@ def weight(n: int, k: int, bits: int, group: int, seed: int = 0):
     if bits == 4:
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
         return ref.pack_4bit(q), scales, -torch.rand(n, k // group, generator=g) * 0.1
+    if bits == "fp8":  # normals, subnormals (|v| < 2^-6), zeros and the largest (448), both signs
+        spread = torch.tensor([1e-3, 0.05, 3.0, 300.0])[torch.randint(0, 4, (n, k), generator=g)]
+        v = torch.randn(n, k, generator=g) * spread
+        return v.clamp(-448, 448).to(torch.float8_e4m3fn), scales, None
     return torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), scales, None
 
 
@@ -42,7 +46,7 @@ def check(x, qs, scales, mins, bias, int8_activations, tol=2e-5, family="avx2"):
 # rows of x: the fused path's tiles of 1-4 (and 5-8: a 4 and a rest), the tiled path's 4-row tiles and rests;
 # rows of W: the tiled path's 3-row tiles, its 24-row blocks and rests
 @pytest.mark.parametrize("family", families("avx2", "avx512", "avx512_bf16"))
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 8, "fp8"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 33])
 @pytest.mark.parametrize("n", [1, 2, 3, 25, 50])
 def test_exact_path_equals_reference(family, bits, m, n):
@@ -54,7 +58,7 @@ def test_exact_path_equals_reference(family, bits, m, n):
 
 
 @pytest.mark.parametrize("family", families("avx2", "avx512", "avx512_bf16"))
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 8, "fp8"])
 @pytest.mark.parametrize("m", [1, 2, 4, 5])
 @pytest.mark.parametrize("k,group", [(96, 32), (160, 32), (192, 64), (320, 64), (96, "K"), (160, "K")])
 def test_exact_path_group_widths(family, bits, m, k, group):
@@ -158,8 +162,11 @@ def test_refuses_what_does_not_fit():
         cpu_ops.quant_linear(torch.randn(2, 64), qs, scales.half(), mins, None, False)
     with pytest.raises(RuntimeError, match="scales must be contiguous float32 or float16"):
         cpu_ops.quant_linear(torch.randn(2, 64), qs, scales.double(), mins.double(), None, False)
-    with pytest.raises(RuntimeError, match="8-bit weights take no mins"):
+    with pytest.raises(RuntimeError, match="8-bit and fp8 weights take no mins"):
         cpu_ops.quant_linear(torch.randn(2, 64), q8, s8, s8, None, False)
+    f8, _, _ = weight(8, 64, "fp8", 32)
+    with pytest.raises(RuntimeError, match="int8 activations take integer weights, not float8_e4m3fn"):
+        cpu_ops.quant_linear(torch.randn(2, 64), f8, s8, None, None, True)
     with pytest.raises(RuntimeError, match="bias has 3 elements for 8 outputs"):
         cpu_ops.quant_linear(torch.randn(2, 64), q8, s8, None, torch.randn(3), False)
     with pytest.raises(RuntimeError,

@@ -4,7 +4,8 @@ segment. serve's operations under looping streams: a replica added (its stage in
 own), a rolling restart of every service, the replica removed, a scale the cluster has no room for refused;
 every answer token-exact. Each stage of a PP=2 mesh lands on a node of its own and the answers are
 transformers' greedy tokens; a worker node that holds a stage is killed outright under 8 streams, Ray places
-the stage again on the node that has room, and every stream ends with exactly the undisturbed tokens."""
+the stage again on the node that has room, and every stream ends with exactly the undisturbed tokens; then the
+driver (serve) is SIGKILLed under load and no service it ran on any node outlives it."""
 from __future__ import annotations
 
 import json
@@ -375,3 +376,36 @@ def test_pp2_on_two_ray_nodes_then_a_worker_node_dies_under_8_streams(ray_nodes,
     for i, result in enumerate(results):
         assert result == {"ids": want[i], "finish": "length"}, f"stream {i}: {str(result)[:300]}\n{log[-3000:]}"
     print(f"{victim_name} moved from {victim.address} to {moved.group(1)}; 8 streams undisturbed")
+
+    # the driver SIGKILLed under load: Ray ends its actors with it, and every service they ran ends with them
+    services = _services_of(model_dir)
+    assert len(services) >= 4, services  # the router, the scheduler and the two stages (on their nodes)
+    client = subprocess.Popen(head.argv(sys.executable, "-c", CLIENT, f"{base}/v1/completions", json.dumps(bodies)),
+                              stdout=subprocess.PIPE, text=True, env=clean_env())
+    try:
+        assert client.stdout.readline().strip() == "STARTED", client.stdout.read()
+        serve.send_signal(signal.SIGKILL)
+        serve.wait(timeout=10)
+        deadline = time.monotonic() + 60
+        while (left := _services_of(model_dir)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, f"services left after the driver's SIGKILL: {left}\n{log_path.read_text()[-3000:]}"
+    finally:
+        client.kill()
+        client.wait()
+
+
+def _services_of(model_dir: Path) -> dict[int, str]:
+    """pid -> command line of every stagemesh service process serving this model, on any node (the nodes are
+    network namespaces of this host: their processes are this host's)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
+            continue
+        line = b" ".join(argv).decode(errors="replace")
+        if "-m stagemesh" in line and str(model_dir) in line and " serve " not in line:
+            found[int(entry)] = line[:160]
+    return found

@@ -17,7 +17,9 @@ from router.submit_stream import ReplicaOutput
 from scheduler.connection import Connection
 from scheduler.request import RequestOutput
 from scheduler.sessions import NotHeld, Sessions, Taken
+from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import SampledToken, TokenLogprob
 from tiny_models import with_word_tokenizer
 
@@ -128,6 +130,11 @@ def _sampled(t: int) -> SampledToken:
     return SampledToken(0, t, -0.5)
 
 
+def _request(request_id: str, prompt: list[int], generated=(), owner: str = "", logprobs=()) -> EngineRequest:
+    return EngineRequest(request_id, prompt, SamplingParams(logprobs=1), generated_token_ids=list(generated),
+                         generated_logprobs=list(logprobs), owner=owner)
+
+
 def test_a_resumed_requests_outputs_are_cut_where_the_client_stopped():
     # a continuation's journal: its first two tokens came from another replica, without logprobs
     first = ReplicaOutput([5, 6, 7, 8, 9], [_lp(7), _lp(8), _lp(9)], "length", None, num_prompt_tokens=3)
@@ -160,16 +167,24 @@ def test_a_session_journals_its_outputs_and_hands_them_to_the_router_that_attach
     released = Released()
     sessions = Sessions(released, grace_s=30)
     old, new = Connection(), Connection()
-    session = sessions.open("r", [1, 2], [9], old)  # a continuation: token 9 came from another replica
+    # a continuation: token 9 came from another replica, with its logprobs, and the key-holder "k1" sent it
+    earlier = TokenLogprob(9, -0.25, 1, [9, 4], [-0.25, -1.5])
+    session = sessions.open(_request("r", [1, 2], [9], owner="k1", logprobs=[earlier]), old)
     session.put(RequestOutput("r", [10], [_sampled(10)], num_prompt_tokens=2, num_cached_tokens=1))
     session.put(RequestOutput("r", [11], [_sampled(11)]))
     assert sessions.detach(old) == {"r"} and released == []  # still running: kept
     with pytest.raises(StagemeshError, match="another prompt"):
-        sessions.attach("r", [1, 3], new)
-    sessions.attach("r", [1, 2], new)
+        sessions.attach("r", [1, 3], "k1", new)
+    for other in ("", "k2"):  # another owner: as if no such request were held
+        with pytest.raises(NotHeld, match="no request 'r' is held here"):
+            sessions.attach("r", [1, 2], other, new)
+    sessions.attach("r", [1, 2], "k1", new)
     (update,) = _take(new)
     assert update.first and update.item.new_token_ids == [9, 10, 11] and update.item.num_prompt_tokens == 2
-    assert [e.token_id for e in update.item.new_logprobs] == [10, 11] and not update.item.finished
+    # the moved token's logprobs replay with the rest: one per token, in order
+    logprobs = update.item.new_logprobs
+    assert [e.token_id for e in logprobs] == [9, 10, 11] and not update.item.finished
+    assert (logprobs[0].logprob, logprobs[0].top_token_ids, logprobs[0].top_logprobs) == (-0.25, [9, 4], [-0.25, -1.5])
     session.put(RequestOutput("r", [12], finish_reason="length"))
     (update,) = _take(new)
     assert update.item.new_token_ids == [12] and update.item.finish_reason == "length"
@@ -177,19 +192,19 @@ def test_a_session_journals_its_outputs_and_hands_them_to_the_router_that_attach
     sessions.release("r", new)
     assert "r" not in sessions and released == []  # (it had finished: nothing to abort)
     with pytest.raises(NotHeld):
-        sessions.attach("r", [1, 2], new)
+        sessions.attach("r", [1, 2], "k1", new)
 
 
 def test_an_error_comes_after_the_tokens_and_a_second_attach_takes_the_request_over():
     sessions = Sessions(Released(), grace_s=30)
     first, second, third = Connection(), Connection(), Connection()
-    session = sessions.open("r", [1], [], first)
+    session = sessions.open(_request("r", [1]), first)
     session.put(RequestOutput("r", [4]))
     session.put(RequestOutput("r", finish_reason="error", error="stage 1 failed"))
-    sessions.attach("r", [1], second)
+    sessions.attach("r", [1], "", second)
     items = [u.item for u in _take(second)]
     assert items[0].new_token_ids == [4] and items[1].finish_reason == "error"
-    sessions.attach("r", [1], third)
+    sessions.attach("r", [1], "", third)
     (update,) = _take(second)  # the stream that had it hears it went elsewhere
     assert isinstance(update.item.error, Taken)
 
@@ -198,23 +213,23 @@ def test_unresumed_sessions_end_after_the_grace_period_and_stops_free_the_kv_at_
     released = Released()
     sessions = Sessions(released, grace_s=5)
     connection = Connection()
-    sessions.open("running", [1], [], connection)
-    sessions.open("done", [1], [], connection).put(RequestOutput("done", [3], finish_reason="stop"))
-    sessions.open("stopped", [1], [], connection)
+    sessions.open(_request("running", [1]), connection)
+    sessions.open(_request("done", [1]), connection).put(RequestOutput("done", [3], finish_reason="stop"))
+    sessions.open(_request("stopped", [1]), connection)
     assert sessions.stop("stopped", connection) and released == ["stopped"]  # a stop string: KV freed now
     assert "stopped" in sessions  # its outputs kept until released
     sessions.detach(connection)
     sessions.sweep(float("inf"))
     assert len(sessions) == 0 and released == ["stopped", "running"]  # the finished ones need no abort
     with pytest.raises(StagemeshError, match="already in use"):
-        sessions.open("r", [1], [], connection) and sessions.open("r", [1], [], connection)
+        sessions.open(_request("r", [1]), connection) and sessions.open(_request("r", [1]), connection)
 
 
 def test_with_no_grace_period_a_broken_streams_sessions_end_at_once():
     released = Released()
     sessions = Sessions(released, grace_s=0)
     connection = Connection()
-    sessions.open("r", [1], [], connection)
+    sessions.open(_request("r", [1]), connection)
     sessions.detach(connection)
     assert len(sessions) == 0 and released == ["r"]
 
@@ -263,7 +278,82 @@ def test_the_event_id_grammar_rejects_nothing_it_produces():
                 ResumePoint.parse(value, 2)
 
 
-def test_a_responses_api_stream_cannot_be_resumed_and_says_so(router):
-    resp = requests.post(f"{router.base_url}/v1/responses", timeout=30, headers={"Last-Event-ID": "3"},
-                         json={"model": "m", "input": "w5 w6", "stream": True})
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "Last-Event-ID"
+class _Builder:
+    """A Responses stream's groups of events as router.responses_api.output.ResponseBuilder makes them: the
+    opening, per delta the message's opening (with its first visible text) and a text delta, and the closing;
+    numbered in order, the text each delta's token ids."""
+
+    def __init__(self):
+        self.sequence, self.opened, self.text = 0, False, []
+
+    def event(self, kind: str, **fields) -> dict:
+        self.sequence += 1
+        return {"type": kind, "sequence_number": self.sequence - 1, **fields}
+
+    def opening(self) -> list[dict]:
+        return [self.event("response.created"), self.event("response.in_progress")]
+
+    def deltas(self, tokens: list[int]) -> list[dict]:
+        self.text += tokens
+        visible = [t for t in tokens if t >= 0]  # (a negative token: text held back, as before a tool call)
+        if not visible:
+            return []
+        opening = [] if self.opened else [self.event("output_item.added"), self.event("content_part.added")]
+        self.opened = True
+        return opening + [self.event("output_text.delta", delta=visible)]
+
+    def closing(self) -> list[dict]:
+        return [self.event("output_text.done", text=list(self.text)), self.event("content_part.done"),
+                self.event("output_item.done"), self.event("response.completed")]
+
+
+def _responses_stream(groups: list[list[int]], last_event_id: str | None = None) -> list[tuple[str, dict]]:
+    """The events a stream of these deltas writes, or (resumed from last_event_id) the rest of them: the
+    tokens the client has come back as one delta (what a replica's journal gives a router that attaches)."""
+    from router.responses_api.stream_ids import Point, ResponseEventIds
+
+    builder, point = _Builder(), Point.parse(last_event_id) if last_event_id else None
+    ids = ResponseEventIds(True, point)
+    if point is not None:  # the journal, cut where the client's copy ends
+        tokens = [t for g in groups for t in g]
+        groups = [tokens[:point.tokens], tokens[point.tokens:]]
+    out = ids.opening(builder, builder.opening)
+    for group in groups:
+        out += ids.delta(builder, lambda: builder.deltas(group), len(group))  # noqa: B023 (called at once)
+    return out + ids.closing(builder, builder.closing)
+
+
+def _merged(events: list[dict]) -> list[tuple]:
+    """The events as a client reads them, text deltas in a row joined (a resume sends what its replica made
+    meanwhile as one delta), sequence numbers aside."""
+    out: list[tuple] = []
+    for e in events:
+        if e["type"] == "output_text.delta" and out and out[-1][0] == "output_text.delta":
+            out[-1] = ("output_text.delta", out[-1][1] + e["delta"])
+        else:
+            out.append((e["type"], e.get("delta") or e.get("text")))
+    return out
+
+
+def test_a_responses_stream_resumed_after_any_event_goes_on_with_the_events_the_client_lacks():
+    """Whatever event the client read last, what it has and what the resumed stream writes make the undisturbed
+    stream: nothing repeated, nothing missing, the same text, sequence numbers going on from its last one; the
+    last event's id says the stream is complete, and a resume from it writes nothing."""
+    for groups in ([[-1, 5], [6, 7], [-2], [8, 9, 10]], [[-1], [-2, -3]], [[4], [5]]):
+        whole = _responses_stream(groups)
+        events = [e for _, e in whole]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert whole[-1][0] == f"{sum(map(len, groups))}f/{len(events) - 1}"
+        for k, (event_id, _) in enumerate(whole):
+            rest = [e for _, e in _responses_stream(groups, event_id)]
+            assert _merged(events[:k + 1] + rest) == _merged(events), (groups, event_id)
+            assert [e["sequence_number"] for e in rest] == list(range(k + 1, k + 1 + len(rest))), (groups, event_id)
+
+
+def test_a_responses_event_id_this_server_did_not_send_is_a_400():
+    from router.responses_api.stream_ids import Point
+
+    for value in ("3", "1f/2/0", "a/1", "1/2/3/4", "9" * 8 + "/1"):
+        with pytest.raises(APIError) as err:
+            Point.parse(value)
+        assert err.value.status == 400 and err.value.param == "Last-Event-ID"

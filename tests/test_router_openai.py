@@ -32,6 +32,19 @@ def test_chat_names_paris(router):
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
 
 
+def test_the_readme_request_with_default_sampling_names_paris_5_of_5(router):
+    """The quick start's request (no temperature: the embedded model's generation_config.json decides) answers
+    sensibly every time; a request's own temperature still samples (its 5 seeded answers are not all the
+    default's)."""
+    client = router.client()
+    answers = [client.chat.completions.create(model=MODEL, max_tokens=64, messages=QUESTION).choices[0].message.content
+               for _ in range(5)]
+    assert all("Paris" in a for a in answers), answers
+    sampled = client.chat.completions.create(model=MODEL, max_tokens=64, messages=QUESTION, temperature=1.0, seed=0,
+                                             n=5)
+    assert {c.message.content for c in sampled.choices} != {answers[0]}
+
+
 def test_streaming_chat_equals_the_whole_answer(router):
     client = router.client()
     whole = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=30, temperature=0)

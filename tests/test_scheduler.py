@@ -338,3 +338,40 @@ def test_requeued_requests_keep_their_priority_order_through_a_broken_pipeline()
     fresh = priority_scheduler(num_kv_blocks=64)
     fresh.take_over(s)
     assert [r.request_id for r in fresh.waiting] == ["z", "a", "b", "c"] and len(kept) == 4
+
+
+
+def _lora_scheduler(max_loras: int = 1) -> Scheduler:
+    from scheduler.lora_table import LoRATable
+
+    return make(lora=LoRATable(max_loras=max_loras, adapters={"a": "/a", "b": "/b", "c": "/c"}))
+
+
+def test_a_request_whose_adapter_has_no_slot_lets_those_behind_it_run_then_runs_itself():
+    """--max-loras 1 with adapter a running: b's request waits in its place while a base-model request behind it
+    runs; a's requests keep coming, yet once the a that ran has ended b's request runs, then c's, before them."""
+    s, adapters = _lora_scheduler(), {}
+
+    def add(request_id: str, adapter: str, max_tokens: int = 4) -> None:
+        adapters[request_id] = adapter
+        s.add_request(EngineRequest(request_id, [3, 4, 5], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                    lora_name=adapter))
+
+    for request_id, adapter in (("a1", "a"), ("b1", "b"), ("base", ""), ("c1", "c")):
+        add(request_id, adapter, max_tokens=3 if request_id == "a1" else 4)
+    out, _ = run_step(s)
+    assert out.request_ids == ["a1", "base"]  # b1 and c1 wait, keeping their places
+    assert [r.request_id for r in s.waiting] == ["b1", "c1"]
+    assert s.stats().waiting_adapters == ("b", "c") and s.stats().running_adapters == ("a",)
+    started: dict[str, int] = {}
+    for step in range(1, 100):
+        if step <= 5:  # a's requests keep coming while b1 waits: they must not take its turn
+            add(f"a-late{step}", "a")
+        out, _ = run_step(s)
+        for request_id in out.request_ids:
+            started.setdefault(request_id, step)
+        assert len({adapters[r] for r in out.request_ids} - {""}) <= 1  # one adapter at a time
+        if not s.has_unfinished():
+            break
+    assert not s.has_unfinished(), "a request starved"
+    assert started["b1"] < started["c1"] < min(started[f"a-late{i}"] for i in range(1, 6)), started

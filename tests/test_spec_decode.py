@@ -37,7 +37,7 @@ def test_ngram_config_takes_vllms_keys_and_defaults():
 
 @pytest.mark.parametrize("config, named", [
     ({"method": "eagle", "model": "x", "num_speculative_tokens": 3}, "'eagle' is not supported"),
-    ({"method": "deepseek_mtp", "num_speculative_tokens": 1}, "'deepseek_mtp' is not supported"),
+    ({"method": "ernie_mtp", "num_speculative_tokens": 1}, "'ernie_mtp' is not supported"),
     ({"method": "suffix", "num_speculative_tokens": 3}, "'suffix' is not supported"),
     ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 4}, "'disable_by_batch_size'"),
     ({"method": "ngram"}, "needs num_speculative_tokens"),

@@ -42,14 +42,14 @@ GRAMMAR = 'root ::= "The answer is " answer "."\nanswer ::= "yes" | "no" | "mayb
 GRAMMAR_RE = r"The answer is (yes|no|maybe)\."
 ASK = [{"role": "user", "content": "Describe a person as JSON, then name a city."}]
 PERSON_ASK = [{"role": "user", "content": "Describe a person as a JSON object."}]
-COMPILE_TIMEOUT_S = 2  # the router's --grammar-compile-timeout here
+COMPILE_TIMEOUT_S = 2  # the router's and the scheduler's --grammar-compile-timeout here
 
 
 @pytest.fixture(scope="module")
 def router(default_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("structured")
     with Mesh(default_model_dir, [15, 15], handoff="grpc", log_dir=logs,
-              scheduler_args=("--async-scheduling",)) as mesh:
+              scheduler_args=("--async-scheduling", "--grammar-compile-timeout", str(COMPILE_TIMEOUT_S))) as mesh:
         # (TOOL_TEMPLATE is a request's own chat template)
         with Router(default_model_dir, [mesh.address],
                     ("--trust-request-chat-template", "--grammar-compile-timeout", str(COMPILE_TIMEOUT_S)),
@@ -530,6 +530,59 @@ def test_a_hostile_regex_gets_a_400_quickly_while_a_stream_goes_on(router):
     assert took < COMPILE_TIMEOUT_S + 10, took
     # the stream went on meanwhile: no gap near a compile's seconds (a step here takes tens of milliseconds)
     assert max(gaps) < 1.5, max(gaps)
+
+
+def _first_tokens(mesh: Mesh, requests: list[tuple[str, list[int], SamplingParams]]) -> dict:
+    """Requests sent together to the replica itself: request id -> seconds from the send to its first token, or
+    its error (the RequestError of one that failed)."""
+    import threading
+
+    from stagemesh.core.wire import sampling_to_pb
+    from stagemesh.v1 import scheduler_pb2
+
+    message = scheduler_pb2.SubmitStreamRequest()
+    for request_id, prompt, sampling in requests:
+        message.submits.add(request=scheduler_pb2.SubmitRequest(request_id=request_id, prompt_token_ids=prompt,
+                                                                sampling=sampling_to_pb(sampling)))
+    finished, out = threading.Event(), {}
+
+    def actions():
+        yield message
+        finished.wait(120)
+
+    start = time.monotonic()
+    call = mesh.stub.SubmitStream(actions(), timeout=120)
+    try:
+        for reply in call:
+            for update in reply.updates:
+                if update.request_id not in out and (update.HasField("error") or update.output.token_ids):
+                    out[update.request_id] = update.error if update.HasField("error") else time.monotonic() - start
+            if len(out) == len(requests):
+                break
+    finally:
+        finished.set()
+        call.cancel()
+    return out
+
+
+def test_a_slow_constraint_waits_alone_and_past_the_replicas_bound_is_a_400(router):
+    """Straight to the replica (the router would refuse it first): a constraint that takes xgrammar seconds to
+    compile waits, unscheduled, while its last stage compiles it (vLLM's WAITING_FOR_FSM), so a plain request
+    sent with it gets its first token about as soon as alone (loosely: within 2x, or half a second more); past
+    the scheduler's --grammar-compile-timeout the constrained request fails INVALID_ARGUMENT naming the bound
+    (which the router answers as vLLM's 400). Before, the step holding both waited for the compile."""
+    prompt = list(range(200, 240))
+    plain = SamplingParams(max_tokens=2, ignore_eos=True)
+    alone = sorted(_first_tokens(router.mesh, [(f"alone-{i}", prompt, plain)])[f"alone-{i}"] for i in range(3))[1]
+    slow = SamplingParams(max_tokens=4, structured=StructuredOutputs("regex", text=hostile_regex()))
+    got = _first_tokens(router.mesh, [("slow", prompt, slow), ("beside", prompt, plain)])
+    print(f"first token alone {alone:.3f} s, beside a slow constraint {got['beside']:.3f} s")
+    assert got["beside"] < max(2 * alone, alone + 0.5), (alone, got["beside"])
+    error = got["slow"]
+    assert not isinstance(error, float), "the slow constraint was scheduled"
+    assert error.code == 3, error  # INVALID_ARGUMENT: the router's 400
+    assert f"more than {COMPILE_TIMEOUT_S} s to compile on the replica's last stage" in error.message
+    assert "--grammar-compile-timeout" in error.message
 
 
 def test_a_grammar_past_the_size_bound_is_refused_naming_it(default_model_dir):

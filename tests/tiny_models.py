@@ -11,6 +11,7 @@ import torch
 
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+DEEPSEEK_ARCHS = ("deepseek_v3", "deepseek_v2")  # multi-head latent attention (tests/test_deepseek.py)
 # the size of every tiny model (a family's test may build its own config from it: save_random_model)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=384, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -45,9 +46,30 @@ def tiny_config(arch: str = "llama", **overrides):
     elif arch == "qwen3_moe":  # q/k norm, renormalised top-k
         cls, extra = Qwen3MoeConfig, dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                           norm_topk_prob=True, use_sliding_window=False)
+    elif arch in DEEPSEEK_ARCHS:
+        cls, extra = _deepseek(arch)
     else:
         raise ValueError(arch)
     return cls(**{**common, **extra, **overrides})
+
+
+def _deepseek(arch: str):
+    """DeepSeek-V3: a dense first layer, then 8 routed experts in 2 groups (a token's top-2 from its best group,
+    sigmoid scores, the correction bias), a shared expert, q and kv through their LoRA ranks, YaRN (both mscales:
+    cos and sin scaled, and the softmax). V2-Lite: q straight from the hidden states, a softmax gate, two shared
+    experts. v_head_dim differs from qk_nope_head_dim to catch one taken for the other."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    mla = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24,
+               moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
+               rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+                                "beta_slow": 1, "original_max_position_embeddings": 128, "mscale": 1.0,
+                                "mscale_all_dim": 0.707})
+    if arch == "deepseek_v3":
+        return DeepseekV3Config, dict(mla, q_lora_rank=48, n_group=2, topk_group=1, n_shared_experts=1,
+                                      routed_scaling_factor=2.5, norm_topk_prob=True)
+    return DeepseekV2Config, dict(mla, q_lora_rank=None, n_shared_experts=2, topk_method="greedy",
+                                  routed_scaling_factor=1.0)
 
 
 def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, sharded: bool = False,
@@ -69,6 +91,9 @@ def save_random_model(path: str | Path, config, seed: int = 0, sharded: bool = F
                 p.normal_(0, 0.08)
             else:
                 p.uniform_(0.8, 1.2)
+        for name, b in model.named_buffers():  # DeepSeek-V3's gate bias (zeros as transformers makes it)
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.05)
     model.save_pretrained(path, safe_serialization=True, max_shard_size="100KB" if sharded else "10GB")
     return path
 
@@ -140,4 +165,50 @@ def first_layers(model_dir: str | Path, target: str | Path, num_layers: int) -> 
             if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers:
                 tensors[name] = t
     save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
+def with_mtp_layer(model_dir: str | Path, target: str | Path, copy_of: int | None = None, seed: int = 0) -> Path:
+    """A copy of a tiny DeepSeek-V3 with a multi-token-prediction layer, model.layers.{num_hidden_layers}, as the
+    V3 checkpoint holds it (enorm, hnorm, eh_proj, a decoder layer, shared_head's norm and head, its embedding).
+    copy_of: the MTP layer copies the main path: decoder layer `copy_of`'s weights, eh_proj passing the token's
+    embedding through, the final norm and LM head; the embedding rows scaled to an RMS of 1 (so that enorm, whose
+    weight is 1, leaves them as the main path sees them). With one layer (copy_of 0) its drafts are close to the
+    model's own next tokens. Else random weights."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, target = Path(model_dir), Path(target)
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    config = json.loads((source / "config.json").read_text())
+    n, h = config["num_hidden_layers"], config["hidden_size"]
+    files = sorted(target.glob("*.safetensors"))
+    tensors = {k: v for f in files for k, v in load_file(f).items()}
+    g = torch.Generator().manual_seed(seed)
+    prefix = f"model.layers.{n}"
+    if copy_of is not None:
+        embed = tensors["model.embed_tokens.weight"]
+        tensors["model.embed_tokens.weight"] = embed / embed.pow(2).mean(-1, keepdim=True).sqrt()
+        layer = f"model.layers.{copy_of}."
+        tensors.update({f"{prefix}.{k[len(layer):]}": v.clone() for k, v in tensors.items() if k.startswith(layer)})
+        eh_proj = torch.cat([torch.eye(h), torch.zeros(h, h)], 1)
+        norms = torch.ones(h), torch.ones(h), tensors["model.norm.weight"].clone()
+    else:
+        layer = f"model.layers.{n - 1}."
+        tensors.update({f"{prefix}.{k[len(layer):]}": torch.randn(v.shape, generator=g) * 0.08 if "norm" not in k
+                        else v.clone() for k, v in tensors.items() if k.startswith(layer)})
+        eh_proj = torch.randn(h, 2 * h, generator=g) * 0.08
+        norms = torch.ones(h), torch.ones(h), torch.ones(h)
+    tensors.update({f"{prefix}.enorm.weight": norms[0], f"{prefix}.hnorm.weight": norms[1],
+                    f"{prefix}.eh_proj.weight": eh_proj, f"{prefix}.shared_head.norm.weight": norms[2],
+                    f"{prefix}.shared_head.head.weight": tensors["lm_head.weight"].clone(),
+                    f"{prefix}.embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()})
+    for f in files:
+        f.unlink()
+    (target / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, target / "model.safetensors", metadata={"format": "pt"})
+    config["num_nextn_predict_layers"] = 1
+    (target / "config.json").write_text(json.dumps(config))
     return target

@@ -519,6 +519,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_bf16_available", &quant_bf16_available,
         "whether this CPU runs the avx512_bf16 quantised products (the many-row fp32 ones on vdpbf16ps)");
   m.def("quant_isa", &quant_isa, "the instruction family quant_linear was compiled for");
+  m.def("quant_fp8", []() { return true; }, "quant_linear takes float8_e4m3fn weights (decoded in registers)");
   pybind11::class_<LayerLinear>(m, "LayerLinear")
       .def(pybind11::init<const std::string&, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                           c10::optional<at::Tensor>, int64_t, bool, c10::optional<at::Tensor>,

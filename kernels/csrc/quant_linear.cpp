@@ -34,6 +34,10 @@
 namespace {
 
 constexpr int64_t kChunk = 32;    // weights per decode (one block of GGUF's 32-wide formats)
+// The BITS of float8_e4m3fn weights (a byte each, like int8; decoded to fp32 in registers, never integers)
+constexpr int kFp8 = 9;
+// Bytes of n weights at BITS
+constexpr int64_t bytes_of(int bits, int64_t n) { return bits == 4 ? n / 2 : n; }
 constexpr int kRows = 4;          // rows of x per register tile of the fused path
 constexpr int64_t kFusedRows = 8; // up to this many rows of x the fused path runs; more: the tiled one
 constexpr int kMR = 4, kNR = 3;   // the tiled path's register tile: rows of x by rows of W
@@ -100,10 +104,22 @@ struct RowValues {
   }
 };
 
+// 8 float8_e4m3fn bytes as fp32: each byte's sign, exponent and mantissa moved into an fp16's (e4m3's
+// exponent bias is 7, fp16's 15: the fp16 is the value times 2^-8, subnormals included; no e4m3 NaN is a
+// weight), widened exactly by vcvtph2ps and multiplied back by 256 (exact).
+inline __m256 fp8x8(const uint8_t* q) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+}
+
 // The 32 quants of a chunk as fp32, in k order.
 template <int BITS>
 inline void decode(const uint8_t* q, __m256 w[4]) {
-  if constexpr (BITS == 4) {
+  if constexpr (BITS == kFp8) {
+    for (int i = 0; i < 4; ++i) w[i] = fp8x8(q + 8 * i);
+  } else if constexpr (BITS == 4) {
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
     const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
@@ -145,7 +161,7 @@ void fused_tile(const Weight& W, const float* x, int64_t ldx, const float* xsum,
     for (int64_t g = 0; g < W.groups; ++g) {
       __m256 part[R];
       for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_ps();
-      for (int64_t c = 0; c < chunks; ++c, k += kChunk, q += kChunk * BITS / 8) {
+      for (int64_t c = 0; c < chunks; ++c, k += kChunk, q += bytes_of(BITS, kChunk)) {
         __m256 w[4];
         decode<BITS>(q, w);
         for (int r = 0; r < R; ++r) {
@@ -173,10 +189,10 @@ template <int BITS>
 void dequantize_tile(const Weight& W, int64_t n0, int64_t rows, int64_t k0, int64_t kc, float* buf, RowValues& rv) {
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t n = n0 + i;
-    const uint8_t* q = W.qs + n * W.row_bytes + k0 * BITS / 8;
+    const uint8_t* q = W.qs + n * W.row_bytes + bytes_of(BITS, k0);
     float* o = buf + i * kc;
     rv.load(W, n);
-    for (int64_t k = 0; k < kc; k += kChunk, q += kChunk * BITS / 8, o += kChunk) {
+    for (int64_t k = 0; k < kc; k += kChunk, q += bytes_of(BITS, kChunk), o += kChunk) {
       const int64_t g = (k0 + k) / W.G;
       const __m256 dv = _mm256_set1_ps(rv.d[g]);
       __m256 w[4];
@@ -239,7 +255,7 @@ void int8_tile(const Weight& W, const int8_t* xq, const float* xd, const float* 
     for (int64_t g = 0; g < W.groups; ++g) {
       __m256i isum[R];
       for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-      for (int64_t c = 0; c < chunks; ++c, k += kChunk, q += kChunk * BITS / 8) {
+      for (int64_t c = 0; c < chunks; ++c, k += kChunk, q += bytes_of(BITS, kChunk)) {
         const __m256i wb = decode_bytes<BITS>(q);
         for (int r = 0; r < R; ++r) {
           const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + k));
@@ -285,7 +301,7 @@ void int8_tile_vnni(const Weight& W, const int8_t* xq, const float* xd, const fl
     for (int64_t g = 0; g < W.groups; ++g) {
       __m256i isum[R];
       for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-      for (int64_t c = 0; c < chunks; ++c, k += kChunk, q += kChunk * BITS / 8) {
+      for (int64_t c = 0; c < chunks; ++c, k += kChunk, q += bytes_of(BITS, kChunk)) {
         const __m256i wb = decode_bytes<BITS>(q);
         for (int r = 0; r < R; ++r) {
           const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + k));
@@ -315,9 +331,19 @@ void int8_tile_vnni(const Weight& W, const int8_t* xq, const float* xd, const fl
 // one thread. Compiled for its target alone; runs only where the CPU has AVX-512.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+inline __m512 fp8x16(const uint8_t* q) {  // fp8x8's 16 wide
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+}
+
 template <int BITS>
 inline void decode16(const uint8_t* q, __m512& lo, __m512& hi) {  // quants 0-15 and 16-31 of a chunk
-  if constexpr (BITS == 4) {
+  if constexpr (BITS == kFp8) {
+    lo = fp8x16(q);
+    hi = fp8x16(q + 16);
+  } else if constexpr (BITS == 4) {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
     lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)));
     hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
@@ -338,7 +364,7 @@ inline void group_part(const uint8_t* q, int64_t chunks, const float* x, int64_t
     odd[r] = _mm512_mul_ps(hi, _mm512_loadu_ps(x + r * ldx + k + 16));
   }
   for (int64_t c = 1; c < chunks; ++c) {  // groups wider than a chunk (per-row scales: one group a row)
-    q += kChunk * BITS / 8, k += kChunk;
+    q += bytes_of(BITS, kChunk), k += kChunk;
     decode16<BITS>(q, lo, hi);
     for (int r = 0; r < R; ++r) {
       part[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * ldx + k), part[r]);
@@ -351,7 +377,7 @@ inline void group_part(const uint8_t* q, int64_t chunks, const float* x, int64_t
 template <int BITS, int R>
 void fused_tile_avx512(const Weight& W, const float* x, int64_t ldx, const float* xsum, int64_t n0, int64_t n1,
                        float* out, int64_t ldo) {
-  const int64_t chunks = W.G / kChunk, group_bytes = W.G * BITS / 8;
+  const int64_t chunks = W.G / kChunk, group_bytes = bytes_of(BITS, W.G);
   RowValues rv;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* q = W.qs + n * W.row_bytes;
@@ -438,14 +464,20 @@ void pack_pairs(const float* x, int64_t M, int64_t K, int64_t G, int64_t Mb, uin
 // W's rows [n0, n0 + rows) as pairs (q, q) of bf16 [rows][K], and their scales and mins [rows][groups].
 template <int BITS>
 void dequantize_pairs(const Weight& W, int64_t n0, int64_t rows, uint32_t* buf, float* d, float* m, RowValues& rv) {
-  const auto pairs = [](__m512i q) {  // 16 integer quants -> 16 pairs (q, q) of bf16 (exact)
-    const __m512i h = _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtepi32_ps(q)), 16);
+  const auto pairs_of = [](__m512 v) {  // 16 quants (integers, or e4m3 values: 4 significant bits) -> 16
+    const __m512i h = _mm512_srli_epi32(_mm512_castps_si512(v), 16);  // pairs (q, q) of bf16 (exact)
     return _mm512_or_si512(h, _mm512_slli_epi32(h, 16));
   };
+  const auto pairs = [&](__m512i q) { return pairs_of(_mm512_cvtepi32_ps(q)); };
   for (int64_t i = 0; i < rows; ++i) {
     const uint8_t* q = W.qs + (n0 + i) * W.row_bytes;
     uint32_t* o = buf + i * W.K;
-    for (int64_t k = 0; k < W.K; k += kChunk, q += kChunk * BITS / 8, o += kChunk) {
+    for (int64_t k = 0; k < W.K; k += kChunk, q += bytes_of(BITS, kChunk), o += kChunk) {
+      if constexpr (BITS == kFp8) {
+        _mm512_storeu_si512(o, pairs_of(fp8x16(q)));
+        _mm512_storeu_si512(o + 16, pairs_of(fp8x16(q + 16)));
+        continue;
+      }
       __m512i lo, hi;
       if constexpr (BITS == 4) {
         const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
@@ -650,13 +682,14 @@ void run_int8(const Weight& W, const float* x, int64_t M, float* out, bool vnni)
 Weight check_weight(const at::Tensor& qs, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                     int64_t K, int* bits) {
   TORCH_CHECK(qs.device().is_cpu() && qs.dim() == 2 && qs.is_contiguous(), "qs must be a contiguous 2-D CPU tensor");
-  TORCH_CHECK(qs.scalar_type() == at::kByte || qs.scalar_type() == at::kChar,
-              "qs must be uint8 (4-bit, two a byte) or int8 (8-bit)");
-  *bits = qs.scalar_type() == at::kByte ? 4 : 8;
+  TORCH_CHECK(qs.scalar_type() == at::kByte || qs.scalar_type() == at::kChar ||
+                  qs.scalar_type() == at::kFloat8_e4m3fn,
+              "qs must be uint8 (4-bit, two a byte), int8 (8-bit) or float8_e4m3fn");
+  *bits = qs.scalar_type() == at::kByte ? 4 : qs.scalar_type() == at::kChar ? 8 : kFp8;
   TORCH_CHECK(K > 0 && K % kChunk == 0 && K <= (int64_t{1} << 20), "K = ", K, " must be a positive multiple of ",
               kChunk, " up to 2^20");
-  TORCH_CHECK(qs.size(1) * 8 / *bits == K, "qs has ", qs.size(1), " bytes a row; K = ", K, " at ", *bits,
-              " bits needs ", K * *bits / 8);
+  TORCH_CHECK(qs.size(1) == bytes_of(*bits, K), "qs has ", qs.size(1), " bytes a row; K = ", K, " at ", *bits,
+              " bits needs ", bytes_of(*bits, K));
   const int64_t N = qs.size(0);
   const bool half = scales.scalar_type() == at::kHalf;
   TORCH_CHECK(scales.device().is_cpu() && (scales.scalar_type() == at::kFloat || half) && scales.dim() == 2 &&
@@ -670,7 +703,7 @@ Weight check_weight(const at::Tensor& qs, const at::Tensor& scales, const c10::o
                     mins->is_contiguous() && mins->sizes() == scales.sizes(),
                 "4-bit weights need mins shaped as their scales, in their dtype");
   } else {
-    TORCH_CHECK(!mins.has_value(), "8-bit weights take no mins");
+    TORCH_CHECK(!mins.has_value(), "8-bit and fp8 weights take no mins");
   }
   const bool has_mins = *bits == 4;
   const auto f16 = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
@@ -748,16 +781,18 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   if (M == 0) return out.to(x.scalar_type());
   const float* xp = xf.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  TORCH_CHECK(!int8_activations || bits != kFp8, "int8 activations take integer weights, not float8_e4m3fn");
   if (int8_activations) {
     bits == 4 ? run_int8<4>(W, xp, M, op, vnni) : run_int8<8>(W, xp, M, op, vnni);
   } else if (M <= kFusedRows) {
-    bits == 4 ? run_fused<4>(W, xp, M, op, avx512) : run_fused<8>(W, xp, M, op, avx512);
+    bits == 4 ? run_fused<4>(W, xp, M, op, avx512) : bits == 8 ? run_fused<8>(W, xp, M, op, avx512)
+              : run_fused<kFp8>(W, xp, M, op, avx512);
 #ifdef STAGEMESH_QUANT_BF16
   } else if (bf16 && M >= kPairRows) {
-    bits == 4 ? run_pairs<4>(W, xp, M, op) : run_pairs<8>(W, xp, M, op);
+    bits == 4 ? run_pairs<4>(W, xp, M, op) : bits == 8 ? run_pairs<8>(W, xp, M, op) : run_pairs<kFp8>(W, xp, M, op);
 #endif
   } else {
-    bits == 4 ? run_tiled<4>(W, xp, M, op) : run_tiled<8>(W, xp, M, op);
+    bits == 4 ? run_tiled<4>(W, xp, M, op) : bits == 8 ? run_tiled<8>(W, xp, M, op) : run_tiled<kFp8>(W, xp, M, op);
   }
   if (bf.defined()) {
     const float* bp = bf.data_ptr<float>();

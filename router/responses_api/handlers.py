@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from functools import partial
 
 from aiohttp import web
 
@@ -26,7 +27,8 @@ from router.request import GenerateRequest
 from router.responses_api.output import ResponseBuilder
 from router.responses_api.request import NEUTRAL, REFUSED, ResponsesRequest, chat_body, renamed
 from router.responses_api.store import ResponseStore, Stored, StoreUnavailable
-from router.state import CONFIG, REPLICAS, TOKENIZER, request_id
+from router.responses_api.stream_ids import Point, ResponseEventIds
+from router.state import CONFIG, REPLICAS, TOKENIZER, request_id, resumable
 
 STORE = web.AppKey("responses_store", ResponseStore)
 log = logging.getLogger("stagemesh.router")
@@ -42,9 +44,6 @@ def add_routes(app: web.Application, store: ResponseStore) -> None:
 
 
 async def create(request: web.Request) -> web.StreamResponse:
-    if "Last-Event-ID" in request.headers:  # (router.resume covers chat and completions streams)
-        raise bad_request("resuming a Responses API stream (Last-Event-ID) is not built: resume chat completions "
-                          "or completions streams, or send the request again", "Last-Event-ID")
     m = validate(ResponsesRequest, await read_json(request), REFUSED, NEUTRAL)
     store = request.app[STORE]
     history = []
@@ -52,7 +51,7 @@ async def create(request: web.Request) -> web.StreamResponse:
         history = (await _stored(store, m.previous_response_id, "previous_response_id")).messages
     chat, origins = chat_body(m, history)
     try:
-        req, base, gens = await _prepare(request, chat)
+        req, base, gens, ids = await _prepare(request, chat, m.stream)
     except APIError as err:
         raise renamed(err, origins) from None
     builder = ResponseBuilder(m, req, f"resp_{base}", int(time.time()), gens[0], request.app[TOKENIZER])
@@ -66,7 +65,8 @@ async def create(request: web.Request) -> web.StreamResponse:
                 builder.add(d)
             await _remember(store, m, builder, conversation)
             return web.json_response(builder.body(), headers=headers)
-        return await _stream(request, builder, deltas, headers, lambda: _remember(store, m, builder, conversation))
+        return await _stream(request, builder, deltas, headers, lambda: _remember(store, m, builder, conversation),
+                             ids)
     finally:
         await deltas.aclose()
 
@@ -88,42 +88,59 @@ async def _remember(store: ResponseStore, m: ResponsesRequest, builder: Response
         log.warning("response %s is answered unstored (\"store\": false): %s", builder.id, err.message)
 
 
-async def _prepare(request: web.Request, chat: dict) -> tuple[GenerateRequest, str, list[Generation]]:
-    """The chat path: the request checked and built, admitted, its prompt rendered and tokenized."""
+async def _prepare(request: web.Request, chat: dict, stream: bool
+                   ) -> tuple[GenerateRequest, str, list[Generation], ResponseEventIds]:
+    """The chat path: the request checked and built, admitted (or attached where it runs, for a resume), its
+    prompt rendered and tokenized; its stream's event ids."""
     config = request.app[CONFIG]
-    req = chat_request(validate(ChatCompletionRequest, chat), config.served_model_name, config.tool_call_parser,
-                       config.adapter_names)
+    req = chat_request(validate(ChatCompletionRequest, chat), config)
     base = request_id(request, req)
+    ids = _event_ids(request, req, stream)
     _, gens = await launch(req, request.app[REPLICAS], request.app[TOKENIZER], config.max_model_len, f"resp_{base}")
-    return req, base, gens
+    return req, base, gens, ids
 
 
-async def _stream(request, builder: ResponseBuilder, deltas, headers, finished) -> web.StreamResponse:
+def _event_ids(request: web.Request, req: GenerateRequest, stream: bool) -> ResponseEventIds:
+    """As chat and completions streams (router.state.resumable): event ids for a client that accepts event
+    streams, and with Last-Event-ID a resume of the stream it had."""
+    last = resumable(request, req, stream)
+    if last is None:
+        return ResponseEventIds(req.resumable)
+    point = Point.parse(last)
+    req.resume = point.resume_point()
+    return ResponseEventIds(True, point)
+
+
+async def _stream(request, builder: ResponseBuilder, deltas, headers, finished,
+                  ids: ResponseEventIds) -> web.StreamResponse:
+    """The events, each with its id when the client asked for them (stream_ids); a resume writes only what its
+    client lacks."""
     first = await anext(deltas, None)  # errors before the first output still get an HTTP status
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     await resp.prepare(request)
     try:
-        await _write(resp, builder.opening())
+        await _write(resp, ids.opening(builder, builder.opening))
         item = first
         while item is not None:
-            await _write(resp, builder.deltas(item[1]))
+            await _write(resp, ids.delta(builder, partial(builder.deltas, item[1]), len(item[1].token_ids)))
             item = await anext(deltas, None)
         await finished()  # before the closing events: the last one says whether the response was stored
-        await _write(resp, builder.closing())
+        await _write(resp, ids.closing(builder, builder.closing))
     except APIError as err:
-        await _write(resp, [_error_event(builder, err)])
+        await _write(resp, [(None, _error_event(builder, err))])
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:  # the status line is sent: the error goes in the stream, as an error event
         incident = uuid.uuid4().hex[:12]
         log.exception("unexpected error while streaming %s (incident %s)", builder.id, incident)
-        await _write(resp, [_error_event(builder, APIError(500, f"internal error (incident {incident})"))])
+        await _write(resp, [(None, _error_event(builder, APIError(500, f"internal error (incident {incident})")))])
     return resp
 
 
-async def _write(resp: web.StreamResponse, events: list[dict]) -> None:
-    for event in events:
-        await resp.write(f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
+async def _write(resp: web.StreamResponse, events: list[tuple[str | None, dict]]) -> None:
+    for event_id, event in events:
+        head = f"id: {event_id}\n" if event_id is not None else ""
+        await resp.write(f"{head}event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
 
 
 def _error_event(builder: ResponseBuilder, err: APIError) -> dict:

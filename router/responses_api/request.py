@@ -90,7 +90,8 @@ def chat_body(m: ResponsesRequest, history: list[dict]) -> tuple[dict, list[str]
             "add_generation_prompt": not partial, "continue_final_message": partial,
             "tools": [_chat_tool(t, f"tools[{i}]") for i, t in enumerate(m.tools)] if m.tools else None,
             "tool_choice": _chat_tool_choice(m.tool_choice), "parallel_tool_calls": m.parallel_tool_calls,
-            "response_format": _response_format(m.text), **_logprobs(m)}
+            "response_format": _response_format(m.text), **_logprobs(m),
+            "reasoning_effort": (m.reasoning or {}).get("effort")}
     for name in ("temperature", "top_p", "top_k", "seed", "repetition_penalty", "logit_bias", "stop", "ignore_eos",
                  "skip_special_tokens", "include_stop_str_in_output", "structured_outputs", "user", "request_id",
                  "priority", "cache_salt"):
@@ -105,8 +106,9 @@ def _partial(item) -> bool:
 
 
 def _refuse_options(m: ResponsesRequest) -> None:
-    if m.reasoning and any(v is not None for v in m.reasoning.values()):
-        raise bad_request("'reasoning' is not supported by this server: it has no reasoning parser", "reasoning")
+    if m.reasoning and any(v is not None for k, v in m.reasoning.items() if k != "effort"):
+        raise bad_request("'reasoning' takes 'effort' only here (given to the chat template as reasoning_effort): "
+                          "no summary is made of the model's reasoning", "reasoning")
     if m.text and m.text.get("verbosity") is not None:
         raise bad_request("'text.verbosity' is not supported by this server", "text.verbosity")
     if m.previous_response_id is not None and not m.previous_response_id:
@@ -222,7 +224,7 @@ def _logprobs(m: ResponsesRequest) -> dict:
 
 # chat's field names -> this request's, for errors found on the chat path
 RENAMED = {"max_tokens": "max_output_tokens", "response_format": "text.format", "logprobs": "include",
-           "messages": "input"}
+           "messages": "input", "reasoning_effort": "reasoning.effort"}
 
 
 def renamed(err: APIError, origins: list[str]) -> APIError:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from stagemesh.core.flags import Flag
 from stagemesh.core.kv_cache_dtype import KV_CACHE_DTYPES
 from stagemesh.core.lora import ALLOWED_PATH_FLAG, MAX_LORA_RANKS
-from stagemesh.core.model_source import QUANTIZATION_METHODS
+from stagemesh.core.model_source import ACTIVATION_MODES, QUANTIZATION_METHODS
 
 MODEL = Flag(("model",), kind="positional",
              help="model directory, or a .gguf file with --tokenizer (default: the embedded model)")
@@ -25,7 +25,16 @@ class ModelOptions:
         "gguf: serve a .gguf file's quantised weights as they are (Q4_0, Q4_1, Q4_K, Q8_0; with no MODEL, the "
         "embedded model's GGUF); w8a16: int8 weights with a scale per output channel, quantised at load, fp32/bf16 "
         "activations; w8a8: the same with activations quantised to int8 per token (dynamic), CPU stages only; fp8: "
-        "float8_e4m3fn weights with a scale per output channel, quantised at load, weight-only, CUDA stages only"
+        "float8_e4m3fn weights with a scale per output channel, quantised at load, weight-only, CUDA stages only "
+        "(or an fp8 checkpoint's own); compressed-tensors, fbgemm_fp8, gptq (gptq_marlin), awq (awq_marlin): name the "
+        "format of a quantised checkpoint (read from its quantization_config anyway; a mismatch is refused: "
+        "docs/quantization.md)"
+    )).field()
+    quantization_activations: str | None = Flag(("--quantization-activations",), choices=ACTIVATION_MODES, help=(
+        "how quantised integer weights (GGUF, GPTQ, AWQ, INT8, W4A16) multiply on CPU stages: exact (weight-only: "
+        "fp32/bf16 activations, every product the dequantised model's) or int8 (activations quantised to int8 per "
+        "row and group, products on VNNI; allowed where its accuracy contract holds: docs/quantization.md). "
+        "Default: each format's measured choice"
     )).field()
 
 
@@ -63,6 +72,12 @@ MAX_REQUEST_RETRIES = Flag(("--max-request-retries",), type=int, default=3, help
     "a request whose replica fails goes on on another one (before its first token: sent again; after: continued "
     "from the tokens already streamed), at most this many times; a scheduler fails a request under which the "
     "pipeline broke more than this many times"))
+# the router's bound on its own check of a constraint, and the scheduler's on its last stage's compile (while it
+# waits, a structured request is not scheduled: vLLM's WAITING_FOR_FSM); past it, the request's 400
+GRAMMAR_COMPILE_TIMEOUT = Flag(("--grammar-compile-timeout",), type=float, default=5.0, metavar="SECONDS", help=(
+    "a request's structured-output constraint that takes longer to compile gets a 400 naming the bound (default "
+    "5, as vLLM's regex bound): on the router (in a worker process) and on the replica's last stage, where the "
+    "request waits, unscheduled, while its constraint compiles"))
 BLOCK_SIZE = Flag(("--block-size",), type=int, default=16)
 PIPELINE_PARALLEL_SIZE = Flag(("--pipeline-parallel-size", "-pp"), type=int, default=1)
 SPECULATIVE_CONFIG = Flag(("--speculative-config",), metavar="JSON", help=(

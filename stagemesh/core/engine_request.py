@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from stagemesh.core.block_hash import adapter_root
 from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.step import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class KVSourceInfo:
     block_size: int
     num_tokens: int
     stages: tuple[tuple[str, int, int], ...]  # (address, layer start, layer end) per stage
+    read_ticket: bytes = b""  # what its stages ask of a reader of these blocks (stagemesh.core.kv_ticket)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,10 @@ class EngineRequest:
     tracestate: str = ""
     # vLLM's cache_salt: its prefix-cache blocks are shared only with requests of the same salt ("": none)
     cache_salt: str = ""
+    # a continuation's logprobs of generated_token_ids, one each (sampling.logprobs set): kept with its outputs
+    # for a router that resumes it
+    generated_logprobs: Sequence[TokenLogprob] = ()
+    owner: str = ""  # resumable: a digest of its client's credential; a resume must present the same
 
     @property
     def hash_root(self) -> int | None:

@@ -11,11 +11,11 @@ that vLLM users' constraints are written against, and it compiles all six kinds 
 
 Where it runs: the router compiles each constraint once, in a worker process bounded in time and size
 (router.grammar_pool), to refuse a bad one with a 400 that says why; the last stage compiles it again
-(cached by its text) in a thread beside the step's forward, and keeps a matcher per sequence beside the
-sequence's other sampling state (stage_worker.sampler), masks the row before sampling and advances the
-matcher with the token it sampled. JSON comes out compact unless the constraint allows whitespace, and then
-in runs of at most MAX_WHITESPACE_RUN. The scheduler needs nothing: it sends the constraint once, with the sequence's
-sampling parameters.
+(cached by its text) in a thread of its own when its scheduler asks (Stage.CompileGrammar: the request is not
+scheduled until then, scheduler.grammar_wait), and keeps a matcher per sequence beside the sequence's other
+sampling state (stage_worker.sampler), masks the row before sampling and advances the matcher with the token it
+sampled. JSON comes out compact unless the constraint allows whitespace, and then in runs of at most
+MAX_WHITESPACE_RUN. The scheduler sends the constraint once, with the sequence's sampling parameters.
 """
 from __future__ import annotations
 
@@ -54,6 +54,11 @@ class GrammarCompiler:
         self._cache: OrderedDict = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+
+    def cached(self, s: StructuredOutputs):
+        """The compiled grammar of `s` if the cache holds it, else None (never compiles)."""
+        with self._lock:
+            return self._cache.get(s.key)
 
     def compile(self, s: StructuredOutputs):
         """The compiled grammar of `s`; raises InvalidParameter (param structured_outputs) with the reason."""

@@ -26,3 +26,12 @@ def is_fp8(name: str | None) -> bool:
 def element_bytes(name: str | None, model_dtype_bytes: int) -> int:
     """Bytes of one cached K or V element: 1 for fp8, else the model's."""
     return 1 if is_fp8(name) else model_dtype_bytes
+
+
+def check_attention(name: str | None, cfg) -> None:
+    """Refuse, by name, an fp8 cache for an attention whose fp8 cache is not built (multi-head latent attention:
+    its cache is a latent, not per-layer k and v tensors). cfg: a stagemesh.core.model_config.ModelConfig."""
+    if is_fp8(name) and cfg.family.attention == "mla":
+        raise StagemeshError(f"--kv-cache-dtype {name} with multi-head latent attention ({cfg.model_type}) is not "
+                             "built yet: the fp8 cache quantises per-layer k and v tensors; MLA's latent cache takes "
+                             "--kv-cache-dtype auto")

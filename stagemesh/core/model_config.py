@@ -1,12 +1,13 @@
 """Read a Hugging Face config.json into the few fields every service needs."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stagemesh.core import families
+from stagemesh.core import families, generation_config
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.families import SUPPORTED_MODEL_TYPES, Family
 
@@ -21,6 +22,8 @@ class ModelConfig:
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
+    # of a KV head as the paged cache holds it (and of an attention head, but with MLA: there the cache's one "head"
+    # is half the latent per token, stagemesh.core.families.deepseek_v2)
     head_dim: int
     vocab_size: int
     rms_norm_eps: float
@@ -28,6 +31,7 @@ class ModelConfig:
     # None or a dict with at least "rope_type" (e.g. llama3 scaling factors).
     rope_scaling: dict[str, Any] | None
     # positions served: the config's, capped at its sliding window (within it, sliding attention is full attention)
+    # unless its family runs the window on its sliding layers (Family.sliding_layers)
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # bias on q/k/v projections (the family says where the config keeps it)
@@ -127,6 +131,11 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         model_type = cfg.get("model_type", "")
+        if "vision_config" in cfg:  # (its text part's tensors are named otherwise too: not served as a text model)
+            archs = ", ".join(cfg.get("architectures") or [model_type])
+            raise StagemeshError(f"{archs}: the vision tower (vision_config) is not supported: multimodal models are "
+                                 "not served yet (a text-only checkpoint of the same model is, e.g. "
+                                 "Gemma3ForCausalLM)")
         if "text_config" in cfg and "num_hidden_layers" not in cfg:
             return cls.from_dict({**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", model_type)})
         family = families.get(model_type, cfg.get("architectures"))
@@ -150,7 +159,7 @@ class ModelConfig:
                 rope_theta=theta,
                 rope_scaling=scaling,
                 max_position_embeddings=min(int(cfg.get("max_position_embeddings", 2048)),
-                                            family.sliding_window(cfg) or 1 << 62),
+                                            (not family.sliding_layers and family.sliding_window(cfg)) or 1 << 62),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=family.attention_bias(cfg),
                 qk_norm=family.qk_norm,
@@ -170,6 +179,8 @@ class ModelConfig:
             )
         except (KeyError, TypeError, ValueError) as err:
             raise StagemeshError(f"config.json is missing or has a bad field: {err}") from None
+        if family.fields is not None:
+            config = dataclasses.replace(config, **family.fields(cfg))
         _check_mlp(config, cfg)
         return config
 
@@ -186,12 +197,17 @@ class ModelConfig:
             raise StagemeshError(f"{file} is not valid JSON: {err}") from None
         if not isinstance(cfg, dict):
             raise StagemeshError(f"{file} is not a model config (not a JSON object)")
-        return cls.from_dict(cfg)
+        config = cls.from_dict(cfg)
+        extra = [i for i in generation_config.eos_token_ids(file.parent) if i not in config.eos_token_ids]
+        return dataclasses.replace(config, eos_token_ids=config.eos_token_ids + tuple(extra)) if extra else config
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    # transformers >= 5 writes rope_parameters; older configs rope_theta + rope_scaling.
+    # transformers >= 5 writes rope_parameters; older configs rope_theta + rope_scaling. A model whose layer types
+    # rotate differently keeps one per type: the model's is its full-attention layers' (the family reads the rest)
     params = dict(cfg.get("rope_parameters") or {})
+    if isinstance(params.get("full_attention"), dict):
+        params = dict(params["full_attention"])
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     scaling = dict(cfg.get("rope_scaling") or params or {})
     if "type" in scaling and "rope_type" not in scaling:

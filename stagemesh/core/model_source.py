@@ -3,15 +3,19 @@ directory (vLLM's `serve ./x.gguf --tokenizer DIR`); `--quantization gguf` with 
 embedded model's own GGUF (its config and tokenizer: the converted directory)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from stagemesh.core.default_model import DEFAULT_MODEL_NAME, default_model_dir, gguf_path, resolve_model
 from stagemesh.core.errors import StagemeshError
 
 # gguf: a .gguf file's weights as they are; w8a16 / w8a8: int8 weights quantised at load; fp8: fp8 weights
-# quantised at load, CUDA (stage_worker.quantization)
-QUANTIZATION_METHODS = ("gguf", "w8a16", "w8a8", "fp8")
+# quantised at load, CUDA (stage_worker.quantization), or an fp8 checkpoint's; the rest name a quantised
+# checkpoint's format, vLLM's names (stage_worker.quant_methods; test_quant_formats checks the two agree)
+QUANTIZATION_METHODS = ("gguf", "w8a16", "w8a8", "fp8", "compressed-tensors", "fbgemm_fp8", "gptq", "awq",
+                        "gptq_marlin", "awq_marlin")
+# --quantization-activations (stage_worker.activations)
+ACTIVATION_MODES = ("exact", "int8")
 
 
 @dataclass(frozen=True)
@@ -20,15 +24,24 @@ class ModelSource:
     gguf_file: Path | None = None  # the weights, when they come from a GGUF
     quantization: str | None = None
     name: str = DEFAULT_MODEL_NAME  # what clients call it (vLLM: the model argument as given)
+    activations: str | None = None  # --quantization-activations (None: each format's default)
 
     def stage_args(self) -> list[str]:
         """The MODEL and flags a stage (or any service) of this source is started with."""
+        activations = ["--quantization-activations", self.activations] if self.activations else []
         if self.gguf_file is not None:
-            return [str(self.gguf_file), "--tokenizer", str(self.model_dir), "--quantization", "gguf"]
-        return [str(self.model_dir)] + (["--quantization", self.quantization] if self.quantization else [])
+            return [str(self.gguf_file), "--tokenizer", str(self.model_dir), "--quantization", "gguf", *activations]
+        method = ["--quantization", self.quantization] if self.quantization else []
+        return [str(self.model_dir), *method, *activations]
 
 
-def resolve_source(model: str | None, tokenizer: str | None = None, quantization: str | None = None) -> ModelSource:
+def resolve_source(model: str | None, tokenizer: str | None = None, quantization: str | None = None,
+                   activations: str | None = None) -> ModelSource:
+    """`activations`: --quantization-activations, passed on to the stages."""
+    return replace(_resolve(model, tokenizer, quantization), activations=activations)
+
+
+def _resolve(model: str | None, tokenizer: str | None, quantization: str | None) -> ModelSource:
     is_gguf = model is not None and str(model).endswith(".gguf")
     if quantization == "gguf" and model is None:
         return ModelSource(_config_dir(tokenizer, default_model_dir), gguf_path(), "gguf", DEFAULT_MODEL_NAME)

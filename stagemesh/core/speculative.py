@@ -1,8 +1,10 @@
 """vLLM's --speculative-config: parsed, checked and refused by name where stagemesh does not build it.
 
-Two methods are built (docs/speculative-decoding.md): "ngram" (prompt lookup in the request's own tokens,
-proposed by the scheduler) and "draft_model" (a smaller model on the last stage, with a KV cache of its
-own). Every other method and every key not listed in ACCEPTED is refused with an error that names it.
+Three methods are built (docs/speculative-decoding.md): "ngram" (prompt lookup in the request's own tokens,
+proposed by the scheduler), "draft_model" (a smaller model on the last stage, with a KV cache of its own) and
+"deepseek_mtp" (DeepSeek-V3's own multi-token-prediction layer on the last stage, stage_worker.mtp: a draft model
+that reads the target's hidden states). Every other method and every key not listed in ACCEPTED is refused with
+an error that names it.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 from stagemesh.core.errors import StagemeshError
 
 MAX_NUM_SPECULATIVE_TOKENS = 32  # a bound every stage checks a step's drafts against
-BUILT = ("ngram", "draft_model")
+BUILT = ("ngram", "draft_model", "deepseek_mtp")
 # vLLM's other methods: refused by name
 NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix", "ngram_gpu", "custom_class",
              "extract_hidden_states", "dflash", "dspark")
@@ -26,7 +28,7 @@ ACCEPTED = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "p
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # "ngram" or "draft_model"
+    method: str  # "ngram", "draft_model" or "deepseek_mtp"
     num_speculative_tokens: int
     prompt_lookup_min: int = 0  # ngram: the shortest suffix looked up in the request's tokens
     prompt_lookup_max: int = 0  # ngram: the longest
@@ -41,15 +43,23 @@ class SpeculativeConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        return self.method == "draft_model"
+        """Drafts proposed on the last stage by a model with a KV cache of its own: a draft model, or the target's
+        MTP layer (the scheduler and the stages treat both alike)."""
+        return self.method in ("draft_model", "deepseek_mtp")
+
+    @property
+    def is_mtp(self) -> bool:
+        return self.method == "deepseek_mtp"
 
     def to_json(self) -> str:
         """The flag's value that gives this config again (serve passes it to its children)."""
         return json.dumps({k: v for k, v in asdict(self).items() if v is not None and
                            not (k.startswith("prompt_lookup") and not self.is_ngram) and
-                           not (k == "draft_sample_method" and self.is_ngram)})
+                           not (k == "draft_sample_method" and not self.method == "draft_model")})
 
     def describe(self) -> str:
+        if self.is_mtp:
+            return f"deepseek_mtp (the model's MTP layer), {self.num_speculative_tokens} tokens"
         if self.is_ngram:
             return (f"ngram, {self.num_speculative_tokens} tokens, prompt lookup "
                     f"{self.prompt_lookup_min}..{self.prompt_lookup_max}")
@@ -85,6 +95,8 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
                              "not supported (only vLLM's default, \"standard\")")
     if method == "ngram":
         return _ngram(raw, k)
+    if method == "deepseek_mtp":
+        return _mtp(raw, k)
     return _draft_model(raw, k)
 
 
@@ -96,10 +108,10 @@ def _method(raw: dict) -> str:
         method = "ngram" if model in ("ngram", "[ngram]") else "draft_model"
     if method == "[ngram]":
         method = "ngram"
-    if method in NOT_BUILT or (isinstance(method, str) and method.endswith("_mtp")):
+    if method in NOT_BUILT or (isinstance(method, str) and method.endswith("_mtp") and method not in BUILT):
         raise StagemeshError(f"--speculative-config method {method!r} is not supported: stagemesh builds "
-                             f"{' and '.join(BUILT)} (EAGLE, MTP, Medusa, MLP speculators and suffix decoding "
-                             "need model heads or trees it does not have)")
+                             f"{', '.join(BUILT)} (EAGLE, other models' MTP, Medusa, MLP speculators and suffix "
+                             "decoding need model heads or trees it does not have)")
     if method not in BUILT:
         raise StagemeshError(f"--speculative-config method {method!r} is unknown (stagemesh builds "
                              f"{' and '.join(BUILT)})")
@@ -119,6 +131,22 @@ def _ngram(raw: dict, k: int) -> SpeculativeConfig:
     if low > high:
         raise StagemeshError(f"--speculative-config prompt_lookup_min={low} must be <= prompt_lookup_max={high}")
     return SpeculativeConfig("ngram", k, low, high)
+
+
+def _mtp(raw: dict, k: int) -> SpeculativeConfig:
+    """The target's own MTP layer: no draft model to name, argmax drafts (the stage checks that the checkpoint has
+    the layer: stage_worker.mtp)."""
+    for key in ("prompt_lookup_min", "prompt_lookup_max", "model"):
+        if key in raw:
+            raise StagemeshError(f"--speculative-config {key} does not apply to deepseek_mtp (its drafts come from the "
+                                 "target's own MTP layer)")
+    if raw.get("draft_tensor_parallel_size", 1) != 1:
+        raise StagemeshError(f"--speculative-config draft_tensor_parallel_size {raw['draft_tensor_parallel_size']!r} "
+                             "is not supported: the MTP layer runs whole on the last stage's TP rank 0 (1)")
+    if raw.get("draft_sample_method", "greedy") != "greedy":
+        raise StagemeshError(f"--speculative-config draft_sample_method {raw['draft_sample_method']!r} is not built "
+                             "for deepseek_mtp (its drafts are the MTP layer's argmax: greedy)")
+    return SpeculativeConfig("deepseek_mtp", k)
 
 
 def _draft_model(raw: dict, k: int) -> SpeculativeConfig:

@@ -129,6 +129,9 @@ class StepBatch:
     chunks: ScheduledChunks = field(default_factory=ScheduledChunks)
     # sequences whose state (block table, history) the stage must drop
     finished_seq_ids: list[int] = field(default_factory=list)
+    # a warm-up step before the replica serves (scheduler.warmup): computed as any other, counted in no load
+    # statistic (the experts' token counts EPLB reads, the stage's step and token counters)
+    warmup: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunks, ScheduledChunks):
@@ -154,6 +157,7 @@ class EpochSpec:
     next_stage_address: str = ""  # grpc handoff: the next stage's, empty on the last
     first_stage_address: str = ""  # grpc handoff: the first stage's, on the last stage of several
     num_host_kv_blocks: int = 0  # slots of the stage's host KV tier (docs/kv-tiers.md); 0: none
+    kv_read_key: bytes = b""  # disaggregated prefill: the key of its scheduler's read tickets (core.kv_ticket)
 
 
 @dataclass(frozen=True)

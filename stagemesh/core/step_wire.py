@@ -34,6 +34,7 @@ def step_to_pb(batch: StepBatch, out: stage_pb2.StepBatch | None = None) -> stag
     chunks.sample.extend(c.sample)
     chunks.num_draft_tokens.extend(c.num_draft_tokens)
     msg.finished_seq_ids.extend(batch.finished_seq_ids)
+    msg.warmup = batch.warmup
     return msg
 
 
@@ -47,6 +48,7 @@ def step_from_pb(msg: stage_pb2.StepBatch) -> StepBatch:
                                list(c.num_new_blocks), list(c.new_block_ids), list(c.sample),
                                list(c.num_draft_tokens)),
         finished_seq_ids=list(msg.finished_seq_ids),
+        warmup=msg.warmup,
     )
 
 
@@ -110,10 +112,10 @@ def epoch_to_pb(spec: EpochSpec) -> stage_pb2.JoinPipelineRequest:
         rank_offset=spec.rank_offset, tp_sizes=spec.tp_sizes, num_kv_blocks=spec.num_kv_blocks,
         max_model_len=spec.max_model_len, max_num_batched_tokens=spec.max_num_batched_tokens,
         next_stage_address=spec.next_stage_address, first_stage_address=spec.first_stage_address,
-        num_host_kv_blocks=spec.num_host_kv_blocks)
+        num_host_kv_blocks=spec.num_host_kv_blocks, kv_read_key=spec.kv_read_key)
 
 
 def epoch_from_pb(msg: stage_pb2.JoinPipelineRequest) -> EpochSpec:
     return EpochSpec(msg.epoch, msg.store_host, msg.store_port, msg.world_size, msg.rank_offset, tuple(msg.tp_sizes),
                      msg.num_kv_blocks, msg.max_model_len, msg.max_num_batched_tokens, msg.next_stage_address,
-                     msg.first_stage_address, msg.num_host_kv_blocks)
+                     msg.first_stage_address, msg.num_host_kv_blocks, msg.kv_read_key)

@@ -9,6 +9,7 @@ from dataclasses import fields
 
 from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
 from stagemesh.core.sampling_params import SCALAR_FIELDS, SamplingParams, StructuredOutputs
+from stagemesh.core.step import TokenLogprob
 from stagemesh.v1 import common_pb2, scheduler_pb2, stage_pb2
 
 
@@ -60,12 +61,14 @@ def structured_from_pb(msg: common_pb2.StructuredOutputs) -> StructuredOutputs |
 
 
 def sampling_fields_from_pb(msg: common_pb2.SamplingParams) -> dict:
-    """SamplingParams' keyword values from a message, unset fields read as their defaults: the router's gRPC
-    frontend hands them to its request builder, which checks them as it checks HTTP's. max_tokens is read as
+    """SamplingParams' keyword values from a message, unset fields read as their defaults, an unset optional one
+    left out (SamplingParams' default, or the model's where the router's gRPC frontend reads it): the frontend
+    hands them to its request builder, which checks them as it checks HTTP's. max_tokens is read as
     it is: on the scheduler's wire it is settled (>= 1, a 0 is refused); the frontend reads its own 0 (as many
     as the context leaves) before this."""
-    values = {name: _plain_from_pb(msg, name) for name in _PLAIN}
-    values["top_k"] = msg.top_k if msg.top_k > 0 else -1  # (0 or any negative: off)
+    values = {name: value for name in _PLAIN if (value := _plain_from_pb(msg, name)) is not None}
+    if "top_k" in values:
+        values["top_k"] = msg.top_k if msg.top_k > 0 else -1  # (0 or any negative: off)
     return dict(
         values,
         stop_token_ids=tuple(msg.stop_token_ids),
@@ -101,6 +104,9 @@ def engine_request_to_pb(r: EngineRequest, out: scheduler_pb2.StreamSubmit) -> s
         setattr(m, name, getattr(r, name))
     m.prompt_token_ids.extend(r.prompt_token_ids)
     m.generated_token_ids.extend(r.generated_token_ids)
+    for e in r.generated_logprobs:
+        m.generated_logprobs.add(token_id=e.token_id, logprob=e.logprob, rank=e.rank, top_token_ids=e.top_token_ids,
+                                 top_logprobs=e.top_logprobs)
     sampling_to_pb(r.sampling, m.sampling)
     if r.kv_source is not None:
         kv_source_to_pb(r.kv_source, m.kv_transfer)
@@ -114,6 +120,8 @@ def engine_request_from_pb(msg: scheduler_pb2.StreamSubmit) -> EngineRequest:
     return EngineRequest(
         prompt_token_ids=list(m.prompt_token_ids), sampling=sampling_from_pb(m.sampling),
         generated_token_ids=list(m.generated_token_ids),
+        generated_logprobs=[TokenLogprob(e.token_id, e.logprob, e.rank, list(e.top_token_ids), list(e.top_logprobs))
+                            for e in m.generated_logprobs],
         kv_source=kv_source_from_pb(m.kv_transfer) if m.HasField("kv_transfer") else None,
         traceparent=msg.traceparent, tracestate=msg.tracestate, **{name: getattr(m, name) for name in _SCALARS})
 
@@ -123,10 +131,11 @@ def kv_source_to_pb(k: KVSourceInfo, out: scheduler_pb2.KVTransferParams) -> sch
     out.block_ids.extend(k.block_ids)
     out.block_size, out.num_tokens = k.block_size, k.num_tokens
     out.stages.extend(stage_pb2.KVSource(address=a, layer_start=s, layer_end=e) for a, s, e in k.stages)
+    out.read_ticket = k.read_ticket
     return out
 
 
 def kv_source_from_pb(p: scheduler_pb2.KVTransferParams) -> KVSourceInfo:
     """As it came: its sizes are checked where a decode replica takes it (scheduler.service)."""
     return KVSourceInfo(p.scheduler_address, p.request_id, p.epoch, tuple(p.block_ids), p.block_size, p.num_tokens,
-                        tuple((s.address, s.layer_start, s.layer_end) for s in p.stages))
+                        tuple((s.address, s.layer_start, s.layer_end) for s in p.stages), p.read_ticket)

@@ -6,7 +6,9 @@
 
 Every call needs 'Authorization: Bearer <admin key>': none gives 401, another key 403. A refused operation
 answers 400 (a size or layout the mesh cannot have, or no room for it), 409 (another operation runs) or 503
-(serve stops), with {"error": {"message": ...}}."""
+(serve stops). Every error is the gateway's JSON ({"error": {"message", "type", "param", "code"}}, router.errors),
+those aiohttp answers itself too: an unknown path (404), a wrong method (405), a body past its bound (413) and
+a request its HTTP parser refuses (400, 414, 431: router.http_server)."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +20,8 @@ from typing import Protocol
 
 from aiohttp import web
 
+from router.errors import APIError
+from router.http_server import GatewayRunner
 from stagemesh.core.errors import StagemeshError
 from stagemesh.ops.operation import Refused
 
@@ -33,8 +37,10 @@ class Controller(Protocol):
 
 
 def _error(status: int, message: str) -> web.Response:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return web.json_response({"error": {"message": message, "code": status}}, status=status, headers=headers)
+    resp = APIError(status, message).response()
+    if status == 401:
+        resp.headers["WWW-Authenticate"] = "Bearer"
+    return resp
 
 
 def build_app(controller: Controller, key: str) -> web.Application:
@@ -51,6 +57,12 @@ def build_app(controller: Controller, key: str) -> web.Application:
             return _error(err.status, str(err))
         except StagemeshError as err:
             return _error(400, str(err))
+        except web.HTTPException as err:  # aiohttp's own: 404, 405, 413 (a body past its bound)
+            if err.status < 400:
+                raise
+            path = request.path[:200]
+            known = {404: f"no route {request.method} {path}", 405: f"{request.method} is not allowed on {path}"}
+            return _error(err.status, known.get(err.status, err.text or err.reason))
 
     async def status(request: web.Request) -> web.Response:
         return web.json_response(controller.status())
@@ -124,7 +136,7 @@ class AdminServer:
             self._loop.close()
 
     async def _listen(self) -> None:
-        self._runner = web.AppRunner(self.app, access_log=None)
+        self._runner = GatewayRunner(self.app, access_log=None)  # (what its HTTP parser refuses, in JSON too)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from stagemesh.core.common_flags import KV_CACHE_DTYPE
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.kv_cache_dtype import check_attention
 
 REFERENCE = Path(__file__).with_name("reference_configs")
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -21,9 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (or, with --device cpu, of one process)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp8", "int4", "q4_0", "q4_1", "q4_k", "q8_0", "int8"),
-                   default="bf16", help="the weights' format: q4_0 / q4_1 / q4_k / q8_0 (--quantization gguf), int8 "
-                                        "(w8a16 / w8a8) and fp8 (--quantization fp8) count their scales as a stage "
-                                        "holds them; int4 is a format stagemesh does not serve")
+                   default=None, help="the weights' format: q4_0 / q4_1 / q4_k / q8_0 (--quantization gguf), int8 "
+                                      "(w8a16 / w8a8) and fp8 (--quantization fp8) count their scales as a stage "
+                                      "holds them; int4: GPTQ / AWQ / W4A16 checkpoints (default: a quantised "
+                                      "checkpoint's own format, read from its quantization_config; else bf16)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's, at most 32768")
     KV_CACHE_DTYPE.add_to(p, "kv_cache_dtype")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -59,6 +61,19 @@ def load_config(model: str):
     return ModelConfig.from_path(model), model
 
 
+def weights_dtype(cfg, dtype: str | None) -> str:
+    """The weights' format to plan: a quantised checkpoint's own (a different --dtype is refused), else --dtype."""
+    from stage_worker.quant_methods import checkpoint_method
+
+    method = checkpoint_method(cfg, None)
+    if method is None:
+        return dtype or "bf16"
+    if dtype is not None and dtype != method.plan_dtype:
+        raise StagemeshError(f"the checkpoint is stored as {method.plan_dtype} ({method.name}); --dtype {dtype} "
+                             "would plan other weights than it holds")
+    return method.plan_dtype
+
+
 def run(args: argparse.Namespace) -> int:
     from stagemesh.plan.render import as_json, as_text
     from stagemesh.plan.tree import PlanRequest, make_plan
@@ -69,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.gpu_memory_utilization <= 1:
         raise StagemeshError("--gpu-memory-utilization must be in (0, 1]")
     max_len = args.max_model_len or min(cfg.max_position_embeddings, 32768)
-    req = PlanRequest(cfg, args.gpus_per_node, args.nodes, parse_bytes(args.gpu_memory), args.dtype, max_len,
+    dtype = weights_dtype(cfg, args.dtype)
+    check_attention(args.kv_cache_dtype, cfg)
+    req = PlanRequest(cfg, args.gpus_per_node, args.nodes, parse_bytes(args.gpu_memory), dtype, max_len,
                       args.gpu_memory_utilization, not args.no_nvlink, args.target_concurrency,
                       args.tensor_parallel_size, args.pipeline_parallel_size, args.decode_context_parallel_size,
                       args.kv_cache_dtype)

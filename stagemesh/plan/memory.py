@@ -11,13 +11,13 @@ from stagemesh.core.model_config import ModelConfig, layer_ranges
 # Bytes a layer's parameter takes as a stage holds it, in the kernels' layouts (kernels/quant_reference.py):
 # 4-bit quants with an fp32 scale and min per group of 32 (the GGUF files hold less: Q4_0 18 and Q4_1 20 bytes a
 # block of 32, Q4_K 144 a block of 256), Q8_0 8 bits with an fp32 scale per 32; int8 (w8a16 / w8a8) and fp8
-# 8 bits, their fp32 scale per output row counted apart (weight_bytes). int4 is what a GPU int4 format would
-# take (not built: stagemesh's 4-bit is GGUF's).
-DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int4": 0.5,
+# 8 bits, their fp32 scale per output row counted apart (weight_bytes). int4: a GPTQ / AWQ / compressed-tensors
+# W4A16 checkpoint's (stage_worker.quant_methods), 4 bits with an fp32 scale and min per group of 128.
+DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int4": 0.5625,
                "q4_0": 0.75, "q4_1": 0.75, "q4_k": 0.75, "q8_0": 1.125, "int8": 1.0}
 # The embedding table and LM head: a GGUF's as the embedded model's file holds them (Q8_0); int8 and fp8 keep
 # them in bf16.
-TABLE_BYTES = {"q4_0": 1.125, "q4_1": 1.125, "q4_k": 1.125, "q8_0": 1.125, "int8": 2.0, "fp8": 2.0}
+TABLE_BYTES = {"q4_0": 1.125, "q4_1": 1.125, "q4_k": 1.125, "q8_0": 1.125, "int8": 2.0, "fp8": 2.0, "int4": 2.0}
 KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2, "int4": 2,  # KV stays 16-bit when weights are quantized
                   "q4_0": 2, "q4_1": 2, "q4_k": 2, "q8_0": 2, "int8": 2}
 # What a GPU keeps besides weights and KV: activations of a step, CUDA graphs and
@@ -37,21 +37,37 @@ class ParamCounts:
         return self.embedding + self.lm_head + self.per_layer * num_layers + self.final_norm
 
 
-def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """A layer's tensors as its family names them (a sparse layer for a mixture of experts)."""
-    return cfg.family.layer_shapes(cfg, 0, sparse=cfg.is_moe)
+def _layer_kinds(cfg: ModelConfig) -> list[tuple[dict[str, tuple[int, ...]], int]]:
+    """Each kind of layer's tensors as its family names them, and how many layers are of that kind: a mixture of
+    experts' sparse layers and its dense ones (DeepSeek's first_k_dense_replace, Qwen-MoE's mlp_only_layers)."""
+    sparse = sum(cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))
+    kinds = [(True, sparse), (False, cfg.num_hidden_layers - sparse)]
+    index = {True: next((i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_layer(i)), 0),
+             False: next((i for i in range(cfg.num_hidden_layers) if not cfg.is_sparse_layer(i)), 0)}
+    return [(cfg.family.layer_shapes(cfg, index[kind], sparse=kind), n) for kind, n in kinds if n]
+
+
+def _per_layer(cfg: ModelConfig, count) -> int:
+    """`count` of a layer's tensors, averaged over the model's layers (a stage is counted its share of layers)."""
+    return sum(n * count(shapes) for shapes, n in _layer_kinds(cfg)) // cfg.num_hidden_layers
 
 
 def param_counts(cfg: ModelConfig) -> ParamCounts:
     h = cfg.hidden_size
-    per_layer = sum(math.prod(shape) for shape in _layer_shapes(cfg).values())
+    per_layer = _per_layer(cfg, lambda shapes: sum(math.prod(shape) for shape in shapes.values()))
     embedding = cfg.vocab_size * h
     return ParamCounts(embedding, 0 if cfg.tie_word_embeddings else embedding, per_layer, h)
 
 
+def expert_params(cfg: ModelConfig) -> int:
+    """The routed experts' parameters over every layer (what expert parallelism across replicas splits)."""
+    return sum(n * sum(math.prod(shape) for name, shape in shapes.items() if ".experts." in name)
+               for shapes, n in _layer_kinds(cfg))
+
+
 def linear_rows_per_layer(cfg: ModelConfig) -> int:
     """Output rows of a layer's linear weights (attention, MLP or experts, routers), each with its int8 scale."""
-    return sum(shape[0] for shape in _layer_shapes(cfg).values() if len(shape) == 2)
+    return _per_layer(cfg, lambda shapes: sum(shape[0] for shape in shapes.values() if len(shape) == 2))
 
 
 def weight_bytes(cfg: ModelConfig, dtype: str, layers: int, tables: int) -> float:
@@ -66,7 +82,9 @@ def weight_bytes(cfg: ModelConfig, dtype: str, layers: int, tables: int) -> floa
 def kv_bytes_per_token(cfg: ModelConfig, num_layers: int, tp: int, dtype: str, dcp: int = 1,
                        kv_cache_dtype: str = "auto") -> int:
     """Per GPU, per token the GPU holds: layers x KV heads on this GPU x head dim x 2 (K and V) x bytes (1 with
-    --kv-cache-dtype fp8; auto: the cache in the weights' compute dtype, KV_DTYPE_BYTES).
+    --kv-cache-dtype fp8; auto: the cache in the weights' compute dtype, KV_DTYPE_BYTES). (With multi-head latent
+    attention the one KV head is half the latent: layers x (kv_lora_rank + qk_rope_head_dim) x bytes, replicated
+    on each TP rank.)
 
     The KV heads are sharded as if TP were tp / dcp, and replicate past that = KV heads. With decode context
     parallelism (dcp > 1) the dcp ranks of a group hold the same KV heads but each 1/dcp of every sequence's
@@ -133,3 +151,17 @@ def evaluate(cfg: ModelConfig, tp: int, pp: int, gpu_bytes: int, utilization: fl
         tokens = stage_tokens if tokens is None else min(tokens, stage_tokens)
     assert kv_free is not None and tokens is not None  # (a split has at least one stage)
     return Layout(tp, pp, dp, split, weights, kv_free, tokens, tokens / max_model_len, dcp)
+
+
+def evaluate_dp_ep(cfg: ModelConfig, dp: int, gpu_bytes: int, utilization: float, dtype: str,
+                   max_model_len: int) -> Layout:
+    """DP replicas of one GPU each whose stages share the experts (--data-parallel-size with
+    --enable-expert-parallel, EP = DP): each GPU holds everything but the routed experts whole, 1 / dp of those, and
+    its own replica's KV cache."""
+    counts = param_counts(cfg)
+    tables = counts.embedding + counts.lm_head + counts.final_norm
+    experts = expert_params(cfg) * DTYPE_BYTES[dtype]
+    weights = int(weight_bytes(cfg, dtype, cfg.num_hidden_layers, tables) - experts + experts / dp)
+    free = int(gpu_bytes * utilization) - ACTIVATION_RESERVE - weights
+    tokens = max(free, 0) // kv_bytes_per_token(cfg, cfg.num_hidden_layers, 1, dtype)
+    return Layout(1, 1, dp, [cfg.num_hidden_layers], weights, free, tokens, tokens / max_model_len)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from stagemesh.core.model_config import layer_ranges
-from stagemesh.plan.memory import Layout
+from stagemesh.plan.memory import Layout, kv_bytes_per_token
 from stagemesh.plan.tree import GB, Plan, PlanRequest
 
 
@@ -85,6 +85,20 @@ def commands(req: PlanRequest, plan: Plan, model: str, device: str, backend: str
     return {"head": head, "workers": workers, "environment": env}
 
 
+def _kv_per_token(req: PlanRequest, lay: Layout) -> str:
+    """A token's KV over all the model's layers, as a GPU of the layout holds it (MLA: its latent)."""
+    cfg, per_gpu = req.cfg, kv_bytes_per_token(req.cfg, req.cfg.num_hidden_layers, lay.tp, req.dtype, lay.dcp,
+                                               req.kv_cache_dtype)
+    what = "K and V of its KV heads on the GPU"
+    if cfg.family.attention == "mla":
+        from stagemesh.core.families.deepseek_v2 import mla_dims
+
+        d = mla_dims(cfg)
+        what = (f"the MLA latent, kv_lora_rank {d.kv_lora_rank} + qk_rope_head_dim {d.qk_rope_head_dim} values a "
+                "layer, whole on every TP rank")
+    return f"KV per token: {per_gpu:,} bytes per GPU over the model's {cfg.num_hidden_layers} layers ({what})"
+
+
 def as_json(req: PlanRequest, plan: Plan, model: str, device: str, backend: str = "mp") -> dict:
     lay = plan.layout
     return {
@@ -96,7 +110,10 @@ def as_json(req: PlanRequest, plan: Plan, model: str, device: str, backend: str 
         "nodes": plan.nodes_used, "gpus": lay.gpus,
         "weight_bytes_per_gpu": lay.weight_bytes_per_gpu, "kv_cache_bytes_per_gpu": max(lay.kv_bytes_per_gpu, 0),
         "kv_cache_tokens": lay.kv_cache_tokens, "max_concurrency": round(lay.max_concurrency, 2),
+        "kv_bytes_per_token": kv_bytes_per_token(req.cfg, req.cfg.num_hidden_layers, lay.tp, req.dtype, lay.dcp,
+                                                 req.kv_cache_dtype),
         "tight": plan.tight(req.gpu_bytes), "path": plan.path, "suggestion": plan.suggestion,
+        "alternatives": plan.alternatives,
         "commands": commands(req, plan, model, device, backend),
     }
 
@@ -115,7 +132,10 @@ def as_text(req: PlanRequest, plan: Plan, model: str, device: str, backend: str 
         lines.append(f"  {_label(cand):<{width}}{cand.weight_bytes_per_gpu / GB:>10.1f} GB"
                      f"{cand.kv_cache_tokens:>14,}{cand.max_concurrency:>16.2f}x{mark}")
     lines += ["", f"KV cache size: {lay.kv_cache_tokens:,} tokens",
-              f"Maximum concurrency for {req.max_model_len:,} tokens per request: {lay.max_concurrency:.2f}x"]
+              f"Maximum concurrency for {req.max_model_len:,} tokens per request: {lay.max_concurrency:.2f}x",
+              _kv_per_token(req, lay)]
+    if plan.alternatives:
+        lines += ["", "Also possible on these GPUs:", *(f"  {a}" for a in plan.alternatives)]
     if plan.tight(req.gpu_bytes):
         lines.append("This layout is TIGHT: little or no memory is left for the KV cache.")
     cmds = commands(req, plan, model, device, backend)

@@ -47,6 +47,8 @@ class Plan:
     considered: list[Layout] = field(default_factory=list)
     suggestion: str | None = None
     expert_parallel: bool = False  # --enable-expert-parallel: whole experts over each stage's TP ranks
+    # other layouts of the same GPUs worth knowing (a mixture of experts' DP + EP), each a line of text
+    alternatives: list[str] = field(default_factory=list)
 
     def tight(self, gpu_bytes: int) -> bool:
         return self.layout.weight_bytes_per_gpu > TIGHT * gpu_bytes or self.layout.max_concurrency < 1
@@ -253,4 +255,21 @@ def _expert_parallel(req: PlanRequest, plan: Plan) -> Plan:
     plan.path.append(f"mixture of experts: expert parallel over each stage's TP={tp} GPUs (--enable-expert-parallel, "
                      f"EP={tp}): {cfg.num_experts // tp} of the {cfg.num_experts} experts whole on each GPU, "
                      f"attention stays TP, as the guides deploy DeepSeek-V3 (TP=8 with EP)")
+    plan.alternatives.append(_dp_ep(req, plan.layout.gpus))
     return plan
+
+
+def _dp_ep(req: PlanRequest, gpus: int) -> str:
+    """The same GPUs as data-parallel replicas of one GPU whose experts spread over all of them (the guides' wide
+    EP: attention per replica, the experts across the replicas), as one line."""
+    from stagemesh.plan.memory import evaluate_dp_ep
+
+    cfg, flags = req.cfg, f"--data-parallel-size {gpus} --enable-expert-parallel"
+    if cfg.num_experts % gpus:
+        return f"DP={gpus} x EP={gpus} ({flags}): the {cfg.num_experts} experts do not split over {gpus} GPUs"
+    lay = evaluate_dp_ep(cfg, gpus, req.gpu_bytes, req.utilization, req.dtype, req.max_model_len)
+    verdict = "fits" if _fits(req, lay) else "does NOT fit (no room for one request's KV cache)"
+    return (f"DP={gpus} x EP={gpus} ({flags}): attention and the dense layers whole on each GPU, "
+            f"{cfg.num_experts // gpus} of the {cfg.num_experts} experts: {lay.weight_bytes_per_gpu / GB:.1f} GB of "
+            f"weights per GPU, KV cache {lay.kv_cache_tokens:,} tokens per replica ({lay.max_concurrency:.2f}x each, "
+            f"{gpus * lay.max_concurrency:.2f}x over the {gpus} replicas): {verdict}")

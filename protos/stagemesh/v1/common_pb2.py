@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stagemesh/v1/common.proto\x12\x0cstagemesh.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xd2\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x05\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x01\x88\x01\x01\x12?\n\nlogit_bias\x18\x0f \x03(\x0b\x32+.stagemesh.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\x05\x12.\n\tbad_words\x18\x11 \x03(\x0b\x32\x1b.stagemesh.v1.TokenSequence\x12;\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x1f.stagemesh.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"\xd9\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.stagemesh.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x1b\n\x0e\x61ny_whitespace\x18\x07 \x01(\x08H\x01\x88\x01\x01\x42\x06\n\x04kindB\x11\n\x0f_any_whitespace\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\x0c\n\x04rank\x18\x05 \x01(\x05\")\n\x0bLoRAAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"D\n\x16LoadLoRAAdapterRequest\x12*\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x19.stagemesh.v1.LoRAAdapter\"\x19\n\x17LoadLoRAAdapterResponse\"(\n\x18UnloadLoRAAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoRAAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stagemesh/v1/common.proto\x12\x0cstagemesh.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xb0\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x05\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x05\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x06\x88\x01\x01\x12?\n\nlogit_bias\x18\x0f \x03(\x0b\x32+.stagemesh.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\x05\x12.\n\tbad_words\x18\x11 \x03(\x0b\x32\x1b.stagemesh.v1.TokenSequence\x12;\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x1f.stagemesh.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"\xd9\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.stagemesh.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x1b\n\x0e\x61ny_whitespace\x18\x07 \x01(\x08H\x01\x88\x01\x01\x42\x06\n\x04kindB\x11\n\x0f_any_whitespace\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\x0c\n\x04rank\x18\x05 \x01(\x05\")\n\x0bLoRAAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"D\n\x16LoadLoRAAdapterRequest\x12*\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x19.stagemesh.v1.LoRAAdapter\"\x19\n\x17LoadLoRAAdapterResponse\"(\n\x18UnloadLoRAAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoRAAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,25 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_start=43
   _globals['_TENSOR']._serialized_end=95
   _globals['_SAMPLINGPARAMS']._serialized_start=98
-  _globals['_SAMPLINGPARAMS']._serialized_end=692
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=615
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=663
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=695
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=912
-  _globals['_CHOICES']._serialized_start=914
-  _globals['_CHOICES']._serialized_end=940
-  _globals['_TOKENSEQUENCE']._serialized_start=942
-  _globals['_TOKENSEQUENCE']._serialized_end=976
-  _globals['_TOKENLOGPROB']._serialized_start=978
-  _globals['_TOKENLOGPROB']._serialized_end=1086
-  _globals['_LORAADAPTER']._serialized_start=1088
-  _globals['_LORAADAPTER']._serialized_end=1129
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1131
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1199
-  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=1201
-  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=1226
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1228
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1268
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=1270
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=1297
+  _globals['_SAMPLINGPARAMS']._serialized_end=786
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=640
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=688
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=789
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1006
+  _globals['_CHOICES']._serialized_start=1008
+  _globals['_CHOICES']._serialized_end=1034
+  _globals['_TOKENSEQUENCE']._serialized_start=1036
+  _globals['_TOKENSEQUENCE']._serialized_end=1070
+  _globals['_TOKENLOGPROB']._serialized_start=1072
+  _globals['_TOKENLOGPROB']._serialized_end=1180
+  _globals['_LORAADAPTER']._serialized_start=1182
+  _globals['_LORAADAPTER']._serialized_end=1223
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1225
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1293
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=1295
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=1320
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1322
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1362
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=1364
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=1391
 # @@protoc_insertion_point(module_scope)

@@ -95,15 +95,20 @@ class SamplingParams(_message.Message):
     BAD_WORDS_FIELD_NUMBER: _builtins.int
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
-    """0 means greedy."""
+    """temperature, top_p, top_k, min_p, repetition_penalty: left unset in a
+    frontend request, each takes the model's default (its
+    generation_config.json, the router's --generation-config), else the
+    value its comment gives for unset; the router sends all five to a
+    scheduler. 0 means greedy; unset: greedy.
+    """
     top_p: _builtins.float
-    """1.0 (or 0, unset) disables nucleus sampling."""
+    """1.0 (or 0) disables nucleus sampling. Unset: 1.0."""
     top_k: _builtins.int
-    """0 or -1 disables top-k."""
+    """0 or -1 disables top-k. Unset: off."""
     min_p: _builtins.float
-    """0 disables min-p."""
+    """0 disables min-p. Unset: 0."""
     repetition_penalty: _builtins.float
-    """1.0 (or 0, unset) disables it; multiplicative, as in vLLM / CTRL."""
+    """1.0 (or 0) disables it; multiplicative, as in vLLM / CTRL. Unset: 1.0."""
     presence_penalty: _builtins.float
     """Additive penalties over the generated tokens, as OpenAI defines them."""
     frequency_penalty: _builtins.float
@@ -155,11 +160,11 @@ class SamplingParams(_message.Message):
     def __init__(
         self,
         *,
-        temperature: _builtins.float = ...,
-        top_p: _builtins.float = ...,
-        top_k: _builtins.int = ...,
-        min_p: _builtins.float = ...,
-        repetition_penalty: _builtins.float = ...,
+        temperature: _builtins.float | None = ...,
+        top_p: _builtins.float | None = ...,
+        top_k: _builtins.int | None = ...,
+        min_p: _builtins.float | None = ...,
+        repetition_penalty: _builtins.float | None = ...,
         presence_penalty: _builtins.float = ...,
         frequency_penalty: _builtins.float = ...,
         seed: _builtins.int | None = ...,
@@ -174,18 +179,38 @@ class SamplingParams(_message.Message):
         bad_words: _abc.Iterable[Global___TokenSequence] | None = ...,
         structured_outputs: Global___StructuredOutputs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs", "_seed", b"_seed", "prompt_logprobs", b"prompt_logprobs", "seed", b"seed", "structured_outputs", b"structured_outputs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_min_p", b"_min_p", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "min_p", b"min_p", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "structured_outputs", b"structured_outputs", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs", "_seed", b"_seed", "allowed_token_ids", b"allowed_token_ids", "bad_words", b"bad_words", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_p", b"_min_p", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "allowed_token_ids", b"allowed_token_ids", "bad_words", b"bad_words", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__min_p: _TypeAlias = _typing.Literal["min_p"]  # noqa: Y015
+    _WhichOneofArgType__min_p: _TypeAlias = _typing.Literal["_min_p", b"_min_p"]  # noqa: Y015
     _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
     _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
+    _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
+    _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
+    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
+    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_p) -> _WhichOneofReturnType__min_p | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_k) -> _WhichOneofReturnType__top_k | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 

@@ -424,6 +424,7 @@ class GenerateResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_START_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    REASONING_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text decoded since the previous message."""
     finish_reason: _builtins.str
@@ -433,6 +434,10 @@ class GenerateResponse(_message.Message):
     prompt_logprobs_start: _builtins.int
     request_id: _builtins.str
     """The request's id (for a resume), on the first message."""
+    reasoning: _builtins.str
+    """Chat under the router's --reasoning-parser: the model's thinking decoded since the previous message,
+    split off `text`, which then holds only the answer (vLLM's reasoning_content).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids generated since the previous message."""
@@ -461,10 +466,11 @@ class GenerateResponse(_message.Message):
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         prompt_logprobs_start: _builtins.int = ...,
         request_id: _builtins.str = ...,
+        reasoning: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_logprobs_start", b"prompt_logprobs_start", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_logprobs_start", b"prompt_logprobs_start", "reasoning", b"reasoning", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stagemesh/v1/router.proto\x12\x0cstagemesh.v1\"1\n\x0cReplicaEntry\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08\x63ordoned\x18\x02 \x01(\x08\"B\n\x12SetReplicasRequest\x12,\n\x08replicas\x18\x01 \x03(\x0b\x32\x1a.stagemesh.v1.ReplicaEntry\"5\n\x13SetReplicasResponse\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x01 \x03(\t\x12\x0f\n\x07removed\x18\x02 \x03(\t\"\x14\n\x12GetReplicasRequest\"|\n\x0cReplicaState\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x10\n\x08\x63ordoned\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\"C\n\x13GetReplicasResponse\x12,\n\x08replicas\x18\x01 \x03(\x0b\x32\x1a.stagemesh.v1.ReplicaState\"$\n\x11GetKVIndexRequest\x12\x0f\n\x07replica\x18\x01 \x01(\t\"3\n\x0bKVIndexTier\x12\x0e\n\x06medium\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\"v\n\x0cKVIndexState\x12\x10\n\x08\x64\x65graded\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12(\n\x05tiers\x18\x05 \x03(\x0b\x32\x19.stagemesh.v1.KVIndexTier2\x82\x02\n\rRouterControl\x12R\n\x0bSetReplicas\x12 .stagemesh.v1.SetReplicasRequest\x1a!.stagemesh.v1.SetReplicasResponse\x12R\n\x0bGetReplicas\x12 .stagemesh.v1.GetReplicasRequest\x1a!.stagemesh.v1.GetReplicasResponse\x12I\n\nGetKVIndex\x12\x1f.stagemesh.v1.GetKVIndexRequest\x1a\x1a.stagemesh.v1.KVIndexStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stagemesh/v1/router.proto\x12\x0cstagemesh.v1\"1\n\x0cReplicaEntry\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08\x63ordoned\x18\x02 \x01(\x08\"B\n\x12SetReplicasRequest\x12,\n\x08replicas\x18\x01 \x03(\x0b\x32\x1a.stagemesh.v1.ReplicaEntry\"5\n\x13SetReplicasResponse\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x01 \x03(\t\x12\x0f\n\x07removed\x18\x02 \x03(\t\"\x14\n\x12GetReplicasRequest\"|\n\x0cReplicaState\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x10\n\x08\x63ordoned\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\"C\n\x13GetReplicasResponse\x12,\n\x08replicas\x18\x01 \x03(\x0b\x32\x1a.stagemesh.v1.ReplicaState\"$\n\x11GetKVIndexRequest\x12\x0f\n\x07replica\x18\x01 \x01(\t\"3\n\x0bKVIndexTier\x12\x0e\n\x06medium\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\"\x84\x01\n\x0cKVIndexState\x12\x10\n\x08\x64\x65graded\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12(\n\x05tiers\x18\x05 \x03(\x0b\x32\x19.stagemesh.v1.KVIndexTier\x12\x0c\n\x04more\x18\x06 \x01(\x08\x32\x84\x02\n\rRouterControl\x12R\n\x0bSetReplicas\x12 .stagemesh.v1.SetReplicasRequest\x1a!.stagemesh.v1.SetReplicasResponse\x12R\n\x0bGetReplicas\x12 .stagemesh.v1.GetReplicasRequest\x1a!.stagemesh.v1.GetReplicasResponse\x12K\n\nGetKVIndex\x12\x1f.stagemesh.v1.GetKVIndexRequest\x1a\x1a.stagemesh.v1.KVIndexState0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,8 +47,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETKVINDEXREQUEST']._serialized_end=470
   _globals['_KVINDEXTIER']._serialized_start=472
   _globals['_KVINDEXTIER']._serialized_end=523
-  _globals['_KVINDEXSTATE']._serialized_start=525
-  _globals['_KVINDEXSTATE']._serialized_end=643
-  _globals['_ROUTERCONTROL']._serialized_start=646
-  _globals['_ROUTERCONTROL']._serialized_end=904
+  _globals['_KVINDEXSTATE']._serialized_start=526
+  _globals['_KVINDEXSTATE']._serialized_end=658
+  _globals['_ROUTERCONTROL']._serialized_start=661
+  _globals['_ROUTERCONTROL']._serialized_end=921
 # @@protoc_insertion_point(module_scope)

@@ -223,6 +223,7 @@ class KVIndexState(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     SEQ_FIELD_NUMBER: _builtins.int
     TIERS_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
     degraded: _builtins.bool
     """The router is unsure of the replica's blocks (its event stream is down, a
     gap was seen, a resync is under way): kv-aware routing counts no hit there.
@@ -232,8 +233,12 @@ class KVIndexState(_message.Message):
     epoch: _builtins.int
     """the replica's event epoch and the last seq applied"""
     seq: _builtins.int
+    more: _builtins.bool
+    """another part follows (the fields above the same on each)"""
     @_builtins.property
-    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVIndexTier]: ...
+    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVIndexTier]:
+        """a tier may go on in the next part"""
+
     def __init__(
         self,
         *,
@@ -242,10 +247,11 @@ class KVIndexState(_message.Message):
         epoch: _builtins.int = ...,
         seq: _builtins.int = ...,
         tiers: _abc.Iterable[Global___KVIndexTier] | None = ...,
+        more: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["degraded", b"degraded", "epoch", b"epoch", "reason", b"reason", "seq", b"seq", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["degraded", b"degraded", "epoch", b"epoch", "more", b"more", "reason", b"reason", "seq", b"seq", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

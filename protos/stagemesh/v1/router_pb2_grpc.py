@@ -44,7 +44,7 @@ class RouterControlStub:
                 request_serializer=stagemesh_dot_v1_dot_router__pb2.GetReplicasRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_router__pb2.GetReplicasResponse.FromString,
                 _registered_method=True)
-        self.GetKVIndex = channel.unary_unary(
+        self.GetKVIndex = channel.unary_stream(
                 '/stagemesh.v1.RouterControl/GetKVIndex',
                 request_serializer=stagemesh_dot_v1_dot_router__pb2.GetKVIndexRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_router__pb2.KVIndexState.FromString,
@@ -75,7 +75,7 @@ class RouterControlServicer:
     def GetKVIndex(self, request, context):
         """What this router's KV index (--policy kv-aware) believes a replica holds,
         per tier, and whether it is sure (NOT_FOUND: no such replica, or another
-        policy).
+        policy). In parts, as Scheduler.GetKVSnapshot: `more` on all but the last.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,7 +94,7 @@ def add_RouterControlServicer_to_server(servicer, server):
                     request_deserializer=stagemesh_dot_v1_dot_router__pb2.GetReplicasRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_router__pb2.GetReplicasResponse.SerializeToString,
             ),
-            'GetKVIndex': grpc.unary_unary_rpc_method_handler(
+            'GetKVIndex': grpc.unary_stream_rpc_method_handler(
                     servicer.GetKVIndex,
                     request_deserializer=stagemesh_dot_v1_dot_router__pb2.GetKVIndexRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_router__pb2.KVIndexState.SerializeToString,
@@ -175,7 +175,7 @@ class RouterControl:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/stagemesh.v1.RouterControl/GetKVIndex',

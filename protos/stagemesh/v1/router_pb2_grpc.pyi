@@ -47,10 +47,10 @@ class RouterControlStub:
     """
     GetReplicas: _grpc.UnaryUnaryMultiCallable[_router_pb2.GetReplicasRequest, _router_pb2.GetReplicasResponse]
     """The replicas as this router sees them now."""
-    GetKVIndex: _grpc.UnaryUnaryMultiCallable[_router_pb2.GetKVIndexRequest, _router_pb2.KVIndexState]
+    GetKVIndex: _grpc.UnaryStreamMultiCallable[_router_pb2.GetKVIndexRequest, _router_pb2.KVIndexState]
     """What this router's KV index (--policy kv-aware) believes a replica holds,
     per tier, and whether it is sure (NOT_FOUND: no such replica, or another
-    policy).
+    policy). In parts, as Scheduler.GetKVSnapshot: `more` on all but the last.
     """
 
 @_typing.type_check_only
@@ -65,10 +65,10 @@ class RouterControlAsyncStub(RouterControlStub):
     """
     GetReplicas: _aio.UnaryUnaryMultiCallable[_router_pb2.GetReplicasRequest, _router_pb2.GetReplicasResponse]  # type: ignore[assignment]
     """The replicas as this router sees them now."""
-    GetKVIndex: _aio.UnaryUnaryMultiCallable[_router_pb2.GetKVIndexRequest, _router_pb2.KVIndexState]  # type: ignore[assignment]
+    GetKVIndex: _aio.UnaryStreamMultiCallable[_router_pb2.GetKVIndexRequest, _router_pb2.KVIndexState]  # type: ignore[assignment]
     """What this router's KV index (--policy kv-aware) believes a replica holds,
     per tier, and whether it is sure (NOT_FOUND: no such replica, or another
-    policy).
+    policy). In parts, as Scheduler.GetKVSnapshot: `more` on all but the last.
     """
 
 class RouterControlServicer(metaclass=_abc_1.ABCMeta):
@@ -98,10 +98,10 @@ class RouterControlServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _router_pb2.GetKVIndexRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_router_pb2.KVIndexState, _abc.Awaitable[_router_pb2.KVIndexState]]:
+    ) -> _typing.Union[_abc.Iterator[_router_pb2.KVIndexState], _abc.AsyncIterator[_router_pb2.KVIndexState]]:
         """What this router's KV index (--policy kv-aware) believes a replica holds,
         per tier, and whether it is sure (NOT_FOUND: no such replica, or another
-        policy).
+        policy). In parts, as Scheduler.GetKVSnapshot: `more` on all but the last.
         """
 
 def add_RouterControlServicer_to_server(servicer: RouterControlServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -133,6 +133,8 @@ class SubmitRequest(_message.Message):
     RESUMABLE_FIELD_NUMBER: _builtins.int
     LORA_NAME_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    GENERATED_LOGPROBS_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique per replica; the router's id of the request."""
     priority: _builtins.int
@@ -165,6 +167,10 @@ class SubmitRequest(_message.Message):
     the prompt's first block hash, so every block of it differs (KV events,
     the KV tiers and a router's KV index see the salted hashes).
     """
+    owner: _builtins.str
+    """resumable: who submitted it (a digest of the credential its client
+    presented, never the credential); an attach must name the same owner.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -186,6 +192,13 @@ class SubmitRequest(_message.Message):
         first token; prompt logprobs are not asked again.
         """
 
+    @_builtins.property
+    def generated_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """A continuation's logprobs of generated_token_ids (one each, in order),
+        when sampling.logprobs is set: kept with the request's outputs, so that a
+        router that attaches it (StreamAttach) replays them as they were sent.
+        """
+
     def __init__(
         self,
         *,
@@ -199,10 +212,12 @@ class SubmitRequest(_message.Message):
         resumable: _builtins.bool = ...,
         lora_name: _builtins.str = ...,
         cache_salt: _builtins.str = ...,
+        generated_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_transfer", b"kv_transfer", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "generated_token_ids", b"generated_token_ids", "kv_transfer", b"kv_transfer", "lora_name", b"lora_name", "prefill_only", b"prefill_only", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resumable", b"resumable", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "generated_logprobs", b"generated_logprobs", "generated_token_ids", b"generated_token_ids", "kv_transfer", b"kv_transfer", "lora_name", b"lora_name", "owner", b"owner", "prefill_only", b"prefill_only", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resumable", b"resumable", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -337,8 +352,13 @@ class StreamAttach(_message.Message):
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id, as it was submitted."""
+    owner: _builtins.str
+    """The owner the request was submitted with (SubmitRequest.owner): another
+    owner is answered as if no such request were held.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Its prompt, rendered again by the router that attaches it: it must be
@@ -351,10 +371,11 @@ class StreamAttach(_message.Message):
         *,
         request_id: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -910,18 +931,25 @@ Global___KVSnapshotTier: _TypeAlias = KVSnapshotTier  # noqa: Y015
 
 @_typing.final
 class KVSnapshot(_message.Message):
+    """One part of a snapshot: epoch, seq and block_size the same on every part."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     EPOCH_FIELD_NUMBER: _builtins.int
     SEQ_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     TIERS_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """as KVEventBatch (0: nobody follows the events now)"""
     seq: _builtins.int
     block_size: _builtins.int
+    more: _builtins.bool
+    """another part follows"""
     @_builtins.property
-    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVSnapshotTier]: ...
+    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVSnapshotTier]:
+        """a tier may go on in the next part"""
+
     def __init__(
         self,
         *,
@@ -929,10 +957,11 @@ class KVSnapshot(_message.Message):
         seq: _builtins.int = ...,
         block_size: _builtins.int = ...,
         tiers: _abc.Iterable[Global___KVSnapshotTier] | None = ...,
+        more: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "epoch", b"epoch", "seq", b"seq", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "epoch", b"epoch", "more", b"more", "seq", b"seq", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1045,6 +1074,7 @@ class KVTransferParams(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     STAGES_FIELD_NUMBER: _builtins.int
+    READ_TICKET_FIELD_NUMBER: _builtins.int
     scheduler_address: _builtins.str
     """the prefill replica's scheduler (ReleaseKV)"""
     request_id: _builtins.str
@@ -1054,6 +1084,10 @@ class KVTransferParams(_message.Message):
     block_size: _builtins.int
     num_tokens: _builtins.int
     """tokens whose KV the blocks hold: the prompt"""
+    read_ticket: _builtins.bytes
+    """What the prefill replica's stages ask of a reader of these blocks
+    (ReadKV): an HMAC of the epoch and blocks under a key of its scheduler's.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """its blocks there, in order"""
@@ -1072,10 +1106,11 @@ class KVTransferParams(_message.Message):
         block_size: _builtins.int = ...,
         num_tokens: _builtins.int = ...,
         stages: _abc.Iterable[_stage_pb2.KVSource] | None = ...,
+        read_ticket: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "block_size", b"block_size", "epoch", b"epoch", "num_tokens", b"num_tokens", "request_id", b"request_id", "scheduler_address", b"scheduler_address", "stages", b"stages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "block_size", b"block_size", "epoch", b"epoch", "num_tokens", b"num_tokens", "read_ticket", b"read_ticket", "request_id", b"request_id", "scheduler_address", b"scheduler_address", "stages", b"stages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

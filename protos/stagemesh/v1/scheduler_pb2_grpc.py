@@ -60,7 +60,7 @@ class SchedulerStub:
                 request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.WatchKVEventsRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.KVEventBatch.FromString,
                 _registered_method=True)
-        self.GetKVSnapshot = channel.unary_unary(
+        self.GetKVSnapshot = channel.unary_stream(
                 '/stagemesh.v1.Scheduler/GetKVSnapshot',
                 request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.GetKVSnapshotRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.KVSnapshot.FromString,
@@ -159,7 +159,9 @@ class SchedulerServicer:
     def GetKVSnapshot(self, request, context):
         """What the replica's caches hold now, in every tier, with the epoch and
         sequence number of the event stream it is consistent with (the replica's
-        own view, to compare a router's index with).
+        own view, to compare a router's index with). In parts, so that no message
+        nears gRPC's 4 MiB whatever the caches hold: each part has some of the
+        hashes of some tiers, `more` set on all but the last; a caller joins them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -245,7 +247,7 @@ def add_SchedulerServicer_to_server(servicer, server):
                     request_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.WatchKVEventsRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_scheduler__pb2.KVEventBatch.SerializeToString,
             ),
-            'GetKVSnapshot': grpc.unary_unary_rpc_method_handler(
+            'GetKVSnapshot': grpc.unary_stream_rpc_method_handler(
                     servicer.GetKVSnapshot,
                     request_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.GetKVSnapshotRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_scheduler__pb2.KVSnapshot.SerializeToString,
@@ -437,7 +439,7 @@ class Scheduler:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/stagemesh.v1.Scheduler/GetKVSnapshot',

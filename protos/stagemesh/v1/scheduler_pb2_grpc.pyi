@@ -67,10 +67,12 @@ class SchedulerStub:
     snapshot, subscribes again (its new stream begins with a snapshot). A
     caller that falls far behind has its stream ended and subscribes again.
     """
-    GetKVSnapshot: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetKVSnapshotRequest, _scheduler_pb2.KVSnapshot]
+    GetKVSnapshot: _grpc.UnaryStreamMultiCallable[_scheduler_pb2.GetKVSnapshotRequest, _scheduler_pb2.KVSnapshot]
     """What the replica's caches hold now, in every tier, with the epoch and
     sequence number of the event stream it is consistent with (the replica's
-    own view, to compare a router's index with).
+    own view, to compare a router's index with). In parts, so that no message
+    nears gRPC's 4 MiB whatever the caches hold: each part has some of the
+    hashes of some tiers, `more` set on all but the last; a caller joins them.
     """
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetModelInfoRequest, _scheduler_pb2.ModelInfo]
     """What the replica serves."""
@@ -135,10 +137,12 @@ class SchedulerAsyncStub(SchedulerStub):
     snapshot, subscribes again (its new stream begins with a snapshot). A
     caller that falls far behind has its stream ended and subscribes again.
     """
-    GetKVSnapshot: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetKVSnapshotRequest, _scheduler_pb2.KVSnapshot]  # type: ignore[assignment]
+    GetKVSnapshot: _aio.UnaryStreamMultiCallable[_scheduler_pb2.GetKVSnapshotRequest, _scheduler_pb2.KVSnapshot]  # type: ignore[assignment]
     """What the replica's caches hold now, in every tier, with the epoch and
     sequence number of the event stream it is consistent with (the replica's
-    own view, to compare a router's index with).
+    own view, to compare a router's index with). In parts, so that no message
+    nears gRPC's 4 MiB whatever the caches hold: each part has some of the
+    hashes of some tiers, `more` set on all but the last; a caller joins them.
     """
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetModelInfoRequest, _scheduler_pb2.ModelInfo]  # type: ignore[assignment]
     """What the replica serves."""
@@ -236,10 +240,12 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _scheduler_pb2.GetKVSnapshotRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_scheduler_pb2.KVSnapshot, _abc.Awaitable[_scheduler_pb2.KVSnapshot]]:
+    ) -> _typing.Union[_abc.Iterator[_scheduler_pb2.KVSnapshot], _abc.AsyncIterator[_scheduler_pb2.KVSnapshot]]:
         """What the replica's caches hold now, in every tier, with the epoch and
         sequence number of the event stream it is consistent with (the replica's
-        own view, to compare a router's index with).
+        own view, to compare a router's index with). In parts, so that no message
+        nears gRPC's 4 MiB whatever the caches hold: each part has some of the
+        hashes of some tiers, `more` set on all but the last; a caller joins them.
         """
 
     @_abc_1.abstractmethod

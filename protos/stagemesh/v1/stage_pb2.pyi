@@ -23,6 +23,48 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class CompileGrammarRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SAMPLING_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def sampling(self) -> _common_pb2.SamplingParams:
+        """The request's sampling parameters; only their constraint is read."""
+
+    def __init__(
+        self,
+        *,
+        sampling: _common_pb2.SamplingParams | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompileGrammarRequest: _TypeAlias = CompileGrammarRequest  # noqa: Y015
+
+@_typing.final
+class CompileGrammarResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SECONDS_FIELD_NUMBER: _builtins.int
+    seconds: _builtins.float
+    """how long the compile took (0: it was compiled before)"""
+    def __init__(
+        self,
+        *,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompileGrammarResponse: _TypeAlias = CompileGrammarResponse  # noqa: Y015
+
+@_typing.final
 class ModelIdentity(_message.Message):
     """The model a stage serves, so that the scheduler refuses mixed models."""
 
@@ -216,6 +258,7 @@ class JoinPipelineRequest(_message.Message):
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _builtins.int
     FIRST_STAGE_ADDRESS_FIELD_NUMBER: _builtins.int
     NUM_HOST_KV_BLOCKS_FIELD_NUMBER: _builtins.int
+    KV_READ_KEY_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     store_host: _builtins.str
     """The torch.distributed store the scheduler hosts."""
@@ -239,6 +282,10 @@ class JoinPipelineRequest(_message.Message):
     """KV tiers: slots of the host tier (each holds one block of this stage's
     layers, on every TP rank); 0: no host tier.
     """
+    kv_read_key: _builtins.bytes
+    """Disaggregated prefill: the key of the scheduler's read tickets
+    (KVTransferParams.read_ticket); a ReadKV is answered only with one.
+    """
     @_builtins.property
     def tp_sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """TP size of every stage, in stage order (TP groups are formed from them)."""
@@ -258,10 +305,11 @@ class JoinPipelineRequest(_message.Message):
         max_num_batched_tokens: _builtins.int = ...,
         first_stage_address: _builtins.str = ...,
         num_host_kv_blocks: _builtins.int = ...,
+        kv_read_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_stage_address", b"first_stage_address", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "next_stage_address", b"next_stage_address", "num_host_kv_blocks", b"num_host_kv_blocks", "num_kv_blocks", b"num_kv_blocks", "rank_offset", b"rank_offset", "store_host", b"store_host", "store_port", b"store_port", "tp_sizes", b"tp_sizes", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_stage_address", b"first_stage_address", "kv_read_key", b"kv_read_key", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "next_stage_address", b"next_stage_address", "num_host_kv_blocks", b"num_host_kv_blocks", "num_kv_blocks", b"num_kv_blocks", "rank_offset", b"rank_offset", "store_host", b"store_host", "store_port", b"store_port", "tp_sizes", b"tp_sizes", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -410,7 +458,12 @@ class StepBatch(_message.Message):
     NEW_SEQUENCES_FIELD_NUMBER: _builtins.int
     FINISHED_SEQ_IDS_FIELD_NUMBER: _builtins.int
     CHUNKS_FIELD_NUMBER: _builtins.int
+    WARMUP_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
+    warmup: _builtins.bool
+    """A warm-up step before the replica serves: computed as any other, counted in no
+    load statistic (experts' token counts, the stage's step and token counters).
+    """
     @_builtins.property
     def new_sequences(self) -> _containers.RepeatedCompositeFieldContainer[Global___NewSequence]:
         """Sequences sent for the first time (or again after a preemption)."""
@@ -428,10 +481,11 @@ class StepBatch(_message.Message):
         new_sequences: _abc.Iterable[Global___NewSequence] | None = ...,
         finished_seq_ids: _abc.Iterable[_builtins.int] | None = ...,
         chunks: Global___ScheduledChunks | None = ...,
+        warmup: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "finished_seq_ids", b"finished_seq_ids", "new_sequences", b"new_sequences", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "finished_seq_ids", b"finished_seq_ids", "new_sequences", b"new_sequences", "step_id", b"step_id", "warmup", b"warmup"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -665,11 +719,16 @@ class ReadKVRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     LAYER_START_FIELD_NUMBER: _builtins.int
     LAYER_END_FIELD_NUMBER: _builtins.int
+    TICKET_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """The epoch the blocks were written in: in another one they hold nothing."""
     layer_start: _builtins.int
     """Model layers [layer_start, layer_end), within this stage's."""
     layer_end: _builtins.int
+    ticket: _builtins.bytes
+    """The read ticket of these blocks (KVTransferParams.read_ticket): without
+    it, or with another, PERMISSION_DENIED.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -679,10 +738,11 @@ class ReadKVRequest(_message.Message):
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         layer_start: _builtins.int = ...,
         layer_end: _builtins.int = ...,
+        ticket: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "epoch", b"epoch", "layer_end", b"layer_end", "layer_start", b"layer_start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "epoch", b"epoch", "layer_end", b"layer_end", "layer_start", b"layer_start", "ticket", b"ticket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -779,12 +839,15 @@ class PullKVRequest(_message.Message):
     SOURCE_BLOCK_IDS_FIELD_NUMBER: _builtins.int
     SOURCES_FIELD_NUMBER: _builtins.int
     SOURCE_BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    SOURCE_TICKET_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """this stage's epoch, whose cache the blocks are in"""
     source_epoch: _builtins.int
     """the prefill replica's epoch"""
     source_block_size: _builtins.int
     """must equal this stage's"""
+    source_ticket: _builtins.bytes
+    """the source blocks' read ticket (ReadKVRequest.ticket)"""
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """destination blocks here, in order"""
@@ -808,10 +871,11 @@ class PullKVRequest(_message.Message):
         source_block_ids: _abc.Iterable[_builtins.int] | None = ...,
         sources: _abc.Iterable[Global___KVSource] | None = ...,
         source_block_size: _builtins.int = ...,
+        source_ticket: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "epoch", b"epoch", "source_block_ids", b"source_block_ids", "source_block_size", b"source_block_size", "source_epoch", b"source_epoch", "sources", b"sources"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "epoch", b"epoch", "source_block_ids", b"source_block_ids", "source_block_size", b"source_block_size", "source_epoch", b"source_epoch", "source_ticket", b"source_ticket", "sources", b"sources"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -85,6 +85,11 @@ class StageStub:
                 request_serializer=stagemesh_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
                 _registered_method=True)
+        self.CompileGrammar = channel.unary_unary(
+                '/stagemesh.v1.Stage/CompileGrammar',
+                request_serializer=stagemesh_dot_v1_dot_stage__pb2.CompileGrammarRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_stage__pb2.CompileGrammarResponse.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -122,7 +127,8 @@ class StageServicer:
     def ReadKV(self, request, context):
         """Disaggregated prefill, prefill side: the KV of some of this stage's
         blocks (those a prefill request left held), every KV head, streamed in
-        chunks of whole blocks of one layer.
+        chunks of whole blocks of one layer; only to a reader with their ticket
+        (PERMISSION_DENIED otherwise, naming nothing of the stage's state).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -168,6 +174,17 @@ class StageServicer:
 
     def UnloadLoRAAdapter(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompileGrammar(self, request, context):
+        """Structured outputs, on the last stage: compile a request's constraint
+        (outside the step loop) and keep it for the sequence that comes with it.
+        The scheduler schedules the request only once this answered (vLLM's
+        WAITING_FOR_FSM), within its --grammar-compile-timeout. INVALID_ARGUMENT
+        with the reason for a constraint that does not compile.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -224,6 +241,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.UnloadLoRAAdapter,
                     request_deserializer=stagemesh_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+            ),
+            'CompileGrammar': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompileGrammar,
+                    request_deserializer=stagemesh_dot_v1_dot_stage__pb2.CompileGrammarRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_stage__pb2.CompileGrammarResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -496,6 +518,33 @@ class Stage:
             '/stagemesh.v1.Stage/UnloadLoRAAdapter',
             stagemesh_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
             stagemesh_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompileGrammar(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.Stage/CompileGrammar',
+            stagemesh_dot_v1_dot_stage__pb2.CompileGrammarRequest.SerializeToString,
+            stagemesh_dot_v1_dot_stage__pb2.CompileGrammarResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -48,7 +48,8 @@ class StageStub:
     ReadKV: _grpc.UnaryStreamMultiCallable[_stage_pb2.ReadKVRequest, _stage_pb2.KVBlocksChunk]
     """Disaggregated prefill, prefill side: the KV of some of this stage's
     blocks (those a prefill request left held), every KV head, streamed in
-    chunks of whole blocks of one layer.
+    chunks of whole blocks of one layer; only to a reader with their ticket
+    (PERMISSION_DENIED otherwise, naming nothing of the stage's state).
     """
     PullKV: _grpc.UnaryUnaryMultiCallable[_stage_pb2.PullKVRequest, _stage_pb2.PullKVResponse]
     """Disaggregated prefill, decode side: read these blocks' KV for this
@@ -73,6 +74,13 @@ class StageStub:
     one (the scheduler first makes sure no request uses it).
     """
     UnloadLoRAAdapter: _grpc.UnaryUnaryMultiCallable[_common_pb2.UnloadLoRAAdapterRequest, _common_pb2.UnloadLoRAAdapterResponse]
+    CompileGrammar: _grpc.UnaryUnaryMultiCallable[_stage_pb2.CompileGrammarRequest, _stage_pb2.CompileGrammarResponse]
+    """Structured outputs, on the last stage: compile a request's constraint
+    (outside the step loop) and keep it for the sequence that comes with it.
+    The scheduler schedules the request only once this answered (vLLM's
+    WAITING_FOR_FSM), within its --grammar-compile-timeout. INVALID_ARGUMENT
+    with the reason for a constraint that does not compile.
+    """
 
 @_typing.type_check_only
 class StageAsyncStub(StageStub):
@@ -90,7 +98,8 @@ class StageAsyncStub(StageStub):
     ReadKV: _aio.UnaryStreamMultiCallable[_stage_pb2.ReadKVRequest, _stage_pb2.KVBlocksChunk]  # type: ignore[assignment]
     """Disaggregated prefill, prefill side: the KV of some of this stage's
     blocks (those a prefill request left held), every KV head, streamed in
-    chunks of whole blocks of one layer.
+    chunks of whole blocks of one layer; only to a reader with their ticket
+    (PERMISSION_DENIED otherwise, naming nothing of the stage's state).
     """
     PullKV: _aio.UnaryUnaryMultiCallable[_stage_pb2.PullKVRequest, _stage_pb2.PullKVResponse]  # type: ignore[assignment]
     """Disaggregated prefill, decode side: read these blocks' KV for this
@@ -115,6 +124,13 @@ class StageAsyncStub(StageStub):
     one (the scheduler first makes sure no request uses it).
     """
     UnloadLoRAAdapter: _aio.UnaryUnaryMultiCallable[_common_pb2.UnloadLoRAAdapterRequest, _common_pb2.UnloadLoRAAdapterResponse]  # type: ignore[assignment]
+    CompileGrammar: _aio.UnaryUnaryMultiCallable[_stage_pb2.CompileGrammarRequest, _stage_pb2.CompileGrammarResponse]  # type: ignore[assignment]
+    """Structured outputs, on the last stage: compile a request's constraint
+    (outside the step loop) and keep it for the sequence that comes with it.
+    The scheduler schedules the request only once this answered (vLLM's
+    WAITING_FOR_FSM), within its --grammar-compile-timeout. INVALID_ARGUMENT
+    with the reason for a constraint that does not compile.
+    """
 
 class StageServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -159,7 +175,8 @@ class StageServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_stage_pb2.KVBlocksChunk], _abc.AsyncIterator[_stage_pb2.KVBlocksChunk]]:
         """Disaggregated prefill, prefill side: the KV of some of this stage's
         blocks (those a prefill request left held), every KV head, streamed in
-        chunks of whole blocks of one layer.
+        chunks of whole blocks of one layer; only to a reader with their ticket
+        (PERMISSION_DENIED otherwise, naming nothing of the stage's state).
         """
 
     @_abc_1.abstractmethod
@@ -214,5 +231,18 @@ class StageServicer(metaclass=_abc_1.ABCMeta):
         request: _common_pb2.UnloadLoRAAdapterRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.UnloadLoRAAdapterResponse, _abc.Awaitable[_common_pb2.UnloadLoRAAdapterResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def CompileGrammar(
+        self,
+        request: _stage_pb2.CompileGrammarRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.CompileGrammarResponse, _abc.Awaitable[_stage_pb2.CompileGrammarResponse]]:
+        """Structured outputs, on the last stage: compile a request's constraint
+        (outside the step loop) and keep it for the sequence that comes with it.
+        The scheduler schedules the request only once this answered (vLLM's
+        WAITING_FOR_FSM), within its --grammar-compile-timeout. INVALID_ARGUMENT
+        with the reason for a constraint that does not compile.
+        """
 
 def add_StageServicer_to_server(servicer: StageServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -78,6 +78,11 @@ class Experts:
     block: str = "mlp"  # model.layers.{i}.{block}: the router (gate), experts.{e}.*, the shared expert
     names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # each expert's gate, up and down
     always_renormalize: bool = False  # top-k weights renormalised whatever norm_topk_prob says (Mixtral)
+    shared: str = "shared_expert"  # {block}.{shared}: the dense expert every token takes (when the config has one)
+    shared_gate: bool = True  # the shared expert's output scaled by a sigmoid gate (Qwen2-MoE); False: added as is
+    # how tokens pick experts: "topk" (softmax, top-k: kernels.select_experts) or "grouped" (DeepSeek's gate over
+    # groups of experts, stage_worker.grouped_gate, set by the family's config fields)
+    router: str = "topk"
 
 
 @dataclass(frozen=True)
@@ -108,8 +113,28 @@ class Family:
     # the fused C++ CPU layer (stage_worker.layer_plan, kernels/csrc/decoder_layer.cpp) runs its dense layers;
     # False: the Python layer runs them (no per-head q/k norm there)
     fused_cpu_plan: bool = True
+    # the norms of each decoder layer, in the checkpoint's names (Gemma's sandwich adds two around the MLP)
+    layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    # sliding_window applies to the layers config.json's layer_types names sliding_attention, which attend within
+    # it (the stage runs the window): the context is not capped at it (Gemma 3, gpt-oss)
+    sliding_layers: bool = False
+    # stage_worker's module of the family's own stage model (its STAGE_MODEL), where its layers are not the
+    # Llama-like decoder's (stage_worker.model.StageModel); None: that decoder
+    stage_model: str | None = None
+    # every checkpoint tensor of a decoder layer and its shape, where the family's are not what layer_shapes
+    # derives from the fields above (gpt-oss's stacked experts, sinks and biases)
+    layer_shapes_of: Callable[[ModelConfig, int], Shapes] | None = None
     # what of the family's configs stagemesh does not implement: a message naming it, or None (checked at start-up)
     refuse: Callable[[dict[str, Any]], str | None] | None = None
+    # "mha": multi-head attention over K and V heads (stage_worker.model.Attention); "mla": DeepSeek's multi-head
+    # latent attention, its cache a latent per token (stage_worker.mla)
+    attention: str = "mha"
+    # ModelConfig fields the family derives from its config its own way (e.g. its experts' count under another
+    # name), over what stagemesh.core.model_config reads: {field: value}
+    fields: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # the config key that counts the checkpoint's multi-token-prediction layers, after the model's own (DeepSeek-V3's
+    # num_nextn_predict_layers): what speculation's deepseek_mtp runs (stage_worker.mtp); None: the family has none
+    mtp_layers: str | None = None
 
     def check(self, raw: dict[str, Any]) -> None:
         """Refuse, naming it, what of this config stagemesh does not implement."""
@@ -130,9 +155,11 @@ class Family:
 
     def layer_shapes(self, cfg: ModelConfig, index: int, sparse: bool) -> Shapes:
         """Every checkpoint tensor of decoder layer `index` and its shape (`sparse`: the layer has experts)."""
+        if self.layer_shapes_of is not None:
+            return self.layer_shapes_of(cfg, index)
         h, prefix = cfg.hidden_size, f"model.layers.{index}"
-        shapes: Shapes = {f"{prefix}.input_layernorm.weight": (h,), f"{prefix}.post_attention_layernorm.weight": (h,),
-                  **self.weights.attention_shapes(f"{prefix}.self_attn", cfg)}
+        shapes: Shapes = {**{f"{prefix}.{norm}.weight": (h,) for norm in self.layer_norms},
+                          **self.attention_shapes(f"{prefix}.self_attn", cfg)}
         if not sparse or self.experts is None:
             return {**shapes, **self.weights.mlp_shapes(f"{prefix}.mlp", h, cfg.intermediate_size)}
         block, (gate, up, down) = f"{prefix}.{self.experts.block}", self.experts.names
@@ -143,6 +170,12 @@ class Family:
                            f"{block}.experts.{e}.{up}.weight": (inter, h),
                            f"{block}.experts.{e}.{down}.weight": (h, inter)})
         if cfg.shared_expert_intermediate_size:
-            shapes.update(WeightNames().mlp_shapes(f"{block}.shared_expert", h, cfg.shared_expert_intermediate_size))
-            shapes[f"{block}.shared_expert_gate.weight"] = (1, h)
+            shared = f"{block}.{self.experts.shared}"
+            shapes.update(WeightNames().mlp_shapes(shared, h, cfg.shared_expert_intermediate_size))
+            if self.experts.shared_gate:
+                shapes[f"{shared}_gate.weight"] = (1, h)
         return shapes
+
+    def attention_shapes(self, prefix: str, cfg: ModelConfig) -> Shapes:
+        """A layer's attention tensors (prefix: model.layers.{i}.self_attn) and their shapes."""
+        return self.weights.attention_shapes(prefix, cfg)

@@ -1,0 +1,197 @@
+"""Tiny quantised checkpoints written as each quantizer writes them (tensor names, dtypes, packing, config),
+and their dequantised twins: the same model with every quantised weight replaced by the float32 numbers its
+format means (w = s * (q - z)), for transformers to be the reference.
+
+The packing follows each quantizer's own code: compressed-tensors' pack_to_int32 (offset codes, low bits
+first along K), AutoGPTQ's pack (qweight along K, qzeros along N, zeros stored minus one), AutoAWQ's GEMM
+pack (along N in the order 0 2 4 6 1 3 5 7), DeepSeek-V3's weight_scale_inv per block.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from stage_worker.quant_methods.packing import pack_int32
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+FP8_MAX = 448.0
+
+# the formats tests write: name -> (quantization_config, how each linear is written)
+FORMATS = ("ct-fp8-channel", "ct-fp8-tensor-static", "ct-fp8-block", "ct-int8", "ct-w4a16", "fbgemm-fp8",
+           "fp8-block", "gptq-int4", "gptq-int4-desc-act", "gptq-int4-asym", "gptq-int8", "awq")
+
+
+def _fp8(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def _ct_group(weights: dict, strategy: str, activations: dict | None, fmt: str, **extra) -> dict:
+    args = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": strategy,
+            "block_structure": None, "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {}}
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "global_compression_ratio": 1.5, "ignore": ["lm_head", "re:.*mlp.gate$"], "kv_cache_scheme": None,
+            "sparsity_config": {},
+            "version": "0.9.1", "config_groups": {"group_0": {"targets": ["Linear"], "output_activations": None,
+                                                              "weights": {**args, **weights},
+                                                              "input_activations": activations}}, **extra}
+
+
+DYNAMIC_TOKEN = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token",
+                 "group_size": None, "block_structure": None, "actorder": None, "observer": None,
+                 "observer_kwargs": {}}
+STATIC_TENSOR = {**DYNAMIC_TOKEN, "dynamic": False, "strategy": "tensor", "observer": "minmax"}
+INPUT_SCALE = 0.02  # static activations: |x| past 448 * 0.02 saturates (the tiny models' do not reach it)
+
+
+def config_of(fmt: str) -> dict:
+    if fmt == "ct-fp8-channel":
+        return _ct_group({"strategy": "channel"}, "channel", DYNAMIC_TOKEN, "float-quantized")
+    if fmt == "ct-fp8-tensor-static":
+        return _ct_group({"strategy": "tensor"}, "tensor", STATIC_TENSOR, "float-quantized")
+    if fmt == "ct-fp8-block":
+        return _ct_group({"strategy": "block", "block_structure": [32, 32]}, "block", DYNAMIC_TOKEN, "float-quantized")
+    if fmt == "ct-int8":
+        return _ct_group({"type": "int", "strategy": "channel"}, "channel", {**DYNAMIC_TOKEN, "type": "int"},
+                         "int-quantized")
+    if fmt == "ct-w4a16":
+        return _ct_group({"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32}, "group", None,
+                         "pack-quantized")
+    if fmt == "fbgemm-fp8":
+        return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                "modules_to_not_convert": ["lm_head", "model.layers.1.self_attn"]}
+    if fmt == "fp8-block":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [32, 32]}
+    if fmt.startswith("gptq"):
+        return {"quant_method": "gptq", "bits": 8 if fmt == "gptq-int8" else 4,
+                "group_size": -1 if fmt == "gptq-int8" else 32, "desc_act": fmt == "gptq-int4-desc-act",
+                "sym": fmt != "gptq-int4-asym", "damp_percent": 0.01, "true_sequential": True,
+                "static_groups": False, "checkpoint_format": "gptq", "model_name_or_path": None,
+                "model_file_base_name": None, "lm_head": False}
+    if fmt == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm",
+                "modules_to_not_convert": None, "backend": "autoawq"}
+    raise ValueError(fmt)
+
+
+def _fp8_linear(w: torch.Tensor, fmt: str, prefix: str) -> tuple[dict, torch.Tensor]:
+    """(tensors, dequantised weight) of an fp8 format."""
+    if fmt in ("ct-fp8-block", "fp8-block"):
+        n, k = w.shape
+        blocks = w.reshape(n // 32, 32, k // 32, 32).abs().amax((1, 3))
+        scale = blocks / FP8_MAX
+        full = scale.repeat_interleave(32, 0).repeat_interleave(32, 1)
+        q = _fp8(w, full)
+        name = "weight_scale_inv" if fmt == "fp8-block" else "weight_scale"
+        return {f"{prefix}.weight": q, f"{prefix}.{name}": scale}, q.float() * full
+    scale = w.abs().amax() / FP8_MAX if fmt == "ct-fp8-tensor-static" else w.abs().amax(1, keepdim=True) / FP8_MAX
+    q = _fp8(w, scale)
+    out = {f"{prefix}.weight": q, f"{prefix}.weight_scale": scale.reshape(1) if scale.dim() == 0 else scale}
+    if fmt == "ct-fp8-tensor-static":
+        out[f"{prefix}.input_scale"] = torch.tensor([INPUT_SCALE])
+    return out, q.float() * scale
+
+
+def _int_groups(w: torch.Tensor, bits: int, group: int, sym: bool, gen: torch.Generator):
+    """(codes 0..2^bits-1 [N, K], scales [N, G], zeros [N, G]) in quantisation order of contiguous groups."""
+    n, k = w.shape
+    g = w.reshape(n, k // group, group)
+    top = (1 << bits) - 1
+    if sym:
+        scales = g.abs().amax(-1) / (top / 2)
+        zeros = torch.full_like(scales, float(1 << (bits - 1)))
+    else:
+        lo, hi = g.amin(-1), g.amax(-1)
+        scales = (hi - lo) / top
+        zeros = torch.randint(1, top + 1, scales.shape, generator=gen).float()  # GPTQ v1 cannot store a zero of 0
+    codes = torch.round(g / scales[..., None] + zeros[..., None]).clamp(0, top)
+    return codes.reshape(n, k).to(torch.uint8), scales.half().float(), zeros
+
+
+def _int_linear(w: torch.Tensor, fmt: str, prefix: str, gen: torch.Generator) -> tuple[dict, torch.Tensor]:
+    n, k = w.shape
+    if fmt == "ct-int8":
+        scale = w.abs().amax(1, keepdim=True) / 127
+        q = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
+        return {f"{prefix}.weight": q, f"{prefix}.weight_scale": scale}, q.float() * scale
+    bits = 8 if fmt == "gptq-int8" else 4
+    group = k if fmt == "gptq-int8" else 32
+    codes, scales, zeros = _int_groups(w, bits, group, fmt != "gptq-int4-asym", gen)
+    g_idx = torch.arange(k) // group
+    if fmt == "gptq-int4-desc-act":  # columns quantised in another order: group i of that order
+        # (GPTQ's order comes from its input's statistics: q, k and v share theirs, so do gate and up)
+        shared = prefix.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+        order = torch.randperm(k, generator=torch.Generator().manual_seed(zlib.crc32(shared.encode())))
+        codes_sorted, scales, zeros = _int_groups(w[:, order], bits, group, True, gen)
+        codes = torch.empty_like(codes_sorted)
+        codes[:, order] = codes_sorted
+        g_idx = torch.empty(k, dtype=torch.int64)
+        g_idx[order] = torch.arange(k) // group
+    deq = scales[:, g_idx] * (codes.float() - zeros[:, g_idx])
+    if fmt == "ct-w4a16":
+        signed = (codes.to(torch.int16) - 8)  # compressed-tensors quantises to -8..7 and packs value + 8
+        return {f"{prefix}.weight_packed": pack_int32((signed + 8).to(torch.uint8), 4, 1),
+                f"{prefix}.weight_scale": scales.half(),
+                f"{prefix}.weight_shape": torch.tensor([n, k], dtype=torch.int64)}, deq
+    if fmt == "awq":
+        return {f"{prefix}.qweight": pack_int32(codes.T, 4, 1, AWQ_ORDER),
+                f"{prefix}.qzeros": pack_int32(zeros.T.to(torch.uint8), 4, 1, AWQ_ORDER),
+                f"{prefix}.scales": scales.T.half()}, deq
+    return {f"{prefix}.qweight": pack_int32(codes.T, bits, 0),  # GPTQ: along K, zeros minus one along N
+            f"{prefix}.qzeros": pack_int32((zeros - 1).T.to(torch.uint8), bits, 1),
+            f"{prefix}.scales": scales.T.half(), f"{prefix}.g_idx": g_idx.to(torch.int32)}, deq
+
+
+def _linear(prefix: str) -> bool:
+    """An attention or MLP linear, or an expert's (a mixture of experts' routers stay dense)."""
+    return prefix.split(".", 3)[-1] in LINEARS or re.search(r"\.experts\.\d+\.(gate|up|down)_proj$", prefix) is not None
+
+
+def _skipped(fmt: str, prefix: str) -> bool:
+    return fmt == "fbgemm-fp8" and ".layers.1.self_attn." in prefix + "."
+
+
+def write_quantized(model_dir: str | Path, target: str | Path, fmt: str, seed: int = 0) -> tuple[Path, Path]:
+    """(quantised checkpoint, dequantised twin) of the float32 model in model_dir, in `fmt` (FORMATS)."""
+    source, target = Path(model_dir), Path(target)
+    quantised, twin = target / "quantised", target / "dequantised"
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for f in source.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    out, dense = {}, {}
+    for name, t in tensors.items():
+        prefix = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and _linear(prefix)) or _skipped(fmt, prefix):
+            out[name] = dense[name] = t
+            continue
+        written, deq = (_fp8_linear(t, fmt, prefix) if "fp8" in fmt else _int_linear(t, fmt, prefix, gen))
+        out.update(written)
+        dense[name] = deq.float()
+    config = json.loads((source / "config.json").read_text())
+    for path, tensors_of, qc in ((quantised, out, config_of(fmt)), (twin, dense, None)):
+        path.mkdir(parents=True, exist_ok=True)
+        for f in source.iterdir():
+            if f.is_file() and f.name != "config.json" and not f.name.endswith(".safetensors") \
+                    and not f.name.endswith(".index.json"):
+                shutil.copy(f, path / f.name)
+        (path / "config.json").write_text(json.dumps({**config, **({"quantization_config": qc} if qc else {})}))
+        save_file({k: v.contiguous() for k, v in tensors_of.items()}, path / "model.safetensors",
+                  metadata={"format": "pt"})
+    return quantised, twin
+
+
+def static_activation_hooks(model, scale: float = INPUT_SCALE) -> None:
+    """transformers' model as a static fp8 activation scheme computes it: every quantised linear's input
+    x / s cast to float8_e4m3fn (saturated), times s."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.split(".", 3)[-1] in LINEARS:
+            module.register_forward_pre_hook(
+                lambda _m, args: ((args[0] / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale,))
