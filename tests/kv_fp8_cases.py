@@ -41,6 +41,10 @@ def fp8_reference(model_dir, scales: list[tuple[float, float]], dtype=torch.floa
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    # the mask of the attention that runs (a new name's default mask has no sliding window)
+    AttentionMaskInterface.register("stagemesh_fp8_kv", eager_mask if forward else sdpa_mask)
     forward = forward or sdpa_attention_forward
 
     def attention(module, query, key, value, attention_mask, **kw):

@@ -20,6 +20,7 @@ from stage_worker.runner import StageRunner
 from tiny_models import reference_greedy
 
 NEW_TOKENS = 12
+CT = {"quant_method": "compressed-tensors"}  # a KV-cache-only compressed-tensors checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_checkpoint_scales_under_each_quantizers_names(model64, tmp_path):
     projections' output scales under a kv_cache_scheme, the deprecated single kv_scale (k and v); a stage of
     layers 2:4 reads its own layers' only."""
     want = [(as_f32(0.011 * (1 + i / 10)), as_f32(0.007 * (1 + i / 7))) for i in range(4)]
-    scheme = {"quantization_config": {"quant_method": "compressed-tensors", "kv_cache_scheme": {
+    scheme = {"quantization_config": {**CT, "kv_cache_scheme": {
         "type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False, "symmetric": True,
         "observer": "minmax", "group_size": None}}}
     cases = {"llm-compressor": ({}, ("k_scale", "v_scale")), "modelopt": ({}, ("k_proj.k_scale", "v_proj.v_scale")),
@@ -172,16 +173,16 @@ def _decode(prompt, token):
      {}, "layer 0 has both the deprecated kv_scale and k_scale / v_scale"),
     ({"model.layers.0.self_attn.k_scale": torch.tensor(0.1), "model.layers.0.self_attn.k_proj.k_scale":
       torch.tensor(0.1)}, {}, r"layer 0 has two KV cache scales for one tensor"),
-    ({}, {"quantization_config": {"kv_cache_scheme": {"type": "float", "num_bits": 8, "strategy": "channel"}}},
+    ({}, {"quantization_config": {**CT, "kv_cache_scheme": {"type": "float", "num_bits": 8, "strategy": "channel"}}},
      r"quantization_config.kv_cache_scheme.strategy 'channel' is not built"),
-    ({}, {"quantization_config": {"kv_cache_scheme": {"type": "int", "num_bits": 8, "strategy": "tensor"}}},
+    ({}, {"quantization_config": {**CT, "kv_cache_scheme": {"type": "int", "num_bits": 8, "strategy": "tensor"}}},
      r"quantization_config.kv_cache_scheme.type 'int' is not built"),
-    ({}, {"quantization_config": {"kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": True}}},
+    ({}, {"quantization_config": {**CT, "kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": True}}},
      r"quantization_config.kv_cache_scheme.dynamic True is not built"),
-    ({}, {"quantization_config": {"kv_cache_scheme": {"type": "float", "num_bits": 8, "group_size": 128}}},
+    ({}, {"quantization_config": {**CT, "kv_cache_scheme": {"type": "float", "num_bits": 8, "group_size": 128}}},
      r"quantization_config.kv_cache_scheme.group_size 128 is not built"),
-    ({}, {"quantization_config": {"kv_cache_quant_algo": "NVFP4"}},
-     r"quantization_config.kv_cache_quant_algo 'NVFP4' is not built"),
+    ({}, {"quantization_config": {"quant_method": "modelopt", "kv_cache_quant_algo": "FP8"}},
+     r"quantization_config.quant_method 'modelopt': NVIDIA ModelOpt: not built"),
 ])
 def test_scales_the_model_cannot_honour_are_refused_by_name(model64, tmp_path, scales, config, message):
     ckpt = with_tensors(model64, tmp_path / "m", scales, config)
