@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from kernels import build_lock, isa, moe_reference, reference
+from kernels.kv_quant import is_fp8
 
 log = logging.getLogger("stagemesh.kernels")
 CSRC = Path(__file__).parent / "csrc"
@@ -116,53 +117,60 @@ def apply_rotary(q, k, positions, cos_sin_cache):
     return tuple(load().apply_rotary(q, k, positions, cos_sin_cache))
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
-    load().write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    load().write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-def rotary_and_cache(qkv, num_heads, num_kv_heads, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+def rotary_and_cache(qkv, num_heads, num_kv_heads, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                     k_scale: float = 1.0, v_scale: float = 1.0):
     return load().rotary_and_cache(qkv, num_heads, num_kv_heads, positions, cos_sin_cache, k_cache, v_cache,
-                                   slot_mapping)
+                                   slot_mapping, k_scale, v_scale)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale: float = 1.0,
+                    v_scale: float = 1.0):
     """Where this CPU's attention family covers the head_dim, every query row (decode tokens and prefill
     chunks alike) is one row of the family's kernel, seeing the positions up to its own; else decode rows
-    take the portable loop and prefill chunks torch's attention, one sequence at a time."""
+    take the portable loop and prefill chunks torch's attention, one sequence at a time (an fp8 cache, which
+    the portable loop does not read: the torch reference's decode too)."""
     family = current_attention_family()
     if not covers(family, q.shape[-1]):
         return reference.paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                                         decode=_decode)
+                                         decode=None if is_fp8(k_cache.dtype) else _decode, k_scale=k_scale,
+                                         v_scale=v_scale)
     seqs, visible = reference.step_memo("query rows", (context_lens, query_start_loc),
                                         lambda: query_rows(context_lens, query_start_loc))
-    return load().decode_attention(q, k_cache, v_cache, block_tables, seqs, visible, scale, family)
+    return load().decode_attention(q, k_cache, v_cache, block_tables, seqs, visible, scale, family, k_scale, v_scale)
 
 
 def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                        k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """paged_attention and each row's log-sum-exp, [tokens, heads] fp32 (kernels.reference.paged_attention_lse),
     from the same family kernel, which stores it only when asked; where no family covers the head_dim, the
     torch reference."""
     family = current_attention_family()
     if not covers(family, q.shape[-1]):
-        return reference.paged_attention_lse(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+        return reference.paged_attention_lse(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                                             k_scale, v_scale)
     seqs, visible = reference.step_memo("query rows", (context_lens, query_start_loc),
                                         lambda: query_rows(context_lens, query_start_loc))
-    out, lse = load().decode_attention_lse(q, k_cache, v_cache, block_tables, seqs, visible, scale, family)
+    out, lse = load().decode_attention_lse(q, k_cache, v_cache, block_tables, seqs, visible, scale, family, k_scale,
+                                           v_scale)
     return out, lse
 
 
 def paged_attention_rows_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                             row_seqs: torch.Tensor, row_visible: torch.Tensor,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                             row_seqs: torch.Tensor, row_visible: torch.Tensor, scale: float,
+                             k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.reference.paged_attention_rows_lse from the family kernel, whose rows are given just so (each
     row's sequence and count of visible positions); where no family covers the head_dim, the reference."""
     family = current_attention_family()
     if not covers(family, q.shape[-1]):
-        return reference.paged_attention_rows_lse(q, k_cache, v_cache, block_tables, row_seqs, row_visible, scale)
+        return reference.paged_attention_rows_lse(q, k_cache, v_cache, block_tables, row_seqs, row_visible, scale,
+                                                  k_scale, v_scale)
     out, lse = load().decode_attention_lse(q, k_cache, v_cache, block_tables, row_seqs.to(torch.int32),
-                                           row_visible.to(torch.int32), scale, family)
+                                           row_visible.to(torch.int32), scale, family, k_scale, v_scale)
     return out, lse
 
 
@@ -190,9 +198,9 @@ def covers(family: str, head_dim: int) -> bool:
     return module.decode_attention_covers(family, head_dim)
 
 
-def _decode(q, k_cache, v_cache, block_tables, plan, scale):
+def _decode(q, k_cache, v_cache, block_tables, plan, scale, k_scale: float = 1.0, v_scale: float = 1.0):
     return load().decode_attention(q, k_cache, v_cache, block_tables, plan.decode_seqs, plan.decode_lens, scale,
-                                   current_attention_family())
+                                   current_attention_family(), k_scale, v_scale)
 
 
 def attention_family() -> str:

@@ -2,6 +2,9 @@
 tensors (where they could be built; the MoE layer's on fp32 only), the torch reference elsewhere.
 
 STAGEMESH_KERNELS=torch|triton forces one (Triton on CPU needs TRITON_INTERPRET=1).
+
+The KV cache's kernels take an fp8 cache too (--kv-cache-dtype fp8): k_scale and v_scale are its per-tensor
+scales (kernels.kv_quant), which a cache of another dtype ignores.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import os
 import torch
 
 from kernels import cpu_ops, masked_attention, mla_reference, moe_reference, quant_reference, reference
+from kernels.kv_quant import is_fp8
 
 
 # Read once: a process keeps one choice (the kernels are picked per call, so a lookup here is paid by
@@ -44,40 +48,44 @@ def _triton():
     return triton_ops
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     impl = _triton() if _use_triton(k) and _has("write_kv_cache") else _cpu_impl(k)
-    impl.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    impl.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, *, window=None,
-                    softcap=None, sinks=None):
-    """Causal attention over the paged cache. A layer with a sliding `window`, attention-score `softcap` or
-    attention `sinks` runs kernels.masked_attention's torch reference on every device (the fused kernels do
-    not have them yet)."""
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale: float = 1.0,
+                    v_scale: float = 1.0, *, window=None, softcap=None, sinks=None):
+    """Causal attention over the paged cache (an fp8 cache read as stored * k_scale / v_scale). A layer with a
+    sliding `window`, attention-score `softcap` or attention `sinks` runs kernels.masked_attention's torch
+    reference on every device (the fused kernels do not have them yet)."""
     if window is not None or softcap is not None or sinks is not None:
         return masked_attention.paged_attention_masked(q, k_cache, v_cache, block_tables, context_lens,
-                                                       query_start_loc, scale, window, softcap, sinks)
+                                                       query_start_loc, scale, window, softcap, sinks,
+                                                       k_scale=k_scale, v_scale=v_scale)
     impl = _triton() if _use_triton(q) and _has("paged_attention") else _cpu_impl(q)
-    return impl.paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+    return impl.paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                                k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                        k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """paged_attention and each (query row, head)'s log-sum-exp of its scaled scores, [tokens, heads] fp32: the
     partial result a context-parallel rank computes over its share of the keys (merge_attention_states)."""
     impl = _triton_attention() if _use_triton(q) and _has("paged_attention") else _cpu_impl(q)
-    return impl.paged_attention_lse(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+    return impl.paged_attention_lse(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                                    k_scale, v_scale)
 
 
 def paged_attention_rows_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                             row_seqs: torch.Tensor, row_visible: torch.Tensor,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                             row_seqs: torch.Tensor, row_visible: torch.Tensor, scale: float,
+                             k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query row t over the first row_visible[t] positions of sequence row_seqs[t]'s block table, and its
     lse (kernels.reference.paged_attention_rows_lse): a context-parallel rank's attention over its share of the
     keys, where the positions a row sees are a prefix of the share (stage_worker.context)."""
     impl = _triton_attention() if _use_triton(q) and _has("paged_attention") else _cpu_impl(q)
-    return impl.paged_attention_rows_lse(q, k_cache, v_cache, block_tables, row_seqs, row_visible, scale)
+    return impl.paged_attention_rows_lse(q, k_cache, v_cache, block_tables, row_seqs, row_visible, scale,
+                                         k_scale, v_scale)
 
 
 def merge_attention_states(outputs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,17 +129,18 @@ def apply_rotary(q, k, positions, cos_sin_cache):
     return impl.apply_rotary(q, k, positions, cos_sin_cache)
 
 
-def rotary_and_cache(qkv, num_heads, num_kv_heads, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+def rotary_and_cache(qkv, num_heads, num_kv_heads, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                     k_scale: float = 1.0, v_scale: float = 1.0):
     """From a fused QKV output [tokens, (num_heads + 2 num_kv_heads) * head_dim]: q rotated [tokens, num_heads,
     head_dim] is returned, k rotated and v are written into their cache slots. apply_rotary + write_kv_cache
     in one C++ call on CPU (a decode step's per-layer overhead); composed of the two elsewhere."""
-    if not _use_triton(qkv) and k_cache.dtype == qkv.dtype and _cpu_impl(qkv) is cpu_ops:
+    if not _use_triton(qkv) and (k_cache.dtype == qkv.dtype or is_fp8(k_cache.dtype)) and _cpu_impl(qkv) is cpu_ops:
         return cpu_ops.rotary_and_cache(qkv, num_heads, num_kv_heads, positions, cos_sin_cache, k_cache, v_cache,
-                                        slot_mapping)
+                                        slot_mapping, k_scale, v_scale)
     tokens, d = qkv.shape[0], cos_sin_cache.shape[1]
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], -1)
     q, k = apply_rotary(q.view(tokens, num_heads, d), k.view(tokens, num_kv_heads, d), positions, cos_sin_cache)
-    write_kv_cache(k, v.view(tokens, num_kv_heads, d), k_cache, v_cache, slot_mapping)
+    write_kv_cache(k, v.view(tokens, num_kv_heads, d), k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
 
 

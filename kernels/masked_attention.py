@@ -14,14 +14,18 @@ import math
 
 import torch
 
+from kernels.kv_quant import dequantize, is_fp8
+
 
 def paged_attention_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                            window: int | None = None, softcap: float | None = None,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, *, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of q [tokens, heads, dim] over the paged cache (as kernels.reference.paged_attention),
     with a sliding `window` (None: every earlier position), `softcap` (None: none) and `sinks` ([heads] logits,
-    this rank's heads; None: none). The output has q's dtype."""
+    this rank's heads; None: none). An fp8 cache reads as stored * k_scale / v_scale (kernels.kv_quant). The
+    output has q's dtype."""
     out = torch.empty_like(q)
     starts, lens = query_start_loc.tolist(), context_lens.tolist()
     block_size = k_cache.shape[1]
@@ -35,6 +39,8 @@ def paged_attention_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         slots = block_tables[seq][positions // block_size].long() * block_size + positions % block_size
         k = k_cache.flatten(0, 1).index_select(0, slots)  # [keys, kv_heads, dim]
         v = v_cache.flatten(0, 1).index_select(0, slots)
+        if is_fp8(k.dtype):  # only the keys this sequence reads are widened
+            k, v = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype)
         q_positions = torch.arange(context_len - (hi - lo), context_len, device=q.device)
         out[lo:hi] = attention(q[lo:hi], k, v, q_positions, positions, scale, window, softcap, sinks)
     return out

@@ -1,6 +1,7 @@
 """Torch reference implementations of every kernel: the CPU path and the oracle
 the Triton kernels are tested against. Signatures are the kernel API that the
-model calls through kernels.dispatch.
+model calls through kernels.dispatch. k_scale / v_scale: an fp8 cache's per-tensor scales
+(kernels.kv_quant); a cache of another dtype ignores them.
 """
 from __future__ import annotations
 
@@ -9,20 +10,22 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_quant import as_bytes, dequantize, quantize
 from stagemesh.core.errors import StagemeshError
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Write this step's keys and values into the paged cache, in place."""
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write this step's keys and values into the paged cache, in place (quantised into an fp8 one)."""
     num_blocks, block_size, heads, dim = k_cache.shape
-    k_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for x, cache, s in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        as_bytes(cache).view(num_blocks * block_size, heads, dim).index_copy_(
+            0, slot_mapping, as_bytes(quantize(x, s, cache.dtype)))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                    decode=None) -> torch.Tensor:
+                    decode=None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks and decode tokens) over the paged cache.
 
     Decode rows (query length 1) run as one batch through `decode` (this module's torch
@@ -30,13 +33,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     plan = step_memo("attention", (block_tables, context_lens, query_start_loc),
                      lambda: AttentionPlan(context_lens, query_start_loc))
     decode = decode or _decode
+    scales = (k_scale, v_scale)
     if plan.decode_rows is None:
-        return decode(q, k_cache, v_cache, block_tables, plan, scale)
+        return decode(q, k_cache, v_cache, block_tables, plan, scale, *scales)
     out = torch.empty_like(q)
     if plan.decode_rows.numel():
-        out[plan.decode_rows] = decode(q[plan.decode_rows], k_cache, v_cache, block_tables, plan, scale)
+        out[plan.decode_rows] = decode(q[plan.decode_rows], k_cache, v_cache, block_tables, plan, scale, *scales)
     for seq, lo, hi, context_len in plan.prefills:
-        out[lo:hi] = _one_sequence(q[lo:hi], k_cache, v_cache, block_tables[seq], context_len, scale)
+        out[lo:hi] = _one_sequence(q[lo:hi], k_cache, v_cache, block_tables[seq], context_len, scale, *scales)
     return out
 
 
@@ -92,17 +96,19 @@ class _GatherLayout:
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            plan: AttentionPlan, scale: float) -> torch.Tensor:
+            plan: AttentionPlan, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     seqs, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     layout = plan.gather_layout(block_tables, k_cache.shape)
 
-    def gather(cache):  # [seqs, kv_heads, L, dim], contiguous
-        return cache.view(-1, dim).index_select(0, layout.rows).view(seqs, kv_heads, layout.max_len, dim).to(q.dtype)
+    def gather(cache, cache_scale):  # [seqs, kv_heads, L, dim], contiguous
+        rows = cache.view(-1, dim).index_select(0, layout.rows).view(seqs, kv_heads, layout.max_len, dim)
+        return dequantize(rows, cache_scale, q.dtype)
 
     # the query heads that share a KV head form the rows of one small matrix product
-    scores = torch.matmul(q.view(seqs, kv_heads, heads // kv_heads, dim) * scale, gather(k_cache).transpose(-1, -2))
-    values = gather(v_cache)
+    scores = torch.matmul(q.view(seqs, kv_heads, heads // kv_heads, dim) * scale,
+                          gather(k_cache, k_scale).transpose(-1, -2))
+    values = gather(v_cache, v_scale)
     if layout.past_end is not None:
         # slots past a sequence's end hold whatever another sequence left there, NaN included: their
         # scores are replaced (not added to) and their values zeroed, so nothing of them reaches this row
@@ -118,7 +124,7 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 
 
 def _one_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                  context_len: int, scale: float) -> torch.Tensor:
+                  context_len: int, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     q_len = q.shape[0]
     k = _gather(k_cache, block_table, context_len).transpose(0, 1)  # [kv_heads, L, d]
     v = _gather(v_cache, block_table, context_len).transpose(0, 1)
@@ -129,14 +135,15 @@ def _one_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         rows = torch.arange(q_len, device=q.device)[:, None] + offset
         mask = torch.arange(context_len, device=q.device)[None, :] <= rows
     # 4-d (a batch of one): torch's CPU flash kernel takes it, 3-d inputs fall back to the slower math path
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.to(q.dtype)[None], v.to(q.dtype)[None],
-                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], dequantize(k, k_scale, q.dtype)[None],
+                                         dequantize(v, v_scale, q.dtype)[None], attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
     return out[0].transpose(0, 1)
 
 
 def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                        k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """paged_attention's rows (decode tokens and prefill chunks, causal as there) and beside the output the
     log-sum-exp of each (query row, query head)'s scaled scores, [tokens, heads] fp32 (natural log): what
     context parallelism merges partial results by (merge_attention_states). Computed in fp32, one sequence at
@@ -149,8 +156,8 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         lo, hi, context_len = starts[seq], starts[seq + 1], lens[seq]
         if hi == lo or context_len == 0:
             continue
-        k = _gather(k_cache, block_tables[seq], context_len)
-        v = _gather(v_cache, block_tables[seq], context_len)
+        k = dequantize(_gather(k_cache, block_tables[seq], context_len), k_scale, torch.float32)
+        v = dequantize(_gather(v_cache, block_tables[seq], context_len), v_scale, torch.float32)
         # query i sits at position context_len - q_len + i and sees keys <= its position
         positions = torch.arange(context_len, device=q.device)
         out[lo:hi], lse[lo:hi] = attention_lse(q[lo:hi], k, v, positions[context_len - (hi - lo):], positions, scale)
@@ -158,14 +165,14 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def paged_attention_rows_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                             row_seqs: torch.Tensor, row_visible: torch.Tensor,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                             row_seqs: torch.Tensor, row_visible: torch.Tensor, scale: float,
+                             k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query row t over the first row_visible[t] positions of sequence row_seqs[t]'s block table, with its
     lse (a row of 0 positions: output 0, lse -inf): what a context-parallel rank computes over its share, whose
     positions seen by a row are a prefix of the share (stage_worker.context). Each row as a one-query sequence."""
     rows = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return paged_attention_lse(q, k_cache, v_cache, block_tables.index_select(0, row_seqs.long()), row_visible,
-                               rows, scale)
+                               rows, scale, k_scale, v_scale)
 
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,

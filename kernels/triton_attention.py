@@ -2,19 +2,25 @@
 
 Cache layout: [num_blocks, block_size, num_kv_heads, head_dim]. Both kernels
 gather a tile of keys through the block table (several blocks per tile) and
-keep an online softmax in fp32.
+keep an online softmax in fp32. An fp8 cache (kernels.kv_quant) is widened to q's
+dtype as it is loaded (exact); its key scale is folded into the scores' scale and
+its value scale into the output rows (v_scale), so the loops are any cache's.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import is_fp8
 from stagemesh.core.errors import StagemeshError
 
 
 @triton.jit
-def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_ptr, scale, stride_qt, stride_qh, stride_cb,
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_ptr, scale, v_scale, stride_qt, stride_qh,
+                   stride_cb,
                    stride_cs, stride_ch, stride_bt, stride_ot, stride_oh, stride_lt, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr,
                    D_PAD: tl.constexpr, PRECISION: tl.constexpr, HAS_LSE: tl.constexpr):
@@ -48,13 +54,14 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_ptr, sca
     if HAS_LSE:  # compiled in only when asked
         tl.store(lse_ptr + s * stride_lt + heads, m + tl.log(l), mask=g < GROUP)
         l = tl.where(l > 0, l, 1.0)  # a sequence of no positions here (a CP rank's empty share): output 0
-    out = acc / l[:, None]
+    out = acc / l[:, None] * v_scale
     tl.store(out_ptr + s * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=(g < GROUP)[:, None] & dmask[None, :])
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, lse_ptr, vis_ptr, scale, stride_qt,
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, lse_ptr, vis_ptr, scale, v_scale,
+                    stride_qt,
                     stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh, stride_lt,
                     GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     D: tl.constexpr, D_PAD: tl.constexpr, PRECISION: tl.constexpr, HAS_LSE: tl.constexpr,
@@ -108,7 +115,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, ls
         if HAS_LSE:
             tl.store(lse_ptr + (q_start + rows) * stride_lt + h, m + tl.log(l), mask=row_ok)
             l = tl.where(l > 0, l, 1.0)  # a row that sees no position: output 0
-        out = acc / l[:, None]
+        out = acc / l[:, None] * v_scale
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
 
@@ -133,22 +140,35 @@ def _checks(q, k_cache, block_tables, context_lens, query_start_loc) -> tuple[in
     return heads // kv_heads, bs, d
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
-    return _attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, None)
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale: float = 1.0,
+                    v_scale: float = 1.0):
+    return _attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, _Scales.of(
+        scale, k_cache, k_scale, v_scale), None)
 
 
 def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                        k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """paged_attention and the log-sum-exp of each row's scaled scores, [tokens, heads] fp32, from the kernels'
     own online softmax (kernels.reference.paged_attention_lse); a sequence of no positions gives output 0
     and lse -inf."""
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    return _attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, lse), lse
+    scales = _Scales.of(scale, k_cache, k_scale, v_scale)
+    return _attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scales, lse), lse
+
+
+class _Scales(NamedTuple):
+    """The kernels' two scales: the scores' (softmax scale x an fp8 cache's k_scale) and the output rows'."""
+    qk: float
+    v: float
+
+    @classmethod
+    def of(cls, scale: float, k_cache: torch.Tensor, k_scale: float, v_scale: float) -> "_Scales":
+        return cls(scale * k_scale, v_scale) if is_fp8(k_cache.dtype) else cls(scale, 1.0)
 
 
 def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-               context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+               context_lens: torch.Tensor, query_start_loc: torch.Tensor, scales: _Scales,
                lse: torch.Tensor | None) -> torch.Tensor:
     """Either kernel, storing each row's lse into `lse` when it is given (else the kernels are compiled
     without it)."""
@@ -161,23 +181,25 @@ def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bl
               out.stride(1), 0 if lse is None else lse.stride(0))
     if q.shape[0] == num_seqs:  # all decode
         tile = max(16, bs) if q.device.type == "cpu" else max(64, bs)
-        _decode_kernel[(num_seqs, kv_heads)](q, k_cache, v_cache, block_tables, context_lens, out, *lse_args, scale,
-                                             q.stride(0), q.stride(1), *common, GROUP=group,
+        _decode_kernel[(num_seqs, kv_heads)](q, k_cache, v_cache, block_tables, context_lens, out, *lse_args,
+                                             scales.qk, scales.v, q.stride(0), q.stride(1), *common, GROUP=group,
                                              GROUP_PAD=max(16, triton.next_power_of_2(group)), BS=bs, TILE=tile, D=d,
                                              D_PAD=triton.next_power_of_2(d), PRECISION=precision,
                                              HAS_LSE=lse is not None)
         return out
-    _prefill(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, lse, None, scale)
+    _prefill(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, lse, None, scales)
     return out
 
 
-def _prefill(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, lse, visible, scale) -> None:
+def _prefill(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, lse, visible,
+             scales: _Scales) -> None:
     group, bs, d = _checks(q, k_cache, block_tables, context_lens, query_start_loc)
     max_q = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     block_m = 16 if max_q <= 16 else 64
     grid = (context_lens.shape[0], q.shape[1], triton.cdiv(max_q, block_m))
     _prefill_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
-                          out if lse is None else lse, out if visible is None else visible, scale, q.stride(0),
+                          out if lse is None else lse, out if visible is None else visible, scales.qk, scales.v,
+                          q.stride(0),
                           q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
                           out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0), GROUP=group, BS=bs,
                           BLOCK_M=block_m, BLOCK_N=max(16, min(64, bs * 4)), D=d, D_PAD=triton.next_power_of_2(d),
@@ -186,25 +208,26 @@ def _prefill(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, o
 
 
 def paged_attention_rows_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                             row_seqs: torch.Tensor, row_visible: torch.Tensor,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                             row_seqs: torch.Tensor, row_visible: torch.Tensor, scale: float,
+                             k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.reference.paged_attention_rows_lse: the rows cut into runs of one sequence (a prefill chunk's rows
     run together, sharing their key loads, as the prefill kernel's tiles do), each row seeing its own count of
     the run's positions. Where every run is one row (decode), the decode kernel, a row a sequence."""
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    scales = _Scales.of(scale, k_cache, k_scale, v_scale)
     if q.shape[0] == 0:
         return torch.empty_like(q), lse
     seqs, counts = torch.unique_consecutive(row_seqs.long(), return_counts=True)
     if seqs.shape[0] == q.shape[0]:
         rows = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
         return _attention(q, k_cache, v_cache, block_tables.index_select(0, seqs), row_visible.to(torch.int32),
-                          rows, scale, lse), lse
+                          rows, scales, lse), lse
     starts = torch.zeros(seqs.shape[0] + 1, dtype=torch.int32, device=q.device)
     starts[1:] = torch.cumsum(counts, 0)
     out = torch.empty_like(q)
     # (context_lens, which HAS_VISIBLE leaves unread, only sizes the grid: one program row per run)
     _prefill(q, k_cache, v_cache, block_tables.index_select(0, seqs).contiguous(), counts.to(torch.int32), starts,
-             out, lse, row_visible.to(torch.int32).contiguous(), scale)
+             out, lse, row_visible.to(torch.int32).contiguous(), scales)
     return out, lse
 
 

@@ -9,10 +9,13 @@ also serves decode rows in a mixed batch.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import is_fp8
 from stagemesh.core.errors import StagemeshError
 
 
@@ -27,8 +30,27 @@ def _check_head_dim(d: int) -> None:
 
 # -- KV-cache write ------------------------------------------------------------------------------
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_slot, stride_ch, D: tl.constexpr, D_PAD: tl.constexpr):
+def _fp8_grid(x, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, STEP: tl.constexpr):
+    """fp32 x (within the format's range) rounded to nearest even on the grid of an fp8 format with MANT mantissa
+    bits, its smallest normal MIN_NORMAL and its subnormals' step STEP, as an exact fp32: the conversion that
+    follows is then exact wherever it runs (Triton's interpreter rounds fp32 -> fp8 half up, dropping the carry
+    into the exponent; a GPU's cvt.rn would give these bits anyway)."""
+    drop: tl.constexpr = 23 - MANT
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)) & ~((1 << drop) - 1)
+    y = tl.minimum(tl.abs(x) / STEP, 1048576.0)  # subnormals: a multiple of STEP, ties to even (exact: a power of two)
+    r = tl.floor(y + 0.5)
+    r = tl.where((r - y == 0.5) & ((r.to(tl.int32) & 1) != 0), r - 1.0, r)
+    sub = tl.where(bits < 0, -r * STEP, r * STEP)  # (the sign bit: -0.0 stays -0.0)
+    return tl.where(tl.abs(x) < MIN_NORMAL, sub, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale, v_scale, stride_kt, stride_kh, stride_vt,
+                     stride_vh, stride_slot, stride_ch, D: tl.constexpr, D_PAD: tl.constexpr,
+                     FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, STEP: tl.constexpr):
+    """FP8_MAX > 0: an fp8 cache, each value stored as x / scale saturated at FP8_MAX and rounded to nearest even
+    (kernels.kv_quant), with the format's MANT, MIN_NORMAL and STEP (_fp8_grid)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -37,11 +59,16 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_k
     if slot >= 0:  # slot -1: a padding row (CUDA-graph batches), nothing to write
         k = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs, mask=mask)
         v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs, mask=mask)
+        if FP8_MAX > 0:  # IEEE division, as the reference's
+            k = _fp8_grid(tl.clamp(tl.fdiv(k.to(tl.float32), k_scale, ieee_rounding=True), -FP8_MAX, FP8_MAX),
+                          MANT, MIN_NORMAL, STEP)
+            v = _fp8_grid(tl.clamp(tl.fdiv(v.to(tl.float32), v_scale, ieee_rounding=True), -FP8_MAX, FP8_MAX),
+                          MANT, MIN_NORMAL, STEP)
         tl.store(kc_ptr + slot * stride_slot + h * stride_ch + offs, k.to(kc_ptr.dtype.element_ty), mask=mask)
         tl.store(vc_ptr + slot * stride_slot + h * stride_ch + offs, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     tokens, heads, d = k.shape
     _check_head_dim(d)
     _check(k_cache.is_contiguous() and v_cache.is_contiguous(), "the KV cache must be contiguous")
@@ -50,9 +77,13 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     _check(slot_mapping.shape == (tokens,), "one slot per token")
     if tokens == 0:
         return
-    _write_kv_kernel[(tokens, heads)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
-                                      v.stride(1), heads * d, d, D=d,
-                                      D_PAD=triton.next_power_of_2(d))
+    fp8 = torch.finfo(k_cache.dtype) if is_fp8(k_cache.dtype) else None
+    grid = dict(FP8_MAX=0.0, MANT=3, MIN_NORMAL=1.0, STEP=1.0) if fp8 is None else dict(
+        FP8_MAX=fp8.max, MANT=round(-math.log2(fp8.eps)), MIN_NORMAL=fp8.smallest_normal,
+        STEP=fp8.smallest_normal * fp8.eps)
+    _write_kv_kernel[(tokens, heads)](k, v, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale),
+                                      k.stride(0), k.stride(1), v.stride(0), v.stride(1), heads * d, d, D=d,
+                                      D_PAD=triton.next_power_of_2(d), **grid)
 
 
 # -- fused residual add + RMSNorm ----------------------------------------------------------------------

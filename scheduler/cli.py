@@ -158,7 +158,8 @@ def _driver(args: argparse.Namespace, cfg, tier_bytes: tuple[int, int], advertis
     spec = parse_speculative_config(args.speculative_config)
     draft_tokens = spec.num_speculative_tokens if spec is not None and spec.uses_draft_model else 0
     lora = _lora_table(args)
-    rendezvous = Rendezvous(args.pipeline_parallel_size, args.block_size, identity, draft_tokens, lora)
+    rendezvous = Rendezvous(args.pipeline_parallel_size, args.block_size, identity, draft_tokens, lora,
+                            args.kv_cache_dtype)
     scheduler = SchedulerConfig(
         max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,

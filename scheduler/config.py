@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler.lora_table import LoRATable
-from stagemesh.core.common_flags import (ADVERTISE_HOST, BLOCK_SIZE, GRAMMAR_COMPILE_TIMEOUT, HOST, MAX_MODEL_LEN,
-                                         MAX_REQUEST_RETRIES, PIPELINE_PARALLEL_SIZE, SERVED_MODEL_NAME,
+from stagemesh.core.common_flags import (ADVERTISE_HOST, BLOCK_SIZE, GRAMMAR_COMPILE_TIMEOUT, HOST, KV_CACHE_DTYPE,
+                                         MAX_MODEL_LEN, MAX_REQUEST_RETRIES, PIPELINE_PARALLEL_SIZE, SERVED_MODEL_NAME,
                                          SPECULATIVE_CONFIG, LoRAOptions, ModelOptions)
 from stagemesh.core.deadlines import DEADLINES
 from stagemesh.core.errors import StagemeshError
@@ -37,6 +37,7 @@ class SchedulerOptions:
     max_num_seqs: int = Flag(("--max-num-seqs",), type=int, default=256).field()
     max_num_batched_tokens: int = Flag(("--max-num-batched-tokens",), type=int, default=2048).field()
     block_size: int = BLOCK_SIZE.field()
+    kv_cache_dtype: str = KV_CACHE_DTYPE.field()
     enable_prefix_caching: bool = Flag(("--enable-prefix-caching",), kind="bool", default=True).field()
     max_waiting_requests: int = Flag(("--max-waiting-requests",), type=int, default=0, help="0: unbounded").field()
     lora: LoRAOptions = group(LoRAOptions)

@@ -229,6 +229,11 @@ class EpochManager:
         log.info("KV cache size: %s tokens", f"{kv_tokens:,}")
         self.observer.formed(kv_tokens)
         log.info("Maximum concurrency for %s tokens per request: %.2fx", f"{max_len:,}", kv_tokens / max_len)
+        per_token = sum(s.kv_bytes_per_block for s in plan.stages) // block_size
+        dtype = plan.stages[0].kv_cache_dtype
+        log.info("KV cache dtype %s (--kv-cache-dtype): %s bytes per token over every stage and rank", dtype,
+                 f"{per_token:,}")
+        self.observer.cache_config(dtype, block_size, plan.num_kv_blocks, per_token)
         if plan.num_host_kv_blocks or plan.num_disk_kv_blocks:
             log.info("KV tiers: host %s tokens (%d blocks), disk %s tokens (%d blocks, %d held from before)",
                      f"{plan.num_host_kv_blocks * block_size:,}", plan.num_host_kv_blocks,

@@ -33,6 +33,9 @@ _ITL = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 
 RUNNING = Gauge("stagemesh:num_requests_running", "Requests in the running batch")
 WAITING = Gauge("stagemesh:num_requests_waiting", "Requests waiting to be scheduled")
 KV_USAGE = Gauge("stagemesh:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%)")
+CACHE_CONFIG = Gauge("stagemesh:cache_config_info", "The formed pipeline's KV cache (vLLM's cache_config_info): 1, "
+                     "with its dtype (--kv-cache-dtype), block size, blocks and bytes per token (every stage and "
+                     "rank together) as labels", ["cache_dtype", "block_size", "num_gpu_blocks", "kv_bytes_per_token"])
 KV_TOKENS = Gauge("stagemesh:kv_cache_size_tokens", "Tokens the KV cache holds (the minimum over the stages, as "
                   "the start-up log's KV cache size)")
 PREFIX_QUERIES = Counter("stagemesh:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
@@ -122,6 +125,7 @@ class Observer:
     def __init__(self, replica: str = "", num_speculative_tokens: int = 0):
         """`num_speculative_tokens`: --speculative-config's (0: none): its counters are declared, at 0, from
         the start."""
+        CACHE_CONFIG.clear()  # (a process's last pipeline's only)
         self.replica = replica
         self.requests: dict[str, _Tracked] = {}
         self._prefix = (0, 0)
@@ -287,6 +291,12 @@ class Observer:
             attributes={"stagemesh.step_id": step_id, "stagemesh.num_sequences": len(request_ids),
                         "stagemesh.num_tokens": num_tokens})
         return span, parents
+
+    @staticmethod
+    def cache_config(cache_dtype: str, block_size: int, num_blocks: int, bytes_per_token: int) -> None:
+        """A pipeline formed with this KV cache (the last one's labels alone)."""
+        CACHE_CONFIG.clear()
+        CACHE_CONFIG.labels(cache_dtype, str(block_size), str(num_blocks), str(bytes_per_token)).set(1)
 
     def end_step(self, span, seconds: float, compute_seconds: float, stats) -> None:
         STEP.observe(seconds)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from scheduler.lora_table import LoRATable
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.kv_cache_dtype import canonical
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class StageInfo:
     lora_adapters: tuple[str, ...] = field(default=(), compare=False)
     max_loras: int = 0  # ... and how many fit its slots at once
     pooling_tasks: tuple[str, ...] = ()  # --runner pooling: the tasks it serves (empty: it generates)
+    kv_cache_dtype: str = "auto"  # its --kv-cache-dtype (stagemesh.core.kv_cache_dtype.canonical)
 
     @property
     def name(self) -> str:
@@ -67,11 +69,13 @@ class PipelinePlan:
 
 class Rendezvous:
     def __init__(self, pipeline_parallel_size: int, block_size: int, model: ModelIdentity,
-                 num_speculative_tokens: int = 0, lora: LoRATable | None = None):
+                 num_speculative_tokens: int = 0, lora: LoRATable | None = None, kv_cache_dtype: str = "auto"):
         """num_speculative_tokens: the drafts per step of the draft model the last stage must run (0: none).
-        lora: --enable-lora's adapters requests may ask for, and how many may run at once."""
+        lora: --enable-lora's adapters requests may ask for, and how many may run at once. kv_cache_dtype: the
+        scheduler's --kv-cache-dtype, every stage's."""
         self.pp = pipeline_parallel_size
         self.lora = lora
+        self.kv_cache_dtype = canonical(kv_cache_dtype)
         self.block_size = block_size
         self.model = model
         self.num_speculative_tokens = num_speculative_tokens
@@ -146,6 +150,9 @@ class Rendezvous:
                                  f"{_describe(self.model)}")
         if s.block_size != self.block_size:
             raise StagemeshError(f"{where} uses --block-size {s.block_size}; the scheduler uses {self.block_size}")
+        if s.kv_cache_dtype != self.kv_cache_dtype:
+            raise StagemeshError(f"{where} uses --kv-cache-dtype {s.kv_cache_dtype}; the scheduler uses "
+                                 f"{self.kv_cache_dtype}: give both the same")
         others = [o for i, o in self.stages.items() if i != s.stage_index]
         if others and others[0].handoff != s.handoff:
             raise StagemeshError(f"{where} uses --handoff {s.handoff}; the other stages use {others[0].handoff}")

@@ -256,7 +256,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                          s.block_size, ModelIdentity(m.model_type, m.num_hidden_layers, m.hidden_size, m.vocab_size,
                                                      m.num_attention_heads, m.num_key_value_heads), s.address,
                          s.handoff, s.instance_id, s.standby, s.num_speculative_tokens, s.kv_bytes_per_block,
-                         s.kv_disk_tier, tuple(s.lora_adapters), s.max_loras, tuple(s.pooling_tasks))
+                         s.kv_disk_tier, tuple(s.lora_adapters), s.max_loras, tuple(s.pooling_tasks),
+                         s.kv_cache_dtype or "auto")
         if self.lora.table is not None and self.lora.table.lacking(info.lora_adapters):
             # not part of the pipeline yet: it reads the adapters it lacks and registers again
             return scheduler_pb2.RegisterStageResponse(num_missing_stages=self.driver.status().num_stages,

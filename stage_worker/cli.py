@@ -167,6 +167,7 @@ def plan_stage(args: argparse.Namespace) -> StagePlan:
     if args.standby and args.data_parallel_size > 1:
         raise StagemeshError("--standby with --data-parallel-size > 1 is not supported: an expert-parallel group "
                              "re-forms with the restarted member (stage_worker.ep_group)")
+    check_kv_cache(args, cfg)
     plan = StagePlan(source, cfg, start, end, expert_parallel_across_replicas(args, cfg, start, end),
                      eplb_config(args, cfg), stage_speculation(args, cfg, end), LoRASettings.from_args(args))
     plan = pooling_plan(args, plan)
@@ -196,6 +197,17 @@ def pooling_plan(args: argparse.Namespace, plan: StagePlan) -> StagePlan:
     return replace(plan, pooling=options)
 
 
+def check_kv_cache(args: argparse.Namespace, cfg) -> None:
+    """--kv-cache-dtype and --calculate-kv-scales, refused before the weights load where they cannot serve."""
+    from stage_worker.kv_cache import check_kv_cache_dtype
+    from stagemesh.core.kv_cache_dtype import is_fp8
+
+    check_kv_cache_dtype(args.kv_cache_dtype, cfg)
+    if args.calculate_kv_scales and not is_fp8(args.kv_cache_dtype):
+        raise StagemeshError("--calculate-kv-scales sets an fp8 KV cache's scales: it needs --kv-cache-dtype fp8 "
+                             "(or fp8_e4m3, fp8_e5m2)")
+
+
 def pin_threads(args: argparse.Namespace) -> None:
     """--cpu-affinity and --threads, before the model loads (its followers inherit the affinity)."""
     if args.cpu_affinity:
@@ -223,7 +235,8 @@ def load_worker(args: argparse.Namespace, plan: StagePlan):
                          eplb=plan.eplb, quantization=source.quantization,
                          quantization_activations=source.activations,
                          gguf_file=str(source.gguf_file) if source.gguf_file else None, lora=plan.lora,
-                         pooling=plan.pooling)
+                         pooling=plan.pooling, kv_cache_dtype=args.kv_cache_dtype,
+                         calculate_kv_scales=args.calculate_kv_scales)
     worker = StageWorker(StageConfig(slice_, args.stage_index, handoff=args.handoff,
                                      kv_cache_memory=args.kv_cache_memory,
                                      gpu_memory_utilization=args.gpu_memory_utilization, threads=args.threads,
@@ -257,6 +270,7 @@ def describe(args: argparse.Namespace, plan: StagePlan, worker) -> None:
         log.info("stage %d: LoRA adapters %s (--max-loras %d, --max-lora-rank %d)", i,
                  ", ".join(m.name for m in lora.modules) or "none", lora.limits.max_loras, lora.limits.max_lora_rank)
     r = worker.runner
+    log.info("stage %d: %s", i, describe_kv_cache(r, worker.kv_bytes_per_block, args.kv_cache_dtype))
     if args.decode_context_parallel_size > 1:
         log.info("stage %d: decode context parallel %d (--decode-context-parallel-size): each of %d group(s) of "
                  "%d TP ranks keeps %d KV head(s) per rank and %d of every block's %d tokens; %d blocks of "
@@ -278,6 +292,19 @@ def describe(args: argparse.Namespace, plan: StagePlan, worker) -> None:
                                                             args.enable_expert_parallel, worker.ep))
         watch_expert_load(i, worker.runner.model)
     watch_kv_tiers(i, worker.tiers)
+
+
+def describe_kv_cache(runner, bytes_per_block: int, flag: str) -> str:
+    """The stage's KV cache in words: its dtype, its bytes per token over the stage's ranks, its scales."""
+    dtype = str(runner.kv_cache_dtype).removeprefix("torch.")
+    per_token = bytes_per_block // runner.block_size
+    scales = runner.kv_scales
+    if scales.source == "unused":
+        return f"KV cache in {dtype} (--kv-cache-dtype {flag}), {per_token:,} bytes per token"
+    how = {"checkpoint": "from the checkpoint", "default": "1.0 (the checkpoint has none)",
+           "pending": "calculated from the first forward (--calculate-kv-scales)"}.get(scales.source, scales.source)
+    values = f": {scales.summary()}" if scales.source == "checkpoint" else ""
+    return f"KV cache in {dtype} (--kv-cache-dtype {flag}), {per_token:,} bytes per token, scales {how}{values}"
 
 
 class StageStop(threading.Event):

@@ -126,6 +126,10 @@ def follower_argv(slice_: SliceConfig, tp_rank: int, threads: int, kv_disk: tupl
         argv += ["--gguf-file", slice_.gguf_file]
     if slice_.quantization_activations:
         argv += ["--quantization-activations", slice_.quantization_activations]
+    if slice_.kv_cache_dtype:
+        argv += ["--kv-cache-dtype", slice_.kv_cache_dtype]
+    if slice_.calculate_kv_scales:
+        argv.append("--calculate-kv-scales")
     if kv_disk is not None:
         argv += ["--kv-disk-dir", kv_disk[0], "--kv-namespace", kv_disk[1]]
     if slice_.lora is not None:
@@ -151,6 +155,8 @@ def main() -> None:
     p.add_argument("--eplb-config", default=None)
     p.add_argument("--quantization", default=None)
     p.add_argument("--gguf-file", default=None)
+    p.add_argument("--kv-cache-dtype", default=None)
+    p.add_argument("--calculate-kv-scales", action="store_true")
     p.add_argument("--quantization-activations", default=None)
     p.add_argument("--kv-disk-dir", default=None)
     p.add_argument("--kv-namespace", default=None)
@@ -168,7 +174,8 @@ def main() -> None:
                          eplb=balance, quantization=args.quantization,
                          quantization_activations=args.quantization_activations,
                          gguf_file=args.gguf_file, lora=LoRASettings.from_args(args),
-                         pooling=from_args(PoolingOptions, args)).runner(args.tp_rank)
+                         pooling=from_args(PoolingOptions, args), kv_cache_dtype=args.kv_cache_dtype,
+                         calculate_kv_scales=args.calculate_kv_scales).runner(args.tp_rank)
     disk = DiskTier(args.kv_disk_dir, args.kv_namespace, args.tp_rank, block_layout(runner)) if args.kv_disk_dir \
         else None
     sys.stdout.write("ready\n")

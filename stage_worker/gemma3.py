@@ -61,9 +61,12 @@ class Gemma3Attention(Attention):
         q = norm(q.view(tokens, -1, d), self.q_norm.weight, self.q_norm.eps)[0]
         k = norm(k.view(tokens, -1, d), self.k_norm.weight, self.k_norm.eps)[0]
         q, k = kernels.apply_rotary(q, k, meta.positions, cos_sin)
-        kernels.write_kv_cache(k, v.view(tokens, -1, d), *kv_cache, meta.slot_mapping)
+        v, s = v.view(tokens, -1, d), self.kv_scale  # s: an fp8 cache's scales (stage_worker.kv_scales)
+        if s.calibrating:
+            s.calibrate(k, v)
+        kernels.write_kv_cache(k, v, *kv_cache, meta.slot_mapping, s.k, s.v)
         out = kernels.paged_attention(q, *kv_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
-                                      self.scale, window=self.window, softcap=self.softcap)
+                                      self.scale, s.k, s.v, window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(tokens, self.num_heads * d))
 
 

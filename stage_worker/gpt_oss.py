@@ -38,11 +38,15 @@ class GptOssAttention(Attention):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 cos_sin: torch.Tensor) -> torch.Tensor:
-        tokens = x.shape[0]
-        q = kernels.rotary_and_cache(self.qkv_proj(x), self.num_heads, self.num_kv_heads, meta.positions, cos_sin,
-                                     *kv_cache, meta.slot_mapping)
+        tokens, qkv, s = x.shape[0], self.qkv_proj(x), self.kv_scale  # s: an fp8 cache's (stage_worker.kv_scales)
+        if not s.calibrating:
+            q = kernels.rotary_and_cache(qkv, self.num_heads, self.num_kv_heads, meta.positions, cos_sin, *kv_cache,
+                                         meta.slot_mapping, s.k, s.v)
+        else:  # the keys and values set the scales before any is written
+            q, k, v = self._rotated(qkv, meta, cos_sin)
+            kernels.write_kv_cache(k, v, *kv_cache, meta.slot_mapping, s.k, s.v)
         out = kernels.paged_attention(q, *kv_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
-                                      self.scale, window=self.window, sinks=self.sinks)
+                                      self.scale, s.k, s.v, window=self.window, sinks=self.sinks)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)) + self.o_bias
 
 

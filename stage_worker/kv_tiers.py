@@ -6,6 +6,11 @@ rank's KV heads), then a draft model's (on the last stage's rank 0). store() cop
 (and queues disk writes); a load is split so that files are read off the step loop (read, on any thread) and only
 the copy into the cache runs between steps (ready, then fill). Nothing but verified KV of the asked hash is ever
 written into a block.
+
+An fp8 cache (--kv-cache-dtype fp8) is stored as it is, fp8, and with it the layers' k_scale and v_scale it was
+written with (one more tensor of the block, [layers, 2] fp32): a block filled back under other scales (a disk
+tier written by an earlier run of --calculate-kv-scales) is requantised to this stage's, and a stage whose
+scales are still to be calculated takes them from the first block it loads (stage_worker.kv_scales).
 """
 from __future__ import annotations
 
@@ -15,7 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kernels.kv_quant import as_bytes, is_fp8, requantize
 from stagemesh.core.errors import StagemeshError
+from stage_worker.kv_cache import kv_cache_dtype_name
 from stage_worker.kv_disk import VERSION, DiskTier, NamespaceDir, model_fingerprint, nbytes
 
 log = logging.getLogger("stagemesh.stage")
@@ -23,12 +30,15 @@ HOST_MEMORY_MARGIN = 2**30  # kept free beside a host tier (and a tenth of what 
 
 
 def block_layout(runner) -> list[tuple[str, tuple[int, ...]]]:
-    """(dtype, shape) of each tensor of one block on this rank, in the order a block is stored."""
+    """(dtype, shape) of each tensor of one block on this rank, in the order a block is stored: k and v of each
+    layer, then an fp8 cache's scales."""
     out: list[tuple[str, tuple[int, ...]]] = []
     for r in (runner, *([runner.drafter.runner] if runner.drafter is not None else [])):
-        dtype = str(r.dtype).removeprefix("torch.")
+        dtype = str(r.kv_cache_dtype).removeprefix("torch.")
         shape = (r.kv_block_size, r.num_kv_heads, r.config.head_dim)
         out += [(dtype, shape)] * (2 * len(r.model.layers))
+    if is_fp8(runner.kv_cache_dtype):  # (a draft model refuses an fp8 cache: stage_worker.runner)
+        out.append(("float32", (len(runner.model.layers), 2)))
     return out
 
 
@@ -41,6 +51,9 @@ def kv_namespace(runner, tp_size: int) -> dict:
             "block_size": runner.block_size, "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
             "layers": [m.layer_start, m.layer_end], "tp_size": tp_size, "quantization": runner.quantization,
             "draft_model": model_fingerprint(draft_model) if draft_model is not None else None,
+            # (only for an fp8 cache: the namespaces of the caches in the model's dtype stay theirs)
+            **({"kv_cache_dtype": kv_cache_dtype_name(runner.kv_cache_dtype)} if is_fp8(runner.kv_cache_dtype)
+               else {}),
             # (only where it is > 1: the namespaces of the stages made before DCP stay theirs)
             **({"dcp_size": runner.tp.cp_size} if runner.tp.cp_size > 1 else {}),
             # (only where the int8 path runs: its KV differs from the exact path's)
@@ -93,6 +106,7 @@ class KVTierStore:
         self.stats = TierStats()
         self.pinned = runner.device.type == "cuda"
         self._stream = torch.cuda.Stream(runner.device) if self.pinned else None
+        self.scaled = is_fp8(runner.kv_cache_dtype)  # the blocks carry their scales (the layout's last tensor)
 
     @property
     def num_host_blocks(self) -> int:
@@ -104,7 +118,8 @@ class KVTierStore:
         return sum(nbytes(dtype, shape) for dtype, shape in self.layout)
 
     def caches(self) -> list[torch.Tensor]:
-        """The cache tensors a block spans, in block_layout's order."""
+        """The cache tensors a block spans, in block_layout's order (an fp8 cache's scales after them are not a
+        cache tensor)."""
         out = [t for kv in self.runner.kv_caches for t in kv]
         if self.runner.drafter is not None:
             out += [t for kv in self.runner.drafter.runner.kv_caches for t in kv]
@@ -129,16 +144,19 @@ class KVTierStore:
         """Copy device blocks into host slots (a slot of -1: none, the block goes to disk only), queue the disk
         writes of those with to_disk, delete the evicted files. Arguments are checked by the caller."""
         caches = self.caches()
+        scales = [self._scales()] if self.scaled else []
         host = [(b, s, h) for b, s, h in zip(block_ids, host_slots, hashes) if s >= 0]
         if host:
             self._copy(caches, [b for b, _, _ in host], self.pool, [s for _, s, _ in host])
             for _, s, h in host:
                 self.slot_hashes[s] = h
+                if scales:
+                    self.pool[-1][s] = scales[0]
             self.stats.stored += len(host)
         if self.disk is not None:
             for b, s, h, d in zip(block_ids, host_slots, hashes, to_disk):
                 if d:
-                    parts = [p[s] for p in self.pool] if s >= 0 else [c[b].cpu() for c in caches]
+                    parts = [p[s] for p in self.pool] if s >= 0 else [c[b].cpu() for c in caches] + scales
                     payload = torch.cat([p.reshape(-1).view(torch.uint8) for p in parts])
                     self.disk.write(h, payload.numpy().data)
             self.disk.delete(disk_evictions)
@@ -149,8 +167,8 @@ class KVTierStore:
         if self._stream is None:
             i = torch.tensor(src_rows, dtype=torch.long)
             o = torch.tensor(dst_rows, dtype=torch.long)
-            for s, d in zip(src, dst):
-                d.index_copy_(0, o, s.index_select(0, i))
+            for s, d in zip(src, dst):  # (as bytes: torch's CPU index_copy_ takes no float8)
+                as_bytes(d).index_copy_(0, o, as_bytes(s).index_select(0, i))
             return
         # CUDA: block by block on a side stream, between the cache and pinned memory; done before returning
         self._stream.wait_stream(torch.cuda.current_stream(self.runner.device))
@@ -176,19 +194,47 @@ class KVTierStore:
         """Between steps: copy the blocks that are ok (on every rank: see agree) into the cache."""
         caches = self.caches()
         host = [(s, b) for b, s, good in zip(block_ids, host_slots, ok) if good and s >= 0]
+        rescaled = [(s, b) for s, b in host if not self._same_scales(self.pool[-1][s])] if self.scaled else []
+        host = [x for x in host if x not in rescaled]
         if host:
             self._copy(self.pool, [s for s, _ in host], caches, [b for _, b in host])
-            self.stats.loaded_host += len(host)
+        for s, b in rescaled:
+            self._put(caches, b, [p[s] for p in self.pool])
+        self.stats.loaded_host += len(host) + len(rescaled)
         for b, s, payload, good in zip(block_ids, host_slots, reads, ok):
             if good and s == -1:
-                offset = 0
-                for cache, (dtype, shape) in zip(caches, self.layout):
-                    part = torch.frombuffer(payload, dtype=getattr(torch, dtype), offset=offset,
-                                            count=cache[b].numel())
-                    cache[b].copy_(part.view(shape))
-                    offset += cache[b].numel() * cache.element_size()
+                self._put(caches, b, self._parts(payload))
                 self.stats.loaded_disk += 1
         self.stats.refused += ok.count(False)
+
+    def _parts(self, payload) -> list[torch.Tensor]:
+        """A disk payload's tensors, in the layout's order."""
+        out, offset = [], 0
+        for dtype, shape in self.layout:
+            n = nbytes(dtype, shape)
+            raw = torch.frombuffer(payload, dtype=torch.uint8, offset=offset, count=n)
+            out.append(raw.view(getattr(torch, dtype)).view(shape))
+            offset += n
+        return out
+
+    def _put(self, caches: list[torch.Tensor], block: int, parts: list[torch.Tensor]) -> None:
+        """One block's tensors into the cache; an fp8 block's requantised where its scales are not this stage's."""
+        if not self.scaled:
+            for cache, part in zip(caches, parts):
+                cache[block].copy_(part)
+            return
+        stored = parts[-1].tolist()  # [layers][k, v]
+        self.runner.kv_scales.adopt(stored, "a block of the KV tiers")
+        now = self.runner.kv_scales.values()
+        for t, (cache, part) in enumerate(zip(caches, parts)):
+            layer, kind = divmod(t, 2)
+            cache[block].copy_(requantize(part, stored[layer][kind], cache.dtype, now[layer][kind]))
+
+    def _scales(self) -> torch.Tensor:
+        return torch.tensor(self.runner.kv_scales.values(), dtype=torch.float32)
+
+    def _same_scales(self, stored: torch.Tensor) -> bool:
+        return not self.runner.kv_scales.pending and bool(torch.equal(stored, self._scales()))
 
     def load(self, block_ids: list[int], host_slots: list[int], hashes: list[int]) -> list[bool]:
         """read, ready and fill at once (one rank, no TP group: the in-process pipeline)."""

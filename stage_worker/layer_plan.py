@@ -8,8 +8,8 @@ kernel calls, in the same order with the same arguments, from C++: the same bits
 It runs where each of its calls is what the Python layer would call: a DecoderLayer of Attention and MLP (no
 per-head q/k norm, no experts) of a family that says the plan covers it (stagemesh.core.families: Family.
 fused_cpu_plan), one TP rank, every parameter on the CPU, the C++ kernels built and chosen (kernels.dispatch),
-activations and KV cache in the norms' dtype, an attention family that covers the head dim, no forward hook
-on anything inside the layer (hooks on the layer itself still fire). Otherwise the layer's own Python runs.
+activations in the norms' dtype and the KV cache in it or fp8, an attention family that covers the head dim, no
+forward hook on anything inside the layer (hooks on the layer itself still fire). Otherwise the layer's own Python runs.
 With LoRA (stage_worker.lora) the plan runs its LoRALinears' base products, and adds the adapters' products
 (kernels/csrc/lora_ops.h) in a step short enough for that kernel (kernels.dispatch cpu_lora); a longer step
 with adapter tokens runs the Python layer, whose torch products suit it better.
@@ -22,6 +22,7 @@ import torch
 from torch.nn.modules import module as _torch_module
 
 from kernels import cpu_ops, dispatch
+from kernels.kv_quant import is_fp8
 from kernels.reference import step_memo
 from stage_worker import layers
 from stage_worker.lora import LoRALinear
@@ -39,8 +40,9 @@ def enable(on: bool) -> None:
 
 class LayerPlan:
     def __init__(self, epoch: int, cpp=None, dtype: torch.dtype | None = None, head_dim: int = 0, hooked=(),
-                 lora=None):
+                 lora=None, attn=None):
         self.epoch, self.cpp, self.dtype, self.head_dim = epoch, cpp, dtype, head_dim
+        self.attn = attn  # the layer's Attention: its fp8 cache's scales are read at each call (they may be set late)
         self.hooked = hooked  # the submodules whose hooks ruled the plan out (removing a hook is no change)
         # the stage's stage_worker.lora.LoRAMapping when the layer's linears take adapters: the plan adds their
         # products to a step short enough for the C++ LoRA kernel (the Python layer runs a longer one)
@@ -53,7 +55,8 @@ class LayerPlan:
     def runs(self, x: torch.Tensor, kv_cache) -> bool:
         return (self.cpp is not None and _enabled and x.dtype == self.dtype and x.is_cpu
                 and (self.lora is None or not self.lora.groups or dispatch.cpu_lora(x, self.lora.num_tokens))
-                and kv_cache[0].dtype == self.dtype
+                and (kv_cache[0].dtype == self.dtype or is_fp8(kv_cache[0].dtype))
+                and not self.attn.kv_scale.calibrating  # (the Python layer calibrates --calculate-kv-scales)
                 and not (_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
                 and cpu_ops.covers(cpu_ops.current_attention_family(), self.head_dim))
 
@@ -61,9 +64,11 @@ class LayerPlan:
         seqs, visible = step_memo("query rows", (meta.context_lens, meta.query_start_loc),
                                   lambda: cpu_ops.query_rows(meta.context_lens, meta.query_start_loc))
         lora = self.lora.token_slots if self.lora is not None and self.lora.groups else None
+        s = self.attn.kv_scale
         out, residual = self.cpp.forward(x, residual, meta.positions, cos_sin, kv_cache[0], kv_cache[1],
                                          meta.slot_mapping, meta.block_tables, seqs, visible,
-                                         cpu_ops.current_attention_family(), cpu_ops.current_quant_family(), lora)
+                                         cpu_ops.current_attention_family(), cpu_ops.current_quant_family(), lora,
+                                         s.k, s.v)
         return out, residual
 
 
@@ -93,7 +98,7 @@ def build(layer) -> LayerPlan:
                                   attn.num_heads, attn.num_kv_heads, attn.scale)
     mappings = {id(m.mapping): m.mapping for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
                 if isinstance(m, LoRALinear)}
-    return LayerPlan(epoch, cpp, dtype, attn.head_dim, lora=next(iter(mappings.values()), None))
+    return LayerPlan(epoch, cpp, dtype, attn.head_dim, lora=next(iter(mappings.values()), None), attn=attn)
 
 
 def _linear(module, linear):

@@ -19,6 +19,7 @@ from stagemesh.core.model_config import ModelConfig
 from stage_worker.layers import (MLP, Module, RMSNorm, ParallelLMHead, VocabParallelEmbedding, column_parallel,
                                  row_parallel)
 from stage_worker import layer_plan
+from stage_worker.kv_scales import KVScale
 from stage_worker.mla import MLAttention
 from stage_worker.moe import SparseMoeBlock
 from stage_worker.parallel import HeadShard, TPGroup
@@ -75,6 +76,9 @@ class Attention(Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(f"{prefix}.q_norm.weight", d, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(f"{prefix}.k_norm.weight", d, cfg.rms_norm_eps, dtype, device)
+        # an fp8 cache's scales (the runner sets the layer's: stage_worker.kv_scales); a cache of the model's dtype
+        # ignores them
+        self.kv_scale = KVScale()
 
     @staticmethod
     def rotary_dim(cfg: ModelConfig) -> int:
@@ -82,24 +86,26 @@ class Attention(Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 cos_sin: torch.Tensor) -> torch.Tensor:
-        tokens, d = x.shape[0], self.head_dim
+        tokens, d, s = x.shape[0], self.head_dim, self.kv_scale
         k_cache, v_cache = kv_cache
         qkv = self.qkv_proj(x)
         if meta.cp is not None:
             assert self.cp is not None, "context-parallel metadata reaches only a context-parallel stage's layers"
             attend = self._prefill_context_parallel if meta.cp.pad else self._context_parallel
             return self.o_proj(attend(qkv, meta, meta.cp, self.cp, kv_cache, cos_sin))
-        if self.q_norm is None or self.k_norm is None:
+        if self.q_norm is None and not s.calibrating:
             q = kernels.rotary_and_cache(qkv, self.num_heads, self.num_kv_heads, meta.positions, cos_sin, k_cache,
-                                         v_cache, meta.slot_mapping)
-        else:  # q and k normed per head before the rotation
+                                         v_cache, meta.slot_mapping, s.k, s.v)
+        else:  # q and k normed per head before the rotation, or the keys calibrating the scales first
             q, k, v = self._rotated(qkv, meta, cos_sin)
-            kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, s.k, s.v)
         out = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                      meta.query_start_loc, self.scale)
+                                      meta.query_start_loc, self.scale, s.k, s.v)
         return self.o_proj(out.reshape(tokens, self.num_heads * d))
 
     def _rotated(self, qkv: torch.Tensor, meta: AttentionMetadata, cos_sin: torch.Tensor):
+        """q, k and v of the step's tokens, q and k rotated; the first forward of --calculate-kv-scales takes the
+        layer's scales from these k and v (stage_worker.kv_scales) before any of them is written."""
         tokens, d = qkv.shape[0], self.head_dim
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
         q, k, v = q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)
@@ -107,6 +113,8 @@ class Attention(Module):
             q = kernels.rms_norm(q, self.q_norm.weight, self.q_norm.eps)[0]
             k = kernels.rms_norm(k, self.k_norm.weight, self.k_norm.eps)[0]
         q, k = kernels.apply_rotary(q, k, meta.positions, cos_sin)
+        if self.kv_scale.calibrating:
+            self.kv_scale.calibrate(k, v)
         return q, k, v
 
     def _context_parallel(self, qkv: torch.Tensor, meta: AttentionMetadata, share: CPMetadata, cp: TPGroup,
@@ -116,7 +124,7 @@ class Attention(Module):
         merged by their log-sum-exps, each rank keeping its own heads."""
         tokens, d, h = qkv.shape[0], self.head_dim, self.num_heads
         q, k, v = self._rotated(qkv, meta, cos_sin)
-        self._write_held(k, v, share, kv_cache)
+        self._write_held(k, v, share, kv_cache, self.kv_scale)
         group = cp.cp_gather(q)  # [dcp, tokens, h, d]: the group's query heads
         parts = self._partials(group.transpose(0, 1).reshape(tokens, -1, d), meta, share, cp, kv_cache)
         return self._merged(parts[:, :, cp.cp_rank * h:(cp.cp_rank + 1) * h], qkv.dtype).reshape(tokens, h * d)
@@ -128,25 +136,25 @@ class Attention(Module):
         share of the keys, and each rank merges the partials of its own rows."""
         tokens, d, h = qkv.shape[0], self.head_dim, self.num_heads  # (tokens: share.pad rows)
         q, k, v = self._rotated(qkv, meta, cos_sin)
-        self._write_held(k, v, share, kv_cache)
+        self._write_held(k, v, share, kv_cache, self.kv_scale)
         queries = cp.cp_gather(q).view(-1, h, d)  # [ranks * pad, h, d]
         parts = self._partials(queries, meta, share, cp, kv_cache)  # [ranks, ranks * pad, h, d + 1]
         first = cp.cp_rank * share.pad
         return self._merged(parts[:, first:first + tokens], qkv.dtype).reshape(tokens, h * d)
 
     @staticmethod
-    def _write_held(k: torch.Tensor, v: torch.Tensor, share: CPMetadata,
-                    kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def _write_held(k: torch.Tensor, v: torch.Tensor, share: CPMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                    s: KVScale) -> None:
         if share.held.numel():
             kernels.write_kv_cache(k.index_select(0, share.held), v.index_select(0, share.held), *kv_cache,
-                                   share.slot_mapping)
+                                   share.slot_mapping, s.k, s.v)
 
     def _partials(self, queries: torch.Tensor, meta: AttentionMetadata, share: CPMetadata, cp: TPGroup,
                   kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Each rank's attention of `queries` over its share of the keys, with its lse as one more fp32 column
         (one collective for both), from every rank of the group: [ranks, rows, heads, head_dim + 1]."""
         out, lse = kernels.paged_attention_rows_lse(queries, *kv_cache, meta.block_tables, share.row_seqs,
-                                                    share.row_visible, self.scale)
+                                                    share.row_visible, self.scale, self.kv_scale.k, self.kv_scale.v)
         return cp.cp_gather(torch.cat([out.float(), lse[..., None]], -1))
 
     @staticmethod

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stagemesh.core.common_flags import (ADVERTISE_HOST, BLOCK_SIZE, HOST, PIPELINE_PARALLEL_SIZE, SPECULATIVE_CONFIG,
-                                         LoRAOptions, ModelOptions, PoolingOptions)
+from stagemesh.core.common_flags import (ADVERTISE_HOST, BLOCK_SIZE, HOST, KV_CACHE_DTYPE, PIPELINE_PARALLEL_SIZE,
+                                         SPECULATIVE_CONFIG, LoRAOptions, ModelOptions, PoolingOptions)
 from stagemesh.core.flags import Flag, group
 from stagemesh.core.service_options import ServiceOptions
 
@@ -42,6 +42,10 @@ class StageOptions:
     advertise_host: str | None = ADVERTISE_HOST.field()
     block_size: int = BLOCK_SIZE.field()
     kv_cache_memory: int | None = Flag(("--kv-cache-memory",), type=int, help="KV cache budget in bytes").field()
+    kv_cache_dtype: str = KV_CACHE_DTYPE.field()
+    calculate_kv_scales: bool = Flag(("--calculate-kv-scales",), kind="switch", help=(
+        "vLLM's: with --kv-cache-dtype fp8, each layer's k_scale and v_scale from the first forward's keys and values "
+        "(max|K| / 200, max|V| / 100, over the stage's ranks), in place of the checkpoint's or 1.0")).field()
     gpu_memory_utilization: float = Flag(("--gpu-memory-utilization",), type=float, default=0.9).field()
     dtype: str | None = Flag(("--dtype",), help="auto, float32, bfloat16, float16").field()
     enforce_eager: bool = Flag(("--enforce-eager",), kind="switch",

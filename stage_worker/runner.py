@@ -22,9 +22,11 @@ from stage_worker import prompt_logprobs
 from kernels import cpu_ops
 from stage_worker.layers import pack_weights_for_cpu
 from stage_worker.lora import LoRAManager, LoRASettings
-from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from stage_worker.kv_cache import (allocate_kv_cache, check_kv_cache_device, check_kv_cache_dtype, kv_bytes_per_block,
+                                   resolve_kv_cache_dtype)
+from stage_worker.kv_scales import CheckpointScales, KVScales, read_checkpoint_scales, stage_scales
 from stage_worker.gguf import GGUFCheckpoint
-from stage_worker.model import AttentionMetadata, StageModel, build as build_stage_model
+from stage_worker.model import Attention, AttentionMetadata, StageModel, build as build_stage_model
 from stage_worker.activations import choose_activations
 from stage_worker.coverage import check_all_read
 from stage_worker.quantization import check_quantization, load_gguf, quantize_at_load
@@ -80,20 +82,23 @@ def resolve_dtype(cfg: ModelConfig, dtype: torch.dtype | str | None, device: str
 
 
 def _load(model: StageModel, model_dir, quantization: str | None, gguf_file: str | None, cfg: ModelConfig,
-          method: QuantMethod | None) -> None:
+          method: QuantMethod | None) -> CheckpointScales | None:
     """`method`: the checkpoint's own quantization (stage_worker.quant_methods); else `quantization` quantises
-    an unquantised checkpoint at load (or names a GGUF's)."""
+    an unquantised checkpoint at load (or names a GGUF's). Returns the KV cache scales the checkpoint holds for
+    the stage's layers (stage_worker.kv_scales, every one checked; a GGUF has none)."""
     if quantization == "gguf":
         if gguf_file is None:
             raise StagemeshError("--quantization gguf needs a .gguf file as the model")
         load_gguf(model, GGUFCheckpoint(gguf_file, cfg))
-        return
+        return None
     reader = CheckpointReader(model_dir)
     filled = load_quantised(model, method, reader) if method is not None else frozenset()
     load_weights(model, reader, filled)
+    scales = read_checkpoint_scales(reader, cfg, model.layer_start, model.layer_end)  # (read before the check)
     check_all_read(reader.files, reader.read, model)
     if quantization is not None and method is None:
         quantize_at_load(model, quantization)
+    return scales
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,8 @@ class SliceConfig:
     gguf_file: str | None = None  # the weights (quantization gguf); model_dir then gives config and tokenizer
     lora: LoRASettings | None = None  # --enable-lora: the adapters it may serve (stage_worker.lora)
     pooling: PoolingOptions | None = None  # --runner, --convert, --pooler-config (stage_worker.pooler)
+    kv_cache_dtype: str | None = None  # --kv-cache-dtype (None: auto, the model's dtype)
+    calculate_kv_scales: bool = False  # an fp8 cache's scales from the first forward (stage_worker.kv_scales)
 
     @property
     def ranks(self) -> int:
@@ -130,7 +137,8 @@ class SliceConfig:
                            pcp_size=self.pcp_size, cuda_graphs=self.cuda_graphs,
                            expert_parallel=self.expert_parallel, ep=ep, eplb=self.eplb, quantization=self.quantization,
                            gguf_file=self.gguf_file, lora=self.lora,
-                           quantization_activations=self.quantization_activations, pooling=self.pooler_config())
+                           quantization_activations=self.quantization_activations, pooling=self.pooler_config(),
+                           kv_cache_dtype=self.kv_cache_dtype, calculate_kv_scales=self.calculate_kv_scales)
 
     def pooler_config(self) -> PoolerConfig | None:
         """What the pooling flags make of the model (None: it generates)."""
@@ -147,7 +155,8 @@ class StageRunner:
                  cuda_graphs: bool = True, max_graph_batch: int = 256, expert_parallel: bool = False, ep=None,
                  eplb=None, quantization: str | None = None, gguf_file: str | None = None,
                  lora: LoRASettings | None = None, quantization_activations: str | None = None,
-                 pooling: PoolerConfig | None = None):
+                 pooling: PoolerConfig | None = None, kv_cache_dtype: str | None = None,
+                 calculate_kv_scales: bool = False):
         # (model_dir is None only where a config is given: runners made without weights, load=False)
         self.config = cfg = config or ModelConfig.from_path(model_dir)  # type: ignore[arg-type]
         check_layer_range(cfg, layer_start, layer_end)
@@ -159,6 +168,9 @@ class StageRunner:
             cfg.check_expert_parallel(tp_size)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(cfg, dtype, device)
+        check_kv_cache_dtype(kv_cache_dtype, cfg)
+        check_kv_cache_device(kv_cache_dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)  # the cache's torch dtype
         self.block_size = block_size  # the scheduler's blocks
         # the tokens of a block this rank keeps (stage_worker.context)
         self.kv_block_size = block_size // self.tp.cp_size
@@ -180,8 +192,9 @@ class StageRunner:
         self.lora = LoRAManager(self.model, cfg, lora, self.dtype, self.device) if lora is not None else None
         self.seq_adapters: dict[int, str] = {}  # sequences that use an adapter: its name
         self.activations: str | None = None  # --quantization-activations as it runs (stage_worker.activations)
+        found = None  # the checkpoint's KV cache scales
         if load:
-            _load(self.model, model_dir, quantization, gguf_file, cfg, self.quant_method)
+            found = _load(self.model, model_dir, quantization, gguf_file, cfg, self.quant_method)
             self.activations = choose_activations(self.model, quantization_activations, self.quantization,
                                                   self.device)
         if self.device.type == "cpu":
@@ -190,7 +203,13 @@ class StageRunner:
             self.lora.check_adapters()
         self.num_kv_heads = HeadShard.for_rank(cfg, self.tp).num_kv_heads
         self.kv_bytes_per_block = kv_bytes_per_block(layer_end - layer_start, self.num_kv_heads, cfg.head_dim,
-                                                     self.kv_block_size, self.dtype)
+                                                     self.kv_block_size, self.kv_cache_dtype)
+        self.kv_scales: KVScales = stage_scales(layer_end - layer_start, found, kv_cache_dtype, calculate_kv_scales,
+                                                layer_start, self.tp)
+        for layer, scale in zip(self.model.layers, self.kv_scales.layers):
+            attention = getattr(layer, "self_attn", None)
+            if isinstance(attention, Attention):  # (MLA's latent cache is not built in fp8: check_kv_cache_dtype)
+                attention.kv_scale = scale
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables: dict[int, list[int]] = {}
         self.seq_lens: dict[int, int] = {}  # tokens of each sequence whose KV the steps so far compute
@@ -208,6 +227,7 @@ class StageRunner:
                                 and self.model.cuda_graphs and cfg.family.attention == "mha")
         self.max_graph_batch = max_graph_batch
         self.graphs: DecodeGraphs | None = None
+        self.graph_scales: list[tuple[float, float]] = []  # the KV scales the graphs were captured with
         self.drafter = None  # stage_worker.draft.DraftModel: a draft model on the last stage's TP rank 0
 
     def attach_drafter(self, drafter) -> None:
@@ -216,6 +236,9 @@ class StageRunner:
         if self.lora is not None or self.pooler is not None:
             flag = "--enable-lora" if self.lora is not None else "--runner pooling"
             raise StagemeshError(f"speculative decoding with a draft model does not run with {flag} yet")
+        if self.kv_cache_dtype != self.dtype:
+            raise StagemeshError("speculative decoding with a draft model does not run with an fp8 KV cache yet "
+                                 "(--kv-cache-dtype fp8; ngram speculation does)")
         if self.tp.cp_size > 1:
             flag = "--prefill-context-parallel-size" if self.tp.pcp else "--decode-context-parallel-size"
             raise StagemeshError(f"speculative decoding with a draft model does not run with {flag} yet "
@@ -234,13 +257,20 @@ class StageRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.graphs = None
         self.kv_caches = allocate_kv_cache(len(self.model.layers), num_blocks, self.kv_block_size, self.num_kv_heads,
-                                           self.config.head_dim, self.dtype, self.device)
+                                           self.config.head_dim, self.kv_cache_dtype, self.device)
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks)
-        if self.use_cuda_graphs:
+        self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """The decode steps' CUDA graphs (where they run), captured again when an fp8 cache's scales change
+        (--calculate-kv-scales, or taken from blocks brought in): a graph replays the scales it was captured with."""
+        if self.use_cuda_graphs and self.kv_caches:
             from stage_worker.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, num_blocks, self.block_size, self.max_graph_batch)
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.kv_caches[0][0].shape[0], self.block_size,
+                                       self.max_graph_batch)
+            self.graph_scales = self.kv_scales.values()
 
     def reset(self, num_kv_blocks: int) -> None:
         """A new pipeline epoch: forget every sequence; (re)allocate the cache if its size changed."""
@@ -269,11 +299,14 @@ class StageRunner:
         input_ids, meta, sample_rows, sample_ids, drafts = self._prepare(batch)
         if self.lora is not None:
             self.lora.prepare([self.seq_adapters.get(s, "") for s in batch.chunks.seq_ids], batch.chunks.num_tokens)
+        if self.graphs is not None and self.graph_scales != self.kv_scales.values():
+            self.capture_graphs()
         graphs, num_tokens = self.graphs, meta.positions.shape[0]
         scored: list = prompt_logprobs.pieces_of(batch, self.sampler.seqs) if self.sampler is not None else []
         logits: torch.Tensor | None
-        if not scored and graphs is not None and graphs.can_run(len(batch.chunks), num_tokens,
-                                                                 meta.block_tables.shape[1]):
+        calibrating = self.kv_scales.pending  # this forward calculates them (--calculate-kv-scales)
+        if not scored and not calibrating and graphs is not None and \
+                graphs.can_run(len(batch.chunks), num_tokens, meta.block_tables.shape[1]):
             out = graphs.run(input_ids, hidden_states, meta)  # the next replay reuses this buffer: copy what is kept
             self._mirror(batch, meta, None)
             if not self.is_last_stage:
@@ -282,7 +315,10 @@ class StageRunner:
             if return_logits:
                 logits = logits.clone()
         else:
+            self.kv_scales.arm()
             hidden = self._forward(input_ids, hidden_states, meta)
+            if calibrating:
+                self.kv_scales.settle()
             self._mirror(batch, meta, hidden)
             if not self.is_last_stage:
                 return StageOutput(hidden_states=hidden)

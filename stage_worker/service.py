@@ -26,6 +26,7 @@ from stagemesh.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 from stage_worker import kv_connector
 from stage_worker.observe import ForwardObserver
 from stage_worker.ep_group import EPGroupBroken
+from stage_worker.kv_cache import kv_cache_dtype_name
 from stage_worker.validate import InvalidStep, check_activations, check_tokens
 from stage_worker.worker import StageWorker
 
@@ -52,6 +53,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             num_speculative_tokens=c.speculative.num_speculative_tokens if c.speculative else 0,
             speculative_model=c.speculative.model if c.speculative else "", draining=self.draining,
             kv_bytes_per_block=w.kv_bytes_per_block, kv_disk_tier=w.disk_dir is not None,
+            kv_cache_dtype=kv_cache_dtype_name(w.runner.kv_cache_dtype),
             lora_adapters=list(w.runner.lora.modules) if w.runner.lora else [],
             max_loras=w.runner.lora.limits.max_loras if w.runner.lora else 0, pooling_tasks=w.runner.pooling_tasks,
             model=stage_pb2.ModelIdentity(model_type=cfg.model_type, num_hidden_layers=cfg.num_hidden_layers,

@@ -188,11 +188,13 @@ class StageWorker:
         layers = self._kv_request(epoch, block_ids, layer_start, layer_end)
         return self.steps.loop.submit(self._export_kv, block_ids, layers)
 
-    def write_kv(self, epoch: int, block_ids: list[int], kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> Future:
-        """Write every KV head of the blocks, for every layer of this stage (kvs: [(k, v)] per layer)."""
+    def write_kv(self, epoch: int, block_ids: list[int], kvs: list[tuple[torch.Tensor, torch.Tensor]],
+                 scales: list[tuple[float, float]] | None = None) -> Future:
+        """Write every KV head of the blocks, for every layer of this stage (kvs: [(k, v)] per layer; scales: their
+        fp8 cache's (k_scale, v_scale) per layer, None from a cache of the model's dtype)."""
         s = self.cfg.slice
         layers = self._kv_request(epoch, block_ids, s.layer_start, s.layer_end)
-        return self.steps.loop.submit(self._import_kv, block_ids, layers, kvs)
+        return self.steps.loop.submit(self._import_kv, block_ids, layers, kvs, scales)
 
     def _kv_request(self, epoch: int, block_ids: list[int], layer_start: int, layer_end: int) -> range:
         s = self.cfg.slice
@@ -211,13 +213,16 @@ class StageWorker:
         self._tell_followers(control.KV_EXPORT, kv_transfer.encode(block_ids, layers))
         return kv_transfer.export_blocks(self.runner, block_ids, layers)
 
-    def _import_kv(self, block_ids: list[int], layers: range, kvs) -> None:
+    def _import_kv(self, block_ids: list[int], layers: range, kvs, scales) -> None:
         cache = self.runner.kv_caches[0][0]
         # whole blocks (the scheduler's block_size), whatever this stage's DCP size keeps of them (kv_transfer)
         shape = (len(block_ids), self.runner.block_size, self.runner.config.num_key_value_heads, cache.shape[3])
         for k, v in kvs:
             if tuple(k.shape) != shape or tuple(v.shape) != shape:
                 raise InvalidStep(f"KV of shape {tuple(k.shape)} for blocks of {shape}")
+        if scales is not None and len(scales) != len(kvs):
+            raise InvalidStep(f"{len(scales)} layers of KV scales for {len(kvs)} layers of KV")
+        kvs = kv_transfer.convert_layers(self.runner, kvs, scales)
         self._tell_followers(control.KV_IMPORT, kv_transfer.encode(block_ids, layers))
         kv_transfer.import_blocks(self.runner, block_ids, layers, kvs, shape, cache.dtype)
 

@@ -17,6 +17,7 @@ from scheduler.rendezvous import ModelIdentity, PipelinePlan, StageInfo
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import StructuredOutputs
 from stagemesh.core.step import StepBatch
+from stage_worker.kv_cache import kv_cache_dtype_name
 from stage_worker.kv_tiers import KVTierStore, open_disk_tier
 from stage_worker.moe import uncounted
 from stage_worker.runner import StageRunner
@@ -41,8 +42,9 @@ class InProcessPipeline:
                               c.num_key_value_heads)
         self.stages = [StageInfo(i, r.model.layer_start, r.model.layer_end, 1, str(r.device), num_kv_blocks,
                                  self.block_size, model, "in-process", "in-process",
-                                 kv_bytes_per_block=t.bytes_per_block, kv_disk_tier=self.has_disk_tier)
-                       for i, (r, t) in enumerate(zip(runners, self.tiers))]
+                                 kv_bytes_per_block=r.kv_bytes_per_block, kv_disk_tier=self.has_disk_tier,
+                                 kv_cache_dtype=kv_cache_dtype_name(r.kv_cache_dtype))
+                       for i, r in enumerate(runners)]
         self.plan = PipelinePlan(self.stages, len(runners), list(range(len(runners))), [1] * len(runners),
                                  num_kv_blocks)
 

@@ -42,10 +42,12 @@ class LocalEngine:
                  quantization: str | None = None, gguf_file: str | None = None,
                  quantization_activations: str | None = None, kv_offloading_disk_path: str | None = None,
                  lora_modules: list[str] | None = None,
-                 max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None):
+                 max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
+                 kv_cache_dtype: str | None = None, calculate_kv_scales: bool = False):
         """speculative_config: vLLM's --speculative-config, as JSON or a dict. kv_offloading_disk_path: the stages'
         disk KV tier (stagemesh.inprocess_pipeline). lora_modules: vLLM's --lora-modules entries (LoRA on, with
-        --max-loras, --max-lora-rank and --max-cpu-loras): requests pick one by lora_name."""
+        --max-loras, --max-lora-rank and --max-cpu-loras): requests pick one by lora_name. kv_cache_dtype and
+        calculate_kv_scales: vLLM's --kv-cache-dtype and --calculate-kv-scales (stage_worker.kv_scales)."""
         cfg = ModelConfig.from_path(model_dir)
         spec = parse_speculative_config(speculative_config)
         split = split or layer_split(cfg.num_hidden_layers, 1)
@@ -55,7 +57,8 @@ class LocalEngine:
                                 tuple(parse_lora_modules(lora_modules)))
         self.runners = [StageRunner(model_dir, a, b, device=device, dtype=dtype, block_size=block_size, config=cfg,
                                     quantization=quantization, gguf_file=gguf_file, lora=lora,
-                                    quantization_activations=quantization_activations)
+                                    quantization_activations=quantization_activations,
+                                    kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales)
                         for a, b in layer_ranges(split)]
         if spec is not None and spec.uses_draft_model:  # on the last stage, as a stage service runs it
             self.runners[-1].attach_drafter(make_drafter(spec, cfg, model_dir, device, dtype, block_size))

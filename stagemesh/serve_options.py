@@ -115,6 +115,8 @@ class ServeOptions:
     async_scheduling: bool | None = flag_of(S, "async_scheduling")
     speculative_config: str | None = flag_of(S, "speculative_config")
     kv_cache_memory: int | None = flag_of(W, "kv_cache_memory")
+    kv_cache_dtype: str = flag_of(W, "kv_cache_dtype")
+    calculate_kv_scales: bool = flag_of(W, "calculate_kv_scales")
     kv_offloading_size: float | None = flag_of(S, "kv_offloading_size")
     kv_offloading_backend: str | None = flag_of(S, "kv_offloading_backend")
     kv_offloading_disk_size: float | None = flag_of(S, "kv_offloading_disk_size")

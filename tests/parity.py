@@ -17,9 +17,10 @@ def prompts(vocab: int, lengths=(5, 40, 17, 70, 3, 33), seed: int = 0) -> list[l
 
 
 def chained_logits(model_dir, split, prompt, new_tokens, chunk=16, tp_rank=0, tp_size=1, tp_group=None,
-                   expert_parallel=False, dtype=None, **runner_kw):
+                   expert_parallel=False, dtype=None, kv_scales_out: list | None = None, **runner_kw):
     """Run the slices by hand: the prompt in chunks of `chunk`, then greedy decode; logits per token.
-    runner_kw: more of StageRunner's arguments (quantization, gguf_file)."""
+    runner_kw: more of StageRunner's arguments (quantization, gguf_file, kv_cache_dtype). kv_scales_out: each
+    slice's KV cache scales at the end are appended to it."""
     runners = [StageRunner(model_dir, a, b, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
                            expert_parallel=expert_parallel, dtype=dtype, **runner_kw) for a, b in layer_ranges(split)]
     for r in runners:
@@ -45,4 +46,6 @@ def chained_logits(model_dir, split, prompt, new_tokens, chunk=16, tp_rank=0, tp
         if row is not None:  # greedy is argmax
             tokens.append(int(row.argmax()))
             logits.append(row)
+    if kv_scales_out is not None:
+        kv_scales_out += [r.kv_scales.values() for r in runners]
     return tokens[len(prompt):], torch.stack(logits)

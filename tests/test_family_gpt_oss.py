@@ -47,6 +47,26 @@ def test_slices_match_transformers_logits(gpt_oss_dir, reference):
         torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
 
 
+def test_an_fp8_cache_with_calculated_scales_matches_transformers_reading_the_same_values(gpt_oss_dir, reference):
+    """--kv-cache-dtype fp8 --calculate-kv-scales through gpt-oss's attention (sinks, sliding and full layers):
+    the same greedy tokens and logits as transformers whose keys and values are read back as the fp8 cache holds
+    them, with the scales the first forward set; far closer to that than to the model-dtype cache."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from kv_fp8_cases import fp8_reference
+
+    prompt, found = prompts(384, lengths=(37,))[0], []
+    tokens, logits = chained_logits(gpt_oss_dir, [2, 2], prompt, 8, kv_cache_dtype="fp8", calculate_kv_scales=True,
+                                    kv_scales_out=found)
+    scales = [pair for stage in found for pair in stage]
+    assert len(scales) == 4 and all(k != 1.0 and v != 1.0 for k, v in scales)
+    want = reference_greedy(fp8_reference(gpt_oss_dir, scales, forward=eager_attention_forward), prompt, 8)
+    assert tokens == want[0]
+    torch.testing.assert_close(logits, want[1], atol=5e-3, rtol=1e-3)
+    plain = reference_greedy(reference, prompt, 8)[1]
+    assert (plain - want[1]).abs().max() > 5 * (logits - want[1]).abs().max()
+
+
 def test_tp2_pp2_over_gloo_matches_transformers(gpt_oss_dir, reference, tmp_path):
     """Each TP rank its heads and their sinks, its share of every expert's columns; the biases once."""
     prompt = prompts(384, lengths=(37,))[0]

@@ -25,6 +25,8 @@ def main() -> None:
     p.add_argument("--dcp", type=int, default=1)
     p.add_argument("--pcp", type=int, default=1)
     p.add_argument("--chunk", type=int, default=16)
+    p.add_argument("--kv-cache-dtype", default=None)
+    p.add_argument("--calculate-kv-scales", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world)
@@ -35,9 +37,15 @@ def main() -> None:
         if a.pcp > 1 and a.world > a.pcp:  # PCP with TP: this rank's TP group, ranks of its place in each PCP group
             groups = [dist.new_group(list(range(c, a.world, a.pcp))) for c in range(a.pcp)]
             context["shard_group"] = groups[a.rank % a.pcp]
+        if a.kv_cache_dtype:
+            context.update(kv_cache_dtype=a.kv_cache_dtype, calculate_kv_scales=a.calculate_kv_scales)
+        scales: list = []
         tokens, logits = chained_logits(a.model, split, prompt, a.new_tokens, tp_rank=a.rank, tp_size=a.world // a.pcp,
                                         tp_group=dist.group.WORLD, expert_parallel=a.expert_parallel,
-                                        chunk=a.chunk, **context)
+                                        chunk=a.chunk, kv_scales_out=scales, **context)
+        if a.kv_cache_dtype:  # every rank's KV cache scales, the first slice's
+            with open(f"{a.out}.scales{a.rank}", "w") as f:
+                json.dump(scales[0], f)
         if a.rank == 0:
             with open(a.out, "w") as f:
                 json.dump({"tokens": tokens, "logits": logits.tolist()}, f)

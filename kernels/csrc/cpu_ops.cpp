@@ -10,6 +10,7 @@
 #include "bf16_linear.h"
 #include "decoder_layer.h"
 #include "decode_attention.h"
+#include "kv_fp8.h"
 #include "lora_ops.h"
 #include "moe_ops.h"
 #include "quant_linear.h"
@@ -153,9 +154,10 @@ at::Tensor checked_positions(const at::Tensor& positions, int64_t tokens, int64_
   return pos;
 }
 
-// slot_mapping as int64, each slot checked against the cache [num_blocks, block_size, kv_heads, dim].
+// slot_mapping as int64, each slot checked against the cache [num_blocks, block_size, kv_heads, dim] (fp32,
+// bf16 or fp8).
 at::Tensor checked_slots(const at::Tensor& slot_mapping, const at::Tensor& k_cache, const at::Tensor& v_cache) {
-  check_float_or_bf16(k_cache, "k_cache");
+  if (!kv_fp8::is_fp8(k_cache.scalar_type())) check_float_or_bf16(k_cache, "k_cache");
   check_cpu(v_cache, "v_cache", k_cache.scalar_type());
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "k_cache and v_cache must both be [num_blocks, block_size, kv_heads, head_dim]");
@@ -208,11 +210,34 @@ std::vector<at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k, c
   return {q_out, k_out};
 }
 
+// An fp8 cache's write: each row quantised with its scale (kv_fp8.h).
+static void write_kv_cache_fp8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                               const at::Tensor& slots, double k_scale, double v_scale) {
+  const at::Tensor kc = k.to(at::kFloat).contiguous(), vc = v.to(at::kFloat).contiguous();
+  const int64_t row = k_cache.size(2) * k_cache.size(3);
+  TORCH_CHECK(kc.numel() == slots.numel() * row && vc.numel() == kc.numel(), "k/v do not match the slot mapping");
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
+  kv_fp8::with_fp8(k_cache.scalar_type(), [&](auto zero) {
+    using F = decltype(zero);
+    const float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+    F *kd = static_cast<F*>(k_cache.data_ptr()), *vd = static_cast<F*>(v_cache.data_ptr());
+    at::parallel_for(0, slots.numel(), grain_rows(2 * row), [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        kv_fp8::quantize_row(kp + t * row, kd + s[t] * row, row, ks);
+        kv_fp8::quantize_row(vp + t * row, vd + s[t] * row, row, vs);
+      }
+    });
+  });
+}
+
 // Keys and values of this step's tokens into their slots of the paged cache
-// [num_blocks, block_size, kv_heads, dim], in place (k and v converted to the cache's dtype).
+// [num_blocks, block_size, kv_heads, dim], in place (k and v converted to the cache's dtype; into an fp8
+// cache quantised with k_scale and v_scale, which a cache of another dtype ignores).
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-                    const at::Tensor& slot_mapping) {
+                    const at::Tensor& slot_mapping, double k_scale, double v_scale) {
   const at::Tensor slots = checked_slots(slot_mapping, k_cache, v_cache);
+  if (kv_fp8::is_fp8(k_cache.scalar_type())) return write_kv_cache_fp8(k, v, k_cache, v_cache, slots, k_scale, v_scale);
   const at::Tensor kc = k.to(k_cache.scalar_type()).contiguous(), vc = v.to(k_cache.scalar_type()).contiguous();
   const int64_t row = k_cache.size(2) * k_cache.size(3);
   TORCH_CHECK(kc.numel() == slots.numel() * row && vc.numel() == kc.numel(), "k/v do not match the slot mapping");
@@ -230,17 +255,30 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
   });
 }
 
+// k rotated (in T, as a cache of qkv's dtype would hold it) and v quantised into an fp8 cache's slot `slot`.
+template <typename T, typename F>
+inline void rotate_into_fp8(const T* k, F* kd, F* vd, const float* cos, int64_t half, int64_t num_kv_heads,
+                            int64_t dim, float k_scale, float v_scale, std::vector<T>& rotated) {
+  const int64_t row = num_kv_heads * dim;
+  rotated.resize(row);
+  for (int64_t h = 0; h < num_kv_heads; ++h) rotate_head<T>(k + h * dim, rotated.data() + h * dim, cos, cos + half, half);
+  kv_fp8::quantize_row(rotated.data(), kd, row, k_scale);
+  kv_fp8::quantize_row(k + row, vd, row, v_scale);
+}
+
 // apply_rotary + write_kv_cache straight from the fused QKV output qkv [tokens, (heads + 2 kv_heads) * dim]
-// (rows contiguous, the cache in qkv's dtype): returns q rotated [tokens, heads, dim]; k is rotated into its
-// cache slot and v copied into its own. One call instead of the split views, a rotated k and the copies
-// write_kv_cache makes (a decode step's per-layer overhead, kernels.dispatch.rotary_and_cache).
+// (rows contiguous, the cache in qkv's dtype or fp8): returns q rotated [tokens, heads, dim]; k is rotated into
+// its cache slot and v copied into its own (quantised with k_scale and v_scale into an fp8 cache). One call
+// instead of the split views, a rotated k and the copies write_kv_cache makes (a decode step's per-layer
+// overhead, kernels.dispatch.rotary_and_cache).
 at::Tensor rotary_and_cache(const at::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, const at::Tensor& positions,
                             const at::Tensor& cos_sin_cache, at::Tensor& k_cache, at::Tensor& v_cache,
-                            const at::Tensor& slot_mapping) {
+                            const at::Tensor& slot_mapping, double k_scale, double v_scale) {
   check_float_or_bf16(qkv, "qkv");
   check_cpu(cos_sin_cache, "cos_sin_cache", at::kFloat);
   const at::Tensor slots = checked_slots(slot_mapping, k_cache, v_cache);
-  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type(), "the KV cache must be in qkv's dtype");
+  const bool fp8 = kv_fp8::is_fp8(k_cache.scalar_type());
+  TORCH_CHECK(fp8 || k_cache.scalar_type() == qkv.scalar_type(), "the KV cache must be in qkv's dtype or fp8");
   const int64_t dim = cos_sin_cache.size(1), half = dim / 2;
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && k_cache.size(2) == num_kv_heads && k_cache.size(3) == dim,
               "the KV cache must be [num_blocks, block_size, ", num_kv_heads, ", ", dim, "]");
@@ -257,14 +295,25 @@ at::Tensor rotary_and_cache(const at::Tensor& qkv, int64_t num_heads, int64_t nu
   with_dtype(qkv.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     const T* in = qkv.data_ptr<T>();
-    T *qd = q_out.data_ptr<T>(), *kd = k_cache.data_ptr<T>(), *vd = v_cache.data_ptr<T>();
+    T* qd = q_out.data_ptr<T>();
     at::parallel_for(0, tokens, grain_rows((num_heads + 2 * num_kv_heads) * dim), [&](int64_t lo, int64_t hi) {
+      std::vector<T> rotated;  // (fp8: a rotated k row before it is quantised)
       for (int64_t t = lo; t < hi; ++t) {
         const float* cos = cs + p[t] * dim;
         const T* q = in + t * qkv.stride(0);
         const T* k = q + num_heads * dim;
         for (int64_t h = 0; h < num_heads; ++h)
           rotate_head<T>(q + h * dim, qd + (t * num_heads + h) * dim, cos, cos + half, half);
+        if (fp8) {
+          kv_fp8::with_fp8(k_cache.scalar_type(), [&](auto f) {
+            using F = decltype(f);
+            rotate_into_fp8<T, F>(k, static_cast<F*>(k_cache.data_ptr()) + s[t] * row,
+                                  static_cast<F*>(v_cache.data_ptr()) + s[t] * row, cos, half, num_kv_heads, dim,
+                                  static_cast<float>(k_scale), static_cast<float>(v_scale), rotated);
+          });
+          continue;
+        }
+        T *kd = k_cache.data_ptr<T>(), *vd = v_cache.data_ptr<T>();
         for (int64_t h = 0; h < num_kv_heads; ++h)
           rotate_head<T>(k + h * dim, kd + s[t] * row + h * dim, cos, cos + half, half);
         std::copy(k + row, k + 2 * row, vd + s[t] * row);
@@ -289,15 +338,19 @@ static decode_attn::Kernel family_kernel(const std::string& family, int64_t dim)
 // position's keys (then values) of all KV heads as one contiguous run; softmax in fp32, two passes. A
 // bf16 cache is read as bf16 (half the bytes) and widened in registers; sums and the output row are
 // fp32 until the row is stored. With `lse` (decode_attention_lse) a family kernel also stores each row's
-// log-sum-exp there, and a row may see no position.
+// log-sum-exp there, and a row may see no position. An fp8 cache (family kernels only) is read as stored *
+// k_scale (keys) and stored * v_scale (values); a cache of q's dtype ignores the scales.
 static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& visible,
-                              double scale, const std::string& family, float* lse) {
+                              double scale, const std::string& family, float* lse, double k_scale, double v_scale) {
   TORCH_CHECK(family == "avx512" || family == "avx2" || family == "portable", "no decode attention for the family ",
               family, " (avx512, avx2, portable)");
   check_float_or_bf16(q, "q");
-  check_cpu(k_cache, "k_cache", q.scalar_type());
-  check_cpu(v_cache, "v_cache", q.scalar_type());
+  const auto cache = k_cache.scalar_type() == at::kFloat8_e4m3fn ? decode_attn::CacheKind::kE4M3
+                     : k_cache.scalar_type() == at::kFloat8_e5m2 ? decode_attn::CacheKind::kE5M2
+                                                                  : decode_attn::CacheKind::kSame;
+  check_cpu(k_cache, "k_cache", cache == decode_attn::CacheKind::kSame ? q.scalar_type() : k_cache.scalar_type());
+  check_cpu(v_cache, "v_cache", k_cache.scalar_type());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
   const at::Tensor qc = q.contiguous();
   const at::Tensor tables = block_tables.to(at::kInt).contiguous();
@@ -325,12 +378,16 @@ static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k_cache, co
   const float fscale = static_cast<float>(scale);
   const decode_attn::Problem problem{qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), bt, sq, ln,
                                      rows, heads, kv_heads, dim, block_size, width, max_len, fscale,
-                                     q.scalar_type() == at::kBFloat16, lse};
+                                     q.scalar_type() == at::kBFloat16, lse, cache, static_cast<float>(k_scale),
+                                     static_cast<float>(v_scale)};
   if (const auto kernel = family_kernel(family, dim)) {
     kernel(problem);
     return out;
   }
   TORCH_CHECK(lse == nullptr, "the portable decode attention returns no lse (a family kernel does)");
+  TORCH_CHECK(cache == decode_attn::CacheKind::kSame,
+              "the portable decode attention reads no fp8 cache (a family kernel does; kernels.cpu_ops falls back to "
+              "the torch reference)");
   with_dtype(q.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     const T *qp = qc.data_ptr<T>(), *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>();
@@ -381,17 +438,20 @@ static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k_cache, co
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& visible,
-                            double scale, const std::string& family) {
-  return attend_rows(q, k_cache, v_cache, block_tables, seq, visible, scale, family, nullptr);
+                            double scale, const std::string& family, double k_scale, double v_scale) {
+  return attend_rows(q, k_cache, v_cache, block_tables, seq, visible, scale, family, nullptr, k_scale, v_scale);
 }
 
 // decode_attention and each row's log-sum-exp of its scaled scores, [rows, heads] fp32, for context
 // parallelism's merge (attention_merge.cpp); a row of no positions gives output 0 and lse -inf.
 std::vector<at::Tensor> decode_attention_lse(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                              const at::Tensor& block_tables, const at::Tensor& seq,
-                                             const at::Tensor& visible, double scale, const std::string& family) {
+                                             const at::Tensor& visible, double scale, const std::string& family,
+                                             double k_scale, double v_scale) {
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
-  return {attend_rows(q, k_cache, v_cache, block_tables, seq, visible, scale, family, lse.data_ptr<float>()), lse};
+  return {attend_rows(q, k_cache, v_cache, block_tables, seq, visible, scale, family, lse.data_ptr<float>(), k_scale,
+                      v_scale),
+          lse};
 }
 
 // Whether decode_attention's `family` runs a family kernel (not the portable loop) for this head_dim here.
@@ -428,12 +488,21 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "(x + residual) RMSNorm");
   m.def("apply_rotary", &apply_rotary, "rotary embedding of q and k");
-  m.def("write_kv_cache", &write_kv_cache, "write k and v into the paged cache");
-  m.def("rotary_and_cache", &rotary_and_cache, "q rotated, k rotated and v written into the cache, from fused QKV");
+  m.def("write_kv_cache", &write_kv_cache, "write k and v into the paged cache (fp8: quantised with the scales)",
+        pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("slot_mapping"), pybind11::arg("k_scale") = 1.0, pybind11::arg("v_scale") = 1.0);
+  m.def("rotary_and_cache", &rotary_and_cache, "q rotated, k rotated and v written into the cache, from fused QKV",
+        pybind11::arg("qkv"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("positions"),
+        pybind11::arg("cos_sin_cache"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("slot_mapping"), pybind11::arg("k_scale") = 1.0, pybind11::arg("v_scale") = 1.0);
   m.def("decode_attention", &decode_attention, "single-query attention over the paged cache (a family's kernel)",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
-        pybind11::arg("seq"), pybind11::arg("visible"), pybind11::arg("scale"), pybind11::arg("family") = "portable");
-  m.def("decode_attention_lse", &decode_attention_lse, "decode_attention and each row's log-sum-exp (a family's kernel)");
+        pybind11::arg("seq"), pybind11::arg("visible"), pybind11::arg("scale"), pybind11::arg("family") = "portable",
+        pybind11::arg("k_scale") = 1.0, pybind11::arg("v_scale") = 1.0);
+  m.def("decode_attention_lse", &decode_attention_lse, "decode_attention and each row's log-sum-exp (a family's kernel)",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("seq"), pybind11::arg("visible"), pybind11::arg("scale"), pybind11::arg("family"),
+        pybind11::arg("k_scale") = 1.0, pybind11::arg("v_scale") = 1.0);
   m.def("merge_attention_states", &merge_attention_states, "partial attentions merged by their lse (attention_merge.cpp)");
   m.def("decode_attention_covers", &decode_attention_covers, "whether a family's kernel covers this head_dim here");
   m.def("attention_avx512_available", &decode_attn::avx512_available, "whether this CPU runs the avx512 decode attention");
@@ -472,8 +541,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slot_mapping"),
            pybind11::arg("block_tables"), pybind11::arg("seqs"), pybind11::arg("visible"),
            pybind11::arg("attention_family"), pybind11::arg("quant_family"),
-           pybind11::arg("lora_slots") = pybind11::none(),
-           pybind11::call_guard<pybind11::gil_scoped_release>());
+           pybind11::arg("lora_slots") = pybind11::none(), pybind11::arg("k_scale") = 1.0,
+           pybind11::arg("v_scale") = 1.0, pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<ShmComm>(m, "ShmComm")
       .def(pybind11::init<const std::string&, int64_t, int64_t, int64_t, double>())
       .def_static("file_bytes", &ShmComm::file_bytes)

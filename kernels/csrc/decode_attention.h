@@ -12,10 +12,15 @@
 
 namespace decode_attn {
 
+// The cache's element type: q's own (fp32 or bf16), or fp8 (--kv-cache-dtype fp8, kernels/kv_quant.py): each
+// element read is `stored * scale` (k_scale for keys, v_scale for values), which the kernels fold into the
+// query's scale and the output row rather than multiply per element.
+enum class CacheKind { kSame = 0, kE4M3 = 1, kE5M2 = 2 };
+
 // What a family's kernel reads; the caller has checked every sequence index, length and block id.
 struct Problem {
-  const void* q;        // [rows, heads, dim], the cache's dtype
-  const void* k_cache;  // [num_blocks, block_size, kv_heads, dim]
+  const void* q;        // [rows, heads, dim], fp32 or bf16
+  const void* k_cache;  // [num_blocks, block_size, kv_heads, dim], q's dtype or fp8 (cache)
   const void* v_cache;
   void* out;            // like q
   const int32_t* block_tables;  // [*, width]
@@ -23,8 +28,10 @@ struct Problem {
   const int32_t* visible;       // [rows]
   int64_t rows, heads, kv_heads, dim, block_size, width, max_len;
   float scale;
-  bool bf16;  // the cache and q are bf16 (else fp32)
+  bool bf16;  // q (and a cache of q's dtype) are bf16 (else fp32)
   float* lse = nullptr;  // [rows, heads]: each row's log-sum-exp, where asked (rows may then see no position)
+  CacheKind cache = CacheKind::kSame;
+  float k_scale = 1.f, v_scale = 1.f;  // an fp8 cache's per-tensor scales (1 for a cache of q's dtype)
 };
 
 // Whether the family runs here (the CPU has its instructions and this build could emit them) and

@@ -1,12 +1,14 @@
 // The avx512 family of decode attention (decode_attention.h): 16-wide FMA, 32 registers, so a pass keeps
 // up to four query heads' accumulators of a 64-wide head (two of a 128-wide one) in registers. Keys and
-// values of a bf16 cache are widened in registers (exact), products and sums in fp32.
+// values of a bf16 or fp8 cache are widened in registers (exact), products and sums in fp32.
 //
 // Compiled with the AVX-512 target for its own functions alone (every header comes before the pragma);
 // it runs only where the CPU has the instructions (avx512_available()).
 #include "decode_attention.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
 #include <cmath>
@@ -46,6 +48,16 @@ struct V {
   static reg load(const c10::BFloat16* p) {  // bf16 -> fp32 is the 16 bits moved to the top: exact
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  // fp8 as the avx2 family widens it (decode_attention_avx2.cpp): e4m3 gives the value / 256, e5m2 the value
+  static reg load(const c10::Float8_e4m3fn* p) {
+    const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_cvtph_ps(
+        _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF))));
+  }
+  static reg load(const c10::Float8_e5m2* p) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
   }
   static reg set1(float x) { return _mm512_set1_ps(x); }
   static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }

@@ -13,10 +13,27 @@
 // summed into registers that hold the G heads' output rows for the whole pass. With a bf16 cache the
 // softmax's weights are rounded to bf16 before they multiply the values, and the sum divides last, as
 // torch's bf16 attention (the reference's) does; everything else is fp32.
+//
+// The cache's elements are of type C: q's own (T, fp32 or bf16) or fp8 (--kv-cache-dtype fp8: c10's
+// Float8_e4m3fn or Float8_e5m2), widened in registers by V::load. An fp8 element read is `stored * scale`:
+// the key scale is folded into the query row (scores are exact q . k * scale), the value scale into the
+// output row, so the loops are those of any other cache. V::load gives an e4m3 element's value / 256 (its bits
+// moved into fp16's, exact: load_factor says so), e5m2's exactly (it is fp16's top byte).
 
 constexpr int kRegs = V::kAccumulators;  // accumulator registers a pass may keep (of the family's file)
 
 #include "exp_poly.h"  // the softmax's exp, as cpu_ops.cpp's
+
+template <typename C>
+constexpr bool is_fp8() {
+  return std::is_same<C, c10::Float8_e4m3fn>::value || std::is_same<C, c10::Float8_e5m2>::value;
+}
+
+// What V::load's value of a C element is multiplied by to give the element's value (see above).
+template <typename C>
+constexpr float load_factor() {
+  return std::is_same<C, c10::Float8_e4m3fn>::value ? 256.f : 1.f;
+}
 
 template <typename T>
 struct Item {
@@ -105,19 +122,21 @@ void no_positions(const Problem& p, int64_t item) {
 
 // The item's positions [first, last): with partial null, the attention of its G query heads into p.out;
 // else, for a piece of a split item, each head's max score, sum of exp(score - max) and unnormalised
-// output (dim floats) into partial [G][dim + 2], for merge() (fp32 caches only).
-template <int NC, typename T>
+// output (dim floats) into partial [G][dim + 2], for merge() (fp32 queries only). T: q's and the output's
+// type, C: the cache's.
+template <int NC, typename T, typename C>
 void attend(const Problem& p, int64_t item, int64_t first, int64_t last, std::vector<float>& buf,
             float* partial = nullptr) {
   const int64_t r = item / p.kv_heads, kvh = item % p.kv_heads, group = p.heads / p.kv_heads, dim = p.dim;
   const int64_t len = last - first, stride = len;
   const int64_t row = p.kv_heads * dim;
-  const Item<T> it{static_cast<const T*>(p.k_cache) + kvh * dim, static_cast<const T*>(p.v_cache) + kvh * dim,
+  const Item<C> it{static_cast<const C*>(p.k_cache) + kvh * dim, static_cast<const C*>(p.v_cache) + kvh * dim,
                    p.block_tables + static_cast<int64_t>(p.seq[r]) * p.width, len, p.block_size, row, first};
   buf.resize(2 * group * dim + 2 * group + group * len);
   float *q = buf.data(), *o = q + group * dim, *inv = o + group * dim, *top = inv + group, *s = top + group;
   const T* qrow = static_cast<const T*>(p.q) + (r * p.heads + kvh * group) * dim;
-  for (int64_t i = 0; i < group * dim; ++i) q[i] = static_cast<float>(qrow[i]) * p.scale;
+  const float q_scale = is_fp8<C>() ? p.scale * p.k_scale * load_factor<C>() : p.scale;
+  for (int64_t i = 0; i < group * dim; ++i) q[i] = static_cast<float>(qrow[i]) * q_scale;
   heads_in_blocks<NC>(it, q, s, o, group, dim, stride, true);
   for (int64_t h = 0; h < group; ++h) {  // softmax over the row's positions, in fp32, normalised at the end
     float* sh = s + h * stride;
@@ -134,6 +153,10 @@ void attend(const Problem& p, int64_t item, int64_t first, int64_t last, std::ve
       for (int64_t t = 0; t < len; ++t) sh[t] = static_cast<float>(c10::BFloat16(sh[t]));
   }
   heads_in_blocks<NC>(it, q, s, o, group, dim, stride, false);
+  if (is_fp8<C>()) {  // the values' scale, once per output element
+    const float v_scale = p.v_scale * load_factor<C>();
+    for (int64_t i = 0; i < group * dim; ++i) o[i] *= v_scale;
+  }
   // buf now holds q, o, inv, top and s, in this order: attend_lse reads inv and top
   if (partial != nullptr) {
     for (int64_t h = 0; h < group; ++h) {
@@ -151,10 +174,10 @@ void attend(const Problem& p, int64_t item, int64_t first, int64_t last, std::ve
 // attend() of a whole item, and its heads' lse = max + log(sum) into p.lse: written apart from attend(), which
 // the path without the lse runs as it was (a second instantiation of attend in this file changes how the
 // compiler inlines the first, about 15% slower on fp32).
-template <int NC, typename T>
+template <int NC, typename T, typename C>
 void attend_lse(const Problem& p, int64_t item, int64_t len, std::vector<float>& buf) {
   if (len == 0) return no_positions<T>(p, item);
-  attend<NC, T>(p, item, 0, len, buf);
+  attend<NC, T, C>(p, item, 0, len, buf);
   const int64_t r = item / p.kv_heads, kvh = item % p.kv_heads, group = p.heads / p.kv_heads;
   const float *inv = buf.data() + 2 * group * p.dim, *top = inv + group;
   for (int64_t h = 0; h < group; ++h) p.lse[r * p.heads + kvh * group + h] = top[h] - std::log(inv[h]);
@@ -182,10 +205,10 @@ inline void merge(const Problem& p, int64_t item, const float* pieces, int64_t c
   }
 }
 
-// Fewer items than twice the threads (a batch of one or two rows): each item of fp32 cache long enough is cut
+// Fewer items than twice the threads (a batch of one or two rows): each item of fp32 queries long enough is cut
 // into a piece per thread, so that three KV heads on two threads do not leave one thread idle a third of
 // the time; the pieces' softmax sums merge at the end. Returns false where it does not apply.
-template <int NC, typename T>
+template <int NC, typename T, typename C>
 bool run_pieces(const Problem& p, int64_t items) {
   constexpr int64_t kMinPiece = 64;  // positions: below this a piece's merge and start cost more than it saves
   const int64_t threads = at::get_num_threads();
@@ -209,8 +232,8 @@ bool run_pieces(const Problem& p, int64_t items) {
     for (int64_t k = lo; k < hi; ++k) {
       const Piece& c = pieces[k];
       float* slot = c.slot < 0 ? nullptr : partials.data() + (c.item * threads + c.slot) * width;
-      if (slot == nullptr && p.lse != nullptr) attend_lse<NC, T>(p, c.item, c.last, buf);
-      else attend<NC, T>(p, c.item, c.first, c.last, buf, slot);
+      if (slot == nullptr && p.lse != nullptr) attend_lse<NC, T, C>(p, c.item, c.last, buf);
+      else attend<NC, T, C>(p, c.item, c.first, c.last, buf, slot);
     }
   });
   for (int64_t i = 0; i < items; ++i)
@@ -219,10 +242,10 @@ bool run_pieces(const Problem& p, int64_t items) {
 }
 
 // Items [0, rows * kv_heads) shared over the threads in ranges of about equal positions.
-template <int NC, typename T>
+template <int NC, typename T, typename C>
 void run_items(const Problem& p) {
   const int64_t items = p.rows * p.kv_heads;
-  if (run_pieces<NC, T>(p, items)) return;
+  if (run_pieces<NC, T, C>(p, items)) return;
   std::vector<int64_t> ends(items);  // positions read up to and including each item
   int64_t total = 0;
   for (int64_t i = 0; i < items; ++i) ends[i] = total += p.visible[i / p.kv_heads];
@@ -238,16 +261,26 @@ void run_items(const Problem& p) {
       const int64_t first = std::upper_bound(ends.begin(), ends.end(), from) - ends.begin();
       const int64_t last = part + 1 == parts ? items : std::upper_bound(ends.begin(), ends.end(), to) - ends.begin();
       for (int64_t i = part == 0 ? 0 : first; i < last; ++i)
-        if (p.lse != nullptr) attend_lse<NC, T>(p, i, p.visible[i / p.kv_heads], buf);
-        else attend<NC, T>(p, i, 0, p.visible[i / p.kv_heads], buf);
+        if (p.lse != nullptr) attend_lse<NC, T, C>(p, i, p.visible[i / p.kv_heads], buf);
+        else attend<NC, T, C>(p, i, 0, p.visible[i / p.kv_heads], buf);
     }
   });
 }
 
+template <int NC, typename T>
+void run_cache(const Problem& p) {
+  switch (p.cache) {
+    case CacheKind::kE4M3: return run_items<NC, T, c10::Float8_e4m3fn>(p);
+    case CacheKind::kE5M2: return run_items<NC, T, c10::Float8_e5m2>(p);
+    case CacheKind::kSame: break;
+  }
+  run_items<NC, T, T>(p);
+}
+
 template <int NC>
 void run_dtype(const Problem& p) {
-  if (p.bf16) run_items<NC, c10::BFloat16>(p);
-  else run_items<NC, float>(p);
+  if (p.bf16) run_cache<NC, c10::BFloat16>(p);
+  else run_cache<NC, float>(p);
 }
 
 bool covers(int64_t dim) { return dim == 4 * V::W || dim == 8 * V::W || dim == 16 * V::W; }

@@ -112,11 +112,13 @@ std::vector<at::Tensor> DecoderLayerPlan::forward(const at::Tensor& x, const c10
                                                   const at::Tensor& seqs, const at::Tensor& visible,
                                                   const std::string& attention_family,
                                                   const std::string& quant_family,
-                                                  const c10::optional<at::Tensor>& lora_slots) const {
+                                                  const c10::optional<at::Tensor>& lora_slots, double k_scale,
+                                                  double v_scale) const {
   const std::vector<at::Tensor> normed = rms_norm(x, input_norm, input_eps, residual);
   const at::Tensor q = rotary_and_cache(qkv(normed[0], quant_family, lora_slots), num_heads, num_kv_heads, positions,
-                                        cos_sin, k_cache, v_cache, slot_mapping);
-  const at::Tensor attn = decode_attention(q, k_cache, v_cache, block_tables, seqs, visible, scale, attention_family);
+                                        cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale);
+  const at::Tensor attn = decode_attention(q, k_cache, v_cache, block_tables, seqs, visible, scale, attention_family,
+                                           k_scale, v_scale);
   const at::Tensor out = o(attn.reshape({q.size(0), q.size(1) * q.size(2)}), quant_family, lora_slots);
   const std::vector<at::Tensor> post = rms_norm(out, post_norm, post_eps, normed[1]);
   return {down(silu_and_mul(gate_up(post[0], quant_family, lora_slots)), quant_family, lora_slots), post[1]};

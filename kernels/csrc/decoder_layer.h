@@ -14,10 +14,10 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, 
                                  const c10::optional<at::Tensor>& residual);
 at::Tensor rotary_and_cache(const at::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, const at::Tensor& positions,
                             const at::Tensor& cos_sin_cache, at::Tensor& k_cache, at::Tensor& v_cache,
-                            const at::Tensor& slot_mapping);
+                            const at::Tensor& slot_mapping, double k_scale, double v_scale);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& visible,
-                            double scale, const std::string& family);
+                            double scale, const std::string& family, double k_scale, double v_scale);
 at::Tensor silu_and_mul(const at::Tensor& x);
 
 // One linear's weight as its layer holds it. kind: "quant" (quant_linear: weight = qs, with scales, mins
@@ -46,13 +46,15 @@ struct DecoderLayerPlan {
   DecoderLayerPlan(at::Tensor input_norm, double input_eps, at::Tensor post_norm, double post_eps, LayerLinear qkv,
                    LayerLinear o, LayerLinear gate_up, LayerLinear down, int64_t num_heads, int64_t num_kv_heads,
                    double scale);
-  // (the layer's output, the residual stream), as DecoderLayer.forward returns them.
+  // (the layer's output, the residual stream), as DecoderLayer.forward returns them. k_scale / v_scale: an fp8
+  // cache's (kv_fp8.h; the layer's, which --calculate-kv-scales may set after the plan is built).
   std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                   const at::Tensor& positions, const at::Tensor& cos_sin, at::Tensor& k_cache,
                                   at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                   const at::Tensor& seqs, const at::Tensor& visible,
                                   const std::string& attention_family, const std::string& quant_family,
-                                  const c10::optional<at::Tensor>& lora_slots = c10::nullopt) const;
+                                  const c10::optional<at::Tensor>& lora_slots = c10::nullopt, double k_scale = 1.0,
+                                  double v_scale = 1.0) const;
 
   at::Tensor input_norm, post_norm;
   double input_eps, post_eps;

@@ -60,6 +60,8 @@ def checkpoint_method(cfg: ModelConfig, flag: str | None) -> QuantMethod | None:
     if name not in METHODS:
         raise StagemeshError(f"quantization_config.quant_method {name!r} is not built; stagemesh loads "
                              f"{', '.join(sorted(METHODS))}")
+    if name == "compressed-tensors" and qc.get("kv_cache_scheme") and not qc.get("config_groups") and flag is None:
+        return None  # only the KV cache is quantised (its scales: stage_worker.kv_scales); the weights are dense
     if flag is not None and ALIASES.get(flag, flag) != name:
         raise StagemeshError(f"--quantization {flag} does not match the checkpoint's quantization_config.quant_method "
                              f"{name!r} (give --quantization {name}, or none)")

@@ -96,7 +96,8 @@ class CompressedTensors(QuantMethod):
     def __init__(self, qc):
         super().__init__(qc)
         field(qc, NAME, "quantization_status", ("compressed",), "compressed")
-        for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        # (kv_cache_scheme is the fp8 KV cache's: stage_worker.kv_scales checks it and reads its scales)
+        for key in ("sparsity_config", "transform_config"):
             if qc.get(key):
                 raise refuse(NAME, f"{key} is not built (stagemesh reads quantised weights only)")
         groups = qc.get("config_groups")

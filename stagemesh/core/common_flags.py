@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stagemesh.core.flags import Flag
+from stagemesh.core.kv_cache_dtype import KV_CACHE_DTYPES
 from stagemesh.core.lora import ALLOWED_PATH_FLAG, MAX_LORA_RANKS
 from stagemesh.core.model_source import ACTIVATION_MODES, QUANTIZATION_METHODS
 from stagemesh.core.pooling import CONVERTS, RUNNERS, PoolerConfig, resolve
@@ -112,5 +113,10 @@ SPECULATIVE_CONFIG = Flag(("--speculative-config",), metavar="JSON", help=(
     "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min) or draft_model ({\"model\": DIR, "
     "\"num_speculative_tokens\": k}: the last stage runs the draft on TP rank 0 with a KV cache of its own, in its "
     "KV budget); not with --async-scheduling (docs/speculative-decoding.md)"))
+KV_CACHE_DTYPE = Flag(("--kv-cache-dtype",), default="auto", choices=KV_CACHE_DTYPES, help=(
+    "vLLM's: the KV cache's dtype. auto: the model's; fp8 (= fp8_e4m3) or fp8_e5m2: one byte a value, so the same "
+    "memory (--kv-cache-memory) holds twice a bf16 cache's tokens, four times an fp32 one's; each layer's keys and "
+    "values scaled by the checkpoint's k_scale / v_scale, else 1.0, or by --calculate-kv-scales "
+    "(docs/kv-cache-fp8.md). A scheduler refuses a stage whose --kv-cache-dtype is not its own"))
 HOST = Flag(("--host",), default="127.0.0.1", help="address to listen on")
 ADVERTISE_HOST = Flag(("--advertise-host",), help="address other services use to reach this service")

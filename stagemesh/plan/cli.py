@@ -6,7 +6,9 @@ import json
 import re
 from pathlib import Path
 
+from stagemesh.core.common_flags import KV_CACHE_DTYPE
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.kv_cache_dtype import check_attention
 
 REFERENCE = Path(__file__).with_name("reference_configs")
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -28,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                       "quantised checkpoint's own format, read from its quantization_config; else "
                                       "bf16)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's, at most 32768")
+    KV_CACHE_DTYPE.add_to(p, "kv_cache_dtype")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-nvlink", action="store_true", help="GPUs talk over PCIe: prefer pipeline parallelism")
     p.add_argument("--target-concurrency", type=float, default=None, help="requests at max-model-len to hold at once")
@@ -85,9 +88,11 @@ def run(args: argparse.Namespace) -> int:
         raise StagemeshError("--gpu-memory-utilization must be in (0, 1]")
     max_len = args.max_model_len or min(cfg.max_position_embeddings, 32768)
     dtype = weights_dtype(cfg, args.dtype)
+    check_attention(args.kv_cache_dtype, cfg)
     req = PlanRequest(cfg, args.gpus_per_node, args.nodes, parse_bytes(args.gpu_memory), dtype, max_len,
                       args.gpu_memory_utilization, not args.no_nvlink, args.target_concurrency,
-                      args.tensor_parallel_size, args.pipeline_parallel_size, args.decode_context_parallel_size)
+                      args.tensor_parallel_size, args.pipeline_parallel_size, args.decode_context_parallel_size,
+                      args.kv_cache_dtype)
     plan = make_plan(req)
     backend = args.distributed_executor_backend
     print(json.dumps(as_json(req, plan, model, args.device, backend), indent=2) if args.json

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from stagemesh.core.kv_cache_dtype import element_bytes
 from stagemesh.core.model_config import ModelConfig, layer_ranges
 
 # Bytes a layer's parameter takes as a stage holds it, in the kernels' layouts (kernels/quant_reference.py):
@@ -110,16 +111,18 @@ def _block_fp8_bytes(shapes: dict[str, tuple[int, ...]], block: tuple[int, int])
     return total
 
 
-def kv_bytes_per_token(cfg: ModelConfig, num_layers: int, tp: int, dtype: str, dcp: int = 1) -> int:
-    """Per GPU, per token the GPU holds: layers x KV heads on this GPU x head dim x 2 (K and V) x bytes. (With
-    multi-head latent attention the one KV head is half the latent: layers x (kv_lora_rank + qk_rope_head_dim) x
-    bytes, replicated on each TP rank.)
+def kv_bytes_per_token(cfg: ModelConfig, num_layers: int, tp: int, dtype: str, dcp: int = 1,
+                       kv_cache_dtype: str = "auto") -> int:
+    """Per GPU, per token the GPU holds: layers x KV heads on this GPU x head dim x 2 (K and V) x bytes (1 with
+    --kv-cache-dtype fp8; auto: the cache in the weights' compute dtype, KV_DTYPE_BYTES). (With multi-head latent
+    attention the one KV head is half the latent: layers x (kv_lora_rank + qk_rope_head_dim) x bytes, replicated
+    on each TP rank.)
 
     The KV heads are sharded as if TP were tp / dcp, and replicate past that = KV heads. With decode context
     parallelism (dcp > 1) the dcp ranks of a group hold the same KV heads but each 1/dcp of every sequence's
     tokens, so a sequence token costs a GPU this / dcp bytes (evaluate counts tokens as free * dcp // this)."""
     kv_heads = max(1, cfg.num_key_value_heads // (tp // dcp))
-    return num_layers * kv_heads * cfg.head_dim * 2 * KV_DTYPE_BYTES[dtype]
+    return num_layers * kv_heads * cfg.head_dim * 2 * element_bytes(kv_cache_dtype, KV_DTYPE_BYTES[dtype])
 
 
 def balanced_split(cfg: ModelConfig, pp: int) -> list[int]:
@@ -160,7 +163,7 @@ class Layout:
 
 
 def evaluate(cfg: ModelConfig, tp: int, pp: int, gpu_bytes: int, utilization: float, dtype: str, max_model_len: int,
-             split: list[int] | None = None, dp: int = 1, dcp: int = 1) -> Layout:
+             split: list[int] | None = None, dp: int = 1, dcp: int = 1, kv_cache_dtype: str = "auto") -> Layout:
     if dcp < 1 or tp % dcp:
         raise ValueError(f"a DCP size ({dcp}) must divide the TP size ({tp})")
     counts = param_counts(cfg)
@@ -174,7 +177,7 @@ def evaluate(cfg: ModelConfig, tp: int, pp: int, gpu_bytes: int, utilization: fl
         stage_weights = int(weight_bytes(cfg, dtype, b - a, tables) / tp)
         free = budget - stage_weights
         # each of a DCP group's ranks holds 1/dcp of a sequence's tokens: dcp times the tokens it has room for
-        stage_tokens = max(free, 0) * dcp // kv_bytes_per_token(cfg, b - a, tp, dtype, dcp)
+        stage_tokens = max(free, 0) * dcp // kv_bytes_per_token(cfg, b - a, tp, dtype, dcp, kv_cache_dtype)
         weights = max(weights, stage_weights)
         kv_free = free if kv_free is None else min(kv_free, free)
         tokens = stage_tokens if tokens is None else min(tokens, stage_tokens)

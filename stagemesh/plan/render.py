@@ -11,6 +11,11 @@ def _dcp(lay: Layout) -> str:
     return f" --decode-context-parallel-size {lay.dcp}" if lay.dcp > 1 else ""
 
 
+def _kv(req: PlanRequest) -> str:
+    """--kv-cache-dtype where the plan counts the cache in it (every service of a replica takes it)."""
+    return f" --kv-cache-dtype {req.kv_cache_dtype}" if req.kv_cache_dtype != "auto" else ""
+
+
 def _label(lay: Layout) -> str:
     return f"TP={lay.tp} PP={lay.pp}" + (f" DCP={lay.dcp}" if lay.dcp > 1 else "")
 
@@ -32,7 +37,7 @@ def ray_commands(req: PlanRequest, plan: Plan, model: str, device: str) -> dict:
              + (f" --layer-split {split}" if lay.pp > 1 else "")
              # with -dp > 1 the flag means experts across the replicas, which the Ray backend does not build
              + (" --enable-expert-parallel" if plan.expert_parallel and lay.dp == 1 else "")
-             + f" --device {device} --max-model-len {req.max_model_len} --distributed-executor-backend ray")
+             + f"{_kv(req)} --device {device} --max-model-len {req.max_model_len} --distributed-executor-backend ray")
     bundle = f"GPU {lay.tp}, CPU {lay.tp}" if device == "cuda" else f"CPU {lay.tp}"
     placement = {"node 0 (head)": [f"router, {', '.join(f'scheduler[{r}]' for r in range(lay.dp))} (no CPUs)"]}
     for r, i, node in stage_nodes(req, plan):
@@ -48,7 +53,7 @@ def commands(req: PlanRequest, plan: Plan, model: str, device: str, backend: str
         return ray_commands(req, plan, model, device)
     lay = plan.layout
     split = ",".join(map(str, lay.layer_split))
-    common = f"--max-model-len {req.max_model_len}"
+    common = f"--max-model-len {req.max_model_len}{_kv(req)}"
     if device == "cuda":
         common += f" --gpu-memory-utilization {req.utilization}"
     experts = " --enable-expert-parallel" if plan.expert_parallel else ""
@@ -65,12 +70,13 @@ def commands(req: PlanRequest, plan: Plan, model: str, device: str, backend: str
         port = 50051 + r
         replicas.append(f"$HEAD_NODE_IP:{port}")
         head.append(f"stagemesh scheduler {model} --host 0.0.0.0 --advertise-host $HEAD_NODE_IP --port {port} "
-                    f"--dist-port {29500 + r} --pipeline-parallel-size {lay.pp} --max-model-len {req.max_model_len}")
+                    f"--dist-port {29500 + r} --pipeline-parallel-size {lay.pp} --max-model-len {req.max_model_len}"
+                    f"{_kv(req)}")
         for _, i, node in [x for x in stage_nodes(req, plan) if x[0] == r]:
             a, b = ranges[i]
             cmd = (f"stagemesh stage {model} --scheduler $HEAD_NODE_IP:{port} --stage-index {i} --layers {a}:{b} "
                    f"--tensor-parallel-size {lay.tp}{_dcp(lay)} --device {device} --handoff nccl --host 0.0.0.0 "
-                   f"--advertise-host {'$HEAD_NODE_IP' if node == 0 else '$NODE_IP'}{experts}"
+                   f"--advertise-host {'$HEAD_NODE_IP' if node == 0 else '$NODE_IP'}{experts}{_kv(req)}"
                    + (f" --gpu-memory-utilization {req.utilization}" if device == "cuda" else ""))
             (head if node == 0 else workers.setdefault(f"node {node}", [])).append(cmd)
     head.append(f"stagemesh router {model} " + " ".join(f"--replica {x}" for x in replicas) +
@@ -81,7 +87,8 @@ def commands(req: PlanRequest, plan: Plan, model: str, device: str, backend: str
 
 def _kv_per_token(req: PlanRequest, lay: Layout) -> str:
     """A token's KV over all the model's layers, as a GPU of the layout holds it (MLA: its latent)."""
-    cfg, per_gpu = req.cfg, kv_bytes_per_token(req.cfg, req.cfg.num_hidden_layers, lay.tp, req.dtype, lay.dcp)
+    cfg, per_gpu = req.cfg, kv_bytes_per_token(req.cfg, req.cfg.num_hidden_layers, lay.tp, req.dtype, lay.dcp,
+                                               req.kv_cache_dtype)
     what = "K and V of its KV heads on the GPU"
     if cfg.family.attention == "mla":
         from stagemesh.core.families.deepseek_v2 import mla_dims
@@ -95,14 +102,16 @@ def _kv_per_token(req: PlanRequest, lay: Layout) -> str:
 def as_json(req: PlanRequest, plan: Plan, model: str, device: str, backend: str = "mp") -> dict:
     lay = plan.layout
     return {
-        "model_type": req.cfg.model_type, "dtype": req.dtype, "max_model_len": req.max_model_len,
+        "model_type": req.cfg.model_type, "dtype": req.dtype, "kv_cache_dtype": req.kv_cache_dtype,
+        "max_model_len": req.max_model_len,
         "tensor_parallel_size": lay.tp, "decode_context_parallel_size": lay.dcp, "pipeline_parallel_size": lay.pp,
         "data_parallel_size": lay.dp,
         "layer_split": lay.layer_split, "expert_parallel_size": lay.tp if plan.expert_parallel else 1,
         "nodes": plan.nodes_used, "gpus": lay.gpus,
         "weight_bytes_per_gpu": lay.weight_bytes_per_gpu, "kv_cache_bytes_per_gpu": max(lay.kv_bytes_per_gpu, 0),
         "kv_cache_tokens": lay.kv_cache_tokens, "max_concurrency": round(lay.max_concurrency, 2),
-        "kv_bytes_per_token": kv_bytes_per_token(req.cfg, req.cfg.num_hidden_layers, lay.tp, req.dtype, lay.dcp),
+        "kv_bytes_per_token": kv_bytes_per_token(req.cfg, req.cfg.num_hidden_layers, lay.tp, req.dtype, lay.dcp,
+                                                 req.kv_cache_dtype),
         "tight": plan.tight(req.gpu_bytes), "path": plan.path, "suggestion": plan.suggestion,
         "alternatives": plan.alternatives,
         "commands": commands(req, plan, model, device, backend),
@@ -111,7 +120,8 @@ def as_json(req: PlanRequest, plan: Plan, model: str, device: str, backend: str 
 
 def as_text(req: PlanRequest, plan: Plan, model: str, device: str, backend: str = "mp") -> str:
     lay = plan.layout
-    lines = [f"Plan for {model} ({req.cfg.model_type}, {req.dtype}) on {req.nodes} node(s) x {req.gpus_per_node} "
+    kv = f", KV cache {req.kv_cache_dtype}" if req.kv_cache_dtype != "auto" else ""
+    lines = [f"Plan for {model} ({req.cfg.model_type}, {req.dtype}{kv}) on {req.nodes} node(s) x {req.gpus_per_node} "
              f"GPU(s) of {req.gpu_bytes / GB:.0f} GB" + ("" if req.nvlink else ", no NVLink"), "", "Decision path:"]
     lines += [f"  {i}. {step}" for i, step in enumerate(plan.path, 1)]
     width = max(14, *(len(_label(c)) + 2 for c in [*plan.considered, lay]))

@@ -36,6 +36,7 @@ class PlanRequest:
     tensor_parallel_size: int | None = None
     pipeline_parallel_size: int | None = None
     decode_context_parallel_size: int | None = None  # None: the tree may propose DCP; 1: it may not
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype (fp8: one byte a cached value)
 
 
 @dataclass
@@ -63,7 +64,7 @@ def make_plan(req: PlanRequest) -> Plan:
 
 def _eval(req: PlanRequest, tp: int, pp: int, dtype: str | None = None, dcp: int = 1) -> Layout:
     return evaluate(req.cfg, tp, pp, req.gpu_bytes, req.utilization, dtype or req.dtype, req.max_model_len,
-                    dcp=dcp)
+                    dcp=dcp, kv_cache_dtype=req.kv_cache_dtype)
 
 
 def _fits(req: PlanRequest, layout: Layout) -> bool:

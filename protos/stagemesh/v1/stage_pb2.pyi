@@ -139,6 +139,7 @@ class StageDescription(_message.Message):
     DRAINING_FIELD_NUMBER: _builtins.int
     KV_BYTES_PER_BLOCK_FIELD_NUMBER: _builtins.int
     KV_DISK_TIER_FIELD_NUMBER: _builtins.int
+    KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     MAX_LORAS_FIELD_NUMBER: _builtins.int
     POOLING_TASKS_FIELD_NUMBER: _builtins.int
@@ -192,6 +193,11 @@ class StageDescription(_message.Message):
     """
     kv_disk_tier: _builtins.bool
     """Started with --kv-offloading-disk-path: this stage has a disk tier."""
+    kv_cache_dtype: _builtins.str
+    """Its KV cache's --kv-cache-dtype: "auto" (the model's dtype), "fp8_e4m3" or
+    "fp8_e5m2"; empty from an older stage (auto). The scheduler refuses a
+    stage whose dtype is not its own --kv-cache-dtype.
+    """
     max_loras: _builtins.int
     @_builtins.property
     def model(self) -> Global___ModelIdentity: ...
@@ -231,13 +237,14 @@ class StageDescription(_message.Message):
         draining: _builtins.bool = ...,
         kv_bytes_per_block: _builtins.int = ...,
         kv_disk_tier: _builtins.bool = ...,
+        kv_cache_dtype: _builtins.str = ...,
         lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
         max_loras: _builtins.int = ...,
         pooling_tasks: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "draining", b"draining", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "instance_id", b"instance_id", "kv_bytes_per_block", b"kv_bytes_per_block", "kv_disk_tier", b"kv_disk_tier", "layer_end", b"layer_end", "layer_start", b"layer_start", "lora_adapters", b"lora_adapters", "max_loras", b"max_loras", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "num_speculative_tokens", b"num_speculative_tokens", "pooling_tasks", b"pooling_tasks", "speculative_model", b"speculative_model", "stage_index", b"stage_index", "standby", b"standby", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "draining", b"draining", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "instance_id", b"instance_id", "kv_bytes_per_block", b"kv_bytes_per_block", "kv_cache_dtype", b"kv_cache_dtype", "kv_disk_tier", b"kv_disk_tier", "layer_end", b"layer_end", "layer_start", b"layer_start", "lora_adapters", b"lora_adapters", "max_loras", b"max_loras", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "num_speculative_tokens", b"num_speculative_tokens", "pooling_tasks", b"pooling_tasks", "speculative_model", b"speculative_model", "stage_index", b"stage_index", "standby", b"standby", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -788,15 +795,25 @@ class KVBlocksChunk(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     K_FIELD_NUMBER: _builtins.int
     V_FIELD_NUMBER: _builtins.int
+    K_SCALE_FIELD_NUMBER: _builtins.int
+    V_SCALE_FIELD_NUMBER: _builtins.int
     layer: _builtins.int
     """model layer"""
     first_block: _builtins.int
     """index in ReadKVRequest.block_ids of the chunk's first block"""
     num_blocks: _builtins.int
     dtype: _builtins.str
-    """"float32", "bfloat16" or "float16" """
+    """"float32", "bfloat16", "float16", or an fp8 cache's "float8_e4m3fn" or
+    "float8_e5m2" (--kv-cache-dtype fp8), whose values read as stored * scale
+    """
     k: _builtins.bytes
     v: _builtins.bytes
+    k_scale: _builtins.float
+    """An fp8 chunk's layer scales (k_scale, v_scale): positive, the same in
+    every chunk of the layer; 0 for the other dtypes. A decode stage whose
+    cache has another dtype or other scales converts the values.
+    """
+    v_scale: _builtins.float
     def __init__(
         self,
         *,
@@ -806,10 +823,12 @@ class KVBlocksChunk(_message.Message):
         dtype: _builtins.str = ...,
         k: _builtins.bytes = ...,
         v: _builtins.bytes = ...,
+        k_scale: _builtins.float = ...,
+        v_scale: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "first_block", b"first_block", "k", b"k", "layer", b"layer", "num_blocks", b"num_blocks", "v", b"v"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "first_block", b"first_block", "k", b"k", "k_scale", b"k_scale", "layer", b"layer", "num_blocks", b"num_blocks", "v", b"v", "v_scale", b"v_scale"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
