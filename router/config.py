@@ -193,10 +193,11 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
-            if self.tenants is not None:
+            if self.tenants is not None and self.tenants.path is not None:
                 raise StagemeshError("--api-key and --api-keys-file cannot both be given: add the key to a tenant "
                                      "of the file")
-            object.__setattr__(self, "tenants", Tenants.of_api_key(self.api_key))  # (derived once, when built)
+            if self.tenants is None:  # (derived once, when built; a copy by dataclasses.replace keeps it)
+                object.__setattr__(self, "tenants", Tenants.of_api_key(self.api_key))
         if not self.chat_template_timeout > 0:
             raise StagemeshError(f"--chat-template-timeout must be > 0, got {self.chat_template_timeout}")
         if not self.grammar_compile_timeout > 0:

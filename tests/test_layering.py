@@ -23,6 +23,7 @@ SERVICERS = {  # decode, hand off, encode
 }
 CLIENTS = {  # the RPCs one service makes of another
     "scheduler.grpc_pipeline",  # the scheduler's client of its stages
+    "scheduler.step_stream",  # (grpc_pipeline's steps over one Stage.ForwardStream per stage)
     "scheduler.kv_peers",  # a decode scheduler's client of its prefill peers' schedulers (their stages)
     "router.submit_stream", "router.replicas",  # the router's clients of the schedulers (requests; health, stats)
     "stage_worker.registration",  # the stage's registration with its scheduler

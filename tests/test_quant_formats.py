@@ -137,7 +137,7 @@ REFUSALS = [
      "static input_activations need model.layers.0.mlp.gate_proj.input_scale"),
     ("ct-fp8-channel", dict(config=lambda qc: qc["config_groups"]["group_0"]["input_activations"].__setitem__(
         "symmetric", False)), "symmetric = False is not built"),
-    ("ct-fp8-channel", dict(config=_set("kv_cache_scheme", {"num_bits": 8})), "kv_cache_scheme is not built"),
+    ("ct-fp8-channel", dict(config=_set("kv_cache_scheme", {"num_bits": 8})), "kv_cache_scheme has no type"),
     ("ct-fp8-channel", dict(config=_set("format", "marlin-24")), "format = 'marlin-24'"),
     ("ct-w4a16", dict(config=lambda qc: qc["config_groups"]["group_0"]["weights"].__setitem__("group_size", 16)),
      "weight_scale has shape .* want"),

@@ -11,6 +11,7 @@ import importlib
 import pkgutil
 
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.families import FAMILIES
 from stagemesh.core.model_config import ModelConfig
 from stage_worker.quant_methods.method import QuantMethod
 
@@ -66,9 +67,10 @@ def checkpoint_method(cfg: ModelConfig, flag: str | None) -> QuantMethod | None:
         raise StagemeshError(f"--quantization {flag} does not match the checkpoint's quantization_config.quant_method "
                              f"{name!r} (give --quantization {name}, or none)")
     method = METHODS[name]
-    if method.families is not None and cfg.model_type not in method.families:
+    if method.family_only and name not in cfg.family.own_quant_methods:
+        built = [t for t, f in FAMILIES.items() if name in f.own_quant_methods]
         raise StagemeshError(f"quantization_config.quant_method {name!r} is built for model_type "
-                             f"{', '.join(method.families)}, not {cfg.model_type}")
+                             f"{', '.join(built)}, not {cfg.model_type}")
     return method(qc)
 
 

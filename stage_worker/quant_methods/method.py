@@ -56,7 +56,8 @@ class QuantMethod:
     name: ClassVar[str]
     fields: ClassVar[frozenset[str]]
     bits: int = 8  # the weights' bits
-    families: ClassVar[tuple[str, ...] | None] = None  # the model types whose layers it is built for (None: any)
+    # built for one family's layers only: served where the family names it (Family.own_quant_methods)
+    family_only: ClassVar[bool] = False
 
     @property
     def plan_dtype(self) -> str:

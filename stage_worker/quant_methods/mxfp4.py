@@ -28,7 +28,7 @@ class Mxfp4(QuantMethod):
     name = NAME
     bits = 4
     fields = frozenset({"modules_to_not_convert"})
-    families = ("gpt_oss",)
+    family_only = True  # gpt-oss's experts (stagemesh.core.families.gpt_oss names it)
     plan_dtype = "mxfp4"  # (stagemesh.plan.memory: the experts packed, the rest bf16)
 
     def __init__(self, qc):

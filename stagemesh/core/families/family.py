@@ -118,6 +118,9 @@ class Family:
     # sliding_window applies to the layers config.json's layer_types names sliding_attention, which attend within
     # it (the stage runs the window): the context is not capped at it (Gemma 3, gpt-oss)
     sliding_layers: bool = False
+    # the quantization methods built for this family's layers alone (stage_worker.quant_methods: a method with
+    # family_only is refused for a family that does not name it), e.g. gpt-oss's MXFP4 experts
+    own_quant_methods: tuple[str, ...] = ()
     # stage_worker's module of the family's own stage model (its STAGE_MODEL), where its layers are not the
     # Llama-like decoder's (stage_worker.model.StageModel); None: that decoder
     stage_model: str | None = None
