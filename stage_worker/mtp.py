@@ -106,10 +106,11 @@ class MTPModel(Module):
 
 class MTPRunner:
     """The MTP layer's model and KV cache, as the KV tiers read a draft's (stage_worker.kv_tiers: its config,
-    dtype, model.layers, kv_block_size, num_kv_heads and kv_caches)."""
+    dtype, kv_cache_dtype, model.layers, kv_block_size, num_kv_heads and kv_caches)."""
 
     def __init__(self, cfg: ModelConfig, model_dir, device, dtype: torch.dtype, block_size: int):
         self.config, self.model_dir, self.device, self.dtype = cfg, model_dir, torch.device(device), dtype
+        self.kv_cache_dtype = dtype  # (its cache in the weights' dtype: an fp8 cache refuses a drafter, runner.py)
         self.kv_block_size, self.num_kv_heads = block_size, cfg.num_key_value_heads
         self.model = MTPModel(cfg, mtp_tensor_names(cfg, model_dir), dtype, self.device, cfg.max_position_embeddings)
         _load(self.model, cfg, model_dir)
