@@ -29,6 +29,7 @@ def test_every_field_crosses_the_wire_and_back():
 def test_every_sampling_parameter_crosses_the_wire_and_back():
     """The plain fields travel by name (stagemesh.core.wire): a new SamplingParams field needs its proto field
     and nothing else; proto3's zeros read back as the defaults they stand for."""
+    from stagemesh.core.pooling import PoolingParams
     from stagemesh.core.sampling_params import StructuredOutputs
     from stagemesh.core.wire import sampling_from_pb, sampling_to_pb
 
@@ -36,11 +37,13 @@ def test_every_sampling_parameter_crosses_the_wire_and_back():
                        frequency_penalty=-0.5, seed=0, max_tokens=30, min_tokens=2, stop_token_ids=(3, 4),
                        ignore_eos=False, logprobs=0, prompt_logprobs=0, logit_bias=((5, 1.5),),
                        allowed_token_ids=(1, 2, 5), bad_words_token_ids=((7, 8),),
-                       structured=StructuredOutputs("choice", choices=("a", "b")))
+                       structured=StructuredOutputs("choice", choices=("a", "b")),
+                       pooling=PoolingParams("embed", dimensions=8, normalize=False, activation=False))
     default = SamplingParams()
     assert not [f.name for f in fields(p) if getattr(p, f.name) == getattr(default, f.name)
                 and f.name != "ignore_eos"]  # (every field off its default; ignore_eos cannot go with a choice)
-    for params in (p, default, SamplingParams(ignore_eos=True, top_k=0, seed=None)):
+    for params in (p, default, SamplingParams(ignore_eos=True, top_k=0, seed=None),
+                   SamplingParams(pooling=PoolingParams("classify"))):
         assert sampling_from_pb(sampling_to_pb(params)) == SamplingParams(**{
             **{f.name: getattr(params, f.name) for f in fields(params)}, "top_k": params.top_k if params.top_k > 0
             else -1})
