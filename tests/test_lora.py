@@ -8,6 +8,7 @@ import re
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -633,6 +634,11 @@ def test_disaggregated_prefill_carries_the_adapter_with_its_kv(model, adapters, 
                                 env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
     try:
         wait_http_ok(proc, f"http://127.0.0.1:{port}/ready", 180, "serve", log)
+        deadline = time.monotonic() + 180  # (serve answers once one replica does: here the prefill one too)
+        while not all(r["healthy"] for r in requests.get(f"http://127.0.0.1:{port}/ready", timeout=10)
+                      .json()["replicas"]):
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         loaded = requests.post(f"http://127.0.0.1:{port}/v1/load_lora_adapter",
                                json={"lora_name": "rs", "lora_path": str(adapters["rs"])}, timeout=150)
