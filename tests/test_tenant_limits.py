@@ -56,6 +56,7 @@ def test_the_sliding_window_counts_the_last_minute_by_what_is_left_of_it():
 
 def test_a_tenants_4th_request_in_a_minute_is_a_429_with_retry_after_and_ratelimit_headers(model_dir, keys):
     with FakeRouter(model_dir, M, tenants=Tenants.from_file(keys), limits=TenantLimits(MemoryWindows())) as router:
+        before = _metrics(router)  # (the counters are this process's: other tests' tenants may share names)
         answers = [complete(router, "kc") for _ in range(4)]
         assert [a.status_code for a in answers] == [200, 200, 200, 429]
         ok, refused = answers[2], answers[3]
@@ -70,11 +71,23 @@ def test_a_tenants_4th_request_in_a_minute_is_a_429_with_retry_after_and_ratelim
         too_many = complete(router, "kb", max_tokens=30)
         assert too_many.status_code == 429 and "tokens_per_minute" in too_many.json()["error"]["message"]
         assert too_many.headers["x-ratelimit-limit-tokens"] == "40"
-        metrics = requests.get(f"{router.base_url}/metrics", headers={"x-api-key": "ka"}, timeout=10).text
-    assert 'stagemesh:tenant_requests_refused_total{code="429",reason="requests_per_minute",tenant="gamma"} 1.0' \
-        in metrics
-    assert 'stagemesh:tenant_requests_total{finished_reason="length",tenant="gamma"} 3.0' in metrics
-    assert 'stagemesh:tenant_generation_tokens_total{tenant="alpha"} 4.0' in metrics
+        after = _metrics(router)
+    for series, grew in [('stagemesh:tenant_requests_refused_total{code="429",reason="requests_per_minute",'
+                          'tenant="gamma"}', 1.0),
+                         ('stagemesh:tenant_requests_total{finished_reason="length",tenant="gamma"}', 3.0),
+                         ('stagemesh:tenant_generation_tokens_total{tenant="alpha"}', 4.0)]:
+        assert after.get(series, 0.0) - before.get(series, 0.0) == grew, series
+
+
+def _metrics(router) -> dict[str, float]:
+    """The router's /metrics samples by series (name and labels as exposed)."""
+    text = requests.get(f"{router.base_url}/metrics", headers={"x-api-key": "ka"}, timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            out[series] = float(value)
+    return out
 
 
 class SlowReplica(FakeReplica):
