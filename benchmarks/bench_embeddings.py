@@ -1,8 +1,8 @@
 """Embedding throughput (texts/s): `stagemesh serve --runner pooling` on the embedded default model (converted to
 embed: last-token pooled, normalized) through /v1/embeddings, against transformers in this process on the same
 weights (batches of the same size, padded) measured in the same run, and vLLM's CPU build's pooling runner when
---vllm URL names one serving the same model (README: its venv; `vllm serve MODEL --runner pooling`). Checks the
-served embeddings against transformers' first (cosine).
+--vllm URL names one serving the same model (docs/benchmarks.md: its venv; `vllm serve MODEL --runner pooling`).
+Checks the served embeddings against transformers' first (cosine).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_embeddings.py [--texts 256] [--batch 32] [--concurrency 2]
         [--rounds 3] [--dtype float32] [--vllm http://127.0.0.1:8001 --vllm-model smol]

@@ -1,5 +1,5 @@
 """A Responses stream's event ids, and what a resumed stream leaves out (router.resume does the same for chat
-and completions streams; its README section says why ids are opt-in).
+and completions streams; docs/operations.md says why ids are opt-in).
 
 The events come in groups: the opening (response.created, response.in_progress), one group per delta of the
 generation (the message item's opening and a text delta), and the closing (the rest of the text, the items'
