@@ -14,8 +14,8 @@ import requests
 from mesh import free_port
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
-from stagemesh.plan.cli import load_config
-from stagemesh.plan.tree import GB, PlanRequest, make_plan
+from stagemesh.entry.plan.cli import load_config
+from stagemesh.entry.plan.tree import GB, PlanRequest, make_plan
 from tiny_models import with_word_tokenizer
 
 
@@ -191,7 +191,7 @@ def test_printed_serve_command_starts_the_mesh(tiny_model_dir, tmp_path, arch, l
 
 
 def test_ray_backend_plan_says_which_node_gets_what_and_its_serve_command_parses():
-    from stagemesh.cli import build_parser
+    from stagemesh.entry.cli import build_parser
 
     out = json.loads(stagemesh_plan("Llama-3.1-405B", "--gpus-per-node", "8", "--nodes", "2", "--gpu-memory", "80GB",
                                     "--dtype", "fp16", "--distributed-executor-backend", "ray", "--json").stdout)
@@ -211,7 +211,7 @@ def test_ray_backend_plan_says_which_node_gets_what_and_its_serve_command_parses
 def test_quantised_formats_count_their_scales():
     """The default model's shape: q4_1 holds 4 bits + an fp32 scale and min per 32 (0.75 byte a weight), its
     tables Q8_0; int8 a byte a weight + an fp32 scale a row, its tables bf16."""
-    from stagemesh.plan.memory import evaluate, linear_rows_per_layer, param_counts
+    from stagemesh.entry.plan.memory import evaluate, linear_rows_per_layer, param_counts
 
     cfg = ModelConfig.from_dict({"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
                                  "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -231,7 +231,7 @@ def test_quantised_formats_count_their_scales():
 
 def few_kv_heads(model="Llama-3.1-70B", **changes) -> dict:
     """A reference config with fewer KV heads (multi-query attention by default), as a config.json dict."""
-    from stagemesh.plan.cli import REFERENCE
+    from stagemesh.entry.plan.cli import REFERENCE
 
     raw = json.loads((REFERENCE / f"{model}.json").read_text())
     return {**raw, "num_key_value_heads": 1, **changes}
@@ -242,7 +242,7 @@ def plan_cfg(raw: dict, gpus=8, nodes=1, mem=24e9, dtype="fp16", max_len=131072,
 
 
 def test_dcp_kv_tokens_match_a_hand_computation():
-    from stagemesh.plan.memory import evaluate, kv_bytes_per_token
+    from stagemesh.entry.plan.memory import evaluate, kv_bytes_per_token
 
     mqa = ModelConfig.from_dict(few_kv_heads())  # 80 layers, 1 KV head of 128
     plain = evaluate(mqa, 8, 1, int(24e9), 0.9, "fp16", 131072)
@@ -279,7 +279,7 @@ def test_tree_proposes_dcp_where_tp_alone_cannot_hold_max_model_len():
 
 def test_a_real_config_with_fewer_kv_heads_than_gpus_gets_dcp():
     qwen, _ = load_config("Qwen3-235B-A22B")  # 4 KV heads on 8 GPUs: replicated 2x
-    from stagemesh.plan.tree import dcp_sizes
+    from stagemesh.entry.plan.tree import dcp_sizes
 
     assert dcp_sizes(qwen, 8) == [2]  # DCP=4 would shard as TP=2, past the 4 KV heads: no further saving
     p = make_plan(PlanRequest(qwen, 8, 1, int(80e9), "bf16", 300000))
@@ -288,7 +288,7 @@ def test_a_real_config_with_fewer_kv_heads_than_gpus_gets_dcp():
 
 
 def test_dcp_is_never_proposed_where_tp_does_not_replicate_the_kv_heads():
-    from stagemesh.plan.tree import dcp_sizes
+    from stagemesh.entry.plan.tree import dcp_sizes
 
     llama, _ = load_config("Llama-3.1-70B")  # 8 KV heads
     assert dcp_sizes(llama, 8) == [] and dcp_sizes(llama, 4) == []
