@@ -145,7 +145,8 @@ def _check_layout(args: argparse.Namespace) -> None:
     if args.api_server_count > 1:  # several routers share fixed ports: "any free port" must be chosen here
         args.port = args.port or free_port(args.host)
         args.grpc_port = args.grpc_port or free_port(args.host) if args.grpc_port is not None else None
-    from router.responses_api.store import MEMORY, check_store_options
+    from router.responses_api.store import MEMORY
+    from router.responses_api.store_flags import check_store_options
 
     try:  # refused here rather than by a router child restarted over and over
         check_store_options(args.responses_store or MEMORY, args.responses_store_size, args.responses_store_ttl)
