@@ -162,38 +162,53 @@ class Layout:
         return self.tp * self.pp * self.dp
 
 
-def evaluate(cfg: ModelConfig, tp: int, pp: int, gpu_bytes: int, utilization: float, dtype: str, max_model_len: int,
-             split: list[int] | None = None, dp: int = 1, dcp: int = 1, kv_cache_dtype: str = "auto") -> Layout:
+@dataclass(frozen=True)
+class Budget:
+    """What every layout of a plan is measured against: a GPU's memory and the share of it serve may take
+    (--gpu-memory-utilization), the weights' and the KV cache's formats, and the context a sequence may reach."""
+    gpu_bytes: int
+    utilization: float
+    dtype: str  # the weights' (DTYPE_BYTES)
+    max_model_len: int
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype (fp8: one byte a cached value)
+
+    @property
+    def usable(self) -> int:
+        """Bytes a GPU gives to weights and the KV cache."""
+        return int(self.gpu_bytes * self.utilization) - ACTIVATION_RESERVE
+
+
+def evaluate(cfg: ModelConfig, budget: Budget, tp: int, pp: int, split: list[int] | None = None, dp: int = 1,
+             dcp: int = 1) -> Layout:
     if dcp < 1 or tp % dcp:
         raise ValueError(f"a DCP size ({dcp}) must divide the TP size ({tp})")
     counts = param_counts(cfg)
     split = split or balanced_split(cfg, pp)
-    budget = int(gpu_bytes * utilization) - ACTIVATION_RESERVE
+    dtype = budget.dtype
     weights, kv_free, tokens = 0, None, None
     for a, b in layer_ranges(split):
         tables = counts.embedding if a == 0 else 0
         if b == cfg.num_hidden_layers:
             tables += (counts.lm_head or counts.embedding) + counts.final_norm
         stage_weights = int(weight_bytes(cfg, dtype, b - a, tables) / tp)
-        free = budget - stage_weights
+        free = budget.usable - stage_weights
         # each of a DCP group's ranks holds 1/dcp of a sequence's tokens: dcp times the tokens it has room for
-        stage_tokens = max(free, 0) * dcp // kv_bytes_per_token(cfg, b - a, tp, dtype, dcp, kv_cache_dtype)
+        stage_tokens = max(free, 0) * dcp // kv_bytes_per_token(cfg, b - a, tp, dtype, dcp, budget.kv_cache_dtype)
         weights = max(weights, stage_weights)
         kv_free = free if kv_free is None else min(kv_free, free)
         tokens = stage_tokens if tokens is None else min(tokens, stage_tokens)
     assert kv_free is not None and tokens is not None  # (a split has at least one stage)
-    return Layout(tp, pp, dp, split, weights, kv_free, tokens, tokens / max_model_len, dcp)
+    return Layout(tp, pp, dp, split, weights, kv_free, tokens, tokens / budget.max_model_len, dcp)
 
 
-def evaluate_dp_ep(cfg: ModelConfig, dp: int, gpu_bytes: int, utilization: float, dtype: str,
-                   max_model_len: int) -> Layout:
+def evaluate_dp_ep(cfg: ModelConfig, budget: Budget, dp: int) -> Layout:
     """DP replicas of one GPU each whose stages share the experts (--data-parallel-size with
     --enable-expert-parallel, EP = DP): each GPU holds everything but the routed experts whole, 1 / dp of those, and
     its own replica's KV cache."""
     counts = param_counts(cfg)
     tables = counts.embedding + counts.lm_head + counts.final_norm
-    experts = expert_params(cfg) * DTYPE_BYTES[dtype]
-    weights = int(weight_bytes(cfg, dtype, cfg.num_hidden_layers, tables) - experts + experts / dp)
-    free = int(gpu_bytes * utilization) - ACTIVATION_RESERVE - weights
-    tokens = max(free, 0) // kv_bytes_per_token(cfg, cfg.num_hidden_layers, 1, dtype)
-    return Layout(1, 1, dp, [cfg.num_hidden_layers], weights, free, tokens, tokens / max_model_len)
+    experts = expert_params(cfg) * DTYPE_BYTES[budget.dtype]
+    weights = int(weight_bytes(cfg, budget.dtype, cfg.num_hidden_layers, tables) - experts + experts / dp)
+    free = budget.usable - weights
+    tokens = max(free, 0) // kv_bytes_per_token(cfg, cfg.num_hidden_layers, 1, budget.dtype)
+    return Layout(1, 1, dp, [cfg.num_hidden_layers], weights, free, tokens, tokens / budget.max_model_len)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
-from stagemesh.entry.plan.memory import DTYPE_BYTES, Layout, evaluate
+from stagemesh.entry.plan.memory import DTYPE_BYTES, Budget, Layout, evaluate
 
 GB = 1e9
 BLOCK_SIZE = 16  # the serving commands' default --block-size: a DCP size divides it
@@ -37,6 +37,10 @@ class PlanRequest:
     pipeline_parallel_size: int | None = None
     decode_context_parallel_size: int | None = None  # None: the tree may propose DCP; 1: it may not
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype (fp8: one byte a cached value)
+
+    def budget(self, dtype: str | None = None) -> Budget:
+        """What a layout is measured against: this request's GPU and settings (another weights' format: dtype)."""
+        return Budget(self.gpu_bytes, self.utilization, dtype or self.dtype, self.max_model_len, self.kv_cache_dtype)
 
 
 @dataclass
@@ -63,8 +67,7 @@ def make_plan(req: PlanRequest) -> Plan:
 
 
 def _eval(req: PlanRequest, tp: int, pp: int, dtype: str | None = None, dcp: int = 1) -> Layout:
-    return evaluate(req.cfg, tp, pp, req.gpu_bytes, req.utilization, dtype or req.dtype, req.max_model_len,
-                    dcp=dcp, kv_cache_dtype=req.kv_cache_dtype)
+    return evaluate(req.cfg, req.budget(dtype), tp, pp, dcp=dcp)
 
 
 def _fits(req: PlanRequest, layout: Layout) -> bool:
@@ -267,7 +270,7 @@ def _dp_ep(req: PlanRequest, gpus: int) -> str:
     cfg, flags = req.cfg, f"--data-parallel-size {gpus} --enable-expert-parallel"
     if cfg.num_experts % gpus:
         return f"DP={gpus} x EP={gpus} ({flags}): the {cfg.num_experts} experts do not split over {gpus} GPUs"
-    lay = evaluate_dp_ep(cfg, gpus, req.gpu_bytes, req.utilization, req.dtype, req.max_model_len)
+    lay = evaluate_dp_ep(cfg, req.budget(), gpus)
     verdict = "fits" if _fits(req, lay) else "does NOT fit (no room for one request's KV cache)"
     return (f"DP={gpus} x EP={gpus} ({flags}): attention and the dense layers whole on each GPU, "
             f"{cfg.num_experts // gpus} of the {cfg.num_experts} experts: {lay.weight_bytes_per_gpu / GB:.1f} GB of "
