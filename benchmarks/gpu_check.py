@@ -168,7 +168,8 @@ SERVE_MODULES = (
     ("scheduler.cli", "scheduler.service"),
     ("stage_worker.cli", "stage_worker.service", "stage_worker.runner"),
     ("stagemesh.entry.cli", "stagemesh.entry.local_mesh", "stagemesh.entry.supervisor", "stagemesh.entry.local_engine",
-     "stagemesh.entry.bench.cli", "stagemesh.entry.bench.backends", "stagemesh.core.telemetry", "stagemesh.v1.frontend_pb2_grpc"),
+     "stagemesh.entry.bench.cli", "stagemesh.entry.bench.backends", "stagemesh.core.telemetry",
+     "stagemesh.v1.frontend_pb2_grpc"),
 )
 _IMPORT_CHECK = """
 import importlib, json, sys

@@ -46,7 +46,7 @@ def test_the_users_threads_and_spin_are_kept():
 
 def test_serve_gives_its_stages_the_plan(monkeypatch):
     """The stages' command lines and environments (what serve starts) carry the plan for this host."""
-    from stagemesh import layout as layout_module
+    from stagemesh.entry import layout as layout_module
     from stagemesh.entry.layout import MeshLayout
 
     monkeypatch.setattr(layout_module.os, "cpu_count", lambda: 16)

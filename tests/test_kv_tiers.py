@@ -231,7 +231,7 @@ def test_a_full_disk_goes_on_without_the_tier_with_one_warning(runner, small_fs,
 def test_serve_gives_each_replica_a_disk_tier_directory_of_its_own(tmp_path):
     import argparse
 
-    from stagemesh import serve
+    from stagemesh.entry import serve
     from stagemesh.entry.layout import plan_commands
 
     p = argparse.ArgumentParser()

@@ -24,7 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("stagemesh.entry.generate", "answer one prompt in-process, without the mesh"),
     "plan": ("stagemesh.entry.plan.cli", "plan tensor/pipeline/data parallel sizes and their memory"),
     "bench": ("stagemesh.entry.bench.cli", "serving benchmark against a running router"),
-    "rollout": ("stagemesh.entry.ops.rollout_cli", "restart every service of a running serve, one at a time, losing nothing"),
+    "rollout": ("stagemesh.entry.ops.rollout_cli",
+                "restart every service of a running serve, one at a time, losing nothing"),
     "scale": ("stagemesh.entry.ops.scale_cli", "add or remove data-parallel replicas of a running serve"),
 }
 

@@ -27,7 +27,7 @@ import uuid
 from typing import Callable
 
 from stagemesh.core.errors import StagemeshError
-from stagemesh import ray_room as room
+from stagemesh.entry import ray_room as room
 from stagemesh.entry.ray_service import RayService
 
 log = logging.getLogger("stagemesh.serve")

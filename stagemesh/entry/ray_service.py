@@ -1,7 +1,7 @@
 """The driver's handle on one service of a Ray mesh: its actor (stagemesh.entry.ray_actor.ServiceActor), its placement
 group (a stage's), what serve's supervision last read of it, and what serve's operations drive through it (the
-same hands as on a local child, stagemesh.entry.supervisor.Child: stagemesh.entry.ops.mesh.Service). Every call to the actor
-has a deadline; an actor that does not answer reads as running nothing."""
+same hands as on a local child, stagemesh.entry.supervisor.Child: stagemesh.entry.ops.mesh.Service). Every call to
+the actor has a deadline; an actor that does not answer reads as running nothing."""
 from __future__ import annotations
 
 import logging

@@ -87,7 +87,7 @@ def _reload_api_keys_on_sighup(args: argparse.Namespace, controller) -> None:
 
 
 def _run_on_ray(args: argparse.Namespace, token: str, signals: Signals, autoscale) -> int:
-    from stagemesh import ray_mesh
+    from stagemesh.entry import ray_mesh
     from stagemesh.entry.ray_executor import RayCluster, Stopped
 
     try:  # refuses clearly when no cluster answers

@@ -1,8 +1,9 @@
 """The serve mesh as its operations see it: the replicas (each a scheduler and its stages, by index), the routers
 (each with its control port), and what every router is to balance over. The operations are written against two
 small interfaces, so that one rollout and one scaling serve both backends: a Service (one service of the mesh: a
-local child process, stagemesh.entry.supervisor.Child, or one under a Ray actor, stagemesh.entry.ray_service.RayService) and
-a MeshHost (what runs them: stagemesh.entry.local_mesh.LocalMesh, or stagemesh.entry.ray_mesh.RayHost)."""
+local child process, stagemesh.entry.supervisor.Child, or one under a Ray actor,
+stagemesh.entry.ray_service.RayService) and a MeshHost (what runs them: stagemesh.entry.local_mesh.LocalMesh, or
+stagemesh.entry.ray_mesh.RayHost)."""
 from __future__ import annotations
 
 import logging
