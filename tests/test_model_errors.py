@@ -38,7 +38,7 @@ def test_unsupported_architecture(tmp_path):
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
 ])
 def test_mixture_of_experts_config_that_cannot_be_served(tmp_path, change, message):
-    config = (Path(__file__).parents[1] / "stagemesh" / "plan" / "reference_configs" / "Mixtral-8x7B.json")
+    config = (Path(__file__).parents[1] / "stagemesh" / "entry" / "plan" / "reference_configs" / "Mixtral-8x7B.json")
     (tmp_path / "config.json").write_text(json.dumps({**json.loads(config.read_text()), **change}))
     result = stagemesh("generate", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
