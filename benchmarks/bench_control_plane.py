@@ -2,7 +2,7 @@
 /proc (utime + stime of every process of the role, its threads and TP followers included) around each served run,
 at batch 1 and at 32 concurrent streams; steps per second and the scheduler's overhead per step (its CPU per step,
 and the step's wall time less the stages' reported compute); served mesh against the in-process engine
-(stagemesh.local_engine: the same driver and stage code in one process), side by side, alternating, in one run;
+(stagemesh.entry.local_engine: the same driver and stage code in one process), side by side, alternating, in one run;
 and the physical bound: the bf16 products of the decode shapes on this machine's kernels (kernels/csrc/
 bf16_linear.cpp, every core), as tokens per second.
 

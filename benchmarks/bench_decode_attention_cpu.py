@@ -189,7 +189,7 @@ def prefill(args, cpu_ops) -> None:
 def model(args) -> None:
     from stagemesh.core.default_model import default_model_dir
     from stagemesh.core.sampling_params import SamplingParams
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
 
     from kernels import cpu_ops
 

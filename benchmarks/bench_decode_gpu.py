@@ -24,7 +24,7 @@ from stage_worker.quantization import quantize_at_load
 from stage_worker.runner import StageRunner
 from stage_worker.weights import init_random_weights
 
-CONFIG = Path(__file__).parents[1] / "stagemesh" / "plan" / "reference_configs" / "Llama-3.1-8B.json"
+CONFIG = Path(__file__).parents[1] / "stagemesh" / "entry" / "plan" / "reference_configs" / "Llama-3.1-8B.json"
 
 
 def copy_bandwidth() -> float:

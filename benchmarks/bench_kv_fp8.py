@@ -107,7 +107,7 @@ def capacity(model_dir, memory: int) -> None:
 
 
 def speed(model_dir, args) -> None:
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
 
     long_prompt = [100 + (i * 7919) % 40000 for i in range(1500)]
     prompts, outputs = standard_batch(args.batch)

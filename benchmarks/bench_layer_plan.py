@@ -39,7 +39,7 @@ def main() -> None:
     from stage_worker import layer_plan
     from stage_worker.cpu_isa import cpu_flags, describe_isa
     from stagemesh.core.default_model import default_model_dir, gguf_path
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
 
     model_dir = default_model_dir()
     prompt_ids = AutoTokenizer.from_pretrained(model_dir).encode("Write a short story about a lighthouse keeper.")

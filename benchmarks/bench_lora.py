@@ -62,7 +62,7 @@ def make_adapters(model_dir: str, root: Path, rank: int, count: int) -> dict[str
 def run_arm(arm: str, model_dir: str, adapters: dict[str, Path], args) -> float:
     """Output tokens per second of one arm's workload (engine built outside the timing)."""
     from stagemesh.core.sampling_params import SamplingParams
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
 
     lora = {} if arm == "base" else dict(lora_modules=[f"{n}={p}" for n, p in adapters.items()],
                                          max_loras=args.slots16 if arm == "sixteen" else 4,

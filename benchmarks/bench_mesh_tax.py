@@ -1,5 +1,5 @@
 """The mesh tax on one host: `stagemesh serve` (router + scheduler + stage processes, over HTTP) against the
-in-process engine (stagemesh.local_engine: the same driver and stage code in one process, no gRPC, no HTTP),
+in-process engine (stagemesh.entry.local_engine: the same driver and stage code in one process, no gRPC, no HTTP),
 same weights, same workload, same run.
 
 Arms: bf16 (`--dtype bfloat16`), fp32, gguf-q4_1 (the embedded GGUF's quantised weights, `-q gguf`). Each arm's
@@ -37,7 +37,7 @@ WORKLOADS = {"standard": dict(num=32, input_len=(16, 256), output_len=(16, 128),
 def workload(name: str):
     from transformers import AutoTokenizer
 
-    from stagemesh.bench.workload import synthetic
+    from stagemesh.entry.bench.workload import synthetic
     from stagemesh.core.default_model import resolve_model
 
     w = WORKLOADS[name]
@@ -62,7 +62,7 @@ def inprocess(arm: str, name: str, model: Path | None = None) -> dict:
     from stagemesh.core.default_model import resolve_model
     from stagemesh.core.engine_request import EngineRequest
     from stagemesh.core.sampling_params import SamplingParams
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
 
     requests = workload(name)
     engine = LocalEngine(model or resolve_model(None), **engine_kwargs(arm))
@@ -106,9 +106,9 @@ def inprocess(arm: str, name: str, model: Path | None = None) -> dict:
 
 def served(base: str, name: str) -> dict:
     """The same workload through the router's HTTP gateway, with stagemesh bench's client."""
-    from stagemesh.bench.backends import OpenAIBackend
-    from stagemesh.bench.cli import drive
-    from stagemesh.bench.report import summarize
+    from stagemesh.entry.bench.backends import OpenAIBackend
+    from stagemesh.entry.bench.cli import drive
+    from stagemesh.entry.bench.report import summarize
 
     requests = workload(name)
 

@@ -202,7 +202,7 @@ def main() -> None:
     if args.rank is not None:
         return rank_main(args)
     from stagemesh.core.model_config import ModelConfig
-    from stagemesh.serve import free_port
+    from stagemesh.entry.serve import free_port
 
     model = None
     if not args.collectives_only:

@@ -165,7 +165,7 @@ def main() -> None:
         return products(args)
     from transformers import AutoTokenizer
 
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
     from stage_worker.cpu_isa import cpu_flags, describe_isa
     from stagemesh.core.default_model import default_model_dir, gguf_path
 

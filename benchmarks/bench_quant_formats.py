@@ -30,7 +30,7 @@ def one(path: str, fmt: str, tokens: int, threads: int) -> dict:
 
     from benchmarks.bench_bf16_cpu import tpot_ms
     from stagemesh.core.default_model import gguf_path
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
 
     torch.set_num_threads(threads)
     # every arm in bf16 (the quantised ones: bf16 activations, tables and norms), with a small KV cache, so that

@@ -27,10 +27,10 @@ from pathlib import Path
 import requests
 
 from serve_process import free_port, start_serve, stop
-from stagemesh.bench.backends import OpenAIBackend
-from stagemesh.bench.cli import drive
-from stagemesh.bench.report import summarize
-from stagemesh.bench.workload import synthetic
+from stagemesh.entry.bench.backends import OpenAIBackend
+from stagemesh.entry.bench.cli import drive
+from stagemesh.entry.bench.report import summarize
+from stagemesh.entry.bench.workload import synthetic
 from stagemesh.core.default_model import resolve_model
 
 

@@ -106,7 +106,7 @@ async def clients(base: str, model: str, args, rec: Record, stopping: asyncio.Ev
 
 
 def admin_for(pid: int) -> tuple[str, str]:
-    from stagemesh.ops import admin_file
+    from stagemesh.entry.ops import admin_file
 
     entry = next(e for e in admin_file.running() if int(e["pid"]) == pid)
     return entry["url"], entry["key"]

@@ -43,7 +43,7 @@ def main() -> None:
     from stage_worker.cpu_isa import cpu_flags, describe_isa
     from stagemesh.core.default_model import default_model_dir, gguf_path
     from stagemesh.core.model_config import ModelConfig
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
 
     model_dir = default_model_dir()
     arms = {"torch.multinomial": multinomial, "rejection.draw": sampler.draw}

@@ -25,11 +25,11 @@ from concurrent import futures
 import grpc
 import requests
 
-from stagemesh.bench.backends import OpenAIBackend
-from stagemesh.bench.baseline import transformers_static
-from stagemesh.bench.cli import drive
-from stagemesh.bench.report import summarize
-from stagemesh.bench.workload import synthetic
+from stagemesh.entry.bench.backends import OpenAIBackend
+from stagemesh.entry.bench.baseline import transformers_static
+from stagemesh.entry.bench.cli import drive
+from stagemesh.entry.bench.report import summarize
+from stagemesh.entry.bench.workload import synthetic
 from stagemesh.core.default_model import resolve_model
 from serve_process import free_port  # noqa: E402
 
@@ -147,7 +147,7 @@ def batch1(layouts: list[str], tokens: int = 128) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from bench_decode_inprocess import bench_stagemesh
 
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
     from stagemesh.core.sampling_params import SamplingParams
 
     model_dir = resolve_model(None)

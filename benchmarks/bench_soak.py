@@ -255,7 +255,7 @@ def main() -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, on_signal)
-    # serve dies with this script even if it is SIGKILLed (stagemesh.supervisor.die_with_parent: PR_SET_PDEATHSIG)
+    # serve dies with this script even if it is SIGKILLed (stagemesh.entry.supervisor.die_with_parent: PR_SET_PDEATHSIG)
     env = {**os.environ, "STAGEMESH_SUPERVISOR_PID": str(os.getpid())}
     serve = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
     base, stop = f"http://127.0.0.1:{port}", threading.Event()

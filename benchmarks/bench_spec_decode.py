@@ -91,7 +91,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
     from stagemesh.core.default_model import default_model_dir
     from stagemesh.core.sampling_params import SamplingParams
 

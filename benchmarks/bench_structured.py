@@ -19,8 +19,8 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from stagemesh.local_engine import LocalEngine  # noqa: E402
-from stagemesh.bench.workload import synthetic  # noqa: E402
+from stagemesh.entry.local_engine import LocalEngine  # noqa: E402
+from stagemesh.entry.bench.workload import synthetic  # noqa: E402
 from stagemesh.core.default_model import resolve_model  # noqa: E402
 from stagemesh.core.sampling_params import SamplingParams, StructuredOutputs  # noqa: E402
 

@@ -5,8 +5,8 @@ Llama-3.1-8B's) is written as a Hugging Face model directory (config.json, shard
 word-level tokenizer of the model's vocabulary), then the same workload runs through
 
 1. `stagemesh serve` (router, scheduler, stage: the whole mesh, as processes) driven over HTTP by stagemesh's
-   bench client (stagemesh.bench), and
-2. the in-process engine (stagemesh.local_engine.LocalEngine) in this process, same weights, dtype and settings,
+   bench client (stagemesh.entry.bench), and
+2. the in-process engine (stagemesh.entry.local_engine.LocalEngine) in this process, same weights, dtype and settings,
 
 at batch 1 (one request at a time) and at 32 concurrent requests. It prints TPOT, output throughput, the batch-1
 fraction of the HBM roofline (roofline TPOT = (weight bytes read per token + KV bytes read per token) / peak HBM
@@ -167,8 +167,9 @@ SERVE_MODULES = (
     ("router.app", "router.frontend", "router.grammar_process", "router.template_process"),
     ("scheduler.cli", "scheduler.service"),
     ("stage_worker.cli", "stage_worker.service", "stage_worker.runner"),
-    ("stagemesh.cli", "stagemesh.local_mesh", "stagemesh.supervisor", "stagemesh.local_engine",
-     "stagemesh.bench.cli", "stagemesh.bench.backends", "stagemesh.core.telemetry", "stagemesh.v1.frontend_pb2_grpc"),
+    ("stagemesh.entry.cli", "stagemesh.entry.local_mesh", "stagemesh.entry.supervisor", "stagemesh.entry.local_engine",
+     "stagemesh.entry.bench.cli", "stagemesh.entry.bench.backends", "stagemesh.core.telemetry",
+     "stagemesh.v1.frontend_pb2_grpc"),
 )
 _IMPORT_CHECK = """
 import importlib, json, sys
@@ -409,7 +410,7 @@ class Workload:
     seed: int = 0
 
     def requests(self, vocab_size: int, num: int, salt: int) -> list:
-        from stagemesh.bench.workload import synthetic
+        from stagemesh.entry.bench.workload import synthetic
 
         # different prompts per round (salt): no prefix-cache hit between rounds or arms' warm-ups
         return synthetic(vocab_size, {0, BOS, EOS}, num, (self.prompt_len,) * 2, (self.output_len,) * 2,
@@ -420,7 +421,7 @@ ROUNDS = (("batch 1", 1), ("concurrent", None))  # None: the workload's concurre
 
 
 def _summary(results: list, duration: float) -> dict:
-    from stagemesh.bench.report import summarize
+    from stagemesh.entry.bench.report import summarize
 
     s = summarize(results, duration)
     return {k: s[k] for k in ("successful_requests", "failed_requests", "duration_s", "total_output_tokens",
@@ -429,8 +430,8 @@ def _summary(results: list, duration: float) -> dict:
 
 
 def run_mesh(serve: Serve, model_name: str, work: Workload, vocab: int, timeout: float, out: dict) -> None:
-    from stagemesh.bench.backends import OpenAIBackend
-    from stagemesh.bench.cli import drive
+    from stagemesh.entry.bench.backends import OpenAIBackend
+    from stagemesh.entry.bench.cli import drive
 
     async def one_round(requests: list, concurrency: int) -> tuple[list, float]:
         backend = OpenAIBackend(serve.base, model_name, None, timeout)
@@ -444,7 +445,7 @@ def run_mesh(serve: Serve, model_name: str, work: Workload, vocab: int, timeout:
 
 
 def run_inprocess(engine, work: Workload, vocab: int, timeout: float, out: dict) -> None:
-    from stagemesh.bench.report import Result
+    from stagemesh.entry.bench.report import Result
     from stagemesh.core.engine_request import EngineRequest
     from stagemesh.core.sampling_params import SamplingParams
 
@@ -493,7 +494,7 @@ def run_inprocess(engine, work: Workload, vocab: int, timeout: float, out: dict)
 def _rounds(run_round, work: Workload, vocab: int, out: dict) -> None:
     """Warm-ups (a short request, a short concurrent round: compiles and graph captures), then each measured
     round, into out[round name] as it ends (a run stopped later keeps it)."""
-    from stagemesh.bench.workload import BenchRequest
+    from stagemesh.entry.bench.workload import BenchRequest
 
     warm = [BenchRequest(max_tokens=4, prompt_ids=r.prompt_ids, input_len=r.input_len)
             for r in work.requests(vocab, work.concurrency, salt=90)]
@@ -757,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
                     serve.stop()
                     log(f"mesh: stopped in {time.monotonic() - t0:.1f} s")
         if not a.skip_inprocess:
-            from stagemesh.local_engine import LocalEngine
+            from stagemesh.entry.local_engine import LocalEngine
 
             try:
                 t0 = time.monotonic()

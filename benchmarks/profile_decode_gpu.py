@@ -17,7 +17,7 @@ from stagemesh.core.step import NewSequence, ScheduledChunk, StepBatch
 from stage_worker.runner import StageRunner
 from stage_worker.weights import init_random_weights
 
-CONFIG = Path(__file__).parents[1] / "stagemesh" / "plan" / "reference_configs" / "Llama-3.1-8B.json"
+CONFIG = Path(__file__).parents[1] / "stagemesh" / "entry" / "plan" / "reference_configs" / "Llama-3.1-8B.json"
 
 
 def profile(runner: StageRunner, batch: int, steps: int, prompt: int = 128) -> dict[str, float]:

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from mesh import Mesh, free_port  # noqa: E402
 
 from stagemesh.core.default_model import default_model_dir  # noqa: E402
-from stagemesh.serve import cpu_stage_env  # noqa: E402
+from stagemesh.entry.serve import cpu_stage_env  # noqa: E402
 from stagemesh.core.sampling_params import SamplingParams  # noqa: E402
 from stagemesh.v1 import scheduler_pb2  # noqa: E402
 

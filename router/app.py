@@ -23,7 +23,7 @@ from router.replica_set import ReplicaSet
 from router.request import GenerateRequest, Prompt
 from router.request_builder import chat_options, check_model
 from router.responses_api import handlers as responses_api
-from router.responses_api.store import open_store
+from router.responses_api.store_flags import open_store
 from router.state import (BATCH_CREDENTIAL, BATCH_TENANT_HEADER, CONFIG, LIFECYCLE, PROBES, REPLICAS, TENANT, TOKENIZER,
                           Lifecycle, request_id, resumable)
 from router.tenants import Tenant, Tenants

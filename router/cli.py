@@ -302,7 +302,7 @@ def _reasoning(args: argparse.Namespace, config, tokenizer):
 
 
 def _check_store(args: argparse.Namespace) -> None:
-    from router.responses_api.store import check_store_options
+    from router.responses_api.store_flags import check_store_options
     from stagemesh.core.errors import StagemeshError
 
     try:

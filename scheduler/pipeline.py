@@ -4,7 +4,7 @@ The driver (scheduler.driver) schedules steps and routes their outputs to the
 requests; a Pipeline carries a step through every stage and brings back what
 the last stage sampled. Two implementations: the stage services over gRPC
 (scheduler.grpc_pipeline), where stages register, join an epoch and are
-probed, and stage slices in this process (stagemesh.inprocess_pipeline), which
+probed, and stage slices in this process (stagemesh.entry.inprocess_pipeline), which
 `LocalEngine`, `stagemesh generate` and the driver's unit tests use.
 
 The driver checks what comes back against the step it sent (check_result), so

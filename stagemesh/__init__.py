@@ -1,7 +1,11 @@
 """stagemesh: distributed LLM inference as a gRPC mesh.
 
-This package is what users meet first: the `stagemesh` command line, the
-client, and the little every service shares (model config, the default model).
+This package is what users meet first, in two rooms and the client:
+- stagemesh.core, the floor: what every service shares (errors, the request, model config and families, flags,
+  the default model, wire conversions); it imports no service;
+- stagemesh.entry, the roof: the `stagemesh` command line and what it runs (serve, plan, bench, ops, the
+  in-process engine); it may import every service, and nothing of the floor or of a service imports it;
+- stagemesh.client, the gRPC frontend's client, which stands on the floor alone.
 """
 import os as _os
 

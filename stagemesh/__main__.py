@@ -1,5 +1,5 @@
 import sys
 
-from stagemesh.cli import main
+from stagemesh.entry.cli import main
 
 sys.exit(main())

@@ -36,7 +36,7 @@ except AssertionError as err:
 
 ADMIN = r"""
 import json, sys
-from stagemesh.ops import admin_client, admin_file
+from stagemesh.entry.ops import admin_client, admin_file
 url, key = admin_file.discover(None, None)
 print(json.dumps(admin_client.call(url, key, *json.loads(sys.argv[1]))))
 """

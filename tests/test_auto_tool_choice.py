@@ -137,7 +137,7 @@ def test_flags_win_over_the_template():
 def test_serve_leaves_the_choice_to_the_router_unless_a_flag_is_given():
     import argparse
 
-    from stagemesh.serve import add_arguments, plan_commands
+    from stagemesh.entry.serve import add_arguments, plan_commands
 
     def router_argv(*argv: str) -> list[str]:
         p = argparse.ArgumentParser()

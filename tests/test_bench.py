@@ -6,9 +6,9 @@ import json
 import pytest
 
 from mesh import Mesh, Router
-from stagemesh.bench.report import Result, percentile, summarize
-from stagemesh.bench.workload import as_text, load_jsonl, parse_range, prefix_repetition, synthetic
-from stagemesh.cli import main
+from stagemesh.entry.bench.report import Result, percentile, summarize
+from stagemesh.entry.bench.workload import as_text, load_jsonl, parse_range, prefix_repetition, synthetic
+from stagemesh.entry.cli import main
 from stagemesh.core.errors import StagemeshError
 from tiny_models import with_word_tokenizer
 
@@ -147,7 +147,7 @@ def test_bench_baseline_only_needs_no_server(tiny_model_dir, tmp_path, capsys):
 def test_a_dataset_goes_as_text_with_prompt_format_text_and_is_not_a_second_workload(tiny_model_dir, tmp_path):
     import argparse
 
-    from stagemesh.bench.cli import add_arguments, build_workload
+    from stagemesh.entry.bench.cli import add_arguments, build_workload
 
     model = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "m")
     data = tmp_path / "d.jsonl"

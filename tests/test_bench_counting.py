@@ -16,8 +16,8 @@ import pytest
 import requests
 
 from mesh import free_port, stop_process, wait_http_ok
-from stagemesh.bench.workload import synthetic
-from stagemesh.cli import main
+from stagemesh.entry.bench.workload import synthetic
+from stagemesh.entry.cli import main
 from tiny_models import with_word_tokenizer
 
 HERE = Path(__file__).parent
@@ -135,7 +135,7 @@ def test_bench_drives_llama_cpp_pythons_server(tmp_path, capsys):
         s = json.loads((tmp_path / "s.json").read_text())
         from transformers import AutoTokenizer
 
-        from stagemesh.bench.workload import as_text
+        from stagemesh.entry.bench.workload import as_text
 
         reqs = as_text(workload_of(resolve_model(None)), AutoTokenizer.from_pretrained(str(resolve_model(None))))
         counts = [len(requests.post(f"{server.base_url}/extras/tokenize", json={"input": r.prompt},

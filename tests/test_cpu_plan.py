@@ -1,4 +1,4 @@
-"""`stagemesh serve`'s CPU plan (stagemesh.cpu_plan) is what docs/cpu-plan.md says, for 2-, 4- and 16-core hosts:
+"""`stagemesh serve`'s CPU plan (stagemesh.entry.cpu_plan) is what docs/cpu-plan.md says, for 2-, 4- and 16-core hosts:
 a pure function of the core count and the layout, no timing."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from stagemesh.cpu_plan import SHARED_CORES_SPIN_COUNT, cpu_plan
+from stagemesh.entry.cpu_plan import SHARED_CORES_SPIN_COUNT, cpu_plan
 
 
 @pytest.mark.parametrize("cores, layout, threads, reserved, spin", [
@@ -46,15 +46,15 @@ def test_the_users_threads_and_spin_are_kept():
 
 def test_serve_gives_its_stages_the_plan(monkeypatch):
     """The stages' command lines and environments (what serve starts) carry the plan for this host."""
-    from stagemesh import layout as layout_module
-    from stagemesh.layout import MeshLayout
+    from stagemesh.entry import layout as layout_module
+    from stagemesh.entry.layout import MeshLayout
 
     monkeypatch.setattr(layout_module.os, "cpu_count", lambda: 16)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
 
     def stages(pp: int) -> list:
-        from stagemesh.serve import add_arguments
+        from stagemesh.entry.serve import add_arguments
 
         parser = argparse.ArgumentParser()
         add_arguments(parser)

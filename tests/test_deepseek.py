@@ -122,9 +122,9 @@ def test_the_plan_of_deepseek_v3_671b_counts_the_latent():
     """`stagemesh plan DeepSeek-V3-671B`: the released block-FP8 checkpoint's 671 B parameters on one node of
     8 H200s at TP=8 with EP=8, or as 8 replicas with the experts across them; BF16 on two nodes, PP=2 across them
     or 16 replicas. A token's KV is the latent: 61 layers x 576 values, 2 bytes each, on every TP rank."""
-    from stagemesh.plan.memory import param_counts
-    from stagemesh.plan.tree import GB, PlanRequest, make_plan
-    from stagemesh.plan.cli import load_config
+    from stagemesh.entry.plan.memory import param_counts
+    from stagemesh.entry.plan.tree import GB, PlanRequest, make_plan
+    from stagemesh.entry.plan.cli import load_config
 
     cfg, _ = load_config("DeepSeek-V3-671B")
     assert 670e9 < param_counts(cfg).total(cfg.num_hidden_layers) < 673e9

@@ -72,7 +72,7 @@ def test_the_mtp_layer_drafts_from_fp8_weights(tmp_path):
     dense, as V3's). It copies the main path, so its drafts are accepted only if it computes from its fp8 weights
     as the main path does; the tokens are transformers' on the dequantised twin."""
     from stagemesh.core.sampling_params import SamplingParams
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
 
     base = make_tiny_model(tmp_path / "base", "deepseek_v3", num_hidden_layers=1, first_k_dense_replace=0)
     quantised, twin = write_quantized(with_mtp_layer(base, tmp_path / "mtp", copy_of=0), tmp_path / "fp8",
@@ -92,8 +92,8 @@ def test_the_plan_counts_the_released_checkpoints_bytes():
     them (fp8 linears with an fp32 scale per 128x128 block, partial blocks too; gates, norms, embeddings bf16; the
     correction bias fp32). With the MTP layer (eh_proj, its norms, embedding and head bf16) they are the published
     files' 688,586,727,753 bytes less their safetensors headers (~130 bytes for each of ~92,000 tensors)."""
-    from stagemesh.plan.cli import load_config
-    from stagemesh.plan.memory import _block_fp8_bytes, param_counts, weight_bytes
+    from stagemesh.entry.plan.cli import load_config
+    from stagemesh.entry.plan.memory import _block_fp8_bytes, param_counts, weight_bytes
 
     cfg, _ = load_config("DeepSeek-V3-671B")
     counts = param_counts(cfg)

@@ -12,7 +12,7 @@ from parity import prompts
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.speculative import parse_speculative_config
-from stagemesh.local_engine import LocalEngine
+from stagemesh.entry.local_engine import LocalEngine
 from tiny_models import make_tiny_model, reference_greedy, reference_model, with_mtp_layer
 
 MTP = {"method": "deepseek_mtp", "num_speculative_tokens": 2}

@@ -24,9 +24,9 @@ import yaml
 
 from mesh import Mesh, Router, free_port
 from netns import NetnsPair, NetnsUnavailable, clean_env
-from stagemesh.cli import build_parser
+from stagemesh.entry.cli import build_parser
 from stagemesh.core.default_model import DEFAULT_MODEL_NAME
-from stagemesh.local_mesh import EXIT_SLACK_S
+from stagemesh.entry.local_mesh import EXIT_SLACK_S
 from tiny_models import with_word_tokenizer
 
 COMPOSE_DIR = Path(__file__).parents[1] / "deploy" / "compose"

@@ -36,7 +36,7 @@ def test_every_docs_page_serve_help_names_exists():
 @pytest.mark.parametrize("command", ["router", "scheduler", "stage", "generate", "plan", "bench", "rollout",
                                      "scale"])
 def test_every_docs_page_a_subcommands_help_names_exists(command):
-    from stagemesh.cli import build_parser
+    from stagemesh.entry.cli import build_parser
 
     parser = build_parser(only=command)
     [sub] = [a for a in parser._actions if isinstance(a, type(parser._subparsers._group_actions[0]))]

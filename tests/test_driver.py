@@ -363,7 +363,7 @@ def test_a_pipeline_that_cannot_join_stays_unhealthy_with_the_reason():
 
 def test_in_process_pipeline_matches_transformers_with_run_ahead(tiny_model_dir):
     from parity import prompts
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
     from tiny_models import reference_greedy, reference_model
 
     model_dir = tiny_model_dir("llama")

@@ -13,7 +13,7 @@ from parity import chained_logits, prompts
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.sampling_params import SamplingParams
-from stagemesh.local_engine import LocalEngine
+from stagemesh.entry.local_engine import LocalEngine
 from test_tp_parity import run_tp
 from tiny_models import TINY, reference_greedy, reference_model, save_random_model
 

@@ -11,9 +11,9 @@ import pytest
 from router.config import RouterOptions
 from scheduler.config import SchedulerOptions
 from stage_worker.options import StageOptions
-from stagemesh.cli import build_parser
+from stagemesh.entry.cli import build_parser
 from stagemesh.core.flags import FLAG, GROUP, Flag, flags, from_args, to_argv
-from stagemesh.serve_options import SERVE_VARIANTS, ServeOptions
+from stagemesh.entry.serve_options import SERVE_VARIANTS, ServeOptions
 
 COMMANDS = {"router": RouterOptions, "scheduler": SchedulerOptions, "stage": StageOptions, "serve": ServeOptions}
 # one name, two flags, each the service's own: never passed from serve to the other service
@@ -113,7 +113,7 @@ def test_every_child_serve_plans_parses_with_its_services_own_parser():
     """serve's children are given serve's values for the flags they share, and nothing a child does not take."""
     import argparse
 
-    from stagemesh.serve import add_arguments, plan_commands
+    from stagemesh.entry.serve import add_arguments, plan_commands
 
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -9,7 +9,7 @@ import torch
 from gguf_models import dequantised_model_dir, quantize_q4_k, write_gguf
 from kernels.quant_reference import dequantize
 from parity import chained_logits, prompts
-from stagemesh.local_engine import LocalEngine
+from stagemesh.entry.local_engine import LocalEngine
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.sampling_params import SamplingParams

@@ -101,8 +101,8 @@ def test_the_plan_counts_the_packed_experts(mxfp4):
     """`stagemesh plan` on the checkpoint: its experts at 17 bytes a block of 32; their biases, attention and router
     bf16."""
     from stagemesh.core.model_config import ModelConfig
-    from stagemesh.plan.cli import weights_dtype
-    from stagemesh.plan.memory import expert_params, param_counts, weight_bytes
+    from stagemesh.entry.plan.cli import weights_dtype
+    from stagemesh.entry.plan.memory import expert_params, param_counts, weight_bytes
 
     cfg = ModelConfig.from_path(mxfp4[0])
     assert weights_dtype(cfg, None) == "mxfp4"

@@ -21,10 +21,10 @@ import pytest
 import yaml
 
 from netns import NetnsLan, NetnsUnavailable, clean_env
-from stagemesh.cli import build_parser
+from stagemesh.entry.cli import build_parser
 from stagemesh.core.default_model import DEFAULT_MODEL_NAME
 from stagemesh.core.health import LIVENESS
-from stagemesh.local_mesh import EXIT_SLACK_S
+from stagemesh.entry.local_mesh import EXIT_SLACK_S
 
 ROOT = Path(__file__).parents[1]
 KUBE_DIR = ROOT / "deploy" / "kubernetes"
@@ -236,7 +236,7 @@ def test_probes_split_readiness_from_liveness_and_the_grace_period_covers_the_dr
                     assert c["livenessProbe"]["grpc"] == {"port": args.port, "service": LIVENESS}, c["name"]
                 drain = args.shutdown_timeout
                 if argv[0] == "serve":  # mp or Ray: the routers drain, then the rest, each group within its own
-                    drain = 2 * drain + EXIT_SLACK_S  # --shutdown-timeout and slack (stagemesh.local_mesh.drain)
+                    drain = 2 * drain + EXIT_SLACK_S  # --shutdown-timeout and slack (stagemesh.entry.local_mesh.drain)
                 assert grace >= _pre_stop_s(c) + drain + EXIT_SLACK_S, (c["name"], grace, _pre_stop_s(c), drain)
                 checked += 1
     assert checked == (3 if path.parent.name == "mp" else 1)

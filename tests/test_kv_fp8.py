@@ -45,7 +45,7 @@ def test_the_start_up_lines_and_metrics_count_the_fp8_cache(model64, caplog):
     """The replica's KV cache size (vLLM's line) and its cache_config_info metric, from the same memory."""
     from prometheus_client import generate_latest
 
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
 
     caplog.set_level(logging.INFO, logger="stagemesh.scheduler")
     memory, tokens = 8 * 2**20, {}
@@ -194,7 +194,7 @@ def test_scales_the_model_cannot_honour_are_refused_by_name(model64, tmp_path, s
 def test_what_is_not_built_is_refused_by_name(model64, tiny_model_dir, capsys):
     import argparse
 
-    from stagemesh.plan.cli import add_arguments, run as plan_run
+    from stagemesh.entry.plan.cli import add_arguments, run as plan_run
     from stagemesh.core.flags import parse
     from stage_worker.kv_cache import check_kv_cache_dtype
     from stage_worker.options import StageOptions
@@ -257,7 +257,7 @@ def test_the_cpp_layer_plan_runs_over_an_fp8_cache_as_the_python_layer(model64):
 
 def test_prefix_caching_reuses_fp8_blocks_token_for_token(model64):
     from stagemesh.core.sampling_params import SamplingParams
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
 
     prompt = prompts(384, lengths=(70,))[0]
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -270,9 +270,9 @@ def test_prefix_caching_reuses_fp8_blocks_token_for_token(model64):
 
 
 def test_the_plan_counts_an_fp8_cache(tmp_path):
-    from stagemesh.plan.render import as_json
-    from stagemesh.plan.cli import load_config, parse_bytes
-    from stagemesh.plan.tree import PlanRequest, make_plan
+    from stagemesh.entry.plan.render import as_json
+    from stagemesh.entry.plan.cli import load_config, parse_bytes
+    from stagemesh.entry.plan.tree import PlanRequest, make_plan
 
     cfg, model = load_config("Llama-3.1-70B")
     plans = {}
@@ -288,7 +288,7 @@ def test_the_plan_counts_an_fp8_cache(tmp_path):
 def test_serve_passes_the_kv_cache_flags_to_its_schedulers_and_stages():
     import argparse
 
-    from stagemesh.serve import add_arguments, plan_commands
+    from stagemesh.entry.serve import add_arguments, plan_commands
 
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -231,8 +231,8 @@ def test_a_full_disk_goes_on_without_the_tier_with_one_warning(runner, small_fs,
 def test_serve_gives_each_replica_a_disk_tier_directory_of_its_own(tmp_path):
     import argparse
 
-    from stagemesh import serve
-    from stagemesh.layout import plan_commands
+    from stagemesh.entry import serve
+    from stagemesh.entry.layout import plan_commands
 
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
@@ -248,7 +248,7 @@ def test_the_in_process_pipeline_stores_and_loads_over_its_stages(tiny_model_dir
     import asyncio
     from types import SimpleNamespace
 
-    from stagemesh.inprocess_pipeline import InProcessPipeline
+    from stagemesh.entry.inprocess_pipeline import InProcessPipeline
 
     model = tiny_model_dir("llama")
     runners = [StageRunner(model, 0, 2), StageRunner(model, 2, 4)]

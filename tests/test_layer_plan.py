@@ -13,7 +13,7 @@ from torch import nn
 
 from kernels import cpu_ops
 from stagemesh.core.sampling_params import SamplingParams
-from stagemesh.local_engine import LocalEngine
+from stagemesh.entry.local_engine import LocalEngine
 from gguf_models import write_gguf
 from parity import prompts
 

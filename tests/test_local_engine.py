@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from parity import prompts
-from stagemesh.local_engine import LocalEngine
+from stagemesh.entry.local_engine import LocalEngine
 from stagemesh.core.sampling_params import SamplingParams
 from tiny_models import reference_greedy, reference_model
 

@@ -208,7 +208,7 @@ def test_lora_module_flags_take_vllms_two_forms():
 
 
 def _engine(model, adapters, **kw):
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
 
     return LocalEngine(model, split=[2, 2], lora_modules=[f"{name}={path}" for name, path in adapters.items()],
                        **kw)

@@ -38,7 +38,7 @@ def test_unsupported_architecture(tmp_path):
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
 ])
 def test_mixture_of_experts_config_that_cannot_be_served(tmp_path, change, message):
-    config = (Path(__file__).parents[1] / "stagemesh" / "plan" / "reference_configs" / "Mixtral-8x7B.json")
+    config = (Path(__file__).parents[1] / "stagemesh" / "entry" / "plan" / "reference_configs" / "Mixtral-8x7B.json")
     (tmp_path / "config.json").write_text(json.dumps({**json.loads(config.read_text()), **change}))
     result = stagemesh("generate", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
@@ -70,7 +70,7 @@ def test_default_model_names_paris():
     (["--stage-index", "1", "-pp", "3", "--layer-split", "2,5,3"], (2, 7)),
 ])
 def test_a_stage_takes_its_layers_or_its_share_of_the_split(argv, want):
-    from stagemesh.cli import build_parser
+    from stagemesh.entry.cli import build_parser
     from stage_worker.cli import stage_layers
 
     args = build_parser(only="stage").parse_args(["stage", "--scheduler", "h:1", *argv])
@@ -84,7 +84,7 @@ def test_a_stage_takes_its_layers_or_its_share_of_the_split(argv, want):
     (["--stage-index", "0", "-pp", "2", "--layer-split", "4,4"], "summing to the model's 10 layers"),
 ])
 def test_a_stage_without_a_usable_layer_range_is_refused(argv, message):
-    from stagemesh.cli import build_parser
+    from stagemesh.entry.cli import build_parser
     from stage_worker.cli import stage_layers
 
     args = build_parser(only="stage").parse_args(["stage", "--scheduler", "h:1", *argv])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stagemesh.local_engine import LocalEngine
+from stagemesh.entry.local_engine import LocalEngine
 from stagemesh.core.sampling_params import SamplingParams
 from parity import chained_logits, prompts
 from tiny_models import ARCHS, reference_greedy, reference_model

@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 
 from parity import chained_logits, prompts
-from stagemesh.local_engine import LocalEngine
+from stagemesh.entry.local_engine import LocalEngine
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams
 from stage_worker.moe import expert_load

@@ -12,8 +12,8 @@ import stat
 import pytest
 
 from stagemesh.core.errors import StagemeshError
-from stagemesh.ops.autoscale import AutoscaleConfig, AutoscalePolicy, Load
-from stagemesh.ops.operation import Refused
+from stagemesh.entry.ops.autoscale import AutoscaleConfig, AutoscalePolicy, Load
+from stagemesh.entry.ops.operation import Refused
 
 CFG = AutoscaleConfig(min_replicas=1, max_replicas=3, target_waiting=4, target_kv_usage=0.8, up_window_s=10,
                       down_window_s=30, cooldown_s=20)
@@ -56,7 +56,7 @@ def test_the_autoscaler_brings_the_replicas_back_within_its_bounds_at_once():
 
 
 def test_the_admin_file_is_the_users_alone_and_found_by_the_commands(tmp_path, monkeypatch):
-    from stagemesh.ops import admin_file
+    from stagemesh.entry.ops import admin_file
 
     monkeypatch.setenv("STAGEMESH_CACHE", str(tmp_path))
     monkeypatch.delenv(admin_file.ENV_URL, raising=False)
@@ -77,7 +77,7 @@ def test_the_admin_file_is_the_users_alone_and_found_by_the_commands(tmp_path, m
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:
-    from stagemesh.serve import add_arguments
+    from stagemesh.entry.serve import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -86,9 +86,9 @@ def _serve_args(*argv: str) -> argparse.Namespace:
 
 def _mesh(*argv: str):
     """A serve mesh as planned (nothing started): what the refusals read."""
-    from stagemesh.layout import MeshLayout
-    from stagemesh.local_mesh import Signals
-    from stagemesh.ops.mesh import build
+    from stagemesh.entry.layout import MeshLayout
+    from stagemesh.entry.local_mesh import Signals
+    from stagemesh.entry.ops.mesh import build
 
     args = _serve_args(*argv)
     layout = MeshLayout.build(args, "/m", 4, cuda=False, control=True)
@@ -96,8 +96,8 @@ def _mesh(*argv: str):
 
 
 def test_scale_and_rollout_refuse_what_the_mesh_cannot_have():
-    from stagemesh.ops.rollout import rollout
-    from stagemesh.ops.scaling import check_scale, scale
+    from stagemesh.entry.ops.rollout import rollout
+    from stagemesh.entry.ops.scaling import check_scale, scale
 
     def refused(call, *args) -> Refused:
         with pytest.raises(Refused) as err:
@@ -126,7 +126,7 @@ def test_scale_and_rollout_refuse_what_the_mesh_cannot_have():
 
 
 def test_the_autoscale_flags_are_checked_before_anything_starts():
-    from stagemesh.ops.serve_ops import autoscale_config
+    from stagemesh.entry.ops.serve_ops import autoscale_config
 
     assert autoscale_config(_serve_args()) is None
     assert autoscale_config(_serve_args("--autoscale-max-replicas", "2", "--distributed-executor-backend", "ray"))
@@ -141,7 +141,7 @@ def test_the_autoscale_flags_are_checked_before_anything_starts():
 
 
 def test_a_replica_added_later_has_the_first_ones_command_lines_and_ports_of_its_own():
-    from stagemesh.layout import MeshLayout, plan_commands
+    from stagemesh.entry.layout import MeshLayout, plan_commands
 
     args = _serve_args("-dp", "2", "-pp", "2", "--metrics-port", "9000", "--api-server-count", "2")
     layout = MeshLayout.build(args, "/m", 4, cuda=False, control=True)
@@ -208,8 +208,8 @@ def test_the_router_takes_replicas_while_it_serves():
 def test_the_admin_api_wants_its_key_and_says_why_it_refuses():
     from aiohttp.test_utils import TestClient, TestServer
 
-    from stagemesh.ops.admin_api import build_app
-    from stagemesh.ops.serve_ops import MeshController
+    from stagemesh.entry.ops.admin_api import build_app
+    from stagemesh.entry.ops.serve_ops import MeshController
 
     async def run() -> None:
         async with TestClient(TestServer(build_app(MeshController(_mesh()), "secret-key"))) as client:
@@ -234,8 +234,8 @@ def test_the_admin_api_answers_every_error_in_json_even_those_aiohttp_makes():
 
     import requests
 
-    from stagemesh.ops.admin_api import AdminServer
-    from stagemesh.ops.serve_ops import MeshController
+    from stagemesh.entry.ops.admin_api import AdminServer
+    from stagemesh.entry.ops.serve_ops import MeshController
 
     server = AdminServer(MeshController(_mesh()), "secret-key", "127.0.0.1", 0)
     port = server.start()
@@ -266,8 +266,8 @@ def test_the_admin_api_answers_every_error_in_json_even_those_aiohttp_makes():
 
 
 def test_a_ray_cluster_without_room_for_a_replica_says_what_is_missing():
-    from stagemesh.layout import ChildSpec
-    from stagemesh.ray_room import missing_free_room, missing_room
+    from stagemesh.entry.layout import ChildSpec
+    from stagemesh.entry.ray_room import missing_free_room, missing_room
 
     stage = ChildSpec("stage[0.0]", [], cpus=2)
     gpu = ChildSpec("stage[0.1]", [], cpus=2, gpus=4)

@@ -14,8 +14,8 @@ import requests
 from mesh import free_port
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
-from stagemesh.plan.cli import load_config
-from stagemesh.plan.tree import GB, PlanRequest, make_plan
+from stagemesh.entry.plan.cli import load_config
+from stagemesh.entry.plan.tree import GB, PlanRequest, make_plan
 from tiny_models import with_word_tokenizer
 
 
@@ -191,7 +191,7 @@ def test_printed_serve_command_starts_the_mesh(tiny_model_dir, tmp_path, arch, l
 
 
 def test_ray_backend_plan_says_which_node_gets_what_and_its_serve_command_parses():
-    from stagemesh.cli import build_parser
+    from stagemesh.entry.cli import build_parser
 
     out = json.loads(stagemesh_plan("Llama-3.1-405B", "--gpus-per-node", "8", "--nodes", "2", "--gpu-memory", "80GB",
                                     "--dtype", "fp16", "--distributed-executor-backend", "ray", "--json").stdout)
@@ -211,18 +211,18 @@ def test_ray_backend_plan_says_which_node_gets_what_and_its_serve_command_parses
 def test_quantised_formats_count_their_scales():
     """The default model's shape: q4_1 holds 4 bits + an fp32 scale and min per 32 (0.75 byte a weight), its
     tables Q8_0; int8 a byte a weight + an fp32 scale a row, its tables bf16."""
-    from stagemesh.plan.memory import evaluate, linear_rows_per_layer, param_counts
+    from stagemesh.entry.plan.memory import Budget, evaluate, linear_rows_per_layer, param_counts
 
     cfg = ModelConfig.from_dict({"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
                                  "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
                                  "vocab_size": 49152, "tie_word_embeddings": True})
     counts = param_counts(cfg)
     tables = 2 * counts.embedding + counts.final_norm  # the last stage of one holds a copy for the head
-    q41 = evaluate(cfg, 1, 1, 2**30, 1.0, "q4_1", 2048).weight_bytes_per_gpu
+    q41 = evaluate(cfg, Budget(2**30, 1.0, "q4_1", 2048), 1, 1).weight_bytes_per_gpu
     assert q41 == int(counts.per_layer * 30 * 0.75 + tables * 1.125)
-    int8 = evaluate(cfg, 1, 1, 2**30, 1.0, "int8", 2048).weight_bytes_per_gpu
+    int8 = evaluate(cfg, Budget(2**30, 1.0, "int8", 2048), 1, 1).weight_bytes_per_gpu
     assert int8 == int(counts.per_layer * 30 + tables * 2 + 4 * linear_rows_per_layer(cfg) * 30)
-    bf16 = evaluate(cfg, 1, 1, 2**30, 1.0, "bf16", 2048).weight_bytes_per_gpu
+    bf16 = evaluate(cfg, Budget(2**30, 1.0, "bf16", 2048), 1, 1).weight_bytes_per_gpu
     assert q41 < int8 < bf16
 
 
@@ -231,7 +231,7 @@ def test_quantised_formats_count_their_scales():
 
 def few_kv_heads(model="Llama-3.1-70B", **changes) -> dict:
     """A reference config with fewer KV heads (multi-query attention by default), as a config.json dict."""
-    from stagemesh.plan.cli import REFERENCE
+    from stagemesh.entry.plan.cli import REFERENCE
 
     raw = json.loads((REFERENCE / f"{model}.json").read_text())
     return {**raw, "num_key_value_heads": 1, **changes}
@@ -242,11 +242,11 @@ def plan_cfg(raw: dict, gpus=8, nodes=1, mem=24e9, dtype="fp16", max_len=131072,
 
 
 def test_dcp_kv_tokens_match_a_hand_computation():
-    from stagemesh.plan.memory import evaluate, kv_bytes_per_token
+    from stagemesh.entry.plan.memory import Budget, evaluate, kv_bytes_per_token
 
     mqa = ModelConfig.from_dict(few_kv_heads())  # 80 layers, 1 KV head of 128
-    plain = evaluate(mqa, 8, 1, int(24e9), 0.9, "fp16", 131072)
-    dcp4 = evaluate(mqa, 8, 1, int(24e9), 0.9, "fp16", 131072, dcp=4)
+    plain = evaluate(mqa, Budget(int(24e9), 0.9, "fp16", 131072), 8, 1)
+    dcp4 = evaluate(mqa, Budget(int(24e9), 0.9, "fp16", 131072), 8, 1, dcp=4)
     assert dcp4.dcp == 4 and dcp4.kv_bytes_per_gpu == plain.kv_bytes_per_gpu > 0
     # TP=8 holds the one KV head on every rank; with DCP=4 each rank holds a quarter of each sequence's tokens
     held = 80 * 1 * 128 * 2 * 2
@@ -257,10 +257,10 @@ def test_dcp_kv_tokens_match_a_hand_computation():
     # Qwen3-235B: 4 KV heads, TP=8 replicates them 2x. DCP=2 shards them as TP=4 (1 head a rank) over 2 ranks;
     # DCP=4 as TP=2 (2 heads a rank) over 4 ranks: no more saving than DCP=2
     qwen, _ = load_config("Qwen3-235B-A22B")
-    free = evaluate(qwen, 8, 1, int(80e9), 0.9, "bf16", 40960).kv_bytes_per_gpu
+    free = evaluate(qwen, Budget(int(80e9), 0.9, "bf16", 40960), 8, 1).kv_bytes_per_gpu
     assert kv_bytes_per_token(qwen, 94, 8, "bf16", dcp=4) == 94 * 2 * 128 * 2 * 2
     for dcp, heads in ((1, 1), (2, 1), (4, 2)):
-        layout = evaluate(qwen, 8, 1, int(80e9), 0.9, "bf16", 40960, dcp=dcp)
+        layout = evaluate(qwen, Budget(int(80e9), 0.9, "bf16", 40960), 8, 1, dcp=dcp)
         assert layout.kv_cache_tokens == free * dcp // (94 * heads * 128 * 2 * 2), dcp
 
 
@@ -279,7 +279,7 @@ def test_tree_proposes_dcp_where_tp_alone_cannot_hold_max_model_len():
 
 def test_a_real_config_with_fewer_kv_heads_than_gpus_gets_dcp():
     qwen, _ = load_config("Qwen3-235B-A22B")  # 4 KV heads on 8 GPUs: replicated 2x
-    from stagemesh.plan.tree import dcp_sizes
+    from stagemesh.entry.plan.tree import dcp_sizes
 
     assert dcp_sizes(qwen, 8) == [2]  # DCP=4 would shard as TP=2, past the 4 KV heads: no further saving
     p = make_plan(PlanRequest(qwen, 8, 1, int(80e9), "bf16", 300000))
@@ -288,7 +288,7 @@ def test_a_real_config_with_fewer_kv_heads_than_gpus_gets_dcp():
 
 
 def test_dcp_is_never_proposed_where_tp_does_not_replicate_the_kv_heads():
-    from stagemesh.plan.tree import dcp_sizes
+    from stagemesh.entry.plan.tree import dcp_sizes
 
     llama, _ = load_config("Llama-3.1-70B")  # 8 KV heads
     assert dcp_sizes(llama, 8) == [] and dcp_sizes(llama, 4) == []

@@ -192,8 +192,8 @@ def test_an_unquantised_checkpoint_with_an_extra_tensor_is_refused(tiny_model_di
 
 def test_the_plan_counts_the_quantised_bytes(checkpoint):
     from stagemesh.core.model_config import ModelConfig
-    from stagemesh.plan.cli import weights_dtype
-    from stagemesh.plan.memory import weight_bytes
+    from stagemesh.entry.plan.cli import weights_dtype
+    from stagemesh.entry.plan.memory import weight_bytes
 
     for fmt, dtype in (("gptq-int4", "int4"), ("fbgemm-fp8", "fp8"), ("ct-int8", "int8"), ("ct-w4a16", "int4")):
         cfg = ModelConfig.from_path(checkpoint(fmt)[0])

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from mesh import Mesh, Router
-from stagemesh.local_engine import LocalEngine
+from stagemesh.entry.local_engine import LocalEngine
 from stagemesh.core.default_model import gguf_path
 from stagemesh.core.sampling_params import SamplingParams
 

@@ -17,7 +17,7 @@ import requests
 
 from fake_replicas import FakeRouter
 from redis_server import INSTALLED, MISSING, RedisServer, free_port
-from router.responses_api.store import check_store_options
+from router.responses_api.store_flags import check_store_options
 from tiny_models import with_word_tokenizer
 
 M = "fake-model"

@@ -117,7 +117,7 @@ def test_serve_starts_the_replica_and_sigterm_stops_every_child(tiny_model_dir, 
 def test_serve_passes_the_recovery_and_balancing_flags_to_its_children():
     import argparse
 
-    from stagemesh.serve import add_arguments, plan_commands
+    from stagemesh.entry.serve import add_arguments, plan_commands
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -139,7 +139,7 @@ def test_serve_passes_the_recovery_and_balancing_flags_to_its_children():
 
 def test_serve_refuses_response_store_flags_that_do_not_go_together_before_any_child_starts():
     from stagemesh.core.errors import StagemeshError
-    from stagemesh.serve import _check_layout
+    from stagemesh.entry.serve import _check_layout
 
     _check_layout(_serve_args("--responses-store", "rediss://:pw@h:6380/1", "--responses-store-ttl", "60"))
     _check_layout(_serve_args("--responses-store-size", "5"))
@@ -150,7 +150,7 @@ def test_serve_refuses_response_store_flags_that_do_not_go_together_before_any_c
 
 
 def test_serve_passes_the_chat_template_flags_to_its_router():
-    from stagemesh.serve import plan_commands
+    from stagemesh.entry.serve import plan_commands
 
     trusting = _serve_args("--trust-request-chat-template", "--chat-template-timeout", "3")
     router = next(c.argv for c in plan_commands(trusting, "/m", 4, cuda=False) if c.name == "router")
@@ -162,7 +162,7 @@ def test_serve_passes_the_chat_template_flags_to_its_router():
 def _serve_args(*argv: str):
     import argparse
 
-    from stagemesh.serve import add_arguments
+    from stagemesh.entry.serve import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -170,8 +170,8 @@ def _serve_args(*argv: str):
 
 
 def test_on_ray_the_stages_listen_on_their_node_and_ask_for_their_ranks_resources():
-    from stagemesh.ray_actor import NODE_IP
-    from stagemesh.serve import Addresses, plan_commands
+    from stagemesh.entry.ray_actor import NODE_IP
+    from stagemesh.entry.serve import Addresses, plan_commands
 
     args = _serve_args("-dp", "2", "-pp", "2", "-tp", "4", "--distributed-executor-backend", "ray")
     specs = plan_commands(args, None, 8, cuda=True, addresses=Addresses("127.0.0.2", NODE_IP))
@@ -200,7 +200,7 @@ def test_on_ray_the_stages_listen_on_their_node_and_ask_for_their_ranks_resource
 def test_serve_on_ray_refuses_experts_across_replicas(tiny_model_dir):
     from stagemesh.core.errors import StagemeshError
     from stagemesh.core.model_config import ModelConfig
-    from stagemesh.serve import _check_expert_parallel
+    from stagemesh.entry.serve import _check_expert_parallel
 
     cfg = ModelConfig.from_path(tiny_model_dir("qwen2_moe"))
     args = _serve_args("-dp", "2", "--enable-expert-parallel", "--distributed-executor-backend", "ray")
@@ -210,7 +210,7 @@ def test_serve_on_ray_refuses_experts_across_replicas(tiny_model_dir):
 
 def test_serve_splits_its_replicas_into_prefill_and_decode_ones():
     from stagemesh.core.errors import StagemeshError
-    from stagemesh.serve import _check_layout, plan_commands
+    from stagemesh.entry.serve import _check_layout, plan_commands
 
     args = _serve_args("-dp", "3", "--prefill-replicas", "1")
     schedulers = [s.argv for s in plan_commands(args, "/m", 4, cuda=False) if s.kind == "scheduler"]

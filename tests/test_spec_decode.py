@@ -230,7 +230,7 @@ def tiny(tiny_model_dir):
 @pytest.mark.parametrize("layout", [dict(), dict(split=[1, 3]), dict(max_num_batched_tokens=20, num_kv_blocks=12),
                                     dict(enable_prefix_caching=False)])
 def test_greedy_tokens_equal_transformers_in_process(tiny, layout):
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
 
     model_dir, batch, want = tiny
     with LocalEngine(model_dir, speculative_config=NGRAM, **layout) as engine:
@@ -246,7 +246,7 @@ def test_seeded_requests_keep_their_tokens_and_logprobs(tiny):
     """Sampling with seeds, penalties, min_tokens, stop tokens and logprobs: the same tokens as without
     speculation (verification draws each position's token from (seed, position)), logprobs within fp32
     tolerance (a draft's row is computed in a chunk, not alone)."""
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
 
     model_dir, batch, want = tiny
     penalties = dict(repetition_penalty=1.2, frequency_penalty=0.3)
@@ -271,7 +271,7 @@ def test_sampled_tokens_keep_the_models_distribution(tiny):
     model loops, from 1,500 unseeded requests with prompt lookup (t2 and t3 verified as drafts), against the
     exact probabilities transformers gives: total variation within 0.1 (0.04 measured; a verifier that
     accepted every draft measured 0.57)."""
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
 
     model_dir, batch, want = tiny
     prompt = batch[6] + want[6]  # ... 76 250 153 76: the greedy loop of a repetitive prompt
@@ -311,7 +311,7 @@ def exact_distribution(model, prompt: list[int], length: int, top_k: int, temper
 def test_a_draft_models_greedy_tokens_equal_transformers(tiny, tmp_path, draft, layout):
     """The target as its own draft: every draft accepted; its first two layers: some; the tokens are
     transformers' either way (through PP, chunked prefill, preemption and prefix-cache hits)."""
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
     from tiny_models import first_layers
 
     model_dir, batch, want = tiny
@@ -330,7 +330,7 @@ def test_a_draft_models_greedy_tokens_equal_transformers(tiny, tmp_path, draft, 
 
 
 def test_a_draft_model_keeps_seeded_tokens(tiny):
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
 
     model_dir, batch, _ = tiny
     sampling = SamplingParams(max_tokens=16, temperature=0.1, seed=3, logprobs=1)
@@ -370,7 +370,7 @@ def test_a_draft_must_share_the_vocabulary_and_run_on_the_last_stage(tiny_model_
 def test_serve_gives_the_config_to_the_schedulers_and_a_draft_model_to_the_last_stages(tiny):
     import argparse
 
-    from stagemesh.serve import add_arguments, plan_commands
+    from stagemesh.entry.serve import add_arguments, plan_commands
 
     model_dir, _, _ = tiny
     p = argparse.ArgumentParser()
@@ -410,7 +410,7 @@ def test_probabilistic_drafts_keep_the_models_distribution(tiny, tmp_path):
     """The statistical test above with a draft model that samples its drafts (its first two layers: a
     distribution unlike the target's), verified by rejection sampling; greedy and seeded requests beside
     them keep their tokens."""
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
     from tiny_models import first_layers
 
     model_dir, batch, want = tiny
@@ -439,7 +439,7 @@ def test_probabilistic_drafts_keep_the_models_distribution(tiny, tmp_path):
 def test_the_default_model_as_its_own_draft_is_accepted_and_answers_as_transformers(default_model_dir):
     from transformers import AutoTokenizer
 
-    from stagemesh.local_engine import LocalEngine
+    from stagemesh.entry.local_engine import LocalEngine
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     texts = ["The capital of France is", "def fibonacci(n):\n    "]

@@ -132,7 +132,7 @@ def test_a_router_reads_its_keys_file_again_on_sighup_and_refuses_a_bad_one_at_s
     """The real process: refused at start-up naming the line; on SIGHUP, or the control port's ReloadApiKeys (serve's
     admin call), a new tenant's key works, no restart; a bad file keeps the tenants, and says why."""
     from stagemesh.core.internal_token import ENV
-    from stagemesh.ops.rpc import MeshRPC
+    from stagemesh.entry.ops.rpc import MeshRPC
 
     bad = write(tmp_path / "bad.json", '{"tenants": {\n  "a": {"keys": ["k"],\n   "weight": 0}}}')
     args = [sys.executable, "-m", "stagemesh", "router", str(model_dir), "--replica", "127.0.0.1:1", "--port", "0",

@@ -1,5 +1,6 @@
 """The responses the router keeps (store: true, OpenAI's default) for GET /v1/responses/{id} and for
-previous_response_id: one interface, two backends chosen by --responses-store. `memory` (the default): this
+previous_response_id: one interface (this module), two backends chosen by --responses-store
+(router.responses_api.store_flags). `memory` (the default): this
 router's own, the last --responses-store-size (router.responses_api.memory_store). A Redis URL: one server that
 every router naming it shares, so that a response made on one router is found on another; each entry expires
 after --responses-store-ttl seconds (router.responses_api.redis_store)."""
@@ -13,8 +14,6 @@ from router.errors import APIError
 
 MEMORY = "memory"
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-DEFAULT_SIZE = 1000
-DEFAULT_TTL_S = 3600.0
 
 
 @dataclass
@@ -100,37 +99,3 @@ class ResponseStore(ABC):
     async def close(self) -> None:
         return None
 
-
-def check_store_options(spec: str, size: int | None, ttl_s: float | None) -> None:
-    """ValueError naming the flag when --responses-store, --responses-store-size (None: not given) and
-    --responses-store-ttl (None: not given) do not go together."""
-    if spec == MEMORY:
-        if ttl_s is not None:
-            raise ValueError("--responses-store-ttl applies to a redis store: the memory store keeps the last "
-                             "--responses-store-size responses")
-        if size is not None and size < 1:
-            raise ValueError("--responses-store-size must be >= 1")
-        return
-    if not spec.startswith(REDIS_SCHEMES):
-        raise ValueError(f"--responses-store must be '{MEMORY}' or a Redis URL ({', '.join(REDIS_SCHEMES)}); "
-                         f"got {spec!r}")
-    if size is not None:
-        raise ValueError("--responses-store-size bounds the memory store; a redis store is bounded by "
-                         "--responses-store-ttl (and by the server's maxmemory)")
-    if ttl_s is not None and not ttl_s >= 0.001:
-        raise ValueError(f"--responses-store-ttl must be > 0 seconds; got {ttl_s}")
-    from router.responses_api.redis_store import check_url
-
-    check_url(spec)
-
-
-def open_store(spec: str, size: int | None = None, ttl_s: float | None = None) -> ResponseStore:
-    """The store --responses-store names (checked first: ValueError); it connects on first use."""
-    check_store_options(spec, size, ttl_s)
-    if spec == MEMORY:
-        from router.responses_api.memory_store import MemoryStore
-
-        return MemoryStore(DEFAULT_SIZE if size is None else size)
-    from router.responses_api.redis_store import RedisStore
-
-    return RedisStore(spec, DEFAULT_TTL_S if ttl_s is None else ttl_s)

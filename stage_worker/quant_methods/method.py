@@ -61,7 +61,7 @@ class QuantMethod:
 
     @property
     def plan_dtype(self) -> str:
-        """The weights' format as `stagemesh plan --dtype` counts it (stagemesh.plan.memory.DTYPE_BYTES)."""
+        """The weights' format as `stagemesh plan --dtype` counts it (stagemesh.entry.plan.memory.DTYPE_BYTES)."""
         return "int4" if self.bits == 4 else "int8"
 
     def __init__(self, qc: dict[str, Any]):

@@ -29,7 +29,7 @@ class Mxfp4(QuantMethod):
     bits = 4
     fields = frozenset({"modules_to_not_convert"})
     family_only = True  # gpt-oss's experts (stagemesh.core.families.gpt_oss names it)
-    plan_dtype = "mxfp4"  # (stagemesh.plan.memory: the experts packed, the rest bf16)
+    plan_dtype = "mxfp4"  # (stagemesh.entry.plan.memory: the experts packed, the rest bf16)
 
     def __init__(self, qc):
         super().__init__(qc)

@@ -10,7 +10,7 @@ namespace, as if declared in place.
 
 A Flag constant used by several services' options (stagemesh.core.common_flags) is one flag: the same name,
 default and help wherever it appears. A variant (``FLAG.field(default=...)``) keeps the flag and changes its
-default or help, where a command means more by it (serve's, stagemesh.serve_options.SERVE_VARIANTS); the
+default or help, where a command means more by it (serve's, stagemesh.entry.serve_options.SERVE_VARIANTS); the
 test of the declarations (tests/test_flags.py) allows no other difference.
 """
 from __future__ import annotations

@@ -17,12 +17,9 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from stagemesh.core.families.family import Experts, Family, Shapes, WeightNames
-
-if TYPE_CHECKING:
-    from stagemesh.core.model_config import ModelConfig
+from stagemesh.core.families.family import Experts, Family, ModelConfigView, Shapes, WeightNames
 
 
 @dataclass(frozen=True)
@@ -83,7 +80,7 @@ class GateSettings:
 class DeepseekFamily(Family):
     variant: Variant = V2
 
-    def attention_shapes(self, prefix: str, cfg: ModelConfig) -> Shapes:
+    def attention_shapes(self, prefix: str, cfg: ModelConfigView) -> Shapes:
         d, h, heads = mla_dims(cfg), cfg.hidden_size, cfg.num_attention_heads
         shapes: Shapes
         if d.q_lora_rank is None:
@@ -97,7 +94,7 @@ class DeepseekFamily(Family):
                 f"{prefix}.kv_b_proj.weight": (heads * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank),
                 f"{prefix}.o_proj.weight": (h, heads * d.v_head_dim)}
 
-    def layer_shapes(self, cfg: ModelConfig, index: int, sparse: bool) -> Shapes:
+    def layer_shapes(self, cfg: ModelConfigView, index: int, sparse: bool) -> Shapes:
         shapes = super().layer_shapes(cfg, index, sparse)
         if sparse and self.variant.correction_bias:
             shapes[f"model.layers.{index}.mlp.gate.e_score_correction_bias"] = (cfg.num_experts,)
@@ -175,14 +172,14 @@ def _fields(variant: Variant, raw: dict[str, Any]) -> dict[str, Any]:
                 norm_topk_prob=bool(get("norm_topk_prob")) and variant.norm_topk_prob)
 
 
-def _family(cfg: ModelConfig) -> DeepseekFamily:
+def _family(cfg: ModelConfigView) -> DeepseekFamily:
     family = cfg.family
     if not isinstance(family, DeepseekFamily):
         raise TypeError(f"{cfg.model_type} is not a DeepSeek family")
     return family
 
 
-def mla_dims(cfg: ModelConfig) -> MLADims:
+def mla_dims(cfg: ModelConfigView) -> MLADims:
     variant = _family(cfg).variant
 
     def get(key: str) -> Any:
@@ -204,7 +201,7 @@ def _softmax_scale(qk_head_dim: int, rope: dict[str, Any] | None) -> float:
     return scale
 
 
-def gate_settings(cfg: ModelConfig) -> GateSettings:
+def gate_settings(cfg: ModelConfigView) -> GateSettings:
     variant = _family(cfg).variant
 
     def get(key: str) -> Any:

@@ -8,17 +8,48 @@ that is what the kernels compute. A family that differs there needs kernels firs
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 from stagemesh.core.errors import StagemeshError
-
-if TYPE_CHECKING:
-    from stagemesh.core.model_config import ModelConfig
 
 # A merged linear's rows, in order: (checkpoint tensor prefix, first row in that tensor, rows).
 Parts = list[tuple[str, int, int]]
 # Checkpoint tensors and their shapes, in Hugging Face's order ([out, in] for a weight).
 Shapes = dict[str, tuple[int, ...]]
+
+
+class ModelConfigView(Protocol):
+    """What a family reads of a model's config. stagemesh.core.model_config.ModelConfigView is one: it stands on the
+    families (it finds a config's family through them), so the families name only what they read, not it."""
+
+    @property
+    def model_type(self) -> str: ...
+    @property
+    def raw(self) -> dict[str, Any]: ...  # config.json as read
+    @property
+    def family(self) -> Family: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def attention_bias(self) -> bool: ...
+    @property
+    def qk_norm(self) -> bool: ...
+    @property
+    def rope_scaling(self) -> dict[str, Any] | None: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def moe_intermediate_size(self) -> int: ...
+    @property
+    def shared_expert_intermediate_size(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -28,7 +59,7 @@ class WeightNames:
     fused_qkv: str | None = None  # one tensor [q; k; v] (Phi-3's qkv_proj) instead of q_proj, k_proj, v_proj
     fused_gate_up: str | None = None  # one tensor [gate; up] (Phi-3's gate_up_proj) instead of gate_proj, up_proj
 
-    def qkv(self, prefix: str, cfg: ModelConfig, q: tuple[int, int], kv: tuple[int, int]) -> Parts:
+    def qkv(self, prefix: str, cfg: ModelConfigView, q: tuple[int, int], kv: tuple[int, int]) -> Parts:
         """The q, k and v rows of a TP rank: q = (first row, rows) of its query heads, kv the same of its KV heads."""
         if self.fused_qkv is None:
             return [(f"{prefix}.q_proj", *q), (f"{prefix}.k_proj", *kv), (f"{prefix}.v_proj", *kv)]
@@ -43,7 +74,7 @@ class WeightNames:
         name = f"{prefix}.{self.fused_gate_up}"
         return [(name, start, rows), (name, intermediate + start, rows)]
 
-    def attention_shapes(self, prefix: str, cfg: ModelConfig) -> Shapes:
+    def attention_shapes(self, prefix: str, cfg: ModelConfigView) -> Shapes:
         h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         shapes: Shapes
         if self.fused_qkv is None:
@@ -126,13 +157,13 @@ class Family:
     stage_model: str | None = None
     # every checkpoint tensor of a decoder layer and its shape, where the family's are not what layer_shapes
     # derives from the fields above (gpt-oss's stacked experts, sinks and biases)
-    layer_shapes_of: Callable[[ModelConfig, int], Shapes] | None = None
+    layer_shapes_of: Callable[[ModelConfigView, int], Shapes] | None = None
     # what of the family's configs stagemesh does not implement: a message naming it, or None (checked at start-up)
     refuse: Callable[[dict[str, Any]], str | None] | None = None
     # "mha": multi-head attention over K and V heads (stage_worker.model.Attention); "mla": DeepSeek's multi-head
     # latent attention, its cache a latent per token (stage_worker.mla)
     attention: str = "mha"
-    # ModelConfig fields the family derives from its config its own way (e.g. its experts' count under another
+    # ModelConfigView fields the family derives from its config its own way (e.g. its experts' count under another
     # name), over what stagemesh.core.model_config reads: {field: value}
     fields: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     # the config key that counts the checkpoint's multi-token-prediction layers, after the model's own (DeepSeek-V3's
@@ -156,7 +187,7 @@ class Family:
         window = raw.get("sliding_window")
         return int(window) if window else None
 
-    def layer_shapes(self, cfg: ModelConfig, index: int, sparse: bool) -> Shapes:
+    def layer_shapes(self, cfg: ModelConfigView, index: int, sparse: bool) -> Shapes:
         """Every checkpoint tensor of decoder layer `index` and its shape (`sparse`: the layer has experts)."""
         if self.layer_shapes_of is not None:
             return self.layer_shapes_of(cfg, index)
@@ -179,6 +210,6 @@ class Family:
                 shapes[f"{shared}_gate.weight"] = (1, h)
         return shapes
 
-    def attention_shapes(self, prefix: str, cfg: ModelConfig) -> Shapes:
+    def attention_shapes(self, prefix: str, cfg: ModelConfigView) -> Shapes:
         """A layer's attention tensors (prefix: model.layers.{i}.self_attn) and their shapes."""
         return self.weights.attention_shapes(prefix, cfg)

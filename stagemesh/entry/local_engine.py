@@ -1,0 +1,142 @@
+"""The whole replica in one process: the replica's driver over stage slices in this process.
+
+No gRPC, no processes: used by `stagemesh generate`, benchmarks and tests, and the
+reference the mesh must agree with. It runs the same driver (scheduler.driver) as
+a scheduler service, over stagemesh.entry.inprocess_pipeline, on an event loop of its
+own that its synchronous methods drive.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+from typing import Iterator
+
+from scheduler.config import SchedulerConfig
+from scheduler.driver import Driver, DriverConfig
+from scheduler.lora_table import LoRATable
+from stagemesh.entry.inprocess_pipeline import InProcessPipeline
+from scheduler.output_stream import OutputStream
+from scheduler.request import RequestOutput
+from scheduler.scheduler import SchedulerStats
+from stagemesh.core.engine_request import EngineRequest
+from stagemesh.core.errors import StagemeshError
+from stagemesh.core.lora import LoRALimits, parse_lora_modules
+from stagemesh.core.model_config import ModelConfig, layer_ranges, layer_split
+from stagemesh.core.sampling_params import SamplingParams
+from stagemesh.core.speculative import parse_speculative_config
+from stage_worker.draft import make_drafter
+from stage_worker.kv_cache import num_kv_blocks_for_budget
+from stage_worker.lora import LoRASettings
+from stage_worker.runner import StageRunner
+
+DEFAULT_KV_BUDGET = 512 * 2**20  # bytes per stage when nothing is said
+
+
+class LocalEngine:
+    def __init__(self, model_dir: str | Path, *, split: list[int] | None = None, block_size: int = 16,
+                 num_kv_blocks: int | None = None, kv_cache_memory: int = DEFAULT_KV_BUDGET,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                 max_model_len: int | None = None, device: str = "cpu", dtype: str | None = None,
+                 async_scheduling: bool | None = None, speculative_config: str | dict | None = None,
+                 quantization: str | None = None, gguf_file: str | None = None,
+                 quantization_activations: str | None = None, kv_offloading_disk_path: str | None = None,
+                 lora_modules: list[str] | None = None,
+                 max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
+                 kv_cache_dtype: str | None = None, calculate_kv_scales: bool = False):
+        """speculative_config: vLLM's --speculative-config, as JSON or a dict. kv_offloading_disk_path: the stages'
+        disk KV tier (stagemesh.entry.inprocess_pipeline). lora_modules: vLLM's --lora-modules entries (LoRA on, with
+        --max-loras, --max-lora-rank and --max-cpu-loras): requests pick one by lora_name. kv_cache_dtype and
+        calculate_kv_scales: vLLM's --kv-cache-dtype and --calculate-kv-scales (stage_worker.kv_scales)."""
+        cfg = ModelConfig.from_path(model_dir)
+        spec = parse_speculative_config(speculative_config)
+        split = split or layer_split(cfg.num_hidden_layers, 1)
+        lora = None
+        if lora_modules is not None:
+            lora = LoRASettings(LoRALimits(max_loras, max_lora_rank, max_cpu_loras),
+                                tuple(parse_lora_modules(lora_modules)))
+        self.runners = [StageRunner(model_dir, a, b, device=device, dtype=dtype, block_size=block_size, config=cfg,
+                                    quantization=quantization, gguf_file=gguf_file, lora=lora,
+                                    quantization_activations=quantization_activations,
+                                    kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales)
+                        for a, b in layer_ranges(split)]
+        if spec is not None and spec.uses_draft_model:  # on the last stage, as a stage service runs it
+            self.runners[-1].attach_drafter(make_drafter(spec, cfg, model_dir, device, dtype, block_size))
+        if num_kv_blocks is None:
+            num_kv_blocks = min(num_kv_blocks_for_budget(kv_cache_memory, r.kv_bytes_per_block) for r in self.runners)
+        self.pipeline = InProcessPipeline(self.runners, num_kv_blocks, kv_offloading_disk_path)
+        self.driver = Driver(DriverConfig(
+            SchedulerConfig(max_model_len=max_model_len, block_size=block_size, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+                            eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size, speculative=spec,
+                            lora=LoRATable(max_loras, max_lora_rank, (), {m.name: m.path for m in lora.modules})
+                            if lora else None),
+            # nothing restarts in-process: a failed step fails its requests at once
+            model_max_len=cfg.max_position_embeddings, async_scheduling=async_scheduling,
+            stage_recovery_timeout_s=0.0), self.pipeline)
+        self._loop = asyncio.new_event_loop()
+        self._loop.run_until_complete(self.driver.form())
+        if not self.driver.healthy:
+            raise StagemeshError(self.driver.reason)
+        self._running = self._loop.create_task(self.driver.run())
+        self._ids = itertools.count()
+
+    def stream(self, prompt_token_ids: list[int], sampling: SamplingParams,
+               request_id: str | None = None, lora_name: str = "") -> Iterator[RequestOutput]:
+        """One request's outputs as the steps produce them; raises StagemeshError if it fails."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        outputs = OutputStream()
+        self.driver.add(EngineRequest(request_id, prompt_token_ids, sampling, lora_name=lora_name), outputs)
+        try:
+            while True:
+                out = self._loop.run_until_complete(outputs.get())
+                if out.finish_reason == "error":
+                    raise StagemeshError(out.error or "the request failed")
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self.driver.release(request_id)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
+                 lora_names: list[str] | None = None) -> list[list[int]]:
+        """Token ids generated for each prompt, in order (the prompts run as one continuous batch); one
+        sampling for all, or one per prompt; lora_names: each prompt's LoRA adapter ("": the base model)."""
+        samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        adapters = lora_names or [""] * len(prompts)
+
+        async def one(prompt: list[int], sampling: SamplingParams, adapter: str) -> list[int]:
+            tokens = []
+            request = EngineRequest(f"req-{next(self._ids)}", prompt, sampling, lora_name=adapter)
+            async for out in self.driver.submit(request):
+                if out.finish_reason == "error":
+                    raise StagemeshError(out.error or "the request failed")
+                tokens += out.new_token_ids
+            return tokens
+
+        async def run_all() -> list[list[int]]:
+            return list(await asyncio.gather(*map(one, prompts, samplings, adapters)))
+        return self._loop.run_until_complete(run_all())
+
+    def stats(self) -> SchedulerStats:
+        """The scheduler's counters. Raises StagemeshError once a failed step gave the requests up (nothing
+        restarts in-process: the driver has no scheduler then)."""
+        scheduler = self.driver.scheduler
+        if scheduler is None:
+            raise StagemeshError(f"the engine cannot serve: {self.driver.reason}")
+        return scheduler.stats()
+
+    def close(self) -> None:
+        """Stop the driver and its event loop."""
+        if self._loop.is_closed():
+            return
+        self._running.cancel()
+        self._loop.run_until_complete(asyncio.gather(self._running, return_exceptions=True))
+        self._loop.run_until_complete(self.driver.close())
+        self._loop.close()
+
+    def __enter__(self) -> "LocalEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
