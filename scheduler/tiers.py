@@ -20,13 +20,12 @@ from __future__ import annotations
 import logging
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from scheduler.kv_events import BlockRemoved, BlockStored
+from scheduler.kv_events import BlockRemoved, BlockStored, KVEvent
 from stagemesh.core.block_hash import prefix_hashes
 
 if TYPE_CHECKING:
-    from scheduler.block_manager import BlockManager
     from scheduler.request import Request
 
 log = logging.getLogger("stagemesh.scheduler")
@@ -62,8 +61,18 @@ class TierStats:
     skipped_stores: int = 0  # blocks not stored: every host slot was being read
 
 
+class BlockPool(Protocol):
+    """What the tiers need of the pool above them (scheduler.block_manager.BlockManager, which offers them its
+    blocks): pins on the blocks being copied down, and the event log their moves go to (None: nobody listens)."""
+    events: list[KVEvent] | None
+
+    def pin(self, block_id: int) -> None: ...
+
+    def unpin(self, block_id: int) -> None: ...
+
+
 class KVTiers:
-    def __init__(self, kv: BlockManager, num_host_blocks: int, num_disk_blocks: int, disk_hashes=()):
+    def __init__(self, kv: BlockPool, num_host_blocks: int, num_disk_blocks: int, disk_hashes=()):
         self.kv = kv
         self.num_host_blocks, self.num_disk_blocks = num_host_blocks, num_disk_blocks
         self.host: OrderedDict[int, int] = OrderedDict()  # block hash -> host slot, stored; oldest use first
