@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from scheduler.kv_events import BlockRemoved, BlockStored, KVEvent
+from scheduler.kv_sources import Found
+from scheduler.status import Status
 from stagemesh.core.block_hash import prefix_hashes
 
 if TYPE_CHECKING:
@@ -63,7 +65,9 @@ class TierStats:
 
 class BlockPool(Protocol):
     """What the tiers need of the pool above them (scheduler.block_manager.BlockManager, which offers them its
-    blocks): pins on the blocks being copied down, and the event log their moves go to (None: nobody listens)."""
+    blocks): its block size, pins on the blocks being copied down, and the event log their moves go to (None:
+    nobody listens)."""
+    block_size: int
     events: list[KVEvent] | None
 
     def pin(self, block_id: int) -> None: ...
@@ -106,6 +110,21 @@ class KVTiers:
                 break
             hits.append((h, FROM_DISK if slot is None else slot))
         return hits
+
+    # -- a KV source (scheduler.kv_sources): a waiting request's blocks past the pool's, looked up once an admission
+    def find(self, request: Request, shared: list[int]) -> Found | None:
+        if request.tiers_checked or request.sampling.computes_whole_prompt:
+            return None
+        bs = self.kv.block_size
+        hits = self.lookup(request.all_token_ids, len(shared), bs, request.hash_root)
+        if not hits:
+            request.tiers_checked = True
+            return None
+        return Found((len(shared) + len(hits)) * bs, shared, hits)  # (no room for it: looked up again when there is)
+
+    def bring(self, request: Request, block_ids: list[int], found: Found) -> None:
+        request.tiers_checked = True
+        self.start_load(request, block_ids, found.hits)
 
     # -- storing -----------------------------------------------------------------------------
     def offer(self, block_id: int, block_hash: int) -> None:
@@ -192,6 +211,7 @@ class KVTiers:
             self.reading[h] += 1
             (self.host if slot != FROM_DISK else self.disk).move_to_end(h)
         self.loading[request.request_id] = request
+        request.status = Status.WAITING_FOR_REMOTE_KV
         self._loads.append(LoadJob(request.request_id, block_ids, [s for _, s in hits], [h for h, _ in hits]))
 
     def take_loads(self) -> list[LoadJob]:
