@@ -41,7 +41,7 @@ from scheduler.policy import SchedulingPolicy
 from scheduler.request import HeldKV, Request, RequestOutput
 from scheduler.speculation import SpecDecodeStats, Speculator
 from scheduler.status import Status
-from scheduler.step_assembly import SchedulerOutput, StepBudget, can_run_ahead
+from scheduler.step_assembly import SchedulerOutput, StepBudget, can_run_ahead, next_chunk
 from scheduler.tiers import KVTiers, LoadJob
 from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
@@ -292,28 +292,33 @@ class Scheduler:
                 continue
             if request.in_flight and not (budget.run_ahead and can_run_ahead(request, self.max_model_len)):
                 continue
-            num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-            decode = num_new == 1 and not request.num_output_placeholders
-            drafts = self.spec.drafts(request) if self.spec is not None and decode else []
-            num_new = min(num_new + len(drafts), budget.tokens)
-            drafts = drafts[:num_new - 1]  # the budget may cut them
+            num_new, drafts = next_chunk(request, budget.tokens, self.spec)
             need = self.accounting.kv_tokens(request, num_new, len(drafts))
             new_blocks = self.kv.allocate(request.request_id, need)
             if new_blocks is None and request.in_flight:
                 continue  # a step ahead never preempts: the request waits for its result instead
-            while new_blocks is None:
-                victim = self.policy.kv_victim(self.running)
-                if victim is None:
-                    break
-                self._preempt(victim)
-                preempted += 1
-                if victim is request:
-                    break
-                new_blocks = self.kv.allocate(request.request_id, need)
+            if new_blocks is None:
+                new_blocks, victims = self._preempt_for(request, need)
+                preempted += victims
             if new_blocks is None or request.status is not Status.RUNNING:
                 continue
             budget.add_chunk(request, num_new, new_blocks, drafts, self.policy.fair)
         return preempted
+
+    def _preempt_for(self, request: Request, need: int) -> tuple[list[int] | None, int]:
+        """The running request lacks blocks for `need` tokens: the policy's victims are preempted until it has
+        them (it may be the victim itself); its new blocks (None: it has none) and how many were preempted."""
+        new_blocks, preempted = None, 0
+        while new_blocks is None:
+            victim = self.policy.kv_victim(self.running)
+            if victim is None:
+                break
+            self._preempt(victim)
+            preempted += 1
+            if victim is request:
+                break
+            new_blocks = self.kv.allocate(request.request_id, need)
+        return new_blocks, preempted
 
     def _make_room(self) -> int:
         """The policy's preemptions for the first waiting request before the step is built (policy.make_room);

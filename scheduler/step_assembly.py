@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from scheduler.policy import FairShare
 from scheduler.request import Request
+from scheduler.speculation import Speculator
 from stagemesh.core.step import PLACEHOLDER, NewSequence, ScheduledChunks, StepBatch
 
 
@@ -78,3 +79,13 @@ def can_run_ahead(request: Request, max_model_len: int) -> bool:
     return (request.in_flight == 1 and request.num_output_placeholders == 1
             and len(request.output_token_ids) + 1 < request.sampling.max_tokens
             and request.num_tokens + 1 < max_model_len)
+
+
+def next_chunk(request: Request, budget_tokens: int, spec: Speculator | None) -> tuple[int, list[int]]:
+    """A running request's next chunk: (its tokens, the drafts among them): what it has not computed, with its
+    drafts on a decode (speculative decoding), cut to the step's budget (which may cut the drafts too)."""
+    num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+    decode = num_new == 1 and not request.num_output_placeholders
+    drafts = spec.drafts(request) if spec is not None and decode else []
+    num_new = min(num_new + len(drafts), budget_tokens)
+    return num_new, drafts[:num_new - 1]
