@@ -7,11 +7,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from scheduler.config import SchedulerConfig
+from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams, check_token_ids
 from stagemesh.core.step import TokenLogprob
 
 MAX_REQUEST_ID_LEN = 256
+
+
+def check_engine_request(cfg: SchedulerConfig, r: EngineRequest) -> None:
+    """check_request and check_generated_logprobs; its LoRA adapter served here; a prefill_only request with
+    nothing that says its prompt was computed elsewhere."""
+    check_request(cfg, r.request_id, r.prompt_token_ids, r.sampling, r.generated_token_ids)
+    check_generated_logprobs(r.generated_token_ids, r.generated_logprobs, r.sampling)
+    if r.lora_name and (cfg.lora is None or r.lora_name not in cfg.lora):
+        raise StagemeshError(f"the LoRA adapter {r.lora_name[:200]!r} is not served by this replica"
+                             + ("" if cfg.lora is not None else " (it runs without --enable-lora)"))
+    if r.prefill_only and (r.kv_source is not None or r.generated_token_ids):
+        raise StagemeshError("a prefill_only request computes its own prompt: no kv_transfer or generated "
+                             "tokens with it")
 
 
 def check_request(cfg: SchedulerConfig, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,

@@ -22,10 +22,7 @@ import secrets
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
-
-if TYPE_CHECKING:
-    from scheduler.block_manager import BlockManager  # (which imports this module's events)
+from typing import Callable, Protocol
 
 log = logging.getLogger("stagemesh.scheduler")
 
@@ -71,14 +68,27 @@ QUEUE_LIMIT = 1024  # batches a subscriber may fall behind before its stream is 
 DROP_SEQ_ENV = "STAGEMESH_TEST_DROP_KV_EVENT_SEQ"
 
 
+class EventSource(Protocol):
+    """What the hub follows: a replica's block manager (scheduler.block_manager.BlockManager), which records
+    these events; declared here, below it, so that the events need nothing of what records them."""
+
+    def start_events(self) -> None: ...
+
+    def stop_events(self) -> None: ...
+
+    def drain_events(self) -> list[KVEvent]: ...
+
+    def snapshot_hashes(self) -> list[tuple[str, list[int]]]: ...
+
+
 def new_epoch() -> int:
     return secrets.randbits(64) or 1  # (never 0: 0 is a scheduler from before epochs)
 
 
 class KVEventHub:
-    def __init__(self, block_manager: Callable[[], BlockManager | None], tick_s: float = TICK_S):
+    def __init__(self, block_manager: Callable[[], EventSource | None], tick_s: float = TICK_S):
         self._current = block_manager  # the replica's block manager now, or None (no pipeline)
-        self._followed: BlockManager | None = None
+        self._followed: EventSource | None = None
         self._epoch_of: Callable[[], object | None] = lambda: None  # (a weak reference) the epoch's manager
         self.epoch, self.seq = new_epoch(), 0
         self._subscribers: set[asyncio.Queue] = set()

@@ -19,7 +19,9 @@ import logging
 import time
 from dataclasses import dataclass
 
+from scheduler.kv_sources import Found
 from scheduler.request import Request
+from scheduler.status import Status
 from stagemesh.core.engine_request import KVSourceInfo
 from stagemesh.core.errors import StagemeshError
 
@@ -55,6 +57,15 @@ def failure_message(request_id: str, scheduler_address: str, reason: str, detail
     return (f"request {request_id}: its prompt's KV could not be loaded from the prefill replica "
             f"{scheduler_address[:200]} ({reason}: {detail[:300]}); kv_load_failure_policy fail: the prompt is not "
             "computed on this decode replica")
+
+
+def not_fit_message(request_id: str, src: KVSourceInfo, num_tokens: int, block_size: int) -> str:
+    """Why the KV held for a request (of num_tokens: its prompt and generated tokens but the last) cannot be
+    used on a replica of block_size (scheduler.kv_accounting.KVAccounting.kv_source_fits)."""
+    return failure_message(
+        request_id, src.scheduler_address, "not_fit", f"the KV held there ({src.num_tokens} tokens in blocks of "
+        f"{src.block_size}) does not fit this replica (the KV of {num_tokens} tokens, its prompt and generated "
+        f"tokens but the last, in blocks of {block_size}; no prompt logprobs, no draft model)")
 
 
 @dataclass(frozen=True)
@@ -96,9 +107,17 @@ class KVTransfers:
             self.release(kv, rid)
         return expired
 
-    # -- decode side -------------------------------------------------------------------
+    # -- decode side: a KV source (scheduler.kv_sources), the prefill replica that holds a request's prompt ----
+    def find(self, request: Request, shared: list[int]) -> Found | None:
+        source = request.kv_source
+        return Found(source.num_tokens, only=True) if source is not None else None
+
+    def bring(self, request: Request, block_ids: list[int], found: Found) -> None:
+        self.start_pull(request, block_ids)
+
     def start_pull(self, request: Request, block_ids: list[int]) -> None:
         self.fetching[request.request_id] = request
+        request.status = Status.WAITING_FOR_REMOTE_KV
         assert request.kv_source is not None  # (a request that pulls its KV names where from)
         self._pulls.append(KVPull(request.request_id, block_ids, request.kv_source))
 
@@ -122,7 +141,7 @@ class KVTransfers:
             kv.cache_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens, request.hash_root)
         else:
             kv.free_request(request_id)
-        request.kv_ready, request.kv_source = ok, None
+        request.kv_source, request.status = None, Status.WAITING  # (ok: its blocks hold its prompt's KV)
         return request
 
     def abandon(self, request: Request) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from scheduler.request import Request, Status
+from scheduler.request import Request
 
 
 class LoRASlots:
@@ -23,7 +23,7 @@ class LoRASlots:
         """A step's start: the adapters running now (and how many requests each); a promise kept or void ends."""
         busy = Counter(r.lora_name for r in running if r.lora_name)
         promised = self.promised_to
-        if self.freeing not in busy or promised is None or promised.status is not Status.WAITING:
+        if self.freeing not in busy or promised is None or not promised.status.is_waiting:
             self.freeing = self.promised_to = None
         return busy
 

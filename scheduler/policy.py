@@ -6,16 +6,18 @@ fcfs: arrival order; a preempted request goes back to the front of the waiting q
 request is the victim. priority: both queues in (priority, arrival) order, lower values first (vLLM's
 order); the lowest-priority running request is the victim, and a waiting request that lacks blocks may
 preempt running requests of lower priority than its own (vLLM's V0 priority preemption). Either order holds
-within a tenant; which tenant's request comes next is the fair share's.
+within a tenant; which tenant's request comes next is the fair share's. Preemption is the policy's choice of
+victims (kv_victim, make_room); the scheduler preempts them (by recompute: Scheduler._preempt).
 """
 from __future__ import annotations
 
 import bisect
 import math
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from scheduler.request import Request
+from scheduler.status import Status
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import INT32_MAX
 
@@ -86,6 +88,56 @@ class SchedulingPolicy:
             if not victim.in_flight:
                 return victim
         return None
+
+    def kv_victim(self, running: list[Request]) -> Request | None:
+        """The request to preempt when a running one lacks KV blocks: the last running request that is not in
+        flight (its blocks are not in use): the newest under fcfs, the lowest-priority (then newest) under
+        priority, the running queue being in that order; with several tenants, of the one that runs the most for
+        its weight (FairShare.kv_victim)."""
+        victim = self.fair.kv_victim(running) if self.fair is not None else None
+        if victim is not None:
+            return victim
+        for request in reversed(running):
+            if not request.in_flight:
+                return request
+        return None
+
+    def make_room(self, running: list[Request], head: Request, fits: Callable[[Request], bool],
+                  max_num_seqs: int) -> Iterator[Request]:
+        """The running requests to preempt before a step is built, one at a time (the caller preempts each
+        before the next is chosen), for `head`, the first waiting request. Priority policy: while head's first
+        chunk lacks KV blocks (`fits`), running requests of lower priority, the lowest first; head is then
+        admitted in this step unless a running request of higher priority takes the room. Fair share: a tenant
+        under its share takes a place from one over its own (_fair_victims)."""
+        while self.by_priority and not fits(head):
+            victim = self.victim_for(running, head)
+            if victim is None:
+                break
+            yield victim
+        if self.fair is not None:
+            yield from self._fair_victims(self.fair, running, head, fits, max_num_seqs)
+
+    @staticmethod
+    def _fair_victims(fair: FairShare, running: list[Request], head: Request, fits: Callable[[Request], bool],
+                      max_num_seqs: int) -> Iterator[Request]:
+        """Head cannot start (no place left under --max-num-seqs, or no KV blocks): running requests of a tenant
+        over its share give it their places (FairShare.victim), preempted now, or, in flight, once their step is
+        back (until then not scheduled: Request.yield_slot)."""
+        if fair.yielding is None and len(fair.present) < 2:
+            return
+        held, fair.yielding = fair.yielding, None
+        if held is not None and held.status is not Status.RUNNING:
+            held = None  # (it ended, or was preempted for blocks)
+        while len(running) >= max_num_seqs or not fits(head):
+            victim, held = held or fair.victim(running, head, max_num_seqs), None
+            if victim is None:
+                break
+            if victim.in_flight:
+                victim.yield_slot, fair.yielding = True, victim
+                return
+            yield victim
+        if held is not None:  # the head starts without its place after all
+            held.yield_slot = False
 
     # -- tenants (FairShare; nothing without it) --------------------------------------------------------
     def arrived(self, request: Request) -> None:

@@ -1,11 +1,11 @@
 """A request as the scheduler tracks it, and what it reports back to callers."""
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from scheduler.status import Status
 from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.pooling import Pooled
 from stagemesh.core.sampling_params import SamplingParams
@@ -13,12 +13,6 @@ from stagemesh.core.step import PromptLogprobs, SampledToken, TokenLogprob
 
 if TYPE_CHECKING:
     from stagemesh.core.engine_request import KVSourceInfo
-
-
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 @dataclass
@@ -30,7 +24,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     seq_id: int = -1  # the stages' id of its current admission (new on every re-admission)
-    status: Status = Status.WAITING
+    status: Status = Status.WAITING  # where it stands, and so what the scheduler does with it (scheduler.status)
     in_flight: int = 0  # steps scheduled whose results are not back
     # output tokens scheduled whose ids are not known yet (vLLM's name): steps in flight that sample one; a
     # step run ahead of them computes PLACEHOLDER in their place (stage_worker.step_executor.RunAhead fills it in)
@@ -46,7 +40,6 @@ class Request:
     # disaggregated prefill (scheduler.kv_transfer): end after the first token, its KV held for a decode replica
     prefill_only: bool = False
     kv_source: KVSourceInfo | None = None  # its prompt's KV is held on a prefill replica, to be pulled
-    kv_ready: bool = False  # its prompt's KV was pulled into its blocks: the prompt counts as computed
     tiers_checked: bool = False  # this admission looked its prompt up in the KV tiers (scheduler.tiers)
     lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
     tenant: str = ""  # who sent it, and its weight: the fair share across tenants (scheduler.policy.FairShare)
@@ -54,8 +47,6 @@ class Request:
     # it gives its place to another tenant's request (FairShare.victim) once its step in flight is back: not
     # scheduled until it is preempted
     yield_slot: bool = False
-    # its constraint compiles on the last stage: not scheduled until it can be sampled (vLLM's WAITING_FOR_FSM)
-    waiting_for_grammar: bool = False
     # prompt + output, kept up to date by append_output (the scheduler reads it every step)
     all_token_ids: list[int] = field(init=False, repr=False)
     hash_root: int | None = field(default=None, repr=False)  # its prefix-cache blocks' root (EngineRequest's)
@@ -76,10 +67,10 @@ class Request:
     def restart(self) -> None:
         """Back to waiting with nothing computed, its generated tokens kept: the pipeline broke under it
         (Scheduler.requeue_all). Its prompt is computed again here, even if a prefill replica held its KV."""
-        self.status, self.seq_id = Status.WAITING, -1
+        self.status, self.seq_id = self.status.after_restart(), -1
         self.num_computed_tokens = self.in_flight = self.num_output_placeholders = 0
         self.spec_token_ids = []
-        self.kv_source, self.kv_ready = None, False
+        self.kv_source = None
         self.tiers_checked = self.yield_slot = False
 
     def append_output(self, token_id: int) -> None:

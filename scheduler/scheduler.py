@@ -7,23 +7,19 @@ one rule. Requests in flight (scheduled, result not yet back) are skipped, so
 a pipeline can keep several micro-batches in flight on disjoint sequences.
 Preemption is by recompute: the victim frees its blocks and waits again.
 
-Asynchronous scheduling (vLLM's --async-scheduling): a request whose step
-in flight samples a token may be scheduled once more before that token is
-back, as a decode of PLACEHOLDER (Request.num_output_placeholders counts the
-tokens not yet known), which the first stage replaces with the token the last
-stage sampled for the sequence in the step before (stages run steps in order;
-stage_worker.step_executor.RunAhead). So the next step is on the stages before the current one
-ends, and the scheduler's work and both RPCs overlap the model. A request
-that turns out to have finished (EOS, stop token) wastes the one token
-computed ahead; its result is dropped. schedule(run_ahead=False) leaves such
-requests out (a pipeline runs ahead only where a micro-batch would be empty).
+Asynchronous scheduling (vLLM's --async-scheduling): a request whose step in flight samples a token may be
+scheduled once more before that token is back (scheduler.step_assembly); schedule(run_ahead=False) leaves
+such requests out (a pipeline runs ahead only where a micro-batch would be empty).
 
 Speculative decoding (--speculative-config, scheduler.speculation): a decode step carries the
 request's last token and its draft tokens as one chunk; the last stage verifies them and returns 1..k+1
 tokens, appended one by one under the stop conditions; num_computed_tokens rolls back over the rejected.
 
-The queues' order, and so who gets the budget first and who is preempted, is the scheduling policy's
-(scheduler.policy: fcfs or priority, within each tenant; across tenants, its fair share by weight).
+The Scheduler coordinates; each concept is its own module: where a request stands (scheduler.status), the
+queues' order and who is preempted (scheduler.policy: fcfs or priority, within each tenant; across tenants,
+its fair share by weight), the blocks a request holds and needs and where its KV comes from
+(scheduler.kv_accounting, scheduler.kv_sources), and the step built from the chosen requests
+(scheduler.step_assembly).
 """
 from __future__ import annotations
 
@@ -35,26 +31,21 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from scheduler import results
-from scheduler.admission import check_generated_logprobs, check_request, fits_kv_cache, request_tokens
+from scheduler.admission import check_engine_request, fits_kv_cache, request_tokens
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
-from scheduler.kv_transfer import KVLoadFailed, KVTransfers, failure_message
+from scheduler.kv_accounting import KVAccounting, Placement
+from scheduler.kv_transfer import KVLoadFailed, KVTransfers, not_fit_message
 from scheduler.lora_slots import LoRASlots
-from stagemesh.core.engine_request import EngineRequest, KVSourceInfo
 from scheduler.policy import SchedulingPolicy
-from scheduler.request import HeldKV, Request, RequestOutput, Status
+from scheduler.request import HeldKV, Request, RequestOutput
 from scheduler.speculation import SpecDecodeStats, Speculator
+from scheduler.status import Status
+from scheduler.step_assembly import SchedulerOutput, StepBudget, can_run_ahead, next_chunk
 from scheduler.tiers import KVTiers, LoadJob
+from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
-from stagemesh.core.step import PLACEHOLDER, NewSequence, PromptLogprobs, SampledToken, ScheduledChunks, StepBatch
-
-
-
-@dataclass
-class SchedulerOutput:
-    step_batch: StepBatch
-    request_ids: list[str]  # in chunk order
-    num_preempted: int = 0
+from stagemesh.core.step import PromptLogprobs, SampledToken
 
 
 @dataclass
@@ -72,16 +63,6 @@ class SchedulerStats:
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
     queue_wait: dict[str, float] = field(default_factory=dict)  # tenant -> its oldest waiting request's wait, s
-
-
-@dataclass
-class _Budget:
-    tokens: int
-    seqs: int
-    run_ahead: bool = False  # may schedule a step ahead of a request's step in flight
-    chunks: ScheduledChunks = field(default_factory=ScheduledChunks)
-    new_sequences: list[NewSequence] = field(default_factory=list)
-    request_ids: list[str] = field(default_factory=list)
 
 
 class Scheduler:
@@ -105,6 +86,7 @@ class Scheduler:
         self.transfers = KVTransfers(config.kv_hold_timeout_s)  # disaggregated prefill's holds and pulls
         self.spec = Speculator(config.speculative, self.max_model_len) if config.speculative else None
         self.lora_slots = LoRASlots()  # --max-loras: which waiting request's adapter may start
+        self.accounting = KVAccounting(self.kv, self.transfers, self.spec)  # blocks held and needed; KV sources
 
     def continue_after(self, warm: Scheduler) -> None:
         """`warm` ran steps in this epoch before this scheduler (scheduler.warmup): its step and sequence ids stay
@@ -124,44 +106,23 @@ class Scheduler:
         kv_load_failure_policy is recompute (the prompt is then computed here); under fail that raises
         KVLoadFailed."""
         cfg, request_id, kv_source = self.config, r.request_id, r.kv_source
-        check_request(cfg, request_id, r.prompt_token_ids, r.sampling, r.generated_token_ids)
-        check_generated_logprobs(r.generated_token_ids, r.generated_logprobs, r.sampling)
+        check_engine_request(cfg, r)
         self.policy.check(r.priority, r.tenant, r.tenant_weight)
-        if r.lora_name and (cfg.lora is None or r.lora_name not in cfg.lora):
-            raise StagemeshError(f"the LoRA adapter {r.lora_name[:200]!r} is not served by this replica"
-                                 + ("" if cfg.lora is not None else " (it runs without --enable-lora)"))
         if request_id in self.requests or self.transfers.in_use(request_id):
             raise StagemeshError(f"request id {request_id!r} is already in use")
-        if r.prefill_only and (kv_source is not None or r.generated_token_ids):
-            raise StagemeshError("a prefill_only request computes its own prompt: no kv_transfer or generated "
-                                 "tokens with it")
         if cfg.max_waiting_requests and len(self.waiting) >= cfg.max_waiting_requests:
             raise QueueFull(f"the waiting queue is full ({cfg.max_waiting_requests} requests)")
         request = Request.of(r)
-        usable = kv_source is None or self._kv_source_fits(kv_source, request)
+        usable = kv_source is None or self.accounting.kv_source_fits(kv_source, request)
         if not usable and cfg.kv_load_failure_policy == "fail":
             assert kv_source is not None
-            raise KVLoadFailed(failure_message(
-                request_id, kv_source.scheduler_address, "not_fit", f"the KV held there ({kv_source.num_tokens} "
-                f"tokens in blocks of {kv_source.block_size}) does not fit this replica (the KV of "
-                f"{request.num_tokens - 1} tokens, its prompt and generated tokens but the last, in blocks of "
-                f"{cfg.block_size}; no prompt logprobs, no draft model)"))
+            raise KVLoadFailed(not_fit_message(request_id, kv_source, request.num_tokens - 1, cfg.block_size))
         if kv_source is not None and usable:
             request.kv_source = kv_source
         self.requests[request_id] = request
         self.policy.arrived(request)
         self.waiting.add(request)
         return usable
-
-    def _kv_source_fits(self, src: KVSourceInfo, request: Request) -> bool:
-        """The held KV is exactly that of the request's tokens but the last (the prompt's, with its first token
-        after it; or a migrated request's, with the tokens it generated), in blocks of this replica's size; not
-        with a draft model, whose own KV cache mirrors only what the target computes here."""
-        if self.spec is not None and self.spec.config.uses_draft_model:
-            return False
-        return (src.block_size == self.config.block_size and src.num_tokens == request.num_tokens - 1
-                and len(src.block_ids) == self.kv.blocks_needed(src.num_tokens) and bool(request.output_token_ids)
-                and not request.sampling.computes_whole_prompt)
 
     def release_kv(self, request_id: str) -> bool:
         """A decode replica is done with a prefilled request's KV here: free its blocks."""
@@ -182,20 +143,9 @@ class Scheduler:
     def kv_tier_loaded(self, job: LoadJob, flags: list[bool]) -> None:
         """The driver's load of a request's blocks from the KV tiers ended (flags: per block, loaded): it runs
         from the first block that did not load, at the front of the waiting queue."""
-        tiers = self.kv.tiers
-        if tiers is None or job.request_id not in tiers.loading:
-            return
-        good = tiers.loaded(job, flags)
-        request = tiers.loading.pop(job.request_id)
-        if request is None:  # it ended during the load: only now may its blocks go to another request
-            self.kv.free_request(job.request_id)
-            return
-        num_pooled = len(self.kv.tables[job.request_id]) - len(job.block_ids)
-        request.num_computed_tokens = (num_pooled + good) * self.config.block_size
-        self.kv.cache_full_blocks(job.request_id, request.all_token_ids, request.num_computed_tokens,
-                                  request.hash_root)
-        request.kv_ready = True
-        self.waiting.appendleft(request)
+        request = self.accounting.tier_loaded(job, flags)
+        if request is not None:
+            self.waiting.appendleft(request)
 
     # -- a broken pipeline (docs/recovery.md): the old epoch's scheduler requeues, the next one's takes over ---
     def requeue_all(self) -> list[Request]:
@@ -217,6 +167,7 @@ class Scheduler:
         self.running, self.waiting = [], self.policy.waiting(requests)
         self._finished_seq_ids = []
         self.kv = BlockManager(self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.accounting = KVAccounting(self.kv, self.transfers, self.spec)
         return requests
 
     def take_over(self, old: Scheduler) -> list[RequestOutput]:
@@ -248,8 +199,12 @@ class Scheduler:
     def wait_for_grammar(self, request_id: str, waiting: bool) -> None:
         """A structured request waits, unscheduled, while its constraint compiles (vLLM's WAITING_FOR_FSM)."""
         request = self.requests.get(request_id)
-        if request is not None:
-            request.waiting_for_grammar = waiting
+        if request is None:
+            return
+        if waiting and request.status.is_waiting:
+            request.status = Status.WAITING_FOR_GRAMMAR
+        elif not waiting and request.status is Status.WAITING_FOR_GRAMMAR:
+            request.status = Status.WAITING
 
     def abort(self, request_ids) -> list[RequestOutput]:
         outputs = []
@@ -311,8 +266,8 @@ class Scheduler:
         """One step's micro-batch; max_seqs caps its sequences (a pipeline splits the running ones
         over its micro-batches so that every stage has work); run_ahead=False: no step ahead of a
         request's step in flight, even with async scheduling."""
-        budget = _Budget(self.config.max_num_batched_tokens, max_seqs or self.config.max_num_seqs,
-                         run_ahead and self.config.async_scheduling)
+        budget = StepBudget(self.config.max_num_batched_tokens, max_seqs or self.config.max_num_seqs,
+                            run_ahead and self.config.async_scheduling)
         made_room = self._make_room()
         preempted = self._schedule_running(budget)
         # a request preempted in this step does not come straight back, unless the step would be empty (then
@@ -324,156 +279,115 @@ class Scheduler:
             return None
         for request_id in budget.request_ids:
             self.requests[request_id].in_flight += 1
-        batch = StepBatch(next(self._step_ids), budget.new_sequences, budget.chunks, self._finished_seq_ids)
+        batch = budget.batch(next(self._step_ids), self._finished_seq_ids)
         self._finished_seq_ids = []
         return SchedulerOutput(batch, budget.request_ids, preempted)
 
-    def _schedule_running(self, budget: _Budget) -> int:
+    def _schedule_running(self, budget: StepBudget) -> int:
         preempted = 0
         for request in list(self.running):
-            if budget.tokens <= 0 or len(budget.chunks) >= budget.seqs:
+            if budget.full:
                 break
             if request.status is not Status.RUNNING or request.yield_slot:
                 continue
-            if request.in_flight and not (budget.run_ahead and self._can_run_ahead(request)):
+            if request.in_flight and not (budget.run_ahead and can_run_ahead(request, self.max_model_len)):
                 continue
-            num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-            decode = num_new == 1 and not request.num_output_placeholders
-            drafts = self.spec.drafts(request) if self.spec is not None and decode else []
-            num_new = min(num_new + len(drafts), budget.tokens)
-            drafts = drafts[:num_new - 1]  # the budget may cut them
-            need = self._kv_tokens(request, num_new, len(drafts))
+            num_new, drafts = next_chunk(request, budget.tokens, self.spec)
+            need = self.accounting.kv_tokens(request, num_new, len(drafts))
             new_blocks = self.kv.allocate(request.request_id, need)
             if new_blocks is None and request.in_flight:
                 continue  # a step ahead never preempts: the request waits for its result instead
-            while new_blocks is None:
-                victim = self._pick_victim()
-                if victim is None:
-                    break
-                self._preempt(victim)
-                preempted += 1
-                if victim is request:
-                    break
-                new_blocks = self.kv.allocate(request.request_id, need)
+            if new_blocks is None:
+                new_blocks, victims = self._preempt_for(request, need)
+                preempted += victims
             if new_blocks is None or request.status is not Status.RUNNING:
                 continue
-            self._add_chunk(budget, request, num_new, new_blocks, drafts)
+            budget.add_chunk(request, num_new, new_blocks, drafts, self.policy.fair)
         return preempted
+
+    def _preempt_for(self, request: Request, need: int) -> tuple[list[int] | None, int]:
+        """The running request lacks blocks for `need` tokens: the policy's victims are preempted until it has
+        them (it may be the victim itself); its new blocks (None: it has none) and how many were preempted."""
+        new_blocks, preempted = None, 0
+        while new_blocks is None:
+            victim = self.policy.kv_victim(self.running)
+            if victim is None:
+                break
+            self._preempt(victim)
+            preempted += 1
+            if victim is request:
+                break
+            new_blocks = self.kv.allocate(request.request_id, need)
+        return new_blocks, preempted
 
     def _make_room(self) -> int:
-        """Priority policy: the first waiting request, if its first chunk lacks KV blocks, preempts running
-        requests of lower priority (the lowest first) until it fits, before the step is built; returns how
-        many. It is then admitted in this step unless a running request of higher priority takes the room.
-        Fair share: a tenant under its share takes a place from one over its own (_take_fair_share)."""
+        """The policy's preemptions for the first waiting request before the step is built (policy.make_room);
+        returns how many."""
         if not self.waiting or not (self.policy.by_priority or self.policy.fair is not None):
             return 0
-        head, preempted = self.waiting[0], 0
-        while self.policy.by_priority and not self._fits(head):
-            victim = self.policy.victim_for(self.running, head)
-            if victim is None:
-                break
+        preempted = 0
+        for victim in self.policy.make_room(self.running, self.waiting[0], self._fits, self.config.max_num_seqs):
             self._preempt(victim)
             preempted += 1
-        return preempted + self._take_fair_share(head)
-
-    def _fits(self, head: Request) -> bool:
-        return self.kv.can_allocate(head.request_id, *self._first_chunk(head, self.config.max_num_batched_tokens))
-
-    def _take_fair_share(self, head: Request) -> int:
-        """The head of the waiting queue cannot start (no place left under --max-num-seqs, or no KV blocks):
-        running requests of a tenant over its share give it their places (FairShare.victim), preempted now, or,
-        in flight, once their step is back (until then not scheduled: Request.yield_slot). Returns how many
-        now."""
-        fair, preempted = self.policy.fair, 0
-        if fair is None or (fair.yielding is None and len(fair.present) < 2):
-            return 0
-        held, fair.yielding = fair.yielding, None
-        if held is not None and held.status is not Status.RUNNING:
-            held = None  # (it ended, or was preempted for blocks)
-        while len(self.running) >= self.config.max_num_seqs or not self._fits(head):
-            victim, held = held or fair.victim(self.running, head, self.config.max_num_seqs), None
-            if victim is None:
-                break
-            if victim.in_flight:
-                victim.yield_slot, fair.yielding = True, victim
-                return preempted
-            self._preempt(victim)
-            preempted += 1
-        if held is not None:  # the head starts without its place after all
-            held.yield_slot = False
         return preempted
 
-    def _first_chunk(self, request: Request, tokens: int) -> tuple[int, list[int]]:
-        """(tokens the waiting request's first chunk fills, counted from position 0; its cached blocks)."""
-        # a request that scores or pools its prompt needs every position computed: no prefix-cache hit (as vLLM)
-        cached = [] if request.sampling.computes_whole_prompt else \
-            self.kv.find_cached_prefix(request.all_token_ids, request.hash_root)
-        num_cached = len(cached) * self.config.block_size
-        return num_cached + min(request.num_tokens - num_cached, tokens), cached
+    def _fits(self, head: Request) -> bool:
+        return self.accounting.fits(head, self.config.max_num_batched_tokens)
 
-    def _schedule_waiting(self, budget: _Budget) -> None:
+    def _schedule_waiting(self, budget: StepBudget) -> None:
         skipped: list[Request] = []  # requests that cannot start yet: they keep their places in the queue
         try:
             self._admit_waiting(budget, skipped)
         finally:
             self.waiting.extendleft(reversed(skipped))
 
-    def _admit_waiting(self, budget: _Budget, skipped: list[Request]) -> None:
+    def _admit_waiting(self, budget: StepBudget, skipped: list[Request]) -> None:
         # at most --max-loras adapters run at once (scheduler.lora_slots; counted per step only when LoRA is on)
-        lora = self.config.lora
-        busy = self.lora_slots.busy(self.running) if lora is not None else Counter[str]()
-        while (self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs
-               and len(budget.chunks) < budget.seqs):
+        busy = self.lora_slots.busy(self.running) if self.config.lora is not None else Counter[str]()
+        while self.waiting and not budget.full and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if request.waiting_for_grammar or (lora is not None and not self.lora_slots.admits(request, busy,
-                                                                                               lora.max_loras)):
-                skipped.append(self.waiting.popleft())  # its constraint compiles, or its adapter has no slot
+            if not self._may_start(request, busy):
+                skipped.append(self.waiting.popleft())  # it keeps its place
                 continue
-            if request.kv_source is not None:  # its prompt's KV is elsewhere: blocks for it, then the pull
-                blocks = self.kv.allocate(request.request_id, request.kv_source.num_tokens)
-                if blocks is None:
-                    if self._unblock():
-                        continue
-                    break
-                self.transfers.start_pull(self.waiting.popleft(), blocks)
-                continue
-            if self._load_from_tiers(request):
-                continue
-            if request.kv_ready:  # pulled: its blocks hold the prompt; the stages get every one of them
-                num_cached, num_new = request.num_computed_tokens, min(request.num_tokens - request.num_computed_tokens,
-                                                                      budget.tokens)
-                if self.kv.allocate(request.request_id, self._kv_tokens(request, num_new, 0, num_cached)) is None:
-                    if self._unblock():
-                        continue
-                    break
-                new_blocks, request.kv_ready = list(self.kv.tables[request.request_id]), False
-            else:
-                num_tokens, cached = self._first_chunk(request, budget.tokens)
-                num_cached = len(cached) * self.config.block_size
-                num_new = num_tokens - num_cached
-                allocated = self.kv.allocate(request.request_id, self._kv_tokens(request, num_new, 0, num_cached),
-                                             cached)
-                if allocated is None:
-                    if self._unblock():
-                        continue
-                    break
-                new_blocks = allocated
+            placed = self.accounting.place(request, budget.tokens)
+            if placed is None:  # the pool lacks blocks for it
+                if self._unblock():
+                    continue
+                break
             self.waiting.popleft()
-            if self.config.enable_prefix_caching:
-                self.kv.record_prefix_lookup(request.num_tokens, num_cached)
-            request.status = Status.RUNNING
-            request.seq_id = next(self._seq_ids)
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-            request.num_computed_tokens = num_cached
-            if not request.output_token_ids:
-                request.num_cached_tokens = num_cached
-            self.policy.add_running(self.running, request)
-            if request.lora_name:
-                busy[request.lora_name] += 1
-            budget.new_sequences.append(NewSequence(request.seq_id, list(request.prompt_token_ids), request.sampling,
-                                                    list(request.output_token_ids), request.lora_name))
-            self._add_chunk(budget, request, num_new, new_blocks)
+            if isinstance(placed, Placement):
+                self._start(request, placed, budget, busy)
+            # (else a source brings its KV in: it comes back to the front of the queue once it is there)
+
+    def _may_start(self, request: Request, busy: Counter[str]) -> bool:
+        """Whether the request at the head may start as far as its status goes (Status.admissible) and, under
+        --max-loras, its adapter (a slot for it, or it waits for one)."""
+        if not request.status.admissible:
+            return False
+        lora = self.config.lora
+        if lora is not None and not self.lora_slots.admits(request, busy, lora.max_loras):
+            request.status = Status.WAITING_FOR_LORA_SLOT
+            return False
+        if request.status is Status.WAITING_FOR_LORA_SLOT:
+            request.status = Status.WAITING
+        return True
+
+    def _start(self, request: Request, placed: Placement, budget: StepBudget, busy: Counter[str]) -> None:
+        """The waiting request runs from this step: a new sequence on the stages, its first chunk in the step."""
+        if self.config.enable_prefix_caching:
+            self.kv.record_prefix_lookup(request.num_tokens, placed.num_cached)
+        request.status = Status.RUNNING
+        request.seq_id = next(self._seq_ids)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        request.num_computed_tokens = placed.num_cached
+        if not request.output_token_ids:
+            request.num_cached_tokens = placed.num_cached
+        self.policy.add_running(self.running, request)
+        if request.lora_name:
+            busy[request.lora_name] += 1
+        budget.add_sequence(request)
+        budget.add_chunk(request, placed.num_new, placed.new_blocks, (), self.policy.fair)
 
     def _unblock(self) -> bool:
         """The first waiting request lacks blocks and nothing runs that would free some: waiting requests whose
@@ -481,83 +395,13 @@ class Scheduler:
         them back, still in the prefix cache, and are admitted like any request (their prefix found there).
         Without this, a preempted request queued in front of them waits for ever for the blocks they hold.
         Whether any did."""
-        if self.running:
-            return False
-        held = [r for r in self.waiting if r.kv_ready and r.request_id in self.kv.tables]
-        for r in held:
-            self.kv.free_request(r.request_id)
-            r.kv_ready, r.num_computed_tokens, r.tiers_checked = False, 0, False
-        return bool(held)
-
-    def _load_from_tiers(self, request: Request) -> bool:
-        """Whether the waiting request at the head went loading blocks of its prompt from the KV tiers (it
-        comes back with kv_ready: scheduler.tiers). Looked up once per admission."""
-        tiers = self.kv.tiers
-        if tiers is None or request.kv_ready or request.tiers_checked or request.sampling.computes_whole_prompt:
-            return False
-        request.tiers_checked = True
-        bs = self.config.block_size
-        cached = self.kv.find_cached_prefix(request.all_token_ids, request.hash_root)
-        hits = tiers.lookup(request.all_token_ids, len(cached), bs, request.hash_root)
-        if not hits:
-            return False
-        blocks = self.kv.allocate(request.request_id, (len(cached) + len(hits)) * bs, cached)
-        if blocks is None:  # no room yet: looked up again when there is
-            request.tiers_checked = False
-            return False
-        tiers.start_load(self.waiting.popleft(), blocks[len(cached):], hits)
-        return True
-
-    def _can_run_ahead(self, request: Request) -> bool:
-        """Async scheduling: one step ahead of a request whose step in flight samples, unless that
-        token is sure to be its last."""
-        p = request.sampling
-        return (request.in_flight == 1 and request.num_output_placeholders == 1
-                and len(request.output_token_ids) + 1 < p.max_tokens
-                and request.num_tokens + 1 < self.max_model_len)
-
-    def _kv_tokens(self, request: Request, num_new: int, num_drafts: int, start: int | None = None) -> int:
-        """The tokens the request's KV blocks must hold for a chunk of num_new tokens from `start` (its
-        num_computed_tokens), with a draft model's lookahead when the chunk samples."""
-        end = (request.num_computed_tokens if start is None else start) + num_new
-        if self.spec is not None and end - num_drafts >= request.num_tokens + request.num_output_placeholders:
-            return self.spec.lookahead(request, end)
-        return end
-
-    def _add_chunk(self, budget: _Budget, request: Request, num_new: int, new_blocks: list[int],
-                   drafts: Sequence[int] = ()) -> None:
-        start, known = request.num_computed_tokens, num_new - len(drafts)
-        tokens = request.all_token_ids[start:start + known]
-        if len(tokens) < known:  # the token sampled by the step in flight: the stage fills it in
-            tokens.append(PLACEHOLDER)
-        tokens += drafts
-        request.num_computed_tokens += num_new
-        sample = request.num_computed_tokens - len(drafts) == request.num_tokens + request.num_output_placeholders
-        if sample:
-            request.num_output_placeholders += 1
-        if self.policy.fair is not None:
-            self.policy.fair.served(request, num_new, sample)
-        budget.chunks.append(request.seq_id, tokens, start, new_blocks, sample, len(drafts))
-        budget.request_ids.append(request.request_id)
-        budget.tokens -= num_new
-
-    def _pick_victim(self) -> Request | None:
-        """The last running request that is not in flight (its blocks are not in use): the newest under fcfs,
-        the lowest-priority (then newest) under the priority policy, the running queue being in that order;
-        with several tenants, of the one that runs the most for its weight (FairShare.kv_victim)."""
-        fair = self.policy.fair.kv_victim(self.running) if self.policy.fair is not None else None
-        if fair is not None:
-            return fair
-        for request in reversed(self.running):
-            if not request.in_flight:
-                return request
-        return None
+        return not self.running and self.accounting.give_back_loaded(self.waiting)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free_request(request.request_id)
         self._finished_seq_ids.append(request.seq_id)
-        request.status = Status.WAITING
+        request.status = Status.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.tiers_checked = request.yield_slot = False
@@ -583,7 +427,7 @@ class Scheduler:
         if request.status is Status.RUNNING:
             self.running.remove(request)
             self._finished_seq_ids.append(request.seq_id)
-        elif request.status is Status.WAITING and request in self.waiting:
+        elif request.status.is_waiting and request in self.waiting:
             self.waiting.remove(request)
         request.status = Status.FINISHED
         if reason == "prefilled" or hold_kv:

@@ -34,7 +34,8 @@ from scheduler.output_stream import OutputStream
 from scheduler.pipeline import Pipeline, StageFailure, StepResult, check_result
 from scheduler.rendezvous import PipelinePlan
 from scheduler.request import RequestOutput
-from scheduler.scheduler import Scheduler, SchedulerOutput
+from scheduler.scheduler import Scheduler
+from scheduler.step_assembly import SchedulerOutput
 from scheduler.tiers import KVTiers, LoadJob, StoreJob
 from stagemesh.core import telemetry
 from stagemesh.core.engine_request import EngineRequest

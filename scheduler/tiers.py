@@ -20,13 +20,14 @@ from __future__ import annotations
 import logging
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from scheduler.kv_events import BlockRemoved, BlockStored
+from scheduler.kv_events import BlockRemoved, BlockStored, KVEvent
+from scheduler.kv_sources import Found
+from scheduler.status import Status
 from stagemesh.core.block_hash import prefix_hashes
 
 if TYPE_CHECKING:
-    from scheduler.block_manager import BlockManager
     from scheduler.request import Request
 
 log = logging.getLogger("stagemesh.scheduler")
@@ -62,8 +63,20 @@ class TierStats:
     skipped_stores: int = 0  # blocks not stored: every host slot was being read
 
 
+class BlockPool(Protocol):
+    """What the tiers need of the pool above them (scheduler.block_manager.BlockManager, which offers them its
+    blocks): its block size, pins on the blocks being copied down, and the event log their moves go to (None:
+    nobody listens)."""
+    block_size: int
+    events: list[KVEvent] | None
+
+    def pin(self, block_id: int) -> None: ...
+
+    def unpin(self, block_id: int) -> None: ...
+
+
 class KVTiers:
-    def __init__(self, kv: BlockManager, num_host_blocks: int, num_disk_blocks: int, disk_hashes=()):
+    def __init__(self, kv: BlockPool, num_host_blocks: int, num_disk_blocks: int, disk_hashes=()):
         self.kv = kv
         self.num_host_blocks, self.num_disk_blocks = num_host_blocks, num_disk_blocks
         self.host: OrderedDict[int, int] = OrderedDict()  # block hash -> host slot, stored; oldest use first
@@ -97,6 +110,21 @@ class KVTiers:
                 break
             hits.append((h, FROM_DISK if slot is None else slot))
         return hits
+
+    # -- a KV source (scheduler.kv_sources): a waiting request's blocks past the pool's, looked up once an admission
+    def find(self, request: Request, shared: list[int]) -> Found | None:
+        if request.tiers_checked or request.sampling.computes_whole_prompt:
+            return None
+        bs = self.kv.block_size
+        hits = self.lookup(request.all_token_ids, len(shared), bs, request.hash_root)
+        if not hits:
+            request.tiers_checked = True
+            return None
+        return Found((len(shared) + len(hits)) * bs, shared, hits)  # (no room for it: looked up again when there is)
+
+    def bring(self, request: Request, block_ids: list[int], found: Found) -> None:
+        request.tiers_checked = True
+        self.start_load(request, block_ids, found.hits)
 
     # -- storing -----------------------------------------------------------------------------
     def offer(self, block_id: int, block_hash: int) -> None:
@@ -183,6 +211,7 @@ class KVTiers:
             self.reading[h] += 1
             (self.host if slot != FROM_DISK else self.disk).move_to_end(h)
         self.loading[request.request_id] = request
+        request.status = Status.WAITING_FOR_REMOTE_KV
         self._loads.append(LoadJob(request.request_id, block_ids, [s for _, s in hits], [h for h, _ in hits]))
 
     def take_loads(self) -> list[LoadJob]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from scheduler.config import SchedulerConfig
 from scheduler.kv_events import BlockRemoved, BlockStored
 from scheduler.scheduler import Scheduler
+from scheduler.status import Status
 from scheduler.tiers import FROM_DISK
 from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.sampling_params import SamplingParams
@@ -64,9 +65,11 @@ def test_a_prefix_evicted_from_the_pool_is_loaded_back_from_the_host_tier_and_co
     assert not s.kv.find_cached_prefix(prompt)
     s.add_request(EngineRequest("b", prompt + [1], SamplingParams(max_tokens=1)))
     assert s.schedule() is None  # b waits for its load
+    assert s.requests["b"].status is Status.WAITING_FOR_REMOTE_KV and not s.waiting
     [load] = s.kv.tiers.take_loads()
     assert len(load.block_ids) == 3 and FROM_DISK not in load.host_slots
     s.kv_tier_loaded(load, [True, True, True])
+    assert s.requests["b"].status is Status.WAITING and list(s.waiting) == [s.requests["b"]]
     out = s.schedule()
     chunk = out.step_batch.chunks[0]
     assert chunk.start_position == 3 * BS and chunk.token_ids == [22, 1]

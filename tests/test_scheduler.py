@@ -5,6 +5,7 @@ import pytest
 
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import QueueFull, Scheduler
+from scheduler.status import Status
 from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams
@@ -74,7 +75,7 @@ def test_preemption_by_recompute_when_blocks_run_out():
     run_step(s)  # position 7 still fits the second block
     out, _ = run_step(s)  # old needs a third block for position 8: new is preempted
     assert out.num_preempted == 1
-    assert [r.request_id for r in s.waiting] == ["new"]
+    assert [r.request_id for r in s.waiting] == ["new"] and s.requests["new"].status is Status.PREEMPTED
     preempted_seq = s.requests["new"].seq_id
     while "old" in s.requests:
         run_step(s)
@@ -340,6 +341,24 @@ def test_requeued_requests_keep_their_priority_order_through_a_broken_pipeline()
     assert [r.request_id for r in fresh.waiting] == ["z", "a", "b", "c"] and len(kept) == 4
 
 
+def test_a_request_waiting_for_its_grammar_keeps_its_place_through_a_broken_pipeline_and_runs_once_compiled():
+    """vLLM's WAITING_FOR_FSM: the request is passed over while its constraint compiles (the one behind it runs),
+    still waits for it in the next epoch's scheduler, and runs first once it is compiled."""
+    s = make()
+    s.add_request(EngineRequest("g", [3, 4, 5], SamplingParams(max_tokens=4)))
+    s.wait_for_grammar("g", True)
+    s.add_request(EngineRequest("p", [3, 4, 6], SamplingParams(max_tokens=4)))
+    out, _ = run_step(s)
+    assert out.request_ids == ["p"] and s.requests["g"].status is Status.WAITING_FOR_GRAMMAR
+    s.requeue_all()
+    fresh = make()
+    fresh.take_over(s)
+    out, _ = run_step(fresh)
+    assert out.request_ids == ["p"] and fresh.requests["g"].status is Status.WAITING_FOR_GRAMMAR
+    fresh.wait_for_grammar("g", False)
+    out, _ = run_step(fresh)
+    assert out.request_ids == ["p", "g"] and fresh.requests["g"].status is Status.RUNNING
+
 
 def _lora_scheduler(max_loras: int = 1) -> Scheduler:
     from scheduler.lora_table import LoRATable
@@ -362,6 +381,7 @@ def test_a_request_whose_adapter_has_no_slot_lets_those_behind_it_run_then_runs_
     out, _ = run_step(s)
     assert out.request_ids == ["a1", "base"]  # b1 and c1 wait, keeping their places
     assert [r.request_id for r in s.waiting] == ["b1", "c1"]
+    assert s.requests["b1"].status is s.requests["c1"].status is Status.WAITING_FOR_LORA_SLOT
     assert s.stats().waiting_adapters == ("b", "c") and s.stats().running_adapters == ("a",)
     started: dict[str, int] = {}
     for step in range(1, 100):
