@@ -4,9 +4,10 @@ Retry-After and OpenAI's x-ratelimit-* headers, max_concurrency a 429 while that
 The per-minute counts are a sliding window (this minute's count plus the last minute's, weighed by what is left
 of it), kept by the router (RateWindows) or, when the routers share a Redis store (--responses-store
 redis://...), in Redis (router.limits_redis), so that a limit holds across every router that names it. A
-request's tokens are its prompt's plus max_tokens for each choice (what it may use, as OpenAI counts). A count
-is taken, then given back if it passes the limit: two routers racing at the limit may both refuse, never both
-pass. max_concurrency counts this router's requests in flight.
+request's tokens are its prompt's plus max_tokens for each choice (what it may use, as OpenAI counts); a pooling
+request's (router.pooling_api) its prompt's, as its usage. A count is taken, then given back if it passes the
+limit: two routers racing at the limit may both refuse, never both pass. max_concurrency counts this router's
+requests in flight.
 """
 from __future__ import annotations
 

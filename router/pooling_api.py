@@ -20,7 +20,7 @@ from router.pooling_protocol import (REFUSED_POOLING, ClassificationRequest, Emb
 from router.pooling_run import PoolingJob, fit, run, tokenize
 from router.protocol import validate
 from router.request_builder import check_model
-from router.state import CONFIG, REPLICAS, TENANT, TOKENIZER
+from router.state import CONFIG, REPLICAS, TENANT, TOKENIZER, checked_request_id
 from stagemesh.core.pooling import TASKS, Pooled, PoolerConfig, PoolingParams
 
 API_NAMES = {"embed": "Embeddings API", "classify": "Classification API", "score": "Score API",
@@ -53,25 +53,27 @@ def _usage(prompts: list[list[int]]) -> dict:
 
 
 async def _pool(request: web.Request, body, prompts: list[list[int]], params: PoolingParams, prefix: str
-                ) -> tuple[str, list[list[int]], list[Pooled]]:
-    """(answer id, the prompts as run, their pooled outputs)."""
+                ) -> tuple[str, list[list[int]], list[Pooled], dict[str, str]]:
+    """(answer id, the prompts as run, their pooled outputs, the answer's headers: X-Request-Id and, for a tenant
+    with per-minute limits, OpenAI's x-ratelimit-*, as a generation's answer carries them)."""
     replicas, config = request.app[REPLICAS], request.app[CONFIG]
     max_len = admit_engine(replicas, body.priority, config.max_model_len)
     prompts = fit(prompts, max_len, body.truncate_prompt_tokens, body.truncation_side)
-    base = request.headers.get("X-Request-Id") or body.request_id or uuid.uuid4().hex
-    tenant = request.get(TENANT)
-    limits = config.limits
-    # its tenant's limits, as a generation's (router.admission, router.choices): one request, its prompt tokens,
-    # one running while it runs (its answer carries no x-ratelimit-* headers)
+    given = request.headers.get("X-Request-Id") or body.request_id
+    base = uuid.uuid4().hex if given is None else checked_request_id(given)
+    tenant, limits = request.get(TENANT), config.limits
+    headers = {"X-Request-Id": base}
+    # its tenant's limits, as a generation's (router.admission, router.choices): one request, its prompt tokens
+    # (what its usage says: OpenAI and vLLM count an embedding's input only), one running while it runs
     if limits is not None and tenant is not None:
-        await limits.admit(tenant, sum(map(len, prompts)))
+        headers.update(await limits.admit(tenant, sum(map(len, prompts))))
         limits.enter(tenant)
     try:
         pooled = await run(PoolingJob(f"{prefix}-{base}", prompts, params, body.priority, tenant), replicas)
     finally:
         if limits is not None and tenant is not None:
             limits.leave(tenant)
-    return f"{prefix}-{base}", prompts, pooled
+    return f"{prefix}-{base}", prompts, pooled, headers
 
 
 def _embed_params(pooler: PoolerConfig, model_name: str, dimensions: int | None, normalize: bool | None,
@@ -105,11 +107,11 @@ async def embeddings(request: web.Request) -> web.Response:
     name = request.app[CONFIG].served_model_name
     params = _embed_params(pooler, name, body.dimensions, _first(body.use_activation, body.normalize))
     prompts = await tokenize(body.input, request.app[TOKENIZER], body.add_special_tokens)
-    answer_id, prompts, pooled = await _pool(request, body, prompts, params, "embd")
+    answer_id, prompts, pooled, headers = await _pool(request, body, prompts, params, "embd")
     data = [{"index": i, "object": "embedding", "embedding": _encoded(p, body.encoding_format)}
             for i, p in enumerate(pooled)]
     return web.json_response({"id": answer_id, "object": "list", "created": int(time.time()), "model": name,
-                              "data": data, "usage": _usage(prompts)})
+                              "data": data, "usage": _usage(prompts)}, headers=headers)
 
 
 async def pooling(request: web.Request) -> web.Response:
@@ -124,11 +126,11 @@ async def pooling(request: web.Request) -> web.Response:
     else:
         params = PoolingParams(task, activation=_first(body.use_activation, body.activation, pooler.activation))
     prompts = await tokenize(body.input, request.app[TOKENIZER], body.add_special_tokens)
-    answer_id, prompts, pooled = await _pool(request, body, prompts, params, "pool")
+    answer_id, prompts, pooled, headers = await _pool(request, body, prompts, params, "pool")
     data = [{"index": i, "object": "pooling", "data": _encoded(p, body.encoding_format)}
             for i, p in enumerate(pooled)]
     return web.json_response({"id": answer_id, "object": "list", "created": int(time.time()), "model": name,
-                              "data": data, "usage": _usage(prompts)})
+                              "data": data, "usage": _usage(prompts)}, headers=headers)
 
 
 async def classify(request: web.Request) -> web.Response:
@@ -136,7 +138,7 @@ async def classify(request: web.Request) -> web.Response:
     body = await _body(request, ClassificationRequest)
     params = PoolingParams("classify", activation=_first(body.use_activation, body.activation, pooler.activation))
     prompts = await tokenize(body.input, request.app[TOKENIZER], body.add_special_tokens)
-    answer_id, prompts, pooled = await _pool(request, body, prompts, params, "classify")
+    answer_id, prompts, pooled, headers = await _pool(request, body, prompts, params, "classify")
     data = []
     for i, p in enumerate(pooled):
         probs = p.values()
@@ -144,27 +146,28 @@ async def classify(request: web.Request) -> web.Response:
         data.append({"index": i, "label": pooler.id2label.get(best), "probs": probs, "num_classes": len(probs)})
     return web.json_response({"id": answer_id, "object": "list", "created": int(time.time()),
                               "model": request.app[CONFIG].served_model_name, "data": data,
-                              "usage": _usage(prompts)})
+                              "usage": _usage(prompts)}, headers=headers)
 
 
 async def _scores(request: web.Request, body, queries: list[str], documents: list[str], prefix: str
-                  ) -> tuple[str, list[float], int]:
-    """(answer id, one score per (query, document) pair, the tokens they took): the cross-encoder on each pair,
-    or the cosine of the two sides' embeddings (an embedding model)."""
+                  ) -> tuple[str, list[float], int, dict[str, str]]:
+    """(answer id, one score per (query, document) pair, the tokens they took, the answer's headers): the
+    cross-encoder on each pair, or the cosine of the two sides' embeddings (an embedding model)."""
     pooler = request.app[CONFIG].pooler
     assert pooler is not None
     tokenizer, add_special = request.app[TOKENIZER], body.add_special_tokens
     activation = _first(body.use_activation, body.activation, pooler.activation)
     if "score" in pooler.tasks:
         pairs = [await tokenizer.run(_encode_pair, tokenizer, q, d, add_special) for q, d in zip(queries, documents)]
-        answer_id, pairs, pooled = await _pool(request, body, pairs, PoolingParams("score", activation=activation),
-                                               prefix)
-        return answer_id, [p.values()[0] for p in pooled], sum(map(len, pairs))
+        answer_id, pairs, pooled, headers = await _pool(request, body, pairs,
+                                                        PoolingParams("score", activation=activation), prefix)
+        return answer_id, [p.values()[0] for p in pooled], sum(map(len, pairs)), headers
     texts = list(dict.fromkeys([*queries, *documents]))  # each text embedded once
     prompts = [await tokenizer.run(tokenizer.encode, t, add_special) for t in texts]
-    answer_id, prompts, pooled = await _pool(request, body, prompts, PoolingParams("embed"), prefix)
+    answer_id, prompts, pooled, headers = await _pool(request, body, prompts, PoolingParams("embed"), prefix)
     vectors = {t: p.values() for t, p in zip(texts, pooled)}
-    return answer_id, [_cosine(vectors[q], vectors[d]) for q, d in zip(queries, documents)], sum(map(len, prompts))
+    scores = [_cosine(vectors[q], vectors[d]) for q, d in zip(queries, documents)]
+    return answer_id, scores, sum(map(len, prompts)), headers
 
 
 def _encode_pair(tokenizer, query: str, document: str, add_special_tokens: bool) -> list[int]:
@@ -196,11 +199,12 @@ async def score(request: web.Request) -> web.Response:
         raise bad_request("Input lengths must be either 1:1, 1:N or N:N", "queries")
     if len(queries) == 1:
         queries = queries * len(documents)
-    answer_id, scores, tokens = await _scores(request, body, queries, documents, "score")
+    answer_id, scores, tokens, headers = await _scores(request, body, queries, documents, "score")
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
     usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
     return web.json_response({"id": answer_id, "object": "list", "created": int(time.time()),
-                              "model": request.app[CONFIG].served_model_name, "data": data, "usage": usage})
+                              "model": request.app[CONFIG].served_model_name, "data": data, "usage": usage},
+                             headers=headers)
 
 
 async def rerank(request: web.Request) -> web.Response:
@@ -210,13 +214,14 @@ async def rerank(request: web.Request) -> web.Response:
         raise bad_request("At least one text element must be given", "documents")
     if body.top_n < 0:
         raise bad_request("'top_n' must be 0 (every document) or more", "top_n")
-    answer_id, scores, tokens = await _scores(request, body, [body.query] * len(body.documents), body.documents,
-                                              "rerank")
+    answer_id, scores, tokens, headers = await _scores(request, body, [body.query] * len(body.documents),
+                                                       body.documents, "rerank")
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
     top = order[:body.top_n] if 0 < body.top_n < len(order) else order
     results = [{"index": i, "document": {"text": body.documents[i]}, "relevance_score": scores[i]} for i in top]
     return web.json_response({"id": answer_id, "model": request.app[CONFIG].served_model_name,
-                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "results": results})
+                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "results": results},
+                             headers=headers)
 
 
 def add_routes(app: web.Application) -> None:

@@ -1,9 +1,11 @@
 """vLLM's pooling endpoints through the router over real meshes run with --runner pooling, with the official openai
 client where it has the call: an embedding model on PP=2, a cross-encoder (a sequence-classification checkpoint
-with one label) on TP=2, each against transformers on the same weights."""
+with one label) on TP=2, each against transformers on the same weights; a tenant's per-minute limits
+(--api-keys-file) on the pooling endpoints, with OpenAI's x-ratelimit-* headers."""
 from __future__ import annotations
 
 import base64
+import json
 
 import numpy as np
 import pytest
@@ -102,6 +104,54 @@ def test_a_generative_router_refuses_embeddings_with_vllms_text(embed_router):
         generative.model_dir = embed_router.model_dir
         r = post(generative, "/v1/embeddings", {"input": "w5"})
     assert r.status_code == 400 and r.json()["error"]["message"] == "The model does not support Embeddings API"
+
+
+LIMITED = {"tenants": {"pool": {"keys": ["kp"], "requests_per_minute": 4, "tokens_per_minute": 1000},
+                       "tight": {"keys": ["kt"], "tokens_per_minute": 4}}}
+RATE_HEADERS = {f"x-ratelimit-{what}-{kind}" for what in ("limit", "remaining", "reset")
+                for kind in ("requests", "tokens")}
+
+
+def test_pooling_answers_carry_the_tenants_ratelimit_headers_as_a_generations_do(embed_router, tmp_path):
+    """Each pooling answer of a limited tenant carries OpenAI's x-ratelimit-* headers and X-Request-Id, as a chat
+    answer does; its tokens are its prompt's (its usage), with nothing for output; the request past a limit is a
+    429 with Retry-After and the headers of that limit, as chat's."""
+    import openai
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps(LIMITED))
+    name, texts = str(embed_router.model_dir), {"w5 w6 w7 w8": 4, "w9 w10": 2}
+    with Router(name, [embed_router.mesh.address], extra=(*POOLING, "--api-keys-file", str(keys))) as router:
+        raw = router.client(api_key="kp").embeddings.with_raw_response.create(model=name, input=list(texts))
+        out, headers = raw.parse(), raw.headers
+        assert RATE_HEADERS <= set(headers) and out.id == f"embd-{headers['x-request-id']}"
+        assert (headers["x-ratelimit-limit-requests"], headers["x-ratelimit-remaining-requests"]) == ("4", "3")
+        assert out.usage.prompt_tokens == sum(texts.values())  # the tenant's first: the window holds it alone
+        assert headers["x-ratelimit-remaining-tokens"] == str(1000 - out.usage.prompt_tokens)
+        answers = [requests.post(f"{router.base_url}{path}", headers={"x-api-key": "kp"}, timeout=120,
+                                 json={"model": name, **body})
+                   for path, body in (("/score", {"text_1": "w5", "text_2": ["w6", "w7"]}),
+                                      ("/v1/rerank", {"query": "w5", "documents": ["w6", "w7"]}),
+                                      ("/pooling", {"input": "w5 w6", "task": "embed"}))]
+        assert [a.status_code for a in answers] == [200, 200, 200]
+        assert all(RATE_HEADERS <= set(a.headers) for a in answers)
+        assert answers[-1].headers["x-ratelimit-remaining-requests"] == "0"
+        with pytest.raises(openai.RateLimitError) as refused:
+            router.client(api_key="kp").embeddings.create(model=name, input="w5")
+        assert int(refused.value.response.headers["Retry-After"]) >= 1
+        assert refused.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+        assert "requests_per_minute (4)" in refused.value.response.json()["error"]["message"]
+        # tokens_per_minute 4: a 4-token input fits exactly (no output counted), then one more token does not
+        tight = router.client(api_key="kt").embeddings.with_raw_response.create(model=name, input="w5 w6 w7 w8")
+        assert tight.headers["x-ratelimit-remaining-tokens"] == "0" and tight.parse().usage.prompt_tokens == 4
+        assert "x-ratelimit-limit-requests" not in tight.headers  # (it has no requests_per_minute)
+        over = requests.post(f"{router.base_url}/v1/embeddings", headers={"Authorization": "Bearer kt"}, timeout=120,
+                             json={"model": name, "input": "w5"})
+        assert over.status_code == 429 and "tokens_per_minute (4)" in over.json()["error"]["message"]
+        assert int(over.headers["Retry-After"]) >= 1 and over.headers["x-ratelimit-limit-tokens"] == "4"
+        nobody = requests.post(f"{router.base_url}/v1/embeddings", headers={"x-api-key": "nobody"}, timeout=30,
+                               json={"model": name, "input": "w5"})
+        assert nobody.status_code == 401
 
 
 def test_score_and_rerank_of_an_embedding_model_are_cosines(embed_router):
