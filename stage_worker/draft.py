@@ -24,8 +24,8 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.speculative import SpeculativeConfig
 from stagemesh.core.step import ScheduledChunks
-from stage_worker.logits_processors import SequenceState
-from stage_worker.model import AttentionMetadata
+from stage_worker.logits_processors import SequenceState, ends
+from stage_worker.attention_metadata import AttentionMetadata
 from stage_worker.rejection import draw, sampling_probs
 
 log = logging.getLogger("stagemesh.stage")
@@ -131,14 +131,6 @@ class DraftModel:
         ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
         model = self.runner.model
         return model.compute_logits(model(ids, None, meta, self.runner.kv_caches))
-
-
-def ends(state: SequenceState, eos_token_ids: tuple[int, ...]) -> bool:
-    """Whether the sequence's last token stops it (the scheduler will finish it: no drafts needed)."""
-    p, token = state.params, state.output[-1]
-    if len(state.output) < p.min_tokens:
-        return False
-    return token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids)
 
 
 def make_drafter(spec: SpeculativeConfig, target: ModelConfig, model_dir, device, dtype: torch.dtype | str | None,

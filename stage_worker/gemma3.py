@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 import kernels
 from stage_worker.layers import MLP, Module, RMSNorm
-from stage_worker.model import Attention, AttentionMetadata, StageModel
+from stage_worker.attention_metadata import AttentionMetadata
+from stage_worker.model import Attention, StageModel
 from stage_worker.parallel import TPGroup
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.families.gemma3 import layer_types

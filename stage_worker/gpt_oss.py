@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 import kernels
 from stage_worker.layers import Module, RMSNorm, Shard, full, new_param
-from stage_worker.model import Attention, AttentionMetadata, StageModel
+from stage_worker.attention_metadata import AttentionMetadata
+from stage_worker.model import Attention, StageModel
 from stage_worker.parallel import HeadShard, TPGroup, shard_range
 from stage_worker.quant_methods.mxfp4 import packed_experts
 from stagemesh.core.errors import StagemeshError

@@ -8,8 +8,6 @@ KV cache through kernels.dispatch.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,40 +21,11 @@ from stage_worker.kv_scales import KVScale
 from stage_worker.mla import MLAttention
 from stage_worker.moe import SparseMoeBlock
 from stage_worker.parallel import HeadShard, TPGroup
-
-if TYPE_CHECKING:
-    from stage_worker.context import TokenSplit
-
-
-@dataclass
-class AttentionMetadata:
-    """Where this step's tokens sit in the paged cache (kernel API in kernels.dispatch)."""
-
-    positions: torch.Tensor  # [tokens] int64
-    slot_mapping: torch.Tensor  # [tokens] int64
-    block_tables: torch.Tensor  # [seqs, max_blocks] int32
-    context_lens: torch.Tensor  # [seqs] int32, after this step
-    query_start_loc: torch.Tensor  # [seqs + 1] int32
-    cp: "CPMetadata | None" = None  # with context parallelism (DCP or PCP): this rank's share (stage_worker.context)
-    split: "TokenSplit | None" = None  # with prefill context parallelism: this rank's rows of the step's tokens
+from stage_worker.attention_metadata import AttentionMetadata
+from stage_worker.context import CPMetadata
 
 
-@dataclass
-class CPMetadata:
-    """A context-parallel rank's view of the step (stage_worker.context: dcp_metadata, TokenSplit.metadata): which
-    of the step's tokens' KV it keeps and where, and, per query row, how many of its sequence's kept positions the
-    row sees."""
-
-    held: torch.Tensor  # [held tokens] int64: the step's tokens whose K and V this rank keeps
-    slot_mapping: torch.Tensor  # [held tokens] int64: their slots in this rank's cache
-    row_seqs: torch.Tensor  # [rows] int32: each query row's sequence (a row of AttentionMetadata.block_tables)
-    row_visible: torch.Tensor  # [rows] int32: the kept positions each row sees (those <= its own)
-    # prefill context parallelism (stage_worker.context.TokenSplit): this rank computes its share of the tokens,
-    # and the rows above are every rank's, each rank's padded to this many; 0: decode context parallelism (each
-    # rank computes every token, its share of the heads)
-    pad: int = 0
-
-
+@layer_plan.covers
 class Attention(Module):
     def __init__(self, cfg: ModelConfig, prefix: str, tp: TPGroup, dtype, device, cp: TPGroup | None = None):
         """`cp`: the group a sequence's KV is spread over (decode or prefill context parallelism), or None."""
