@@ -20,7 +20,7 @@ from stage_worker import layer_plan
 from stage_worker.kv_scales import KVScale
 from stage_worker.mla import MLAttention
 from stage_worker.moe import SparseMoeBlock
-from stage_worker.parallel import HeadShard, TPGroup
+from stage_worker.parallel import HeadShard, StageParallel, TPGroup
 from stage_worker.attention_metadata import AttentionMetadata
 from stage_worker.context import CPMetadata
 
@@ -174,11 +174,10 @@ class StageModel(Module):
     """Layers [layer_start, layer_end) of one TP rank, plus embeddings (first) or norm + LM head (last)."""
     cuda_graphs = True  # its decode steps may be captured (no host synchronisation in its forward)
 
-    def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, tp: TPGroup,
-                 dtype: torch.dtype, device: str | torch.device, max_positions: int | None = None,
-                 expert_parallel: bool = False, ep=None, eplb=None, cp: TPGroup | None = None):
-        """`cp`: the group of decode or prefill context parallelism (stage_worker.context), or None."""
+    def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, parallel: StageParallel,
+                 dtype: torch.dtype, device: str | torch.device, max_positions: int | None = None):
         super().__init__()
+        tp, ep = parallel.tp, parallel.ep
         self.cfg = cfg
         self.layer_start, self.layer_end = layer_start, layer_end
         self.is_first = layer_start == 0
@@ -190,7 +189,7 @@ class StageModel(Module):
         if self.is_first:
             self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", cfg.vocab_size, cfg.hidden_size,
                                                        tp, dtype, device)
-        self.layers = nn.ModuleList(self.decoder_layer(cfg, i, tp, dtype, device, expert_parallel, ep, eplb, cp)
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, i, parallel, dtype, device)
                                     for i in range(layer_start, layer_end))
         if ep is not None:  # a member without rows of its own runs these (stage_worker.ep_group)
             ep.attach([layer.mlp for layer in self.layers if layer.sparse], cfg.hidden_size, dtype)
@@ -204,10 +203,10 @@ class StageModel(Module):
             device=device),
             persistent=False)
 
-    def decoder_layer(self, cfg: ModelConfig, index: int, tp: TPGroup, dtype, device, expert_parallel: bool, ep, eplb,
-                      cp: TPGroup | None) -> Module:
+    def decoder_layer(self, cfg: ModelConfig, index: int, parallel: StageParallel, dtype, device) -> Module:
         """Decoder layer `index` (a family's own stage model makes its own: build())."""
-        return DecoderLayer(cfg, index, tp, dtype, device, expert_parallel, ep, eplb, cp)
+        p = parallel
+        return DecoderLayer(cfg, index, p.tp, dtype, device, p.expert_parallel, p.ep, p.eplb, p.cp)
 
     def forward(self, input_ids: torch.Tensor | None, hidden: torch.Tensor | None, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -233,10 +232,14 @@ class StageModel(Module):
         return sum(p.numel() * p.element_size() for p in self.parameters()) + quantised
 
 
-def build(cfg: ModelConfig, *args, **kwargs) -> StageModel:
+def build(cfg: ModelConfig, layer_start: int, layer_end: int, tp: TPGroup, dtype: torch.dtype,
+          device: str | torch.device, *, expert_parallel: bool = False, ep=None, eplb=None,
+          cp: TPGroup | None = None) -> StageModel:
     """The stage model of cfg's family: StageModel, or the family's own (Family.stage_model: a stage_worker module
-    whose STAGE_MODEL subclasses it) where its layers differ from the Llama-like decoder's."""
+    whose STAGE_MODEL subclasses it) where its layers differ from the Llama-like decoder's. The parallel layout
+    (stage_worker.parallel.StageParallel) is named field by field."""
     cls = StageModel
     if cfg.family.stage_model is not None:
         cls = importlib.import_module(cfg.family.stage_model).STAGE_MODEL
-    return cls(cfg, *args, **kwargs)
+    parallel = StageParallel(tp, expert_parallel, ep, eplb, cp)
+    return cls(cfg, layer_start, layer_end, parallel, dtype, device)
