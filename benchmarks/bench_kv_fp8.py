@@ -47,7 +47,7 @@ ARMS = {"fp8 (e4m3, scales 1.0)": dict(kv_cache_dtype="fp8"),
 
 def all_logits(runner, ids: list[int], chunk: int = 64) -> torch.Tensor:
     """Every position's logits [len(ids), vocab] fp32, the text prefilled in chunks through the runner's cache."""
-    from stage_worker.model import AttentionMetadata
+    from stage_worker.attention_metadata import AttentionMetadata
 
     runner.allocate_kv_cache(math.ceil(len(ids) / runner.block_size))
     table = torch.arange(runner.kv_caches[0][0].shape[0], dtype=torch.int32)[None]

@@ -54,14 +54,13 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale: float = 1.0,
-                    v_scale: float = 1.0, *, window=None, softcap=None, sinks=None):
-    """Causal attention over the paged cache (an fp8 cache read as stored * k_scale / v_scale). A layer with a
-    sliding `window`, attention-score `softcap` or attention `sinks` runs kernels.masked_attention's torch
-    reference on every device (the fused kernels do not have them yet)."""
-    if window is not None or softcap is not None or sinks is not None:
+                    v_scale: float = 1.0, *, mask: masked_attention.AttentionMask = masked_attention.PLAIN):
+    """Causal attention over the paged cache (an fp8 cache read as stored * k_scale / v_scale). A layer whose
+    mask asks for a sliding window, attention-score softcap or attention sinks runs kernels.masked_attention's
+    torch reference on every device (the fused kernels do not have them yet)."""
+    if not mask.is_plain:
         return masked_attention.paged_attention_masked(q, k_cache, v_cache, block_tables, context_lens,
-                                                       query_start_loc, scale, window, softcap, sinks,
-                                                       k_scale=k_scale, v_scale=v_scale)
+                                                       query_start_loc, scale, mask, k_scale=k_scale, v_scale=v_scale)
     impl = _triton() if _use_triton(q) and _has("paged_attention") else _cpu_impl(q)
     return impl.paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
                                 k_scale=k_scale, v_scale=v_scale)

@@ -11,21 +11,36 @@ Triton kernels have none of them yet)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from kernels.kv_quant import dequantize, is_fp8
 
 
+@dataclass(frozen=True, eq=False)
+class AttentionMask:
+    """What a layer's attention adds to the causal mask; a field left None asks for nothing."""
+    window: int | None = None  # a sliding window: a query sees this many positions, its own the last
+    softcap: float | None = None  # scores become softcap * tanh(scores / softcap)
+    sinks: torch.Tensor | None = None  # [heads] logits, this rank's heads
+
+    @property
+    def is_plain(self) -> bool:
+        """Whether it asks for nothing: plain causal attention."""
+        return self.window is None and self.softcap is None and self.sinks is None
+
+
+PLAIN = AttentionMask()
+
+
 def paged_attention_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                           window: int | None = None, softcap: float | None = None,
-                           sinks: torch.Tensor | None = None, *, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
+                           mask: AttentionMask = PLAIN, *, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of q [tokens, heads, dim] over the paged cache (as kernels.reference.paged_attention),
-    with a sliding `window` (None: every earlier position), `softcap` (None: none) and `sinks` ([heads] logits,
-    this rank's heads; None: none). An fp8 cache reads as stored * k_scale / v_scale (kernels.kv_quant). The
-    output has q's dtype."""
+    with the mask's sliding window, softcap and sinks. An fp8 cache reads as stored * k_scale / v_scale
+    (kernels.kv_quant). The output has q's dtype."""
+    window = mask.window
     out = torch.empty_like(q)
     starts, lens = query_start_loc.tolist(), context_lens.tolist()
     block_size = k_cache.shape[1]
@@ -42,7 +57,7 @@ def paged_attention_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if is_fp8(k.dtype):  # only the keys this sequence reads are widened
             k, v = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype)
         q_positions = torch.arange(context_len - (hi - lo), context_len, device=q.device)
-        out[lo:hi] = attention(q[lo:hi], k, v, q_positions, positions, scale, window, softcap, sinks)
+        out[lo:hi] = attention(q[lo:hi], k, v, q_positions, positions, scale, window, mask.softcap, mask.sinks)
     return out
 
 

@@ -13,10 +13,28 @@ kernels read when they are given that block table and a count of positions.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
+
+
+@dataclass
+class CPMetadata:
+    """A context-parallel rank's view of the step (dcp_metadata, TokenSplit.metadata below): which
+    of the step's tokens' KV it keeps and where, and, per query row, how many of its sequence's kept positions the
+    row sees."""
+
+    held: torch.Tensor  # [held tokens] int64: the step's tokens whose K and V this rank keeps
+    slot_mapping: torch.Tensor  # [held tokens] int64: their slots in this rank's cache
+    row_seqs: torch.Tensor  # [rows] int32: each query row's sequence (a row of AttentionMetadata.block_tables)
+    row_visible: torch.Tensor  # [rows] int32: the kept positions each row sees (those <= its own)
+    # prefill context parallelism (TokenSplit below): this rank computes its share of the tokens,
+    # and the rows above are every rank's, each rank's padded to this many; 0: decode context parallelism (each
+    # rank computes every token, its share of the heads)
+    pad: int = 0
 
 
 def held_count(lengths: torch.Tensor, block_size: int, dcp_size: int, dcp_rank: int) -> torch.Tensor:
@@ -26,11 +44,9 @@ def held_count(lengths: torch.Tensor, block_size: int, dcp_size: int, dcp_rank: 
 
 
 def dcp_metadata(positions: torch.Tensor, row_seqs: torch.Tensor, block_tables: torch.Tensor, block_size: int,
-                 dcp_size: int, dcp_rank: int):
-    """This rank's stage_worker.model.CPMetadata of a step: `positions` [tokens] int64 and `row_seqs` [tokens]
+                 dcp_size: int, dcp_rank: int) -> CPMetadata:
+    """This rank's CPMetadata of a step: `positions` [tokens] int64 and `row_seqs` [tokens]
     (each token's sequence, an index into `block_tables` [seqs, max_blocks] int32)."""
-    from stage_worker.model import CPMetadata
-
     b = block_size // dcp_size
     offset = positions % block_size
     held = ((offset // b) == dcp_rank).nonzero().squeeze(1)
@@ -78,11 +94,9 @@ class TokenSplit:
         return out
 
     def metadata(self, positions: torch.Tensor, row_seqs: torch.Tensor, block_tables: torch.Tensor, block_size: int,
-                 rank: int):
-        """This rank's stage_worker.model.CPMetadata: the slots of its tokens, and every gathered row's view of
+                 rank: int) -> CPMetadata:
+        """This rank's CPMetadata: the slots of its tokens, and every gathered row's view of
         the positions this rank keeps (a padding row sees none)."""
-        from stage_worker.model import CPMetadata
-
         b = block_size // self.size
         mine = self.mine
         blocks = block_tables[row_seqs[mine], positions[mine] // block_size].long()

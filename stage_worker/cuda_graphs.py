@@ -18,7 +18,8 @@ from typing import cast
 
 import torch
 
-from stage_worker.model import AttentionMetadata, StageModel
+from stage_worker.attention_metadata import AttentionMetadata
+from stage_worker.model import StageModel
 
 log = logging.getLogger("stagemesh.stage")
 

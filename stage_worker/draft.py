@@ -24,8 +24,9 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.speculative import SpeculativeConfig
 from stagemesh.core.step import ScheduledChunks
-from stage_worker.logits_processors import SequenceState
-from stage_worker.model import AttentionMetadata
+from stage_worker.logits_processors import SequenceState, ends
+from stage_worker.attention_metadata import AttentionMetadata
+from stage_worker.host_copy import to_host
 from stage_worker.rejection import draw, sampling_probs
 
 log = logging.getLogger("stagemesh.stage")
@@ -101,17 +102,24 @@ class DraftModel:
             if not active:
                 return drafts
             logits = self._decode([a[1] for a in active], [a[2] for a in active], [tables[a[0]] for a in active])
-            for row, (a, token) in enumerate(zip(active, logits.argmax(dim=-1).tolist())):
-                params = seqs[a[0]].params
-                if self.probabilistic and not params.greedy and params.seed is None:
-                    token = self._draw(logits[row], params, a[0])
+            # the drawn rows' distributions on the device, and one copy of them and the argmaxes to the host
+            drawn = {row: sampling_probs(logits[row], seqs[a[0]].params) for row, a in enumerate(active)
+                     if self._draws(seqs[a[0]].params)}
+            host = to_host([logits.argmax(dim=-1)] + ([torch.stack(list(drawn.values()))] if drawn else []))
+            on_host = dict(zip(drawn, host[1])) if drawn else {}
+            for row, (a, token) in enumerate(zip(active, host[0].tolist())):
+                if row in drawn:
+                    token = self._draw(drawn[row], on_host[row], a[0])
                 drafts[a[0]].append(token)
                 a[1], a[2] = token, a[2] + 1
 
-    def _draw(self, logits: torch.Tensor, params, seq_id: int) -> int:
-        """A draft drawn from the draft's distribution, which is kept for the verification."""
-        q = sampling_probs(logits, params)
-        token = draw(q.cpu(), self._gen)
+    def _draws(self, params) -> bool:
+        """Whether the sequence's drafts are drawn from the draft's distribution (else its argmax)."""
+        return self.probabilistic and not params.greedy and params.seed is None
+
+    def _draw(self, q: torch.Tensor, q_on_host: torch.Tensor, seq_id: int) -> int:
+        """A draft drawn from the draft's distribution q, which is kept for the verification."""
+        token = draw(q_on_host, self._gen)
         tokens, probs = self.proposals.setdefault(seq_id, ([], []))
         tokens.append(token)
         probs.append(q)
@@ -131,14 +139,6 @@ class DraftModel:
         ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
         model = self.runner.model
         return model.compute_logits(model(ids, None, meta, self.runner.kv_caches))
-
-
-def ends(state: SequenceState, eos_token_ids: tuple[int, ...]) -> bool:
-    """Whether the sequence's last token stops it (the scheduler will finish it: no drafts needed)."""
-    p, token = state.params, state.output[-1]
-    if len(state.output) < p.min_tokens:
-        return False
-    return token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids)
 
 
 def make_drafter(spec: SpeculativeConfig, target: ModelConfig, model_dir, device, dtype: torch.dtype | str | None,

@@ -18,9 +18,11 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.masked_attention import AttentionMask
 from stage_worker.layers import MLP, Module, RMSNorm
-from stage_worker.model import Attention, AttentionMetadata, StageModel
-from stage_worker.parallel import TPGroup
+from stage_worker.attention_metadata import AttentionMetadata
+from stage_worker.model import Attention, StageModel
+from stage_worker.parallel import StageParallel, TPGroup
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.families.gemma3 import layer_types
 from stagemesh.core.model_config import ModelConfig
@@ -65,8 +67,9 @@ class Gemma3Attention(Attention):
         if s.calibrating:
             s.calibrate(k, v)
         kernels.write_kv_cache(k, v, *kv_cache, meta.slot_mapping, s.k, s.v)
+        mask = AttentionMask(window=self.window, softcap=self.softcap)
         out = kernels.paged_attention(q, *kv_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
-                                      self.scale, s.k, s.v, window=self.window, softcap=self.softcap)
+                                      self.scale, s.k, s.v, mask=mask)
         return self.o_proj(out.reshape(tokens, self.num_heads * d))
 
 
@@ -101,13 +104,12 @@ class Gemma3DecoderLayer(Module):
 class Gemma3StageModel(StageModel):
     cuda_graphs = False  # its local layers' attention (kernels.masked_attention) reads step sizes on the host
 
-    def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, tp: TPGroup, dtype: torch.dtype,
-                 device, max_positions: int | None = None, expert_parallel: bool = False, ep=None, eplb=None,
-                 cp: TPGroup | None = None):
-        if cp is not None:
+    def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, parallel: StageParallel,
+                 dtype: torch.dtype, device, max_positions: int | None = None):
+        if parallel.cp is not None:
             raise StagemeshError("context parallelism (-dcp, -pcp) is not built for gemma3_text yet: its local "
                                  "layers' window is not split over ranks")
-        super().__init__(cfg, layer_start, layer_end, tp, dtype, device, max_positions)
+        super().__init__(cfg, layer_start, layer_end, parallel, dtype, device, max_positions)
         theta, scaling = local_rope(cfg)
         self.register_buffer("cos_sin_local", kernels.build_cos_sin_cache(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, theta, scaling, dtype=torch.float32,
@@ -115,8 +117,8 @@ class Gemma3StageModel(StageModel):
         cap = cfg.raw.get("final_logit_softcapping")
         self.logit_softcap = float(cap) if cap else None
 
-    def decoder_layer(self, cfg, index, tp, dtype, device, expert_parallel, ep, eplb, cp) -> Module:
-        return Gemma3DecoderLayer(cfg, index, tp, dtype, device)
+    def decoder_layer(self, cfg, index, parallel, dtype, device) -> Module:
+        return Gemma3DecoderLayer(cfg, index, parallel.tp, dtype, device)
 
     def forward(self, input_ids, hidden, meta, kv_caches):
         if self.embed_tokens is not None:  # (the first stage) scaled as transformers does: fp32, then the dtype's

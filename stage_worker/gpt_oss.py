@@ -18,9 +18,11 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.masked_attention import AttentionMask
 from stage_worker.layers import Module, RMSNorm, Shard, full, new_param
-from stage_worker.model import Attention, AttentionMetadata, StageModel
-from stage_worker.parallel import HeadShard, TPGroup, shard_range
+from stage_worker.attention_metadata import AttentionMetadata
+from stage_worker.model import Attention, StageModel
+from stage_worker.parallel import HeadShard, StageParallel, TPGroup, shard_range
 from stage_worker.quant_methods.mxfp4 import packed_experts
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.families.gpt_oss import layer_types
@@ -46,7 +48,7 @@ class GptOssAttention(Attention):
             q, k, v = self._rotated(qkv, meta, cos_sin)
             kernels.write_kv_cache(k, v, *kv_cache, meta.slot_mapping, s.k, s.v)
         out = kernels.paged_attention(q, *kv_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
-                                      self.scale, s.k, s.v, window=self.window, sinks=self.sinks)
+                                      self.scale, s.k, s.v, mask=AttentionMask(window=self.window, sinks=self.sinks))
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)) + self.o_bias
 
 
@@ -122,18 +124,17 @@ class GptOssDecoderLayer(Module):
 class GptOssStageModel(StageModel):
     cuda_graphs = False  # its attention (kernels.masked_attention) and experts read step sizes on the host
 
-    def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, tp: TPGroup, dtype: torch.dtype,
-                 device, max_positions: int | None = None, expert_parallel: bool = False, ep=None, eplb=None,
-                 cp: TPGroup | None = None):
-        if expert_parallel or ep is not None:
+    def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, parallel: StageParallel,
+                 dtype: torch.dtype, device, max_positions: int | None = None):
+        if parallel.expert_parallel or parallel.ep is not None:
             raise StagemeshError("--enable-expert-parallel is not built for gpt_oss yet: its experts run on every "
                                  "TP rank, each its share of their columns")
-        if cp is not None:
+        if parallel.cp is not None:
             raise StagemeshError("context parallelism (-dcp, -pcp) is not built for gpt_oss yet")
-        super().__init__(cfg, layer_start, layer_end, tp, dtype, device, max_positions)
+        super().__init__(cfg, layer_start, layer_end, parallel, dtype, device, max_positions)
 
-    def decoder_layer(self, cfg, index, tp, dtype, device, expert_parallel, ep, eplb, cp) -> Module:
-        return GptOssDecoderLayer(cfg, index, tp, dtype, device)
+    def decoder_layer(self, cfg, index, parallel, dtype, device) -> Module:
+        return GptOssDecoderLayer(cfg, index, parallel.tp, dtype, device)
 
 
 STAGE_MODEL = GptOssStageModel

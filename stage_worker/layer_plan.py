@@ -18,6 +18,8 @@ or when a forward hook is registered (stage_worker.layers.changes).
 """
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 from torch.nn.modules import module as _torch_module
 
@@ -30,12 +32,22 @@ from stage_worker.quant_weight import QuantizedWeight
 
 
 _enabled = True
+# the attention classes whose forward the plan's C++ repeats call for call (stage_worker.model.Attention registers
+# itself): a subclass (a family's own attention) or another kind (MLA) runs its own Python
+_covered_attention: set[type] = set()
+_Class = TypeVar("_Class", bound=type)
 
 
 def enable(on: bool) -> None:
     """Plans on (the default) or off in this process, for benchmarks that compare the two in one run."""
     global _enabled
     _enabled = on
+
+
+def covers(attention: _Class) -> _Class:
+    """Class decorator: the plan may run a layer whose attention is exactly this class."""
+    _covered_attention.add(attention)
+    return attention
 
 
 class LayerPlan:
@@ -74,8 +86,6 @@ class LayerPlan:
 
 def build(layer) -> LayerPlan:
     """The layer's plan, or a plan that never runs (cpp None) where the layer is not one it covers."""
-    from stage_worker.model import Attention
-
     epoch = layers.changes()
     module = cpu_ops.load()
     attn, mlp = layer.self_attn, layer.mlp
@@ -83,7 +93,7 @@ def build(layer) -> LayerPlan:
     if hooked:
         return LayerPlan(epoch, hooked=hooked)
     if (module is None or dispatch.forced() == "triton" or layer.sparse or not layer.cpu_plan
-            or type(attn) is not Attention
+            or type(attn) not in _covered_attention
             or type(mlp) is not layers.MLP or attn.q_norm is not None):
         return LayerPlan(epoch)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)

@@ -3,6 +3,7 @@ allowed tokens, bad words, min_tokens (no stop before it), logit_bias, then the 
 and frequency penalties; a structured-output constraint's mask last (stagemesh.core.grammar). Each row is
 changed in place; rows of requests that ask for none of it are not touched (SamplingParams.controls_tokens,
 has_penalty).
+SequenceState is a sequence as the sampler and the drafters see it (ends: whether its last token stops it).
 """
 from __future__ import annotations
 
@@ -44,6 +45,14 @@ class SequenceState:
             self._bias = (torch.tensor(ids, dtype=torch.int64, device=device),
                           torch.tensor(values, dtype=torch.float32, device=device))
         return self._bias
+
+
+def ends(state: SequenceState, eos_token_ids: tuple[int, ...]) -> bool:
+    """Whether the sequence's last token stops it (the scheduler will finish it: no drafts needed)."""
+    p, token = state.params, state.output[-1]
+    if len(state.output) < p.min_tokens:
+        return False
+    return token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids)
 
 
 def has_penalty(p: SamplingParams) -> bool:

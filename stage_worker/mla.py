@@ -14,8 +14,6 @@ are merged by their log-sum-exps.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
@@ -26,10 +24,9 @@ from stagemesh.core.families.deepseek_v2 import mla_dims
 from stagemesh.core.model_config import ModelConfig
 from stage_worker.layers import (Linear, Module, RMSNorm, Shard, column_parallel, dequantised_at_load, new_param,
                                  row_parallel)
+from stage_worker.attention_metadata import AttentionMetadata
+from stage_worker.context import CPMetadata
 from stage_worker.parallel import HeadShard, TPGroup
-
-if TYPE_CHECKING:
-    from stage_worker.model import AttentionMetadata, CPMetadata
 
 # transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not the config's rms_norm_eps
 LATENT_NORM_EPS = 1e-6

@@ -8,8 +8,6 @@ KV cache through kernels.dispatch.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,41 +20,12 @@ from stage_worker import layer_plan
 from stage_worker.kv_scales import KVScale
 from stage_worker.mla import MLAttention
 from stage_worker.moe import SparseMoeBlock
-from stage_worker.parallel import HeadShard, TPGroup
-
-if TYPE_CHECKING:
-    from stage_worker.context import TokenSplit
-
-
-@dataclass
-class AttentionMetadata:
-    """Where this step's tokens sit in the paged cache (kernel API in kernels.dispatch)."""
-
-    positions: torch.Tensor  # [tokens] int64
-    slot_mapping: torch.Tensor  # [tokens] int64
-    block_tables: torch.Tensor  # [seqs, max_blocks] int32
-    context_lens: torch.Tensor  # [seqs] int32, after this step
-    query_start_loc: torch.Tensor  # [seqs + 1] int32
-    cp: "CPMetadata | None" = None  # with context parallelism (DCP or PCP): this rank's share (stage_worker.context)
-    split: "TokenSplit | None" = None  # with prefill context parallelism: this rank's rows of the step's tokens
+from stage_worker.parallel import HeadShard, StageParallel, TPGroup
+from stage_worker.attention_metadata import AttentionMetadata
+from stage_worker.context import CPMetadata
 
 
-@dataclass
-class CPMetadata:
-    """A context-parallel rank's view of the step (stage_worker.context: dcp_metadata, TokenSplit.metadata): which
-    of the step's tokens' KV it keeps and where, and, per query row, how many of its sequence's kept positions the
-    row sees."""
-
-    held: torch.Tensor  # [held tokens] int64: the step's tokens whose K and V this rank keeps
-    slot_mapping: torch.Tensor  # [held tokens] int64: their slots in this rank's cache
-    row_seqs: torch.Tensor  # [rows] int32: each query row's sequence (a row of AttentionMetadata.block_tables)
-    row_visible: torch.Tensor  # [rows] int32: the kept positions each row sees (those <= its own)
-    # prefill context parallelism (stage_worker.context.TokenSplit): this rank computes its share of the tokens,
-    # and the rows above are every rank's, each rank's padded to this many; 0: decode context parallelism (each
-    # rank computes every token, its share of the heads)
-    pad: int = 0
-
-
+@layer_plan.covers
 class Attention(Module):
     def __init__(self, cfg: ModelConfig, prefix: str, tp: TPGroup, dtype, device, cp: TPGroup | None = None):
         """`cp`: the group a sequence's KV is spread over (decode or prefill context parallelism), or None."""
@@ -205,11 +174,10 @@ class StageModel(Module):
     """Layers [layer_start, layer_end) of one TP rank, plus embeddings (first) or norm + LM head (last)."""
     cuda_graphs = True  # its decode steps may be captured (no host synchronisation in its forward)
 
-    def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, tp: TPGroup,
-                 dtype: torch.dtype, device: str | torch.device, max_positions: int | None = None,
-                 expert_parallel: bool = False, ep=None, eplb=None, cp: TPGroup | None = None):
-        """`cp`: the group of decode or prefill context parallelism (stage_worker.context), or None."""
+    def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, parallel: StageParallel,
+                 dtype: torch.dtype, device: str | torch.device, max_positions: int | None = None):
         super().__init__()
+        tp, ep = parallel.tp, parallel.ep
         self.cfg = cfg
         self.layer_start, self.layer_end = layer_start, layer_end
         self.is_first = layer_start == 0
@@ -221,7 +189,7 @@ class StageModel(Module):
         if self.is_first:
             self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", cfg.vocab_size, cfg.hidden_size,
                                                        tp, dtype, device)
-        self.layers = nn.ModuleList(self.decoder_layer(cfg, i, tp, dtype, device, expert_parallel, ep, eplb, cp)
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, i, parallel, dtype, device)
                                     for i in range(layer_start, layer_end))
         if ep is not None:  # a member without rows of its own runs these (stage_worker.ep_group)
             ep.attach([layer.mlp for layer in self.layers if layer.sparse], cfg.hidden_size, dtype)
@@ -235,10 +203,10 @@ class StageModel(Module):
             device=device),
             persistent=False)
 
-    def decoder_layer(self, cfg: ModelConfig, index: int, tp: TPGroup, dtype, device, expert_parallel: bool, ep, eplb,
-                      cp: TPGroup | None) -> Module:
+    def decoder_layer(self, cfg: ModelConfig, index: int, parallel: StageParallel, dtype, device) -> Module:
         """Decoder layer `index` (a family's own stage model makes its own: build())."""
-        return DecoderLayer(cfg, index, tp, dtype, device, expert_parallel, ep, eplb, cp)
+        p = parallel
+        return DecoderLayer(cfg, index, p.tp, dtype, device, p.expert_parallel, p.ep, p.eplb, p.cp)
 
     def forward(self, input_ids: torch.Tensor | None, hidden: torch.Tensor | None, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -264,10 +232,14 @@ class StageModel(Module):
         return sum(p.numel() * p.element_size() for p in self.parameters()) + quantised
 
 
-def build(cfg: ModelConfig, *args, **kwargs) -> StageModel:
+def build(cfg: ModelConfig, layer_start: int, layer_end: int, tp: TPGroup, dtype: torch.dtype,
+          device: str | torch.device, *, expert_parallel: bool = False, ep=None, eplb=None,
+          cp: TPGroup | None = None) -> StageModel:
     """The stage model of cfg's family: StageModel, or the family's own (Family.stage_model: a stage_worker module
-    whose STAGE_MODEL subclasses it) where its layers differ from the Llama-like decoder's."""
+    whose STAGE_MODEL subclasses it) where its layers differ from the Llama-like decoder's. The parallel layout
+    (stage_worker.parallel.StageParallel) is named field by field."""
     cls = StageModel
     if cfg.family.stage_model is not None:
         cls = importlib.import_module(cfg.family.stage_model).STAGE_MODEL
-    return cls(cfg, *args, **kwargs)
+    parallel = StageParallel(tp, expert_parallel, ep, eplb, cp)
+    return cls(cfg, layer_start, layer_end, parallel, dtype, device)

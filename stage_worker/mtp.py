@@ -24,12 +24,12 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.speculative import SpeculativeConfig
 from stagemesh.core.step import ScheduledChunks
-from stage_worker.draft import ends
 from stage_worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from stage_worker.layers import (Linear, Module, ParallelLMHead, RMSNorm, VocabParallelEmbedding, full, new_param,
                                  pack_weights_for_cpu)
-from stage_worker.logits_processors import SequenceState
-from stage_worker.model import AttentionMetadata, DecoderLayer, attention_class
+from stage_worker.logits_processors import SequenceState, ends
+from stage_worker.attention_metadata import AttentionMetadata
+from stage_worker.model import DecoderLayer, attention_class
 from stage_worker.parallel import TPGroup
 from stage_worker.quant_methods import checkpoint_method
 from stage_worker.quant_methods.loader import load_quantised

@@ -112,6 +112,19 @@ def stage_groups(rank: int, tp_size: int, dcp_size: int = 1, pcp_size: int = 1, 
     return TPGroup(rank, tp_size * pcp_size, group, cp_size=pcp_size, pcp=True, shard=shard), shard
 
 
+@dataclass(frozen=True, eq=False)
+class StageParallel:
+    """How a stage's layers are spread over processes, as its model's layers are built with it: the TP group, expert
+    parallelism (the experts split over the TP ranks; `ep`: the group of members without rows of their own,
+    stage_worker.ep_group; `eplb`: the experts' load balancer, stage_worker.eplb), and `cp`, the group a sequence's
+    KV is spread over with decode or prefill context parallelism (stage_worker.context), or None."""
+    tp: TPGroup
+    expert_parallel: bool = False
+    ep: Any = None
+    eplb: Any = None
+    cp: TPGroup | None = None
+
+
 @dataclass(frozen=True)
 class HeadShard:
     """Which query heads and KV heads one TP rank owns."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from stagemesh.core.step import PromptLogprobs, StepBatch, TokenLogprob
+from stage_worker.host_copy import to_host
 
 ROWS_PER_SLICE = 256
 
@@ -46,30 +47,42 @@ def pieces_of(batch: StepBatch, seqs: dict) -> list[_Piece]:
 def compute(pieces: list[_Piece], hidden: torch.Tensor, compute_logits, keep: bool) -> list[PromptLogprobs]:
     """Score the pieces' rows of `hidden` (the last stage's normed hidden states); `keep` on TP rank 0."""
     rows = [r for p in pieces for r in p.rows]
-    targets = torch.tensor([t for p in pieces for t in p.targets], dtype=torch.int64, device=hidden.device)
+    target_ids = [t for p in pieces for t in p.targets]
+    targets = torch.tensor(target_ids, dtype=torch.int64, device=hidden.device)
     top_n = [p.top_n for p in pieces for _ in p.rows]
     k = max(top_n)
-    results: list[TokenLogprob] = []
+    own, ranks, top_ids, top_values = [], [], [], []  # on the device, a slice at a time
     for lo in range(0, len(rows), ROWS_PER_SLICE):
         index = torch.tensor(rows[lo:lo + ROWS_PER_SLICE], dtype=torch.int64, device=hidden.device)
         logprobs = torch.log_softmax(compute_logits(hidden.index_select(0, index)), dim=-1)
         if not keep:
             continue
-        target = targets[lo:lo + ROWS_PER_SLICE]
-        own = logprobs.gather(1, target[:, None])
-        ranks = (logprobs > own).sum(dim=-1) + 1
-        top = torch.topk(logprobs, k, dim=-1) if k else None
-        for i, (t, lp, rank) in enumerate(zip(target.tolist(), own[:, 0].tolist(), ranks.tolist())):
-            n = top_n[lo + i]
-            entry = TokenLogprob(t, lp, rank)
-            if n:
-                assert top is not None  # (k: the largest n)
-                entry.top_token_ids, entry.top_logprobs = top.indices[i, :n].tolist(), top.values[i, :n].tolist()
-            results.append(entry)
+        own.append(logprobs.gather(1, targets[lo:lo + ROWS_PER_SLICE, None]))
+        ranks.append((logprobs > own[-1]).sum(dim=-1) + 1)
+        if k:
+            top = torch.topk(logprobs, k, dim=-1)
+            top_ids.append(top.indices)
+            top_values.append(top.values)
     if not keep:
         return []
+    results = _entries(target_ids, own, ranks, top_ids, top_values, top_n)
     out, at = [], 0
     for p in pieces:
         out.append(PromptLogprobs(p.seq_id, p.start, results[at:at + len(p.rows)]))
         at += len(p.rows)
     return out
+
+
+def _entries(targets: list[int], own: list[torch.Tensor], ranks: list[torch.Tensor], top_ids: list[torch.Tensor],
+             top_values: list[torch.Tensor], top_n: list[int]) -> list[TokenLogprob]:
+    """Every scored row's entry, its slices' tensors brought to the host in one copy (not one per row)."""
+    tops = [torch.cat(top_ids), torch.cat(top_values)] if top_ids else []
+    host = to_host([torch.cat(own)[:, 0], torch.cat(ranks)] + tops)
+    ids, values = (host[2].tolist(), host[3].tolist()) if top_ids else ([], [])
+    results = []
+    for i, (t, lp, rank) in enumerate(zip(targets, host[0].tolist(), host[1].tolist())):
+        entry, n = TokenLogprob(t, lp, rank), top_n[i]
+        if n:
+            entry.top_token_ids, entry.top_logprobs = ids[i][:n], values[i][:n]
+        results.append(entry)
+    return results

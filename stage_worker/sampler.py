@@ -21,10 +21,10 @@ import torch
 
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grammar import GrammarCompiler
-from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import NewSequence, SampledToken, StepBatch
 from stage_worker.logits_processors import SequenceState, needs_processing, process_row
-from stage_worker.rejection import draw, rejection_sample, sampling_probs
+from stage_worker.rejection import draw, rejection_sample
+from stage_worker.step_on_host import Rows, StepOnHost
 
 # a sequence's first sample waits this long for its grammar (the router refused those that take longer than
 # its --grammar-compile-timeout, 5 s by default, to compile): past it the request fails alone
@@ -128,7 +128,10 @@ class Sampler:
         distribution, and a seeded request's tokens, are those without speculation). Where a draft model
         sampled the drafts, draft_probs holds its distribution of each: an unseeded sampled sequence's
         drafts are then kept or replaced by rejection sampling against it (stage_worker.rejection). Returns
-        1..N+1 tokens per sequence, consecutive, in order."""
+        1..N+1 tokens per sequence, consecutive, in order.
+
+        Everything the rows need from the device (greedy tokens, sampling distributions, logprobs) is
+        computed there first and comes to the host in one copy (StepOnHost): one sync per step, not per row."""
         drafts = drafts or [[] for _ in seq_ids]
         draft_probs = draft_probs or [None] * len(seq_ids)
         states = [self.seqs[s] for s in seq_ids]
@@ -137,28 +140,20 @@ class Sampler:
                 self._constrain(state)
         firsts = _first_rows(drafts)
         raw = logits.float()
-        # logprobs of the model's own distribution, before the request's processing (vLLM V1's default)
-        logprobs_raw = torch.log_softmax(raw, dim=-1) if any(s.params.logprobs is not None for s in states) else None
         processed = [i for i, s in enumerate(states) if needs_processing(s.params)]
         logits = raw.clone() if processed else raw
         for i in processed:
             self._process_rows(logits, firsts[i], states[i], drafts[i])
-        # one host sync for all three: NaN or inf anywhere in a row shows in its max
-        token_list, finite, open_ = torch.stack((logits.argmax(dim=-1), torch.isfinite(raw.amax(dim=-1)),
-                                                 logits.amax(dim=-1) > float("-inf"))).tolist()
-        errors = {r: ("the model's logits for this sequence are not finite" if not ok else
-                      "no token can be sampled: allowed_token_ids, bad_words, min_tokens and the structured output "
-                      "constraint rule out every one")
-                  for r, (ok, some) in enumerate(zip(finite, open_)) if not (ok and some)}
+        host = StepOnHost.gather(raw, logits, [Rows(firsts[i], s.params, drafts[i], draft_probs[i])
+                                               for i, s in enumerate(states)])
         out = []
-        for i, (seq_id, state, draft, qs) in enumerate(zip(seq_ids, states, drafts, draft_probs)):
+        for i, (seq_id, state, draft) in enumerate(zip(seq_ids, states, drafts)):
             for j in range(len(draft) + 1):
                 row = firsts[i] + j
-                error = state.constraint_error or errors.get(row)
+                error = state.constraint_error or host.error(row)
                 token = None
                 if error is None:
-                    against = (draft[j], qs[j]) if qs is not None and j < len(qs) else None
-                    token, error = self._draw(logits[row], state, token_list[row], against)
+                    token, error = self._draw(host, row, state)
                 if error is not None:
                     # a step run ahead may need this row's token: 0 stands in (its request ends here)
                     state.output.append(0)
@@ -166,7 +161,7 @@ class Sampler:
                     break
                 assert token is not None  # (_draw gives a token or an error)
                 state.output.append(token)
-                out.append(_with_logprobs(SampledToken(seq_id, token), state.params, logprobs_raw, row))
+                out.append(host.with_logprobs(SampledToken(seq_id, token), state.params, row))
                 if j == len(draft) or token != draft[j]:
                     break
         return out
@@ -192,32 +187,31 @@ class Sampler:
                 assert matcher is not None  # (it advanced)
                 matcher.rollback(advanced)
 
-    def _draw(self, row: torch.Tensor, state: SequenceState, greedy_token: int,
-              against: tuple[int, torch.Tensor] | None = None) -> tuple[int | None, str | None]:
+    def _draw(self, host: StepOnHost, row: int, state: SequenceState) -> tuple[int | None, str | None]:
         """(the row's token, None) or (None, why it cannot be sampled); a constrained sequence's matcher
-        advances past the token. against: (a draft, the draft model's distribution it was drawn from), to
-        keep or replace by rejection sampling (an unseeded sampled sequence)."""
-        token = greedy_token
+        advances past the token. A row with a draft model's distribution of its draft (an unseeded sampled
+        sequence) keeps or replaces that draft by rejection sampling."""
+        token = host.greedy_token(row)
         if not state.params.greedy:
             try:
-                if against is not None and state.params.seed is None:
-                    p = sampling_probs(row, state.params).cpu()
-                    token = rejection_sample(p, against[1].cpu(), against[0], self._unseeded)
+                against = host.against(row)
+                if against is not None:
+                    token = rejection_sample(host.probs(row), against[1], against[0], self._unseeded)
                 else:
-                    token = self._sample_row(row, state)
+                    token = draw(host.probs(row), self._generator(state))
             except (RuntimeError, ValueError) as err:  # this row's distribution only
                 return None, f"sampling failed: {err}"
         if state.matcher is not None and not state.matcher.terminated and not state.matcher.accept(token):
             return None, f"sampled token {token} does not fit the constraint"
         return token, None
 
-    def _sample_row(self, logits: torch.Tensor, state: SequenceState) -> int:
+    def _generator(self, state: SequenceState) -> torch.Generator:
+        """A seeded sequence draws its n-th token from a generator seeded with (seed, n); the others share one.
+        (A distribution with no finite mass makes draw raise: that row fails alone, see sample.)"""
         p = state.params
-        gen = self._unseeded
-        if p.seed is not None:
-            gen = torch.Generator(device="cpu").manual_seed((p.seed * 1_000_003 + len(state.output)) % (2**63))
-        # a distribution with no finite mass makes draw raise: that row fails alone (see sample)
-        return draw(sampling_probs(logits, p).cpu(), gen)
+        if p.seed is None:
+            return self._unseeded
+        return torch.Generator(device="cpu").manual_seed((p.seed * 1_000_003 + len(state.output)) % (2**63))
 
 
 def _first_rows(drafts: list[list[int]]) -> list[int]:
@@ -227,17 +221,6 @@ def _first_rows(drafts: list[list[int]]) -> list[int]:
         firsts.append(at)
         at += len(d) + 1
     return firsts
-
-
-def _with_logprobs(tok: SampledToken, p: SamplingParams, logprobs: torch.Tensor | None, row: int) -> SampledToken:
-    if p.logprobs is None or logprobs is None:
-        return tok
-    tok.logprob = float(logprobs[row, tok.token_id])
-    if p.logprobs > 0:
-        top = torch.topk(logprobs[row], p.logprobs)
-        tok.top_token_ids = top.indices.tolist()
-        tok.top_logprobs = top.values.tolist()
-    return tok
 
 
 def _done(value) -> Future:

@@ -53,9 +53,10 @@ def test_the_reference_matches_attention_written_out(case, variant):
     if kw.get("sinks"):
         kw["sinks"] = torch.linspace(-2.0, 3.0, args[0].shape[1])
     scale = args[0].shape[-1] ** -0.5
-    got = masked_attention.paged_attention_masked(*args, scale, **kw)
+    mask = masked_attention.AttentionMask(**kw)
+    got = masked_attention.paged_attention_masked(*args, scale, mask)
     torch.testing.assert_close(got.float(), written_out(*args, scale, **kw), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(kernels.paged_attention(*args, scale, **kw), got)  # (dispatch sends it here)
+    torch.testing.assert_close(kernels.paged_attention(*args, scale, mask=mask), got)  # (dispatch sends it here)
 
 
 @pytest.mark.parametrize("case", ["mixed-prefill-and-decode-d128", "prefill-mha-partial-block"])
@@ -70,7 +71,8 @@ def test_with_no_variant_it_is_plain_causal_attention(case):
 def test_a_window_wider_than_the_context_changes_nothing():
     args = paged_case(*CASES["mixed-prefill-and-decode-d128"])
     scale = args[0].shape[-1] ** -0.5
-    torch.testing.assert_close(masked_attention.paged_attention_masked(*args, scale, window=1000),
+    wide = masked_attention.AttentionMask(window=1000)
+    torch.testing.assert_close(masked_attention.paged_attention_masked(*args, scale, wide),
                                masked_attention.paged_attention_masked(*args, scale))
 
 

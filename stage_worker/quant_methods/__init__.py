@@ -15,7 +15,7 @@ from stagemesh.core.families import FAMILIES
 from stagemesh.core.model_config import ModelConfig
 from stage_worker.quant_methods.method import QuantMethod
 
-_SKIP = {"method", "layout", "loader", "packing", "experts"}  # the package's own modules, not methods
+_SKIP = {"method", "layout", "assemble", "loader", "packing", "experts"}  # the package's own modules, not methods
 
 
 def _discover() -> dict[str, type[QuantMethod]]:

@@ -8,6 +8,7 @@ from torch import nn
 
 import kernels
 from stagemesh.core.errors import StagemeshError
+from stage_worker.quant_methods.assemble import assemble
 from stage_worker.quant_methods.method import QuantMethod
 from stage_worker.quant_weight import QuantizedWeight
 
@@ -37,8 +38,6 @@ class QuantizedExperts(nn.Module):
 def load_experts(block, method: QuantMethod, reader) -> bool:
     """The block's experts read quantised into block.quantised (its dense w13 / w2 go); False where the
     checkpoint holds them dense."""
-    from stage_worker.quant_methods.loader import assemble
-
     gate, up, down = block.names
     p = block.placement
     if not method.quantised(f"{block.block}.experts.{p.slots[0]}.{gate}", reader):
