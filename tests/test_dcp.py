@@ -29,12 +29,9 @@ SMALL_KV = ("--kv-cache-memory", "90112")  # bytes per rank
 CHUNKED = ("--max-num-batched-tokens", "64")
 
 # model: "mqa" is the tiny llama with one KV head (plain TP=2 replicates it), "kv2" the one with two
+# (one stage of the MQA model, -tp 2 -dcp 2, async scheduling and preemption: the mesh of
+# test_dcp_doubles_the_tokens_a_replica_holds_and_serves_a_prompt_plain_tp_refuses)
 CASES = {
-    # a single stage with a step ahead in flight; 90112 bytes hold 22 blocks of 16 tokens with -dcp 2
-    # (8 tokens a block per rank, 4 layers, 1 KV head): 16 requests of up to 6 blocks each are preempted
-    "mqa-tp2-dcp2-async-preemption": dict(model="mqa", split=[4], tp=[2], handoff="nccl",
-                                          per_stage_args={0: DCP2}, stage_args=SMALL_KV,
-                                          scheduler_args=("--async-scheduling", *CHUNKED)),
     "mqa-pp2-both-tp2-dcp2-nccl-async": dict(model="mqa", split=[2, 2], tp=[2, 2], handoff="nccl",
                                              per_stage_args={0: DCP2, 1: DCP2}, scheduler_args=("--async-scheduling",)),
     # only stage 0 has -dcp 2, on the model with 2 KV heads (each rank keeps both heads, half the tokens)
@@ -45,7 +42,7 @@ CASES = {
 # what each case's scheduler logs: stage 0 of the kv2 case holds 14 blocks (3 layers x 2 heads x 8 tokens of
 # float32 K and V: 6144 bytes a block per rank, as plain -tp 2 with 1 head x 16 tokens), stage 1 (1 layer, 2 heads,
 # 16 tokens) 22: the replica, 14
-KV_TOKENS = {"mqa-tp2-dcp2-async-preemption": 352, "kv2-pp2-dcp2-then-tp1-nccl-preemption": 224}
+KV_TOKENS = {"kv2-pp2-dcp2-then-tp1-nccl-preemption": 224}
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +85,14 @@ LONG_PROMPT = 250  # > 176 tokens (-tp 2), within 352 (-tp 2 -dcp 2) and the mod
 
 
 @pytest.mark.slow
-def test_dcp_doubles_the_tokens_a_replica_holds_and_serves_a_prompt_plain_tp_refuses(models, tmp_path):
+def test_dcp_doubles_the_tokens_a_replica_holds_and_serves_a_prompt_plain_tp_refuses(models, expected, tmp_path):
     """The MQA model at the same --kv-cache-memory: -tp 2 replicates its one KV head on both ranks and holds X
     tokens; -tp 2 -dcp 2 holds 2X. A prompt between the two is refused by the first with vLLM's 400 and served
-    token-exact by the second."""
+    token-exact by the second. The -dcp 2 replica, a single stage with a step ahead in flight (async scheduling)
+    and 64 tokens a step, also serves 16 concurrent requests that do not fit at once with transformers' greedy
+    tokens: its 90112 bytes a rank hold 22 blocks of 16 tokens (8 tokens a block per rank, 4 layers, 1 KV head),
+    and 16 requests of up to 6 blocks each are preempted."""
+    batch, want_batch = expected
     model_dir = with_word_tokenizer(models["mqa"], tmp_path / "model")
     prompt = prompts(384, (LONG_PROMPT,), seed=7)[0]
     want = reference_greedy(reference_model(model_dir), prompt, NEW_TOKENS)[0]
@@ -100,9 +101,18 @@ def test_dcp_doubles_the_tokens_a_replica_holds_and_serves_a_prompt_plain_tp_ref
         logs = tmp_path / name
         logs.mkdir()
         with Mesh(model_dir, [4], tp=[2], handoff="nccl", log_dir=logs, stage_args=SMALL_KV,
-                  per_stage_args={0: extra}) as mesh:
+                  per_stage_args={0: extra}, scheduler_args=("--async-scheduling", *CHUNKED)) as mesh:
             with Router(model_dir, [mesh.address], ("--served-model-name", "m"), log_dir=logs) as router:
                 sizes[name], answers[name] = capacity_and_answer(logs, router.base_url, prompt, name == "tp2")
+            if name == "tp2":
+                continue
+            got = mesh.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+            stats = mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+        log = (logs / "scheduler.log").read_text()
+        assert got == want_batch["mqa"]
+        assert "async scheduling" in log
+        assert "KV cache size: 352 tokens" in log
+        assert stats.num_kv_blocks == 352 // 16 and stats.num_preemptions > 0
     assert sizes == {"tp2": 176, "tp2-dcp2": 352}
     assert_refused_for_input_tokens(answers["tp2"], LONG_PROMPT, 176)
     assert answers["tp2-dcp2"] == want

@@ -283,7 +283,7 @@ def test_the_kuberay_commands_serve_and_stop_cleanly(default_model_dir, tmp_path
         deadline = time.monotonic() + 240
         while head.http("GET", f"http://{head.address}:{port}/ready", timeout=5)[0] != 200:  # the readinessProbe
             assert head_proc.poll() is None and time.monotonic() < deadline, (tmp_path / "head.log").read_text()[-4000:]
-            time.sleep(2)
+            time.sleep(0.2)
         assert head.http("GET", f"http://{head.address}:{port}/health", timeout=5)[0] == 200  # the livenessProbe
         chat = {"model": DEFAULT_MODEL_NAME, "temperature": 0, "max_tokens": 16,
                 "messages": [{"role": "user", "content": "What is the capital of France?"}]}
@@ -296,7 +296,9 @@ def test_the_kuberay_commands_serve_and_stop_cleanly(default_model_dir, tmp_path
         assert len(stagemesh_pids) == 4, "router, scheduler and two stages run"
         head_proc.send_signal(signal.SIGTERM)  # what Kubernetes sends the head container
         assert head_proc.wait(timeout=60) == 0, (tmp_path / "head.log").read_text()[-4000:]
-        time.sleep(2)
+        gone_by = time.monotonic() + 2  # every service is gone within 2 s of the head's exit (polled, not slept)
+        while [p for p in stagemesh_pids if _is_service(p)] and time.monotonic() < gone_by:
+            time.sleep(0.05)
         assert [p for p in stagemesh_pids if _is_service(p)] == [], "a service outlived the head pod's SIGTERM"
     finally:
         lan.__exit__()

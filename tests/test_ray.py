@@ -339,7 +339,7 @@ def test_pp2_on_two_ray_nodes_then_a_worker_node_dies_under_8_streams(ray_nodes,
     deadline = time.monotonic() + 180
     while head.http("GET", f"{base}/ready", timeout=5)[0] != 200:
         assert serve.poll() is None and time.monotonic() < deadline, log_path.read_text()[-5000:]
-        time.sleep(1)
+        time.sleep(0.25)
     log = log_path.read_text()
     where = _placement(log)
     assert where["router"] == where["scheduler[0]"] == head.address, where
@@ -371,7 +371,7 @@ def test_pp2_on_two_ray_nodes_then_a_worker_node_dies_under_8_streams(ray_nodes,
     pattern = re.escape(victim_name) + r" restarted by Ray on node (\S+) \(it ran on (\S+)\)"
     deadline = time.monotonic() + 60  # serve logs the move when it next reads the actor's status
     while not (moved := re.search(pattern, log := log_path.read_text())) and time.monotonic() < deadline:
-        time.sleep(1)
+        time.sleep(0.1)
     assert moved and moved.group(2) == victim.address and moved.group(1) != victim.address, log[-5000:]
     for i, result in enumerate(results):
         assert result == {"ids": want[i], "finish": "length"}, f"stream {i}: {str(result)[:300]}\n{log[-3000:]}"

@@ -34,33 +34,38 @@ def serves_within(mesh: Mesh, seconds: float, name: str) -> float:
 
 
 @pytest.mark.parametrize("handoff", ["nccl", "grpc"])
-def test_a_stage_killed_and_restarted_on_its_port_rejoins(tiny_model_dir, tmp_path, handoff):
+def test_a_killed_stage_and_then_a_killed_scheduler_rejoin_when_restarted(tiny_model_dir, tmp_path, handoff):
+    """One mesh, two faults in turn: a stage killed and restarted on its port rejoins; then the scheduler is
+    killed mid-stream, and restarted it gets its running stages back (the rejoined one among them)."""
     port = free_port()
     with Mesh(tiny_model_dir("llama"), [2, 2], handoff=handoff, per_stage_args={1: ["--port", str(port)]},
               log_dir=tmp_path) as mesh:
-        assert len(mesh.submit("before", [5, 6, 7], ASK)[0]) == 6
-        mesh.kill_stage(1)
-        mesh.wait_healthy(timeout=30, healthy=False)
-        mesh.start_stage(1)  # the same command: the same port
-        assert serves_within(mesh, 30, "after") < 30
+        _a_stage_killed_and_restarted_on_its_port_rejoins(mesh)
+        _a_scheduler_killed_mid_stream_gets_its_running_stages_back(mesh)
 
 
-@pytest.mark.parametrize("handoff", ["nccl", "grpc"])
-def test_a_scheduler_killed_mid_stream_gets_its_running_stages_back(tiny_model_dir, tmp_path, handoff):
-    with Mesh(tiny_model_dir("llama"), [2, 2], handoff=handoff, log_dir=tmp_path) as mesh:
-        stages = [proc.pid for proc in mesh.stages]
-        long = SamplingParams(max_tokens=400, ignore_eos=True)
-        with ThreadPoolExecutor(4) as pool:  # steps in flight when it dies: their RPCs are cancelled
-            streams = [pool.submit(mesh.submit, f"r{i}", [5 + i] * 20, long, 60) for i in range(4)]
-            while mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5).num_running < 4:
-                time.sleep(0.05)
-            mesh.kill_scheduler()
-            for s in streams:
-                with pytest.raises(grpc.RpcError):
-                    s.result(timeout=60)
-        mesh.start_scheduler()
-        assert serves_within(mesh, 30, "after") < 30
-        assert [proc.pid for proc in mesh.stages] == stages and all(p.poll() is None for p in mesh.stages)
+def _a_stage_killed_and_restarted_on_its_port_rejoins(mesh: Mesh) -> None:
+    assert len(mesh.submit("before", [5, 6, 7], ASK)[0]) == 6
+    mesh.kill_stage(1)
+    mesh.wait_healthy(timeout=30, healthy=False)
+    mesh.start_stage(1)  # the same command: the same port
+    assert serves_within(mesh, 30, "after") < 30
+
+
+def _a_scheduler_killed_mid_stream_gets_its_running_stages_back(mesh: Mesh) -> None:
+    stages = [proc.pid for proc in mesh.stages]
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    with ThreadPoolExecutor(4) as pool:  # steps in flight when it dies: their RPCs are cancelled
+        streams = [pool.submit(mesh.submit, f"r{i}", [5 + i] * 20, long, 60) for i in range(4)]
+        while mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5).num_running < 4:
+            time.sleep(0.05)
+        mesh.kill_scheduler()
+        for s in streams:
+            with pytest.raises(grpc.RpcError):
+                s.result(timeout=60)
+    mesh.start_scheduler()
+    assert serves_within(mesh, 30, "after-scheduler") < 30
+    assert [proc.pid for proc in mesh.stages] == stages and all(p.poll() is None for p in mesh.stages)
 
 
 def _replicas(base: str) -> list[dict]:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from mesh import Mesh, Router, completion_ids, free_port
+from mesh import Mesh, Router, completion_ids, free_port, internal_channel
 from parity import prompts
-from stagemesh.v1 import scheduler_pb2
+from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tiny_models import reference_greedy, reference_model, with_word_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -23,6 +23,7 @@ TEMPLATE = Path(__file__).parents[1] / "deploy" / "nginx" / "stagemesh-lb.conf.t
 
 
 def test_serve_tp2_pp2_dp2_matches_transformers(tiny_model_dir, tmp_path):
+    """And parallel sampling through serve's router runs a prompt once on one of its two replicas."""
     model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
     port = free_port()
     log = tmp_path / "serve.log"
@@ -40,6 +41,14 @@ def test_serve_tp2_pp2_dp2_matches_transformers(tiny_model_dir, tmp_path):
         with ThreadPoolExecutor(6) as pool:
             got = list(pool.map(lambda p: completion_ids(base, M, p, 12), batch))
         assert got == want
+        replicas = requests.get(f"{base}/health", timeout=5).json()["replicas"]
+        channels = [internal_channel(r["address"]) for r in replicas]
+        try:
+            _check_parallel_sampling_runs_a_prompt_once_on_one_replica(
+                base, [scheduler_pb2_grpc.SchedulerStub(c) for c in channels])
+        finally:
+            for c in channels:
+                c.close()
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
@@ -142,28 +151,24 @@ def test_nginx_in_front_of_routers(tiny_model_dir, tmp_path, replicas_per_router
             m.__exit__(None, None, None)
 
 
-def test_parallel_sampling_runs_a_prompt_once_on_one_replica(tiny_model_dir, tmp_path):
+def _check_parallel_sampling_runs_a_prompt_once_on_one_replica(base: str, schedulers: list) -> None:
     """n=4 over two replicas: the choices share their prompt's blocks on one replica (three prefix-cache hits
     of its full blocks) and equal four single requests seeded with the request's seed + their index."""
-    model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
-    with Mesh(model_dir, [4], log_dir=tmp_path) as a, Mesh(model_dir, [4], log_dir=tmp_path) as b:
-        with Router(model_dir, [a.address, b.address], ("--served-model-name", M, "--policy", "round-robin"),
-                    log_dir=tmp_path) as router:
-            prompt = list(range(10, 74))  # 4 full blocks of 16
-            body = {"model": M, "prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 21, "ignore_eos": True,
-                    "return_token_ids": True}
-            before = [m.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5) for m in (a, b)]
-            answer = requests.post(f"{router.base_url}/v1/completions", json={**body, "n": 4}, timeout=120).json()
-            after = [m.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5) for m in (a, b)]
-            queried = [y.prefix_cache_queries - x.prefix_cache_queries for x, y in zip(before, after)]
-            hits = [y.prefix_cache_hits - x.prefix_cache_hits for x, y in zip(before, after)]
-            assert sorted(queried) == [0, 4 * 64] and sorted(hits) == [0, 3 * 48]  # the last block is recomputed
-            # the prompt counts once, cached tokens too: none, its first choice computed it (the siblings' hits
-            # are its own blocks, not a cache the client had)
-            assert answer["usage"] == {"prompt_tokens": 64, "completion_tokens": 24, "total_tokens": 88}
-            singles = []
-            for i in range(4):
-                single = requests.post(f"{router.base_url}/v1/completions", json={**body, "seed": 21 + i}, timeout=120)
-                singles.append(single.json()["choices"][0]["token_ids"])
-            choices = sorted(answer["choices"], key=lambda c: c["index"])
-            assert [c["token_ids"] for c in choices] == singles
+    prompt = list(range(10, 74))  # 4 full blocks of 16
+    body = {"model": M, "prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 21, "ignore_eos": True,
+            "return_token_ids": True}
+    before = [s.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5) for s in schedulers]
+    answer = requests.post(f"{base}/v1/completions", json={**body, "n": 4}, timeout=120).json()
+    after = [s.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5) for s in schedulers]
+    queried = [y.prefix_cache_queries - x.prefix_cache_queries for x, y in zip(before, after)]
+    hits = [y.prefix_cache_hits - x.prefix_cache_hits for x, y in zip(before, after)]
+    assert sorted(queried) == [0, 4 * 64] and sorted(hits) == [0, 3 * 48]  # the last block is recomputed
+    # the prompt counts once, cached tokens too: none, its first choice computed it (the siblings' hits
+    # are its own blocks, not a cache the client had)
+    assert answer["usage"] == {"prompt_tokens": 64, "completion_tokens": 24, "total_tokens": 88}
+    singles = []
+    for i in range(4):
+        single = requests.post(f"{base}/v1/completions", json={**body, "seed": 21 + i}, timeout=120)
+        singles.append(single.json()["choices"][0]["token_ids"])
+    choices = sorted(answer["choices"], key=lambda c: c["index"])
+    assert [c["token_ids"] for c in choices] == singles
