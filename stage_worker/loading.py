@@ -47,11 +47,35 @@ def resolve_dtype(cfg: ModelConfig, dtype: torch.dtype | str | None, device: str
     return getattr(torch, name)
 
 
+DUMMY_LOW, DUMMY_HIGH, DUMMY_SEED = -1e-3, 1e-3, 1234  # vLLM's dummy weights
+
+
+def dummy_weights(model: StageModel, quantization: str | None) -> None:
+    """--load-format dummy, as vLLM's: every floating-point weight uniform in [DUMMY_LOW, DUMMY_HIGH], each drawn
+    from a generator seeded DUMMY_SEED of its own (its values depend on its shape and dtype only, not on the order
+    or the process it is made in). Small enough that no layer overflows; the checkpoint is never opened."""
+    if quantization is not None:
+        raise StagemeshError(f"--load-format dummy with quantization {quantization} is not built yet (dummy weights "
+                             "are drawn in the model's dtype)")
+    for param in model.parameters():
+        if param.is_floating_point():
+            generator = torch.Generator(device=param.device).manual_seed(DUMMY_SEED)
+            param.data.uniform_(DUMMY_LOW, DUMMY_HIGH, generator=generator)
+
+
 def load_checkpoint(model: StageModel, settings: StageSettings, quantization: str | None, cfg: ModelConfig,
                     method: QuantMethod | None) -> CheckpointScales | None:
     """`method`: the checkpoint's own quantization (stage_worker.quant_methods); else `quantization` quantises
     an unquantised checkpoint at load (or names a GGUF's). Returns the KV cache scales the checkpoint holds for
     the stage's layers (stage_worker.kv_scales, every one checked; a GGUF has none)."""
+    fmt = settings.load_format
+    if fmt == "dummy":
+        dummy_weights(model, quantization or (method.name if method is not None else None))
+        return None
+    if fmt != "auto" and (fmt == "gguf") != (quantization == "gguf"):
+        raise StagemeshError(f"--load-format {fmt} does not read {settings.model} (a "
+                             f"{'GGUF file' if quantization == 'gguf' else 'safetensors checkpoint'}: --load-format "
+                             f"{'gguf' if quantization == 'gguf' else 'safetensors'}, or auto)")
     if quantization == "gguf":
         if settings.gguf_file is None:
             raise StagemeshError("--quantization gguf needs a .gguf file as the model")

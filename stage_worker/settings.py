@@ -19,6 +19,7 @@ from stagemesh.core.common_flags import BLOCK_SIZE, KV_CACHE_DTYPE, LoRAOptions,
 from stagemesh.core.flags import GROUP, Flag, from_args, group
 
 RESOLVED = ("model", "tokenizer", "quantization", "quantization_activations", "layers")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,11 @@ class StageSettings:
     eplb_config: str | None = Flag(("--eplb-config",), metavar="JSON", help=(
         'vLLM\'s EPLB settings: {"window_size": 1000, "step_interval": 3000, "num_redundant_experts": 0, '
         '"log_balancedness": false}')).field()
+    load_format: str = Flag(("--load-format",), default="auto", choices=LOAD_FORMATS, help=(
+        "vLLM's: how the weights are read. auto: the model's safetensors, or its .gguf file; safetensors, gguf: "
+        "that format only (the other is refused); dummy: none read, every weight drawn uniform in [-1e-3, 1e-3] "
+        "from a seed of its own (vLLM's), the same on every run, for benchmarks and profiling without a "
+        "checkpoint: the model's config.json is all it needs")).field()
     threads: int = Flag(("--threads",), type=int, default=0,
                         help="torch threads per process (0: torch's default)").field()
     lora: LoRAOptions = group(LoRAOptions)  # stage_worker.lora
