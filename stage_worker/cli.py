@@ -126,7 +126,6 @@ class StagePlan:
     eplb: Any  # stage_worker.eplb.EPLBConfig, with --enable-eplb
     spec: Any  # the draft model's stagemesh.core.speculative.SpeculativeConfig (the last stage's)
     lora: Any  # stage_worker.lora.LoRASettings, with --enable-lora
-    pooling: Any = None  # stagemesh.core.common_flags.PoolingOptions, with --runner pooling
 
 
 def run(args: argparse.Namespace) -> int:
@@ -170,7 +169,7 @@ def plan_stage(args: argparse.Namespace) -> StagePlan:
     check_kv_cache(args, cfg)
     plan = StagePlan(source, cfg, start, end, expert_parallel_across_replicas(args, cfg, start, end),
                      eplb_config(args, cfg), stage_speculation(args, cfg, end), LoRASettings.from_args(args))
-    plan = pooling_plan(args, plan)
+    check_pooling(args, plan)
     if args.kv_offloading_disk_path:  # before the weights load: a bad directory is refused at once
         from stage_worker.kv_disk import check_writable
 
@@ -178,23 +177,20 @@ def plan_stage(args: argparse.Namespace) -> StagePlan:
     return plan
 
 
-def pooling_plan(args: argparse.Namespace, plan: StagePlan) -> StagePlan:
+def check_pooling(args: argparse.Namespace, plan: StagePlan) -> None:
     """--runner pooling checked against the model before any weight is read, and said in the log."""
-    from dataclasses import replace
-
     from stagemesh.core.common_flags import PoolingOptions
     from stagemesh.core.flags import from_args
 
     options = from_args(PoolingOptions, args)
     pooler = options.resolve(plan.source.model_dir, plan.cfg.raw)
     if pooler is None:
-        return plan
+        return
     if plan.spec is not None:
         raise StagemeshError("--speculative-config does not run with --runner pooling (a pooling request generates "
                              "nothing)")
     log.info("stage %d: --runner pooling --convert %s: %s pooling, tasks %s", args.stage_index, pooler.convert,
              pooler.pooling_type, ", ".join(pooler.tasks))
-    return replace(plan, pooling=options)
 
 
 def check_kv_cache(args: argparse.Namespace, cfg) -> None:
