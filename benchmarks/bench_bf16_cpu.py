@@ -80,7 +80,7 @@ def main() -> None:
         if family:
             os.environ["STAGEMESH_CPU_ISA"] = family  # the weights are packed for this family at load
         try:
-            engines[arm] = LocalEngine(model_dir, dtype=dtype)
+            engines[arm] = LocalEngine.of(model_dir, dtype=dtype)
         finally:
             os.environ.pop("STAGEMESH_CPU_ISA", None)
     figures = {arm: {"tpot": [], "tput": []} for arm in arms}

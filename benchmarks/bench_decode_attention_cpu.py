@@ -197,7 +197,7 @@ def model(args) -> None:
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(16, 256))] for _ in range(32)]
     outputs = [rng.randint(16, 128) for _ in range(32)]
     families = ["portable", cpu_ops.attention_family()]
-    engine = LocalEngine(default_model_dir(), dtype="bfloat16", enable_prefix_caching=False)
+    engine = LocalEngine.of(default_model_dir(), dtype="bfloat16", enable_prefix_caching=False)
     try:
         engine.generate(prompts[:4], [SamplingParams(max_tokens=4, ignore_eos=True)] * 4)  # warm-up
         figures: dict[str, list[float]] = {f: [] for f in families}

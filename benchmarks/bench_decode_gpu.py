@@ -80,8 +80,8 @@ def transformers_decode(model, batch: int, prompt: int, tokens: int) -> float:
 
 def build(cfg: ModelConfig, method: str) -> tuple[StageRunner, float]:
     """The runner (random bf16 weights, quantised at load unless `method` is none) and its bytes read a step."""
-    runner = StageRunner(None, 0, cfg.num_hidden_layers, config=cfg, load=False, device="cuda",
-                         dtype=torch.bfloat16)
+    runner = StageRunner.of(None, 0, cfg.num_hidden_layers, config=cfg, load=False, device="cuda",
+                            dtype=torch.bfloat16)
     init_random_weights(runner.model)
     if method != "none":
         quantize_at_load(runner.model, method)

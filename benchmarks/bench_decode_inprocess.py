@@ -61,7 +61,7 @@ def main() -> None:
     with torch.inference_mode():
         model.generate(torch.tensor([prompt_ids]), max_new_tokens=4, do_sample=False)  # warm-up
     ours, theirs = [], []
-    with LocalEngine(model_dir) as engine:
+    with LocalEngine.of(model_dir) as engine:
         engine.generate([prompt_ids], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         for _ in range(args.rounds):
             ours.append(bench_stagemesh(engine, prompt_ids, args.tokens))

@@ -80,11 +80,11 @@ def accuracy(model_dir, ids: list[int]) -> None:
     n = ModelConfig.from_path(model_dir).num_hidden_layers
     bases = {}
     for dtype in ("float32", "bfloat16"):
-        bases[dtype] = base = all_logits(StageRunner(model_dir, 0, n, dtype=dtype), ids)
+        bases[dtype] = base = all_logits(StageRunner.of(model_dir, 0, n, dtype=dtype), ids)
         print(f"{dtype} weights, {len(ids)} positions: KL from the {dtype} (auto) cache, mean / max nats, top-1 "
               "agreement")
         for name, kw in ARMS.items():
-            mean, top, agree = kl(base, all_logits(StageRunner(model_dir, 0, n, dtype=dtype, **kw), ids))
+            mean, top, agree = kl(base, all_logits(StageRunner.of(model_dir, 0, n, dtype=dtype, **kw), ids))
             print(f"  {name:24s} {mean:.5f} / {top:.4f}   {agree:6.1%}")
     mean, top, agree = kl(bases["float32"], bases["bfloat16"])
     print(f"  (for scale: bf16 weights against fp32, auto caches: {mean:.5f} / {top:.4f}   {agree:6.1%})")
@@ -99,8 +99,8 @@ def capacity(model_dir, memory: int) -> None:
     for dtype in ("float32", "bfloat16"):
         tokens = {}
         for kv in ("auto", "fp8"):
-            r = StageRunner(model_dir, 0, cfg.num_hidden_layers, dtype=dtype, kv_cache_dtype=kv, load=False,
-                            config=cfg)
+            r = StageRunner.of(model_dir, 0, cfg.num_hidden_layers, dtype=dtype, kv_cache_dtype=kv, load=False,
+                               config=cfg)
             tokens[kv] = num_kv_blocks_for_budget(memory, r.kv_bytes_per_block) * r.block_size
         print(f"capacity, {dtype} model, --kv-cache-memory {memory / 2**20:.0f} MiB: auto {tokens['auto']:,} tokens, "
               f"fp8 {tokens['fp8']:,} tokens ({tokens['fp8'] / tokens['auto']:.2f}x)")
@@ -111,7 +111,7 @@ def speed(model_dir, args) -> None:
 
     long_prompt = [100 + (i * 7919) % 40000 for i in range(1500)]
     prompts, outputs = standard_batch(args.batch)
-    engines = {kv: LocalEngine(model_dir, dtype="bfloat16", kv_cache_dtype=kv) for kv in ("auto", "fp8")}
+    engines = {kv: LocalEngine.of(model_dir, dtype="bfloat16", kv_cache_dtype=kv) for kv in ("auto", "fp8")}
     figures = {kv: {"tpot": [], "tput": []} for kv in engines}
     try:
         for engine in engines.values():

@@ -50,7 +50,7 @@ def main() -> None:
           f"{describe_isa(cpu_flags())}")
     for arm in args.arms.split(","):
         figures = {on: {"tpot": [], "tput": []} for on in (False, True)}
-        with LocalEngine(model_dir, **table[arm]) as engine:
+        with LocalEngine.of(model_dir, **table[arm]) as engine:
             try:
                 for on in figures:  # warm-up
                     layer_plan.enable(on)

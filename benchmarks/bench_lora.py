@@ -71,7 +71,7 @@ def run_arm(arm: str, model_dir: str, adapters: dict[str, Path], args) -> float:
              "sixteen": list(adapters)}[arm]
     prompts = [[100 + (i * 7 + j) % 20000 for j in range(args.prompt_len)] for i in range(args.num)]
     sampling = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
-    with LocalEngine(model_dir, dtype=args.dtype, enable_prefix_caching=False, **lora) as engine:
+    with LocalEngine.of(model_dir, dtype=args.dtype, enable_prefix_caching=False, **lora) as engine:
         engine.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), [names[0]] * 2)  # warm
         start = time.perf_counter()
         if args.batch1:

@@ -65,7 +65,7 @@ def inprocess(arm: str, name: str, model: Path | None = None) -> dict:
     from stagemesh.entry.local_engine import LocalEngine
 
     requests = workload(name)
-    engine = LocalEngine(model or resolve_model(None), **engine_kwargs(arm))
+    engine = LocalEngine.of(model or resolve_model(None), **engine_kwargs(arm))
     try:
         engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         loop, driver = engine._loop, engine.driver

@@ -93,7 +93,7 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     cfg = small_v3(a.heads, a.layers)
-    runner = StageRunner(None, 0, cfg.num_hidden_layers, config=cfg, load=False, dtype=a.dtype)
+    runner = StageRunner.of(None, 0, cfg.num_hidden_layers, config=cfg, load=False, dtype=a.dtype)
     init_random_weights(runner.model)
     bench = Batch(runner, a.batch, a.context)
     runner.allocate_kv_cache(a.batch * bench.blocks + 2 * bench.blocks)

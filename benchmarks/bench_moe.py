@@ -120,8 +120,8 @@ def compare_layouts(args, store) -> dict:
 
     runners = {}
     for name, ep in (("TP=2", False), ("EP=2", True)):
-        runner = StageRunner(args.model, 0, args.layers, tp_rank=args.rank, tp_size=WORLD,
-                             tp_group=dist.group.WORLD, expert_parallel=ep)
+        runner = StageRunner.of(args.model, 0, args.layers, tp_rank=args.rank, tensor_parallel_size=WORLD,
+                                tp_group=dist.group.WORLD, enable_expert_parallel=ep)
         runner.tp.shm = attach_shm(store, f"bench-{name}", runner.tp)  # as stage_worker.dist does per epoch
         runners[name] = runner
     g = torch.Generator().manual_seed(1)

@@ -48,7 +48,7 @@ def stage_step_seconds(split: list[int], batch: int, prompt: int, steps: int = 8
     from stagemesh.core.model_config import layer_ranges
 
     torch.set_num_threads(1)
-    runners = [StageRunner(default_model_dir(), a, b) for a, b in layer_ranges(split)]
+    runners = [StageRunner.of(default_model_dir(), a, b) for a, b in layer_ranges(split)]
     num_blocks = batch * -(-(prompt + steps + 4) // runners[0].block_size) + 8
     for runner in runners:
         runner.allocate_kv_cache(num_blocks)

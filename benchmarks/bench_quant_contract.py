@@ -29,7 +29,7 @@ def runner(model_dir, **kw):
     from stagemesh.core.model_config import ModelConfig
 
     layers = ModelConfig.from_path(model_dir).num_hidden_layers
-    return StageRunner(model_dir, 0, layers, **kw)
+    return StageRunner.of(model_dir, 0, layers, **kw)
 
 
 def measure(name: str, bf16_dir, quant_kw: dict, ids: list[int]) -> dict:

@@ -177,7 +177,7 @@ def main() -> None:
     table = arms(args.q8_gguf)
     if args.arms:
         table = {name: table[name.split("@")[0]] for name in args.arms.split(",")}
-    engines = {name: LocalEngine(model_dir, **kw) for name, kw in table.items()}
+    engines = {name: LocalEngine.of(model_dir, **kw) for name, kw in table.items()}
     for name, engine in engines.items():
         if name.split("@")[0].endswith("-f32scales"):
             widen_scales(engine)

@@ -38,7 +38,7 @@ def one(path: str, fmt: str, tokens: int, threads: int) -> dict:
     kw: dict = dict(dtype="float32" if fmt == "fp32" else "bfloat16", kv_cache_memory=64 * 2**20)
     if fmt.startswith("gguf"):
         kw.update(quantization="gguf", gguf_file=str(gguf_path()))
-    with LocalEngine(path, **kw) as engine:
+    with LocalEngine.of(path, **kw) as engine:
         prompt = list(range(100, 164))
         tpot_ms(engine, prompt, 8)  # warm-up
         tpot = statistics.median(tpot_ms(engine, prompt, tokens) for _ in range(3))

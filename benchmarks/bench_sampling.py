@@ -64,7 +64,7 @@ def main() -> None:
     prompts, outputs = standard_batch(args.batch)
     kw = dict(quantization="gguf", gguf_file=str(gguf_path())) if args.gguf else {}
     figures = {name: {"tpot": [], "tput": []} for name in arms}
-    with LocalEngine(model_dir, **kw) as engine:
+    with LocalEngine.of(model_dir, **kw) as engine:
         try:
             tpot_ms(engine, prompt_ids, 4, temperature=1.0)  # warm-up
             for _ in range(args.rounds):

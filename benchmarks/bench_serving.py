@@ -152,7 +152,7 @@ def batch1(layouts: list[str], tokens: int = 128) -> None:
 
     model_dir = resolve_model(None)
     workload = synthetic(49152, set(), 4, (24, 24), (tokens, tokens), seed=1)
-    with LocalEngine(model_dir) as engine:
+    with LocalEngine.of(model_dir) as engine:
         engine.generate([workload[0].prompt_ids], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         inproc = 1 / bench_stagemesh(engine, workload[0].prompt_ids, tokens)
     print(f"in-process engine ({__import__('torch').get_num_threads()} threads): TPOT {inproc * 1e3:.1f} ms")

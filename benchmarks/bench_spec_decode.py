@@ -101,8 +101,8 @@ def main() -> None:
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False), add_special_tokens=False)
     workloads = {"copy-heavy": [encode(t) for t in COPY_HEAVY], "open-ended": [encode(t) for t in OPEN_ENDED]}
     sampling = SamplingParams(max_tokens=args.tokens)
-    engines = {"off": LocalEngine(model_dir, dtype=args.dtype),
-               "on": LocalEngine(model_dir, dtype=args.dtype, speculative_config=args.speculative_config)}
+    engines = {"off": LocalEngine.of(model_dir, dtype=args.dtype),
+               "on": LocalEngine.of(model_dir, dtype=args.dtype, speculative_config=args.speculative_config)}
     tpot = {}  # (workload, concurrency, arm) -> TPOTs of every request of every round
     accepted = {}  # (workload, concurrency) -> (drafts, draft tokens, accepted) over the rounds
     mismatches = 0

@@ -66,7 +66,7 @@ def main() -> None:
     print(f"vocabulary indexed in {indexed * 1000:.0f} ms (once per process); a 50-field schema compiled in "
           f"{(time.perf_counter() - start) * 1000:.1f} ms")
     results: dict[bool, list[float]] = {True: [], False: []}
-    with LocalEngine(model_dir) as engine:
+    with LocalEngine.of(model_dir) as engine:
         run_arm(engine, workload[:2], True)  # warm up: the stage's compiler
         run_arm(engine, workload, False)  # and the kernels at every batch size the workload reaches
         for rnd in range(a.rounds):

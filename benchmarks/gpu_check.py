@@ -762,10 +762,10 @@ def main(argv: list[str] | None = None) -> int:
 
             try:
                 t0 = time.monotonic()
-                engine = LocalEngine(model_dir, device=a.device, dtype=a.dtype, block_size=16,
-                                     kv_cache_memory=a.kv_cache_memory, max_num_seqs=a.max_num_seqs,
-                                     max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-                                     async_scheduling=a.async_scheduling)
+                engine = LocalEngine.of(model_dir, device=a.device, dtype=a.dtype, block_size=16,
+                                        kv_cache_memory=a.kv_cache_memory, max_num_seqs=a.max_num_seqs,
+                                        max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+                                        async_scheduling=a.async_scheduling)
                 log(f"in-process: LocalEngine ready in {time.monotonic() - t0:.1f} s")
                 run_inprocess(engine, work, cfg["vocab_size"], a.request_timeout, local)
             except KeyboardInterrupt:

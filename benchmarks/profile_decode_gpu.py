@@ -87,7 +87,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     a = p.parse_args()
     cfg = ModelConfig.from_path(CONFIG)
-    runner = StageRunner(None, 0, cfg.num_hidden_layers, config=cfg, load=False, device="cuda", dtype=torch.bfloat16)
+    runner = StageRunner.of(None, 0, cfg.num_hidden_layers, config=cfg, load=False, device="cuda", dtype=torch.bfloat16)
     init_random_weights(runner.model)
     for b in a.batch:
         r = profile(runner, b, a.steps)

@@ -126,7 +126,6 @@ class StagePlan:
     eplb: Any  # stage_worker.eplb.EPLBConfig, with --enable-eplb
     spec: Any  # the draft model's stagemesh.core.speculative.SpeculativeConfig (the last stage's)
     lora: Any  # stage_worker.lora.LoRASettings, with --enable-lora
-    pooling: Any = None  # stagemesh.core.common_flags.PoolingOptions, with --runner pooling
 
 
 def run(args: argparse.Namespace) -> int:
@@ -153,7 +152,7 @@ def _start_and_serve(args: argparse.Namespace, stop: StageStop, shutdown) -> int
 def plan_stage(args: argparse.Namespace) -> StagePlan:
     """The model, the stage's layers and what they are served with, refused here if the flags do not fit."""
     from stage_worker.lora import LoRASettings
-    from stage_worker.runner import check_layer_range
+    from stage_worker.loading import check_layer_range
     from stagemesh.core.model_config import ModelConfig
     from stagemesh.core.model_source import resolve_source
 
@@ -170,7 +169,7 @@ def plan_stage(args: argparse.Namespace) -> StagePlan:
     check_kv_cache(args, cfg)
     plan = StagePlan(source, cfg, start, end, expert_parallel_across_replicas(args, cfg, start, end),
                      eplb_config(args, cfg), stage_speculation(args, cfg, end), LoRASettings.from_args(args))
-    plan = pooling_plan(args, plan)
+    check_pooling(args, plan)
     if args.kv_offloading_disk_path:  # before the weights load: a bad directory is refused at once
         from stage_worker.kv_disk import check_writable
 
@@ -178,23 +177,20 @@ def plan_stage(args: argparse.Namespace) -> StagePlan:
     return plan
 
 
-def pooling_plan(args: argparse.Namespace, plan: StagePlan) -> StagePlan:
+def check_pooling(args: argparse.Namespace, plan: StagePlan) -> None:
     """--runner pooling checked against the model before any weight is read, and said in the log."""
-    from dataclasses import replace
-
     from stagemesh.core.common_flags import PoolingOptions
     from stagemesh.core.flags import from_args
 
     options = from_args(PoolingOptions, args)
     pooler = options.resolve(plan.source.model_dir, plan.cfg.raw)
     if pooler is None:
-        return plan
+        return
     if plan.spec is not None:
         raise StagemeshError("--speculative-config does not run with --runner pooling (a pooling request generates "
                              "nothing)")
     log.info("stage %d: --runner pooling --convert %s: %s pooling, tasks %s", args.stage_index, pooler.convert,
              pooler.pooling_type, ", ".join(pooler.tasks))
-    return replace(plan, pooling=options)
 
 
 def check_kv_cache(args: argparse.Namespace, cfg) -> None:
@@ -223,25 +219,15 @@ def pin_threads(args: argparse.Namespace) -> None:
 
 def load_worker(args: argparse.Namespace, plan: StagePlan):
     """The stage's worker, its weights loaded (and a standby's KV cache allocated)."""
-    from stage_worker.runner import SliceConfig
+    from stage_worker.settings import StageSettings
     from stage_worker.worker import StageConfig, StageWorker
 
-    source = plan.source
-    slice_ = SliceConfig(str(source.model_dir), plan.start, plan.end, tp_size=args.tensor_parallel_size,
-                         device=args.device, dtype=args.dtype, block_size=args.block_size,
-                         dcp_size=args.decode_context_parallel_size,
-                         pcp_size=args.prefill_context_parallel_size, cuda_graphs=not args.enforce_eager,
-                         expert_parallel=args.enable_expert_parallel,
-                         eplb=plan.eplb, quantization=source.quantization,
-                         quantization_activations=source.activations,
-                         gguf_file=str(source.gguf_file) if source.gguf_file else None, lora=plan.lora,
-                         pooling=plan.pooling, kv_cache_dtype=args.kv_cache_dtype,
-                         calculate_kv_scales=args.calculate_kv_scales)
-    worker = StageWorker(StageConfig(slice_, args.stage_index, handoff=args.handoff,
+    settings = StageSettings.from_flags(args, plan.source, (plan.start, plan.end))
+    worker = StageWorker(StageConfig(settings, args.stage_index, handoff=args.handoff,
                                      kv_cache_memory=args.kv_cache_memory,
-                                     gpu_memory_utilization=args.gpu_memory_utilization, threads=args.threads,
-                                     ep=plan.ep, standby=args.standby, speculative=plan.spec,
-                                     kv_disk_path=args.kv_offloading_disk_path))
+                                     gpu_memory_utilization=args.gpu_memory_utilization, ep=plan.ep,
+                                     standby=args.standby, speculative=plan.spec,
+                                     kv_offloading_disk_path=args.kv_offloading_disk_path))
     if args.standby:  # warm: a join with the stage's own number of blocks finds its cache ready
         worker.runner.allocate_kv_cache(worker.num_kv_blocks)
     return worker

@@ -23,11 +23,17 @@ from stagemesh.core.errors import StagemeshError
 
 # KV_TIER_*: the host and disk KV tiers (stage_worker.kv_tier_ranks); LORA_*: an adapter loaded or unloaded at
 # run time (JSON {"name", "path"}), which belongs to no epoch: a follower acts on it whatever epoch it is in
+# START: the follower's first message, what it is to run (JSON: stage_worker.follower.start_message)
 JOIN, FORWARD, LEAVE, KV_EXPORT, KV_IMPORT, EPLB_REBALANCE, KV_TIER_STORE, KV_TIER_READ, KV_TIER_FILL, \
-    LORA_LOAD, LORA_UNLOAD = range(11)
+    LORA_LOAD, LORA_UNLOAD, START = range(12)
 HEADER = struct.Struct("<BII")
 PIPE_BYTES = 2**20  # a long prefill's step fits the pipe: rank 0 writes it without waiting for the reader
 _F_SETPIPE_SZ = 1031  # Linux's fcntl
+
+
+def frame(kind: int, epoch: int, payload: bytes = b"") -> bytes:
+    """One message as it crosses the pipe."""
+    return HEADER.pack(kind, epoch, len(payload)) + payload
 
 
 class FollowerChannel:
@@ -44,7 +50,7 @@ class FollowerChannel:
                 pass
 
     def send(self, kind: int, epoch: int, payload: bytes = b"") -> None:
-        message = HEADER.pack(kind, epoch, len(payload)) + payload
+        message = frame(kind, epoch, payload)
         with self._lock:
             for t, proc in enumerate(self.followers, start=1):
                 assert proc.stdin is not None

@@ -47,8 +47,8 @@ class DraftModel:
         # probabilistic drafts of each sequence's next step: (tokens, the distribution each was drawn from)
         self.proposals: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
         self._gen = torch.Generator(device="cpu").manual_seed(torch.initial_seed() % (2**63))
-        self.runner = StageRunner(spec.model, 0, cfg.num_hidden_layers, device=str(device), dtype=dtype,
-                                  block_size=block_size, config=cfg, cuda_graphs=False)
+        self.runner = StageRunner.of(spec.model, 0, cfg.num_hidden_layers, device=str(device), dtype=dtype,
+                                     block_size=block_size, config=cfg, enforce_eager=True)
         self.block_size, self.device = block_size, self.runner.device
         self.max_positions = cfg.max_position_embeddings
         self.kv_bytes_per_block = self.runner.kv_bytes_per_block
@@ -146,7 +146,7 @@ def make_drafter(spec: SpeculativeConfig, target: ModelConfig, model_dir, device
     """The last stage's drafter of a spec that proposes there: a draft model, or the target's MTP layer."""
     if spec.is_mtp:
         from stage_worker.mtp import MTPDrafter
-        from stage_worker.runner import resolve_dtype
+        from stage_worker.loading import resolve_dtype
 
         return MTPDrafter(spec, target, model_dir, device, resolve_dtype(target, dtype, str(device)), block_size)
     return DraftModel(spec, target, device, dtype, block_size)

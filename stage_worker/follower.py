@@ -1,13 +1,12 @@
 """A TP follower of a stage: rank t > 0 of its TP group, one device.
 
 Started by the stage's rank 0 (stage_worker.worker), which then tells it everything over one channel, its
-stdin (stage_worker.control): join an epoch, run a step (the StepBatch bytes the scheduler sent, with the
-tokens rank 0 filled in for a step run ahead), read or write KV blocks, move experts, leave. The epoch's TP
-group carries the tensors.
+stdin (stage_worker.control): first the stage's settings whole (stage_worker.settings, as JSON), then: join an
+epoch, run a step (the StepBatch bytes the scheduler sent, with the tokens rank 0 filled in for a step run ahead),
+read or write KV blocks, move experts, leave. The epoch's TP group carries the tensors.
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import logging
@@ -16,8 +15,6 @@ import sys
 
 import torch
 
-from stagemesh.core.common_flags import LoRAOptions, PoolingOptions
-from stagemesh.core.flags import add_flags, from_args
 from stagemesh.core.lora import LoRAError
 from stagemesh.core.step_wire import epoch_from_pb, step_from_pb
 from stagemesh.v1 import stage_pb2
@@ -26,8 +23,8 @@ from stage_worker import dist as sdist
 from stage_worker.kv_disk import DiskTier
 from stage_worker.kv_tier_ranks import TierFollower
 from stage_worker.kv_tiers import KVTierStore, block_layout
-from stage_worker.lora import LoRASettings
-from stage_worker.runner import SliceConfig, StageRunner
+from stage_worker.runner import StageRunner
+from stage_worker.settings import StageSettings
 
 log = logging.getLogger("stagemesh.follower")
 
@@ -108,79 +105,37 @@ def run(runner: StageRunner, kind: int, payload: bytes) -> None:
         raise ValueError(f"control message of unknown kind {kind}")
 
 
-def follower_argv(slice_: SliceConfig, tp_rank: int, threads: int, kv_disk: tuple[str, str] | None = None
-                  ) -> list[str]:
-    """The command line of TP rank `tp_rank` of `slice_` (main() reads it back). `kv_disk`: the disk tier's
-    namespace directory and namespace, which rank 0 made and holds locked (stage_worker.kv_disk)."""
-    argv = ["--model", str(slice_.model_dir), "--layers", f"{slice_.layer_start}:{slice_.layer_end}",
-            "--tp-rank", str(tp_rank), "--tp-size", str(slice_.tp_size), "--device", slice_.device,
-            "--block-size", str(slice_.block_size), "--dcp-size", str(slice_.dcp_size),
-            "--pcp-size", str(slice_.pcp_size), "--threads", str(threads)]
-    if slice_.dtype:
-        argv += ["--dtype", slice_.dtype]
-    if slice_.expert_parallel:
-        argv.append("--enable-expert-parallel")
-    if slice_.quantization:
-        argv += ["--quantization", slice_.quantization]
-    if slice_.gguf_file:
-        argv += ["--gguf-file", slice_.gguf_file]
-    if slice_.quantization_activations:
-        argv += ["--quantization-activations", slice_.quantization_activations]
-    if slice_.kv_cache_dtype:
-        argv += ["--kv-cache-dtype", slice_.kv_cache_dtype]
-    if slice_.calculate_kv_scales:
-        argv.append("--calculate-kv-scales")
-    if kv_disk is not None:
-        argv += ["--kv-disk-dir", kv_disk[0], "--kv-namespace", kv_disk[1]]
-    if slice_.lora is not None:
-        argv += slice_.lora.argv()
-    if slice_.pooling is not None:
-        argv += slice_.pooling.argv()
-    return argv + eplb.config_argv(slice_.eplb)
+def start_message(settings: StageSettings, tp_rank: int, kv_disk: tuple[str, str] | None = None) -> bytes:
+    """What rank 0 tells TP rank `tp_rank` first, on its pipe (main() reads it): the stage's settings whole, as
+    JSON. `kv_disk`: the disk tier's namespace directory and namespace, which rank 0 made and holds locked
+    (stage_worker.kv_disk)."""
+    start = {"settings": settings.to_dict(), "tp_rank": tp_rank, "kv_disk": kv_disk}
+    return control.frame(control.START, 0, json.dumps(start).encode())
+
+
+def read_start(channel: control.Reader) -> tuple[StageSettings, int, tuple[str, str] | None]:
+    """The settings, rank and disk tier of start_message, the pipe's first message."""
+    message = channel.read()
+    if message is None or message[0] != control.START:
+        raise SystemExit("the stage's rank 0 sent no START message (a follower is started by its stage)")
+    start = json.loads(message[2])
+    disk = start["kv_disk"]
+    return (StageSettings.from_dict(start["settings"]), start["tp_rank"],
+            None if disk is None else (disk[0], disk[1]))
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="TP follower of a stagemesh stage (started by the stage)")
-    p.add_argument("--model", required=True)
-    p.add_argument("--layers", required=True)
-    p.add_argument("--tp-rank", type=int, required=True)
-    p.add_argument("--tp-size", type=int, required=True)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dcp-size", type=int, default=1)
-    p.add_argument("--pcp-size", type=int, default=1)
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--enable-expert-parallel", action="store_true")
-    p.add_argument("--eplb-config", default=None)
-    p.add_argument("--quantization", default=None)
-    p.add_argument("--gguf-file", default=None)
-    p.add_argument("--kv-cache-dtype", default=None)
-    p.add_argument("--calculate-kv-scales", action="store_true")
-    p.add_argument("--quantization-activations", default=None)
-    p.add_argument("--kv-disk-dir", default=None)
-    p.add_argument("--kv-namespace", default=None)
-    add_flags(p, LoRAOptions)
-    add_flags(p, PoolingOptions)
-    args = p.parse_args()
     die_with_parent()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s follower tp{args.tp_rank} %(levelname)s: %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    start, end = (int(x) for x in args.layers.split(":"))
-    balance = eplb.EPLBConfig(**json.loads(args.eplb_config)) if args.eplb_config else None  # checked by rank 0
-    runner = SliceConfig(args.model, start, end, args.tp_size, args.device, args.dtype, args.block_size,
-                         dcp_size=args.dcp_size, pcp_size=args.pcp_size, expert_parallel=args.enable_expert_parallel,
-                         eplb=balance, quantization=args.quantization,
-                         quantization_activations=args.quantization_activations,
-                         gguf_file=args.gguf_file, lora=LoRASettings.from_args(args),
-                         pooling=from_args(PoolingOptions, args), kv_cache_dtype=args.kv_cache_dtype,
-                         calculate_kv_scales=args.calculate_kv_scales).runner(args.tp_rank)
-    disk = DiskTier(args.kv_disk_dir, args.kv_namespace, args.tp_rank, block_layout(runner)) if args.kv_disk_dir \
-        else None
+    channel = control.Reader(sys.stdin.fileno())
+    settings, tp_rank, kv_disk = read_start(channel)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s follower tp{tp_rank} %(levelname)s: %(message)s")
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    runner = StageRunner(settings, tp_rank=tp_rank)
+    disk = DiskTier(kv_disk[0], kv_disk[1], tp_rank, block_layout(runner)) if kv_disk is not None else None
     sys.stdout.write("ready\n")
     sys.stdout.flush()
-    serve(runner, control.Reader(sys.stdin.fileno()), KVTierStore(runner, disk))
+    serve(runner, channel, KVTierStore(runner, disk))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ async def read_chunks(worker, request: stage_pb2.ReadKVRequest):
     for i, (k, v) in enumerate(kvs):
         per_block = 2 * k[0].numel() * k.element_size()
         step = max(1, CHUNK_BYTES // per_block)
-        k_scale, v_scale = scales[request.layer_start - worker.cfg.slice.layer_start + i] if is_fp8(k.dtype) \
+        k_scale, v_scale = scales[request.layer_start - worker.cfg.settings.layer_start + i] if is_fp8(k.dtype) \
             else (0.0, 0.0)
         for first in range(0, len(block_ids), step):
             part_k, part_v = k[first:first + step], v[first:first + step]
@@ -115,7 +115,7 @@ async def pull(worker, request: stage_pb2.PullKVRequest, peers: PeerStages,
     except TimeoutError:
         raise KVReadTimeout(f"the prefill replica's stages did not send the KV within {bound:.1f}s "
                             "(--kv-load-timeout)") from None
-    s = worker.cfg.slice
+    s = worker.cfg.settings
     kvs = [(layers[layer][0], layers[layer][1]) for layer in range(s.layer_start, s.layer_end)]
     fp8 = [layer in scales for layer in range(s.layer_start, s.layer_end)]
     if any(fp8) and not all(fp8):
@@ -131,7 +131,7 @@ async def _fetch(worker, request: stage_pb2.PullKVRequest, peers: PeerStages
     """The stage's layers of the source blocks, read from the sources (every field checked): layer -> [k, v], and
     the fp8 layers' scales, layer -> (k_scale, v_scale)."""
     await peers.check([src.address for src in request.sources])  # before anything else: nothing dialled otherwise
-    s = worker.cfg.slice
+    s = worker.cfg.settings
     n = len(request.block_ids)
     if n == 0 or n != len(request.source_block_ids):
         raise StagemeshError(f"{n} destination blocks for {len(request.source_block_ids)} source blocks")

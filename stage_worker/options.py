@@ -1,13 +1,14 @@
 """`stagemesh stage`'s command line (StageOptions), each flag declared once (stagemesh.core.flags): `stagemesh
-serve` composes its own flags from these and starts each stage with a StageOptions of its own."""
+serve` composes its own flags from these and starts each stage with a StageOptions of its own. The flags every
+TP rank of the stage reads are its StageSettings' (stage_worker.settings), nested here as a group."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stagemesh.core.common_flags import (ADVERTISE_HOST, BLOCK_SIZE, HOST, KV_CACHE_DTYPE, PIPELINE_PARALLEL_SIZE,
-                                         SPECULATIVE_CONFIG, LoRAOptions, ModelOptions, PoolingOptions)
+from stagemesh.core.common_flags import ADVERTISE_HOST, HOST, PIPELINE_PARALLEL_SIZE, SPECULATIVE_CONFIG, ModelOptions
 from stagemesh.core.flags import Flag, group
 from stagemesh.core.service_options import ServiceOptions
+from stage_worker.settings import StageSettings
 
 
 @dataclass(frozen=True)
@@ -23,43 +24,14 @@ class StageOptions:
         "(a Kubernetes StatefulSet)"))
     layer_split: str | None = Flag(("--layer-split",), help=(
         "layers per stage, e.g. 10,12,8 (default: balanced; a stage's: with --pipeline-parallel-size)")).field()
-    tensor_parallel_size: int = Flag(("--tensor-parallel-size", "-tp"), type=int, default=1).field()
-    decode_context_parallel_size: int = Flag(("--decode-context-parallel-size", "-dcp"), type=int, default=1, help=(
-        "vLLM's DCP: each group of this many TP ranks holds the same KV heads (sharded as if TP were tp / dcp) and "
-        "each a share of every sequence's tokens, so a replica holds dcp times the tokens where TP alone would "
-        "replicate KV heads (TP > KV heads); must divide --tensor-parallel-size and --block-size "
-        "(docs/context-parallelism.md)")).field()
-    prefill_context_parallel_size: int = Flag(("--prefill-context-parallel-size", "-pcp"), type=int, default=1, help=(
-        "vLLM's PCP: the stage runs as tp x pcp processes, each PCP group of pcp ranks holding the stage's weights "
-        "(TP-sharded over the groups) and each rank computing the tokens whose KV it keeps (block_size / pcp of "
-        "every block), so a long prompt's prefill is split over them and a sequence's KV too; must divide "
-        "--block-size (docs/context-parallelism.md)")).field()
-    device: str | None = Flag(("--device",), default="cpu", choices=("cpu", "cuda")).field()
+    settings: StageSettings = group(StageSettings)  # the model slice's flags (stage_worker.settings)
     handoff: str = Flag(("--handoff",), default="grpc", choices=("nccl", "grpc"),
                         help="activation transport to the next stage").field()
     host: str = HOST.field()
     port: int = Flag(("--port",), type=int, default=0, help="gRPC port (0: any free port)").field()
     advertise_host: str | None = ADVERTISE_HOST.field()
-    block_size: int = BLOCK_SIZE.field()
     kv_cache_memory: int | None = Flag(("--kv-cache-memory",), type=int, help="KV cache budget in bytes").field()
-    kv_cache_dtype: str = KV_CACHE_DTYPE.field()
-    calculate_kv_scales: bool = Flag(("--calculate-kv-scales",), kind="switch", help=(
-        "vLLM's: with --kv-cache-dtype fp8, each layer's k_scale and v_scale from the first forward's keys and values "
-        "(max|K| / 200, max|V| / 100, over the stage's ranks), in place of the checkpoint's or 1.0")).field()
     gpu_memory_utilization: float = Flag(("--gpu-memory-utilization",), type=float, default=0.9).field()
-    dtype: str | None = Flag(("--dtype",), help="auto, float32, bfloat16, float16").field()
-    enforce_eager: bool = Flag(("--enforce-eager",), kind="switch",
-                               help="no CUDA graphs for decode steps (as vLLM)").field()
-    enable_expert_parallel: bool = Flag(("--enable-expert-parallel",), kind="switch", help=(
-        "MoE models: whole experts spread over the stage's TP ranks (EP size = TP size) instead of every expert "
-        "sharded over them; attention stays TP; with --data-parallel-size > 1 over the replicas' stages "
-        "(data-parallel attention)")).field()
-    enable_eplb: bool = Flag(("--enable-eplb",), kind="switch", help=(
-        "with --enable-expert-parallel: balance the experts' load over the TP ranks (vLLM's EPLB): redundant copies "
-        "of hot experts, re-placed every step_interval steps (stage_worker.eplb)")).field()
-    eplb_config: str | None = Flag(("--eplb-config",), metavar="JSON", help=(
-        'vLLM\'s EPLB settings: {"window_size": 1000, "step_interval": 3000, "num_redundant_experts": 0, '
-        '"log_balancedness": false}')).field()
     # vLLM's flags for data-parallel attention with experts across the replicas (stage_worker.ep_group)
     data_parallel_size: int = Flag(("--data-parallel-size", "-dp"), type=int, default=1, help=(
         "with --enable-expert-parallel: the experts of this stage's layers are spread over the stages of this many "
@@ -81,11 +53,7 @@ class StageOptions:
         "changed model never reads them), kept across restarts. One stage process per namespace directory: give "
         "each replica a DIR of its own (a second stage on it is refused; `stagemesh serve` uses DIR/replica-<i>)"
     )).field()
-    threads: int = Flag(("--threads",), type=int, default=0,
-                        help="torch threads per process (0: torch's default)").field()
     cpu_affinity: str | None = Flag(("--cpu-affinity",), metavar="CPUS",
                                     help="pin the stage (and followers) to these cores, e.g. 0 or 0,1").field()
     source: ModelOptions = group(ModelOptions)
-    lora: LoRAOptions = group(LoRAOptions)
-    pooling: PoolingOptions = group(PoolingOptions)
     service: ServiceOptions = group(ServiceOptions)

@@ -1,46 +1,43 @@
 """Run one pipeline step of one stage: StepBatch in, hidden states or sampled tokens out.
 
-The runner keeps each sequence's block table (steps carry only new blocks),
-builds the attention metadata, runs the model slice and, on the last stage,
-computes the logits of the sequences to sample and samples them.
+The runner keeps each sequence's block table (steps carry only new blocks), builds the stage's model slice from
+its settings (stage_worker.settings, stage_worker.loading), runs it on each step's inputs (stage_worker.step_inputs)
+and, on the last stage, computes the logits of the sequences to sample and samples them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grammar import lazy_compiler
 from stagemesh.core.model_config import ModelConfig
-from stagemesh.core.common_flags import PoolingOptions
-from stagemesh.core.pooling import PoolerConfig
 from stagemesh.core.step import PromptLogprobs, SampledToken, StepBatch
 from stage_worker import prompt_logprobs
-from kernels import cpu_ops
 from stage_worker.layers import pack_weights_for_cpu
+from stage_worker.loading import check_layer_range, load_checkpoint, resolve_dtype
 from stage_worker.lora import LoRAManager, LoRASettings
 from stage_worker.kv_cache import (allocate_kv_cache, check_kv_cache_device, check_kv_cache_dtype, kv_bytes_per_block,
                                    resolve_kv_cache_dtype)
-from stage_worker.kv_scales import CheckpointScales, KVScales, read_checkpoint_scales, stage_scales
-from stage_worker.gguf import GGUFCheckpoint
-from stage_worker.model import Attention, AttentionMetadata, StageModel, build as build_stage_model
+from stage_worker.kv_scales import CheckpointScales, KVScales, stage_scales
+from stage_worker.model import Attention, AttentionMetadata, build as build_stage_model
 from stage_worker.activations import choose_activations
-from stage_worker.coverage import check_all_read
-from stage_worker.quantization import check_quantization, load_gguf, quantize_at_load
-from stage_worker.quant_methods.loader import load_quantised
-from stage_worker.quant_methods.method import QuantMethod
-from stage_worker.context import check_context_parallel, share_step
+from stage_worker.quantization import check_quantization
+from stage_worker.context import check_context_parallel
 from stage_worker.parallel import HeadShard, stage_groups
 from stage_worker import pooler as pooling_runner
 from stage_worker.sampler import Sampler
-from stage_worker.weights import CheckpointReader, load_weights
+from stage_worker.settings import StageSettings
+from stage_worker.step_inputs import step_inputs
 
 if TYPE_CHECKING:
     from stage_worker.cuda_graphs import DecodeGraphs
     from stage_worker.eplb import EPLBConfig
+
+# StageRunner's parameters that are not settings (StageRunner.of)
+RUNTIME = ("tp_rank", "tp_group", "shard_group", "ep", "config", "load", "max_graph_batch")
 
 
 @dataclass
@@ -52,183 +49,114 @@ class StageOutput:
     drafts: dict[int, list[int]] = field(default_factory=dict)  # a draft model's proposals (last stage, rank 0)
 
 
-def check_layer_range(cfg: ModelConfig, layer_start: int, layer_end: int) -> None:
-    if not 0 <= layer_start < layer_end <= cfg.num_hidden_layers:
-        raise StagemeshError(
-            f"layer range {layer_start}:{layer_end} is outside the model's {cfg.num_hidden_layers} layers "
-            f"(use A:B with 0 <= A < B <= {cfg.num_hidden_layers})"
-        )
-
-
-def _cpu_auto_dtype(checkpoint_dtype: str) -> str:
-    """bf16 for a bf16 or fp16 checkpoint where the CPU kernels are built (their bf16 path is faster than
-    fp32, stage_worker/cpu_isa.py); fp32 otherwise (an fp32 checkpoint is never narrowed unasked)."""
-    if checkpoint_dtype in ("bfloat16", "float16") and cpu_ops.load() is not None:
-        return "bfloat16"
-    return "float32"
-
-
-def resolve_dtype(cfg: ModelConfig, dtype: torch.dtype | str | None, device: str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    name = dtype or "auto"
-    if name == "auto":  # vLLM's rule: the checkpoint's dtype; on CPU fp16 runs as bf16
-        name = cfg.torch_dtype if str(device).startswith("cuda") else _cpu_auto_dtype(cfg.torch_dtype)
-    aliases = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-    name = aliases.get(name, name)
-    if name not in ("float32", "float16", "bfloat16"):
-        raise StagemeshError(f"--dtype {dtype} is not supported (auto, float32, float16, bfloat16)")
-    return getattr(torch, name)
-
-
-def _load(model: StageModel, model_dir, quantization: str | None, gguf_file: str | None, cfg: ModelConfig,
-          method: QuantMethod | None) -> CheckpointScales | None:
-    """`method`: the checkpoint's own quantization (stage_worker.quant_methods); else `quantization` quantises
-    an unquantised checkpoint at load (or names a GGUF's). Returns the KV cache scales the checkpoint holds for
-    the stage's layers (stage_worker.kv_scales, every one checked; a GGUF has none)."""
-    if quantization == "gguf":
-        if gguf_file is None:
-            raise StagemeshError("--quantization gguf needs a .gguf file as the model")
-        load_gguf(model, GGUFCheckpoint(gguf_file, cfg))
+def eplb_of(settings: StageSettings, cfg: ModelConfig) -> EPLBConfig | None:
+    """--enable-eplb's balancing (--eplb-config), the same on every rank (the stage's CLI checked it)."""
+    if not settings.enable_eplb:
         return None
-    reader = CheckpointReader(model_dir)
-    filled = load_quantised(model, method, reader) if method is not None else frozenset()
-    load_weights(model, reader, filled)
-    scales = read_checkpoint_scales(reader, cfg, model.layer_start, model.layer_end)  # (read before the check)
-    check_all_read(reader.files, reader.read, model)
-    if quantization is not None and method is None:
-        quantize_at_load(model, quantization)
-    return scales
+    from stage_worker.eplb import EPLBConfig
 
-
-@dataclass(frozen=True)
-class SliceConfig:
-    """The model slice a stage runs, as every TP rank of it (rank 0 and its followers) builds it."""
-    model_dir: str
-    layer_start: int
-    layer_end: int
-    tp_size: int = 1
-    device: str = "cpu"  # "cuda": rank t takes cuda:t
-    dtype: str | None = None
-    block_size: int = 16
-    dcp_size: int = 1  # --decode-context-parallel-size (stage_worker.context)
-    pcp_size: int = 1  # --prefill-context-parallel-size (stage_worker.context.TokenSplit)
-    cuda_graphs: bool = True
-    expert_parallel: bool = False  # whole experts spread over the TP ranks (stage_worker.moe)
-    eplb: EPLBConfig | None = None  # the experts' load balanced, with redundant copies
-    quantization: str | None = None  # stage_worker.quantization.METHODS
-    quantization_activations: str | None = None  # --quantization-activations (stage_worker.activations)
-    gguf_file: str | None = None  # the weights (quantization gguf); model_dir then gives config and tokenizer
-    lora: LoRASettings | None = None  # --enable-lora: the adapters it may serve (stage_worker.lora)
-    pooling: PoolingOptions | None = None  # --runner, --convert, --pooler-config (stage_worker.pooler)
-    kv_cache_dtype: str | None = None  # --kv-cache-dtype (None: auto, the model's dtype)
-    calculate_kv_scales: bool = False  # an fp8 cache's scales from the first forward (stage_worker.kv_scales)
-
-    @property
-    def ranks(self) -> int:
-        """The stage's processes: its TP ranks, times its PCP ranks."""
-        return self.tp_size * self.pcp_size
-
-    def runner(self, tp_rank: int, ep=None) -> "StageRunner":
-        """`ep`: the stage's stage_worker.ep_group.EPGroup when its experts are spread over the replicas."""
-        device = f"cuda:{tp_rank}" if self.device == "cuda" else self.device
-        return StageRunner(self.model_dir, self.layer_start, self.layer_end, tp_rank=tp_rank, tp_size=self.tp_size,
-                           device=device, dtype=self.dtype, block_size=self.block_size, dcp_size=self.dcp_size,
-                           pcp_size=self.pcp_size, cuda_graphs=self.cuda_graphs,
-                           expert_parallel=self.expert_parallel, ep=ep, eplb=self.eplb, quantization=self.quantization,
-                           gguf_file=self.gguf_file, lora=self.lora,
-                           quantization_activations=self.quantization_activations, pooling=self.pooler_config(),
-                           kv_cache_dtype=self.kv_cache_dtype, calculate_kv_scales=self.calculate_kv_scales)
-
-    def pooler_config(self) -> PoolerConfig | None:
-        """What the pooling flags make of the model (None: it generates)."""
-        if self.pooling is None:
-            return None
-        return self.pooling.resolve(self.model_dir, ModelConfig.from_path(self.model_dir).raw)
+    return EPLBConfig.parse(settings.eplb_config, cfg.num_experts, settings.tensor_parallel_size)
 
 
 class StageRunner:
-    def __init__(self, model_dir: str | Path | None, layer_start: int, layer_end: int, *, tp_rank: int = 0,
-                 tp_size: int = 1, tp_group=None, device: str = "cpu", dtype: torch.dtype | str | None = None,
-                 block_size: int = 16, dcp_size: int = 1, pcp_size: int = 1, shard_group=None, load: bool = True,
-                 config: ModelConfig | None = None,
-                 cuda_graphs: bool = True, max_graph_batch: int = 256, expert_parallel: bool = False, ep=None,
-                 eplb=None, quantization: str | None = None, gguf_file: str | None = None,
-                 lora: LoRASettings | None = None, quantization_activations: str | None = None,
-                 pooling: PoolerConfig | None = None, kv_cache_dtype: str | None = None,
-                 calculate_kv_scales: bool = False):
-        # (model_dir is None only where a config is given: runners made without weights, load=False)
-        self.config = cfg = config or ModelConfig.from_path(model_dir)  # type: ignore[arg-type]
-        check_layer_range(cfg, layer_start, layer_end)
+    def __init__(self, settings: StageSettings, *, tp_rank: int = 0, tp_group=None, shard_group=None, ep=None,
+                 config: ModelConfig | None = None, load: bool = True, max_graph_batch: int = 256):
+        """The slice `settings` say, as TP rank `tp_rank` of the stage; `tp_group` / `shard_group`: its process
+        groups (stage_worker.parallel), `ep`: its stage_worker.ep_group.EPGroup when its experts are spread over
+        the replicas; `config`: the model's, already read (settings.model is None only then, with load=False)."""
+        s = self.settings = settings
+        self.config = cfg = config or ModelConfig.from_path(s.model_dir)  # type: ignore[arg-type]
+        tp_size, device = s.tensor_parallel_size, f"cuda:{tp_rank}" if s.device == "cuda" else s.device
+        check_layer_range(cfg, s.layer_start, s.layer_end)
         cfg.check_tp_size(tp_size)
-        check_context_parallel(cfg, tp_size, dcp_size, pcp_size, block_size, expert_parallel, lora is not None)
+        check_context_parallel(cfg, tp_size, s.decode_context_parallel_size, s.prefill_context_parallel_size,
+                               s.block_size, s.enable_expert_parallel, s.lora.enable_lora)
         # the stage's group (its processes: `tp_rank` is this one's place) and the group its weights are sharded over
-        self.tp, shard = stage_groups(tp_rank, tp_size, dcp_size, pcp_size, tp_group, shard_group)
-        if expert_parallel:
+        self.tp, shard = stage_groups(tp_rank, tp_size, s.decode_context_parallel_size,
+                                      s.prefill_context_parallel_size, tp_group, shard_group)
+        if s.enable_expert_parallel:
             cfg.check_expert_parallel(tp_size)
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(cfg, dtype, device)
-        check_kv_cache_dtype(kv_cache_dtype, cfg)
-        check_kv_cache_device(kv_cache_dtype, self.device)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)  # the cache's torch dtype
-        self.block_size = block_size  # the scheduler's blocks
+        self.dtype = resolve_dtype(cfg, s.dtype, device)
+        check_kv_cache_dtype(s.kv_cache_dtype, cfg)
+        check_kv_cache_device(s.kv_cache_dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(s.kv_cache_dtype, self.dtype)  # the cache's torch dtype
+        self.block_size = s.block_size  # the scheduler's blocks
         # the tokens of a block this rank keeps (stage_worker.context)
-        self.kv_block_size = block_size // self.tp.cp_size
-        if gguf_file is not None:
-            quantization = quantization or "gguf"
+        self.kv_block_size = s.block_size // self.tp.cp_size
+        quantization = s.quantization or ("gguf" if s.gguf_file is not None else None)
         self.quant_method = check_quantization(quantization, cfg, self.device)
         self.quantization = quantization or (self.quant_method.name if self.quant_method else None)
-        self.model = build_stage_model(cfg, layer_start, layer_end, shard, self.dtype, self.device,
-                                expert_parallel=expert_parallel, ep=ep, eplb=eplb,
-                                cp=self.tp if self.tp.cp_size > 1 else None)
-        self.model_dir, self.gguf_file = model_dir, gguf_file
-        if pooling is not None and lora is not None:
-            raise StagemeshError("--enable-lora does not run with --runner pooling yet")
-        # --runner pooling: the last stage pools its prompts instead of sampling (no LM head, no sampler)
-        self.pooler = None if pooling is None else pooling_runner.attach(self.model, pooling, model_dir, self.dtype,
-                                                                         self.device)
-        self.pooling_tasks = pooling.tasks if pooling is not None else ()  # (every stage says them: describe)
+        self.eplb = eplb_of(s, cfg)
+        self.model = build_stage_model(cfg, s.layer_start, s.layer_end, shard, self.dtype, self.device,
+                                       expert_parallel=s.enable_expert_parallel, ep=ep, eplb=self.eplb,
+                                       cp=self.tp if self.tp.cp_size > 1 else None)
+        self.model_dir, self.gguf_file = s.model_dir, s.gguf_file
+        lora = LoRASettings.from_args(s.lora)
+        self._attach_pooler(s, cfg, lora)
         # adapters per sequence (multi-LoRA): its linears become LoRALinear before the weights load
         self.lora = LoRAManager(self.model, cfg, lora, self.dtype, self.device) if lora is not None else None
         self.seq_adapters: dict[int, str] = {}  # sequences that use an adapter: its name
         self.activations: str | None = None  # --quantization-activations as it runs (stage_worker.activations)
         found = None  # the checkpoint's KV cache scales
         if load:
-            found = _load(self.model, model_dir, quantization, gguf_file, cfg, self.quant_method)
-            self.activations = choose_activations(self.model, quantization_activations, self.quantization,
+            found = load_checkpoint(self.model, s, quantization, cfg, self.quant_method)
+            self.activations = choose_activations(self.model, s.quantization_activations, self.quantization,
                                                   self.device)
         if self.device.type == "cpu":
             pack_weights_for_cpu(self.model)
         if self.lora is not None and load:
             self.lora.check_adapters()
-        self.num_kv_heads = HeadShard.for_rank(cfg, self.tp).num_kv_heads
-        self.kv_bytes_per_block = kv_bytes_per_block(layer_end - layer_start, self.num_kv_heads, cfg.head_dim,
-                                                     self.kv_block_size, self.kv_cache_dtype)
-        self.kv_scales: KVScales = stage_scales(layer_end - layer_start, found, kv_cache_dtype, calculate_kv_scales,
-                                                layer_start, self.tp)
-        for layer, scale in zip(self.model.layers, self.kv_scales.layers):
-            attention = getattr(layer, "self_attn", None)
-            if isinstance(attention, Attention):  # (MLA's latent cache is not built in fp8: check_kv_cache_dtype)
-                attention.kv_scale = scale
+        self._set_kv_layout(s, found)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables: dict[int, list[int]] = {}
         self.seq_lens: dict[int, int] = {}  # tokens of each sequence whose KV the steps so far compute
         # drafts of each sequence's last chunk: its next chunk may start that much earlier (those rejected)
         self.num_drafts: dict[int, int] = {}
-        grammars = lazy_compiler(model_dir, cfg.vocab_size, list(cfg.eos_token_ids)) if model_dir else None
+        grammars = lazy_compiler(s.model_dir, cfg.vocab_size, list(cfg.eos_token_ids)) if s.model_dir else None
         self.sampler = Sampler(self.device, cfg.eos_token_ids, grammars) \
-            if self.is_last_stage and pooling is None else None
+            if self.is_last_stage and self.pooler is None else None
         if self.sampler is not None and self.tp.rank == 0:  # (the rank that samples)
             self.sampler.warm()
         # decode steps replay CUDA graphs (TP=1 on CUDA; TP>1 and CPU run eagerly: see stage_worker/cuda_graphs.py)
         # (not with MLA, whose step plan reads the batch's layout on the host: stage_worker.mla)
-        self.use_cuda_graphs = (cuda_graphs and self.device.type == "cuda" and tp_size == 1 and ep is None
-                                and self.lora is None and pooling is None  # (never DCP: its TP size is > 1)
+        self.use_cuda_graphs = (not s.enforce_eager and self.device.type == "cuda" and tp_size == 1 and ep is None
+                                and self.lora is None and self.pooler is None  # (never DCP: its TP size is > 1)
                                 and self.model.cuda_graphs and cfg.family.attention == "mha")
         self.max_graph_batch = max_graph_batch
         self.graphs: DecodeGraphs | None = None
         self.graph_scales: list[tuple[float, float]] = []  # the KV scales the graphs were captured with
         self.drafter = None  # stage_worker.draft.DraftModel: a draft model on the last stage's TP rank 0
+
+    @classmethod
+    def of(cls, model: Any, start: int, end: int, **kw: Any) -> StageRunner:
+        """A runner from keyword flags (StageSettings.of) and the parameters that are not settings (RUNTIME):
+        tests', benchmarks' and the in-process engine's."""
+        runtime = {k: kw.pop(k) for k in list(kw) if k in RUNTIME}
+        return cls(StageSettings.of(model, start, end, **kw), **runtime)
+
+    def _attach_pooler(self, s: StageSettings, cfg: ModelConfig, lora: LoRASettings | None) -> None:
+        """--runner pooling: the last stage pools its prompts instead of sampling (no LM head, no sampler)."""
+        pooling = s.pooling.resolve(s.model_dir, cfg.raw)
+        if pooling is not None and lora is not None:
+            raise StagemeshError("--enable-lora does not run with --runner pooling yet")
+        self.pooler = None if pooling is None else pooling_runner.attach(self.model, pooling, s.model_dir,
+                                                                         self.dtype, self.device)
+        self.pooling_tasks = pooling.tasks if pooling is not None else ()  # (every stage says them: describe)
+
+    def _set_kv_layout(self, s: StageSettings, found: CheckpointScales | None) -> None:
+        """This rank's KV heads, its bytes per block, and each layer's KV cache scales (`found`: the
+        checkpoint's)."""
+        layers = s.layer_end - s.layer_start
+        self.num_kv_heads = HeadShard.for_rank(self.config, self.tp).num_kv_heads
+        self.kv_bytes_per_block = kv_bytes_per_block(layers, self.num_kv_heads, self.config.head_dim,
+                                                     self.kv_block_size, self.kv_cache_dtype)
+        self.kv_scales: KVScales = stage_scales(layers, found, s.kv_cache_dtype, s.calculate_kv_scales,
+                                                s.layer_start, self.tp)
+        for layer, scale in zip(self.model.layers, self.kv_scales.layers):
+            attention = getattr(layer, "self_attn", None)
+            if isinstance(attention, Attention):  # (MLA's latent cache is not built in fp8: check_kv_cache_dtype)
+                attention.kv_scale = scale
 
     def attach_drafter(self, drafter) -> None:
         """Speculative decoding with a draft model: it mirrors this stage's KV cache (its blocks count in
@@ -296,7 +224,8 @@ class StageRunner:
             self.pooler.update(batch)
         if not batch.chunks:
             return StageOutput()
-        input_ids, meta, sample_rows, sample_ids, drafts = self._prepare(batch)
+        input_ids, meta, sample_rows, sample_ids, drafts = step_inputs(
+            batch, self.block_tables, self.block_size, self.device, self.tp, self.is_first_stage)
         if self.lora is not None:
             self.lora.prepare([self.seq_adapters.get(s, "") for s in batch.chunks.seq_ids], batch.chunks.num_tokens)
         if self.graphs is not None and self.graph_scales != self.kv_scales.values():
@@ -389,37 +318,3 @@ class StageRunner:
             if count:
                 tables[seq_id].extend(c.new_block_ids[b:b + count])
                 b += count
-
-    def _prepare(self, batch: StepBatch):
-        bs, c = self.block_size, batch.chunks
-        positions: list[int]
-        slots: list[int]
-        sample_rows: list[int]
-        positions, slots, context_lens, starts = [], [], [], [0]
-        sample_rows, sample_ids, drafts = [], [], []
-        tables = [self.block_tables[s] for s in c.seq_ids]
-        for seq_id, table, n, p0, sample, d in zip(c.seq_ids, tables, c.num_tokens, c.start_positions, c.sample,
-                                                   c.draft_counts()):
-            pos = range(p0, p0 + n)  # covered by the sequence's blocks (validate.check_state, for steps from outside)
-            positions.extend(pos)
-            if self.tp.cp_size == 1:  # (a context-parallel rank's slots are its share's: stage_worker.context)
-                slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            context_lens.append(p0 + n)
-            starts.append(starts[-1] + n)
-            if sample:  # the logits of the chunk's last token, and of each draft (verified against them)
-                sample_rows.extend(range(starts[-1] - 1 - d, starts[-1]))
-                sample_ids.append(seq_id)
-                drafts.append(c.token_ids[starts[-1] - d:starts[-1]])
-        width = max(len(t) for t in tables)
-        dev = self.device
-        meta = AttentionMetadata(
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-        )
-        input_ids = torch.tensor(c.token_ids, dtype=torch.int64, device=dev) if self.is_first_stage else None
-        if self.tp.cp_size > 1:  # this rank's share of the tokens (its slots: there, not slot_mapping's)
-            input_ids = share_step(meta, input_ids, c.num_tokens, bs, self.tp)
-        return input_ids, meta, sample_rows, sample_ids, drafts

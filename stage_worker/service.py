@@ -40,11 +40,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.address = address
         self.kv_peers = kv_peers  # where PullKV may read from: what its scheduler says
         self.draining = False  # told to stop: its replica takes no new work until it is replaced
-        c, s = worker.cfg, worker.cfg.slice
-        self.observer = ForwardObserver(c.stage_index, s.layer_start, s.layer_end, s.tp_size, c.handoff)
+        c, s = worker.cfg, worker.cfg.settings
+        self.observer = ForwardObserver(c.stage_index, s.layer_start, s.layer_end, s.tensor_parallel_size, c.handoff)
 
     def describe(self) -> stage_pb2.StageDescription:
-        w, c, s, cfg = self.worker, self.worker.cfg, self.worker.cfg.slice, self.worker.runner.config
+        w, c, s, cfg = self.worker, self.worker.cfg, self.worker.cfg.settings, self.worker.runner.config
         return stage_pb2.StageDescription(
             stage_index=c.stage_index, layer_start=s.layer_start, layer_end=s.layer_end, tensor_parallel_size=s.ranks,
             device=s.device, free_memory_bytes=w.free_memory_bytes(), num_kv_blocks=w.num_kv_blocks,

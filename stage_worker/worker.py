@@ -33,8 +33,9 @@ from stage_worker.kv_tiers import KVTierStore, block_layout, check_host_memory, 
 from stage_worker.draft import make_drafter
 from stage_worker.ep_group import EPConfig, EPGroup
 from stage_worker.kv_cache import num_kv_blocks_for_budget
-from stage_worker.follower import follower_argv
-from stage_worker.runner import SliceConfig
+from stage_worker.follower import start_message
+from stage_worker.runner import StageRunner
+from stage_worker.settings import StageSettings
 from stage_worker.step_executor import StepExecutor
 from stage_worker.validate import InvalidStep, StepLimits, check_join
 
@@ -43,16 +44,15 @@ log = logging.getLogger("stagemesh.stage")
 
 @dataclass(frozen=True)
 class StageConfig:
-    slice: SliceConfig
+    settings: StageSettings  # the model slice's, every TP rank's (stage_worker.settings)
     stage_index: int
     handoff: str = "grpc"
     kv_cache_memory: int | None = None  # bytes; None: from gpu_memory_utilization (CUDA) or 512 MiB (CPU)
     gpu_memory_utilization: float = 0.9
-    threads: int = 0  # of each TP follower (rank 0's are set by its command line)
     ep: EPConfig | None = None  # experts spread over the data-parallel replicas' stages (stage_worker.ep_group)
     standby: bool = False  # a spare for a served index (see scheduler.rendezvous): KV allocated at start
     speculative: SpeculativeConfig | None = None  # the last stage's draft model (stage_worker.draft)
-    kv_disk_path: str | None = None  # --kv-offloading-disk-path: the disk KV tier's directory (stage_worker.kv_disk)
+    kv_offloading_disk_path: str | None = None  #: the disk KV tier's directory (stage_worker.kv_disk)
 
 
 MAX_DISK_EVICTIONS = 1 << 16  # per StoreKV call
@@ -64,20 +64,20 @@ class StageWorker:
             raise StagemeshError(f"--handoff {cfg.handoff!r} must be nccl or grpc")
         self.cfg = cfg
         self.ep = EPGroup(cfg.ep, cfg.stage_index) if cfg.ep is not None else None
-        self.runner = cfg.slice.runner(0, self.ep)
+        self.runner = StageRunner(cfg.settings, ep=self.ep)
         if cfg.speculative is not None:  # before the KV budget is shared out: the draft's blocks count
-            s = cfg.slice
+            s = cfg.settings
             self.runner.attach_drafter(make_drafter(cfg.speculative, self.runner.config, s.model_dir,
                                                     self.runner.device, s.dtype, s.block_size))
         # the disk tier's directory, locked for the stage's life, before the followers use it
-        self.disk_dir = None if not cfg.kv_disk_path else NamespaceDir(
-            cfg.kv_disk_path, kv_namespace(self.runner, cfg.slice.ranks), cfg.slice.ranks,
-            {"model_path": str(cfg.slice.model_dir), "stage_index": cfg.stage_index})
+        self.disk_dir = None if not cfg.kv_offloading_disk_path else NamespaceDir(
+            cfg.kv_offloading_disk_path, kv_namespace(self.runner, cfg.settings.ranks), cfg.settings.ranks,
+            {"model_path": str(cfg.settings.model_dir), "stage_index": cfg.stage_index})
         disk = None if self.disk_dir is None else DiskTier(self.disk_dir.path, self.disk_dir.namespace, 0,
                                                            block_layout(self.runner))
         self.tiers = KVTierStore(self.runner, disk)
         self._load_ids = itertools.count()
-        self.followers = [self._start_follower(t) for t in range(1, cfg.slice.ranks)]
+        self.followers = [self._start_follower(t) for t in range(1, cfg.settings.ranks)]
         for t, proc in enumerate(self.followers, start=1):
             assert proc.stdout is not None  # (started with stdout=PIPE: _start_follower)
             if proc.stdout.readline().strip() != b"ready":
@@ -89,29 +89,33 @@ class StageWorker:
         model = self.runner.config
         self._joining = threading.Lock()  # one join at a time (a second waits for the first to end)
         self.kv_read_key = b""  # the scheduler's, from each join: ReadKV's tickets (none before a join)
-        balancer = None if cfg.slice.eplb is None else eplb.Balancer(
-            cfg.slice.eplb, eplb.balanced_blocks(self.runner.model), cfg.slice.tp_size, cfg.stage_index)
+        balancer = None if self.runner.eplb is None else eplb.Balancer(
+            self.runner.eplb, eplb.balanced_blocks(self.runner.model), cfg.settings.tensor_parallel_size,
+            cfg.stage_index)
         # nothing is allowed before a join
-        limits = StepLimits(model.vocab_size, model.hidden_size, cfg.slice.block_size)
+        limits = StepLimits(model.vocab_size, model.hidden_size, cfg.settings.block_size)
         self.steps = StepExecutor(self.runner, cfg.stage_index, cfg.handoff, limits, self.control, self.ep,
                                   balancer)
 
     # -- start-up ---------------------------------------------------------------
     def _start_follower(self, tp_rank: int) -> subprocess.Popen:
         disk = (str(self.disk_dir.path), self.disk_dir.namespace) if self.disk_dir is not None else None
-        cmd = [sys.executable, "-m", "stage_worker.follower",
-               *follower_argv(self.cfg.slice, tp_rank, self.cfg.threads, disk)]
-        return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=os.environ.copy())
+        proc = subprocess.Popen([sys.executable, "-m", "stage_worker.follower"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, env=os.environ.copy())
+        assert proc.stdin is not None  # (started with stdin=PIPE)
+        proc.stdin.write(start_message(self.cfg.settings, tp_rank, disk))  # (its first message: it reads it first)
+        proc.stdin.flush()
+        return proc
 
     @property
     def kv_bytes_per_block(self) -> int:
         """One block of this stage's layers over every TP rank (the draft model's, on rank 0 only, once)."""
         draft = self.runner.drafter.kv_bytes_per_block if self.runner.drafter is not None else 0
-        return (self.runner.kv_bytes_per_block - draft) * self.cfg.slice.ranks + draft
+        return (self.runner.kv_bytes_per_block - draft) * self.cfg.settings.ranks + draft
 
     def disk_block_hashes(self) -> list[int]:
         """The disk tier's blocks every TP rank holds, least recently written first."""
-        return self.disk_dir.common_hashes(self.cfg.slice.ranks) if self.disk_dir is not None else []
+        return self.disk_dir.common_hashes(self.cfg.settings.ranks) if self.disk_dir is not None else []
 
     def _kv_budget(self) -> int:
         if self.cfg.kv_cache_memory:
@@ -145,7 +149,7 @@ class StageWorker:
         if self.ep is not None:
             self.ep.raise_if_broken()
         c = self.cfg
-        check_join(req, c.stage_index, c.slice.ranks, self.num_kv_blocks, self.runner.config.max_position_embeddings,
+        check_join(req, c.stage_index, c.settings.ranks, self.num_kv_blocks, self.runner.config.max_position_embeddings,
                    self.runner.is_last_stage, c.handoff == "grpc" and not self.runner.is_last_stage)
         if not 0 <= req.num_host_kv_blocks < 2**31:
             raise InvalidStep(f"num_host_kv_blocks {req.num_host_kv_blocks} must be 0 or more")
@@ -166,10 +170,12 @@ class StageWorker:
         self.steps.loop.call(self.runner.reset, req.num_kv_blocks)
         self.steps.loop.call(self.tiers.resize, req.num_host_kv_blocks)
         self.steps.begin_epoch(req, rank)
-        s = self.cfg.slice
-        context = f", DCP={s.dcp_size}" if s.dcp_size > 1 else f", PCP={s.pcp_size}" if s.pcp_size > 1 else ""
+        s = self.cfg.settings
+        dcp, pcp = s.decode_context_parallel_size, s.prefill_context_parallel_size
+        context = f", DCP={dcp}" if dcp > 1 else f", PCP={pcp}" if pcp > 1 else ""
         log.info("joined epoch %d as rank %d of %d (layers %d:%d, TP=%d%s, %s handoff, %d KV blocks)", req.epoch, rank,
-                 req.world_size, s.layer_start, s.layer_end, s.tp_size, context, self.cfg.handoff, req.num_kv_blocks)
+                 req.world_size, s.layer_start, s.layer_end, s.tensor_parallel_size, context, self.cfg.handoff,
+                 req.num_kv_blocks)
 
     def _leave(self) -> None:
         epoch = self.steps.epoch
@@ -192,12 +198,12 @@ class StageWorker:
                  scales: list[tuple[float, float]] | None = None) -> Future:
         """Write every KV head of the blocks, for every layer of this stage (kvs: [(k, v)] per layer; scales: their
         fp8 cache's (k_scale, v_scale) per layer, None from a cache of the model's dtype)."""
-        s = self.cfg.slice
+        s = self.cfg.settings
         layers = self._kv_request(epoch, block_ids, s.layer_start, s.layer_end)
         return self.steps.loop.submit(self._import_kv, block_ids, layers, kvs, scales)
 
     def _kv_request(self, epoch: int, block_ids: list[int], layer_start: int, layer_end: int) -> range:
-        s = self.cfg.slice
+        s = self.cfg.settings
         if epoch != self.epoch:
             raise StagemeshError(f"KV blocks of epoch {epoch} asked for, which is not the stage's")
         if not block_ids or len(block_ids) > self.limits.num_kv_blocks or \

@@ -9,11 +9,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from stagemesh.core.lora import LoRALimits, LoRAModule
 from stagemesh.core.model_config import ModelConfig, layer_ranges
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import NewSequence, ScheduledChunk, StepBatch
-from stage_worker.lora import LoRASettings, shapes
+from stage_worker.lora import shapes
 from stage_worker.runner import StageRunner
 from tiny_models import reference_model
 
@@ -80,13 +79,15 @@ def merged_reference(model_dir: Path, adapter: Path | None):
 
 
 def settings(modules: dict[str, Path], max_loras: int = 4, max_lora_rank: int = 16,
-             max_cpu_loras: int | None = None) -> LoRASettings:
-    return LoRASettings(LoRALimits(max_loras, max_lora_rank, max_cpu_loras),
-                        tuple(LoRAModule(n, str(p)) for n, p in modules.items()))
+             max_cpu_loras: int | None = None) -> dict:
+    """The LoRA flags of a stage serving `modules`."""
+    return dict(enable_lora=True, lora_modules=tuple(f"{n}={p}" for n, p in modules.items()), max_loras=max_loras,
+                max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
 
 
-def runners(model_dir, split, lora: LoRASettings | None, tp_rank=0, tp_size=1, tp_group=None, **kw):
-    out = [StageRunner(model_dir, a, b, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, lora=lora, **kw)
+def runners(model_dir, split, lora: dict | None, tp_rank=0, tp_size=1, tp_group=None, **kw):
+    out = [StageRunner.of(model_dir, a, b, tp_rank=tp_rank, tensor_parallel_size=tp_size, tp_group=tp_group,
+                          **(lora or {}), **kw)
            for a, b in layer_ranges(split)]
     for r in out:
         r.allocate_kv_cache(128)

@@ -21,7 +21,7 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         stages = runners(spec["model"], [4], settings(spec["adapters"]), tp_rank=rank, tp_size=world,
-                         tp_group=dist.group.WORLD, dcp_size=spec.get("dcp", 1))
+                         tp_group=dist.group.WORLD, decode_context_parallel_size=spec.get("dcp", 1))
         tokens = run_mixed(stages, [(p, n) for p, n in spec["seqs"]], spec["new_tokens"])
         if rank == 0:
             with open(spec["out"], "w") as f:

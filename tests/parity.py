@@ -21,8 +21,9 @@ def chained_logits(model_dir, split, prompt, new_tokens, chunk=16, tp_rank=0, tp
     """Run the slices by hand: the prompt in chunks of `chunk`, then greedy decode; logits per token.
     runner_kw: more of StageRunner's arguments (quantization, gguf_file, kv_cache_dtype). kv_scales_out: each
     slice's KV cache scales at the end are appended to it."""
-    runners = [StageRunner(model_dir, a, b, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
-                           expert_parallel=expert_parallel, dtype=dtype, **runner_kw) for a, b in layer_ranges(split)]
+    runners = [StageRunner.of(model_dir, a, b, tp_rank=tp_rank, tensor_parallel_size=tp_size, tp_group=tp_group,
+                              enable_expert_parallel=expert_parallel, dtype=dtype, **runner_kw)
+               for a, b in layer_ranges(split)]
     for r in runners:
         r.allocate_kv_cache(64)
     seq = NewSequence(0, prompt, SamplingParams(max_tokens=new_tokens))

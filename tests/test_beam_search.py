@@ -67,7 +67,7 @@ def test_early_stopping_ends_once_width_beams_are_complete():
 def stage_steps(model_dir, split):
     """A step function over stage slices: each prefix computed alone (its KV in blocks reused each time), the
     top 2 x WIDTH of the log-softmax of its last position's logits."""
-    runners = [StageRunner(model_dir, a, b) for a, b in layer_ranges(split)]
+    runners = [StageRunner.of(model_dir, a, b) for a, b in layer_ranges(split)]
     for r in runners:
         r.allocate_kv_cache(8)
     ids = itertools.count()

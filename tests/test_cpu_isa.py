@@ -34,7 +34,7 @@ def test_dtype_auto_on_cpu_is_the_checkpoints_with_fp16_as_bf16():
     import torch
 
     from kernels import cpu_ops
-    from stage_worker.runner import resolve_dtype
+    from stage_worker.loading import resolve_dtype
     from stagemesh.core.model_config import ModelConfig
 
     def auto(checkpoint_dtype):

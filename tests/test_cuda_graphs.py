@@ -35,7 +35,8 @@ def test_graph_decode_equals_eager(tiny_model_dir):
     prompts = [[5, 9, 3], [7] * 11, [2, 4, 6, 8, 10, 12, 1], [3] * 20, [1, 2]]  # 5 sequences: padded to 8
     runs = {}
     for graphs in (True, False):
-        runner = StageRunner(model, 0, 4, device="cuda", dtype=torch.float32, cuda_graphs=graphs, max_graph_batch=16)
+        runner = StageRunner.of(model, 0, 4, device="cuda", dtype=torch.float32, enforce_eager=not graphs,
+                                max_graph_batch=16)
         runs[graphs] = decode(runner, prompts, 24)
         assert (runner.graphs is not None) == graphs
     assert runs[True][0] == runs[False][0]
@@ -47,7 +48,7 @@ def test_graph_slice_hidden_states_equal_eager(tiny_model_dir, a, b):
     model = tiny_model_dir("llama")
     outs = []
     for graphs in (True, False):
-        runner = StageRunner(model, a, b, device="cuda", dtype=torch.float32, cuda_graphs=graphs)
+        runner = StageRunner.of(model, a, b, device="cuda", dtype=torch.float32, enforce_eager=not graphs)
         runner.reset(8)
         hidden = None if a == 0 else torch.randn(3, runner.config.hidden_size, device="cuda",
                                                  generator=torch.Generator("cuda").manual_seed(0))

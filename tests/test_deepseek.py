@@ -83,14 +83,14 @@ def test_the_cache_holds_the_latent(tiny_model_dir):
     """kv_lora_rank + qk_rope_head_dim values per token and layer, replicated on each TP rank (or split by DCP):
     here 48 against the 4 heads x (32 + 24) of K and V that transformers' expanded cache holds, 4.7x the tokens."""
     model_dir = tiny_model_dir("deepseek_v3")
-    runner = StageRunner(model_dir, 0, 4, load=False)
+    runner = StageRunner.of(model_dir, 0, 4, load=False)
     latent = 32 + 16
     assert runner.kv_bytes_per_block == 4 * 16 * latent * 4  # layers x block_size x latent x fp32
     runner.allocate_kv_cache(3)
     assert [tuple(t.shape) for t in runner.kv_caches[0]] == [(3, 16, 1, latent // 2)] * 2
     full_heads = 4 * (16 + 16 + 24)
     assert full_heads / latent > 4.6
-    tp = StageRunner(model_dir, 0, 4, tp_rank=1, tp_size=2, load=False)
+    tp = StageRunner.of(model_dir, 0, 4, tp_rank=1, tensor_parallel_size=2, load=False)
     assert tp.kv_bytes_per_block == runner.kv_bytes_per_block
 
 
@@ -115,7 +115,7 @@ def test_what_is_not_built_is_refused_by_name(arch, overrides, why):
 def test_layouts_not_built_with_latent_attention_are_refused(tiny_model_dir):
     model_dir = tiny_model_dir("deepseek_v3")
     with pytest.raises(StagemeshError, match=r"--prefill-context-parallel-size with multi-head latent attention"):
-        StageRunner(model_dir, 0, 4, tp_rank=0, tp_size=1, pcp_size=2, load=False)
+        StageRunner.of(model_dir, 0, 4, tp_rank=0, tensor_parallel_size=1, prefill_context_parallel_size=2, load=False)
 
 
 def test_the_plan_of_deepseek_v3_671b_counts_the_latent():

@@ -43,7 +43,7 @@ def test_the_weights_stay_fp8_but_kv_b_proj(fp8_v3):
     """Every linear holds the checkpoint's fp8 quants and block scales; kv_b_proj (W_UK, W_UV) is the dequantised
     twin's, exactly; the router stays dense."""
     path, _ = fp8_v3
-    model = StageRunner(path, 0, 2).model
+    model = StageRunner.of(path, 0, 2).model
     twin = load_file(path.parent / "dequantised" / "model.safetensors")
     dense, sparse = model.layers[0], model.layers[1]
     linears = [layer.self_attn.qkv_a_proj.weight for layer in (dense, sparse)] + \
@@ -81,7 +81,7 @@ def test_the_mtp_layer_drafts_from_fp8_weights(tmp_path):
     batch = prompts(384, (5, 40, 17))
     want = [reference_greedy(reference, p, 12)[0] for p in batch]
     spec = {"method": "deepseek_mtp", "num_speculative_tokens": 2}
-    with LocalEngine(quantised, speculative_config=spec) as engine:
+    with LocalEngine.of(quantised, speculative_config=spec) as engine:
         assert engine.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True)) == want
         s = engine.stats().spec_decode
     assert s.num_accepted_tokens > s.num_draft_tokens // 2, s

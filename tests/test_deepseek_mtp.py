@@ -31,7 +31,7 @@ def test_a_copy_of_the_main_path_drafts_tokens_that_are_accepted(tmp_path):
     model_dir = with_mtp_layer(base, tmp_path / "mtp", copy_of=0)
     batch = prompts(384, (5, 40, 17, 33))
     want = greedy(model_dir, batch)
-    with LocalEngine(model_dir, speculative_config=MTP, max_num_batched_tokens=24) as engine:
+    with LocalEngine.of(model_dir, speculative_config=MTP, max_num_batched_tokens=24) as engine:
         got = engine.generate(batch + batch[:2], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
         s = engine.stats().spec_decode
     assert got == want + want[:2]
@@ -43,7 +43,8 @@ def test_random_mtp_drafts_leave_the_tokens_transformers(tiny_model_dir, tmp_pat
     model_dir = with_mtp_layer(tiny_model_dir("deepseek_v3"), tmp_path / "mtp")
     batch = prompts(384, (5, 40, 17))
     want = greedy(model_dir, batch)
-    with LocalEngine(model_dir, split=[2, 2], speculative_config={**MTP, "num_speculative_tokens": 3}) as engine:
+    spec = {**MTP, "num_speculative_tokens": 3}
+    with LocalEngine.of(model_dir, layer_split=[2, 2], speculative_config=spec) as engine:
         assert engine.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)) == want
         assert engine.stats().spec_decode.num_draft_tokens > 0
 
@@ -51,9 +52,9 @@ def test_random_mtp_drafts_leave_the_tokens_transformers(tiny_model_dir, tmp_pat
 def test_a_checkpoint_without_the_layer_is_refused_by_name(tiny_model_dir):
     with pytest.raises(StagemeshError, match=r"deepseek_mtp: the checkpoint in .* has no MTP layer "
                                              r"\(num_nextn_predict_layers 1; no tensor model.layers.4.eh_proj"):
-        LocalEngine(tiny_model_dir("deepseek_v3"), speculative_config=MTP)
+        LocalEngine.of(tiny_model_dir("deepseek_v3"), speculative_config=MTP)
     with pytest.raises(StagemeshError, match=r"deepseek_mtp: deepseek_v2 has no multi-token-prediction layer"):
-        LocalEngine(tiny_model_dir("deepseek_v2"), speculative_config=MTP)
+        LocalEngine.of(tiny_model_dir("deepseek_v2"), speculative_config=MTP)
 
 
 @pytest.mark.parametrize("extra, named", [

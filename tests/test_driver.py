@@ -371,5 +371,5 @@ def test_in_process_pipeline_matches_transformers_with_run_ahead(tiny_model_dir)
     batch = prompts(384, (5, 40, 17))
     expected = [reference_greedy(ref, p, 10)[0] for p in batch]
     for split in ([4], [1, 3]):  # the last runner's tokens fill the first one's placeholders
-        with LocalEngine(model_dir, split=split, max_num_batched_tokens=16, async_scheduling=True) as engine:
+        with LocalEngine.of(model_dir, layer_split=split, max_num_batched_tokens=16, async_scheduling=True) as engine:
             assert engine.generate(batch, SamplingParams(max_tokens=10, ignore_eos=True)) == expected

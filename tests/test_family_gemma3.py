@@ -77,7 +77,7 @@ def test_engine_batched_greedy_tokens_match_transformers(gemma_dir, reference):
     """Chunked prefill and decode batches of sequences longer than the window, over two stages."""
     batch = prompts(384, lengths=(5, 40, 17, 23))
     want = [reference_greedy(reference, p, 12)[0] for p in batch]
-    with LocalEngine(gemma_dir, split=[2, 2], max_num_batched_tokens=24) as engine:
+    with LocalEngine.of(gemma_dir, layer_split=[2, 2], max_num_batched_tokens=24) as engine:
         assert engine.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True)) == want
 
 

@@ -107,7 +107,7 @@ def test_expert_parallelism_is_refused_by_name(gpt_oss_dir):
     from stage_worker.runner import StageRunner
 
     with pytest.raises(StagemeshError, match="--enable-expert-parallel is not built for gpt_oss"):
-        StageRunner(gpt_oss_dir, 0, 4, expert_parallel=True, load=False)
+        StageRunner.of(gpt_oss_dir, 0, 4, enable_expert_parallel=True, load=False)
 
 
 def test_declared_layer_shapes_are_the_checkpoints(gpt_oss_dir):

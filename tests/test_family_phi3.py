@@ -42,7 +42,7 @@ def test_slices_match_transformers_logits(phi3_dir, reference):
 def test_engine_batched_greedy_tokens_match_transformers(phi3_dir, reference):
     batch = prompts(384)
     want = [reference_greedy(reference, p, 24)[0] for p in batch]
-    with LocalEngine(phi3_dir, split=[1, 3], max_num_batched_tokens=24) as engine:
+    with LocalEngine.of(phi3_dir, layer_split=[1, 3], max_num_batched_tokens=24) as engine:
         assert engine.generate(batch, SamplingParams(max_tokens=24, ignore_eos=True)) == want
 
 
@@ -62,7 +62,7 @@ def test_the_fused_cpu_layer_plan_runs_it(phi3_dir):
 
     if cpu_ops.load() is None:
         pytest.skip("the C++ CPU kernels are not built here")
-    layer = StageRunner(phi3_dir, 0, 1).model.layers[0]
+    layer = StageRunner.of(phi3_dir, 0, 1).model.layers[0]
     assert layer_plan.build(layer).cpp is not None
 
 
@@ -98,7 +98,7 @@ def test_a_gguf_file_gives_transformers_greedy_tokens(phi3_dir, tmp_path, qtype)
     tokens, logits = chained_logits(phi3_dir, [1, 3], prompt, 6, quantization="gguf", gguf_file=str(path))
     assert tokens == want_tokens
     torch.testing.assert_close(logits, want_logits, atol=2e-4, rtol=1e-4)
-    with LocalEngine(phi3_dir, split=[2, 2], quantization="gguf", gguf_file=str(path)) as engine:
+    with LocalEngine.of(phi3_dir, layer_split=[2, 2], quantization="gguf", gguf_file=str(path)) as engine:
         assert engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True)) == [want_tokens]
 
 

@@ -134,6 +134,7 @@ def test_every_child_serve_plans_parses_with_its_services_own_parser():
                 s.kv_load_timeout) == (512, 32, 8, 2, 2, 3.0)
     assert [s.kv_role for s in schedulers] == ["prefill", "decode"]
     shared = (32, 2, "bfloat16", True, None, None, ("a=/x",))
-    assert [(s.layers, s.block_size, s.tensor_parallel_size, s.dtype, s.enforce_eager, s.pipeline_parallel_size,
-             s.layer_split, s.lora.lora_modules) for s in stages[:2]] == [("0:1", *shared), ("1:4", *shared)]
+    assert [(s.layers, s.settings.block_size, s.settings.tensor_parallel_size, s.settings.dtype,
+             s.settings.enforce_eager, s.pipeline_parallel_size, s.layer_split, s.settings.lora.lora_modules)
+            for s in stages[:2]] == [("0:1", *shared), ("1:4", *shared)]
     assert [s.service.metrics_port for s in (schedulers[0], *stages[:2], schedulers[1])] == [9000, 9001, 9002, 9003]

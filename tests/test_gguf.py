@@ -86,7 +86,7 @@ def test_gguf_model_gives_transformers_greedy_tokens(tiny_gguf, qtype):
     reference = reference_model(reference_dir)
     vocab = ModelConfig.from_path(model_dir).vocab_size
     cases = prompts(vocab, lengths=(5, 37, 12))
-    with LocalEngine(model_dir, split=[2, 2], quantization="gguf", gguf_file=str(path)) as engine:
+    with LocalEngine.of(model_dir, layer_split=[2, 2], quantization="gguf", gguf_file=str(path)) as engine:
         got = engine.generate(cases, SamplingParams(max_tokens=8, ignore_eos=True))
     for prompt, tokens in zip(cases, got):
         assert tokens == reference_greedy(reference, prompt, 8)[0]
@@ -100,7 +100,7 @@ def test_tp_size_that_splits_a_block_is_refused(tiny_gguf):
     """TP=4 on the tiny llama gives o_proj 16 input columns a rank: half a Q4_1 block."""
     model_dir, path, _ = tiny_gguf("Q4_1")
     with pytest.raises(StagemeshError, match="would split a quantisation block of 32"):
-        StageRunner(model_dir, 0, 1, tp_rank=1, tp_size=4, quantization="gguf", gguf_file=str(path))
+        StageRunner.of(model_dir, 0, 1, tp_rank=1, tensor_parallel_size=4, quantization="gguf", gguf_file=str(path))
 
 
 def test_a_gguf_of_another_architecture_or_shape_is_refused(tiny_gguf, tiny_model_dir):
@@ -109,7 +109,7 @@ def test_a_gguf_of_another_architecture_or_shape_is_refused(tiny_gguf, tiny_mode
         GGUFCheckpoint(path, ModelConfig.from_path(tiny_model_dir("qwen2")))
     wider = tiny_model_dir("llama", intermediate_size=160)
     with pytest.raises(StagemeshError, match="blk.0.ffn_gate.weight has 128 rows; the shard wants 0:160"):
-        StageRunner(wider, 0, 1, quantization="gguf", gguf_file=str(path))
+        StageRunner.of(wider, 0, 1, quantization="gguf", gguf_file=str(path))
 
 
 def test_model_sources_and_refusals(tiny_gguf, tiny_model_dir):

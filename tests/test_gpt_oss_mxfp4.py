@@ -57,7 +57,7 @@ def test_mxfp4_gives_transformers_tokens(mxfp4):
 def test_the_experts_stay_packed(mxfp4):
     """4.25 bits a weight held (uint8 blocks and scales), no dense copy of the experts."""
     path, _ = mxfp4
-    experts = StageRunner(path, 0, 1).model.layers[0].mlp
+    experts = StageRunner.of(path, 0, 1).model.layers[0].mlp
     assert experts.packed is not None and experts.packed.gate_up_blocks.dtype == torch.uint8
     assert not hasattr(experts, "gate_up") and not hasattr(experts, "down")
     weights = 8 * 3 * 64 * 64  # experts x (gate, up, down) x hidden x intermediate
@@ -80,7 +80,7 @@ def test_tp2_pp2_over_gloo_gives_transformers_tokens(mxfp4, tmp_path):
 def test_a_shard_that_cuts_the_blocks_is_refused(mxfp4):
     path, _ = mxfp4
     with pytest.raises(StagemeshError, match=r"intermediate columns 16:32 .* cut the 32-value blocks of down_proj"):
-        StageRunner(path, 0, 4, tp_rank=1, tp_size=4, load=False)
+        StageRunner.of(path, 0, 4, tp_rank=1, tensor_parallel_size=4, load=False)
 
 
 def test_experts_not_converted_are_read_dense(mxfp4, tmp_path):

@@ -31,8 +31,8 @@ def model64(tiny_model_dir):
 
 @pytest.mark.parametrize("dtype,ratio", [("bfloat16", 2), ("float32", 4)])
 def test_fp8_holds_twice_a_bf16_caches_tokens_in_the_same_memory(model64, dtype, ratio):
-    auto = StageRunner(model64, 0, 4, dtype=dtype)
-    fp8 = StageRunner(model64, 0, 4, dtype=dtype, kv_cache_dtype="fp8")
+    auto = StageRunner.of(model64, 0, 4, dtype=dtype)
+    fp8 = StageRunner.of(model64, 0, 4, dtype=dtype, kv_cache_dtype="fp8")
     assert fp8.kv_bytes_per_block * ratio == auto.kv_bytes_per_block
     budget = 64 * 2**20  # --kv-cache-memory
     tokens = [num_kv_blocks_for_budget(budget, r.kv_bytes_per_block) * r.block_size for r in (auto, fp8)]
@@ -51,7 +51,7 @@ def test_the_start_up_lines_and_metrics_count_the_fp8_cache(model64, caplog):
     memory, tokens = 8 * 2**20, {}
     for kv in ("auto", "fp8"):
         caplog.clear()
-        with LocalEngine(model64, dtype="bfloat16", kv_cache_memory=memory, kv_cache_dtype=kv) as engine:
+        with LocalEngine.of(model64, dtype="bfloat16", kv_cache_memory=memory, kv_cache_dtype=kv) as engine:
             blocks = engine.pipeline.plan.num_kv_blocks
             tokens[kv] = blocks * 16
             assert f"KV cache size: {tokens[kv]:,} tokens" in caplog.text
@@ -96,26 +96,26 @@ def test_checkpoint_scales_under_each_quantizers_names(model64, tmp_path):
              "compressed-tensors": (scheme, ("k_proj.output_scale", "v_proj.output_scale"))}
     for name, (config, names) in cases.items():
         ckpt = with_tensors(model64, tmp_path / name, layer_scales(4, names=names), config)
-        runner = StageRunner(ckpt, 2, 4, kv_cache_dtype="fp8")
+        runner = StageRunner.of(ckpt, 2, 4, kv_cache_dtype="fp8")
         assert runner.kv_scales.source == "checkpoint" and runner.kv_scales.values() == want[2:], name
         assert [layer.self_attn.kv_scale for layer in runner.model.layers] == runner.kv_scales.layers
     legacy = {f"model.layers.{i}.self_attn.kv_scale": torch.tensor(0.02) for i in range(4)}
-    runner = StageRunner(with_tensors(model64, tmp_path / "legacy", legacy), 0, 4, kv_cache_dtype="fp8")
+    runner = StageRunner.of(with_tensors(model64, tmp_path / "legacy", legacy), 0, 4, kv_cache_dtype="fp8")
     assert runner.kv_scales.values() == [(as_f32(0.02), as_f32(0.02))] * 4
     partial = {k: v for k, v in layer_scales(4).items() if ".1." not in k and ".v_scale" not in k}
-    runner = StageRunner(with_tensors(model64, tmp_path / "partial", partial), 0, 4, kv_cache_dtype="fp8")
+    runner = StageRunner.of(with_tensors(model64, tmp_path / "partial", partial), 0, 4, kv_cache_dtype="fp8")
     assert runner.kv_scales.values()[1] == (1.0, 1.0)  # a layer without them: 1.0, as vLLM
     assert runner.kv_scales.values()[0] == (want[0][0], want[0][0])  # a k_scale alone serves v too, as vLLM
 
 
 def test_no_scales_in_the_checkpoint_is_1_and_auto_reads_but_uses_none(model64, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="stagemesh.stage")
-    runner = StageRunner(model64, 0, 4, kv_cache_dtype="fp8")
+    runner = StageRunner.of(model64, 0, 4, kv_cache_dtype="fp8")
     assert runner.kv_scales.source == "default" and runner.kv_scales.values() == [(1.0, 1.0)] * 4
     assert "KV cache scales of 1.0: the checkpoint has none" in caplog.text
     ckpt = with_tensors(model64, tmp_path / "m", {**layer_scales(4), "model.layers.0.self_attn.q_scale":
                                                   torch.tensor(0.5)})
-    auto = StageRunner(ckpt, 0, 4)
+    auto = StageRunner.of(ckpt, 0, 4)
     assert auto.kv_scales.source == "unused" and auto.kv_caches == [] and auto.kv_cache_dtype == auto.dtype
     assert "KV cache scales (4 layers) are read and unused" in caplog.text
     assert "q_scale / prob_scale tensors are read and unused" in caplog.text
@@ -127,8 +127,8 @@ def test_calculated_scales_are_the_first_forwards_max_over_200_and_100(model64):
     and in every layer the largest key stored is 200 (192 or 208 in e4m3) and the largest value 100 (96 or 104);
     later steps keep the scales."""
     prompt = prompts(384, lengths=(37,))[0]
-    auto = StageRunner(model64, 0, 4, dtype="float32")
-    fp8 = StageRunner(model64, 0, 4, dtype="float32", kv_cache_dtype="fp8", calculate_kv_scales=True)
+    auto = StageRunner.of(model64, 0, 4, dtype="float32")
+    fp8 = StageRunner.of(model64, 0, 4, dtype="float32", kv_cache_dtype="fp8", calculate_kv_scales=True)
     assert fp8.kv_scales.pending
     for r in (auto, fp8):
         r.allocate_kv_cache(8)
@@ -188,7 +188,7 @@ def test_scales_the_model_cannot_honour_are_refused_by_name(model64, tmp_path, s
     ckpt = with_tensors(model64, tmp_path / "m", scales, config)
     for dtype in ("fp8", None):  # read and checked whatever the cache's dtype
         with pytest.raises(StagemeshError, match=message):
-            StageRunner(ckpt, 0, 4, kv_cache_dtype=dtype)
+            StageRunner.of(ckpt, 0, 4, kv_cache_dtype=dtype)
 
 
 def test_what_is_not_built_is_refused_by_name(model64, tiny_model_dir, capsys):
@@ -202,19 +202,19 @@ def test_what_is_not_built_is_refused_by_name(model64, tiny_model_dir, capsys):
 
     add_arguments(plan_parser := argparse.ArgumentParser())
     with pytest.raises(StagemeshError, match=r"--kv-cache-dtype 'fp4' is not built; stagemesh has auto, fp8, "):
-        StageRunner(model64, 0, 4, kv_cache_dtype="fp4")
+        StageRunner.of(model64, 0, 4, kv_cache_dtype="fp4")
     with pytest.raises(SystemExit):
         parse(StageOptions, ["--scheduler", "x:1", "--stage-index", "0", "--kv-cache-dtype", "int8"])
     assert "argument --kv-cache-dtype: invalid choice: 'int8'" in capsys.readouterr().err
     with pytest.raises(StagemeshError, match="--calculate-kv-scales sets an fp8 KV cache's scales: it needs "):
-        StageRunner(model64, 0, 4, calculate_kv_scales=True)
+        StageRunner.of(model64, 0, 4, calculate_kv_scales=True)
     mla = ModelConfig.from_path(tiny_model_dir("deepseek_v3"))
     with pytest.raises(StagemeshError, match="with multi-head latent attention .* is not built yet"):
         check_kv_cache_dtype("fp8", mla)
     with pytest.raises(StagemeshError, match="with multi-head latent attention .* is not built yet"):
         plan_run(plan_parser.parse_args([str(tiny_model_dir("deepseek_v3")), "--kv-cache-dtype", "fp8"]))
     check_kv_cache_dtype("auto", mla)
-    runner = StageRunner(model64, 0, 4, kv_cache_dtype="fp8")
+    runner = StageRunner.of(model64, 0, 4, kv_cache_dtype="fp8")
     with pytest.raises(StagemeshError, match="draft model does not run with an fp8 KV cache yet"):
         runner.attach_drafter(object())
 
@@ -241,7 +241,7 @@ def test_the_cpp_layer_plan_runs_over_an_fp8_cache_as_the_python_layer(model64):
     for plan_on in (True, False):
         layer_plan.enable(plan_on)
         try:
-            runner = StageRunner(model64, 0, 4, kv_cache_dtype="fp8", calculate_kv_scales=True)
+            runner = StageRunner.of(model64, 0, 4, kv_cache_dtype="fp8", calculate_kv_scales=True)
             runner.allocate_kv_cache(4)
             runner.execute(_prefill(prompt))
             hidden = runner.execute(_decode(prompt, 9), return_logits=True).logits
@@ -261,11 +261,11 @@ def test_prefix_caching_reuses_fp8_blocks_token_for_token(model64):
 
     prompt = prompts(384, lengths=(70,))[0]
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    with LocalEngine(model64, kv_cache_dtype="fp8", calculate_kv_scales=True) as engine:
+    with LocalEngine.of(model64, kv_cache_dtype="fp8", calculate_kv_scales=True) as engine:
         first = engine.generate([prompt], greedy)
         again = engine.generate([prompt], greedy)
         assert engine.stats().prefix_cache_hits >= 64 and again == first
-    with LocalEngine(model64, kv_cache_dtype="fp8", calculate_kv_scales=True, enable_prefix_caching=False) as engine:
+    with LocalEngine.of(model64, kv_cache_dtype="fp8", calculate_kv_scales=True, enable_prefix_caching=False) as engine:
         assert engine.generate([prompt], greedy) == first
 
 

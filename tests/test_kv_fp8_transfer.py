@@ -25,7 +25,7 @@ FP8 = torch.float8_e4m3fn
 
 
 def fp8_runner(model_dir, **kw) -> StageRunner:
-    r = StageRunner(model_dir, 0, 4, dtype="float32", kv_cache_dtype="fp8", **kw)
+    r = StageRunner.of(model_dir, 0, 4, dtype="float32", kv_cache_dtype="fp8", **kw)
     r.allocate_kv_cache(8)
     return r
 
@@ -62,7 +62,7 @@ def test_host_and_disk_tiers_keep_fp8_blocks_and_their_scales(model, tmp_path):
     runner = fp8_runner(model)
     assert block_layout(runner)[-1] == ("float32", (4, 2)) and block_layout(runner)[0][0] == "float8_e4m3fn"
     assert kv_namespace(runner, 1)["kv_cache_dtype"] == "fp8_e4m3"
-    assert "kv_cache_dtype" not in kv_namespace(StageRunner(model, 0, 4), 1)  # (the auto namespaces stay theirs)
+    assert "kv_cache_dtype" not in kv_namespace(StageRunner.of(model, 0, 4), 1)  # (the auto namespaces stay theirs)
     ns, disk = open_disk_tier(str(tmp_path), runner)
     tiers = KVTierStore(runner, disk)
     tiers.resize(2)
@@ -101,7 +101,7 @@ def test_pd_transfer_converts_blocks_of_another_dtype_or_other_scales(model, cap
     theirs = [(as_f32(0.02), as_f32(0.03))] * 4
     sent = [tuple(kv_quant.quantize(x, s, FP8) for x, s in zip(kv, sc)) for kv, sc in zip(plain, theirs)]
 
-    auto = StageRunner(model, 0, 4, dtype="float32")  # fp8 blocks into an fp32 cache: read as stored * scale
+    auto = StageRunner.of(model, 0, 4, dtype="float32")  # fp8 blocks into an fp32 cache: read as stored * scale
     got = kv_transfer.convert_layers(auto, sent, theirs)
     assert torch.equal(got[1][0], kv_quant.dequantize(sent[1][0], theirs[1][0], torch.float32))
     assert "the blocks came as torch.float8_e4m3fn (their scales); this stage's cache is torch.float32" in caplog.text

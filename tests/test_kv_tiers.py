@@ -25,7 +25,7 @@ NUM_BLOCKS = 8
 
 @pytest.fixture(scope="module")
 def runner(tiny_model_dir):
-    r = StageRunner(tiny_model_dir("llama"), 0, 4)
+    r = StageRunner.of(tiny_model_dir("llama"), 0, 4)
     r.allocate_kv_cache(NUM_BLOCKS)
     return r
 
@@ -131,7 +131,7 @@ def test_a_missing_file_is_a_logged_miss(runner, written, caplog):
 
 def test_a_foreign_models_file_is_never_loaded(runner, written, tiny_model_dir, tmp_path, caplog):
     tiers, path = written
-    other = StageRunner(tiny_model_dir("llama", rms_norm_eps=1e-5), 0, 4)  # same shapes, another model
+    other = StageRunner.of(tiny_model_dir("llama", rms_norm_eps=1e-5), 0, 4)  # same shapes, another model
     other.allocate_kv_cache(NUM_BLOCKS)
     ns, disk = open_disk_tier(str(tmp_path / "other"), other)
     assert ns.namespace != tiers.disk.namespace
@@ -251,7 +251,7 @@ def test_the_in_process_pipeline_stores_and_loads_over_its_stages(tiny_model_dir
     from stagemesh.entry.inprocess_pipeline import InProcessPipeline
 
     model = tiny_model_dir("llama")
-    runners = [StageRunner(model, 0, 2), StageRunner(model, 2, 4)]
+    runners = [StageRunner.of(model, 0, 2), StageRunner.of(model, 2, 4)]
     pipeline = InProcessPipeline(runners, NUM_BLOCKS, kv_disk_path=str(tmp_path))
     assert pipeline.has_disk_tier and pipeline.kv_bytes_per_block == sum(r.kv_bytes_per_block for r in runners)
     plan = SimpleNamespace(num_kv_blocks=NUM_BLOCKS, num_host_kv_blocks=2)
@@ -278,7 +278,7 @@ def test_a_draft_models_kv_travels_with_its_blocks(tiny_model_dir, tmp_path):
     from stage_worker.draft import DraftModel
 
     model = tiny_model_dir("llama")
-    r = StageRunner(model, 0, 4)
+    r = StageRunner.of(model, 0, 4)
     r.attach_drafter(DraftModel(parse_speculative_config({"model": str(tiny_model_dir("llama", num_hidden_layers=2)),
                                                           "num_speculative_tokens": 2}), r.config, "cpu", None, 16))
     r.allocate_kv_cache(NUM_BLOCKS)

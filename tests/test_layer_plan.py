@@ -69,12 +69,12 @@ def test_plan_gives_the_python_layers_bits(tiny_model_dir, tiny_gguf, arm):
     elif arm == "w8a8":
         kwargs["quantization"] = "w8a8"
     elif arm == "w8a16-split":
-        kwargs.update(quantization="w8a16", split=[1, 3])
+        kwargs.update(quantization="w8a16", layer_split=[1, 3])
     batch = prompts(384, lengths=(37, 5, 20))
     if arm == "fp32-long":  # steps of over 256 tokens: oneDNN's products in pieces (stage_worker.layers.onednn_linear)
         kwargs["max_num_batched_tokens"] = 512
         batch = prompts(384, lengths=(300, 5, 60))
-    with LocalEngine(model_dir, **kwargs) as engine:
+    with LocalEngine.of(model_dir, **kwargs) as engine:
         got = outputs(engine, batch)
         assert all(plans_ran(engine))
         assert got == without_plans(engine, batch)
@@ -83,7 +83,7 @@ def test_plan_gives_the_python_layers_bits(tiny_model_dir, tiny_gguf, arm):
 
 def test_no_plan_where_the_layer_is_not_one_it_covers(tiny_model_dir):
     """qk-norm layers (Qwen3) keep the Python path; their tokens are checked against transformers elsewhere."""
-    with LocalEngine(tiny_model_dir("qwen3")) as engine:
+    with LocalEngine.of(tiny_model_dir("qwen3")) as engine:
         engine.generate([prompts(384, lengths=(9,))[0]], SamplingParams(max_tokens=2, ignore_eos=True))
         assert not any(plans_ran(engine))
 
@@ -91,7 +91,7 @@ def test_no_plan_where_the_layer_is_not_one_it_covers(tiny_model_dir):
 def test_a_replaced_weight_rebuilds_the_plan(tiny_model_dir):
     """A parameter swapped after the plans were built is what the next step reads, on both paths."""
     batch = prompts(384, lengths=(12, 7))
-    with LocalEngine(tiny_model_dir("llama"), enable_prefix_caching=False) as engine:
+    with LocalEngine.of(tiny_model_dir("llama"), enable_prefix_caching=False) as engine:
         before = outputs(engine, batch)
         for layer in layers_of(engine):
             down = layer.mlp.down_proj

@@ -15,11 +15,11 @@ def test_prefix_cache_hits_and_preemption_keep_greedy_tokens(tiny_model_dir):
     want = [reference_greedy(ref, p, 12)[0] for p in batch]
     sampling = SamplingParams(max_tokens=12, ignore_eos=True)
 
-    with LocalEngine(model_dir, max_num_batched_tokens=16) as cached:
+    with LocalEngine.of(model_dir, max_num_batched_tokens=16) as cached:
         assert cached.generate(batch, sampling) == want
         assert cached.stats().prefix_cache_hits >= 48
 
-    with LocalEngine(model_dir, split=[1, 3], num_kv_blocks=12, max_num_batched_tokens=32) as tight:
+    with LocalEngine.of(model_dir, layer_split=[1, 3], num_kv_blocks=12, max_num_batched_tokens=32) as tight:
         assert tight.generate(batch, sampling) == want
         assert tight.stats().num_preemptions > 0
 
@@ -33,7 +33,7 @@ def test_a_step_that_raises_fails_its_requests_instead_of_hanging(tiny_model_dir
 
     from stagemesh.core.errors import StagemeshError
 
-    with LocalEngine(tiny_model_dir("llama")) as engine:
+    with LocalEngine.of(tiny_model_dir("llama")) as engine:
         def broken(*args, **kwargs):
             raise AttributeError("no attribute 'num_tokens'")
         engine.runners[0].execute = broken

@@ -210,8 +210,8 @@ def test_lora_module_flags_take_vllms_two_forms():
 def _engine(model, adapters, **kw):
     from stagemesh.entry.local_engine import LocalEngine
 
-    return LocalEngine(model, split=[2, 2], lora_modules=[f"{name}={path}" for name, path in adapters.items()],
-                       **kw)
+    return LocalEngine.of(model, layer_split=[2, 2], lora_modules=[f"{name}={path}" for name, path in adapters.items()],
+                          **kw)
 
 
 def test_the_engine_runs_each_request_on_its_adapter(model, adapters, cases):

@@ -47,13 +47,13 @@ def test_mixture_of_experts_config_that_cannot_be_served(tmp_path, change, messa
 
 def test_layer_range_outside_the_model(tiny_model_dir):
     with pytest.raises(StagemeshError, match=r"layer range 2:9 is outside the model's 4 layers"):
-        StageRunner(tiny_model_dir("llama"), 2, 9)
+        StageRunner.of(tiny_model_dir("llama"), 2, 9)
 
 
 def test_missing_weights(tmp_path, tiny_model_dir):
     (tmp_path / "config.json").write_text((tiny_model_dir("llama") / "config.json").read_text())
     with pytest.raises(StagemeshError, match="has no \\*.safetensors weights"):
-        StageRunner(tmp_path, 0, 4)
+        StageRunner.of(tmp_path, 0, 4)
 
 
 @pytest.mark.slow

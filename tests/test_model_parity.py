@@ -36,7 +36,7 @@ def test_batched_greedy_tokens_match_transformers(tiny_model_dir, arch, override
     batch = prompts(384)
     want = [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
     # uneven split, prompts chunked (budget 24 tokens per step) and mixed with decodes
-    with LocalEngine(model_dir, split=[1, 3], max_num_batched_tokens=24) as engine:
+    with LocalEngine.of(model_dir, layer_split=[1, 3], max_num_batched_tokens=24) as engine:
         assert engine.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)) == want
 
 
@@ -49,7 +49,7 @@ def test_forward_hooks_still_run(tiny_model_dir):
 
     model_dir = tiny_model_dir("llama")
     prompt = prompts(384, lengths=(20,))[0]
-    with LocalEngine(model_dir) as engine:
+    with LocalEngine.of(model_dir) as engine:
         want = engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
         layer = next(m for m in engine.runners[0].model.modules() if isinstance(m, DecoderLayer))
         seen, every = [], []
@@ -117,5 +117,5 @@ def test_default_model_matches_transformers(default_model_dir):
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village"]
     batch = [tok.encode(t) for t in texts]
     want = [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
-    with LocalEngine(default_model_dir, split=[10, 12, 8], max_num_batched_tokens=8) as engine:
+    with LocalEngine.of(default_model_dir, layer_split=[10, 12, 8], max_num_batched_tokens=8) as engine:
         assert engine.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)) == want

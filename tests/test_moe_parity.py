@@ -39,7 +39,7 @@ def test_batched_greedy_tokens_match_transformers(tiny_model_dir, arch):
     ref = reference_model(model_dir)
     batch = prompts(384)
     want = [reference_greedy(ref, p, 16)[0] for p in batch]
-    with LocalEngine(model_dir, split=[2, 2], max_num_batched_tokens=24) as engine:  # chunked prefill, decodes
+    with LocalEngine.of(model_dir, layer_split=[2, 2], max_num_batched_tokens=24) as engine:  # chunked prefill, decodes
         assert engine.generate(batch, SamplingParams(max_tokens=16, ignore_eos=True)) == want
 
 
@@ -62,13 +62,14 @@ def _checkpoint_tensor(model_dir, name: str) -> torch.Tensor:
 def test_each_rank_holds_only_its_experts(tiny_model_dir):
     model_dir = tiny_model_dir("mixtral")
     expert = "model.layers.2.block_sparse_moe.experts.{}.{}.weight"
-    ep = StageRunner(model_dir, 2, 4, tp_rank=1, tp_size=2, expert_parallel=True).model.layers[0].mlp
+    ep = StageRunner.of(model_dir, 2, 4, tp_rank=1, tensor_parallel_size=2,
+                        enable_expert_parallel=True).model.layers[0].mlp
     assert ep.placement.expert_start == 4 and ep.w13.shape == (4, 64, 64) and ep.w2.shape == (4, 64, 32)
     for local, e in enumerate(range(4, 8)):  # whole experts 4..7: gate (w1) and up (w3) rows, down (w2)
         want = torch.cat([_checkpoint_tensor(model_dir, expert.format(e, w)) for w in ("w1", "w3")])
         assert torch.equal(ep.w13[local], want)
         assert torch.equal(ep.w2[local], _checkpoint_tensor(model_dir, expert.format(e, "w2")))
-    tp = StageRunner(model_dir, 2, 4, tp_rank=1, tp_size=2).model.layers[0].mlp
+    tp = StageRunner.of(model_dir, 2, 4, tp_rank=1, tensor_parallel_size=2).model.layers[0].mlp
     assert tp.w13.shape == (8, 32, 64) and tp.w2.shape == (8, 64, 16)  # every expert, columns 16:32 of 32
     assert torch.equal(tp.w13[5, :16], _checkpoint_tensor(model_dir, expert.format(5, "w1"))[16:])
     assert torch.equal(tp.w2[5], _checkpoint_tensor(model_dir, expert.format(5, "w2"))[:, 16:])
@@ -76,18 +77,19 @@ def test_each_rank_holds_only_its_experts(tiny_model_dir):
 
 def test_expert_parallel_layouts_that_cannot_work_are_refused(tiny_model_dir):
     with pytest.raises(StagemeshError, match=r"6 experts do not split evenly over --tensor-parallel-size 4 ranks"):
-        StageRunner(tiny_model_dir("mixtral", num_local_experts=6), 0, 4, tp_size=4, expert_parallel=True)
+        StageRunner.of(tiny_model_dir("mixtral", num_local_experts=6), 0, 4, tensor_parallel_size=4,
+                       enable_expert_parallel=True)
     with pytest.raises(StagemeshError, match="needs a mixture-of-experts model; llama has no experts"):
-        StageRunner(tiny_model_dir("llama"), 0, 4, tp_size=2, expert_parallel=True)
+        StageRunner.of(tiny_model_dir("llama"), 0, 4, tensor_parallel_size=2, enable_expert_parallel=True)
     with pytest.raises(StagemeshError, match=r"moe_intermediate_size \(34\) is not divisible by "
                                              r"--tensor-parallel-size 4"):
-        StageRunner(tiny_model_dir("qwen3_moe", num_key_value_heads=4, moe_intermediate_size=34), 0, 4,
-                    tp_size=4)
+        StageRunner.of(tiny_model_dir("qwen3_moe", num_key_value_heads=4, moe_intermediate_size=34), 0, 4,
+                       tensor_parallel_size=4)
 
 
 def test_expert_load_counts_every_routed_token(tiny_model_dir):
-    with LocalEngine(tiny_model_dir("qwen2_moe", decoder_sparse_step=2), split=[4],
-                     max_num_batched_tokens=24) as engine:
+    with LocalEngine.of(tiny_model_dir("qwen2_moe", decoder_sparse_step=2), layer_split=[4],
+                        max_num_batched_tokens=24) as engine:
         assert expert_load(engine.runners[0].model) == {1: [0] * 8, 3: [0] * 8}  # the sparse layers only
         engine.generate(prompts(384, lengths=(5, 40)), SamplingParams(max_tokens=6, ignore_eos=True))
         load = expert_load(engine.runners[0].model)

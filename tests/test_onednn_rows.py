@@ -41,7 +41,7 @@ def rss():
 if mode == "engine":  # the stage's runner (the C++ layer plans, the LM head's Python product)
     from stagemesh.core.sampling_params import SamplingParams
     from stagemesh.entry.local_engine import LocalEngine
-    engine = LocalEngine(model_dir, max_num_batched_tokens=512, enable_prefix_caching=False)
+    engine = LocalEngine.of(model_dir, max_num_batched_tokens=512, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     # the last stage makes its grammar compiler (xgrammar, the tokenizer: ~70 MiB) in its compile thread as it
     # starts: waited for here, since it is not what this measures

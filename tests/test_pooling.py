@@ -41,9 +41,8 @@ def pooled_by_stages(model_dir, split, pooler_config: str | None, seqs: list[tup
                      convert: str = "auto") -> list[torch.Tensor]:
     """Every sequence's pooled output from stage slices `split`, its prompt computed in chunks of CHUNK tokens,
     the sequences in one batch."""
-    raw = ModelConfig.from_path(model_dir).raw
-    pooler = resolve(model_dir, raw, "pooling", convert, pooler_config)
-    runners = [StageRunner(model_dir, a, b, pooling=pooler) for a, b in layer_ranges(split)]
+    runners = [StageRunner.of(model_dir, a, b, runner="pooling", convert=convert, pooler_config=pooler_config)
+               for a, b in layer_ranges(split)]
     for r in runners:
         r.allocate_kv_cache(64)
     new = [NewSequence(i, ids, SamplingParams(max_tokens=1, pooling=p)) for i, (ids, p) in enumerate(seqs)]
@@ -143,8 +142,7 @@ def test_reward_step_pooling(causal_dir):
 
 
 def test_a_generate_request_on_the_pooling_runner_fails_alone(causal_dir):
-    pooler = resolve(causal_dir, ModelConfig.from_path(causal_dir).raw, "pooling")
-    runner = StageRunner(causal_dir, 0, 4, pooling=pooler)
+    runner = StageRunner.of(causal_dir, 0, 4, runner="pooling")
     runner.allocate_kv_cache(8)
     batch = StepBatch(0, [NewSequence(0, [5, 6], SamplingParams(max_tokens=4)),
                           NewSequence(1, [5, 6], SamplingParams(max_tokens=1, pooling=PoolingParams("classify")))],

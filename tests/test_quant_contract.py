@@ -22,7 +22,7 @@ def gptq(tiny_model_dir, tmp_path_factory):
 
 def test_int8_path_runs_every_integer_weight_and_stays_close(gptq):
     ids = prompts(384, lengths=(60,))[0]
-    runner = StageRunner(gptq, 0, 4, quantization_activations="exact")
+    runner = StageRunner.of(gptq, 0, 4, quantization_activations="exact")
     assert runner.activations == "exact" and not any(w.int8_activations for w in integer_weights(runner.model))
     a = teacher_forced_logits(runner, ids)
     set_int8_activations(runner.model, True)
@@ -40,8 +40,8 @@ def test_what_the_int8_path_cannot_take_is_refused(gptq, tiny_model_dir, tmp_pat
                         (dict(model_dir=tiny_model_dir("llama"), quantization="w8a8", quantization_activations="exact"),
                          "contradicts it")]:
         with pytest.raises(StagemeshError, match=match):
-            StageRunner(args.pop("model_dir"), 0, 4, **args)
-    assert StageRunner(fp8, 0, 4).activations == "exact"
+            StageRunner.of(args.pop("model_dir"), 0, 4, **args)
+    assert StageRunner.of(fp8, 0, 4).activations == "exact"
 
 
 @pytest.mark.slow
@@ -55,13 +55,13 @@ def test_the_contract_decides_the_default(default_model_dir, tmp_path, fmt):
     from quant_contract import EVAL_TEXT
 
     ids = AutoTokenizer.from_pretrained(default_model_dir).encode(EVAL_TEXT)[:160]
-    reference = teacher_forced_logits(StageRunner(default_model_dir, 0, 30, dtype="bfloat16"), ids)
+    reference = teacher_forced_logits(StageRunner.of(default_model_dir, 0, 30, dtype="bfloat16"), ids)
     if fmt == "gguf":
-        quantised = StageRunner(default_model_dir, 0, 30, dtype="float32", quantization="gguf",
-                                gguf_file=str(gguf_path()), quantization_activations="exact")
+        quantised = StageRunner.of(default_model_dir, 0, 30, dtype="float32", quantization="gguf",
+                                   gguf_file=str(gguf_path()), quantization_activations="exact")
     else:
         path, _ = write_quantized(default_model_dir, tmp_path, "ct-int8")
-        quantised = StageRunner(path, 0, 30, dtype="float32", quantization_activations="exact")
+        quantised = StageRunner.of(path, 0, 30, dtype="float32", quantization_activations="exact")
     exact = teacher_forced_logits(quantised, ids)
     set_int8_activations(quantised.model, True)
     fast = teacher_forced_logits(quantised, ids)

@@ -68,7 +68,7 @@ def test_quantised_at_load_is_the_dequantised_model(tiny_model_dir, tmp_path, me
     from stage_worker.runner import StageRunner
 
     model = tiny_model_dir("llama")
-    runner = StageRunner(model, 0, 4, device="cuda", dtype=torch.float32, quantization=method, max_graph_batch=16)
+    runner = StageRunner.of(model, 0, 4, device="cuda", dtype=torch.float32, quantization=method, max_graph_batch=16)
     held = [m for m in runner.model.modules() if isinstance(m, QuantizedWeight)]
     assert len(held) == 4 * 4 and all(m.qs.is_cuda for m in held)  # qkv, o, gate_up, down of 4 layers
     assert {m.qs.dtype for m in held} == {torch.float8_e4m3fn if method == "fp8" else torch.int8}
@@ -85,5 +85,5 @@ def test_gguf_on_cuda_is_transformers_on_its_dequantised_weights(tiny_model_dir,
     # Q4_K's super-blocks are 256 wide: a tiny model with 256 hidden, 512 intermediate
     model = tiny_model_dir("llama", **({"hidden_size": 256, "intermediate_size": 512} if qtype == "Q4_K" else {}))
     path = write_gguf(model, tmp_path / "tiny.gguf", qtype)
-    runner = StageRunner(model, 0, 4, device="cuda", dtype=torch.float32, gguf_file=str(path), max_graph_batch=16)
+    runner = StageRunner.of(model, 0, 4, device="cuda", dtype=torch.float32, gguf_file=str(path), max_graph_batch=16)
     check_against(dequantised_model_dir(model, path, tmp_path / "dequantised"), runner)

@@ -79,11 +79,11 @@ def test_format_tp2_pp2_gives_transformers_greedy_tokens(checkpoint, fmt, tmp_pa
 def test_weights_stay_quantised(checkpoint):
     """The linears hold the checkpoint's quants (1 byte or half of one a weight), not a float copy."""
     path, _ = checkpoint("gptq-int4-desc-act")
-    runner = StageRunner(path, 0, 1)
+    runner = StageRunner.of(path, 0, 1)
     layer = runner.model.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert isinstance(linear.weight, QuantizedWeight) and linear.weight.qs.dtype == torch.uint8
-    fp8 = StageRunner(checkpoint("fp8-block")[0], 0, 1).model.layers[0].mlp.down_proj.weight
+    fp8 = StageRunner.of(checkpoint("fp8-block")[0], 0, 1).model.layers[0].mlp.down_proj.weight
     assert isinstance(fp8, QuantizedWeight) and fp8.qs.dtype == torch.float8_e4m3fn
 
 
@@ -159,7 +159,7 @@ REFUSALS = [
 def test_refused_by_name(checkpoint, tmp_path, fmt, change, match):
     path = _mutated(checkpoint(fmt)[0], tmp_path, **change)
     with pytest.raises(StagemeshError, match=match):
-        StageRunner(path, 0, 2)
+        StageRunner.of(path, 0, 2)
 
 
 def test_a_quantised_checkpoint_without_its_config_is_refused(checkpoint, tmp_path):
@@ -170,24 +170,24 @@ def test_a_quantised_checkpoint_without_its_config_is_refused(checkpoint, tmp_pa
     del cfg["quantization_config"]
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(StagemeshError, match="stored as torch.float8_e4m3fn: quantised"):
-        StageRunner(path, 0, 2)
+        StageRunner.of(path, 0, 2)
 
 
 def test_quantization_flag_must_match_the_checkpoint(checkpoint, tiny_model_dir):
     path, _ = checkpoint("awq")
     with pytest.raises(StagemeshError, match="--quantization gptq does not match .* 'awq'"):
-        StageRunner(path, 0, 1, quantization="gptq")
-    assert StageRunner(path, 0, 1, quantization="awq_marlin").quantization == "awq_marlin"
+        StageRunner.of(path, 0, 1, quantization="gptq")
+    assert StageRunner.of(path, 0, 1, quantization="awq_marlin").quantization == "awq_marlin"
     with pytest.raises(StagemeshError, match="--quantization awq reads a checkpoint .* no quantization_config"):
-        StageRunner(tiny_model_dir("llama"), 0, 1, quantization="awq")
+        StageRunner.of(tiny_model_dir("llama"), 0, 1, quantization="awq")
 
 
 def test_an_unquantised_checkpoint_with_an_extra_tensor_is_refused(tiny_model_dir, tmp_path):
     path = _mutated(tiny_model_dir("llama"), tmp_path, tensors=lambda t: t.__setitem__(
         "model.layers.3.self_attn.q_proj.weight_scale", torch.ones(64, 1)))
-    StageRunner(path, 0, 2)  # layer 3 is another stage's
+    StageRunner.of(path, 0, 2)  # layer 3 is another stage's
     with pytest.raises(StagemeshError, match="does not read: model.layers.3.self_attn.q_proj.weight_scale"):
-        StageRunner(path, 2, 4)
+        StageRunner.of(path, 2, 4)
 
 
 def test_the_plan_counts_the_quantised_bytes(checkpoint):
@@ -217,7 +217,7 @@ def test_fp8_moe_gives_transformers_greedy_tokens(fp8_moe):
     tokens, logits = chained_logits(path, [2, 2], prompt, 6)
     assert tokens == want_tokens
     torch.testing.assert_close(logits, want_logits, atol=2e-4, rtol=1e-4)
-    experts = StageRunner(path, 0, 1).model.layers[0].mlp.quantised
+    experts = StageRunner.of(path, 0, 1).model.layers[0].mlp.quantised
     assert experts is not None and experts.w13[0].qs.dtype == torch.float8_e4m3fn
 
 

@@ -33,7 +33,7 @@ def fp32(default_model_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     prompts = [chat_ids(tokenizer, q) for q in QUESTIONS]
-    with LocalEngine(default_model_dir) as engine:
+    with LocalEngine.of(default_model_dir) as engine:
         greedy = engine.generate(prompts, SamplingParams(max_tokens=24))
         scored = score(engine, tokenizer.encode(TEXT))
     return tokenizer, prompts, greedy, scored
@@ -49,7 +49,7 @@ def score(engine, ids: list[int]) -> tuple[float, list[int]]:
 
 def test_default_gguf_gives_the_fp32_models_greedy_tokens(default_model_dir, fp32):
     _, prompts, greedy, _ = fp32
-    with LocalEngine(default_model_dir, quantization="gguf", gguf_file=str(gguf_path())) as engine:
+    with LocalEngine.of(default_model_dir, quantization="gguf", gguf_file=str(gguf_path())) as engine:
         assert engine.generate(prompts, SamplingParams(max_tokens=24)) == greedy
 
 
@@ -58,7 +58,7 @@ def test_int8_within_loose_quality_bounds_of_fp32(default_model_dir, fp32, metho
     """Greedy agreement (teacher-forced top-1) and perplexity on a fixed text against fp32: the bounds are
     loose (measured: benchmarks/RESULTS.md) but fail for a broken quantiser or kernel."""
     tokenizer, _, _, (nll32, top32) = fp32
-    with LocalEngine(default_model_dir, quantization=method) as engine:
+    with LocalEngine.of(default_model_dir, quantization=method) as engine:
         nll, top = score(engine, tokenizer.encode(TEXT))
     agreement = sum(a == b for a, b in zip(top, top32)) / len(top32)
     assert agreement >= 0.85, agreement

@@ -227,13 +227,13 @@ def tiny(tiny_model_dir):
     return model_dir, batch, [reference_greedy(ref, p, 24)[0] for p in batch]
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(split=[1, 3]), dict(max_num_batched_tokens=20, num_kv_blocks=12),
+@pytest.mark.parametrize("layout", [dict(), dict(layer_split=[1, 3]), dict(max_num_batched_tokens=20, num_kv_blocks=12),
                                     dict(enable_prefix_caching=False)])
 def test_greedy_tokens_equal_transformers_in_process(tiny, layout):
     from stagemesh.entry.local_engine import LocalEngine
 
     model_dir, batch, want = tiny
-    with LocalEngine(model_dir, speculative_config=NGRAM, **layout) as engine:
+    with LocalEngine.of(model_dir, speculative_config=NGRAM, **layout) as engine:
         got = engine.generate(batch + batch[:2], SamplingParams(max_tokens=24, ignore_eos=True))  # 2 hit the cache
         stats = engine.stats()
     assert got == want + want[:2]
@@ -254,7 +254,7 @@ def test_seeded_requests_keep_their_tokens_and_logprobs(tiny):
                                 logprobs=2, **(penalties if i % 2 else {})) for i in range(len(batch))]
     results = {}
     for spec in (None, NGRAM):
-        with LocalEngine(model_dir, speculative_config=spec) as engine:
+        with LocalEngine.of(model_dir, speculative_config=spec) as engine:
             streams = [list(engine.stream(p, s)) for p, s in zip(batch, samplings)]
             results[spec is None] = [([t for o in outs for t in o.new_token_ids],
                                       [lp.logprob for o in outs for lp in o.new_logprobs],
@@ -278,7 +278,7 @@ def test_sampled_tokens_keep_the_models_distribution(tiny):
     sampling = SamplingParams(max_tokens=4, temperature=0.5, top_k=3, ignore_eos=True)
     exact = exact_distribution(reference_model(model_dir), prompt, 3, top_k=3, temperature=0.5)
     n = 1500
-    with LocalEngine(model_dir, speculative_config=NGRAM) as engine:
+    with LocalEngine.of(model_dir, speculative_config=NGRAM) as engine:
         got = engine.generate([prompt] * n, sampling)
         stats = engine.stats().spec_decode
     counts: dict[tuple, int] = {}
@@ -306,7 +306,7 @@ def exact_distribution(model, prompt: list[int], length: int, top_k: int, temper
 
 
 # -- a draft model ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("draft, layout", [("self", dict(split=[1, 3])), ("first-2-layers", dict()),
+@pytest.mark.parametrize("draft, layout", [("self", dict(layer_split=[1, 3])), ("first-2-layers", dict()),
                                            ("first-2-layers", dict(max_num_batched_tokens=20, num_kv_blocks=14))])
 def test_a_draft_models_greedy_tokens_equal_transformers(tiny, tmp_path, draft, layout):
     """The target as its own draft: every draft accepted; its first two layers: some; the tokens are
@@ -317,7 +317,7 @@ def test_a_draft_models_greedy_tokens_equal_transformers(tiny, tmp_path, draft, 
     model_dir, batch, want = tiny
     draft_dir = model_dir if draft == "self" else first_layers(model_dir, tmp_path / "draft", 2)
     spec = {"model": str(draft_dir), "num_speculative_tokens": 3}
-    with LocalEngine(model_dir, speculative_config=spec, **layout) as engine:
+    with LocalEngine.of(model_dir, speculative_config=spec, **layout) as engine:
         got = engine.generate(batch + batch[:2], SamplingParams(max_tokens=24, ignore_eos=True))
         stats = engine.stats()
     assert got == want + want[:2]
@@ -336,7 +336,7 @@ def test_a_draft_model_keeps_seeded_tokens(tiny):
     sampling = SamplingParams(max_tokens=16, temperature=0.1, seed=3, logprobs=1)
     results = []
     for spec in (None, {"model": str(model_dir), "num_speculative_tokens": 2}):
-        with LocalEngine(model_dir, speculative_config=spec) as engine:
+        with LocalEngine.of(model_dir, speculative_config=spec) as engine:
             results.append(engine.generate(batch, sampling))
     assert results[0] == results[1]
 
@@ -420,9 +420,9 @@ def test_probabilistic_drafts_keep_the_models_distribution(tiny, tmp_path):
     exact = exact_distribution(reference_model(model_dir), prompt, 3, top_k=3, temperature=0.5)
     n = 1500
     seeded = SamplingParams(max_tokens=16, temperature=0.5, seed=7)
-    with LocalEngine(model_dir) as engine:
+    with LocalEngine.of(model_dir) as engine:
         want_seeded = engine.generate(batch[:4], seeded)
-    with LocalEngine(model_dir, speculative_config=spec) as engine:
+    with LocalEngine.of(model_dir, speculative_config=spec) as engine:
         got = engine.generate([prompt] * n, SamplingParams(max_tokens=4, temperature=0.5, top_k=3, ignore_eos=True))
         stats = engine.stats().spec_decode
         assert engine.generate(batch, SamplingParams(max_tokens=24, ignore_eos=True)) == want
@@ -449,7 +449,7 @@ def test_the_default_model_as_its_own_draft_is_accepted_and_answers_as_transform
         want = [ref.generate(torch.tensor([p]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
                              pad_token_id=tokenizer.eos_token_id)[0, len(p):].tolist() for p in ids]
     spec = {"model": str(default_model_dir), "num_speculative_tokens": 4}
-    with LocalEngine(default_model_dir, speculative_config=spec) as engine:
+    with LocalEngine.of(default_model_dir, speculative_config=spec) as engine:
         got = engine.generate(ids, SamplingParams(max_tokens=24, ignore_eos=True))
         s = engine.stats().spec_decode
     assert got == want

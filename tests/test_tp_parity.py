@@ -107,7 +107,7 @@ def test_default_model_tp3_matches_transformers(default_model_dir, tmp_path):
 def test_stage_of_half_the_layers_at_tp2_holds_a_quarter(tmp_path):
     model_dir = make_tiny_model(tmp_path, "llama", num_hidden_layers=8)
     total = sum(t.numel() * t.element_size() for t in reference_model(model_dir).state_dict().values())
-    stage = StageRunner(model_dir, 0, 4, tp_rank=1, tp_size=2)
+    stage = StageRunner.of(model_dir, 0, 4, tp_rank=1, tensor_parallel_size=2)
     ratio = stage.model.num_parameter_bytes() / total
     assert 0.2 < ratio < 0.3, ratio
 
@@ -115,5 +115,5 @@ def test_stage_of_half_the_layers_at_tp2_holds_a_quarter(tmp_path):
 def test_tp_size_that_does_not_divide_heads_is_refused(tiny_model_dir):
     with pytest.raises(StagemeshError,
                        match=r"does not divide the model's 4 attention heads; sizes that work: 1, 2, 4"):
-        StageRunner(tiny_model_dir("llama"), 0, 4, tp_rank=0, tp_size=3)
+        StageRunner.of(tiny_model_dir("llama"), 0, 4, tp_rank=0, tensor_parallel_size=3)
     assert ModelConfig.from_path(tiny_model_dir("llama")).valid_tp_sizes(8) == [1, 2, 4]

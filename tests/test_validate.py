@@ -120,7 +120,7 @@ def test_activations_that_do_not_fit_the_step_limits_are_refused(msg, words):
 
 @pytest.fixture(scope="module")
 def runner(tiny_model_dir):
-    r = StageRunner(tiny_model_dir("llama"), 0, 4)
+    r = StageRunner.of(tiny_model_dir("llama"), 0, 4)
     r.allocate_kv_cache(100)
     return r
 

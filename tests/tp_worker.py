@@ -33,7 +33,8 @@ def main() -> None:
     try:
         split = [int(x) for x in a.split.split(",")]
         prompt = [int(x) for x in a.prompt.split(",")]
-        context: dict = {"dcp_size": a.dcp} if a.dcp > 1 else {"pcp_size": a.pcp} if a.pcp > 1 else {}
+        context: dict = {"decode_context_parallel_size": a.dcp} if a.dcp > 1 \
+            else {"prefill_context_parallel_size": a.pcp} if a.pcp > 1 else {}
         if a.pcp > 1 and a.world > a.pcp:  # PCP with TP: this rank's TP group, ranks of its place in each PCP group
             groups = [dist.new_group(list(range(c, a.world, a.pcp))) for c in range(a.pcp)]
             context["shard_group"] = groups[a.rank % a.pcp]

@@ -54,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                               max_tokens=args.max_tokens)
     gguf = str(source.gguf_file) if source.gguf_file else None
-    with LocalEngine(model_dir, split=split, dtype=args.dtype, quantization=source.quantization,
-                     quantization_activations=source.activations, gguf_file=gguf) as engine:
+    with LocalEngine.of(model_dir, layer_split=split, dtype=args.dtype, quantization=source.quantization,
+                        quantization_activations=source.activations, gguf_file=gguf) as engine:
         [tokens] = engine.generate([list(prompt_ids)], sampling)
     print(tokenizer.decode(tokens, skip_special_tokens=True))
     return 0

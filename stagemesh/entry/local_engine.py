@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from scheduler.config import SchedulerConfig
 from scheduler.driver import Driver, DriverConfig
@@ -21,58 +23,63 @@ from scheduler.request import RequestOutput
 from scheduler.scheduler import SchedulerStats
 from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
-from stagemesh.core.lora import LoRALimits, parse_lora_modules
 from stagemesh.core.model_config import ModelConfig, layer_ranges, layer_split
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.speculative import parse_speculative_config
 from stage_worker.draft import make_drafter
 from stage_worker.kv_cache import num_kv_blocks_for_budget
-from stage_worker.lora import LoRASettings
 from stage_worker.runner import StageRunner
+from stage_worker.settings import StageSettings
 
 DEFAULT_KV_BUDGET = 512 * 2**20  # bytes per stage when nothing is said
 
 
+@dataclass(frozen=True)
+class EngineSettings:
+    """The in-process engine's settings: its stages' (one StageSettings, its layers each stage's share of
+    layer_split) and its scheduler's, each named as the `stagemesh serve` flag it means (num_kv_blocks, which no
+    flag sets, overrides the count kv_cache_memory gives)."""
+    stage: StageSettings  # every stage's, less its layers (the model, dtype, block size, quantization, LoRA ...)
+    layer_split: tuple[int, ...] | None = None  # layers per stage (default: one stage)
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int = DEFAULT_KV_BUDGET
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    async_scheduling: bool | None = None
+    speculative_config: str | None = None  # vLLM's --speculative-config, JSON
+    kv_offloading_disk_path: str | None = None  # the stages' disk KV tier (stagemesh.entry.inprocess_pipeline)
+
+
+ENGINE_FIELDS = frozenset(f.name for f in fields(EngineSettings)) - {"stage"}
+
+
 class LocalEngine:
-    def __init__(self, model_dir: str | Path, *, split: list[int] | None = None, block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_memory: int = DEFAULT_KV_BUDGET,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 max_model_len: int | None = None, device: str = "cpu", dtype: str | None = None,
-                 async_scheduling: bool | None = None, speculative_config: str | dict | None = None,
-                 quantization: str | None = None, gguf_file: str | None = None,
-                 quantization_activations: str | None = None, kv_offloading_disk_path: str | None = None,
-                 lora_modules: list[str] | None = None,
-                 max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
-                 kv_cache_dtype: str | None = None, calculate_kv_scales: bool = False):
-        """speculative_config: vLLM's --speculative-config, as JSON or a dict. kv_offloading_disk_path: the stages'
-        disk KV tier (stagemesh.entry.inprocess_pipeline). lora_modules: vLLM's --lora-modules entries (LoRA on, with
-        --max-loras, --max-lora-rank and --max-cpu-loras): requests pick one by lora_name. kv_cache_dtype and
-        calculate_kv_scales: vLLM's --kv-cache-dtype and --calculate-kv-scales (stage_worker.kv_scales)."""
-        cfg = ModelConfig.from_path(model_dir)
-        spec = parse_speculative_config(speculative_config)
-        split = split or layer_split(cfg.num_hidden_layers, 1)
-        lora = None
-        if lora_modules is not None:
-            lora = LoRASettings(LoRALimits(max_loras, max_lora_rank, max_cpu_loras),
-                                tuple(parse_lora_modules(lora_modules)))
-        self.runners = [StageRunner(model_dir, a, b, device=device, dtype=dtype, block_size=block_size, config=cfg,
-                                    quantization=quantization, gguf_file=gguf_file, lora=lora,
-                                    quantization_activations=quantization_activations,
-                                    kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales)
-                        for a, b in layer_ranges(split)]
+    def __init__(self, settings: EngineSettings):
+        s, stage = settings, settings.stage
+        self.settings = settings
+        cfg = ModelConfig.from_path(stage.model_dir)  # type: ignore[arg-type]
+        spec = parse_speculative_config(s.speculative_config)
+        split = list(s.layer_split or layer_split(cfg.num_hidden_layers, 1))
+        self.runners = [StageRunner(replace(stage, layers=(a, b)), config=cfg) for a, b in layer_ranges(split)]
         if spec is not None and spec.uses_draft_model:  # on the last stage, as a stage service runs it
-            self.runners[-1].attach_drafter(make_drafter(spec, cfg, model_dir, device, dtype, block_size))
+            self.runners[-1].attach_drafter(make_drafter(spec, cfg, stage.model_dir, stage.device, stage.dtype,
+                                                         stage.block_size))
+        num_kv_blocks = s.num_kv_blocks
         if num_kv_blocks is None:
-            num_kv_blocks = min(num_kv_blocks_for_budget(kv_cache_memory, r.kv_bytes_per_block) for r in self.runners)
-        self.pipeline = InProcessPipeline(self.runners, num_kv_blocks, kv_offloading_disk_path)
+            num_kv_blocks = min(num_kv_blocks_for_budget(s.kv_cache_memory, r.kv_bytes_per_block) for r in self.runners)
+        self.pipeline = InProcessPipeline(self.runners, num_kv_blocks, s.kv_offloading_disk_path)
+        lora = self.runners[0].lora
         self.driver = Driver(DriverConfig(
-            SchedulerConfig(max_model_len=max_model_len, block_size=block_size, max_num_seqs=max_num_seqs,
-                            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-                            eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size, speculative=spec,
-                            lora=LoRATable(max_loras, max_lora_rank, (), {m.name: m.path for m in lora.modules})
-                            if lora else None),
+            SchedulerConfig(max_model_len=s.max_model_len, block_size=stage.block_size, max_num_seqs=s.max_num_seqs,
+                            max_num_batched_tokens=s.max_num_batched_tokens,
+                            enable_prefix_caching=s.enable_prefix_caching, eos_token_ids=cfg.eos_token_ids,
+                            vocab_size=cfg.vocab_size, speculative=spec,
+                            lora=LoRATable(lora.limits.max_loras, lora.limits.max_lora_rank, (),
+                                           {m.name: m.path for m in lora.settings.modules}) if lora else None),
             # nothing restarts in-process: a failed step fails its requests at once
-            model_max_len=cfg.max_position_embeddings, async_scheduling=async_scheduling,
+            model_max_len=cfg.max_position_embeddings, async_scheduling=s.async_scheduling,
             stage_recovery_timeout_s=0.0), self.pipeline)
         self._loop = asyncio.new_event_loop()
         self._loop.run_until_complete(self.driver.form())
@@ -80,6 +87,21 @@ class LocalEngine:
             raise StagemeshError(self.driver.reason)
         self._running = self._loop.create_task(self.driver.run())
         self._ids = itertools.count()
+
+    @classmethod
+    def of(cls, model: str | Path, **flags: Any) -> LocalEngine:
+        """An engine from keyword flags: EngineSettings' own, and the stages' (StageSettings.of: LoRA's flat as on
+        the command line, and --lora-modules alone turns LoRA on); a dict --speculative-config as JSON."""
+        engine = {k: flags.pop(k) for k in list(flags) if k in ENGINE_FIELDS}
+        if flags.get("lora_modules") is not None:
+            flags.setdefault("enable_lora", True)
+        elif "lora_modules" in flags:
+            del flags["lora_modules"]
+        if isinstance(engine.get("speculative_config"), dict):
+            engine["speculative_config"] = json.dumps(engine["speculative_config"])
+        if engine.get("layer_split") is not None:
+            engine["layer_split"] = tuple(engine["layer_split"])
+        return cls(EngineSettings(StageSettings.of(model, 0, 0, **flags), **engine))
 
     def stream(self, prompt_token_ids: list[int], sampling: SamplingParams,
                request_id: str | None = None, lora_name: str = "") -> Iterator[RequestOutput]:
