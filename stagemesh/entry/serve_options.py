@@ -125,6 +125,7 @@ class ServeOptions:
     kv_offloading_disk_path: str | None = flag_of(W, "kv_offloading_disk_path")
     gpu_memory_utilization: float = flag_of(W, "gpu_memory_utilization")
     enforce_eager: bool = flag_of(W, "enforce_eager")
+    load_format: str = flag_of(W, "load_format")
     enable_expert_parallel: bool = flag_of(W, "enable_expert_parallel")
     prefill_replicas: int = Flag(("--prefill-replicas",), type=int, default=0, metavar="N", help=(
         "disaggregated prefill: of the --data-parallel-size replicas, the first N compute new prompts (--kv-role "
