@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from scheduler import handover
 from scheduler.config import DriverConfig
 from scheduler.epochs import EpochManager
 from scheduler.kv_events import KVEventHub
@@ -17,7 +18,8 @@ from scheduler.observe import Observer
 from scheduler.pipeline import Pipeline
 from scheduler.rendezvous import StageInfo
 from scheduler.request import RequestOutput
-from scheduler.scheduler import Scheduler, SchedulerStats
+from scheduler.scheduler import Scheduler
+from scheduler.stats import SchedulerStats
 from scheduler.step_loop import OutputSink, StepLoop, Unavailable
 from stagemesh.core.engine_request import EngineRequest
 
@@ -78,7 +80,7 @@ class Driver:
     async def migrate(self, reason: str, timeout_s: float) -> tuple[int, int]:
         """The drain's end: no step more; once the steps in flight are back (at most timeout_s), every request
         ends "migrated" for its router to go on with it elsewhere, with its KV under --migration-policy kv
-        (Scheduler.migrate_all); any still in flight then fails with `reason` (UNAVAILABLE: continued by
+        (scheduler.handover.migrate_all); any still in flight then fails with `reason` (UNAVAILABLE: continued by
         recompute). Returns (moved with their KV, moved without)."""
         self.steps.paused = True
         if self.steps.in_flight:
@@ -86,7 +88,7 @@ class Driver:
         scheduler = self.epochs.scheduler  # (after the wait: the one of the epoch now)
         if scheduler is None:
             return 0, 0
-        outputs = scheduler.migrate_all(self.cfg.scheduler.migration_policy == "kv")
+        outputs = handover.migrate_all(scheduler, self.cfg.scheduler.migration_policy == "kv")
         self.steps.stamp_held(outputs)
         with_kv = sum(1 for out in outputs if out.held_kv is not None)
         outputs += scheduler.fail_all(reason)  # (in flight still, pulling their prompt's KV, loading from a tier)

@@ -2,7 +2,7 @@
 
 A stage that fails ends the epoch and the replica turns unhealthy (new
 requests go to other replicas), but its requests are kept, as if preempted:
-generated tokens kept, KV gone with the epoch (Scheduler.requeue_all). When a
+generated tokens kept, KV gone with the epoch (scheduler.handover.requeue_all). When a
 new epoch forms (the stage restarted, or a standby stage took its place)
 within --stage-recovery-timeout, the new epoch's scheduler takes them over and
 recomputes prompt + generated tokens: their streams stall, then go on, with the
@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
+from scheduler import handover
 from scheduler.config import DriverConfig, SchedulerConfig
 from scheduler.observe import Observer
 from scheduler.pipeline import Pipeline, StageFailure
@@ -80,7 +81,7 @@ class EpochManager:
             self._give_up(scheduler, reason)
             return
         # kept for the next epoch: it is the replica's scheduler until then (aborts and stats go to it)
-        requests = scheduler.requeue_all()
+        requests = handover.requeue_all(scheduler)
         limit = self.cfg.max_request_retries
         tired = [r.request_id for r in requests if r.num_recoveries > limit]
         if tired:
@@ -214,12 +215,12 @@ class EpochManager:
         disk_hashes = getattr(self.pipeline, "disk_block_hashes", ())  # what the disk tier kept from before
         kept, self.scheduler = self.scheduler, Scheduler(config, disk_hashes)
         if warm is not None:
-            self.scheduler.continue_after(warm)
+            handover.continue_after(self.scheduler, warm)
         if self._recovery is not None:
             self._recovery.cancel()
             self._recovery = None
         if kept is not None:  # the requests kept through the broken epoch go on in this one
-            self._dispatch(self.scheduler.take_over(kept))
+            self._dispatch(handover.take_over(self.scheduler, kept))
             log.info("resuming %d request(s) kept from the broken epoch", self.scheduler.num_unfinished)
         self.plan, self.max_model_len = plan, max_len
         for s in plan.stages:

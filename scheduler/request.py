@@ -32,7 +32,7 @@ class Request:
     # speculative decoding: the draft tokens its next decode step carries (scheduler.speculation)
     spec_token_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
-    num_recoveries: int = 0  # pipelines that broke under it (it was kept and recomputed: Scheduler.requeue_all)
+    num_recoveries: int = 0  # pipelines that broke under it (it was kept and recomputed: handover.requeue_all)
     num_prompt_logprobs: int = 0  # prompt logprobs delivered (positions 1.. of the prompt)
     priority: int = 0  # under --scheduling-policy priority: lower is served first
     arrival_time: float = field(default_factory=time.monotonic)
@@ -66,7 +66,7 @@ class Request:
 
     def restart(self) -> None:
         """Back to waiting with nothing computed, its generated tokens kept: the pipeline broke under it
-        (Scheduler.requeue_all). Its prompt is computed again here, even if a prefill replica held its KV."""
+        (scheduler.handover.requeue_all). Its prompt is computed again here, even if a prefill replica held its KV."""
         self.status, self.seq_id = self.status.after_restart(), -1
         self.num_computed_tokens = self.in_flight = self.num_output_placeholders = 0
         self.spec_token_ids = []

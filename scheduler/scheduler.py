@@ -19,50 +19,33 @@ The Scheduler coordinates; each concept is its own module: where a request stand
 queues' order and who is preempted (scheduler.policy: fcfs or priority, within each tenant; across tenants,
 its fair share by weight), the blocks a request holds and needs and where its KV comes from
 (scheduler.kv_accounting, scheduler.kv_sources), and the step built from the chosen requests
-(scheduler.step_assembly).
+(scheduler.step_assembly). Its requests handed on to another scheduler (a broken pipeline's next epoch, another
+replica) are scheduler.handover's; what it reports of itself, scheduler.stats'.
 """
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import itertools
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 from scheduler import results
-from scheduler.admission import check_engine_request, fits_kv_cache, request_tokens
+from scheduler.admission import check_engine_request
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.kv_accounting import KVAccounting, Placement
 from scheduler.kv_transfer import KVLoadFailed, KVTransfers, not_fit_message
 from scheduler.lora_slots import LoRASlots
 from scheduler.policy import SchedulingPolicy
-from scheduler.request import HeldKV, Request, RequestOutput
-from scheduler.speculation import SpecDecodeStats, Speculator
+from scheduler.request import Request, RequestOutput
+from scheduler.speculation import Speculator
+from scheduler.stats import SchedulerStats, snapshot
 from scheduler.status import Status
 from scheduler.step_assembly import SchedulerOutput, StepBudget, can_run_ahead, next_chunk
 from scheduler.tiers import KVTiers, LoadJob
 from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.step import PromptLogprobs, SampledToken
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_kv_blocks: int
-    num_preemptions: int = 0
-    spec_decode: SpecDecodeStats | None = None  # with --speculative-config
-    tier_blocks: dict[str, int] = field(default_factory=dict)  # KV tier -> blocks it holds (scheduler.tiers)
-    # --enable-lora: the adapters of the running and of the waiting requests (vLLM's lora_requests_info)
-    running_adapters: tuple[str, ...] = ()
-    waiting_adapters: tuple[str, ...] = ()
-    queue_wait: dict[str, float] = field(default_factory=dict)  # tenant -> its oldest waiting request's wait, s
 
 
 class Scheduler:
@@ -77,9 +60,11 @@ class Scheduler:
         self.waiting = self.policy.waiting()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self._finished_seq_ids: list[int] = []
-        self._seq_ids = itertools.count()
-        self._step_ids = itertools.count()
+        # the ids the stages know: sequences ended since the last step (it tells the stages to drop them), and
+        # the next sequence's and step's (scheduler.handover carries them on from the warm-up's scheduler)
+        self.finished_seq_ids: list[int] = []
+        self.new_seq_ids = itertools.count()
+        self.new_step_ids = itertools.count()
         # ids of preempted requests, for tracing; the driver drains it
         self.recent_preemptions: deque[str] = deque(maxlen=4096)
         self.num_preemptions = 0
@@ -87,13 +72,6 @@ class Scheduler:
         self.spec = Speculator(config.speculative, self.max_model_len) if config.speculative else None
         self.lora_slots = LoRASlots()  # --max-loras: which waiting request's adapter may start
         self.accounting = KVAccounting(self.kv, self.transfers, self.spec)  # blocks held and needed; KV sources
-
-    def continue_after(self, warm: Scheduler) -> None:
-        """`warm` ran steps in this epoch before this scheduler (scheduler.warmup): its step and sequence ids stay
-        spent on the stages, and its finished sequences are dropped there with this scheduler's first step."""
-        self._step_ids = itertools.count(next(warm._step_ids))
-        self._seq_ids = itertools.count(next(warm._seq_ids))
-        self._finished_seq_ids = [*warm._finished_seq_ids, *self._finished_seq_ids]
 
     # -- requests in and out ------------------------------------------------
     def add_request(self, r: EngineRequest) -> bool:
@@ -147,50 +125,6 @@ class Scheduler:
         if request is not None:
             self.waiting.appendleft(request)
 
-    # -- a broken pipeline (docs/recovery.md): the old epoch's scheduler requeues, the next one's takes over ---
-    def requeue_all(self) -> list[Request]:
-        """Every request goes back to waiting, as if preempted (generated tokens kept, its KV gone with the
-        epoch), running ones first, until a scheduler of the next epoch takes them over (take_over) or they fail
-        (fail_all). Nothing a step in flight computed was streamed, so recomputing loses and repeats nothing
-        (a seeded request draws by (seed, position); drafts are proposed again). Returns them."""
-        for r in self.running:  # (a waiting one lost no work)
-            r.num_recoveries += 1
-        loading = self.kv.tiers.pending() if self.kv.tiers is not None else []
-        requests = self.policy.order([*self.running, *self.waiting, *self.transfers.pending(), *loading])
-        releases = self.transfers.take_releases()  # (the KV prefill replicas hold for requests gone: still released)
-        self.transfers = KVTransfers(self.config.kv_hold_timeout_s)  # held KV and pulls end with the cache
-        # a request whose prompt KV a prefill replica holds computes it again here: that KV may be freed
-        releases += [r.kv_source for r in requests if r.kv_source is not None]
-        for r in requests:
-            r.restart()
-        self.transfers.requeue_releases(releases)
-        self.running, self.waiting = [], self.policy.waiting(requests)
-        self._finished_seq_ids = []
-        self.kv = BlockManager(self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.accounting = KVAccounting(self.kv, self.transfers, self.spec)
-        return requests
-
-    def take_over(self, old: Scheduler) -> list[RequestOutput]:
-        """Adopt the requests `old` kept (after its requeue_all), in their order; those that no longer fit this
-        epoch's context length or KV cache fail (their outputs are returned)."""
-        assert not old.running, "take_over needs the old scheduler's requests requeued"
-        failed, cfg = [], self.config
-        for request in old.waiting:
-            total = request_tokens(len(request.prompt_token_ids), request.sampling)
-            if total > self.max_model_len or not fits_kv_cache(cfg, total):
-                request.status = Status.FINISHED
-                failed.append(RequestOutput(
-                    request.request_id, finish_reason="error", num_prompt_tokens=len(request.prompt_token_ids),
-                    error=f"the pipeline re-formed with room for {self.max_model_len} tokens per request "
-                          f"and a KV cache of {cfg.kv_cache_tokens}; this request needs {total}"))
-                continue
-            self.requests[request.request_id] = request
-            self.policy.arrived(request)
-            self.waiting.add(request)
-        old.requests, old.waiting = {}, old.policy.waiting()
-        self.transfers.requeue_releases(old.transfers.take_releases())
-        return failed
-
     def fail(self, request_ids, error: str, own_fault: bool = False) -> list[RequestOutput]:
         """End these requests with `error` (own_fault: their own data failed them, never to be retried)."""
         return [self.finish(self.requests[r], "error", error=error, own_fault=own_fault) for r in request_ids
@@ -217,27 +151,7 @@ class Scheduler:
     def fail_all(self, error: str) -> list[RequestOutput]:
         """The pipeline broke: every request ends with `error` (their KV is gone with the epoch)."""
         outputs = [self.finish(r, "error", error=error) for r in list(self.requests.values())]
-        self._finished_seq_ids.clear()
-        return outputs
-
-    def migrate_all(self, with_kv: bool) -> list[RequestOutput]:
-        """The replica drains: every request not in flight ends "migrated", for its router to go on with it on
-        another replica. A running one whose tokens but the last are computed, with with_kv, keeps its KV blocks
-        held here (RequestOutput.held_kv) until the replica that takes it has read them (ReleaseKV) or
-        --kv-hold-timeout; the others go without (computed again there). Those in flight are left (their step's
-        result first): the caller calls again."""
-        outputs = []
-        for request in [*self.running, *self.waiting]:
-            if request.in_flight:
-                continue
-            n = request.num_computed_tokens
-            movable = (with_kv and request.status is Status.RUNNING and n == request.num_tokens - 1
-                       and not request.num_output_placeholders)
-            table = self.kv.tables.get(request.request_id, [])[:self.kv.blocks_needed(n)] if movable else []
-            out = self.finish(request, "migrated", hold_kv=movable)
-            if movable:
-                out.held_kv = HeldKV(list(table), n)
-            outputs.append(out)
+        self.finished_seq_ids.clear()
         return outputs
 
     def has_unfinished(self) -> bool:
@@ -248,18 +162,7 @@ class Scheduler:
         return len(self.requests)
 
     def stats(self) -> SchedulerStats:
-        tiers = self.kv.tiers
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.kv.prefix_queries,
-                              self.kv.prefix_hits, self.kv.num_blocks, self.num_preemptions,
-                              self.spec.stats if self.spec is not None else None,
-                              {"host": len(tiers.host), "disk": len(tiers.disk)} if tiers is not None else {},
-                              *self._adapters(), self.waiting.oldest_waits(time.monotonic()))
-
-    def _adapters(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        if self.config.lora is None:
-            return (), ()
-        return (tuple(sorted({r.lora_name for r in self.running if r.lora_name})),
-                tuple(sorted({r.lora_name for r in self.waiting if r.lora_name})))
+        return snapshot(self)
 
     # -- one step -------------------------------------------------------------
     def schedule(self, max_seqs: int | None = None, run_ahead: bool = True) -> SchedulerOutput | None:
@@ -279,8 +182,8 @@ class Scheduler:
             return None
         for request_id in budget.request_ids:
             self.requests[request_id].in_flight += 1
-        batch = budget.batch(next(self._step_ids), self._finished_seq_ids)
-        self._finished_seq_ids = []
+        batch = budget.batch(next(self.new_step_ids), self.finished_seq_ids)
+        self.finished_seq_ids = []
         return SchedulerOutput(batch, budget.request_ids, preempted)
 
     def _schedule_running(self, budget: StepBudget) -> int:
@@ -377,7 +280,7 @@ class Scheduler:
         if self.config.enable_prefix_caching:
             self.kv.record_prefix_lookup(request.num_tokens, placed.num_cached)
         request.status = Status.RUNNING
-        request.seq_id = next(self._seq_ids)
+        request.seq_id = next(self.new_seq_ids)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
         request.num_computed_tokens = placed.num_cached
@@ -400,7 +303,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free_request(request.request_id)
-        self._finished_seq_ids.append(request.seq_id)
+        self.finished_seq_ids.append(request.seq_id)
         request.status = Status.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -426,7 +329,7 @@ class Scheduler:
             self.policy.left(request)
         if request.status is Status.RUNNING:
             self.running.remove(request)
-            self._finished_seq_ids.append(request.seq_id)
+            self.finished_seq_ids.append(request.seq_id)
         elif request.status.is_waiting and request in self.waiting:
             self.waiting.remove(request)
         request.status = Status.FINISHED

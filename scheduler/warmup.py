@@ -7,7 +7,7 @@ messages. Without this the first request after a start took 2x the second (issue
 requests of its own (a prefill of up to WARMUP_PROMPT_TOKENS tokens each, then a few decode steps at batch 2;
 one greedy with logprobs and prompt logprobs, one sampled with top-k / top-p) on a scheduler of its own, with
 no prefix caching and no tiers: nothing it computes is ever found by a request, and the replica's own
-scheduler starts empty. Their sequence ids stay spent in this epoch (Scheduler.continue_after), and the
+scheduler starts empty. Their sequence ids stay spent in this epoch (scheduler.handover.continue_after), and the
 stages drop them with the real scheduler's first step.
 """
 from __future__ import annotations

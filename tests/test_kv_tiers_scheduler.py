@@ -3,6 +3,7 @@ does when a load fails, with the stages' answers given by hand (the stages' side
 real stages: tests/test_kv_tiers.py)."""
 from __future__ import annotations
 
+from scheduler import handover
 from scheduler.config import SchedulerConfig
 from scheduler.kv_events import BlockRemoved, BlockStored
 from scheduler.scheduler import Scheduler
@@ -155,7 +156,7 @@ def test_requests_loading_when_the_pipeline_breaks_are_kept_for_the_next_epoch()
     evict_everything(s)
     s.add_request(EngineRequest("b", prompt + [1], SamplingParams(max_tokens=1)))
     s.schedule()
-    kept = s.requeue_all()
+    kept = handover.requeue_all(s)
     assert [r.request_id for r in kept] == ["b"] and not kept[0].tiers_checked
 
 

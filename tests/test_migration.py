@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from scheduler import handover
 from scheduler.config import SchedulerConfig
 from scheduler.kv_transfer import KVLoadFailed
 from scheduler.scheduler import Scheduler
@@ -37,7 +38,7 @@ def test_a_decoding_request_moves_with_its_kv_and_a_waiting_one_without():
         s.add_request(EngineRequest(f"r{i}", list(range(3, 13)), SamplingParams(max_tokens=20)))
     for _ in range(3):
         step(s)  # r0, r1 run (max_num_seqs 2); r2 waits
-    outs = {o.request_id: o for o in s.migrate_all(with_kv=True)}
+    outs = {o.request_id: o for o in handover.migrate_all(s, with_kv=True)}
     assert set(outs) == {"r0", "r1", "r2"} and all(o.finish_reason == "migrated" for o in outs.values())
     held = outs["r0"].held_kv
     assert held.num_tokens == 10 + 3 - 1 and len(held.block_ids) == 3  # prompt + 3 generated, but the last
@@ -50,10 +51,10 @@ def test_recompute_policy_and_a_request_in_flight():
     s = make()
     s.add_request(EngineRequest("r0", list(range(3, 13)), SamplingParams(max_tokens=20)))
     step(s)
-    assert s.migrate_all(with_kv=False)[0].held_kv is None and not s.transfers.held
+    assert handover.migrate_all(s, with_kv=False)[0].held_kv is None and not s.transfers.held
     s.add_request(EngineRequest("r1", list(range(3, 13)), SamplingParams(max_tokens=20)))
     s.schedule()  # in flight: left for the next call
-    assert s.migrate_all(with_kv=True) == [] and s.has_unfinished()
+    assert handover.migrate_all(s, with_kv=True) == [] and s.has_unfinished()
 
 
 def test_the_replica_that_takes_it_goes_on_from_its_last_token_with_the_kv_it_read():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from scheduler import handover
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import QueueFull, Scheduler
 from scheduler.status import Status
@@ -335,9 +336,9 @@ def test_requeued_requests_keep_their_priority_order_through_a_broken_pipeline()
         s.add_request(EngineRequest(request_id, [3, 4], SamplingParams(max_tokens=4), priority=priority))
     run_step(s)
     s.add_request(EngineRequest("z", [3, 4], SamplingParams(max_tokens=4), priority=0))
-    kept = s.requeue_all()
+    kept = handover.requeue_all(s)
     fresh = priority_scheduler(num_kv_blocks=64)
-    fresh.take_over(s)
+    handover.take_over(fresh, s)
     assert [r.request_id for r in fresh.waiting] == ["z", "a", "b", "c"] and len(kept) == 4
 
 
@@ -350,9 +351,9 @@ def test_a_request_waiting_for_its_grammar_keeps_its_place_through_a_broken_pipe
     s.add_request(EngineRequest("p", [3, 4, 6], SamplingParams(max_tokens=4)))
     out, _ = run_step(s)
     assert out.request_ids == ["p"] and s.requests["g"].status is Status.WAITING_FOR_GRAMMAR
-    s.requeue_all()
+    handover.requeue_all(s)
     fresh = make()
-    fresh.take_over(s)
+    handover.take_over(fresh, s)
     out, _ = run_step(fresh)
     assert out.request_ids == ["p"] and fresh.requests["g"].status is Status.WAITING_FOR_GRAMMAR
     fresh.wait_for_grammar("g", False)

@@ -20,7 +20,7 @@ from scheduler.lora_table import LoRATable
 from stagemesh.entry.inprocess_pipeline import InProcessPipeline
 from scheduler.output_stream import OutputStream
 from scheduler.request import RequestOutput
-from scheduler.scheduler import SchedulerStats
+from scheduler.stats import SchedulerStats
 from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig, layer_ranges, layer_split
