@@ -16,6 +16,7 @@ from router.replica_set import ReplicaSet
 from router.observe import tenant_refused
 from router.request import GenerateRequest
 from router.state import tenant_owner
+from router.tenants import Tenant
 from router.tokenization import Tokenizer
 
 
@@ -26,7 +27,7 @@ async def launch(req: GenerateRequest, replicas: ReplicaSet, tokenizer: Tokenize
     max_len = admit(req, replicas, config.max_model_len)
     fresh = req.resume is None  # (a resume was counted when it came first)
     if fresh:
-        shed(req, replicas, config.max_queue_wait, config.tenants.top_weight if config.tenants else 1.0)
+        shed(req.tenant, replicas, config)
     prompts = await prepare(req, tokenizer, max_len)
     gens = plan(req, prompts, answer_id, max_len)
     if config.limits is not None and req.tenant is not None:
@@ -37,20 +38,21 @@ async def launch(req: GenerateRequest, replicas: ReplicaSet, tokenizer: Tokenize
     return prompts, gens
 
 
-def shed(req: GenerateRequest, replicas: ReplicaSet, max_queue_wait: float, top_weight: float) -> None:
-    """--max-queue-wait: the 503 when the request's tenant's oldest waiting request has waited past its bound on
-    every replica (a tenant of weight w: max_queue_wait x w / top_weight, so the lowest weights are shed first);
-    a tenant with nothing waiting somewhere is not."""
-    if not max_queue_wait:
+def shed(tenant: Tenant | None, replicas: ReplicaSet, config: RouterConfig) -> None:
+    """--max-queue-wait, for a generation and a pooling call alike: the 503 when the tenant's oldest waiting
+    request has waited past its bound on every replica (a tenant of weight w: max_queue_wait x w / the file's
+    largest weight, so the lowest weights are shed first); a tenant with nothing waiting somewhere is not."""
+    if not config.max_queue_wait:
         return
-    tenant, weight = req.engine.tenant, req.engine.tenant_weight
-    bound = max_queue_wait * weight / top_weight
-    wait = min((r.queue_wait.get(tenant, 0.0) for r in replicas.healthy()), default=0.0)
+    name, weight = (tenant.name, tenant.weight) if tenant is not None else ("", 1.0)  # (EngineRequest's default)
+    bound = config.max_queue_wait * weight / (config.tenants.top_weight if config.tenants else 1.0)
+    wait = min((r.queue_wait.get(name, 0.0) for r in replicas.healthy()), default=0.0)
     if wait > bound:
-        tenant_refused(tenant, 503, "max_queue_wait")
-        raise APIError(503, f"the server is saturated: {'tenant ' + repr(tenant) + chr(39) + 's' if tenant else 'the'}"
-                            f" waiting requests have waited {wait:.1f} s, past {bound:.1f} s (--max-queue-wait "
-                            f"{max_queue_wait:g}{' for its weight' if tenant else ''})",
+        tenant_refused(name, 503, "max_queue_wait")
+        whose = f" of tenant {name!r}" if name else ""
+        raise APIError(503, f"the server is saturated: the waiting requests{whose} have waited {wait:.1f} s, past "
+                            f"{bound:.1f} s (--max-queue-wait {config.max_queue_wait:g}"
+                            f"{' for its weight' if name else ''})",
                        retry_after=max(1, math.ceil(wait - bound)))
 
 

@@ -12,7 +12,7 @@ import uuid
 
 from aiohttp import web
 
-from router.admission import admit_engine
+from router.admission import admit_engine, shed
 from router.errors import bad_request
 from router.http_body import read_json
 from router.pooling_protocol import (REFUSED_POOLING, ClassificationRequest, EmbeddingRequest, PoolingRequest,
@@ -56,12 +56,13 @@ async def _pool(request: web.Request, body, prompts: list[list[int]], params: Po
                 ) -> tuple[str, list[list[int]], list[Pooled], dict[str, str]]:
     """(answer id, the prompts as run, their pooled outputs, the answer's headers: X-Request-Id and, for a tenant
     with per-minute limits, OpenAI's x-ratelimit-*, as a generation's answer carries them)."""
-    replicas, config = request.app[REPLICAS], request.app[CONFIG]
+    replicas, config, tenant = request.app[REPLICAS], request.app[CONFIG], request.get(TENANT)
     max_len = admit_engine(replicas, body.priority, config.max_model_len)
+    shed(tenant, replicas, config)  # --max-queue-wait holds for pooling work as for a generation's
     prompts = fit(prompts, max_len, body.truncate_prompt_tokens, body.truncation_side)
     given = request.headers.get("X-Request-Id") or body.request_id
     base = uuid.uuid4().hex if given is None else checked_request_id(given)
-    tenant, limits = request.get(TENANT), config.limits
+    limits = config.limits
     headers = {"X-Request-Id": base}
     # its tenant's limits, as a generation's (router.admission, router.choices): one request, its prompt tokens
     # (what its usage says: OpenAI and vLLM count an embedding's input only), one running while it runs

@@ -1,16 +1,22 @@
 """vLLM's pooling endpoints through the router over real meshes run with --runner pooling, with the official openai
 client where it has the call: an embedding model on PP=2, a cross-encoder (a sequence-classification checkpoint
 with one label) on TP=2, each against transformers on the same weights; a tenant's per-minute limits
-(--api-keys-file) on the pooling endpoints, with OpenAI's x-ratelimit-* headers."""
+(--api-keys-file) on the pooling endpoints, with OpenAI's x-ratelimit-* headers, and --max-queue-wait's 503 for a
+flooding tenant while another's embeddings go through."""
 from __future__ import annotations
 
 import base64
 import json
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import requests
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from mesh import Mesh, Router
 from test_pooling import seq_cls_model
@@ -152,6 +158,65 @@ def test_pooling_answers_carry_the_tenants_ratelimit_headers_as_a_generations_do
         nobody = requests.post(f"{router.base_url}/v1/embeddings", headers={"x-api-key": "nobody"}, timeout=30,
                                json={"model": name, "input": "w5"})
         assert nobody.status_code == 401
+
+
+SHEDDING = {"tenants": {"flood": {"keys": ["kf"], "weight": 1}, "light": {"keys": ["kl"], "weight": 20}}}
+# one flood call: 32 inputs of 500 token ids, 16,000 tokens (8 steps of the schedulers' 2,048-token budget)
+FLOOD = [[5 + (7 * i + j) % 300 for j in range(500)] for i in range(32)]
+
+
+def _flood(router, name: str, stop: threading.Event) -> list[int]:
+    """The flooding tenant's embeddings back to back until `stop`: the status of each."""
+    codes = []
+    while not stop.is_set():
+        r = requests.post(f"{router.base_url}/v1/embeddings", headers={"x-api-key": "kf"}, timeout=120,
+                          json={"model": name, "input": FLOOD, "encoding_format": "float"})
+        codes.append(r.status_code)
+        if r.status_code == 503:
+            stop.wait(0.1)  # (shed at once: no need to hammer the router)
+    return codes
+
+
+def test_max_queue_wait_sheds_a_flooding_tenants_embeddings_with_a_503(embed_router, tmp_path):
+    """--max-queue-wait 2 over a pooling mesh that a tenant floods with more embedding work than it can run:
+    once that tenant's waiting requests have waited past its bound (weight 1 of 20: 0.1 s), its next embeddings
+    call is a 503 with Retry-After, as a chat request's, counted in the per-tenant refusals; the other tenant,
+    with nothing waiting, still gets its embeddings (transformers' values) under the same flood."""
+    import openai
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps(SHEDDING))
+    name, stop = str(embed_router.model_dir), threading.Event()
+    extra = (*POOLING, "--api-keys-file", str(keys), "--max-queue-wait", "2", "--health-interval", "0.2")
+    with Router(name, [embed_router.mesh.address], extra=extra) as router, ThreadPoolExecutor(2) as pool:
+        floods = [pool.submit(_flood, router, name, stop) for _ in range(2)]
+        try:
+            deadline = time.monotonic() + 120  # (each probe that gets in waits its turn behind the flood)
+            while True:
+                try:
+                    router.client(api_key="kf").embeddings.create(model=name, input="w5")
+                except openai.APIStatusError as err:
+                    refused = err
+                    break
+                assert time.monotonic() < deadline, "the flood never made its tenant's queue wait past 0.1 s"
+            light = router.client(api_key="kl").embeddings.create(model=name, input=TEXTS[0])
+        finally:
+            stop.set()
+        codes = [c for f in floods for c in f.result()]
+        metrics = requests.get(f"{router.base_url}/metrics", headers={"x-api-key": "kl"}, timeout=30).text
+    assert isinstance(refused, openai.InternalServerError) and refused.status_code == 503
+    assert int(refused.response.headers["Retry-After"]) >= 1
+    message = refused.response.json()["error"]["message"]
+    assert re.fullmatch(r"the server is saturated: the waiting requests of tenant 'flood' have waited \d+\.\d s, "
+                        r"past 0\.1 s \(--max-queue-wait 2 for its weight\)", message), message
+    np.testing.assert_allclose(light.data[0].embedding, last_hidden(embed_router.model_dir, ids_of(TEXTS[0])),
+                               atol=1e-4)
+    assert set(codes) <= {200, 503} and 200 in codes  # the flood's own calls: run, or shed; none lost
+    refusals = {(x.labels["tenant"], x.labels["code"], x.labels["reason"]): x.value
+                for family in text_string_to_metric_families(metrics) for x in family.samples
+                if x.name == "stagemesh:tenant_requests_refused_total"}
+    assert refusals.get(("flood", "503", "max_queue_wait"), 0) >= 1 and ("light", "503", "max_queue_wait") not in \
+        refusals, refusals
 
 
 def test_score_and_rerank_of_an_embedding_model_are_cosines(embed_router):
