@@ -10,10 +10,18 @@ import torch
 _ALIGN = 8  # every part starts at a multiple of the widest element size, so each can be viewed as its dtype
 
 
+def on_host(device: torch.device) -> bool:
+    """Tensors on this device are the host's already: no copy to make, and packing them would only cost (on a CPU
+    stage it made a batch-8 sampler step 10-30% slower)."""
+    return device.type == "cpu"
+
+
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors (all on one device), on the CPU, in one device->host copy; same dtypes, shapes and bits."""
     if not tensors:
         return []
+    if on_host(tensors[0].device):
+        return list(tensors)
     parts, spans = [], []
     at = 0
     for t in tensors:

@@ -7,9 +7,10 @@ import torch
 
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import NewSequence
-from stage_worker import prompt_logprobs
+from stage_worker import host_copy, prompt_logprobs
 from stage_worker.sampler import Sampler
 
+CPU_ON_HOST = host_copy.on_host  # (the fixture below patches it for the other tests)
 VOCAB = 64
 # every way a tensor's values reach Python; `.to()` counts where it names the CPU
 READS = {torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.numpy, torch.Tensor.__float__,
@@ -35,6 +36,19 @@ class OnDevice(torch.Tensor):
 def _names_cpu(args, kwargs) -> bool:
     return any(a == "cpu" or (isinstance(a, torch.device) and a.type == "cpu")
                for a in (*args, kwargs.get("device")))
+
+
+@pytest.fixture(autouse=True)
+def as_on_a_device(monkeypatch):
+    """OnDevice is a CPU tensor standing for a device's: the sampler takes the path a GPU takes (one packed copy),
+    not the CPU's (no copy at all)."""
+    monkeypatch.setattr(host_copy, "on_host", lambda device: False)
+
+
+def test_on_a_cpu_the_tensors_are_the_hosts_already_and_are_not_copied(monkeypatch):
+    monkeypatch.setattr(host_copy, "on_host", CPU_ON_HOST)
+    parts = [torch.arange(3), torch.ones(2, 5)]
+    assert all(a is b for a, b in zip(host_copy.to_host(parts), parts))
 
 
 def reads_of(fn) -> int:
