@@ -115,15 +115,16 @@ class _Logprobs:
 
     @staticmethod
     def on_device(raw: torch.Tensor, greedy: torch.Tensor, wanted: dict[int, SamplingParams]) -> list[torch.Tensor]:
-        logprobs = torch.log_softmax(raw, dim=-1)
         order = sorted(wanted)
         index = torch.tensor(order, dtype=torch.int64, device=raw.device)
-        parts = [logprobs.index_select(0, index).gather(1, greedy.index_select(0, index)[:, None])[:, 0]]
-        sampled = [r for r in order if not wanted[r].greedy]
+        # the rows that ask only (row i of `logprobs` is row order[i]): a log-softmax is a row's own
+        logprobs = torch.log_softmax(raw.index_select(0, index), dim=-1)
+        parts = [logprobs.gather(1, greedy.index_select(0, index)[:, None])[:, 0]]
+        sampled = [i for i, r in enumerate(order) if not wanted[r].greedy]
         if sampled:
             parts.append(logprobs[sampled])
         for k in _counts(wanted):
-            top = torch.topk(logprobs[[r for r in order if wanted[r].logprobs == k]], k, dim=-1)
+            top = torch.topk(logprobs[[i for i, r in enumerate(order) if wanted[r].logprobs == k]], k, dim=-1)
             parts += [top.values, top.indices]
         return parts
 
