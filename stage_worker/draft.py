@@ -142,8 +142,11 @@ class DraftModel:
 
 
 def make_drafter(spec: SpeculativeConfig, target: ModelConfig, model_dir, device, dtype: torch.dtype | str | None,
-                 block_size: int):
+                 block_size: int, load_format: str = "auto"):
     """The last stage's drafter of a spec that proposes there: a draft model, or the target's MTP layer."""
+    if load_format == "dummy":  # (both read a checkpoint: the draft model's, the target's MTP layer)
+        raise StagemeshError("--load-format dummy with a drafting --speculative-config (a draft model or MTP) is not "
+                             "built yet: the drafter would read its checkpoint")
     if spec.is_mtp:
         from stage_worker.mtp import MTPDrafter
         from stage_worker.loading import resolve_dtype

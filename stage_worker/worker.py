@@ -68,7 +68,7 @@ class StageWorker:
         if cfg.speculative is not None:  # before the KV budget is shared out: the draft's blocks count
             s = cfg.settings
             self.runner.attach_drafter(make_drafter(cfg.speculative, self.runner.config, s.model_dir,
-                                                    self.runner.device, s.dtype, s.block_size))
+                                                    self.runner.device, s.dtype, s.block_size, s.load_format))
         # the disk tier's directory, locked for the stage's life, before the followers use it
         self.disk_dir = None if not cfg.kv_offloading_disk_path else NamespaceDir(
             cfg.kv_offloading_disk_path, kv_namespace(self.runner, cfg.settings.ranks), cfg.settings.ranks,

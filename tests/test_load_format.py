@@ -57,3 +57,9 @@ def test_the_stage_takes_the_flag_and_refuses_a_format_it_does_not_read():
     assert parse(StageOptions, [*stage, "--load-format", "dummy"]).settings.load_format == "dummy"
     with pytest.raises(SystemExit):
         parse(StageOptions, [*stage, "--load-format", "pt"])
+
+
+def test_dummy_with_a_draft_model_is_refused_before_the_draft_reads_its_checkpoint(config_only, tiny_model_dir):
+    spec = f'{{"model": "{tiny_model_dir("llama")}", "num_speculative_tokens": 2}}'
+    with pytest.raises(StagemeshError, match="--load-format dummy with a drafting --speculative-config .* not built"):
+        LocalEngine.of(config_only, load_format="dummy", dtype="float32", speculative_config=spec)

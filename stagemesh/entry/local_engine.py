@@ -65,7 +65,7 @@ class LocalEngine:
         self.runners = [StageRunner(replace(stage, layers=(a, b)), config=cfg) for a, b in layer_ranges(split)]
         if spec is not None and spec.uses_draft_model:  # on the last stage, as a stage service runs it
             self.runners[-1].attach_drafter(make_drafter(spec, cfg, stage.model_dir, stage.device, stage.dtype,
-                                                         stage.block_size))
+                                                         stage.block_size, stage.load_format))
         num_kv_blocks = s.num_kv_blocks
         if num_kv_blocks is None:
             num_kv_blocks = min(num_kv_blocks_for_budget(s.kv_cache_memory, r.kv_bytes_per_block) for r in self.runners)

@@ -19,7 +19,7 @@ Shapes = dict[str, tuple[int, ...]]
 
 
 class ModelConfigView(Protocol):
-    """What a family reads of a model's config. stagemesh.core.model_config.ModelConfigView is one: it stands on the
+    """What a family reads of a model's config. stagemesh.core.model_config.ModelConfig is one: it stands on the
     families (it finds a config's family through them), so the families name only what they read, not it."""
 
     @property
