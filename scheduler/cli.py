@@ -7,6 +7,7 @@ import logging
 from dataclasses import replace
 
 from stagemesh.core import event_loop, internal_token
+from stagemesh.core.common_flags import skip_server_warmup
 from stagemesh.core.deadlines import DEADLINES
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.heap import freeze_startup_heap
@@ -172,7 +173,8 @@ def _driver(args: argparse.Namespace, cfg, tier_bytes: tuple[int, int], advertis
         scheduler, model_max_len=cfg.max_position_embeddings, async_scheduling=args.async_scheduling,
         stage_recovery_timeout_s=args.stage_recovery_timeout, max_request_retries=args.max_request_retries,
         kv_offloading_bytes=tier_bytes[0], kv_offloading_disk_bytes=tier_bytes[1],
-        grammar_compile_timeout_s=args.grammar_compile_timeout),
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
+        warm_up=not skip_server_warmup(args.skip_server_warmup)),
         GrpcPipeline(rendezvous, advertise, store_port, replace(DEADLINES, forward_s=args.forward_timeout)))
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from scheduler.lora_table import LoRATable
 from stagemesh.core.common_flags import (ADVERTISE_HOST, BLOCK_SIZE, GRAMMAR_COMPILE_TIMEOUT, HOST, KV_CACHE_DTYPE,
                                          MAX_MODEL_LEN, MAX_REQUEST_RETRIES, PIPELINE_PARALLEL_SIZE, SERVED_MODEL_NAME,
-                                         SPECULATIVE_CONFIG, LoRAOptions, ModelOptions)
+                                         SKIP_SERVER_WARMUP, SPECULATIVE_CONFIG, LoRAOptions, ModelOptions)
 from stagemesh.core.deadlines import DEADLINES
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.flags import Flag, group
@@ -63,6 +63,7 @@ class SchedulerOptions:
     forward_timeout: float = Flag(("--forward-timeout",), type=float, default=DEADLINES.forward_s,
                                   help="deadline of one step on a stage, seconds").field()
     grammar_compile_timeout: float = GRAMMAR_COMPILE_TIMEOUT.field()
+    skip_server_warmup: bool | None = SKIP_SERVER_WARMUP.field()
     kv_role: str = Flag(("--kv-role",), default="both", choices=("both", "prefill", "decode"), help=(
         "disaggregated prefill (docs/disaggregated-prefill.md): a router sends a prefill replica new prompts (it "
         "computes the prompt and the first token and holds the KV), and a decode replica the rest, whose stages "
@@ -185,8 +186,8 @@ class DriverConfig:
     # --kv-offloading-size (host memory) and stagemesh's --kv-offloading-disk-size; 0: none
     kv_offloading_bytes: int = 0
     kv_offloading_disk_bytes: int = 0
-    # dummy steps through each new pipeline before the replica serves (scheduler.warmup); off only where a test's
-    # pipeline answers each step by hand
+    # dummy steps through each new pipeline before the replica serves (scheduler.warmup); off with
+    # --skip-server-warmup, and where a test's pipeline answers each step by hand
     warm_up: bool = True
     # a structured request waits unscheduled while its last stage compiles its constraint, at most this long
     grammar_compile_timeout_s: float = 5.0

@@ -135,7 +135,7 @@ def full(name: str, rows: int) -> list[Shard]:
 _PACK_ROWS_HINT = 32
 
 
-def pack_weights_for_cpu(model: nn.Module) -> None:
+def pack_weights_for_cpu(model: nn.Module, warm: bool = True) -> None:
     """Re-lay linear weights, once after loading, for the CPU's fast products (CPU only).
 
     fp32: oneDNN's blocked format. torch's dense fp32 matmul goes to MKL, whose small-batch kernels
@@ -145,6 +145,8 @@ def pack_weights_for_cpu(model: nn.Module) -> None:
     bytes of the fp32 path and needs no bf16 instructions; torch's own bf16 linear is slower than
     fp32 on a CPU without them. Without the built kernels bf16 stays on torch's.
     Benchmarks: benchmarks/bench_decode_inprocess.py, benchmarks/bench_serving.py, benchmarks/bench_bf16_cpu.py.
+    `warm`: build oneDNN's products of every row count now (warm_onednn), not as steps first meet them
+    (--skip-server-warmup).
     """
     linears = [m for m in model.modules() if isinstance(m, (Linear, ParallelLMHead))
                and not isinstance(m.weight, QuantizedWeight)]  # those run on kernels/csrc/quant_linear.cpp
@@ -160,7 +162,8 @@ def pack_weights_for_cpu(model: nn.Module) -> None:
         if module.weight.dtype == torch.float32 and not module.weight.is_mkldnn:
             packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.data, _PACK_ROWS_HINT)
             module.weight = nn.Parameter(packed, requires_grad=False)
-    warm_onednn(linears)
+    if warm:
+        warm_onednn(linears)
 
 
 def warm_onednn(linears) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from stagemesh.core.common_flags import skip_server_warmup
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grammar import lazy_compiler
 from stagemesh.core.model_config import ModelConfig
@@ -104,7 +105,7 @@ class StageRunner:
             self.activations = choose_activations(self.model, s.quantization_activations, self.quantization,
                                                   self.device)
         if self.device.type == "cpu":
-            pack_weights_for_cpu(self.model)
+            pack_weights_for_cpu(self.model, warm=not skip_server_warmup(s.skip_server_warmup))
         if self.lora is not None and load:
             self.lora.check_adapters()
         self._set_kv_layout(s, found)

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from stagemesh.core.common_flags import BLOCK_SIZE, KV_CACHE_DTYPE, LoRAOptions, PoolingOptions
+from stagemesh.core.common_flags import BLOCK_SIZE, KV_CACHE_DTYPE, SKIP_SERVER_WARMUP, LoRAOptions, PoolingOptions
 from stagemesh.core.flags import GROUP, Flag, from_args, group
 
 RESOLVED = ("model", "tokenizer", "quantization", "quantization_activations", "layers")
@@ -49,6 +49,7 @@ class StageSettings:
     dtype: str | None = Flag(("--dtype",), help="auto, float32, bfloat16, float16").field()
     enforce_eager: bool = Flag(("--enforce-eager",), kind="switch",
                                help="no CUDA graphs for decode steps (as vLLM)").field()
+    skip_server_warmup: bool | None = SKIP_SERVER_WARMUP.field()
     enable_expert_parallel: bool = Flag(("--enable-expert-parallel",), kind="switch", help=(
         "MoE models: whole experts spread over the stage's TP ranks (EP size = TP size) instead of every expert "
         "sharded over them; attention stays TP; with --data-parallel-size > 1 over the replicas' stages "

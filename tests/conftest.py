@@ -16,6 +16,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("STAGEMESH_KERNEL_CACHE", str(cache_root() / "kernels"))  # as the command line sets it
 # every service the tests start checks the internal token, and every test client sends it (tests/mesh.py)
 os.environ.setdefault("STAGEMESH_INTERNAL_TOKEN", "tests-internal-token-3f9c2a7e41")
+# the meshes the tests start say ready without warming up (--skip-server-warmup's default): a warm-up costs each
+# start ~3.5 s of a 2-core machine, and what it warms (the first request's latency, a CPU stage's oneDNN
+# builds) is what tests/test_startup.py and tests/test_onednn_rows.py check, with it on
+os.environ.setdefault("STAGEMESH_SKIP_SERVER_WARMUP", "1")
 torch.set_num_threads(1)
 
 from tiny_models import make_tiny_model  # noqa: E402

@@ -24,6 +24,7 @@ import torch
 
 from kernels import cpu_ops
 from stage_worker import layers
+from stagemesh.core.common_flags import SKIP_WARMUP_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,7 +73,7 @@ def growth_mib(mode: str, model_dir: Path | str = "", every: int = 1) -> tuple[f
     """RSS growth (MiB) of the first and the second round of steps (every `every`-th token count of the second),
     in a fresh interpreter."""
     env = {**os.environ, "LRU_CACHE_CAPACITY": "100000", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "100000",
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", SKIP_WARMUP_ENV: "0"}  # (the stage's oneDNN builds at load, as it serves)
     out = subprocess.run([sys.executable, "-c", GROWTH, mode, str(model_dir), str(every)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

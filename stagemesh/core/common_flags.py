@@ -3,8 +3,10 @@ single flags `stagemesh serve` passes to several kinds of child. A service's opt
 (or nest these groups); a flag one service alone takes is declared in that service's options."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+from stagemesh.core.errors import StagemeshError
 from stagemesh.core.flags import Flag
 from stagemesh.core.kv_cache_dtype import KV_CACHE_DTYPES
 from stagemesh.core.lora import ALLOWED_PATH_FLAG, MAX_LORA_RANKS
@@ -106,6 +108,27 @@ GRAMMAR_COMPILE_TIMEOUT = Flag(("--grammar-compile-timeout",), type=float, defau
     "a request's structured-output constraint that takes longer to compile gets a 400 naming the bound (default "
     "5, as vLLM's regex bound): on the router (in a worker process) and on the replica's last stage, where the "
     "request waits, unscheduled, while its constraint compiles"))
+# SGLang's flag: the scheduler's warm-up requests (scheduler.warmup) and a CPU stage's oneDNN builds at load
+# (stage_worker.layers.warm_onednn); its default comes from the environment, so that every service of a mesh
+# (and of each mesh a test suite starts) reads the same one
+SKIP_WARMUP_ENV = "STAGEMESH_SKIP_SERVER_WARMUP"
+SKIP_SERVER_WARMUP = Flag(("--skip-server-warmup",), kind="bool", help=(
+    "SGLang's: say ready without warming up: the scheduler runs no warm-up requests through a new pipeline, and a "
+    "CPU stage builds its oneDNN products as its steps first meet each row count rather than all at load. The "
+    "first requests pay for what is made on first use (the first takes about twice the second). Default: off, or "
+    f"${SKIP_WARMUP_ENV}=1 (what the test suite sets)"))
+
+
+def skip_server_warmup(value: bool | None) -> bool:
+    """--skip-server-warmup as given, else the environment's STAGEMESH_SKIP_SERVER_WARMUP (1/true or 0/false)."""
+    if value is not None:
+        return value
+    raw = os.environ.get(SKIP_WARMUP_ENV, "").strip().lower()
+    if raw not in ("", "0", "1", "false", "true"):
+        raise StagemeshError(f"{SKIP_WARMUP_ENV}={raw!r}: expected 1 or 0 (true or false)")
+    return raw in ("1", "true")
+
+
 BLOCK_SIZE = Flag(("--block-size",), type=int, default=16)
 PIPELINE_PARALLEL_SIZE = Flag(("--pipeline-parallel-size", "-pp"), type=int, default=1)
 SPECULATIVE_CONFIG = Flag(("--speculative-config",), metavar="JSON", help=(

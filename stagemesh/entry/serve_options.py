@@ -103,6 +103,7 @@ class ServeOptions:
     chat_template_timeout: float = flag_of(R, "chat_template_timeout")
     structured_outputs_config: str | None = flag_of(R, "structured_outputs_config")
     grammar_compile_timeout: float = flag_of(R, "grammar_compile_timeout")
+    skip_server_warmup: bool | None = flag_of(S, "skip_server_warmup")
     generation_config: str = flag_of(R, "generation_config")
     override_generation_config: str | None = flag_of(R, "override_generation_config")
     max_num_seqs: int = flag_of(S, "max_num_seqs")
