@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from router.config import RouterOptions
 from scheduler.config import SchedulerOptions
 from stage_worker.options import StageOptions
+from stage_worker.settings import StageSettings
 from stagemesh.core.common_flags import LoRAOptions, ModelOptions, PoolingOptions
 from stagemesh.core.flags import Flag, flag_of, group
 from stagemesh.core.service_options import ServiceOptions
@@ -71,15 +72,15 @@ class OpsOptions:
 
 @dataclass(frozen=True)
 class ServeOptions:
-    tensor_parallel_size: int = flag_of(W, "tensor_parallel_size")
-    decode_context_parallel_size: int = flag_of(W, "decode_context_parallel_size")
-    prefill_context_parallel_size: int = flag_of(W, "prefill_context_parallel_size")
+    # a stage's settings, every one passed on to each stage as given (a new one is serve's without a line here);
+    # the LoRA and pooling groups are declared below, as the other services share them, and the two
+    # whose meaning serve changes (SERVE_VARIANTS) likewise
+    stage: StageSettings = group(StageSettings, skip=("device", "threads", "lora", "pooling"))
     pipeline_parallel_size: int = flag_of(S, "pipeline_parallel_size")
     data_parallel_size: int = flag_of(W, "data_parallel_size", help=None)
     layer_split: str | None = flag_of(W, "layer_split")
     handoff: str = flag_of(W, "handoff", default="nccl", help=None)
     device: str | None = flag_of(W, "device", default=None, help="default: cuda when available")
-    dtype: str | None = flag_of(W, "dtype")
     host: str = flag_of(R, "host", help="the router's HTTP address")
     port: int = flag_of(R, "port", help="the router's HTTP port")
     grpc_port: int | None = flag_of(R, "grpc_port", default=50050, help="the router's gRPC frontend port")
@@ -103,12 +104,10 @@ class ServeOptions:
     chat_template_timeout: float = flag_of(R, "chat_template_timeout")
     structured_outputs_config: str | None = flag_of(R, "structured_outputs_config")
     grammar_compile_timeout: float = flag_of(R, "grammar_compile_timeout")
-    skip_server_warmup: bool | None = flag_of(S, "skip_server_warmup")
     generation_config: str = flag_of(R, "generation_config")
     override_generation_config: str | None = flag_of(R, "override_generation_config")
     max_num_seqs: int = flag_of(S, "max_num_seqs")
     max_num_batched_tokens: int = flag_of(S, "max_num_batched_tokens")
-    block_size: int = flag_of(S, "block_size")
     scheduling_policy: str = flag_of(S, "scheduling_policy")
     tenant_fair_share: bool = flag_of(S, "tenant_fair_share")
     migration_policy: str = flag_of(S, "migration_policy")
@@ -116,8 +115,6 @@ class ServeOptions:
     async_scheduling: bool | None = flag_of(S, "async_scheduling")
     speculative_config: str | None = flag_of(S, "speculative_config")
     kv_cache_memory: int | None = flag_of(W, "kv_cache_memory")
-    kv_cache_dtype: str = flag_of(W, "kv_cache_dtype")
-    calculate_kv_scales: bool = flag_of(W, "calculate_kv_scales")
     kv_offloading_size: float | None = flag_of(S, "kv_offloading_size")
     kv_offloading_backend: str | None = flag_of(S, "kv_offloading_backend")
     kv_offloading_disk_size: float | None = flag_of(S, "kv_offloading_disk_size")
@@ -125,17 +122,12 @@ class ServeOptions:
     pooling: PoolingOptions = group(PoolingOptions)
     kv_offloading_disk_path: str | None = flag_of(W, "kv_offloading_disk_path")
     gpu_memory_utilization: float = flag_of(W, "gpu_memory_utilization")
-    enforce_eager: bool = flag_of(W, "enforce_eager")
-    load_format: str = flag_of(W, "load_format")
-    enable_expert_parallel: bool = flag_of(W, "enable_expert_parallel")
     prefill_replicas: int = Flag(("--prefill-replicas",), type=int, default=0, metavar="N", help=(
         "disaggregated prefill: of the --data-parallel-size replicas, the first N compute new prompts (--kv-role "
         "prefill) and the others decode (--kv-role decode), fetching the prompts' KV "
         "(docs/disaggregated-prefill.md); 0: every replica does both")).field()
     kv_load_failure_policy: str = flag_of(S, "kv_load_failure_policy")
     kv_load_timeout: float = flag_of(S, "kv_load_timeout")
-    enable_eplb: bool = flag_of(W, "enable_eplb")
-    eplb_config: str | None = flag_of(W, "eplb_config")
     policy: str = flag_of(R, "policy")
     batch_dir: str | None = flag_of(R, "batch_dir")
     batch_max_file_bytes: int = flag_of(R, "batch_max_file_bytes")
