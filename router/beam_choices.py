@@ -26,8 +26,9 @@ async def run(req: GenerateRequest, gens: list[Generation], replicas: ReplicaSet
     assert req.beam is not None
     width = req.n
     limits, tenant = req.limits, req.tenant
+    ticket = None
     if limits is not None and tenant is not None:  # its tenant's max_concurrency, as router.choices.run counts it
-        limits.enter(tenant)
+        ticket = await limits.enter(tenant)
     try:
         for p in range(0, len(gens), width):
             group = gens[p:p + width]
@@ -40,7 +41,7 @@ async def run(req: GenerateRequest, gens: list[Generation], replicas: ReplicaSet
                 yield gen, await _delta(req, gen, beam, eos, tokenizer)
     finally:
         if limits is not None and tenant is not None:
-            limits.leave(tenant)
+            await limits.leave(tenant, ticket)
 
 
 async def _delta(req: GenerateRequest, gen: Generation, beam: Beam, eos: tuple[int, ...], tokenizer: Tokenizer

@@ -99,8 +99,9 @@ async def run(req: GenerateRequest, gens: list[Generation], replicas: ReplicaSet
     """(choice, delta) as they come, from every choice, until each has finished. The first error ends it
     all (the other choices are aborted)."""
     limits, tenant = req.limits, req.tenant
+    ticket = None
     if limits is not None and tenant is not None:  # (the 429 at max_concurrency: nothing started yet)
-        limits.enter(tenant)
+        ticket = await limits.enter(tenant)
     if len(gens) == 1:  # one choice (most requests): its deltas straight through, no task and queue per token
         try:
             async with aclosing(generate(req, gens[0], replicas, tokenizer)) as deltas:
@@ -110,7 +111,7 @@ async def run(req: GenerateRequest, gens: list[Generation], replicas: ReplicaSet
         finally:
             gens[0].release()  # (as below)
             if limits is not None and tenant is not None:
-                limits.leave(tenant)
+                await limits.leave(tenant, ticket)
         return
     queue: asyncio.Queue = asyncio.Queue()
     firsts: dict[tuple[int, ...], Generation] = {}
@@ -148,7 +149,7 @@ async def run(req: GenerateRequest, gens: list[Generation], replicas: ReplicaSet
         for gen in gens:  # the answer is written (or abandoned): the replicas may forget what they kept
             gen.release()
         if limits is not None and tenant is not None:
-            limits.leave(tenant)
+            await limits.leave(tenant, ticket)
 
 
 def _count_groups(req: GenerateRequest, gens: list[Generation]) -> None:

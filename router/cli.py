@@ -64,6 +64,8 @@ async def _main(args: argparse.Namespace) -> int:
         await control[0].stop(grace=0)
     await runner.cleanup()
     await replicas.close()
+    if config.limits is not None:  # (the places its requests held in a shared store: given back)
+        await config.limits.close()
     return 0
 
 
@@ -126,7 +128,7 @@ def _build_app(args: argparse.Namespace, replicas):
 def _tenants(args: argparse.Namespace):
     """(--api-keys-file's tenants, their limits counted where the routers share them: the Redis store of
     --responses-store, else this router), or (None, None). Routers that share a port (--reuse-port) without a
-    Redis store would each count a tenant's per-minute limits apart: a file that sets one is refused."""
+    Redis store would each count a tenant's limits apart: a file that sets one is refused."""
     from router.limits import MemoryWindows, TenantLimits
     from router.responses_api.store import REDIS_SCHEMES
     from router.tenants import Tenants
@@ -139,9 +141,9 @@ def _tenants(args: argparse.Namespace):
         else None
     tenants = Tenants.from_file(args.api_keys_file, unshared)
     if redis:
-        from router.limits_redis import RedisWindows
+        from router.limits_redis import RedisSlots, RedisWindows
 
-        return tenants, TenantLimits(RedisWindows(args.responses_store))
+        return tenants, TenantLimits(RedisWindows(args.responses_store), RedisSlots(args.responses_store))
     return tenants, TenantLimits(MemoryWindows())
 
 

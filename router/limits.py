@@ -6,8 +6,9 @@ of it), kept by the router (RateWindows) or, when the routers share a Redis stor
 redis://...), in Redis (router.limits_redis), so that a limit holds across every router that names it. A
 request's tokens are its prompt's plus max_tokens for each choice (what it may use, as OpenAI counts); a pooling
 request's (router.pooling_api) its prompt's, as its usage. A count is taken, then given back if it passes the
-limit: two routers racing at the limit may both refuse, never both pass. max_concurrency counts this router's
-requests in flight.
+limit: two routers racing at the limit may both refuse, never both pass. max_concurrency counts a tenant's
+requests in flight (Slots): this router's, or, in the shared Redis store, every router's, each request holding a
+lease that its router renews while it runs (a router that dies frees its leases when they lapse).
 """
 from __future__ import annotations
 
@@ -85,12 +86,42 @@ class MemoryWindows(RateWindows):
         return v
 
 
+class Slots(ABC):
+    """A tenant's requests in flight, counted against its max_concurrency: this router's or shared."""
+
+    @abstractmethod
+    async def enter(self, key: str, limit: int) -> str | None:
+        """A place for one more request of `key` under `limit`: a ticket to leave with, None when full."""
+
+    @abstractmethod
+    async def leave(self, key: str, ticket: str) -> None:
+        """The request holding `ticket` ended."""
+
+    async def close(self) -> None:
+        return None
+
+
+class MemorySlots(Slots):
+    def __init__(self):
+        self.running: Counter[str] = Counter()  # this router's requests in flight, per key
+
+    async def enter(self, key: str, limit: int) -> str | None:
+        if self.running[key] >= limit:
+            return None
+        self.running[key] += 1
+        return key
+
+    async def leave(self, key: str, ticket: str) -> None:
+        self.running[key] -= 1
+        if self.running[key] <= 0:
+            del self.running[key]
+
+
 class TenantLimits:
     """Every tenant's limits, counted: admit() before a request runs, then enter() / leave() around it."""
 
-    def __init__(self, windows: RateWindows):
-        self.windows = windows
-        self.running: Counter[str] = Counter()  # this router's requests in flight, per tenant
+    def __init__(self, windows: RateWindows, slots: Slots | None = None):
+        self.windows, self.slots = windows, slots or MemorySlots()
 
     async def admit(self, tenant: Tenant, num_tokens: int) -> dict[str, str]:
         """Count the request against its tenant's per-minute limits: OpenAI's x-ratelimit-* headers for its
@@ -110,19 +141,26 @@ class TenantLimits:
                                headers=headers)
         return headers
 
-    def enter(self, tenant: Tenant) -> None:
-        """One more of its requests runs; the 429 when max_concurrency of them run already."""
+    async def enter(self, tenant: Tenant) -> str | None:
+        """One more of its requests runs: the ticket that leave() takes (None: no max_concurrency), or the 429
+        when max_concurrency of them run already."""
         limit = tenant.max_concurrency
-        if limit is not None and self.running[tenant.name] >= limit:
+        if limit is None:
+            return None
+        ticket = await self.slots.enter(tenant.name, limit)
+        if ticket is None:
             tenant_refused(tenant.name, 429, "max_concurrency")
             raise APIError(429, f"tenant {tenant.name!r} has {limit} requests running, its max_concurrency: retry "
                                 "when one ends", retry_after=1)
-        self.running[tenant.name] += 1
+        return ticket
 
-    def leave(self, tenant: Tenant) -> None:
-        self.running[tenant.name] -= 1
-        if self.running[tenant.name] <= 0:
-            del self.running[tenant.name]
+    async def leave(self, tenant: Tenant, ticket: str | None) -> None:
+        if ticket is not None:
+            await self.slots.leave(tenant.name, ticket)
+
+    async def close(self) -> None:
+        await self.windows.close()
+        await self.slots.close()
 
 
 def _headers(kind: str, v: Verdict) -> dict[str, str]:

@@ -68,12 +68,12 @@ async def _pool(request: web.Request, body, prompts: list[list[int]], params: Po
     # (what its usage says: OpenAI and vLLM count an embedding's input only), one running while it runs
     if limits is not None and tenant is not None:
         headers.update(await limits.admit(tenant, sum(map(len, prompts))))
-        limits.enter(tenant)
+    ticket = await limits.enter(tenant) if limits is not None and tenant is not None else None
     try:
         pooled = await run(PoolingJob(f"{prefix}-{base}", prompts, params, body.priority, tenant), replicas)
     finally:
         if limits is not None and tenant is not None:
-            limits.leave(tenant)
+            await limits.leave(tenant, ticket)
     return f"{prefix}-{base}", prompts, pooled, headers
 
 

@@ -35,7 +35,7 @@ class Tenant:
     weight: float = 1.0  # its share of the steps against the other tenants' (> 0)
     requests_per_minute: int | None = None  # None: no limit
     tokens_per_minute: int | None = None  # prompt + max_tokens of its requests, per minute
-    max_concurrency: int | None = None  # its requests in flight at once, per router
+    max_concurrency: int | None = None  # its requests in flight at once, over the routers that share a store
 
 
 def key_of(headers: Mapping[str, str]) -> str | None:
@@ -91,9 +91,11 @@ class Tenants:
         return message
 
     def _checked(self, by_key: dict[bytes, Tenant]) -> dict[bytes, Tenant]:
-        limited = sorted({t.name for t in by_key.values() if t.requests_per_minute or t.tokens_per_minute})
+        limited = sorted({t.name for t in by_key.values()
+                          if t.requests_per_minute or t.tokens_per_minute or t.max_concurrency})
         if limited and self.unshared:
-            raise StagemeshError(f"{self.path}: tenant {limited[0]!r} has a per-minute limit, but {self.unshared}")
+            raise StagemeshError(f"{self.path}: tenant {limited[0]!r} has a limit (requests_per_minute, "
+                                 f"tokens_per_minute or max_concurrency), but {self.unshared}")
         return by_key
 
     @property

@@ -1,7 +1,8 @@
 """A tenant's limits and saturation shedding at the router (router.limits, router.admission.shed), over fake
 replicas: the 4th request of a tenant allowed 3 a minute is a 429 with Retry-After and OpenAI's x-ratelimit-*
 headers, and so is one past its tokens_per_minute or its max_concurrency; two routers sharing a real
-redis-server count one limit; a tenant whose requests have waited past --max-queue-wait gets a 503, the
+redis-server count one limit, per minute and in flight (a router that dies frees its places when their leases
+lapse); a tenant whose requests have waited past --max-queue-wait gets a 503, the
 lowest weights first, while another tenant still gets in. The per-tenant series count it all."""
 from __future__ import annotations
 
@@ -136,10 +137,88 @@ def test_two_routers_sharing_a_redis_store_count_one_limit(model_dir, keys, tmp_
         server.stop()
 
 
+@pytest.mark.skipif(not INSTALLED, reason=MISSING)
+def test_max_concurrency_holds_across_two_routers_sharing_a_redis_store(model_dir, keys, tmp_path):
+    from router.limits_redis import RedisSlots, RedisWindows
+
+    server = RedisServer(tmp_path)
+    server.start()
+    SlowReplica.go.clear()
+    limits = lambda: TenantLimits(RedisWindows(server.url), RedisSlots(server.url))  # noqa: E731
+    try:
+        with FakeRouter(model_dir, M, tenants=Tenants.from_file(keys), limits=limits(), replica_class=SlowReplica) \
+                as one, FakeRouter(model_dir, M, tenants=Tenants.from_file(keys), limits=limits()) as two:
+            first = threading.Thread(target=complete, args=(one, "kb", 2))
+            first.start()
+            for _ in range(1000):  # until it is on the first router's replica
+                if one.replica.requests:
+                    break
+                threading.Event().wait(0.01)
+            second = complete(two, "kb", 2)
+            assert second.status_code == 429 and "max_concurrency" in second.json()["error"]["message"]
+            SlowReplica.go.set()
+            first.join(30)
+            assert complete(two, "kb", 2).status_code == 200  # the first ended on the other router: room again
+    finally:
+        SlowReplica.go.set()
+        server.stop()
+
+
+HOLDER = r"""
+import asyncio, sys
+from router.limits_redis import RedisSlots
+
+async def main():
+    slots = RedisSlots(sys.argv[1], lease_s=float(sys.argv[2]))
+    assert await slots.enter("beta", 1) is not None
+    print("held", flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not INSTALLED, reason=MISSING)
+def test_a_router_that_dies_holding_places_frees_them_when_their_leases_lapse(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from router.limits_redis import RedisSlots
+
+    server = RedisServer(tmp_path)
+    server.start()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, server.url, "2"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+
+        async def check() -> float:
+            slots = RedisSlots(server.url, lease_s=2.0)
+            try:
+                await asyncio.sleep(2.5)  # past one lease: the holder renewed its place, which still counts
+                assert await slots.enter("beta", 1) is None
+                holder.kill()  # the router dies holding it
+                holder.wait(10)
+                start = time.monotonic()
+                while (ticket := await slots.enter("beta", 1)) is None:
+                    assert time.monotonic() - start < 10, "the dead router's place never lapsed"
+                    await asyncio.sleep(0.1)
+                await slots.leave("beta", ticket)
+                return time.monotonic() - start
+            finally:
+                await slots.close()
+
+        assert asyncio.run(check()) <= 2.5  # (within its lease)
+    finally:
+        holder.kill()
+        holder.wait(10)
+        server.stop()
+
+
 def test_routers_sharing_a_port_without_redis_refuse_per_minute_limits(keys):
     from stagemesh.core.errors import StagemeshError
 
-    with pytest.raises(StagemeshError, match="tenant 'beta' has a per-minute limit, but this router shares"):
+    with pytest.raises(StagemeshError, match="tenant 'beta' has a limit .*, but this router shares"):
         Tenants.from_file(keys, "this router shares its port")
 
 
