@@ -18,7 +18,7 @@ from router.request import GenerateRequest
 from router.responses import Choice, token_logprobs
 from router.responses_api.request import ResponsesRequest
 from router.tokenization import Tokenizer
-from router.tools import ToolCall, read_calls
+from router.tools import HarmonyParser, ToolCall, read_calls
 
 
 class ResponseBuilder:
@@ -180,7 +180,9 @@ class ResponseBuilder:
         plan, text = self.req.tool_plan, self.choice.content
         if plan is None or plan.mode == "none":
             return len(text)
-        return plan.parser.may_start(text) if plan.mode == "auto" and plan.parser is not None else 0
+        parser = plan.parser if plan.mode == "auto" else None
+        assert not isinstance(parser, HarmonyParser)  # (tools under harmony are refused here: router.responses_api)
+        return parser.may_start(text) if parser is not None else 0
 
     def _open(self) -> list[dict]:
         if self.opened:
