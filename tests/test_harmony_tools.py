@@ -2,9 +2,9 @@
 router.tools gives them): a message to `functions.NAME` is a tool call, the analysis its reasoning.
 
 The splitter against recorded harmony texts, whole and cut at every position; then the real router app over a
-replica that replays recorded answers' tokens, through the official openai client, streamed and not, with a
-tokenizer whose harmony tokens are special and a chat template that renders tools, past calls and tool results
-by gpt-oss's template's rules; the parser chosen from such a template."""
+replica that replays recorded answers' tokens, through the official openai client (chat completions and the
+Responses API), streamed and not, with a tokenizer whose harmony tokens are special and a chat template that
+renders tools, past calls and tool results by gpt-oss's template's rules; the parser chosen from such a template."""
 from __future__ import annotations
 
 import json
@@ -225,9 +225,30 @@ def test_tool_choice_none_gives_no_call_and_forcing_one_is_refused_by_name(gpt_o
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=M, messages=ASK, tools=[WEATHER], tool_choice=forced)
         assert err.value.body["param"] == "tool_choice" and "harmony" in err.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as err:  # (the Responses API does not read the calls yet)
-        client.responses.create(model=M, input="hi", tools=[{"type": "function", **WEATHER["function"]}])
-    assert err.value.body["param"] == "tools" and "harmony" in err.value.body["message"]
+
+
+def test_the_responses_api_gives_a_call_as_a_function_call_item_and_takes_its_output_back(gpt_oss_router):
+    client, tools = gpt_oss_router.client(), [{"type": "function", **WEATHER["function"]}]
+    answer_with(gpt_oss_router, CALL)
+    out = client.responses.create(model=M, input=ASK[0]["content"], tools=tools)
+    assert [item.type for item in out.output] == ["reasoning", "function_call"] and out.status == "completed"
+    call = out.output[1]
+    assert (call.name, call.arguments) == ("get_weather", ARGS) and call.call_id.startswith("chatcmpl-tool-")
+    assert out.output[0].content[0].text.strip() == "Need the weather in Paris ."
+    events = list(client.responses.create(model=M, input=ASK[0]["content"], tools=tools, stream=True))
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert (done.name, done.arguments) == ("get_weather", ARGS)
+    assert not [e for e in events if e.type == "response.output_text.delta"]
+    assert [item.type for item in events[-1].response.output] == ["reasoning", "function_call"]
+
+    answer_with(gpt_oss_router, ANSWER)
+    given = [ASK[0], {"type": "function_call", "call_id": call.call_id, "name": "get_weather", "arguments": ARGS},
+             {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}]
+    out = client.responses.create(model=M, input=given, tools=tools)
+    assert out.output_text.strip() == "It is sunny in Paris ." and out.output[-1].type == "message"
+    assert ('to=functions.get_weather<|channel|>commentaryjson<|message|>{"city":"Paris"}<|call|>'
+            '<|start|>functions.get_weatherto=assistant<|channel|>commentary<|message|>"Sunny"<|end|>'
+            '<|start|>assistant') in prompt_of(gpt_oss_router)
 
 
 def test_a_gpt_oss_template_chooses_the_openai_parser_and_it_needs_the_harmony_reasoning_parser():

@@ -24,7 +24,6 @@ from router.dispatch import Generation
 from router.http_body import read_json
 from router.openai_request import chat_request
 from router.protocol import ChatCompletionRequest, validate
-from router.reasoning import HARMONY
 from router.request import GenerateRequest
 from router.resume import ResumePoint
 from router.responses_api import background
@@ -48,17 +47,6 @@ def add_routes(app: web.Application, store: ResponseStore) -> None:
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel)
 
 
-def _chat_request(chat: dict, config) -> GenerateRequest:
-    """The chat path's request of a Responses request. gpt-oss's calls (the openai tool-call parser) are read in
-    chat completions only: here tools under the harmony format are refused by name."""
-    req = chat_request(validate(ChatCompletionRequest, chat), config)
-    if req.tool_plan is not None and req.reasoning is not None and req.reasoning.parser == HARMONY:
-        raise bad_request("'tools' are not supported by the Responses API under gpt-oss's harmony format "
-                          "(--reasoning-parser openai_gptoss) yet: its function calls are read in chat completions "
-                          "only (/v1/chat/completions)", "tools")
-    return req
-
-
 async def create(request: web.Request) -> web.StreamResponse:
     if request.app[CONFIG].pooler is not None:  # (--runner pooling: vLLM's 400)
         raise bad_request("The model does not support Responses API")
@@ -69,7 +57,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     store = request.app[STORE]
     chat, origins = await _chat(store, m)
     try:
-        req = _chat_request(chat, request.app[CONFIG])
+        req = chat_request(validate(ChatCompletionRequest, chat), request.app[CONFIG])
         base = request_id(request, req)
         ids = _event_ids(request, req, m.stream, m.background)
         gens = await _launch(request.app, req, base)
@@ -196,7 +184,7 @@ async def _take_over(app: web.Application, entry: Stored) -> None:
     m = validate(ResponsesRequest, entry.job["request"], REFUSED, NEUTRAL)
     try:
         chat, _ = await _chat(store, m)
-        req = _chat_request(chat, app[CONFIG])
+        req = chat_request(validate(ChatCompletionRequest, chat), app[CONFIG])
         req.resumable, req.resume = True, ResumePoint([0], [False])  # an attach, as its first client
         req.engine = replace(req.engine, owner=entry.job.get("client", ""))
         gens = await _launch(app, req, entry.job["request_id"])
