@@ -220,7 +220,8 @@ class Answer:
         content; the finish is "tool_calls" once a call was made. A delta that adds nothing to show (a header's
         tokens) goes out empty only when the client asked for its tokens' logprobs or ids."""
         delta: dict[str, object] = {"content": text} if text else {}
-        calls = harmony.take_call_deltas()
+        plan = self.req.tool_plan
+        calls = [t for t in harmony.take_call_deltas() if plan is None or plan.parallel or t["index"] == 0]
         if calls:
             delta["tool_calls"] = calls
         finish = d.finish_reason

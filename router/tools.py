@@ -91,7 +91,7 @@ def read_calls(plan: ToolPlan | None, text: str, finish_reason: str | None, harm
         assert plan.parser is not None  # (auto: the --tool-call-parser's)
         if isinstance(plan.parser, HarmonyParser):
             assert harmony is not None  # (the openai parser runs with the harmony splitter: router.request_builder)
-            split = plan.parser.read(harmony)
+            split = plan.parser.read(harmony, plan.parallel)
         else:
             split = plan.parser.split(text)
         return (split[0] or None, split[1]) if split else None
@@ -201,11 +201,13 @@ class Llama3JsonParser:
 
 class HarmonyParser:
     """gpt-oss's harmony format (vLLM's `openai` parser): a call is a message to `functions.NAME`, read as the
-    answer streams by its harmony splitter (router.harmony); the content is the final channel's."""
+    answer streams by its harmony splitter (router.harmony); the content is the final channel's. gpt-oss ends its
+    output at a call's <|call|>; one that goes on to a second call keeps its first only under
+    parallel_tool_calls false."""
 
-    def read(self, harmony: HarmonySplit) -> tuple[str, list[ToolCall]] | None:
+    def read(self, harmony: HarmonySplit, parallel: bool = True) -> tuple[str, list[ToolCall]] | None:
         calls = [ToolCall(c.name, c.json_arguments(), c.id) for c in harmony.made_calls()]
-        return (harmony.content, calls) if calls else None
+        return (harmony.content, calls if parallel else calls[:1]) if calls else None
 
 
 TOOL_CALL_PARSERS: dict[str, type[HermesParser | Llama3JsonParser | HarmonyParser]] = {

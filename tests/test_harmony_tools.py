@@ -227,6 +227,21 @@ def test_tool_choice_none_gives_no_call_and_forcing_one_is_refused_by_name(gpt_o
         assert err.value.body["param"] == "tool_choice" and "harmony" in err.value.body["message"]
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call_of_an_output_that_makes_two(gpt_oss_router):
+    client = gpt_oss_router.client()
+    answer_with(gpt_oss_router, CALL + "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>"
+                f"json<|message|>{ARGS}<|call|>")
+    out = client.chat.completions.create(model=M, messages=ASK, tools=[WEATHER])
+    assert [c.function.arguments for c in out.choices[0].message.tool_calls] == [ARGS, ARGS]
+    out = client.chat.completions.create(model=M, messages=ASK, tools=[WEATHER], parallel_tool_calls=False)
+    assert [c.function.arguments for c in out.choices[0].message.tool_calls] == [ARGS]
+    chunks = client.chat.completions.create(model=M, messages=ASK, tools=[WEATHER], parallel_tool_calls=False,
+                                            stream=True)
+    streamed = assemble([t.model_dump(exclude_none=True) for c in chunks if c.choices
+                         for t in c.choices[0].delta.tool_calls or []])
+    assert [json.loads(c["arguments"]) for c in streamed] == [json.loads(ARGS)]
+
+
 def test_the_responses_api_gives_a_call_as_a_function_call_item_and_takes_its_output_back(gpt_oss_router):
     client, tools = gpt_oss_router.client(), [{"type": "function", **WEATHER["function"]}]
     answer_with(gpt_oss_router, CALL)
