@@ -285,7 +285,11 @@ def _auto_tool_choice(args: argparse.Namespace, config, tokenizer):
 
     choice = choose(args.enable_auto_tool_choice, args.tool_call_parser, tokenizer.tok.chat_template)
     log.info("%s", choice.message)
-    return dataclasses.replace(config, tool_call_parser=choice.parser)
+    if choice.parser == "openai" and args.reasoning_parser is None:  # (its calls are harmony messages)
+        args.reasoning_parser = "openai_gptoss"
+        log.info("reasoning parser openai_gptoss: the openai tool-call parser reads gpt-oss's harmony channels "
+                 "(--reasoning-parser names it)")
+    return dataclasses.replace(config, tool_call_parser=choice.parser, reasoning_parser=args.reasoning_parser)
 
 
 def _reasoning(args: argparse.Namespace, config, tokenizer):

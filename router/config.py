@@ -54,14 +54,15 @@ class RouterOptions:
         "when the model's chat template shows a format a parser reads (the start-up log names the parser it chose), "
         "else off (\"auto\" gets a 400); --no-enable-auto-tool-choice keeps it off")).field()
     tool_call_parser: str | None = Flag(("--tool-call-parser",), choices=TOOL_CALL_PARSERS, help=(
-        "how the model writes tool calls: hermes (<tool_call>{...}</tool_call>) or llama3_json (default: chosen "
-        "from the chat template)")).field()
+        "how the model writes tool calls: hermes (<tool_call>{...}</tool_call>), llama3_json, or openai (gpt-oss's "
+        "harmony messages to functions.NAME; it needs --reasoning-parser openai_gptoss, which it brings when none is "
+        "given) (default: chosen from the chat template)")).field()
     reasoning_parser: str | None = Flag(("--reasoning-parser",), choices=REASONING_PARSERS, help=(
         "split a reasoning model's thinking off its chat answers, as vLLM's parser of that name: <think> ... "
         "</think> goes to the message's reasoning / reasoning_content (streamed as such deltas; a reasoning item "
         "in the Responses API), the rest is the content; include_reasoning false drops it. A model whose chat "
         "template has no thinking part answers as without it; openai_gptoss reads gpt-oss's harmony channels "
-        "(analysis: reasoning, final: content; its tool calls not yet, so requests with tools are refused). A "
+        "(analysis: reasoning, final: content; its tool calls with --tool-call-parser openai). A "
         "request with an output constraint "
         "(structured outputs, tool_choice required or named) is refused while the model thinks: vLLM applies "
         "it after the reasoning ends, which is not built here yet")).field()
@@ -208,6 +209,10 @@ class RouterConfig:
             raise StagemeshError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         if not self.max_queue_wait >= 0:
             raise StagemeshError(f"--max-queue-wait must be >= 0 seconds, got {self.max_queue_wait}")
+        if self.tool_call_parser == "openai" and self.reasoning_parser != "openai_gptoss":
+            given = self.reasoning_parser or "none"
+            raise StagemeshError("--tool-call-parser openai reads gpt-oss's harmony messages: it needs "
+                                 f"--reasoning-parser openai_gptoss (the default with it), not {given}")
 
     @property
     def template_timeout_s(self) -> float | None:

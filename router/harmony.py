@@ -3,21 +3,51 @@ model writes messages, each a header and a body,
     <|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...
 (the chat template opened the first with <|start|>assistant; <|return|> and <|call|> end the answer and are
 its end-of-sequence tokens). The final channel is the answer; the messages before it (analysis, a commentary
-preamble) are the reasoning, one line between them, as vLLM reads them. A commentary message to a tool
-(`to=functions.NAME`) is a tool call, which is not read yet: requests with tools are refused under this parser
-(router.request_builder), and one the model makes unasked is kept out of both (tool_messages). The router
-decodes such answers with their special tokens (the headers are), and this splitter drops every control token.
+preamble) are the reasoning, one line between them, as vLLM reads them. A message to a function
+    <|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>
+(the recipient may come before the channel too) is a tool call, kept out of both and read as it streams into
+`calls`: its name once the header is whole, then its arguments piece by piece (call_deltas, OpenAI's streamed
+tool-call deltas); router.tools' `openai` parser gives them as tool_calls, as vLLM's parser of that name. A
+call counts once its message is closed (<|call|>, or the output's end when not cut short by max_tokens), as
+vLLM's harmony parser counts only finished messages. Messages to other recipients (gpt-oss's built-in browser
+and python tools, which this server does not run) are kept out of everything. The router decodes such answers
+with their special tokens (the headers are), and this splitter drops every control token.
 
 Text streams through feed() as through router.reasoning.ReasoningSplit: a control token cut across deltas is
 held back until it is whole."""
 from __future__ import annotations
 
+import json
 import re
+import uuid
+from dataclasses import dataclass, field
 
 MESSAGE, START = "<|message|>", "<|start|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>", START)  # what ends a message's body
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+_CONSTRAIN = re.compile(r"<\|constrain\|>\s*([^\s<]+)")
+FUNCTIONS = "functions."  # the recipient prefix of the request's tools
+
+
+@dataclass
+class HarmonyCall:
+    """One call of a function, as its message streams."""
+    name: str
+    content_type: str | None  # <|constrain|>json: the arguments are JSON (gpt-oss writes it so)
+    arguments: str = ""  # the message's body so far
+    done: bool = False  # its message was closed: a call (cut short, it is none)
+    id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+
+    def json_arguments(self) -> str:
+        """The arguments as vLLM gives them whole: JSON read and written again (compact, one line), or the text as
+        the model wrote it when it is not JSON or not said to be."""
+        if self.content_type is not None and "json" not in self.content_type:
+            return self.arguments
+        try:
+            return json.dumps(json.loads(self.arguments), ensure_ascii=False)
+        except ValueError:
+            return self.arguments
 
 
 class HarmonySplit:
@@ -32,9 +62,13 @@ class HarmonySplit:
         self.opened = False  # an analysis message was read
         self.body = ""  # the body of a message to a tool so far
         self.fresh = True  # the message's body has given nothing yet
-        self.tool_messages: list[tuple[str, str]] = []  # (recipient, body) of messages to tools: not served yet
+        self.tool_messages: list[tuple[str, str]] = []  # (recipient, body) of messages to tools, closed
+        self.calls: list[HarmonyCall] = []  # the messages to functions (the last may be open)
+        self.call_deltas: list[dict] = []  # OpenAI's streamed tool-call deltas not taken yet (take_call_deltas)
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+    def feed(self, text: str, final: bool = False, cut: bool = False) -> tuple[str, str]:
+        """The (reasoning, content) that `text` adds; `final`: the output ends here; `cut`: it was cut short
+        (max_tokens), so that a call still open is none."""
         buf, reasoning, content = self.held + text, "", ""
         while buf:
             if self.state == "header":
@@ -53,6 +87,7 @@ class HarmonySplit:
                 self.recipient = recipient.group(1) if recipient else None
                 self.state, self.body, self.fresh = "body", "", True
                 self.opened |= self.channel != "final" and self.recipient is None
+                self._open(header)
                 continue
             end = min((at for at in (buf.find(e) for e in ENDS) if at >= 0), default=-1)
             keep = 0 if final or end >= 0 else _partial_control(buf)
@@ -66,6 +101,8 @@ class HarmonySplit:
             tail = buf[end:]
             buf = tail[tail.index("|>") + 2:] if not tail.startswith(START) else tail
             self.state = "header"
+        if final and self.state == "body" and not cut:
+            self._close()  # (the output ended at its end-of-sequence token, whose text is not given)
         self.held = buf if not final else ""
         self.reasoning += reasoning
         self.content += content
@@ -75,6 +112,9 @@ class HarmonySplit:
         """Where a piece of a body goes (`pending`: reasoning this feed gave already)."""
         if self.recipient is not None:  # a message to a tool: its arguments, kept apart
             self.body += piece
+            if piece and self._calling():
+                self.calls[-1].arguments += piece
+                self.call_deltas.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
             return "", ""
         if self.channel == "final":
             return "", piece
@@ -83,9 +123,36 @@ class HarmonySplit:
         self.fresh = self.fresh and not piece
         return piece, ""
 
+    def _open(self, header: str) -> None:
+        """A message to a function begins: its call, and the stream's first delta of it (id and name)."""
+        if self.recipient is None or not self.recipient.startswith(FUNCTIONS):
+            return
+        constrain = _CONSTRAIN.search(header)
+        call = HarmonyCall(self.recipient[len(FUNCTIONS):], constrain.group(1) if constrain else None)
+        self.calls.append(call)
+        self.call_deltas.append({"index": len(self.calls) - 1, "id": call.id, "type": "function",
+                                 "function": {"name": call.name, "arguments": ""}})
+
+    def _calling(self) -> bool:
+        return bool(self.recipient and self.recipient.startswith(FUNCTIONS) and self.calls
+                    and not self.calls[-1].done)
+
     def _close(self) -> None:
         if self.recipient is not None:
+            if self._calling():
+                self.calls[-1].done = True
             self.tool_messages.append((self.recipient, self.body))
+            self.recipient = None  # (closed once: a later end of the output does not close it again)
+
+    def take_call_deltas(self) -> list[dict]:
+        """OpenAI's tool-call deltas since the last take: a call's index, id, type and name first (arguments ""),
+        then its arguments as they come."""
+        out, self.call_deltas = self.call_deltas, []
+        return out
+
+    def made_calls(self) -> list[HarmonyCall]:
+        """The calls whose messages were closed."""
+        return [c for c in self.calls if c.done]
 
     def thinking(self) -> bool:
         """Whether the text fed next is not the answer (the final channel) yet."""

@@ -31,6 +31,12 @@ REASONING_CONSTRAINT = ("'{}' is not supported with --reasoning-parser while the
                         "starts the answer in a <think> block): an output constraint applies after the reasoning in "
                         "vLLM, which is not built here yet (a Qwen3 request with chat_template_kwargs "
                         "{{\"enable_thinking\": false}} may have one)")
+# vLLM serves gpt-oss's forced calls through its harmony renderer; here a constraint would apply from the answer's
+# first token, where gpt-oss writes its analysis channel
+HARMONY_FORCED = ("tool_choice \"required\" and a named function are not supported under gpt-oss's harmony format "
+                  "(--reasoning-parser openai_gptoss) yet: the call's JSON constraint would apply from the answer's "
+                  "first token, where the model writes its analysis; use tool_choice \"auto\" (--tool-call-parser "
+                  "openai reads the calls) or \"none\"")
 RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
                             "chat_template", "tokenize", "return_dict", "return_tensors", "conversation"}
 
@@ -136,9 +142,13 @@ class RequestBuilder:
         thinks = template_thinks if options.chat_template is None else reasoning.template_thinks(options.chat_template)
         self.req.reasoning = reasoning.plan(parser, thinks, options.template_kwargs, include)
         if parser == reasoning.HARMONY:
-            if self.req.tool_plan is not None:
-                raise bad_request("'tools' are not supported with --reasoning-parser openai_gptoss yet: tool calls "
-                                  "in harmony's commentary channel are not read", "tools")
+            plan = self.req.tool_plan
+            if plan is not None and plan.mode in ("required", "named"):
+                raise bad_request(HARMONY_FORCED, "tool_choice")
+            for message in options.messages:  # gpt-oss's template writes an earlier turn's analysis from `thinking`
+                thought = message.get("reasoning", message.get("reasoning_content"))
+                if message["role"] == "assistant" and thought is not None:
+                    message.setdefault("thinking", thought)
             self.req.skip_special_tokens = False  # (the channels' headers are special tokens: router.harmony)
 
     def reasoning_effort(self, effort: str | None) -> None:

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 
 from router.dispatch import Generation
 from router.generation import Delta
+from router.harmony import HarmonySplit
 from router.reasoning import Splitter
 from router.request import GenerateRequest
-from router.tools import read_calls
+from router.tools import HarmonyParser, read_calls
 from router.tokenization import Tokenizer
 from stagemesh.core.step import TokenLogprob
 
@@ -72,7 +73,11 @@ class Choice:
             self.content += d.text
             return "", d.text
         thinking = self.split.thinking()
-        reasoning, content = self.split.feed(d.text, bool(d.finish_reason))
+        if isinstance(self.split, HarmonySplit):  # (cut short, a call still open is none: router.harmony)
+            cut = d.finish_reason == "length" or isinstance(d.stop_reason, str)
+            reasoning, content = self.split.feed(d.text, bool(d.finish_reason), cut)
+        else:
+            reasoning, content = self.split.feed(d.text, bool(d.finish_reason))
         self.reasoning_tokens += len(d.token_ids) if thinking and self.split.opened else 0
         self.content += content
         return reasoning, content
@@ -115,7 +120,8 @@ class Answer:
         return out
 
     def _calls(self, c: Choice) -> tuple[str | None, list] | None:
-        return read_calls(self.req.tool_plan, c.content, c.finish_reason)
+        harmony = c.split if isinstance(c.split, HarmonySplit) else None
+        return read_calls(self.req.tool_plan, c.content, c.finish_reason, harmony)
 
     def _finish_reason(self, c: Choice, made: tuple | None) -> str | None:
         # OpenAI's: "tool_calls" when the model chose to call (required, auto); a named call ends with "stop"
@@ -181,14 +187,19 @@ class Answer:
             logprobs = self._chat_logprobs(d.logprobs) if self.req.chat else \
                 self._completion_logprobs(c, d.token_ids, d.logprobs, echo=False)
         reasoning, text = c.add(d)
+        plan = self.req.tool_plan
+        harmony = c.split if self.req.chat and plan is not None and plan.mode == "auto" \
+            and isinstance(plan.parser, HarmonyParser) and isinstance(c.split, HarmonySplit) else None
         carrier: Delta | None = d  # the chunk that carries this delta's token ids (the first one sent)
         if self.req.chat and reasoning and self.req.reasoning is not None and self.req.reasoning.include:
             out.append(self._chunk({"index": c.gen.index, "delta": {"reasoning": reasoning, "reasoning_content":
                                     reasoning}, "logprobs": logprobs, "finish_reason": None}, d, c))
             logprobs, carrier = None, None
-            if not text and not d.finish_reason:
+            if not text and not d.finish_reason and not (harmony and harmony.call_deltas):
                 return out
-        if self.req.chat and self.req.tool_plan is not None and self.req.tool_plan.mode != "none":
+        if harmony is not None:
+            return out + self._harmony_chunks(c, harmony, d, text, logprobs, carrier)
+        if self.req.chat and plan is not None and plan.mode != "none":
             return out + self._tool_chunks(c, d, logprobs, carrier)
         if self.req.chat:
             delta = {"content": text} if text or not d.finish_reason else {}
@@ -202,6 +213,26 @@ class Answer:
             out.append(self._chunk(choice, d, c))
         return out
 
+    def _harmony_chunks(self, c: Choice, harmony: HarmonySplit, d: Delta, text: str, logprobs,
+                        carrier: Delta | None) -> list[dict]:
+        """gpt-oss's calls (the openai parser) stream as vLLM streams them: a call's id, type and name as soon as
+        its message's header is read (arguments ""), then its arguments as they come, beside the final channel's
+        content; the finish is "tool_calls" once a call was made. A delta that adds nothing to show (a header's
+        tokens) goes out empty only when the client asked for its tokens' logprobs or ids."""
+        delta: dict[str, object] = {"content": text} if text else {}
+        plan = self.req.tool_plan
+        calls = [t for t in harmony.take_call_deltas() if plan is None or plan.parallel or t["index"] == 0]
+        if calls:
+            delta["tool_calls"] = calls
+        finish = d.finish_reason
+        if finish is not None and harmony.made_calls():
+            finish = "tool_calls"
+        if not delta and finish is None and not (carrier is not None and d.token_ids
+                                                 and (self.req.logprobs or self.req.return_token_ids)):
+            return []
+        return [self._chunk({"index": c.gen.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                             "stop_reason": d.stop_reason}, carrier, c)]
+
     def _tool_chunks(self, c: Choice, d: Delta, logprobs, carrier: Delta | None) -> list[dict]:
         """Calls stream as OpenAI's tool-call deltas: each whole call (id, name, arguments) in one delta once the
         output is complete, then the finish. Under "auto" the text before a call streams as content as it comes
@@ -210,7 +241,7 @@ class Answer:
         plan, out = self.req.tool_plan, []
         assert plan is not None  # (the chunks of a request with tools)
         if plan.mode == "auto" and not d.finish_reason:
-            assert plan.parser is not None  # (auto: the --tool-call-parser's)
+            assert plan.parser is not None and not isinstance(plan.parser, HarmonyParser)  # (its own: above)
             safe = plan.parser.may_start(c.content)
             if safe > c.sent:
                 out.append(self._chunk({"index": c.gen.index, "delta": {"content": c.content[c.sent:safe]},

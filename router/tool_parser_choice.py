@@ -7,6 +7,10 @@ template whose tool-call format one of the router's parsers reads (router.tools.
 "auto" on by itself, with that parser, and says so in the log. A flag always wins:
 --tool-call-parser picks the parser, --no-enable-auto-tool-choice keeps "auto" off (vLLM's 400), and
 --enable-auto-tool-choice with no parser given or found is an error that names --tool-call-parser.
+
+gpt-oss's template (harmony messages, calls ended by <|call|>) chooses vLLM's `openai` parser, which reads the
+calls from the harmony channels: it brings --reasoning-parser openai_gptoss with it when no reasoning parser is
+given (router.cli), as vLLM serves gpt-oss; another reasoning parser beside it is refused (RouterConfig).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from stagemesh.core.errors import StagemeshError
 
 # (parser, a text only that family's templates hold, what it says of the template); the first match wins
 _SIGNS = (
+    ("openai", "<|call|>", "writes gpt-oss's harmony messages, a tool call ending in <|call|>"),
     ("hermes", "<tool_call>", "writes tool calls as <tool_call>{...}</tool_call> blocks (Hermes, Qwen 2.5/3, "
                               "SmolLM3 and other Hermes-style templates)"),
     ("llama3_json", "please respond with a JSON for a function call",
@@ -29,7 +34,7 @@ _SIGNS = (
 # formats seen in templates that no parser here reads: named in the log, "auto" stays off
 _UNREAD = (("[TOOL_CALLS]", "Mistral's [TOOL_CALLS]"), ("<|python_start|>", "Llama 4's pythonic calls"),
            ("<｜tool▁calls▁begin｜>", "DeepSeek's tool-call tokens"), ("<|tool_call|>", "<|tool_call|> tokens"))
-FLAGS = "--enable-auto-tool-choice --tool-call-parser {hermes,llama3_json}"
+FLAGS = "--enable-auto-tool-choice --tool-call-parser {hermes,llama3_json,openai}"
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,8 @@ def choose(enable: bool | None, tool_call_parser: str | None, chat_template) -> 
     parser, why = parser_from_template(chat_template)
     if parser is None:
         if enable:
-            raise StagemeshError(f"--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json): "
+            raise StagemeshError(f"--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or "
+                                 f"openai): "
                                  f"{why}")
         return AutoToolChoice(None, f'tool_choice "auto": off: {why}; it gets a 400 until the router runs with '
                                     f"{FLAGS}")

@@ -4,8 +4,8 @@
 `tool_calls` (router.responses). "none" lets the model answer in text.
 
 "auto" (OpenAI's default when tools are given) lets the model decide, in its own format, which the
-router's --tool-call-parser reads back (hermes, llama3_json; chosen from the chat template unless the
-flags say, router.tool_parser_choice); without a parser it gets vLLM's 400.
+router's --tool-call-parser reads back (hermes, llama3_json, openai for gpt-oss's harmony format; chosen from
+the chat template unless the flags say, router.tool_parser_choice); without a parser it gets vLLM's 400.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from router.harmony import HarmonySplit
 from stagemesh.core.sampling_params import InvalidParameter, StructuredOutputs
 
 AUTO_REFUSED = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set (this '
@@ -41,7 +42,7 @@ class ToolPlan:
     # model decides, in its own format, which `parser` reads
     name: str | None = None
     parallel: bool = True
-    parser: HermesParser | Llama3JsonParser | None = None  # under "auto"
+    parser: HermesParser | Llama3JsonParser | HarmonyParser | None = None  # under "auto"
 
     @property
     def constraint(self) -> StructuredOutputs | None:
@@ -78,15 +79,21 @@ class ToolPlan:
         return fn.get("parameters") or {"type": "object", "properties": {}}
 
 
-def read_calls(plan: ToolPlan | None, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall]] | None:
+def read_calls(plan: ToolPlan | None, text: str, finish_reason: str | None, harmony: HarmonySplit | None = None
+               ) -> tuple[str | None, list[ToolCall]] | None:
     """(content, tool calls) of a finished answer that made calls, else None: under "auto" what the tool-call
-    parser reads in its text; under tool_choice required / named its constrained JSON, or (None, []) when it
-    was cut short (max_tokens, a stop string): partial JSON is no answer, the finish_reason says why."""
+    parser reads in its text (the openai parser: in the answer's harmony messages, `harmony`); under
+    tool_choice required / named its constrained JSON, or (None, []) when it was cut short (max_tokens, a stop
+    string): partial JSON is no answer, the finish_reason says why."""
     if plan is None or plan.mode == "none":
         return None
     if plan.mode == "auto":
         assert plan.parser is not None  # (auto: the --tool-call-parser's)
-        split = plan.parser.split(text)
+        if isinstance(plan.parser, HarmonyParser):
+            assert harmony is not None  # (the openai parser runs with the harmony splitter: router.request_builder)
+            split = plan.parser.read(harmony, plan.parallel)
+        else:
+            split = plan.parser.split(text)
         return (split[0] or None, split[1]) if split else None
     calls = plan.parse(text) if finish_reason == "stop" else None
     return (None, calls or [])
@@ -192,5 +199,16 @@ class Llama3JsonParser:
         return len(text)
 
 
-TOOL_CALL_PARSERS: dict[str, type[HermesParser | Llama3JsonParser]] = {"hermes": HermesParser,
-                                                                      "llama3_json": Llama3JsonParser}
+class HarmonyParser:
+    """gpt-oss's harmony format (vLLM's `openai` parser): a call is a message to `functions.NAME`, read as the
+    answer streams by its harmony splitter (router.harmony); the content is the final channel's. gpt-oss ends its
+    output at a call's <|call|>; one that goes on to a second call keeps its first only under
+    parallel_tool_calls false."""
+
+    def read(self, harmony: HarmonySplit, parallel: bool = True) -> tuple[str, list[ToolCall]] | None:
+        calls = [ToolCall(c.name, c.json_arguments(), c.id) for c in harmony.made_calls()]
+        return (harmony.content, calls if parallel else calls[:1]) if calls else None
+
+
+TOOL_CALL_PARSERS: dict[str, type[HermesParser | Llama3JsonParser | HarmonyParser]] = {
+    "hermes": HermesParser, "llama3_json": Llama3JsonParser, "openai": HarmonyParser}

@@ -297,13 +297,16 @@ def test_harmony_analysis_is_the_reasoning_and_final_the_answer(harmony_router):
     assert "".join(d.content or "" for d in deltas) == content
 
 
-def test_reasoning_effort_reaches_the_template_and_tools_are_refused_under_harmony(harmony_router):
+def test_reasoning_effort_reaches_the_template_and_forced_tool_calls_are_refused_under_harmony(harmony_router):
+    """(gpt-oss's calls under tool_choice "auto": tests/test_harmony_tools.py)"""
     client = harmony_router.client()
     client.chat.completions.create(model=M, messages=ASK, reasoning_effort="high")
     assert HARMONY_WORDS.index("high") in harmony_router.replica.submitted[-1][1]
     client.responses.create(model=M, input="hi", reasoning={"effort": "low"})
     assert HARMONY_WORDS.index("low") in harmony_router.replica.submitted[-1][1]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    out = client.chat.completions.create(model=M, messages=ASK, tools=tools, tool_choice="none")
+    assert out.choices[0].message.content.strip() == "The answer is four" and not out.choices[0].message.tool_calls
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=M, messages=ASK, tools=[{"type": "function", "function": {"name": "f"}}],
-                                       tool_choice="none")
-    assert err.value.body["param"] == "tools" and "openai_gptoss" in err.value.body["message"]
+        client.chat.completions.create(model=M, messages=ASK, tools=tools, tool_choice="required")
+    assert err.value.body["param"] == "tool_choice" and "openai_gptoss" in err.value.body["message"]

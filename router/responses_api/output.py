@@ -5,8 +5,9 @@ function-call argument deltas, response.completed or response.incomplete), numbe
 Under --reasoning-parser the model's thinking comes first, as a reasoning item (reasoning_text content; its
 deltas stream as response.reasoning_text.delta), then the message. Text streams as it comes; with tools,
 under tool_choice "auto" it is held back only where a call may begin (the router's --tool-call-parser), under
-"required" or a named function the calls are the whole output. The calls come as function_call items once the
-output is complete, as vLLM streams them.
+"required" or a named function the calls are the whole output; under gpt-oss's harmony format (the openai
+parser) the text is the final channel's, the calls its messages to functions. The calls come as function_call
+items once the output is complete.
 """
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ import uuid
 
 from router.dispatch import Generation
 from router.generation import Delta
+from router.harmony import HarmonySplit
 from router.request import GenerateRequest
 from router.responses import Choice, token_logprobs
 from router.responses_api.request import ResponsesRequest
 from router.tokenization import Tokenizer
-from router.tools import ToolCall, read_calls
+from router.tools import HarmonyParser, ToolCall, read_calls
 
 
 class ResponseBuilder:
@@ -52,7 +54,8 @@ class ResponseBuilder:
         """(the message's text, [(item id, call)]) of the finished answer."""
         if self._final is None:
             c = self.choice
-            made = read_calls(self.req.tool_plan, c.content, c.finish_reason)
+            made = read_calls(self.req.tool_plan, c.content, c.finish_reason,
+                              c.split if isinstance(c.split, HarmonySplit) else None)
             content, calls = made if made else (c.content, [])
             self._final = content, [(f"fc_{uuid.uuid4().hex}", call) for call in calls]
         return self._final
@@ -180,7 +183,10 @@ class ResponseBuilder:
         plan, text = self.req.tool_plan, self.choice.content
         if plan is None or plan.mode == "none":
             return len(text)
-        return plan.parser.may_start(text) if plan.mode == "auto" and plan.parser is not None else 0
+        parser = plan.parser if plan.mode == "auto" else None
+        if isinstance(parser, HarmonyParser):  # (the calls are kept out of the content as they stream)
+            return len(text)
+        return parser.may_start(text) if parser is not None else 0
 
     def _open(self) -> list[dict]:
         if self.opened:
