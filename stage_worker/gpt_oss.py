@@ -8,8 +8,10 @@
   clamped both sides, (up + 1) * gate * sigmoid(alpha * gate), then down with its bias. Written out expert by
   expert in torch (the fused MoE kernels compute SiLU's); TP splits every expert's intermediate columns, the
   down bias joins on TP rank 0 before the reduction. The published checkpoint's experts stay MXFP4, each
-  dequantised for the product of a step that routes tokens to it (stage_worker.quant_methods.mxfp4). Expert
-  parallelism is not built for it.
+  dequantised for the product of a step that routes tokens to it (stage_worker.quant_methods.mxfp4). With
+  --enable-expert-parallel each TP rank holds whole experts instead (a contiguous num_experts / TP of them, every
+  column, each with its down bias), computes the tokens routed to them, and the ranks' sums meet as TP's do.
+  EPLB and expert parallelism across replicas are not built for it.
 
 Norms, the residual stream, embeddings and the LM head are Llama's; the rotary table is the model's (YaRN)."""
 from __future__ import annotations
@@ -53,43 +55,55 @@ class GptOssAttention(Attention):
 
 
 class GptOssExperts(Module):
-    """The router and every expert, this TP rank's columns of each."""
+    """The router and every expert: this TP rank's columns of each, or (expert parallel) its whole experts."""
 
-    def __init__(self, cfg: ModelConfig, prefix: str, tp: TPGroup, dtype, device):
+    def __init__(self, cfg: ModelConfig, prefix: str, tp: TPGroup, dtype, device, expert_parallel: bool = False):
         super().__init__()
         self.tp, self.top_k = tp, cfg.num_experts_per_tok
         num, h = cfg.num_experts, cfg.hidden_size
-        start, per = shard_range(cfg.intermediate_size, tp, f"the experts' intermediate size of {prefix}")
+        if expert_parallel:  # whole experts [first, first + local), every column
+            first, local = shard_range(num, tp, f"the experts of {prefix} (--enable-expert-parallel)")
+            start, per = 0, cfg.intermediate_size
+        else:  # every expert, this rank's share of the columns
+            first, local = 0, num
+            start, per = shard_range(cfg.intermediate_size, tp, f"the experts' intermediate size of {prefix}")
+        self.first, self.local, self.expert_parallel = first, local, expert_parallel
         self.alpha, self.limit = float(cfg.raw.get("swiglu_alpha", 1.702)), float(cfg.raw.get("swiglu_limit", 7.0))
         self.router_weight = new_param((num, h), dtype, device, full(f"{prefix}.router.weight", num))
         self.router_bias = new_param((num,), dtype, device, full(f"{prefix}.router.bias", num))
         e = f"{prefix}.experts"  # gate and up interleaved: this rank's pairs of columns are contiguous
         # the published checkpoint's MXFP4 experts, kept packed (each dequantised at use); else bf16
-        self.packed = packed_experts(cfg, e, start, per, device)
+        self.packed = packed_experts(cfg, e, start, per, device, first, local)
+
+        def stacked(name: str, shape: tuple[int, ...], dim: int, col_start: int, cols: int) -> torch.nn.Parameter:
+            shard = Shard(f"{e}.{name}", 0, first, local, 0) if expert_parallel else \
+                Shard(f"{e}.{name}", dim, col_start, cols, 0)
+            return new_param((local, *shape), dtype, device, [shard])
+
         if self.packed is None:
-            self.gate_up = new_param((num, h, 2 * per), dtype, device,
-                                     [Shard(f"{e}.gate_up_proj", 2, 2 * start, 2 * per, 0)])
-            self.down = new_param((num, per, h), dtype, device, [Shard(f"{e}.down_proj", 1, start, per, 0)])
-        self.gate_up_bias = new_param((num, 2 * per), dtype, device,
-                                      [Shard(f"{e}.gate_up_proj_bias", 1, 2 * start, 2 * per, 0)])
-        self.down_bias = new_param((num, h), dtype, device, full(f"{e}.down_proj_bias", num))
+            self.gate_up = stacked("gate_up_proj", (h, 2 * per), 2, 2 * start, 2 * per)
+            self.down = stacked("down_proj", (per, h), 1, start, per)
+        self.gate_up_bias = stacked("gate_up_proj_bias", (2 * per,), 1, 2 * start, 2 * per)
+        self.down_bias = new_param((local, h), dtype, device, [Shard(f"{e}.down_proj_bias", 0, first, local, 0)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top, chosen = torch.topk(F.linear(x, self.router_weight, self.router_bias), self.top_k, dim=-1)
         weights = top.softmax(-1)
         out = torch.zeros_like(x)
         for expert in chosen.unique().tolist():
+            e = expert - self.first  # (its index among this rank's experts)
+            if not 0 <= e < self.local:  # (expert parallel: another rank's)
+                continue
             rows, slot = torch.where(chosen == expert)
-            gate_up_of, down_of = self._weights(expert, x.dtype)
-            gate_up = gate_up_of(x[rows]) + self.gate_up_bias[expert]
+            gate_up_of, down_of = self._weights(e, x.dtype)
+            gate_up = gate_up_of(x[rows]) + self.gate_up_bias[e]
             gate = gate_up[..., ::2].clamp(max=self.limit)
             up = gate_up[..., 1::2].clamp(-self.limit, self.limit)
             y = down_of((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
-            if self.tp.rank == 0:  # (the bias once, before the ranks' partial sums meet)
-                y = y + self.down_bias[expert]
+            if self.expert_parallel or self.tp.rank == 0:  # (the bias once, before the ranks' partial sums meet)
+                y = y + self.down_bias[e]
             out.index_add_(0, rows, y * weights[rows, slot, None])
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
-
 
     def _weights(self, expert: int, dtype: torch.dtype):
         """Expert `expert`'s gate_up and down products (MXFP4: its weights dequantised for this step only)."""
@@ -104,14 +118,14 @@ class GptOssDecoderLayer(Module):
     sparse = False  # (its experts are its own: not stage_worker.moe's)
     cpu_plan = False
 
-    def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup, dtype, device):
+    def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup, dtype, device, expert_parallel: bool = False):
         super().__init__()
         prefix, h, eps = f"model.layers.{index}", cfg.hidden_size, cfg.rms_norm_eps
         window = cfg.sliding_window if layer_types(cfg.raw)[index] == "sliding_attention" else None
         self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", h, eps, dtype, device)
         self.self_attn = GptOssAttention(cfg, f"{prefix}.self_attn", tp, dtype, device, window)
         self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", h, eps, dtype, device)
-        self.mlp = GptOssExperts(cfg, f"{prefix}.mlp", tp, dtype, device)
+        self.mlp = GptOssExperts(cfg, f"{prefix}.mlp", tp, dtype, device, expert_parallel)
 
     def forward(self, x, residual, meta, kv_cache, cos_sin):
         x, residual = kernels.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
@@ -126,15 +140,18 @@ class GptOssStageModel(StageModel):
 
     def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, parallel: StageParallel,
                  dtype: torch.dtype, device, max_positions: int | None = None):
-        if parallel.expert_parallel or parallel.ep is not None:
-            raise StagemeshError("--enable-expert-parallel is not built for gpt_oss yet: its experts run on every "
-                                 "TP rank, each its share of their columns")
+        if parallel.ep is not None:
+            raise StagemeshError("expert parallelism across data-parallel replicas is not built for gpt_oss yet: "
+                                 "--enable-expert-parallel spreads its experts over one stage's TP ranks")
+        if parallel.eplb is not None:
+            raise StagemeshError("--enable-eplb is not built for gpt_oss yet: its experts are placed once, a "
+                                 "contiguous num_experts / TP of them on each TP rank")
         if parallel.cp is not None:
             raise StagemeshError("context parallelism (-dcp, -pcp) is not built for gpt_oss yet")
         super().__init__(cfg, layer_start, layer_end, parallel, dtype, device, max_positions)
 
     def decoder_layer(self, cfg, index, parallel, dtype, device) -> Module:
-        return GptOssDecoderLayer(cfg, index, parallel.tp, dtype, device)
+        return GptOssDecoderLayer(cfg, index, parallel.tp, dtype, device, parallel.expert_parallel)
 
 
 STAGE_MODEL = GptOssStageModel

@@ -1,7 +1,8 @@
 """gpt-oss, the family added by its modules (stagemesh/core/families/gpt_oss.py, stage_worker/gpt_oss.py), in its
 bf16 dequantized form: token-exact against transformers on a tiny random model in float32 (attention sinks, biases,
 sliding and full layers on prompts longer than the window, YaRN rope, the biased top-k router and clamped SwiGLU
-experts), in one stage, pipeline slices and at TP=2 x PP=2 over gloo; what it does not implement is refused by
+experts), in one stage, pipeline slices and at TP=2 x PP=2 over gloo (its experts split by columns or, expert parallel,
+whole over the ranks); what it does not implement is refused by
 name (its MXFP4 checkpoint: tests/test_gpt_oss_mxfp4.py)."""
 from __future__ import annotations
 
@@ -67,11 +68,13 @@ def test_an_fp8_cache_with_calculated_scales_matches_transformers_reading_the_sa
     assert (plain - want[1]).abs().max() > 5 * (logits - want[1]).abs().max()
 
 
-def test_tp2_pp2_over_gloo_matches_transformers(gpt_oss_dir, reference, tmp_path):
-    """Each TP rank its heads and their sinks, its share of every expert's columns; the biases once."""
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep2"])
+def test_tp2_pp2_over_gloo_matches_transformers(gpt_oss_dir, reference, tmp_path, expert_parallel):
+    """Each TP rank its heads and their sinks, and its share of every expert's columns (the down bias once) or,
+    expert parallel, its half of the experts whole (each with its down bias)."""
     prompt = prompts(384, lengths=(37,))[0]
     want_tokens, want_logits = reference_greedy(reference, prompt, 12)
-    got = run_tp(gpt_oss_dir, 2, "2,2", prompt, 12, tmp_path)
+    got = run_tp(gpt_oss_dir, 2, "2,2", prompt, 12, tmp_path, expert_parallel)
     assert got["tokens"] == want_tokens
     torch.testing.assert_close(torch.tensor(got["logits"]), want_logits, atol=1e-4, rtol=1e-4)
 
@@ -103,11 +106,16 @@ def test_what_it_does_not_implement_is_refused_by_name(gpt_oss_dir, change, name
     assert named in str(err.value) and "is not supported" in str(err.value)
 
 
-def test_expert_parallelism_is_refused_by_name(gpt_oss_dir):
+def test_expert_parallel_ranks_hold_whole_experts_and_eplb_is_refused_by_name(gpt_oss_dir):
     from stage_worker.runner import StageRunner
 
-    with pytest.raises(StagemeshError, match="--enable-expert-parallel is not built for gpt_oss"):
-        StageRunner.of(gpt_oss_dir, 0, 4, enable_expert_parallel=True, load=False)
+    mlp = StageRunner.of(gpt_oss_dir, 0, 4, tp_rank=1, tensor_parallel_size=2, enable_expert_parallel=True,
+                         load=False).model.layers[0].mlp
+    experts = GPT_OSS["num_local_experts"]
+    assert (mlp.first, mlp.local) == (experts // 2, experts // 2)
+    assert tuple(mlp.gate_up.shape) == (experts // 2, GPT_OSS["hidden_size"], 2 * GPT_OSS["intermediate_size"])
+    with pytest.raises(StagemeshError, match="--enable-eplb is not built for gpt_oss"):
+        StageRunner.of(gpt_oss_dir, 0, 4, enable_expert_parallel=True, enable_eplb=True, load=False)
 
 
 def test_declared_layer_shapes_are_the_checkpoints(gpt_oss_dir):

@@ -67,12 +67,14 @@ def test_the_experts_stay_packed(mxfp4):
     assert describe(experts) == "1 x mxfp4 experts (0.0 MiB quantised)"  # (the start-up line: 51 KiB)
 
 
-def test_tp2_pp2_over_gloo_gives_transformers_tokens(mxfp4, tmp_path):
-    """Each TP rank its rows of gate_up's blocks and its 32-column blocks of down's."""
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep2"])
+def test_tp2_pp2_over_gloo_gives_transformers_tokens(mxfp4, tmp_path, expert_parallel):
+    """Each TP rank its rows of gate_up's blocks and its 32-column blocks of down's, or (expert parallel) its
+    half of the experts' blocks whole."""
     path, reference = mxfp4
     prompt = prompts(384, lengths=(37,))[0]
     want_tokens, want_logits = reference_greedy(reference, prompt, 8)
-    got = run_tp(path, 2, "2,2", prompt, 8, tmp_path)
+    got = run_tp(path, 2, "2,2", prompt, 8, tmp_path, expert_parallel)
     assert got["tokens"] == want_tokens
     torch.testing.assert_close(torch.tensor(got["logits"]), want_logits, **TOL)
 

@@ -52,13 +52,15 @@ class Mxfp4(QuantMethod):
 METHOD = Mxfp4
 
 
-def packed_experts(cfg: ModelConfig, module: str, start: int, per: int, device) -> "Mxfp4Experts | None":
-    """The MXFP4 experts of `module` (this TP rank's intermediate columns start:start+per), or None where the
-    checkpoint holds them in bf16 (no quantization_config, or modules_to_not_convert names them)."""
+def packed_experts(cfg: ModelConfig, module: str, start: int, per: int, device, first: int = 0,
+                   local: int | None = None) -> "Mxfp4Experts | None":
+    """The MXFP4 experts of `module` (this TP rank's intermediate columns start:start+per of every expert, or,
+    expert parallel, the whole experts first:first+local), or None where the checkpoint holds them in bf16 (no
+    quantization_config, or modules_to_not_convert names them)."""
     qc = cfg.raw.get("quantization_config")
     if not qc or qc.get("quant_method") != NAME or not Mxfp4(qc).packs(module):
         return None
-    return Mxfp4Experts(module, cfg.num_experts, cfg.hidden_size, start, per, device)
+    return Mxfp4Experts(module, cfg.num_experts, cfg.hidden_size, start, per, device, first, local)
 
 
 class Mxfp4Experts(Module):
@@ -66,22 +68,25 @@ class Mxfp4Experts(Module):
 
     kind = "mxfp4 experts"  # (the stage's start-up line: stage_worker.quantization.describe)
 
-    def __init__(self, module: str, num: int, hidden: int, start: int, per: int, device):
+    def __init__(self, module: str, num: int, hidden: int, start: int, per: int, device, first: int = 0,
+                 local: int | None = None):
         super().__init__()
         if hidden % GROUP or start % GROUP or per % GROUP:
             raise refuse(NAME, f"{module}: this TP rank's intermediate columns {start}:{start + per} (of hidden size "
                                f"{hidden}) cut the 32-value blocks of down_proj; a TP size that gives each rank a "
                                "multiple of 32 is built")
-        u8, g = torch.uint8, hidden // GROUP
+        u8, g, local = torch.uint8, hidden // GROUP, num if local is None else local
+        whole = local != num  # (expert parallel: whole experts, sliced along the experts)
 
-        def packed(name: str, shape: tuple[int, ...], dim: int, first: int, length: int) -> nn.Parameter:
-            return new_param(shape, u8, device, [Shard(f"{module}.{name}", dim, first, length, 0)])
+        def packed(name: str, shape: tuple[int, ...], dim: int, first_col: int, length: int) -> nn.Parameter:
+            shard = Shard(f"{module}.{name}", 0, first, local, 0) if whole else \
+                Shard(f"{module}.{name}", dim, first_col, length, 0)
+            return new_param((local, *shape), u8, device, [shard])
 
-        self.gate_up_blocks = packed("gate_up_proj_blocks", (num, 2 * per, g, 16), 1, 2 * start, 2 * per)
-        self.gate_up_scales = packed("gate_up_proj_scales", (num, 2 * per, g), 1, 2 * start, 2 * per)
-        self.down_blocks = packed("down_proj_blocks", (num, hidden, per // GROUP, 16), 2, start // GROUP,
-                                  per // GROUP)
-        self.down_scales = packed("down_proj_scales", (num, hidden, per // GROUP), 2, start // GROUP, per // GROUP)
+        self.gate_up_blocks = packed("gate_up_proj_blocks", (2 * per, g, 16), 1, 2 * start, 2 * per)
+        self.gate_up_scales = packed("gate_up_proj_scales", (2 * per, g), 1, 2 * start, 2 * per)
+        self.down_blocks = packed("down_proj_blocks", (hidden, per // GROUP, 16), 2, start // GROUP, per // GROUP)
+        self.down_scales = packed("down_proj_scales", (hidden, per // GROUP), 2, start // GROUP, per // GROUP)
 
     def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's gate_up [2 * per, hidden] and down [hidden, per] ([out, in], for F.linear), in `dtype`."""
