@@ -46,6 +46,11 @@ async def _main(args: argparse.Namespace) -> int:
 
         replicas.after_refresh.append(lambda: lora_api.sync_soon(config.lora))
     checker = asyncio.create_task(replicas.health_loop())
+    rebalancer = None
+    if args.rebalance_interval:
+        from router.rebalance import rebalance_loop
+
+        rebalancer = asyncio.create_task(rebalance_loop(replicas, args.rebalance_interval, args.rebalance_min_gap))
     if args.reuse_port or args.listen_when_ready:
         await _wait_for_a_replica(replicas, shutdown)
     if args.listen_when_ready and not replicas.healthy():  # (past the wait) /health: 503 until a replica serves
@@ -57,6 +62,8 @@ async def _main(args: argparse.Namespace) -> int:
     await shutdown.wait()
     await _drain(shutdown, app[LIFECYCLE], site, replicas)
     checker.cancel()
+    if rebalancer is not None:
+        rebalancer.cancel()
     if grpc_server is not None:
         await grpc_server.stop(grace=0)
     if control is not None:
@@ -79,6 +86,9 @@ def _check_args(args: argparse.Namespace) -> None:
     _check_store(args)
     if args.max_waiting_requests < 0 or args.health_interval <= 0 or args.http_timeout_keep_alive <= 0:
         raise StagemeshError("--max-waiting-requests must be >= 0, --health-interval and --http-timeout-keep-alive > 0")
+    if not args.rebalance_interval >= 0 or args.rebalance_min_gap < 2:
+        raise StagemeshError(f"--rebalance-interval must be >= 0 (0: off) and --rebalance-min-gap >= 2 (a move of "
+                             f"half the gap), got {args.rebalance_interval} and {args.rebalance_min_gap}")
 
 
 def _build_app(args: argparse.Namespace, replicas):

@@ -126,6 +126,14 @@ class RouterOptions:
     pooling: PoolingOptions = group(PoolingOptions)
     health_interval: float = Flag(("--health-interval",), type=float, default=1.0,
                                   help="seconds between replica checks").field()
+    rebalance_interval: float = Flag(("--rebalance-interval",), type=float, default=0.0, metavar="SECONDS", help=(
+        "every SECONDS, move running requests from the busiest replica to the least loaded when they differ by "
+        "--rebalance-min-gap or more: they go on there with their KV (the schedulers' --migration-policy; the "
+        "receiving replica names the busy one with --kv-peer, as serve does), as a draining replica's do "
+        "(router.rebalance). 0 (the default): requests stay where they started")).field()
+    rebalance_min_gap: int = Flag(("--rebalance-min-gap",), type=int, default=4, metavar="REQUESTS", help=(
+        "with --rebalance-interval: the difference in running requests that makes a move (half of it moves)"
+    )).field()
     reuse_port: bool = Flag(("--reuse-port",), kind="switch", help=(
         "listen with SO_REUSEPORT, so that several routers share the HTTP (and gRPC) port and the kernel spreads "
         "connections over them (`stagemesh serve --api-server-count N` sets it)")).field()

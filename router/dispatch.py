@@ -129,6 +129,7 @@ class Route:
     waiting: bool = True  # no reply yet (it counts against --max-waiting-requests)
     tried: set[str] = field(default_factory=set)  # replicas it was sent to
     failed: set[str] = field(default_factory=set)  # replicas that failed under it
+    moved_from: str = ""  # the replica that handed it on (drained, rebalanced): not its next one
     generated: list[int] = field(default_factory=list)  # tokens streamed so far
     generated_logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when the request asks logprobs
     last_error: RequestFailed | None = None
@@ -176,8 +177,9 @@ class Route:
                 replica = pick(self.gen.request, self.failed | {self.kv_failed_on}, None, "prefill") \
                     or pick(self.gen.request, self.failed, None, "prefill")
             else:
-                replica = pick(self.gen.request, self.failed if self.generated else self.tried, self.gen.pin,
-                               "prefill" if self.prefill else "whole")
+                avoid = (self.failed if self.generated else self.tried) | ({self.moved_from} - {""})
+                replica = pick(self.gen.request, avoid, self.gen.pin, "prefill" if self.prefill else "whole")
+                self.moved_from = ""
             if replica is not None:
                 return replica
             if not self.prefill:
@@ -203,8 +205,8 @@ class Route:
             self.migrating = False
         self.generated.extend(reply.token_ids)
         self.generated_logprobs.extend(reply.logprobs)
-        if reply.finish_reason == "migrated":  # its replica drains: on to another, with its KV if it holds it
-            self.failed.add(replica.address)
+        if reply.finish_reason == "migrated":  # drained or rebalanced: on to another, with its KV if it holds it
+            self.moved_from = replica.address  # (a rebalanced one may come back to it later)
             self.migrating, self.kv_transfer = True, reply.kv_transfer
             if reply.kv_transfer is not None:
                 self.held = self.prefilled_on = (replica, self.gen.request_id)

@@ -190,6 +190,16 @@ class Replica:
                         err.details())
             return False
 
+    async def migrate(self, max_requests: int) -> int:
+        """Rebalancing (router.rebalance): up to max_requests of its running requests handed on; how many were."""
+        try:
+            reply = await self.stub.Migrate(scheduler_pb2.MigrateRequest(max_requests=max_requests),
+                                            timeout=STATS_DEADLINE_S)
+            return reply.moved_with_kv + reply.moved_without_kv
+        except grpc.aio.AioRpcError as err:  # (the next look tries again)
+            log.warning("rebalancing: replica %s did not hand requests on: %s", self.address, err.details())
+            return 0
+
     def attach(self, request_id: str, prompt: list[int], owner: str) -> RequestStream:
         """Attach a resumable request this replica may hold (its first update says whether it does)."""
         return self._submit_stream().attach(request_id, prompt, owner)

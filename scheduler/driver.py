@@ -95,6 +95,22 @@ class Driver:
         self.steps.dispatch(outputs)
         return with_kv, len(outputs) - with_kv
 
+    async def migrate_some(self, max_requests: int, timeout_s: float) -> tuple[int, int]:
+        """A router rebalances: up to max_requests running requests end "migrated" between two steps, for it to go
+        on with them elsewhere (scheduler.handover.migrate_some), while the replica serves the rest; at most
+        timeout_s for the steps in flight to come back. Returns (moved with their KV, moved without)."""
+        if self.epochs.scheduler is None or self.steps.paused:
+            return 0, 0
+        done = self.steps.migrate_some(max_requests, self.cfg.scheduler.migration_policy == "kv")
+        try:
+            outputs = await asyncio.wait_for(asyncio.shield(done), timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("rebalance: no point between two steps came in %gs: nothing handed on", timeout_s)
+            done.cancel()
+            return 0, 0
+        with_kv = sum(1 for out in outputs if out.held_kv is not None)
+        return with_kv, len(outputs) - with_kv
+
     def holds_kv(self) -> int:
         """Requests whose KV is held here for another replica (migrated, prefilled)."""
         scheduler = self.epochs.scheduler

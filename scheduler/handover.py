@@ -1,6 +1,7 @@
 """A scheduler's requests handed on to another that goes on with them: from a broken epoch's scheduler to the next
 epoch's (requeue_all, then take_over: docs/recovery.md), from the warm-up's scheduler to the first serving one
-(continue_after: scheduler.warmup), and from a draining replica to another replica (migrate_all)."""
+(continue_after: scheduler.warmup), and from a draining replica to another replica (migrate_all), or some of a
+replica's running requests, for a router that rebalances (migrate_some)."""
 from __future__ import annotations
 
 import itertools
@@ -69,22 +70,38 @@ def take_over(s: Scheduler, old: Scheduler) -> list[RequestOutput]:
 
 
 # -- a draining replica ---------------------------------------------------------------------------------------
+MIN_TOKENS_LEFT = 32  # a rebalance moves no request that may end sooner (a move costs a KV transfer's pause)
+
+
+def migrate_some(s: Scheduler, max_requests: int, with_kv: bool,
+                 min_tokens_left: int = MIN_TOKENS_LEFT) -> list[RequestOutput]:
+    """A router rebalances: up to `max_requests` running requests of `s` between two decode steps (not in
+    flight, all their tokens but the last computed, min_tokens_left or more to go) end "migrated" as migrate_all
+    ends them, those with the most tokens left first (a move pays for its pause over more of them); the replica
+    goes on with the rest."""
+    movable = [r for r in s.running if not r.in_flight and r.status is Status.RUNNING
+               and r.num_computed_tokens == r.num_tokens - 1 and not r.num_output_placeholders
+               and r.sampling.max_tokens - len(r.output_token_ids) >= min_tokens_left]
+    movable.sort(key=lambda r: r.sampling.max_tokens - len(r.output_token_ids), reverse=True)
+    return [_migrated(s, r, with_kv) for r in movable[:max_requests]]
+
+
 def migrate_all(s: Scheduler, with_kv: bool) -> list[RequestOutput]:
     """The replica drains: every request of `s` not in flight ends "migrated", for its router to go on with it
     on another replica. A running one whose tokens but the last are computed, with with_kv, keeps its KV blocks
     held here (RequestOutput.held_kv) until the replica that takes it has read them (ReleaseKV) or
     --kv-hold-timeout; the others go without (computed again there). Those in flight are left (their step's
     result first): the caller calls again."""
-    outputs = []
-    for request in [*s.running, *s.waiting]:
-        if request.in_flight:
-            continue
-        n = request.num_computed_tokens
-        movable = (with_kv and request.status is Status.RUNNING and n == request.num_tokens - 1
-                   and not request.num_output_placeholders)
-        table = s.kv.tables.get(request.request_id, [])[:s.kv.blocks_needed(n)] if movable else []
-        out = s.finish(request, "migrated", hold_kv=movable)
-        if movable:
-            out.held_kv = HeldKV(list(table), n)
-        outputs.append(out)
-    return outputs
+    return [_migrated(s, request, with_kv) for request in [*s.running, *s.waiting] if not request.in_flight]
+
+
+def _migrated(s: Scheduler, request: Request, with_kv: bool) -> RequestOutput:
+    """`request` ends "migrated", with its KV held (all but its last token's) where with_kv and it can."""
+    n = request.num_computed_tokens
+    movable = (with_kv and request.status is Status.RUNNING and n == request.num_tokens - 1
+               and not request.num_output_placeholders)
+    table = s.kv.tables.get(request.request_id, [])[:s.kv.blocks_needed(n)] if movable else []
+    out = s.finish(request, "migrated", hold_kv=movable)
+    if movable:
+        out.held_kv = HeldKV(list(table), n)
+    return out

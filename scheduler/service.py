@@ -30,6 +30,7 @@ from stagemesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, stage_pb
 from stagemesh.core.wire import engine_request_from_pb
 
 log = logging.getLogger("stagemesh.scheduler")
+MIGRATE_WAIT_S = 1.0  # a rebalance waits this long for a point between two steps (within the caller's deadline)
 SERVICE = "stagemesh.v1.Scheduler"
 
 
@@ -238,6 +239,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def ReleaseKV(self, request, context):
         return scheduler_pb2.ReleaseKVResponse(released=self.driver.release_kv(request.request_id))
+
+    async def Migrate(self, request, context):
+        if request.max_requests < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"max_requests must be at least 1, got {request.max_requests}")
+        if self.drain.reason:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the replica drains: {self.drain.reason}")
+        with_kv, without = await self.driver.migrate_some(request.max_requests, MIGRATE_WAIT_S)
+        if with_kv or without:
+            log.info("rebalance: %d running request(s) handed on (%d with their KV), as a router asked",
+                     with_kv + without, with_kv)
+        return scheduler_pb2.MigrateResponse(moved_with_kv=with_kv, moved_without_kv=without)
 
     async def GetKVPeers(self, request, context):
         return scheduler_pb2.GetKVPeersResponse(stage_addresses=sorted(await self.kv_peers.stage_addresses()))

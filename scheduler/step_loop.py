@@ -26,6 +26,7 @@ from typing import Protocol
 
 from opentelemetry import trace
 
+from scheduler import handover
 from scheduler.epochs import EpochManager
 from scheduler.grammar_wait import compile_for
 from scheduler.kv_transfer import KVLoadFailed, KVPull, failure_message, run_pull
@@ -81,6 +82,8 @@ class StepLoop:
         self.compute_seconds = 0.0
         self._wake = asyncio.Event()
         self.paused = False  # no step is scheduled (a drain hands its requests on: Driver.migrate)
+        # a rebalance's hand-on (Driver.migrate_some), done between two steps: (how many, with their KV, its answer)
+        self._migration: tuple[int, bool, asyncio.Future] | None = None
 
     @property
     def in_flight(self) -> frozenset[asyncio.Task]:
@@ -168,6 +171,28 @@ class StepLoop:
             if sink is not None:
                 sink.put(out)
 
+    def migrate_some(self, max_requests: int, with_kv: bool) -> asyncio.Future:
+        """Up to max_requests running requests end "migrated" at the next point between two steps (when a step's
+        results are in, before the next is scheduled: scheduler.handover.migrate_some); the future's result is
+        their outputs, dispatched already."""
+        if self._migration is not None:  # (one at a time: the earlier one is answered with nothing moved)
+            self._migration[2].set_result([])
+        done = asyncio.get_running_loop().create_future()
+        self._migration = (max_requests, with_kv, done)
+        self._wake.set()
+        return done
+
+    def _migrate(self, scheduler: Scheduler) -> None:
+        if self._migration is None:
+            return
+        (max_requests, with_kv, done), self._migration = self._migration, None
+        if done.done():  # (its caller gave up waiting: nothing moves)
+            return
+        outputs = handover.migrate_some(scheduler, max_requests, with_kv)
+        self.stamp_held(outputs)
+        self.dispatch(outputs)
+        done.set_result(outputs)
+
     def start_epoch(self, plan: PipelinePlan, async_scheduling: bool) -> None:
         """A new epoch formed: size the steps in flight for it and go."""
         # stage processes compute different micro-batches at once; in one process one step runs at a time
@@ -214,6 +239,7 @@ class StepLoop:
         if scheduler is None:  # (none without an epoch: not healthy either)
             return
         self._release_held(scheduler)
+        self._migrate(scheduler)
         while epochs.healthy and not self.paused and len(self._in_flight) < self._depth:
             epoch = epochs.epoch
             # split the requests over the micro-batches, so that every stage has work
@@ -278,6 +304,10 @@ class StepLoop:
         outputs = scheduler.update_from_output(output, result.sampled, result.prompt_logprobs, result.drafts)
         self.stamp_held(outputs, epoch)
         self._in_flight.discard(asyncio.current_task())
+        if self._migration is not None:  # (a rebalance: the step's tokens go out before the hand-on)
+            self.dispatch(outputs)
+            outputs = []
+            self._migrate(scheduler)
         self._launch()  # the next micro-batch first: the streams are served while the stages compute it
         self.dispatch(outputs)
         self.observer.end_step(span, seconds, result.compute_seconds, scheduler.stats())

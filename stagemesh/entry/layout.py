@@ -175,9 +175,11 @@ class MeshLayout:
                             listen_when_ready=True)
         control: list[int | None] = [*self.control_ports] or [None] * n
         env = {"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}  # (on Ray too: the routers share the head node)
-        return [ChildSpec("router" if n == 1 else f"router[{i}]",
-                          ["router", *to_argv(replace(options, control_port=control[i]))], env, kind="router")
+        # (the first router alone rebalances: each would move the same requests)
+        each = [replace(options, control_port=control[i], rebalance_interval=options.rebalance_interval * (i == 0))
                 for i in range(n)]
+        return [ChildSpec("router" if n == 1 else f"router[{i}]", ["router", *to_argv(o)], env, kind="router")
+                for i, o in enumerate(each)]
 
 
 def stage_ranks(args: argparse.Namespace) -> int:

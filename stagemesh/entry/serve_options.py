@@ -84,6 +84,8 @@ class ServeOptions:
     host: str = flag_of(R, "host", help="the router's HTTP address")
     port: int = flag_of(R, "port", help="the router's HTTP port")
     grpc_port: int | None = flag_of(R, "grpc_port", default=50050, help="the router's gRPC frontend port")
+    rebalance_interval: float = flag_of(R, "rebalance_interval")
+    rebalance_min_gap: int = flag_of(R, "rebalance_min_gap")
     api_server_count: int = Flag(("--api-server-count", "-asc"), type=int, default=1, metavar="N", help=(
         "routers (vLLM's API servers) over the replicas, sharing the HTTP and gRPC ports (SO_REUSEPORT: the kernel "
         "spreads connections over them); one that dies or is upgraded loses no stream a client resumes "

@@ -1237,6 +1237,47 @@ class GetKVPeersRequest(_message.Message):
 Global___GetKVPeersRequest: _TypeAlias = GetKVPeersRequest  # noqa: Y015
 
 @_typing.final
+class MigrateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_REQUESTS_FIELD_NUMBER: _builtins.int
+    max_requests: _builtins.int
+    def __init__(
+        self,
+        *,
+        max_requests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_requests", b"max_requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MigrateRequest: _TypeAlias = MigrateRequest  # noqa: Y015
+
+@_typing.final
+class MigrateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MOVED_WITH_KV_FIELD_NUMBER: _builtins.int
+    MOVED_WITHOUT_KV_FIELD_NUMBER: _builtins.int
+    moved_with_kv: _builtins.int
+    moved_without_kv: _builtins.int
+    def __init__(
+        self,
+        *,
+        moved_with_kv: _builtins.int = ...,
+        moved_without_kv: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["moved_with_kv", b"moved_with_kv", "moved_without_kv", b"moved_without_kv"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MigrateResponse: _TypeAlias = MigrateResponse  # noqa: Y015
+
+@_typing.final
 class GetKVPeersResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -80,6 +80,11 @@ class SchedulerStub:
                 request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.GetKVPeersRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.GetKVPeersResponse.FromString,
                 _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/stagemesh.v1.Scheduler/Migrate',
+                request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.MigrateResponse.FromString,
+                _registered_method=True)
         self.RegisterStage = channel.unary_unary(
                 '/stagemesh.v1.Scheduler/RegisterStage',
                 request_serializer=stagemesh_dot_v1_dot_scheduler__pb2.RegisterStageRequest.SerializeToString,
@@ -191,6 +196,19 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Migrate(self, request, context):
+        """A router rebalancing the replicas (--rebalance-interval): up to
+        max_requests of this replica's running requests between two steps end
+        "migrated", as a drain's end hands them on (their KV held here under
+        --migration-policy kv, for the replica the router continues them on),
+        the ones with the most tokens left first, while the replica serves the
+        rest. INVALID_ARGUMENT for max_requests < 1; FAILED_PRECONDITION while
+        the replica drains.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterStage(self, request, context):
         """A stage announces itself, and again every few seconds for as long as it
         runs (a heartbeat, so that a restarted scheduler gets its stages back).
@@ -266,6 +284,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetKVPeers,
                     request_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.GetKVPeersRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_scheduler__pb2.GetKVPeersResponse.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=stagemesh_dot_v1_dot_scheduler__pb2.MigrateRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_scheduler__pb2.MigrateResponse.SerializeToString,
             ),
             'RegisterStage': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterStage,
@@ -526,6 +549,33 @@ class Scheduler:
             '/stagemesh.v1.Scheduler/GetKVPeers',
             stagemesh_dot_v1_dot_scheduler__pb2.GetKVPeersRequest.SerializeToString,
             stagemesh_dot_v1_dot_scheduler__pb2.GetKVPeersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.Scheduler/Migrate',
+            stagemesh_dot_v1_dot_scheduler__pb2.MigrateRequest.SerializeToString,
+            stagemesh_dot_v1_dot_scheduler__pb2.MigrateResponse.FromString,
             options,
             channel_credentials,
             insecure,

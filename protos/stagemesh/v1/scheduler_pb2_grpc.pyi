@@ -85,6 +85,15 @@ class SchedulerStub:
     (PullKV dials no other address): those of the prefill replicas whose
     schedulers this one was given (--kv-peer), as they last reported them.
     """
+    Migrate: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.MigrateRequest, _scheduler_pb2.MigrateResponse]
+    """A router rebalancing the replicas (--rebalance-interval): up to
+    max_requests of this replica's running requests between two steps end
+    "migrated", as a drain's end hands them on (their KV held here under
+    --migration-policy kv, for the replica the router continues them on),
+    the ones with the most tokens left first, while the replica serves the
+    rest. INVALID_ARGUMENT for max_requests < 1; FAILED_PRECONDITION while
+    the replica drains.
+    """
     RegisterStage: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.RegisterStageRequest, _scheduler_pb2.RegisterStageResponse]
     """A stage announces itself, and again every few seconds for as long as it
     runs (a heartbeat, so that a restarted scheduler gets its stages back).
@@ -154,6 +163,15 @@ class SchedulerAsyncStub(SchedulerStub):
     """Disaggregated prefill: the stages this replica's stages may read KV from
     (PullKV dials no other address): those of the prefill replicas whose
     schedulers this one was given (--kv-peer), as they last reported them.
+    """
+    Migrate: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.MigrateRequest, _scheduler_pb2.MigrateResponse]  # type: ignore[assignment]
+    """A router rebalancing the replicas (--rebalance-interval): up to
+    max_requests of this replica's running requests between two steps end
+    "migrated", as a drain's end hands them on (their KV held here under
+    --migration-policy kv, for the replica the router continues them on),
+    the ones with the most tokens left first, while the replica serves the
+    rest. INVALID_ARGUMENT for max_requests < 1; FAILED_PRECONDITION while
+    the replica drains.
     """
     RegisterStage: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.RegisterStageRequest, _scheduler_pb2.RegisterStageResponse]  # type: ignore[assignment]
     """A stage announces itself, and again every few seconds for as long as it
@@ -275,6 +293,21 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         """Disaggregated prefill: the stages this replica's stages may read KV from
         (PullKV dials no other address): those of the prefill replicas whose
         schedulers this one was given (--kv-peer), as they last reported them.
+        """
+
+    @_abc_1.abstractmethod
+    def Migrate(
+        self,
+        request: _scheduler_pb2.MigrateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_scheduler_pb2.MigrateResponse, _abc.Awaitable[_scheduler_pb2.MigrateResponse]]:
+        """A router rebalancing the replicas (--rebalance-interval): up to
+        max_requests of this replica's running requests between two steps end
+        "migrated", as a drain's end hands them on (their KV held here under
+        --migration-policy kv, for the replica the router continues them on),
+        the ones with the most tokens left first, while the replica serves the
+        rest. INVALID_ARGUMENT for max_requests < 1; FAILED_PRECONDITION while
+        the replica drains.
         """
 
     @_abc_1.abstractmethod
