@@ -129,6 +129,7 @@ class Observer:
         self.replica = replica
         self.requests: dict[str, _Tracked] = {}
         self._prefix = (0, 0)
+        self._gauges: tuple | None = None  # the running, waiting and KV usage gauges as last set
         self._spec = SpecDecodeStats()  # counted so far: each step adds what its scheduler counted since
         if num_speculative_tokens:
             counters = _SpecCounters.get()
@@ -304,15 +305,20 @@ class Observer:
         if span is not None:
             span.end()
         if stats is not None:
-            RUNNING.set(stats.num_running)
-            WAITING.set(stats.num_waiting)
-            KV_USAGE.set(stats.kv_cache_usage)
+            # a metric's update costs microseconds a step (its lock): only the figures that changed are written
+            gauges = (stats.num_running, stats.num_waiting, stats.kv_cache_usage)
+            if gauges != self._gauges:
+                self._gauges = gauges
+                RUNNING.set(stats.num_running)
+                WAITING.set(stats.num_waiting)
+                KV_USAGE.set(stats.kv_cache_usage)
             queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
-            if queries < self._prefix[0]:  # a new epoch's scheduler counts from zero
-                self._prefix = (0, 0)
-            PREFIX_QUERIES.inc(queries - self._prefix[0])
-            PREFIX_HITS.inc(max(hits - self._prefix[1], 0))
-            self._prefix = (queries, hits)
+            if (queries, hits) != self._prefix:
+                if queries < self._prefix[0]:  # a new epoch's scheduler counts from zero
+                    self._prefix = (0, 0)
+                PREFIX_QUERIES.inc(queries - self._prefix[0])
+                PREFIX_HITS.inc(max(hits - self._prefix[1], 0))
+                self._prefix = (queries, hits)
             if stats.spec_decode is not None:
                 self._count_spec(stats.spec_decode)
             for tier, n in stats.tier_blocks.items():
