@@ -186,7 +186,7 @@ class Observer:
                     t.span.add_event("stalled", {"stagemesh.failure": failure})
 
     def outputs(self, outputs: list[RequestOutput]) -> None:
-        now = time.monotonic()
+        now, generated = time.monotonic(), 0
         for out in outputs:
             t = self.requests.get(out.request_id)
             if t is None:
@@ -194,7 +194,7 @@ class Observer:
             if out.new_token_ids and t.stalled_since is not None:
                 self._recovered(out.request_id, t, now - t.stalled_since)
             if out.new_token_ids:
-                GENERATION_TOKENS.inc(len(out.new_token_ids))
+                generated += len(out.new_token_ids)
                 t.num_output += len(out.new_token_ids)
                 if t.first_token is None:
                     t.first_token, t.num_cached = now, out.num_cached_tokens
@@ -206,6 +206,8 @@ class Observer:
                 t.last_token = now
             if out.finished:
                 self._finish(out, t, now)
+        if generated:  # one update of the counter a step, not one an output (each takes its lock)
+            GENERATION_TOKENS.inc(generated)
 
     def _recovered(self, request_id: str, t: _Tracked, stall: float) -> None:
         RECOVERED.inc()
