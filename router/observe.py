@@ -158,6 +158,7 @@ class RequestRecord:
         self.replica = ""
         self.failed = ""  # the replica it last failed on
         self.finished = False
+        self._itl: tuple[tuple[str, str], Any] | None = None  # the ITL histogram's child for its labels
         m.IN_FLIGHT.inc()
 
     def queued(self, seconds: float) -> None:
@@ -172,8 +173,11 @@ class RequestRecord:
             m.ROUTER_TTFT.observe(now - self.start)
             m.TTFT.labels(*labels).observe(now - self.start)
         elif self.last_token is not None:  # tokens that arrived together share the gap since the last ones
+            if self._itl is None or self._itl[0] != labels:  # (the labelled child looked up once, not a token)
+                self._itl = labels, m.ITL.labels(*labels)
+            itl = self._itl[1]
             for _ in range(count):
-                m.ITL.labels(*labels).observe((now - self.last_token) / count)
+                itl.observe((now - self.last_token) / count)
         self.last_token = now
 
     def replayed(self, failed: str, error: str, num_generated: int) -> None:

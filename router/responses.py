@@ -16,8 +16,12 @@ from router.tokenization import Tokenizer
 from stagemesh.core.step import TokenLogprob
 
 
+# json.dumps(obj, ensure_ascii=False) builds an encoder a call; a chunk a token reuses one (the same text)
+_encode = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def sse(obj: dict, event_id: str | None = None) -> bytes:
-    return _event(json.dumps(obj, ensure_ascii=False), event_id)
+    return _event(_encode(obj), event_id)
 
 
 def sse_done(event_id: str | None = None) -> bytes:

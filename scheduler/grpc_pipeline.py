@@ -25,7 +25,7 @@ from stagemesh.core.deadlines import DEADLINES, Deadlines
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import InvalidParameter, SamplingParams, StructuredOutputs
 from stagemesh.core.service_options import aio_channel
-from stagemesh.core.step import EpochSpec, StepBatch
+from stagemesh.core.step import EpochSpec, SampledToken, StepBatch
 from stagemesh.core.step_wire import drafts_from_pb, epoch_to_pb, prompt_logprobs_from_pb, sampled_from_pb, step_to_pb
 from stagemesh.core.wire import sampling_to_pb
 from stagemesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, stage_pb2, stage_pb2_grpc
@@ -121,21 +121,23 @@ class GrpcPipeline:
             replies = [await answers[0]] if len(answers) == 1 else await asyncio.gather(*answers)
         except StageFailure as first:
             raise await _culprit(first, answers) from None
-        self._answered.update(stage.address for stage, _ in calls)
+        for stage, _ in calls:
+            self._answered.add(stage.address)
         msg = replies[-1].sampled
         rows = len(msg.seq_ids)
-        if (len(msg.token_ids) != rows or len(msg.logprob_rows) != len(msg.logprobs)
-                or len(msg.error_rows) != len(msg.errors) or len(msg.pooled_rows) != len(msg.pooled)
-                or any(not 0 <= r < rows for r in (*msg.logprob_rows, *msg.error_rows, *msg.pooled_rows))
-                or len(msg.draft_seq_ids) != len(msg.num_draft_tokens)
-                or any(n < 0 for n in msg.num_draft_tokens) or sum(msg.num_draft_tokens) != len(msg.draft_token_ids)):
+        # a plain step's reply has its rows' sequence and token ids only (no logprobs, errors, pooled outputs or
+        # drafts): the other columns are checked and read only where it has some
+        plain = len(msg.ListFields()) == (2 if rows else 0)
+        if len(msg.token_ids) != rows or not (plain or _extras_line_up(msg)):
             raise StageFailure(calls[-1][0], "the stage's sampled-token columns do not line up")
+        compute_seconds = sum(r.compute_seconds for r in replies)
+        if plain:
+            return StepResult(list(map(SampledToken, msg.seq_ids, msg.token_ids)), [], compute_seconds, {})
         try:
             sampled = sampled_from_pb(msg)
         except (ValueError, StagemeshError) as err:  # a pooled output whose bytes do not fill its shape
             raise StageFailure(calls[-1][0], f"the stage's pooled outputs are malformed: {err}") from None
-        return StepResult(sampled, prompt_logprobs_from_pb(msg), sum(r.compute_seconds for r in replies),
-                          drafts_from_pb(msg))
+        return StepResult(sampled, prompt_logprobs_from_pb(msg), compute_seconds, drafts_from_pb(msg))
 
     # -- structured outputs --------------------------------------------------------------
     async def compile_grammar(self, structured: StructuredOutputs, timeout_s: float) -> None:
@@ -298,6 +300,16 @@ class GrpcPipeline:
             task = asyncio.create_task(_close_later(entry[0], self.deadlines.channel_linger_s))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+
+def _extras_line_up(msg: stage_pb2.SampledTokens) -> bool:
+    """Whether a reply's logprob, error, pooled and draft columns line up with its rows."""
+    rows = len(msg.seq_ids)
+    return (len(msg.logprob_rows) == len(msg.logprobs) and len(msg.error_rows) == len(msg.errors)
+            and len(msg.pooled_rows) == len(msg.pooled)
+            and all(0 <= r < rows for r in (*msg.logprob_rows, *msg.error_rows, *msg.pooled_rows))
+            and len(msg.draft_seq_ids) == len(msg.num_draft_tokens)
+            and all(n >= 0 for n in msg.num_draft_tokens) and sum(msg.num_draft_tokens) == len(msg.draft_token_ids))
 
 
 async def _answer(stage: StageInfo, call):

@@ -129,6 +129,7 @@ class Observer:
         self.replica = replica
         self.requests: dict[str, _Tracked] = {}
         self._prefix = (0, 0)
+        self._gauges: tuple | None = None  # the running, waiting and KV usage gauges as last set
         self._spec = SpecDecodeStats()  # counted so far: each step adds what its scheduler counted since
         if num_speculative_tokens:
             counters = _SpecCounters.get()
@@ -185,7 +186,7 @@ class Observer:
                     t.span.add_event("stalled", {"stagemesh.failure": failure})
 
     def outputs(self, outputs: list[RequestOutput]) -> None:
-        now = time.monotonic()
+        now, generated = time.monotonic(), 0
         for out in outputs:
             t = self.requests.get(out.request_id)
             if t is None:
@@ -193,7 +194,7 @@ class Observer:
             if out.new_token_ids and t.stalled_since is not None:
                 self._recovered(out.request_id, t, now - t.stalled_since)
             if out.new_token_ids:
-                GENERATION_TOKENS.inc(len(out.new_token_ids))
+                generated += len(out.new_token_ids)
                 t.num_output += len(out.new_token_ids)
                 if t.first_token is None:
                     t.first_token, t.num_cached = now, out.num_cached_tokens
@@ -205,6 +206,8 @@ class Observer:
                 t.last_token = now
             if out.finished:
                 self._finish(out, t, now)
+        if generated:  # one update of the counter a step, not one an output (each takes its lock)
+            GENERATION_TOKENS.inc(generated)
 
     def _recovered(self, request_id: str, t: _Tracked, stall: float) -> None:
         RECOVERED.inc()
@@ -304,15 +307,20 @@ class Observer:
         if span is not None:
             span.end()
         if stats is not None:
-            RUNNING.set(stats.num_running)
-            WAITING.set(stats.num_waiting)
-            KV_USAGE.set(stats.kv_cache_usage)
+            # a metric's update costs microseconds a step (its lock): only the figures that changed are written
+            gauges = (stats.num_running, stats.num_waiting, stats.kv_cache_usage)
+            if gauges != self._gauges:
+                self._gauges = gauges
+                RUNNING.set(stats.num_running)
+                WAITING.set(stats.num_waiting)
+                KV_USAGE.set(stats.kv_cache_usage)
             queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
-            if queries < self._prefix[0]:  # a new epoch's scheduler counts from zero
-                self._prefix = (0, 0)
-            PREFIX_QUERIES.inc(queries - self._prefix[0])
-            PREFIX_HITS.inc(max(hits - self._prefix[1], 0))
-            self._prefix = (queries, hits)
+            if (queries, hits) != self._prefix:
+                if queries < self._prefix[0]:  # a new epoch's scheduler counts from zero
+                    self._prefix = (0, 0)
+                PREFIX_QUERIES.inc(queries - self._prefix[0])
+                PREFIX_HITS.inc(max(hits - self._prefix[1], 0))
+                self._prefix = (queries, hits)
             if stats.spec_decode is not None:
                 self._count_spec(stats.spec_decode)
             for tier, n in stats.tier_blocks.items():

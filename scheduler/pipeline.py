@@ -102,6 +102,8 @@ def check_result(batch: StepBatch, result: StepResult, vocab_size: int | None,
     `all_failed_is_fault`, a step whose every sequence (more than one) failed to sample is the model failing."""
     c = batch.chunks
     vocab = vocab_size or (1 << 31)
+    if _plain_answer(batch, result, vocab, all_failed_is_fault):
+        return
     drafts = {seq_id: (c.token_ids[end - d:end] if d else [])
               for seq_id, sample, d, end in zip(c.seq_ids, c.sample, c.draft_counts(), _ends(c.num_tokens)) if sample}
     runs = token_runs(result.sampled)
@@ -130,6 +132,24 @@ def check_result(batch: StepBatch, result: StepResult, vocab_size: int | None,
             if not lo < p.start <= hi or p.start + len(p.entries) - 1 > hi or \
                     any(not 0 <= e.token_id < vocab for e in p.entries):
                 raise StagemeshError(f"the stage scored prompt tokens outside sequence {p.seq_id}'s chunk")
+
+
+def _plain_answer(batch: StepBatch, result: StepResult, vocab: int, all_failed_is_fault: bool) -> bool:
+    """check_result's common case, checked in one pass: no drafts either way, one token per sampling chunk, in
+    order, in the vocabulary, not every row failed. False: the general check decides (and names the fault)."""
+    c = batch.chunks
+    if any(c.num_draft_tokens) or result.drafts:
+        return False
+    sampled = result.sampled
+    if [t.seq_id for t in sampled] != [seq_id for seq_id, sample in zip(c.seq_ids, c.sample) if sample]:
+        return False
+    failed = 0
+    for t in sampled:
+        if t.error is not None:
+            failed += 1
+        elif not 0 <= t.token_id < vocab:
+            return False
+    return not (all_failed_is_fault and failed == len(sampled) > 1)
 
 
 def token_runs(sampled: list[SampledToken]) -> list[tuple[int, list[SampledToken]]]:

@@ -238,6 +238,8 @@ class Scheduler:
         return self.accounting.fits(head, self.config.max_num_batched_tokens)
 
     def _schedule_waiting(self, budget: StepBudget) -> None:
+        if not self.waiting:  # (a decode step's usual case: nothing to admit, nothing to set up for it)
+            return
         skipped: list[Request] = []  # requests that cannot start yet: they keep their places in the queue
         try:
             self._admit_waiting(budget, skipped)

@@ -80,7 +80,8 @@ class StepLoop:
         self.num_steps = 0
         self.step_seconds = 0.0
         self.compute_seconds = 0.0
-        self._wake = asyncio.Event()
+        self._wake = asyncio.Event()  # a request to schedule, with no step in flight
+        self._taken = asyncio.Event()  # a step in flight ended
         self.paused = False  # no step is scheduled (a drain hands its requests on: Driver.migrate)
         # a rebalance's hand-on (Driver.migrate_some), done between two steps: (how many, with their KV, its answer)
         self._migration: tuple[int, bool, asyncio.Future] | None = None
@@ -205,20 +206,24 @@ class StepLoop:
     async def run(self) -> None:
         while True:
             self._launch()
-            if not self._in_flight:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            done, _ = await asyncio.wait(set(self._in_flight), return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                self._in_flight.discard(task)
-                try:
-                    task.result()
-                except StageFailure as err:
-                    self.epochs.fail(str(err))
-                except Exception as err:  # a bug: the epoch ends (its requests fail) but the loop goes on
-                    log.exception("a step failed unexpectedly")
-                    self.epochs.fail(f"internal error in the scheduler: {type(err).__name__}: {err}")
+            # a step's end wakes the loop through its done callback (_taken), a new request through _wake; with
+            # steps in flight only their end fills the pipeline again (no asyncio.wait: its waiter and callbacks a step)
+            wake = self._taken if self._in_flight else self._wake
+            wake.clear()
+            await wake.wait()
+
+    def _taken_in(self, task: asyncio.Task) -> None:
+        """A step's task ended: its failure ends the epoch, and the loop fills the pipeline again."""
+        self._in_flight.discard(task)
+        self._taken.set()
+        if task.cancelled():
+            return
+        err = task.exception()
+        if isinstance(err, StageFailure):
+            self.epochs.fail(str(err))
+        elif err is not None:  # a bug: the epoch ends (its requests fail) but the loop goes on
+            log.error("a step failed unexpectedly", exc_info=err)
+            self.epochs.fail(f"internal error in the scheduler: {type(err).__name__}: {err}")
 
     def _launch(self) -> None:
         """Fill the pipeline, and start the KV tiers' copies that wait."""
@@ -264,7 +269,9 @@ class StepLoop:
                 result = _failed(err)
             sent = _Sent(start, span, result, self._last_sent, asyncio.get_running_loop().create_future())
             self._last_sent = sent.taken
-            self._in_flight.add(asyncio.create_task(self._step(epoch, scheduler, output, sent)))
+            task = asyncio.create_task(self._step(epoch, scheduler, output, sent))
+            task.add_done_callback(self._taken_in)
+            self._in_flight.add(task)
 
     async def _step(self, epoch: int, scheduler: Scheduler, output: SchedulerOutput, sent: _Sent) -> None:
         try:

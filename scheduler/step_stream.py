@@ -28,7 +28,8 @@ class StepStream:
         self.closed = False
         self._outbox: deque[stage_pb2.ForwardRequest] = deque()
         self._ready = asyncio.Event()
-        self._pending: dict[int, tuple[asyncio.Future, asyncio.TimerHandle]] = {}  # step id -> its reply
+        self._pending: dict[int, tuple[asyncio.Future, float]] = {}  # step id -> its reply, its deadline (loop time)
+        self._timer: asyncio.TimerHandle | None = None  # at the oldest pending step's deadline (_check_deadlines)
         self._call = stub.ForwardStream(self._requests())  # (no deadline: each step has its own)
         self._reader = asyncio.create_task(self._read())
 
@@ -40,8 +41,9 @@ class StepStream:
         if self.closed:
             future.set_exception(StageFailure(self.stage, "its step stream ended", unreachable=True))
             return future
-        timer = loop.call_later(self.deadline_s, self._expire, step_id)
-        self._pending[step_id] = (future, timer)
+        self._pending[step_id] = (future, loop.time() + self.deadline_s)
+        if self._timer is None:
+            self._timer = loop.call_later(self.deadline_s, self._check_deadlines)
         self._outbox.append(request)
         self._ready.set()
         return future
@@ -65,8 +67,7 @@ class StepStream:
                 entry = self._pending.pop(reply.step_id, None)
                 if entry is None:
                     continue  # a step that timed out meanwhile
-                future, timer = entry
-                timer.cancel()
+                future = entry[0]
                 if not future.done():
                     future.set_result(reply)
             failure = StageFailure(self.stage, "it ended its step stream", unreachable=True)
@@ -81,6 +82,19 @@ class StepStream:
             failure = StageFailure(self.stage, f"{type(err).__name__}: {err}")
         self._fail(failure)
 
+    def _check_deadlines(self) -> None:
+        """One timer for the stream rather than one a step: at the oldest pending step's deadline (steps are
+        answered in order, so that is the first to pass its own), fail it, or wait for the next oldest's."""
+        self._timer = None
+        if not self._pending:
+            return
+        step_id, (_, deadline) = next(iter(self._pending.items()))
+        loop = asyncio.get_running_loop()
+        if loop.time() < deadline:
+            self._timer = loop.call_at(deadline, self._check_deadlines)
+            return
+        self._expire(step_id)
+
     def _expire(self, step_id: int) -> None:
         """A step past its deadline: it fails as a Forward call would (the epoch ends), and the stream with it."""
         entry = self._pending.pop(step_id, None)
@@ -92,8 +106,10 @@ class StepStream:
 
     def _fail(self, failure: StageFailure) -> None:
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         pending, self._pending = self._pending, {}
-        for future, timer in pending.values():
-            timer.cancel()
+        for future, _ in pending.values():
             if not future.done():
                 future.set_exception(failure)
