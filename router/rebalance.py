@@ -29,7 +29,7 @@ def plan(replicas: list[Replica], min_gap: int) -> tuple[Replica, int] | None:
     busiest = max(ready, key=lambda r: (r.num_running, -r.num_waiting))
     idlest = min(ready, key=lambda r: r.num_running + r.num_waiting)
     gap = busiest.num_running - (idlest.num_running + idlest.num_waiting)
-    if busiest is idlest or gap < min_gap:
+    if gap < min_gap:  # (min_gap >= 2: never the same replica)
         return None
     return busiest, gap // 2
 

@@ -79,10 +79,13 @@ def migrate_some(s: Scheduler, max_requests: int, with_kv: bool,
     flight, all their tokens but the last computed, min_tokens_left or more to go) end "migrated" as migrate_all
     ends them, those with the most tokens left first (a move pays for its pause over more of them); the replica
     goes on with the rest."""
+    def left(r: Request) -> int:
+        return r.sampling.max_tokens - len(r.output_token_ids)
+
     movable = [r for r in s.running if not r.in_flight and r.status is Status.RUNNING
                and r.num_computed_tokens == r.num_tokens - 1 and not r.num_output_placeholders
-               and r.sampling.max_tokens - len(r.output_token_ids) >= min_tokens_left]
-    movable.sort(key=lambda r: r.sampling.max_tokens - len(r.output_token_ids), reverse=True)
+               and left(r) >= min_tokens_left]
+    movable.sort(key=left, reverse=True)
     return [_migrated(s, r, with_kv) for r in movable[:max_requests]]
 
 

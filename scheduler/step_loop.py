@@ -176,8 +176,8 @@ class StepLoop:
         """Up to max_requests running requests end "migrated" at the next point between two steps (when a step's
         results are in, before the next is scheduled: scheduler.handover.migrate_some); the future's result is
         their outputs, dispatched already."""
-        if self._migration is not None:  # (one at a time: the earlier one is answered with nothing moved)
-            self._migration[2].set_result([])
+        if self._migration is not None and not self._migration[2].done():  # (one at a time: the earlier one is
+            self._migration[2].set_result([])  # answered with nothing moved, unless its caller gave up already)
         done = asyncio.get_running_loop().create_future()
         self._migration = (max_requests, with_kv, done)
         self._wake.set()

@@ -32,6 +32,28 @@ def step(s: Scheduler, token: int = 7):
     return out, s.update_from_output(out, [SampledToken(c.seq_id, token) for c in out.step_batch.chunks if c.sample])
 
 
+def long_streams(pool, base_url: str, batch: list[list[int]], max_tokens: int, timeout_s: float = 120) -> list:
+    """Greedy completion streams of `batch` (model "m") through the router at base_url, run in `pool`: their
+    futures, returned once each has streamed 5 tokens."""
+    from sse_client import stream
+
+    progress: dict[int, int] = {}
+
+    def one(i: int):
+        def seen(out):
+            progress[i] = len(out.token_ids)
+        body = {"model": "m", "prompt": batch[i], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "return_token_ids": True}
+        return stream([base_url], "/v1/completions", body, f"s{i}", on_event=seen)
+
+    futures = [pool.submit(one, i) for i in range(len(batch))]
+    deadline = time.monotonic() + timeout_s
+    while sum(v >= 5 for v in progress.values()) < len(batch):
+        assert time.monotonic() < deadline, progress
+        time.sleep(0.01)
+    return futures
+
+
 def test_a_decoding_request_moves_with_its_kv_and_a_waiting_one_without():
     s = make()
     for i in range(3):
@@ -82,7 +104,6 @@ def test_a_draining_replica_hands_its_streams_on_with_their_kv_token_exact(wide_
     on token-exact; the router counts them how="kv", and B's log shows the reads."""
     from mesh import Mesh, Router
     from parity import prompts
-    from sse_client import stream
     from tiny_models import reference_model, reference_tokens
 
     batch = prompts(384, (5, 3, 9, 17))
@@ -96,19 +117,8 @@ def test_a_draining_replica_hands_its_streams_on_with_their_kv_token_exact(wide_
             Mesh(wide_model_dir, [2, 2], log_dir=tmp_path / "b", scheduler_args=(*args, "--kv-peer", a.address)) \
             as b, Router(wide_model_dir, [a.address, b.address], ("--policy", "round-robin"), log_dir=tmp_path) \
             as router:
-        progress: dict[int, int] = {}
-
-        def one(i: int):
-            def seen(out):
-                progress[i] = len(out.token_ids)
-            body = {"model": "m", "prompt": batch[i], "max_tokens": long, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "return_token_ids": True}
-            return stream([router.base_url], "/v1/completions", body, f"s{i}", on_event=seen)
-
         with ThreadPoolExecutor(4) as pool:
-            streams = [pool.submit(one, i) for i in range(4)]
-            while sum(v >= 5 for v in progress.values()) < 4:
-                time.sleep(0.01)
+            streams = long_streams(pool, router.base_url, batch, long)
             a.scheduler.send_signal(signal.SIGTERM)
             results = [s.result(timeout=300) for s in streams]
             assert a.scheduler.wait(timeout=60) == 0

@@ -7,7 +7,6 @@ and finish token-exact, counted how="kv"."""
 from __future__ import annotations
 
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -17,7 +16,7 @@ import requests
 from router.rebalance import plan
 from router.replicas import Replica
 from scheduler import handover
-from test_migration import make, step
+from test_migration import long_streams, make, step
 from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.sampling_params import SamplingParams
 
@@ -68,7 +67,6 @@ def test_the_plan_moves_half_the_gap_from_the_busiest_ready_replica():
 def test_a_replica_given_to_the_router_takes_half_the_running_streams_with_their_kv(wide_model_dir, tmp_path):
     from mesh import Mesh, Router, free_port, internal_channel
     from parity import prompts
-    from sse_client import stream
     from stagemesh.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
     from tiny_models import reference_model, reference_tokens
 
@@ -88,21 +86,8 @@ def test_a_replica_given_to_the_router_takes_half_the_running_streams_with_their
         with pytest.raises(grpc.RpcError) as refused:  # a crafted call: refused, and the replica serves on
             stub.Migrate(scheduler_pb2.MigrateRequest(max_requests=0), timeout=10)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        progress: dict[int, int] = {}
-
-        def one(i: int):
-            def seen(out):
-                progress[i] = len(out.token_ids)
-            body = {"model": "m", "prompt": batch[i], "max_tokens": long, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "return_token_ids": True}
-            return stream([router.base_url], "/v1/completions", body, f"s{i}", on_event=seen)
-
         with ThreadPoolExecutor(4) as pool:
-            streams = [pool.submit(one, i) for i in range(4)]
-            deadline = time.monotonic() + 120
-            while sum(v >= 5 for v in progress.values()) < 4:  # all four run on A, the router's one replica
-                assert time.monotonic() < deadline, progress
-                time.sleep(0.01)
+            streams = long_streams(pool, router.base_url, batch, long)  # all four on A, the router's one replica
             entries = [router_pb2.ReplicaEntry(address=x.address) for x in (a, b)]
             router_pb2_grpc.RouterControlStub(internal_channel(f"127.0.0.1:{control}")).SetReplicas(
                 router_pb2.SetReplicasRequest(replicas=entries), timeout=10)

@@ -102,16 +102,22 @@ class SlowReplica(FakeReplica):
             yield out
 
 
+def hold_one(router) -> threading.Thread:
+    """beta's request, started on `router` (over a SlowReplica) and returned once it is on the replica."""
+    first = threading.Thread(target=complete, args=(router, "kb", 2))
+    first.start()
+    for _ in range(1000):
+        if router.replica.requests:
+            break
+        threading.Event().wait(0.01)
+    return first
+
+
 def test_max_concurrency_refuses_a_second_request_while_the_first_runs(model_dir, keys):
     SlowReplica.go.clear()
     with FakeRouter(model_dir, M, tenants=Tenants.from_file(keys), limits=TenantLimits(MemoryWindows()),
                     replica_class=SlowReplica) as router:
-        first = threading.Thread(target=complete, args=(router, "kb", 2))
-        first.start()
-        for _ in range(1000):  # until it is on the replica
-            if router.replica.requests:
-                break
-            threading.Event().wait(0.01)
+        first = hold_one(router)
         second = complete(router, "kb", 2)
         assert second.status_code == 429 and "max_concurrency" in second.json()["error"]["message"]
         SlowReplica.go.set()
@@ -148,12 +154,7 @@ def test_max_concurrency_holds_across_two_routers_sharing_a_redis_store(model_di
     try:
         with FakeRouter(model_dir, M, tenants=Tenants.from_file(keys), limits=limits(), replica_class=SlowReplica) \
                 as one, FakeRouter(model_dir, M, tenants=Tenants.from_file(keys), limits=limits()) as two:
-            first = threading.Thread(target=complete, args=(one, "kb", 2))
-            first.start()
-            for _ in range(1000):  # until it is on the first router's replica
-                if one.replica.requests:
-                    break
-                threading.Event().wait(0.01)
+            first = hold_one(one)
             second = complete(two, "kb", 2)
             assert second.status_code == 429 and "max_concurrency" in second.json()["error"]["message"]
             SlowReplica.go.set()
