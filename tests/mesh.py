@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +17,7 @@ from stagemesh.core.model_config import layer_ranges
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core import ports
 from stagemesh.core.wire import sampling_to_pb
+from stagemesh.entry.forkserver import spawn_stagemesh
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -45,6 +46,12 @@ def internal_aio_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, interceptors=interceptors)
 
 
+# The meshes and routers the tests start are forked by a fork server that imported torch and transformers once for
+# the whole session (stagemesh.entry.forkserver): a cold start pays 3.5-4 s of CPU for those imports, and the suite
+# starts hundreds. STAGEMESH_TEST_START_METHOD=spawn starts them cold, as `serve` does by default.
+START_METHOD = os.environ.get("STAGEMESH_TEST_START_METHOD", "forkserver")
+
+
 class Mesh:
     """A scheduler and its stages as real processes; every one is stopped on exit."""
 
@@ -67,8 +74,7 @@ class Mesh:
 
     def _spawn(self, args: list[str], name: str) -> subprocess.Popen:
         out = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else subprocess.DEVNULL
-        return subprocess.Popen([sys.executable, "-m", "stagemesh", *args], stdout=out, stderr=subprocess.STDOUT,
-                                env=self.env)
+        return spawn_stagemesh(args, stdout=out, env=self.env, start_method=START_METHOD)
 
     def start_stage(self, index: int, standby: bool = False) -> None:
         """Start stage `index` (again); standby: a spare for it, beside the one that serves (self.spares)."""
@@ -222,6 +228,23 @@ class RequestFailed(grpc.RpcError):
         return self._details
 
 
+def run_stagemesh(argv: list[str], timeout: float = 120, env: dict[str, str] | None = None
+                  ) -> subprocess.CompletedProcess:
+    """`subprocess.run([python, -m, stagemesh, *argv], capture_output=True, text=True, timeout=timeout)`, forked as
+    the meshes are (START_METHOD)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = spawn_stagemesh(argv, env=env, stdout=out, stderr=err, start_method=START_METHOD)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        out.seek(0), err.seek(0)
+        return subprocess.CompletedProcess(proc.args, code, out.read().decode(errors="replace"),
+                                           err.read().decode(errors="replace"))
+
+
 def stop_process(proc: subprocess.Popen, grace_s: float = 10) -> None:
     """SIGTERM, and SIGKILL if it has not exited within grace_s."""
     proc.terminate()
@@ -278,8 +301,8 @@ class Router:
         argv = ["router", str(model_dir), "--port", str(self.port), "--health-interval", "0.5", *extra]
         for r in replicas:
             argv += ["--replica", r]
-        self.proc = subprocess.Popen([sys.executable, "-m", "stagemesh", *argv], stdout=out, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.proc = spawn_stagemesh(argv, stdout=out, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                    start_method=START_METHOD)
 
     def __enter__(self) -> "Router":
         wait_http_ok(self.proc, f"{self.base_url}/ready", 120, "router")

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import requests
 
-from mesh import Mesh, Router
+from mesh import Mesh, Router, run_stagemesh
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -95,13 +95,10 @@ def test_unknown_template_keeps_the_400_naming_the_flags_and_the_off_flag_wins(m
 
 
 def test_enable_auto_tool_choice_without_a_parser_to_find_names_the_flag(mesh, default_model_dir, tmp_path):
-    import subprocess
-    import sys
 
     unknown = _unknown_template(default_model_dir, tmp_path / "unknown-template")
-    done = subprocess.run([sys.executable, "-m", "stagemesh", "router", str(unknown), "--port", "0",
-                           "--replica", mesh.address, "--enable-auto-tool-choice"],
-                          capture_output=True, text=True, timeout=120)
+    done = run_stagemesh(["router", str(unknown), "--port", "0",
+                           "--replica", mesh.address, "--enable-auto-tool-choice"], timeout=120)
     assert done.returncode != 0
     assert "--enable-auto-tool-choice needs --tool-call-parser" in done.stdout + done.stderr
 

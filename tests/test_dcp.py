@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
 import requests
 
-from mesh import Mesh, Router, completion_ids
+from mesh import Mesh, Router, completion_ids, run_stagemesh
 from parity import prompts
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
@@ -221,7 +220,7 @@ def test_dcp_that_splits_is_accepted():
 
 
 def stagemesh(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stagemesh", *args], capture_output=True, text=True, timeout=120)
+    return run_stagemesh([*args], timeout=120)
 
 
 def stage(model_dir, *args: str) -> subprocess.CompletedProcess:

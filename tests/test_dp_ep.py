@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import pytest
 import requests
 
-from mesh import Mesh, completion_ids, free_port
+from mesh import Mesh, completion_ids, free_port, run_stagemesh
 from parity import prompts
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.sampling_params import SamplingParams
@@ -180,9 +180,8 @@ def test_serve_dp2_with_expert_parallel_matches_transformers(tiny_model_dir, tmp
     (("-pp", "2"), "built for -tp 1 -pp 1 CPU stages only; not yet with -pp 2"),
 ])
 def test_serve_refuses_layouts_not_built_yet(tiny_model_dir, extra, message):
-    result = subprocess.run([sys.executable, "-m", "stagemesh", "serve", str(tiny_model_dir("mixtral")), "-dp", "2",
-                             "--enable-expert-parallel", "--device", "cpu", *extra],
-                            capture_output=True, text=True, timeout=120)
+    result = run_stagemesh(["serve", str(tiny_model_dir("mixtral")), "-dp", "2",
+                             "--enable-expert-parallel", "--device", "cpu", *extra], timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert message in result.stderr
 
@@ -197,6 +196,6 @@ def test_serve_refuses_layouts_not_built_yet(tiny_model_dir, extra, message):
 def test_stage_refuses_what_is_not_built_or_cannot_work(tiny_model_dir, extra, message):
     argv = ["stage", str(tiny_model_dir("mixtral")), "--scheduler", "127.0.0.1:1", "--stage-index", "0",
             "--layers", "0:4", "--data-parallel-size", "2", *extra]
-    result = subprocess.run([sys.executable, "-m", "stagemesh", *argv], capture_output=True, text=True, timeout=120)
+    result = run_stagemesh([*argv], timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert message in result.stderr

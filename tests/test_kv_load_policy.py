@@ -4,8 +4,6 @@ under `recompute`; a request that ends before its KV was loaded has its prefill 
 policy other than fail or recompute is refused at start-up, naming the flag. (The processes: test_disaggregated.)"""
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
@@ -16,6 +14,7 @@ from scheduler.scheduler import Scheduler
 from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams
+from mesh import run_stagemesh
 
 PROMPT = list(range(3, 13))  # 10 tokens: 3 blocks of 4
 
@@ -85,8 +84,8 @@ def test_a_request_that_ends_before_its_kv_is_loaded_has_it_released_at_once():
 
 @pytest.mark.parametrize("command", ["scheduler", "serve"])
 def test_a_policy_other_than_fail_or_recompute_is_refused_at_start_up(tiny_model_dir, command):
-    done = subprocess.run([sys.executable, "-m", "stagemesh", command, str(tiny_model_dir("llama")),
-                           "--kv-load-failure-policy", "retry"], capture_output=True, text=True, timeout=120)
+    done = run_stagemesh([command, str(tiny_model_dir("llama")),
+                           "--kv-load-failure-policy", "retry"], timeout=120)
     assert done.returncode != 0
     assert "--kv-load-failure-policy must be fail or recompute (vLLM's kv_load_failure_policy), got 'retry'" in \
         done.stderr + done.stdout

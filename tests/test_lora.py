@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lora_cases import ATTENTION, make_adapter, merged_reference, peft_adapter, run_mixed, runners, settings
-from mesh import exit_codes, free_port
+from mesh import exit_codes, free_port, run_stagemesh
 from parity import prompts
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.lora import LoRAError, LoRALimits, parse_lora_modules, read_adapter_config
@@ -316,10 +316,10 @@ def test_serve_with_lora_answers_each_adapter_and_loads_and_unloads_them_at_run_
         metrics = requests.get(f"{base_url}/metrics", timeout=10).text
         assert re.search(r'vllm:lora_requests_info\{[^}]*max_lora="2"', metrics), metrics
         for names, ok in ((["all", "attn"], 6), (["nope"], 0)):  # `stagemesh bench` spreads requests over adapters
-            bench = subprocess.run([sys.executable, "-m", "stagemesh", "bench", "--base-url", base_url, "--model-path",
+            bench = run_stagemesh(["bench", "--base-url", base_url, "--model-path",
                                     str(model), "--num-prompts", "6", "--input-len-range", "4:8",
                                     "--output-len-range", "3:3", "--lora-modules", *names, "--no-progress", "--json",
-                                    "-"], capture_output=True, text=True, timeout=120)
+                                    "-"], timeout=120)
             summary = json.loads(bench.stdout[bench.stdout.index("{"):])
             assert summary["successful_requests"] == ok and summary["failed_requests"] == 6 - ok, bench.stdout[-2000:]
         (prompt, adapter), want = cases[0]  # the gRPC frontend picks the adapter by its model too
@@ -411,8 +411,7 @@ def test_serve_refuses_bad_lora_flags_before_anything_starts(model, tmp_path):
     for argv, message in [(["--lora-modules", f"a={tmp_path}"], "--lora-modules needs --enable-lora"),
                           (["--enable-lora", "--lora-modules", f"a={tmp_path}"], r"'a' .*no adapter_config"),
                           (["--enable-lora", "--max-lora-rank", "12"], "--max-lora-rank 12: must be one of")]:
-        done = subprocess.run([sys.executable, "-m", "stagemesh", "serve", str(model), "--port", "0", *argv],
-                              capture_output=True, text=True, timeout=120)
+        done = run_stagemesh(["serve", str(model), "--port", "0", *argv], timeout=120)
         assert done.returncode != 0 and re.search(message, done.stderr), done.stderr
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,10 +11,11 @@ import pytest
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.families import SUPPORTED_MODEL_TYPES
 from stage_worker.runner import StageRunner
+from mesh import run_stagemesh
 
 
 def stagemesh(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stagemesh", *args], capture_output=True, text=True, timeout=120)
+    return run_stagemesh([*args], timeout=120)
 
 
 def test_directory_that_is_not_a_model(tmp_path):

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 
 import pytest
 import requests
 
-from mesh import Mesh, free_port
+from mesh import Mesh, free_port, run_stagemesh
 from parity import prompts
 from stagemesh.core.sampling_params import SamplingParams
 from tiny_models import reference_greedy, reference_model
@@ -59,7 +58,7 @@ def test_pp2_mesh_with_expert_parallel_in_one_stage_matches_transformers(tiny_mo
 
 
 def stagemesh(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stagemesh", *args], capture_output=True, text=True, timeout=120)
+    return run_stagemesh([*args], timeout=120)
 
 
 @pytest.mark.parametrize("arch,overrides,tp,message", [

@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from mesh import free_port
+from mesh import free_port, run_stagemesh
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.entry.plan.cli import load_config
@@ -25,8 +25,7 @@ def plan(model="Llama-3.1-70B", gpus=8, nodes=1, mem=80e9, dtype="fp16", max_len
 
 
 def stagemesh_plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stagemesh", "plan", *args], capture_output=True, text=True,
-                          timeout=60)
+    return run_stagemesh(["plan", *args], timeout=60)
 
 
 def test_llama_70b_fp16_weights_about_140_gb():

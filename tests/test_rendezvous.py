@@ -1,12 +1,10 @@
 """The scheduler refuses stages that do not fit the pipeline, with the reason."""
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
-from mesh import Mesh
+from mesh import Mesh, run_stagemesh
 from scheduler.rendezvous import ModelIdentity, Rendezvous, StageInfo
 from stagemesh.core.errors import StagemeshError
 
@@ -54,9 +52,8 @@ def test_refusals_name_the_reason(stages, bad, message):
 def test_refused_stage_process_exits_with_the_schedulers_reason(tiny_model_dir, tmp_path):
     model_dir = tiny_model_dir("llama")
     with Mesh(model_dir, [2, 2], log_dir=tmp_path) as mesh:
-        result = subprocess.run([sys.executable, "-m", "stagemesh", "stage", str(model_dir), "--scheduler",
-                                 mesh.address, "--stage-index", "1", "--layers", "1:4", "--threads", "1"],
-                                capture_output=True, text=True, timeout=120)
+        result = run_stagemesh(["stage", str(model_dir), "--scheduler",
+                                 mesh.address, "--stage-index", "1", "--layers", "1:4", "--threads", "1"], timeout=120)
     assert result.returncode == 2
     assert "stagemesh stage: error: the scheduler refused this stage: stage 1 (layers 1:4" in result.stderr
     assert "overlaps stage 0 (layers 0:2)" in result.stderr and "Traceback" not in result.stderr
@@ -68,6 +65,6 @@ def test_refused_stage_process_exits_with_the_schedulers_reason(tiny_model_dir, 
     (["--layers", "0:2", "--tensor-parallel-size", "3"], "--tensor-parallel-size 3 does not divide the model's 4"),
 ])
 def test_stage_flags_are_checked_before_loading(tiny_model_dir, args, message):
-    result = subprocess.run([sys.executable, "-m", "stagemesh", "stage", str(tiny_model_dir("llama")), "--scheduler",
-                             "127.0.0.1:1", "--stage-index", "0", *args], capture_output=True, text=True, timeout=60)
+    result = run_stagemesh(["stage", str(tiny_model_dir("llama")), "--scheduler",
+                             "127.0.0.1:1", "--stage-index", "0", *args], timeout=60)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr

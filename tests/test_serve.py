@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from stagemesh.entry.forkserver import METHOD_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +29,17 @@ def alive(pid: int) -> bool:
         return False
 
 
-def start_serve(model_dir, log_path, *extra: str):
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def start_serve(model_dir, log_path, *extra: str, start_method: str = "spawn"):
     with open(log_path, "wb") as log:
         return subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model_dir),
                                  "--pipeline-parallel-size", "2", "--handoff", "grpc", "--port", "0",
-                                 "--grpc-port", "0", "--threads", "1", *extra], stdout=log, stderr=subprocess.STDOUT)
+                                 "--grpc-port", "0", "--threads", "1", *extra], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, METHOD_ENV: start_method})
 
 
 @contextmanager
@@ -74,9 +81,10 @@ def test_with_restart_policy_never_a_child_that_dies_stops_the_mesh(tiny_model_d
             proc.wait()
 
 
-def test_serve_starts_the_replica_and_sigterm_stops_every_child(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_serve_starts_the_replica_and_sigterm_stops_every_child(tiny_model_dir, tmp_path, start_method):
     log_path = tmp_path / "serve.log"
-    proc = start_serve(tiny_model_dir("llama"), log_path)
+    proc = start_serve(tiny_model_dir("llama"), log_path, start_method=start_method)
     try:
         deadline = time.monotonic() + 120
         address = None
@@ -101,6 +109,14 @@ def test_serve_starts_the_replica_and_sigterm_stops_every_child(tiny_model_dir, 
         assert len(pids) >= 3  # a scheduler and two stages (and the router once it exists)
         stage_pids = [int(p) for p in re.findall(r"started stage\[\S+\] \(pid (\d+)\)", log_path.read_text())]
         assert len(stage_pids) == 2
+        # spawn: serve is each child's parent; forkserver: a fork server of serve's is (one for the stages'
+        # environment, which adds GOMP_SPINCOUNT, another for the scheduler's)
+        parents = {pid: parent_of(pid) for pid in pids}
+        if start_method == "spawn":
+            assert set(parents.values()) == {proc.pid}
+        else:
+            assert proc.pid not in parents.values() and {parent_of(p) for p in parents.values()} == {proc.pid}
+            forkservers = set(parents.values())
         if not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys():  # CPU stages share the cores: short spins
             for pid in stage_pids:
                 with open(f"/proc/{pid}/environ", "rb") as f:
@@ -108,6 +124,8 @@ def test_serve_starts_the_replica_and_sigterm_stops_every_child(tiny_model_dir, 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         assert [p for p in pids if alive(p)] == []
+        if start_method == "forkserver":
+            assert [p for p in forkservers if alive(p)] == []
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,8 @@ from parity import prompts
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
 from stage_worker.runner import StageRunner
-from mesh import exit_codes, free_port
+from mesh import START_METHOD, exit_codes, free_port
+from stagemesh.entry.forkserver import spawn_stagemesh
 from tiny_models import make_tiny_model, reference_greedy, reference_model
 
 WORKER = Path(__file__).with_name("tp_worker.py")
@@ -29,11 +28,11 @@ def run_tp(model_dir, world: int, split: str, prompt: list[int], new_tokens: int
            expert_parallel: bool = False, *extra: str, env: dict | None = None) -> dict:
     out = tmp_path / "result.json"
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "--model", str(model_dir), "--rank", str(r),
-                               "--world", str(world), "--port", str(port), "--split", split,
-                               "--prompt", ",".join(map(str, prompt)), "--new-tokens", str(new_tokens),
-                               "--out", str(out), *(["--expert-parallel"] if expert_parallel else []), *extra],
-                              env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    procs = [spawn_stagemesh(["--model", str(model_dir), "--rank", str(r), "--world", str(world), "--port", str(port),
+                              "--split", split, "--prompt", ",".join(map(str, prompt)), "--new-tokens",
+                              str(new_tokens), "--out", str(out), *(["--expert-parallel"] if expert_parallel else []),
+                              *extra], env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, script=str(WORKER),
+                             start_method=START_METHOD)
              for r in range(world)]
     codes = exit_codes(procs)
     assert codes == [0] * world

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from stagemesh.entry import forkserver
 from stagemesh.entry.layout import ChildSpec
 from stagemesh.entry.supervisor import EXIT_REFUSED, Child, stop_all
 
@@ -72,6 +73,7 @@ class LocalMesh:
     def run(self) -> int:
         """Start every child and keep them up until a signal (then drain) or a death the policy will not mend."""
         self._thread = threading.current_thread()
+        forkserver.prestart([child.env for child in self.children])
         try:
             for child in list(self.children):
                 if not self.start(child):  # told to stop during start-up: start no more

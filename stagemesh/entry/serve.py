@@ -30,6 +30,7 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.logs import setup_logging
 from stagemesh.core.flags import add_flags
 from stagemesh.core.service_options import configure_tls
+from stagemesh.entry import forkserver
 from stagemesh.entry.layout import Addresses, ChildSpec, MeshLayout, cpu_stage_env, free_port, plan_commands  # noqa: F401
 from stagemesh.entry.ray_actor import NODE_IP
 from stagemesh.entry.local_mesh import Signals
@@ -47,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
     signals = Signals().install()  # a signal during start-up: nothing more starts, and serve exits 0
     _check_layout(args)
+    forkserver.method()  # a start method it does not know is refused before any child starts
     autoscale = serve_ops.autoscale_config(args)
     token = internal_token.configure(args) or internal_token.new_token()
     configure_tls(args.tls_cert, args.tls_key, args.tls_ca)  # (serve's own calls to its children)

@@ -7,7 +7,8 @@ its one child here (stagemesh.entry.ray_actor), so both restart a dead service t
 with the thread that started it (PR_SET_PDEATHSIG), so none outlives its supervisor: the child sets it itself
 as its command line starts (die_with_parent), because a supervisor that talks gRPC (serve's operations) must not
 run code between fork and exec (gRPC's fork handlers there abort the child now and then); without a preexec_fn
-the child is started with vfork and nothing runs before its exec.
+the child is started with vfork and nothing runs before its exec. With STAGEMESH_WORKER_MULTIPROC_METHOD=forkserver
+the children are forked by a fork server instead (stagemesh.entry.forkserver), which is their parent then.
 """
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
+
+from stagemesh.entry.forkserver import ForkedProcess, spawn_stagemesh
 
 log = logging.getLogger("stagemesh.serve")
 
@@ -34,7 +36,7 @@ class Child:
     argv: list[str]
     env: dict[str, str]
     kind: str = "stage"  # router, scheduler or stage
-    proc: subprocess.Popen | None = field(default=None, repr=False)
+    proc: subprocess.Popen | ForkedProcess | None = field(default=None, repr=False)
     started: float = 0.0
     failures: int = 0  # deaths in a row, each within STABLE_AFTER_S of its start
     restart_at: float | None = None  # a dead child's next start
@@ -46,8 +48,7 @@ class Child:
     def start(self) -> None:
         # a process group of its own: a terminal's Ctrl-C (SIGINT to the whole foreground group) reaches only
         # the supervisor, which drains its children in order rather than all of them at once
-        env = {**self.env, PARENT_ENV: str(os.getpid())}
-        self.proc = subprocess.Popen([sys.executable, "-m", "stagemesh", *self.argv], env=env, process_group=0)
+        self.proc = spawn_stagemesh(self.argv, env=self.env, process_group=True, parent_env=PARENT_ENV)
         self.started, self.restart_at = time.monotonic(), None
         log.info("started %s (pid %d): stagemesh %s", self.name, self.proc.pid, " ".join(self.argv))
 
