@@ -124,3 +124,23 @@ def test_an_unknown_start_method_is_refused_by_name(monkeypatch):
     monkeypatch.setenv(forkserver.METHOD_ENV, "fork")
     with pytest.raises(Exception, match="STAGEMESH_WORKER_MULTIPROC_METHOD='fork' is not one of spawn, forkserver"):
         forkserver.method()
+
+
+def test_past_the_bound_an_idle_server_makes_room_and_a_busy_one_does_not(script, tmp_path, monkeypatch):
+    """The test process's own environment drifts (importing ray, lm_eval or peft sets variables), and so does the
+    set of servers it needs: the least recently used idle one is stopped for a new one; with none idle, a spawn."""
+    monkeypatch.setattr(forkserver, "MAX_SERVERS", 1)
+    monkeypatch.setattr(forkserver, "_servers", {})
+    base = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = forkserver.server_for(base)
+    busy = run(script, tmp_path, "sleep", env={**base, "HF_PROBE": "1"}, name="busy")
+    assert isinstance(busy, forkserver.ForkedProcess)
+    first.proc.wait(30)  # the idle server was stopped to make room (TimeoutExpired if it was not)
+    try:
+        cold = run(script, tmp_path, env={**base, "HF_PROBE": "2"}, name="cold")
+        assert isinstance(cold, subprocess.Popen) and cold.wait(60) == 0
+        assert json.loads((tmp_path / "cold.out").read_text())["ppid"] == os.getpid()
+    finally:
+        busy.kill()
+        busy.wait(30)
+        forkserver.close_all()

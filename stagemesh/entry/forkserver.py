@@ -340,16 +340,23 @@ _guard = threading.Lock()
 
 
 def server_for(env: dict[str, str]) -> ForkServer | None:
-    """This environment's fork server (started on first use); None past MAX_SERVERS."""
+    """This environment's fork server, started on first use. With MAX_SERVERS running, the one used least
+    recently that has no live child makes room; None (spawn instead) when every one still has children."""
     key = env_key(env)
     with _guard:
-        server = _servers.get(key)
+        server = _servers.pop(key, None)  # (re-inserted last: the dict's order is least recently used first)
         if server is not None and server.dead:
-            server = _servers.pop(key)
             server.close()
             server = None
-        if server is None and len(_servers) < MAX_SERVERS:
-            server = _servers[key] = ForkServer(env)
+        if server is None and len(_servers) >= MAX_SERVERS:
+            idle = next((k for k, s in _servers.items() if not s.children), None)
+            if idle is None:
+                log.warning("%d fork servers run, each with children: spawning instead", len(_servers))
+                return None
+            _servers.pop(idle).close()
+        if server is None:
+            server = ForkServer(env)
+        _servers[key] = server
         return server
 
 
