@@ -240,7 +240,8 @@ def run_stagemesh(argv: list[str], timeout: float = 120, env: dict[str, str] | N
             proc.kill()
             proc.wait()
             raise
-        out.seek(0), err.seek(0)
+        out.seek(0)
+        err.seek(0)
         return subprocess.CompletedProcess(proc.args, code, out.read().decode(errors="replace"),
                                            err.read().decode(errors="replace"))
 

@@ -85,8 +85,8 @@ def test_signals_wait_bounds_and_a_process_group_of_its_own(script, tmp_path):
 
 
 def test_the_server_exits_when_its_caller_dies(tmp_path):
-    """A caller SIGKILLed: its fork server sees the socket close and exits; the child that asked to die with its
-    parent (stagemesh's die_with_parent) goes with it."""
+    """A caller SIGKILLed: its fork server sees the socket close and exits (serve's children then die with it:
+    test_serve and test_api_servers check that end to end)."""
     caller = tmp_path / "caller.py"
     caller.write_text(f"""
 import os, sys, time

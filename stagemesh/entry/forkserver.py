@@ -7,8 +7,8 @@ The forked process sets its environment, standard streams, process group and arg
 have, runs `stagemesh` with its argv, and ends with the interpreter's normal exit (atexit handlers, thread joins,
 flushed streams). Its pid is its own: it is signalled, killed and waited for as before (`ForkedProcess` has the
 part of Popen's interface the callers use). What differs from a spawned process: its command line in `ps` is the
-fork server's (`python -m stagemesh.entry.forkserver`), which is why `spawn` stays the default. vLLM's analogue is
-VLLM_WORKER_MULTIPROC_METHOD (fork or spawn).
+fork server's (`python -m stagemesh.entry.forkserver_process`), which is why `spawn` stays the default. vLLM's
+analogue is VLLM_WORKER_MULTIPROC_METHOD (fork or spawn).
 
 Fork safety: the fork server imports modules only. It opens no channel, starts no thread (numpy's OpenBLAS pool is
 held to one thread while it imports), runs no torch op, and checks before every fork that it still has one thread.
@@ -21,21 +21,20 @@ Lifetime: a fork server lives in a process group of its own, ignores SIGINT (a t
 caller), and exits when its caller closes the socket or dies (the caller's end closes with it). Its children die
 with it where they ask to (stagemesh.entry.supervisor.die_with_parent names the fork server as their parent).
 
-Protocol over a SOCK_SEQPACKET socket pair, JSON (never pickle): the caller sends {"argv", "env", "cwd", "pgroup"}
-with the child's stdout and stderr as two SCM_RIGHTS descriptors; the server answers {"pid"} or {"error"}, and
-{"exit": pid, "code": returncode} when it reaps that child.
+The server's side is stagemesh.entry.forkserver_process. Protocol over a SOCK_SEQPACKET socket pair, JSON (never
+pickle): the caller sends {"argv", "env", "cwd", "pgroup", "script"} with the child's stdout and stderr as two
+SCM_RIGHTS descriptors; the server answers {"pid"} or {"error"}, and {"exit": pid, "code": returncode} when it reaps
+that child.
 """
 
 from __future__ import annotations
 
 import array
 import atexit
-import io
 import json
 import logging
 import os
 import select
-import selectors
 import signal
 import socket
 import subprocess
@@ -43,27 +42,24 @@ import sys
 import threading
 import time
 
+from stagemesh.entry.forkserver_process import MAX_MESSAGE
+
 log = logging.getLogger("stagemesh.forkserver")
 
 METHOD_ENV = "STAGEMESH_WORKER_MULTIPROC_METHOD"
 METHODS = ("spawn", "forkserver")
-PRELOAD = ("torch", "transformers", "transformers.models.auto.tokenization_auto", "transformers.configuration_utils",
-           "tokenizers", "safetensors.torch", "numpy", "grpc", "grpc.aio", "google.protobuf.message", "aiohttp",
-           "jinja2")
 # Variables none of PRELOAD reads when imported: a child may differ from its fork server in these
 # (prometheus_client, which reads PROMETHEUS_MULTIPROC_DIR when imported, is not preloaded).
 LATE_PREFIXES = ("STAGEMESH_", "OTEL_", "PYTHONUNBUFFERED", "PYTEST_", "PROMETHEUS_MULTIPROC_DIR")
 MAX_SERVERS = 4
-MAX_MESSAGE = 1 << 20
 SPAWN_TIMEOUT_S = 30.0
-REAP_INTERVAL_S = 0.05
 
 
 def method() -> str:
     """The start method the environment asks for; a value that is not one of METHODS is refused by name."""
     value = os.environ.get(METHOD_ENV, "spawn") or "spawn"
     if value not in METHODS:
-        from stagemesh.core.errors import StagemeshError  # (here: the fork server imports nothing of stagemesh)
+        from stagemesh.core.errors import StagemeshError  # (lazily, as everything of stagemesh here)
 
         raise StagemeshError(f"{METHOD_ENV}={value!r} is not one of {', '.join(METHODS)}")
     return value
@@ -72,111 +68,6 @@ def method() -> str:
 def env_key(env: dict[str, str]) -> tuple:
     return tuple(sorted((k, v) for k, v in env.items() if not k.startswith(LATE_PREFIXES)))
 
-
-# ------------------------------------------------------------------------------------------------- the fork server
-
-def _recv(sock: socket.socket) -> tuple[dict | None, list[int]]:
-    fds = array.array("i")
-    msg, anc, _flags, _addr = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(2 * fds.itemsize))
-    for level, kind, data in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
-    return (json.loads(msg) if msg else None), list(fds)
-
-
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
-def _reap(sock: socket.socket, children: set[int]) -> None:
-    while children:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            return
-        children.discard(pid)
-        sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
-
-
-def _serve(sock: socket.socket) -> dict | None:
-    """The server's loop. Returns in a forked child (with its request), or None when the caller has gone."""
-    sel = selectors.DefaultSelector()
-    sel.register(sock, selectors.EVENT_READ)
-    children: set[int] = set()
-    while True:
-        ready = sel.select(timeout=REAP_INTERVAL_S)
-        _reap(sock, children)
-        if not ready:
-            continue
-        req, fds = _recv(sock)
-        if req is None:  # the caller closed its end or died
-            return None
-        problem = (f"the fork server has {_threads()} threads and cannot fork safely" if _threads() != 1 else
-                   "a request needs two descriptors (stdout, stderr)" if len(fds) != 2 else None)
-        if problem:
-            sock.send(json.dumps({"error": problem}).encode())
-            for fd in fds:
-                os.close(fd)
-            continue
-        pid = os.fork()
-        if pid == 0:
-            sel.close()
-            sock.close()
-            req["fds"] = fds
-            return req
-        children.add(pid)
-        for fd in fds:
-            os.close(fd)
-        sock.send(json.dumps({"pid": pid}).encode())
-
-
-def _become(req: dict) -> None:
-    """In the forked child: become the process `python -m stagemesh *argv` would have been."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    if req.get("pgroup"):
-        os.setpgid(0, 0)
-    out, err = req["fds"]
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(out, 1)
-    os.dup2(err, 2)
-    for fd in {null, out, err} - {0, 1, 2}:
-        os.close(fd)
-    os.chdir(req["cwd"])
-    os.environ.clear()
-    os.environ.update(req["env"])
-    if os.environ.get("PYTHONUNBUFFERED"):
-        for stream in (sys.stdout, sys.stderr):
-            if isinstance(stream, io.TextIOWrapper):
-                stream.reconfigure(write_through=True)
-    if "numpy" in sys.modules:  # forked children would otherwise share one numpy seed
-        sys.modules["numpy"].random.seed()
-    import runpy
-
-    if req.get("script"):  # `python SCRIPT *argv`
-        sys.path[0] = os.path.dirname(os.path.abspath(req["script"]))
-        sys.argv = [req["script"], *req["argv"]]
-        runpy.run_path(req["script"], run_name="__main__")
-        return
-    sys.path[0] = req["cwd"]  # as `python -m stagemesh` sets it
-    sys.argv = [os.path.join(os.path.dirname(os.path.dirname(__file__)), "__main__.py"), *req["argv"]]
-    runpy.run_module("stagemesh", run_name="__main__", alter_sys=True)
-
-
-def main() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sock = socket.socket(fileno=int(sys.argv[1]))
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # else numpy's import starts a thread pool
-    for name in PRELOAD:
-        try:
-            __import__(name)
-        except ImportError:
-            pass
-    req = _serve(sock)
-    if req is not None:
-        _become(req)  # then the interpreter's normal exit, as a spawned child's
-
-
-# ------------------------------------------------------------------------------------------------- the caller's side
 
 class ForkedProcess:
     """A child of a fork server, with the part of `subprocess.Popen`'s interface its callers use."""
@@ -244,9 +135,9 @@ class ForkServer:
     def __init__(self, env: dict[str, str]):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock = ours
-        self.proc = subprocess.Popen([sys.executable, "-m", "stagemesh.entry.forkserver", str(theirs.fileno())],
-                                     env=env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, process_group=0,
-                                     cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+        argv = [sys.executable, "-m", "stagemesh.entry.forkserver_process", str(theirs.fileno())]
+        self.proc = subprocess.Popen(argv, env=env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                     process_group=0, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
         theirs.close()
         self.dead = False
         self.children: dict[int, ForkedProcess] = {}
@@ -410,6 +301,3 @@ def close_all() -> None:
 
 
 atexit.register(close_all)
-
-if __name__ == "__main__":
-    main()
