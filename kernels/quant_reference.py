@@ -42,11 +42,14 @@ def dequantize(qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
     return w if mins is None else w + mins.repeat_interleave(group, dim=1)
 
 
-def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] fp32 -> int8-valued quants [M, K] (float32) and scales [M, K/group]: max|x| / 127 per row
-    and group, round half to even (the kernel's rule)."""
+ACT_BLOCK = 32  # int8 activations: one scale per row and block of 32 of x (llama.cpp's q8), any weight group
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 -> int8-valued quants [M, K] (float32) and scales [M, K/32]: max|x| / 127 per row
+    and block of 32, round half to even (the kernel's rule)."""
     m, k = x.shape
-    g = x.view(m, k // group, group)
+    g = x.view(m, k // ACT_BLOCK, ACT_BLOCK)
     amax = g.abs().amax(-1, keepdim=True)
     # 127 / amax as a true division (`127.0 / tensor` is a reciprocal times 127 in torch, not the kernel's)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
@@ -61,15 +64,18 @@ def quant_linear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: 
     if not int8_activations:
         out = xf @ dequantize(qs, scales, mins).T
     else:
-        group = k // scales.shape[1]
-        xq, xd = quantize_activations(xf, group)
+        group, blocks = k // scales.shape[1], k // ACT_BLOCK
+        xq, xd = quantize_activations(xf)
         q = quants(qs)
         m, n, groups = xf.shape[0], q.shape[0], scales.shape[1]
-        # integer dot of each (row, weight row, group), then the two scales
-        dots = torch.einsum("mgi,ngi->mng", xq.double().view(m, groups, group), q.double().view(n, groups, group))
-        out = (dots * xd.double()[:, None, :] * scales.double()[None]).sum(-1)
-        if mins is not None:
-            sums = xf.view(m, groups, group).sum(-1)
+        # integer dot of each (row, weight row, block of 32), then the two scales
+        dots = torch.einsum("mbi,nbi->mnb", xq.double().view(m, blocks, ACT_BLOCK),
+                            q.double().view(n, blocks, ACT_BLOCK))
+        block_scales = scales.double().repeat_interleave(group // ACT_BLOCK, dim=1)
+        out = (dots * xd.double()[:, None, :] * block_scales[None]).sum(-1)
+        if mins is not None:  # the mins meet the quantised x's group sums (the kernel's quantize_rows)
+            block_sums = (xq.view(m, blocks, ACT_BLOCK).sum(-1) * xd).float()
+            sums = block_sums.view(m, groups, group // ACT_BLOCK).sum(-1)
             out = out + sums.double() @ mins.double().T
         out = out.float()
     if bias is not None:

@@ -84,6 +84,31 @@ def test_int8_activations_equal_reference(family, bits, m, k, group):
                        cpu_ops.quant_linear(x, qs, scales, mins, None, True, "avx2"))
 
 
+@pytest.mark.parametrize("family", families("avx2", "avx512_vnni"))
+@pytest.mark.parametrize("bits", [4, 8])
+def test_an_outlier_blurs_only_its_own_block_of_32(family, bits):
+    """int8 activations take a scale per block of 32 of x whatever the weights' group (here one a row, as
+    per-channel W8A8 has): an outlier channel (LLMs have them after their norms) coarsens its own block's
+    quants only. With the outlier's block multiplied by zero weights, the product is the one without the
+    outlier, and within int8's rounding of exact: a few percent of the largest output, where a per-token scale
+    (steps of 1000 / 127 over the whole row) would miss by about the output itself."""
+    k = 192
+    qs, scales, mins = weight(16, k, bits, k, seed=bits)
+    if bits == 4:
+        mins = torch.zeros_like(mins)
+        qs = ref.pack_4bit(ref.unpack_4bit(qs).index_fill(1, torch.arange(96, 128), 0))
+    else:
+        qs = qs.index_fill(1, torch.arange(96, 128), 0)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1))
+    outlier = x.clone()
+    outlier[0, 100] = 1000.0
+    got = cpu_ops.quant_linear(outlier, qs, scales, mins, None, True, family)
+    assert torch.equal(got, cpu_ops.quant_linear(x.index_fill(1, torch.arange(96, 128), 0), qs, scales, mins, None,
+                                                 True, family))
+    exact = outlier @ ref.dequantize(qs, scales, mins).T
+    assert (got - exact).abs().max() <= 0.05 * exact.abs().max()
+
+
 @pytest.mark.parametrize("m", [1, 40])
 def test_long_k_crosses_the_tiles_and_bf16_activations(m):
     """K past the tiled path's 512-column chunks; bf16 in, bf16 out (one rounding at the end)."""

@@ -11,9 +11,10 @@
 //   every row of x. Where the CPU has avx512_bf16 (the family of that name), from 12 rows the pair tiles
 //   run instead (run_pairs): the quants, exact in bf16, against x split into two bf16 on vdpbf16ps,
 //   1.6-1.8x the avx2 tiles on a Zen 4, whose fp32 FMAs those tiles already keep near their peak.
-// int8 activations (W8A8; llama.cpp's q8 blocks): x quantised per row and group, 32 products at a time on
-// integers with vpmaddubsw + vpmaddwd (avx2) or vpdpbusd (the avx512_vnni family, chosen by the caller
-// where the CPU has it), one fp32 scale per group.
+// int8 activations (W8A8; llama.cpp's q8 blocks): x quantised per row and block of 32 (whatever the
+// weights' group: a per-token scale let one outlier channel of a row blur all the others), 32 products at a
+// time on integers with vpmaddubsw + vpmaddwd (avx2) or vpdpbusd (the avx512_vnni family, chosen by the
+// caller where the CPU has it), each block's sum times its two scales (x's block, the weights' group).
 #include "quant_linear.h"
 
 #include <ATen/Parallel.h>
@@ -238,7 +239,7 @@ constexpr DotFn kDotTiles[kMR + 1][kNR + 1] = {
     {nullptr, dot_tile<4, 1>, dot_tile<4, 2>, dot_tile<4, 3>},
 };
 
-// int8 activations: R rows of quantised x (q [R][K], scales and fp32 group sums [R][groups]).
+// int8 activations: R rows of quantised x (q [R][K], scales [R][K / 32] and fp32 group sums [R][groups]).
 template <int BITS, int R>
 void int8_tile(const Weight& W, const int8_t* xq, const float* xd, const float* xsum, int64_t n0, int64_t n1,
                float* out, int64_t ldo) {
@@ -253,8 +254,6 @@ void int8_tile(const Weight& W, const int8_t* xq, const float* xd, const float* 
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     int64_t k = 0;
     for (int64_t g = 0; g < W.groups; ++g) {
-      __m256i isum[R];
-      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
       for (int64_t c = 0; c < chunks; ++c, k += kChunk, q += bytes_of(BITS, kChunk)) {
         const __m256i wb = decode_bytes<BITS>(q);
         for (int r = 0; r < R; ++r) {
@@ -265,11 +264,10 @@ void int8_tile(const Weight& W, const int8_t* xq, const float* xd, const float* 
           } else {  // signed times signed: |x| times w with x's sign (|sum of a pair| <= 2 * 127 * 128)
             p = _mm256_maddubs_epi16(_mm256_sign_epi8(xb, xb), _mm256_sign_epi8(wb, xb));
           }
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, ones));
+          const __m256i isum = _mm256_madd_epi16(p, ones);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d[g] * xd[(r * K + k) / kChunk]), acc[r]);
         }
       }
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d[g] * xd[r * W.groups + g]), acc[r]);
     }
     for (int r = 0; r < R; ++r) {
       float s = hsum(acc[r]);
@@ -299,21 +297,19 @@ void int8_tile_vnni(const Weight& W, const int8_t* xq, const float* xd, const fl
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     int64_t k = 0;
     for (int64_t g = 0; g < W.groups; ++g) {
-      __m256i isum[R];
-      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
       for (int64_t c = 0; c < chunks; ++c, k += kChunk, q += bytes_of(BITS, kChunk)) {
         const __m256i wb = decode_bytes<BITS>(q);
         for (int r = 0; r < R; ++r) {
           const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + k));
+          __m256i isum;
           if constexpr (BITS == 4) {
-            isum[r] = _mm256_dpbusd_epi32(isum[r], wb, xb);  // unsigned quants times signed x
+            isum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wb, xb);  // unsigned quants times signed x
           } else {  // signed times signed: |x| times w with x's sign
-            isum[r] = _mm256_dpbusd_epi32(isum[r], _mm256_sign_epi8(xb, xb), _mm256_sign_epi8(wb, xb));
+            isum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(xb, xb), _mm256_sign_epi8(wb, xb));
           }
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d[g] * xd[(r * K + k) / kChunk]), acc[r]);
         }
       }
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d[g] * xd[r * W.groups + g]), acc[r]);
     }
     for (int r = 0; r < R; ++r) {
       float s = hsum(acc[r]);
@@ -582,20 +578,29 @@ void run_pairs(const Weight& W, const float* x, int64_t M, float* out) {
 
 #endif  // STAGEMESH_QUANT_AVX2
 
-// Per row and group of x: its int8 quants (round to nearest even of x * 127 / max|x|), the scale
-// max|x| / 127 and the fp32 sum of the group (the mins of 4-bit weights meet it).
+// Per row and block of 32 of x (llama.cpp's q8 blocks, whatever the weights' group): its int8 quants
+// (round to nearest even of x * 127 / max|x|) and the scale max|x| / 127; per row and weight group of G
+// (a multiple of 32), the sum of the quantised x (each block's integer sum times its scale, added in fp32;
+// llama.cpp's q8_1 sums). The mins of 4-bit weights meet it: the rounding of x then multiplies the weight
+// d q + m itself, not d q alone (q 0..15 is not centred, so d q is about twice w in size).
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* q, float* d, float* sums) {
-  const int64_t groups = K / G;
+  const int64_t blocks = K / kChunk, per_group = G / kChunk;
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* xg = x + m * K + g * G;
-        float amax = 0.f, sum = 0.f;
-        for (int64_t i = 0; i < G; ++i) amax = std::max(amax, std::fabs(xg[i])), sum += xg[i];
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* xb = x + m * K + b * kChunk;
+        float amax = 0.f;
+        for (int64_t i = 0; i < kChunk; ++i) amax = std::max(amax, std::fabs(xb[i]));
         const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        for (int64_t i = 0; i < G; ++i) q[m * K + g * G + i] = static_cast<int8_t>(std::nearbyint(xg[i] * inv));
-        d[m * groups + g] = amax / 127.f;
-        sums[m * groups + g] = sum;
+        int32_t qsum = 0;
+        for (int64_t i = 0; i < kChunk; ++i) {
+          const int8_t qi = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+          q[m * K + b * kChunk + i] = qi;
+          qsum += qi;
+        }
+        d[m * blocks + b] = amax / 127.f;
+        float& group_sum = sums[m * (K / G) + b / per_group];
+        group_sum = (b % per_group == 0 ? 0.f : group_sum) + static_cast<float>(qsum) * d[m * blocks + b];
       }
   });
 }
@@ -659,7 +664,7 @@ void run_tiled(const Weight& W, const float* x, int64_t M, float* out) {
 template <int BITS>
 void run_int8(const Weight& W, const float* x, int64_t M, float* out, bool vnni) {
   std::vector<int8_t> xq(M * W.K);
-  std::vector<float> xd(M * W.groups), sums(M * W.groups);
+  std::vector<float> xd(M * (W.K / kChunk)), sums(M * W.groups);
   quantize_rows(x, M, W.K, W.G, xq.data(), xd.data(), sums.data());
   using Fn = void (*)(const Weight&, const int8_t*, const float*, const float*, int64_t, int64_t, float*, int64_t);
   constexpr Fn avx2[kRows + 1] = {nullptr, int8_tile<BITS, 1>, int8_tile<BITS, 2>, int8_tile<BITS, 3>,
@@ -671,7 +676,7 @@ void run_int8(const Weight& W, const float* x, int64_t M, float* out, bool vnni)
   at::parallel_for(0, W.N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-      tiles[rows](W, xq.data() + m0 * W.K, xd.data() + m0 * W.groups, sums.data() + m0 * W.groups, n0, n1,
+      tiles[rows](W, xq.data() + m0 * W.K, xd.data() + m0 * (W.K / kChunk), sums.data() + m0 * W.groups, n0, n1,
                   out + m0 * W.N, W.N);
     }
   });

@@ -9,8 +9,8 @@
 //          j+16 in the high one), w = scale * q + min, scales and mins [N, K/G];
 //   8-bit: qs int8 [N, K], w = scale * q, scales [N, K/G], mins absent;
 //   scales and mins float32, or both float16 (GGUF's own: fewer bytes a step; widened exactly).
-// int8_activations: x is quantised to int8 per row and group (scale max|x|/127, as llama.cpp's q8
-// blocks and dynamic per-token W8A8 do) and the products run on integers (vpmaddubsw / vpmaddwd);
+// int8_activations: x is quantised to int8 per row and block of 32 (scale max|x|/127, llama.cpp's q8
+// blocks; finer than dynamic per-token W8A8) and the products run on integers (vpmaddubsw / vpmaddwd);
 // otherwise every product is fp32 with the weights dequantised exactly. Output in x's dtype.
 // family (refused where the CPU lacks it): "avx2"; "avx512": the fp32 products 16 lanes wide, the
 // integer ones avx2's; "avx512_vnni": the fp32 products avx512's, the integer ones on vpdpbusd;
