@@ -30,7 +30,12 @@ FP8_MAX = 448.0
 
 # the formats tests write: name -> (quantization_config, how each linear is written)
 FORMATS = ("ct-fp8-channel", "ct-fp8-tensor-static", "ct-fp8-block", "ct-int8", "ct-w4a16", "fbgemm-fp8",
-           "fp8-block", "gptq-int4", "gptq-int4-desc-act", "gptq-int4-asym", "gptq-int8", "awq")
+           "fp8-block", "modelopt-fp8", "modelopt-fp8-pcpt", "gptq-int4", "gptq-int4-desc-act", "gptq-int4-asym",
+           "gptq-int8", "awq")
+# formats whose activations the checkpoint quantises statically (to fp8, with INPUT_SCALE)
+STATIC_FP8 = ("ct-fp8-tensor-static", "modelopt-fp8")
+# ModelOpt's older checkpoints: the config in hf_quant_config.json, none in config.json
+HF_QUANT_CONFIG = ("modelopt-fp8-pcpt",)
 
 
 def _fp8(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -71,6 +76,15 @@ def config_of(fmt: str, block: int = 32) -> dict:
     if fmt == "fbgemm-fp8":
         return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
                 "modules_to_not_convert": ["lm_head", "model.layers.1.self_attn"]}
+    if fmt == "modelopt-fp8":  # config.json as ModelOpt >= 0.29 writes it: the scheme again as config_groups
+        fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
+        return {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head"],
+                "producer": {"name": "modelopt", "version": "0.33.0"}, "kv_cache_scheme": None,
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": fp8, "input_activations": fp8}}}
+    if fmt == "modelopt-fp8-pcpt":  # hf_quant_config.json's form (write_quantized moves it there)
+        return {"producer": {"name": "modelopt", "version": "0.19.0"},
+                "quantization": {"quant_algo": "FP8_PER_CHANNEL_PER_TOKEN", "kv_cache_quant_algo": None,
+                                 "exclude_modules": ["lm_head", "model.layers.1.mlp*"]}}
     if fmt == "fp8-block":
         return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                 "weight_block_size": [block, block]}
@@ -97,11 +111,15 @@ def _fp8_linear(w: torch.Tensor, fmt: str, prefix: str, b: int = 32) -> tuple[di
         q = _fp8(w, full)
         name = "weight_scale_inv" if fmt == "fp8-block" else "weight_scale"
         return {f"{prefix}.weight": q, f"{prefix}.{name}": scale}, q.float() * full
-    scale = w.abs().amax() / FP8_MAX if fmt == "ct-fp8-tensor-static" else w.abs().amax(1, keepdim=True) / FP8_MAX
+    scale = w.abs().amax() / FP8_MAX if fmt in STATIC_FP8 else w.abs().amax(1, keepdim=True) / FP8_MAX
     q = _fp8(w, scale)
-    out = {f"{prefix}.weight": q, f"{prefix}.weight_scale": scale.reshape(1) if scale.dim() == 0 else scale}
-    if fmt == "ct-fp8-tensor-static":
-        out[f"{prefix}.input_scale"] = torch.tensor([INPUT_SCALE])
+    stored = scale.reshape(1) if scale.dim() == 0 else scale
+    if fmt.startswith("modelopt"):  # ModelOpt's scales: [] a tensor, [N] a channel
+        stored = scale.reshape(()) if fmt == "modelopt-fp8" else scale.reshape(-1)
+    out = {f"{prefix}.weight": q, f"{prefix}.weight_scale": stored}
+    if fmt in STATIC_FP8:
+        input_scale = torch.tensor([INPUT_SCALE])
+        out[f"{prefix}.input_scale"] = input_scale.reshape(()) if fmt == "modelopt-fp8" else input_scale
     return out, q.float() * scale
 
 
@@ -161,7 +179,8 @@ def _linear(prefix: str) -> bool:
 
 
 def _skipped(fmt: str, prefix: str) -> bool:
-    return fmt == "fbgemm-fp8" and ".layers.1.self_attn." in prefix + "."
+    return (fmt == "fbgemm-fp8" and ".layers.1.self_attn." in prefix + ".") or \
+        (fmt == "modelopt-fp8-pcpt" and ".layers.1.mlp." in prefix + ".")
 
 
 def write_quantized(model_dir: str | Path, target: str | Path, fmt: str, seed: int = 0,
@@ -182,7 +201,12 @@ def write_quantized(model_dir: str | Path, target: str | Path, fmt: str, seed: i
         written, deq = (_fp8_linear(t, fmt, prefix, block) if "fp8" in fmt else _int_linear(t, fmt, prefix, gen))
         out.update(written)
         dense[name] = deq.float()
-    return _write_pair(source, target, out, dense, config_of(fmt, block))
+    quantised, twin = _write_pair(source, target, out, dense, config_of(fmt, block))
+    if fmt in HF_QUANT_CONFIG:
+        config = json.loads((quantised / "config.json").read_text())
+        (quantised / "hf_quant_config.json").write_text(json.dumps(config.pop("quantization_config"), indent=4))
+        (quantised / "config.json").write_text(json.dumps(config))
+    return quantised, twin
 
 
 def _write_pair(source: Path, target: Path, out: dict, dense: dict, qc: dict) -> tuple[Path, Path]:

@@ -182,7 +182,7 @@ def _decode(prompt, token):
     ({}, {"quantization_config": {**CT, "kv_cache_scheme": {"type": "float", "num_bits": 8, "group_size": 128}}},
      r"quantization_config.kv_cache_scheme.group_size 128 is not built"),
     ({}, {"quantization_config": {"quant_method": "modelopt", "kv_cache_quant_algo": "FP8"}},
-     r"quantization_config.quant_method 'modelopt': NVIDIA ModelOpt: not built"),
+     r"quantization_config \(modelopt\): quant_algo is missing"),
 ])
 def test_scales_the_model_cannot_honour_are_refused_by_name(model64, tmp_path, scales, config, message):
     ckpt = with_tensors(model64, tmp_path / "m", scales, config)

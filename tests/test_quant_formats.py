@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parity import chained_logits, prompts
-from quant_checkpoints import FORMATS, static_activation_hooks, write_quantized
+from quant_checkpoints import FORMATS, STATIC_FP8, static_activation_hooks, write_quantized
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_source import QUANTIZATION_METHODS
 from stage_worker.quant_methods import flag_names
@@ -34,7 +34,7 @@ def checkpoint(tiny_model_dir, tmp_path_factory):
         if fmt not in cache:
             quantised, twin = write_quantized(tiny_model_dir("llama"), tmp_path_factory.mktemp(fmt), fmt)
             reference = reference_model(twin)
-            if fmt == "ct-fp8-tensor-static":
+            if fmt in STATIC_FP8:
                 static_activation_hooks(reference)
             cache[fmt] = quantised, reference
         return cache[fmt]
@@ -50,7 +50,7 @@ def test_every_checkpoint_method_is_a_quantization_flag():
 # boundary between two fp8 values, a product summed in another order (the C++ kernels') rounds the next layer's
 # input by a whole fp8 step, and the tiny model amplifies it. So these formats' products run on the torch
 # reference (x @ W^T, transformers' own order); the kernels are checked against it in test_quant_kernels.
-STATIC = ("ct-fp8-tensor-static",)
+STATIC = STATIC_FP8
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -91,10 +91,16 @@ def _mutated(path, tmp_path, config=None, tensors=None):
     """A copy of a checkpoint with its quantization_config changed (config(qc)) or its tensors (tensors(dict))."""
     target = tmp_path / "mutated"
     shutil.copytree(path, target)
-    if config is not None:
-        cfg = json.loads((target / "config.json").read_text())
-        config(cfg["quantization_config"])
-        (target / "config.json").write_text(json.dumps(cfg))
+    if config is not None:  # (ModelOpt's older checkpoints keep it in hf_quant_config.json)
+        hf_quant = target / "hf_quant_config.json"
+        if hf_quant.is_file():
+            qc = json.loads(hf_quant.read_text())
+            config(qc["quantization"])
+            hf_quant.write_text(json.dumps(qc))
+        else:
+            cfg = json.loads((target / "config.json").read_text())
+            config(cfg["quantization_config"])
+            (target / "config.json").write_text(json.dumps(cfg))
     if tensors is not None:
         t = load_file(target / "model.safetensors")
         tensors(t)
@@ -146,6 +152,16 @@ REFUSALS = [
     ("ct-int8", dict(tensors=lambda t: t.__setitem__(f"{L0}.mlp.up_proj.weight_zero_point",
                                                      torch.ones(128, 1, dtype=torch.int8))),
      "up_proj.weight_zero_point holds non-zero zero points"),
+    ("modelopt-fp8", dict(config=_set("quant_algo", "NVFP4")), r"quant_algo 'NVFP4' is not built"),
+    ("modelopt-fp8", dict(tensors=lambda t: t.pop(f"{L0}.mlp.gate_proj.input_scale")),
+     "quant_algo FP8 quantises activations statically with model.layers.0.mlp.gate_proj.input_scale"),
+    ("modelopt-fp8", dict(tensors=lambda t: t.__setitem__(f"{L0}.mlp.up_proj.weight_scale", torch.ones(128))),
+     r"up_proj.weight_scale has shape \[128\]; quant_algo FP8 stores one scale a tensor"),
+    ("modelopt-fp8", dict(config=lambda qc: qc["config_groups"]["group_0"]["weights"].__setitem__("num_bits", 4)),
+     "config_groups.group_0.weights = .* does not describe quant_algo FP8"),
+    # hf_quant_config.json: without the wildcard, layer 1's dense MLP would be read as fp8
+    ("modelopt-fp8-pcpt", dict(config=_set("exclude_modules", ["lm_head"])),
+     r"layers.1.mlp.gate_proj.weight is stored as torch.float32; the config says float8"),
     ("ct-fp8-channel", dict(config=_set("quant_method", "mxfp4")),
      "'mxfp4' is built for model_type gpt_oss, not llama"),
     ("ct-fp8-channel", dict(config=_set("quant_method", "nonesuch")), "'nonesuch' is not built"),
@@ -171,6 +187,21 @@ def test_a_quantised_checkpoint_without_its_config_is_refused(checkpoint, tmp_pa
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(StagemeshError, match="stored as torch.float8_e4m3fn: quantised"):
         StageRunner.of(path, 0, 2)
+
+
+def test_modelopt_hf_quant_config_is_read_where_config_json_has_none(checkpoint, tmp_path):
+    """ModelOpt's older checkpoints say their scheme in hf_quant_config.json: read as vLLM reads it (and named by
+    --quantization modelopt); one that is not ModelOpt's is refused; config.json's own quantization_config wins."""
+    path = _mutated(checkpoint("modelopt-fp8-pcpt")[0], tmp_path)
+    assert StageRunner.of(path, 0, 1, quantization="modelopt").quantization == "modelopt"
+    (path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}}))
+    with pytest.raises(StagemeshError, match="hf_quant_config.json has no quantization object"):
+        StageRunner.of(path, 0, 1)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "modelopt",
+                                                                                 "quant_algo": "FP8"}}))
+    with pytest.raises(StagemeshError, match="weight_scale has shape .*; quant_algo FP8 stores one scale a tensor"):
+        StageRunner.of(path, 0, 1)
 
 
 def test_quantization_flag_must_match_the_checkpoint(checkpoint, tiny_model_dir):

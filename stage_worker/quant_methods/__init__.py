@@ -39,7 +39,7 @@ AT_LOAD = {"fp8"}
 NOT_BUILT = {
     "bitsandbytes": "bitsandbytes' 4-bit / 8-bit weights: not built",
     "hqq": "HQQ: not built", "eetq": "EETQ: not built", "quark": "AMD Quark: not built",
-    "torchao": "torchao's tensor subclasses: not built", "modelopt": "NVIDIA ModelOpt: not built",
+    "torchao": "torchao's tensor subclasses: not built",
 }
 
 

@@ -27,9 +27,11 @@ class ModelOptions:
     quantization: str | None = Flag(("--quantization", "-q"), choices=QUANTIZATION_METHODS, help=(
         "gguf: serve a .gguf file's quantised weights as they are (Q4_0, Q4_1, Q4_K, Q8_0; with no MODEL, the "
         "embedded model's GGUF); w8a16: int8 weights with a scale per output channel, quantised at load, fp32/bf16 "
-        "activations; w8a8: the same with activations quantised to int8 per token (dynamic), CPU stages only; fp8: "
+        "activations; w8a8: the same with activations quantised to int8 per token and block of 32 (dynamic), CPU "
+        "stages only; fp8: "
         "float8_e4m3fn weights with a scale per output channel, quantised at load, weight-only, CUDA stages only "
-        "(or an fp8 checkpoint's own); compressed-tensors, fbgemm_fp8, gptq (gptq_marlin), awq (awq_marlin), mxfp4 "
+        "(or an fp8 checkpoint's own); compressed-tensors, fbgemm_fp8, modelopt, gptq (gptq_marlin), awq "
+        "(awq_marlin), mxfp4 "
         "(gpt-oss's experts): name the "
         "format of a quantised checkpoint (read from its quantization_config anyway; a mismatch is refused: "
         "docs/quantization.md)"

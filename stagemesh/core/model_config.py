@@ -197,9 +197,23 @@ class ModelConfig:
             raise StagemeshError(f"{file} is not valid JSON: {err}") from None
         if not isinstance(cfg, dict):
             raise StagemeshError(f"{file} is not a model config (not a JSON object)")
-        config = cls.from_dict(cfg)
+        config = cls.from_dict(_with_hf_quant_config(cfg, file.parent / "hf_quant_config.json"))
         extra = [i for i in generation_config.eos_token_ids(file.parent) if i not in config.eos_token_ids]
         return dataclasses.replace(config, eos_token_ids=config.eos_token_ids + tuple(extra)) if extra else config
+
+
+def _with_hf_quant_config(cfg: dict[str, Any], file: Path) -> dict[str, Any]:
+    """cfg, with an older ModelOpt checkpoint's hf_quant_config.json as its quantization_config where config.json
+    has none (as vLLM reads it; stage_worker.quant_methods.modelopt)."""
+    if "quantization_config" in cfg or not file.is_file():
+        return cfg
+    try:
+        extra = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise StagemeshError(f"{file} is not valid JSON: {err}") from None
+    if not isinstance(extra, dict) or not isinstance(extra.get("quantization"), dict):
+        raise StagemeshError(f"{file} has no quantization object: it is not ModelOpt's hf_quant_config.json")
+    return {**cfg, "quantization_config": {"quant_method": "modelopt", **extra}}
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -12,8 +12,8 @@ from stagemesh.core.errors import StagemeshError
 # gguf: a .gguf file's weights as they are; w8a16 / w8a8: int8 weights quantised at load; fp8: fp8 weights
 # quantised at load, CUDA (stage_worker.quantization), or an fp8 checkpoint's; the rest name a quantised
 # checkpoint's format, vLLM's names (stage_worker.quant_methods; test_quant_formats checks the two agree)
-QUANTIZATION_METHODS = ("gguf", "w8a16", "w8a8", "fp8", "compressed-tensors", "fbgemm_fp8", "gptq", "awq",
-                        "mxfp4", "gptq_marlin", "awq_marlin")
+QUANTIZATION_METHODS = ("gguf", "w8a16", "w8a8", "fp8", "compressed-tensors", "fbgemm_fp8", "modelopt", "gptq",
+                        "awq", "mxfp4", "gptq_marlin", "awq_marlin")
 # --quantization-activations (stage_worker.activations)
 ACTIVATION_MODES = ("exact", "int8")
 
