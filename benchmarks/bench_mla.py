@@ -1,9 +1,9 @@
 """Multi-head latent attention both ways on a small random DeepSeek-V3 (V3's per-head widths: kv_lora_rank 512,
 qk_nope 128, qk_rope 64, v 128; fewer heads and layers, dense MLPs: the experts are not what is measured), one
-stage in-process: decode tokens/s with decode rows
-absorbed (W_UK into the query, W_UV after: stagemesh's way) against expanded (the context's latents through
-kv_b_proj every step), and a prompt's prefill time expanded (stagemesh's way) against absorbed. Both ways of
-each alternate for --rounds rounds; medians are compared (a shared machine's bursts hit both).
+stage in-process: decode tokens/s with decode rows absorbed (W_UK into the query, W_UV after: stagemesh's way; on
+the C++ kernel, and on the torch reference) against expanded (the context's latents through kv_b_proj every step),
+and a prompt's prefill time expanded (stagemesh's way) against absorbed. The ways alternate for --rounds rounds;
+medians are compared (a shared machine's bursts hit them all).
 
     .venv/bin/python benchmarks/bench_mla.py [--dtype bfloat16] [--batch 8] [--context 1024] [--steps 16]
 """
@@ -19,6 +19,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import mla_reference  # noqa: E402
 
 from stagemesh.core.model_config import ModelConfig  # noqa: E402
 from stagemesh.core.sampling_params import SamplingParams  # noqa: E402
@@ -99,13 +102,17 @@ def main() -> None:
     runner.allocate_kv_cache(a.batch * bench.blocks + 2 * bench.blocks)
     for s in range(a.batch):
         bench.prefill(s)
-    decode: dict[str, list[float]] = {"absorbed": [], "expanded": []}
+    # absorbed-torch: the absorbed way on the torch reference kernel instead of the C++ one (mla_decode.cpp)
+    decode: dict[str, list[float]] = {"absorbed": [], "absorbed-torch": [], "expanded": []}
+    cpp_kernel = kernels.mla_attention_rows
     prefill: dict[str, list[float]] = {"expanded": [], "absorbed": []}
     spare = a.batch  # a sequence id whose blocks the prefills reuse (finished each time)
     for _ in range(a.rounds):
         for way in decode:
-            set_way(runner.model, way == "absorbed", False)
+            set_way(runner.model, way != "expanded", False)
+            kernels.mla_attention_rows = mla_reference.mla_attention_rows if way == "absorbed-torch" else cpp_kernel
             decode[way].append(bench.decode(a.steps))
+        kernels.mla_attention_rows = cpp_kernel
         for way in prefill:
             set_way(runner.model, True, way == "absorbed")
             prefill[way].append(bench.prefill(spare))
@@ -116,9 +123,10 @@ def main() -> None:
     print(f"small DeepSeek-V3, {a.heads} heads, {a.layers} layers, {a.dtype}, {a.threads} threads: batch {a.batch} "
           f"at {a.context}+ tokens of context, {a.steps} decode steps, {a.rounds} rounds")
     for way in decode:
-        print(f"decode {way:9s}: {med[f'decode {way}']:8.1f} tokens/s "
+        print(f"decode {way:14s}: {med[f'decode {way}']:8.1f} tokens/s "
               f"(rounds: {', '.join(f'{x:.1f}' for x in decode[way])})")
-    print(f"decode absorbed / expanded: {med['decode absorbed'] / med['decode expanded']:.2f}x")
+    print(f"decode absorbed / expanded: {med['decode absorbed'] / med['decode expanded']:.2f}x; the absorbed way "
+          f"on the C++ kernel / on the torch reference: {med['decode absorbed'] / med['decode absorbed-torch']:.2f}x")
     for way in prefill:
         print(f"prefill {way:8s}: {1000 * med[f'prefill {way}']:8.1f} ms for {a.context} tokens "
               f"(rounds: {', '.join(f'{1000 * x:.1f}' for x in prefill[way])})")

@@ -30,7 +30,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "shm_comm.cpp", CSRC / "moe_ops.cpp", CSRC / "bf16_linear.cpp",
            CSRC / "bf16_linear_avx512bf16.cpp", CSRC / "quant_linear.cpp", CSRC / "decode_attention_avx2.cpp",
            CSRC / "decode_attention_avx512.cpp", CSRC / "decoder_layer.cpp", CSRC / "lora_ops.cpp",
-           CSRC / "attention_merge.cpp"]
+           CSRC / "attention_merge.cpp", CSRC / "mla_decode.cpp"]
 
 
 def _capability() -> str:
@@ -171,6 +171,15 @@ def paged_attention_rows_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                                                   k_scale, v_scale)
     out, lse = load().decode_attention_lse(q, k_cache, v_cache, block_tables, row_seqs.to(torch.int32),
                                            row_visible.to(torch.int32), scale, family, k_scale, v_scale)
+    return out, lse
+
+
+def mla_attention_rows(q, k_cache, v_cache, block_tables, row_seqs, row_visible, scale, kv_lora_rank):
+    """kernels.mla_reference.mla_attention_rows in one C++ call (kernels/csrc/mla_decode.cpp): (weighted c_kv
+    [rows, heads, kv_lora_rank] in q's dtype, lse [rows, heads] fp32)."""
+    out, lse = load().mla_attention_rows(q.contiguous(), k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
+                                         row_seqs.to(torch.int32).contiguous(),
+                                         row_visible.to(torch.int32).contiguous(), float(scale), int(kv_lora_rank))
     return out, lse
 
 

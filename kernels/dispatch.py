@@ -108,12 +108,16 @@ def write_latent(latent, k_cache, v_cache, slot_mapping) -> None:
 
 def mla_attention_rows(q, k_cache, v_cache, block_tables, row_seqs, row_visible, scale, kv_lora_rank):
     """Absorbed latent attention of query rows [rows, heads, latent], each over the first row_visible latents of
-    its sequence: (weighted c_kv [rows, heads, kv_lora_rank], lse [rows, heads] fp32), kernels.mla_reference."""
+    its sequence: (weighted c_kv [rows, heads, kv_lora_rank], lse [rows, heads] fp32): Triton on CUDA, the C++
+    kernel on fp32 / bf16 CPU tensors (kernels/csrc/mla_decode.cpp), else kernels.mla_reference."""
     if _use_triton(q) and _has("silu_and_mul"):  # triton imports: so does kernels.triton_mla
         from kernels import triton_mla
 
         return triton_mla.mla_attention_rows(q, k_cache, v_cache, block_tables, row_seqs, row_visible, scale,
                                              kv_lora_rank)
+    if _cpu_impl(q) is cpu_ops and k_cache.dtype == q.dtype:  # (an fp8 latent cache is refused at start-up)
+        return cpu_ops.mla_attention_rows(q, k_cache, v_cache, block_tables, row_seqs, row_visible, scale,
+                                          kv_lora_rank)
     return mla_reference.mla_attention_rows(q, k_cache, v_cache, block_tables, row_seqs, row_visible, scale,
                                             kv_lora_rank)
 

@@ -77,6 +77,47 @@ def test_triton_equals_reference(name):
     torch.testing.assert_close(lse, want_lse, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(CASES))
+def test_cpu_kernel_equals_reference(name, dtype):
+    """kernels/csrc/mla_decode.cpp (what a CPU stage runs) against the reference, fp32 and bf16 (fp32 sums in
+    both: the bf16 outputs within one rounding); a long context cut into pieces whose partials merge."""
+    from kernels import cpu_ops
+
+    if cpu_ops.load() is None:
+        pytest.skip("the CPU kernels are not built here")
+    args = _case(name, dtype)
+    want_out, want_lse = mla_reference.mla_attention_rows(*args)
+    out, lse = cpu_ops.mla_attention_rows(*args)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out.float(), want_out.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, want_lse, atol=2e-5, rtol=2e-5)
+
+
+def test_cpu_kernel_over_many_pieces_and_what_it_refuses():
+    from kernels import cpu_ops
+
+    if cpu_ops.load() is None:
+        pytest.skip("the CPU kernels are not built here")
+    k_cache, v_cache, tables, g = latent_case([1500, 3], 4, 64, 32)
+    q = torch.randn(2, 4, 96, generator=g)
+    args = (q, k_cache, v_cache, tables, torch.tensor([0, 1]), torch.tensor([1500, 3], dtype=torch.int32), 0.1, 64)
+    for got, want in zip(cpu_ops.mla_attention_rows(*args), mla_reference.mla_attention_rows(*args)):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    for change, match in [((4, torch.tensor([0, 2])), "names sequence 2 of 2"),
+                          ((5, torch.tensor([1500, 1601], dtype=torch.int32)), "sees 1601 positions"),
+                          ((0, q[:, :, :90].contiguous()), "is not the cache's two halves"),
+                          ((7, 97), "kv_lora_rank 97 is outside")]:
+        bad = list(args)
+        bad[change[0]] = change[1]
+        with pytest.raises(RuntimeError, match=match):
+            cpu_ops.mla_attention_rows(*bad)
+    tables[1, 0] = 10_000
+    with pytest.raises(RuntimeError, match="block 10000 is outside the latent cache"):
+        cpu_ops.mla_attention_rows(*args)
+
+
 def test_latents_written_by_slot_come_back_whole():
     k_cache, v_cache, tables, g = latent_case([20], 1, 32, 16)
     latent = torch.randn(20, 48, generator=g)

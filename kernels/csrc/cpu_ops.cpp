@@ -12,6 +12,7 @@
 #include "decode_attention.h"
 #include "kv_fp8.h"
 #include "lora_ops.h"
+#include "mla_decode.h"
 #include "moe_ops.h"
 #include "quant_linear.h"
 #include "shm_comm.h"
@@ -503,6 +504,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
         pybind11::arg("seq"), pybind11::arg("visible"), pybind11::arg("scale"), pybind11::arg("family"),
         pybind11::arg("k_scale") = 1.0, pybind11::arg("v_scale") = 1.0);
+  m.def("mla_attention_rows", &mla_attention_rows_cpu,
+        "absorbed latent attention of query rows over the paged latent cache, with each row's lse (mla_decode.cpp)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("merge_attention_states", &merge_attention_states, "partial attentions merged by their lse (attention_merge.cpp)");
   m.def("decode_attention_covers", &decode_attention_covers, "whether a family's kernel covers this head_dim here");
   m.def("attention_avx512_available", &decode_attn::avx512_available, "whether this CPU runs the avx512 decode attention");
