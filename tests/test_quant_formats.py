@@ -252,6 +252,19 @@ def test_fp8_moe_gives_transformers_greedy_tokens(fp8_moe):
     assert experts is not None and experts.w13[0].qs.dtype == torch.float8_e4m3fn
 
 
+def test_modelopt_moe_gives_transformers_greedy_tokens(tiny_model_dir, tmp_path):
+    """ModelOpt's FP8 per channel on a tiny Qwen3-MoE, its hf_quant_config.json excluding layer 1's MLP (experts
+    and all) by a wildcard; the routers dense, as vLLM keeps them."""
+    path, twin = write_quantized(tiny_model_dir("qwen3_moe"), tmp_path, "modelopt-fp8-pcpt")
+    prompt = prompts(384, lengths=(17,))[0]
+    want_tokens, want_logits = reference_greedy(reference_model(twin), prompt, 6)
+    tokens, logits = chained_logits(path, [4], prompt, 6)
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, atol=2e-4, rtol=1e-4)
+    layers = StageRunner.of(path, 0, 2).model.layers
+    assert layers[0].mlp.quantised.w13[0].qs.dtype == torch.float8_e4m3fn and layers[1].mlp.quantised is None
+
+
 def test_fp8_moe_expert_parallel_gives_transformers_greedy_tokens(fp8_moe, tmp_path):
     """-tp 2 --enable-expert-parallel: each rank reads its experts' quants and scales only."""
     path, reference = fp8_moe

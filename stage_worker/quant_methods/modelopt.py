@@ -76,7 +76,7 @@ class ModelOpt(QuantMethod):
         return f"{NAME} {self.algo}"
 
     def quantised(self, prefix, reader):
-        return not any(p == prefix or fnmatch(prefix, p) or p in prefix for p in self.excluded)
+        return not any(fnmatch(prefix, p) or p in prefix for p in self.excluded)
 
     def read(self, reader, prefix, dim, start, length):
         total_rows, _ = reader.shape(f"{prefix}.weight")
