@@ -160,10 +160,14 @@ def pack_weights_for_cpu(model: nn.Module, warm: bool = True) -> None:
         return
     for module in linears:
         if module.weight.dtype == torch.float32 and not module.weight.is_mkldnn:
-            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.data, _PACK_ROWS_HINT)
-            module.weight = nn.Parameter(packed, requires_grad=False)
+            module.weight = nn.Parameter(repack_onednn(module.weight.data), requires_grad=False)
     if warm:
         warm_onednn(linears)
+
+
+def repack_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """A dense fp32 weight [out, in] in oneDNN's blocked format, as pack_weights_for_cpu lays it."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
 
 
 def warm_onednn(linears) -> None:

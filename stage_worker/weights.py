@@ -108,10 +108,16 @@ def fill(data: torch.Tensor, shards, reader: CheckpointReader) -> None:
 
 
 def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights made where the model lives (benchmarks on a GPU without a checkpoint)."""
+    """Random weights made where the model lives (benchmarks without a checkpoint). A CPU stage's fp32 linears are
+    packed for oneDNN already (stage_worker.layers.pack_weights_for_cpu), whose tensors take no normal_: theirs are
+    drawn dense and packed again."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight") or "layernorm" in name:
             param.data.fill_(1.0)
+        elif param.is_mkldnn:
+            from stage_worker.layers import repack_onednn
+
+            param.data = repack_onednn(torch.empty(param.shape, dtype=param.dtype).normal_(0.0, std, generator=gen))
         else:
             param.data.normal_(0.0, std, generator=gen)
