@@ -7,7 +7,8 @@
 // The cache holds each latent in two halves, the first in k_cache and the second in v_cache, each
 // [blocks, block_size, 1, latent / 2]. Where the torch reference gathers every latent a row sees into a new
 // tensor and multiplies it twice (and its batched matmuls take one head row at a time against it), this reads
-// each latent once per piece of positions, widened to fp32 once, for all heads.
+// each latent once per piece of positions, widened to fp32 once, for all heads, and sums the weighted c_kv in
+// register tiles of heads by columns.
 //
 // Work: one item per (row, piece of its positions). A piece is long enough that its heads' output rows stay
 // in cache and short enough that batch 1 at a long context still gives every thread pieces; the pieces' softmax
@@ -59,6 +60,55 @@ inline void score_heads(const float* q, const float* row, int64_t heads, int64_t
   }
 }
 
+// acc[h][j] = sum over the piece's positions i of w[h][i] c_i[j], c_i a latent's first `rank` values (c_kv).
+// Tiles of 4 heads by 32 columns keep their sums in registers over every position (each c_i tile loaded once
+// for 4 heads), where a position-by-position loop loads and stores every head's whole output row per position.
+inline void weighted_sums(const float* latents, int64_t latent, const float* w, int64_t count, int64_t heads,
+                          int64_t rank, float* acc) {
+  constexpr int64_t kHeads = 4, kCols = 32;
+  int64_t h0 = 0;
+  for (; h0 + kHeads <= heads; h0 += kHeads) {
+    const float *w0 = w + h0 * count, *w1 = w0 + count, *w2 = w1 + count, *w3 = w2 + count;
+    int64_t j0 = 0;
+    for (; j0 + kCols <= rank; j0 += kCols) {
+      float t0[kCols] = {}, t1[kCols] = {}, t2[kCols] = {}, t3[kCols] = {};
+      for (int64_t i = 0; i < count; ++i) {
+        const float* c = latents + i * latent + j0;
+        const float a0 = w0[i], a1 = w1[i], a2 = w2[i], a3 = w3[i];
+#pragma omp simd
+        for (int64_t j = 0; j < kCols; ++j) {
+          t0[j] += a0 * c[j];
+          t1[j] += a1 * c[j];
+          t2[j] += a2 * c[j];
+          t3[j] += a3 * c[j];
+        }
+      }
+      for (int64_t j = 0; j < kCols; ++j) {
+        acc[h0 * rank + j0 + j] = t0[j];
+        acc[(h0 + 1) * rank + j0 + j] = t1[j];
+        acc[(h0 + 2) * rank + j0 + j] = t2[j];
+        acc[(h0 + 3) * rank + j0 + j] = t3[j];
+      }
+    }
+    for (int64_t k = 0; k < kHeads && j0 < rank; ++k) {  // the columns past the last whole tile
+      float* o = acc + (h0 + k) * rank;
+      std::fill(o + j0, o + rank, 0.f);
+      for (int64_t i = 0; i < count; ++i)
+        for (int64_t j = j0; j < rank; ++j) o[j] += w[(h0 + k) * count + i] * latents[i * latent + j];
+    }
+  }
+  for (; h0 < heads; ++h0) {  // the heads past the last group of 4
+    float* o = acc + h0 * rank;
+    std::fill(o, o + rank, 0.f);
+    for (int64_t i = 0; i < count; ++i) {
+      const float a0 = w[h0 * count + i];
+      const float* c = latents + i * latent;
+#pragma omp simd
+      for (int64_t j = 0; j < rank; ++j) o[j] += a0 * c[j];
+    }
+  }
+}
+
 struct Piece {
   int64_t row, first, count;  // positions [first, first + count) of the row's sequence
 };
@@ -99,16 +149,7 @@ void run_piece(const Args& a, const Piece& p, const float* q, const T* k_cache, 
     m[h] = top;
     l[h] = total;
   }
-  std::fill(acc, acc + a.heads * a.rank, 0.f);
-  for (int64_t i = 0; i < p.count; ++i) {
-    const float* c = latents.data() + i * a.latent;  // c_kv: the latent's first `rank` values
-    for (int64_t h = 0; h < a.heads; ++h) {
-      const float w = scores[h * p.count + i];
-      float* o = acc + h * a.rank;
-#pragma omp simd
-      for (int64_t j = 0; j < a.rank; ++j) o[j] += w * c[j];
-    }
-  }
+  weighted_sums(latents.data(), a.latent, scores.data(), p.count, a.heads, a.rank, acc);
 }
 
 }  // namespace
