@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from scheduler.config import SchedulerConfig
 from stagemesh.core.engine_request import EngineRequest
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.kv_groups import FULL
 from stagemesh.core.sampling_params import SamplingParams, check_token_ids
 from stagemesh.core.step import TokenLogprob
 
@@ -26,6 +27,10 @@ def check_engine_request(cfg: SchedulerConfig, r: EngineRequest) -> None:
     if r.prefill_only and (r.kv_source is not None or r.generated_token_ids):
         raise StagemeshError("a prefill_only request computes its own prompt: no kv_transfer or generated "
                              "tokens with it")
+    if (r.prefill_only or r.kv_source is not None) and cfg.kv_group_windows != (FULL,):
+        raise StagemeshError("disaggregated prefill does not carry the hybrid KV cache manager's groups (a block "
+                             "table per group of sliding-window layers) yet: start this replica's stages with "
+                             "--disable-hybrid-kv-cache-manager (serve does so with --prefill-replicas)")
 
 
 def check_request(cfg: SchedulerConfig, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
@@ -52,7 +57,7 @@ def check_request(cfg: SchedulerConfig, request_id: str, prompt_token_ids: Seque
             f"this model's maximum context length is {cfg.max_model_len} tokens, but the request asks for "
             f"{total} ({len(prompt_token_ids)} in the prompt{asked})"
         )
-    if not fits_kv_cache(cfg, total):
+    if not cfg.fits_kv_cache(total):
         raise StagemeshError(f"a request of {total} tokens can never fit the KV cache of {cfg.kv_cache_tokens} tokens")
 
 
@@ -88,7 +93,3 @@ def check_generated_logprobs(generated_token_ids: Sequence[int], logprobs: Seque
         raise StagemeshError(f"a continuation's generated_logprobs must be one per generated token ({len(logprobs)} "
                              f"for {len(generated_token_ids)}), of that token, with at most sampling.logprobs top "
                              "ones (and its own), and only when sampling.logprobs is set")
-
-
-def fits_kv_cache(cfg: SchedulerConfig, num_tokens: int) -> bool:
-    return -(-num_tokens // cfg.block_size) <= cfg.num_kv_blocks

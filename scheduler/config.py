@@ -14,6 +14,7 @@ from stagemesh.core.common_flags import (ADVERTISE_HOST, BLOCK_SIZE, GRAMMAR_COM
                                          SKIP_SERVER_WARMUP, SPECULATIVE_CONFIG, LoRAOptions, ModelOptions)
 from stagemesh.core.deadlines import DEADLINES
 from stagemesh.core.errors import StagemeshError
+from stagemesh.core.kv_groups import FULL, blocks_at_most, tokens_held, usable_blocks
 from stagemesh.core.flags import Flag, group
 from stagemesh.core.service_options import ServiceOptions
 from stagemesh.core.speculative import ASYNC_WITH_SPECULATION, SpeculativeConfig
@@ -144,6 +145,9 @@ class SchedulerConfig:
     # --runner pooling: the pooling tasks the pipeline's last stage serves, as it describes itself when the
     # pipeline forms (empty: it generates); requests it does not serve are refused (scheduler.admission)
     pooling_tasks: tuple[str, ...] = ()
+    # the KV cache groups' sliding windows as the stages describe them (stagemesh.core.kv_groups; FULL: full
+    # attention): (FULL,) is the plain paged cache, more groups free blocks out of their windows
+    kv_group_windows: tuple[int, ...] = (FULL,)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -169,8 +173,27 @@ class SchedulerConfig:
         return self.max_model_len
 
     @property
+    def kv_lookback(self) -> int:
+        """The tokens a step's result may take back (rejected drafts): kept in every sliding window."""
+        return self.speculative.num_speculative_tokens if self.speculative is not None else 0
+
+    @property
     def kv_cache_tokens(self) -> int:
-        return self.num_kv_blocks * self.block_size
+        """The most tokens one request's KV can hold (a sliding group holding only its window's)."""
+        return tokens_held(self.kv_group_windows, self.num_kv_blocks, self.block_size, self._chunk, self.kv_lookback)
+
+    def kv_blocks_for(self, num_tokens: int) -> int:
+        """The most blocks a request of num_tokens holds at once (every group's)."""
+        return blocks_at_most(self.kv_group_windows, num_tokens, self.block_size, self._chunk, self.kv_lookback)
+
+    def fits_kv_cache(self, num_tokens: int) -> bool:
+        """Whether a request of num_tokens can ever have its blocks."""
+        return self.kv_blocks_for(num_tokens) <= usable_blocks(self.kv_group_windows, self.num_kv_blocks)
+
+    @property
+    def _chunk(self) -> int:
+        """The most tokens a step computes of a request (with a speculation's lookahead)."""
+        return self.max_num_batched_tokens + self.kv_lookback
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,7 @@ class Driver:
             healthy=e.healthy, reason=e.reason, epoch=e.epoch, block_size=self.pipeline.block_size,
             num_stages=self.pipeline.num_stages, stages=tuple(plan.stages) if plan is not None else (),
             tp_sizes=tuple(plan.tp_sizes) if plan is not None else (), max_model_len=e.max_model_len,
-            kv_cache_tokens=plan.num_kv_blocks * self.pipeline.block_size if plan is not None else 0,
+            kv_cache_tokens=e.scheduler.config.kv_cache_tokens if e.scheduler is not None else 0,
             num_steps=s.num_steps, step_seconds=s.step_seconds, compute_seconds=s.compute_seconds,
             scheduler=e.scheduler.stats() if e.scheduler is not None else None, eos_token_ids=c.eos_token_ids,
             scheduling_policy=c.scheduling_policy, max_waiting_requests=c.max_waiting_requests)

@@ -29,6 +29,7 @@ from scheduler.request import RequestOutput
 from scheduler.scheduler import Scheduler
 from scheduler.tiers import tier_blocks
 from scheduler.warmup import warm_up
+from stagemesh.core.kv_groups import FULL
 
 if TYPE_CHECKING:
     from scheduler.grpc_pipeline import GrpcPipeline
@@ -148,7 +149,8 @@ class EpochManager:
         """The pipeline's context length, or None (the reason set) if none fits. The first pipeline too small
         for --max-model-len refuses the configuration (vLLM refuses to start); a later, smaller one (a stage
         restarted with less memory) is waited out, its requests kept."""
-        kv_tokens = plan.num_kv_blocks * self.pipeline.block_size
+        kv_tokens = replace(self.cfg.scheduler, num_kv_blocks=plan.num_kv_blocks, block_size=self.pipeline.block_size,
+                            kv_group_windows=plan.kv_group_windows).kv_cache_tokens
         max_len = self.cfg.scheduler.max_model_len or min(self.cfg.model_max_len, kv_tokens)
         if max_len <= kv_tokens:
             return max_len
@@ -172,6 +174,10 @@ class EpochManager:
         refusal = ""
         if not self.cfg.scheduler.enable_prefix_caching:
             refusal = "the KV tiers hold prefix-cache blocks: --kv-offloading-size needs --enable-prefix-caching"
+        elif plan.kv_group_windows != (FULL,):
+            refusal = ("the KV tiers do not carry the hybrid KV cache manager's groups (a block table per group of "
+                       "sliding-window layers) yet: start the stages with --disable-hybrid-kv-cache-manager (serve "
+                       "does so with --kv-offloading-size)")
         elif disk and not host:
             refusal = ("--kv-offloading-disk-size needs --kv-offloading-size: blocks reach the disk tier through the "
                        "host tier")
@@ -207,7 +213,7 @@ class EpochManager:
         return replace(self.cfg.scheduler, num_kv_blocks=plan.num_kv_blocks, max_model_len=max_len,
                        block_size=self.pipeline.block_size, async_scheduling=async_scheduling,
                        num_host_kv_blocks=plan.num_host_kv_blocks, num_disk_kv_blocks=plan.num_disk_kv_blocks,
-                       pooling_tasks=plan.stages[-1].pooling_tasks)
+                       pooling_tasks=plan.stages[-1].pooling_tasks, kv_group_windows=plan.kv_group_windows)
 
     def _start(self, plan: PipelinePlan, config: SchedulerConfig, warm: Scheduler | None) -> None:
         """The epoch serves: its scheduler made (after the warm-up's steps, or taking over the kept requests)."""
@@ -226,10 +232,16 @@ class EpochManager:
         for s in plan.stages:
             log.info("stage %d: layers %d:%d, %d rank(s), %s, %s handoff, at %s", s.stage_index, s.layer_start,
                      s.layer_end, s.tp_size, s.device, s.handoff, s.address)
-        kv_tokens = plan.num_kv_blocks * block_size
+        kv_tokens = config.kv_cache_tokens
         log.info("KV cache size: %s tokens", f"{kv_tokens:,}")
         self.observer.formed(kv_tokens)
-        log.info("Maximum concurrency for %s tokens per request: %.2fx", f"{max_len:,}", kv_tokens / max_len)
+        hybrid = config.kv_group_windows != (FULL,)
+        if hybrid:
+            log.info("hybrid KV cache manager: %d groups of layers (sliding windows %s), each block one layer of "
+                     "every group; a sliding group keeps only its window's blocks", len(config.kv_group_windows),
+                     ", ".join(str(w) if w != FULL else "full" for w in config.kv_group_windows))
+        concurrency = self.scheduler.kv.num_blocks / config.kv_blocks_for(max_len) if hybrid else kv_tokens / max_len
+        log.info("Maximum concurrency for %s tokens per request: %.2fx", f"{max_len:,}", concurrency)
         per_token = sum(s.kv_bytes_per_block for s in plan.stages) // block_size
         dtype = plan.stages[0].kv_cache_dtype
         log.info("KV cache dtype %s (--kv-cache-dtype): %s bytes per token over every stage and rank", dtype,

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import itertools
 
-from scheduler.admission import fits_kv_cache, request_tokens
-from scheduler.block_manager import BlockManager
+from scheduler.admission import request_tokens
 from scheduler.kv_accounting import KVAccounting
 from scheduler.kv_transfer import KVTransfers
 from scheduler.request import HeldKV, Request, RequestOutput
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import Scheduler, kv_pool
 from scheduler.status import Status
 
 
@@ -42,7 +41,7 @@ def requeue_all(s: Scheduler) -> list[Request]:
     s.transfers.requeue_releases(releases)
     s.running, s.waiting = [], s.policy.waiting(requests)
     s.finished_seq_ids = []
-    s.kv = BlockManager(s.config.num_kv_blocks, s.config.block_size, s.config.enable_prefix_caching)
+    s.kv = kv_pool(s.config)
     s.accounting = KVAccounting(s.kv, s.transfers, s.spec)
     return requests
 
@@ -54,7 +53,7 @@ def take_over(s: Scheduler, old: Scheduler) -> list[RequestOutput]:
     failed, cfg = [], s.config
     for request in old.waiting:
         total = request_tokens(len(request.prompt_token_ids), request.sampling)
-        if total > s.max_model_len or not fits_kv_cache(cfg, total):
+        if total > s.max_model_len or not cfg.fits_kv_cache(total):
             request.status = Status.FINISHED
             failed.append(RequestOutput(
                 request.request_id, finish_reason="error", num_prompt_tokens=len(request.prompt_token_ids),
@@ -102,7 +101,7 @@ def _migrated(s: Scheduler, request: Request, with_kv: bool) -> RequestOutput:
     """`request` ends "migrated", with its KV held (all but its last token's) where with_kv and it can."""
     n = request.num_computed_tokens
     movable = (with_kv and request.status is Status.RUNNING and n == request.num_tokens - 1
-               and not request.num_output_placeholders)
+               and not request.num_output_placeholders and not s.kv.hybrid)  # (a table per group: not carried)
     table = s.kv.tables.get(request.request_id, [])[:s.kv.blocks_needed(n)] if movable else []
     out = s.finish(request, "migrated", hold_kv=movable)
     if movable:

@@ -32,7 +32,7 @@ class PrefixCache:
         if request.sampling.computes_whole_prompt:
             return None
         cached = self.kv.find_cached_prefix(request.all_token_ids, request.hash_root)
-        return Found(len(cached) * self.kv.block_size, cached) if cached else None
+        return Found(self.kv.hit_tokens(cached), cached) if cached else None
 
     def bring(self, request: Request, block_ids: list[int], found: Found) -> None:
         pass  # (its blocks hold the KV already: allocating them shares them)
@@ -73,8 +73,9 @@ class KVAccounting:
     def kv_source_fits(self, src: KVSourceInfo, request: Request) -> bool:
         """The held KV is exactly that of the request's tokens but the last (the prompt's, with its first token
         after it; or a migrated request's, with the tokens it generated), in blocks of this replica's size; not
-        with a draft model, whose own KV cache mirrors only what the target computes here."""
-        if self.spec is not None and self.spec.config.uses_draft_model:
+        with a draft model, whose own KV cache mirrors only what the target computes here; not with KV cache
+        groups (a table per group: not carried)."""
+        if self.kv.hybrid or (self.spec is not None and self.spec.config.uses_draft_model):
             return False
         return (src.block_size == self.kv.block_size and src.num_tokens == request.num_tokens - 1
                 and len(src.block_ids) == self.kv.blocks_needed(src.num_tokens) and bool(request.output_token_ids)
@@ -106,7 +107,7 @@ class KVAccounting:
                 continue  # no room to load into yet: computed, or looked up again when there is room
             source.bring(request, blocks[len(found.shared):], found)
             return BROUGHT
-        num_cached = len(shared) * self.kv.block_size
+        num_cached = self.kv.hit_tokens(shared)
         num_new = self._first_chunk_end(request, tokens, shared) - num_cached
         new_blocks = self.kv.allocate(request.request_id, self.kv_tokens(request, num_new, 0, num_cached), shared)
         return Placement(num_cached, num_new, new_blocks) if new_blocks is not None else None
@@ -117,7 +118,7 @@ class KVAccounting:
 
     def _first_chunk_end(self, request: Request, tokens: int, cached: list[int]) -> int:
         """The tokens the waiting request's first chunk fills, counted from position 0."""
-        num_cached = len(cached) * self.kv.block_size
+        num_cached = self.kv.hit_tokens(cached)
         return num_cached + min(request.num_tokens - num_cached, tokens)
 
     def give_back_loaded(self, waiting: Iterable[Request]) -> bool:

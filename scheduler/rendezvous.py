@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from scheduler.lora_table import LoRATable
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.kv_cache_dtype import canonical
+from stagemesh.core.kv_groups import FULL
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class StageInfo:
     max_loras: int = 0  # ... and how many fit its slots at once
     pooling_tasks: tuple[str, ...] = ()  # --runner pooling: the tasks it serves (empty: it generates)
     kv_cache_dtype: str = "auto"  # its --kv-cache-dtype (stagemesh.core.kv_cache_dtype.canonical)
+    kv_group_windows: tuple[int, ...] = (FULL,)  # its model's KV cache groups' windows (stagemesh.core.kv_groups)
 
     @property
     def name(self) -> str:
@@ -65,6 +67,7 @@ class PipelinePlan:
     num_kv_blocks: int
     num_host_kv_blocks: int = 0  # the KV tiers' (scheduler.tiers), decided when the pipeline forms
     num_disk_kv_blocks: int = 0
+    kv_group_windows: tuple[int, ...] = (FULL,)  # every stage's (stagemesh.core.kv_groups)
 
 
 class Rendezvous:
@@ -153,9 +156,17 @@ class Rendezvous:
         if s.kv_cache_dtype != self.kv_cache_dtype:
             raise StagemeshError(f"{where} uses --kv-cache-dtype {s.kv_cache_dtype}; the scheduler uses "
                                  f"{self.kv_cache_dtype}: give both the same")
+        w = s.kv_group_windows
+        if not 1 <= len(w) <= self.model.num_hidden_layers or min(w) < 0 or (len(w) > 1 and w[0] != FULL):
+            raise StagemeshError(f"{where} describes {len(w)} KV cache groups (windows {list(w)[:8]}): 1 to one per "
+                                 "layer, each window >= 0, a full-attention group first where there are several")
         others = [o for i, o in self.stages.items() if i != s.stage_index]
         if others and others[0].handoff != s.handoff:
             raise StagemeshError(f"{where} uses --handoff {s.handoff}; the other stages use {others[0].handoff}")
+        if others and others[0].kv_group_windows != s.kv_group_windows:
+            raise StagemeshError(f"{where} has the KV cache groups {list(s.kv_group_windows)} (sliding windows; 0: "
+                                 f"full attention); the other stages have {list(others[0].kv_group_windows)}: start "
+                                 "every stage with the same --disable-hybrid-kv-cache-manager")
         if s.stage_index == 0 and s.layer_start != 0:
             raise StagemeshError(f"{where}: the first stage must start at layer 0")
         if s.stage_index == self.pp - 1 and s.layer_end != self.model.num_hidden_layers:
@@ -183,7 +194,8 @@ class Rendezvous:
         stages = [self.stages[i] for i in range(self.pp)]
         sizes = [s.tp_size for s in stages]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        return PipelinePlan(stages, sum(sizes), offsets, sizes, min(s.num_kv_blocks for s in stages))
+        return PipelinePlan(stages, sum(sizes), offsets, sizes, min(s.num_kv_blocks for s in stages),
+                            kv_group_windows=stages[0].kv_group_windows)
 
 
 def _describe(m: ModelIdentity) -> str:

@@ -48,12 +48,18 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.step import PromptLogprobs, SampledToken
 
 
+def kv_pool(config: SchedulerConfig) -> BlockManager:
+    """The replica's pool of KV blocks, with a table per KV cache group."""
+    return BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                        config.kv_group_windows, config.kv_lookback)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, disk_block_hashes=()):
         """disk_block_hashes: the blocks the stages' disk tiers hold already (a restart on the same directory)."""
         self.max_model_len = config.check_formed()
         self.config = config
-        self.kv = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = kv_pool(config)
         if config.enable_prefix_caching and (config.num_host_kv_blocks or config.num_disk_kv_blocks):
             self.kv.tiers = KVTiers(self.kv, config.num_host_kv_blocks, config.num_disk_kv_blocks, disk_block_hashes)
         self.policy = SchedulingPolicy(config.scheduling_policy, config.tenant_fair_share)
@@ -196,6 +202,7 @@ class Scheduler:
             if request.in_flight and not (budget.run_ahead and can_run_ahead(request, self.max_model_len)):
                 continue
             num_new, drafts = next_chunk(request, budget.tokens, self.spec)
+            self.kv.free_outside_window(request.request_id, request.num_computed_tokens)
             need = self.accounting.kv_tokens(request, num_new, len(drafts))
             new_blocks = self.kv.allocate(request.request_id, need)
             if new_blocks is None and request.in_flight:

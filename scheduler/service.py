@@ -23,6 +23,7 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grpc_errors import ErrorInterceptor
 from stagemesh.core import kv_ticket
 from stagemesh.core.hash_parts import tier_parts
+from stagemesh.core.kv_groups import FULL
 from stagemesh.core.health import LIVENESS, follow
 from stagemesh.core.lora import LoRAError
 from stagemesh.core.service_options import add_port, aio_server
@@ -270,7 +271,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                                      m.num_attention_heads, m.num_key_value_heads), s.address,
                          s.handoff, s.instance_id, s.standby, s.num_speculative_tokens, s.kv_bytes_per_block,
                          s.kv_disk_tier, tuple(s.lora_adapters), s.max_loras, tuple(s.pooling_tasks),
-                         s.kv_cache_dtype or "auto")
+                         s.kv_cache_dtype or "auto", tuple(s.kv_group_windows) or (FULL,))
         if self.lora.table is not None and self.lora.table.lacking(info.lora_adapters):
             # not part of the pipeline yet: it reads the adapters it lacks and registers again
             return scheduler_pb2.RegisterStageResponse(num_missing_stages=self.driver.status().num_stages,

@@ -36,8 +36,9 @@ WARMUP_COMPILE_S = 120.0
 
 def warmup_requests(config: SchedulerConfig) -> list[EngineRequest]:
     """Two requests that take the model's paths a first real request takes, within the pipeline's limits."""
-    # (each request's blocks within half the cache, so that both run at once)
-    room = min(config.max_model_len or 0, config.num_kv_blocks // 2 * config.block_size) - WARMUP_OUTPUT_TOKENS
+    # (each request's blocks within half the cache, every KV cache group's, so that both run at once)
+    half = replace(config, num_kv_blocks=config.num_kv_blocks // 2).kv_cache_tokens
+    room = min(config.max_model_len or 0, half) - WARMUP_OUTPUT_TOKENS
     prompt_len = max(1, min(WARMUP_PROMPT_TOKENS, config.max_num_batched_tokens // 2, room))
     vocab = config.vocab_size or 2
     eos = set(config.eos_token_ids)

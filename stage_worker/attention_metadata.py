@@ -20,3 +20,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [seqs + 1] int32
     cp: CPMetadata | None = None  # with context parallelism (DCP or PCP): this rank's share (stage_worker.context)
     split: TokenSplit | None = None  # with prefill context parallelism: this rank's rows of the step's tokens
+    # with KV cache groups (stagemesh.core.kv_groups): each group's view, its block tables and slots; () for one
+    groups: tuple[AttentionMetadata, ...] = ()
+
+    def of_group(self, group: int) -> AttentionMetadata:
+        """What a layer of KV cache group `group` reads and writes."""
+        return self.groups[group] if self.groups else self

@@ -48,7 +48,8 @@ class DraftModel:
         self.proposals: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
         self._gen = torch.Generator(device="cpu").manual_seed(torch.initial_seed() % (2**63))
         self.runner = StageRunner.of(spec.model, 0, cfg.num_hidden_layers, device=str(device), dtype=dtype,
-                                     block_size=block_size, config=cfg, enforce_eager=True)
+                                     block_size=block_size, config=cfg, enforce_eager=True,
+                                     disable_hybrid_kv_cache_manager=True)  # (it reads the target's one table)
         self.block_size, self.device = block_size, self.runner.device
         self.max_positions = cfg.max_position_embeddings
         self.kv_bytes_per_block = self.runner.kv_bytes_per_block

@@ -127,8 +127,9 @@ class Gemma3StageModel(StageModel):
         else:
             x = hidden
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, meta, kv_cache, self.cos_sin_local if layer.sliding else self.cos_sin)
+        for layer, kv_cache, group in zip(self.layers, kv_caches, self.kv_groups):
+            x, residual = layer(x, residual, meta.of_group(group), kv_cache,
+                                self.cos_sin_local if layer.sliding else self.cos_sin)
         if self.norm is not None:  # the last stage
             return norm(x, self.norm.weight, self.norm.eps, residual)[0]
         return x + residual if residual is not None else x

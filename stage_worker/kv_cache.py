@@ -59,7 +59,12 @@ def num_kv_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      dtype: torch.dtype, device,
+                      slots: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's k and v caches. `slots`: each layer's slot (stagemesh.core.kv_groups), layers on one slot
+    sharing its tensors (each reads and writes only its own group's blocks); None: a slot per layer."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)]
+    slots = list(range(num_layers)) if slots is None else slots
+    pairs = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+             for _ in range(max(slots, default=-1) + 1)]
+    return [pairs[slot] for slot in slots]

@@ -197,6 +197,8 @@ class StageModel(Module):
             self.norm = RMSNorm("model.norm.weight", cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
             head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
             self.lm_head = ParallelLMHead(head, cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
+        # each layer's KV cache group (stagemesh.core.kv_groups: the stage runner sets them; one group by default)
+        self.kv_groups: tuple[int, ...] = (0,) * len(self.layers)
         positions = max_positions or cfg.max_position_embeddings
         self.register_buffer("cos_sin", kernels.build_cos_sin_cache(
             attention_class(cfg).rotary_dim(cfg), positions, cfg.rope_theta, cfg.rope_scaling, dtype=torch.float32,
@@ -215,8 +217,8 @@ class StageModel(Module):
         x = self.embed_tokens(input_ids) if self.embed_tokens is not None else hidden  # is_first
         assert x is not None, "a stage after the first continues from the hidden states it is sent"
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, meta, kv_cache, self.cos_sin)
+        for layer, kv_cache, group in zip(self.layers, kv_caches, self.kv_groups):
+            x, residual = layer(x, residual, meta.of_group(group), kv_cache, self.cos_sin)
         if self.norm is not None:  # is_last
             return kernels.rms_norm(x, self.norm.weight, self.norm.eps, residual)[0]
         return x + residual if residual is not None else x  # one tensor crosses to the next stage

@@ -14,6 +14,7 @@ import torch
 from stagemesh.core.common_flags import skip_server_warmup
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.grammar import lazy_compiler
+from stagemesh.core.kv_groups import kv_groups
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.step import PromptLogprobs, SampledToken, StepBatch
 from stage_worker import prompt_logprobs
@@ -146,12 +147,17 @@ class StageRunner:
         self.pooling_tasks = pooling.tasks if pooling is not None else ()  # (every stage says them: describe)
 
     def _set_kv_layout(self, s: StageSettings, found: CheckpointScales | None) -> None:
-        """This rank's KV heads, its bytes per block, and each layer's KV cache scales (`found`: the
-        checkpoint's)."""
+        """This rank's KV heads, its KV cache groups (each layer's slot in a block), its bytes per block, and each
+        layer's KV cache scales (`found`: the checkpoint's)."""
         layers = s.layer_end - s.layer_start
+        self.kv_groups = kv_groups(self.config, s.disable_hybrid_kv_cache_manager)
+        self.kv_slots = self.kv_groups.slots(s.layer_start, s.layer_end)
+        self.model.kv_groups = self.kv_groups.layer_group[s.layer_start:s.layer_end]
+        # the tables of the groups after the first (each sequence's), which steps grow as they grow the first's
+        self.group_tables: list[dict[int, list[int]]] = [{} for _ in self.kv_groups.windows[1:]]
         self.num_kv_heads = HeadShard.for_rank(self.config, self.tp).num_kv_heads
-        self.kv_bytes_per_block = kv_bytes_per_block(layers, self.num_kv_heads, self.config.head_dim,
-                                                     self.kv_block_size, self.kv_cache_dtype)
+        self.kv_bytes_per_block = kv_bytes_per_block(max(self.kv_slots, default=-1) + 1, self.num_kv_heads,
+                                                     self.config.head_dim, self.kv_block_size, self.kv_cache_dtype)
         self.kv_scales: KVScales = stage_scales(layers, found, s.kv_cache_dtype, s.calculate_kv_scales,
                                                 s.layer_start, self.tp)
         for layer, scale in zip(self.model.layers, self.kv_scales.layers):
@@ -172,6 +178,10 @@ class StageRunner:
             flag = "--prefill-context-parallel-size" if self.tp.pcp else "--decode-context-parallel-size"
             raise StagemeshError(f"speculative decoding with a draft model does not run with {flag} yet "
                                  "(ngram speculation does)")
+        if self.kv_groups.hybrid:
+            raise StagemeshError("speculative decoding with a draft model does not run with the hybrid KV cache "
+                                 "manager yet (the draft mirrors one block table): start the stages with "
+                                 "--disable-hybrid-kv-cache-manager (serve does so with a draft model)")
         self.drafter = drafter
         self.kv_bytes_per_block += drafter.kv_bytes_per_block
 
@@ -186,7 +196,7 @@ class StageRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.graphs = None
         self.kv_caches = allocate_kv_cache(len(self.model.layers), num_blocks, self.kv_block_size, self.num_kv_heads,
-                                           self.config.head_dim, self.kv_cache_dtype, self.device)
+                                           self.config.head_dim, self.kv_cache_dtype, self.device, self.kv_slots)
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks)
         self.capture_graphs()
@@ -204,6 +214,8 @@ class StageRunner:
     def reset(self, num_kv_blocks: int) -> None:
         """A new pipeline epoch: forget every sequence; (re)allocate the cache if its size changed."""
         self.block_tables.clear()
+        for tables in self.group_tables:
+            tables.clear()
         self.seq_adapters.clear()
         self.seq_lens.clear()
         self.num_drafts.clear()
@@ -226,7 +238,7 @@ class StageRunner:
         if not batch.chunks:
             return StageOutput()
         input_ids, meta, sample_rows, sample_ids, drafts = step_inputs(
-            batch, self.block_tables, self.block_size, self.device, self.tp, self.is_first_stage)
+            batch, self.block_tables, self.block_size, self.device, self.tp, self.is_first_stage, self.group_tables)
         if self.lora is not None:
             self.lora.prepare([self.seq_adapters.get(s, "") for s in batch.chunks.seq_ids], batch.chunks.num_tokens)
         if self.graphs is not None and self.graph_scales != self.kv_scales.values():
@@ -298,6 +310,8 @@ class StageRunner:
     def _update_state(self, batch: StepBatch) -> None:
         for seq_id in batch.finished_seq_ids:
             self.block_tables.pop(seq_id, None)
+            for tables in self.group_tables:
+                tables.pop(seq_id, None)
             self.seq_adapters.pop(seq_id, None)
             self.seq_lens.pop(seq_id, None)
             self.num_drafts.pop(seq_id, None)
@@ -307,6 +321,8 @@ class StageRunner:
                 self.drafter.forget(seq_id)
         for seq in batch.new_sequences:
             self.block_tables[seq.seq_id] = []
+            for tables in self.group_tables:
+                tables[seq.seq_id] = []
             if seq.lora_name:
                 self.seq_adapters[seq.seq_id] = seq.lora_name
             if self.sampler is not None:
@@ -316,6 +332,9 @@ class StageRunner:
                                               c.draft_counts()):
             lens[seq_id] = start + n
             self.num_drafts[seq_id] = d
-            if count:
-                tables[seq_id].extend(c.new_block_ids[b:b + count])
+            if count:  # (with groups: each group's blocks in turn, as many for each)
+                each = count // (len(self.group_tables) + 1)
+                tables[seq_id].extend(c.new_block_ids[b:b + each])
+                for g, group in enumerate(self.group_tables, 1):
+                    group[seq_id].extend(c.new_block_ids[b + g * each:b + (g + 1) * each])
                 b += count

@@ -54,6 +54,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             speculative_model=c.speculative.model if c.speculative else "", draining=self.draining,
             kv_bytes_per_block=w.kv_bytes_per_block, kv_disk_tier=w.disk_dir is not None,
             kv_cache_dtype=kv_cache_dtype_name(w.runner.kv_cache_dtype),
+            kv_group_windows=list(w.runner.kv_groups.windows),
             lora_adapters=list(w.runner.lora.modules) if w.runner.lora else [],
             max_loras=w.runner.lora.limits.max_loras if w.runner.lora else 0, pooling_tasks=w.runner.pooling_tasks,
             model=stage_pb2.ModelIdentity(model_type=cfg.model_type, num_hidden_layers=cfg.num_hidden_layers,

@@ -49,6 +49,11 @@ class StageSettings:
     dtype: str | None = Flag(("--dtype",), help="auto, float32, bfloat16, float16").field()
     enforce_eager: bool = Flag(("--enforce-eager",), kind="switch",
                                help="no CUDA graphs for decode steps (as vLLM)").field()
+    disable_hybrid_kv_cache_manager: bool = Flag(("--disable-hybrid-kv-cache-manager",), kind="switch", help=(
+        "vLLM's: a model with sliding-window layers (Gemma 3, gpt-oss) keeps every layer's KV for every position, "
+        "the window only a mask; by default its layers are grouped and a sliding group's blocks out of the window "
+        "go back to the pool (stagemesh.core.kv_groups). serve sets it with --kv-offloading-size, "
+        "--prefill-replicas and a draft model, which do not carry the groups yet")).field()
     skip_server_warmup: bool | None = SKIP_SERVER_WARMUP.field()
     enable_expert_parallel: bool = Flag(("--enable-expert-parallel",), kind="switch", help=(
         "MoE models: whole experts spread over the stage's TP ranks (EP size = TP size) instead of every expert "

@@ -36,10 +36,12 @@ class StepLimits:
     num_kv_blocks: int = 0
     max_model_len: int = 0
     max_num_batched_tokens: int = 0
+    num_kv_groups: int = 1  # the model's KV cache groups (stagemesh.core.kv_groups): a chunk's blocks are per group
 
     @property
     def max_blocks_per_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)
+        """The blocks a sequence's tables hold at most (every group's)."""
+        return -(-self.max_model_len // self.block_size) * self.num_kv_groups
 
 
 def check_step(batch: StepBatch, limits: StepLimits) -> None:
@@ -140,8 +142,11 @@ def check_state(runner: StageRunner, batch: StepBatch, max_model_len: int) -> No
         raise InvalidStep("a new sequence comes without a chunk")
     _check_adapters(runner, batch, finished)
     c, bs, lens, tables = batch.chunks, runner.block_size, runner.seq_lens, runner.block_tables
-    max_blocks = -(-max_model_len // bs)
+    max_blocks, groups = -(-max_model_len // bs), len(runner.group_tables) + 1
     for seq_id, n, start, added in zip(c.seq_ids, c.num_tokens, c.start_positions, c.num_new_blocks):
+        if added % groups:
+            raise InvalidStep(f"sequence {seq_id} is sent {added} blocks for {groups} KV cache groups")
+        added //= groups  # (each group's table grows as the first's)
         if seq_id in new:
             blocks = added  # a prefix-cache hit starts past the cached blocks it is sent
             if start > blocks * bs:

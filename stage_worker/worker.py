@@ -93,7 +93,8 @@ class StageWorker:
             self.runner.eplb, eplb.balanced_blocks(self.runner.model), cfg.settings.tensor_parallel_size,
             cfg.stage_index)
         # nothing is allowed before a join
-        limits = StepLimits(model.vocab_size, model.hidden_size, cfg.settings.block_size)
+        limits = StepLimits(model.vocab_size, model.hidden_size, cfg.settings.block_size,
+                            num_kv_groups=self.runner.kv_groups.num_groups)
         self.steps = StepExecutor(self.runner, cfg.stage_index, cfg.handoff, limits, self.control, self.ep,
                                   balancer)
 

@@ -24,15 +24,17 @@ def chained_logits(model_dir, split, prompt, new_tokens, chunk=16, tp_rank=0, tp
     runners = [StageRunner.of(model_dir, a, b, tp_rank=tp_rank, tensor_parallel_size=tp_size, tp_group=tp_group,
                               enable_expert_parallel=expert_parallel, dtype=dtype, **runner_kw)
                for a, b in layer_ranges(split)]
+    groups = runners[0].kv_groups.num_groups  # (KV cache groups: each its own 64 blocks, its own new ones per step)
     for r in runners:
-        r.allocate_kv_cache(64)
+        r.allocate_kv_cache(64 * groups)
     seq = NewSequence(0, prompt, SamplingParams(max_tokens=new_tokens))
     tokens, logits, step, pos, table = list(prompt), [], 0, 0, 0
     while len(logits) < new_tokens:
         n = min(chunk, len(tokens) - pos)
         need = -(-(pos + n) // 16)
         batch = StepBatch(step, [seq] if step == 0 else [],
-                          [ScheduledChunk(0, tokens[pos:pos + n], pos, list(range(table, need)),
+                          [ScheduledChunk(0, tokens[pos:pos + n], pos,
+                                          [g * 64 + i for g in range(groups) for i in range(table, need)],
                                           pos + n == len(tokens))])
         table = max(table, need)
         hidden = None

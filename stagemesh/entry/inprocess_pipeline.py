@@ -43,10 +43,11 @@ class InProcessPipeline:
         self.stages = [StageInfo(i, r.model.layer_start, r.model.layer_end, 1, str(r.device), num_kv_blocks,
                                  self.block_size, model, "in-process", "in-process",
                                  kv_bytes_per_block=r.kv_bytes_per_block, kv_disk_tier=self.has_disk_tier,
-                                 kv_cache_dtype=kv_cache_dtype_name(r.kv_cache_dtype))
+                                 kv_cache_dtype=kv_cache_dtype_name(r.kv_cache_dtype),
+                                 kv_group_windows=r.kv_groups.windows)
                        for i, r in enumerate(runners)]
         self.plan = PipelinePlan(self.stages, len(runners), list(range(len(runners))), [1] * len(runners),
-                                 num_kv_blocks)
+                                 num_kv_blocks, kv_group_windows=runners[0].kv_groups.windows)
 
     def layout(self) -> PipelinePlan:
         return self.plan

@@ -162,7 +162,7 @@ class MeshLayout:
                             device="cuda" if self.cuda else "cpu", threads=self.threads,
                             speculative_config=spec.to_json() if draft else None,
                             kv_offloading_disk_path=_disk_tier(args, r), metrics_port=self._metrics_port(r, i),
-                            **values)
+                            disable_hybrid_kv_cache_manager=without_kv_groups(args, spec), **values)
         return ChildSpec(f"stage[{r}.{i}]", ["stage", *to_argv(options)], env, "stage", tp * self.threads,
                          tp if self.cuda else 0)
 
@@ -203,6 +203,15 @@ def passed_on(args: argparse.Namespace, cls: type) -> argparse.Namespace:
     serve = dict(flags(ServeOptions))
     return argparse.Namespace(**{name: getattr(args, name) for name, flag in flags(cls)
                                  if serve.get(name) == flag and hasattr(args, name)})
+
+
+def without_kv_groups(args: argparse.Namespace, spec) -> bool:
+    """--disable-hybrid-kv-cache-manager as the stages get it: also where the mesh carries KV blocks the
+    groups' tables do not reach yet (the KV tiers, disaggregated prefill, a draft model), as vLLM turns its
+    hybrid manager off with a KV connector."""
+    return bool(getattr(args, "disable_hybrid_kv_cache_manager", False) or getattr(args, "kv_offloading_size", None)
+                or getattr(args, "kv_offloading_disk_path", None) or getattr(args, "prefill_replicas", 0)
+                or (spec is not None and spec.uses_draft_model))
 
 
 def speculative_config(args: argparse.Namespace):

@@ -143,6 +143,7 @@ class StageDescription(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     MAX_LORAS_FIELD_NUMBER: _builtins.int
     POOLING_TASKS_FIELD_NUMBER: _builtins.int
+    KV_GROUP_WINDOWS_FIELD_NUMBER: _builtins.int
     stage_index: _builtins.int
     layer_start: _builtins.int
     """Layers [layer_start, layer_end)."""
@@ -214,6 +215,15 @@ class StageDescription(_message.Message):
         scheduler refuses requests the last stage's runner does not serve.
         """
 
+    @_builtins.property
+    def kv_group_windows(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Its model's KV cache groups (stagemesh.core.kv_groups): each group's sliding
+        window, 0 for full attention; empty or [0] for the plain cache of one group.
+        With several, a block holds one layer of every group and the scheduler keeps
+        a block table per group, freeing a sliding group's blocks out of its window.
+        The scheduler refuses stages whose groups differ.
+        """
+
     def __init__(
         self,
         *,
@@ -241,10 +251,11 @@ class StageDescription(_message.Message):
         lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
         max_loras: _builtins.int = ...,
         pooling_tasks: _abc.Iterable[_builtins.str] | None = ...,
+        kv_group_windows: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "draining", b"draining", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "instance_id", b"instance_id", "kv_bytes_per_block", b"kv_bytes_per_block", "kv_cache_dtype", b"kv_cache_dtype", "kv_disk_tier", b"kv_disk_tier", "layer_end", b"layer_end", "layer_start", b"layer_start", "lora_adapters", b"lora_adapters", "max_loras", b"max_loras", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "num_speculative_tokens", b"num_speculative_tokens", "pooling_tasks", b"pooling_tasks", "speculative_model", b"speculative_model", "stage_index", b"stage_index", "standby", b"standby", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "device", b"device", "draining", b"draining", "free_memory_bytes", b"free_memory_bytes", "handoff", b"handoff", "instance_id", b"instance_id", "kv_bytes_per_block", b"kv_bytes_per_block", "kv_cache_dtype", b"kv_cache_dtype", "kv_disk_tier", b"kv_disk_tier", "kv_group_windows", b"kv_group_windows", "layer_end", b"layer_end", "layer_start", b"layer_start", "lora_adapters", b"lora_adapters", "max_loras", b"max_loras", "model", b"model", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "num_speculative_tokens", b"num_speculative_tokens", "pooling_tasks", b"pooling_tasks", "speculative_model", b"speculative_model", "stage_index", b"stage_index", "standby", b"standby", "tensor_parallel_size", b"tensor_parallel_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

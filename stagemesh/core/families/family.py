@@ -146,9 +146,10 @@ class Family:
     fused_cpu_plan: bool = True
     # the norms of each decoder layer, in the checkpoint's names (Gemma's sandwich adds two around the MLP)
     layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
-    # sliding_window applies to the layers config.json's layer_types names sliding_attention, which attend within
-    # it (the stage runs the window): the context is not capped at it (Gemma 3, gpt-oss)
-    sliding_layers: bool = False
+    # each layer's kind as the family reads config.json's layer_types ("sliding_attention" or "full_attention"):
+    # sliding_window applies to the sliding ones, which attend within it (the stage runs the window), and the
+    # context is not capped at it (Gemma 3, gpt-oss); None: no layer kinds, sliding_window caps the context
+    layer_types: Callable[[dict[str, Any]], list[str]] | None = None
     # the quantization methods built for this family's layers alone (stage_worker.quant_methods: a method with
     # family_only is refused for a family that does not name it), e.g. gpt-oss's MXFP4 experts
     own_quant_methods: tuple[str, ...] = ()
@@ -177,6 +178,11 @@ class Family:
             why = f"{self.bias_key} (biases on q, k, v and o_proj)"
         if why:
             raise StagemeshError(f"{self.model_type}: {why} is not supported")
+
+    @property
+    def sliding_layers(self) -> bool:
+        """Whether sliding_window applies to some layers only, which the stage runs within it."""
+        return self.layer_types is not None
 
     def attention_bias(self, raw: dict[str, Any]) -> bool:
         return bool(raw.get(self.bias_key, self.bias_default) if self.bias_key else self.bias_default)

@@ -41,6 +41,6 @@ def _refuse(raw: dict[str, Any]) -> str | None:
 
 
 FAMILY = Family("gemma3_text", ("Gemma3ForCausalLM",), bias_key="attention_bias", o_proj_bias=True, qk_norm=True,
-                fused_cpu_plan=False, sliding_layers=True, stage_model="stage_worker.gemma3", refuse=_refuse,
+                fused_cpu_plan=False, layer_types=layer_types, stage_model="stage_worker.gemma3", refuse=_refuse,
                 layer_norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                              "post_feedforward_layernorm"))

@@ -54,6 +54,6 @@ def _layer_shapes(cfg, index: int) -> dict[str, tuple[int, ...]]:
 
 # experts: a mixture of experts to every service (its count, the planner's shapes); its layer is its own
 FAMILY = Family("gpt_oss", ("GptOssForCausalLM",), bias_key="attention_bias", bias_default=True,
-                experts=Experts(block="mlp"), fused_cpu_plan=False, sliding_layers=True,
+                experts=Experts(block="mlp"), fused_cpu_plan=False, layer_types=layer_types,
                 own_quant_methods=("mxfp4",), stage_model="stage_worker.gpt_oss", layer_shapes_of=_layer_shapes,
                 refuse=_refuse)
