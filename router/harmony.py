@@ -2,8 +2,9 @@
 model writes messages, each a header and a body,
     <|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...
 (the chat template opened the first with <|start|>assistant; <|return|> and <|call|> end the answer and are
-its end-of-sequence tokens). The final channel is the answer; the messages before it (analysis, a commentary
-preamble) are the reasoning, one line between them, as vLLM reads them. A message to a function
+its end-of-sequence tokens). The analysis channel is the reasoning; the final channel and commentary preambles
+(commentary to no recipient: what the model tells the user before its calls) are the content, one line between
+messages on each side, as vLLM's parse_chat_output reads them. A message to a function
     <|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>
 (the recipient may come before the channel too) is a tool call, kept out of both and read as it streams into
 `calls`: its name once the header is whole, then its arguments piece by piece (call_deltas, OpenAI's streamed
@@ -86,13 +87,13 @@ class HarmonySplit:
                 self.channel = channel.group(1) if channel else "final"
                 self.recipient = recipient.group(1) if recipient else None
                 self.state, self.body, self.fresh = "body", "", True
-                self.opened |= self.channel != "final" and self.recipient is None
+                self.opened |= not self._visible() and self.recipient is None
                 self._open(header)
                 continue
             end = min((at for at in (buf.find(e) for e in ENDS) if at >= 0), default=-1)
             keep = 0 if final or end >= 0 else _partial_control(buf)
             piece = buf[:end] if end >= 0 else buf[:len(buf) - keep]
-            r, c = self._route(piece, reasoning)
+            r, c = self._route(piece, reasoning, content)
             reasoning, content = reasoning + r, content + c
             if end < 0:
                 buf = buf[len(buf) - keep:]
@@ -108,20 +109,25 @@ class HarmonySplit:
         self.content += content
         return reasoning, content
 
-    def _route(self, piece: str, pending: str) -> tuple[str, str]:
-        """Where a piece of a body goes (`pending`: reasoning this feed gave already)."""
+    def _route(self, piece: str, reasoning: str, content: str) -> tuple[str, str]:
+        """Where a piece of a body goes (`reasoning`, `content`: what this feed gave already)."""
         if self.recipient is not None:  # a message to a tool: its arguments, kept apart
             self.body += piece
             if piece and self._calling():
                 self.calls[-1].arguments += piece
                 self.call_deltas.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
             return "", ""
-        if self.channel == "final":
-            return "", piece
-        if piece and self.fresh and (self.reasoning or pending):  # (one line between messages, as vLLM joins them)
+        visible = self._visible()
+        before = self.content + content if visible else self.reasoning + reasoning
+        if piece and self.fresh and before:  # (one line between messages, as vLLM joins them)
             piece = "\n" + piece
         self.fresh = self.fresh and not piece
-        return piece, ""
+        return ("", piece) if visible else (piece, "")
+
+    def _visible(self) -> bool:
+        """Whether the message being read is the user's to see: the final channel, or a preamble (commentary to no
+        recipient)."""
+        return self.channel in ("final", "commentary")
 
     def _open(self, header: str) -> None:
         """A message to a function begins: its call, and the stream's first delta of it (id and name)."""

@@ -236,7 +236,7 @@ HARMONY = ("<|channel|>analysis<|message|>User asks for the capital. It is Paris
            "<|channel|>commentary<|message|>Let me say it.<|end|><|start|>assistant<|channel|>final<|message|>"
            "The capital of France is Paris.")
 HARMONY_SPLITS = [  # (recorded text, reasoning, content)
-    (HARMONY, "User asks for the capital. It is Paris.\nLet me say it.", "The capital of France is Paris."),
+    (HARMONY, "User asks for the capital. It is Paris.", "Let me say it.\nThe capital of France is Paris."),
     ("<|channel|>analysis<|message|>Cut short while thi", "Cut short while thi", None),
     ("Plain text <b>with tags</b>", None, "Plain text <b>with tags</b>"),
     ("<|channel|>analysis<|message|>x<|end|><|start|>assistant to=functions.f<|channel|>commentary "
