@@ -160,6 +160,27 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out, lse
 
 
+def paged_attention_window(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                           window: int | None, sinks: torch.Tensor | None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor | None:
+    """kernels.masked_attention.paged_attention_masked without softcap, from the family kernel: each query row
+    sees the positions of its sliding window only (the blocks before it are not read), and a head's sink joins
+    its softmax as a logit with no value: the output times sigmoid(lse - sink) = Z / (Z + e^sink). None where no
+    family covers the head_dim (the caller runs the reference)."""
+    family = current_attention_family()
+    if not covers(family, q.shape[-1]):
+        return None
+    seqs, visible = reference.step_memo("query rows", (context_lens, query_start_loc),
+                                        lambda: query_rows(context_lens, query_start_loc))
+    first = (visible - window).clamp_(min=0) if window is not None else torch.zeros_like(visible)
+    out, lse = load().decode_attention_window(q, k_cache, v_cache, block_tables, seqs, visible, first, scale, family,
+                                              k_scale, v_scale)
+    if sinks is None:
+        return out
+    weight = torch.sigmoid(lse - sinks.float()[None, :])  # [rows, heads]: the keys' share beside the sink
+    return (out.float() * weight[..., None]).to(out.dtype)
+
+
 def paged_attention_rows_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                              row_seqs: torch.Tensor, row_visible: torch.Tensor, scale: float,
                              k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

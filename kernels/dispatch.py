@@ -56,9 +56,15 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale: float = 1.0,
                     v_scale: float = 1.0, *, mask: masked_attention.AttentionMask = masked_attention.PLAIN):
     """Causal attention over the paged cache (an fp8 cache read as stored * k_scale / v_scale). A layer whose
-    mask asks for a sliding window, attention-score softcap or attention sinks runs kernels.masked_attention's
-    torch reference on every device (the fused kernels do not have them yet)."""
+    mask asks for a sliding window or attention sinks runs the fused CPU kernel where it covers the head_dim
+    (kernels.cpu_ops.paged_attention_window); softcap, Triton and the rest run kernels.masked_attention's torch
+    reference."""
     if not mask.is_plain:
+        impl = None if _use_triton(q) or mask.softcap is not None else _cpu_impl(q)
+        out = impl.paged_attention_window(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                                          mask.window, mask.sinks, k_scale, v_scale) if impl is cpu_ops else None
+        if out is not None:
+            return out
         return masked_attention.paged_attention_masked(q, k_cache, v_cache, block_tables, context_lens,
                                                        query_start_loc, scale, mask, k_scale=k_scale, v_scale=v_scale)
     impl = _triton() if _use_triton(q) and _has("paged_attention") else _cpu_impl(q)

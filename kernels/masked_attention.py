@@ -6,8 +6,9 @@
   with no value (it takes a share of the weight and gives nothing back).
 
 Every row of a step (decode tokens and prefill chunks) runs one sequence at a time, in fp32, over only the keys
-its window can reach; kernels.dispatch sends a layer here whenever it asks for one of these (the fused CPU and
-Triton kernels have none of them yet)."""
+its window can reach. kernels.dispatch sends a layer here when it asks for softcap, on Triton's devices, and where
+no CPU attention family covers its head_dim; a window and sinks alone run the family kernel on CPU
+(kernels.cpu_ops.paged_attention_window), which this reference is the oracle of."""
 from __future__ import annotations
 
 import math

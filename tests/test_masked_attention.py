@@ -80,3 +80,52 @@ def test_linear_rope_scaling_divides_the_frequencies():
     plain = reference.build_cos_sin_cache(16, 64, 10000.0, None)
     linear = reference.build_cos_sin_cache(16, 64, 10000.0, {"rope_type": "linear", "factor": 4.0})
     torch.testing.assert_close(linear[8], plain[2])  # (position 8 at a quarter of the frequencies is position 2)
+
+
+FUSED = {"window-4": dict(window=4), "window-17-past-a-block": dict(window=17), "sinks": dict(sinks=True),
+         "window-6-and-sinks": dict(window=6, sinks=True)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", FUSED)
+@pytest.mark.parametrize("case", ["mixed-prefill-and-decode-d128", "prefill-gqa3-d64-chunks",
+                                  "decode-gqa3-d64-mixed-lengths", "decode-mha-d64"])
+def test_the_fused_cpu_kernel_runs_windows_and_sinks_as_the_reference(case, variant, dtype):
+    """Without softcap, kernels.paged_attention sends a window or sinks to the family kernel (each row's positions
+    from its window's first; a sink through the row's lse): the reference's output, in fp32 to its rounding, in
+    bf16 to bf16's."""
+    from kernels import cpu_ops
+
+    args = paged_case(*CASES[case], dtype=dtype)
+    if not cpu_ops.covers(cpu_ops.current_attention_family(), args[0].shape[-1]):
+        pytest.skip("no CPU attention family here covers this head_dim")
+    kw = dict(FUSED[variant])
+    if kw.get("sinks"):
+        kw["sinks"] = torch.linspace(-2.0, 3.0, args[0].shape[1])
+    scale = args[0].shape[-1] ** -0.5
+    mask = masked_attention.AttentionMask(**kw)
+    want = masked_attention.paged_attention_masked(*args, scale, mask)
+    fused = cpu_ops.paged_attention_window(*args, scale, mask.window, mask.sinks)
+    assert fused is not None
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(fused.float(), want.float(), **tol)
+    torch.testing.assert_close(kernels.paged_attention(*args, scale, mask=mask), fused)  # (dispatch sends it there)
+
+
+def test_the_fused_kernel_reads_nothing_before_a_window():
+    """The hybrid KV cache manager gives a local layer's blocks before its window to other requests: whatever they
+    hold then (NaN here) changes nothing."""
+    from kernels import cpu_ops
+
+    q, k_cache, v_cache, tables, ctx, qsl = paged_case([1, 1, 1], [40, 70, 33], 4, 2, 64)
+    if not cpu_ops.covers(cpu_ops.current_attention_family(), 64):
+        pytest.skip("no CPU attention family here covers this head_dim")
+    scale, window = 0.125, 20
+    want = cpu_ops.paged_attention_window(q, k_cache, v_cache, tables, ctx, qsl, scale, window, None)
+    dirty_k, dirty_v = k_cache.clone(), v_cache.clone()
+    for s, c in enumerate(ctx.tolist()):
+        for p in range(c - window):  # every position before the window
+            dirty_k[tables[s, p // 16], p % 16] = dirty_v[tables[s, p // 16], p % 16] = float("nan")
+    got = cpu_ops.paged_attention_window(q, dirty_k, dirty_v, tables, ctx, qsl, scale, window, None)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -343,7 +343,8 @@ static decode_attn::Kernel family_kernel(const std::string& family, int64_t dim)
 // k_scale (keys) and stored * v_scale (values); a cache of q's dtype ignores the scales.
 static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& visible,
-                              double scale, const std::string& family, float* lse, double k_scale, double v_scale) {
+                              double scale, const std::string& family, float* lse, double k_scale, double v_scale,
+                              const at::Tensor* first = nullptr) {
   TORCH_CHECK(family == "avx512" || family == "avx2" || family == "portable", "no decode attention for the family ",
               family, " (avx512, avx2, portable)");
   check_float_or_bf16(q, "q");
@@ -364,12 +365,18 @@ static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k_cache, co
               "one sequence and one length per query row, and a 2-d block table");
   const int64_t group = heads / kv_heads, width = tables.size(1), row_floats = kv_heads * dim;
   const int32_t *bt = tables.data_ptr<int32_t>(), *sq = seqs.data_ptr<int32_t>(), *ln = lens.data_ptr<int32_t>();
+  const at::Tensor starts = first != nullptr ? first->to(at::kInt).contiguous() : at::Tensor();
+  const int32_t* fs = first != nullptr ? starts.data_ptr<int32_t>() : nullptr;
+  TORCH_CHECK(fs == nullptr || starts.numel() == rows, "one first position per query row");
   int64_t max_len = 0;
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(sq[r] >= 0 && sq[r] < tables.size(0), "row ", r, " names sequence ", sq[r], " of ", tables.size(0));
     TORCH_CHECK(ln[r] > (lse == nullptr ? 0 : -1) && ln[r] <= width * block_size, "row ", r, " sees ", ln[r], " positions; its block table holds ",
                 width * block_size);
-    for (int64_t b = 0; b < (ln[r] + block_size - 1) / block_size; ++b) {
+    const int64_t from = fs != nullptr ? fs[r] : 0;  // (a sliding window's first position; blocks before it unread)
+    TORCH_CHECK(from >= 0 && from <= ln[r] && (from < ln[r] || lse != nullptr), "row ", r, " starts at position ",
+                from, " of its ", ln[r]);
+    for (int64_t b = from / block_size; b < (ln[r] + block_size - 1) / block_size; ++b) {
       const int32_t block = bt[static_cast<int64_t>(sq[r]) * width + b];
       TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " is outside the KV cache");
     }
@@ -380,12 +387,13 @@ static at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k_cache, co
   const decode_attn::Problem problem{qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), bt, sq, ln,
                                      rows, heads, kv_heads, dim, block_size, width, max_len, fscale,
                                      q.scalar_type() == at::kBFloat16, lse, cache, static_cast<float>(k_scale),
-                                     static_cast<float>(v_scale)};
+                                     static_cast<float>(v_scale), fs};
   if (const auto kernel = family_kernel(family, dim)) {
     kernel(problem);
     return out;
   }
-  TORCH_CHECK(lse == nullptr, "the portable decode attention returns no lse (a family kernel does)");
+  TORCH_CHECK(lse == nullptr && fs == nullptr,
+              "the portable decode attention returns no lse and sees no window (a family kernel does)");
   TORCH_CHECK(cache == decode_attn::CacheKind::kSame,
               "the portable decode attention reads no fp8 cache (a family kernel does; kernels.cpu_ops falls back to "
               "the torch reference)");
@@ -455,6 +463,19 @@ std::vector<at::Tensor> decode_attention_lse(const at::Tensor& q, const at::Tens
           lse};
 }
 
+// decode_attention_lse where row r sees positions [first[r], visible[r]) of its sequence: a sliding window, whose
+// blocks before it are not read (the hybrid KV cache manager may have given them to another request).
+std::vector<at::Tensor> decode_attention_window(const at::Tensor& q, const at::Tensor& k_cache,
+                                                const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                const at::Tensor& seq, const at::Tensor& visible,
+                                                const at::Tensor& first, double scale, const std::string& family,
+                                                double k_scale, double v_scale) {
+  at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  return {attend_rows(q, k_cache, v_cache, block_tables, seq, visible, scale, family, lse.data_ptr<float>(), k_scale,
+                      v_scale, &first),
+          lse};
+}
+
 // Whether decode_attention's `family` runs a family kernel (not the portable loop) for this head_dim here.
 bool decode_attention_covers(const std::string& family, int64_t dim) { return family_kernel(family, dim) != nullptr; }
 
@@ -508,6 +529,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "absorbed latent attention of query rows over the paged latent cache, with each row's lse (mla_decode.cpp)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("merge_attention_states", &merge_attention_states, "partial attentions merged by their lse (attention_merge.cpp)");
+  m.def("decode_attention_window", &decode_attention_window,
+        "decode_attention_lse where each row sees [first, visible) of its positions (a family's kernel)",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("seq"), pybind11::arg("visible"), pybind11::arg("first"), pybind11::arg("scale"),
+        pybind11::arg("family"), pybind11::arg("k_scale") = 1.0, pybind11::arg("v_scale") = 1.0);
   m.def("decode_attention_covers", &decode_attention_covers, "whether a family's kernel covers this head_dim here");
   m.def("attention_avx512_available", &decode_attn::avx512_available, "whether this CPU runs the avx512 decode attention");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");

@@ -32,6 +32,10 @@ struct Problem {
   float* lse = nullptr;  // [rows, heads]: each row's log-sum-exp, where asked (rows may then see no position)
   CacheKind cache = CacheKind::kSame;
   float k_scale = 1.f, v_scale = 1.f;  // an fp8 cache's per-tensor scales (1 for a cache of q's dtype)
+  // [rows]: the first position each row sees (a sliding window: it sees [first, visible)); null: every row from 0
+  const int32_t* first = nullptr;
+  int64_t row_first(int64_t r) const { return first != nullptr ? first[r] : 0; }
+  int64_t row_len(int64_t r) const { return visible[r] - row_first(r); }
 };
 
 // Whether the family runs here (the CPU has its instructions and this build could emit them) and

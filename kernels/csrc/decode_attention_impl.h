@@ -175,9 +175,9 @@ void attend(const Problem& p, int64_t item, int64_t first, int64_t last, std::ve
 // the path without the lse runs as it was (a second instantiation of attend in this file changes how the
 // compiler inlines the first, about 15% slower on fp32).
 template <int NC, typename T, typename C>
-void attend_lse(const Problem& p, int64_t item, int64_t len, std::vector<float>& buf) {
-  if (len == 0) return no_positions<T>(p, item);
-  attend<NC, T, C>(p, item, 0, len, buf);
+void attend_lse(const Problem& p, int64_t item, int64_t first, int64_t last, std::vector<float>& buf) {
+  if (last == first) return no_positions<T>(p, item);
+  attend<NC, T, C>(p, item, first, last, buf);
   const int64_t r = item / p.kv_heads, kvh = item % p.kv_heads, group = p.heads / p.kv_heads;
   const float *inv = buf.data() + 2 * group * p.dim, *top = inv + group;
   for (int64_t h = 0; h < group; ++h) p.lse[r * p.heads + kvh * group + h] = top[h] - std::log(inv[h]);
@@ -214,16 +214,16 @@ bool run_pieces(const Problem& p, int64_t items) {
   const int64_t threads = at::get_num_threads();
   if (!std::is_same<T, float>::value || threads < 2 || items >= 2 * threads) return false;
   int64_t longest = 0;
-  for (int64_t r = 0; r < p.rows; ++r) longest = std::max<int64_t>(longest, p.visible[r]);
+  for (int64_t r = 0; r < p.rows; ++r) longest = std::max<int64_t>(longest, p.row_len(r));
   if (longest < threads * kMinPiece) return false;
   struct Piece { int64_t item, first, last, slot; };
   std::vector<Piece> pieces;
   std::vector<int64_t> counts(items);
   for (int64_t i = 0; i < items; ++i) {
-    const int64_t len = p.visible[i / p.kv_heads];
+    const int64_t from = p.row_first(i / p.kv_heads), len = p.row_len(i / p.kv_heads);
     counts[i] = len >= threads * kMinPiece ? threads : 1;
     for (int64_t c = 0; c < counts[i]; ++c)
-      pieces.push_back({i, len * c / counts[i], len * (c + 1) / counts[i], counts[i] > 1 ? c : -1});
+      pieces.push_back({i, from + len * c / counts[i], from + len * (c + 1) / counts[i], counts[i] > 1 ? c : -1});
   }
   const int64_t width = (p.heads / p.kv_heads) * (p.dim + 2);
   std::vector<float> partials(items * threads * width);
@@ -232,7 +232,7 @@ bool run_pieces(const Problem& p, int64_t items) {
     for (int64_t k = lo; k < hi; ++k) {
       const Piece& c = pieces[k];
       float* slot = c.slot < 0 ? nullptr : partials.data() + (c.item * threads + c.slot) * width;
-      if (slot == nullptr && p.lse != nullptr) attend_lse<NC, T, C>(p, c.item, c.last, buf);
+      if (slot == nullptr && p.lse != nullptr) attend_lse<NC, T, C>(p, c.item, c.first, c.last, buf);
       else attend<NC, T, C>(p, c.item, c.first, c.last, buf, slot);
     }
   });
@@ -248,7 +248,7 @@ void run_items(const Problem& p) {
   if (run_pieces<NC, T, C>(p, items)) return;
   std::vector<int64_t> ends(items);  // positions read up to and including each item
   int64_t total = 0;
-  for (int64_t i = 0; i < items; ++i) ends[i] = total += p.visible[i / p.kv_heads];
+  for (int64_t i = 0; i < items; ++i) ends[i] = total += p.row_len(i / p.kv_heads);
   // below kGrain positions x dim the other threads cost more to wake than the work
   constexpr int64_t kGrain = 1 << 13;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>({at::get_num_threads(), items,
@@ -260,9 +260,11 @@ void run_items(const Problem& p) {
       const int64_t from = total * part / parts, to = total * (part + 1) / parts;
       const int64_t first = std::upper_bound(ends.begin(), ends.end(), from) - ends.begin();
       const int64_t last = part + 1 == parts ? items : std::upper_bound(ends.begin(), ends.end(), to) - ends.begin();
-      for (int64_t i = part == 0 ? 0 : first; i < last; ++i)
-        if (p.lse != nullptr) attend_lse<NC, T, C>(p, i, p.visible[i / p.kv_heads], buf);
-        else attend<NC, T, C>(p, i, 0, p.visible[i / p.kv_heads], buf);
+      for (int64_t i = part == 0 ? 0 : first; i < last; ++i) {
+        const int64_t r = i / p.kv_heads;
+        if (p.lse != nullptr) attend_lse<NC, T, C>(p, i, p.row_first(r), p.visible[r], buf);
+        else attend<NC, T, C>(p, i, p.row_first(r), p.visible[r], buf);
+      }
     }
   });
 }
