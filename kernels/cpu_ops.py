@@ -19,11 +19,15 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels import build_lock, isa, moe_reference, reference
 from kernels.kv_quant import is_fp8
+
+if TYPE_CHECKING:
+    from kernels.masked_attention import AttentionMask
 
 log = logging.getLogger("stagemesh.kernels")
 CSRC = Path(__file__).parent / "csrc"
@@ -161,12 +165,12 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def paged_attention_window(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                           window: int | None, sinks: torch.Tensor | None, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor | None:
-    """kernels.masked_attention.paged_attention_masked without softcap, from the family kernel: each query row
-    sees the positions of its sliding window only (the blocks before it are not read), and a head's sink joins
-    its softmax as a logit with no value: the output times sigmoid(lse - sink) = Z / (Z + e^sink). None where no
-    family covers the head_dim (the caller runs the reference)."""
+                           mask: AttentionMask, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor | None:
+    """kernels.masked_attention.paged_attention_masked for a mask without softcap, from the family kernel: each
+    query row sees the positions of its sliding window only (the blocks before it are not read), and a head's
+    sink joins its softmax as a logit with no value: the output times sigmoid(lse - sink) = Z / (Z + e^sink).
+    None where no family covers the head_dim (the caller runs the reference)."""
+    window, sinks = mask.window, mask.sinks
     family = current_attention_family()
     if not covers(family, q.shape[-1]):
         return None

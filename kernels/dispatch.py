@@ -62,7 +62,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     if not mask.is_plain:
         impl = None if _use_triton(q) or mask.softcap is not None else _cpu_impl(q)
         out = impl.paged_attention_window(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                                          mask.window, mask.sinks, k_scale, v_scale) if impl is cpu_ops else None
+                                          mask, k_scale, v_scale) if impl is cpu_ops else None
         if out is not None:
             return out
         return masked_attention.paged_attention_masked(q, k_cache, v_cache, block_tables, context_lens,

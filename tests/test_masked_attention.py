@@ -105,7 +105,7 @@ def test_the_fused_cpu_kernel_runs_windows_and_sinks_as_the_reference(case, vari
     scale = args[0].shape[-1] ** -0.5
     mask = masked_attention.AttentionMask(**kw)
     want = masked_attention.paged_attention_masked(*args, scale, mask)
-    fused = cpu_ops.paged_attention_window(*args, scale, mask.window, mask.sinks)
+    fused = cpu_ops.paged_attention_window(*args, scale, mask)
     assert fused is not None
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(fused.float(), want.float(), **tol)
@@ -121,11 +121,12 @@ def test_the_fused_kernel_reads_nothing_before_a_window():
     if not cpu_ops.covers(cpu_ops.current_attention_family(), 64):
         pytest.skip("no CPU attention family here covers this head_dim")
     scale, window = 0.125, 20
-    want = cpu_ops.paged_attention_window(q, k_cache, v_cache, tables, ctx, qsl, scale, window, None)
+    mask = masked_attention.AttentionMask(window=window)
+    want = cpu_ops.paged_attention_window(q, k_cache, v_cache, tables, ctx, qsl, scale, mask)
     dirty_k, dirty_v = k_cache.clone(), v_cache.clone()
     for s, c in enumerate(ctx.tolist()):
         for p in range(c - window):  # every position before the window
             dirty_k[tables[s, p // 16], p % 16] = dirty_v[tables[s, p // 16], p % 16] = float("nan")
-    got = cpu_ops.paged_attention_window(q, dirty_k, dirty_v, tables, ctx, qsl, scale, window, None)
+    got = cpu_ops.paged_attention_window(q, dirty_k, dirty_v, tables, ctx, qsl, scale, mask)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, atol=0, rtol=0)
