@@ -368,3 +368,24 @@ def test_json_and_commands_carry_the_dcp_flag(tmp_path):
     # no DCP: the key says 1 and no command has the flag
     plain = json.loads(stagemesh_plan("Llama-3.1-70B", "--gpus-per-node", "8", "--json").stdout)
     assert plain["decode_context_parallel_size"] == 1 and "decode-context" not in plain["commands"]["serve"]
+
+
+def test_a_gemma3_plan_counts_the_hybrid_kv_cache_managers_tokens(tmp_path):
+    """Gemma-3-27B's layout (62 layers, 10 global, a window of 1024): a block holds 10 layers, not 62, so the same
+    free memory holds about 6x the tokens of an all-global count, and the plan's line per token says why."""
+    from stagemesh.entry.plan.memory import Budget, evaluate, kv_bytes_per_token
+
+    kinds = [("full_attention" if (i + 1) % 6 == 0 else "sliding_attention") for i in range(62)]
+    raw = dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_size=5376,
+               intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
+               head_dim=128, vocab_size=262208, sliding_window=1024, layer_types=kinds, max_position_embeddings=131072,
+               query_pre_attn_scalar=168, torch_dtype="bfloat16")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = ModelConfig.from_path(tmp_path)
+    layout = evaluate(cfg, Budget(int(141e9), 0.9, "bf16", 131072), 1, 1)
+    all_global = layout.kv_bytes_per_gpu // kv_bytes_per_token(cfg, 62, 1, "bf16")
+    assert 5.5 * all_global < layout.kv_cache_tokens < 6.2 * all_global, (layout.kv_cache_tokens, all_global)
+    assert layout.max_concurrency > 5 * all_global / 131072
+    out = stagemesh_plan(str(tmp_path), "--gpus-per-node", "1", "--gpu-memory", "141GB", "--max-model-len", "131072")
+    assert out.returncode == 0, out.stderr
+    assert "past the sliding window of 1024 tokens a token stays in 10 of the 62 layers" in out.stdout

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from stagemesh.core.kv_cache_dtype import element_bytes
+from stagemesh.core.kv_groups import KVGroups, blocks_at_most, kv_groups, tokens_held
 from stagemesh.core.model_config import ModelConfig, layer_ranges
 
 # Bytes a layer's parameter takes as a stage holds it, in the kernels' layouts (kernels/quant_reference.py):
@@ -26,6 +27,8 @@ KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2, "int4": 2,  # KV st
 # the allocator's slack. vLLM measures it by profiling; a plan without the weights
 # has to assume it.
 ACTIVATION_RESERVE = 2 * 2**30
+# serve's defaults, which the hybrid KV cache manager's count of a sliding group's blocks reads
+BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS = 16, 2048
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,7 @@ class Layout:
     weight_bytes_per_gpu: int  # the heaviest GPU
     kv_bytes_per_gpu: int  # what is left for the KV cache on the tightest stage
     kv_cache_tokens: int  # per replica: the minimum over stages (a sequence's tokens, over its DCP ranks)
-    max_concurrency: float  # kv_cache_tokens / max_model_len
+    max_concurrency: float  # kv_cache_tokens / max_model_len (with KV cache groups: blocks / a request's blocks)
     dcp: int = 1  # decode context parallel size: each sequence's KV split over this many of a stage's TP ranks
 
     @property
@@ -185,20 +188,39 @@ def evaluate(cfg: ModelConfig, budget: Budget, tp: int, pp: int, split: list[int
     counts = param_counts(cfg)
     split = split or balanced_split(cfg, pp)
     dtype = budget.dtype
-    weights, kv_free, tokens = 0, None, None
+    groups = kv_groups(cfg)
+    weights, kv_free, tokens, blocks = 0, None, None, None
     for a, b in layer_ranges(split):
         tables = counts.embedding if a == 0 else 0
         if b == cfg.num_hidden_layers:
             tables += (counts.lm_head or counts.embedding) + counts.final_norm
         stage_weights = int(weight_bytes(cfg, dtype, b - a, tables) / tp)
         free = budget.usable - stage_weights
-        # each of a DCP group's ranks holds 1/dcp of a sequence's tokens: dcp times the tokens it has room for
-        stage_tokens = max(free, 0) * dcp // kv_bytes_per_token(cfg, b - a, tp, dtype, dcp, budget.kv_cache_dtype)
         weights = max(weights, stage_weights)
         kv_free = free if kv_free is None else min(kv_free, free)
+        if groups.hybrid:  # (a block: one layer of every group on this stage's slots)
+            per_block = BLOCK_SIZE * kv_bytes_per_token(cfg, groups.num_slots(a, b), tp, dtype, dcp,
+                                                        budget.kv_cache_dtype)
+            blocks = min(blocks if blocks is not None else 1 << 62, max(free, 0) * dcp // per_block)
+            continue
+        # each of a DCP group's ranks holds 1/dcp of a sequence's tokens: dcp times the tokens it has room for
+        stage_tokens = max(free, 0) * dcp // kv_bytes_per_token(cfg, b - a, tp, dtype, dcp, budget.kv_cache_dtype)
         tokens = stage_tokens if tokens is None else min(tokens, stage_tokens)
-    assert kv_free is not None and tokens is not None  # (a split has at least one stage)
-    return Layout(tp, pp, dp, split, weights, kv_free, tokens, tokens / budget.max_model_len, dcp)
+    assert kv_free is not None  # (a split has at least one stage)
+    if blocks is not None:
+        tokens, concurrency = _held_in_groups(groups, blocks, budget.max_model_len)
+    else:
+        assert tokens is not None
+        concurrency = tokens / budget.max_model_len
+    return Layout(tp, pp, dp, split, weights, kv_free, tokens, concurrency, dcp)
+
+
+def _held_in_groups(groups: KVGroups, blocks: int, max_model_len: int) -> tuple[int, float]:
+    """With the hybrid KV cache manager (stagemesh.core.kv_groups): the tokens one request can hold in `blocks`,
+    and how many requests of max_model_len fit at once (a sliding group holding only its window's blocks)."""
+    held = tokens_held(groups.windows, blocks, BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS)
+    per_request = blocks_at_most(groups.windows, max_model_len, BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS)
+    return held, max(blocks - 1, 0) / per_request
 
 
 def evaluate_dp_ep(cfg: ModelConfig, budget: Budget, dp: int) -> Layout:

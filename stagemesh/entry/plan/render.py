@@ -1,6 +1,7 @@
 """The plan as text (path, memory table, commands) or as a JSON object."""
 from __future__ import annotations
 
+from stagemesh.core.kv_groups import FULL, kv_groups
 from stagemesh.core.model_config import layer_ranges
 from stagemesh.entry.plan.memory import Layout, kv_bytes_per_token
 from stagemesh.entry.plan.tree import GB, Plan, PlanRequest
@@ -96,6 +97,12 @@ def _kv_per_token(req: PlanRequest, lay: Layout) -> str:
         d = mla_dims(cfg)
         what = (f"the MLA latent, kv_lora_rank {d.kv_lora_rank} + qk_rope_head_dim {d.qk_rope_head_dim} values a "
                 "layer, whole on every TP rank")
+    groups = kv_groups(cfg)
+    if groups.hybrid:
+        full = sum(1 for g in groups.layer_group if groups.windows[g] == FULL)
+        what += (f"; past the sliding window of {max(groups.windows)} tokens a token stays in {full} of the "
+                 f"{cfg.num_hidden_layers} layers, the full-attention ones: the hybrid KV cache manager frees the "
+                 "rest, docs/hybrid-kv-cache.md")
     return f"KV per token: {per_gpu:,} bytes per GPU over the model's {cfg.num_hidden_layers} layers ({what})"
 
 
