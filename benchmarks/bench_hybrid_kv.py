@@ -51,13 +51,10 @@ def write_model(path: Path, layers: int, hidden: int, window: int) -> Path:
 
 
 def isa() -> str:
-    flags = ""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        pass
+    from kernels.isa import cpu_flags
+
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
-    return f"{platform.machine()} {os.cpu_count()} cores, " + " ".join(f for f in wanted if f" {f}" in flags)
+    return f"{platform.machine()} {os.cpu_count()} cores, " + " ".join(f for f in wanted if f in cpu_flags())
 
 
 def engine_of(model: Path, args, disable: bool):

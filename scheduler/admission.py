@@ -27,7 +27,7 @@ def check_engine_request(cfg: SchedulerConfig, r: EngineRequest) -> None:
     if r.prefill_only and (r.kv_source is not None or r.generated_token_ids):
         raise StagemeshError("a prefill_only request computes its own prompt: no kv_transfer or generated "
                              "tokens with it")
-    if (r.prefill_only or r.kv_source is not None) and cfg.kv_group_windows != (FULL,):
+    if r.prefill_only and cfg.kv_group_windows != (FULL,):  # (a kv_transfer's KV does not fit: kv_source_fits)
         raise StagemeshError("disaggregated prefill does not carry the hybrid KV cache manager's groups (a block "
                              "table per group of sliding-window layers) yet: start this replica's stages with "
                              "--disable-hybrid-kv-cache-manager (serve does so with --prefill-replicas)")

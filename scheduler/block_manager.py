@@ -197,8 +197,8 @@ class BlockManager:
             new = cached_blocks[g * hit:(g + 1) * hit] + [self._take_free() for _ in range(max(need, 0))]
             group_table += new
             added += new
-        if cached_blocks and not self.hybrid:  # (blocks found in the prefix cache: each has its hash)
-            self.hashes[request_id] = [self.blocks[b].block_hash for b in cached_blocks]  # type: ignore[misc]
+        if cached_blocks and self.windows[0] == FULL:  # (the first group's hit blocks: each has its chain hash)
+            self.hashes[request_id] = [self.blocks[b].block_hash for b in cached_blocks[:hit]]  # type: ignore[misc]
         return added
 
     def _take_free(self) -> int:

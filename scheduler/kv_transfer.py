@@ -65,7 +65,8 @@ def not_fit_message(request_id: str, src: KVSourceInfo, num_tokens: int, block_s
     return failure_message(
         request_id, src.scheduler_address, "not_fit", f"the KV held there ({src.num_tokens} tokens in blocks of "
         f"{src.block_size}) does not fit this replica (the KV of {num_tokens} tokens, its prompt and generated "
-        f"tokens but the last, in blocks of {block_size}; no prompt logprobs, no draft model)")
+        f"tokens but the last, in blocks of {block_size}; no prompt logprobs, no draft model, no hybrid KV cache "
+        "manager)")
 
 
 @dataclass(frozen=True)

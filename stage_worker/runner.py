@@ -156,8 +156,9 @@ class StageRunner:
         # the tables of the groups after the first (each sequence's), which steps grow as they grow the first's
         self.group_tables: list[dict[int, list[int]]] = [{} for _ in self.kv_groups.windows[1:]]
         self.num_kv_heads = HeadShard.for_rank(self.config, self.tp).num_kv_heads
-        self.kv_bytes_per_block = kv_bytes_per_block(max(self.kv_slots, default=-1) + 1, self.num_kv_heads,
-                                                     self.config.head_dim, self.kv_block_size, self.kv_cache_dtype)
+        self.kv_bytes_per_block = kv_bytes_per_block(self.kv_groups.num_slots(s.layer_start, s.layer_end),
+                                                     self.num_kv_heads, self.config.head_dim, self.kv_block_size,
+                                                     self.kv_cache_dtype)
         self.kv_scales: KVScales = stage_scales(layers, found, s.kv_cache_dtype, s.calculate_kv_scales,
                                                 s.layer_start, self.tp)
         for layer, scale in zip(self.model.layers, self.kv_scales.layers):

@@ -48,15 +48,20 @@ VARIANTS = {
 @pytest.mark.parametrize("case", ["mixed-prefill-and-decode-d128", "prefill-gqa3-d64-chunks",
                                   "decode-gqa3-d64-mixed-lengths"])
 def test_the_reference_matches_attention_written_out(case, variant):
-    args = paged_case(*CASES[case])
-    kw = dict(VARIANTS[variant])
-    if kw.get("sinks"):
-        kw["sinks"] = torch.linspace(-2.0, 3.0, args[0].shape[1])
-    scale = args[0].shape[-1] ** -0.5
-    mask = masked_attention.AttentionMask(**kw)
+    args, kw, scale, mask = variant_case(case, VARIANTS[variant])
     got = masked_attention.paged_attention_masked(*args, scale, mask)
     torch.testing.assert_close(got.float(), written_out(*args, scale, **kw), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(kernels.paged_attention(*args, scale, mask=mask), got)  # (dispatch sends it here)
+    # (dispatch sends it here, or a window and sinks alone to the fused CPU kernel: the same to fp32's rounding)
+    torch.testing.assert_close(kernels.paged_attention(*args, scale, mask=mask), got)
+
+
+def variant_case(case: str, variant: dict, dtype=torch.float32):
+    """A paged case, the variant's mask arguments (sinks True: one logit per query head), its scale and mask."""
+    args = paged_case(*CASES[case], dtype=dtype)
+    kw = dict(variant)
+    if kw.get("sinks"):
+        kw["sinks"] = torch.linspace(-2.0, 3.0, args[0].shape[1])
+    return args, kw, args[0].shape[-1] ** -0.5, masked_attention.AttentionMask(**kw)
 
 
 @pytest.mark.parametrize("case", ["mixed-prefill-and-decode-d128", "prefill-mha-partial-block"])
@@ -96,14 +101,9 @@ def test_the_fused_cpu_kernel_runs_windows_and_sinks_as_the_reference(case, vari
     bf16 to bf16's."""
     from kernels import cpu_ops
 
-    args = paged_case(*CASES[case], dtype=dtype)
+    args, _, scale, mask = variant_case(case, FUSED[variant], dtype)
     if not cpu_ops.covers(cpu_ops.current_attention_family(), args[0].shape[-1]):
         pytest.skip("no CPU attention family here covers this head_dim")
-    kw = dict(FUSED[variant])
-    if kw.get("sinks"):
-        kw["sinks"] = torch.linspace(-2.0, 3.0, args[0].shape[1])
-    scale = args[0].shape[-1] ** -0.5
-    mask = masked_attention.AttentionMask(**kw)
     want = masked_attention.paged_attention_masked(*args, scale, mask)
     fused = cpu_ops.paged_attention_window(*args, scale, mask)
     assert fused is not None
