@@ -51,7 +51,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -326,9 +325,11 @@ class Stopped(KeyboardInterrupt):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port below the kernel's ephemeral range (stagemesh.core.ports): a port-0 bind's port may be taken as the
+    source port of the mesh's own connections before serve's router binds it."""
+    from stagemesh.core.ports import free_port
+
+    return free_port()
 
 
 def child_env() -> dict:
