@@ -1,6 +1,7 @@
 """Each quantised checkpoint format against bf16 on CPU, the default model written in each format as its
-quantizer writes it (tests/quant_checkpoints.py): batch-1 decode TPOT and the stage's resident memory (RSS
-after load and a warm-up), each arm in its own process, the arms alternating each round.
+quantizer writes it (tests/quant_checkpoints.py): batch-1 decode TPOT and the process's resident memory while it
+serves (VmRSS after load and a warm-up, the engine still up; beside it the peak, which loading sets), each arm in its
+own process, the arms alternating each round.
 
     .venv/bin/python benchmarks/bench_quant_formats.py [--rounds 2] [--tokens 32] [--threads 2] [--formats ...]
 """
@@ -43,8 +44,17 @@ def one(path: str, fmt: str, tokens: int, threads: int) -> dict:
         tpot_ms(engine, prompt, 8)  # warm-up
         tpot = statistics.median(tpot_ms(engine, prompt, tokens) for _ in range(3))
         weights = sum(r.model.num_parameter_bytes() for r in engine.runners) / 2**20
-    return {"tpot_ms": tpot, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        rss = resident_mib()  # while the engine holds its model
+    return {"tpot_ms": tpot, "rss_mib": rss, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "weights_mib": weights}
+
+
+def resident_mib() -> float:
+    """This process's resident memory now (VmRSS), in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def main() -> None:
@@ -87,14 +97,16 @@ def print_table(results: dict[str, list[dict]]) -> None:
     formats = list(results)
     bf16 = statistics.median(r["tpot_ms"] for r in results.get("bf16", [{"tpot_ms": float("nan")}]))
     bf16_rss = statistics.median(r["rss_mib"] for r in results.get("bf16", [{"rss_mib": float("nan")}]))
-    print("| format | batch-1 TPOT (ms) | decode tok/s | vs bf16 | weights held (MiB) | peak RSS (MiB) | vs bf16 |")
-    print("|---|---|---|---|---|---|---|")
+    print("| format | batch-1 TPOT (ms) | decode tok/s | vs bf16 | weights held (MiB) | RSS serving (MiB) | vs bf16 | "
+          "peak RSS, load included (MiB) |")
+    print("|---|---|---|---|---|---|---|---|")
     for f in formats:
         tpot = statistics.median(r["tpot_ms"] for r in results[f])
         rss = statistics.median(r["rss_mib"] for r in results[f])
         held = statistics.median(r["weights_mib"] for r in results[f])
+        peak = statistics.median(r["peak_mib"] for r in results[f])
         print(f"| {f} | {tpot:.1f} | {1e3 / tpot:.1f} | {bf16 / tpot:.2f}x | {held:.0f} | {rss:.0f} | "
-              f"{rss / bf16_rss:.2f}x |")
+              f"{rss / bf16_rss:.2f}x | {peak:.0f} |")
 
 
 if __name__ == "__main__":
