@@ -2,7 +2,8 @@
 in-process engine (stagemesh.entry.local_engine: the same driver and stage code in one process, no gRPC, no HTTP),
 same weights, same workload, same run.
 
-Arms: bf16 (`--dtype bfloat16`), fp32, gguf-q4_1 (the embedded GGUF's quantised weights, `-q gguf`). Each arm's
+Arms: bf16 (`--dtype bfloat16`), fp32, gguf-q4_1 (the embedded GGUF's quantised weights, `-q gguf`: fp32
+activations, as the embedded model's config has it), gguf-q4_1-bf16 (the same with `--dtype bfloat16`). Each arm's
 serve stays up for the whole run (idle while the in-process engine runs); each round runs, per arm, the served
 workload and the in-process one in a fresh subprocess, the order of the two swapped every round, so that load
 from elsewhere on a shared machine hits both. Workloads: the standard one (32 requests at once, prompts 16-256,
@@ -29,7 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
 
-ARMS = {"bf16": ["--dtype", "bfloat16"], "fp32": ["--dtype", "float32"], "gguf-q4_1": ["-q", "gguf"]}
+ARMS = {"bf16": ["--dtype", "bfloat16"], "fp32": ["--dtype", "float32"], "gguf-q4_1": ["-q", "gguf"],
+        "gguf-q4_1-bf16": ["-q", "gguf", "--dtype", "bfloat16"]}
 WORKLOADS = {"standard": dict(num=32, input_len=(16, 256), output_len=(16, 128), concurrency=None),
              "batch1": dict(num=8, input_len=(32, 32), output_len=(64, 64), concurrency=1)}
 
@@ -49,8 +51,9 @@ def engine_kwargs(arm: str) -> dict:
     from stagemesh.core.default_model import gguf_path
 
     kw = dict(enable_prefix_caching=False)  # as the served arm: the seeded prompts repeat between rounds
-    if arm == "gguf-q4_1":
-        return {**kw, "quantization": "gguf", "gguf_file": str(gguf_path())}
+    if arm.startswith("gguf-q4_1"):
+        kw.update(quantization="gguf", gguf_file=str(gguf_path()))
+        return {**kw, "dtype": "bfloat16"} if arm.endswith("-bf16") else kw
     return {**kw, "dtype": {"bf16": "bfloat16", "fp32": "float32"}[arm]}
 
 

@@ -131,6 +131,24 @@ def test_pair_tiles_past_a_chunk_of_rows(family, bits):
     check(torch.randn(300, 192), qs, scales, mins, torch.randn(100), False, family=family)
 
 
+@pytest.mark.parametrize("family", families("avx512_bf16"))
+@pytest.mark.parametrize("bits", [4, 8, "fp8"])
+@pytest.mark.parametrize("m,k,group", [(12, 96, 32), (33, 192, 64), (300, 160, 160)])
+def test_bf16_rows_take_two_columns_a_product_and_stay_exact(family, bits, m, k, group):
+    """x in bf16 (a model served in bf16): nothing to split, so a vdpbf16ps takes two columns of K (x of k and
+    k + 1 against their quants) instead of one (hi, lo) pair; the product is still the fp32 one rounded once to
+    bf16, within a bf16 step of it (a sum on a rounding boundary may land either side), and equal to the
+    split path's fp32 product rounded in nearly every element."""
+    qs, scales, mins = weight(50, k, bits, group, seed=m + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    got = cpu_ops.quant_linear(x, qs, scales, mins, None, False, family)
+    want = x.float() @ ref.dequantize(qs, scales, mins).T
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-6 * want.abs().max()).all()
+    split = cpu_ops.quant_linear(x.float(), qs, scales, mins, None, False, family)  # the (hi, lo) pairs, lo = 0
+    assert (split.bfloat16() == got).float().mean() >= 0.999
+
+
 def test_exact_path_gives_the_dequantised_product():
     """The exact path is the fp32 product with the dequantised weights (what the fp32 model computes)."""
     qs, scales, mins = weight(40, 256, 4, 32)

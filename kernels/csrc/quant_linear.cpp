@@ -10,7 +10,9 @@
 //   number gguf's dequantiser gives) into a buffer and runs 4x3 register tiles of fp32 dot products over
 //   every row of x. Where the CPU has avx512_bf16 (the family of that name), from 12 rows the pair tiles
 //   run instead (run_pairs): the quants, exact in bf16, against x split into two bf16 on vdpbf16ps,
-//   1.6-1.8x the avx2 tiles on a Zen 4, whose fp32 FMAs those tiles already keep near their peak.
+//   1.6-1.8x the avx2 tiles on a Zen 4, whose fp32 FMAs those tiles already keep near their peak. x given in
+//   bf16 (a model served in bf16) has nothing to split: a pair then holds two columns of K (1.5x the split
+//   pairs on a Zen 4's gate_up, 32-256 rows).
 // int8 activations (W8A8; llama.cpp's q8 blocks): x quantised per row and block of 32 (whatever the
 // weights' group: a per-token scale let one outlier channel of a row blur all the others), 32 products at a
 // time on integers with vpmaddubsw + vpmaddwd (avx2) or vpdpbusd (the avx512_vnni family, chosen by the
@@ -457,6 +459,69 @@ void pack_pairs(const float* x, int64_t M, int64_t K, int64_t G, int64_t Mb, uin
   });
 }
 
+// x [M, K] whose every value is a bf16 (a model served in bf16) -> xp [Mb][K / 2][16] pairs (x of k, x of k + 1),
+// nothing to split: one vdpbf16ps takes two columns of K, where the pairs (hi, lo) took one; xs as pack_pairs'.
+void pack_singles(const float* x, int64_t M, int64_t K, int64_t G, int64_t Mb, uint32_t* xp, float* xs) {
+  const int64_t groups = K / G;
+  at::parallel_for(0, Mb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t rows = std::min<int64_t>(16, M - b * 16);
+      const __mmask16 live = rows >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(rows, 0)) - 1);
+      const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(static_cast<int>(K)));
+      const float* xb = x + b * 16 * K;
+      for (int64_t g = 0; g < groups; ++g) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t k = g * G; k < (g + 1) * G; k += 2) {  // (G is a multiple of 32: even)
+          const __m512 v0 = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, xb + k, 4);
+          const __m512 v1 = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, xb + k + 1, 4);
+          sum = _mm512_add_ps(_mm512_add_ps(sum, v0), v1);
+          const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(v0), 16);  // exact: the values are bf16
+          const __m512i hi = _mm512_andnot_si512(_mm512_set1_epi32(0xFFFF), _mm512_castps_si512(v1));
+          _mm512_storeu_si512(xp + (b * K / 2 + k / 2) * 16, _mm512_or_si512(lo, hi));
+        }
+        _mm512_storeu_ps(xs + (b * groups + g) * 16, sum);
+      }
+    }
+  });
+}
+
+// 32 quants (0-15 in lo's lanes, 16-31 in hi's, as bf16 bits in each lane's low half) -> 16 pairs (q of k, q of
+// k + 1): the 32 halves in order.
+inline __m512i consecutive_pairs(__m512i lo, __m512i hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)), _mm512_cvtepi32_epi16(hi), 1);
+}
+
+// W's rows [n0, n0 + rows) as pairs (q of k, q of k + 1) of bf16 [rows][K / 2] (pack_singles' partner), and their
+// scales and mins [rows][groups].
+template <int BITS>
+void dequantize_singles(const Weight& W, int64_t n0, int64_t rows, uint32_t* buf, float* d, float* m, RowValues& rv) {
+  const auto bits_of = [](__m512 v) { return _mm512_srli_epi32(_mm512_castps_si512(v), 16); };  // exact in bf16
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint8_t* q = W.qs + (n0 + i) * W.row_bytes;
+    uint32_t* o = buf + i * W.K / 2;
+    for (int64_t k = 0; k < W.K; k += kChunk, q += bytes_of(BITS, kChunk), o += kChunk / 2) {
+      __m512i lo, hi;
+      if constexpr (BITS == kFp8) {
+        lo = bits_of(fp8x16(q));
+        hi = bits_of(fp8x16(q + 16));
+      } else if constexpr (BITS == 4) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+        lo = bits_of(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))));
+        hi = bits_of(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)));
+      } else {
+        lo = bits_of(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
+        hi = bits_of(_mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))));
+      }
+      _mm512_storeu_si512(o, consecutive_pairs(lo, hi));
+    }
+    rv.load(W, n0 + i);
+    std::copy(rv.d, rv.d + W.groups, d + i * W.groups);
+    if (W.has_mins) std::copy(rv.m, rv.m + W.groups, m + i * W.groups);
+  }
+}
+
 // W's rows [n0, n0 + rows) as pairs (q, q) of bf16 [rows][K], and their scales and mins [rows][groups].
 template <int BITS>
 void dequantize_pairs(const Weight& W, int64_t n0, int64_t rows, uint32_t* buf, float* d, float* m, RowValues& rv) {
@@ -532,12 +597,15 @@ constexpr PairFn kPairRow[kPairNR + 1] = {nullptr, pair_tile<MB, 1, MINS>, pair_
                                           pair_tile<MB, 3, MINS>, pair_tile<MB, 4, MINS>, pair_tile<MB, 5, MINS>,
                                           pair_tile<MB, 6, MINS>};
 
+// singles: x's values are bf16 (pack_singles, dequantize_singles: a pair holds two columns of K, so the tiles run
+// over K / 2 pairs in groups of G / 2); else x is split (pack_pairs, dequantize_pairs).
 template <int BITS>
-void run_pairs(const Weight& W, const float* x, int64_t M, float* out) {
-  const int64_t K = W.K, N = W.N, groups = W.groups, Mb = (M + 15) / 16;
+void run_pairs(const Weight& W, const float* x, int64_t M, float* out, bool singles) {
+  const int64_t N = W.N, groups = W.groups, Mb = (M + 15) / 16;
+  const int64_t K = singles ? W.K / 2 : W.K, G = singles ? W.G / 2 : W.G;  // in pairs
   std::vector<uint32_t> xp(Mb * K * 16);
   std::vector<float> xs(Mb * groups * 16);
-  pack_pairs(x, M, K, W.G, Mb, xp.data(), xs.data());
+  singles ? pack_singles(x, M, W.K, W.G, Mb, xp.data(), xs.data()) : pack_pairs(x, M, K, G, Mb, xp.data(), xs.data());
   // tiles of W: kPairTileN rows, fewer where N would leave a thread without two of them
   const int64_t threads = at::get_num_threads();
   const int64_t tile_n = std::clamp<int64_t>(((N + 2 * threads - 1) / (2 * threads) + kPairNR - 1) / kPairNR * kPairNR,
@@ -555,14 +623,18 @@ void run_pairs(const Weight& W, const float* x, int64_t M, float* out) {
     float acc[kPairNR * kPairMB * 16];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t c = t / tiles, n0 = (t % tiles) * tile_n, rows = std::min(tile_n, N - n0);
-      dequantize_pairs<BITS>(W, n0, rows, buf.data(), d.data(), m.data(), rv);
+      if (singles) {
+        dequantize_singles<BITS>(W, n0, rows, buf.data(), d.data(), m.data(), rv);
+      } else {
+        dequantize_pairs<BITS>(W, n0, rows, buf.data(), d.data(), m.data(), rv);
+      }
       const int64_t b_end = std::min(Mb, (c + 1) * kPairChunkM / 16);
       for (int64_t b = c * kPairChunkM / 16; b < b_end; b += kPairMB) {
         const int mb = static_cast<int>(std::min<int64_t>(kPairMB, b_end - b));
         const int64_t m0 = b * 16, live = std::min<int64_t>(16 * mb, M - m0);
         for (int64_t j0 = 0; j0 < rows; j0 += kPairNR) {
           const int nr = static_cast<int>(std::min<int64_t>(kPairNR, rows - j0));
-          (mb == 2 ? two : one)[nr](xp.data() + b * K * 16, xs.data() + b * groups * 16, K, W.G, buf.data() + j0 * K,
+          (mb == 2 ? two : one)[nr](xp.data() + b * K * 16, xs.data() + b * groups * 16, K, G, buf.data() + j0 * K,
                                     d.data() + j0 * groups, m.data() + j0 * groups, acc);
           for (int j = 0; j < nr; ++j)
             for (int64_t i = 0; i < live; ++i) rows_buf[i * tile_n + j0 + j] = acc[j * mb * 16 + i];
@@ -794,7 +866,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
               : run_fused<kFp8>(W, xp, M, op, avx512);
 #ifdef STAGEMESH_QUANT_BF16
   } else if (bf16 && M >= kPairRows) {
-    bits == 4 ? run_pairs<4>(W, xp, M, op) : bits == 8 ? run_pairs<8>(W, xp, M, op) : run_pairs<kFp8>(W, xp, M, op);
+    const bool singles = x.scalar_type() == at::kBFloat16;  // its values are bf16: no hi and lo to split
+    bits == 4   ? run_pairs<4>(W, xp, M, op, singles)
+    : bits == 8 ? run_pairs<8>(W, xp, M, op, singles)
+                : run_pairs<kFp8>(W, xp, M, op, singles);
 #endif
   } else {
     bits == 4 ? run_tiled<4>(W, xp, M, op) : bits == 8 ? run_tiled<8>(W, xp, M, op) : run_tiled<kFp8>(W, xp, M, op);
