@@ -3,12 +3,13 @@ the alternatives on the same weights: Q4_1-like weights (fp16 scales and mins, g
 best of calls for about 0.4 s each, the arms alternating per shape.
 
 Arms: avx2 (the avx2 tiles: the quantised family avx512_vnni, whose many-row products are avx2's), pairs (the
-avx512_bf16 family: quants exact in bf16 against x split into two bf16 on vdpbf16ps), mm (torch.mm of the
+avx512_bf16 family: quants exact in bf16 against x split into two bf16 on vdpbf16ps), singles (the same family
+given x in bf16, as a model served in bf16 gives it: two columns of K a vdpbf16ps), mm (torch.mm of the
 weights dequantised to fp32 once, outside the timing: oneDNN / MKL sgemm), bf16 (linear_bf16 avx512_bf16 of the
 dequantised weights packed once: x rounded to bf16, not the fp32 model's numbers).
 
     .venv/bin/python benchmarks/bench_quant_many_rows.py [--rows 32,256,2048] [--arms avx2,pairs,mm,bf16] \
-        [--threads 1]
+        [--threads 1]   (arms: avx2, pairs, singles, mm, bf16)
 """
 from __future__ import annotations
 
@@ -57,8 +58,10 @@ def main() -> None:
         packed = cpu_ops.pack_bf16_weight(w, "avx512_bf16") if "bf16" in arms else None
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, generator=g)
+            xb = x.bfloat16()
             calls = {"avx2": lambda: cpu_ops.quant_linear(x, qs, scales, mins, None, False, "avx512_vnni"),
                      "pairs": lambda: cpu_ops.quant_linear(x, qs, scales, mins, None, False, "avx512_bf16"),
+                     "singles": lambda: cpu_ops.quant_linear(xb, qs, scales, mins, None, False, "avx512_bf16"),
                      "mm": lambda: torch.mm(x, w.T), "bf16": lambda: cpu_ops.linear_bf16(x, packed, n)}
             flops = 2 * m * n * k / 1e9
             print(f"{name:8s} N={n:5d} K={k:5d} M={m:5d}  "
