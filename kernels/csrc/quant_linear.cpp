@@ -433,9 +433,11 @@ inline __m512i bf16_bits(__m512 v) {  // v's 16 lanes rounded to bf16 (to neares
   return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
 }
 
-// x [M, K] -> xp [Mb][K][16] (hi in the low half of each pair, lo in the high one) and xs [Mb][groups][16],
-// the fp32 group sums (summed in k order, the bits of group_sums); rows past M are zeros.
-void pack_pairs(const float* x, int64_t M, int64_t K, int64_t G, int64_t Mb, uint32_t* xp, float* xs) {
+// x [M, K] in blocks of 16 rows, STEP columns of K at a time: store(b, k, v) takes block b's columns k .. k + STEP - 1
+// (v[i], a lane a row; rows past M zeros), and xs [Mb][groups][16] gets each group's fp32 sums (summed in k order,
+// the bits of group_sums).
+template <int STEP, typename Store>
+void pack_blocks(const float* x, int64_t M, int64_t K, int64_t G, int64_t Mb, float* xs, Store store) {
   const int64_t groups = K / G;
   at::parallel_for(0, Mb, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -446,12 +448,13 @@ void pack_pairs(const float* x, int64_t M, int64_t K, int64_t G, int64_t Mb, uin
       const float* xb = x + b * 16 * K;
       for (int64_t g = 0; g < groups; ++g) {
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t k = g * G; k < (g + 1) * G; ++k) {
-          const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, xb + k, 4);
-          sum = _mm512_add_ps(sum, v);
-          const __m512i hi = bf16_bits(v);
-          const __m512 rest = _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
-          _mm512_storeu_si512(xp + (b * K + k) * 16, _mm512_or_si512(hi, _mm512_slli_epi32(bf16_bits(rest), 16)));
+        for (int64_t k = g * G; k < (g + 1) * G; k += STEP) {  // (G is a multiple of 32)
+          __m512 v[STEP];
+          for (int i = 0; i < STEP; ++i) {
+            v[i] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, xb + k + i, 4);
+            sum = _mm512_add_ps(sum, v[i]);
+          }
+          store(b, k, v);
         }
         _mm512_storeu_ps(xs + (b * groups + g) * 16, sum);
       }
@@ -459,30 +462,22 @@ void pack_pairs(const float* x, int64_t M, int64_t K, int64_t G, int64_t Mb, uin
   });
 }
 
+// x [M, K] -> xp [Mb][K][16] (hi in the low half of each pair, lo in the high one) and xs (pack_blocks).
+void pack_pairs(const float* x, int64_t M, int64_t K, int64_t G, int64_t Mb, uint32_t* xp, float* xs) {
+  pack_blocks<1>(x, M, K, G, Mb, xs, [&](int64_t b, int64_t k, const __m512* v) {
+    const __m512i hi = bf16_bits(v[0]);
+    const __m512 rest = _mm512_sub_ps(v[0], _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
+    _mm512_storeu_si512(xp + (b * K + k) * 16, _mm512_or_si512(hi, _mm512_slli_epi32(bf16_bits(rest), 16)));
+  });
+}
+
 // x [M, K] whose every value is a bf16 (a model served in bf16) -> xp [Mb][K / 2][16] pairs (x of k, x of k + 1),
 // nothing to split: one vdpbf16ps takes two columns of K, where the pairs (hi, lo) took one; xs as pack_pairs'.
 void pack_singles(const float* x, int64_t M, int64_t K, int64_t G, int64_t Mb, uint32_t* xp, float* xs) {
-  const int64_t groups = K / G;
-  at::parallel_for(0, Mb, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t rows = std::min<int64_t>(16, M - b * 16);
-      const __mmask16 live = rows >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(rows, 0)) - 1);
-      const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                             _mm512_set1_epi32(static_cast<int>(K)));
-      const float* xb = x + b * 16 * K;
-      for (int64_t g = 0; g < groups; ++g) {
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t k = g * G; k < (g + 1) * G; k += 2) {  // (G is a multiple of 32: even)
-          const __m512 v0 = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, xb + k, 4);
-          const __m512 v1 = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, xb + k + 1, 4);
-          sum = _mm512_add_ps(_mm512_add_ps(sum, v0), v1);
-          const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(v0), 16);  // exact: the values are bf16
-          const __m512i hi = _mm512_andnot_si512(_mm512_set1_epi32(0xFFFF), _mm512_castps_si512(v1));
-          _mm512_storeu_si512(xp + (b * K / 2 + k / 2) * 16, _mm512_or_si512(lo, hi));
-        }
-        _mm512_storeu_ps(xs + (b * groups + g) * 16, sum);
-      }
-    }
+  pack_blocks<2>(x, M, K, G, Mb, xs, [&](int64_t b, int64_t k, const __m512* v) {
+    const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(v[0]), 16);  // exact: the values are bf16
+    const __m512i hi = _mm512_andnot_si512(_mm512_set1_epi32(0xFFFF), _mm512_castps_si512(v[1]));
+    _mm512_storeu_si512(xp + (b * K / 2 + k / 2) * 16, _mm512_or_si512(lo, hi));
   });
 }
 
