@@ -4,7 +4,8 @@ best of calls for about 0.4 s each, the arms alternating per shape.
 
 Arms: avx2 (the avx2 tiles: the quantised family avx512_vnni, whose many-row products are avx2's), pairs (the
 avx512_bf16 family: quants exact in bf16 against x split into two bf16 on vdpbf16ps), singles (the same family
-given x in bf16, as a model served in bf16 gives it: two columns of K a vdpbf16ps), mm (torch.mm of the
+given x in bf16, as a model served in bf16 gives it: the weights dequantised to bf16 a tile at a time, two columns
+of K a vdpbf16ps, the product written in bf16), mm (torch.mm of the
 weights dequantised to fp32 once, outside the timing: oneDNN / MKL sgemm), bf16 (linear_bf16 avx512_bf16 of the
 dequantised weights packed once: x rounded to bf16, not the fp32 model's numbers).
 

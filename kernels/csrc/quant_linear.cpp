@@ -11,8 +11,8 @@
 //   every row of x. Where the CPU has avx512_bf16 (the family of that name), from 12 rows the pair tiles
 //   run instead (run_pairs): the quants, exact in bf16, against x split into two bf16 on vdpbf16ps,
 //   1.6-1.8x the avx2 tiles on a Zen 4, whose fp32 FMAs those tiles already keep near their peak. x given in
-//   bf16 (a model served in bf16) has nothing to split: a pair then holds two columns of K (1.5x the split
-//   pairs on a Zen 4's gate_up, 32-256 rows).
+//   bf16 (a model served in bf16), from 7 rows: the bf16 model's product, W dequantised to bf16 a tile at a
+//   time and two columns of K a vdpbf16ps (about 2x the split pairs on a Zen 4, 32 rows).
 // int8 activations (W8A8; llama.cpp's q8 blocks): x quantised per row and block of 32 (whatever the
 // weights' group: a per-token scale let one outlier channel of a row blur all the others), 32 products at a
 // time on integers with vpmaddubsw + vpmaddwd (avx2) or vpdpbusd (the avx512_vnni family, chosen by the
@@ -22,8 +22,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -415,11 +417,16 @@ void fused_tile_avx512(const Weight& W, const float* x, int64_t ldx, const float
 // Lanes are 16 rows of x: x is re-laid once per call as [M/16][K][16] pairs (hi, lo) and the weights'
 // pair (q, q) is a broadcast 32-bit load from a tile of W dequantised to [rows][K] once per chunk of x's
 // rows. A register tile is 2 blocks of 16 rows by 6 rows of W (12 group sums, 12 totals).
+// x given in bf16 (a model served in bf16) is the bf16 model's product instead: W's tile is dequantised to the
+// bf16 weights that model holds (scale and min in them: no groups), a pair holds x of k and k + 1 against w of k
+// and k + 1, and a register tile is 2 blocks of 16 rows by 12 rows of W (24 totals); x is read and the product
+// written in bf16 as they are.
 #ifdef STAGEMESH_QUANT_BF16
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 constexpr int kPairMB = 2;           // blocks of 16 rows of x per register tile
-constexpr int kPairNR = 6;           // rows of W per register tile
+constexpr int kSplitNR = 6;          // rows of W per register tile of x split (its group sums take 12 more registers)
+constexpr int kPairNR = 12;          // and of x in bf16 (no groups: 24 accumulators)
 constexpr int64_t kPairTileN = 48;   // rows of W a task dequantises (a multiple of kPairNR)
 constexpr int64_t kPairChunkM = 256; // rows of x a task takes (a multiple of 16 kPairMB): its x stays in cache
 // From this many rows of x the pair tiles run (fewer: the avx2 tiles; up to kFusedRows, the fused path).
@@ -428,33 +435,43 @@ constexpr int64_t kPairChunkM = 256; // rows of x a task takes (a multiple of 16
 // 93-99 -> 117-122, 24 rows 99-105 -> 129-136, 32 rows 101-107 -> 168-178, 256 rows 110-114 -> 186-196,
 // 2048 rows 92-109 -> 163-180.
 constexpr int64_t kPairRows = 12;
+// x in bf16 takes the bf16 tiles from this many rows, the fused path's last rows among them. Measured on the
+// Zen 4 (2 threads, the same shapes, GFLOPS; the tiles padded to 16 rows): fused -> bf16 tiles at 6 rows 71-94
+// -> 76-103 (even), 7 rows 81-98 -> 88-120, 8 rows 85-102 -> 101-137; avx2 tiles -> bf16 tiles at 9 rows
+// 83-106 -> 113-155, 10 rows 97-108 -> 149-170.
+constexpr int64_t kBf16Rows = 7;
 
 inline __m512i bf16_bits(__m512 v) {  // v's 16 lanes rounded to bf16 (to nearest even), in the low 16 bits
   return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
 }
 
-// x [M, K] in blocks of 16 rows, STEP columns of K at a time: store(b, k, v) takes block b's columns k .. k + STEP - 1
-// (v[i], a lane a row; rows past M zeros), and xs [Mb][groups][16] gets each group's fp32 sums (summed in k order,
-// the bits of group_sums).
-template <int STEP, typename Store>
-void pack_blocks(const float* x, int64_t M, int64_t K, int64_t G, int64_t Mb, float* xs, Store store) {
+// An index a lane a row of a block of 16 (row i at i * stride) and the mask of the rows below M.
+inline __m512i row_index(int64_t stride) {
+  return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                            _mm512_set1_epi32(static_cast<int>(stride)));
+}
+inline __mmask16 live_rows(int64_t M, int64_t b) {
+  const int64_t rows = std::min<int64_t>(16, M - b * 16);
+  return rows >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(rows, 0)) - 1);
+}
+
+// x [M, K] fp32 -> xp [Mb][K][16] (hi in the low half of each pair, lo in the high one; rows past M zeros) and
+// xs [Mb][groups][16], each group's fp32 sums (summed in k order, the bits of group_sums).
+void pack_pairs(const float* x, int64_t M, int64_t K, int64_t G, int64_t Mb, uint32_t* xp, float* xs) {
   const int64_t groups = K / G;
   at::parallel_for(0, Mb, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t rows = std::min<int64_t>(16, M - b * 16);
-      const __mmask16 live = rows >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(rows, 0)) - 1);
-      const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                             _mm512_set1_epi32(static_cast<int>(K)));
+      const __mmask16 live = live_rows(M, b);
+      const __m512i idx = row_index(K);
       const float* xb = x + b * 16 * K;
       for (int64_t g = 0; g < groups; ++g) {
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t k = g * G; k < (g + 1) * G; k += STEP) {  // (G is a multiple of 32)
-          __m512 v[STEP];
-          for (int i = 0; i < STEP; ++i) {
-            v[i] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, xb + k + i, 4);
-            sum = _mm512_add_ps(sum, v[i]);
-          }
-          store(b, k, v);
+        for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+          const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, xb + k, 4);
+          sum = _mm512_add_ps(sum, v);
+          const __m512i hi = bf16_bits(v);
+          const __m512 rest = _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
+          _mm512_storeu_si512(xp + (b * K + k) * 16, _mm512_or_si512(hi, _mm512_slli_epi32(bf16_bits(rest), 16)));
         }
         _mm512_storeu_ps(xs + (b * groups + g) * 16, sum);
       }
@@ -462,58 +479,53 @@ void pack_blocks(const float* x, int64_t M, int64_t K, int64_t G, int64_t Mb, fl
   });
 }
 
-// x [M, K] -> xp [Mb][K][16] (hi in the low half of each pair, lo in the high one) and xs (pack_blocks).
-void pack_pairs(const float* x, int64_t M, int64_t K, int64_t G, int64_t Mb, uint32_t* xp, float* xs) {
-  pack_blocks<1>(x, M, K, G, Mb, xs, [&](int64_t b, int64_t k, const __m512* v) {
-    const __m512i hi = bf16_bits(v[0]);
-    const __m512 rest = _mm512_sub_ps(v[0], _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
-    _mm512_storeu_si512(xp + (b * K + k) * 16, _mm512_or_si512(hi, _mm512_slli_epi32(bf16_bits(rest), 16)));
+// x [M, K] in bf16 (a model served in bf16) -> xp [Mb][K / 2][16] pairs (x of k, x of k + 1; rows past M zeros), as
+// x holds them: one vdpbf16ps takes two columns of K, where the pairs (hi, lo) took one.
+void pack_singles(const uint16_t* x, int64_t M, int64_t K, int64_t Mb, uint32_t* xp) {
+  const int64_t P = K / 2;
+  at::parallel_for(0, Mb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const __mmask16 live = live_rows(M, b);
+      const __m512i idx = row_index(P);
+      const int* xb = reinterpret_cast<const int*>(x + b * 16 * K);
+      for (int64_t p = 0; p < P; ++p)
+        _mm512_storeu_si512(xp + (b * P + p) * 16,
+                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx, xb + p, 4));
+    }
   });
 }
 
-// x [M, K] whose every value is a bf16 (a model served in bf16) -> xp [Mb][K / 2][16] pairs (x of k, x of k + 1),
-// nothing to split: one vdpbf16ps takes two columns of K, where the pairs (hi, lo) took one; xs as pack_pairs'.
-void pack_singles(const float* x, int64_t M, int64_t K, int64_t G, int64_t Mb, uint32_t* xp, float* xs) {
-  pack_blocks<2>(x, M, K, G, Mb, xs, [&](int64_t b, int64_t k, const __m512* v) {
-    const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(v[0]), 16);  // exact: the values are bf16
-    const __m512i hi = _mm512_andnot_si512(_mm512_set1_epi32(0xFFFF), _mm512_castps_si512(v[1]));
-    _mm512_storeu_si512(xp + (b * K / 2 + k / 2) * 16, _mm512_or_si512(lo, hi));
-  });
-}
-
-// 32 quants (0-15 in lo's lanes, 16-31 in hi's, as bf16 bits in each lane's low half) -> 16 pairs (q of k, q of
-// k + 1): the 32 halves in order.
-inline __m512i consecutive_pairs(__m512i lo, __m512i hi) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)), _mm512_cvtepi32_epi16(hi), 1);
-}
-
-// W's rows [n0, n0 + rows) as pairs (q of k, q of k + 1) of bf16 [rows][K / 2] (pack_singles' partner), and their
-// scales and mins [rows][groups].
+// W's rows [n0, n0 + rows) as a model served in bf16 holds them (the weights transformers' bf16 model has):
+// d q + m in fp32 (the bits of dequantize's), rounded to the nearest even bf16, in pairs (w of k, w of k + 1)
+// [rows][K / 2] (pack_singles' partner). The scale and min are in the weight: a tile has no group ends. 4-bit
+// quants take 16 values a group: a table of them in bf16 (one multiply and add for the group's 16), and a
+// vpermw looks 32 quants up at once.
 template <int BITS>
-void dequantize_singles(const Weight& W, int64_t n0, int64_t rows, uint32_t* buf, float* d, float* m, RowValues& rv) {
-  const auto bits_of = [](__m512 v) { return _mm512_srli_epi32(_mm512_castps_si512(v), 16); };  // exact in bf16
+void dequantize_bf16(const Weight& W, int64_t n0, int64_t rows, uint32_t* buf, RowValues& rv) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t i = 0; i < rows; ++i) {
+    rv.load(W, n0 + i);
     const uint8_t* q = W.qs + (n0 + i) * W.row_bytes;
     uint32_t* o = buf + i * W.K / 2;
-    for (int64_t k = 0; k < W.K; k += kChunk, q += bytes_of(BITS, kChunk), o += kChunk / 2) {
-      __m512i lo, hi;
-      if constexpr (BITS == kFp8) {
-        lo = bits_of(fp8x16(q));
-        hi = bits_of(fp8x16(q + 16));
-      } else if constexpr (BITS == 4) {
-        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-        lo = bits_of(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))));
-        hi = bits_of(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)));
-      } else {
-        lo = bits_of(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
-        hi = bits_of(_mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))));
+    for (int64_t g = 0; g < W.groups; ++g) {
+      const __m512 d = _mm512_set1_ps(rv.d[g]);
+      __m512i table = _mm512_setzero_si512();
+      if constexpr (BITS == 4)  // (4-bit weights have mins)
+        table = _mm512_castsi256_si512(
+            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_mul_ps(iota, d), _mm512_set1_ps(rv.m[g]))));
+      for (int64_t k = 0; k < W.G; k += kChunk, q += bytes_of(BITS, kChunk), o += kChunk / 2) {
+        if constexpr (BITS == 4) {
+          const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+          const __m512i idx = _mm512_inserti64x4(
+              _mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(0x0F))), _mm256_srli_epi16(b, 4), 1);
+          _mm512_storeu_si512(o, _mm512_permutexvar_epi16(idx, table));  // quants 0-15, then 16-31
+        } else {  // 8-bit and fp8: no mins
+          __m512 lo, hi;
+          decode16<BITS>(q, lo, hi);
+          _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, d), _mm512_mul_ps(lo, d)));
+        }
       }
-      _mm512_storeu_si512(o, consecutive_pairs(lo, hi));
     }
-    rv.load(W, n0 + i);
-    std::copy(rv.d, rv.d + W.groups, d + i * W.groups);
-    if (W.has_mins) std::copy(rv.m, rv.m + W.groups, m + i * W.groups);
   }
 }
 
@@ -585,29 +597,115 @@ void pair_tile(const uint32_t* xp, const float* xs, int64_t K, int64_t G, const 
     for (int b = 0; b < MB; ++b) _mm512_storeu_ps(acc_out + (j * MB + b) * 16, acc[j][b]);
 }
 
+// acc [NR][MB][16] = for MB blocks of 16 rows of x (xp: pairs of bf16, [MB][P][16]) and NR rows of W (w: pairs
+// of bf16 weights, [NR][P]; dequantize_bf16's): the fp32 sums over the P pairs. pair_tile's signature, so that
+// run_pairs takes either; the group sums, scales and mins are unused (they are in the weights).
+template <int MB, int NR>
+void bf16_tile(const uint32_t* xp, const float*, int64_t P, int64_t, const uint32_t* w, const float*, const float*,
+               float* acc_out) {
+  __m512 acc[NR][MB];
+  for (int j = 0; j < NR; ++j)
+    for (int b = 0; b < MB; ++b) acc[j][b] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    __m512bh xv[MB];
+    for (int b = 0; b < MB; ++b) xv[b] = (__m512bh)_mm512_loadu_si512(xp + (b * P + p) * 16);
+    for (int j = 0; j < NR; ++j) {
+      const __m512bh wv = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[j * P + p]));
+      for (int b = 0; b < MB; ++b) acc[j][b] = _mm512_dpbf16_ps(acc[j][b], xv[b], wv);
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int b = 0; b < MB; ++b) _mm512_storeu_ps(acc_out + (j * MB + b) * 16, acc[j][b]);
+}
+
+// A register tile's 16 rows of x by nr rows of W (acc: column j, a row of W, at acc + j * lda, a lane a row of x)
+// -> out[i * ldo + j] for the live rows i: a 16 x 16 transpose in registers (unpacks, then shuffles of pairs and
+// of 128-bit quarters), then a masked store a row, where scalar stores of one column at a time cost 2 a value.
+inline void columns_to_rows(const float* acc, int64_t lda, int nr, int64_t live, float* out, int64_t ldo) {
+  __m512 r[16], t[16];
+  for (int j = 0; j < 16; ++j) r[j] = j < nr ? _mm512_loadu_ps(acc + j * lda) : _mm512_setzero_ps();
+  for (int j = 0; j < 16; j += 2) {
+    t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
+    t[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
+  }
+  for (int j = 0; j < 16; j += 4) {
+    r[j] = _mm512_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[j + 1] = _mm512_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[j + 2] = _mm512_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[j + 3] = _mm512_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[h + j] = _mm512_shuffle_f32x4(r[h + j], r[h + j + 4], 0x88);
+      t[h + j + 4] = _mm512_shuffle_f32x4(r[h + j], r[h + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+  }
+  const __mmask16 cols = static_cast<__mmask16>((1u << nr) - 1);
+  for (int64_t i = 0; i < live; ++i) _mm512_mask_storeu_ps(out + i * ldo, cols, r[i]);
+}
+
 using PairFn = void (*)(const uint32_t*, const float*, int64_t, int64_t, const uint32_t*, const float*, const float*,
                         float*);
+// The tiles by rows of W (1 .. kPairNR; a split tile takes up to kSplitNR of them, the others nullptr).
+template <int MB, bool MINS, size_t... NR>
+constexpr std::array<PairFn, kPairNR + 1> split_row(std::index_sequence<NR...>) {
+  return {nullptr, (NR + 1 <= kSplitNR ? pair_tile<MB, std::min<int>(NR + 1, kSplitNR), MINS> : nullptr)...};
+}
+template <int MB, size_t... NR>
+constexpr std::array<PairFn, kPairNR + 1> bf16_row(std::index_sequence<NR...>) {
+  return {nullptr, bf16_tile<MB, NR + 1>...};
+}
 template <int MB, bool MINS>
-constexpr PairFn kPairRow[kPairNR + 1] = {nullptr, pair_tile<MB, 1, MINS>, pair_tile<MB, 2, MINS>,
-                                          pair_tile<MB, 3, MINS>, pair_tile<MB, 4, MINS>, pair_tile<MB, 5, MINS>,
-                                          pair_tile<MB, 6, MINS>};
+constexpr auto kSplitRow = split_row<MB, MINS>(std::make_index_sequence<kPairNR>());
+template <int MB>
+constexpr auto kBf16Row = bf16_row<MB>(std::make_index_sequence<kPairNR>());
 
-// singles: x's values are bf16 (pack_singles, dequantize_singles: a pair holds two columns of K, so the tiles run
-// over K / 2 pairs in groups of G / 2); else x is split (pack_pairs, dequantize_pairs).
+// x and out of run_pairs: fp32 x (split into (hi, lo); out fp32, the bias added by the caller), or bf16 x (a model
+// served in bf16: its values are bf16 already) and out in bf16, each value (+ bias) rounded once to nearest even.
+struct PairIO {
+  const float* x;         // fp32 x, or nullptr
+  const uint16_t* x_bf16; // bf16 x, or nullptr
+  float* out;             // fp32 [M, N] (fp32 x)
+  uint16_t* out_bf16;     // bf16 [M, N] (bf16 x)
+  const float* bias;      // bf16 x only: added before the rounding, or nullptr
+};
+
+// out's row segment [n0, n0 + n) from fp32 sums.
+inline void store_row(const PairIO& io, int64_t at, int64_t n0, int64_t n, const float* sums) {
+  if (!io.out_bf16) {
+    std::copy(sums, sums + n, io.out + at);
+    return;
+  }
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 mask = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    __m512 v = _mm512_maskz_loadu_ps(mask, sums + j);
+    if (io.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, io.bias + n0 + j));
+    _mm256_mask_storeu_epi16(io.out_bf16 + at + j, mask, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+// bf16 x: the weights go to bf16 as a model served in bf16 holds them (dequantize_bf16) and a pair holds two columns
+// of K (pack_singles), so the tiles run over K / 2 pairs with no groups. fp32 x is split and the quants stay exact
+// (pack_pairs, dequantize_pairs, pair_tile).
 template <int BITS>
-void run_pairs(const Weight& W, const float* x, int64_t M, float* out, bool singles) {
+void run_pairs(const Weight& W, const PairIO& io, int64_t M) {
+  const bool bf16_x = io.x_bf16 != nullptr;
   const int64_t N = W.N, groups = W.groups, Mb = (M + 15) / 16;
-  const int64_t K = singles ? W.K / 2 : W.K, G = singles ? W.G / 2 : W.G;  // in pairs
+  const int64_t K = bf16_x ? W.K / 2 : W.K, G = bf16_x ? W.G / 2 : W.G;  // in pairs
+  const int64_t nr_max = bf16_x ? kPairNR : kSplitNR;
   std::vector<uint32_t> xp(Mb * K * 16);
-  std::vector<float> xs(Mb * groups * 16);
-  singles ? pack_singles(x, M, W.K, W.G, Mb, xp.data(), xs.data()) : pack_pairs(x, M, K, G, Mb, xp.data(), xs.data());
+  std::vector<float> xs(bf16_x ? 0 : Mb * groups * 16);
+  bf16_x ? pack_singles(io.x_bf16, M, W.K, Mb, xp.data()) : pack_pairs(io.x, M, K, G, Mb, xp.data(), xs.data());
   // tiles of W: kPairTileN rows, fewer where N would leave a thread without two of them
   const int64_t threads = at::get_num_threads();
-  const int64_t tile_n = std::clamp<int64_t>(((N + 2 * threads - 1) / (2 * threads) + kPairNR - 1) / kPairNR * kPairNR,
-                                             kPairNR, kPairTileN);
+  const int64_t tile_n = std::clamp<int64_t>(((N + 2 * threads - 1) / (2 * threads) + nr_max - 1) / nr_max * nr_max,
+                                             nr_max, kPairTileN);
   const int64_t tiles = (N + tile_n - 1) / tile_n, chunks = (M + kPairChunkM - 1) / kPairChunkM;
-  const PairFn* one = W.has_mins ? kPairRow<1, true> : kPairRow<1, false>;
-  const PairFn* two = W.has_mins ? kPairRow<2, true> : kPairRow<2, false>;
+  const PairFn* one = bf16_x ? kBf16Row<1>.data() : W.has_mins ? kSplitRow<1, true>.data() : kSplitRow<1, false>.data();
+  const PairFn* two = bf16_x ? kBf16Row<2>.data() : W.has_mins ? kSplitRow<2, true>.data() : kSplitRow<2, false>.data();
   at::parallel_for(0, chunks * tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<uint32_t> buf(tile_n * K);
     std::vector<float> d(tile_n * groups), m(tile_n * groups);
@@ -618,8 +716,8 @@ void run_pairs(const Weight& W, const float* x, int64_t M, float* out, bool sing
     float acc[kPairNR * kPairMB * 16];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t c = t / tiles, n0 = (t % tiles) * tile_n, rows = std::min(tile_n, N - n0);
-      if (singles) {
-        dequantize_singles<BITS>(W, n0, rows, buf.data(), d.data(), m.data(), rv);
+      if (bf16_x) {
+        dequantize_bf16<BITS>(W, n0, rows, buf.data(), rv);
       } else {
         dequantize_pairs<BITS>(W, n0, rows, buf.data(), d.data(), m.data(), rv);
       }
@@ -627,15 +725,15 @@ void run_pairs(const Weight& W, const float* x, int64_t M, float* out, bool sing
       for (int64_t b = c * kPairChunkM / 16; b < b_end; b += kPairMB) {
         const int mb = static_cast<int>(std::min<int64_t>(kPairMB, b_end - b));
         const int64_t m0 = b * 16, live = std::min<int64_t>(16 * mb, M - m0);
-        for (int64_t j0 = 0; j0 < rows; j0 += kPairNR) {
-          const int nr = static_cast<int>(std::min<int64_t>(kPairNR, rows - j0));
+        for (int64_t j0 = 0; j0 < rows; j0 += nr_max) {
+          const int nr = static_cast<int>(std::min<int64_t>(nr_max, rows - j0));
           (mb == 2 ? two : one)[nr](xp.data() + b * K * 16, xs.data() + b * groups * 16, K, G, buf.data() + j0 * K,
                                     d.data() + j0 * groups, m.data() + j0 * groups, acc);
-          for (int j = 0; j < nr; ++j)
-            for (int64_t i = 0; i < live; ++i) rows_buf[i * tile_n + j0 + j] = acc[j * mb * 16 + i];
+          for (int b2 = 0; b2 < mb; ++b2)
+            columns_to_rows(acc + b2 * 16, mb * 16, nr, std::min<int64_t>(16, live - 16 * b2),
+                            rows_buf.data() + 16 * b2 * tile_n + j0, tile_n);
         }
-        for (int64_t i = 0; i < live; ++i)
-          std::copy(rows_buf.data() + i * tile_n, rows_buf.data() + i * tile_n + rows, out + (m0 + i) * N + n0);
+        for (int64_t i = 0; i < live; ++i) store_row(io, (m0 + i) * N + n0, n0, rows, rows_buf.data() + i * tile_n);
       }
     }
   });
@@ -839,9 +937,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   int bits = 0;
   const Weight W = check_weight(qs, scales, mins, x.size(-1), &bits);
-  const int64_t K = W.K, N = W.N;
-  const at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = xf.size(0);
+  const int64_t K = W.K, N = W.N, M = x.numel() / K;
   at::Tensor bf;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, "bias has ", bias->numel(), " elements for ", N, " outputs");
@@ -849,22 +945,32 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
+  TORCH_CHECK(!int8_activations || bits != kFp8, "int8 activations take integer weights, not float8_e4m3fn");
+#ifdef STAGEMESH_QUANT_BF16
+  if (bf16 && !int8_activations && M >= kBf16Rows && x.scalar_type() == at::kBFloat16) {
+    // bf16 in and out as they are: no fp32 copy of x or of the product
+    const at::Tensor xb = x.reshape({-1, K}).contiguous();
+    at::Tensor out = at::empty(shape, x.options());
+    const PairIO io{nullptr, reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), nullptr,
+                    reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), bf.defined() ? bf.data_ptr<float>() : nullptr};
+    bits == 4 ? run_pairs<4>(W, io, M) : bits == 8 ? run_pairs<8>(W, io, M) : run_pairs<kFp8>(W, io, M);
+    return out;
+  }
+#endif
+  const at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
   at::Tensor out = at::empty(shape, x.options().dtype(at::kFloat));
   if (M == 0) return out.to(x.scalar_type());
   const float* xp = xf.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  TORCH_CHECK(!int8_activations || bits != kFp8, "int8 activations take integer weights, not float8_e4m3fn");
   if (int8_activations) {
     bits == 4 ? run_int8<4>(W, xp, M, op, vnni) : run_int8<8>(W, xp, M, op, vnni);
   } else if (M <= kFusedRows) {
     bits == 4 ? run_fused<4>(W, xp, M, op, avx512) : bits == 8 ? run_fused<8>(W, xp, M, op, avx512)
               : run_fused<kFp8>(W, xp, M, op, avx512);
 #ifdef STAGEMESH_QUANT_BF16
-  } else if (bf16 && M >= kPairRows) {
-    const bool singles = x.scalar_type() == at::kBFloat16;  // its values are bf16: no hi and lo to split
-    bits == 4   ? run_pairs<4>(W, xp, M, op, singles)
-    : bits == 8 ? run_pairs<8>(W, xp, M, op, singles)
-                : run_pairs<kFp8>(W, xp, M, op, singles);
+  } else if (bf16 && M >= kPairRows) {  // fp32 x (bf16 x took the branch above)
+    const PairIO io{xp, nullptr, op, nullptr, nullptr};
+    bits == 4 ? run_pairs<4>(W, io, M) : bits == 8 ? run_pairs<8>(W, io, M) : run_pairs<kFp8>(W, io, M);
 #endif
   } else {
     bits == 4 ? run_tiled<4>(W, xp, M, op) : bits == 8 ? run_tiled<8>(W, xp, M, op) : run_tiled<kFp8>(W, xp, M, op);

@@ -14,9 +14,10 @@
 // otherwise every product is fp32 with the weights dequantised exactly. Output in x's dtype.
 // family (refused where the CPU lacks it): "avx2"; "avx512": the fp32 products 16 lanes wide, the
 // integer ones avx2's; "avx512_vnni": the fp32 products avx512's, the integer ones on vpdpbusd;
-// "avx512_bf16": avx512_vnni's, and the many-row fp32 products on vdpbf16ps with x split into two bf16
-// (hi + lo: x to 2^-18; the quants exact). The few-row (decode) fp32 products have an avx512 tile; the
-// many-row ones are avx2's in the other families.
+// "avx512_bf16": avx512_vnni's, and the many-row products on vdpbf16ps: fp32 x split into two bf16 (hi + lo: x
+// to 2^-18; the quants exact), or bf16 x (7 rows or more) against the weights dequantised to bf16, as a model
+// served in bf16 holds them (the bf16 model's product, bias added before the one rounding). The few-row (decode)
+// products have an avx512 tile (exact fp32 weights); the many-row ones are avx2's in the other families.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
                         bool int8_activations, const std::string& family);
