@@ -708,7 +708,7 @@ void run_pairs(const Weight& W, const PairIO& io, int64_t M) {
   const PairFn* two = bf16_x ? kBf16Row<2>.data() : W.has_mins ? kSplitRow<2, true>.data() : kSplitRow<2, false>.data();
   at::parallel_for(0, chunks * tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<uint32_t> buf(tile_n * K);
-    std::vector<float> d(tile_n * groups), m(tile_n * groups);
+    std::vector<float> d(bf16_x ? 0 : tile_n * groups), m(bf16_x ? 0 : tile_n * groups);
     RowValues rv;
     // a register tile's columns go to a buffer of the tile's rows first, then whole rows to out: columns
     // straight into out strided by N (3072 for gate_up: 12 KB, one L1 set for every row) ran at 0.6x
@@ -727,8 +727,13 @@ void run_pairs(const Weight& W, const PairIO& io, int64_t M) {
         const int64_t m0 = b * 16, live = std::min<int64_t>(16 * mb, M - m0);
         for (int64_t j0 = 0; j0 < rows; j0 += nr_max) {
           const int nr = static_cast<int>(std::min<int64_t>(nr_max, rows - j0));
-          (mb == 2 ? two : one)[nr](xp.data() + b * K * 16, xs.data() + b * groups * 16, K, G, buf.data() + j0 * K,
-                                    d.data() + j0 * groups, m.data() + j0 * groups, acc);
+          const PairFn tile = (mb == 2 ? two : one)[nr];
+          if (bf16_x) {  // (the group sums, scales and mins are in the weights)
+            tile(xp.data() + b * K * 16, nullptr, K, G, buf.data() + j0 * K, nullptr, nullptr, acc);
+          } else {
+            tile(xp.data() + b * K * 16, xs.data() + b * groups * 16, K, G, buf.data() + j0 * K,
+                 d.data() + j0 * groups, m.data() + j0 * groups, acc);
+          }
           for (int b2 = 0; b2 < mb; ++b2)
             columns_to_rows(acc + b2 * 16, mb * 16, nr, std::min<int64_t>(16, live - 16 * b2),
                             rows_buf.data() + 16 * b2 * tile_n + j0, tile_n);
