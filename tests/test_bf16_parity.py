@@ -91,3 +91,33 @@ def test_bf16_through_the_services_matches_transformers_in_bf16(tiny_model_dir, 
     for i, (prompt, ours) in enumerate(zip(batch, got)):
         want, ref_logits = reference_greedy(ref, prompt, NEW_TOKENS)
         check_greedy(ours, ref_logits, want, f"request {i}")
+
+
+@pytest.mark.slow
+def test_the_embedded_gguf_in_bf16_answers_as_the_bf16_model_of_its_weights(default_model_dir):
+    """The embedded GGUF (Q4_1) served in bf16, teacher-forced 32 rows a step (the quantised products' many-row
+    tiles, as prefill chunks and batches run them): transformers' bf16 model of the dequantised weights (the
+    default model's directory) within four bf16 steps at every position, the same top-1 nearly everywhere, and our
+    own bf16 model's logits bit for bit (the same bf16 weights, the same fp32 sums of the same products, in the
+    same order). A CPU without avx512_bf16 keeps the exact weights in these products (the avx2 tiles on x widened
+    to fp32: tests/test_quant_kernels.py), so it is not the bf16 model's."""
+    from quant_contract import EVAL_TEXT, teacher_forced_logits
+    from transformers import AutoTokenizer
+
+    from kernels import cpu_ops
+    from stage_worker.runner import StageRunner
+    from stagemesh.core.default_model import gguf_path
+
+    if not cpu_ops.load().quant_bf16_available():
+        pytest.skip("this CPU has no avx512_bf16: its quantised products keep the exact weights")
+    ids = AutoTokenizer.from_pretrained(default_model_dir).encode(EVAL_TEXT)[:129]
+    quantised = teacher_forced_logits(StageRunner.of(default_model_dir, 0, 30, dtype="bfloat16", quantization="gguf",
+                                                     gguf_file=str(gguf_path())), ids)
+    with torch.inference_mode():
+        forced = reference_bf16(default_model_dir)(torch.tensor([ids])).logits[0, :-1].float()
+    tolerance = 4 * ulp(float(forced.abs().max()))
+    diff = float((quantised - forced).abs().max())
+    assert diff <= tolerance, f"logits differ by {diff:.4f}, more than 4 bf16 steps ({tolerance:.4f})"
+    assert (quantised.argmax(-1) == forced.argmax(-1)).float().mean() >= 0.98
+    dense = teacher_forced_logits(StageRunner.of(default_model_dir, 0, 30, dtype="bfloat16"), ids)
+    assert torch.equal(quantised, dense)

@@ -133,19 +133,20 @@ def test_pair_tiles_past_a_chunk_of_rows(family, bits):
 
 @pytest.mark.parametrize("family", families("avx512_bf16"))
 @pytest.mark.parametrize("bits", [4, 8, "fp8"])
-@pytest.mark.parametrize("m,k,group,bias", [(7, 96, 32, False), (12, 96, 32, True), (33, 192, 64, False),
-                                            (300, 160, 160, True)])
-def test_bf16_rows_hold_the_weights_as_the_bf16_model_does(family, bits, m, k, group, bias):
-    """x in bf16 (a model served in bf16), 7 rows or more: the weights are the dequantised ones
+@pytest.mark.parametrize("m,n,k,group,bias", [(3, 50, 96, 32, False), (7, 50, 96, 32, False), (12, 200, 96, 32, True),
+                                              (33, 50, 192, 64, False), (300, 200, 160, 160, True)])
+def test_bf16_rows_hold_the_weights_as_the_bf16_model_does(family, bits, m, n, k, group, bias):
+    """x in bf16 (a model served in bf16), 3 rows or more (register tiles of 1 to 6 rows and 1 to 4 blocks of 16 of
+    W's, the last cut short; tiles of W and chunks of x's rows cut short): the weights are the dequantised ones
     rounded to bf16, as transformers' model of the checkpoint in bf16 holds them, and the product is that model's:
     fp32 sums of exact bf16 products (+ the bias), rounded once to bf16 (within a bf16 step of the reference, which
     sums in another order, and equal to it in nearly every element). The weights in bf16 are what it computes, not
     the exact ones: the reference with fp32 weights is further off."""
-    qs, scales, mins = weight(50, k, bits, group, seed=m + k)
+    qs, scales, mins = weight(n, k, bits, group, seed=m + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
-    b = torch.randn(50, generator=torch.Generator().manual_seed(k)) if bias else None
+    b = torch.randn(n, generator=torch.Generator().manual_seed(k)) if bias else None
     got = cpu_ops.quant_linear(x, qs, scales, mins, b, False, family)
-    assert got.dtype == torch.bfloat16 and got.shape == (m, 50)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     want = x.float() @ ref.dequantize(qs, scales, mins).bfloat16().float().T + (0 if b is None else b)
     assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-6 * want.abs().max()).all()
     assert (want.bfloat16() == got).float().mean() >= 0.995

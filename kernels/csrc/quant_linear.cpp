@@ -11,8 +11,8 @@
 //   every row of x. Where the CPU has avx512_bf16 (the family of that name), from 12 rows the pair tiles
 //   run instead (run_pairs): the quants, exact in bf16, against x split into two bf16 on vdpbf16ps,
 //   1.6-1.8x the avx2 tiles on a Zen 4, whose fp32 FMAs those tiles already keep near their peak. x given in
-//   bf16 (a model served in bf16), from 7 rows: the bf16 model's product, W dequantised to bf16 a tile at a
-//   time and two columns of K a vdpbf16ps (about 2x the split pairs on a Zen 4, 32 rows).
+//   bf16 (a model served in bf16), from 3 rows: the bf16 model's product, W dequantised to bf16 a tile at a
+//   time, its rows in the lanes as the bf16 linear lays them, two columns of K a vdpbf16ps (run_lanes).
 // int8 activations (W8A8; llama.cpp's q8 blocks): x quantised per row and block of 32 (whatever the
 // weights' group: a per-token scale let one outlier channel of a row blur all the others), 32 products at a
 // time on integers with vpmaddubsw + vpmaddwd (avx2) or vpdpbusd (the avx512_vnni family, chosen by the
@@ -417,17 +417,13 @@ void fused_tile_avx512(const Weight& W, const float* x, int64_t ldx, const float
 // Lanes are 16 rows of x: x is re-laid once per call as [M/16][K][16] pairs (hi, lo) and the weights'
 // pair (q, q) is a broadcast 32-bit load from a tile of W dequantised to [rows][K] once per chunk of x's
 // rows. A register tile is 2 blocks of 16 rows by 6 rows of W (12 group sums, 12 totals).
-// x given in bf16 (a model served in bf16) is the bf16 model's product instead: W's tile is dequantised to the
-// bf16 weights that model holds (scale and min in them: no groups), a pair holds x of k and k + 1 against w of k
-// and k + 1, and a register tile is 2 blocks of 16 rows by 12 rows of W (24 totals); x is read and the product
-// written in bf16 as they are.
+// x given in bf16 (a model served in bf16) is the bf16 model's product instead (run_lanes, below).
 #ifdef STAGEMESH_QUANT_BF16
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 constexpr int kPairMB = 2;           // blocks of 16 rows of x per register tile
-constexpr int kSplitNR = 6;          // rows of W per register tile of x split (its group sums take 12 more registers)
-constexpr int kPairNR = 12;          // and of x in bf16 (no groups: 24 accumulators)
-constexpr int64_t kPairTileN = 48;   // rows of W a task dequantises (a multiple of kPairNR)
+constexpr int kSplitNR = 6;          // rows of W per register tile (its group sums take 12 more registers)
+constexpr int64_t kPairTileN = 48;   // rows of W a task dequantises (a multiple of kSplitNR)
 constexpr int64_t kPairChunkM = 256; // rows of x a task takes (a multiple of 16 kPairMB): its x stays in cache
 // From this many rows of x the pair tiles run (fewer: the avx2 tiles; up to kFusedRows, the fused path).
 // Measured on a Zen 4 (AMD EPYC, avx512_bf16, one thread, the default model's q/k/v, o, gate_up, down,
@@ -435,11 +431,10 @@ constexpr int64_t kPairChunkM = 256; // rows of x a task takes (a multiple of 16
 // 93-99 -> 117-122, 24 rows 99-105 -> 129-136, 32 rows 101-107 -> 168-178, 256 rows 110-114 -> 186-196,
 // 2048 rows 92-109 -> 163-180.
 constexpr int64_t kPairRows = 12;
-// x in bf16 takes the bf16 tiles from this many rows, the fused path's last rows among them. Measured on the
-// Zen 4 (2 threads, the same shapes, GFLOPS; the tiles padded to 16 rows): fused -> bf16 tiles at 6 rows 71-94
-// -> 76-103 (even), 7 rows 81-98 -> 88-120, 8 rows 85-102 -> 101-137; avx2 tiles -> bf16 tiles at 9 rows
-// 83-106 -> 113-155, 10 rows 97-108 -> 149-170.
-constexpr int64_t kBf16Rows = 7;
+// x in bf16 takes the lane tiles (run_lanes) from this many rows; fewer take the fused path. Measured on the
+// Zen 4 (2 threads, the default model's q/k/v, o, gate_up, down; GFLOPS fused -> lane tiles): 1 row 34-63 ->
+// 30-35, 2 rows 45-75 -> 59-70 (even), 3 rows 56-84 -> 80-85, 4 rows 55-96 -> 105-120, 6 rows 60-79 -> 136-157.
+constexpr int64_t kBf16Rows = 3;
 
 inline __m512i bf16_bits(__m512 v) {  // v's 16 lanes rounded to bf16 (to nearest even), in the low 16 bits
   return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
@@ -479,25 +474,9 @@ void pack_pairs(const float* x, int64_t M, int64_t K, int64_t G, int64_t Mb, uin
   });
 }
 
-// x [M, K] in bf16 (a model served in bf16) -> xp [Mb][K / 2][16] pairs (x of k, x of k + 1; rows past M zeros), as
-// x holds them: one vdpbf16ps takes two columns of K, where the pairs (hi, lo) took one.
-void pack_singles(const uint16_t* x, int64_t M, int64_t K, int64_t Mb, uint32_t* xp) {
-  const int64_t P = K / 2;
-  at::parallel_for(0, Mb, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const __mmask16 live = live_rows(M, b);
-      const __m512i idx = row_index(P);
-      const int* xb = reinterpret_cast<const int*>(x + b * 16 * K);
-      for (int64_t p = 0; p < P; ++p)
-        _mm512_storeu_si512(xp + (b * P + p) * 16,
-                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx, xb + p, 4));
-    }
-  });
-}
-
 // W's rows [n0, n0 + rows) as a model served in bf16 holds them (the weights transformers' bf16 model has):
 // d q + m in fp32 (the bits of dequantize's), rounded to the nearest even bf16, in pairs (w of k, w of k + 1)
-// [rows][K / 2] (pack_singles' partner). The scale and min are in the weight: a tile has no group ends. 4-bit
+// [rows][K / 2]. The scale and min are in the weight: a tile has no group ends. 4-bit
 // quants take 16 values a group: a table of them in bf16 (one multiply and add for the group's 16), and a
 // vpermw looks 32 quants up at once.
 template <int BITS>
@@ -527,6 +506,124 @@ void dequantize_bf16(const Weight& W, int64_t n0, int64_t rows, uint32_t* buf, R
       }
     }
   }
+}
+
+// r[i] lane j <- r[j] lane i: a 16 x 16 transpose of 32-bit lanes in registers (unpacks, then shuffles of pairs
+// and of 128-bit quarters).
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int j = 0; j < 16; j += 2) {
+    t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
+    t[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
+  }
+  for (int j = 0; j < 16; j += 4) {
+    r[j] = _mm512_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[j + 1] = _mm512_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[j + 2] = _mm512_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[j + 3] = _mm512_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[h + j] = _mm512_shuffle_f32x4(r[h + j], r[h + j + 4], 0x88);
+      t[h + j + 4] = _mm512_shuffle_f32x4(r[h + j], r[h + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// x in bf16 (a model served in bf16), W's rows in the lanes as the bf16 linear lays them: a tile of W is
+// dequantised to the bf16 model's weights (dequantize_bf16) and laid [rows / 16][K / 2][16] (a pair of w of k and
+// k + 1 for 16 rows: one 16 x 16 transpose a block of 16 pairs), a row of x is a broadcast pair (x of k, x of
+// k + 1, as x holds it), and a register tile is kLaneMR rows of x by kLaneNB blocks of 16 rows of W. Any number of
+// rows of x fills the lanes, where x's rows in the lanes (blocks of 16) left 15 of 32 empty at 17 rows; and a
+// register tile's sums are a row segment of the product, written as it is.
+constexpr int kLaneMR = 6;           // rows of x per register tile
+constexpr int kLaneNB = 4;           // blocks of 16 rows of W per register tile (24 accumulators)
+constexpr int64_t kLaneTileN = 64;   // rows of W a task dequantises (kLaneNB blocks)
+
+// W's rows [n0, n0 + rows) -> buf [ceil(rows / 16)][P][16] (rows past `rows` zeros); rowbuf: [16][P] scratch.
+template <int BITS>
+void dequantize_lanes(const Weight& W, int64_t n0, int64_t rows, uint32_t* rowbuf, uint32_t* buf, RowValues& rv) {
+  const int64_t P = W.K / 2;  // a multiple of 16 (K is of 32)
+  for (int64_t j0 = 0; j0 < rows; j0 += 16) {
+    const int64_t live = std::min<int64_t>(16, rows - j0);
+    dequantize_bf16<BITS>(W, n0 + j0, live, rowbuf, rv);
+    uint32_t* o = buf + j0 * P;
+    for (int64_t p = 0; p < P; p += 16) {
+      __m512 r[16];
+      for (int j = 0; j < 16; ++j)
+        r[j] = j < live ? _mm512_loadu_ps(reinterpret_cast<const float*>(rowbuf + j * P + p)) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(reinterpret_cast<float*>(o + (p + j) * 16), r[j]);
+    }
+  }
+}
+
+// out[m][n] (bf16; ldo apart) for MR rows of x (pairs, P a row) and NB blocks of 16 rows of W (w [NB][P][16]) of
+// which n_live are live: the fp32 sums over the P pairs, plus the bias, rounded once to nearest even.
+template <int MR, int NB>
+void lane_tile(const uint32_t* x, int64_t P, const uint32_t* w, int64_t n_live, const float* bias, uint16_t* out,
+               int64_t ldo) {
+  __m512 acc[MR][NB];
+  for (int i = 0; i < MR; ++i)
+    for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    __m512bh wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w + (b * P + p) * 16);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i * P + p]));
+      for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_dpbf16_ps(acc[i][b], xv, wv[b]);
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    const int64_t cols = std::min<int64_t>(16, n_live - 16 * b);
+    const __mmask16 mask = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * b) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i)
+      _mm256_mask_storeu_epi16(out + i * ldo + 16 * b, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][b], bv)));
+  }
+}
+
+using LaneFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, const float*, uint16_t*, int64_t);
+template <int MR, size_t... NB>
+constexpr std::array<LaneFn, kLaneNB + 1> lane_row(std::index_sequence<NB...>) {
+  return {nullptr, lane_tile<MR, NB + 1>...};
+}
+template <size_t... MR>
+constexpr std::array<std::array<LaneFn, kLaneNB + 1>, kLaneMR + 1> lane_table(std::index_sequence<MR...>) {
+  return {std::array<LaneFn, kLaneNB + 1>{}, lane_row<MR + 1>(std::make_index_sequence<kLaneNB>())...};
+}
+constexpr auto kLaneTile = lane_table(std::make_index_sequence<kLaneMR>());
+
+// out [M, N] bf16 = x [M, K] bf16 against W as the bf16 model holds it, plus the bias (fp32, or nullptr).
+template <int BITS>
+void run_lanes(const Weight& W, const uint16_t* x_bf16, int64_t M, uint16_t* out, const float* bias) {
+  const int64_t N = W.N, P = W.K / 2;
+  const uint32_t* x = reinterpret_cast<const uint32_t*>(x_bf16);
+  // tiles of W: kLaneTileN rows, fewer where N would leave a thread without two of them
+  const int64_t threads = at::get_num_threads();
+  const int64_t tile_n = std::clamp<int64_t>(((N + 2 * threads - 1) / (2 * threads) + 15) / 16 * 16, 16, kLaneTileN);
+  const int64_t tiles = (N + tile_n - 1) / tile_n, chunks = (M + kPairChunkM - 1) / kPairChunkM;
+  at::parallel_for(0, chunks * tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint32_t> buf(tile_n * P), rowbuf(16 * P);
+    RowValues rv;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t c = t / tiles, n0 = (t % tiles) * tile_n, rows = std::min(tile_n, N - n0);
+      dequantize_lanes<BITS>(W, n0, rows, rowbuf.data(), buf.data(), rv);
+      const int64_t m_end = std::min(M, (c + 1) * kPairChunkM);
+      for (int64_t j0 = 0; j0 < rows; j0 += 16 * kLaneNB) {
+        const int64_t n_live = std::min<int64_t>(16 * kLaneNB, rows - j0);
+        const int nb = static_cast<int>((n_live + 15) / 16);
+        for (int64_t m = c * kPairChunkM; m < m_end; m += kLaneMR) {
+          const int mr = static_cast<int>(std::min<int64_t>(kLaneMR, m_end - m));
+          kLaneTile[mr][nb](x + m * P, P, buf.data() + j0 * P, n_live, bias ? bias + n0 + j0 : nullptr,
+                            out + m * N + n0 + j0, N);
+        }
+      }
+    }
+  });
 }
 
 // W's rows [n0, n0 + rows) as pairs (q, q) of bf16 [rows][K], and their scales and mins [rows][groups].
@@ -597,148 +694,67 @@ void pair_tile(const uint32_t* xp, const float* xs, int64_t K, int64_t G, const 
     for (int b = 0; b < MB; ++b) _mm512_storeu_ps(acc_out + (j * MB + b) * 16, acc[j][b]);
 }
 
-// acc [NR][MB][16] = for MB blocks of 16 rows of x (xp: pairs of bf16, [MB][P][16]) and NR rows of W (w: pairs
-// of bf16 weights, [NR][P]; dequantize_bf16's): the fp32 sums over the P pairs. pair_tile's signature, so that
-// run_pairs takes either; the group sums, scales and mins are unused (they are in the weights).
-template <int MB, int NR>
-void bf16_tile(const uint32_t* xp, const float*, int64_t P, int64_t, const uint32_t* w, const float*, const float*,
-               float* acc_out) {
-  __m512 acc[NR][MB];
-  for (int j = 0; j < NR; ++j)
-    for (int b = 0; b < MB; ++b) acc[j][b] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < P; ++p) {
-    __m512bh xv[MB];
-    for (int b = 0; b < MB; ++b) xv[b] = (__m512bh)_mm512_loadu_si512(xp + (b * P + p) * 16);
-    for (int j = 0; j < NR; ++j) {
-      const __m512bh wv = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[j * P + p]));
-      for (int b = 0; b < MB; ++b) acc[j][b] = _mm512_dpbf16_ps(acc[j][b], xv[b], wv);
-    }
-  }
-  for (int j = 0; j < NR; ++j)
-    for (int b = 0; b < MB; ++b) _mm512_storeu_ps(acc_out + (j * MB + b) * 16, acc[j][b]);
-}
-
 // A register tile's 16 rows of x by nr rows of W (acc: column j, a row of W, at acc + j * lda, a lane a row of x)
-// -> out[i * ldo + j] for the live rows i: a 16 x 16 transpose in registers (unpacks, then shuffles of pairs and
-// of 128-bit quarters), then a masked store a row, where scalar stores of one column at a time cost 2 a value.
+// -> out[i * ldo + j] for the live rows i: a 16 x 16 transpose in registers, then a masked store a row, where
+// scalar stores of one column at a time cost 2 a value.
 inline void columns_to_rows(const float* acc, int64_t lda, int nr, int64_t live, float* out, int64_t ldo) {
-  __m512 r[16], t[16];
+  __m512 r[16];
   for (int j = 0; j < 16; ++j) r[j] = j < nr ? _mm512_loadu_ps(acc + j * lda) : _mm512_setzero_ps();
-  for (int j = 0; j < 16; j += 2) {
-    t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
-    t[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
-  }
-  for (int j = 0; j < 16; j += 4) {
-    r[j] = _mm512_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    r[j + 1] = _mm512_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    r[j + 2] = _mm512_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    r[j + 3] = _mm512_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int h = 0; h < 16; h += 8)
-    for (int j = 0; j < 4; ++j) {
-      t[h + j] = _mm512_shuffle_f32x4(r[h + j], r[h + j + 4], 0x88);
-      t[h + j + 4] = _mm512_shuffle_f32x4(r[h + j], r[h + j + 4], 0xdd);
-    }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
-    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
-  }
+  transpose16(r);
   const __mmask16 cols = static_cast<__mmask16>((1u << nr) - 1);
   for (int64_t i = 0; i < live; ++i) _mm512_mask_storeu_ps(out + i * ldo, cols, r[i]);
 }
 
 using PairFn = void (*)(const uint32_t*, const float*, int64_t, int64_t, const uint32_t*, const float*, const float*,
                         float*);
-// The tiles by rows of W (1 .. kPairNR; a split tile takes up to kSplitNR of them, the others nullptr).
+// The tiles by rows of W (1 .. kSplitNR).
 template <int MB, bool MINS, size_t... NR>
-constexpr std::array<PairFn, kPairNR + 1> split_row(std::index_sequence<NR...>) {
-  return {nullptr, (NR + 1 <= kSplitNR ? pair_tile<MB, std::min<int>(NR + 1, kSplitNR), MINS> : nullptr)...};
-}
-template <int MB, size_t... NR>
-constexpr std::array<PairFn, kPairNR + 1> bf16_row(std::index_sequence<NR...>) {
-  return {nullptr, bf16_tile<MB, NR + 1>...};
+constexpr std::array<PairFn, kSplitNR + 1> split_row(std::index_sequence<NR...>) {
+  return {nullptr, pair_tile<MB, NR + 1, MINS>...};
 }
 template <int MB, bool MINS>
-constexpr auto kSplitRow = split_row<MB, MINS>(std::make_index_sequence<kPairNR>());
-template <int MB>
-constexpr auto kBf16Row = bf16_row<MB>(std::make_index_sequence<kPairNR>());
+constexpr auto kSplitRow = split_row<MB, MINS>(std::make_index_sequence<kSplitNR>());
 
-// x and out of run_pairs: fp32 x (split into (hi, lo); out fp32, the bias added by the caller), or bf16 x (a model
-// served in bf16: its values are bf16 already) and out in bf16, each value (+ bias) rounded once to nearest even.
-struct PairIO {
-  const float* x;         // fp32 x, or nullptr
-  const uint16_t* x_bf16; // bf16 x, or nullptr
-  float* out;             // fp32 [M, N] (fp32 x)
-  uint16_t* out_bf16;     // bf16 [M, N] (bf16 x)
-  const float* bias;      // bf16 x only: added before the rounding, or nullptr
-};
-
-// out's row segment [n0, n0 + n) from fp32 sums.
-inline void store_row(const PairIO& io, int64_t at, int64_t n0, int64_t n, const float* sums) {
-  if (!io.out_bf16) {
-    std::copy(sums, sums + n, io.out + at);
-    return;
-  }
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 mask = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-    __m512 v = _mm512_maskz_loadu_ps(mask, sums + j);
-    if (io.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, io.bias + n0 + j));
-    _mm256_mask_storeu_epi16(io.out_bf16 + at + j, mask, (__m256i)_mm512_cvtneps_pbh(v));
-  }
-}
-
-// bf16 x: the weights go to bf16 as a model served in bf16 holds them (dequantize_bf16) and a pair holds two columns
-// of K (pack_singles), so the tiles run over K / 2 pairs with no groups. fp32 x is split and the quants stay exact
+// out [M, N] fp32 (the bias added by the caller) = x [M, K] fp32, split into (hi, lo), against the exact quants
 // (pack_pairs, dequantize_pairs, pair_tile).
 template <int BITS>
-void run_pairs(const Weight& W, const PairIO& io, int64_t M) {
-  const bool bf16_x = io.x_bf16 != nullptr;
-  const int64_t N = W.N, groups = W.groups, Mb = (M + 15) / 16;
-  const int64_t K = bf16_x ? W.K / 2 : W.K, G = bf16_x ? W.G / 2 : W.G;  // in pairs
-  const int64_t nr_max = bf16_x ? kPairNR : kSplitNR;
+void run_pairs(const Weight& W, const float* x, int64_t M, float* out) {
+  const int64_t N = W.N, K = W.K, G = W.G, groups = W.groups, Mb = (M + 15) / 16;
   std::vector<uint32_t> xp(Mb * K * 16);
-  std::vector<float> xs(bf16_x ? 0 : Mb * groups * 16);
-  bf16_x ? pack_singles(io.x_bf16, M, W.K, Mb, xp.data()) : pack_pairs(io.x, M, K, G, Mb, xp.data(), xs.data());
+  std::vector<float> xs(Mb * groups * 16);
+  pack_pairs(x, M, K, G, Mb, xp.data(), xs.data());
   // tiles of W: kPairTileN rows, fewer where N would leave a thread without two of them
   const int64_t threads = at::get_num_threads();
-  const int64_t tile_n = std::clamp<int64_t>(((N + 2 * threads - 1) / (2 * threads) + nr_max - 1) / nr_max * nr_max,
-                                             nr_max, kPairTileN);
+  const int64_t tile_n = std::clamp<int64_t>(((N + 2 * threads - 1) / (2 * threads) + kSplitNR - 1) / kSplitNR *
+                                             kSplitNR, kSplitNR, kPairTileN);
   const int64_t tiles = (N + tile_n - 1) / tile_n, chunks = (M + kPairChunkM - 1) / kPairChunkM;
-  const PairFn* one = bf16_x ? kBf16Row<1>.data() : W.has_mins ? kSplitRow<1, true>.data() : kSplitRow<1, false>.data();
-  const PairFn* two = bf16_x ? kBf16Row<2>.data() : W.has_mins ? kSplitRow<2, true>.data() : kSplitRow<2, false>.data();
+  const PairFn* one = W.has_mins ? kSplitRow<1, true>.data() : kSplitRow<1, false>.data();
+  const PairFn* two = W.has_mins ? kSplitRow<2, true>.data() : kSplitRow<2, false>.data();
   at::parallel_for(0, chunks * tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<uint32_t> buf(tile_n * K);
-    std::vector<float> d(bf16_x ? 0 : tile_n * groups), m(bf16_x ? 0 : tile_n * groups);
+    std::vector<float> d(tile_n * groups), m(tile_n * groups);
     RowValues rv;
     // a register tile's columns go to a buffer of the tile's rows first, then whole rows to out: columns
     // straight into out strided by N (3072 for gate_up: 12 KB, one L1 set for every row) ran at 0.6x
     std::vector<float> rows_buf(kPairMB * 16 * tile_n);
-    float acc[kPairNR * kPairMB * 16];
+    float acc[kSplitNR * kPairMB * 16];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t c = t / tiles, n0 = (t % tiles) * tile_n, rows = std::min(tile_n, N - n0);
-      if (bf16_x) {
-        dequantize_bf16<BITS>(W, n0, rows, buf.data(), rv);
-      } else {
-        dequantize_pairs<BITS>(W, n0, rows, buf.data(), d.data(), m.data(), rv);
-      }
+      dequantize_pairs<BITS>(W, n0, rows, buf.data(), d.data(), m.data(), rv);
       const int64_t b_end = std::min(Mb, (c + 1) * kPairChunkM / 16);
       for (int64_t b = c * kPairChunkM / 16; b < b_end; b += kPairMB) {
         const int mb = static_cast<int>(std::min<int64_t>(kPairMB, b_end - b));
         const int64_t m0 = b * 16, live = std::min<int64_t>(16 * mb, M - m0);
-        for (int64_t j0 = 0; j0 < rows; j0 += nr_max) {
-          const int nr = static_cast<int>(std::min<int64_t>(nr_max, rows - j0));
-          const PairFn tile = (mb == 2 ? two : one)[nr];
-          if (bf16_x) {  // (the group sums, scales and mins are in the weights)
-            tile(xp.data() + b * K * 16, nullptr, K, G, buf.data() + j0 * K, nullptr, nullptr, acc);
-          } else {
-            tile(xp.data() + b * K * 16, xs.data() + b * groups * 16, K, G, buf.data() + j0 * K,
-                 d.data() + j0 * groups, m.data() + j0 * groups, acc);
-          }
+        for (int64_t j0 = 0; j0 < rows; j0 += kSplitNR) {
+          const int nr = static_cast<int>(std::min<int64_t>(kSplitNR, rows - j0));
+          (mb == 2 ? two : one)[nr](xp.data() + b * K * 16, xs.data() + b * groups * 16, K, G, buf.data() + j0 * K,
+                                    d.data() + j0 * groups, m.data() + j0 * groups, acc);
           for (int b2 = 0; b2 < mb; ++b2)
             columns_to_rows(acc + b2 * 16, mb * 16, nr, std::min<int64_t>(16, live - 16 * b2),
                             rows_buf.data() + 16 * b2 * tile_n + j0, tile_n);
         }
-        for (int64_t i = 0; i < live; ++i) store_row(io, (m0 + i) * N + n0, n0, rows, rows_buf.data() + i * tile_n);
+        for (int64_t i = 0; i < live; ++i)
+          std::copy(rows_buf.data() + i * tile_n, rows_buf.data() + i * tile_n + rows, out + (m0 + i) * N + n0);
       }
     }
   });
@@ -956,9 +972,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
     // bf16 in and out as they are: no fp32 copy of x or of the product
     const at::Tensor xb = x.reshape({-1, K}).contiguous();
     at::Tensor out = at::empty(shape, x.options());
-    const PairIO io{nullptr, reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), nullptr,
-                    reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), bf.defined() ? bf.data_ptr<float>() : nullptr};
-    bits == 4 ? run_pairs<4>(W, io, M) : bits == 8 ? run_pairs<8>(W, io, M) : run_pairs<kFp8>(W, io, M);
+    const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+    auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+    bits == 4 ? run_lanes<4>(W, xp, M, op, bp) : bits == 8 ? run_lanes<8>(W, xp, M, op, bp)
+              : run_lanes<kFp8>(W, xp, M, op, bp);
     return out;
   }
 #endif
@@ -974,8 +992,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
               : run_fused<kFp8>(W, xp, M, op, avx512);
 #ifdef STAGEMESH_QUANT_BF16
   } else if (bf16 && M >= kPairRows) {  // fp32 x (bf16 x took the branch above)
-    const PairIO io{xp, nullptr, op, nullptr, nullptr};
-    bits == 4 ? run_pairs<4>(W, io, M) : bits == 8 ? run_pairs<8>(W, io, M) : run_pairs<kFp8>(W, io, M);
+    bits == 4 ? run_pairs<4>(W, xp, M, op) : bits == 8 ? run_pairs<8>(W, xp, M, op) : run_pairs<kFp8>(W, xp, M, op);
 #endif
   } else {
     bits == 4 ? run_tiled<4>(W, xp, M, op) : bits == 8 ? run_tiled<8>(W, xp, M, op) : run_tiled<kFp8>(W, xp, M, op);
