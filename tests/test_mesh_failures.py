@@ -28,8 +28,8 @@ def test_stage_killed_mid_generation_fails_requests_then_recovers(tiny_model_dir
             futures = [pool.submit(mesh.submit, f"r{i}", [5 + i] * 20, long, 60) for i in range(num_requests)]
             while mesh.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5).num_running < num_requests:
                 time.sleep(0.05)
+            killed = time.monotonic()  # (before: the scheduler may see the death before kill_stage has reaped it)
             mesh.kill_stage(1)
-            killed = time.monotonic()
             errors = []
             for f in futures:
                 with pytest.raises(grpc.RpcError) as info:
