@@ -8,9 +8,9 @@
 //   sum_k (d q_k + m) x_k = d sum_k q_k x_k + m sum_k x_k.
 // - many rows (prefill, batch 32+): a thread dequantises a tile of W's rows once (fma(q, d, m): the fp32
 //   number gguf's dequantiser gives) into a buffer and runs 4x3 register tiles of fp32 dot products over
-//   every row of x. Where the CPU has avx512_bf16 (the family of that name), from 64 rows the pair tiles
-//   run instead (run_pairs): the quants, exact in bf16, against x split into two bf16 on vdpbf16ps; on a
-//   Zen 4 that is the avx2 tiles' rate (up to 1.08x at 64 rows and more; see kPairRows). x given in
+//   every row of x. Where the CPU has avx512_bf16 (the family of that name), from 12 rows the pair tiles
+//   run instead (run_pairs): the quants, exact in bf16, against x split into two bf16 on vdpbf16ps,
+//   1.6-1.8x the avx2 tiles where the CPU has full-width 512-bit units (see kPairRows). x given in
 //   bf16 (a model served in bf16), from 3 rows: the bf16 model's product, W dequantised to bf16 a tile at a
 //   time, its rows in the lanes as the bf16 linear lays them, two columns of K a vdpbf16ps (run_lanes).
 // int8 activations (W8A8; llama.cpp's q8 blocks): x quantised per row and block of 32 (whatever the
@@ -425,14 +425,16 @@ constexpr int kPairMB = 2;           // blocks of 16 rows of x per register tile
 constexpr int kSplitNR = 6;          // rows of W per register tile (its group sums take 12 more registers)
 constexpr int64_t kPairTileN = 48;   // rows of W a task dequantises (a multiple of kSplitNR)
 constexpr int64_t kPairChunkM = 256; // rows of x a task takes (a multiple of 16 kPairMB): its x stays in cache
-// From this many rows of x the pair tiles run (fewer: the avx2 tiles; up to kFusedRows, the fused path). On a
-// Zen 4 a vdpbf16ps of split pairs does the fp32 FMAs' work at their rate (16 products of x and w a cycle either
-// way), so the pair tiles gain only where their lanes (16 rows of x a block) are full, and lose where they are not.
-// Measured there (AMD EPYC, avx512_bf16, 2 threads, the default model's q/k/v, o, gate_up, down, GFLOPS avx2 tiles
-// against pair tiles): 12 rows 136-145 / 108-111, 17 rows 144-152 / 90-93, 24 rows 162-171 / 127-130, 32 rows
-// 167-177 / 169-171, 33 rows 122-173 / 112-127, 48 rows 139-186 / 169-183, 64 rows 174-187 / 176-190, 256 rows
-// 177-193 / 186-191.
-constexpr int64_t kPairRows = 64;
+// From this many rows of x the pair tiles run (fewer: the avx2 tiles; up to kFusedRows, the fused path).
+// Measured on 2026-11-27's AMD EPYC with avx512_bf16 (one thread, the default model's q/k/v, o, gate_up, down,
+// GFLOPS avx2 tiles -> pair tiles; its bf16 linear ran 450-500 a core, so its 512-bit units were full width):
+// 9 rows 76-79 -> 68-70 (padded to 16), 12 rows 88-92 -> 89-92, 16 rows 93-99 -> 117-122, 24 rows 99-105 ->
+// 129-136, 32 rows 101-107 -> 168-178, 256 rows 110-114 -> 186-196, 2048 rows 92-109 -> 163-180.
+// On a Zen 4 that runs a 512-bit op as two 256-bit halves (its bf16 linear 210-220 a core) a vdpbf16ps of split
+// pairs does what two 256-bit FMA pipes do, so the pair tiles only tie the avx2 tiles where their lanes are full
+// and lose where they are not (2 threads: 17 rows 144-152 against 90-93, 32 rows 167-177 against 169-171).
+// One threshold serves both; choosing it by CPU is not built (benchmarks/RESULTS.md, 2026-11-30, third session).
+constexpr int64_t kPairRows = 12;
 // x in bf16 takes the lane tiles (run_lanes) from this many rows; fewer take the fused path. Measured on the
 // Zen 4 (2 threads, the default model's q/k/v, o, gate_up, down; GFLOPS fused -> lane tiles): 1 row 34-63 ->
 // 30-35, 2 rows 45-75 -> 59-70 (even), 3 rows 56-84 -> 80-85, 4 rows 55-96 -> 105-120, 6 rows 60-79 -> 136-157.
