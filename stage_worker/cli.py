@@ -143,8 +143,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _start_and_serve(args: argparse.Namespace, stop: StageStop, shutdown) -> int:
     plan = plan_stage(args)
+    pin_cores(args)
+    forked = fork_followers(args)  # before the stage's own torch ops and threads (stage_worker.follower_start)
     pin_threads(args)
-    worker = load_worker(args, plan)
+    worker = load_worker(args, plan, forked)
     describe(args, plan, worker)
     return serve(args, worker, plan, stop, shutdown)
 
@@ -204,21 +206,33 @@ def check_kv_cache(args: argparse.Namespace, cfg) -> None:
                              "(or fp8_e4m3, fp8_e5m2)")
 
 
-def pin_threads(args: argparse.Namespace) -> None:
-    """--cpu-affinity and --threads, before the model loads (its followers inherit the affinity)."""
+def pin_cores(args: argparse.Namespace) -> None:
+    """--cpu-affinity, before the followers start (they inherit it)."""
     if args.cpu_affinity:
         try:
             os.sched_setaffinity(0, {int(c) for c in args.cpu_affinity.split(",")})
         except (ValueError, OSError) as err:
             raise StagemeshError(f"--cpu-affinity {args.cpu_affinity!r}: {err}") from None
+
+
+def fork_followers(args: argparse.Namespace) -> list:
+    """The TP followers forked now, where the start method and the stage's state allow it; [] otherwise."""
+    from stage_worker.follower_start import fork_followers as fork
+
+    return fork(args.tensor_parallel_size * args.prefill_context_parallel_size)
+
+
+def pin_threads(args: argparse.Namespace) -> None:
+    """--threads, before the model loads."""
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
 
 
-def load_worker(args: argparse.Namespace, plan: StagePlan):
-    """The stage's worker, its weights loaded (and a standby's KV cache allocated)."""
+def load_worker(args: argparse.Namespace, plan: StagePlan, forked: list):
+    """The stage's worker, its weights loaded (and a standby's KV cache allocated). forked: its TP followers,
+    forked already (stage_worker.follower_start), or [] to spawn them."""
     from stage_worker.settings import StageSettings
     from stage_worker.worker import StageConfig, StageWorker
 
@@ -227,7 +241,8 @@ def load_worker(args: argparse.Namespace, plan: StagePlan):
                                      kv_cache_memory=args.kv_cache_memory,
                                      gpu_memory_utilization=args.gpu_memory_utilization, ep=plan.ep,
                                      standby=args.standby, speculative=plan.spec,
-                                     kv_offloading_disk_path=args.kv_offloading_disk_path))
+                                     kv_offloading_disk_path=args.kv_offloading_disk_path,
+                                     forked_followers=forked))
     if args.standby:  # warm: a join with the stage's own number of blocks finds its cache ready
         worker.runner.allocate_kv_cache(worker.num_kv_blocks)
     return worker

@@ -15,9 +15,10 @@ import fcntl
 import os
 import select
 import struct
-import subprocess
 import threading
 import time
+from collections.abc import Sequence
+from typing import IO, Protocol
 
 from stagemesh.core.errors import StagemeshError
 
@@ -36,10 +37,18 @@ def frame(kind: int, epoch: int, payload: bytes = b"") -> bytes:
     return HEADER.pack(kind, epoch, len(payload)) + payload
 
 
+class FollowerProcess(Protocol):
+    """What rank 0 holds a follower by: a subprocess.Popen, or a forked one (stage_worker.follower_start)."""
+    @property
+    def stdin(self) -> IO[bytes] | None: ...
+
+    def poll(self) -> int | None: ...
+
+
 class FollowerChannel:
     """Rank 0's end: the followers' stdin pipes, written by whichever thread has a message (one at a time)."""
 
-    def __init__(self, followers: list[subprocess.Popen]):
+    def __init__(self, followers: Sequence[FollowerProcess]):
         self.followers = followers
         self._lock = threading.Lock()
         for proc in followers:
@@ -83,6 +92,10 @@ class Reader:
         payload = bytes(self.buf[HEADER.size:HEADER.size + size])
         del self.buf[:HEADER.size + size]
         return kind, epoch, payload
+
+    def peek(self) -> int | None:
+        """The next message's kind without taking it; None once rank 0's end of the pipe is closed."""
+        return self.buf[0] if self._fill(HEADER.size) else None
 
     def _fill(self, n: int) -> bool:
         spin_until = time.monotonic() + self.SPIN_S

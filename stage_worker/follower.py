@@ -124,9 +124,13 @@ def read_start(channel: control.Reader) -> tuple[StageSettings, int, tuple[str, 
             None if disk is None else (disk[0], disk[1]))
 
 
-def main() -> None:
+def main(quiet_without_start: bool = False) -> None:
+    """quiet_without_start: a follower forked before rank 0 knew it would need it (stage_worker.follower_start)
+    ends without a word when rank 0 closes the pipe before its START (the stage refused its flags)."""
     die_with_parent()
     channel = control.Reader(sys.stdin.fileno())
+    if quiet_without_start and channel.peek() is None:
+        return
     settings, tp_rank, kv_disk = read_start(channel)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s follower tp{tp_rank} %(levelname)s: %(message)s")
     if settings.threads:

@@ -11,12 +11,11 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import itertools
 import threading
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +33,7 @@ from stage_worker.draft import make_drafter
 from stage_worker.ep_group import EPConfig, EPGroup
 from stage_worker.kv_cache import num_kv_blocks_for_budget
 from stage_worker.follower import start_message
+from stage_worker.follower_start import ForkedFollower, start_follower
 from stage_worker.runner import StageRunner
 from stage_worker.settings import StageSettings
 from stage_worker.step_executor import StepExecutor
@@ -53,6 +53,7 @@ class StageConfig:
     standby: bool = False  # a spare for a served index (see scheduler.rendezvous): KV allocated at start
     speculative: SpeculativeConfig | None = None  # the last stage's draft model (stage_worker.draft)
     kv_offloading_disk_path: str | None = None  #: the disk KV tier's directory (stage_worker.kv_disk)
+    forked_followers: list[ForkedFollower] = field(default_factory=list)  # stage_worker.follower_start; []: spawn
 
 
 MAX_DISK_EVICTIONS = 1 << 16  # per StoreKV call
@@ -99,14 +100,9 @@ class StageWorker:
                                   balancer)
 
     # -- start-up ---------------------------------------------------------------
-    def _start_follower(self, tp_rank: int) -> subprocess.Popen:
+    def _start_follower(self, tp_rank: int) -> subprocess.Popen | ForkedFollower:
         disk = (str(self.disk_dir.path), self.disk_dir.namespace) if self.disk_dir is not None else None
-        proc = subprocess.Popen([sys.executable, "-m", "stage_worker.follower"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, env=os.environ.copy())
-        assert proc.stdin is not None  # (started with stdin=PIPE)
-        proc.stdin.write(start_message(self.cfg.settings, tp_rank, disk))  # (its first message: it reads it first)
-        proc.stdin.flush()
-        return proc
+        return start_follower(self.cfg.forked_followers, tp_rank, start_message(self.cfg.settings, tp_rank, disk))
 
     @property
     def kv_bytes_per_block(self) -> int:

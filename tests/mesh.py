@@ -17,7 +17,7 @@ from stagemesh.core.model_config import layer_ranges
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core import ports
 from stagemesh.core.wire import sampling_to_pb
-from stagemesh.entry.forkserver import spawn_stagemesh
+from stagemesh.entry.forkserver import METHOD_ENV, spawn_stagemesh
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -69,7 +69,9 @@ class Mesh:
         self.scheduler: subprocess.Popen | None = None
         self.stages: list[subprocess.Popen | None] = []
         self.spares: list[subprocess.Popen] = []
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        # forked, a stage forks its TP followers too (stage_worker.follower_start)
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    METHOD_ENV: os.environ.get(METHOD_ENV, START_METHOD)}
         self.cached_tokens: dict[str, int] = {}  # request id -> its prompt's prefix-cache hit tokens
 
     def _spawn(self, args: list[str], name: str) -> subprocess.Popen:

@@ -42,27 +42,16 @@ import sys
 import threading
 import time
 
+from stagemesh.core.start_method import METHOD_ENV, METHODS, method  # noqa: F401  (METHOD_ENV, METHODS: its callers')
 from stagemesh.entry.forkserver_process import MAX_MESSAGE
 
 log = logging.getLogger("stagemesh.forkserver")
 
-METHOD_ENV = "STAGEMESH_WORKER_MULTIPROC_METHOD"
-METHODS = ("spawn", "forkserver")
 # Variables none of PRELOAD reads when imported: a child may differ from its fork server in these
 # (prometheus_client, which reads PROMETHEUS_MULTIPROC_DIR when imported, is not preloaded).
 LATE_PREFIXES = ("STAGEMESH_", "OTEL_", "PYTHONUNBUFFERED", "PYTEST_", "PROMETHEUS_MULTIPROC_DIR")
 MAX_SERVERS = 4
 SPAWN_TIMEOUT_S = 30.0
-
-
-def method() -> str:
-    """The start method the environment asks for; a value that is not one of METHODS is refused by name."""
-    value = os.environ.get(METHOD_ENV, "spawn") or "spawn"
-    if value not in METHODS:
-        from stagemesh.core.errors import StagemeshError  # (lazily, as everything of stagemesh here)
-
-        raise StagemeshError(f"{METHOD_ENV}={value!r} is not one of {', '.join(METHODS)}")
-    return value
 
 
 def env_key(env: dict[str, str]) -> tuple:
