@@ -21,6 +21,14 @@ os.environ.setdefault("STAGEMESH_INTERNAL_TOKEN", "tests-internal-token-3f9c2a7e
 # builds) is what tests/test_startup.py and tests/test_onednn_rows.py check, with it on
 os.environ.setdefault("STAGEMESH_SKIP_SERVER_WARMUP", "1")
 torch.set_num_threads(1)
+# under pytest-xdist, each worker's meshes pick their ports from a range of their own (stagemesh.core.ports)
+if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw") and not os.environ.get("STAGEMESH_PORT_RANGE"):
+    from stagemesh.core.ports import port_range
+
+    _low, _high = port_range()
+    _step = (_high - _low) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    _start = _low + _step * int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw"))
+    os.environ["STAGEMESH_PORT_RANGE"] = f"{_start}-{_start + _step}"
 
 from tiny_models import make_tiny_model  # noqa: E402
 
