@@ -81,7 +81,7 @@ def one_start(method: str, tp: int) -> tuple[float, dict[str, float]]:
         if pid == proc.pid:
             role = "serve"
         elif pid in names:
-            role = re.sub(r"\[\d+\]", "", names[pid])
+            role = re.sub(r"\[[\d.]+\]", "", names[pid])
         elif names.get(parent, "").startswith("stage"):
             role = "tp follower"
         else:
