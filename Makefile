@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed
 # has them); a machine with an NVIDIA driver takes the default CUDA build.
 TORCH_CPU_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# the suite runs on this many pytest-xdist workers, a test file whole on one worker (its module fixtures shared);
+# TEST_WORKERS=0 runs it in one process
+TEST_WORKERS ?= 2
 
 .PHONY: install serve test test-fast lint protos check-protos bench clean
 
@@ -67,7 +70,7 @@ serve: install
 	$(BIN)/stagemesh serve $(SERVE_ARGS)
 
 test: install check-protos
-	$(BIN)/python -m pytest -q -rs --durations=40 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs --durations=40 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # ruff (pycodestyle, pyflakes, bugbear) on everything, mypy on all five packages (pyproject.toml)
 lint: install
@@ -75,7 +78,7 @@ lint: install
 	$(BIN)/mypy
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
