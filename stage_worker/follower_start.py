@@ -25,6 +25,7 @@ import sys
 import time
 import traceback
 
+from stagemesh.core.pid_child import PidChild, thread_count
 from stagemesh.core.start_method import method
 
 log = logging.getLogger("stagemesh.stage")
@@ -33,8 +34,8 @@ PR_SET_NAME = 15
 MAX_FORKED = 64  # more followers than any device count: the flags are wrong, and spawning names the error later
 
 
-class ForkedFollower:
-    """A follower forked by rank 0: its pipes, its pid, Popen's poll / wait / kill."""
+class ForkedFollower(PidChild):
+    """A follower forked by rank 0: its pipes, its pid, Popen's poll / wait (and PidChild's signals)."""
 
     def __init__(self, pid: int, stdin_fd: int, stdout_fd: int):
         self.pid = pid
@@ -63,22 +64,6 @@ class ForkedFollower:
         assert self.returncode is not None
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
 
 
 def why_not_fork(ranks: int) -> str | None:
@@ -87,8 +72,8 @@ def why_not_fork(ranks: int) -> str | None:
         return "spawn is the start method"
     if not 1 < ranks <= MAX_FORKED:
         return f"{ranks} ranks"
-    if _threads() != 1:
-        return f"the stage has {_threads()} threads"
+    if (threads := thread_count()) != 1:
+        return f"the stage has {threads} threads"
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA is initialised"

@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 
+from stagemesh.core.pid_child import PidChild
 from stagemesh.core.start_method import METHOD_ENV, METHODS, method  # noqa: F401  (METHOD_ENV, METHODS: its callers')
 from stagemesh.entry.forkserver_process import MAX_MESSAGE
 
@@ -58,7 +59,7 @@ def env_key(env: dict[str, str]) -> tuple:
     return tuple(sorted((k, v) for k, v in env.items() if not k.startswith(LATE_PREFIXES)))
 
 
-class ForkedProcess:
+class ForkedProcess(PidChild):
     """A child of a fork server, with the part of `subprocess.Popen`'s interface its callers use."""
 
     def __init__(self, pid: int, args: list[str], server: ForkServer):
@@ -101,21 +102,6 @@ class ForkedProcess:
         assert self.returncode is not None
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def __repr__(self) -> str:
-        return f"<ForkedProcess pid={self.pid} returncode={self.returncode}>"
 
 
 class ForkServer:
