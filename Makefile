@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 # has them); a machine with an NVIDIA driver takes the default CUDA build.
 TORCH_CPU_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
-# the suite runs on this many pytest-xdist workers, a test file whole on one worker (its module fixtures shared);
+# the suite runs on this many pytest-xdist workers, a test file whole on one worker (its module fixtures shared),
+# the longest files first (tests/conftest.py);
 # TEST_WORKERS=0 runs it in one process
 TEST_WORKERS ?= 2
 
@@ -70,7 +71,7 @@ serve: install
 	$(BIN)/stagemesh serve $(SERVE_ARGS)
 
 test: install check-protos
-	$(BIN)/python -m pytest -q -rs --durations=40 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs --durations=40 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # ruff (pycodestyle, pyflakes, bugbear) on everything, mypy on all five packages (pyproject.toml)
 lint: install
@@ -78,7 +79,7 @@ lint: install
 	$(BIN)/mypy
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -248,6 +248,15 @@ def run_stagemesh(argv: list[str], timeout: float = 120, env: dict[str, str] | N
                                            err.read().decode(errors="replace"))
 
 
+def start_serve(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`stagemesh serve *argv`, its output (stderr too) appended to log. Forked as the meshes are (START_METHOD), and
+    serve forks its own children the same way: a serve start costs a fork server's imports, not every child's.
+    Users' default (spawn, cold children) is what test_serve and test_startup start."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", METHOD_ENV: os.environ.get(METHOD_ENV, START_METHOD), **(env or {})}
+    with open(log, "ab") as out:
+        return spawn_stagemesh(["serve", *argv], stdout=out, env=env, start_method=START_METHOD)
+
+
 def stop_process(proc: subprocess.Popen, grace_s: float = 10) -> None:
     """SIGTERM, and SIGKILL if it has not exited within grace_s."""
     proc.terminate()

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -17,7 +15,7 @@ from contextlib import contextmanager
 import pytest
 import requests
 
-from mesh import Mesh, completion_ids, free_port, run_stagemesh
+from mesh import Mesh, completion_ids, free_port, run_stagemesh, start_serve
 from parity import prompts
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.sampling_params import SamplingParams
@@ -148,10 +146,8 @@ def test_serve_dp2_with_expert_parallel_matches_transformers(tiny_model_dir, tmp
     ref = reference_model(model_dir)
     want = [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
     port, log = free_port(), tmp_path / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model_dir), "-dp", "2",
-                             "--enable-expert-parallel", "--device", "cpu", "--port", str(port), "--grpc-port", "0",
-                             "--served-model-name", "moe", "--threads", "1"],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    proc = start_serve([str(model_dir), "-dp", "2", "--enable-expert-parallel", "--device", "cpu", "--port", str(port),
+                        "--grpc-port", "0", "--served-model-name", "moe", "--threads", "1"], log)
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180

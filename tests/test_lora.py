@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lora_cases import ATTENTION, make_adapter, merged_reference, peft_adapter, run_mixed, runners, settings
-from mesh import exit_codes, free_port, run_stagemesh
+from mesh import exit_codes, free_port, run_stagemesh, start_serve
 from parity import prompts
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.lora import LoRAError, LoRALimits, parse_lora_modules, read_adapter_config
@@ -268,13 +268,10 @@ def test_serve_with_lora_answers_each_adapter_and_loads_and_unloads_them_at_run_
     port, grpc_port, log = free_port(), free_port(), tmp_path / "serve.log"
     root = adapters["rs"].parent  # what run-time loads may read; "rs" is loaded at run time
     modules = [f"{name}={path}" for name, path in adapters.items() if name != "rs"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model), "--port", str(port),
-                                 "--grpc-port", str(grpc_port), "-pp", "2", "-tp", "2", "--threads", "1",
-                                 "--served-model-name", "base", "--enable-lora", "--max-loras", "2",
-                                 "--allowed-local-lora-path", str(root), "--lora-modules", *modules],
-                                stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    proc = start_serve([str(model), "--port", str(port), "--grpc-port", str(grpc_port), "-pp", "2", "-tp", "2",
+                        "--threads", "1", "--served-model-name", "base", "--enable-lora", "--max-loras", "2",
+                        "--allowed-local-lora-path", str(root), "--lora-modules", *modules],
+                       log, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
     base_url = f"http://127.0.0.1:{port}"
 
     def post(path, body):
@@ -623,14 +620,11 @@ def test_disaggregated_prefill_carries_the_adapter_with_its_kv(model, adapters, 
 
     model = with_word_tokenizer(model, tmp_path / "model")
     port, log = free_port(), tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model), "--port", str(port),
-                                 "-dp", "2", "--prefill-replicas", "1", "--threads", "1",
-                                 "--served-model-name", "base", "--enable-lora", "--max-loras", "3",
-                                 "--allowed-local-lora-path", str(adapters["rs"].parent),
-                                 "--lora-modules", *(f"{n}={p}" for n, p in adapters.items() if n != "rs")],
-                                stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
+    proc = start_serve([str(model), "--port", str(port), "-dp", "2", "--prefill-replicas", "1", "--threads", "1",
+                        "--served-model-name", "base", "--enable-lora", "--max-loras", "3",
+                        "--allowed-local-lora-path", str(adapters["rs"].parent),
+                        "--lora-modules", *(f"{n}={p}" for n, p in adapters.items() if n != "rs")],
+                       log, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
     try:
         wait_http_ok(proc, f"http://127.0.0.1:{port}/ready", 180, "serve", log)
         deadline = time.monotonic() + 180  # (serve answers once one replica does: here the prefill one too)

@@ -7,12 +7,10 @@ PCP follower loses no request: tests/test_dcp.py's killed-rank test, its pcp2 ca
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 
-from mesh import Mesh, Router, free_port, stop_process, wait_http_ok
+from mesh import Mesh, Router, free_port, start_serve, stop_process, wait_http_ok
 from parity import prompts
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams
@@ -108,10 +106,8 @@ def test_serve_runs_the_default_model_with_pcp2_and_answers_as_transformers(defa
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     port, log_path = free_port(), tmp_path / "serve.log"
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", "--device", "cpu", "-pcp", "2",
-                                 "--port", str(port), "--grpc-port", "0", "--threads", "1"],
-                                stdout=out, stderr=subprocess.STDOUT)
+    proc = start_serve(["--device", "cpu", "-pcp", "2", "--port", str(port), "--grpc-port", "0", "--threads", "1"],
+                       log_path)
     try:
         wait_http_ok(proc, f"http://127.0.0.1:{port}/ready", 120, "stagemesh serve", log_path)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)

@@ -4,8 +4,6 @@ TP=2 stage reads its shards of a GGUF."""
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 
@@ -67,17 +65,14 @@ def test_int8_within_loose_quality_bounds_of_fp32(default_model_dir, fp32, metho
 
 def test_serve_embedded_gguf_answers_as_fp32_through_the_openai_client(fp32, tmp_path):
     """`stagemesh serve --quantization gguf` (the embedded model's GGUF, no model argument)."""
-    from mesh import free_port
+    from mesh import free_port, start_serve
     import openai
     import time
 
     tokenizer, _, greedy, _ = fp32
     port = free_port()
     log = tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", "--quantization", "gguf", "--port",
-                                 str(port), "--grpc-port", "0", "--threads", "1"], stdout=out,
-                                stderr=subprocess.STDOUT)
+    proc = start_serve(["--quantization", "gguf", "--port", str(port), "--grpc-port", "0", "--threads", "1"], log)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         deadline = time.monotonic() + 180

@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +14,7 @@ import grpc
 import pytest
 import requests
 
-from mesh import Mesh, free_port
+from mesh import Mesh, free_port, start_serve
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import scheduler_pb2
 from tiny_models import with_word_tokenizer
@@ -87,9 +85,8 @@ def _until(predicate, timeout: float, what: str, log) -> None:
 def test_serve_restarts_a_dead_stage_while_the_other_replica_serves(tiny_model_dir, tmp_path):
     model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
     port, log = free_port(), tmp_path / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model_dir), "-dp", "2", "-pp", "2",
-                             "--handoff", "grpc", "--port", str(port), "--grpc-port", "0", "--threads", "1"],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    proc = start_serve([str(model_dir), "-dp", "2", "-pp", "2", "--handoff", "grpc", "--port", str(port),
+                        "--grpc-port", "0", "--threads", "1"], log)
     base = f"http://127.0.0.1:{port}"
     body = {"model": str(model_dir), "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}
     try:

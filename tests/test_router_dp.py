@@ -4,7 +4,6 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from mesh import Mesh, Router, completion_ids, free_port, internal_channel
+from mesh import Mesh, Router, completion_ids, free_port, internal_channel, start_serve
 from parity import prompts
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tiny_models import reference_greedy, reference_model, with_word_tokenizer
@@ -27,10 +26,8 @@ def test_serve_tp2_pp2_dp2_matches_transformers(tiny_model_dir, tmp_path):
     model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
     port = free_port()
     log = tmp_path / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model_dir), "-tp", "2", "-pp", "2",
-                             "-dp", "2", "--port", str(port), "--grpc-port", "0", "--served-model-name", M,
-                             "--threads", "1"],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    proc = start_serve([str(model_dir), "-tp", "2", "-pp", "2", "-dp", "2", "--port", str(port), "--grpc-port", "0",
+                        "--served-model-name", M, "--threads", "1"], log)
     try:
         base = f"http://127.0.0.1:{port}"
         _wait(lambda: requests.get(f"{base}/health", timeout=2).json()["replicas"], log,
