@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # TEST_WORKERS=0 runs it in one process
 TEST_WORKERS ?= 2
 
-.PHONY: install serve test test-fast lint protos check-protos bench clean
+.PHONY: install bytecode serve test test-fast lint protos check-protos bench clean
 
 install: $(STAMP)
 
@@ -61,16 +61,22 @@ $(STAMP): pyproject.toml Makefile
 	fi
 	touch $(STAMP)
 
+# the project's modules compiled once (py_compile writes even where PYTHONDONTWRITEBYTECODE is set, and Python
+# still reads what is written): each process the mesh and the tests start loads them instead of compiling
+# ~100 modules again (0.16 s of CPU a process on a Zen 4); a module edited later is compiled as before
+bytecode: install
+	$(BIN)/python -m compileall -q stagemesh router scheduler stage_worker kernels protos/stagemesh/v1
+
 protos: install
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python protos/generate.py
 
 check-protos: install
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python protos/generate.py --check
 
-serve: install
+serve: install bytecode
 	$(BIN)/stagemesh serve $(SERVE_ARGS)
 
-test: install check-protos
+test: install check-protos bytecode
 	$(BIN)/python -m pytest -q -rs --durations=40 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # ruff (pycodestyle, pyflakes, bugbear) on everything, mypy on all five packages (pyproject.toml)
@@ -78,7 +84,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test-fast: install
+test-fast: install bytecode
 	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 clean:

@@ -13,10 +13,10 @@ import pytest
 from stagemesh.entry import forkserver
 
 SCRIPT = """
-import json, os, sys
+import gc, json, os, sys
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "env": os.environ.get("STAGEMESH_PROBE"),
                   "omp": os.environ.get("OMP_NUM_THREADS"), "ppid": os.getppid(), "pgid": os.getpgid(0),
-                  "path0": sys.path[0], "torch_loaded": "torch" in sys.modules}))
+                  "path0": sys.path[0], "torch_loaded": "torch" in sys.modules, "frozen": gc.get_freeze_count()}))
 print("to stderr", file=sys.stderr)
 if sys.argv[1:] == ["sleep"]:
     import time
@@ -48,6 +48,7 @@ def test_a_forked_child_has_its_argv_environment_streams_and_exit_code(script, t
     seen = json.loads((tmp_path / "out.out").read_text())
     assert seen["argv"] == ["7"] and seen["cwd"] == str(tmp_path) and seen["env"] == "one"
     assert seen["torch_loaded"]  # it came warm: torch was imported before the fork
+    assert seen["frozen"] > 10_000  # and that heap frozen (gc.freeze): the child's collections never walk it
     assert seen["path0"] == str(tmp_path)  # as `python SCRIPT` sets sys.path[0]
     assert (tmp_path / "out.err").read_text() == "to stderr\n"
     server = forkserver.server_for(env)
