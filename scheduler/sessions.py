@@ -89,6 +89,15 @@ class Session:
         return outs + ([self.error] if self.error is not None else [])
 
 
+def _coming_back(old: Session, r: EngineRequest, connection: Connection) -> bool:
+    """A request this replica handed on (drained, rebalanced: it ended "migrated" here), sent back by the router
+    that moved it, for the same owner: its finished half here gives way to the new one. (That router keeps the
+    half until the answer is written, so that its successor could resume a move it died in; a rebalance may
+    bring the request back before then.)"""
+    return (old.connection is connection and old.error is None and old.journal.finish_reason == "migrated"
+            and hmac.compare_digest(r.owner.encode(), old.owner.encode()))
+
+
 class Sessions:
     """The replica's resumable requests, by id."""
 
@@ -110,7 +119,8 @@ class Sessions:
     def open(self, r: EngineRequest, connection: Connection) -> Session:
         """A session for a request about to be added (its sink); a continuation's earlier tokens (and their
         logprobs) begin its journal."""
-        if r.request_id in self._sessions:
+        old = self._sessions.get(r.request_id)
+        if old is not None and not _coming_back(old, r, connection):
             raise StagemeshError(f"request id {r.request_id!r} is already in use (a stream of that id can be resumed "
                                  "for --resume-grace-period after its router went away)")
         earlier = [SampledToken(-1, e.token_id, e.logprob, list(e.top_token_ids), list(e.top_logprobs))

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import re
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +13,8 @@ import pytest
 import torch
 
 from lora_cases import ATTENTION, make_adapter, merged_reference, peft_adapter, run_mixed, runners, settings
-from mesh import exit_codes, free_port, run_stagemesh, start_serve
+from mesh import START_METHOD, exit_codes, free_port, run_stagemesh, start_serve
+from stagemesh.entry.forkserver import spawn_stagemesh
 from parity import prompts
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.lora import LoRAError, LoRALimits, parse_lora_modules, read_adapter_config
@@ -131,8 +130,8 @@ def test_tp2_shards_each_adapter_like_its_base_layer(model, adapters, cases, tmp
     out, port = tmp_path / "tokens.json", free_port()
     spec = json.dumps({"model": str(model), "adapters": {k: str(v) for k, v in adapters.items()},
                        "seqs": [seq for seq, _ in cases], "new_tokens": NEW, "out": str(out), "dcp": dcp})
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), "2", str(port), spec],
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for rank in range(2)]
+    procs = [spawn_stagemesh([str(rank), "2", str(port), spec], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                             script=str(WORKER), start_method=START_METHOD) for rank in range(2)]
     codes = exit_codes(procs)
     assert codes == [0, 0]
     assert json.loads(out.read_text()) == [want for _, want in cases]

@@ -5,13 +5,11 @@ import json
 import re
 import signal
 import subprocess
-import sys
-import time
 
 import pytest
 import requests
 
-from mesh import free_port, run_stagemesh
+from mesh import free_port, run_stagemesh, start_serve, wait_http_ok
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.entry.plan.cli import load_config
@@ -169,19 +167,9 @@ def test_printed_serve_command_starts_the_mesh(tiny_model_dir, tmp_path, arch, l
     assert command[:2] == ["stagemesh", "serve"] and flag in command
     port = free_port()
     log = tmp_path / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", *command, "--port", str(port), "--grpc-port", "0",
-                             "--threads", "1"], stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    proc = start_serve([*command[2:], "--port", str(port), "--grpc-port", "0", "--threads", "1"], log)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(0.3)
-        else:
-            pytest.fail(log.read_text())
+        wait_http_ok(proc, f"http://127.0.0.1:{port}/ready", 120, "the printed serve command", log)
         body = {"model": str(model), "prompt": [5, 6, 7], "max_tokens": 4}
         assert requests.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).status_code == 200
     finally:

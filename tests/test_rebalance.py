@@ -78,8 +78,12 @@ def test_a_replica_given_to_the_router_takes_half_the_running_streams_with_their
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     control = free_port()
-    with Mesh(wide_model_dir, [4], log_dir=tmp_path / "a", scheduler_args=args) as a, \
-            Mesh(wide_model_dir, [4], log_dir=tmp_path / "b", scheduler_args=(*args, "--kv-peer", a.address)) as b, \
+    # each a --kv-peer of the other: a request the rebalancer moves back (B to A, once A's own have ended) goes
+    # with its KV too
+    a = Mesh(wide_model_dir, [4], log_dir=tmp_path / "a", scheduler_args=args)
+    b = Mesh(wide_model_dir, [4], log_dir=tmp_path / "b", scheduler_args=(*args, "--kv-peer", a.address))
+    a.scheduler_args += ["--kv-peer", b.address]
+    with a, b, \
             Router(wide_model_dir, [a.address], ("--control-port", str(control), "--rebalance-interval", "0.3",
                                                  "--rebalance-min-gap", "2"), log_dir=tmp_path) as router:
         stub = scheduler_pb2_grpc.SchedulerStub(internal_channel(a.address))

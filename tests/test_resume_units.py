@@ -225,6 +225,24 @@ def test_unresumed_sessions_end_after_the_grace_period_and_stops_free_the_kv_at_
         sessions.open(_request("r", [1]), connection) and sessions.open(_request("r", [1]), connection)
 
 
+def test_a_request_handed_on_comes_back_to_the_replica_that_handed_it_on_from_its_router_only():
+    """A rebalance may move a request back where it ran before (A -> B -> A): the router that moved it still
+    holds its finished "migrated" half on A, and its new half takes the id. Anyone else still finds it in use."""
+    sessions = Sessions(Released(), grace_s=30)
+    router, other = Connection(), Connection()
+    sessions.open(_request("r", [1], owner="k1"), router).put(RequestOutput("r", [4], finish_reason="migrated"))
+    sessions.open(_request("x", [1], owner="k1"), router).put(RequestOutput("x", [4], finish_reason="length"))
+    for request, connection in ((_request("r", [1], owner="k2"), router), (_request("r", [1], owner="k1"), other),
+                                (_request("x", [1], owner="k1"), router)):
+        with pytest.raises(StagemeshError, match="already in use"):
+            sessions.open(request, connection)
+    back = sessions.open(_request("r", [1], [4], owner="k1"), router)
+    back.put(RequestOutput("r", [5], finish_reason="length"))
+    assert back.journal.new_token_ids == [4, 5]  # the continuation's journal: what it brought and what it made
+    sessions.release("r", router)
+    assert "r" not in sessions
+
+
 def test_with_no_grace_period_a_broken_streams_sessions_end_at_once():
     released = Released()
     sessions = Sessions(released, grace_s=0)
