@@ -71,7 +71,11 @@ def test_a_later_high_priority_request_preempts_the_low_ones_and_every_answer_is
         t.join(300)
     assert [r["ids"] for r in results] == want  # preempted and recomputed, every stream has its exact tokens
     a, b, h = (r["done"] for r in results)
-    assert h < a and h < b, "the high-priority request came last but must finish first"
+    # The cache holds one low stream whole beside the high one, not two: first come, first served, the high one
+    # would wait for both and end last. Priority runs it ahead of the low one that waits for blocks; the other
+    # may still end first, when the blocks it held sufficed to its end (how far it got before the high one came
+    # is the machine's timing).
+    assert h < max(a, b), "the high-priority request came last: it waited behind both low ones"
     metrics = requests.get(f"{router.base_url}/metrics", timeout=10).text
     preempted = sum(float(line.split()[-1]) for line in metrics.splitlines()
                     if line.startswith("vllm:num_preemptions_total{"))
