@@ -13,6 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stagemesh.entry.forkserver import METHOD_ENV
+from tiny_models import with_word_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +67,8 @@ def wait_for(log_path, pattern: str, timeout: float = 120) -> re.Match:
 
 def test_with_restart_policy_never_a_child_that_dies_stops_the_mesh(tiny_model_dir, tmp_path):
     log_path = tmp_path / "serve.log"
-    proc = start_serve(tiny_model_dir("llama"), log_path, "--restart-policy", "never")
+    proc = start_serve(with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model"), log_path,
+                       "--restart-policy", "never")
     try:
         stage_pid = int(wait_for(log_path, r"started stage\[0\.1\] \(pid (\d+)\)").group(1))
         wait_for(log_path, r"joined epoch 1")
@@ -84,7 +86,9 @@ def test_with_restart_policy_never_a_child_that_dies_stops_the_mesh(tiny_model_d
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 def test_serve_starts_the_replica_and_sigterm_stops_every_child(tiny_model_dir, tmp_path, start_method):
     log_path = tmp_path / "serve.log"
-    proc = start_serve(tiny_model_dir("llama"), log_path, start_method=start_method)
+    # (a model with a tokenizer: without one the router exits at start, and the children are not all there)
+    proc = start_serve(with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model"), log_path,
+                       start_method=start_method)
     try:
         deadline = time.monotonic() + 120
         address = None
@@ -274,8 +278,6 @@ def test_serve_exits_2_with_vllms_message_when_max_model_len_exceeds_the_kv_cach
     """Each stage of the tiny llama (2 layers, 2 KV heads of 16, fp32) holds 8 blocks of 16 tokens in 64 KiB:
     128 tokens, far below a --max-model-len of 512. serve stops with code 2 and says so, vLLM's way, rather than
     logging an error every probe for ever."""
-    from tiny_models import with_word_tokenizer
-
     log_path = tmp_path / "serve.log"
     model = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")  # (a router that starts cleanly)
     with serving(model, log_path, "--kv-cache-memory", str(64 * 1024),
