@@ -65,7 +65,6 @@ class ForkedFollower(PidChild):
         return self.returncode
 
 
-
 def why_not_fork(ranks: int) -> str | None:
     """Why rank 0 cannot fork its followers now (None: it can)."""
     if method() != "forkserver":

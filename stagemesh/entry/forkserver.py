@@ -103,7 +103,6 @@ class ForkedProcess(PidChild):
         return self.returncode
 
 
-
 class ForkServer:
     """One fork server process and the children it forked for this caller."""
 
