@@ -16,8 +16,7 @@ from pathlib import Path
 
 import requests
 
-from mesh import START_METHOD, free_port
-from stagemesh.entry.forkserver import METHOD_ENV, spawn_stagemesh
+from mesh import free_port, start_serve
 from sse_client import stream
 
 
@@ -35,13 +34,11 @@ class Serve:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         # (the compiled kernels stay where conftest put them: STAGEMESH_KERNEL_CACHE)
-        # operations restart, add and replace children: serve forks them from a warm fork server
-        self.env = {**os.environ, "STAGEMESH_CACHE": str(self.cache), "OMP_NUM_THREADS": "1",
-                    "PYTHONUNBUFFERED": "1", METHOD_ENV: os.environ.get(METHOD_ENV, "forkserver")}
-        with open(self.log, "wb") as out:
-            self.proc = spawn_stagemesh(["serve", str(model_dir), "--port", str(self.port), "--grpc-port", "0",
-                                         "--threads", "1", "--handoff", "grpc", *flags], stdout=out, env=self.env,
-                                        start_method=START_METHOD)
+        # operations restart, add and replace children: serve forks them from a warm fork server (start_serve)
+        own = {"STAGEMESH_CACHE": str(self.cache), "PYTHONUNBUFFERED": "1"}
+        self.env = {**os.environ, **own}  # for the CLI commands a test runs at this serve (rollout, scale)
+        self.proc = start_serve([str(model_dir), "--port", str(self.port), "--grpc-port", "0", "--threads", "1",
+                                 "--handoff", "grpc", *flags], self.log, own)
 
     def __enter__(self) -> "Serve":
         return self

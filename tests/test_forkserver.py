@@ -16,7 +16,8 @@ SCRIPT = """
 import gc, json, os, sys
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "env": os.environ.get("STAGEMESH_PROBE"),
                   "omp": os.environ.get("OMP_NUM_THREADS"), "ppid": os.getppid(), "pgid": os.getpgid(0),
-                  "path0": sys.path[0], "torch_loaded": "torch" in sys.modules, "frozen": gc.get_freeze_count()}))
+                  "path0": sys.path[0], "torch_loaded": "torch" in sys.modules, "frozen": gc.get_freeze_count(),
+                  "comm": open("/proc/self/comm").read().strip()}))
 print("to stderr", file=sys.stderr)
 if sys.argv[1:] == ["sleep"]:
     import time
@@ -50,6 +51,7 @@ def test_a_forked_child_has_its_argv_environment_streams_and_exit_code(script, t
     assert seen["torch_loaded"]  # it came warm: torch was imported before the fork
     assert seen["frozen"] > 10_000  # and that heap frozen (gc.freeze): the child's collections never walk it
     assert seen["path0"] == str(tmp_path)  # as `python SCRIPT` sets sys.path[0]
+    assert seen["comm"] == "sm-probe"  # its name in top (its command line is the fork server's)
     assert (tmp_path / "out.err").read_text() == "to stderr\n"
     server = forkserver.server_for(env)
     assert seen["ppid"] == server.proc.pid and seen["pgid"] == os.getpgid(server.proc.pid)

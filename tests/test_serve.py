@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from mesh import start_serve
 from stagemesh.entry.forkserver import METHOD_ENV
 from tiny_models import with_word_tokenizer
 
@@ -35,18 +36,22 @@ def parent_of(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-def start_serve(model_dir, log_path, *extra: str, start_method: str = "spawn"):
+SERVE_FLAGS = ("--pipeline-parallel-size", "2", "--handoff", "grpc", "--port", "0", "--grpc-port", "0",
+               "--threads", "1")
+
+
+def start_serve_as_users_do(model_dir, log_path, *extra: str, start_method: str = "spawn"):
+    """`python -m stagemesh serve`, as a user starts it: a cold interpreter, whose children start by start_method
+    (users' default: spawn). The other tests fork serve warm (mesh.start_serve)."""
     with open(log_path, "wb") as log:
-        return subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model_dir),
-                                 "--pipeline-parallel-size", "2", "--handoff", "grpc", "--port", "0",
-                                 "--grpc-port", "0", "--threads", "1", *extra], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, METHOD_ENV: start_method})
+        return subprocess.Popen([sys.executable, "-m", "stagemesh", "serve", str(model_dir), *SERVE_FLAGS, *extra],
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, METHOD_ENV: start_method})
 
 
 @contextmanager
 def serving(model_dir, log_path, *extra: str):
-    """start_serve; on the way out the process is killed if the test left it running."""
-    proc = start_serve(model_dir, log_path, *extra)
+    """serve, forked warm (mesh.start_serve); on the way out the process is killed if the test left it running."""
+    proc = start_serve([str(model_dir), *SERVE_FLAGS, *extra], log_path)
     try:
         yield proc
     finally:
@@ -67,9 +72,8 @@ def wait_for(log_path, pattern: str, timeout: float = 120) -> re.Match:
 
 def test_with_restart_policy_never_a_child_that_dies_stops_the_mesh(tiny_model_dir, tmp_path):
     log_path = tmp_path / "serve.log"
-    proc = start_serve(with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model"), log_path,
-                       "--restart-policy", "never")
-    try:
+    with serving(with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model"), log_path,
+                 "--restart-policy", "never") as proc:
         stage_pid = int(wait_for(log_path, r"started stage\[0\.1\] \(pid (\d+)\)").group(1))
         wait_for(log_path, r"joined epoch 1")
         pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", log_path.read_text())]
@@ -77,18 +81,14 @@ def test_with_restart_policy_never_a_child_that_dies_stops_the_mesh(tiny_model_d
         assert proc.wait(timeout=30) == 1
         assert "stage[0.1] exited with code -9; stopping the mesh (--restart-policy never)" in log_path.read_text()
         assert [p for p in pids if alive(p)] == []
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 def test_serve_starts_the_replica_and_sigterm_stops_every_child(tiny_model_dir, tmp_path, start_method):
     log_path = tmp_path / "serve.log"
     # (a model with a tokenizer: without one the router exits at start, and the children are not all there)
-    proc = start_serve(with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model"), log_path,
-                       start_method=start_method)
+    proc = start_serve_as_users_do(with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model"), log_path,
+                                   start_method=start_method)
     try:
         deadline = time.monotonic() + 120
         address = None

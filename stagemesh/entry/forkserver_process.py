@@ -27,6 +27,7 @@ PRELOAD = ("torch", "transformers", "transformers.models.auto.tokenization_auto"
            "google.protobuf.message", "aiohttp", "jinja2", "xgrammar", "redis", "redis.asyncio", "pydantic", "uvloop",
            "psutil")
 MAX_MESSAGE = 1 << 20
+PR_SET_NAME = 15
 REAP_INTERVAL_S = 0.05
 
 def _recv(sock: socket.socket) -> tuple[dict | None, list[int]]:
@@ -104,6 +105,7 @@ def _become(req: dict) -> None:
                 stream.reconfigure(write_through=True)
     if "numpy" in sys.modules:  # forked children would otherwise share one numpy seed
         sys.modules["numpy"].random.seed()
+    _name(req)
     import runpy
 
     if req.get("script"):  # `python SCRIPT *argv`
@@ -114,6 +116,17 @@ def _become(req: dict) -> None:
     sys.path[0] = req["cwd"]  # as `python -m stagemesh` sets it
     sys.argv = [os.path.join(os.path.dirname(os.path.dirname(__file__)), "__main__.py"), *req["argv"]]
     runpy.run_module("stagemesh", run_name="__main__", alter_sys=True)
+
+
+def _name(req: dict) -> None:
+    """The child's name in top and `ps -o comm` (sm-stage, sm-router, ...): its command line is the fork server's."""
+    what = os.path.basename(req["script"]).removesuffix(".py") if req.get("script") else (req["argv"] or ["?"])[0]
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(PR_SET_NAME, f"sm-{what}".encode()[:15])
+    except OSError:
+        pass
 
 
 def main() -> None:
