@@ -13,7 +13,7 @@ from stagemesh.client import Client
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import frontend_pb2, frontend_pb2_grpc
 from stagemesh.core.wire import sampling_to_pb
-from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+from tiny_models import reference_model, reference_tokens, with_word_tokenizer
 
 pytestmark = pytest.mark.slow
 M = "llama-tiny"
@@ -44,7 +44,7 @@ def router(model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def greedy(model):
     ref = reference_model(model)
-    return lambda prompt, n: reference_greedy(ref, prompt, n)[0]
+    return lambda prompt, n: reference_tokens(ref, prompt, n)
 
 
 def complete(router, **body) -> dict:

@@ -19,7 +19,7 @@ from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import scheduler_pb2
 from test_recovery import wait_for_steps
-from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+from tiny_models import reference_model, reference_tokens, with_word_tokenizer
 
 NEW_TOKENS = 16
 LENGTHS = (5, 40, 17, 70, 3, 33, 9, 51, 24, 12, 60, 7, 45, 30, 2, 19)  # 16 concurrent requests
@@ -55,7 +55,7 @@ def expected(models):
     want = {}
     for name, model_dir in models.items():
         ref = reference_model(model_dir)
-        want[name] = [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
+        want[name] = [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
     return batch, want
 
 
@@ -94,7 +94,7 @@ def test_dcp_doubles_the_tokens_a_replica_holds_and_serves_a_prompt_plain_tp_ref
     batch, want_batch = expected
     model_dir = with_word_tokenizer(models["mqa"], tmp_path / "model")
     prompt = prompts(384, (LONG_PROMPT,), seed=7)[0]
-    want = reference_greedy(reference_model(model_dir), prompt, NEW_TOKENS)[0]
+    want = reference_tokens(reference_model(model_dir), prompt, NEW_TOKENS)
     sizes, answers = {}, {}
     for name, extra in (("tp2", []), ("tp2-dcp2", DCP2)):
         logs = tmp_path / name
@@ -163,7 +163,7 @@ def test_a_killed_context_parallel_rank_loses_no_request(models, tmp_path, model
     model_dir = models[model]
     ref = reference_model(model_dir)
     batch = prompts(384, KILL_LENGTHS)
-    want = [reference_greedy(ref, p, KILL_TOKENS)[0] for p in batch]
+    want = [reference_tokens(ref, p, KILL_TOKENS) for p in batch]
     greedy = SamplingParams(max_tokens=KILL_TOKENS, ignore_eos=True)
     with Mesh(model_dir, [4], tp=[tp], handoff="nccl", log_dir=tmp_path, per_stage_args={0: flags},
               scheduler_args=("--stage-recovery-timeout", "90")) as mesh:

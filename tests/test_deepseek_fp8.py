@@ -15,7 +15,7 @@ from quant_checkpoints import write_quantized
 from stage_worker.quant_weight import QuantizedWeight
 from stage_worker.runner import StageRunner
 from test_tp_parity import run_tp
-from tiny_models import make_tiny_model, reference_greedy, reference_model, with_mtp_layer
+from tiny_models import make_tiny_model, reference_greedy, reference_model, reference_tokens, with_mtp_layer
 
 TOL = dict(atol=2e-4, rtol=1e-4)
 
@@ -79,7 +79,7 @@ def test_the_mtp_layer_drafts_from_fp8_weights(tmp_path):
                                       "fp8-block")
     reference = reference_model(twin)
     batch = prompts(384, (5, 40, 17))
-    want = [reference_greedy(reference, p, 12)[0] for p in batch]
+    want = [reference_tokens(reference, p, 12) for p in batch]
     spec = {"method": "deepseek_mtp", "num_speculative_tokens": 2}
     with LocalEngine.of(quantised, speculative_config=spec) as engine:
         assert engine.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True)) == want

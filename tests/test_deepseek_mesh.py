@@ -18,7 +18,7 @@ from parity import prompts
 from stagemesh.core.sampling_params import SamplingParams
 from test_disaggregated import NEW_TOKENS, assert_decoded, prefill_all, run
 from test_dp_ep import two_replicas
-from tiny_models import make_tiny_model, reference_greedy, reference_model, with_mtp_layer
+from tiny_models import make_tiny_model, reference_model, reference_tokens, with_mtp_layer
 
 pytestmark = pytest.mark.slow
 LENGTHS = (5, 40, 17, 70, 3, 33)
@@ -35,7 +35,7 @@ def expected(tiny_model_dir):
         model_dir = tiny_model_dir(arch)
         ref = reference_model(model_dir)
         batch = prompts(384, lengths, seed=seed)
-        return model_dir, batch, [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
+        return model_dir, batch, [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
     return want
 
 
@@ -105,7 +105,7 @@ def test_mtp_speculation_through_a_pp2_mesh(tmp_path):
     model_dir = with_mtp_layer(base, tmp_path / "mtp", copy_of=1)
     ref = reference_model(model_dir)
     batch = prompts(384, LENGTHS)
-    want = [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
+    want = [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
     spec, port = json.dumps({"method": "deepseek_mtp", "num_speculative_tokens": 2}), free_port()
     with Mesh(model_dir, [1, 1], log_dir=tmp_path, per_stage_args={1: ["--speculative-config", spec]},
               scheduler_args=("--speculative-config", spec, "--metrics-port", str(port))) as mesh:

@@ -13,7 +13,7 @@ from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.speculative import parse_speculative_config
 from stagemesh.entry.local_engine import LocalEngine
-from tiny_models import make_tiny_model, reference_greedy, reference_model, with_mtp_layer
+from tiny_models import make_tiny_model, reference_model, reference_tokens, with_mtp_layer
 
 MTP = {"method": "deepseek_mtp", "num_speculative_tokens": 2}
 NEW_TOKENS = 16
@@ -21,7 +21,7 @@ NEW_TOKENS = 16
 
 def greedy(model_dir, batch):
     ref = reference_model(model_dir)
-    return [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
+    return [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
 
 
 def test_a_copy_of_the_main_path_drafts_tokens_that_are_accepted(tmp_path):

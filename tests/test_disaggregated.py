@@ -26,7 +26,7 @@ from parity import prompts
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.wire import sampling_to_pb
 from stagemesh.v1 import scheduler_pb2, stage_pb2, stage_pb2_grpc
-from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+from tiny_models import reference_model, reference_tokens, with_word_tokenizer
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 12
@@ -126,7 +126,7 @@ def test_a_decode_replica_fetches_the_prompts_kv_and_goes_on_exactly(meshes):
     model_dir, p, d, logs = meshes
     ref = reference_model(model_dir)
     batch = prompts(384, LENGTHS, seed=3)
-    want = [reference_greedy(ref, x, NEW_TOKENS)[0] for x in batch]
+    want = [reference_tokens(ref, x, NEW_TOKENS) for x in batch]
     decode = prefill_all(p, batch, want)
     for x, r in zip(batch, decode):
         kv = r.kv_transfer
@@ -146,7 +146,7 @@ def test_a_fetch_that_cannot_work_falls_back_to_computing_the_prompt(meshes):
     model_dir, p, d, logs = meshes
     ref = reference_model(model_dir)
     x = prompts(384, (50,), seed=4)[0]
-    want = reference_greedy(ref, x, NEW_TOKENS)[0]
+    want = reference_tokens(ref, x, NEW_TOKENS)
     sampling = sampling_to_pb(SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     tokens, reason, kv = run(p, [scheduler_pb2.SubmitRequest(request_id="f", prompt_token_ids=x, sampling=sampling,
                                                              prefill_only=True)])["f"]
@@ -200,7 +200,7 @@ class Listener:
 def test_kv_is_read_only_from_the_replicas_the_decode_scheduler_was_given(meshes):
     model_dir, p, d, logs = meshes
     x = prompts(384, (40,), seed=6)[0]
-    want = reference_greedy(reference_model(model_dir), x, NEW_TOKENS)[0]
+    want = reference_tokens(reference_model(model_dir), x, NEW_TOKENS)
     sampling = sampling_to_pb(SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     tokens, _, kv = run(p, [scheduler_pb2.SubmitRequest(request_id="u", prompt_token_ids=x, sampling=sampling,
                                                         prefill_only=True)])["u"]
@@ -304,7 +304,7 @@ def test_through_the_router_prompts_run_on_the_prefill_replica_and_the_rest_on_t
     model_dir, p, d, logs = meshes
     ref = reference_model(model_dir)
     batch = prompts(384, (30, 9, 61), seed=5)
-    want = [reference_greedy(ref, x, NEW_TOKENS)[0] for x in batch]
+    want = [reference_tokens(ref, x, NEW_TOKENS) for x in batch]
     with Router(model_dir, [p.address, d.address], ("--served-model-name", "m"), log_dir=logs) as router:
         client = router.client()
         wait_for_roles(router)
@@ -392,7 +392,7 @@ def test_a_stalled_prefill_replica_holds_a_decode_request_no_longer_than_the_bou
     model_dir, p, d, logs = meshes
     f = FAIL_MESH
     x = prompts(384, (45,), seed=8)[0]
-    want = reference_greedy(reference_model(model_dir), x, NEW_TOKENS)[0]
+    want = reference_tokens(reference_model(model_dir), x, NEW_TOKENS)
     sampling = sampling_to_pb(SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     held = prefill(p, ["sf", "sr"], x, sampling)
     with stalled(p), ThreadPoolExecutor(2) as pool:
@@ -421,7 +421,7 @@ def test_kv_whose_hold_expired_or_that_is_gone_follows_the_policy(meshes):
     model_dir, p, d, logs = meshes
     f = FAIL_MESH
     x = prompts(384, (37,), seed=9)[0]
-    want = reference_greedy(reference_model(model_dir), x, NEW_TOKENS)[0]
+    want = reference_tokens(reference_model(model_dir), x, NEW_TOKENS)
     sampling = sampling_to_pb(SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     held = prefill(p, ["xf", "xr"], x, sampling)
     p_log = logs / "p" / "scheduler.log"
@@ -484,7 +484,7 @@ def test_through_the_router_a_stalled_prefill_replica_is_left_for_the_decode_one
     f = FAIL_MESH
     serving(p)  # (an earlier test killed its scheduler)
     x = prompts(384, (29,), seed=11)[0]
-    want = reference_greedy(reference_model(model_dir), x, NEW_TOKENS)[0]
+    want = reference_tokens(reference_model(model_dir), x, NEW_TOKENS)
     with Router(model_dir, [p.address, f.address], ("--served-model-name", "m"), log_dir=logs) as router:
         client = router.client()
         wait_for_roles(router)

@@ -19,7 +19,7 @@ from mesh import Mesh, completion_ids, free_port, run_stagemesh, start_serve
 from parity import prompts
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.sampling_params import SamplingParams
-from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+from tiny_models import reference_model, reference_tokens, with_word_tokenizer
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 10
@@ -73,7 +73,7 @@ def test_busy_and_idle_replicas_match_transformers(tiny_model_dir, tmp_path, arc
     model_dir = tiny_model_dir(arch)
     ref = reference_model(model_dir)
     batch = prompts(384, LENGTHS)
-    want = [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
+    want = [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
     sampling = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     ports = (free_port(), free_port())
     with two_replicas(model_dir, tmp_path, ports) as (a, b):
@@ -102,7 +102,7 @@ def test_a_dead_member_fails_every_replicas_requests_then_the_group_reforms(tiny
     model_dir = tiny_model_dir("qwen3_moe")
     ref = reference_model(model_dir)
     prompt = prompts(384, (12,))[0]
-    want = reference_greedy(ref, prompt, NEW_TOKENS)[0]
+    want = reference_tokens(ref, prompt, NEW_TOKENS)
     long = SamplingParams(max_tokens=300, ignore_eos=True)
     with two_replicas(model_dir, tmp_path) as (a, b):
         with ThreadPoolExecutor(1) as pool:
@@ -144,7 +144,7 @@ def test_serve_dp2_with_expert_parallel_matches_transformers(tiny_model_dir, tmp
     model_dir = with_word_tokenizer(tiny_model_dir("mixtral"), tmp_path / "model")
     batch = prompts(384, LENGTHS)
     ref = reference_model(model_dir)
-    want = [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
+    want = [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
     port, log = free_port(), tmp_path / "serve.log"
     proc = start_serve([str(model_dir), "-dp", "2", "--enable-expert-parallel", "--device", "cpu", "--port", str(port),
                         "--grpc-port", "0", "--served-model-name", "moe", "--threads", "1"], log)

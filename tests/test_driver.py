@@ -364,12 +364,12 @@ def test_a_pipeline_that_cannot_join_stays_unhealthy_with_the_reason():
 def test_in_process_pipeline_matches_transformers_with_run_ahead(tiny_model_dir):
     from parity import prompts
     from stagemesh.entry.local_engine import LocalEngine
-    from tiny_models import reference_greedy, reference_model
+    from tiny_models import reference_model, reference_tokens
 
     model_dir = tiny_model_dir("llama")
     ref = reference_model(model_dir)
     batch = prompts(384, (5, 40, 17))
-    expected = [reference_greedy(ref, p, 10)[0] for p in batch]
+    expected = [reference_tokens(ref, p, 10) for p in batch]
     for split in ([4], [1, 3]):  # the last runner's tokens fill the first one's placeholders
         with LocalEngine.of(model_dir, layer_split=split, max_num_batched_tokens=16, async_scheduling=True) as engine:
             assert engine.generate(batch, SamplingParams(max_tokens=10, ignore_eos=True)) == expected

@@ -99,12 +99,12 @@ def test_a_stage_that_rebalances_its_experts_mid_generation_matches_transformers
     from mesh import Mesh
     from parity import prompts
     from stagemesh.core.sampling_params import SamplingParams
-    from tiny_models import reference_greedy, reference_model
+    from tiny_models import reference_model, reference_tokens
 
     model_dir = tiny_model_dir("mixtral")
     ref = reference_model(model_dir)
     batch = prompts(384, (5, 40, 17, 70, 3, 33, 9, 24))
-    want = [reference_greedy(ref, p, 12)[0] for p in batch]
+    want = [reference_tokens(ref, p, 12) for p in batch]
     balance = ["--enable-expert-parallel", "--enable-eplb", "--eplb-config",
                '{"window_size": 4, "step_interval": 3, "num_redundant_experts": 2, "log_balancedness": true}']
     with Mesh(model_dir, [4], tp=[2], log_dir=tmp_path, stage_args=tuple(balance)) as mesh:

@@ -15,7 +15,7 @@ from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.entry.local_engine import LocalEngine
 from test_tp_parity import run_tp
-from tiny_models import TINY, reference_greedy, reference_model, save_random_model
+from tiny_models import TINY, reference_greedy, reference_model, reference_tokens, save_random_model
 
 WINDOW = 8  # tokens a local layer sees: the prompts below are several windows long
 GEMMA = dict(TINY, head_dim=16, num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=24,
@@ -76,7 +76,7 @@ def test_an_fp8_cache_with_calculated_scales_matches_transformers_reading_the_sa
 def test_engine_batched_greedy_tokens_match_transformers(gemma_dir, reference):
     """Chunked prefill and decode batches of sequences longer than the window, over two stages."""
     batch = prompts(384, lengths=(5, 40, 17, 23))
-    want = [reference_greedy(reference, p, 12)[0] for p in batch]
+    want = [reference_tokens(reference, p, 12) for p in batch]
     with LocalEngine.of(gemma_dir, layer_split=[2, 2], max_num_batched_tokens=24) as engine:
         assert engine.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True)) == want
 

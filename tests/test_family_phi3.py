@@ -15,7 +15,7 @@ from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.entry.local_engine import LocalEngine
 from test_tp_parity import run_tp
-from tiny_models import TINY, reference_greedy, reference_model, save_random_model
+from tiny_models import TINY, reference_greedy, reference_model, reference_tokens, save_random_model
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_slices_match_transformers_logits(phi3_dir, reference):
 
 def test_engine_batched_greedy_tokens_match_transformers(phi3_dir, reference):
     batch = prompts(384)
-    want = [reference_greedy(reference, p, 24)[0] for p in batch]
+    want = [reference_tokens(reference, p, 24) for p in batch]
     with LocalEngine.of(phi3_dir, layer_split=[1, 3], max_num_batched_tokens=24) as engine:
         assert engine.generate(batch, SamplingParams(max_tokens=24, ignore_eos=True)) == want
 

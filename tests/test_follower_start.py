@@ -17,7 +17,7 @@ from mesh import Mesh
 from parity import prompts
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.entry.forkserver import METHOD_ENV
-from tiny_models import reference_greedy, reference_model
+from tiny_models import reference_model, reference_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,7 +66,7 @@ def test_a_tp2_stage_forks_its_follower_which_serves_and_dies_with_it(tiny_model
     model_dir = tiny_model_dir("llama")
     batch = prompts(384, (5, 40, 17))
     ref = reference_model(model_dir)
-    want = [reference_greedy(ref, p, 8)[0] for p in batch]
+    want = [reference_tokens(ref, p, 8) for p in batch]
     mesh = Mesh(model_dir, split=[4], tp=[2], handoff="grpc", log_dir=tmp_path)
     mesh.env[METHOD_ENV] = "forkserver"
     with mesh:

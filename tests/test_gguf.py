@@ -15,7 +15,7 @@ from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.sampling_params import SamplingParams
 from stage_worker.gguf import GGUFCheckpoint
 from stage_worker.runner import StageRunner
-from tiny_models import reference_greedy, reference_model
+from tiny_models import reference_greedy, reference_model, reference_tokens
 
 FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
 
@@ -89,7 +89,7 @@ def test_gguf_model_gives_transformers_greedy_tokens(tiny_gguf, qtype):
     with LocalEngine.of(model_dir, layer_split=[2, 2], quantization="gguf", gguf_file=str(path)) as engine:
         got = engine.generate(cases, SamplingParams(max_tokens=8, ignore_eos=True))
     for prompt, tokens in zip(cases, got):
-        assert tokens == reference_greedy(reference, prompt, 8)[0]
+        assert tokens == reference_tokens(reference, prompt, 8)
     tokens, logits = chained_logits(model_dir, [1, 3], cases[1], 6, quantization="gguf", gguf_file=str(path))
     want_tokens, want_logits = reference_greedy(reference, cases[1], 6)
     assert tokens == want_tokens

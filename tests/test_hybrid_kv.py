@@ -16,7 +16,7 @@ from stagemesh.core.kv_groups import FULL, NULL_BLOCK, kv_groups, tokens_held
 from stagemesh.core.model_config import ModelConfig
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import scheduler_pb2
-from tiny_models import TINY, reference_greedy, reference_model, save_random_model
+from tiny_models import TINY, reference_model, reference_tokens, save_random_model
 
 WINDOW = 8
 FIVE_TO_ONE = ["sliding_attention"] * 5 + ["full_attention"]  # Gemma 3's pattern
@@ -157,7 +157,7 @@ def test_a_mesh_holds_what_an_all_global_cache_could_not(gemma6_dir, tmp_path, s
     batch = prompts(384, lengths=(300, 290, 150, 40))
     alone = prompts(384, lengths=(200,), seed=1)
     ref = reference_model(gemma6_dir)
-    want = [reference_greedy(ref, p, 8)[0] for p in batch + alone]
+    want = [reference_tokens(ref, p, 8) for p in batch + alone]
     scheduler_args = ("--max-num-batched-tokens", "32", *(("--async-scheduling",) if async_scheduling else ()))
     sampling = SamplingParams(max_tokens=8, ignore_eos=True)
     with Mesh(gemma6_dir, split, log_dir=tmp_path, stage_args=("--kv-cache-memory", str(MEMORY)),
@@ -243,7 +243,7 @@ def test_gpt_oss_in_an_engine_holds_more_tokens_and_gives_transformers_tokens(tm
     model_dir = save_random_model(tmp_path / "gpt-oss", config)
     ref = reference_model(model_dir)
     batch = prompts(384, lengths=(100, 90, 30))
-    want = [reference_greedy(ref, p, 12)[0] for p in batch]
+    want = [reference_tokens(ref, p, 12) for p in batch]
     memory = 8 * 4 * LAYER_BLOCK  # (its 4 layers, 2 KV heads of 16, fp32)
     held = {}
     for disable in (False, True):

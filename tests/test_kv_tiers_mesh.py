@@ -15,7 +15,7 @@ import requests
 from mesh import Mesh, free_port
 from parity import prompts
 from stagemesh.core.sampling_params import SamplingParams
-from tiny_models import reference_greedy, reference_model
+from tiny_models import reference_model, reference_tokens
 
 NEW_TOKENS = 8
 POOL_BYTES = "90112"  # 11 blocks of 16 tokens per stage of 2 layers (tests/test_mesh_parity.py)
@@ -74,7 +74,7 @@ def wait_for_files(disk: Path, count: int, timeout: float = 30) -> None:
 def run_tiers(model_dir, tmp_path: Path, layout: dict, check_disk: bool = True) -> None:
     ref = reference_model(model_dir)
     prompt, *fillers = prompts(384, (PROMPT_LEN, FILLER_LEN, FILLER_LEN, FILLER_LEN), seed=44)
-    want = reference_greedy(ref, prompt, NEW_TOKENS)[0]
+    want = reference_tokens(ref, prompt, NEW_TOKENS)
     disk = tmp_path / "kv-disk"
     mesh, port = tiered_mesh(model_dir, tmp_path, disk, layout, "first")
     with mesh:
@@ -128,7 +128,7 @@ def test_another_model_on_the_same_directory_reads_none_of_its_blocks(tiny_model
     with mesh:
         ask(mesh, "llama", prompt)
         wait_for_files(disk, 2 * HIT // 16)
-    want = reference_greedy(reference_model(other), prompt, NEW_TOKENS)[0]
+    want = reference_tokens(reference_model(other), prompt, NEW_TOKENS)
     mesh, port = tiered_mesh(other, tmp_path, disk, layout, "other")
     with mesh:
         assert ask(mesh, "other", prompt) == (want, 0)

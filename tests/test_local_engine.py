@@ -4,7 +4,7 @@ from __future__ import annotations
 from parity import prompts
 from stagemesh.entry.local_engine import LocalEngine
 from stagemesh.core.sampling_params import SamplingParams
-from tiny_models import reference_greedy, reference_model
+from tiny_models import reference_model, reference_tokens
 
 
 def test_prefix_cache_hits_and_preemption_keep_greedy_tokens(tiny_model_dir):
@@ -12,7 +12,7 @@ def test_prefix_cache_hits_and_preemption_keep_greedy_tokens(tiny_model_dir):
     ref = reference_model(model_dir)
     batch = prompts(384, (5, 40, 17, 70, 3, 33))
     batch.append(batch[3][:50] + [7, 8, 9])  # shares 48 tokens (3 full blocks) with batch[3]
-    want = [reference_greedy(ref, p, 12)[0] for p in batch]
+    want = [reference_tokens(ref, p, 12) for p in batch]
     sampling = SamplingParams(max_tokens=12, ignore_eos=True)
 
     with LocalEngine.of(model_dir, max_num_batched_tokens=16) as cached:

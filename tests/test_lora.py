@@ -21,7 +21,7 @@ from stagemesh.core.lora import LoRAError, LoRALimits, parse_lora_modules, read_
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.step import NewSequence, ScheduledChunk, StepBatch
 from stage_worker.validate import InvalidStep, check_state
-from tiny_models import reference_greedy
+from tiny_models import reference_tokens
 
 NEW = 12
 WORKER = Path(__file__).with_name("lora_tp_worker.py")
@@ -47,8 +47,8 @@ def cases(model, adapters):
     ps = prompts(384, lengths=(9, 23, 5, 17, 30))
     names = ["all", "", "attn", "rs", "all"]
     refs = {name: merged_reference(model, adapters[name] if name else None) for name in set(names)}
-    out = [((p, n), reference_greedy(refs[n], p, NEW)[0]) for p, n in zip(ps, names)]
-    base = reference_greedy(refs[""], ps[0], NEW)[0]
+    out = [((p, n), reference_tokens(refs[n], p, NEW)) for p, n in zip(ps, names)]
+    base = reference_tokens(refs[""], ps[0], NEW)
     assert base != out[0][1], "the adapter does not change the tokens: the test would prove nothing"
     return out
 
@@ -62,9 +62,9 @@ def test_adapters_made_by_peft_give_transformers_plus_peft_merged_tokens(model, 
     chat, chat_ref = peft_adapter(tmp_path / "chat", model, rank=4, targets=("q_proj", "v_proj", "gate_proj",
                                                                             "up_proj"), seed=12, use_rslora=True)
     ps = prompts(384, lengths=(12, 7, 19), seed=9)
-    want = [reference_greedy(sql_ref, ps[0], NEW)[0], reference_greedy(merged_reference(model, None), ps[1], NEW)[0],
-            reference_greedy(chat_ref, ps[2], NEW)[0]]
-    assert want[0] != reference_greedy(merged_reference(model, None), ps[0], NEW)[0]  # the adapter matters
+    want = [reference_tokens(sql_ref, ps[0], NEW), reference_tokens(merged_reference(model, None), ps[1], NEW),
+            reference_tokens(chat_ref, ps[2], NEW)]
+    assert want[0] != reference_tokens(merged_reference(model, None), ps[0], NEW)  # the adapter matters
     stages = runners(model, [2, 2], settings({"sql": sql, "chat": chat}))
     assert run_mixed(stages, [(ps[0], "sql"), (ps[1], ""), (ps[2], "chat")], NEW) == want
 
@@ -95,8 +95,8 @@ def test_a_float_adapter_on_w8a16_base_weights(model, adapters, tmp_path):
 
     reference_dir = dequantised_dir(model, tmp_path / "dequantised", "w8a16")
     ps = prompts(384, lengths=(13, 21), seed=7)
-    want = [reference_greedy(merged_reference(reference_dir, adapters["all"]), ps[0], NEW)[0],
-            reference_greedy(merged_reference(reference_dir, None), ps[1], NEW)[0]]
+    want = [reference_tokens(merged_reference(reference_dir, adapters["all"]), ps[0], NEW),
+            reference_tokens(merged_reference(reference_dir, None), ps[1], NEW)]
     stages = runners(model, [2, 2], settings(adapters), quantization="w8a16")
     assert run_mixed(stages, [(ps[0], "all"), (ps[1], "")], NEW) == want
 
@@ -228,7 +228,7 @@ def test_the_prefix_cache_never_shares_kv_between_adapters(model, adapters):
     computes its own KV (the base model's cached blocks would give the wrong tokens) and the third reuses it."""
     prompt = prompts(384, lengths=(50,), seed=7)[0]  # three full blocks of 16
     greedy = SamplingParams(max_tokens=NEW, ignore_eos=True)
-    want = reference_greedy(merged_reference(model, adapters["all"]), prompt, NEW)[0]
+    want = reference_tokens(merged_reference(model, adapters["all"]), prompt, NEW)
     with _engine(model, adapters) as engine:
         base = engine.generate([prompt], greedy)[0]
         assert engine.generate([prompt], greedy, ["all"])[0] == want != base
@@ -530,8 +530,8 @@ def test_the_c_plus_plus_layer_plan_runs_lora_steps_up_to_the_kernels_length(tin
         pytest.skip("the C++ kernels are not built here")
     adapter = make_adapter(tmp_path / "a", model, seed=5)
     ps = prompts(384, lengths=(11, 20), seed=3)
-    base_want = [reference_greedy(merged_reference(model, None), p, NEW)[0] for p in ps]
-    lora_want = reference_greedy(merged_reference(model, adapter), ps[0], NEW)[0]
+    base_want = [reference_tokens(merged_reference(model, None), p, NEW) for p in ps]
+    lora_want = reference_tokens(merged_reference(model, adapter), ps[0], NEW)
     assert lora_want != base_want[0]
     stage = runners(model, [4], settings({"a": adapter}))[0]
     with mock.patch.object(LayerPlan, "__call__", autospec=True, side_effect=LayerPlan.__call__) as plan_calls:
@@ -540,7 +540,7 @@ def test_the_c_plus_plus_layer_plan_runs_lora_steps_up_to_the_kernels_length(tin
         assert run_mixed([stage], [(ps[0], "a"), (ps[1], "")], NEW, first_seq_id=10) == [lora_want, base_want[1]]
         assert plan_calls.call_count == 2 * 4 * NEW  # every step: the plan adds the adapter's products
         long = prompts(384, lengths=(dispatch.CPU_LORA_MAX_TOKENS + 9,), seed=4)[0]
-        long_want = reference_greedy(merged_reference(model, adapter), long, NEW)[0]
+        long_want = reference_tokens(merged_reference(model, adapter), long, NEW)
         assert run_mixed([stage], [(long, "a")], NEW, first_seq_id=20) == [long_want]
         assert plan_calls.call_count == 3 * 4 * NEW - 4  # but its prompt's step: the Python layer
 

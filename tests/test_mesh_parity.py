@@ -7,7 +7,7 @@ from mesh import Mesh
 from parity import prompts
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import scheduler_pb2
-from tiny_models import reference_greedy, reference_model
+from tiny_models import reference_model, reference_tokens
 
 NEW_TOKENS = 16
 LENGTHS = (5, 40, 17, 70, 3, 33, 9, 51, 24, 12, 60, 7, 45, 30, 2, 19)  # 16 concurrent requests
@@ -42,7 +42,7 @@ def expected(tiny_model_dir):
     model_dir = tiny_model_dir("llama")
     ref = reference_model(model_dir)
     batch = prompts(384, LENGTHS)
-    return model_dir, batch, [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
+    return model_dir, batch, [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def others(expected):
     model_dir = expected[0]
     ref = reference_model(model_dir)
     batch = prompts(384, LENGTHS, seed=1)
-    return batch, [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
+    return batch, [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
 
 
 @pytest.mark.slow

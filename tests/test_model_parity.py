@@ -8,7 +8,7 @@ import torch
 from stagemesh.entry.local_engine import LocalEngine
 from stagemesh.core.sampling_params import SamplingParams
 from parity import chained_logits, prompts
-from tiny_models import ARCHS, reference_greedy, reference_model
+from tiny_models import ARCHS, reference_greedy, reference_model, reference_tokens
 
 NEW_TOKENS = 32
 
@@ -34,7 +34,7 @@ def test_batched_greedy_tokens_match_transformers(tiny_model_dir, arch, override
     model_dir = tiny_model_dir(arch, **overrides)
     ref = reference_model(model_dir)
     batch = prompts(384)
-    want = [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
+    want = [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
     # uneven split, prompts chunked (budget 24 tokens per step) and mixed with decodes
     with LocalEngine.of(model_dir, layer_split=[1, 3], max_num_batched_tokens=24) as engine:
         assert engine.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)) == want
@@ -105,7 +105,7 @@ def test_sharded_checkpoint_loads(tmp_path):
     ref = reference_model(model_dir)
     prompt = prompts(384, lengths=(20,))[0]
     tokens, _ = chained_logits(model_dir, [2, 2], prompt, 8)
-    assert tokens == reference_greedy(ref, prompt, 8)[0]
+    assert tokens == reference_tokens(ref, prompt, 8)
 
 
 @pytest.mark.slow
@@ -116,6 +116,6 @@ def test_default_model_matches_transformers(default_model_dir):
     ref = reference_model(default_model_dir)
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village"]
     batch = [tok.encode(t) for t in texts]
-    want = [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
+    want = [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
     with LocalEngine.of(default_model_dir, layer_split=[10, 12, 8], max_num_batched_tokens=8) as engine:
         assert engine.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)) == want

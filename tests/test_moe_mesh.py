@@ -12,7 +12,7 @@ import requests
 from mesh import Mesh, free_port, run_stagemesh
 from parity import prompts
 from stagemesh.core.sampling_params import SamplingParams
-from tiny_models import reference_greedy, reference_model
+from tiny_models import reference_model, reference_tokens
 
 NEW_TOKENS = 12
 LENGTHS = (5, 40, 17, 70, 3, 33, 9, 24)  # 8 concurrent requests
@@ -36,7 +36,7 @@ def test_pp2_mesh_with_expert_parallel_in_one_stage_matches_transformers(tiny_mo
     model_dir = tiny_model_dir(arch)
     ref = reference_model(model_dir)
     batch = prompts(384, LENGTHS)
-    want = [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
+    want = [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
     ports = [free_port(), free_port()]
     stage_args = {i: ["--metrics-port", str(port)] for i, port in enumerate(ports)}
     stage_args[ep_stage].append("--enable-expert-parallel")

@@ -13,7 +13,7 @@ from stagemesh.core.sampling_params import SamplingParams
 from stage_worker.moe import expert_load
 from stage_worker.runner import StageRunner
 from test_tp_parity import run_tp
-from tiny_models import MOE_ARCHS, reference_greedy, reference_model
+from tiny_models import MOE_ARCHS, reference_greedy, reference_model, reference_tokens
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 
@@ -38,7 +38,7 @@ def test_batched_greedy_tokens_match_transformers(tiny_model_dir, arch):
     model_dir = tiny_model_dir(arch)
     ref = reference_model(model_dir)
     batch = prompts(384)
-    want = [reference_greedy(ref, p, 16)[0] for p in batch]
+    want = [reference_tokens(ref, p, 16) for p in batch]
     with LocalEngine.of(model_dir, layer_split=[2, 2], max_num_batched_tokens=24) as engine:  # chunked prefill, decodes
         assert engine.generate(batch, SamplingParams(max_tokens=16, ignore_eos=True)) == want
 

@@ -17,7 +17,7 @@ from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import scheduler_pb2
 from test_dcp import (assert_refused_for_input_tokens, capacity_and_answer, heads_config, refusal, stage,
                       stagemesh)
-from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+from tiny_models import reference_model, reference_tokens, with_word_tokenizer
 
 NEW_TOKENS = 16
 LENGTHS = (5, 40, 17, 70, 3, 33, 9, 51, 24, 12, 60, 7, 45, 30, 2, 19)  # 16 concurrent requests
@@ -39,7 +39,7 @@ def model_dir(tiny_model_dir, tmp_path_factory):
 def expected(model_dir):
     batch = prompts(384, LENGTHS)
     ref = reference_model(model_dir)
-    return batch, [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
+    return batch, [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
 
 
 @pytest.mark.slow
@@ -52,7 +52,7 @@ def test_pcp_doubles_the_tokens_a_stage_holds_matches_transformers_and_serves_a_
     transformers' greedy tokens."""
     batch, want = expected
     prompt = prompts(384, (LONG_PROMPT,), seed=7)[0]
-    want_long = reference_greedy(reference_model(model_dir), prompt, NEW_TOKENS)[0]
+    want_long = reference_tokens(reference_model(model_dir), prompt, NEW_TOKENS)
     sizes, answers = {}, {}
     for name, extra in (("tp1", []), ("pcp2", PCP2)):
         logs = tmp_path / name

@@ -11,7 +11,7 @@ import requests
 from mesh import Mesh, Router
 from parity import prompts
 from stagemesh.client import Client
-from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+from tiny_models import reference_model, reference_tokens, with_word_tokenizer
 
 pytestmark = pytest.mark.slow
 M = "llama-tiny"
@@ -54,7 +54,7 @@ def test_a_later_high_priority_request_preempts_the_low_ones_and_every_answer_is
     assert "KV cache size: 80 tokens" in (router.logs / "scheduler.log").read_text()
     low_a, low_b, high = prompts(384, (16, 16, 16), seed=3)
     reference = reference_model(router.model)
-    want = [reference_greedy(reference, p, NEW_TOKENS)[0] for p in (low_a, low_b, high)]
+    want = [reference_tokens(reference, p, NEW_TOKENS) for p in (low_a, low_b, high)]
     results = [{}, {}, {}]
     started = [threading.Event() for _ in range(3)]
     threads = [threading.Thread(target=stream, args=(router, p, prio, ev, out))

@@ -11,7 +11,7 @@ import torch
 
 from mesh import Mesh, Router
 from parity import prompts as random_prompts
-from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+from tiny_models import reference_model, reference_tokens, with_word_tokenizer
 
 pytestmark = pytest.mark.slow
 M = "llama-tiny"
@@ -105,7 +105,7 @@ def test_scored_prompts_and_their_tokens_survive_preemption(router, reference, r
         assert len(scored) == len(prompt) and scored[0] is None
         got = torch.tensor([scored[i][str(prompt[i])]["logprob"] for i in range(1, len(prompt))])
         torch.testing.assert_close(got, transformers_logprobs(reference, prompt), atol=1e-4, rtol=0)
-        assert choice["token_ids"] == reference_greedy(reference, prompt, 40)[0]
+        assert choice["token_ids"] == reference_tokens(reference, prompt, 40)
     metrics = requests.get(f"{router.base_url}/metrics", timeout=10).text
     preempted = sum(float(line.split()[-1]) for line in metrics.splitlines()
                     if line.startswith("vllm:num_preemptions_total{"))

@@ -19,7 +19,7 @@ from stage_worker.quant_methods import flag_names
 from stage_worker.quant_weight import QuantizedWeight
 from stage_worker.runner import StageRunner
 from test_tp_parity import run_tp
-from tiny_models import reference_greedy, reference_model
+from tiny_models import reference_greedy, reference_model, reference_tokens
 
 # TP=2 over processes costs seconds a case: these run in make test-fast, the rest in make test
 TP_FAST = ("ct-fp8-channel", "fp8-block", "gptq-int4-desc-act", "awq")
@@ -73,7 +73,7 @@ def test_format_tp2_pp2_gives_transformers_greedy_tokens(checkpoint, fmt, tmp_pa
     path, reference = checkpoint(fmt)
     prompt = prompts(384, lengths=(21,))[0]
     got = run_tp(path, 2, "2,2", prompt, 8, tmp_path, env={"STAGEMESH_KERNELS": "torch"} if fmt in STATIC else None)
-    assert got["tokens"] == reference_greedy(reference, prompt, 8)[0]
+    assert got["tokens"] == reference_tokens(reference, prompt, 8)
 
 
 def test_weights_stay_quantised(checkpoint):
@@ -270,7 +270,7 @@ def test_fp8_moe_expert_parallel_gives_transformers_greedy_tokens(fp8_moe, tmp_p
     path, reference = fp8_moe
     prompt = prompts(384, lengths=(19,))[0]
     got = run_tp(path, 2, "2,2", prompt, 6, tmp_path, True)
-    assert got["tokens"] == reference_greedy(reference, prompt, 6)[0]
+    assert got["tokens"] == reference_tokens(reference, prompt, 6)
 
 
 def test_lora_on_a_quantised_checkpoint(checkpoint, tiny_model_dir, tmp_path):
@@ -282,9 +282,9 @@ def test_lora_on_a_quantised_checkpoint(checkpoint, tiny_model_dir, tmp_path):
     twin = path.parent / "dequantised"
     adapter = make_adapter(tmp_path / "all", tiny_model_dir("llama"), rank=8, seed=1)
     ps = prompts(384, lengths=(13, 21), seed=7)
-    want = [reference_greedy(merged_reference(twin, adapter), ps[0], 8)[0],
-            reference_greedy(merged_reference(twin, None), ps[1], 8)[0]]
-    assert want[0] != reference_greedy(merged_reference(twin, None), ps[0], 8)[0], "the adapter changes nothing"
+    want = [reference_tokens(merged_reference(twin, adapter), ps[0], 8),
+            reference_tokens(merged_reference(twin, None), ps[1], 8)]
+    assert want[0] != reference_tokens(merged_reference(twin, None), ps[0], 8), "the adapter changes nothing"
     stages = runners(path, [2, 2], settings({"all": adapter}))
     assert run_mixed(stages, [(ps[0], "all"), (ps[1], "")], 8) == want
 
@@ -302,6 +302,6 @@ def test_an_fp8_checkpoint_served_by_a_mesh(checkpoint, tmp_path):
     with Mesh(served, [2, 2], tp=[2, 1], log_dir=tmp_path) as mesh:
         with Router(served, [mesh.address], log_dir=tmp_path) as router:
             for prompt in prompts(384, lengths=(7, 30)):
-                assert completion_ids(router.base_url, str(served), prompt, 6) == reference_greedy(reference, prompt,
-                                                                                                  6)[0]
+                assert completion_ids(router.base_url, str(served), prompt, 6) == reference_tokens(reference, prompt,
+                                                                                                  6)
     assert "--quantization fbgemm_fp8: " in "".join(f.read_text() for f in tmp_path.glob("*.log"))

@@ -106,7 +106,7 @@ def test_tp2_stage_reads_its_shards_of_a_gguf(tiny_model_dir, tmp_path):
     from gguf_models import dequantised_model_dir, write_gguf
     from mesh import completion_ids
     from parity import prompts
-    from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+    from tiny_models import reference_model, reference_tokens, with_word_tokenizer
 
     model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "tiny")
     path = write_gguf(model_dir, tmp_path / "tiny.gguf", "Q4_1")
@@ -115,5 +115,5 @@ def test_tp2_stage_reads_its_shards_of_a_gguf(tiny_model_dir, tmp_path):
     with Mesh(path, [4], tp=[2], scheduler_args=gguf_args, stage_args=gguf_args, log_dir=tmp_path) as mesh:
         with Router(path, [mesh.address], extra=gguf_args, log_dir=tmp_path) as router:
             for prompt in prompts(384, lengths=(7, 30)):
-                want = reference_greedy(reference, prompt, 6)[0]
+                want = reference_tokens(reference, prompt, 6)
                 assert completion_ids(router.base_url, str(path), prompt, 6) == want

@@ -16,7 +16,7 @@ from mesh import Mesh, Router, free_port
 from parity import prompts
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import scheduler_pb2
-from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+from tiny_models import reference_model, reference_tokens, with_word_tokenizer
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 40
@@ -48,7 +48,7 @@ def test_a_stage_killed_mid_stream_loses_no_request(tiny_model_dir, tmp_path, st
     ref = reference_model(model_dir)
     batch = prompts(384, LENGTHS)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    want = [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
+    want = [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
     seeded = [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.0, seed=100 + i)
               for i in range(len(batch))]
     metrics = free_port()

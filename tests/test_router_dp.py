@@ -14,7 +14,7 @@ import requests
 from mesh import Mesh, Router, completion_ids, free_port, internal_channel, start_serve
 from parity import prompts
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
-from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+from tiny_models import reference_model, reference_tokens, with_word_tokenizer
 
 pytestmark = pytest.mark.slow
 M = "llama-tiny"
@@ -34,7 +34,7 @@ def test_serve_tp2_pp2_dp2_matches_transformers(tiny_model_dir, tmp_path):
               ok=lambda reps: len(reps) == 2 and all(r["healthy"] for r in reps))
         batch = prompts(384, (5, 40, 17, 33, 9, 51))
         ref = reference_model(model_dir)
-        want = [reference_greedy(ref, p, 12)[0] for p in batch]
+        want = [reference_tokens(ref, p, 12) for p in batch]
         with ThreadPoolExecutor(6) as pool:
             got = list(pool.map(lambda p: completion_ids(base, M, p, 12), batch))
         assert got == want
@@ -134,7 +134,7 @@ def test_nginx_in_front_of_routers(tiny_model_dir, tmp_path, replicas_per_router
             batch = prompts(384, (5, 12, 30, 8, 21, 3, 17, 9))
             with ThreadPoolExecutor(8) as pool:
                 got = list(pool.map(lambda p: completion_ids(base, M, p, 6), batch))
-            assert got == [reference_greedy(ref, p, 6)[0] for p in batch]
+            assert got == [reference_tokens(ref, p, 6) for p in batch]
             # both routers and every replica took part
             for m in meshes:
                 assert m.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5).prefix_cache_queries > 0

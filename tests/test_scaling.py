@@ -17,7 +17,7 @@ import requests
 
 from ops_mesh import Load, Serve, scrape
 from parity import prompts
-from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+from tiny_models import reference_model, reference_tokens, with_word_tokenizer
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 64
@@ -32,7 +32,7 @@ def model_dir(tiny_model_dir, tmp_path_factory):
 def expected(model_dir):
     batch = prompts(384, (5, 40, 17, 70, 3, 33, 9, 51))
     ref = reference_model(model_dir)
-    return batch, [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch]
+    return batch, [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
 
 
 def test_scale_out_and_in_under_load_loses_nothing(model_dir, expected, tmp_path):

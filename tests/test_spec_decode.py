@@ -20,7 +20,7 @@ from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core.speculative import parse_speculative_config
 from stagemesh.core.step import NewSequence, SampledToken
 from stage_worker.sampler import Sampler
-from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+from tiny_models import reference_model, reference_tokens, with_word_tokenizer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -224,7 +224,7 @@ def tiny(tiny_model_dir):
     model_dir = tiny_model_dir("llama")
     batch = prompts(384, LENGTHS) + [[5, 6, 7, 8, 9] * 8, [10, 11, 12] * 10]
     ref = reference_model(model_dir)
-    return model_dir, batch, [reference_greedy(ref, p, 24)[0] for p in batch]
+    return model_dir, batch, [reference_tokens(ref, p, 24) for p in batch]
 
 
 @pytest.mark.parametrize("layout", [dict(), dict(layer_split=[1, 3]), dict(max_num_batched_tokens=20, num_kv_blocks=12),

@@ -15,7 +15,7 @@ from parity import prompts
 from stagemesh.core.sampling_params import SamplingParams, StructuredOutputs
 from stagemesh.v1 import scheduler_pb2
 from test_structured_outputs import WORDS, constrained_greedy
-from tiny_models import first_layers, reference_greedy, reference_model, with_word_tokenizer
+from tiny_models import first_layers, reference_model, reference_tokens, with_word_tokenizer
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 16
@@ -46,7 +46,7 @@ def expected(tiny_model_dir, tmp_path_factory):
     compiled = GrammarCompiler(AutoTokenizer.from_pretrained(model_dir), 384, [2]).compile(
         StructuredOutputs("regex", WORDS))
     constrained = [constrained_greedy(ref, compiled, p, NEW_TOKENS, 2) for p in batch[:3]]
-    return model_dir, batch, [reference_greedy(ref, p, NEW_TOKENS)[0] for p in batch], constrained
+    return model_dir, batch, [reference_tokens(ref, p, NEW_TOKENS) for p in batch], constrained
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

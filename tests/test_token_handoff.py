@@ -14,7 +14,7 @@ from stage_worker.handoff import GrpcHandoff, HandoffAborted
 from stagemesh.core.errors import StagemeshError
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import stage_pb2
-from tiny_models import reference_greedy, reference_model
+from tiny_models import reference_model, reference_tokens
 
 
 def tokens(step: int, ids: list[int], epoch: int = 3) -> stage_pb2.PushActivationsRequest:
@@ -58,7 +58,7 @@ def test_a_wait_for_tokens_ends_when_they_come_or_the_epoch_does():
 def test_a_lone_request_runs_every_step_ahead_across_two_stages(tiny_model_dir, tmp_path, handoff):
     model_dir = tiny_model_dir("llama")
     prompt = prompts(384, (21,))[0]
-    want = reference_greedy(reference_model(model_dir), prompt, 24)[0]
+    want = reference_tokens(reference_model(model_dir), prompt, 24)
     with Mesh(model_dir, [2, 2], handoff=handoff, log_dir=tmp_path, scheduler_args=("--async-scheduling",)) as mesh:
         got = mesh.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))
     assert got == [want]
