@@ -47,6 +47,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: the rest keep their order)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_references(tmp_path_factory):
+    """tiny_models.greedy_tokens keeps its answers in the run's folder: under pytest-xdist the parent of the
+    workers' own (popen-gw0, popen-gw1), so that a reference one worker computed serves the other too."""
+    import tiny_models
+
+    base = tmp_path_factory.getbasetemp()
+    tiny_models.REFERENCES = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "references"
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Factory: tiny_model_dir(arch, **overrides) -> Path, cached per session."""

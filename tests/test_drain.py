@@ -17,7 +17,7 @@ from mesh import Mesh, Router
 from parity import prompts
 from sse_client import stream
 from test_serve import alive, serving, wait_for
-from tiny_models import reference_model, reference_tokens
+from tiny_models import greedy_tokens
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 48
@@ -41,8 +41,7 @@ def _started(log_path) -> tuple[str, list[int]]:
 
 def test_sigterm_under_8_streams_lets_them_finish_and_exits_0(wide_model_dir, tmp_path):
     batch = prompts(384, (5, 40, 17, 70, 3, 33, 9, 51))
-    ref = reference_model(wide_model_dir)
-    want = [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
+    want = greedy_tokens(wide_model_dir, batch, NEW_TOKENS)
     log_path = tmp_path / "serve.log"
     with serving(wide_model_dir, log_path, "--served-model-name", "m", "--shutdown-timeout", "60") as proc:
         base, pids = _started(log_path)
@@ -115,8 +114,7 @@ def test_a_draining_scheduler_hands_what_it_could_not_finish_to_another_replica(
     end of it and go on, token-exact, on replica B; new requests meanwhile go to B only."""
     batch = prompts(384, (5, 3, 9, 17))
     long = 400  # far more than a 1 s drain finishes
-    ref = reference_model(wide_model_dir)
-    want = [reference_tokens(ref, p, long) for p in batch]
+    want = greedy_tokens(wide_model_dir, batch, long)
     args = ("--shutdown-timeout", "1", "--served-model-name", "m")
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

@@ -21,7 +21,7 @@ from parity import prompts
 from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.v1 import frontend_pb2, frontend_pb2_grpc, scheduler_pb2_grpc
 from stagemesh.core.wire import sampling_to_pb
-from tiny_models import reference_greedy, reference_model, with_word_tokenizer
+from tiny_models import reference_model, reference_tokens, with_word_tokenizer
 
 pytestmark = pytest.mark.slow
 M = "llama-tiny"
@@ -50,7 +50,7 @@ def references(model):
     chosen = []
     for prompt in prompts(384, lengths=[9 + 3 * i for i in range(40)], seed=1):
         prompt = [t for t in prompt if t != NAN_TOKEN]
-        tokens, _ = reference_greedy(ref, prompt, STREAM_TOKENS)
+        tokens = reference_tokens(ref, prompt, STREAM_TOKENS)
         if NAN_TOKEN not in tokens and not torch.isnan(torch.tensor(tokens, dtype=torch.float)).any():
             chosen.append((prompt, tokens))
         if len(chosen) == 16:

@@ -104,12 +104,11 @@ def test_a_draining_replica_hands_its_streams_on_with_their_kv_token_exact(wide_
     on token-exact; the router counts them how="kv", and B's log shows the reads."""
     from mesh import Mesh, Router
     from parity import prompts
-    from tiny_models import reference_model, reference_tokens
+    from tiny_models import greedy_tokens
 
     batch = prompts(384, (5, 3, 9, 17))
     long = 400  # far more than a 1 s drain finishes
-    ref = reference_model(wide_model_dir)
-    want = [reference_tokens(ref, p, long) for p in batch]
+    want = greedy_tokens(wide_model_dir, batch, long)
     args = ("--shutdown-timeout", "1", "--served-model-name", "m")
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

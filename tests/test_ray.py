@@ -23,7 +23,7 @@ import pytest
 from netns import NetnsLan, NetnsUnavailable, clean_env
 from netns_ops import NetnsLoad, admin, command
 from parity import prompts
-from tiny_models import reference_model, reference_tokens, with_word_tokenizer
+from tiny_models import greedy_tokens, with_word_tokenizer
 
 NEW_TOKENS = 160  # per stream: the node dies well before the end
 OPS_TOKENS = 48  # per request of the operations' looping streams
@@ -277,8 +277,7 @@ def test_scale_out_rollout_and_autoscaled_scale_in_on_ray_under_4_streams(ray_no
     head = ray_nodes.hosts[0]
     model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
     batch = prompts(384, LENGTHS)
-    ref = reference_model(model_dir)
-    want = [reference_tokens(ref, p, OPS_TOKENS) for p in batch]
+    want = greedy_tokens(model_dir, batch, OPS_TOKENS)
     log_path = tmp_path / "serve.log"
     env = clean_env(RAY_ADDRESS=f"{head.address}:{GCS_PORT}", GLOO_SOCKET_IFNAME=head.ifname, PYTHONUNBUFFERED="1",
                     STAGEMESH_CACHE=str(tmp_path / "cache"))
@@ -327,8 +326,7 @@ def test_pp2_on_two_ray_nodes_then_a_worker_node_dies_under_8_streams(ray_nodes,
     head, *_ = ray_nodes.hosts
     model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
     batch = prompts(384, LENGTHS)
-    ref = reference_model(model_dir)
-    want = [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
+    want = greedy_tokens(model_dir, batch, NEW_TOKENS)
     log_path = tmp_path / "serve.log"
     env = clean_env(RAY_ADDRESS=f"{head.address}:{GCS_PORT}", GLOO_SOCKET_IFNAME=head.ifname, PYTHONUNBUFFERED="1")
     serve = head.spawn([sys.executable, "-m", "stagemesh", "serve", str(model_dir), "--distributed-executor-backend",

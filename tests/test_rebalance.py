@@ -68,12 +68,11 @@ def test_a_replica_given_to_the_router_takes_half_the_running_streams_with_their
     from mesh import Mesh, Router, free_port, internal_channel
     from parity import prompts
     from stagemesh.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-    from tiny_models import reference_model, reference_tokens
+    from tiny_models import greedy_tokens
 
     batch = prompts(384, (5, 3, 9, 17))
     long = 400
-    ref = reference_model(wide_model_dir)
-    want = [reference_tokens(ref, p, long) for p in batch]
+    want = greedy_tokens(wide_model_dir, batch, long)
     args = ("--served-model-name", "m")
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

@@ -12,7 +12,7 @@ import pytest
 
 from ops_mesh import Load, Serve
 from parity import prompts
-from tiny_models import reference_model, reference_tokens, with_word_tokenizer
+from tiny_models import greedy_tokens, with_word_tokenizer
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 48
@@ -23,8 +23,7 @@ SERVICES = ["stage[0.0]", "stage[0.1]", "stage[1.0]", "stage[1.1]", "scheduler[0
 def test_rolling_restart_of_pp2_dp2_under_16_streams_loses_nothing(tiny_model_dir, tmp_path):
     model_dir = with_word_tokenizer(tiny_model_dir("llama"), tmp_path / "model")
     batch = prompts(384, (5, 40, 17, 70, 3, 33, 9, 51))
-    ref = reference_model(model_dir)
-    want = [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
+    want = greedy_tokens(model_dir, batch, NEW_TOKENS)
     with Serve(model_dir, tmp_path, "-pp", "2", "-dp", "2", "--api-server-count", "2", "--shutdown-timeout", "2",
                "--resume-grace-period", "20") as serve:
         serve.wait_ready(2)

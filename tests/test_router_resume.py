@@ -19,7 +19,7 @@ from parity import prompts
 from sse_client import Streamed, stream
 from stagemesh.client import Client
 from stagemesh.v1 import scheduler_pb2
-from tiny_models import reference_model, reference_tokens
+from tiny_models import greedy_tokens
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 96
@@ -55,8 +55,7 @@ def model_dir(tiny_model_dir, tmp_path_factory):
 
 def test_router_killed_under_16_streams_loses_none(model_dir, tmp_path):
     batch = prompts(384, (5, 40, 17, 70, 3, 33, 9, 51))
-    ref = reference_model(model_dir)
-    want = [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
+    want = greedy_tokens(model_dir, batch, NEW_TOKENS)
     body = lambda p: {"model": str(model_dir), "prompt": p, "max_tokens": NEW_TOKENS, "temperature": 0,  # noqa: E731
                       "ignore_eos": True, "stream": True, "return_token_ids": True}
     with Mesh(model_dir, [2, 2], log_dir=tmp_path, scheduler_args=(

@@ -17,7 +17,7 @@ import requests
 
 from ops_mesh import Load, Serve, scrape
 from parity import prompts
-from tiny_models import reference_model, reference_tokens, with_word_tokenizer
+from tiny_models import greedy_tokens, with_word_tokenizer
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 64
@@ -31,8 +31,7 @@ def model_dir(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(model_dir):
     batch = prompts(384, (5, 40, 17, 70, 3, 33, 9, 51))
-    ref = reference_model(model_dir)
-    return batch, [reference_tokens(ref, p, NEW_TOKENS) for p in batch]
+    return batch, greedy_tokens(model_dir, batch, NEW_TOKENS)
 
 
 def test_scale_out_and_in_under_load_loses_nothing(model_dir, expected, tmp_path):

@@ -125,6 +125,43 @@ def reference_tokens(model, prompt: list[int], max_new_tokens: int) -> list[int]
     return out[0, len(prompt):].tolist()
 
 
+# Where greedy_tokens keeps what it computed: one directory for the run, which its pytest-xdist workers share
+# (tests/conftest.py sets it); None: computed on every call.
+REFERENCES: Path | None = None
+
+
+def greedy_tokens(model_dir: str | Path, batch: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """reference_tokens of each prompt of `batch` on the model in `model_dir`, computed once per run whichever test
+    or worker asks for them: kept (in REFERENCES) under the bytes of the model's config and weights, the torch and
+    transformers versions, and the prompt; a shorter ask gets the first tokens of a longer one (greedy decoding's
+    first n tokens do not depend on how many follow)."""
+    import hashlib
+    import json
+    import os
+
+    import transformers
+
+    if REFERENCES is None:
+        ref = reference_model(model_dir)
+        return [reference_tokens(ref, p, max_new_tokens) for p in batch]
+    digest = hashlib.sha256(f"{torch.__version__} {transformers.__version__}".encode())
+    for f in sorted(Path(model_dir).iterdir()):
+        if f.name == "config.json" or f.suffix == ".safetensors":
+            digest.update(f.name.encode() + f.read_bytes())
+    model_key, ref, out = digest.hexdigest(), None, []
+    REFERENCES.mkdir(parents=True, exist_ok=True)
+    for prompt in batch:
+        path = REFERENCES / (hashlib.sha256(f"{model_key} {prompt}".encode()).hexdigest() + ".json")
+        known = json.loads(path.read_text()) if path.exists() else []
+        if len(known) < max_new_tokens:
+            ref = ref or reference_model(model_dir)
+            known = reference_tokens(ref, prompt, max_new_tokens)
+            path.with_name(f"{path.name}.{os.getpid()}").write_text(json.dumps(known))
+            os.replace(path.with_name(f"{path.name}.{os.getpid()}"), path)  # (a reader never sees half of it)
+        out.append(known[:max_new_tokens])
+    return out
+
+
 def with_word_tokenizer(model_dir: str | Path, target: str | Path, vocab_size: int = 384) -> Path:
     """A copy of a tiny model directory plus a word-level tokenizer ("w5 w6" -> [5, 6]) and a chat template."""
     import shutil

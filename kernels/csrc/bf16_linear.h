@@ -4,7 +4,7 @@
 // the packed layout says which one linear_bf16 runs.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // (not torch/extension.h: its Python bindings cost each file ~20 s of compiling)
 
 #include <string>
 

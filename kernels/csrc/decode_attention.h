@@ -5,7 +5,7 @@
 // one algorithm in decode_attention_impl.h.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // (not torch/extension.h: its Python bindings cost each file ~20 s of compiling)
 
 #include <cstdint>
 #include <vector>

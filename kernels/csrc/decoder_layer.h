@@ -4,7 +4,7 @@
 // Python between them (stage_worker/layer_plan.py says when it runs).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // (not torch/extension.h: its Python bindings cost each file ~20 s of compiling)
 
 #include <string>
 #include <vector>

@@ -1,7 +1,7 @@
 // Multi-LoRA's product on CPU (stage_worker/lora.py LoRALinear; kernels/reference.py add_lora is its oracle).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // (not torch/extension.h: its Python bindings cost each file ~20 s of compiling)
 
 // y[t] += B[s] (A[s] x[t]) for each token t whose slot s = token_slots[t] is >= 0 (y, x: [T, out] and [T, in];
 // A: [slots, R, in]; B^T: [slots, R, out], B transposed; token_slots: int32 [T]), in place. fp32 or bf16 (fp32 sums; A x[t]

@@ -3,7 +3,7 @@
 // the scaled scores [rows, heads] fp32 of each query row over the first row_visible latents of its sequence.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // (not torch/extension.h: its Python bindings cost each file ~20 s of compiling)
 
 #include <vector>
 

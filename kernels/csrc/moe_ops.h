@@ -1,7 +1,7 @@
 // The fused mixture-of-experts layer on fp32 CPU tensors (moe_ops.cpp).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // (not torch/extension.h: its Python bindings cost each file ~20 s of compiling)
 
 // Semantics of kernels/moe_reference.py fused_moe: the experts this rank holds (w13[e] =
 // cat(gate, up), w2[e] = down of global expert expert_start + e) applied to the tokens routed

@@ -2,7 +2,7 @@
 // Q4_K / Q8_0 and per-channel int8, all re-laid at load into one of two forms.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // (not torch/extension.h: its Python bindings cost each file ~20 s of compiling)
 
 // x [..., K] (float32 or bfloat16) times W^T (+ bias), W [N, K] in groups of G (a multiple of 32) along K:
 //   4-bit: qs uint8 [N, K/2], each 32 weights in 16 bytes (byte j: weight j in the low nibble, weight

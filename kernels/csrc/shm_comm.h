@@ -1,7 +1,7 @@
 // Shared-memory collectives of a CPU tensor-parallel group (shm_comm.cpp).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // (not torch/extension.h: its Python bindings cost each file ~20 s of compiling)
 
 #include <string>
 
