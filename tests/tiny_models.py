@@ -154,7 +154,8 @@ def greedy_tokens(model_dir: str | Path, batch: list[list[int]], max_new_tokens:
         path = REFERENCES / (hashlib.sha256(f"{model_key} {prompt}".encode()).hexdigest() + ".json")
         known = json.loads(path.read_text()) if path.exists() else []
         if len(known) < max_new_tokens:
-            ref = ref or reference_model(model_dir)
+            if ref is None:  # (loaded once, for the first prompt not known yet)
+                ref = reference_model(model_dir)
             known = reference_tokens(ref, prompt, max_new_tokens)
             path.with_name(f"{path.name}.{os.getpid()}").write_text(json.dumps(known))
             os.replace(path.with_name(f"{path.name}.{os.getpid()}"), path)  # (a reader never sees half of it)
