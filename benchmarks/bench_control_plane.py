@@ -18,8 +18,14 @@ is mostly the idle rate. --layers N serves the embedded model cut to its first N
 vocabulary: the control plane's work per token is the same, the stage's is smaller, so a run measures the
 control plane in seconds rather than minutes).
 
+--vllm VENV serves the same model with vLLM-CPU from that venv (docs/benchmarks.md installs it; bf16, no prefix
+caching, both cores for its worker) beside the mesh, in the same rounds with the same client: the real peer. Its
+API server (HTTP, detokenising, its side of the engine's ZMQ sockets) is read as the router's role; its EngineCore
+(scheduler and model in one process) has no split between the scheduler's role and the stage's, so the fair
+comparison is the total CPU a token.
+
     .venv/bin/python benchmarks/bench_control_plane.py [--rounds 2] [--workloads batch1,standard] \
-        [--serve-args "..."] [--no-inprocess] [--no-bound] [--layers N]
+        [--serve-args "..."] [--no-inprocess] [--no-bound] [--layers N] [--vllm /tmp/vllm-venv]
 """
 from __future__ import annotations
 
@@ -115,17 +121,23 @@ def idle_rates(pids: dict[str, list[int]], seconds: float) -> dict[str, float]:
     return {r: (after[r] - before[r]) / seconds for r in ROLES}
 
 
-def served_run(base: str, name: str, pids: dict[str, list[int]], scheduler: str, idle: dict[str, float]) -> dict:
-    """One served run of a workload, with the CPU each role spent (raw, and less its idle rate) and the steps."""
-    steps0, cpu0 = step_stats(scheduler), role_cpu(pids)
+def served_run(base: str, name: str, pids: dict[str, list[int]], scheduler: str | None,
+               idle: dict[str, float]) -> dict:
+    """One served run of a workload, with the CPU each role spent (raw, and less its idle rate) and the steps
+    (`scheduler`: its address; None for vLLM, which has no step counters to read)."""
+    steps0, cpu0 = step_stats(scheduler) if scheduler else None, role_cpu(pids)
     fig = served(base, name)
-    cpu1, steps1 = role_cpu(pids), step_stats(scheduler)
+    cpu1 = role_cpu(pids)
     tokens, seconds = fig["total_output_tokens"], fig["duration_s"]
-    steps = steps1[0] - steps0[0]
     fig.update({f"{r}_raw_ms_per_token": 1e3 * (cpu1[r] - cpu0[r]) / tokens for r in ROLES})
     fig.update({f"{r}_ms_per_token": 1e3 * (cpu1[r] - cpu0[r] - idle[r] * seconds) / tokens for r in ROLES})
-    fig["control_ms_per_token"] = fig["router_ms_per_token"] + fig["scheduler_ms_per_token"]
-    fig["control_raw_ms_per_token"] = fig["router_raw_ms_per_token"] + fig["scheduler_raw_ms_per_token"]
+    for kind in ("", "raw_"):
+        fig[f"control_{kind}ms_per_token"] = fig[f"router_{kind}ms_per_token"] + fig[f"scheduler_{kind}ms_per_token"]
+        fig[f"total_{kind}ms_per_token"] = fig[f"control_{kind}ms_per_token"] + fig[f"stage_{kind}ms_per_token"]
+    if steps0 is None:
+        return fig
+    steps1 = step_stats(scheduler)
+    steps = steps1[0] - steps0[0]
     fig["steps"] = steps
     fig["steps_per_s"] = steps / fig["duration_s"]
     fig["scheduler_cpu_ms_per_step"] = 1e3 * (cpu1["scheduler"] - cpu0["scheduler"] - idle["scheduler"] * seconds) \
@@ -134,6 +146,46 @@ def served_run(base: str, name: str, pids: dict[str, list[int]], scheduler: str,
     fig["compute_ms"] = 1e3 * (steps1[2] - steps0[2]) / steps
     fig["overhead_ms_per_step"] = fig["step_ms"] - fig["compute_ms"]
     return fig
+
+
+# -- the peer ------------------------------------------------------------------------------------------------
+def start_vllm(venv: Path, model: Path, log: Path, timeout: float = 900) -> tuple[subprocess.Popen, str]:
+    """vLLM-CPU serving `model` as docs/benchmarks.md starts it (bf16, no prefix caching, both cores for its
+    worker, Intel OpenMP preloaded), once /v1/models answers; its log if it does not come up."""
+    import requests
+    from serve_process import free_port, stop
+
+    port = free_port()
+    env = {**os.environ, "LD_PRELOAD": str(venv / "lib" / "libiomp5.so"), "VLLM_TARGET_DEVICE": "cpu",
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    proc = subprocess.Popen([str(venv / "bin" / "vllm"), "serve", str(model), "--port", str(port), "--dtype",
+                             "bfloat16", "--kv-cache-memory-bytes", str(2 << 30), "--no-enable-prefix-caching",
+                             "--served-model-name", model.name], stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                            env=env, start_new_session=True)
+    base, start = f"http://127.0.0.1:{port}", time.monotonic()
+    print(f"waiting up to {timeout:.0f} s for vLLM at {base} (log {log})", flush=True)
+    while True:
+        if proc.poll() is not None or time.monotonic() - start > timeout:
+            stop(proc)
+            sys.exit(f"vLLM did not come up:\n{log.read_text()[-3000:]}")
+        try:
+            if requests.get(f"{base}/v1/models", timeout=2).status_code == 200:
+                return proc, base
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+
+
+def vllm_pids(root: int) -> dict[str, list[int]]:
+    """vLLM's processes: its API server (the `vllm serve` process) as the router's role, everything under it
+    (the EngineCore: scheduler and model) as the stage's."""
+    engine: list[int] = []
+    todo = _children(root)
+    while todo:
+        pid = todo.pop()
+        engine.append(pid)
+        todo += _children(pid)
+    return {"router": [root], "scheduler": [], "stage": engine}
 
 
 # -- the bound -----------------------------------------------------------------------------------------------
@@ -255,6 +307,7 @@ def main() -> None:
         "one; given several times, each is served and their runs alternate (a before / after in one run; the "
         "in-process engine is the first one's)"))
     p.add_argument("--no-bound", action="store_true")
+    p.add_argument("--vllm", type=Path, metavar="VENV", help="also serve the model with vLLM-CPU from this venv")
     p.add_argument("--bound", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--inprocess", metavar="WORKLOAD", help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -281,7 +334,7 @@ def main() -> None:
 
         model = cut_model(args.layers, Path(tmp) / "model") if args.layers else Path(resolve_model(None))
         figures = run(args, names, model, trees, Path(tmp))
-    report(names, figures, b, args, [_label(t, trees) for t in trees])
+    report(names, figures, b, args, [_label(t, trees) for t in trees] + (["vllm"] if args.vllm else []))
 
 
 def _label(tree: Path, trees: list[Path]) -> str:
@@ -308,6 +361,11 @@ def run(args, names: list[str], model: Path, trees: list[Path], tmp: Path) -> di
             servers[label] = (proc, base, pids, scheduler_address(pids["scheduler"][0]))
             print(f"{label}: {tree} serving {model.name} at {base}: "
                   f"{', '.join(f'{r} {v}' for r, v in pids.items())}", flush=True)
+        if args.vllm:
+            proc, base = start_vllm(args.vllm, model, tmp / "vllm.log")
+            servers["vllm"] = (proc, base, vllm_pids(proc.pid), None)
+            print(f"vllm: serving {model.name} at {base}: API server {proc.pid}, engine "
+                  f"{servers['vllm'][2]['stage']}", flush=True)
         for label, (_, base, pids, _) in servers.items():
             served(base, "warm-up")  # the router's and the scheduler's first requests
             idle = figures["idle"][label] = idle_rates(pids, args.idle_seconds)
@@ -332,11 +390,13 @@ def run(args, names: list[str], model: Path, trees: list[Path], tmp: Path) -> di
 
 
 def _line(fig: dict, side: str) -> str:
-    line = f"{fig['output_throughput']:7.1f} tok/s  TPOT {fig['mean_tpot_ms']:6.2f} ms"
+    line = f"{fig['output_throughput']:7.1f} tok/s  TPOT {fig['mean_tpot_ms']:6.2f} ms" \
+        f"  TTFT {fig['mean_ttft_ms']:7.1f} ms"
     if side != "in-process":
         line += "  CPU ms/token (raw): " + " ".join(
-            f"{r} {fig[f'{r}_ms_per_token']:.3f} ({fig[f'{r}_raw_ms_per_token']:.3f})" for r in ROLES) + \
-            f"  steps/s {fig['steps_per_s']:.1f}  scheduler CPU/step {fig['scheduler_cpu_ms_per_step']:.3f} ms" \
+            f"{r} {fig[f'{r}_ms_per_token']:.3f} ({fig[f'{r}_raw_ms_per_token']:.3f})" for r in (*ROLES, "total"))
+    if "steps" in fig:
+        line += f"  steps/s {fig['steps_per_s']:.1f}  scheduler CPU/step {fig['scheduler_cpu_ms_per_step']:.3f} ms" \
             f"  step - compute {fig['overhead_ms_per_step']:.3f} ms"
     return line
 
@@ -351,8 +411,8 @@ def report(names: list[str], figures: dict, b: dict | None, args, labels: list[s
         print(f"{label} idle CPU ms/s: " + " ".join(f"{r} {1e3 * v:.2f}" for r, v in figures["idle"][label].items()))
     print("CPU per output token less the idle rate (raw in brackets)\n")
     print("| served | workload | router ms/token | scheduler ms/token | router + scheduler | stage ms/token | "
-          "steps/s | scheduler CPU ms/step | step - compute ms | tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "all ms/token | steps/s | scheduler CPU ms/step | step - compute ms | tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
 
     def both(name: str, side: str, key: str, digits: int = 3) -> str:
         work, raw = med(name, side, f"{key}_ms_per_token"), med(name, side, f"{key}_raw_ms_per_token")
@@ -360,10 +420,17 @@ def report(names: list[str], figures: dict, b: dict | None, args, labels: list[s
 
     for label in labels:
         for name in names:
+            if label == "vllm":  # (its API server in the router's column; scheduler and model are one process)
+                print(f"| vLLM | {name} | {both(name, label, 'router')} (API server) | - | - | "
+                      f"{both(name, label, 'stage', 2)} (EngineCore) | {both(name, label, 'total', 2)} | - | - | - | "
+                      f"{med(name, label, 'output_throughput'):.1f} |")
+                continue
             print(f"| {label} | {name} | {both(name, label, 'router')} | {both(name, label, 'scheduler')} | "
                   f"**{both(name, label, 'control')}** | {both(name, label, 'stage', 2)} | "
-                  f"{med(name, label, 'steps_per_s'):.1f} | {med(name, label, 'scheduler_cpu_ms_per_step'):.3f} | "
-                  f"{med(name, label, 'overhead_ms_per_step'):.3f} | {med(name, label, 'output_throughput'):.1f} |")
+                  f"{both(name, label, 'total', 2)} | {med(name, label, 'steps_per_s'):.1f} | "
+                  f"{med(name, label, 'scheduler_cpu_ms_per_step'):.3f} | "
+                  f"{med(name, label, 'overhead_ms_per_step'):.3f} | "
+                  f"{med(name, label, 'output_throughput'):.1f} |")
     if not args.no_inprocess:
         print("\n| served | workload | mesh tok/s | in-process tok/s | mesh / in-process | mesh TPOT ms | "
               "in-process TPOT ms |")
