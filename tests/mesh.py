@@ -18,6 +18,7 @@ from stagemesh.core.sampling_params import SamplingParams
 from stagemesh.core import ports
 from stagemesh.core.wire import sampling_to_pb
 from stagemesh.entry.forkserver import METHOD_ENV, spawn_stagemesh
+from stagemesh.entry.supervisor import PARENT_ENV
 from stagemesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -52,6 +53,15 @@ def internal_aio_channel(address: str) -> grpc.aio.Channel:
 START_METHOD = os.environ.get("STAGEMESH_TEST_START_METHOD", "forkserver")
 
 
+def start_stagemesh(argv: list[str], **kw) -> subprocess.Popen:
+    """`stagemesh *argv` as the tests start it (START_METHOD), dying with its parent as serve's children do
+    (stagemesh.entry.supervisor.die_with_parent): a pytest killed before its teardown (SIGTERM, SIGKILL) leaves no
+    service behind. Its parent is the fork server, which exits with the test process; spawned, it is the test
+    process, and only from its main thread, since a child dies with the thread that started it."""
+    parent = START_METHOD == "forkserver" or threading.current_thread() is threading.main_thread()
+    return spawn_stagemesh(argv, start_method=START_METHOD, parent_env=PARENT_ENV if parent else None, **kw)
+
+
 class Mesh:
     """A scheduler and its stages as real processes; every one is stopped on exit."""
 
@@ -76,7 +86,7 @@ class Mesh:
 
     def _spawn(self, args: list[str], name: str) -> subprocess.Popen:
         out = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else subprocess.DEVNULL
-        return spawn_stagemesh(args, stdout=out, env=self.env, start_method=START_METHOD)
+        return start_stagemesh(args, stdout=out, env=self.env)
 
     def start_stage(self, index: int, standby: bool = False) -> None:
         """Start stage `index` (again); standby: a spare for it, beside the one that serves (self.spares)."""
@@ -235,7 +245,7 @@ def run_stagemesh(argv: list[str], timeout: float = 120, env: dict[str, str] | N
     """`subprocess.run([python, -m, stagemesh, *argv], capture_output=True, text=True, timeout=timeout)`, forked as
     the meshes are (START_METHOD)."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = spawn_stagemesh(argv, env=env, stdout=out, stderr=err, start_method=START_METHOD)
+        proc = start_stagemesh(argv, env=env, stdout=out, stderr=err)
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -254,7 +264,7 @@ def start_serve(argv: list[str], log: Path, env: dict[str, str] | None = None) -
     Users' default (spawn, cold children) is what test_serve and test_startup start."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", METHOD_ENV: os.environ.get(METHOD_ENV, START_METHOD), **(env or {})}
     with open(log, "ab") as out:
-        return spawn_stagemesh(["serve", *argv], stdout=out, env=env, start_method=START_METHOD)
+        return start_stagemesh(["serve", *argv], stdout=out, env=env)
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 10) -> None:
@@ -313,8 +323,7 @@ class Router:
         argv = ["router", str(model_dir), "--port", str(self.port), "--health-interval", "0.5", *extra]
         for r in replicas:
             argv += ["--replica", r]
-        self.proc = spawn_stagemesh(argv, stdout=out, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                    start_method=START_METHOD)
+        self.proc = start_stagemesh(argv, stdout=out, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     def __enter__(self) -> "Router":
         wait_http_ok(self.proc, f"{self.base_url}/ready", 120, "router")

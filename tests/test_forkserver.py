@@ -87,6 +87,22 @@ def test_signals_wait_bounds_and_a_process_group_of_its_own(script, tmp_path):
     assert proc.wait(30) == -signal.SIGTERM
 
 
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _comm(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
+
+
 def test_the_server_exits_when_its_caller_dies(tmp_path):
     """A caller SIGKILLed: its fork server sees the socket close and exits (serve's children then die with it:
     test_serve and test_api_servers check that end to end)."""
@@ -107,20 +123,49 @@ time.sleep(60)
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with open(f"/proc/{server_pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                        break
-            except FileNotFoundError:
-                break
+        while not _gone(server_pid):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the fork server (pid {server_pid}) outlived its caller")
             time.sleep(0.1)
-        else:
-            pytest.fail(f"the fork server (pid {server_pid}) outlived its caller")
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_service_the_tests_start_dies_with_the_test_process(tmp_path, default_model_dir):
+    """tests/mesh.py's services die with the process that started them: a pytest killed before its teardown
+    (SIGKILL here; SIGTERM is the same) leaves no service running on (its fork server exits, and they with it)."""
+    caller = tmp_path / "caller.py"
+    tests = os.path.dirname(__file__)
+    caller.write_text(f"""
+import sys, time
+sys.path[:0] = [{os.path.dirname(tests)!r}, {tests!r}]
+from mesh import Router
+router = Router({str(default_model_dir)!r}, ["127.0.0.1:1"])
+print(router.proc.pid, flush=True)
+time.sleep(120)
+""")
+    proc = subprocess.Popen([sys.executable, str(caller)], stdout=subprocess.PIPE, text=True)
+    router = None
+    try:
+        router = int(proc.stdout.readline())
+        deadline = time.monotonic() + 60  # until the router runs as itself (it set its death signal before that)
+        while time.monotonic() < deadline and _comm(router) not in ("sm-router", None):
+            time.sleep(0.1)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while not _gone(router):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the router (pid {router}) outlived the test process that started it")
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if router is not None and not _gone(router):
+            os.kill(router, signal.SIGKILL)
 
 
 def test_an_unknown_start_method_is_refused_by_name(monkeypatch):
