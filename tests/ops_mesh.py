@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,6 +27,14 @@ def alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def metrics_dirs(pids) -> list[Path]:
+    """The routers' shared metrics folders (serve makes one in the temporary folder and removes it when it stops)
+    that these processes wrote in: a test that SIGKILLs serve, which cannot remove it then, removes them."""
+    names = {str(p) for p in pids}
+    return [d for d in Path(tempfile.gettempdir()).glob("stagemesh-router-metrics-*")
+            if any(f.stem.rsplit("_", 1)[-1] in names for f in d.glob("*.db"))]
 
 
 class Serve:

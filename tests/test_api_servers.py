@@ -25,7 +25,7 @@ import pytest
 import requests
 
 from mesh import free_port
-from ops_mesh import Load, Serve, alive, scrape
+from ops_mesh import Load, Serve, alive, metrics_dirs, scrape
 from parity import prompts
 from sse_client import events
 from tiny_models import reference_model, reference_tokens, with_word_tokenizer
@@ -288,12 +288,16 @@ def test_a_sigkill_to_serve_under_load_through_nginx_leaves_no_process_alive(ser
             processes = _descendants(serve.proc.pid)
             names = re.findall(r"started (\S+) \(pid", serve.text())
             assert len(processes) >= 2 + 3 * 2, (processes, names)  # routers, schedulers, stages (and more)
+            metrics = metrics_dirs(processes)  # (serve cannot remove them after a SIGKILL)
             serve.proc.send_signal(signal.SIGKILL)
             serve.proc.wait(10)
             deadline = time.monotonic() + 40
             while (left := [p for p in processes if alive(p)]) and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert not left, f"left alive after serve's SIGKILL: {left}"
+            assert metrics, "the routers wrote no metrics"
+            for folder in metrics:
+                shutil.rmtree(folder)
             load.stopping.set()
     finally:
         nginx.terminate()

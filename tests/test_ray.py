@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import pytest
 
 from netns import NetnsLan, NetnsUnavailable, clean_env
 from netns_ops import NetnsLoad, admin, command
+from ops_mesh import metrics_dirs
 from parity import prompts
 from tiny_models import greedy_tokens, with_word_tokenizer
 
@@ -382,12 +384,16 @@ def test_pp2_on_two_ray_nodes_then_a_worker_node_dies_under_8_streams(ray_nodes,
                               stdout=subprocess.PIPE, text=True, env=clean_env())
     try:
         assert client.stdout.readline().strip() == "STARTED", client.stdout.read()
+        metrics = metrics_dirs(services)  # (serve cannot remove them after a SIGKILL)
         serve.send_signal(signal.SIGKILL)
         serve.wait(timeout=10)
         deadline = time.monotonic() + 60
         while (left := _services_of(model_dir)) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not left, f"services left after the driver's SIGKILL: {left}\n{log_path.read_text()[-3000:]}"
+        assert metrics, "the router wrote no metrics"
+        for folder in metrics:
+            shutil.rmtree(folder)
     finally:
         client.kill()
         client.wait()
