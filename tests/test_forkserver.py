@@ -103,6 +103,18 @@ def _comm(pid: int) -> str | None:
         return None
 
 
+def _outlives(pid: int, caller: subprocess.Popen, timeout_s: float) -> bool:
+    """SIGKILL the caller: whether process `pid` is still there timeout_s later."""
+    caller.kill()
+    caller.wait()
+    deadline = time.monotonic() + timeout_s
+    while not _gone(pid):
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def test_the_server_exits_when_its_caller_dies(tmp_path):
     """A caller SIGKILLed: its fork server sees the socket close and exits (serve's children then die with it:
     test_serve and test_api_servers check that end to end)."""
@@ -120,13 +132,8 @@ time.sleep(60)
     proc = subprocess.Popen([sys.executable, str(caller)], stdout=subprocess.PIPE, text=True)
     try:
         server_pid = int(proc.stdout.readline())
-        proc.kill()
-        proc.wait()
-        deadline = time.monotonic() + 30
-        while not _gone(server_pid):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the fork server (pid {server_pid}) outlived its caller")
-            time.sleep(0.1)
+        if _outlives(server_pid, proc, 30):
+            pytest.fail(f"the fork server (pid {server_pid}) outlived its caller")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -153,13 +160,8 @@ time.sleep(120)
         deadline = time.monotonic() + 60  # until the router runs as itself (it set its death signal before that)
         while time.monotonic() < deadline and _comm(router) not in ("sm-router", None):
             time.sleep(0.1)
-        proc.kill()
-        proc.wait()
-        deadline = time.monotonic() + 60
-        while not _gone(router):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the router (pid {router}) outlived the test process that started it")
-            time.sleep(0.1)
+        if _outlives(router, proc, 60):
+            pytest.fail(f"the router (pid {router}) outlived the test process that started it")
     finally:
         if proc.poll() is None:
             proc.kill()
