@@ -56,9 +56,10 @@ START_METHOD = os.environ.get("STAGEMESH_TEST_START_METHOD", "forkserver")
 def start_stagemesh(argv: list[str], **kw) -> subprocess.Popen:
     """`stagemesh *argv` as the tests start it (START_METHOD), dying with its parent as serve's children do
     (stagemesh.entry.supervisor.die_with_parent): a pytest killed before its teardown (SIGTERM, SIGKILL) leaves no
-    service behind. Its parent is the fork server, which exits with the test process; spawned, it is the test
-    process, and only from its main thread, since a child dies with the thread that started it."""
-    parent = START_METHOD == "forkserver" or threading.current_thread() is threading.main_thread()
+    service behind. Its parent is the fork server, which exits with the test process, or the test process when it
+    is spawned (spawn mode, or no fork server free). Only from the test process's main thread: a spawned child dies
+    with the thread that started it."""
+    parent = threading.current_thread() is threading.main_thread()
     return spawn_stagemesh(argv, start_method=START_METHOD, parent_env=PARENT_ENV if parent else None, **kw)
 
 
